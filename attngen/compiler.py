@@ -1,0 +1,158 @@
+"""Compiling: CUDA source + arch -> Binary (cubin bytes and ptxas' resource report), via NVRTC.
+
+Pure: needs no GPU. NVRTC and the CUDA headers come from the pip wheels
+(``nvidia-cuda-nvrtc``, ``nvidia-cuda-runtime``), located through cuda-pathfinder, or from
+``CUDA_PATH`` when set.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .arch import Arch, get_arch
+from .errors import CompileError
+
+# Options every compile gets; part of the cache key. -Xptxas -v makes NVRTC's log carry the
+# resource report.
+BASE_OPTIONS: tuple[str, ...] = ("--std=c++17", "-Xptxas", "-v", "--device-as-default-execution-space")
+
+
+@dataclass(frozen=True)
+class Resources:
+    registers: int = 0
+    smem_static: int = 0
+    stack_frame: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+
+    def to_dict(self) -> dict:
+        return dict(registers=self.registers, smem_static=self.smem_static, stack_frame=self.stack_frame,
+                    spill_stores=self.spill_stores, spill_loads=self.spill_loads)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Resources":
+        return cls(**{k: int(d.get(k, 0)) for k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class Binary:
+    """Plain, picklable object code: what the cache stores and the runtime loads."""
+
+    cubin: bytes
+    kernel_name: str
+    arch: str
+    options: tuple[str, ...]
+    nvrtc_version: str
+    resources: Resources
+    log: str = ""
+    compile_seconds: float = 0.0
+    ptx: str = field(default="", repr=False)
+
+
+@functools.lru_cache(maxsize=1)
+def _nvrtc():
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+    except Exception as e:  # pragma: no cover - depends on the install
+        raise CompileError(f"NVRTC is not available through CuPy ({e}); install cupy-cuda13x and "
+                           "cuda-toolkit[nvrtc]") from e
+    return nvrtc
+
+
+def nvrtc_version() -> str:
+    major, minor = _nvrtc().getVersion()
+    return f"{major}.{minor}"
+
+
+def include_dirs() -> list[str]:
+    """CUDA header folders: ``CUDA_PATH/include`` when set, else the nvidia-cuda-runtime wheel's."""
+    dirs: list[str] = []
+    cuda_path = os.environ.get("CUDA_PATH")
+    if cuda_path and (Path(cuda_path) / "include" / "cuda_fp16.h").is_file():
+        dirs.append(str(Path(cuda_path) / "include"))
+    else:
+        try:
+            import cuda.pathfinder as pathfinder
+
+            d = pathfinder.find_nvidia_header_directory("cudart")
+        except Exception:  # pragma: no cover
+            d = None
+        if d:
+            dirs.append(str(d))
+    if not dirs:
+        raise CompileError("CUDA headers not found: install cuda-toolkit[cudart] (the nvidia-cuda-runtime "
+                           "wheel) or set CUDA_PATH to a toolkit with include/cuda_fp16.h")
+    return dirs
+
+
+def compile_options(arch: "str | Arch", extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The final option list for ``arch`` (without include paths, which vary by machine)."""
+    a = get_arch(arch)
+    return (f"--gpu-architecture={a.name}",) + BASE_OPTIONS + tuple(extra)
+
+
+_RES = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "smem_static": re.compile(r"(\d+) bytes smem"),
+    "stack_frame": re.compile(r"(\d+) bytes stack frame"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+}
+
+
+def parse_resources(log: str, kernel_name: str = "") -> Resources:
+    """Registers / shared memory / spills from ptxas' ``-v`` report for one entry function."""
+    text = log
+    if kernel_name:
+        i = log.find(f"Compiling entry function '{kernel_name}'")
+        if i >= 0:
+            text = log[i:]
+            j = text.find("Compiling entry function", 10)
+            text = text if j < 0 else text[:j]
+    vals = {}
+    for k, rx in _RES.items():
+        m = rx.search(text)
+        vals[k] = int(m.group(1)) if m else 0
+    return Resources(**vals)
+
+
+def compile(source: str, arch: "str | Arch", *, kernel_name: str, extra_options: tuple[str, ...] = (),
+            want_ptx: bool = False, filename: str = "attngen_kernel.cu") -> Binary:
+    """Compile ``source`` to a cubin for exactly ``arch``; raise CompileError with the log on failure."""
+    nvrtc = _nvrtc()
+    a = get_arch(arch)
+    options = compile_options(a, extra_options)
+    full = list(options) + [f"-I{d}" for d in include_dirs()]
+    t0 = time.perf_counter()
+    prog = nvrtc.createProgram(source, filename, [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, full)
+        except Exception as e:
+            log = _log(nvrtc, prog)
+            raise CompileError(f"NVRTC failed to compile {kernel_name} for {a.name}: {e}", log=log,
+                               source=source, name=kernel_name, options=options) from None
+        log = _log(nvrtc, prog)
+        cubin = bytes(nvrtc.getCUBIN(prog))
+        ptx = nvrtc.getPTX(prog).decode(errors="replace").rstrip("\x00") if want_ptx else ""
+    finally:
+        nvrtc.destroyProgram(prog)
+    secs = time.perf_counter() - t0
+    if f"'{kernel_name}'" not in log:
+        raise CompileError(f"the source has no entry function named {kernel_name}", log=log, source=source,
+                           name=kernel_name, options=options)
+    return Binary(cubin=cubin, kernel_name=kernel_name, arch=a.name, options=options,
+                  nvrtc_version=nvrtc_version(), resources=parse_resources(log, kernel_name), log=log,
+                  compile_seconds=secs, ptx=ptx)
+
+
+def _log(nvrtc, prog) -> str:
+    raw = nvrtc.getProgramLog(prog)
+    if isinstance(raw, bytes):
+        raw = raw.decode(errors="replace")
+    return raw.rstrip("\x00")

@@ -1,0 +1,1 @@
+"""User-facing operations, one module per kernel family."""

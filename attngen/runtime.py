@@ -1,0 +1,169 @@
+"""Loading binaries onto a device and launching them; tensor interop. The only GPU-touching module.
+
+Kernels take one parameter struct passed by value; ``Kernel.launch`` receives it packed as
+bytes, so the runtime stays family-agnostic. Launches go on the caller's current stream.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from .arch import Arch, arch_for_capability, get_arch
+from .cache import BuildResult, build
+from .compiler import Binary
+from .errors import LaunchError
+from .spec import Spec
+
+
+def _cupy():
+    try:
+        import cupy
+    except Exception as e:  # pragma: no cover - depends on the install
+        raise LaunchError(f"CuPy is needed to load kernels: {e}") from e
+    return cupy
+
+
+def _driver():
+    from cupy_backends.cuda.api import driver
+
+    return driver
+
+
+def device_arch(device: int) -> Arch:
+    """The arch whose cubins run on ``device``."""
+    cp = _cupy()
+    cc = cp.cuda.Device(device).compute_capability  # e.g. "90"
+    return arch_for_capability(int(cc[:-1]), int(cc[-1]))
+
+
+@dataclass
+class Kernel:
+    """A binary loaded on one device."""
+
+    spec: Spec
+    binary: Binary
+    key: str
+    device: int
+    module: Any
+    func_ptr: int
+    smem_bytes: int
+    threads: int
+    origin: str
+
+    def launch(self, grid: tuple[int, int, int], params: bytes, stream: int) -> None:
+        """Enqueue one launch with ``params`` (the packed parameter struct) on ``stream``."""
+        drv = _driver()
+        buf = ctypes.create_string_buffer(params, len(params))
+        argv = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
+        try:
+            drv.launchKernel(self.func_ptr, grid[0], grid[1], grid[2], self.threads, 1, 1, self.smem_bytes,
+                             stream, ctypes.addressof(argv), 0)
+        except Exception as e:
+            raise LaunchError(f"launch of {self.binary.kernel_name} (grid {grid}, {self.threads} threads, "
+                              f"{self.smem_bytes} bytes shared memory) failed: {e}") from e
+
+
+def load(result: BuildResult, device: int) -> Kernel:
+    """Load a built binary on ``device`` and raise its dynamic shared-memory limit."""
+    cp = _cupy()
+    from cupy.cuda import function
+
+    drv = _driver()
+    spec = result.spec
+    with cp.cuda.Device(device):
+        mod = function.Module()
+        try:
+            mod.load(result.binary.cubin)
+            fn = mod.get_function(result.binary.kernel_name)
+            smem = spec.smem_bytes()
+            drv.funcSetAttribute(fn.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+        except Exception as e:
+            raise LaunchError(f"could not load {result.binary.kernel_name} ({result.binary.arch}) on device "
+                              f"{device}: {e}") from e
+    return Kernel(spec=spec, binary=result.binary, key=result.key, device=device, module=mod,
+                  func_ptr=int(fn.ptr), smem_bytes=smem, threads=spec.threads, origin=result.origin)
+
+
+_kernels: dict[tuple, Kernel] = {}
+_kernels_lock = threading.Lock()
+
+
+def get_kernel(spec: Spec, arch: "str | Arch | None" = None, device: int | None = None) -> Kernel:
+    """A loaded kernel for ``spec`` on ``device`` (default: the current one).
+
+    Repeated requests are one dictionary lookup; the first goes through the memory and disk
+    caches and compiles only on a miss.
+    """
+    if device is None:
+        device = _cupy().cuda.runtime.getDevice()
+    k = (spec, arch, device)
+    kern = _kernels.get(k)
+    if kern is not None:
+        return kern
+    with _kernels_lock:
+        kern = _kernels.get(k)
+        if kern is None:
+            a = get_arch(arch) if arch is not None else device_arch(device)
+            kern = load(build(spec, a), device)
+            _kernels[k] = kern
+    return kern
+
+
+def clear_loaded() -> None:
+    with _kernels_lock:
+        _kernels.clear()
+
+
+# --- tensors -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorInfo:
+    kind: str             # "torch" or "cupy"
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
+    dtype: str            # "fp16", "bf16", "fp32" or the library's own name
+    device: int
+
+
+_TORCH_DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32"}
+_CUPY_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+
+def tensor_info(x: Any, name: str) -> TensorInfo:
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        if not x.is_cuda:
+            raise LaunchError(f"{name} is on {x.device}; attngen runs on CUDA tensors")
+        return TensorInfo("torch", x.data_ptr(), tuple(x.shape), tuple(x.stride()),
+                          _TORCH_DTYPES.get(str(x.dtype), str(x.dtype)), x.device.index)
+    if mod.startswith("cupy"):
+        item = x.dtype.itemsize
+        return TensorInfo("cupy", x.data.ptr, tuple(x.shape), tuple(s // item for s in x.strides),
+                          _CUPY_DTYPES.get(x.dtype.name, x.dtype.name), x.device.id)
+    raise LaunchError(f"{name} is a {type(x).__module__}.{type(x).__name__}; attngen takes torch tensors "
+                      f"or CuPy arrays on a CUDA device")
+
+
+def current_stream(kind: str, device: int) -> int:
+    """The caller's current stream on ``device``, as a raw handle."""
+    if kind == "torch":
+        import torch
+
+        return torch.cuda.current_stream(device).cuda_stream
+    return _cupy().cuda.get_current_stream(device).ptr
+
+
+def empty_like_kind(kind: str, shape: tuple[int, ...], dtype: str, device: int):
+    """A new contiguous array of ``kind`` on ``device``."""
+    if kind == "torch":
+        import torch
+
+        tdt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        return torch.empty(shape, dtype=tdt, device=f"cuda:{device}")
+    cp = _cupy()
+    with cp.cuda.Device(device):
+        return cp.empty(shape, dtype={"fp16": cp.float16, "fp32": cp.float32}.get(dtype, dtype))

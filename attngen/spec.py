@@ -1,0 +1,276 @@
+"""Specs: frozen, validated descriptions of the kernels attngen can build.
+
+A spec holds only ints, bools and enums, so nothing a user types can reach a template
+unvalidated. Tuning fields default to 0, meaning "the arch's default": ``resolve(spec, arch)``
+fills them in, and the resolved spec is what is rendered, keyed and compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+from .arch import Arch, get_arch
+from .errors import SpecError
+
+
+class DType(enum.Enum):
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+    @property
+    def itemsize(self) -> int:
+        return 2
+
+
+class MaskMode(enum.Enum):
+    NONE = "none"
+    CAUSAL = "causal"
+    SLIDING_WINDOW = "sliding_window"
+
+
+def _allowed(values) -> str:
+    return ", ".join(str(v.value if isinstance(v, enum.Enum) else v) for v in values)
+
+
+def _coerce_enum(cls, name: str, value):
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        for member in cls:
+            if member.value == value.strip().lower():
+                return member
+    raise SpecError(name, value, _allowed(cls))
+
+
+def _coerce_int(name: str, value, allowed) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value)
+        else:
+            raise SpecError(name, value, _allowed(allowed), reason="must be an integer")
+    if value not in allowed:
+        raise SpecError(name, value, _allowed(allowed))
+    return value
+
+
+def _coerce_bool(name: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "false", "0", "no"):
+        return value.strip().lower() in ("true", "1", "yes")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise SpecError(name, value, "true, false")
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    """FlashAttention-2-style forward pass (prefill).
+
+    Tuning fields (``cta_tile_q``, ``cta_tile_kv``, ``num_warps``, ``num_stages``) take 0 for
+    "choose for the arch"; ``resolve`` turns them into numbers.
+    """
+
+    family: ClassVar[str] = "prefill"
+    template: ClassVar[str] = "prefill.cu.jinja"
+
+    HEAD_DIMS: ClassVar[tuple[int, ...]] = (64, 96, 128, 192, 256)
+    CTA_TILE_Q: ClassVar[tuple[int, ...]] = (0, 64, 128)
+    CTA_TILE_KV: ClassVar[tuple[int, ...]] = (0, 32, 64, 128)
+    NUM_WARPS: ClassVar[tuple[int, ...]] = (0, 4, 8)
+    NUM_STAGES: ClassVar[tuple[int, ...]] = (0, 1, 2, 3, 4)
+
+    head_dim: int = 128
+    dtype: DType = DType.BF16
+    mask: MaskMode = MaskMode.NONE
+    return_lse: bool = False
+    cta_tile_q: int = 0
+    cta_tile_kv: int = 0
+    num_warps: int = 0
+    num_stages: int = 0
+
+    def __post_init__(self):
+        s = object.__setattr__
+        s(self, "head_dim", _coerce_int("head_dim", self.head_dim, self.HEAD_DIMS))
+        s(self, "dtype", _coerce_enum(DType, "dtype", self.dtype))
+        s(self, "mask", _coerce_enum(MaskMode, "mask", self.mask))
+        s(self, "return_lse", _coerce_bool("return_lse", self.return_lse))
+        s(self, "cta_tile_q", _coerce_int("cta_tile_q", self.cta_tile_q, self.CTA_TILE_Q))
+        s(self, "cta_tile_kv", _coerce_int("cta_tile_kv", self.cta_tile_kv, self.CTA_TILE_KV))
+        s(self, "num_warps", _coerce_int("num_warps", self.num_warps, self.NUM_WARPS))
+        s(self, "num_stages", _coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
+        if self.cta_tile_q and self.num_warps and self.cta_tile_q % (16 * self.num_warps):
+            raise SpecError("num_warps", self.num_warps,
+                            f"a divisor of cta_tile_q/16 = {self.cta_tile_q // 16}",
+                            reason=f"each warp owns a whole number of 16-row tiles of cta_tile_q={self.cta_tile_q}")
+
+    # --- derived ---------------------------------------------------------------------------
+    @property
+    def is_resolved(self) -> bool:
+        return all((self.cta_tile_q, self.cta_tile_kv, self.num_warps, self.num_stages))
+
+    @property
+    def q_in_regs(self) -> bool:
+        """Q fragments stay in registers for the whole KV loop (fits up to head_dim 128)."""
+        return self.head_dim <= 128
+
+    @property
+    def smem_row_elems(self) -> int:
+        """Elements per shared-memory row: XOR-swizzled rows are dense; others get one 16-byte pad."""
+        return self.head_dim if self.head_dim % 64 == 0 else self.head_dim + 8
+
+    def smem_bytes(self) -> int:
+        self._require_resolved("smem_bytes")
+        row = self.smem_row_elems * self.dtype.itemsize
+        return row * (self.cta_tile_q + 2 * self.num_stages * self.cta_tile_kv)
+
+    @property
+    def threads(self) -> int:
+        self._require_resolved("threads")
+        return 32 * self.num_warps
+
+    def _require_resolved(self, what: str):
+        if not self.is_resolved:
+            raise SpecError("spec", self.to_text(), "a resolved spec (see attngen.resolve)",
+                            reason=f"{what} needs concrete tuning fields")
+
+    # --- serialization ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"family": self.family}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            d[f.name] = v.value if isinstance(v, enum.Enum) else v
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PrefillSpec":
+        d = dict(d)
+        fam = d.pop("family", cls.family)
+        if fam != cls.family:
+            raise SpecError("family", fam, cls.family)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise SpecError(unknown[0], d[unknown[0]], ", ".join(sorted(known)),
+                            reason=f"unknown field of a {cls.family} spec")
+        return cls(**d)
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def to_text(self, full: bool = False) -> str:
+        """Compact form, e.g. ``prefill:head_dim=128,dtype=bf16,mask=causal``."""
+        default = type(self)()
+        parts = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if full or v != getattr(default, f.name) or f.name in ("head_dim", "dtype", "mask"):
+                v = v.value if isinstance(v, enum.Enum) else v
+                parts.append(f"{f.name}={str(v).lower() if isinstance(v, bool) else v}")
+        return f"{self.family}:" + ",".join(parts)
+
+    def digest(self) -> str:
+        """Short stable hash of the canonical spec; feeds the kernel's symbol name."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+
+    @property
+    def kernel_name(self) -> str:
+        return f"attngen_{self.family}_{self.digest()}"
+
+    def replace(self, **changes) -> "PrefillSpec":
+        return dataclasses.replace(self, **changes)
+
+
+FAMILIES: dict[str, type] = {PrefillSpec.family: PrefillSpec}
+Spec = PrefillSpec  # the union of families, grown as families are added
+
+
+def parse_spec(text: "str | Spec | dict") -> Spec:
+    """``prefill:head_dim=128,dtype=bf16,mask=causal`` -> PrefillSpec; fields left out take defaults."""
+    if isinstance(text, tuple(FAMILIES.values())):
+        return text
+    if isinstance(text, dict):
+        fam = text.get("family")
+        if fam not in FAMILIES:
+            raise SpecError("family", fam, ", ".join(FAMILIES))
+        return FAMILIES[fam].from_dict(text)
+    s = str(text).strip()
+    fam, _, rest = s.partition(":")
+    fam = fam.strip()
+    if fam not in FAMILIES:
+        raise SpecError("family", fam, ", ".join(FAMILIES),
+                        reason="a spec's text form starts with its family, e.g. prefill:head_dim=128")
+    d: dict[str, Any] = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        k, eq, v = item.partition("=")
+        if not eq or not k.strip():
+            raise SpecError("spec", item, "name=value pairs separated by commas")
+        k = k.strip()
+        if k in d:
+            raise SpecError(k, v, "each field once", reason="given twice")
+        d[k] = v.strip()
+    return FAMILIES[fam].from_dict(d)
+
+
+# --- per-arch defaults and fit -----------------------------------------------------------
+
+def default_tuning(spec: PrefillSpec, arch: Arch) -> dict[str, int]:
+    """Tile shapes for a head dim on an arch, chosen to fit its shared memory."""
+    d = spec.head_dim
+    big_smem = arch.smem_per_block >= 160 * 1024
+    if d <= 128:
+        t = dict(cta_tile_q=128, cta_tile_kv=64, num_warps=8, num_stages=2)
+    elif d == 192:
+        # 24 chunks a row do not divide the 128 threads; at cta_tile_kv=64 ptxas spills.
+        t = dict(cta_tile_q=64, cta_tile_kv=32, num_warps=4, num_stages=2)
+    else:
+        t = dict(cta_tile_q=64, cta_tile_kv=64 if big_smem else 32, num_warps=4, num_stages=2)
+    return t
+
+
+def resolve(spec: Spec, arch: "str | Arch") -> Spec:
+    """Fill the tuning fields left at 0 with the arch's defaults, then validate."""
+    a = get_arch(arch)
+    if not spec.is_resolved:
+        t = default_tuning(spec, a)
+        changes = {k: v for k, v in t.items() if getattr(spec, k) == 0}
+        # A user-fixed cta_tile_q or num_warps must stay consistent with the other.
+        if spec.cta_tile_q and not spec.num_warps:
+            changes["num_warps"] = min(8, spec.cta_tile_q // 16)
+        if spec.num_warps and not spec.cta_tile_q:
+            changes["cta_tile_q"] = min(128, 16 * spec.num_warps * max(1, 128 // (16 * spec.num_warps)))
+        spec = spec.replace(**changes)
+    validate(spec, a)
+    return spec
+
+
+def validate(spec: Spec, arch: "str | Arch") -> None:
+    """Reject what cannot compile or cannot fit on ``arch``, naming the field to change."""
+    a = get_arch(arch)
+    if not a.has_mma_m16n8k16:
+        raise SpecError("arch", a.name, "sm_80 or newer", reason="the kernels use mma.sync m16n8k16 and cp.async")
+    spec._require_resolved("validate")
+    warp_rows = spec.cta_tile_q // spec.num_warps
+    if warp_rows % 16:
+        raise SpecError("num_warps", spec.num_warps, f"a divisor of cta_tile_q/16 = {spec.cta_tile_q // 16}")
+    # Register budget: fp32 accumulators of O (head_dim/8 tiles) and S (cta_tile_kv/8 tiles) per
+    # 16-row m-tile, 4 floats each. Past ~200 the kernel spills.
+    m_tiles = warp_rows // 16
+    acc = m_tiles * 4 * (spec.head_dim // 8 + spec.cta_tile_kv // 8)
+    if spec.q_in_regs:
+        acc += m_tiles * 4 * (spec.head_dim // 16)
+    if acc > 200:
+        raise SpecError("cta_tile_q", spec.cta_tile_q,
+                        "a smaller cta_tile_q or cta_tile_kv, or more num_warps",
+                        reason=f"needs about {acc} accumulator registers per thread (limit 200) "
+                               f"with head_dim={spec.head_dim}, cta_tile_kv={spec.cta_tile_kv}, num_warps={spec.num_warps}")
+    smem = spec.smem_bytes()
+    if smem > a.smem_per_block:
+        raise SpecError("cta_tile_kv", spec.cta_tile_kv,
+                        "a smaller cta_tile_kv, num_stages or cta_tile_q",
+                        reason=f"needs {smem} bytes of shared memory; {a.name} allows {a.smem_per_block} per block")

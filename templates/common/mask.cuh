@@ -1,0 +1,31 @@
+// Which keys a query row may see. Query row i (0-based within seqlen_q) is aligned with key
+// i + (seqlen_k - seqlen_q), FlashAttention's bottom-right convention. A window (left, right)
+// keeps keys j with i' - left <= j <= i' + right where i' is the aligned position; -1 means
+// unbounded on that side. Causal is the window (-1, 0).
+namespace attngen {
+
+enum MaskMode : int { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_WINDOW = 2 };
+
+struct KeyRange {
+  int shift;   // seqlen_k - seqlen_q
+  int left;    // -1: unbounded
+  int right;   // -1: unbounded
+  int seqlen_k;
+
+  __device__ __forceinline__ bool visible(int i, int j) const {
+    const int a = i + shift;
+    return j < seqlen_k && (right < 0 || j <= a + right) && (left < 0 || j >= a - left);
+  }
+  // Keys [lo, hi) some row of [row_lo, row_hi] may see.
+  __device__ __forceinline__ int lo(int row_lo) const { return left < 0 ? 0 : max(0, row_lo + shift - left); }
+  __device__ __forceinline__ int hi(int row_hi) const {
+    return right < 0 ? seqlen_k : min(seqlen_k, row_hi + shift + right + 1);
+  }
+  // True when every row of [row_lo, row_hi] sees every key of [n0, n1): the tile needs no mask.
+  __device__ __forceinline__ bool all_visible(int row_lo, int row_hi, int n0, int n1) const {
+    return n1 <= seqlen_k && (right < 0 || n1 - 1 <= row_lo + shift + right) &&
+           (left < 0 || n0 >= row_hi + shift - left);
+  }
+};
+
+}  // namespace attngen

@@ -1,0 +1,292 @@
+// FlashAttention-2-style forward pass for one (query tile, head, batch) per CTA.
+//
+// Each warp owns WARP_M = BLOCK_M / NUM_WARPS query rows (M_TILES tiles of 16) and the whole
+// KV tile, so the softmax of a row never leaves its warp. K and V tiles stream through a
+// NUM_STAGES-deep cp.async ring; S = Q K^T and O += P V run on mma.sync m16n8k16 with fp32
+// accumulators; the softmax is online, in fp32, with exp2 and the scale folded into one FMA.
+// Tiles no row can see are never loaded; tiles every row sees entirely skip the mask.
+namespace attngen {
+
+template <class T>
+struct PrefillParams {
+  const T* q;
+  const T* k;
+  const T* v;
+  T* o;
+  float* lse;  // [batch, heads, seqlen_q], or null
+  long long q_sb, q_ss, q_sh;
+  long long k_sb, k_ss, k_sh;
+  long long v_sb, v_ss, v_sh;
+  long long o_sb, o_ss, o_sh;
+  int seqlen_q, seqlen_k, num_heads, group;
+  float sm_scale, scale_log2;
+  int win_left, win_right;
+};
+
+template <class T, bool BF16, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int NUM_STAGES,
+          int MASK, bool RETURN_LSE, bool Q_IN_REGS, int ROW_ELEMS, bool SWIZZLE>
+__device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
+  using L = SmemLayout<HEAD_DIM, ROW_ELEMS, SWIZZLE>;
+  constexpr int THREADS = NUM_WARPS * 32;
+  constexpr int WARP_M = BLOCK_M / NUM_WARPS;
+  constexpr int M_TILES = WARP_M / 16;
+  constexpr int N_TILES = BLOCK_N / 8;     // 8-wide column tiles of S
+  constexpr int D_TILES = HEAD_DIM / 8;    // 8-wide column tiles of O
+  constexpr int K_STEPS = HEAD_DIM / 16;   // k-steps of Q K^T
+  static_assert(WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + BLOCK_M * ROW_ELEMS;
+  T* sV = sK + NUM_STAGES * BLOCK_N * ROW_ELEMS;
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;  // row within an 8-row group of an mma fragment
+  const int t = lane % 4;  // column pair within an 8-wide fragment
+
+  // Heaviest query tiles (the last ones, under a causal mask) start first.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int kv_head = head / p.group;
+  const int m0 = m_block * BLOCK_M;
+  const int m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
+
+  KeyRange keys;
+  keys.shift = p.seqlen_k - p.seqlen_q;
+  keys.seqlen_k = p.seqlen_k;
+  keys.left = MASK == MASK_WINDOW ? p.win_left : -1;
+  keys.right = MASK == MASK_CAUSAL ? 0 : (MASK == MASK_WINDOW ? p.win_right : -1);
+  const int n_lo = keys.lo(m0);
+  const int n_hi = keys.hi(m_last);
+  const int tile_begin = n_lo / BLOCK_N;
+  const int tile_end = n_hi > n_lo ? (n_hi + BLOCK_N - 1) / BLOCK_N : tile_begin;
+
+  const T* gQ = p.q + batch * p.q_sb + head * p.q_sh + (long long)m0 * p.q_ss;
+  const T* gK = p.k + batch * p.k_sb + kv_head * p.k_sh;
+  const T* gV = p.v + batch * p.v_sb + kv_head * p.v_sh;
+
+  auto load_kv = [&](int tile, int slot) {
+    const int n0 = tile * BLOCK_N;
+    load_tile_async<L, BLOCK_N, THREADS>(sK + slot * BLOCK_N * ROW_ELEMS, gK + (long long)n0 * p.k_ss, p.k_ss,
+                                         p.seqlen_k - n0, tid);
+    load_tile_async<L, BLOCK_N, THREADS>(sV + slot * BLOCK_N * ROW_ELEMS, gV + (long long)n0 * p.v_ss, p.v_ss,
+                                         p.seqlen_k - n0, tid);
+  };
+
+  // Prologue: Q with the first K/V tile in one group, then the next NUM_STAGES - 2 tiles.
+  load_tile_async<L, BLOCK_M, THREADS>(sQ, gQ, p.q_ss, p.seqlen_q - m0, tid);
+  if constexpr (NUM_STAGES > 1) {
+#pragma unroll
+    for (int s = 0; s < NUM_STAGES - 1; ++s) {
+      if (tile_begin + s < tile_end) load_kv(tile_begin + s, s);
+      cp_async_commit();
+    }
+  }
+
+  float acc_o[M_TILES][D_TILES][4];
+  float row_max[M_TILES][2];
+  float row_sum[M_TILES][2];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+    for (int d = 0; d < D_TILES; ++d)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc_o[mt][d][c] = 0.f;
+    row_max[mt][0] = row_max[mt][1] = -ATTNGEN_INF;
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
+
+  const int warp_row0 = warp * WARP_M;
+  // This warp's query rows that exist; a warp wholly past seqlen_q gets a one-row range.
+  const int warp_lo = m0 + warp_row0;
+  const int warp_hi = max(warp_lo, min(warp_lo + WARP_M, p.seqlen_q) - 1);
+  unsigned q_frag[Q_IN_REGS ? M_TILES : 1][Q_IN_REGS ? K_STEPS : 1][4];
+
+  for (int tile = tile_begin; tile < tile_end; ++tile) {
+    const int it = tile - tile_begin;
+    const int slot = NUM_STAGES > 1 ? it % NUM_STAGES : 0;
+    if constexpr (NUM_STAGES > 1) {
+      cp_async_wait<NUM_STAGES - 2>();
+      __syncthreads();
+      // The slot refilled here held tile - 1, which every warp finished before the barrier.
+      if (tile + NUM_STAGES - 1 < tile_end) load_kv(tile + NUM_STAGES - 1, (it + NUM_STAGES - 1) % NUM_STAGES);
+      cp_async_commit();
+    } else {
+      load_kv(tile, 0);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+    }
+    if constexpr (Q_IN_REGS) {
+      if (it == 0) {
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+          for (int kk = 0; kk < K_STEPS; ++kk)
+            ldmatrix_x4(q_frag[mt][kk][0], q_frag[mt][kk][1], q_frag[mt][kk][2], q_frag[mt][kk][3],
+                        smem_addr(sQ + L::offset(warp_row0 + mt * 16 + (lane % 16), kk * 16 + (lane / 16) * 8)));
+      }
+    }
+    const T* sKs = sK + slot * BLOCK_N * ROW_ELEMS;
+    const T* sVs = sV + slot * BLOCK_N * ROW_ELEMS;
+
+    // ---- S = Q K^T ------------------------------------------------------------------------
+    float acc_s[M_TILES][N_TILES][4];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int n = 0; n < N_TILES; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc_s[mt][n][c] = 0.f;
+
+#pragma unroll
+    for (int kk = 0; kk < K_STEPS; ++kk) {
+      unsigned a[M_TILES][4];
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt) {
+        if constexpr (Q_IN_REGS) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) a[mt][c] = q_frag[mt][kk][c];
+        } else {
+          ldmatrix_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3],
+                      smem_addr(sQ + L::offset(warp_row0 + mt * 16 + (lane % 16), kk * 16 + (lane / 16) * 8)));
+        }
+      }
+#pragma unroll
+      for (int n2 = 0; n2 < N_TILES / 2; ++n2) {
+        unsigned b0, b1, b2, b3;
+        ldmatrix_x4(b0, b1, b2, b3,
+                    smem_addr(sKs + L::offset(n2 * 16 + (lane % 8) + (lane / 16) * 8, kk * 16 + ((lane / 8) % 2) * 8)));
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+          mma_16816<BF16>(acc_s[mt][2 * n2], a[mt], b0, b1);
+          mma_16816<BF16>(acc_s[mt][2 * n2 + 1], a[mt], b2, b3);
+        }
+      }
+    }
+
+    // ---- mask (only tiles some row cannot see whole) --------------------------------------
+    const int n0 = tile * BLOCK_N;
+    if (!keys.all_visible(warp_lo, warp_hi, n0, n0 + BLOCK_N)) {
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int n = 0; n < N_TILES; ++n)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int i = m0 + warp_row0 + mt * 16 + g + (c >= 2 ? 8 : 0);
+            const int j = n0 + n * 8 + 2 * t + (c & 1);
+            if (!keys.visible(i, j)) acc_s[mt][n][c] = -ATTNGEN_INF;
+          }
+    }
+
+    // ---- online softmax (fp32, exp2) ------------------------------------------------------
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = row_max[mt][r];
+#pragma unroll
+        for (int n = 0; n < N_TILES; ++n) mx = fmaxf(mx, fmaxf(acc_s[mt][n][2 * r], acc_s[mt][n][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // A row that has seen only masked keys keeps max -inf; subtracting 0 then keeps exp2 at 0.
+        const float base = mx == -ATTNGEN_INF ? 0.f : mx * p.scale_log2;
+        const float corr = fast_exp2(row_max[mt][r] * p.scale_log2 - base);
+        row_max[mt][r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < N_TILES; ++n) {
+#pragma unroll
+          for (int c = 2 * r; c < 2 * r + 2; ++c) {
+            const float e = fast_exp2(fmaf(acc_s[mt][n][c], p.scale_log2, -base));
+            acc_s[mt][n][c] = e;
+            sum += e;
+          }
+        }
+        row_sum[mt][r] = row_sum[mt][r] * corr + sum;
+#pragma unroll
+        for (int d = 0; d < D_TILES; ++d) {
+          acc_o[mt][d][2 * r] *= corr;
+          acc_o[mt][d][2 * r + 1] *= corr;
+        }
+      }
+    }
+
+    // ---- O += P V ---------------------------------------------------------------------------
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+      unsigned a[M_TILES][4];
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt) {
+        a[mt][0] = pack2<BF16>(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
+        a[mt][1] = pack2<BF16>(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
+        a[mt][2] = pack2<BF16>(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
+        a[mt][3] = pack2<BF16>(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int d2 = 0; d2 < HEAD_DIM / 16; ++d2) {
+        unsigned b0, b1, b2, b3;
+        ldmatrix_x4_trans(b0, b1, b2, b3,
+                          smem_addr(sVs + L::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, d2 * 16 + (lane / 16) * 8)));
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+          mma_16816<BF16>(acc_o[mt][2 * d2], a[mt], b0, b1);
+          mma_16816<BF16>(acc_o[mt][2 * d2 + 1], a[mt], b2, b3);
+        }
+      }
+    }
+    if constexpr (NUM_STAGES == 1) __syncthreads();  // the single slot is refilled next
+  }
+
+  // ---- epilogue: normalise, write LSE, stage O through this warp's rows of sQ ------------------
+  cp_async_wait<0>();
+  __syncthreads();
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float l = row_sum[mt][r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+      for (int d = 0; d < D_TILES; ++d) {
+        acc_o[mt][d][2 * r] *= inv;
+        acc_o[mt][d][2 * r + 1] *= inv;
+      }
+      if constexpr (RETURN_LSE) {
+        const int i = m0 + warp_row0 + mt * 16 + g + 8 * r;
+        if (t == 0 && i < p.seqlen_q) {
+          const float lse = l > 0.f ? row_max[mt][r] * p.sm_scale + logf(l) : -ATTNGEN_INF;
+          p.lse[((long long)batch * p.num_heads + head) * p.seqlen_q + i] = lse;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int d = 0; d < D_TILES; ++d)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = warp_row0 + mt * 16 + g + 8 * r;
+        *reinterpret_cast<unsigned*>(sQ + L::offset(row, d * 8) + 2 * t) =
+            pack2<BF16>(acc_o[mt][d][2 * r], acc_o[mt][d][2 * r + 1]);
+      }
+  __syncwarp();
+  T* gO = p.o + batch * p.o_sb + head * p.o_sh + (long long)m0 * p.o_ss;
+  constexpr int CHUNKS = WARP_M * L::CHUNKS;
+#pragma unroll
+  for (int idx = lane; idx < CHUNKS; idx += 32) {
+    const int r = warp_row0 + idx / L::CHUNKS;
+    const int c = (idx % L::CHUNKS) * 8;
+    if (m0 + r < p.seqlen_q)
+      *reinterpret_cast<uint4*>(gO + r * p.o_ss + c) = *reinterpret_cast<const uint4*>(sQ + L::offset(r, c));
+  }
+}
+
+}  // namespace attngen

@@ -1,0 +1,61 @@
+// Shared-memory tiles of ROWS x HEAD_DIM 16-bit elements, addressed in 16-byte chunks.
+// Rows whose length is a multiple of 128 bytes are XOR-swizzled (chunk ^ row within each group
+// of 8 chunks), so the 8 row addresses of one ldmatrix phase hit 8 different bank groups; other
+// rows are padded by one chunk, which staggers them the same way.
+namespace attngen {
+
+template <int HEAD_DIM, int ROW_ELEMS, bool SWIZZLE>
+struct SmemLayout {
+  static constexpr int CHUNKS = HEAD_DIM / 8;
+
+  // Element offset of the chunk holding column `col` (a multiple of 8) of row `row`.
+  __device__ __forceinline__ static int offset(int row, int col) {
+    if constexpr (SWIZZLE) {
+      const int chunk = col >> 3;
+      const int phys = (chunk & ~7) | ((chunk ^ row) & 7);
+      return row * ROW_ELEMS + (phys << 3);
+    } else {
+      return row * ROW_ELEMS + col;
+    }
+  }
+};
+
+// Issue cp.async for ROWS rows starting at `src` (row stride `stride` elements); rows at or past
+// `valid_rows` are zero-filled. Consecutive threads take consecutive chunks of a row: coalesced.
+// When THREADS is a multiple of the chunks per row, each thread keeps one column and steps down
+// the rows: one pointer and one increment live across the KV loop instead of a hoisted address
+// per copy (which pushed head_dim 256 into spills).
+template <class Layout, int ROWS, int THREADS, class T>
+__device__ __forceinline__ void load_tile_async(T* dst, const T* src, long long stride, int valid_rows, int tid) {
+  constexpr int TOTAL = ROWS * Layout::CHUNKS;
+  if constexpr (THREADS % Layout::CHUNKS == 0) {
+    constexpr int ROW_STEP = THREADS / Layout::CHUNKS;
+    constexpr int ITERS = (ROWS + ROW_STEP - 1) / ROW_STEP;
+    const int r0 = tid / Layout::CHUNKS;
+    const int c = (tid % Layout::CHUNKS) * 8;
+    const T* s = src + r0 * stride + c;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int r = r0 + it * ROW_STEP;
+      if (ROWS % ROW_STEP == 0 || r < ROWS) {
+        const bool ok = r < valid_rows;
+        cp_async_16(smem_addr(dst + Layout::offset(r, c)), ok ? s : src, ok);
+      }
+      s += ROW_STEP * stride;
+    }
+  } else {
+    constexpr int ITERS = (TOTAL + THREADS - 1) / THREADS;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int idx = it * THREADS + tid;
+      if (TOTAL % THREADS == 0 || idx < TOTAL) {
+        const int r = idx / Layout::CHUNKS;
+        const int c = (idx % Layout::CHUNKS) * 8;
+        const bool ok = r < valid_rows;
+        cp_async_16(smem_addr(dst + Layout::offset(r, c)), ok ? src + r * stride + c : src, ok);
+      }
+    }
+  }
+}
+
+}  // namespace attngen

@@ -1,0 +1,43 @@
+import functools
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_count() -> int:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    if gpu_count() > 0:
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A fresh, empty cache root for one test (and a clean in-process layer)."""
+    from attngen import cache, runtime
+
+    d = tmp_path / "cache"
+    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(d))
+    cache.clear_memory()
+    runtime.clear_loaded()
+    yield d
+    cache.clear_memory()
+    runtime.clear_loaded()
