@@ -37,9 +37,9 @@ def main():
             flops = 4 * b * h * s * s * d / (2 if causal else 1)
             res = []
             for bm, bn, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
-                spec = attngen.PrefillSpec(head_dim=d, dtype=a.dtype, mask="causal" if causal else "none",
-                                           cta_tile_q=bm, cta_tile_kv=bn, num_warps=w, num_stages=st)
                 try:
+                    spec = attngen.PrefillSpec(head_dim=d, dtype=a.dtype, mask="causal" if causal else "none",
+                                               cta_tile_q=bm, cta_tile_kv=bn, num_warps=w, num_stages=st)
                     kern = attngen.get_kernel(spec)
                 except SpecError:
                     continue
