@@ -116,8 +116,11 @@ class PrefillSpec:
 
     @property
     def q_in_regs(self) -> bool:
-        """Q fragments stay in registers for the whole KV loop (fits up to head_dim 128)."""
-        return self.head_dim <= 128
+        """Q fragments stay in registers for the whole KV loop while they take at most 32 per thread
+        (head_dim/4 per 16-row m-tile); otherwise they are re-read from shared memory per tile."""
+        self._require_resolved("q_in_regs")
+        m_tiles = self.cta_tile_q // self.num_warps // 16
+        return self.head_dim * m_tiles <= 128
 
     @property
     def smem_row_elems(self) -> int:
@@ -219,18 +222,31 @@ def parse_spec(text: "str | Spec | dict") -> Spec:
 
 # --- per-arch defaults and fit -----------------------------------------------------------
 
+# Measured on an H200 (sm_90) with NVRTC 13.5, bf16, 16k tokens at seqlen 4096, 2026-11-22
+# (tools/sweep_configs.py; BENCHMARKS.md). Archs with less shared memory take the best
+# measured config that fits them.
+_TUNED = {
+    # head_dim: [(cta_tile_q, cta_tile_kv, num_warps, num_stages), ...] best first
+    64: [(128, 64, 4, 3), (128, 64, 4, 2)],
+    96: [(128, 64, 8, 2)],
+    128: [(64, 64, 4, 3), (128, 64, 8, 2)],
+    192: [(64, 32, 4, 2)],
+    256: [(128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
+}
+
+
 def default_tuning(spec: PrefillSpec, arch: Arch) -> dict[str, int]:
-    """Tile shapes for a head dim on an arch, chosen to fit its shared memory."""
-    d = spec.head_dim
-    big_smem = arch.smem_per_block >= 160 * 1024
-    if d <= 128:
-        t = dict(cta_tile_q=128, cta_tile_kv=64, num_warps=8, num_stages=2)
-    elif d == 192:
-        # 24 chunks a row do not divide the 128 threads; at cta_tile_kv=64 ptxas spills.
-        t = dict(cta_tile_q=64, cta_tile_kv=32, num_warps=4, num_stages=2)
-    else:
-        t = dict(cta_tile_q=64, cta_tile_kv=64 if big_smem else 32, num_warps=4, num_stages=2)
-    return t
+    """Tile shapes for a head dim on an arch: the fastest measured config that fits its shared memory."""
+    names = ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages")
+    for cfg in _TUNED[spec.head_dim]:
+        t = dict(zip(names, cfg))
+        cand = spec.replace(**{k: (getattr(spec, k) or v) for k, v in t.items()})
+        try:
+            validate(cand, arch)
+        except SpecError:
+            continue
+        return t
+    return dict(zip(names, _TUNED[spec.head_dim][-1]))
 
 
 def resolve(spec: Spec, arch: "str | Arch") -> Spec:

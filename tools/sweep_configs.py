@@ -36,7 +36,7 @@ def main():
         for causal in (False, True):
             flops = 4 * b * h * s * s * d / (2 if causal else 1)
             res = []
-            for bm, bn, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
+            for bm, bn, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
                 try:
                     spec = attngen.PrefillSpec(head_dim=d, dtype=a.dtype, mask="causal" if causal else "none",
                                                cta_tile_q=bm, cta_tile_kv=bn, num_warps=w, num_stages=st)
@@ -50,7 +50,7 @@ def main():
                 res.append((flops / ms / 1e9, bm, bn, w, st, r.registers, r.spill_stores, kern.smem_bytes))
             res.sort(reverse=True)
             print(f"\nD={d} S={s} causal={causal}")
-            for tf, bm, bn, w, st, reg, sp, sm in res[:8]:
+            for tf, bm, bn, w, st, reg, sp, sm in res[:10]:
                 print(f"  {tf:7.1f} TFLOP/s  q{bm} kv{bn} w{w} st{st}  regs {reg} spill {sp} smem {sm}")
 
 
