@@ -4,7 +4,7 @@ from .__version__ import __version__
 from .arch import ARCHS, get_arch
 from .cache import DiskCache, build, cache_root
 from .compiler import Binary, compile
-from .errors import AttngenError, CacheError, CompileError, LaunchError, SpecError
+from .errors import AttngenError, CacheError, CompileError, LaunchError, ManifestError, SpecError
 from .ops.prefill import prefill
 from .render import render
 from .runtime import Kernel, get_kernel
@@ -12,6 +12,6 @@ from .spec import DType, MaskMode, PrefillSpec, parse_spec, resolve, validate
 
 __all__ = [
     "__version__", "ARCHS", "get_arch", "DiskCache", "build", "cache_root", "Binary", "compile",
-    "AttngenError", "CacheError", "CompileError", "LaunchError", "SpecError", "prefill", "render", "Kernel",
+    "AttngenError", "CacheError", "CompileError", "LaunchError", "ManifestError", "SpecError", "prefill", "render", "Kernel",
     "get_kernel", "DType", "MaskMode", "PrefillSpec", "parse_spec", "resolve", "validate",
 ]

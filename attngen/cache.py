@@ -122,6 +122,8 @@ class DiskCache:
             cubin = (path / _CUBIN).read_bytes()
         except (OSError, ValueError):
             return None
+        if not isinstance(meta, dict):
+            return None
         if meta.get("key") != key or hashlib.sha256(cubin).hexdigest() != meta.get("cubin_sha256"):
             return None
         try:
@@ -129,7 +131,7 @@ class DiskCache:
                           options=tuple(meta["options"]), nvrtc_version=meta["nvrtc"],
                           resources=Resources.from_dict(meta["resources"]), log=meta.get("log", ""),
                           compile_seconds=float(meta.get("compile_seconds", 0.0)))
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, AttributeError):
             return None
 
     def source(self, key: str) -> str | None:
@@ -214,6 +216,8 @@ class DiskCache:
                     meta = json.loads((d / _META).read_text())
                 except (OSError, ValueError):
                     meta = {}
+                if not isinstance(meta, dict):
+                    meta = {}
                 out.append(Entry(d.name, d, meta))
         return out
 
@@ -250,57 +254,83 @@ def _write(path: Path, data: bytes) -> None:
 
 
 # --- the in-process layer and the build path ---------------------------------------------------
-_memory: dict[str, Binary] = {}
+_memory: dict[str, Binary] = {}  # key -> binary, whatever root it came from
+_stored: dict[tuple[str, str], bool] = {}  # (root, key) -> whether that root holds it
+# (spec, arch name, root) -> result: repeated requests skip resolve, render and hashing (~200 us).
+_built: dict[tuple, BuildResult] = {}
 _memory_lock = threading.Lock()
 
 
 def clear_memory() -> None:
     with _memory_lock:
         _memory.clear()
+        _built.clear()
+        _stored.clear()
 
 
 def build(spec: Spec, arch: "str | Arch", *, cache: DiskCache | None = None) -> BuildResult:
     """spec + arch -> a Binary: from memory, from disk, or compiled once and stored.
 
     Never needs a GPU. Concurrent callers (threads or processes) that miss on the same key
-    compile once.
+    compile once. ``stored`` says whether the root in use (``cache``, else the environment's)
+    holds the entry.
     """
     a = get_arch(arch)
+    cache = cache or DiskCache()
+    fast_key = (spec, a.name, str(cache.root))
+    fast = _built.get(fast_key)
+    if fast is not None:
+        return BuildResult(fast.binary, fast.key, fast.source, fast.spec, "memory", True)
+    result = _build(spec, a, cache)
+    if result.stored:
+        _built[fast_key] = result
+    return result
+
+
+def _remember(root: str, key: str, binary: Binary, stored: bool) -> None:
+    with _memory_lock:
+        _memory[key] = binary
+        _stored[(root, key)] = stored
+
+
+def _build(spec: Spec, a: Arch, cache: DiskCache) -> BuildResult:
     spec = resolve(spec, a)
     source = render(spec)
     options = compile_options(a)
     material = key_material(spec, a, source, options)
     key = key_of(material)
+    root = str(cache.root)
     with _memory_lock:
         hit = _memory.get(key)
-    if hit is not None:
+        hit_stored = _stored.get((root, key), False)
+    if hit is not None and hit_stored:
         return BuildResult(hit, key, source, spec, "memory", True)
-    cache = cache or DiskCache()
     binary = cache.get(key)
     if binary is not None:
-        with _memory_lock:
-            _memory[key] = binary
-        return BuildResult(binary, key, source, spec, "disk", True)
+        _remember(root, key, binary, True)
+        return BuildResult(binary, key, source, spec, "disk" if hit is None else "memory", True)
+
+    def produce() -> tuple[Binary, str]:
+        if hit is not None:  # compiled earlier in this process, for another root
+            return hit, "memory"
+        return nvrtc_compile(source, a, kernel_name=spec.kernel_name), "compiled"
 
     lock = cache.lock(key)
     if lock is None:  # read-only root: compile, keep in memory only
-        binary = nvrtc_compile(source, a, kernel_name=spec.kernel_name)
-        with _memory_lock:
-            _memory[key] = binary
-        return BuildResult(binary, key, source, spec, "compiled", False)
+        binary, origin = produce()
+        _remember(root, key, binary, False)
+        return BuildResult(binary, key, source, spec, origin, False)
     try:
         with lock:
             binary = cache.get(key)  # another process may have built it while we waited
             if binary is not None:
                 origin, stored = "disk", True
             else:
-                binary = nvrtc_compile(source, a, kernel_name=spec.kernel_name)
+                binary, origin = produce()
                 stored = cache.put(key, binary, source, material, spec)
-                origin = "compiled"
     except filelock.Timeout:
         raise CacheError(f"timed out after {lock_timeout():.0f}s waiting for the cache lock "
                          f"{cache.lock_path(key)} (another process holds it; set ATTNGEN_LOCK_TIMEOUT "
                          f"or remove a stale lock)") from None
-    with _memory_lock:
-        _memory[key] = binary
+    _remember(root, key, binary, stored)
     return BuildResult(binary, key, source, spec, origin, stored)

@@ -64,7 +64,36 @@ def _nvrtc():
     return nvrtc
 
 
+def _nvrtc_library_candidates() -> list[str]:
+    """Where the NVRTC library CuPy loads lives: the pip wheels first, then CUDA_PATH, then the system."""
+    import sys
+
+    names = ("nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cuda_nvrtc/lib/libnvrtc.so.12")
+    out = [str(Path(p) / n) for p in sys.path if p for n in names if (Path(p) / n).is_file()]
+    cuda_path = os.environ.get("CUDA_PATH")
+    if cuda_path:
+        out += [str(p) for p in sorted(Path(cuda_path).glob("lib64/libnvrtc.so.*")) if p.name.count(".") == 2]
+    return out + ["libnvrtc.so.13", "libnvrtc.so.12"]
+
+
+@functools.lru_cache(maxsize=1)
 def nvrtc_version() -> str:
+    """The NVRTC version, part of every cache key.
+
+    Read through ctypes from the library itself: importing CuPy only to ask costs a few hundred
+    milliseconds, which a warm cache hit in a fresh process must not pay. ``compile`` checks that
+    CuPy's NVRTC reports the same version.
+    """
+    import ctypes
+
+    for cand in _nvrtc_library_candidates():
+        try:
+            lib = ctypes.CDLL(cand)
+        except OSError:
+            continue
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        if lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) == 0:
+            return f"{major.value}.{minor.value}"
     major, minor = _nvrtc().getVersion()
     return f"{major}.{minor}"
 
@@ -125,6 +154,10 @@ def compile(source: str, arch: "str | Arch", *, kernel_name: str, extra_options:
             want_ptx: bool = False, filename: str = "attngen_kernel.cu") -> Binary:
     """Compile ``source`` to a cubin for exactly ``arch``; raise CompileError with the log on failure."""
     nvrtc = _nvrtc()
+    used = "{}.{}".format(*nvrtc.getVersion())
+    if used != nvrtc_version():
+        raise CompileError(f"CuPy loaded NVRTC {used} but the cache key was derived for NVRTC {nvrtc_version()}; "
+                           "set CUDA_PATH or LD_LIBRARY_PATH so that one NVRTC is found")
     a = get_arch(arch)
     options = compile_options(a, extra_options)
     full = list(options) + [f"-I{d}" for d in include_dirs()]
@@ -147,7 +180,7 @@ def compile(source: str, arch: "str | Arch", *, kernel_name: str, extra_options:
         raise CompileError(f"the source has no entry function named {kernel_name}", log=log, source=source,
                            name=kernel_name, options=options)
     return Binary(cubin=cubin, kernel_name=kernel_name, arch=a.name, options=options,
-                  nvrtc_version=nvrtc_version(), resources=parse_resources(log, kernel_name), log=log,
+                  nvrtc_version=used, resources=parse_resources(log, kernel_name), log=log,
                   compile_seconds=secs, ptx=ptx)
 
 

@@ -95,6 +95,10 @@ def _template_origin(src_lines: list[str], line: int) -> str:
     return stack[-1] if stack else ""
 
 
+class ManifestError(AttngenError, ValueError):
+    """A pre-warm manifest is missing, is not TOML, or is not shaped like a manifest."""
+
+
 class CacheError(AttngenError):
     """The on-disk cache could not be used (lock timeout, unreadable bundle, ...)."""
 

@@ -14,6 +14,7 @@ from typing import Any
 from .arch import Arch, arch_for_capability, get_arch
 from .cache import BuildResult, build
 from .compiler import Binary
+from ._driver import driver
 from .errors import LaunchError
 from .spec import Spec
 
@@ -22,21 +23,13 @@ def _cupy():
     try:
         import cupy
     except Exception as e:  # pragma: no cover - depends on the install
-        raise LaunchError(f"CuPy is needed to load kernels: {e}") from e
+        raise LaunchError(f"CuPy is needed for CuPy arrays: {e}") from e
     return cupy
-
-
-def _driver():
-    from cupy_backends.cuda.api import driver
-
-    return driver
 
 
 def device_arch(device: int) -> Arch:
     """The arch whose cubins run on ``device``."""
-    cp = _cupy()
-    cc = cp.cuda.Device(device).compute_capability  # e.g. "90"
-    return arch_for_capability(int(cc[:-1]), int(cc[-1]))
+    return arch_for_capability(*driver().capability(device))
 
 
 @dataclass
@@ -47,7 +40,7 @@ class Kernel:
     binary: Binary
     key: str
     device: int
-    module: Any
+    module: int
     func_ptr: int
     smem_bytes: int
     threads: int
@@ -55,36 +48,35 @@ class Kernel:
 
     def launch(self, grid: tuple[int, int, int], params: bytes, stream: int) -> None:
         """Enqueue one launch with ``params`` (the packed parameter struct) on ``stream``."""
-        drv = _driver()
+        drv = driver()
         buf = ctypes.create_string_buffer(params, len(params))
         argv = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
+        pushed = drv.push(self.device)
         try:
-            drv.launchKernel(self.func_ptr, grid[0], grid[1], grid[2], self.threads, 1, 1, self.smem_bytes,
-                             stream, ctypes.addressof(argv), 0)
-        except Exception as e:
-            raise LaunchError(f"launch of {self.binary.kernel_name} (grid {grid}, {self.threads} threads, "
-                              f"{self.smem_bytes} bytes shared memory) failed: {e}") from e
+            rc = drv.lib.cuLaunchKernel(self.func_ptr, grid[0], grid[1], grid[2], self.threads, 1, 1,
+                                        self.smem_bytes, stream, argv, None)
+        finally:
+            if pushed:
+                drv.pop()
+        if rc != 0:
+            try:
+                drv.check(rc, "cuLaunchKernel")
+            except LaunchError as e:
+                raise LaunchError(f"launch of {self.binary.kernel_name} (grid {grid}, {self.threads} threads, "
+                                  f"{self.smem_bytes} bytes shared memory) failed: {e}") from None
 
 
 def load(result: BuildResult, device: int) -> Kernel:
     """Load a built binary on ``device`` and raise its dynamic shared-memory limit."""
-    cp = _cupy()
-    from cupy.cuda import function
-
-    drv = _driver()
     spec = result.spec
-    with cp.cuda.Device(device):
-        mod = function.Module()
-        try:
-            mod.load(result.binary.cubin)
-            fn = mod.get_function(result.binary.kernel_name)
-            smem = spec.smem_bytes()
-            drv.funcSetAttribute(fn.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
-        except Exception as e:
-            raise LaunchError(f"could not load {result.binary.kernel_name} ({result.binary.arch}) on device "
-                              f"{device}: {e}") from e
+    smem = spec.smem_bytes()
+    try:
+        mod, fn = driver().load_function(device, result.binary.cubin, result.binary.kernel_name, smem)
+    except LaunchError as e:
+        raise LaunchError(f"could not load {result.binary.kernel_name} ({result.binary.arch}) on device "
+                          f"{device}: {e}") from None
     return Kernel(spec=spec, binary=result.binary, key=result.key, device=device, module=mod,
-                  func_ptr=int(fn.ptr), smem_bytes=smem, threads=spec.threads, origin=result.origin)
+                  func_ptr=fn, smem_bytes=smem, threads=spec.threads, origin=result.origin)
 
 
 _kernels: dict[tuple, Kernel] = {}
@@ -95,20 +87,22 @@ def get_kernel(spec: Spec, arch: "str | Arch | None" = None, device: int | None 
     """A loaded kernel for ``spec`` on ``device`` (default: the current one).
 
     Repeated requests are one dictionary lookup; the first goes through the memory and disk
-    caches and compiles only on a miss.
+    caches and compiles only on a miss. ``arch`` defaults to the device's own.
     """
     if device is None:
-        device = _cupy().cuda.runtime.getDevice()
+        device = driver().current_device()
     k = (spec, arch, device)
     kern = _kernels.get(k)
     if kern is not None:
         return kern
     with _kernels_lock:
-        kern = _kernels.get(k)
+        a = get_arch(arch) if arch is not None else device_arch(device)
+        canonical = (spec, a.name, device)
+        kern = _kernels.get(canonical)
         if kern is None:
-            a = get_arch(arch) if arch is not None else device_arch(device)
             kern = load(build(spec, a), device)
-            _kernels[k] = kern
+            _kernels[canonical] = kern
+        _kernels[k] = kern
     return kern
 
 

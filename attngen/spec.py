@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -227,40 +228,59 @@ def parse_spec(text: "str | Spec | dict") -> Spec:
 # measured config that fits them.
 _TUNED = {
     # head_dim: [(cta_tile_q, cta_tile_kv, num_warps, num_stages), ...] best first
-    64: [(128, 64, 4, 3), (128, 64, 4, 2)],
+    64: [(128, 64, 4, 3), (64, 64, 4, 3)],
     96: [(128, 64, 8, 2)],
     128: [(64, 64, 4, 3), (128, 64, 8, 2)],
-    192: [(64, 32, 4, 2)],
+    192: [(128, 32, 8, 2), (64, 32, 4, 2)],
     256: [(128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
 }
 
 
+_TUNING_FIELDS = ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages")
+
+
+# Configs ptxas spills on some archs (NVRTC 13.5): there the next tuned config is taken.
+_SPILLS_ON = {
+    (64, (128, 64, 4, 3)): ("sm_80", "sm_86", "sm_89", "sm_120"),
+}
+
+
+def _candidates(head_dim: int, arch: Arch):
+    """Tuned configs first, then every allowed combination, larger tiles first."""
+    yield from (c for c in _TUNED[head_dim] if arch.name not in _SPILLS_ON.get((head_dim, c), ()))
+    yield from itertools.product((128, 64), (64, 128, 32), (4, 8), (2, 3, 1, 4))
+
+
 def default_tuning(spec: PrefillSpec, arch: Arch) -> dict[str, int]:
-    """Tile shapes for a head dim on an arch: the fastest measured config that fits its shared memory."""
-    names = ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages")
-    for cfg in _TUNED[spec.head_dim]:
-        t = dict(zip(names, cfg))
-        cand = spec.replace(**{k: (getattr(spec, k) or v) for k, v in t.items()})
+    """Tuning fields for a spec on an arch: the fastest measured config that agrees with the fields
+    the user pinned and fits the arch; failing that, the first allowed combination that does."""
+    pinned = {k: getattr(spec, k) for k in _TUNING_FIELDS if getattr(spec, k)}
+    first_error: SpecError | None = None
+    for cfg in _candidates(spec.head_dim, get_arch(arch)):
+        t = dict(zip(_TUNING_FIELDS, cfg))
+        if any(t[k] != v for k, v in pinned.items()):
+            continue
+        try:
+            cand = spec.replace(**t)
+        except SpecError:
+            continue  # an inconsistent combination (warps vs cta_tile_q), not a reason to report
         try:
             validate(cand, arch)
-        except SpecError:
+        except SpecError as e:
+            first_error = first_error or e  # the closest config's reason is the useful one
             continue
         return t
-    return dict(zip(names, _TUNED[spec.head_dim][-1]))
+    if first_error is not None:
+        raise first_error
+    raise SpecError(", ".join(pinned), ", ".join(map(str, pinned.values())), "values some config can fit",
+                    reason=f"no tile configuration fits {get_arch(arch).name}")
 
 
 def resolve(spec: Spec, arch: "str | Arch") -> Spec:
-    """Fill the tuning fields left at 0 with the arch's defaults, then validate."""
+    """Fill the tuning fields left at 0 for ``arch``, then validate."""
     a = get_arch(arch)
     if not spec.is_resolved:
-        t = default_tuning(spec, a)
-        changes = {k: v for k, v in t.items() if getattr(spec, k) == 0}
-        # A user-fixed cta_tile_q or num_warps must stay consistent with the other.
-        if spec.cta_tile_q and not spec.num_warps:
-            changes["num_warps"] = min(8, spec.cta_tile_q // 16)
-        if spec.num_warps and not spec.cta_tile_q:
-            changes["cta_tile_q"] = min(128, 16 * spec.num_warps * max(1, 128 // (16 * spec.num_warps)))
-        spec = spec.replace(**changes)
+        spec = spec.replace(**default_tuning(spec, a))
     validate(spec, a)
     return spec
 

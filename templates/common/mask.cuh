@@ -12,11 +12,7 @@ struct KeyRange {
   int right;   // -1: unbounded
   int seqlen_k;
 
-  __device__ __forceinline__ bool visible(int i, int j) const {
-    const int a = i + shift;
-    return j < seqlen_k && (right < 0 || j <= a + right) && (left < 0 || j >= a - left);
-  }
-  // Keys [lo, hi) some row of [row_lo, row_hi] may see.
+  // Keys [lo(row_lo), hi(row_hi)) some row of [row_lo, row_hi] may see; for one row i, [lo(i), hi(i)).
   __device__ __forceinline__ int lo(int row_lo) const { return left < 0 ? 0 : max(0, row_lo + shift - left); }
   __device__ __forceinline__ int hi(int row_hi) const {
     return right < 0 ? seqlen_k : min(seqlen_k, row_hi + shift + right + 1);

@@ -171,16 +171,24 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
     // ---- mask (only tiles some row cannot see whole) --------------------------------------
     const int n0 = tile * BLOCK_N;
     if (!keys.all_visible(warp_lo, warp_hi, n0, n0 + BLOCK_N)) {
+      // One visible key range [lo, hi) per row, relative to this thread's first column, then a
+      // compare per element: fewer live values than testing every (row, key) pair.
+      const int col0 = n0 + 2 * t;
 #pragma unroll
       for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-        for (int n = 0; n < N_TILES; ++n)
+        for (int r = 0; r < 2; ++r) {
+          const int i = m0 + warp_row0 + mt * 16 + g + 8 * r;
+          const int lo = keys.lo(i) - col0;
+          const int hi = keys.hi(i) - col0;
 #pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const int i = m0 + warp_row0 + mt * 16 + g + (c >= 2 ? 8 : 0);
-            const int j = n0 + n * 8 + 2 * t + (c & 1);
-            if (!keys.visible(i, j)) acc_s[mt][n][c] = -ATTNGEN_INF;
-          }
+          for (int n = 0; n < N_TILES; ++n)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int j = n * 8 + c;
+              if (j < lo || j >= hi) acc_s[mt][n][2 * r + c] = -ATTNGEN_INF;
+            }
+        }
     }
 
     // ---- online softmax (fp32, exp2) ------------------------------------------------------

@@ -1,0 +1,119 @@
+"""The few CUDA driver calls the runtime needs, through ctypes on libcuda.
+
+Loading and launching through the driver directly keeps CuPy's import (hundreds of ms) off the
+path of a warm kernel request, and keeps one launch to a few microseconds of Python. Modules are
+loaded into each device's primary context, the one the CUDA runtime (torch, CuPy) uses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+
+from .errors import LaunchError
+
+CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
+CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
+CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CUDA_ERROR_INVALID_CONTEXT = 201
+
+_vp = ctypes.c_void_p
+
+
+class Driver:
+    def __init__(self):
+        try:
+            self.lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise LaunchError(f"the CUDA driver (libcuda.so.1) is not available: {e}") from None
+        lib = self.lib
+        lib.cuLaunchKernel.argtypes = [_vp, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                                       ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, _vp, _vp, _vp]
+        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(_vp)]
+        lib.cuCtxPushCurrent_v2.argtypes = [_vp]
+        lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(_vp)]
+        lib.cuModuleLoadData.argtypes = [ctypes.POINTER(_vp), ctypes.c_char_p]
+        lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(_vp), _vp, ctypes.c_char_p]
+        lib.cuFuncSetAttribute.argtypes = [_vp, ctypes.c_int, ctypes.c_int]
+        lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(_vp), ctypes.c_int]
+        self.check(lib.cuInit(0), "cuInit")
+        self._primary: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(rc, ctypes.byref(name))
+            raise LaunchError(f"{what} failed: {(name.value or b'CUDA error').decode()} ({rc})")
+
+    def device_count(self) -> int:
+        n = ctypes.c_int()
+        self.check(self.lib.cuDeviceGetCount(ctypes.byref(n)), "cuDeviceGetCount")
+        return n.value
+
+    def attribute(self, attr: int, device: int) -> int:
+        v = ctypes.c_int()
+        self.check(self.lib.cuDeviceGetAttribute(ctypes.byref(v), attr, device), "cuDeviceGetAttribute")
+        return v.value
+
+    def capability(self, device: int) -> tuple[int, int]:
+        return (self.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device),
+                self.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device))
+
+    def current_device(self) -> int:
+        """The device of the calling thread's current context; 0 when none is current."""
+        d = ctypes.c_int()
+        rc = self.lib.cuCtxGetDevice(ctypes.byref(d))
+        return d.value if rc == 0 else 0
+
+    def current_context(self) -> int:
+        c = _vp()
+        self.lib.cuCtxGetCurrent(ctypes.byref(c))
+        return c.value or 0
+
+    def primary_context(self, device: int) -> int:
+        ctx = self._primary.get(device)
+        if ctx is None:
+            with self._lock:
+                ctx = self._primary.get(device)
+                if ctx is None:
+                    if not 0 <= device < self.device_count():
+                        raise LaunchError(f"device={device} does not exist; {self.device_count()} CUDA devices")
+                    c = _vp()
+                    self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(c), device), "cuDevicePrimaryCtxRetain")
+                    ctx = self._primary[device] = c.value
+        return ctx
+
+    def push(self, device: int) -> bool:
+        """Make ``device``'s primary context current if it is not; True if it was pushed."""
+        ctx = self.primary_context(device)
+        if self.current_context() == ctx:
+            return False
+        self.check(self.lib.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
+        return True
+
+    def pop(self) -> None:
+        c = _vp()
+        self.check(self.lib.cuCtxPopCurrent_v2(ctypes.byref(c)), "cuCtxPopCurrent")
+
+    def load_function(self, device: int, cubin: bytes, name: str, dynamic_smem: int) -> tuple[int, int]:
+        """Load ``cubin`` on ``device``; returns (module, function) handles."""
+        pushed = self.push(device)
+        try:
+            mod, fn = _vp(), _vp()
+            self.check(self.lib.cuModuleLoadData(ctypes.byref(mod), cubin), f"cuModuleLoadData({name})")
+            self.check(self.lib.cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()),
+                       f"cuModuleGetFunction({name})")
+            self.check(self.lib.cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic_smem),
+                       f"cuFuncSetAttribute(max dynamic shared memory = {dynamic_smem})")
+            return mod.value, fn.value
+        finally:
+            if pushed:
+                self.pop()
+
+
+@functools.lru_cache(maxsize=1)
+def driver() -> Driver:
+    return Driver()

@@ -1,0 +1,1271 @@
+"""Benchmarks: ``attngen bench prefill`` (attngen vs PyTorch SDPA backends) and ``attngen bench jit``.
+
+``prefill`` runs attngen and ``torch.nn.functional.scaled_dot_product_attention`` with each
+selected backend (flash = FlashAttention-2, cudnn, efficient) on the same inputs in one
+process, over FlashAttention's standard sweep: batch x seqlen = 16384 tokens, heads = 2048 /
+head_dim, head_dim 64/128/256, causal and not, bf16 and fp16. Every shape is checked first
+(attngen vs the flash backend, output poisoned with NaN), then timed with CUDA events (warm-up
+first, median of many repeats). Rows stream to stdout; the JSON is rewritten after every
+shape, so a run cut short still leaves its results.
+
+``jit`` measures the latency of the JIT pipeline: a cold NVRTC compile (works without a GPU
+given ``--arch``), a warm load from the disk cache in a fresh process, a repeated in-process
+request, and the host-side overhead of one ``attngen.prefill`` call.
+
+Both write Markdown (``--markdown FILE``) for BENCHMARKS.md, and re-render from a saved JSON
+with ``--from-json FILE`` (no GPU needed for that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+# --- the sweep ------------------------------------------------------------------------------------
+
+TOKENS = 16384          # batch * seqlen
+HIDDEN = 2048           # heads * head_dim
+SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+HEAD_DIMS = (64, 128, 256)
+DTYPES = ("bf16", "fp16")
+BACKENDS = ("flash", "cudnn", "efficient")
+QUICK = dict(seqlens=(1024, 4096), head_dims=(64, 128), dtypes=("bf16",))
+DEVICE = "cuda"         # where prefill's inputs live (a test may point this elsewhere)
+CHECK_TOL = 1e-2        # relative L2 of attngen vs the flash backend; bf16/fp16 land ~1e-3..5e-3
+SDPA_NOTE = ("SDPA is given [B, H, S, D] views made by .transpose(1, 2) of the [B, S, H, D] tensors attngen "
+             "takes, which is how FlashAttention-layout users call it.")
+SDPA_CONTIG_NOTE = ("SDPA is given contiguous [B, H, S, D] copies of the inputs (--sdpa-layout contiguous); "
+                    "attngen gets [B, S, H, D].")
+FLOP_NOTE = "FLOPs = 4*B*H*Sq*Sk*D, halved for causal (FlashAttention's convention)."
+
+# --- jit targets -------------------------------------------------------------------------------
+TARGET_COLD_S = 2.0
+TARGET_WARM_S = 0.020
+TARGET_REPEAT_US = 10.0
+TARGET_OVERHEAD_US = 15.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    dtype: str
+    head_dim: int
+    causal: bool
+    batch: int
+    seqlen: int
+    heads: int
+
+    @property
+    def flops(self) -> float:
+        return attention_flops(self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim, self.causal)
+
+    def label(self) -> str:
+        return (f"{self.dtype} d={self.head_dim} {'causal' if self.causal else 'full'} "
+                f"b={self.batch} s={self.seqlen} h={self.heads}")
+
+
+def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
+    """Forward FLOPs: two GEMMs of 2*Sq*Sk*D each per head; causal does half."""
+    f = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+    return f / 2 if causal else f
+
+
+def tflops(flops: float, ms: float | None) -> float | None:
+    if ms is None or not ms > 0:
+        return None
+    return flops / (ms * 1e-3) / 1e12
+
+
+def make_sweep(head_dims: Iterable[int] = HEAD_DIMS, seqlens: Iterable[int] = SEQLENS,
+               dtypes: Iterable[str] = DTYPES, causal: Iterable[bool] = (False, True),
+               tokens: int = TOKENS, hidden: int = HIDDEN) -> list[Shape]:
+    """The shapes, in the order they run: dtype, mask, head_dim, seqlen."""
+    out = []
+    for dt in dtypes:
+        for c in causal:
+            for d in head_dims:
+                for s in seqlens:
+                    out.append(Shape(dt, d, c, max(1, tokens // s), s, max(1, hidden // d)))
+    return out
+
+
+# --- argument parsing ----------------------------------------------------------------------------
+
+def _int_list(text: str) -> tuple[int, ...]:
+    vals = []
+    for part in text.split(","):
+        p = part.strip().lower()
+        if not p:
+            continue
+        mult = 1
+        if p.endswith("k"):
+            p, mult = p[:-1], 1024
+        try:
+            v = int(p) * mult
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not an integer (e.g. 512,2k,16384)") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"{part!r} must be positive")
+        vals.append(v)
+    if not vals:
+        raise argparse.ArgumentTypeError("empty list")
+    return tuple(dict.fromkeys(vals))
+
+
+def _choice_list(allowed: tuple[str, ...], aliases: dict[str, str] | None = None):
+    aliases = aliases or {}
+
+    def parse(text: str) -> tuple[str, ...]:
+        vals = []
+        for part in text.split(","):
+            p = part.strip().lower()
+            if not p:
+                continue
+            p = aliases.get(p, p)
+            if p not in allowed:
+                raise argparse.ArgumentTypeError(f"{part!r} is not one of {', '.join(allowed)}")
+            vals.append(p)
+        if not vals:
+            raise argparse.ArgumentTypeError("empty list")
+        return tuple(dict.fromkeys(vals))
+
+    return parse
+
+
+_dtype_list = _choice_list(DTYPES, {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"})
+_backend_list = _choice_list(BACKENDS, {"fa2": "flash", "flash_attention": "flash", "cudnn_attention": "cudnn",
+                                        "mem_efficient": "efficient", "memory_efficient": "efficient"})
+_CAUSAL = {"both": (False, True), "yes": (True,), "no": (False,), "true": (True,), "false": (False,)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="attngen bench", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", metavar="{prefill,jit}")
+
+    pp = sub.add_parser("prefill", help="attngen.prefill vs SDPA's flash / cudnn / efficient backends",
+                        description="attngen.prefill vs torch SDPA backends on FlashAttention's standard sweep "
+                                    f"(batch*seqlen={TOKENS}, heads={HIDDEN}/head_dim). {SDPA_NOTE} {FLOP_NOTE}")
+    pp.add_argument("--head-dims", type=_int_list, default=None, help="e.g. 64,128 (default 64,128,256)")
+    pp.add_argument("--seqlens", type=_int_list, default=None, help="e.g. 512,2k (default 512..16k)")
+    pp.add_argument("--dtypes", type=_dtype_list, default=None, help="bf16,fp16 (default both)")
+    pp.add_argument("--causal", choices=sorted(_CAUSAL), default="both", help="masks to run (default both)")
+    pp.add_argument("--backends", type=_backend_list, default=BACKENDS,
+                    help="SDPA backends to compare with (default flash,cudnn,efficient)")
+    pp.add_argument("--quick", action="store_true",
+                    help="a small subset: seqlens 1k,4k, head_dims 64,128, bf16 (explicit options still win)")
+    pp.add_argument("--tokens", type=int, default=TOKENS, help=argparse.SUPPRESS)
+    pp.add_argument("--hidden", type=int, default=HIDDEN, help=argparse.SUPPRESS)
+    pp.add_argument("--out", type=Path, default=None, help="folder for bench_prefill.json and bench_prefill.png")
+    pp.add_argument("--markdown", type=Path, default=None, help="write the table as Markdown to FILE")
+    pp.add_argument("--warmup-ms", type=float, default=25.0, help="warm-up per measurement (ms, default 25)")
+    pp.add_argument("--rep-ms", type=float, default=100.0, help="timed repeats per measurement (ms, default 100)")
+    pp.add_argument("--reps", type=int, default=None,
+                    help="a fixed number of timed repeats instead of --rep-ms (own CUDA-event loop)")
+    pp.add_argument("--sdpa-layout", choices=("view", "contiguous"), default="view",
+                    help="view (default): SDPA gets .transpose(1, 2) views of attngen's [B, S, H, D] inputs; "
+                         "contiguous: SDPA gets its own contiguous [B, H, S, D] copies (its preferred layout)")
+    pp.add_argument("--no-check", action="store_true", help="skip the correctness check")
+    pp.add_argument("--seed", type=int, default=0)
+    pp.add_argument("--from-json", type=Path, default=None,
+                    help="re-render table/Markdown/plot from a saved bench_prefill.json (no GPU)")
+    pp.set_defaults(func=cmd_prefill)
+
+    pj = sub.add_parser("jit", help="JIT latency: cold compile, warm load, repeated request, host overhead",
+                        description="Latency of the JIT pipeline against its targets. Cold compile works without "
+                                    "a GPU when --arch is given.")
+    pj.add_argument("--arch", default=None, help="target arch (default: the current GPU's), e.g. sm_90")
+    pj.add_argument("--spec", action="append", default=None, metavar="TEXT",
+                    help="a spec to measure, e.g. prefill:head_dim=64,dtype=bf16,mask=none (repeatable; "
+                         "default head_dim 64/128/256 x causal and not, bf16)")
+    pj.add_argument("--head-dims", type=_int_list, default=None, help="for the default specs (default 64,128,256)")
+    pj.add_argument("--causal", choices=sorted(_CAUSAL), default="both", help="for the default specs")
+    pj.add_argument("--measure", default="cold,warm,repeat,overhead",
+                    help="which of cold,warm,repeat,overhead to run (default all)")
+    pj.add_argument("--cold-reps", type=int, default=1, help="cold builds per spec, median (default 1)")
+    pj.add_argument("--repeat-calls", type=int, default=10000, help="in-process requests (default 10000)")
+    pj.add_argument("--overhead-calls", type=int, default=500, help="prefill calls per batch (default 500)")
+    pj.add_argument("--overhead-batches", type=int, default=20, help="batches, median (default 20)")
+    pj.add_argument("--out", type=Path, default=None, help="folder for bench_jit.json")
+    pj.add_argument("--markdown", type=Path, default=None, help="write the table as Markdown to FILE")
+    pj.add_argument("--from-json", type=Path, default=None, help="re-render from a saved bench_jit.json")
+    pj.set_defaults(func=cmd_jit)
+    return p
+
+
+def sweep_from_args(args: argparse.Namespace) -> list[Shape]:
+    q = QUICK if args.quick else {}
+    return make_sweep(
+        head_dims=args.head_dims or q.get("head_dims", HEAD_DIMS),
+        seqlens=args.seqlens or q.get("seqlens", SEQLENS),
+        dtypes=args.dtypes or q.get("dtypes", DTYPES),
+        causal=_CAUSAL[args.causal],
+        tokens=args.tokens, hidden=args.hidden,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+# --- small helpers --------------------------------------------------------------------------------
+
+def _say(*a, **kw) -> None:
+    print(*a, **kw, flush=True)
+
+
+def _finite(x: Any) -> Any:
+    """JSON-safe: NaN/inf floats become strings, recursively."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Atomic: a reader (or a run killed mid-write) sees the old file or the new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(_finite(data), indent=1, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
+def _fmt(x: float | None, spec: str = ".1f", none: str = "—") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return none
+    return format(x, spec)
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def have_gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def _version(mod: str) -> str | None:
+    try:
+        m = __import__(mod)
+        return str(getattr(m, "__version__", "?"))
+    except Exception:
+        return None
+
+
+def environment(gpu: bool | None = None) -> dict:
+    """Where the numbers came from: GPU, driver, library versions, date."""
+    from . import __version__
+
+    env: dict[str, Any] = {
+        "date": _now(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "attngen": __version__,
+        "torch": _version("torch"),
+        "cupy": _version("cupy"),
+        "triton": _version("triton"),
+        "numpy": _version("numpy"),
+    }
+    try:
+        from .compiler import nvrtc_version
+
+        env["nvrtc"] = nvrtc_version()
+    except Exception as e:
+        env["nvrtc"] = f"unavailable ({e})"
+    try:
+        root = Path(__file__).resolve().parent.parent
+        r = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                           text=True, timeout=5)
+        if r.returncode == 0:
+            env["attngen_commit"] = r.stdout.strip()
+    except Exception:
+        pass
+    if gpu is None:
+        gpu = have_gpu()
+    env["gpu_present"] = bool(gpu)
+    if not gpu:
+        return env
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            dev = torch.cuda.current_device()
+            prop = torch.cuda.get_device_properties(dev)
+            env["gpu"] = prop.name
+            env["compute_capability"] = f"{prop.major}.{prop.minor}"
+            env["sm_count"] = prop.multi_processor_count
+            env["gpu_memory_gib"] = round(prop.total_memory / 2**30, 1)
+            env["torch_cuda"] = torch.version.cuda
+            try:
+                env["cudnn"] = torch.backends.cudnn.version()
+            except Exception:
+                pass
+    except Exception:
+        pass
+    try:
+        import cupy
+
+        env["cuda_driver_api"] = cupy.cuda.runtime.driverGetVersion()
+        env["cuda_runtime_cupy"] = cupy.cuda.runtime.runtimeGetVersion()
+        if "gpu" not in env:
+            p = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+            env["gpu"] = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
+    except Exception:
+        pass
+    try:
+        from .runtime import device_arch
+
+        import cupy
+
+        env["attngen_arch"] = device_arch(cupy.cuda.runtime.getDevice()).name
+    except Exception:
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        fields = "name,driver_version,clocks.max.sm,clocks.sm,power.limit,temperature.gpu,persistence_mode"
+        try:
+            r = subprocess.run([smi, f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=15)
+            if r.returncode == 0 and r.stdout.strip():
+                vals = [v.strip() for v in r.stdout.strip().splitlines()[0].split(",")]
+                env["nvidia_smi"] = dict(zip(fields.split(","), vals))
+                env["driver"] = env["nvidia_smi"].get("driver_version")
+        except Exception:
+            pass
+    return env
+
+
+def env_lines(env: dict) -> list[str]:
+    """A short human header for tables and Markdown."""
+    gpu = env.get("gpu") or ("no GPU" if not env.get("gpu_present") else "GPU ?")
+    cc = f" (cc {env['compute_capability']}, {env.get('sm_count', '?')} SMs)" if env.get("compute_capability") else ""
+    drv = env.get("driver") or env.get("cuda_driver_api")
+    lines = [
+        f"GPU: {gpu}{cc}" + (f", driver {drv}" if drv else "")
+        + (f", attngen arch {env['attngen_arch']}" if env.get("attngen_arch") else ""),
+        "versions: " + ", ".join(f"{k} {env[k]}" for k in ("attngen", "torch", "torch_cuda", "cudnn", "cupy",
+                                                              "triton", "nvrtc", "python") if env.get(k) is not None)
+        + (f", attngen commit {env['attngen_commit']}" if env.get("attngen_commit") else ""),
+        f"date: {env.get('date', '?')}",
+    ]
+    return lines
+
+
+# --- timing ---------------------------------------------------------------------------------------
+
+def _triton_do_bench():
+    try:
+        from triton.testing import do_bench
+
+        return do_bench
+    except Exception:
+        return None
+
+
+def bench_ms(fn: Callable[[], Any], warmup_ms: float = 25.0, rep_ms: float = 100.0,
+             reps: int | None = None) -> tuple[float, str]:
+    """Median milliseconds of ``fn`` on the GPU, with CUDA events; returns (ms, method)."""
+    if reps is None:
+        do_bench = _triton_do_bench()
+        if do_bench is not None:
+            try:
+                return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")), "triton.do_bench"
+            except TypeError:
+                pass
+    return _event_bench(fn, warmup_ms, rep_ms, reps), "cuda-events"
+
+
+_flush_buf = None
+
+
+def _event_bench(fn, warmup_ms: float, rep_ms: float, reps: int | None) -> float:
+    """do_bench's method without triton: L2 flushed before each timed call, one event pair each, median."""
+    import torch
+
+    global _flush_buf
+    if _flush_buf is None:
+        _flush_buf = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        _flush_buf.zero_()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    est = max(start.elapsed_time(end) / 5, 1e-3)
+    n_warm = max(1, int(warmup_ms / est))
+    n_rep = reps if reps is not None else max(1, int(rep_ms / est))
+    for _ in range(n_warm):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+    for i in range(n_rep):
+        _flush_buf.zero_()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+# --- prefill --------------------------------------------------------------------------------------
+
+def _sdpa_backend(name: str):
+    from torch.nn.attention import SDPBackend
+
+    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+
+
+def _short_error(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0][:200] if msg else ''}"
+
+
+def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, warmup_ms: float = 25.0,
+              rep_ms: float = 100.0, reps: int | None = None, seed: int = 0, sdpa_layout: str = "view") -> dict:
+    """Check and time one shape: attngen and each SDPA backend on the same inputs."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    import attngen
+    from .spec import DType, MaskMode, PrefillSpec
+
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[shape.dtype]
+    b, s, h, d, causal = shape.batch, shape.seqlen, shape.heads, shape.head_dim, shape.causal
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q, k, v = (torch.randn(b, s, h, d, device=DEVICE, dtype=tdt, generator=gen) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, S, D] views: FA-layout users' call
+    if sdpa_layout == "contiguous":
+        qt, kt, vt = (x.contiguous() for x in (qt, kt, vt))
+
+    rec: dict[str, Any] = {**asdict(shape), "flops": shape.flops, "ms": {}, "tflops": {}, "errors": {},
+                           "timer": None}
+
+    def attngen_fn():
+        return attngen.prefill(q, k, v, causal=causal)
+
+    def sdpa_fn():
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    # Peers: one call each decides supported or not (and warms up cuDNN plans / handles).
+    peer_out: dict[str, Any] = {}
+    for name in backends:
+        try:
+            with warnings.catch_warnings(), sdpa_kernel(_sdpa_backend(name)):
+                warnings.simplefilter("ignore")
+                o = sdpa_fn()
+            torch.cuda.synchronize()
+            peer_out[name] = o
+        except Exception as e:  # unsupported for this shape / dtype / layout: recorded as null
+            rec["errors"][name] = _short_error(e)
+            rec["ms"][name] = rec["tflops"][name] = None
+            torch.cuda.synchronize()
+
+    # Correctness: attngen into a NaN-poisoned out, vs the flash backend (else the first peer that ran).
+    try:
+        out = torch.full_like(q, float("nan"))
+        attngen.prefill(q, k, v, causal=causal, out=out)
+        torch.cuda.synchronize()
+        kern = attngen.get_kernel(PrefillSpec(head_dim=d, dtype=DType(shape.dtype),
+                                              mask=MaskMode.CAUSAL if causal else MaskMode.NONE),
+                                  device=q.device.index)
+        rec["kernel"] = {"spec": kern.spec.to_text(), "origin_first": kern.origin,
+                         "resources": kern.binary.resources.to_dict(), "smem_dynamic": kern.smem_bytes,
+                         "threads": kern.threads}
+    except Exception as e:
+        rec["errors"]["attngen"] = _short_error(e)
+        rec["ms"]["attngen"] = rec["tflops"]["attngen"] = None
+        out = None
+    if check and out is not None:
+        if "flash" not in peer_out and "flash" not in backends:
+            # The reference is the flash backend even when it is not among the timed peers.
+            try:
+                with warnings.catch_warnings(), sdpa_kernel(_sdpa_backend("flash")):
+                    warnings.simplefilter("ignore")
+                    peer_out["flash"] = sdpa_fn()
+            except Exception:
+                pass
+        ref_name = next((n for n in ("flash", "cudnn", "efficient") if n in peer_out), None)
+        chk: dict[str, Any] = {"reference": ref_name}
+        nan_count = int(torch.isnan(out).sum().item())
+        chk["nan_count"] = nan_count
+        if ref_name is not None:
+            ref = peer_out[ref_name].transpose(1, 2).float()
+            diff = out.float() - ref
+            chk["max_abs"] = float(diff.abs().max().item())
+            chk["rel_l2"] = float((diff.norm() / ref.norm()).item())
+            del ref, diff
+            chk["ok"] = bool(nan_count == 0 and math.isfinite(chk["rel_l2"]) and chk["rel_l2"] <= CHECK_TOL)
+        else:
+            chk["ok"] = nan_count == 0
+        chk["tolerance_rel_l2"] = CHECK_TOL
+        rec["check"] = chk
+    del out
+    peer_out.clear()
+
+    # Timing.
+    if rec["errors"].get("attngen") is None:
+        try:
+            ms, rec["timer"] = bench_ms(attngen_fn, warmup_ms, rep_ms, reps)
+            rec["ms"]["attngen"], rec["tflops"]["attngen"] = ms, tflops(shape.flops, ms)
+        except Exception as e:
+            rec["errors"]["attngen"] = _short_error(e)
+            rec["ms"]["attngen"] = rec["tflops"]["attngen"] = None
+    for name in backends:
+        if name in rec["errors"]:
+            continue
+        try:
+            with warnings.catch_warnings(), sdpa_kernel(_sdpa_backend(name)):
+                warnings.simplefilter("ignore")
+                ms, timer = bench_ms(sdpa_fn, warmup_ms, rep_ms, reps)
+            rec["ms"][name], rec["tflops"][name] = ms, tflops(shape.flops, ms)
+            rec["timer"] = rec["timer"] or timer
+        except Exception as e:
+            rec["errors"][name] = _short_error(e)
+            rec["ms"][name] = rec["tflops"][name] = None
+    a = rec["tflops"].get("attngen")
+    rec["ratio"] = {n: (a / rec["tflops"][n] if a and rec["tflops"].get(n) else None) for n in backends}
+    return rec
+
+
+# --- prefill reporting ----------------------------------------------------------------------------
+
+def _impls(records: list[dict], backends: Iterable[str] | None = None) -> list[str]:
+    if backends is None:
+        seen: list[str] = []
+        for r in records:
+            for n in r.get("tflops", {}):
+                if n != "attngen" and n not in seen:
+                    seen.append(n)
+        backends = [n for n in BACKENDS if n in seen] + [n for n in seen if n not in BACKENDS]
+    return list(backends)
+
+
+def _check_cell(r: dict) -> str:
+    c = r.get("check")
+    if not c:
+        return "—"
+    if c.get("nan_count"):
+        return f"FAIL {c['nan_count']} NaN"
+    rel = c.get("rel_l2")
+    if rel is None:
+        return "ok (no ref)" if c.get("ok") else "FAIL"
+    return f"{rel:.1e}" + ("" if c.get("ok") else " FAIL")
+
+
+def table_columns(backends: list[str]) -> list[str]:
+    return (["dtype", "D", "causal", "B", "S", "H", "attngen"] + list(backends)
+            + [f"/{n}" for n in backends] + ["check"])
+
+
+def table_row(r: dict, backends: list[str]) -> list[str]:
+    tf, ratio = r.get("tflops", {}), r.get("ratio", {})
+    return ([r["dtype"], str(r["head_dim"]), "yes" if r["causal"] else "no", str(r["batch"]), str(r["seqlen"]),
+             str(r["heads"]), _fmt(tf.get("attngen"))]
+            + [_fmt(tf.get(n)) for n in backends]
+            + [_fmt(ratio.get(n), ".2f") for n in backends]
+            + [_check_cell(r)])
+
+
+_WIDTHS = {"dtype": 5, "D": 4, "causal": 6, "B": 3, "S": 6, "H": 3, "check": 12}
+
+
+def _width(col: str) -> int:
+    return _WIDTHS.get(col, max(9, len(col)))
+
+
+def text_header(backends: list[str]) -> str:
+    cols = table_columns(backends)
+    return "  ".join(c.rjust(_width(c)) for c in cols)
+
+
+def text_row(r: dict, backends: list[str]) -> str:
+    cols = table_columns(backends)
+    return "  ".join(v.rjust(_width(c)) for c, v in zip(cols, table_row(r, backends)))
+
+
+def summarize(records: list[dict], backends: list[str]) -> dict:
+    """Minimum and geometric-mean ratio attngen/peer across the sweep, with the worst shape."""
+    out: dict[str, Any] = {}
+    for n in backends:
+        pairs = [(r["ratio"][n], r) for r in records if r.get("ratio", {}).get(n)]
+        if not pairs:
+            out[n] = None
+            continue
+        worst, wr = min(pairs, key=lambda p: p[0])
+        gmean = math.exp(sum(math.log(p) for p, _ in pairs) / len(pairs))
+        out[n] = {"min": worst, "geomean": gmean, "shapes": len(pairs),
+                  "min_at": {k: wr[k] for k in ("dtype", "head_dim", "causal", "batch", "seqlen", "heads")}}
+    checks = [r["check"] for r in records if r.get("check")]
+    out["checks"] = {"run": len(checks), "failed": sum(1 for c in checks if not c.get("ok")),
+                     "max_rel_l2": max((c["rel_l2"] for c in checks if isinstance(c.get("rel_l2"), float)),
+                                       default=None)}
+    return out
+
+
+def summary_lines(summary: dict, backends: list[str]) -> list[str]:
+    lines = []
+    for n in backends:
+        s = summary.get(n)
+        if not s:
+            lines.append(f"attngen/{n}: no shape where both ran")
+            continue
+        at = s["min_at"]
+        lines.append(f"attngen/{n}: min {s['min']:.3f} at {at['dtype']} D={at['head_dim']} "
+                     f"{'causal' if at['causal'] else 'full'} S={at['seqlen']}; geomean {s['geomean']:.3f} "
+                     f"over {s['shapes']} shapes")
+    c = summary.get("checks") or {}
+    if c.get("run"):
+        lines.append(f"checks: {c['run']} run, {c['failed']} failed, max rel L2 {_fmt(c.get('max_rel_l2'), '.1e')}")
+    return lines
+
+
+def prefill_markdown(data: dict) -> str:
+    env, records = data.get("env", {}), data.get("results", [])
+    backends = _impls(records, data.get("config", {}).get("backends"))
+    cols = ["dtype", "D", "causal", "B", "S", "H", "attngen TFLOP/s"] + [f"{n} TFLOP/s" for n in backends] \
+        + [f"attngen/{n}" for n in backends] + ["check (rel L2 vs flash)"]
+    lines = ["## Prefill: attngen vs PyTorch SDPA", ""]
+    lines += [f"- {ln}" for ln in env_lines(env)]
+    cfg = data.get("config", {})
+    lines += [f"- timing: median of CUDA-event timings ({cfg.get('timer') or 'triton.do_bench'}), warm-up "
+              f"{cfg.get('warmup_ms', '?')} ms, repeats {cfg.get('reps') or str(cfg.get('rep_ms', '?')) + ' ms'}; "
+              f"JIT compile and module load are outside the timings",
+              f"- {FLOP_NOTE}",
+              f"- {cfg.get('sdpa_note') or SDPA_NOTE}",
+              "- — = the backend refused that shape.",
+              ""]
+    if not data.get("complete", True):
+        lines += ["**Partial run**: the sweep did not finish.", ""]
+    lines.append("| " + " | ".join(cols) + " |")
+    lines.append("|" + "|".join("---" if i < 3 else "---:" for i in range(len(cols))) + "|")
+    for r in records:
+        lines.append("| " + " | ".join(table_row(r, backends)) + " |")
+    summ = data.get("summary") or summarize(records, backends)
+    lines += [""] + [f"- {ln}" for ln in summary_lines(summ, backends)]
+    return "\n".join(lines) + "\n"
+
+
+def plot_prefill(data: dict, path: Path) -> Path | None:
+    """TFLOP/s vs seqlen: a panel per (mask, head_dim), a colour per implementation, a line style per dtype."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        _say(f"plot skipped: matplotlib is not available ({e})")
+        return None
+    records = data.get("results", [])
+    if not records:
+        return None
+    backends = _impls(records, data.get("config", {}).get("backends"))
+    impls = ["attngen"] + backends
+    masks = sorted({r["causal"] for r in records})
+    dims = sorted({r["head_dim"] for r in records})
+    dtypes = [d for d in DTYPES if any(r["dtype"] == d for r in records)]
+    styles = {"bf16": "-", "fp16": "--"}
+    colors = {"attngen": "tab:red", "flash": "tab:blue", "cudnn": "tab:green", "efficient": "tab:orange"}
+    fig, axes = plt.subplots(len(masks), len(dims), figsize=(4.2 * len(dims), 3.4 * len(masks)), squeeze=False,
+                             sharex=True)
+    for i, c in enumerate(masks):
+        for j, d in enumerate(dims):
+            ax = axes[i][j]
+            for impl in impls:
+                for dt in dtypes:
+                    pts = sorted((r["seqlen"], r["tflops"].get(impl)) for r in records
+                                 if r["causal"] == c and r["head_dim"] == d and r["dtype"] == dt)
+                    pts = [(x, y) for x, y in pts if y]
+                    if not pts:
+                        continue
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], styles.get(dt, ":"), marker="o", ms=3,
+                            color=colors.get(impl), label=f"{impl} {dt}", linewidth=2.2 if impl == "attngen" else 1.4)
+            ax.set_xscale("log", base=2)
+            xs = sorted({r["seqlen"] for r in records})
+            ax.set_xticks(xs, [f"{x // 1024}k" if x >= 1024 and x % 1024 == 0 else str(x) for x in xs])
+            ax.minorticks_off()
+            ax.set_title(f"head_dim {d}, {'causal' if c else 'no mask'}", fontsize=10)
+            ax.grid(True, alpha=0.3)
+            if i == len(masks) - 1:
+                ax.set_xlabel("seqlen (batch = 16384 / seqlen)")
+            if j == 0:
+                ax.set_ylabel("TFLOP/s")
+            ax.set_ylim(bottom=0)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for row in axes:
+        for ax in row:
+            for hnd, lab in zip(*ax.get_legend_handles_labels()):
+                if lab not in labels:
+                    handles.append(hnd)
+                    labels.append(lab)
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), fontsize=8, frameon=False)
+    env = data.get("env", {})
+    fig.suptitle(f"attngen prefill vs SDPA — {env.get('gpu', '?')}, {env.get('date', '')[:10]}", fontsize=11)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def _finish_prefill(data: dict, args: argparse.Namespace, print_table: bool) -> None:
+    records = data.get("results", [])
+    backends = _impls(records, data.get("config", {}).get("backends"))
+    if print_table:
+        for ln in env_lines(data.get("env", {})):
+            _say(ln)
+        _say(text_header(backends))
+        for r in records:
+            _say(text_row(r, backends))
+    summ = data.get("summary") or summarize(records, backends)
+    _say("")
+    for ln in summary_lines(summ, backends):
+        _say(ln)
+    if "flash" in backends:
+        s = summ.get("flash")
+        _say(f"minimum ratio attngen/flash across the sweep: {_fmt(s['min'] if s else None, '.3f')}")
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(prefill_markdown(data))
+        _say(f"wrote {args.markdown}")
+    if args.out:
+        p = plot_prefill(data, Path(args.out) / "bench_prefill.png")
+        if p:
+            _say(f"wrote {p}")
+
+
+def cmd_prefill(args: argparse.Namespace) -> int:
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        _finish_prefill(data, args, print_table=True)
+        return 0
+    try:
+        import torch
+    except Exception as e:
+        _say(f"attngen bench prefill needs torch: {e}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        _say("attngen bench prefill needs a CUDA GPU (torch.cuda.is_available() is False); "
+             "use --from-json to re-render saved results", file=sys.stderr)
+        return 2
+    shapes = sweep_from_args(args)
+    backends = list(args.backends)
+    env = environment(gpu=True)
+    timer = "cuda-events" if args.reps is not None or _triton_do_bench() is None else "triton.do_bench"
+    data: dict[str, Any] = {
+        "benchmark": "prefill", "complete": False, "env": env,
+        "config": {"shapes": len(shapes), "backends": backends, "warmup_ms": args.warmup_ms,
+                   "rep_ms": args.rep_ms, "reps": args.reps, "timer": timer, "seed": args.seed,
+                   "check": not args.no_check, "check_tolerance_rel_l2": CHECK_TOL, "tokens": args.tokens,
+                   "hidden": args.hidden, "sdpa_layout": args.sdpa_layout,
+                   "sdpa_note": SDPA_NOTE if args.sdpa_layout == "view" else SDPA_CONTIG_NOTE, "flops": FLOP_NOTE},
+        "results": [],
+    }
+    json_path = Path(args.out) / "bench_prefill.json" if args.out else None
+    for ln in env_lines(env):
+        _say(ln)
+    _say(f"{len(shapes)} shapes x (attngen + {', '.join(backends)}); timer {timer}, warm-up {args.warmup_ms} ms, "
+         f"repeats {args.reps if args.reps is not None else str(args.rep_ms) + ' ms'}; TFLOP/s; /peer = attngen/peer")
+    _say(data["config"]["sdpa_note"])
+    if json_path is None:
+        _say("(no --out: the JSON and the plot are not written)")
+    _say(text_header(backends))
+    t0 = time.perf_counter()
+    for i, shape in enumerate(shapes):
+        try:
+            rec = run_shape(shape, tuple(backends), check=not args.no_check, warmup_ms=args.warmup_ms,
+                            rep_ms=args.rep_ms, reps=args.reps, seed=args.seed + i, sdpa_layout=args.sdpa_layout)
+        except Exception as e:  # e.g. out of memory: keep the sweep going
+            rec = {**asdict(shape), "flops": shape.flops, "ms": {}, "tflops": {}, "ratio": {},
+                   "errors": {"shape": _short_error(e)}}
+            try:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            except Exception:
+                pass
+        data["results"].append(rec)
+        _say(text_row(rec, backends))
+        for n, err in rec.get("errors", {}).items():
+            if n in ("attngen", "shape"):
+                _say(f"    {n} failed: {err}")
+        if json_path:
+            data["elapsed_s"] = round(time.perf_counter() - t0, 1)
+            write_json(json_path, data)
+    data["complete"] = True
+    data["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    data["summary"] = summarize(data["results"], backends)
+    if json_path:
+        write_json(json_path, data)
+        _say(f"wrote {json_path}")
+    _say(f"sweep took {data['elapsed_s']} s")
+    _finish_prefill(data, args, print_table=False)
+    failed = [r for r in data["results"] if (r.get("check") and not r["check"].get("ok"))
+              or "attngen" in r.get("errors", {}) or "shape" in r.get("errors", {})]
+    if failed:
+        _say(f"{len(failed)} shape(s) failed the check or did not run attngen", file=sys.stderr)
+        return 1
+    return 0
+
+
+# --- jit ------------------------------------------------------------------------------------------
+
+def default_jit_specs(head_dims: Iterable[int] = HEAD_DIMS, causal: Iterable[bool] = (False, True)) -> list:
+    from .spec import PrefillSpec
+
+    return [PrefillSpec(head_dim=d, dtype="bf16", mask="causal" if c else "none") for d in head_dims for c in causal]
+
+
+@contextlib.contextmanager
+def _cache_env(path: "str | Path"):
+    """Point ATTNGEN_CACHE_DIR at ``path`` for the block; restore afterwards."""
+    old = os.environ.get("ATTNGEN_CACHE_DIR")
+    os.environ["ATTNGEN_CACHE_DIR"] = str(path)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("ATTNGEN_CACHE_DIR", None)
+        else:
+            os.environ["ATTNGEN_CACHE_DIR"] = old
+
+
+def verdict(value: float | None, target: float | None, unit: str) -> str:
+    if value is None:
+        return "—"
+    if target is None:
+        return "(info)"
+    if value <= target:
+        return "met"
+    return f"missed by {value - target:.3g} {unit} ({value / target:.2f}x)"
+
+
+def _row(metric: str, spec: str, value: float | None, unit: str, target: float | None, note: str = "") -> dict:
+    return {"metric": metric, "spec": spec, "value": value, "unit": unit, "target": target,
+            "status": verdict(value, target, unit), "note": note}
+
+
+def measure_cold(specs: list, arch: str, reps: int = 1) -> list[dict]:
+    """Cold build per spec: empty disk cache (a fresh temp root) and cleared in-process layer."""
+    from . import cache as _cache
+    from .compiler import include_dirs, nvrtc_version
+
+    nvrtc_version()   # load the NVRTC library once, outside the timings
+    include_dirs()
+    rows = []
+    for spec in specs:
+        totals, nvrtcs, res = [], [], None
+        for _ in range(max(1, reps)):
+            with tempfile.TemporaryDirectory(prefix="attngen-cold-") as tmp:
+                _cache.clear_memory()
+                t0 = time.perf_counter()
+                r = _cache.build(spec, arch, cache=_cache.DiskCache(tmp))
+                totals.append(time.perf_counter() - t0)
+                if r.origin != "compiled":
+                    raise RuntimeError(f"cold build of {spec.to_text()} came from {r.origin}, not a compile")
+                nvrtcs.append(r.binary.compile_seconds)
+                res = r.binary.resources
+        _cache.clear_memory()
+        note = f"NVRTC {statistics.median(nvrtcs):.3f} s; {res.registers} regs, {res.spill_stores} B spill"
+        rows.append(_row(f"cold compile ({arch})", spec.to_text(), statistics.median(totals), "s",
+                         TARGET_COLD_S, note))
+    return rows
+
+
+_WARM_SCRIPT = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import attngen
+from attngen.spec import parse_spec
+t1 = time.perf_counter()
+spec, arch, build_arch = parse_spec(sys.argv[1]), (sys.argv[2] or None), sys.argv[3]
+gpu, breakdown = sys.argv[4] == "1", sys.argv[5] == "1"
+out = {"import_attngen_s": t1 - t0}
+if gpu:
+    t = time.perf_counter()
+    import cupy
+    out["import_cupy_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    cupy.cuda.runtime.free(cupy.cuda.runtime.malloc(256))   # creates the CUDA context
+    cupy.cuda.runtime.deviceSynchronize()
+    out["cuda_init_s"] = time.perf_counter() - t
+if breakdown:   # the one-time steps of a first request, each timed before the request itself
+    from attngen import render
+    from attngen.compiler import compile_options, nvrtc_version
+    from attngen.spec import resolve
+    t = time.perf_counter()
+    nvrtc_version()
+    out["nvrtc_load_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    rs = resolve(spec, build_arch)
+    render(rs)
+    out["render_s"] = time.perf_counter() - t
+t = time.perf_counter()
+if gpu:
+    k = attngen.get_kernel(spec, arch=arch)
+    origin = k.origin
+else:
+    origin = attngen.build(spec, build_arch).origin
+out["get_kernel_s"] = time.perf_counter() - t
+out["origin"] = origin
+print("ATTNGEN_BENCH " + json.dumps(out))
+"""
+
+
+def _pythonpath_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra or {})
+    return env
+
+
+def measure_warm(specs: list, gpu: bool, build_arch: str) -> list[dict]:
+    """Warm load from a populated disk cache, each spec in a fresh process.
+
+    With ``gpu``, the fresh process times ``get_kernel(spec)`` (the device's arch, which is
+    ``build_arch``); without, the disk hit of ``build(spec, build_arch)``.
+    """
+    from . import cache as _cache
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="attngen-warm-") as tmp:
+        dc = _cache.DiskCache(tmp)
+        for spec in specs:
+            _cache.build(spec, build_arch, cache=dc)
+        _cache.clear_memory()
+        env = _pythonpath_env({"ATTNGEN_CACHE_DIR": tmp})
+        def run(spec, breakdown: bool):
+            t0 = time.perf_counter()
+            p = subprocess.run([sys.executable, "-c", _WARM_SCRIPT, spec.to_text(full=True), "", build_arch,
+                                "1" if gpu else "0", "1" if breakdown else "0"],
+                               capture_output=True, text=True, env=env, timeout=300)
+            wall = time.perf_counter() - t0
+            line = next((ln for ln in p.stdout.splitlines() if ln.startswith("ATTNGEN_BENCH ")), None)
+            if p.returncode != 0 or line is None:
+                err = (p.stderr.strip().splitlines() or ["?"])[-1]
+                return None, wall, err
+            return json.loads(line[len("ATTNGEN_BENCH "):]), wall, ""
+
+        what = "get_kernel" if gpu else "build (disk hit only: no module load without a GPU of this arch)"
+        for spec in specs:
+            m, wall, err = run(spec, False)
+            if m is None:
+                rows.append(_row("warm load, fresh process", spec.to_text(), None, "ms", TARGET_WARM_S * 1e3,
+                                 f"failed: {err[:200]}"))
+                continue
+            origin_note = "" if m["origin"] == "disk" else f"; WARNING: origin {m['origin']}, not disk"
+            rows.append(_row(f"warm {what}, fresh process", spec.to_text(), m["get_kernel_s"] * 1e3, "ms",
+                             TARGET_WARM_S * 1e3, f"origin {m['origin']}{origin_note}"))
+            extra = (f"; import cupy {m['import_cupy_s'] * 1e3:.0f} ms and CUDA context "
+                     f"{m['cuda_init_s'] * 1e3:.0f} ms not counted") if gpu else ""
+            rows.append(_row("import attngen + the above", spec.to_text(),
+                             (m["import_attngen_s"] + m["get_kernel_s"]) * 1e3, "ms", None,
+                             f"import attngen {m['import_attngen_s'] * 1e3:.0f} ms; whole process "
+                             f"{wall * 1e3:.0f} ms wall{extra}"))
+        # Where a first request's time goes: the same in a fresh process, its one-time steps timed apart.
+        m, wall, err = run(specs[0], True)
+        if m is not None:
+            rows.append(_row("first request, part: NVRTC library load (nvrtc_version for the key)",
+                             specs[0].to_text(), m["nvrtc_load_s"] * 1e3, "ms", None, "diagnostic"))
+            rows.append(_row("first request, part: resolve + render (Jinja load)", specs[0].to_text(),
+                             m["render_s"] * 1e3, "ms", None, "diagnostic"))
+            rows.append(_row(f"first request, part: the rest of {what.split(' ')[0]}", specs[0].to_text(),
+                             m["get_kernel_s"] * 1e3, "ms", None, f"diagnostic; origin {m['origin']}"))
+    return rows
+
+
+def measure_repeat(specs: list, gpu: bool, build_arch: str, calls: int) -> list[dict]:
+    """The same spec requested again and again in one process."""
+    from . import cache as _cache
+
+    spec = specs[0]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="attngen-repeat-") as tmp, _cache_env(tmp):
+        if gpu:
+            from .runtime import get_kernel
+
+            import cupy
+
+            dev = cupy.cuda.runtime.getDevice()
+            get_kernel(spec)
+            variants = [("get_kernel(spec)", lambda: get_kernel(spec)),
+                        (f"get_kernel(spec, device={dev}) (as prefill calls it)", lambda: get_kernel(spec, device=dev))]
+            for label, fn in variants:
+                fn()
+                best = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        fn()
+                    best.append((time.perf_counter() - t0) / calls * 1e6)
+                rows.append(_row(f"repeat {label}", spec.to_text(), statistics.median(best), "µs",
+                                 TARGET_REPEAT_US, f"{calls} calls, median of 3"))
+        else:
+            _cache.build(spec, build_arch)
+            n = max(1, min(calls, 2000))
+            t0 = time.perf_counter()
+            for _ in range(n):
+                r = _cache.build(spec, build_arch)
+            us = (time.perf_counter() - t0) / n * 1e6
+            rows.append(_row("repeat cache.build (memory hit; get_kernel needs a GPU of this arch)", spec.to_text(),
+                             us, "µs", None, f"{n} calls, origin {r.origin}; build() re-renders and re-hashes each call, "
+                                   "get_kernel's own dict skips that"))
+        _cache.clear_memory()
+    return rows
+
+
+def measure_overhead(calls: int, batches: int) -> list[dict]:
+    """Host time per call of attngen.prefill vs SDPA on tiny inputs (B=1, S=128, H=8, D=64, bf16)."""
+    import torch
+    import torch.nn.functional as F
+
+    import attngen
+
+    q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    out = torch.empty_like(q)
+    cands = [
+        ("attngen.prefill(q, k, v)", lambda: attngen.prefill(q, k, v), TARGET_OVERHEAD_US),
+        ("attngen.prefill(q, k, v, out=out)", lambda: attngen.prefill(q, k, v, out=out), None),
+        ("attngen.prefill(q, k, v, causal=True)", lambda: attngen.prefill(q, k, v, causal=True), None),
+        ("SDPA (default dispatch)", lambda: F.scaled_dot_product_attention(qt, kt, vt), None),
+    ]
+    try:
+        from torch.nn.attention import sdpa_kernel
+
+        def flash():
+            with sdpa_kernel(_sdpa_backend("flash")):
+                return F.scaled_dot_product_attention(qt, kt, vt)
+
+        cands.append(("SDPA in sdpa_kernel(FLASH_ATTENTION)", flash, None))
+    except Exception:
+        pass
+    rows = []
+    for label, fn, target in cands:
+        try:
+            for _ in range(50):
+                fn()
+            torch.cuda.synchronize()
+            per = []
+            for _ in range(batches):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                per.append((time.perf_counter() - t0) / calls * 1e6)
+                torch.cuda.synchronize()
+            rows.append(_row(f"host time per call: {label}", "B=1 S=128 H=8 D=64 bf16", statistics.median(per),
+                             "µs", target, f"{calls} calls x {batches} batches, median"))
+        except Exception as e:
+            rows.append(_row(f"host time per call: {label}", "B=1 S=128 H=8 D=64 bf16", None, "µs", target,
+                             f"failed: {_short_error(e)}"))
+    # How long the GPU work is: if it exceeds the host time, the queue fills and the host time is GPU time.
+    try:
+        ms, _ = bench_ms(lambda: attngen.prefill(q, k, v, out=out), 10, 50)
+        rows.append(_row("GPU time per call: attngen.prefill (for reference)", "B=1 S=128 H=8 D=64 bf16",
+                         ms * 1e3, "µs", None, "if this exceeds the host time, the host numbers are GPU-bound"))
+    except Exception:
+        pass
+    return rows
+
+
+def _value_str(r: dict) -> str:
+    v = r.get("value")
+    if v is None:
+        return "—"
+    return f"{v:.3f} s" if r["unit"] == "s" else f"{v:.2f} {r['unit']}" if v < 100 else f"{v:.0f} {r['unit']}"
+
+
+def _target_str(r: dict) -> str:
+    t = r.get("target")
+    if t is None:
+        return "—"
+    return f"≤ {t:g} {r['unit']}"
+
+
+def jit_text(data: dict) -> list[str]:
+    rows = data.get("rows", [])
+    w0 = max([len(r["metric"]) for r in rows] + [6])
+    w1 = max([len(r["spec"]) for r in rows] + [4])
+    lines = [f"{'metric':<{w0}}  {'spec':<{w1}}  {'value':>11}  {'target':>10}  status / note"]
+    for r in rows:
+        note = f"  [{r['note']}]" if r.get("note") else ""
+        lines.append(f"{r['metric']:<{w0}}  {r['spec']:<{w1}}  {_value_str(r):>11}  {_target_str(r):>10}  "
+                     f"{r['status']}{note}")
+    return lines
+
+
+def jit_markdown(data: dict) -> str:
+    env = data.get("env", {})
+    lines = ["## JIT latency", ""] + [f"- {ln}" for ln in env_lines(env)]
+    cfg = data.get("config", {})
+    lines += [f"- arch: {cfg.get('arch', '?')}; cold = fresh empty disk cache and cleared in-process layer; warm = "
+              "populated disk cache, measured in a fresh Python process", ""]
+    lines.append("| metric | spec | measured | target | status | note |")
+    lines.append("|---|---|---:|---:|---|---|")
+    for r in data.get("rows", []):
+        lines.append(f"| {r['metric']} | `{r['spec']}` | {_value_str(r)} | {_target_str(r)} | {r['status']} | "
+                     f"{r.get('note', '')} |")
+    skipped = data.get("skipped") or []
+    if skipped:
+        lines += [""] + [f"- skipped: {s}" for s in skipped]
+    return "\n".join(lines) + "\n"
+
+
+def _finish_jit(data: dict, args: argparse.Namespace) -> None:
+    for ln in jit_text(data):
+        _say(ln)
+    for s in data.get("skipped") or []:
+        _say(f"skipped: {s}")
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(jit_markdown(data))
+        _say(f"wrote {args.markdown}")
+
+
+def cmd_jit(args: argparse.Namespace) -> int:
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        for ln in env_lines(data.get("env", {})):
+            _say(ln)
+        _finish_jit(data, args)
+        return 0
+    from .arch import get_arch
+    from .errors import AttngenError
+    from .spec import parse_spec
+
+    measures = {m.strip() for m in args.measure.split(",") if m.strip()}
+    unknown = measures - {"cold", "warm", "repeat", "overhead"}
+    if unknown:
+        _say(f"--measure: unknown {', '.join(sorted(unknown))}; allowed: cold, warm, repeat, overhead",
+             file=sys.stderr)
+        return 2
+    try:
+        specs = ([parse_spec(s) for s in args.spec] if args.spec
+                 else default_jit_specs(args.head_dims or HEAD_DIMS, _CAUSAL[args.causal]))
+        arch = get_arch(args.arch).name if args.arch else None
+    except AttngenError as e:
+        _say(f"error: {e}", file=sys.stderr)
+        return 2
+    gpu = have_gpu()
+    if gpu:
+        try:
+            import cupy
+
+            from .runtime import device_arch
+
+            dev_arch = device_arch(cupy.cuda.runtime.getDevice()).name
+        except Exception as e:
+            _say(f"error: cannot query the GPU: {e}", file=sys.stderr)
+            return 2
+    else:
+        dev_arch = None
+    build_arch = arch or dev_arch
+    gpu_load = gpu and build_arch == dev_arch   # can this GPU load what is built? else measure build() alone
+    if build_arch is None:
+        _say("error: no GPU here: pass --arch (e.g. --arch sm_90) to measure the cold compile", file=sys.stderr)
+        return 2
+    env = environment(gpu=gpu)
+    for ln in env_lines(env):
+        _say(ln)
+    order = [m for m in ("cold", "warm", "repeat", "overhead") if m in measures]
+    _say(f"arch {build_arch}; {len(specs)} spec(s); measuring {', '.join(order)}")
+    data: dict[str, Any] = {"benchmark": "jit", "env": env, "rows": [], "skipped": [],
+                            "config": {"arch": build_arch, "specs": [s.to_text() for s in specs], "gpu": gpu,
+                                       "targets": {"cold_s": TARGET_COLD_S, "warm_ms": TARGET_WARM_S * 1e3,
+                                                   "repeat_us": TARGET_REPEAT_US,
+                                                   "overhead_us": TARGET_OVERHEAD_US}}}
+    json_path = Path(args.out) / "bench_jit.json" if args.out else None
+
+    def save():
+        if json_path:
+            write_json(json_path, data)
+
+    if "cold" in measures:
+        data["rows"] += measure_cold(specs, build_arch, args.cold_reps)
+        if gpu_load:
+            from . import cache as _cache
+            from .runtime import clear_loaded, get_kernel
+
+            for spec in specs[:1]:
+                with tempfile.TemporaryDirectory(prefix="attngen-coldget-") as tmp, _cache_env(tmp):
+                    _cache.clear_memory()
+                    clear_loaded()
+                    t0 = time.perf_counter()
+                    k = get_kernel(spec)
+                    dt = time.perf_counter() - t0
+                    clear_loaded()
+                    _cache.clear_memory()
+                data["rows"].append(_row("cold get_kernel (compile + store + load)", spec.to_text(), dt, "s", None,
+                                         f"origin {k.origin}"))
+        save()
+    if "warm" in measures:
+        data["rows"] += measure_warm(specs, gpu_load, build_arch)
+        save()
+    if "repeat" in measures:
+        try:
+            data["rows"] += measure_repeat(specs, gpu_load, build_arch, args.repeat_calls)
+        except Exception as e:
+            data["skipped"].append(f"repeat: {_short_error(e)}")
+        if not gpu_load:
+            data["skipped"].append("repeat get_kernel: needs a GPU of --arch (measured cache.build memory hits "
+                                   "instead)")
+        save()
+    if "overhead" in measures:
+        if gpu:
+            try:
+                import torch
+
+                if not torch.cuda.is_available():
+                    raise RuntimeError("torch.cuda.is_available() is False")
+                data["rows"] += measure_overhead(args.overhead_calls, args.overhead_batches)
+            except Exception as e:
+                data["skipped"].append(f"prefill host overhead: {_short_error(e)}")
+        else:
+            data["skipped"].append("prefill host overhead: needs a GPU")
+        save()
+    _say("")
+    _finish_jit(data, args)
+    if json_path:
+        _say(f"wrote {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

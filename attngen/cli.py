@@ -1,0 +1,513 @@
+"""The ``attngen`` command: ``prewarm``, ``inspect``, ``cache ls|stats|clear`` and ``bench``.
+
+Exit codes: 0 success; 1 some kernel of a ``prewarm`` failed to build; 2 the request itself
+was refused (bad spec, arch, manifest or option; compile or cache errors of ``inspect``), as
+argparse does for usage errors. An error is always printed on stderr and never exits 0; with
+``--json`` the error is also printed on stdout as ``{"ok": false, "error": {...}}`` so that a
+machine reading stdout sees it.
+
+Everything that depends on the environment (cache root, CPU count, terminal) is read when a
+command runs, never at import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from typing import Any, Callable, TextIO
+
+from . import cache as _cache
+from .__version__ import __version__
+from .arch import Arch, get_arch, parse_arch_list
+from .compiler import compile as nvrtc_compile, compile_options
+from .errors import AttngenError, CacheError, CompileError, SpecError
+from .manifest import ManifestError, default_manifest_path, expand, load_manifest
+from .render import render
+from .spec import Spec, parse_spec, resolve
+
+PROG = "attngen"
+
+
+# --- entry point -----------------------------------------------------------------------------
+
+def main(argv: "list[str] | None" = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # bench owns its whole argument list (its own options and --help), so it bypasses argparse.
+    if argv and argv[0] == "bench":
+        return _run_bench(argv[1:])
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # usage errors (2) and --help/--version (0), returned rather than raised
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    as_json = bool(getattr(args, "json", False))
+    try:
+        return int(args.func(args))
+    except AttngenError as e:
+        _report_error(e, as_json)
+        return 2
+    except OSError as e:  # e.g. a cache root that cannot be listed or removed
+        _report_error(e, as_json)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, description="Attention kernels generated from specs: pre-warm, inspect and manage the cubin cache.")
+    p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    pw = sub.add_parser("prewarm", help="compile every kernel of a manifest into the cache",
+                        description="Compile every spec of a TOML manifest for each of its archs, in parallel, "
+                                    "into the cache (ATTNGEN_CACHE_DIR). Exits 1 if any kernel failed.")
+    pw.add_argument("--manifest", metavar="FILE",
+                    help="TOML manifest (default: the shipped default manifest)")
+    pw.add_argument("--arch", type=_arch_list, metavar="ARCHS",
+                    help="comma-separated archs, e.g. sm_80,sm_90; replaces the manifest's archs")
+    pw.add_argument("--jobs", "-j", type=_positive_int, metavar="N",
+                    help="parallel compile processes (default: the number of CPUs)")
+    pw.add_argument("--json", action="store_true", help="print one JSON object (summary and items) on stdout")
+    pw.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+    pw.set_defaults(func=cmd_prewarm)
+
+    ins = sub.add_parser("inspect", help="show a kernel's source, PTX, resources or cache key",
+                         description="Show what attngen builds for SPEC on ARCH. Without a flag: the rendered "
+                                     "CUDA source. Flags combine.")
+    ins.add_argument("spec", metavar="SPEC", help="e.g. prefill:head_dim=128,dtype=bf16,mask=causal")
+    ins.add_argument("--arch", type=_one_arch, default="sm_90", metavar="ARCH", help="target arch (default: sm_90)")
+    ins.add_argument("--source", action="store_true", help="the rendered CUDA source (the default)")
+    ins.add_argument("--ptx", action="store_true", help="the PTX NVRTC generates (not cached)")
+    ins.add_argument("--resources", action="store_true",
+                     help="registers, shared memory and spills (builds through the cache)")
+    ins.add_argument("--key", action="store_true", help="the cache key and the material it hashes")
+    ins.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    ins.set_defaults(func=cmd_inspect)
+
+    c = sub.add_parser("cache", help="list, summarise or clear the cubin cache",
+                       description="The on-disk cache under ATTNGEN_CACHE_DIR (else the user cache directory).")
+    csub = c.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
+    for name, func, text in (("ls", cmd_cache_ls, "list entries"),
+                             ("stats", cmd_cache_stats, "count entries, bytes and compile time"),
+                             ("clear", cmd_cache_clear, "remove every entry")):
+        sp = csub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+        sp.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+        sp.set_defaults(func=func)
+
+    # Listed for --help only: main() hands "bench ..." to attngen.bench before argparse runs.
+    sub.add_parser("bench", help="benchmarks (arguments go to attngen.bench)", add_help=False)
+    return p
+
+
+def _arch_list(text: str) -> list[Arch]:
+    try:
+        return parse_arch_list(text)
+    except SpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _one_arch(text: str) -> Arch:
+    try:
+        return get_arch(text)
+    except SpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a positive integer")
+    return n
+
+
+def _report_error(e: BaseException, as_json: bool) -> None:
+    print(f"{PROG}: error: {e}", file=sys.stderr)
+    if as_json:
+        err: dict[str, Any] = {"type": type(e).__name__, "message": str(e)}
+        if isinstance(e, SpecError):
+            err.update(field=e.field, value=e.value, allowed=e.allowed, reason=e.reason)
+        _print_json({"ok": False, "error": err})
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+# --- prewarm ---------------------------------------------------------------------------------
+
+def cmd_prewarm(args: argparse.Namespace) -> int:
+    manifest_path = args.manifest if args.manifest is not None else default_manifest_path()
+    manifest = load_manifest(manifest_path)
+    items = expand(manifest, args.arch)
+    if not items:
+        asked = ", ".join(a.name for a in args.arch) if args.arch else "its archs"
+        raise ManifestError(f"manifest {manifest_path} gives nothing to build for {asked}")
+    jobs = args.jobs or os.cpu_count() or 1
+    progress = Progress(len(items), sys.stderr, enabled=not args.quiet)
+    t0 = time.perf_counter()
+    try:
+        results = run_prewarm(items, jobs=jobs, on_result=progress.update)
+    finally:
+        progress.close()
+    wall = time.perf_counter() - t0
+    summary = summarize(results, wall)
+    summary.update(manifest=str(manifest_path), cache_root=str(_cache.cache_root()), jobs=min(jobs, len(items)),
+                   archs=list(dict.fromkeys(r["arch"] for r in results)))
+    failures = [r for r in results if r["error"]]
+    for r in failures:
+        print(f"{PROG}: failed: {r['spec']} on {r['arch']}:\n{_indent(r['error'])}", file=sys.stderr)
+    if args.json:
+        _print_json({**summary, "items": results})
+    else:
+        print(f"prewarm: {summary['total']} kernels for {', '.join(summary['archs'])} from {manifest_path}")
+        print(f"  compiled {summary['compiled']}, cache hits {summary['cache_hits']}, failed {summary['failed']}")
+        print(f"  wall {summary['wall_seconds']:.1f} s with {summary['jobs']} jobs; "
+              f"compile time summed {summary['compile_seconds']:.1f} s")
+        print(f"  cache: {summary['cache_root']}")
+    return 1 if failures else 0
+
+
+def run_prewarm(items: "list[tuple[Spec, Arch | str]]", *, jobs: int | None = None,
+                on_result: "Callable[[dict], None] | None" = None) -> list[dict]:
+    """Build every (spec, arch) into the cache; one result dict per item, in the items' order.
+
+    With more than one job, builds run in worker processes (spawned, so no CUDA or lock state
+    is inherited); the workers read ATTNGEN_CACHE_DIR from the environment they start with. A
+    failing item never stops the others.
+    """
+    jobs = jobs or os.cpu_count() or 1
+    work = [(i, spec.to_dict(), get_arch(arch).name) for i, (spec, arch) in enumerate(items)]
+    results: list[dict | None] = [None] * len(work)
+
+    def done(r: dict) -> None:
+        results[r["index"]] = r
+        if on_result is not None:
+            on_result(r)
+
+    workers = min(jobs, len(work))
+    if workers <= 1:
+        for w in work:
+            done(build_item(*w))
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            futures = {pool.submit(build_item, *w): w for w in work}
+            try:
+                for fut in cf.as_completed(futures):
+                    try:
+                        r = fut.result()
+                    except Exception as e:  # the worker died (BrokenProcessPool) or could not be reached
+                        i, spec_dict, arch = futures[fut]
+                        r = _failed_item(i, spec_dict, arch, f"worker process failed: {type(e).__name__}: {e}")
+                    done(r)
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+    return [r for r in results if r is not None]
+
+
+def build_item(index: int, spec_dict: dict, arch: str) -> dict:
+    """One prewarm item through ``attngen.cache.build``; runs in a worker process. Plain data in and out."""
+    t0 = time.perf_counter()
+    try:
+        spec = parse_spec(spec_dict)
+        r = _cache.build(spec, arch)
+    except AttngenError as e:
+        return _failed_item(index, spec_dict, arch, str(e), time.perf_counter() - t0, type(e).__name__)
+    except Exception as e:  # a bug in one stage must not take the other items down with it
+        return _failed_item(index, spec_dict, arch, f"{type(e).__name__}: {e}", time.perf_counter() - t0,
+                            type(e).__name__)
+    res = r.binary.resources
+    error = None
+    if not r.stored:
+        # The point of prewarm is the disk copy: a kernel that only lives in this worker's memory is lost.
+        error = f"compiled but not stored: the cache root {_cache.cache_root()} cannot be written"
+    return {
+        "index": index,
+        "spec": spec.to_text(),
+        "spec_resolved": r.spec.to_text(full=True),
+        "arch": arch,
+        "key": r.key,
+        "kernel_name": r.binary.kernel_name,
+        "origin": r.origin,
+        "registers": res.registers,
+        "smem_static": res.smem_static,
+        "smem_dynamic": r.spec.smem_bytes(),
+        "spill_stores": res.spill_stores,
+        "spill_loads": res.spill_loads,
+        # For a hit this is the time the original compile took, as recorded in the entry.
+        "compile_seconds": round(r.binary.compile_seconds, 4),
+        "seconds": round(time.perf_counter() - t0, 4),
+        "error": error,
+        "error_type": "CacheError" if error else None,
+    }
+
+
+def _failed_item(index: int, spec_dict: dict, arch: str, error: str, seconds: float = 0.0,
+                 error_type: str = "Error") -> dict:
+    try:
+        text = parse_spec(spec_dict).to_text()
+    except AttngenError:
+        text = json.dumps(spec_dict, sort_keys=True)
+    return {"index": index, "spec": text, "spec_resolved": None, "arch": arch, "key": None,
+            "kernel_name": None, "origin": "failed", "registers": None, "smem_static": None,
+            "smem_dynamic": None, "spill_stores": None, "spill_loads": None, "compile_seconds": None,
+            "seconds": round(seconds, 4), "error": error, "error_type": error_type}
+
+
+def summarize(results: list[dict], wall_seconds: float) -> dict:
+    compiled = [r for r in results if r["origin"] == "compiled"]
+    return {
+        "ok": not any(r["error"] for r in results),
+        "total": len(results),
+        "compiled": len(compiled),
+        "cache_hits": sum(1 for r in results if r["origin"] in ("disk", "memory")),
+        "failed": sum(1 for r in results if r["error"]),
+        "wall_seconds": round(wall_seconds, 3),
+        # Only what this run compiled: with N jobs, wall is about this sum / N.
+        "compile_seconds": round(sum(r["compile_seconds"] or 0 for r in compiled), 3),
+    }
+
+
+class Progress:
+    """``[done/total]`` progress on a stream: one rewritten line on a terminal, plain lines otherwise."""
+
+    def __init__(self, total: int, stream: TextIO, *, enabled: bool = True):
+        self.total = total
+        self.stream = stream
+        self.enabled = enabled
+        self.done = 0
+        self.failed = 0
+        self.tty = enabled and _isatty(stream)
+        self._open = False
+
+    def update(self, r: dict) -> None:
+        self.done += 1
+        self.failed += bool(r["error"])
+        if not self.enabled:
+            return
+        status = "FAILED" if r["error"] else ("compiled" if r["origin"] == "compiled" else "hit")
+        counter = f"[{self.done}/{self.total}]"
+        if self.tty:
+            width = shutil.get_terminal_size((100, 20)).columns
+            filled = self.done * 20 // max(1, self.total)
+            bar = "#" * filled + "." * (20 - filled)
+            fails = f" {self.failed} failed" if self.failed else ""
+            line = f"{counter} {bar}{fails} {status} {r['arch']} {r['spec']}"
+            line = line[: max(10, width - 1)]
+            self.stream.write("\r" + line.ljust(max(10, width - 1)))
+            self._open = True
+        else:
+            secs = r.get("seconds") or 0.0
+            self.stream.write(f"{counter} {status:8} {r['arch']:7} {r['spec']} ({secs:.2f} s)\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self._open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._open = False
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line for line in str(text).splitlines())
+
+
+# --- inspect ---------------------------------------------------------------------------------
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    arch: Arch = args.arch
+    spec = parse_spec(args.spec)
+    resolved = resolve(spec, arch)
+    source = render(resolved)
+    want_source = args.source or not (args.ptx or args.resources or args.key)
+    out: dict[str, Any] = {"ok": True, "spec": spec.to_text(), "spec_resolved": resolved.to_text(full=True),
+                           "arch": arch.name, "kernel_name": resolved.kernel_name}
+    sections: list[tuple[str, str]] = []
+    if want_source:
+        out["source"] = source
+        sections.append(("source", source))
+    if args.ptx:
+        ptx = nvrtc_compile(source, arch, kernel_name=resolved.kernel_name, want_ptx=True).ptx
+        if not ptx:
+            raise CompileError(f"NVRTC returned no PTX for {resolved.kernel_name} on {arch.name}",
+                               name=resolved.kernel_name)
+        out["ptx"] = ptx
+        sections.append(("ptx", ptx))
+    if args.resources:
+        r = _cache.build(resolved, arch)
+        res = r.binary.resources
+        out["resources"] = {**res.to_dict(), "smem_dynamic": resolved.smem_bytes(), "threads": resolved.threads,
+                            "key": r.key, "origin": r.origin, "stored": r.stored,
+                            "compile_seconds": round(r.binary.compile_seconds, 4)}
+        sections.append(("resources", "\n".join([
+            f"spec        {resolved.to_text(full=True)}",
+            f"arch        {arch.name}",
+            f"kernel      {resolved.kernel_name}",
+            f"registers   {res.registers} per thread ({resolved.threads} threads per block)",
+            f"smem        {resolved.smem_bytes()} B dynamic + {res.smem_static} B static "
+            f"(limit {arch.smem_per_block} B per block)",
+            f"spills      {res.spill_stores} B stores, {res.spill_loads} B loads",
+            f"stack frame {res.stack_frame} B",
+            f"cache       {r.origin} ({r.key})",
+        ]) + "\n"))
+    if args.key:
+        material = _cache.key_material(resolved, arch, source, compile_options(arch))
+        key = _cache.key_of(material)
+        out["key"] = key
+        out["key_material"] = material
+        sections.append(("key", f"key {key}\nmaterial\n" + json.dumps(material, indent=2, sort_keys=True) + "\n"))
+    if args.json:
+        _print_json(out)
+        return 0
+    for name, text in sections:
+        if len(sections) > 1:
+            sys.stdout.write(f"== {name} ==\n")
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+# --- cache -----------------------------------------------------------------------------------
+
+def _entry_row(disk: "_cache.DiskCache", e: "_cache.Entry") -> dict:
+    # A damaged entry (meta.json that is not an object, fields of the wrong type) is listed as
+    # invalid rather than taking the whole listing down.
+    meta = e.meta if isinstance(e.meta, dict) else {}
+    res = meta.get("resources") if isinstance(meta.get("resources"), dict) else {}
+    try:
+        valid = disk.get(e.key) is not None
+    except Exception:
+        valid = False
+    try:
+        text = parse_spec(meta["spec"]).to_text()
+    except (AttngenError, KeyError, TypeError):
+        text = meta.get("spec_text")
+    try:
+        size = e.size
+    except OSError:  # removed while we listed it
+        size = 0
+    return {
+        "key": e.key,
+        "valid": valid,
+        "spec": text,
+        "arch": meta.get("arch"),
+        "kernel_name": meta.get("kernel_name"),
+        "registers": res.get("registers"),
+        "smem_static": res.get("smem_static"),
+        "smem_dynamic": meta.get("smem_dynamic"),
+        "spill_stores": res.get("spill_stores"),
+        "spill_loads": res.get("spill_loads"),
+        "bytes": size,
+        "compile_seconds": meta.get("compile_seconds"),
+        "created": meta.get("created"),
+        "path": str(e.path),
+    }
+
+
+def cmd_cache_ls(args: argparse.Namespace) -> int:
+    disk = _cache.DiskCache()
+    rows = [_entry_row(disk, e) for e in disk.entries()]
+    if args.json:
+        _print_json({"ok": True, "root": str(disk.root), "entries": rows})
+        return 0
+    if not rows:
+        print(f"no entries in {disk.root}", file=sys.stderr)
+        return 0
+    table = [("KEY", "ARCH", "REGS", "SPILLS", "SIZE", "CREATED", "SPEC")]
+    for r in rows:
+        spills = "?" if r["spill_stores"] is None else f"{r['spill_stores']}/{r['spill_loads']}"
+        table.append((r["key"][:12], r["arch"] or "?", "?" if r["registers"] is None else str(r["registers"]),
+                      spills, _size(r["bytes"]), r["created"] or "?",
+                      (r["spec"] or "?") + ("" if r["valid"] else "  [invalid]")))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+    for row in table:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+    return 0
+
+
+def cmd_cache_stats(args: argparse.Namespace) -> int:
+    stats = _cache.DiskCache().stats()
+    if args.json:
+        _print_json({"ok": True, **stats})
+        return 0
+    print(f"root             {stats['root']}")
+    print(f"entries          {stats['entries']}" + (f" (+{stats['invalid']} invalid)" if stats["invalid"] else ""))
+    print(f"size             {_size(stats['bytes'])}")
+    print(f"by arch          " + (", ".join(f"{a}: {n}" for a, n in stats["by_arch"].items()) or "-"))
+    print(f"compile seconds  {stats['compile_seconds']}")
+    return 0
+
+
+def cmd_cache_clear(args: argparse.Namespace) -> int:
+    disk = _cache.DiskCache()
+    removed = disk.clear()
+    left = len(disk.entries())
+    if left:
+        # rmtree ignores errors; an entry that is still there is a failure, not a quiet success.
+        raise CacheError(f"cache clear removed {removed - left} of {removed} entries under {disk.root}; "
+                                f"{left} could not be removed (permissions?)")
+    if args.json:
+        _print_json({"ok": True, "root": str(disk.root), "removed": removed})
+    else:
+        print(f"removed {removed} entries from {disk.root}")
+    return 0
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    size = float(n)
+    for unit in ("KiB", "MiB", "GiB"):
+        size /= 1024
+        if size < 1024 or unit == "GiB":
+            break
+    return f"{size:.1f} {unit}"
+
+
+# --- bench -----------------------------------------------------------------------------------
+
+def _run_bench(argv: list[str]) -> int:
+    import importlib
+
+    try:
+        bench = importlib.import_module("attngen.bench")
+    except ModuleNotFoundError as e:
+        if e.name == "attngen.bench":
+            print(f"{PROG}: error: 'attngen bench' is not available in this install (no module attngen.bench)",
+                  file=sys.stderr)
+        else:
+            print(f"{PROG}: error: 'attngen bench' needs the module {e.name!r}, which is not installed",
+                  file=sys.stderr)
+        return 2
+    entry = getattr(bench, "main", None)
+    if not callable(entry):
+        print(f"{PROG}: error: attngen.bench has no main(argv) function", file=sys.stderr)
+        return 2
+    try:
+        rc = entry(argv)
+    except AttngenError as e:
+        _report_error(e, False)
+        return 2
+    except SystemExit as e:  # a bench built on argparse exits on usage errors
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    return int(rc or 0)

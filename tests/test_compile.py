@@ -1,0 +1,208 @@
+"""Compiling with NVRTC (no GPU needed): cubins per arch, resource reports, compile errors."""
+
+import functools
+import pickle
+import struct
+
+import pytest
+
+from attngen.arch import get_arch
+from attngen.compiler import Binary, Resources, compile, compile_options, nvrtc_version, parse_resources
+from attngen.errors import AttngenError, CompileError
+from attngen.render import render
+from attngen.spec import parse_spec, resolve
+
+ALL_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120")
+EM_CUDA = 190
+
+# Two specs an arch: one common to all, one that rotates so every head dim, both dtypes and
+# every mask reach NVRTC somewhere. Kept small: each compile is about half a second.
+COMMON = "prefill:head_dim=128,dtype=bf16,mask=causal"
+ROTATING = {
+    "sm_80": "prefill:head_dim=64",
+    "sm_86": "prefill:head_dim=96,dtype=fp16,mask=sliding_window,return_lse=true",
+    "sm_89": "prefill:head_dim=192,dtype=bf16,mask=causal,return_lse=true",
+    "sm_90": "prefill:head_dim=256",
+    "sm_90a": "prefill:head_dim=64,dtype=fp16,mask=causal,return_lse=true",
+    "sm_100": "prefill:head_dim=96,dtype=bf16,mask=none",
+    "sm_120": "prefill:head_dim=256,dtype=fp16,mask=sliding_window",
+}
+CASES = [(a, COMMON) for a in ALL_ARCHS] + list((a, t) for a, t in ROTATING.items())
+
+
+@functools.lru_cache(maxsize=None)
+def built(text: str, arch: str):
+    spec = resolve(parse_spec(text), arch)
+    source = render(spec)
+    return spec, source, compile(source, arch, kernel_name=spec.kernel_name)
+
+
+def _elf_sm(cubin: bytes) -> int:
+    """The SM number a CUDA ELF is built for, from its e_flags."""
+    (e_flags,) = struct.unpack_from("<I", cubin, 48)
+    return (e_flags >> 8) & 0xFF if cubin[8] >= 8 else e_flags & 0xFF
+
+
+@pytest.mark.parametrize("arch, text", CASES, ids=[f"{a}-{t.split(':')[1]}" for a, t in CASES])
+def test_compiles_a_cubin_for_the_exact_arch(arch, text):
+    spec, source, b = built(text, arch)
+    a = get_arch(arch)
+    assert isinstance(b, Binary)
+    assert b.cubin[:4] == b"\x7fELF"
+    assert b.cubin[4] == 2  # 64-bit
+    assert struct.unpack_from("<H", b.cubin, 18)[0] == EM_CUDA
+    assert _elf_sm(b.cubin) == a.major * 10 + a.minor
+    assert spec.kernel_name.encode() in b.cubin  # the extern "C" symbol, unmangled
+    assert b.kernel_name == spec.kernel_name
+    assert b.arch == a.name
+    assert b.options == compile_options(a)
+    assert b.nvrtc_version == nvrtc_version()
+    assert f"Compiling entry function '{spec.kernel_name}' for '{a.name}'" in b.log
+    assert b.compile_seconds > 0
+    assert b.ptx == ""  # not asked for
+    r = b.resources
+    assert 0 < r.registers <= a.max_regs_per_thread
+    assert r.registers * spec.threads <= a.regs_per_sm, "a block could never be resident"
+    assert r.smem_static + spec.smem_bytes() <= a.smem_per_block
+    assert pickle.loads(pickle.dumps(b)) == b
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_default_tunings_do_not_spill(arch, head_dim):
+    text = COMMON if head_dim == 128 else f"prefill:head_dim={head_dim}"
+    spec, _, b = built(text, arch)
+    assert spec.head_dim == head_dim
+    r = b.resources
+    assert (r.spill_stores, r.spill_loads, r.stack_frame) == (0, 0, 0), (spec.to_text(full=True), r, b.log)
+
+
+def test_sm90_and_sm90a_are_separate_targets():
+    _, _, plain = built(COMMON, "sm_90")
+    _, _, specific = built(COMMON, "sm_90a")
+    assert "for 'sm_90a'" in specific.log and "for 'sm_90'" in plain.log
+    assert plain.options != specific.options
+
+
+def test_ptx_on_request():
+    spec = resolve(parse_spec("prefill:head_dim=64"), "sm_90a")
+    b = compile(render(spec), "sm_90a", kernel_name=spec.kernel_name, want_ptx=True)
+    assert f".entry {spec.kernel_name}(" in b.ptx
+    assert ".target sm_90a" in b.ptx
+    assert "mma.sync.aligned.m16n8k16" in b.ptx
+    assert "\x00" not in b.ptx
+
+
+def _inject(source: str, piece: str, offset: int, code: str) -> tuple[str, int]:
+    """Insert ``code`` ``offset`` lines into the bracketed ``piece``; returns (source, 1-based line)."""
+    lines = source.splitlines()
+    i = lines.index(f"// attngen:begin {piece}")
+    assert f"// attngen:end {piece}" not in lines[i:i + offset + 1]
+    lines.insert(i + offset, code)
+    return "\n".join(lines) + "\n", i + offset + 1
+
+
+def test_broken_source_raises_compile_error_with_log_lines_and_piece():
+    spec = resolve(parse_spec("prefill:head_dim=64"), "sm_80")
+    source, line = _inject(render(spec), "common/mask.cuh", 4, "int attngen_broken = undefined_symbol_xyz;")
+    with pytest.raises(CompileError) as ei:
+        compile(source, "sm_80", kernel_name=spec.kernel_name)
+    e = ei.value
+    assert isinstance(e, AttngenError)
+    text = str(e)
+    assert e.log and 'identifier "undefined_symbol_xyz" is undefined' in e.log
+    assert "NVRTC log:" in text and e.log.strip() in text
+    assert e.error_lines() == [line]
+    assert f"--- around line {line} (from common/mask.cuh) ---" in text
+    assert f">>{line:6d} | int attngen_broken = undefined_symbol_xyz;" in text
+    # Context lines are numbered too, without the marker.
+    assert f"  {line - 1:6d} | " in text and f"  {line + 1:6d} | " in text
+    assert text.count(">>") == 1
+    assert "--gpu-architecture=sm_80" in text
+    assert e.source == source and e.name == spec.kernel_name
+    assert e.options == compile_options("sm_80")
+
+
+def test_errors_in_two_pieces_each_get_their_origin():
+    spec = resolve(parse_spec("prefill:head_dim=128,mask=causal"), "sm_90")
+    source, l1 = _inject(render(spec), "common/ptx.cuh", 3, "static_assert(false, \"one\");")
+    source, l2 = _inject(source, "common/smem_tile.cuh", 2, "this is not cuda;")
+    with pytest.raises(CompileError) as ei:
+        compile(source, "sm_90", kernel_name=spec.kernel_name)
+    text = str(ei.value)
+    assert ei.value.error_lines()[:2] == [l1, l2]
+    assert f"--- around line {l1} (from common/ptx.cuh) ---" in text
+    assert f"--- around line {l2} (from common/smem_tile.cuh) ---" in text
+    assert f">>{l1:6d} | " in text and f">>{l2:6d} | " in text
+
+
+def test_error_in_the_family_template_names_no_piece():
+    spec = resolve(parse_spec("prefill:head_dim=64"), "sm_80")
+    lines = render(spec).splitlines()
+    i = lines.index("namespace attngen {", lines.index("// attngen:end common/prefill_fwd.cuh"))
+    lines.insert(i + 1, "constexpr int BAD = ;")
+    with pytest.raises(CompileError) as ei:
+        compile("\n".join(lines) + "\n", "sm_80", kernel_name=spec.kernel_name)
+    text = str(ei.value)
+    assert f"--- around line {i + 2} ---" in text
+    assert f">>{i + 2:6d} | constexpr int BAD = ;" in text
+
+
+def test_missing_header_is_a_compile_error():
+    src = '#include "attngen_no_such_header.cuh"\nextern "C" __global__ void k() {}\n'
+    with pytest.raises(CompileError) as ei:
+        compile(src, "sm_80", kernel_name="k")
+    assert "attngen_no_such_header.cuh" in str(ei.value)
+    assert ei.value.error_lines() == [1]
+    assert ">>     1 | #include" in str(ei.value)
+
+
+def test_source_without_the_named_entry_raises():
+    spec = resolve(parse_spec("prefill:head_dim=64"), "sm_80")
+    with pytest.raises(CompileError) as ei:
+        compile(render(spec), "sm_80", kernel_name=spec.kernel_name[:-1])  # a prefix is not the name
+    assert f"no entry function named {spec.kernel_name[:-1]}" in str(ei.value)
+    with pytest.raises(CompileError, match="no entry function named k"):
+        compile("__device__ int x;\n", "sm_80", kernel_name="k")
+
+
+def test_a_tiny_kernel_compiles_for_every_arch():
+    src = 'extern "C" __global__ void attngen_tiny(float* x) { x[threadIdx.x] *= 2.0f; }\n'
+    for arch in ALL_ARCHS:
+        b = compile(src, arch, kernel_name="attngen_tiny")
+        assert b.cubin[:4] == b"\x7fELF"
+        assert _elf_sm(b.cubin) == get_arch(arch).major * 10 + get_arch(arch).minor
+        assert b.resources.registers > 0
+
+
+SAMPLE_LOG = """\
+ptxas info    : 36 bytes gmem, 96 bytes cmem[4]
+ptxas info    : Compiling entry function 'attngen_k1' for 'sm_80'
+ptxas info    : Function properties for attngen_k1
+ptxas         .     24 bytes stack frame, 16 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 520 bytes cmem[0]
+ptxas info    : Compile time = 92.197 ms
+ptxas info    : Compiling entry function 'attngen_k10' for 'sm_80'
+ptxas info    : Function properties for attngen_k10
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers, 4096 bytes smem, 380 bytes cmem[0]
+ptxas info    : Compile time = 11.000 ms
+"""
+
+
+def test_parse_resources_per_entry():
+    assert parse_resources(SAMPLE_LOG, "attngen_k1") == Resources(
+        registers=255, smem_static=0, stack_frame=24, spill_stores=16, spill_loads=12)
+    # 'attngen_k1' is a prefix of 'attngen_k10': the quotes keep them apart.
+    assert parse_resources(SAMPLE_LOG, "attngen_k10") == Resources(
+        registers=40, smem_static=4096, stack_frame=0, spill_stores=0, spill_loads=0)
+
+
+def test_parse_resources_single_and_empty():
+    one = SAMPLE_LOG.split("ptxas info    : Compiling entry function 'attngen_k10'")[0]
+    assert parse_resources(one) == Resources(registers=255, smem_static=0, stack_frame=24, spill_stores=16,
+                                             spill_loads=12)
+    assert parse_resources("") == Resources()
+    r = parse_resources(SAMPLE_LOG, "attngen_k10")
+    assert Resources.from_dict(r.to_dict()) == r
+    assert Resources.from_dict({"registers": "7"}) == Resources(registers=7)

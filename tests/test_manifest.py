@@ -1,0 +1,175 @@
+"""Pre-warm manifests: loading, validation, expansion, and the shipped default manifest (no compiles)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import attngen
+from attngen.arch import get_arch
+from attngen.errors import SpecError
+from attngen.manifest import (ManifestError, default_manifest_path, expand, load_manifest,
+                              manifest_from_dict)
+from attngen.spec import MaskMode, resolve, validate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write(tmp_path: Path, text: str, name: str = "m.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_lists_expand_to_their_product_and_scalars_stay(tmp_path):
+    m = load_manifest(write(tmp_path, """
+        archs = ["sm_80", "sm_90"]
+        [[kernel]]
+        family = "prefill"
+        head_dim = [64, 128]
+        dtype = ["fp16", "bf16"]
+        mask = ["none", "causal", "sliding_window"]
+        return_lse = true
+    """))
+    items = expand(m)
+    assert len(items) == 2 * 2 * 3 * 2
+    assert all(spec.return_lse for spec, _ in items)
+    assert {a.name for _, a in items} == {"sm_80", "sm_90"}
+    assert len({(s, a.name) for s, a in items}) == len(items)
+    # File order: the first field varies slowest, archs innermost.
+    assert [(s.head_dim, a.name) for s, a in items[:2]] == [(64, "sm_80"), (64, "sm_90")]
+
+
+def test_specs_come_back_as_written_not_resolved(tmp_path):
+    m = manifest_from_dict({"archs": ["sm_90"], "kernel": [{"family": "prefill", "head_dim": 128}]})
+    (spec, arch), = expand(m)
+    assert spec.cta_tile_q == 0 and arch == get_arch("sm_90")
+
+
+def test_group_archs_and_arch_override():
+    m = manifest_from_dict({
+        "archs": ["sm_80", "sm_86"],
+        "kernel": [
+            {"family": "prefill", "head_dim": 64},
+            {"family": "prefill", "head_dim": 128, "archs": ["sm_90"]},
+        ],
+    })
+    assert [(s.head_dim, a.name) for s, a in expand(m)] == [(64, "sm_80"), (64, "sm_86"), (128, "sm_90")]
+    # An override replaces the top-level archs and filters a group's own archs.
+    assert [(s.head_dim, a.name) for s, a in expand(m, ["sm_90"])] == [(64, "sm_90"), (128, "sm_90")]
+    assert [(s.head_dim, a.name) for s, a in expand(m, ["sm_120"])] == [(64, "sm_120")]
+
+
+def test_archs_accept_a_comma_string_and_aliases():
+    m = manifest_from_dict({"archs": "sm_80, 90", "kernel": [{"family": "prefill"}]})
+    assert [a.name for a in m.archs] == ["sm_80", "sm_90"]
+
+
+def test_overlapping_groups_and_default_spellings_build_once():
+    m = manifest_from_dict({
+        "archs": ["sm_90"],
+        "kernel": [
+            {"family": "prefill", "head_dim": [64, 128], "mask": "causal"},
+            {"family": "prefill", "head_dim": 128, "mask": ["causal", "none"]},
+        ],
+    })
+    items = expand(m)
+    assert [(s.head_dim, s.mask) for s, _ in items] == [(64, MaskMode.CAUSAL), (128, MaskMode.CAUSAL),
+                                                        (128, MaskMode.NONE)]
+    # Tuning fields written out at the values the arch would choose give the same kernel.
+    resolved = resolve(attngen.parse_spec("prefill:head_dim=128"), "sm_90")
+    tuning = {k: getattr(resolved, k) for k in ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages")}
+    m2 = manifest_from_dict({"archs": ["sm_90"], "kernel": [
+        {"family": "prefill", "head_dim": 128},
+        {"family": "prefill", "head_dim": 128, **tuning},
+    ]})
+    assert len(expand(m2)) == 1
+
+
+@pytest.mark.parametrize("table, field", [
+    ({"family": "prefill", "head_dimm": 128}, "head_dimm"),
+    ({"family": "prefill", "head_dim": [64, 100]}, "head_dim"),
+    ({"family": "prefill", "dtype": ["fp16", "fp8"]}, "dtype"),
+    ({"family": "prefill", "mask": []}, "mask"),
+    ({"family": "prefill", "head_dim": [64, 64]}, "head_dim"),
+    ({"family": "prefill", "head_dim": 1.5}, "head_dim"),
+    ({"family": "prefill", "dtype": {"a": 1}}, "dtype"),
+    ({"head_dim": 128}, "family"),
+    ({"family": "decode"}, "family"),
+    ({"family": "prefill", "archs": ["sm_75"]}, "arch"),
+    ({"family": "prefill", "archs": []}, "archs"),
+])
+def test_bad_kernel_tables_name_the_field(table, field):
+    with pytest.raises(SpecError) as ei:
+        manifest_from_dict({"archs": ["sm_90"], "kernel": [{"family": "prefill"}, table]})
+    assert ei.value.field == field
+    assert field in str(ei.value)
+    assert "[[kernel]] #2" in str(ei.value)
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"archs": ["sm_90"], "kernels": [{"family": "prefill"}]}, "kernels"),
+    ({"archs": ["sm_90"]}, "kernel"),
+    ({"kernel": [{"family": "prefill"}]}, "archs"),
+    ({"archs": ["sm_90"], "format": 2, "kernel": [{"family": "prefill"}]}, "format"),
+    ({"archs": ["sm_90"], "kernel": {"family": "prefill"}}, "kernel"),
+    ({"archs": [90], "kernel": [{"family": "prefill"}]}, "archs"),
+])
+def test_bad_top_level_names_the_field(data, field):
+    with pytest.raises(SpecError) as ei:
+        manifest_from_dict(data)
+    assert ei.value.field == field
+
+
+def test_a_spec_that_does_not_fit_an_arch_fails_at_expansion_naming_the_arch():
+    m = manifest_from_dict({"archs": ["sm_86"], "kernel": [{
+        "family": "prefill", "head_dim": 256, "cta_tile_q": 64, "num_warps": 4,
+        "cta_tile_kv": 128, "num_stages": 4}]})
+    with pytest.raises(SpecError) as ei:
+        expand(m)
+    assert "sm_86" in str(ei.value) and "[[kernel]] #1" in str(ei.value)
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ManifestError, match="not found"):
+        load_manifest(tmp_path / "nope.toml")
+    with pytest.raises(ManifestError, match="not valid TOML"):
+        load_manifest(write(tmp_path, "archs = [\n"))
+    with pytest.raises(ManifestError):
+        load_manifest(tmp_path)  # a directory
+    assert issubclass(ManifestError, attngen.AttngenError)
+
+
+# --- the shipped default manifest --------------------------------------------------------------
+
+def test_default_manifest_is_the_checkout_copy():
+    assert default_manifest_path() == ROOT / "cache" / "default.toml"
+
+
+def test_default_manifest_falls_back_to_the_package_copy(tmp_path, monkeypatch):
+    pkg = tmp_path / "site-packages" / "attngen"
+    (pkg / "manifests").mkdir(parents=True)
+    (pkg / "manifests" / "default.toml").write_text((ROOT / "cache" / "default.toml").read_text())
+    monkeypatch.setattr(attngen, "__file__", str(pkg / "__init__.py"))
+    assert default_manifest_path() == pkg / "manifests" / "default.toml"
+
+
+def test_default_manifest_validates_for_every_arch_it_lists():
+    m = load_manifest(None)
+    items = expand(m)  # resolves and validates every (spec, arch)
+    for spec, arch in items:
+        validate(resolve(spec, arch), arch)
+    archs = {a.name for _, a in items}
+    assert archs == {"sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"}
+    specs = {s for s, _ in items}
+    assert {s.head_dim for s in specs} >= {64, 128, 256}
+    assert {s.dtype.value for s in specs} == {"fp16", "bf16"}
+    assert {s.mask.value for s in specs} == {"none", "causal", "sliding_window"}
+    # Every non-LSE kernel on every arch (what attngen.prefill asks for by default).
+    for s in specs:
+        if not s.return_lse:
+            assert {a.name for sp, a in items if sp == s} == archs
+    # Kept small enough that `attngen prewarm --jobs 2` stays within minutes on two cores.
+    assert 100 <= len(items) <= 300

@@ -1,0 +1,265 @@
+"""Rendering: determinism, StrictUndefined, bound constants, piece markers, kernel names."""
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jinja2
+import pytest
+
+from attngen.errors import SpecError
+from attngen.render import environment, render, template_context, templates_dir
+from attngen.spec import DType, MaskMode, PrefillSpec, parse_spec, resolve
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Every value each field may take. A field added to PrefillSpec must be added here, or the
+# tests below fail: that is the point (FlashInfer's "every codegen arg feeds the name").
+FIELD_VALUES = {
+    "head_dim": PrefillSpec.HEAD_DIMS,
+    "dtype": tuple(DType),
+    "mask": tuple(MaskMode),
+    "return_lse": (False, True),
+    "cta_tile_q": PrefillSpec.CTA_TILE_Q,
+    "cta_tile_kv": PrefillSpec.CTA_TILE_KV,
+    "num_warps": PrefillSpec.NUM_WARPS,
+    "num_stages": PrefillSpec.NUM_STAGES,
+}
+# A resolved spec from which every field can change alone and still fit sm_90.
+BASE = PrefillSpec(head_dim=64, dtype=DType.BF16, mask=MaskMode.NONE, return_lse=False,
+                   cta_tile_q=128, cta_tile_kv=32, num_warps=4, num_stages=2)
+
+
+def field_names():
+    return [f.name for f in dataclasses.fields(PrefillSpec)]
+
+
+def test_field_table_covers_every_field():
+    assert set(field_names()) == set(FIELD_VALUES)
+
+
+def single_field_variants(base):
+    """(field, spec) for every valid spec that differs from ``base`` in exactly one field."""
+    for name in field_names():
+        for v in FIELD_VALUES[name]:
+            if v == getattr(base, name):
+                continue
+            try:
+                yield name, base.replace(**{name: v})
+            except SpecError:
+                continue
+
+
+def resolved_variants(base, arch="sm_90"):
+    """(field, resolved spec) for single-field changes that still resolve to a different spec."""
+    out = []
+    for name, s in single_field_variants(base):
+        try:
+            r = resolve(s, arch)
+        except SpecError:
+            continue
+        if r != base:
+            out.append((name, r))
+    return out
+
+
+# --- determinism ---------------------------------------------------------------------------------
+
+SPECS = [
+    "prefill:head_dim=64",
+    "prefill:head_dim=96,dtype=fp16,mask=sliding_window,return_lse=true",
+    "prefill:head_dim=128,dtype=bf16,mask=causal",
+    "prefill:head_dim=256,dtype=fp16,mask=causal",
+]
+
+
+def _digests(arch="sm_90"):
+    return {t: hashlib.sha256(render(resolve(parse_spec(t), arch)).encode()).hexdigest() for t in SPECS}
+
+
+def test_render_is_deterministic_in_process():
+    for t in SPECS:
+        s = resolve(parse_spec(t), "sm_80")
+        a = render(s)
+        environment.cache_clear()  # a fresh Jinja environment renders the same bytes
+        b = render(s)
+        assert a == b
+        assert render(PrefillSpec.from_dict(s.to_dict())) == a
+
+
+def test_render_is_deterministic_across_processes():
+    code = (
+        "import hashlib, json\n"
+        "from attngen.render import render\n"
+        "from attngen.spec import parse_spec, resolve\n"
+        f"specs = {SPECS!r}\n"
+        "print(json.dumps({t: hashlib.sha256(render(resolve(parse_spec(t), 'sm_90')).encode()).hexdigest()"
+        " for t in specs}))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED="12345")
+    out = subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == _digests()
+
+
+# --- StrictUndefined -------------------------------------------------------------------------------
+
+def test_environment_is_strict_about_missing_variables():
+    env = environment()
+    assert env.undefined is jinja2.StrictUndefined
+    with pytest.raises(jinja2.UndefinedError, match="head_dimm"):
+        env.from_string("constexpr int HEAD_DIM = {{ head_dimm }};").render(head_dim=128)
+    with pytest.raises(jinja2.UndefinedError):
+        env.from_string("{{ flag|lower }}").render()
+    with pytest.raises(jinja2.UndefinedError):
+        env.from_string("{% if missing %}x{% endif %}").render()
+    # The variable given, the same template renders.
+    assert env.from_string("constexpr int HEAD_DIM = {{ head_dim }};").render(head_dim=128) == \
+        "constexpr int HEAD_DIM = 128;"
+
+
+@pytest.mark.parametrize("drop", ["num_stages", "kernel_name", "is_bf16", "mask_mode", "threads"])
+def test_family_template_fails_on_any_missing_context_value(drop):
+    spec = resolve(PrefillSpec(head_dim=64), "sm_90")
+    ctx = template_context(spec)
+    del ctx[drop]
+    with pytest.raises(jinja2.UndefinedError, match=drop):
+        environment().get_template(spec.template).render(**ctx)
+
+
+# --- what the source holds -------------------------------------------------------------------------
+
+def test_source_binds_the_spec():
+    spec = parse_spec("prefill:head_dim=96,dtype=fp16,mask=causal,return_lse=true,"
+                      "cta_tile_q=128,cta_tile_kv=64,num_warps=8,num_stages=3")
+    src = render(spec)
+    assert re.search(rf'extern "C" __global__ void __launch_bounds__\({spec.threads}\)\s*\n'
+                     rf'{spec.kernel_name}\(', src), src[-600:]
+    for line in (
+        "constexpr int HEAD_DIM = 96;",
+        f"constexpr int BLOCK_M = {spec.cta_tile_q};",
+        f"constexpr int BLOCK_N = {spec.cta_tile_kv};",
+        f"constexpr int NUM_WARPS = {spec.num_warps};",
+        f"constexpr int NUM_STAGES = {spec.num_stages};",
+        "constexpr int MASK = 1;",
+        "constexpr bool RETURN_LSE = true;",
+        "constexpr bool IS_BF16 = false;",
+        "using elem_t = __half;",
+        "constexpr int ROW_ELEMS = 104;",  # 96 is not a multiple of 64: padded rows
+        "constexpr bool SWIZZLE = false;",
+        "constexpr bool Q_IN_REGS = true;",
+    ):
+        assert line in src, line
+
+
+@pytest.mark.parametrize("mask, value", [(MaskMode.NONE, 0), (MaskMode.CAUSAL, 1), (MaskMode.SLIDING_WINDOW, 2)])
+def test_mask_constant_matches_the_cuda_enum(mask, value):
+    src = render(resolve(PrefillSpec(head_dim=64, mask=mask), "sm_90"))
+    assert f"constexpr int MASK = {value};" in src
+    # ... and the numbering is the one mask.cuh declares.
+    assert "MASK_NONE = 0, MASK_CAUSAL = 1, MASK_WINDOW = 2" in src
+
+
+def test_bf16_binds_the_bf16_type():
+    src = render(resolve(PrefillSpec(head_dim=256, dtype=DType.BF16), "sm_90"))
+    assert "using elem_t = __nv_bfloat16;" in src
+    assert "constexpr bool IS_BF16 = true;" in src
+    assert "constexpr bool SWIZZLE = true;" in src and "constexpr bool Q_IN_REGS = false;" in src
+
+
+def test_source_is_self_contained():
+    src = render(resolve(PrefillSpec(), "sm_90"))
+    includes = re.findall(r"^\s*#\s*include\s*(.+)$", src, flags=re.M)
+    assert includes == ["<cuda_fp16.h>", "<cuda_bf16.h>"]
+    assert "{{" not in src and "{#" not in src
+
+
+def test_every_field_that_changes_the_resolved_spec_changes_the_source():
+    base_src = render(BASE).replace(BASE.kernel_name, "KERNEL")
+    seen = set()
+    for name, r in resolved_variants(BASE):
+        src = render(r)
+        assert r.kernel_name in src
+        # Not only through the kernel's name: the constants themselves differ.
+        assert src.replace(r.kernel_name, "KERNEL") != base_src, (name, r.to_text(full=True))
+        seen.add(name)
+    assert seen == set(FIELD_VALUES), f"fields never varied: {set(FIELD_VALUES) - seen}"
+
+
+def test_unresolved_spec_renders_for_the_arch_given():
+    spec = PrefillSpec(head_dim=256)
+    assert render(spec, "sm_86") == render(resolve(spec, "sm_86"))
+    assert render(spec, "sm_90") == render(resolve(spec, "sm_90"))
+    assert render(spec, "sm_86") != render(spec, "sm_90")  # different tiles fit
+
+
+def test_included_pieces_are_bracketed_and_verbatim():
+    src = render(resolve(PrefillSpec(), "sm_90"))
+    lines = src.splitlines()
+    pieces = sorted(p.name for p in (templates_dir() / "common").glob("*.cuh"))
+    assert pieces, "no common pieces found"
+    for piece in pieces:
+        name = f"common/{piece}"
+        begin, end = f"// attngen:begin {name}", f"// attngen:end {name}"
+        assert lines.count(begin) == 1, name
+        assert lines.count(end) == 1, name
+        i, j = lines.index(begin), lines.index(end)
+        assert i < j
+        body = "\n".join(lines[i + 1:j])
+        text = (templates_dir() / "common" / piece).read_text().rstrip()
+        assert body == text, f"{name} is not pasted verbatim"
+    # Pieces do not nest: each one ends before the next begins.
+    marks = [ln for ln in lines if ln.startswith("// attngen:")]
+    assert len(marks) == 2 * len(pieces)
+    for k in range(0, len(marks), 2):
+        assert marks[k].replace("begin", "end") == marks[k + 1]
+
+
+def test_renders_every_resolved_default_on_every_arch():
+    for arch in ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120"):
+        for hd in PrefillSpec.HEAD_DIMS:
+            for mask in MaskMode:
+                r = resolve(PrefillSpec(head_dim=hd, mask=mask), arch)
+                src = render(r)
+                assert f"constexpr int HEAD_DIM = {hd};" in src
+                assert r.kernel_name in src
+
+
+# --- kernel names ----------------------------------------------------------------------------------
+
+def test_kernel_name_shape():
+    s = PrefillSpec()
+    assert re.fullmatch(r"attngen_prefill_[0-9a-f]{16}", s.kernel_name)
+    assert s.kernel_name == PrefillSpec().kernel_name
+    assert s.kernel_name == parse_spec(s.to_text(full=True)).kernel_name
+
+
+@pytest.mark.parametrize("base", [
+    PrefillSpec(),
+    BASE,
+    PrefillSpec(head_dim=256, dtype=DType.FP16, mask=MaskMode.CAUSAL, return_lse=True,
+                cta_tile_q=64, cta_tile_kv=64, num_warps=4, num_stages=3),
+], ids=["defaults", "resolved", "other"])
+def test_every_field_feeds_the_kernel_name(base):
+    names = {base.kernel_name: base}
+    varied = set()
+    for name, s in single_field_variants(base):
+        assert s.kernel_name != base.kernel_name, f"changing {name} alone kept the kernel name"
+        assert s.kernel_name not in names, (s, names.get(s.kernel_name))
+        names[s.kernel_name] = s
+        varied.add(name)
+    assert varied == set(FIELD_VALUES), f"fields never varied: {set(FIELD_VALUES) - varied}"
+
+
+def test_resolved_and_unresolved_specs_name_distinct_kernels():
+    # A kernel compiled for resolved tiles must never be mistaken for "tiles left to the arch".
+    s = PrefillSpec(head_dim=128)
+    assert resolve(s, "sm_90").kernel_name != s.kernel_name
+    # The name is the spec's; the arch goes into the cache key (test_key.py), not the symbol.
+    assert resolve(s, "sm_90").kernel_name == resolve(s, "sm_90a").kernel_name
