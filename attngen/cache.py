@@ -329,7 +329,7 @@ def _build(spec: Spec, a: Arch, cache: DiskCache) -> BuildResult:
                 binary, origin = produce()
                 stored = cache.put(key, binary, source, material, spec)
     except filelock.Timeout:
-        raise CacheError(f"timed out after {lock_timeout():.0f}s waiting for the cache lock "
+        raise CacheError(f"timed out after {lock_timeout():g}s waiting for the cache lock "
                          f"{cache.lock_path(key)} (another process holds it; set ATTNGEN_LOCK_TIMEOUT "
                          f"or remove a stale lock)") from None
     _remember(root, key, binary, stored)
