@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path

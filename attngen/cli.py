@@ -453,7 +453,7 @@ def cmd_cache_stats(args: argparse.Namespace) -> int:
     print(f"root             {stats['root']}")
     print(f"entries          {stats['entries']}" + (f" (+{stats['invalid']} invalid)" if stats["invalid"] else ""))
     print(f"size             {_size(stats['bytes'])}")
-    print(f"by arch          " + (", ".join(f"{a}: {n}" for a, n in stats["by_arch"].items()) or "-"))
+    print("by arch          " + (", ".join(f"{a}: {n}" for a, n in stats["by_arch"].items()) or "-"))
     print(f"compile seconds  {stats['compile_seconds']}")
     return 0
 

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import threading

@@ -6,7 +6,6 @@ passes: ``rel_l2`` is computed with NaN propagating and every output element mus
 
 from __future__ import annotations
 
-import math
 
 import pytest
 

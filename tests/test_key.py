@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import attngen.cache as cache_mod
 from attngen.__version__ import __version__
 from attngen.arch import get_arch
@@ -18,22 +16,11 @@ from attngen.cache import KEY_SCHEMA, key_material, key_of
 from attngen.compiler import compile_options, nvrtc_version
 from attngen.errors import SpecError
 from attngen.render import environment, render, template_context, templates_dir
-from attngen.spec import DType, MaskMode, PrefillSpec, parse_spec, resolve
+from attngen.spec import PrefillSpec, parse_spec, resolve
+from tests.spec_fields import BASE, FIELD_VALUES
 
 ROOT = Path(__file__).resolve().parent.parent
 
-FIELD_VALUES = {
-    "head_dim": PrefillSpec.HEAD_DIMS,
-    "dtype": tuple(DType),
-    "mask": tuple(MaskMode),
-    "return_lse": (False, True),
-    "cta_tile_q": PrefillSpec.CTA_TILE_Q,
-    "cta_tile_kv": PrefillSpec.CTA_TILE_KV,
-    "num_warps": PrefillSpec.NUM_WARPS,
-    "num_stages": PrefillSpec.NUM_STAGES,
-}
-BASE = PrefillSpec(head_dim=64, dtype=DType.BF16, mask=MaskMode.NONE, return_lse=False,
-                   cta_tile_q=128, cta_tile_kv=32, num_warps=4, num_stages=2)
 
 
 def parts(spec, arch="sm_90", extra=()):

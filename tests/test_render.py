@@ -15,24 +15,10 @@ import pytest
 from attngen.errors import SpecError
 from attngen.render import environment, render, template_context, templates_dir
 from attngen.spec import DType, MaskMode, PrefillSpec, parse_spec, resolve
+from tests.spec_fields import BASE, FIELD_VALUES
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Every value each field may take. A field added to PrefillSpec must be added here, or the
-# tests below fail: that is the point (FlashInfer's "every codegen arg feeds the name").
-FIELD_VALUES = {
-    "head_dim": PrefillSpec.HEAD_DIMS,
-    "dtype": tuple(DType),
-    "mask": tuple(MaskMode),
-    "return_lse": (False, True),
-    "cta_tile_q": PrefillSpec.CTA_TILE_Q,
-    "cta_tile_kv": PrefillSpec.CTA_TILE_KV,
-    "num_warps": PrefillSpec.NUM_WARPS,
-    "num_stages": PrefillSpec.NUM_STAGES,
-}
-# A resolved spec from which every field can change alone and still fit sm_90.
-BASE = PrefillSpec(head_dim=64, dtype=DType.BF16, mask=MaskMode.NONE, return_lse=False,
-                   cta_tile_q=128, cta_tile_kv=32, num_warps=4, num_stages=2)
 
 
 def field_names():
