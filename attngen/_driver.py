@@ -98,17 +98,23 @@ class Driver:
         c = _vp()
         self.check(self.lib.cuCtxPopCurrent_v2(ctypes.byref(c)), "cuCtxPopCurrent")
 
-    def load_function(self, device: int, cubin: bytes, name: str, dynamic_smem: int) -> tuple[int, int]:
-        """Load ``cubin`` on ``device``; returns (module, function) handles."""
+    def load_functions(self, device: int, cubin: bytes, names: "tuple[str, ...]",
+                       dynamic_smem: "tuple[int, ...]") -> tuple[int, tuple[int, ...]]:
+        """Load ``cubin`` on ``device``; returns the module and one function handle per name, each
+        allowed the dynamic shared memory given for it."""
         pushed = self.push(device)
         try:
-            mod, fn = _vp(), _vp()
-            self.check(self.lib.cuModuleLoadData(ctypes.byref(mod), cubin), f"cuModuleLoadData({name})")
-            self.check(self.lib.cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()),
-                       f"cuModuleGetFunction({name})")
-            self.check(self.lib.cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic_smem),
-                       f"cuFuncSetAttribute(max dynamic shared memory = {dynamic_smem})")
-            return mod.value, fn.value
+            mod = _vp()
+            self.check(self.lib.cuModuleLoadData(ctypes.byref(mod), cubin), f"cuModuleLoadData({names[0]})")
+            fns = []
+            for name, smem in zip(names, dynamic_smem):
+                fn = _vp()
+                self.check(self.lib.cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()),
+                           f"cuModuleGetFunction({name})")
+                self.check(self.lib.cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+                           f"cuFuncSetAttribute({name}: max dynamic shared memory = {smem})")
+                fns.append(fn.value)
+            return mod.value, tuple(fns)
         finally:
             if pushed:
                 self.pop()

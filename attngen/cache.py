@@ -312,7 +312,7 @@ def _build(spec: Spec, a: Arch, cache: DiskCache) -> BuildResult:
     def produce() -> tuple[Binary, str]:
         if hit is not None:  # compiled earlier in this process, for another root
             return hit, "memory"
-        return nvrtc_compile(source, a, kernel_name=spec.kernel_name), "compiled"
+        return nvrtc_compile(source, a, kernel_name=spec.kernel_name, entries=spec.entries), "compiled"
 
     lock = cache.lock(key)
     if lock is None:  # read-only root: compile, keep in memory only

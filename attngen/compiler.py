@@ -155,8 +155,11 @@ def parse_resources(log: str, kernel_name: str = "") -> Resources:
 
 
 def compile(source: str, arch: "str | Arch", *, kernel_name: str, extra_options: tuple[str, ...] = (),
-            want_ptx: bool = False, filename: str = "attngen_kernel.cu") -> Binary:
-    """Compile ``source`` to a cubin for exactly ``arch``; raise CompileError with the log on failure."""
+            want_ptx: bool = False, filename: str = "attngen_kernel.cu", entries: tuple[str, ...] = ()) -> Binary:
+    """Compile ``source`` to a cubin for exactly ``arch``; raise CompileError with the log on failure.
+
+    ``kernel_name`` is the main entry (its ptxas report is kept); ``entries`` lists every entry
+    the module must hold (default: the main one)."""
     nvrtc = _nvrtc()
     used = "{}.{}".format(*nvrtc.getVersion())
     if used != nvrtc_version():
@@ -175,9 +178,10 @@ def compile(source: str, arch: "str | Arch", *, kernel_name: str, extra_options:
             cubin, log = cubin2, log2
     secs = time.perf_counter() - t0
     # Every kernel has a section ".text.<name>" in the cubin, whatever the log says.
-    if b".text." + kernel_name.encode() + b"\x00" not in cubin:
-        raise CompileError(f"the source has no entry function named {kernel_name}", log=log, source=source,
-                           name=kernel_name, options=options)
+    for name in entries or (kernel_name,):
+        if b".text." + name.encode() + b"\x00" not in cubin:
+            raise CompileError(f"the source has no entry function named {name}", log=log, source=source,
+                               name=kernel_name, options=options)
     known = f"'{kernel_name}'" in log
     return Binary(cubin=cubin, kernel_name=kernel_name, arch=a.name, options=options,
                   nvrtc_version=used, resources=parse_resources(log, kernel_name) if known else Resources(known=False),

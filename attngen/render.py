@@ -14,7 +14,10 @@ from pathlib import Path
 import jinja2
 
 from .arch import Arch, get_arch
-from .spec import Spec, resolve
+from .spec import DecodeSpec, Spec, resolve
+
+# Threads of a decode module's `_merge` entry: one warp per output row.
+MERGE_THREADS = 128
 
 _PKG_TEMPLATES = "templates"
 
@@ -57,13 +60,18 @@ def template_context(spec: Spec) -> dict:
     ctx.update(
         kernel_name=spec.kernel_name,
         is_bf16=spec.dtype.value == "bf16",
-        mask_mode={"none": 0, "causal": 1, "sliding_window": 2}[spec.mask.value],
         q_in_regs=spec.q_in_regs,
-        smem_row_elems=spec.smem_row_elems,
         smem_bytes=spec.smem_bytes(),
         threads=spec.threads,
-        swizzle=spec.head_dim % 64 == 0,
     )
+    if isinstance(spec, DecodeSpec):
+        ctx.update(warps_m=spec.warps_m, merge_threads=MERGE_THREADS)
+    else:
+        ctx.update(
+            mask_mode={"none": 0, "causal": 1, "sliding_window": 2}[spec.mask.value],
+            smem_row_elems=spec.smem_row_elems,
+            swizzle=spec.head_dim % 64 == 0,
+        )
     return ctx
 
 

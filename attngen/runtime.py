@@ -16,6 +16,7 @@ from .cache import BuildResult, build
 from .compiler import Binary
 from ._driver import driver
 from .errors import LaunchError
+from .render import MERGE_THREADS
 from .spec import Spec
 
 
@@ -45,16 +46,19 @@ class Kernel:
     smem_bytes: int
     threads: int
     origin: str
+    # Further entries of the module (e.g. a decode module's "_merge"): suffix -> (function, threads, smem).
+    extra: "dict[str, tuple[int, int, int]] | None" = None
 
-    def launch(self, grid: tuple[int, int, int], params: bytes, stream: int) -> None:
-        """Enqueue one launch with ``params`` (the packed parameter struct) on ``stream``."""
+    def launch(self, grid: tuple[int, int, int], params: bytes, stream: int, entry: str = "") -> None:
+        """Enqueue one launch with ``params`` (the packed parameter struct) on ``stream``; ``entry``
+        names a further entry of the module by its suffix ("_merge"), default the main one."""
+        func, threads, smem = (self.func_ptr, self.threads, self.smem_bytes) if not entry else self.extra[entry]
         drv = driver()
         buf = ctypes.create_string_buffer(params, len(params))
         argv = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
         pushed = drv.push(self.device)
         try:
-            rc = drv.lib.cuLaunchKernel(self.func_ptr, grid[0], grid[1], grid[2], self.threads, 1, 1,
-                                        self.smem_bytes, stream, argv, None)
+            rc = drv.lib.cuLaunchKernel(func, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream, argv, None)
         finally:
             if pushed:
                 drv.pop()
@@ -62,21 +66,29 @@ class Kernel:
             try:
                 drv.check(rc, "cuLaunchKernel")
             except LaunchError as e:
-                raise LaunchError(f"launch of {self.binary.kernel_name} (grid {grid}, {self.threads} threads, "
-                                  f"{self.smem_bytes} bytes shared memory) failed: {e}") from None
+                raise LaunchError(f"launch of {self.binary.kernel_name}{entry} (grid {grid}, {threads} threads, "
+                                  f"{smem} bytes shared memory) failed: {e}") from None
 
 
 def load(result: BuildResult, device: int) -> Kernel:
-    """Load a built binary on ``device`` and raise its dynamic shared-memory limit."""
+    """Load a built binary on ``device`` with every entry of its module, and raise their dynamic
+    shared-memory limits."""
     spec = result.spec
     smem = spec.smem_bytes()
+    main = result.binary.kernel_name
+    names = tuple(getattr(spec, "entries", (main,)))
+    # Entries past the main one: the unfused decode's "_pv" shares its launch shape; "_merge"
+    # runs MERGE_THREADS threads and no dynamic shared memory.
+    shapes = {"_pv": (spec.threads, smem), "_merge": (MERGE_THREADS, 0)}
+    suffixes = [n[len(main):] for n in names[1:]]
     try:
-        mod, fn = driver().load_function(device, result.binary.cubin, result.binary.kernel_name, smem)
+        mod, fns = driver().load_functions(device, result.binary.cubin, names,
+                                           (smem,) + tuple(shapes[x][1] for x in suffixes))
     except LaunchError as e:
-        raise LaunchError(f"could not load {result.binary.kernel_name} ({result.binary.arch}) on device "
-                          f"{device}: {e}") from None
+        raise LaunchError(f"could not load {main} ({result.binary.arch}) on device {device}: {e}") from None
+    extra = {x: (fn,) + shapes[x] for x, fn in zip(suffixes, fns[1:])}
     return Kernel(spec=spec, binary=result.binary, key=result.key, device=device, module=mod,
-                  func_ptr=fn, smem_bytes=smem, threads=spec.threads, origin=result.origin)
+                  func_ptr=fns[0], smem_bytes=smem, threads=spec.threads, origin=result.origin, extra=extra)
 
 
 _kernels: dict[tuple, Kernel] = {}
@@ -123,8 +135,8 @@ class TensorInfo:
     device: int
 
 
-_TORCH_DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32"}
-_CUPY_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+_TORCH_DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32", "torch.int32": "int32"}
+_CUPY_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int32": "int32"}
 
 
 def tensor_info(x: Any, name: str) -> TensorInfo:

@@ -13,7 +13,7 @@ import hashlib
 import itertools
 import json
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Union
 
 from .arch import Arch, get_arch
 from .errors import SpecError
@@ -69,8 +69,77 @@ def _coerce_bool(name: str, value) -> bool:
     raise SpecError(name, value, "true, false")
 
 
+class _SpecBase:
+    """What every family's spec shares: the resolved check, serialization, the kernel's name."""
+
+    family: ClassVar[str]
+    TUNING_FIELDS: ClassVar[tuple[str, ...]]
+    ALWAYS_SHOWN: ClassVar[tuple[str, ...]] = ("head_dim", "dtype")
+
+    @property
+    def is_resolved(self) -> bool:
+        return all(getattr(self, f) for f in self.TUNING_FIELDS)
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        """Every entry function in the kernel's module, the main one first."""
+        return (self.kernel_name,)
+
+    def _require_resolved(self, what: str):
+        if not self.is_resolved:
+            raise SpecError("spec", self.to_text(), "a resolved spec (see attngen.resolve)",
+                            reason=f"{what} needs concrete tuning fields")
+
+    # --- serialization ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"family": self.family}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            d[f.name] = v.value if isinstance(v, enum.Enum) else v
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Spec":
+        d = dict(d)
+        fam = d.pop("family", cls.family)
+        if fam != cls.family:
+            raise SpecError("family", fam, cls.family)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise SpecError(unknown[0], d[unknown[0]], ", ".join(sorted(known)),
+                            reason=f"unknown field of a {cls.family} spec")
+        return cls(**d)
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def to_text(self, full: bool = False) -> str:
+        """Compact form, e.g. ``prefill:head_dim=128,dtype=bf16,mask=causal``."""
+        default = type(self)()
+        parts = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if full or v != getattr(default, f.name) or f.name in self.ALWAYS_SHOWN:
+                v = v.value if isinstance(v, enum.Enum) else v
+                parts.append(f"{f.name}={str(v).lower() if isinstance(v, bool) else v}")
+        return f"{self.family}:" + ",".join(parts)
+
+    def digest(self) -> str:
+        """Short stable hash of the canonical spec; feeds the kernel's symbol name."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+
+    @property
+    def kernel_name(self) -> str:
+        return f"attngen_{self.family}_{self.digest()}"
+
+    def replace(self, **changes) -> "Spec":
+        return dataclasses.replace(self, **changes)
+
+
+
 @dataclass(frozen=True)
-class PrefillSpec:
+class PrefillSpec(_SpecBase):
     """FlashAttention-2-style forward pass (prefill).
 
     Tuning fields (``cta_tile_q``, ``cta_tile_kv``, ``num_warps``, ``num_stages``) take 0 for
@@ -110,11 +179,10 @@ class PrefillSpec:
                             f"a divisor of cta_tile_q/16 = {self.cta_tile_q // 16}",
                             reason=f"each warp owns a whole number of 16-row tiles of cta_tile_q={self.cta_tile_q}")
 
-    # --- derived ---------------------------------------------------------------------------
-    @property
-    def is_resolved(self) -> bool:
-        return all((self.cta_tile_q, self.cta_tile_kv, self.num_warps, self.num_stages))
+    TUNING_FIELDS: ClassVar[tuple[str, ...]] = ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages")
+    ALWAYS_SHOWN: ClassVar[tuple[str, ...]] = ("head_dim", "dtype", "mask")
 
+    # --- derived ---------------------------------------------------------------------------
     @property
     def q_in_regs(self) -> bool:
         """Q fragments stay in registers for the whole KV loop while they take at most 32 per thread
@@ -138,60 +206,108 @@ class PrefillSpec:
         self._require_resolved("threads")
         return 32 * self.num_warps
 
-    def _require_resolved(self, what: str):
-        if not self.is_resolved:
-            raise SpecError("spec", self.to_text(), "a resolved spec (see attngen.resolve)",
-                            reason=f"{what} needs concrete tuning fields")
+class Variant(enum.Enum):
+    FUSED = "fused"      # one kernel: S = Q K^T, online softmax and O += P V per KV tile
+    UNFUSED = "unfused"  # QK^T + per-row max/sum to a workspace, then a second kernel for P V
 
-    # --- serialization ---------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"family": self.family}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            d[f.name] = v.value if isinstance(v, enum.Enum) else v
-        return d
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "PrefillSpec":
-        d = dict(d)
-        fam = d.pop("family", cls.family)
-        if fam != cls.family:
-            raise SpecError("family", fam, cls.family)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise SpecError(unknown[0], d[unknown[0]], ", ".join(sorted(known)),
-                            reason=f"unknown field of a {cls.family} spec")
-        return cls(**d)
+@dataclass(frozen=True)
+class DecodeSpec(_SpecBase):
+    """Decode against a KV cache: q_len 1..8 new tokens per sequence, GQA-packed.
 
-    def canonical_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+    One CTA serves every query head of one KV head (``q_rows`` = group x q_len packed rows,
+    rounded up to a multiple of 16) over one split of the cache, so each K/V byte is read
+    once per split. ``paged`` addresses the cache through a block table. Partial results of
+    several splits are merged through their LSE by the module's ``_merge`` entry.
+    Tuning fields (``cta_tile_kv``, ``num_warps``, ``num_stages``) take 0 for the arch's default.
+    """
 
-    def to_text(self, full: bool = False) -> str:
-        """Compact form, e.g. ``prefill:head_dim=128,dtype=bf16,mask=causal``."""
-        default = type(self)()
-        parts = []
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if full or v != getattr(default, f.name) or f.name in ("head_dim", "dtype", "mask"):
-                v = v.value if isinstance(v, enum.Enum) else v
-                parts.append(f"{f.name}={str(v).lower() if isinstance(v, bool) else v}")
-        return f"{self.family}:" + ",".join(parts)
+    family: ClassVar[str] = "decode"
+    template: ClassVar[str] = "decode.cu.jinja"
 
-    def digest(self) -> str:
-        """Short stable hash of the canonical spec; feeds the kernel's symbol name."""
-        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+    HEAD_DIMS: ClassVar[tuple[int, ...]] = (64, 128, 256)
+    Q_ROWS: ClassVar[tuple[int, ...]] = (16, 32, 64, 128)
+    CTA_TILE_KV: ClassVar[tuple[int, ...]] = (0, 16, 32, 64, 128)
+    NUM_WARPS: ClassVar[tuple[int, ...]] = (0, 4, 8)
+    NUM_STAGES: ClassVar[tuple[int, ...]] = (0, 1, 2, 3, 4)
+    TUNING_FIELDS: ClassVar[tuple[str, ...]] = ("cta_tile_kv", "num_warps", "num_stages")
+    ALWAYS_SHOWN: ClassVar[tuple[str, ...]] = ("head_dim", "dtype", "q_rows", "paged", "variant")
+
+    head_dim: int = 128
+    dtype: DType = DType.BF16
+    q_rows: int = 16
+    paged: bool = False
+    variant: Variant = Variant.FUSED
+    cta_tile_kv: int = 0
+    num_warps: int = 0
+    num_stages: int = 0
+
+    def __post_init__(self):
+        s = object.__setattr__
+        s(self, "head_dim", _coerce_int("head_dim", self.head_dim, self.HEAD_DIMS))
+        s(self, "dtype", _coerce_enum(DType, "dtype", self.dtype))
+        s(self, "q_rows", _coerce_int("q_rows", self.q_rows, self.Q_ROWS))
+        s(self, "paged", _coerce_bool("paged", self.paged))
+        s(self, "variant", _coerce_enum(Variant, "variant", self.variant))
+        s(self, "cta_tile_kv", _coerce_int("cta_tile_kv", self.cta_tile_kv, self.CTA_TILE_KV))
+        s(self, "num_warps", _coerce_int("num_warps", self.num_warps, self.NUM_WARPS))
+        s(self, "num_stages", _coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
+
+    @staticmethod
+    def rows_for(group: int, q_len: int) -> int:
+        """The smallest q_rows that holds group x q_len packed query rows."""
+        need = group * q_len
+        for r in DecodeSpec.Q_ROWS:
+            if need <= r:
+                return r
+        raise SpecError("q_rows", need, "at most 128 packed rows (GQA group x q_len)")
+
+    # --- derived: how the warps split the CTA's work ----------------------------------------
+    @property
+    def warps_m(self) -> int:
+        """Warps along the packed query rows; the rest split each KV tile's keys."""
+        self._require_resolved("warps_m")
+        return min(self.num_warps, self.q_rows // 16)
 
     @property
-    def kernel_name(self) -> str:
-        return f"attngen_{self.family}_{self.digest()}"
+    def warps_n(self) -> int:
+        return self.num_warps // self.warps_m
 
-    def replace(self, **changes) -> "PrefillSpec":
-        return dataclasses.replace(self, **changes)
+    @property
+    def m_tiles(self) -> int:
+        return self.q_rows // 16 // self.warps_m
+
+    @property
+    def q_in_regs(self) -> bool:
+        return self.head_dim * self.m_tiles <= 128
+
+    @property
+    def threads(self) -> int:
+        self._require_resolved("threads")
+        return 32 * self.num_warps
+
+    def smem_bytes(self) -> int:
+        """The Q tile and the cp.async ring (K and V tiles; for the unfused kernels, V tiles with
+        their fp32 scores) during the KV loop; after it, the same bytes hold the per-row max/sum
+        of every warp and the fp32 partial outputs of the warps past the first along the keys."""
+        self._require_resolved("smem_bytes")
+        row = self.head_dim * self.dtype.itemsize
+        q = self.q_rows * row
+        ring = self.num_stages * self.cta_tile_kv * row * 2
+        if self.variant is Variant.UNFUSED:
+            # the P V kernel stages fp32 scores (q_rows x cta_tile_kv, padded) next to each V tile
+            ring = self.num_stages * (self.cta_tile_kv * row + self.q_rows * (self.cta_tile_kv + 4) * 4)
+        combine = ((self.warps_n - 1) * self.q_rows * (self.head_dim + 4) + 2 * self.warps_n * self.q_rows) * 4
+        return max(q + ring, combine)
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        n = self.kernel_name
+        return (n, n + "_pv", n + "_merge") if self.variant is Variant.UNFUSED else (n, n + "_merge")
 
 
-FAMILIES: dict[str, type] = {PrefillSpec.family: PrefillSpec}
-Spec = PrefillSpec  # the union of families, grown as families are added
+FAMILIES: dict[str, type] = {PrefillSpec.family: PrefillSpec, DecodeSpec.family: DecodeSpec}
+Spec = Union[PrefillSpec, DecodeSpec]  # the union of families
 
 
 def parse_spec(text: "str | Spec | dict") -> Spec:
@@ -236,28 +352,40 @@ _TUNED = {
 }
 
 
-_TUNING_FIELDS = ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages")
-
-
 # Configs ptxas spills on some archs (NVRTC 13.5): there the next tuned config is taken.
 _SPILLS_ON = {
     (64, (128, 64, 4, 3)): ("sm_80", "sm_86", "sm_89", "sm_120"),
 }
 
 
-def _candidates(head_dim: int, arch: Arch):
+# Decode, per head_dim: [(cta_tile_kv, num_warps, num_stages), ...] best first. Chosen so the
+# cp.async ring keeps about 64 KiB of K/V in flight per CTA (decode is bound by memory).
+_TUNED_DECODE = {
+    64: [(128, 4, 4), (64, 4, 4)],
+    128: [(64, 4, 4), (64, 4, 3), (64, 4, 2)],
+    256: [(64, 4, 2), (32, 8, 2)],
+}
+
+
+def _candidates(spec: "Spec", arch: Arch):
     """Tuned configs first, then every allowed combination, larger tiles first."""
-    yield from (c for c in _TUNED[head_dim] if arch.name not in _SPILLS_ON.get((head_dim, c), ()))
+    if isinstance(spec, DecodeSpec):
+        yield from _TUNED_DECODE[spec.head_dim]
+        yield from itertools.product((64, 128, 32, 16), (4, 8), (4, 3, 2, 1))
+        return
+    d = spec.head_dim
+    yield from (c for c in _TUNED[d] if arch.name not in _SPILLS_ON.get((d, c), ()))
     yield from itertools.product((128, 64), (64, 128, 32), (4, 8), (2, 3, 1, 4))
 
 
-def default_tuning(spec: PrefillSpec, arch: Arch) -> dict[str, int]:
+def default_tuning(spec: "Spec", arch: Arch) -> dict[str, int]:
     """Tuning fields for a spec on an arch: the fastest measured config that agrees with the fields
     the user pinned and fits the arch; failing that, the first allowed combination that does."""
-    pinned = {k: getattr(spec, k) for k in _TUNING_FIELDS if getattr(spec, k)}
+    names = spec.TUNING_FIELDS
+    pinned = {k: getattr(spec, k) for k in names if getattr(spec, k)}
     first_error: SpecError | None = None
-    for cfg in _candidates(spec.head_dim, get_arch(arch)):
-        t = dict(zip(_TUNING_FIELDS, cfg))
+    for cfg in _candidates(spec, get_arch(arch)):
+        t = dict(zip(names, cfg))
         if any(t[k] != v for k, v in pinned.items()):
             continue
         try:
@@ -291,6 +419,9 @@ def validate(spec: Spec, arch: "str | Arch") -> None:
     if not a.has_mma_m16n8k16:
         raise SpecError("arch", a.name, "sm_80 or newer", reason="the kernels use mma.sync m16n8k16 and cp.async")
     spec._require_resolved("validate")
+    if isinstance(spec, DecodeSpec):
+        _validate_decode(spec, a)
+        return
     warp_rows = spec.cta_tile_q // spec.num_warps
     if warp_rows % 16:
         raise SpecError("num_warps", spec.num_warps, f"a divisor of cta_tile_q/16 = {spec.cta_tile_q // 16}")
@@ -309,4 +440,25 @@ def validate(spec: Spec, arch: "str | Arch") -> None:
     if smem > a.smem_per_block:
         raise SpecError("cta_tile_kv", spec.cta_tile_kv,
                         "a smaller cta_tile_kv, num_stages or cta_tile_q",
+                        reason=f"needs {smem} bytes of shared memory; {a.name} allows {a.smem_per_block} per block")
+
+
+def _validate_decode(spec: DecodeSpec, a: Arch) -> None:
+    keys_per_warp = spec.cta_tile_kv // spec.warps_n
+    if keys_per_warp < 16 or keys_per_warp % 16:
+        raise SpecError("cta_tile_kv", spec.cta_tile_kv, f"a multiple of {16 * spec.warps_n}",
+                        reason=f"{spec.warps_n} warps split each KV tile and each needs whole 16-key steps "
+                               f"(q_rows={spec.q_rows}, num_warps={spec.num_warps})")
+    acc = spec.m_tiles * 4 * (spec.head_dim // 8 + keys_per_warp // 8)
+    if spec.q_in_regs:
+        acc += spec.m_tiles * 4 * (spec.head_dim // 16)
+    # Decode keeps more live state per accumulator than prefill (row limits, per-row addresses of
+    # the packed heads); past ~136 ptxas spilled (NVRTC 13.5, sm_90, every q_rows x head_dim).
+    if acc > 136:
+        raise SpecError("num_warps", spec.num_warps, "more warps (8), a smaller cta_tile_kv or a smaller q_rows",
+                        reason=f"needs about {acc} accumulator registers per thread (limit 136) with "
+                               f"head_dim={spec.head_dim}, q_rows={spec.q_rows}")
+    smem = spec.smem_bytes()
+    if smem > a.smem_per_block:
+        raise SpecError("num_stages", spec.num_stages, "a smaller num_stages or cta_tile_kv",
                         reason=f"needs {smem} bytes of shared memory; {a.name} allows {a.smem_per_block} per block")

@@ -178,7 +178,7 @@ def test_inspect_prints_the_source_with_the_kernel_name(capsys):
     ("prefill:head_dimx=128", "head_dimx"),
     ("prefill:head_dim=100", "head_dim"),
     ("prefill:dtype=fp8", "dtype"),
-    ("decode:head_dim=128", "family"),
+    ("nosuch:head_dim=128", "family"),
     ("prefill:head_dim", "spec"),
 ])
 def test_inspect_bad_spec_exits_2_naming_the_field(text, field, capsys):

@@ -97,7 +97,7 @@ def test_overlapping_groups_and_default_spellings_build_once():
     ({"family": "prefill", "head_dim": 1.5}, "head_dim"),
     ({"family": "prefill", "dtype": {"a": 1}}, "dtype"),
     ({"head_dim": 128}, "family"),
-    ({"family": "decode"}, "family"),
+    ({"family": "nosuch"}, "family"),
     ({"family": "prefill", "archs": ["sm_75"]}, "arch"),
     ({"family": "prefill", "archs": []}, "archs"),
 ])

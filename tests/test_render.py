@@ -185,11 +185,13 @@ def test_unresolved_spec_renders_for_the_arch_given():
     assert render(spec, "sm_86") != render(spec, "sm_90")  # different tiles fit
 
 
-def test_included_pieces_are_bracketed_and_verbatim():
-    src = render(resolve(PrefillSpec(), "sm_90"))
+@pytest.mark.parametrize("family", ["prefill", "decode"])
+def test_included_pieces_are_bracketed_and_verbatim(family):
+    src = render(resolve(parse_spec(f"{family}:"), "sm_90"))
     lines = src.splitlines()
-    pieces = sorted(p.name for p in (templates_dir() / "common").glob("*.cuh"))
-    assert pieces, "no common pieces found"
+    pieces = sorted(p.name for p in (templates_dir() / "common").glob("*.cuh")
+                    if f"// attngen:begin common/{p.name}" in lines)
+    assert len(pieces) >= 3, "no common pieces found"
     for piece in pieces:
         name = f"common/{piece}"
         begin, end = f"// attngen:begin {name}", f"// attngen:end {name}"
@@ -205,6 +207,12 @@ def test_included_pieces_are_bracketed_and_verbatim():
     assert len(marks) == 2 * len(pieces)
     for k in range(0, len(marks), 2):
         assert marks[k].replace("begin", "end") == marks[k + 1]
+
+
+def test_every_common_piece_is_included_by_some_family():
+    sources = [render(resolve(parse_spec(f"{fam}:"), "sm_90")) for fam in ("prefill", "decode")]
+    for p in (templates_dir() / "common").glob("*.cuh"):
+        assert any(f"// attngen:begin common/{p.name}" in s for s in sources), p.name
 
 
 def test_renders_every_resolved_default_on_every_arch():

@@ -1,0 +1,247 @@
+"""``attngen.decode``: attention of a few new tokens against a KV cache (FlashAttention's
+``flash_attn_with_kvcache`` conventions), contiguous or paged, GQA-packed, split-KV."""
+
+from __future__ import annotations
+
+import functools
+import math
+import struct
+
+from .._driver import CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, driver
+from ..errors import LaunchError
+from ..render import MERGE_THREADS
+from ..runtime import current_stream, empty_like_kind, get_kernel, tensor_info
+from ..spec import DecodeSpec, DType, Variant
+
+# DecodeParams in templates/common/decode_fwd.cuh: 12 pointers, 14 strides, 10 ints, 2 floats.
+_PARAMS = struct.Struct("<12Q14q10i2f")
+_LOG2E = 1.4426950408889634
+MAX_Q_LEN = 8
+MAX_GROUP = 16
+MAX_SPLITS = 256
+VARIANTS = ("auto", "fused", "unfused")
+
+
+def _check_half(t, name: str) -> None:
+    if len(t.shape) != 4:
+        raise LaunchError(f"{name} has shape {t.shape}; expected 4 dims")
+    if t.strides[-1] != 1:
+        raise LaunchError(f"{name} has stride {t.strides[-1]} in its last dim; head_dim must be contiguous")
+    if t.ptr % 16 or any(s % 8 for s in t.strides[:-1]):
+        raise LaunchError(f"{name} must be 16-byte aligned with strides that are multiples of 8 elements; "
+                          f"got strides {t.strides}")
+
+
+def _check_index(x, name: str, shape_rank: int, kind: str, device: int):
+    t = tensor_info(x, name)
+    if t.kind != kind or t.device != device:
+        raise LaunchError(f"{name} must be a {kind} tensor on device {device}; got {t.kind} on device {t.device}")
+    if t.dtype != "int32":
+        raise LaunchError(f"{name} has dtype {t.dtype}; allowed: int32")
+    if len(t.shape) != shape_rank or t.strides[-1] != 1:
+        raise LaunchError(f"{name} has shape {t.shape} and strides {t.strides}; expected {shape_rank} dims with a "
+                          f"contiguous last dim")
+    return t
+
+
+@functools.lru_cache(maxsize=None)
+def _spec_for(head_dim: int, dtype: str, q_rows: int, paged: bool, variant: str, user: DecodeSpec | None):
+    fields = dict(head_dim=head_dim, dtype=DType(dtype), q_rows=q_rows, paged=paged, variant=Variant(variant))
+    return DecodeSpec(**fields) if user is None else user.replace(**fields)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    return driver().attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device)
+
+
+def ctas_per_sm(kern) -> int:
+    """How many CTAs of a loaded kernel one SM holds at once (shared memory, threads, registers)."""
+    spec = kern.spec
+    arch = kern.binary.arch
+    from ..arch import get_arch
+
+    a = get_arch(arch)
+    regs = kern.binary.resources.registers if kern.binary.resources.known else 255
+    by_smem = a.smem_per_sm // (spec.smem_bytes() + 1024)
+    by_threads = 2048 // spec.threads
+    by_regs = a.regs_per_sm // (max(regs, 1) * spec.threads)
+    return max(1, min(by_smem, by_threads, by_regs))
+
+
+def choose_splits(batch: int, kv_heads: int, capacity: int, block_n: int, sm_count: int, per_sm: int,
+                  q_heads: int, q_len: int, head_dim: int) -> int:
+    """Split count from a cost model over SM count, batch, heads and sequence capacity.
+
+    Time is counted in "tile steps": one step is every resident CTA reading one K/V tile. A
+    split count s runs batch*kv_heads*s CTAs in ceil(CTAs / slots) waves of ceil(tiles/s) + 2
+    steps (2 for the pipeline's fill), plus, when s > 1, one step for the merge launch and the
+    merge's traffic (s fp32 partial rows per output row) in steps of the same bandwidth.
+    """
+    tiles = max(1, -(-capacity // block_n))
+    base = max(1, batch * kv_heads)
+    slots = max(1, sm_count * per_sm)
+    tile_bytes = 2 * block_n * head_dim * 2
+    best, best_cost = 1, None
+    for s in range(1, min(MAX_SPLITS, tiles) + 1):
+        waves = -(-base * s // slots)
+        cost = waves * (-(-tiles // s) + 2)
+        if s > 1:
+            merge_bytes = s * batch * q_len * q_heads * head_dim * 4
+            cost += 1 + merge_bytes / (slots * tile_bytes)
+        if best_cost is None or cost < best_cost - 1e-9:
+            best, best_cost = s, cost
+    return best
+
+
+def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_table=None, num_splits: int = 0,
+           sm_scale: float | None = None, return_lse: bool = False, out=None, variant: str = "auto",
+           spec: DecodeSpec | None = None):
+    """Attention of q_len new tokens per sequence against a KV cache.
+
+    q ``[batch, q_len, heads, head_dim]`` (q_len 1..8). Contiguous cache: k_cache, v_cache
+    ``[cache_batch, max_seqlen, kv_heads, head_dim]``, batch row b reading cache row
+    ``cache_batch_idx[b]`` (int32; default b). Paged cache (``block_table`` int32
+    ``[batch, max_blocks]``): k_cache, v_cache ``[num_blocks, block_size, kv_heads, head_dim]``,
+    key j of row b at ``k_cache[block_table[b, j // block_size], j % block_size]``.
+    ``cache_seqlens`` (int32 ``[batch]`` or an int) is each row's length including the new
+    tokens, whose K/V are already in the cache: token i sits at position L - q_len + i and sees
+    keys 0..L - q_len + i. Lengths past the cache's capacity are clamped to it; out-of-range
+    cache rows or blocks are clamped to the pool (they are read on the device, never checked on
+    the host). ``num_splits`` 0 chooses the split-KV count, a positive number forces it.
+    ``variant``: "auto", "fused" or "unfused". Returns ``out`` (q's dtype and kind), with
+    ``return_lse`` also the fp32 LSE ``[batch, heads, q_len]``; a token that sees no key gives
+    zeros and LSE -inf.
+    """
+    qi = tensor_info(q, "q")
+    ki = tensor_info(k_cache, "k_cache")
+    vi = tensor_info(v_cache, "v_cache")
+    if len(qi.shape) != 4:
+        raise LaunchError(f"q has shape {qi.shape}; expected 4 dims [batch, q_len, heads, head_dim]")
+    _check_half(qi, "q")
+    _check_half(ki, "k_cache")
+    _check_half(vi, "v_cache")
+    if len({qi.kind, ki.kind, vi.kind}) != 1 or len({qi.device, ki.device, vi.device}) != 1:
+        raise LaunchError(f"q, k_cache, v_cache must be of one kind on one device; got {qi.kind}:{qi.device}, "
+                          f"{ki.kind}:{ki.device}, {vi.kind}:{vi.device}")
+    if qi.dtype not in ("fp16", "bf16"):
+        raise LaunchError(f"q has dtype {qi.dtype}; allowed: fp16, bf16")
+    if ki.dtype != qi.dtype or vi.dtype != qi.dtype:
+        raise LaunchError(f"q, k_cache, v_cache must share a dtype; got {qi.dtype}, {ki.dtype}, {vi.dtype}")
+    if ki.shape != vi.shape:
+        raise LaunchError(f"k_cache {ki.shape} and v_cache {vi.shape} must have the same shape")
+    b, q_len, h, d = qi.shape
+    pool, cache_len, hk, dk = ki.shape
+    if not 1 <= q_len <= MAX_Q_LEN:
+        raise LaunchError(f"q_len={q_len} (q.shape[1]) is not supported; allowed: 1 to {MAX_Q_LEN}")
+    if d not in DecodeSpec.HEAD_DIMS:
+        raise LaunchError(f"head_dim={d} is not supported; allowed: {', '.join(map(str, DecodeSpec.HEAD_DIMS))}")
+    if dk != d:
+        raise LaunchError(f"head_dim mismatch: q has {d}, k_cache/v_cache have {dk}")
+    if hk == 0 or h % hk:
+        raise LaunchError(f"heads={h} must be a multiple of kv_heads={hk} (GQA/MQA)")
+    group = h // hk
+    if group > MAX_GROUP:
+        raise LaunchError(f"heads/kv_heads = {group} is not supported; allowed: a GQA group of 1 to {MAX_GROUP}")
+    if variant not in VARIANTS:
+        raise LaunchError(f"variant={variant!r} is not allowed; allowed: {', '.join(VARIANTS)}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
+        raise LaunchError(f"num_splits={num_splits!r} must be an int from 0 (automatic) to {MAX_SPLITS}")
+    scale = float(1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise LaunchError(f"sm_scale={sm_scale!r} must be finite and > 0")
+
+    paged = block_table is not None
+    if paged:
+        if cache_batch_idx is not None:
+            raise LaunchError("cache_batch_idx cannot be combined with block_table (a paged cache names its "
+                              "blocks per row already)")
+        bt = _check_index(block_table, "block_table", 2, qi.kind, qi.device)
+        if bt.shape[0] != b:
+            raise LaunchError(f"block_table has {bt.shape[0]} rows; q has batch {b}")
+        block_size = cache_len
+        if block_size % 16 or not 16 <= block_size <= 256:
+            raise LaunchError(f"block_size={block_size} (k_cache.shape[1]) is not supported; allowed: a multiple "
+                              f"of 16 from 16 to 256")
+        capacity = bt.shape[1] * block_size
+        bt_ptr, bt_sb = bt.ptr, bt.strides[0]
+        bi_ptr = 0
+    else:
+        block_size, capacity, bt_ptr, bt_sb = 0, cache_len, 0, 0
+        bi_ptr = 0
+        if cache_batch_idx is not None:
+            bix = _check_index(cache_batch_idx, "cache_batch_idx", 1, qi.kind, qi.device)
+            if bix.shape[0] != b:
+                raise LaunchError(f"cache_batch_idx has {bix.shape[0]} entries; q has batch {b}")
+            bi_ptr = bix.ptr
+        elif pool < b:
+            raise LaunchError(f"k_cache has {pool} cache rows for batch {b}; pass cache_batch_idx to map rows")
+    if isinstance(cache_seqlens, bool):
+        raise LaunchError("cache_seqlens must be an int32 tensor [batch] or an int; got a bool")
+    if isinstance(cache_seqlens, int):
+        if cache_seqlens < 0:
+            raise LaunchError(f"cache_seqlens={cache_seqlens} must be >= 0")
+        seq_ptr, seq_fixed = 0, cache_seqlens
+    else:
+        si = _check_index(cache_seqlens, "cache_seqlens", 1, qi.kind, qi.device)
+        if si.shape[0] != b:
+            raise LaunchError(f"cache_seqlens has {si.shape[0]} entries; q has batch {b}")
+        seq_ptr, seq_fixed = si.ptr, 0
+
+    if out is None:
+        out = empty_like_kind(qi.kind, (b, q_len, h, d), qi.dtype, qi.device)
+    oi = tensor_info(out, "out")
+    if oi.kind != qi.kind or oi.shape != qi.shape or oi.dtype != qi.dtype or oi.device != qi.device:
+        raise LaunchError(f"out must match q: {qi.kind} {qi.shape} {qi.dtype} on device {qi.device}; got "
+                          f"{oi.kind} {oi.shape} {oi.dtype} on device {oi.device}")
+    _check_half(oi, "out")
+    lse = empty_like_kind(qi.kind, (b, h, q_len), "fp32", qi.device) if return_lse else None
+    if b == 0:
+        return (out, lse) if return_lse else out
+    if b > 65535:
+        raise LaunchError(f"batch={b} exceeds 65535 (the grid's z limit)")
+
+    chosen = "fused" if variant == "auto" else variant
+    rs_spec = _spec_for(d, qi.dtype, DecodeSpec.rows_for(group, q_len), paged, chosen, spec)
+    kern = get_kernel(rs_spec, device=qi.device)
+    rs = kern.spec
+    if num_splits == 0:
+        num_splits = choose_splits(b, hk, capacity, rs.cta_tile_kv, _sm_count(qi.device), ctas_per_sm(kern),
+                                   h, q_len, d)
+    kind, dev = qi.kind, qi.device
+    o_part = lse_part = scores = stats = None
+    if num_splits > 1:
+        o_part = empty_like_kind(kind, (num_splits, b, q_len, h, d), "fp32", dev)
+        lse_part = empty_like_kind(kind, (num_splits, b, h, q_len), "fp32", dev)
+    scores_ld = 0
+    if rs.variant is Variant.UNFUSED:
+        scores_ld = max(4, -(-capacity // 4) * 4)
+        scores = empty_like_kind(kind, (b, hk, group * q_len, scores_ld), "fp32", dev)
+        stats = empty_like_kind(kind, (num_splits, b, hk, rs.q_rows, 2), "fp32", dev)
+
+    def ptr(x, name):
+        return tensor_info(x, name).ptr if x is not None else 0
+
+    params = _PARAMS.pack(
+        qi.ptr, ki.ptr, vi.ptr, oi.ptr, ptr(lse, "lse"),
+        seq_ptr, bi_ptr, bt_ptr,
+        ptr(o_part, "o_part"), ptr(lse_part, "lse_part"), ptr(scores, "scores"), ptr(stats, "stats"),
+        qi.strides[0], qi.strides[1], qi.strides[2],
+        ki.strides[0], ki.strides[1], ki.strides[2],
+        vi.strides[0], vi.strides[1], vi.strides[2],
+        oi.strides[0], oi.strides[1], oi.strides[2],
+        bt_sb, scores_ld,
+        b, q_len, h, group,
+        num_splits, block_size, capacity, pool,
+        seq_fixed, 0,
+        scale, scale * _LOG2E,
+    )
+    stream = current_stream(kind, dev)
+    grid = (num_splits, hk, b)
+    kern.launch(grid, params, stream)
+    if rs.variant is Variant.UNFUSED:
+        kern.launch(grid, params, stream, entry="_pv")
+    if num_splits > 1:
+        warps = MERGE_THREADS // 32
+        kern.launch((-(-b * q_len * h // warps), 1, 1), params, stream, entry="_merge")
+    return (out, lse) if return_lse else out

@@ -1,0 +1,717 @@
+// Decode against a KV cache: q_len (1..8) new tokens per sequence, every query head of one KV
+// head packed into the rows of one CTA (row r = token (r / group), head (r % group) of the
+// group), so each K/V byte is read once per split of the sequence.
+//
+// Grid: (num_splits, kv_heads, batch). A CTA takes its split's run of BLOCK_N-key tiles
+// through a NUM_STAGES-deep cp.async ring. Its warps form a WARPS_M x WARPS_N grid: WARPS_M
+// along the packed rows (M_TILES tiles of 16 each), WARPS_N along the keys of each tile
+// (KW keys each). Each warp keeps its own online softmax; at the end the WARPS_N partial
+// results of a row are merged in shared memory. With one split the CTA writes the output;
+// with several it writes fp32 partial outputs and their LSE, and the `_merge` entry combines
+// them. The unfused variant runs QK^T + per-row max/sum (`unfused_qk`, K only) and then
+// P V (`unfused_pv`, V and the stored scores) as two kernels with the same grid.
+namespace attngen {
+
+template <class T>
+struct DecodeParams {
+  const T* q;
+  const T* k;
+  const T* v;
+  T* o;
+  float* lse;              // [batch, heads, q_len], or null
+  const int* seqlens;      // [batch], or null: every row has seqlen_fixed keys
+  const int* batch_idx;    // [batch] cache row of each batch row, or null
+  const int* block_table;  // [batch, max_blocks] when paged
+  float* o_part;           // [splits, batch, q_len, heads, HEAD_DIM] when num_splits > 1
+  float* lse_part;         // [splits, batch, heads, q_len] when num_splits > 1
+  float* scores;           // unfused: [batch, kv_heads, group * q_len, scores_ld] raw q.k
+  float* stats;            // unfused: [splits, batch, kv_heads, ROWS, 2] (max, sum) per row
+  long long q_sb, q_ss, q_sh;
+  long long k_sb, k_ss, k_sh;  // contiguous: cache row, position, head; paged: block, slot, head
+  long long v_sb, v_ss, v_sh;
+  long long o_sb, o_ss, o_sh;
+  long long bt_sb;
+  long long scores_ld;
+  int batch, q_len, num_heads, group;
+  int num_splits, block_size, capacity, num_blocks;  // num_blocks: paged blocks, or cache rows
+  int seqlen_fixed, pad_;
+  float sm_scale, scale_log2;
+};
+
+// Rows [n0, n0 + ROWS) of one head of the cache into a swizzled tile; rows at or past seqlen
+// are zero-filled and never read. Paged caches look each row's block up in the table (clamped
+// to the pool, so a bad table entry reads a wrong block instead of faulting).
+template <class Layout, int ROWS, int THREADS, bool PAGED, class T>
+__device__ __forceinline__ void load_cache_tile(T* dst, const T* base, long long s_blk, long long s_pos,
+                                                const int* table, int block_size, int num_blocks, int n0,
+                                                int seqlen, int tid) {
+  static_assert(THREADS % Layout::CHUNKS == 0, "threads must cover whole rows");
+  constexpr int ROW_STEP = THREADS / Layout::CHUNKS;
+  constexpr int ITERS = (ROWS + ROW_STEP - 1) / ROW_STEP;
+  const int r0 = tid / Layout::CHUNKS;
+  const int c = (tid % Layout::CHUNKS) * 8;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int r = r0 + it * ROW_STEP;
+    if (ROWS % ROW_STEP == 0 || r < ROWS) {
+      const int pos = n0 + r;
+      const bool ok = pos < seqlen;
+      const T* src = base;
+      if (ok) {
+        if constexpr (PAGED) {
+          const int blk = pos / block_size;
+          const int page = min(max(table[blk], 0), num_blocks - 1);
+          src = base + page * s_blk + (pos - blk * block_size) * s_pos + c;
+        } else {
+          src = base + pos * s_pos + c;
+        }
+      }
+      cp_async_16(smem_addr(dst + Layout::offset(r, c)), src, ok);
+    }
+  }
+}
+
+template <class T, bool BF16, int HEAD_DIM, int ROWS, int BLOCK_N, int NUM_WARPS, int WARPS_M, int NUM_STAGES,
+          bool PAGED, bool Q_IN_REGS>
+struct Decode {
+  using L = SmemLayout<HEAD_DIM, HEAD_DIM, true>;
+  static constexpr int THREADS = NUM_WARPS * 32;
+  static constexpr int WARPS_N = NUM_WARPS / WARPS_M;
+  static constexpr int M_TILES = ROWS / 16 / WARPS_M;
+  static constexpr int KW = BLOCK_N / WARPS_N;  // keys of a tile one warp takes
+  static constexpr int KW_TILES = KW / 8;
+  static constexpr int D_TILES = HEAD_DIM / 8;
+  static constexpr int K_STEPS = HEAD_DIM / 16;
+  static constexpr int S_LD = BLOCK_N + 4;  // fp32 score tile row (unfused P V), padded
+  static_assert(WARPS_M * WARPS_N == NUM_WARPS && M_TILES * 16 * WARPS_M == ROWS, "warp grid");
+  static_assert(KW % 16 == 0 && HEAD_DIM % 64 == 0, "tile shape");
+
+  struct Cta {
+    int split, kv_head, batch, seqlen, rows_valid, tile_begin, tile_end;
+    const T* k;  // this head of this row's cache (paged: of block 0)
+    const T* v;
+    const int* table;
+  };
+
+  struct Lane {
+    int tid, warp, lane, g, t, wn, row0, key0;
+  };
+
+  static __device__ __forceinline__ Lane lane_of() {
+    Lane l;
+    l.tid = threadIdx.x;
+    l.warp = l.tid / 32;
+    l.lane = l.tid % 32;
+    l.g = l.lane / 4;
+    l.t = l.lane % 4;
+    l.wn = l.warp / WARPS_M;
+    l.row0 = (l.warp % WARPS_M) * M_TILES * 16;
+    l.key0 = l.wn * KW;
+    return l;
+  }
+
+  static __device__ __forceinline__ Cta cta_of(const DecodeParams<T>& p) {
+    Cta c;
+    c.split = blockIdx.x;
+    c.kv_head = blockIdx.y;
+    c.batch = blockIdx.z;
+    const int len = p.seqlens ? p.seqlens[c.batch] : p.seqlen_fixed;
+    c.seqlen = min(max(len, 0), p.capacity);
+    c.rows_valid = p.group * p.q_len;
+    // The row's tiles dealt out in equal runs; late splits of a short row may get none.
+    const int tiles = (c.seqlen + BLOCK_N - 1) / BLOCK_N;
+    const int per = (tiles + p.num_splits - 1) / p.num_splits;
+    c.tile_begin = min(tiles, c.split * per);
+    c.tile_end = min(tiles, c.tile_begin + per);
+    if constexpr (PAGED) {
+      c.k = p.k + c.kv_head * p.k_sh;
+      c.v = p.v + c.kv_head * p.v_sh;
+      c.table = p.block_table + c.batch * p.bt_sb;
+    } else {
+      // Clamped to the cache's rows, like paged blocks: a bad index reads a wrong row, never faults.
+      const int row = p.batch_idx ? min(max(p.batch_idx[c.batch], 0), p.num_blocks - 1) : c.batch;
+      c.k = p.k + row * p.k_sb + c.kv_head * p.k_sh;
+      c.v = p.v + row * p.v_sb + c.kv_head * p.v_sh;
+      c.table = nullptr;
+    }
+    return c;
+  }
+
+  static __device__ __forceinline__ void load_q(T* sQ, const DecodeParams<T>& p, const Cta& c, int tid) {
+    for (int idx = tid; idx < ROWS * L::CHUNKS; idx += THREADS) {
+      const int r = idx / L::CHUNKS;
+      const int col = (idx % L::CHUNKS) * 8;
+      const bool ok = r < c.rows_valid;
+      const T* src = p.q;
+      if (ok) {
+        const int qi = r / p.group;
+        const int head = c.kv_head * p.group + (r - qi * p.group);
+        src = p.q + c.batch * p.q_sb + qi * p.q_ss + head * p.q_sh + col;
+      }
+      cp_async_16(smem_addr(sQ + L::offset(r, col)), src, ok);
+    }
+  }
+
+  static __device__ __forceinline__ void load_k(T* dst, const DecodeParams<T>& p, const Cta& c, int tile, int tid) {
+    load_cache_tile<L, BLOCK_N, THREADS, PAGED>(dst, c.k, p.k_sb, p.k_ss, c.table, p.block_size, p.num_blocks,
+                                                tile * BLOCK_N, c.seqlen, tid);
+  }
+
+  static __device__ __forceinline__ void load_v(T* dst, const DecodeParams<T>& p, const Cta& c, int tile, int tid) {
+    load_cache_tile<L, BLOCK_N, THREADS, PAGED>(dst, c.v, p.v_sb, p.v_ss, c.table, p.block_size, p.num_blocks,
+                                                tile * BLOCK_N, c.seqlen, tid);
+  }
+
+  // The last key each of this thread's rows may see: token qi sits at seqlen - q_len + qi.
+  // Rows past the packed ones (zero queries, never written) see the whole sequence.
+  static __device__ __forceinline__ void row_limits(int (&lim)[M_TILES][2], const DecodeParams<T>& p, const Cta& c,
+                                                    const Lane& l) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = l.row0 + mt * 16 + l.g + 8 * r;
+        lim[mt][r] = row < c.rows_valid ? c.seqlen - p.q_len + row / p.group : c.seqlen - 1;
+      }
+  }
+
+  // Some key of this warp's slice of the tile lies past the first token's last key.
+  static __device__ __forceinline__ bool needs_mask(const DecodeParams<T>& p, const Cta& c, int n0, const Lane& l) {
+    return n0 + l.key0 + KW - 1 > c.seqlen - p.q_len;
+  }
+
+  static __device__ __forceinline__ void load_q_frags(unsigned (&q_frag)[Q_IN_REGS ? M_TILES : 1][Q_IN_REGS ? K_STEPS : 1][4],
+                                                      const T* sQ, const Lane& l) {
+    if constexpr (Q_IN_REGS) {
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < K_STEPS; ++kk)
+          ldmatrix_x4(q_frag[mt][kk][0], q_frag[mt][kk][1], q_frag[mt][kk][2], q_frag[mt][kk][3],
+                      smem_addr(sQ + L::offset(l.row0 + mt * 16 + (l.lane % 16), kk * 16 + (l.lane / 16) * 8)));
+    }
+  }
+
+  // S = Q K^T over this warp's KW keys of the tile in sKs, masked to each row's limit.
+  static __device__ __forceinline__ void scores(float (&acc_s)[M_TILES][KW_TILES][4],
+                                                const unsigned (&q_frag)[Q_IN_REGS ? M_TILES : 1][Q_IN_REGS ? K_STEPS : 1][4],
+                                                const T* sQ, const T* sKs, const int (&lim)[M_TILES][2], bool mask,
+                                                int n0, const Lane& l) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int n = 0; n < KW_TILES; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[mt][n][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < K_STEPS; ++kk) {
+      unsigned a[M_TILES][4];
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt) {
+        if constexpr (Q_IN_REGS) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][kk][e];
+        } else {
+          ldmatrix_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3],
+                      smem_addr(sQ + L::offset(l.row0 + mt * 16 + (l.lane % 16), kk * 16 + (l.lane / 16) * 8)));
+        }
+      }
+#pragma unroll
+      for (int n2 = 0; n2 < KW_TILES / 2; ++n2) {
+        unsigned b0, b1, b2, b3;
+        ldmatrix_x4(b0, b1, b2, b3,
+                    smem_addr(sKs + L::offset(l.key0 + n2 * 16 + (l.lane % 8) + (l.lane / 16) * 8,
+                                              kk * 16 + ((l.lane / 8) % 2) * 8)));
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+          mma_16816<BF16>(acc_s[mt][2 * n2], a[mt], b0, b1);
+          mma_16816<BF16>(acc_s[mt][2 * n2 + 1], a[mt], b2, b3);
+        }
+      }
+    }
+    if (mask) {
+      const int col0 = n0 + l.key0 + 2 * l.t;
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int hi = lim[mt][r] - col0;
+#pragma unroll
+          for (int n = 0; n < KW_TILES; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (n * 8 + e > hi) acc_s[mt][n][2 * r + e] = -ATTNGEN_INF;
+        }
+    }
+  }
+
+  // Online softmax of one tile's scores: updates max and sum, turns acc_s into probabilities and
+  // returns through corr the factor older accumulations must be scaled by.
+  static __device__ __forceinline__ void softmax_step(float (&acc_s)[M_TILES][KW_TILES][4], float (&row_max)[M_TILES][2],
+                                                      float (&row_sum)[M_TILES][2], float (&corr)[M_TILES][2],
+                                                      float scale_log2) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = row_max[mt][r];
+#pragma unroll
+        for (int n = 0; n < KW_TILES; ++n) mx = fmaxf(mx, fmaxf(acc_s[mt][n][2 * r], acc_s[mt][n][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float base = mx == -ATTNGEN_INF ? 0.f : mx * scale_log2;
+        corr[mt][r] = fast_exp2(row_max[mt][r] * scale_log2 - base);
+        row_max[mt][r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < KW_TILES; ++n)
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; ++e) {
+            const float x = fast_exp2(fmaf(acc_s[mt][n][e], scale_log2, -base));
+            acc_s[mt][n][e] = x;
+            sum += x;
+          }
+        row_sum[mt][r] = row_sum[mt][r] * corr[mt][r] + sum;
+      }
+  }
+
+  // O += P V over this warp's KW keys of the tile in sVs; P in the accumulator layout of S.
+  static __device__ __forceinline__ void accumulate_pv(float (&acc_o)[M_TILES][D_TILES][4],
+                                                       const float (&acc_p)[M_TILES][KW_TILES][4], const T* sVs,
+                                                       const Lane& l) {
+#pragma unroll
+    for (int kk = 0; kk < KW / 16; ++kk) {
+      unsigned a[M_TILES][4];
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt) {
+        a[mt][0] = pack2<BF16>(acc_p[mt][2 * kk][0], acc_p[mt][2 * kk][1]);
+        a[mt][1] = pack2<BF16>(acc_p[mt][2 * kk][2], acc_p[mt][2 * kk][3]);
+        a[mt][2] = pack2<BF16>(acc_p[mt][2 * kk + 1][0], acc_p[mt][2 * kk + 1][1]);
+        a[mt][3] = pack2<BF16>(acc_p[mt][2 * kk + 1][2], acc_p[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int d2 = 0; d2 < HEAD_DIM / 16; ++d2) {
+        unsigned b0, b1, b2, b3;
+        ldmatrix_x4_trans(b0, b1, b2, b3,
+                          smem_addr(sVs + L::offset(l.key0 + kk * 16 + (l.lane % 8) + ((l.lane / 8) % 2) * 8,
+                                                    d2 * 16 + (l.lane / 16) * 8)));
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+          mma_16816<BF16>(acc_o[mt][2 * d2], a[mt], b0, b1);
+          mma_16816<BF16>(acc_o[mt][2 * d2 + 1], a[mt], b2, b3);
+        }
+      }
+    }
+  }
+
+  // Merge the WARPS_N per-warp (max, sum) of each row through shared memory (the ring's bytes,
+  // free once every cp.async has landed). Returns per row the CTA's max, its sum, and this
+  // warp's factor exp2((own max - CTA max) * scale_log2). row_sum is this thread's partial sum.
+  static __device__ __forceinline__ void merge_stats(float* sStat, float (&row_max)[M_TILES][2],
+                                                     float (&row_sum)[M_TILES][2], float (&factor)[M_TILES][2],
+                                                     float scale_log2, const Lane& l) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float s = row_sum[mt][r];
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        row_sum[mt][r] = s;
+        if (l.t == 0) {
+          const int row = l.row0 + mt * 16 + l.g + 8 * r;
+          sStat[l.wn * ROWS + row] = row_max[mt][r];
+          sStat[(WARPS_N + l.wn) * ROWS + row] = s;
+        }
+      }
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = l.row0 + mt * 16 + l.g + 8 * r;
+        float mg = -ATTNGEN_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS_N; ++w) mg = fmaxf(mg, sStat[w * ROWS + row]);
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS_N; ++w) {
+          const float m = sStat[w * ROWS + row];
+          if (m != -ATTNGEN_INF) sum += sStat[(WARPS_N + w) * ROWS + row] * fast_exp2((m - mg) * scale_log2);
+        }
+        factor[mt][r] = row_max[mt][r] == -ATTNGEN_INF ? 0.f : fast_exp2((row_max[mt][r] - mg) * scale_log2);
+        row_max[mt][r] = mg;
+        row_sum[mt][r] = sum;
+      }
+  }
+
+  // Normalise and write: the output (one split) or fp32 partials and their LSE (several).
+  static __device__ __forceinline__ void epilogue(const DecodeParams<T>& p, const Cta& c, unsigned char* smem,
+                                                  float (&acc_o)[M_TILES][D_TILES][4], float (&row_max)[M_TILES][2],
+                                                  float (&row_sum)[M_TILES][2], const Lane& l) {
+    cp_async_wait<0>();
+    __syncthreads();
+    float* sStat = reinterpret_cast<float*>(smem);  // [2][WARPS_N][ROWS]
+    float* sO = sStat + 2 * WARPS_N * ROWS;         // [WARPS_N - 1][ROWS][HEAD_DIM + 4]
+    float factor[M_TILES][2];
+    merge_stats(sStat, row_max, row_sum, factor, p.scale_log2, l);
+    if constexpr (WARPS_N > 1) {
+      if (l.wn > 0) {
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+          for (int d = 0; d < D_TILES; ++d)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const int row = l.row0 + mt * 16 + l.g + 8 * r;
+              *reinterpret_cast<float2*>(sO + ((l.wn - 1) * ROWS + row) * (HEAD_DIM + 4) + d * 8 + 2 * l.t) =
+                  make_float2(acc_o[mt][d][2 * r] * factor[mt][r], acc_o[mt][d][2 * r + 1] * factor[mt][r]);
+            }
+      }
+      __syncthreads();
+      if (l.wn > 0) return;
+    }
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = l.row0 + mt * 16 + l.g + 8 * r;
+        if (row >= c.rows_valid) continue;
+        const int qi = row / p.group;
+        const int head = c.kv_head * p.group + (row - qi * p.group);
+        const float sum = row_sum[mt][r];
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        const float lse = sum > 0.f ? row_max[mt][r] * p.sm_scale + logf(sum) : -ATTNGEN_INF;
+        const bool one = p.num_splits == 1;
+        T* gO = p.o + c.batch * p.o_sb + qi * p.o_ss + head * p.o_sh;
+        float* gP = p.o_part + (((long long)c.split * p.batch + c.batch) * p.q_len + qi) * p.num_heads * HEAD_DIM +
+                    (long long)head * HEAD_DIM;
+#pragma unroll
+        for (int d = 0; d < D_TILES; ++d) {
+          float x0 = acc_o[mt][d][2 * r] * factor[mt][r];
+          float x1 = acc_o[mt][d][2 * r + 1] * factor[mt][r];
+          const int col = d * 8 + 2 * l.t;
+#pragma unroll
+          for (int w = 1; w < WARPS_N; ++w) {
+            const float2 y = *reinterpret_cast<const float2*>(sO + ((w - 1) * ROWS + row) * (HEAD_DIM + 4) + col);
+            x0 += y.x;
+            x1 += y.y;
+          }
+          if (one) {
+            *reinterpret_cast<unsigned*>(gO + col) = pack2<BF16>(x0 * inv, x1 * inv);
+          } else {
+            *reinterpret_cast<float2*>(gP + col) = make_float2(x0 * inv, x1 * inv);
+          }
+        }
+        if (l.t == 0) {
+          if (one) {
+            if (p.lse) p.lse[((long long)c.batch * p.num_heads + head) * p.q_len + qi] = lse;
+          } else {
+            p.lse_part[(((long long)c.split * p.batch + c.batch) * p.num_heads + head) * p.q_len + qi] = lse;
+          }
+        }
+      }
+  }
+
+  // ---- fused: S, softmax and P V per tile -------------------------------------------------------
+  static __device__ __forceinline__ void fused(const DecodeParams<T>& p) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sK = sQ + ROWS * HEAD_DIM;
+    T* sV = sK + NUM_STAGES * BLOCK_N * HEAD_DIM;
+    const Cta c = cta_of(p);
+    const Lane l = lane_of();
+
+    load_q(sQ, p, c, l.tid);
+    if constexpr (NUM_STAGES > 1) {
+#pragma unroll
+      for (int s = 0; s < NUM_STAGES - 1; ++s) {
+        if (c.tile_begin + s < c.tile_end) {
+          load_k(sK + s * BLOCK_N * HEAD_DIM, p, c, c.tile_begin + s, l.tid);
+          load_v(sV + s * BLOCK_N * HEAD_DIM, p, c, c.tile_begin + s, l.tid);
+        }
+        cp_async_commit();
+      }
+    }
+
+    float acc_o[M_TILES][D_TILES][4];
+    float row_max[M_TILES][2], row_sum[M_TILES][2];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+      for (int d = 0; d < D_TILES; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[mt][d][e] = 0.f;
+      row_max[mt][0] = row_max[mt][1] = -ATTNGEN_INF;
+      row_sum[mt][0] = row_sum[mt][1] = 0.f;
+    }
+    int lim[M_TILES][2];
+    row_limits(lim, p, c, l);
+    unsigned q_frag[Q_IN_REGS ? M_TILES : 1][Q_IN_REGS ? K_STEPS : 1][4];
+
+    for (int tile = c.tile_begin; tile < c.tile_end; ++tile) {
+      const int it = tile - c.tile_begin;
+      const int slot = NUM_STAGES > 1 ? it % NUM_STAGES : 0;
+      if constexpr (NUM_STAGES > 1) {
+        cp_async_wait<NUM_STAGES - 2>();
+        __syncthreads();
+        const int next = tile + NUM_STAGES - 1;
+        if (next < c.tile_end) {
+          const int ns = (it + NUM_STAGES - 1) % NUM_STAGES;
+          load_k(sK + ns * BLOCK_N * HEAD_DIM, p, c, next, l.tid);
+          load_v(sV + ns * BLOCK_N * HEAD_DIM, p, c, next, l.tid);
+        }
+        cp_async_commit();
+      } else {
+        load_k(sK, p, c, tile, l.tid);
+        load_v(sV, p, c, tile, l.tid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+      }
+      if (it == 0) load_q_frags(q_frag, sQ, l);
+      const int n0 = tile * BLOCK_N;
+      float acc_s[M_TILES][KW_TILES][4];
+      scores(acc_s, q_frag, sQ, sK + slot * BLOCK_N * HEAD_DIM, lim, needs_mask(p, c, n0, l), n0, l);
+      float corr[M_TILES][2];
+      softmax_step(acc_s, row_max, row_sum, corr, p.scale_log2);
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int d = 0; d < D_TILES; ++d)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_o[mt][d][e] *= corr[mt][e / 2];
+      accumulate_pv(acc_o, acc_s, sV + slot * BLOCK_N * HEAD_DIM, l);
+      if constexpr (NUM_STAGES == 1) __syncthreads();
+    }
+    epilogue(p, c, smem_raw, acc_o, row_max, row_sum, l);
+  }
+
+  // ---- unfused, first kernel: raw scores to the workspace, per-row max and sum per split ---------
+  static __device__ __forceinline__ void unfused_qk(const DecodeParams<T>& p) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sK = sQ + ROWS * HEAD_DIM;
+    const Cta c = cta_of(p);
+    const Lane l = lane_of();
+
+    load_q(sQ, p, c, l.tid);
+    if constexpr (NUM_STAGES > 1) {
+#pragma unroll
+      for (int s = 0; s < NUM_STAGES - 1; ++s) {
+        if (c.tile_begin + s < c.tile_end) load_k(sK + s * BLOCK_N * HEAD_DIM, p, c, c.tile_begin + s, l.tid);
+        cp_async_commit();
+      }
+    }
+    float row_max[M_TILES][2], row_sum[M_TILES][2];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      row_max[mt][0] = row_max[mt][1] = -ATTNGEN_INF;
+      row_sum[mt][0] = row_sum[mt][1] = 0.f;
+    }
+    int lim[M_TILES][2];
+    row_limits(lim, p, c, l);
+    unsigned q_frag[Q_IN_REGS ? M_TILES : 1][Q_IN_REGS ? K_STEPS : 1][4];
+    float* gS = p.scores + ((long long)c.batch * gridDim.y + c.kv_head) * c.rows_valid * p.scores_ld;
+
+    for (int tile = c.tile_begin; tile < c.tile_end; ++tile) {
+      const int it = tile - c.tile_begin;
+      const int slot = NUM_STAGES > 1 ? it % NUM_STAGES : 0;
+      if constexpr (NUM_STAGES > 1) {
+        cp_async_wait<NUM_STAGES - 2>();
+        __syncthreads();
+        const int next = tile + NUM_STAGES - 1;
+        if (next < c.tile_end) load_k(sK + ((it + NUM_STAGES - 1) % NUM_STAGES) * BLOCK_N * HEAD_DIM, p, c, next, l.tid);
+        cp_async_commit();
+      } else {
+        load_k(sK, p, c, tile, l.tid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+      }
+      if (it == 0) load_q_frags(q_frag, sQ, l);
+      const int n0 = tile * BLOCK_N;
+      float acc_s[M_TILES][KW_TILES][4];
+      scores(acc_s, q_frag, sQ, sK + slot * BLOCK_N * HEAD_DIM, lim, needs_mask(p, c, n0, l), n0, l);
+      // Masked scores are stored as -inf; keys past the sequence are not stored.
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = l.row0 + mt * 16 + l.g + 8 * r;
+          if (row >= c.rows_valid) continue;
+#pragma unroll
+          for (int n = 0; n < KW_TILES; ++n) {
+            const int col = n0 + l.key0 + n * 8 + 2 * l.t;
+            float* dst = gS + row * p.scores_ld + col;
+            if (col + 1 < c.seqlen) {
+              *reinterpret_cast<float2*>(dst) = make_float2(acc_s[mt][n][2 * r], acc_s[mt][n][2 * r + 1]);
+            } else if (col < c.seqlen) {
+              dst[0] = acc_s[mt][n][2 * r];
+            }
+          }
+        }
+      float corr[M_TILES][2];
+      softmax_step(acc_s, row_max, row_sum, corr, p.scale_log2);
+      if constexpr (NUM_STAGES == 1) __syncthreads();
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    float factor[M_TILES][2];
+    merge_stats(reinterpret_cast<float*>(smem_raw), row_max, row_sum, factor, p.scale_log2, l);
+    if (l.wn == 0 && l.t == 0) {
+      float* gStat = p.stats + (((long long)c.split * p.batch + c.batch) * gridDim.y + c.kv_head) * ROWS * 2;
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = l.row0 + mt * 16 + l.g + 8 * r;
+          *reinterpret_cast<float2*>(gStat + 2 * row) = make_float2(row_max[mt][r], row_sum[mt][r]);
+        }
+    }
+  }
+
+  // ---- unfused, second kernel: P = exp(S - max) from the stored scores, O = P V / sum ------------
+  static __device__ __forceinline__ void load_scores(float* dst, const float* gS, const DecodeParams<T>& p,
+                                                     const Cta& c, int tile, int tid) {
+    constexpr int CHUNKS = BLOCK_N / 4;
+    const int n0 = tile * BLOCK_N;
+#pragma unroll
+    for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
+      const int r = idx / CHUNKS;
+      const int col = (idx % CHUNKS) * 4;
+      // A chunk that starts inside the sequence may run past it (scores_ld is padded to 4);
+      // those values are never used: P is selected to 0 past each row's limit.
+      const bool ok = r < c.rows_valid && n0 + col < c.seqlen;
+      cp_async_16(smem_addr(dst + r * S_LD + col), ok ? gS + r * p.scores_ld + n0 + col : gS, ok);
+    }
+  }
+
+  static __device__ __forceinline__ void unfused_pv(const DecodeParams<T>& p) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* sV = reinterpret_cast<T*>(smem_raw) + ROWS * HEAD_DIM;
+    float* sS = reinterpret_cast<float*>(sV + NUM_STAGES * BLOCK_N * HEAD_DIM);
+    const Cta c = cta_of(p);
+    const Lane l = lane_of();
+    const float* gS = p.scores + ((long long)c.batch * gridDim.y + c.kv_head) * c.rows_valid * p.scores_ld;
+    auto load = [&](int tile, int slot) {
+      load_v(sV + slot * BLOCK_N * HEAD_DIM, p, c, tile, l.tid);
+      load_scores(sS + slot * ROWS * S_LD, gS, p, c, tile, l.tid);
+    };
+    if constexpr (NUM_STAGES > 1) {
+#pragma unroll
+      for (int s = 0; s < NUM_STAGES - 1; ++s) {
+        if (c.tile_begin + s < c.tile_end) load(c.tile_begin + s, s);
+        cp_async_commit();
+      }
+    }
+    const float* gStat = p.stats + (((long long)c.split * p.batch + c.batch) * gridDim.y + c.kv_head) * ROWS * 2;
+    float row_max[M_TILES][2], row_sum[M_TILES][2], base[M_TILES][2];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = l.row0 + mt * 16 + l.g + 8 * r;
+        const float2 st = *reinterpret_cast<const float2*>(gStat + 2 * row);
+        row_max[mt][r] = st.x;
+        // The sum enters the merge once per row: from the first key warp's first lane.
+        row_sum[mt][r] = l.wn == 0 && l.t == 0 ? st.y : 0.f;
+        base[mt][r] = st.x == -ATTNGEN_INF ? 0.f : st.x * p.scale_log2;
+      }
+    float acc_o[M_TILES][D_TILES][4];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int d = 0; d < D_TILES; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[mt][d][e] = 0.f;
+    int lim[M_TILES][2];
+    row_limits(lim, p, c, l);
+
+    for (int tile = c.tile_begin; tile < c.tile_end; ++tile) {
+      const int it = tile - c.tile_begin;
+      const int slot = NUM_STAGES > 1 ? it % NUM_STAGES : 0;
+      if constexpr (NUM_STAGES > 1) {
+        cp_async_wait<NUM_STAGES - 2>();
+        __syncthreads();
+        const int next = tile + NUM_STAGES - 1;
+        if (next < c.tile_end) load(next, (it + NUM_STAGES - 1) % NUM_STAGES);
+        cp_async_commit();
+      } else {
+        load(tile, 0);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+      }
+      const float* sSs = sS + slot * ROWS * S_LD;
+      const int n0 = tile * BLOCK_N;
+      float acc_p[M_TILES][KW_TILES][4];
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = l.row0 + mt * 16 + l.g + 8 * r;
+          const int hi = lim[mt][r] - (n0 + l.key0 + 2 * l.t);
+#pragma unroll
+          for (int n = 0; n < KW_TILES; ++n) {
+            const float2 s = *reinterpret_cast<const float2*>(sSs + row * S_LD + l.key0 + n * 8 + 2 * l.t);
+            acc_p[mt][n][2 * r] = n * 8 <= hi ? fast_exp2(fmaf(s.x, p.scale_log2, -base[mt][r])) : 0.f;
+            acc_p[mt][n][2 * r + 1] = n * 8 + 1 <= hi ? fast_exp2(fmaf(s.y, p.scale_log2, -base[mt][r])) : 0.f;
+          }
+        }
+      accumulate_pv(acc_o, acc_p, sV + slot * BLOCK_N * HEAD_DIM, l);
+      if constexpr (NUM_STAGES == 1) __syncthreads();
+    }
+    epilogue(p, c, smem_raw, acc_o, row_max, row_sum, l);
+  }
+};
+
+// ---- merge of split partials: one warp per (batch, token, head) row -----------------------------
+template <class T, bool BF16, int HEAD_DIM>
+__device__ __forceinline__ void decode_merge(const DecodeParams<T>& p) {
+  constexpr int PER = HEAD_DIM / 32;  // elements per lane, contiguous
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const long long rows = (long long)p.batch * p.q_len * p.num_heads;
+  const long long idx = (long long)blockIdx.x * (blockDim.x / 32) + warp;
+  if (idx >= rows) return;
+  const int head = idx % p.num_heads;
+  const long long bq = idx / p.num_heads;
+  const int qi = bq % p.q_len;
+  const int b = bq / p.q_len;
+  const long long lse_stride = (long long)p.batch * p.num_heads * p.q_len;
+  const float* lse_row = p.lse_part + ((long long)b * p.num_heads + head) * p.q_len + qi;
+
+  float mx = -ATTNGEN_INF;
+  for (int s = lane; s < p.num_splits; s += 32) mx = fmaxf(mx, lse_row[s * lse_stride]);
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+
+  float acc[PER];
+#pragma unroll
+  for (int i = 0; i < PER; ++i) acc[i] = 0.f;
+  float wsum = 0.f;
+  if (mx != -ATTNGEN_INF) {
+    for (int s = 0; s < p.num_splits; ++s) {
+      const float ls = lse_row[s * lse_stride];
+      if (ls == -ATTNGEN_INF) continue;
+      const float w = __expf(ls - mx);
+      wsum += w;
+      const float* src = p.o_part + (s * rows + idx) * HEAD_DIM + lane * PER;
+#pragma unroll
+      for (int i = 0; i < PER; i += 2) {
+        const float2 x = *reinterpret_cast<const float2*>(src + i);
+        acc[i] = fmaf(w, x.x, acc[i]);
+        acc[i + 1] = fmaf(w, x.y, acc[i + 1]);
+      }
+    }
+  }
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  T* dst = p.o + b * p.o_sb + qi * p.o_ss + head * p.o_sh + lane * PER;
+#pragma unroll
+  for (int i = 0; i < PER; i += 2) *reinterpret_cast<unsigned*>(dst + i) = pack2<BF16>(acc[i] * inv, acc[i + 1] * inv);
+  if (lane == 0 && p.lse)
+    p.lse[((long long)b * p.num_heads + head) * p.q_len + qi] = wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
+}
+
+}  // namespace attngen
