@@ -1,4 +1,4 @@
-"""Benchmarks: ``attngen bench prefill`` (attngen vs PyTorch SDPA backends) and ``attngen bench jit``.
+"""Benchmarks: ``attngen bench prefill`` and ``decode`` (attngen vs PyTorch SDPA backends), ``attngen bench jit``.
 
 ``prefill`` runs attngen and ``torch.nn.functional.scaled_dot_product_attention`` with each
 selected backend (flash = FlashAttention-2, cudnn, efficient) on the same inputs in one
@@ -8,11 +8,19 @@ head_dim, head_dim 64/128/256, causal and not, bf16 and fp16. Every shape is che
 first, median of many repeats). Rows stream to stdout; the JSON is rewritten after every
 shape, so a run cut short still leaves its results.
 
+``decode`` runs attngen.decode and SDPA (flash, cudnn; efficient on request) on one dense KV
+cache per shape (heads 32/8, 32/4, 64/8 at head_dim 128; batch 1..128; kv_len 1k..32k; q_len 1;
+plus batch 4, q_len 4, 16/1 heads, 16k). A decode is bound by reading K and V, so it reports
+GB/s of K+V read and the fraction of a device-to-device copy's bandwidth measured in the same
+run, with the time ratios to each peer and the targets' verdicts. Each shape is spot-checked
+against an fp32 reference with the output poisoned with NaN; shapes that do not fit in memory
+are skipped and listed.
+
 ``jit`` measures the latency of the JIT pipeline: a cold NVRTC compile (works without a GPU
 given ``--arch``), a warm load from the disk cache in a fresh process, a repeated in-process
 request, and the host-side overhead of one ``attngen.prefill`` call.
 
-Both write Markdown (``--markdown FILE``) for BENCHMARKS.md, and re-render from a saved JSON
+All write Markdown (``--markdown FILE``) for BENCHMARKS.md, and re-render from a saved JSON
 with ``--from-json FILE`` (no GPU needed for that).
 """
 
@@ -154,7 +162,7 @@ _CAUSAL = {"both": (False, True), "yes": (True,), "no": (False,), "true": (True,
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="attngen bench", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", metavar="{prefill,jit}")
+    sub = p.add_subparsers(dest="command", metavar="{prefill,decode,jit}")
 
     pp = sub.add_parser("prefill", help="attngen.prefill vs SDPA's flash / cudnn / efficient backends",
                         description="attngen.prefill vs torch SDPA backends on FlashAttention's standard sweep "
@@ -183,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--from-json", type=Path, default=None,
                     help="re-render table/Markdown/plot from a saved bench_prefill.json (no GPU)")
     pp.set_defaults(func=cmd_prefill)
+
+    add_decode_parser(sub)
 
     pj = sub.add_parser("jit", help="JIT latency: cold compile, warm load, repeated request, host overhead",
                         description="Latency of the JIT pipeline against its targets. Cold compile works without "
@@ -837,6 +847,874 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     _finish_prefill(data, args, print_table=False)
     failed = [r for r in data["results"] if (r.get("check") and not r["check"].get("ok"))
               or "attngen" in r.get("errors", {}) or "shape" in r.get("errors", {})]
+    if failed:
+        _say(f"{len(failed)} shape(s) failed the check or did not run attngen", file=sys.stderr)
+        return 1
+    return 0
+
+
+# --- decode ---------------------------------------------------------------------------------------
+
+DECODE_HEADS = ((32, 8), (32, 4), (64, 8))      # (query heads, KV heads)
+DECODE_BATCHES = (1, 16, 64, 128)
+DECODE_KV_LENS = (1024, 4096, 8192, 32768)
+DECODE_Q_LENS = (1,)
+DECODE_HEAD_DIM = 128
+# (batch, kv_len, q_len, heads, kv_heads): speculative decoding with 4 new tokens, MQA-like 16/1 heads.
+DECODE_EXTRA = ((4, 16384, 4, 16, 1),)
+DECODE_QUICK = dict(heads=((32, 8),), batches=(1, 64), kv_lens=(4096, 32768))
+DECODE_BACKENDS = ("flash", "cudnn")
+DECODE_VARIANTS = ("auto", "fused", "unfused", "both")
+ITEMSIZE = {"bf16": 2, "fp16": 2}
+COPY_MIB = 1024                  # the copy-bandwidth buffer: 1 GiB read + 1 GiB written
+MEM_MARGIN = 3 << 29             # 1.5 GiB kept free beside a shape's own tensors
+REF_CHUNK_BYTES = 1 << 30        # fp32 K+V per chunk of the spot-check reference
+TARGET_COPY_FRAC = 0.90          # of the copy bandwidth, for batch >= 16 and kv_len >= 4k
+TARGET_B1_CUDNN = 1.3            # batch 1 at kv_len 32k: cuDNN's time / attngen's
+TARGET_FLASH = 1.0               # every shape: flash's time / attngen's
+BYTES_NOTE = ("GB/s = K + V bytes read (sum over the batch of L x kv_heads x head_dim x 2 x itemsize) / time, "
+              "GB = 1e9 bytes; %copy = that over the device-to-device copy bandwidth measured in the same run "
+              "(dst.copy_(src) of a 1 GiB buffer, bytes read + written / median time)")
+RATIO_NOTE = "vs <peer> = peer time / attngen time (> 1: attngen faster)"
+DECODE_SDPA_NOTE = ("SDPA gets q as [B, H, q_len, D] and K/V as [B, Hkv, L, D] .transpose(1, 2) views of the "
+                    "dense cache attngen reads, with enable_gqa=True; q_len > 1 uses a bottom-right causal mask "
+                    "(the first call form the backend accepts that matches the reference)")
+DECODE_SDPA_CONTIG_NOTE = ("SDPA gets contiguous [B, Hkv, L, D] copies of the cache (--sdpa-layout contiguous) "
+                           "and q as a [B, H, q_len, D] view, with enable_gqa=True")
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    dtype: str
+    batch: int
+    kv_len: int
+    q_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def kv_bytes(self) -> int:
+        return decode_kv_bytes([self.kv_len] * self.batch, self.kv_heads, self.head_dim, ITEMSIZE[self.dtype])
+
+    def label(self) -> str:
+        return (f"b={self.batch} L={_klen(self.kv_len)} q={self.q_len} h={self.heads}/{self.kv_heads} "
+                f"d={self.head_dim} {self.dtype}")
+
+
+def _klen(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def decode_kv_bytes(lengths: Iterable[int], kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """Bytes of K and V a decode must read: every row's L keys and L values, once."""
+    return sum(int(n) for n in lengths) * kv_heads * head_dim * 2 * itemsize
+
+
+def gbps(nbytes: float, ms: float | None) -> float | None:
+    if ms is None or not ms > 0:
+        return None
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def make_decode_sweep(heads: Iterable[tuple[int, int]] = DECODE_HEADS, batches: Iterable[int] = DECODE_BATCHES,
+                      kv_lens: Iterable[int] = DECODE_KV_LENS, q_lens: Iterable[int] = DECODE_Q_LENS,
+                      head_dim: int = DECODE_HEAD_DIM, dtype: str = "bf16",
+                      extra: Iterable[tuple[int, int, int, int, int]] = DECODE_EXTRA) -> list[DecodeShape]:
+    """The shapes, in the order they run: heads, batch, kv_len, q_len; then the extra shapes."""
+    out = [DecodeShape(dtype, b, n, ql, h, hk, head_dim)
+           for h, hk in heads for b in batches for n in kv_lens for ql in q_lens]
+    for b, n, ql, h, hk in extra:
+        s = DecodeShape(dtype, b, n, ql, h, hk, head_dim)
+        if s not in out:
+            out.append(s)
+    return out
+
+
+def decode_sweep_from_args(args: argparse.Namespace) -> list[DecodeShape]:
+    q = DECODE_QUICK if args.quick else {}
+    narrowed = any(getattr(args, a) for a in ("heads", "batches", "kv_lens", "q_lens"))
+    return make_decode_sweep(
+        heads=args.heads or q.get("heads", DECODE_HEADS),
+        batches=args.batches or q.get("batches", DECODE_BATCHES),
+        kv_lens=args.kv_lens or q.get("kv_lens", DECODE_KV_LENS),
+        q_lens=args.q_lens or DECODE_Q_LENS,
+        head_dim=args.head_dim, dtype=args.dtype,
+        extra=() if (narrowed or args.no_extra) else DECODE_EXTRA,
+    )
+
+
+def decode_impls(variant: str, paged: bool) -> list[tuple[str, str, bool]]:
+    """attngen's rows per shape: (name, variant, paged)."""
+    variants = ("fused", "unfused") if variant == "both" else (variant,)
+    out = []
+    for p in ((False, True) if paged else (False,)):
+        for v in variants:
+            name = "attngen" + ("" if v == "auto" else f"-{v}") + ("-paged" if p else "")
+            out.append((name, v, p))
+    return out
+
+
+def decode_mem_need(shape: DecodeShape, *, paged: bool = False, sdpa_contiguous: bool = False,
+                    check: bool = True, unfused: bool = False) -> int:
+    """Device bytes one shape needs at its peak: caches, their copies, q/outputs, workspaces, the reference."""
+    kv = shape.kv_bytes
+    need = kv * (1 + int(paged) + int(sdpa_contiguous))
+    rows = shape.batch * shape.q_len * shape.heads * shape.head_dim
+    need += rows * ITEMSIZE[shape.dtype] * 8          # q, poisoned outs, peers' outputs
+    need += rows * 4 * 64                              # split-KV partials (fp32), up to 64 splits
+    if unfused:                                        # the unfused variant's fp32 score rows
+        need += shape.batch * shape.heads * shape.q_len * shape.kv_len * 4
+    need += shape.batch * 4 * 2                        # cache_seqlens, block table (small)
+    if check:
+        per_row = shape.kv_len * shape.kv_heads * shape.head_dim * 4 * 2
+        need += rows * 4 * 2 + max(per_row, min(REF_CHUNK_BYTES, per_row * shape.batch)) * 2
+    return need + MEM_MARGIN
+
+
+def _heads_list(text: str) -> tuple[tuple[int, int], ...]:
+    vals = []
+    for part in text.split(","):
+        p = part.strip()
+        if not p:
+            continue
+        try:
+            h, hk = (int(x) for x in p.split("/"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not HEADS/KV_HEADS (e.g. 32/8)") from None
+        if h <= 0 or hk <= 0 or h % hk:
+            raise argparse.ArgumentTypeError(f"{part!r}: heads must be a positive multiple of kv_heads")
+        vals.append((h, hk))
+    if not vals:
+        raise argparse.ArgumentTypeError("empty list")
+    return tuple(dict.fromkeys(vals))
+
+
+def _q_len_list(text: str) -> tuple[int, ...]:
+    vals = _int_list(text)
+    bad = [v for v in vals if v > 8]
+    if bad:
+        raise argparse.ArgumentTypeError(f"q_len {bad[0]} is not in 1..8")
+    return vals
+
+
+def _one_dtype(text: str) -> str:
+    vals = _dtype_list(text)
+    if len(vals) != 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: one dtype, bf16 or fp16")
+    return vals[0]
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return v
+
+
+def _block_size(text: str) -> int:
+    v = _nonneg_int(text)
+    if v % 16 or not 16 <= v <= 256:
+        raise argparse.ArgumentTypeError(f"block size {v} must be a multiple of 16 from 16 to 256")
+    return v
+
+
+def add_decode_parser(sub) -> None:
+    pd = sub.add_parser("decode", help="attngen.decode vs SDPA flash / cudnn on a KV cache (GB/s, %% of copy)",
+                        description="attngen.decode vs torch SDPA backends on decode shapes (issue sweep: heads "
+                                    "32/8, 32/4, 64/8 at head_dim 128; batch 1, 16, 64, 128; kv_len 1k..32k; "
+                                    "q_len 1; plus batch 4, q_len 4, 16/1 heads, 16k). "
+                                    f"{BYTES_NOTE}. {RATIO_NOTE}. {DECODE_SDPA_NOTE}.")
+    pd.add_argument("--heads", type=_heads_list, default=None, help="HEADS/KV_HEADS pairs, e.g. 32/8,64/8")
+    pd.add_argument("--batches", type=_int_list, default=None, help="e.g. 1,16 (default 1,16,64,128)")
+    pd.add_argument("--kv-lens", type=_int_list, default=None, help="e.g. 4k,32k (default 1k,4k,8k,32k)")
+    pd.add_argument("--q-lens", type=_q_len_list, default=None, help="new tokens per row, 1..8 (default 1)")
+    pd.add_argument("--head-dim", type=int, choices=(64, 128, 256), default=DECODE_HEAD_DIM)
+    pd.add_argument("--dtype", type=_one_dtype, default="bf16", help="bf16 (default) or fp16")
+    pd.add_argument("--no-extra", action="store_true",
+                    help="leave out the extra shape (batch 4, q_len 4, 16/1 heads, 16k); narrowing options "
+                         "(--heads/--batches/--kv-lens/--q-lens) leave it out too")
+    pd.add_argument("--quick", action="store_true",
+                    help="a small subset: heads 32/8, batch 1,64, kv 4k,32k, plus the extra shape")
+    pd.add_argument("--backends", type=_backend_list, default=DECODE_BACKENDS,
+                    help="SDPA backends to compare with (default flash,cudnn; efficient refuses GQA)")
+    pd.add_argument("--variant", choices=DECODE_VARIANTS, default="auto",
+                    help="attngen variant; both = a fused and an unfused row per shape")
+    pd.add_argument("--num-splits", type=_nonneg_int, default=0, help="attngen num_splits (0 = automatic)")
+    pd.add_argument("--paged", action="store_true", help="also time attngen on a paged copy of the cache")
+    pd.add_argument("--block-size", type=_block_size, default=64, help="paged block size (default 64)")
+    pd.add_argument("--sdpa-layout", choices=("view", "contiguous"), default="view",
+                    help="view (default): SDPA reads attngen's cache through .transpose(1, 2) views; "
+                         "contiguous: its own [B, Hkv, L, D] copies (more memory)")
+    pd.add_argument("--json", type=Path, default=None, help="write the results as JSON to FILE")
+    pd.add_argument("--out", type=Path, default=None, help="folder for bench_decode.json and bench_decode.png")
+    pd.add_argument("--markdown", type=Path, default=None, help="write the table as Markdown to FILE")
+    pd.add_argument("--warmup-ms", type=float, default=25.0, help="warm-up per measurement (ms, default 25)")
+    pd.add_argument("--rep-ms", type=float, default=100.0, help="timed repeats per measurement (ms, default 100)")
+    pd.add_argument("--reps", type=int, default=None,
+                    help="a fixed number of timed repeats instead of --rep-ms (own CUDA-event loop)")
+    pd.add_argument("--no-check", action="store_true", help="skip the correctness spot checks")
+    pd.add_argument("--seed", type=int, default=0)
+    pd.add_argument("--copy-mib", type=int, default=COPY_MIB, help=argparse.SUPPRESS)
+    pd.add_argument("--from-json", type=Path, default=None,
+                    help="re-render table/Markdown/plot from a saved bench_decode.json (no GPU)")
+    pd.set_defaults(func=cmd_decode)
+
+
+# --- decode: measuring ----------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _no_tf32():
+    import torch
+
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def decode_reference(q, k, v, sm_scale: float | None = None, chunk_bytes: int = REF_CHUNK_BYTES):
+    """fp32 decode on a dense cache where every row holds all L keys: out ``[B, q_len, H, D]``.
+
+    q ``[B, q_len, H, D]``, k/v ``[B, L, Hkv, D]``; query i sees keys ``0 .. L - q_len + i``.
+    Rows go in chunks so the fp32 copies of K and V stay near ``chunk_bytes``.
+    """
+    import torch
+
+    b, ql, h, d = q.shape
+    n, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    out = torch.zeros(b, ql, h, d, dtype=torch.float32, device=q.device)
+    if n == 0:
+        return out
+    pos = torch.arange(ql, device=q.device)[:, None] + (n - ql)
+    keep = torch.arange(n, device=q.device)[None, :] <= pos                 # [q_len, L]
+    step = max(1, chunk_bytes // max(1, n * hk * d * 4 * 2))
+    with _no_tf32():
+        for s0 in range(0, b, step):
+            s1 = min(b, s0 + step)
+            m = s1 - s0
+            qf = q[s0:s1].float().reshape(m, ql, hk, g, d).permute(0, 2, 3, 1, 4).reshape(m, hk, g * ql, d)
+            kf = k[s0:s1].float().permute(0, 2, 1, 3)                       # [m, Hkv, L, D]
+            s = torch.matmul(qf, kf.transpose(-1, -2)).reshape(m, hk, g, ql, n) * scale
+            del kf
+            p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1).nan_to_num(0.0)
+            del s
+            vf = v[s0:s1].float().permute(0, 2, 1, 3)
+            o = torch.matmul(p.reshape(m, hk, g * ql, n), vf).reshape(m, hk, g, ql, d)
+            out[s0:s1] = o.permute(0, 3, 1, 2, 4).reshape(m, ql, h, d)
+            del p, vf, o
+    return out
+
+
+def paged_copy(k, v, block_size: int, seed: int = 0):
+    """The dense cache ``[B, L, Hkv, D]`` as blocks scattered over a pool, with its block table.
+
+    Returns (k_pages, v_pages ``[B * ceil(L / bs), bs, Hkv, D]``, block_table int32 ``[B, ceil(L / bs)]``);
+    positions past L in a row's last block hold NaN.
+    """
+    import torch
+
+    b, n, hk, d = k.shape
+    bs = block_size
+    nb = (n + bs - 1) // bs
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(b * nb, generator=gen)
+    table = perm.view(b, nb).to(torch.int32).to(k.device)
+    perm = perm.to(k.device)
+    pages = []
+    for src in (k, v):
+        dst = torch.empty(b * nb, bs, hk, d, dtype=src.dtype, device=src.device)
+        for i in range(b):
+            idx = perm[i * nb:(i + 1) * nb]
+            if n % bs == 0:
+                dst[idx] = src[i].reshape(nb, bs, hk, d)
+            else:
+                tmp = torch.full((nb * bs, hk, d), float("nan"), dtype=src.dtype, device=src.device)
+                tmp[:n] = src[i]
+                dst[idx] = tmp.view(nb, bs, hk, d)
+                del tmp
+        pages.append(dst)
+    return pages[0], pages[1], table
+
+
+def measure_copy_bandwidth(mib: int = COPY_MIB, warmup_ms: float = 25.0, rep_ms: float = 100.0,
+                           reps: int | None = None) -> dict:
+    """Device-to-device copy of a ``mib`` MiB buffer: (bytes read + bytes written) / median time."""
+    import torch
+
+    nbytes = int(mib) << 20
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=DEVICE)   # never time on zeros
+    dst = torch.empty_like(src)
+    ms, timer = bench_ms(lambda: dst.copy_(src), warmup_ms, rep_ms, reps)
+    return {"buffer_bytes": nbytes, "bytes_moved": 2 * nbytes, "ms": ms, "gbps": gbps(2 * nbytes, ms),
+            "timer": timer}
+
+
+def _rel_check(out, ref) -> dict:
+    """NaN count, max abs and rel L2 of ``out`` (any layout matching ``ref``) against ``ref`` fp32."""
+    import torch
+
+    nan_count = int(torch.isnan(out).sum().item())
+    diff = out.float() - ref
+    rel = float((torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(ref).clamp_min(1e-30)).item())
+    mx = float(diff.abs().max().item()) if diff.numel() else 0.0
+    ok = bool(nan_count == 0 and math.isfinite(rel) and rel <= CHECK_TOL)
+    return {"reference": "fp32", "nan_count": nan_count, "max_abs": mx, "rel_l2": rel, "ok": ok,
+            "tolerance_rel_l2": CHECK_TOL}
+
+
+def run_decode_shape(shape: DecodeShape, backends: tuple[str, ...], *, impls: list[tuple[str, str, bool]],
+                     num_splits: int = 0, block_size: int = 64, check: bool = True, warmup_ms: float = 25.0,
+                     rep_ms: float = 100.0, reps: int | None = None, seed: int = 0, sdpa_layout: str = "view",
+                     copy_gbps: float | None = None) -> dict:
+    """Check and time one shape: each attngen row and each SDPA backend, on one dense cache."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    import attngen
+
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[shape.dtype]
+    b, n, ql, h, hk, d = shape.batch, shape.kv_len, shape.q_len, shape.heads, shape.kv_heads, shape.head_dim
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(b, ql, h, d, device=DEVICE, dtype=tdt, generator=gen)
+    kc = torch.randn(b, n, hk, d, device=DEVICE, dtype=tdt, generator=gen)
+    vc = torch.randn(b, n, hk, d, device=DEVICE, dtype=tdt, generator=gen)
+    seqlens = torch.full((b,), n, dtype=torch.int32, device=DEVICE)
+    rec: dict[str, Any] = {**asdict(shape), "bytes": shape.kv_bytes, "impls": [name for name, _, _ in impls],
+                           "backends": list(backends), "ms": {}, "gbps": {}, "frac_copy": {}, "errors": {},
+                           "checks": {}, "sdpa_call": {}, "ratio": {}, "timer": None}
+
+    def fail(name: str, e: BaseException) -> None:
+        rec["errors"][name] = _short_error(e)
+        rec["ms"][name] = rec["gbps"][name] = rec["frac_copy"][name] = None
+
+    ref = decode_reference(q, kc, vc) if check else None
+
+    # attngen: one call into a NaN-poisoned out decides supported or not, and is the spot check.
+    paged = None
+    fns: dict[str, Callable[[], Any]] = {}
+    for name, variant, is_paged in impls:
+        try:
+            if is_paged:
+                if paged is None:
+                    paged = paged_copy(kc, vc, block_size, seed)
+                kk, vv, kw = paged[0], paged[1], {"block_table": paged[2]}
+            else:
+                kk, vv, kw = kc, vc, {}
+
+            def fn(kk=kk, vv=vv, kw=kw, variant=variant, out=None):
+                return attngen.decode(q, kk, vv, cache_seqlens=seqlens, num_splits=num_splits, variant=variant,
+                                      out=out, **kw)
+
+            out = torch.full_like(q, float("nan"))
+            fn(out=out)
+            torch.cuda.synchronize()
+            if ref is not None:
+                rec["checks"][name] = _rel_check(out, ref)
+            del out
+            fns[name] = fn
+        except Exception as e:
+            fail(name, e)
+            torch.cuda.synchronize()
+
+    # SDPA: the first call form each backend accepts (and, with the check, gets right).
+    qt = q.transpose(1, 2)
+    kt, vt = kc.transpose(1, 2), vc.transpose(1, 2)
+    if sdpa_layout == "contiguous":
+        kt, vt = kt.contiguous(), vt.contiguous()
+    gqa = {"enable_gqa": True} if h != hk else {}
+    if ql == 1:
+        forms = [("no mask", {})]
+    else:
+        mask = torch.arange(n, device=DEVICE)[None, :] <= (torch.arange(ql, device=DEVICE)[:, None] + (n - ql))
+        forms = [("bottom-right bool attn_mask", {"attn_mask": mask}),
+                 ("is_causal=True (bottom-right in this backend)", {"is_causal": True})]
+    for name in backends:
+        tried = []
+        for label, kw in forms:
+            def sdpa(kw=kw):
+                return F.scaled_dot_product_attention(qt, kt, vt, **kw, **gqa)
+            try:
+                with warnings.catch_warnings(), sdpa_kernel(_sdpa_backend(name)):
+                    warnings.simplefilter("ignore")
+                    o = sdpa()
+                torch.cuda.synchronize()
+            except Exception as e:
+                torch.cuda.synchronize()
+                tried.append(f"{label}: {_short_error(e)}")
+                continue
+            if ref is not None:
+                chk = _rel_check(o.transpose(1, 2), ref)
+                if not chk["ok"]:
+                    tried.append(f"{label}: wrong result (rel L2 {chk['rel_l2']:.2e}, {chk['nan_count']} NaN)")
+                    continue
+                rec["checks"][name] = chk
+            del o
+            fns[name] = sdpa
+            rec["sdpa_call"][name] = label if ref is not None or ql == 1 else f"{label} (unchecked: --no-check)"
+            break
+        else:
+            rec["errors"][name] = "; ".join(tried)[:400]
+            rec["ms"][name] = rec["gbps"][name] = rec["frac_copy"][name] = None
+    del ref
+
+    # Timing, attngen rows first.
+    for name in [i[0] for i in impls] + list(backends):
+        fn = fns.get(name)
+        if fn is None:
+            continue
+        try:
+            if name in backends:
+                with warnings.catch_warnings(), sdpa_kernel(_sdpa_backend(name)):
+                    warnings.simplefilter("ignore")
+                    ms, timer = bench_ms(fn, warmup_ms, rep_ms, reps)
+            else:
+                ms, timer = bench_ms(fn, warmup_ms, rep_ms, reps)
+        except Exception as e:
+            fail(name, e)
+            continue
+        rec["timer"] = rec["timer"] or timer
+        rec["ms"][name] = ms
+        rec["gbps"][name] = gbps(shape.kv_bytes, ms)
+        rec["frac_copy"][name] = rec["gbps"][name] / copy_gbps if (copy_gbps and rec["gbps"][name]) else None
+    for name, _, _ in impls:
+        a = rec["ms"].get(name)
+        rec["ratio"][name] = {p: (rec["ms"][p] / a if a and rec["ms"].get(p) else None) for p in backends}
+    return rec
+
+
+# --- decode: reporting ----------------------------------------------------------------------------
+
+def _decode_shape_of(r: dict) -> DecodeShape:
+    return DecodeShape(**{f: r[f] for f in ("dtype", "batch", "kv_len", "q_len", "heads", "kv_heads", "head_dim")})
+
+
+def _decode_impls(records: list[dict]) -> list[str]:
+    seen: list[str] = []
+    for r in records:
+        for n in r.get("impls", []):
+            if n not in seen:
+                seen.append(n)
+    return seen
+
+
+def _decode_backends(records: list[dict], config_backends: Iterable[str] | None = None) -> list[str]:
+    if config_backends is not None:
+        return list(config_backends)
+    seen: list[str] = []
+    for r in records:
+        for n in r.get("backends", []):
+            if n not in seen:
+                seen.append(n)
+    return seen
+
+
+def _decode_check_cell(r: dict, name: str) -> str:
+    c = (r.get("checks") or {}).get(name)
+    if name in (r.get("errors") or {}):
+        return "error"
+    if not c:
+        return "—"
+    if c.get("nan_count"):
+        return f"FAIL {c['nan_count']} NaN"
+    rel = c.get("rel_l2")
+    if not isinstance(rel, float):
+        return "FAIL" if not c.get("ok") else "ok"
+    return f"{rel:.1e}" + ("" if c.get("ok") else " FAIL")
+
+
+def _fmt_gbps(x: float | None) -> str:
+    return _fmt(x, ".0f" if x is not None and x >= 100 else ".1f")
+
+
+def decode_columns(backends: list[str]) -> list[str]:
+    return ["shape", "impl", "ms", "GB/s", "%copy"] + [f"vs {p}" for p in backends] + ["check"]
+
+
+def decode_rows(r: dict, backends: list[str]) -> list[list[str]]:
+    """The table rows of one shape: attngen's rows, then each peer's; the shape named on the first."""
+    label = _decode_shape_of(r).label()
+    if r.get("skipped"):
+        return [[label, "(skipped)", "—", "—", "—"] + ["—"] * len(backends) + [r["skipped"][:60]]]
+    rows = []
+    for name in list(r.get("impls", [])) + list(backends):
+        ms = r.get("ms", {}).get(name)
+        frac = r.get("frac_copy", {}).get(name)
+        ratio = r.get("ratio", {}).get(name) or {}
+        cells = [label if not rows else "", name if name in r.get("impls", []) else f"sdpa-{name}",
+                 _fmt(ms, ".4f"), _fmt_gbps(r.get("gbps", {}).get(name)),
+                 _fmt(frac * 100 if frac is not None else None, ".1f")]
+        cells += [_fmt(ratio.get(p), ".2f") for p in backends]
+        cells.append(_decode_check_cell(r, name))
+        rows.append(cells)
+    return rows
+
+
+_DECODE_WIDTHS = {"shape": 36, "impl": 22, "ms": 8, "GB/s": 6, "%copy": 6, "check": 12}
+
+
+def _dw(col: str) -> int:
+    return _DECODE_WIDTHS.get(col, max(8, len(col)))
+
+
+def decode_text_header(backends: list[str]) -> str:
+    cols = decode_columns(backends)
+    return "  ".join(c.ljust(_dw(c)) if c in ("shape", "impl") else c.rjust(_dw(c)) for c in cols)
+
+
+def decode_text_rows(r: dict, backends: list[str]) -> list[str]:
+    cols = decode_columns(backends)
+    return ["  ".join(v.ljust(_dw(c)) if c in ("shape", "impl") else v.rjust(_dw(c)) for c, v in zip(cols, row))
+            for row in decode_rows(r, backends)]
+
+
+def _target(name: str, values: list[tuple[float, dict]], target: float, what: str) -> dict:
+    """Worst value over the shapes it applies to, against a target it must reach (>=)."""
+    if not values:
+        return {"target": name, "what": what, "threshold": target, "verdict": "not measured", "worst": None,
+                "worst_at": None, "shapes": 0}
+    worst, wr = min(values, key=lambda p: p[0])
+    return {"target": name, "what": what, "threshold": target, "verdict": "met" if worst >= target else "MISSED",
+            "worst": worst, "worst_at": _decode_shape_of(wr).label(), "shapes": len(values)}
+
+
+def decode_summary(records: list[dict], backends: list[str]) -> dict:
+    """Per attngen row: ratios to each peer (min, geomean) and the three targets; the checks."""
+    ran = [r for r in records if not r.get("skipped")]
+    out: dict[str, Any] = {"impls": {}}
+    for name in _decode_impls(ran):
+        s: dict[str, Any] = {"ratio": {}}
+        for p in backends:
+            pairs = [(r["ratio"][name][p], r) for r in ran if (r.get("ratio", {}).get(name) or {}).get(p)]
+            if pairs:
+                worst, wr = min(pairs, key=lambda x: x[0])
+                s["ratio"][p] = {"min": worst, "min_at": _decode_shape_of(wr).label(), "shapes": len(pairs),
+                                 "geomean": math.exp(sum(math.log(x) for x, _ in pairs) / len(pairs))}
+            else:
+                s["ratio"][p] = None
+        fr = [(r["frac_copy"][name], r) for r in ran
+              if r["batch"] >= 16 and r["kv_len"] >= 4096 and r.get("frac_copy", {}).get(name) is not None]
+        b1 = [(r["ratio"][name]["cudnn"], r) for r in ran if r["batch"] == 1 and r["kv_len"] == 32768
+              and (r.get("ratio", {}).get(name) or {}).get("cudnn")]
+        fl = [(r["ratio"][name]["flash"], r) for r in ran if (r.get("ratio", {}).get(name) or {}).get("flash")]
+        s["targets"] = [
+            _target("copy", fr, TARGET_COPY_FRAC, f">= {TARGET_COPY_FRAC:.0%} of copy bandwidth at batch >= 16, "
+                                                  "kv_len >= 4k"),
+            _target("cudnn_b1_32k", b1, TARGET_B1_CUDNN, f">= {TARGET_B1_CUDNN}x SDPA cuDNN at batch 1, kv_len 32k"),
+            _target("flash", fl, TARGET_FLASH, "never slower than SDPA flash (flash time / attngen time >= 1)"),
+        ]
+        out["impls"][name] = s
+    checks = [(n, c) for r in ran for n, c in (r.get("checks") or {}).items()]
+    mine = [c for n, c in checks if n.startswith("attngen")]
+    out["checks"] = {"run": len(mine), "failed": sum(1 for c in mine if not c.get("ok")),
+                     "max_rel_l2": max((c["rel_l2"] for c in mine if isinstance(c.get("rel_l2"), float)),
+                                       default=None),
+                     "peers_run": len(checks) - len(mine)}
+    out["errors"] = sum(1 for r in ran for n in (r.get("errors") or {}) if n.startswith("attngen"))
+    out["skipped"] = sum(1 for r in records if r.get("skipped"))
+    return out
+
+
+def decode_summary_lines(summary: dict) -> list[str]:
+    lines = []
+    for name, s in summary.get("impls", {}).items():
+        for p, x in s.get("ratio", {}).items():
+            if not x:
+                lines.append(f"{name} vs {p}: no shape where both ran")
+                continue
+            lines.append(f"{name} vs {p}: min {x['min']:.2f} at {x['min_at']}; geomean {x['geomean']:.2f} over "
+                         f"{x['shapes']} shapes")
+        for t in s.get("targets", []):
+            worst = ""
+            if t["worst"] is not None:
+                w = f"{t['worst']:.1%}" if t["target"] == "copy" else f"{t['worst']:.2f}x"
+                worst = f" (worst {w} at {t['worst_at']}, {t['shapes']} shapes)"
+            lines.append(f"target {name}: {t['what']}: {t['verdict']}{worst}")
+    c = summary.get("checks") or {}
+    if c.get("run"):
+        lines.append(f"checks (attngen vs fp32, NaN-poisoned out): {c['run']} run, {c['failed']} failed, "
+                     f"max rel L2 {_fmt(c.get('max_rel_l2'), '.1e')}")
+    if summary.get("errors"):
+        lines.append(f"attngen errors: {summary['errors']}")
+    if summary.get("skipped"):
+        lines.append(f"skipped shapes (memory): {summary['skipped']}")
+    return lines
+
+
+def _copy_line(copy: dict | None) -> str:
+    if not copy or not copy.get("gbps"):
+        return "copy bandwidth: not measured (%copy not computed)"
+    line = (f"copy bandwidth: {copy['gbps']:.0f} GB/s (dst.copy_(src), {copy['buffer_bytes'] / 2**30:.2f} GiB "
+            f"buffer, read + write, median {copy['ms']:.3f} ms)")
+    end = copy.get("end_gbps")
+    if end:
+        line += f"; at the end of the run {end:.0f} GB/s"
+    return line
+
+
+def decode_markdown(data: dict) -> str:
+    env, records = data.get("env", {}), data.get("results", [])
+    cfg = data.get("config", {})
+    backends = _decode_backends(records, cfg.get("backends"))
+    lines = ["## Decode: attngen vs PyTorch SDPA", ""]
+    lines += [f"- {ln}" for ln in env_lines(env)]
+    lines += [f"- {_copy_line(data.get('copy'))}",
+              f"- timing: median of CUDA-event timings ({cfg.get('timer') or 'triton.do_bench'}), warm-up "
+              f"{cfg.get('warmup_ms', '?')} ms, repeats {cfg.get('reps') or str(cfg.get('rep_ms', '?')) + ' ms'}; "
+              "JIT compile and module load are outside the timings",
+              f"- attngen: variant {cfg.get('variant', 'auto')}, num_splits {cfg.get('num_splits', 0) or 'auto'}"
+              + (f", paged rows with block size {cfg.get('block_size')}" if cfg.get("paged") else "")
+              + "; cache_seqlens = L for every row",
+              f"- {BYTES_NOTE}",
+              f"- {RATIO_NOTE}",
+              f"- {cfg.get('sdpa_note') or DECODE_SDPA_NOTE}",
+              "- check = rel L2 vs an fp32 reference on the first call, output poisoned with NaN; — = the backend "
+              "refused that shape",
+              ""]
+    if not data.get("complete", True):
+        lines += ["**Partial run**: the sweep did not finish.", ""]
+    cols = decode_columns(backends)
+    lines.append("| " + " | ".join(cols) + " |")
+    lines.append("|" + "|".join("---" if c in ("shape", "impl") else "---:" for c in cols) + "|")
+    for r in records:
+        for row in decode_rows(r, backends):
+            lines.append("| " + " | ".join(row) + " |")
+    errs = [(_decode_shape_of(r).label(), n, e) for r in records for n, e in (r.get("errors") or {}).items()]
+    if errs:
+        lines += ["", "Refusals and errors:", ""] + [f"- {lab}, {n}: {e}" for lab, n, e in errs]
+    forms = sorted({(n, c) for r in records if r.get("q_len", 1) > 1 for n, c in (r.get("sdpa_call") or {}).items()})
+    if forms:
+        lines += ["", "SDPA call forms for q_len > 1: " + "; ".join(f"{n}: {c}" for n, c in forms)]
+    summ = data.get("summary") or decode_summary(records, backends)
+    lines += [""] + [f"- {ln}" for ln in decode_summary_lines(summ)]
+    return "\n".join(lines) + "\n"
+
+
+def plot_decode(data: dict, path: Path) -> Path | None:
+    """GB/s vs kv_len: a panel per (heads, q_len) row and batch column, a line per implementation."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        _say(f"plot skipped: matplotlib is not available ({e})")
+        return None
+    records = [r for r in data.get("results", []) if not r.get("skipped")]
+    if not records:
+        return None
+    backends = _decode_backends(records, data.get("config", {}).get("backends"))
+    impls = _decode_impls(records) + backends
+    groups = sorted({(r["heads"], r["kv_heads"], r["q_len"], r["head_dim"]) for r in records})
+    batches = sorted({r["batch"] for r in records})
+    colors = {"flash": "tab:blue", "cudnn": "tab:green", "efficient": "tab:orange"}
+    own = ["tab:red", "tab:purple", "tab:brown", "tab:pink"]
+    fig, axes = plt.subplots(len(groups), len(batches), figsize=(3.6 * len(batches), 2.9 * len(groups)),
+                             squeeze=False)
+    copy = (data.get("copy") or {}).get("gbps")
+    for i, grp in enumerate(groups):
+        for j, bt in enumerate(batches):
+            ax = axes[i][j]
+            sel = [r for r in records if (r["heads"], r["kv_heads"], r["q_len"], r["head_dim"]) == grp
+                   and r["batch"] == bt]
+            for k, impl in enumerate(impls):
+                pts = sorted((r["kv_len"], r["gbps"].get(impl)) for r in sel)
+                pts = [(x, y) for x, y in pts if y]
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
+                            color=colors.get(impl, own[k % len(own)]), label=impl,
+                            linewidth=2.2 if impl.startswith("attngen") else 1.4)
+            if copy:
+                ax.axhline(copy, color="gray", linestyle="--", linewidth=1, label="copy")
+            ax.set_xscale("log", base=2)
+            xs = sorted({r["kv_len"] for r in sel})
+            if xs:
+                ax.set_xticks(xs, [_klen(x) for x in xs])
+                ax.minorticks_off()
+            ax.set_title(f"h={grp[0]}/{grp[1]} q={grp[2]} d={grp[3]} b={bt}", fontsize=9)
+            ax.grid(True, alpha=0.3)
+            ax.set_ylim(bottom=0)
+            if j == 0:
+                ax.set_ylabel("GB/s (K+V read)")
+            if i == len(groups) - 1:
+                ax.set_xlabel("kv_len")
+    handles, labels = [], []
+    for row in axes:
+        for ax in row:
+            for hnd, lab in zip(*ax.get_legend_handles_labels()):
+                if lab not in labels:
+                    handles.append(hnd)
+                    labels.append(lab)
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), fontsize=8, frameon=False)
+    env = data.get("env", {})
+    fig.suptitle(f"attngen decode vs SDPA — {env.get('gpu', '?')}, {env.get('date', '')[:10]}", fontsize=11)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.96))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _finish_decode(data: dict, args: argparse.Namespace, print_table: bool) -> None:
+    records = data.get("results", [])
+    backends = _decode_backends(records, data.get("config", {}).get("backends"))
+    if print_table:
+        for ln in env_lines(data.get("env", {})):
+            _say(ln)
+        _say(_copy_line(data.get("copy")))
+        _say(decode_text_header(backends))
+        for r in records:
+            for ln in decode_text_rows(r, backends):
+                _say(ln)
+    summ = data.get("summary") or decode_summary(records, backends)
+    _say("")
+    for ln in decode_summary_lines(summ):
+        _say(ln)
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(decode_markdown(data))
+        _say(f"wrote {args.markdown}")
+    if args.out:
+        p = plot_decode(data, Path(args.out) / "bench_decode.png")
+        if p:
+            _say(f"wrote {p}")
+
+
+def _decode_json_paths(args: argparse.Namespace) -> list[Path]:
+    paths = []
+    if args.json:
+        paths.append(Path(args.json))
+    if args.out:
+        p = Path(args.out) / "bench_decode.json"
+        if p not in paths:
+            paths.append(p)
+    return paths
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        _finish_decode(data, args, print_table=True)
+        return 0
+    try:
+        import torch
+    except Exception as e:
+        _say(f"attngen bench decode needs torch: {e}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        _say("attngen bench decode needs a CUDA GPU (torch.cuda.is_available() is False); "
+             "use --from-json to re-render saved results", file=sys.stderr)
+        return 2
+    dtype = args.dtype
+    shapes = decode_sweep_from_args(args)
+    backends = list(args.backends)
+    impls = decode_impls(args.variant, args.paged)
+    env = environment(gpu=True)
+    timer = "cuda-events" if args.reps is not None or _triton_do_bench() is None else "triton.do_bench"
+    data: dict[str, Any] = {
+        "benchmark": "decode", "complete": False, "env": env,
+        "config": {"shapes": len(shapes), "backends": backends, "impls": [i[0] for i in impls],
+                   "variant": args.variant, "num_splits": args.num_splits, "paged": args.paged,
+                   "block_size": args.block_size, "dtype": dtype, "warmup_ms": args.warmup_ms,
+                   "rep_ms": args.rep_ms, "reps": args.reps, "timer": timer, "seed": args.seed,
+                   "check": not args.no_check, "check_tolerance_rel_l2": CHECK_TOL, "sdpa_layout": args.sdpa_layout,
+                   "sdpa_note": DECODE_SDPA_NOTE if args.sdpa_layout == "view" else DECODE_SDPA_CONTIG_NOTE,
+                   "bytes": BYTES_NOTE, "ratio": RATIO_NOTE,
+                   "targets": {"copy_frac": TARGET_COPY_FRAC, "cudnn_b1_32k": TARGET_B1_CUDNN,
+                               "flash": TARGET_FLASH}},
+        "copy": None, "results": [],
+    }
+    json_paths = _decode_json_paths(args)
+
+    def save():
+        for p in json_paths:
+            write_json(p, data)
+
+    for ln in env_lines(env):
+        _say(ln)
+    try:
+        data["copy"] = measure_copy_bandwidth(args.copy_mib, args.warmup_ms, args.rep_ms, args.reps)
+    except Exception as e:
+        data["copy"] = {"error": _short_error(e)}
+        _say(f"copy bandwidth: failed: {_short_error(e)}")
+    copy_gbps = (data["copy"] or {}).get("gbps")
+    _say(_copy_line(data["copy"]))
+    _say(f"{len(shapes)} shapes x ({', '.join(i[0] for i in impls)} + sdpa {', '.join(backends)}); timer {timer}, "
+         f"warm-up {args.warmup_ms} ms, repeats {args.reps if args.reps is not None else str(args.rep_ms) + ' ms'}")
+    _say(BYTES_NOTE)
+    _say(RATIO_NOTE)
+    _say(data["config"]["sdpa_note"])
+    if not json_paths:
+        _say("(no --json/--out: the JSON is not written)")
+    _say(decode_text_header(backends))
+    t0 = time.perf_counter()
+    said: set[tuple[str, str]] = set()
+    for i, shape in enumerate(shapes):
+        base = {**asdict(shape), "bytes": shape.kv_bytes, "impls": [x[0] for x in impls], "backends": backends}
+        need = decode_mem_need(shape, paged=args.paged, sdpa_contiguous=args.sdpa_layout == "contiguous",
+                               check=not args.no_check, unfused=any(v == "unfused" for _, v, _ in impls))
+        try:
+            torch.cuda.empty_cache()
+            free, _total = torch.cuda.mem_get_info()
+        except Exception:
+            free = None
+        if free is not None and need > free:
+            rec = {**base, "skipped": f"needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"}
+        else:
+            try:
+                rec = run_decode_shape(shape, tuple(backends), impls=impls, num_splits=args.num_splits,
+                                       block_size=args.block_size, check=not args.no_check,
+                                       warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, reps=args.reps,
+                                       seed=args.seed + i, sdpa_layout=args.sdpa_layout, copy_gbps=copy_gbps)
+            except Exception as e:  # e.g. out of memory: keep the sweep going
+                rec = {**base, "ms": {}, "gbps": {}, "frac_copy": {}, "ratio": {}, "checks": {},
+                       "errors": {"shape": _short_error(e)}}
+            try:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            except Exception:
+                pass
+        data["results"].append(rec)
+        for ln in decode_text_rows(rec, backends):
+            _say(ln)
+        for n, err in (rec.get("errors") or {}).items():
+            if n.startswith("attngen") or n == "shape" or (n, err) not in said:
+                _say(f"    {n}: {err}")   # a peer's refusal once, not on every shape
+                said.add((n, err))
+        if rec.get("skipped"):
+            _say(f"    skipped: {rec['skipped']}")
+        data["elapsed_s"] = round(time.perf_counter() - t0, 1)
+        save()
+    if copy_gbps:
+        try:
+            end = measure_copy_bandwidth(args.copy_mib, args.warmup_ms, args.rep_ms, args.reps)
+            data["copy"]["end_gbps"] = end["gbps"]
+        except Exception:
+            pass
+    data["complete"] = True
+    data["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    data["summary"] = decode_summary(data["results"], backends)
+    save()
+    for p in json_paths:
+        _say(f"wrote {p}")
+    _say(f"sweep took {data['elapsed_s']} s")
+    _finish_decode(data, args, print_table=False)
+    failed = [r for r in data["results"] if not r.get("skipped") and (
+        any(not c.get("ok") for n, c in (r.get("checks") or {}).items() if n.startswith("attngen"))
+        or any(n.startswith("attngen") or n == "shape" for n in (r.get("errors") or {})))]
     if failed:
         _say(f"{len(failed)} shape(s) failed the check or did not run attngen", file=sys.stderr)
         return 1

@@ -358,19 +358,31 @@ _SPILLS_ON = {
 }
 
 
-# Decode, per head_dim: [(cta_tile_kv, num_warps, num_stages), ...] best first. Chosen so the
-# cp.async ring keeps about 64 KiB of K/V in flight per CTA (decode is bound by memory).
+# Decode, per (head_dim, paged): [(cta_tile_kv, num_warps, num_stages), ...] best first. From
+# tools/sweep_decode.py on an H100 (NVRTC 13.5, bf16, 2026-11-22): two stages of large tiles
+# matched or beat deeper rings; paged caches want more CTAs per SM to hide the table reads.
 _TUNED_DECODE = {
-    64: [(128, 4, 4), (64, 4, 4)],
-    128: [(64, 4, 4), (64, 4, 3), (64, 4, 2)],
-    256: [(64, 4, 2), (32, 8, 2)],
+    (64, False): [(128, 4, 2), (64, 4, 2)],
+    (64, True): [(128, 4, 2), (64, 4, 3)],
+    (128, False): [(128, 4, 2), (64, 4, 2)],
+    (128, True): [(64, 4, 2)],
+    (256, False): [(64, 4, 2), (32, 8, 2)],
+    (256, True): [(64, 4, 2), (32, 8, 2)],
+}
+
+
+# Decode configs ptxas spills on some archs (NVRTC 13.5), per (head_dim, paged, q_rows, variant).
+_DECODE_SPILLS_ON = {
+    ((256, True, 16, "fused"), (64, 4, 2)): ("sm_80",),
 }
 
 
 def _candidates(spec: "Spec", arch: Arch):
     """Tuned configs first, then every allowed combination, larger tiles first."""
     if isinstance(spec, DecodeSpec):
-        yield from _TUNED_DECODE[spec.head_dim]
+        where = (spec.head_dim, spec.paged, spec.q_rows, spec.variant.value)
+        yield from (c for c in _TUNED_DECODE[(spec.head_dim, spec.paged)]
+                    if arch.name not in _DECODE_SPILLS_ON.get((where, c), ()))
         yield from itertools.product((64, 128, 32, 16), (4, 8), (4, 3, 2, 1))
         return
     d = spec.head_dim

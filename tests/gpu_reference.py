@@ -33,3 +33,67 @@ def reference_attention(q, k, v, *, causal=False, window=(-1, -1), sm_scale=None
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     out = torch.matmul(p, vf).transpose(1, 2).contiguous()
     return out, lse
+
+
+def _lengths(cache_seqlens, batch):
+    """cache_seqlens (int, or an int tensor/array of [batch]) as a list of Python ints."""
+    if isinstance(cache_seqlens, int):
+        return [int(cache_seqlens)] * batch
+    if hasattr(cache_seqlens, "tolist"):
+        vals = cache_seqlens.tolist()
+    else:
+        vals = list(cache_seqlens)
+    if len(vals) != batch:
+        raise ValueError(f"cache_seqlens has {len(vals)} entries for batch {batch}")
+    return [int(x) for x in vals]
+
+
+def reference_decode(q, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, block_table=None, sm_scale=None):
+    """fp32 reference for attngen.decode (torch tensors on any device).
+
+    q ``[B, q_len, H, D]``. Contiguous cache: k/v ``[cache_batch, max_seqlen, Hkv, D]``, row b reads
+    cache row ``cache_batch_idx[b]`` (else b). Paged (``block_table`` ``[B, max_blocks]``): k/v
+    ``[num_blocks, block_size, Hkv, D]``, key j of row b at ``[block_table[b, j // bs], j % bs]``.
+    Row b has ``L = cache_seqlens[b]`` keys (the q_len new ones included); query i sits at
+    position ``L - q_len + i`` and sees keys ``0 .. L - q_len + i``. Only keys ``< L`` are ever
+    read, so a cache poisoned past L leaves the reference finite. Query head h uses KV head
+    ``h // (H // Hkv)``. Returns (out fp32 ``[B, q_len, H, D]``, lse fp32 ``[B, H, q_len]``);
+    a query that sees no key gives zeros and LSE -inf.
+    """
+    import torch
+
+    b, ql, h, d = q.shape
+    hk = k_cache.shape[2]
+    g = h // hk
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    lengths = _lengths(cache_seqlens, b)
+    rows = _lengths(cache_batch_idx, b) if cache_batch_idx is not None else list(range(b))
+    table = block_table.tolist() if block_table is not None else None
+    out = torch.zeros(b, ql, h, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, h, ql), float("-inf"), dtype=torch.float32, device=q.device)
+    for i in range(b):
+        n = lengths[i]
+        if n <= 0:
+            continue
+        if table is not None:
+            bs = k_cache.shape[1]
+            blocks = torch.tensor(table[i][: (n + bs - 1) // bs], dtype=torch.long, device=k_cache.device)
+            kk = k_cache[blocks].reshape(-1, hk, d)[:n]
+            vv = v_cache[blocks].reshape(-1, hk, d)[:n]
+        else:
+            kk = k_cache[rows[i], :n]
+            vv = v_cache[rows[i], :n]
+        kf = kk.float().permute(1, 0, 2)                                     # [Hkv, L, D]
+        vf = vv.float().permute(1, 0, 2)
+        # [q_len, H, D] -> [Hkv, g * q_len, D]: the g query heads of one KV head share its keys.
+        qf = q[i].float().reshape(ql, hk, g, d).permute(1, 2, 0, 3).reshape(hk, g * ql, d)
+        s = torch.matmul(qf, kf.transpose(-1, -2)).reshape(hk, g, ql, n) * scale
+        pos = torch.arange(ql, device=q.device)[:, None] + (n - ql)
+        keep = torch.arange(n, device=q.device)[None, :] <= pos             # [q_len, L]
+        s = s.masked_fill(~keep, float("-inf"))
+        row_lse = torch.logsumexp(s, dim=-1)                                 # [Hkv, g, q_len]
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+        o = torch.matmul(p.reshape(hk, g * ql, n), vf).reshape(hk, g, ql, d)
+        out[i] = o.permute(2, 0, 1, 3).reshape(ql, h, d)
+        lse[i] = row_lse.reshape(h, ql)
+    return out, lse

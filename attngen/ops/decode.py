@@ -55,6 +55,11 @@ def _sm_count(device: int) -> int:
     return driver().attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device)
 
 
+@functools.lru_cache(maxsize=None)
+def _ctas_per_sm(kern) -> int:
+    return ctas_per_sm(kern)
+
+
 def ctas_per_sm(kern) -> int:
     """How many CTAs of a loaded kernel one SM holds at once (shared memory, threads, registers)."""
     spec = kern.spec
@@ -69,6 +74,7 @@ def ctas_per_sm(kern) -> int:
     return max(1, min(by_smem, by_threads, by_regs))
 
 
+@functools.lru_cache(maxsize=4096)
 def choose_splits(batch: int, kv_heads: int, capacity: int, block_n: int, sm_count: int, per_sm: int,
                   q_heads: int, q_len: int, head_dim: int) -> int:
     """Split count from a cost model over SM count, batch, heads and sequence capacity.
@@ -92,6 +98,10 @@ def choose_splits(batch: int, kv_heads: int, capacity: int, block_n: int, sm_cou
         if best_cost is None or cost < best_cost - 1e-9:
             best, best_cost = s, cost
     return best
+
+
+def _data_ptr(x, kind: str) -> int:
+    return x.data_ptr() if kind == "torch" else x.data.ptr
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_table=None, num_splits: int = 0,
@@ -201,31 +211,37 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     if b > 65535:
         raise LaunchError(f"batch={b} exceeds 65535 (the grid's z limit)")
 
+    kind, dev = qi.kind, qi.device
     chosen = "fused" if variant == "auto" else variant
     rs_spec = _spec_for(d, qi.dtype, DecodeSpec.rows_for(group, q_len), paged, chosen, spec)
     kern = get_kernel(rs_spec, device=qi.device)
     rs = kern.spec
     if num_splits == 0:
-        num_splits = choose_splits(b, hk, capacity, rs.cta_tile_kv, _sm_count(qi.device), ctas_per_sm(kern),
+        num_splits = choose_splits(b, hk, capacity, rs.cta_tile_kv, _sm_count(qi.device), _ctas_per_sm(kern),
                                    h, q_len, d)
-    kind, dev = qi.kind, qi.device
-    o_part = lse_part = scores = stats = None
-    if num_splits > 1:
-        o_part = empty_like_kind(kind, (num_splits, b, q_len, h, d), "fp32", dev)
-        lse_part = empty_like_kind(kind, (num_splits, b, h, q_len), "fp32", dev)
+    # One fp32 workspace per call: split partials (outputs, then LSE), then the unfused
+    # variant's scores and per-split row stats; every piece starts 16-byte aligned.
     scores_ld = 0
+    sizes = [0, 0, 0, 0]
+    if num_splits > 1:
+        sizes[0] = num_splits * b * q_len * h * d
+        sizes[1] = -(-num_splits * b * h * q_len // 4) * 4
     if rs.variant is Variant.UNFUSED:
         scores_ld = max(4, -(-capacity // 4) * 4)
-        scores = empty_like_kind(kind, (b, hk, group * q_len, scores_ld), "fp32", dev)
-        stats = empty_like_kind(kind, (num_splits, b, hk, rs.q_rows, 2), "fp32", dev)
-
-    def ptr(x, name):
-        return tensor_info(x, name).ptr if x is not None else 0
+        sizes[2] = b * hk * group * q_len * scores_ld
+        sizes[3] = num_splits * b * hk * rs.q_rows * 2
+    ptrs = [0, 0, 0, 0]
+    if any(sizes):
+        work = empty_like_kind(kind, (sum(sizes),), "fp32", dev)
+        at = _data_ptr(work, kind)
+        for i, n in enumerate(sizes):
+            ptrs[i] = at if n else 0
+            at += 4 * n
 
     params = _PARAMS.pack(
-        qi.ptr, ki.ptr, vi.ptr, oi.ptr, ptr(lse, "lse"),
+        qi.ptr, ki.ptr, vi.ptr, oi.ptr, _data_ptr(lse, kind) if lse is not None else 0,
         seq_ptr, bi_ptr, bt_ptr,
-        ptr(o_part, "o_part"), ptr(lse_part, "lse_part"), ptr(scores, "scores"), ptr(stats, "stats"),
+        *ptrs,
         qi.strides[0], qi.strides[1], qi.strides[2],
         ki.strides[0], ki.strides[1], ki.strides[2],
         vi.strides[0], vi.strides[1], vi.strides[2],
@@ -233,7 +249,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
         bt_sb, scores_ld,
         b, q_len, h, group,
         num_splits, block_size, capacity, pool,
-        seq_fixed, 0,
+        seq_fixed, (block_size.bit_length() - 1) if block_size and not block_size & (block_size - 1) else -1,
         scale, scale * _LOG2E,
     )
     stream = current_stream(kind, dev)

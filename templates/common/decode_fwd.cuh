@@ -34,42 +34,9 @@ struct DecodeParams {
   long long scores_ld;
   int batch, q_len, num_heads, group;
   int num_splits, block_size, capacity, num_blocks;  // num_blocks: paged blocks, or cache rows
-  int seqlen_fixed, pad_;
+  int seqlen_fixed, block_shift;  // block_shift: log2(block_size) when a power of two, else -1
   float sm_scale, scale_log2;
 };
-
-// Rows [n0, n0 + ROWS) of one head of the cache into a swizzled tile; rows at or past seqlen
-// are zero-filled and never read. Paged caches look each row's block up in the table (clamped
-// to the pool, so a bad table entry reads a wrong block instead of faulting).
-template <class Layout, int ROWS, int THREADS, bool PAGED, class T>
-__device__ __forceinline__ void load_cache_tile(T* dst, const T* base, long long s_blk, long long s_pos,
-                                                const int* table, int block_size, int num_blocks, int n0,
-                                                int seqlen, int tid) {
-  static_assert(THREADS % Layout::CHUNKS == 0, "threads must cover whole rows");
-  constexpr int ROW_STEP = THREADS / Layout::CHUNKS;
-  constexpr int ITERS = (ROWS + ROW_STEP - 1) / ROW_STEP;
-  const int r0 = tid / Layout::CHUNKS;
-  const int c = (tid % Layout::CHUNKS) * 8;
-#pragma unroll
-  for (int it = 0; it < ITERS; ++it) {
-    const int r = r0 + it * ROW_STEP;
-    if (ROWS % ROW_STEP == 0 || r < ROWS) {
-      const int pos = n0 + r;
-      const bool ok = pos < seqlen;
-      const T* src = base;
-      if (ok) {
-        if constexpr (PAGED) {
-          const int blk = pos / block_size;
-          const int page = min(max(table[blk], 0), num_blocks - 1);
-          src = base + page * s_blk + (pos - blk * block_size) * s_pos + c;
-        } else {
-          src = base + pos * s_pos + c;
-        }
-      }
-      cp_async_16(smem_addr(dst + Layout::offset(r, c)), src, ok);
-    }
-  }
-}
 
 template <class T, bool BF16, int HEAD_DIM, int ROWS, int BLOCK_N, int NUM_WARPS, int WARPS_M, int NUM_STAGES,
           bool PAGED, bool Q_IN_REGS>
@@ -83,6 +50,10 @@ struct Decode {
   static constexpr int D_TILES = HEAD_DIM / 8;
   static constexpr int K_STEPS = HEAD_DIM / 16;
   static constexpr int S_LD = BLOCK_N + 4;  // fp32 score tile row (unfused P V), padded
+  // Copying a K or V tile: each thread keeps one 16-byte column chunk and steps down the rows.
+  static constexpr int ROW_STEP = THREADS / L::CHUNKS;
+  static constexpr int ROW_ITERS = (BLOCK_N + ROW_STEP - 1) / ROW_STEP;
+  static_assert(THREADS % L::CHUNKS == 0, "threads must cover whole rows");
   static_assert(WARPS_M * WARPS_N == NUM_WARPS && M_TILES * 16 * WARPS_M == ROWS, "warp grid");
   static_assert(KW % 16 == 0 && HEAD_DIM % 64 == 0, "tile shape");
 
@@ -152,14 +123,62 @@ struct Decode {
     }
   }
 
-  static __device__ __forceinline__ void load_k(T* dst, const DecodeParams<T>& p, const Cta& c, int tile, int tid) {
-    load_cache_tile<L, BLOCK_N, THREADS, PAGED>(dst, c.k, p.k_sb, p.k_ss, c.table, p.block_size, p.num_blocks,
-                                                tile * BLOCK_N, c.seqlen, tid);
+  // Paged caches: the block of each row this thread copies for one tile, looked up one tile
+  // ahead so the table read never stalls the copies (-1: past the sequence, zero-filled).
+  struct Pages {
+    int block[PAGED ? ROW_ITERS : 1];
+  };
+
+  static __device__ __forceinline__ void lookup(Pages& pg, const DecodeParams<T>& p, const Cta& c, int tile, int tid) {
+    if constexpr (PAGED) {
+      const int r0 = tid / L::CHUNKS;
+#pragma unroll
+      for (int it = 0; it < ROW_ITERS; ++it) {
+        const int pos = tile * BLOCK_N + r0 + it * ROW_STEP;
+        // Clamped to the pool: a bad table entry reads a wrong block instead of faulting.
+        const int blk = p.block_shift >= 0 ? pos >> p.block_shift : pos / p.block_size;
+        pg.block[it] = pos < c.seqlen ? min(max(c.table[blk], 0), p.num_blocks - 1) : -1;
+      }
+    }
   }
 
-  static __device__ __forceinline__ void load_v(T* dst, const DecodeParams<T>& p, const Cta& c, int tile, int tid) {
-    load_cache_tile<L, BLOCK_N, THREADS, PAGED>(dst, c.v, p.v_sb, p.v_ss, c.table, p.block_size, p.num_blocks,
-                                                tile * BLOCK_N, c.seqlen, tid);
+  // Rows [tile * BLOCK_N, + BLOCK_N) of one head of the cache into a swizzled tile; rows at or
+  // past the sequence are zero-filled and never read.
+  static __device__ __forceinline__ void load_tile(T* dst, const T* base, long long s_blk, long long s_pos,
+                                                   const Pages& pg, const DecodeParams<T>& p, const Cta& c, int tile,
+                                                   int tid) {
+    const int r0 = tid / L::CHUNKS;
+    const int col = (tid % L::CHUNKS) * 8;
+#pragma unroll
+    for (int it = 0; it < ROW_ITERS; ++it) {
+      const int r = r0 + it * ROW_STEP;
+      if (BLOCK_N % ROW_STEP == 0 || r < BLOCK_N) {
+        const int pos = tile * BLOCK_N + r;
+        bool ok;
+        const T* src = base;
+        if constexpr (PAGED) {
+          ok = pg.block[it] >= 0;
+          // Power-of-two blocks (the usual case) take a mask, not a division: with few warps per
+          // SM, every instruction's latency shows.
+          const int slot = p.block_shift >= 0 ? pos & (p.block_size - 1) : pos % p.block_size;
+          if (ok) src = base + pg.block[it] * s_blk + slot * s_pos + col;
+        } else {
+          ok = pos < c.seqlen;
+          if (ok) src = base + pos * s_pos + col;
+        }
+        cp_async_16(smem_addr(dst + L::offset(r, col)), src, ok);
+      }
+    }
+  }
+
+  static __device__ __forceinline__ void load_k(T* dst, const DecodeParams<T>& p, const Cta& c, const Pages& pg,
+                                                int tile, int tid) {
+    load_tile(dst, c.k, p.k_sb, p.k_ss, pg, p, c, tile, tid);
+  }
+
+  static __device__ __forceinline__ void load_v(T* dst, const DecodeParams<T>& p, const Cta& c, const Pages& pg,
+                                                int tile, int tid) {
+    load_tile(dst, c.v, p.v_sb, p.v_ss, pg, p, c, tile, tid);
   }
 
   // The last key each of this thread's rows may see: token qi sits at seqlen - q_len + qi.
@@ -422,13 +441,16 @@ struct Decode {
     const Cta c = cta_of(p);
     const Lane l = lane_of();
 
+    Pages pg;
+    lookup(pg, p, c, c.tile_begin, l.tid);
     load_q(sQ, p, c, l.tid);
     if constexpr (NUM_STAGES > 1) {
 #pragma unroll
       for (int s = 0; s < NUM_STAGES - 1; ++s) {
         if (c.tile_begin + s < c.tile_end) {
-          load_k(sK + s * BLOCK_N * HEAD_DIM, p, c, c.tile_begin + s, l.tid);
-          load_v(sV + s * BLOCK_N * HEAD_DIM, p, c, c.tile_begin + s, l.tid);
+          load_k(sK + s * BLOCK_N * HEAD_DIM, p, c, pg, c.tile_begin + s, l.tid);
+          load_v(sV + s * BLOCK_N * HEAD_DIM, p, c, pg, c.tile_begin + s, l.tid);
+          lookup(pg, p, c, c.tile_begin + s + 1, l.tid);
         }
         cp_async_commit();
       }
@@ -458,13 +480,15 @@ struct Decode {
         const int next = tile + NUM_STAGES - 1;
         if (next < c.tile_end) {
           const int ns = (it + NUM_STAGES - 1) % NUM_STAGES;
-          load_k(sK + ns * BLOCK_N * HEAD_DIM, p, c, next, l.tid);
-          load_v(sV + ns * BLOCK_N * HEAD_DIM, p, c, next, l.tid);
+          load_k(sK + ns * BLOCK_N * HEAD_DIM, p, c, pg, next, l.tid);
+          load_v(sV + ns * BLOCK_N * HEAD_DIM, p, c, pg, next, l.tid);
+          lookup(pg, p, c, next + 1, l.tid);
         }
         cp_async_commit();
       } else {
-        load_k(sK, p, c, tile, l.tid);
-        load_v(sV, p, c, tile, l.tid);
+        load_k(sK, p, c, pg, tile, l.tid);
+        load_v(sV, p, c, pg, tile, l.tid);
+        lookup(pg, p, c, tile + 1, l.tid);
         cp_async_commit();
         cp_async_wait<0>();
         __syncthreads();
@@ -495,11 +519,16 @@ struct Decode {
     const Cta c = cta_of(p);
     const Lane l = lane_of();
 
+    Pages pg;
+    lookup(pg, p, c, c.tile_begin, l.tid);
     load_q(sQ, p, c, l.tid);
     if constexpr (NUM_STAGES > 1) {
 #pragma unroll
       for (int s = 0; s < NUM_STAGES - 1; ++s) {
-        if (c.tile_begin + s < c.tile_end) load_k(sK + s * BLOCK_N * HEAD_DIM, p, c, c.tile_begin + s, l.tid);
+        if (c.tile_begin + s < c.tile_end) {
+          load_k(sK + s * BLOCK_N * HEAD_DIM, p, c, pg, c.tile_begin + s, l.tid);
+          lookup(pg, p, c, c.tile_begin + s + 1, l.tid);
+        }
         cp_async_commit();
       }
     }
@@ -521,10 +550,14 @@ struct Decode {
         cp_async_wait<NUM_STAGES - 2>();
         __syncthreads();
         const int next = tile + NUM_STAGES - 1;
-        if (next < c.tile_end) load_k(sK + ((it + NUM_STAGES - 1) % NUM_STAGES) * BLOCK_N * HEAD_DIM, p, c, next, l.tid);
+        if (next < c.tile_end) {
+          load_k(sK + ((it + NUM_STAGES - 1) % NUM_STAGES) * BLOCK_N * HEAD_DIM, p, c, pg, next, l.tid);
+          lookup(pg, p, c, next + 1, l.tid);
+        }
         cp_async_commit();
       } else {
-        load_k(sK, p, c, tile, l.tid);
+        load_k(sK, p, c, pg, tile, l.tid);
+        lookup(pg, p, c, tile + 1, l.tid);
         cp_async_commit();
         cp_async_wait<0>();
         __syncthreads();
@@ -594,9 +627,12 @@ struct Decode {
     const Cta c = cta_of(p);
     const Lane l = lane_of();
     const float* gS = p.scores + ((long long)c.batch * gridDim.y + c.kv_head) * c.rows_valid * p.scores_ld;
+    Pages pg;
+    lookup(pg, p, c, c.tile_begin, l.tid);
     auto load = [&](int tile, int slot) {
-      load_v(sV + slot * BLOCK_N * HEAD_DIM, p, c, tile, l.tid);
+      load_v(sV + slot * BLOCK_N * HEAD_DIM, p, c, pg, tile, l.tid);
       load_scores(sS + slot * ROWS * S_LD, gS, p, c, tile, l.tid);
+      lookup(pg, p, c, tile + 1, l.tid);
     };
     if constexpr (NUM_STAGES > 1) {
 #pragma unroll
@@ -667,9 +703,12 @@ struct Decode {
 };
 
 // ---- merge of split partials: one warp per (batch, token, head) row -----------------------------
+// Lanes first hold the LSE of splits lane, lane + 32, ...; the max and the weight sum come from
+// shuffles, then the partial rows are read four splits at a time so their loads overlap.
 template <class T, bool BF16, int HEAD_DIM>
 __device__ __forceinline__ void decode_merge(const DecodeParams<T>& p) {
   constexpr int PER = HEAD_DIM / 32;  // elements per lane, contiguous
+  constexpr int UNROLL = 4;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const long long rows = (long long)p.batch * p.q_len * p.num_heads;
@@ -692,19 +731,38 @@ __device__ __forceinline__ void decode_merge(const DecodeParams<T>& p) {
   for (int i = 0; i < PER; ++i) acc[i] = 0.f;
   float wsum = 0.f;
   if (mx != -ATTNGEN_INF) {
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float ls = lse_row[s * lse_stride];
-      if (ls == -ATTNGEN_INF) continue;
-      const float w = __expf(ls - mx);
-      wsum += w;
-      const float* src = p.o_part + (s * rows + idx) * HEAD_DIM + lane * PER;
+    const float* src = p.o_part + idx * HEAD_DIM + lane * PER;
+    for (int s0 = 0; s0 < p.num_splits; s0 += 32) {
+      // Every split's partial row is written (zeros for a split with no keys), so weights of 0
+      // multiply finite values.
+      const int n = min(32, p.num_splits - s0);
+      const float ls = lane < n ? lse_row[(s0 + lane) * lse_stride] : -ATTNGEN_INF;
+      const float my_w = ls == -ATTNGEN_INF ? 0.f : __expf(ls - mx);
+      wsum += my_w;
+      for (int j0 = 0; j0 < n; j0 += UNROLL) {
+        float x[UNROLL][PER];
 #pragma unroll
-      for (int i = 0; i < PER; i += 2) {
-        const float2 x = *reinterpret_cast<const float2*>(src + i);
-        acc[i] = fmaf(w, x.x, acc[i]);
-        acc[i + 1] = fmaf(w, x.y, acc[i + 1]);
+        for (int u = 0; u < UNROLL; ++u) {
+          const int s = s0 + min(j0 + u, n - 1);
+#pragma unroll
+          for (int i = 0; i < PER; i += 2) {
+            const float2 v = *reinterpret_cast<const float2*>(src + s * rows * HEAD_DIM + i);
+            x[u][i] = v.x;
+            x[u][i + 1] = v.y;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          const float w = __shfl_sync(0xffffffffu, my_w, min(j0 + u, 31));
+          if (j0 + u < n) {
+#pragma unroll
+            for (int i = 0; i < PER; ++i) acc[i] = fmaf(w, x[u][i], acc[i]);
+          }
+        }
       }
     }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) wsum += __shfl_xor_sync(0xffffffffu, wsum, o);
   }
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
   T* dst = p.o + b * p.o_sb + qi * p.o_ss + head * p.o_sh + lane * PER;
