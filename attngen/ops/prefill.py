@@ -31,6 +31,8 @@ from ..spec import DType, MaskMode, PrefillSpec, resolve, validate
 _PARAMS = struct.Struct("<5Q12q4i2f2i")
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = (-1, -1)
+# Masks by code: plan keys hold the int, since hashing an Enum member runs Python code (~0.15 us).
+_MASKS = (MaskMode.NONE, MaskMode.CAUSAL, MaskMode.SLIDING_WINDOW)
 _UNTUNED = ("head_dim", "dtype", "mask", "return_lse")
 
 
@@ -141,7 +143,7 @@ _plans: dict[tuple, _Plan] = register_dependent_cache({})
 
 def _make_plan(key: tuple) -> _Plan:
     d, dtype, device, mask, return_lse, spec, kind = key
-    fields = dict(head_dim=d, dtype=DType(dtype), mask=mask, return_lse=return_lse)
+    fields = dict(head_dim=d, dtype=DType(dtype), mask=_MASKS[mask], return_lse=return_lse)
     base = PrefillSpec(**fields) if spec is None else spec.replace(**fields)
     plan = _Plan()
     plan.device = device
@@ -180,7 +182,8 @@ def clear_plans() -> None:
     _plans.clear()
 
 
-def _mask_and_window(causal, window) -> tuple[MaskMode, int, int]:
+def _mask_and_window(causal, window) -> tuple[int, int, int]:
+    """(mask code, left, right): the index into ``_MASKS`` and the window as the kernel takes it."""
     if window is _NO_WINDOW or window == _NO_WINDOW:
         left = right = -1
     else:
@@ -192,9 +195,7 @@ def _mask_and_window(causal, window) -> tuple[MaskMode, int, int]:
             raise LaunchError(f"window={window!r}: each side is -1 (unbounded) or a count >= 0")
     if causal:
         right = 0
-    mask = MaskMode.CAUSAL if (causal and left < 0) else (
-        MaskMode.SLIDING_WINDOW if (left >= 0 or right >= 0) else MaskMode.NONE)
-    return mask, left, right
+    return (1 if (causal and left < 0) else 2 if (left >= 0 or right >= 0) else 0), left, right
 
 
 def kernel_for(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WINDOW, return_lse: bool = False,
@@ -223,7 +224,10 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     qi, ki, vi = _check_qkv(q, k, v)
     b, sq, h, d = qi.shape
     _, sk, hk, _ = ki.shape
-    mask, left, right = _mask_and_window(causal, window)
+    if window is _NO_WINDOW:  # the common case, without a call
+        mask, left, right = (1, -1, 0) if causal else (0, -1, -1)
+    else:
+        mask, left, right = _mask_and_window(causal, window)
     return_lse = bool(return_lse)
     key = (d, qi.dtype, qi.device, mask, return_lse, spec, qi.kind)
     plan = _plans.get(key) or _make_plan(key)
