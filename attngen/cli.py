@@ -1,6 +1,7 @@
-"""The ``attngen`` command: ``prewarm``, ``inspect``, ``cache ls|stats|clear`` and ``bench``.
+"""The ``attngen`` command: ``prewarm``, ``inspect``, ``cache ls|stats|clear``, ``tune`` and ``bench``.
 
-Exit codes: 0 success; 1 some kernel of a ``prewarm`` failed to build; 2 the request itself
+Exit codes: 0 success; 1 some kernel of a ``prewarm`` failed to build, or a ``tune`` found no
+correct candidate for some seqlen; 2 the request itself
 was refused (bad spec, arch, manifest or option; compile or cache errors of ``inspect``), as
 argparse does for usage errors. An error is always printed on stderr and never exits 0; with
 ``--json`` the error is also printed on stdout as ``{"ok": false, "error": {...}}`` so that a
@@ -24,7 +25,7 @@ from typing import Any, Callable, TextIO
 
 from . import cache as _cache
 from .__version__ import __version__
-from .arch import Arch, get_arch, parse_arch_list
+from .arch import ARCHS, Arch, get_arch, parse_arch_list
 from .compiler import compile as nvrtc_compile, compile_options
 from .errors import AttngenError, CacheError, CompileError, SpecError
 from .manifest import ManifestError, default_manifest_path, expand, load_manifest
@@ -97,10 +98,52 @@ def build_parser() -> argparse.ArgumentParser:
     csub = c.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
     for name, func, text in (("ls", cmd_cache_ls, "list entries"),
                              ("stats", cmd_cache_stats, "count entries, bytes and compile time"),
-                             ("clear", cmd_cache_clear, "remove every entry")):
+                             ("clear", cmd_cache_clear, "remove every compiled entry (tuned configs stay unless --tuned)")):
         sp = csub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
         sp.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+        if name == "clear":
+            sp.add_argument("--tuned", action="store_true",
+                            help="also remove the configurations stored by 'attngen tune'")
         sp.set_defaults(func=func)
+
+    t = sub.add_parser("tune", help="search tile configurations on this GPU; store the fastest",
+                       description="Search a spec's tuning space on the current GPU and store the winner in "
+                                   "the cache root, where attngen.prefill finds it in later processes.")
+    tsub = t.add_subparsers(dest="tune_command", metavar="FAMILY", required=True)
+    tp = tsub.add_parser(
+        "prefill", help="tune a prefill spec",
+        description="Try every tile configuration (cta_tile_q, cta_tile_kv, num_warps, num_stages) that fits "
+                    "the GPU's arch and agrees with the fields SPEC pins, on random inputs of batch x seqlen x "
+                    "heads; reject any whose output differs from the default config's; time the rest with "
+                    "CUDA events; store the fastest for SPEC's head_dim/dtype/mask/return_lse, this GPU and "
+                    "each seqlen. attngen.prefill uses the winner of the nearest tuned seqlen (by ratio) when "
+                    "called without spec= (ATTNGEN_NO_TUNED=1 turns that off). Exits 1 if some seqlen had no "
+                    "correct candidate.")
+    tp.add_argument("spec", metavar="SPEC", help="e.g. prefill:head_dim=128,dtype=bf16,mask=causal")
+    tp.add_argument("--seqlen", action="append", type=_seqlen_list, required=True, metavar="N[,N...]",
+                    help="sequence length (q and kv) to tune for; repeatable or a comma list, e.g. 1k,4k")
+    tp.add_argument("--batch", type=_positive_int, metavar="B", help="batch (default 16384 // seqlen, at least 1)")
+    tp.add_argument("--heads", type=_positive_int, metavar="H", help="heads (default 2048 // head_dim)")
+    tp.add_argument("--window", type=_window, metavar="L,R",
+                    help="window of a sliding_window spec (default 256,0)")
+    tp.add_argument("--max-candidates", type=_positive_int, metavar="N",
+                    help="try only the first N configs (the default config is always first)")
+    tp.add_argument("--warmup-ms", type=float, default=25.0, help="warm-up per candidate (ms, default 25)")
+    tp.add_argument("--rep-ms", type=float, default=100.0, help="timed repeats per candidate (ms, default 100)")
+    tp.add_argument("--dry-run", action="store_true",
+                    help="list the candidates and exit; no GPU needed (with --arch)")
+    tp.add_argument("--compile", action="store_true",
+                    help="with --dry-run: also build each candidate (through the cache) and show its resources")
+    tp.add_argument("--arch", type=_one_arch, metavar="ARCH",
+                    help="with --dry-run: the arch to list for (default: the current GPU's)")
+    tp.add_argument("--no-store", action="store_true", help="search and report, but store nothing")
+    tp.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    tp.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+    tp.set_defaults(func=cmd_tune_prefill)
+    tl = tsub.add_parser("ls", help="list the stored winners",
+                         description="List the configurations 'attngen tune' stored under the cache root.")
+    tl.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    tl.set_defaults(func=cmd_tune_ls)
 
     # Listed for --help only: main() hands "bench ..." to attngen.bench before argparse runs.
     sub.add_parser("bench", help="benchmarks (arguments go to attngen.bench)", add_help=False)
@@ -129,6 +172,36 @@ def _positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a positive integer")
     return n
+
+
+def _seqlen_list(text: str) -> tuple[int, ...]:
+    vals = []
+    for part in text.split(","):
+        p = part.strip().lower()
+        if not p:
+            continue
+        mult = 1024 if p.endswith("k") else 1
+        try:
+            n = int(p[:-1] if mult > 1 else p) * mult
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{part.strip()!r} is not allowed; allowed: positive integers, "
+                                             f"e.g. 512,2k,16384")
+        vals.append(n)
+    if not vals:
+        raise argparse.ArgumentTypeError("empty list; allowed: positive integers, e.g. 512,2k,16384")
+    return tuple(vals)
+
+
+def _window(text: str) -> tuple[int, int]:
+    try:
+        left, right = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: LEFT,RIGHT, e.g. 256,0") from None
+    if left < -1 or right < -1:
+        raise argparse.ArgumentTypeError(f"{text!r}: each side is -1 (unbounded) or a count >= 0")
+    return left, right
 
 
 def _report_error(e: BaseException, as_json: bool) -> None:
@@ -447,6 +520,7 @@ def cmd_cache_ls(args: argparse.Namespace) -> int:
 
 def cmd_cache_stats(args: argparse.Namespace) -> int:
     stats = _cache.DiskCache().stats()
+    stats["tuned"] = len(_cache.TunedStore().entries())
     if args.json:
         _print_json({"ok": True, **stats})
         return 0
@@ -455,6 +529,7 @@ def cmd_cache_stats(args: argparse.Namespace) -> int:
     print(f"size             {_size(stats['bytes'])}")
     print("by arch          " + (", ".join(f"{a}: {n}" for a, n in stats["by_arch"].items()) or "-"))
     print(f"compile seconds  {stats['compile_seconds']}")
+    print(f"tuned configs    {stats['tuned']}")
     return 0
 
 
@@ -466,10 +541,18 @@ def cmd_cache_clear(args: argparse.Namespace) -> int:
         # rmtree ignores errors; an entry that is still there is a failure, not a quiet success.
         raise CacheError(f"cache clear removed {removed - left} of {removed} entries under {disk.root}; "
                                 f"{left} could not be removed (permissions?)")
+    tuned = None
+    if args.tuned:
+        store = _cache.TunedStore(disk.root)
+        tuned = store.clear()
+        if store.entries():
+            raise CacheError(f"cache clear --tuned could not remove the tuned configurations in {store.base}")
     if args.json:
-        _print_json({"ok": True, "root": str(disk.root), "removed": removed})
+        _print_json({"ok": True, "root": str(disk.root), "removed": removed,
+                     **({"removed_tuned": tuned} if tuned is not None else {})})
     else:
-        print(f"removed {removed} entries from {disk.root}")
+        print(f"removed {removed} entries from {disk.root}"
+              + (f" and {tuned} tuned configurations" if tuned is not None else ""))
     return 0
 
 
@@ -482,6 +565,110 @@ def _size(n: int) -> str:
         if size < 1024 or unit == "GiB":
             break
     return f"{size:.1f} {unit}"
+
+
+# --- tune ------------------------------------------------------------------------------------
+
+def cmd_tune_prefill(args: argparse.Namespace) -> int:
+    from . import tune
+
+    spec = parse_spec(args.spec)
+    if spec.family != "prefill":
+        raise SpecError("family", spec.family, "prefill", reason="attngen tune prefill takes a prefill spec")
+    seqlens = list(dict.fromkeys(n for group in args.seqlen for n in group))
+    if args.compile and not args.dry_run:
+        raise SpecError("--compile", True, "--compile together with --dry-run",
+                        reason="a real search compiles every candidate anyway")
+    if args.arch is not None and not args.dry_run:
+        raise SpecError("--arch", args.arch.name, "--arch together with --dry-run",
+                        reason="a search runs on the current GPU, whose arch it uses")
+    if args.dry_run:
+        return _tune_dry_run(args, spec, seqlens)
+    def progress(i: int, n: int, row) -> None:
+        what = (f"{row.ms:.4f} ms, {row.tflops:.1f} TFLOP/s" if row.status == "ok"
+                else f"{row.status}: {row.error}")
+        print(f"  [{i + 1}/{n}] {tune.config_text(row.spec)}{' (default)' if row.default else ''}: {what}",
+              file=sys.stderr, flush=True)
+
+    results = []
+    for n in seqlens:
+        if not args.quiet:
+            b, h = tune.problem_size(spec, n, args.batch, args.heads)
+            print(f"tune {spec.to_text()} seqlen={n} batch={b} heads={h}", file=sys.stderr, flush=True)
+        results.append(tune.run(spec, n, batch=args.batch, heads=args.heads, max_candidates=args.max_candidates,
+                                window=args.window, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                                store=not args.no_store, on_row=None if args.quiet else progress))
+    missing = [r["seqlen"] for r in results if r["winner"] is None]
+    if args.json:
+        _print_json({"ok": not missing, "spec": spec.to_text(), "results": results})
+    else:
+        for r in results:
+            print(f"{r['spec']}  seqlen={r['seqlen']} batch={r['batch']} heads={r['heads']}  "
+                  f"{r['gpu']} ({r['arch']}), NVRTC {r['nvrtc']}")
+            for line in tune.table(r["rows"], r["winner"]):
+                print("  " + line)
+            w = r["winner"]
+            if w is None:
+                print("  no correct candidate: nothing stored")
+                continue
+            vs = f" ({r['default_ms'] / w['ms']:.2f}x the default)" if r["default_ms"] and w["ms"] else ""
+            print(f"  winner {w['config']}: {w['ms']:.4f} ms{vs}"
+                  + (f"; stored in {r['stored']}" if r["stored"] else "; not stored (--no-store)"))
+    for n in missing:
+        print(f"{PROG}: error: no correct candidate at seqlen {n}; nothing stored for it", file=sys.stderr)
+    return 1 if missing else 0
+
+
+def _tune_dry_run(args: argparse.Namespace, spec: Spec, seqlens: list[int]) -> int:
+    from . import tune
+
+    arch = args.arch
+    if arch is None:
+        from .runtime import device_arch, driver
+
+        try:
+            arch = device_arch(driver().current_device())
+        except AttngenError as e:
+            raise SpecError("--arch", None, ", ".join(ARCHS),
+                            reason=f"no GPU to take the arch from ({e}); pass --arch with --dry-run") from None
+    specs = tune.plan(spec, arch, args.max_candidates)
+    rows = (tune.compile_rows(specs, arch) if args.compile else [tune.Row(s, default=(i == 0)) for i, s in enumerate(specs)])
+    problems = [dict(zip(("seqlen", "batch", "heads"), (n, *tune.problem_size(spec, n, args.batch, args.heads))))
+                for n in seqlens]
+    if args.json:
+        _print_json({"ok": True, "dry_run": True, "spec": spec.to_text(), "arch": arch.name, "problems": problems,
+                     "candidates": [r.to_dict() for r in rows]})
+        return 0
+    print(f"{spec.to_text()} on {arch.name}: {len(rows)} candidates"
+          + (f" (--max-candidates {args.max_candidates})" if args.max_candidates else ""))
+    for p in problems:
+        print(f"  would run seqlen={p['seqlen']} batch={p['batch']} heads={p['heads']}")
+    for line in tune.table([r.to_dict() for r in rows]):
+        print("  " + line)
+    return 1 if any(r.status == "failed" for r in rows) else 0
+
+
+def cmd_tune_ls(args: argparse.Namespace) -> int:
+    store = _cache.TunedStore()
+    entries = store.entries()
+    if args.json:
+        _print_json({"ok": True, "root": str(store.root), "entries": entries})
+        return 0
+    if not entries:
+        print(f"no tuned configurations in {store.root}", file=sys.stderr)
+        return 0
+    table = [("ARCH", "GPU", "NVRTC", "ATTNGEN", "SEQLEN", "CONFIG", "MS", "FIELDS")]
+    for e in entries:
+        t = e["tuning"]
+        cfg = f"q{t.get('cta_tile_q')} kv{t.get('cta_tile_kv')} w{t.get('num_warps')} s{t.get('num_stages')}"
+        fields = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in e["fields"].items())
+        ms = e.get("ms")
+        table.append((e["arch"], e["gpu"], e["nvrtc"], e["attngen"], str(e["seqlen"]), cfg,
+                      f"{ms:.4f}" if isinstance(ms, (int, float)) else "?", f"{e['family']}:{fields}"))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+    for row in table:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+    return 0
 
 
 # --- bench -----------------------------------------------------------------------------------

@@ -7,9 +7,10 @@ bytes, so the runtime stays family-agnostic. Launches go on the caller's current
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from .arch import Arch, arch_for_capability, get_arch
 from .cache import BuildResult, build
@@ -33,7 +34,25 @@ def device_arch(device: int) -> Arch:
     return arch_for_capability(*driver().capability(device))
 
 
-@dataclass
+# Parameter bytes of one launch, per thread: the driver copies them when the launch is enqueued,
+# so one buffer serves every launch of a thread (4096 bytes: the classic kernel-parameter limit).
+_MAX_PARAM_BYTES = 4096
+_tls = threading.local()
+
+
+def _thread_slot():
+    """This thread's (parameter buffer, argv pointer, current-context out-parameter, its byref)."""
+    buf = ctypes.create_string_buffer(_MAX_PARAM_BYTES)
+    argv = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
+    cur = ctypes.c_void_p()
+    # argv as a c_void_p holding its address: the launch binding below takes no argtypes, and a
+    # ctypes object converts faster than an array. ``argv`` is kept alive alongside.
+    slot = (buf, ctypes.c_void_p(ctypes.addressof(argv)), cur, ctypes.byref(cur), argv)
+    _tls.slot = slot
+    return slot
+
+
+@dataclass(eq=False)
 class Kernel:
     """A binary loaded on one device."""
 
@@ -46,28 +65,79 @@ class Kernel:
     smem_bytes: int
     threads: int
     origin: str
+    context: int = 0  # the device's primary context, which holds the module
     # Further entries of the module (e.g. a decode module's "_merge"): suffix -> (function, threads, smem).
     extra: "dict[str, tuple[int, int, int]] | None" = None
+
+    def __post_init__(self):
+        drv = driver()
+        if not self.context:
+            self.context = drv.primary_context(self.device)
+        self._drv = drv
+        self._func = ctypes.c_void_p(self.func_ptr)
+        self._entries = {"": (self._func, self.threads, self.smem_bytes)}
+        for suffix, (fn, threads, smem) in (self.extra or {}).items():
+            self._entries[suffix] = (ctypes.c_void_p(fn), threads, smem)
+        self._ctx_current = drv.raw_ctx_get_current
+        self._cu_launch = drv.raw_launch
 
     def launch(self, grid: tuple[int, int, int], params: bytes, stream: int, entry: str = "") -> None:
         """Enqueue one launch with ``params`` (the packed parameter struct) on ``stream``; ``entry``
         names a further entry of the module by its suffix ("_merge"), default the main one."""
-        func, threads, smem = (self.func_ptr, self.threads, self.smem_bytes) if not entry else self.extra[entry]
-        drv = driver()
-        buf = ctypes.create_string_buffer(params, len(params))
-        argv = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
-        pushed = drv.push(self.device)
+        n = len(params)
+        if n > _MAX_PARAM_BYTES:
+            raise LaunchError(f"{n} bytes of kernel parameters; at most {_MAX_PARAM_BYTES}")
         try:
-            rc = drv.lib.cuLaunchKernel(func, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream, argv, None)
+            slot = _tls.slot
+        except AttributeError:
+            slot = _thread_slot()
+        ctypes.memmove(slot[0], params, n)
+        self._enqueue(grid, stream, slot, entry)
+
+    def launch_struct(self, layout: struct.Struct, grid: tuple[int, int, int], stream: int, *values,
+                      entry: str = "") -> None:
+        """``launch`` with the parameters packed by ``layout`` straight into this thread's buffer.
+
+        The ops' hot path: no bytes object and no ctypes buffer per call, one context query, and
+        the launch through a binding without argtypes (see ``_driver``).
+        """
+        try:
+            slot = _tls.slot
+        except AttributeError:
+            slot = _thread_slot()
+        layout.pack_into(slot[0], 0, *values)  # struct.error past the buffer's end, before any launch
+        # The module lives in the device's primary context, which torch and CuPy make current on
+        # their threads; it is pushed only where another context (or none) is current. One query
+        # per launch, rather than a per-thread memo that a device switch would make stale.
+        self._ctx_current(slot[3])
+        if slot[2].value != self.context:
+            return self._enqueue(grid, stream, slot, entry)
+        func, threads, smem = self._entries[entry]
+        rc = self._cu_launch(func, grid[0], grid[1], grid[2], threads, 1, 1, smem,
+                             ctypes.c_void_p(stream) if stream else None, slot[1], None)
+        if rc:
+            self._failed(rc, grid, entry)
+
+    def _enqueue(self, grid, stream, slot, entry: str = "") -> None:
+        drv = self._drv
+        func, threads, smem = self._entries[entry]
+        pushed = drv.push(self.device)  # a no-op where the primary context is current already
+        try:
+            rc = self._cu_launch(func, grid[0], grid[1], grid[2], threads, 1, 1, smem,
+                                 ctypes.c_void_p(stream) if stream else None, slot[1], None)
         finally:
             if pushed:
                 drv.pop()
-        if rc != 0:
-            try:
-                drv.check(rc, "cuLaunchKernel")
-            except LaunchError as e:
-                raise LaunchError(f"launch of {self.binary.kernel_name}{entry} (grid {grid}, {threads} threads, "
-                                  f"{smem} bytes shared memory) failed: {e}") from None
+        if rc:
+            self._failed(rc, grid, entry)
+
+    def _failed(self, rc: int, grid, entry: str = "") -> None:
+        _, threads, smem = self._entries[entry]
+        try:
+            self._drv.check(rc, "cuLaunchKernel")
+        except LaunchError as e:
+            raise LaunchError(f"launch of {self.binary.kernel_name}{entry} (grid {tuple(grid)}, {threads} threads, "
+                              f"{smem} bytes shared memory) failed: {e}") from None
 
 
 def load(result: BuildResult, device: int) -> Kernel:
@@ -88,7 +158,8 @@ def load(result: BuildResult, device: int) -> Kernel:
         raise LaunchError(f"could not load {main} ({result.binary.arch}) on device {device}: {e}") from None
     extra = {x: (fn,) + shapes[x] for x, fn in zip(suffixes, fns[1:])}
     return Kernel(spec=spec, binary=result.binary, key=result.key, device=device, module=mod,
-                  func_ptr=fns[0], smem_bytes=smem, threads=spec.threads, origin=result.origin, extra=extra)
+                  func_ptr=fns[0], smem_bytes=smem, threads=spec.threads, origin=result.origin, extra=extra,
+                  context=driver().primary_context(device))
 
 
 _kernels: dict[tuple, Kernel] = {}
@@ -118,58 +189,139 @@ def get_kernel(spec: Spec, arch: "str | Arch | None" = None, device: int | None 
     return kern
 
 
+# Caches of the ops that hold Kernels (their per-problem plans); cleared along with ours.
+_dependent_caches: list[dict] = []
+
+
+def register_dependent_cache(d: dict) -> dict:
+    """Have ``clear_loaded`` clear ``d`` too (an op's memo of kernels); returns ``d``."""
+    _dependent_caches.append(d)
+    return d
+
+
 def clear_loaded() -> None:
     with _kernels_lock:
         _kernels.clear()
+        for d in _dependent_caches:
+            d.clear()
 
 
 # --- tensors -------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(NamedTuple):
+    """What a launch needs of an array. A NamedTuple: built once per argument per call, it must be cheap."""
+
     kind: str             # "torch" or "cupy"
     ptr: int
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]    # torch.Size (a tuple) for torch tensors
     strides: tuple[int, ...]  # in elements
     dtype: str            # "fp16", "bf16", "fp32" or the library's own name
     device: int
 
 
-_TORCH_DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32", "torch.int32": "int32"}
+_new_info = tuple.__new__  # TensorInfo without its Python-level __new__ (half the cost)
 _CUPY_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int32": "int32"}
+_kinds: dict[type, str] = {}              # array type -> "torch" / "cupy", decided once per type
+_torch_dtypes: dict[Any, str] = {}        # torch dtype object -> name (no str() per call)
+_torch_dtype_objs: dict[str, Any] = {}    # name -> torch dtype object
+
+
+def _torch():
+    import torch
+
+    if not _torch_dtypes:
+        for obj, name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16"), (torch.float32, "fp32"),
+                          (torch.int32, "int32")):
+            _torch_dtype_objs[name] = obj
+            _torch_dtypes[obj] = name
+    return torch
+
+
+def _kind_of(x: Any, name: str) -> str:
+    tp = type(x)
+    mod = tp.__module__
+    if mod.startswith("torch"):
+        _torch()
+        kind = "torch"
+    elif mod.startswith("cupy"):
+        kind = "cupy"
+    else:
+        raise LaunchError(f"{name} is a {mod}.{tp.__name__}; attngen takes torch tensors "
+                          f"or CuPy arrays on a CUDA device")
+    _kinds[tp] = kind
+    return kind
 
 
 def tensor_info(x: Any, name: str) -> TensorInfo:
-    mod = type(x).__module__
-    if mod.startswith("torch"):
+    kind = _kinds.get(type(x)) or _kind_of(x, name)
+    if kind == "torch":
         if not x.is_cuda:
             raise LaunchError(f"{name} is on {x.device}; attngen runs on CUDA tensors")
-        return TensorInfo("torch", x.data_ptr(), tuple(x.shape), tuple(x.stride()),
-                          _TORCH_DTYPES.get(str(x.dtype), str(x.dtype)), x.device.index)
-    if mod.startswith("cupy"):
-        item = x.dtype.itemsize
-        return TensorInfo("cupy", x.data.ptr, tuple(x.shape), tuple(s // item for s in x.strides),
-                          _CUPY_DTYPES.get(x.dtype.name, x.dtype.name), x.device.id)
-    raise LaunchError(f"{name} is a {type(x).__module__}.{type(x).__name__}; attngen takes torch tensors "
-                      f"or CuPy arrays on a CUDA device")
+        dt = x.dtype
+        # get_device() is an int straight from C; x.device.index builds a torch.device first.
+        return _new_info(TensorInfo, ("torch", x.data_ptr(), x.shape, x.stride(), _torch_dtypes.get(dt) or str(dt),
+                                      x.get_device()))
+    item = x.dtype.itemsize
+    return _new_info(TensorInfo, ("cupy", x.data.ptr, x.shape, tuple(s // item for s in x.strides),
+                                  _CUPY_DTYPES.get(x.dtype.name, x.dtype.name), x.device.id))
+
+
+_raw_stream: "Callable[[int], int] | None" = None
+
+
+def torch_stream_getter() -> Callable[[int], int]:
+    """A function device -> torch's current raw stream handle on it.
+
+    ``torch._C._cuda_getCurrentRawStream`` returns the handle as an int; the public
+    ``torch.cuda.current_stream(device).cuda_stream`` builds a Stream object per call (a few us).
+    The private one is used where it exists.
+    """
+    global _raw_stream
+    if _raw_stream is None:
+        torch = _torch()
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _raw_stream = raw if callable(raw) else (lambda device: torch.cuda.current_stream(device).cuda_stream)
+    return _raw_stream
 
 
 def current_stream(kind: str, device: int) -> int:
     """The caller's current stream on ``device``, as a raw handle."""
     if kind == "torch":
-        import torch
-
-        return torch.cuda.current_stream(device).cuda_stream
+        return torch_stream_getter()(device)
     return _cupy().cuda.get_current_stream(device).ptr
+
+
+_allocators: dict[tuple[str, str, int], Callable] = {}
+
+
+def allocator(kind: str, dtype: str, device: int) -> Callable[..., Any]:
+    """A function ``(*shape)`` -> new contiguous array of ``kind``/``dtype`` on ``device``, made once
+    per triple.
+
+    For torch it binds the dtype and device objects, so a call parses no device string, and
+    passes the sizes as separate ints (torch parses those ~0.7 us faster than one tuple).
+    """
+    key = (kind, dtype, device)
+    fn = _allocators.get(key)
+    if fn is not None:
+        return fn
+    if kind == "torch":
+        torch = _torch()
+        tdt, tdev, empty = _torch_dtype_objs[dtype], torch.device("cuda", device), torch.empty
+
+        def fn(*shape):
+            return empty(*shape, dtype=tdt, device=tdev)
+    else:
+        cp = _cupy()
+        cdt = {"fp16": cp.float16, "fp32": cp.float32}.get(dtype, dtype)
+
+        def fn(*shape):
+            with cp.cuda.Device(device):
+                return cp.empty(shape, dtype=cdt)
+    _allocators[key] = fn
+    return fn
 
 
 def empty_like_kind(kind: str, shape: tuple[int, ...], dtype: str, device: int):
     """A new contiguous array of ``kind`` on ``device``."""
-    if kind == "torch":
-        import torch
-
-        tdt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-        return torch.empty(shape, dtype=tdt, device=f"cuda:{device}")
-    cp = _cupy()
-    with cp.cuda.Device(device):
-        return cp.empty(shape, dtype={"fp16": cp.float16, "fp32": cp.float32}.get(dtype, dtype))
+    return allocator(kind, dtype, device)(*shape)

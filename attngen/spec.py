@@ -416,6 +416,31 @@ def default_tuning(spec: "Spec", arch: Arch) -> dict[str, int]:
                     reason=f"no tile configuration fits {get_arch(arch).name}")
 
 
+def tuning_candidates(spec: Spec, arch: "str | Arch") -> list[Spec]:
+    """Every resolved spec the tuning space offers for ``spec`` on ``arch``: the configs that agree
+    with the tuning fields ``spec`` pins and pass ``validate``. The arch's default
+    (``resolve(spec, arch)``) comes first, then the measured configs, then the rest, larger tiles
+    first. Raises ``resolve``'s ``SpecError`` when nothing fits."""
+    a = get_arch(arch)
+    default = resolve(spec, a)
+    out, seen = [default], {default}
+    names = spec.TUNING_FIELDS
+    pinned = {k: getattr(spec, k) for k in names if getattr(spec, k)}
+    for cfg in _candidates(spec, a):
+        t = dict(zip(names, cfg))
+        if any(t[k] != v for k, v in pinned.items()):
+            continue
+        try:
+            cand = spec.replace(**t)
+            validate(cand, a)
+        except SpecError:
+            continue
+        if cand not in seen:
+            seen.add(cand)
+            out.append(cand)
+    return out
+
+
 def resolve(spec: Spec, arch: "str | Arch") -> Spec:
     """Fill the tuning fields left at 0 for ``arch``, then validate."""
     a = get_arch(arch)

@@ -238,7 +238,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
             ptrs[i] = at if n else 0
             at += 4 * n
 
-    params = _PARAMS.pack(
+    values = (
         qi.ptr, ki.ptr, vi.ptr, oi.ptr, _data_ptr(lse, kind) if lse is not None else 0,
         seq_ptr, bi_ptr, bt_ptr,
         *ptrs,
@@ -254,10 +254,10 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     )
     stream = current_stream(kind, dev)
     grid = (num_splits, hk, b)
-    kern.launch(grid, params, stream)
+    kern.launch_struct(_PARAMS, grid, stream, *values)
     if rs.variant is Variant.UNFUSED:
-        kern.launch(grid, params, stream, entry="_pv")
+        kern.launch_struct(_PARAMS, grid, stream, *values, entry="_pv")
     if num_splits > 1:
         warps = MERGE_THREADS // 32
-        kern.launch((-(-b * q_len * h // warps), 1, 1), params, stream, entry="_merge")
+        kern.launch_struct(_PARAMS, (-(-b * q_len * h // warps), 1, 1), stream, *values, entry="_merge")
     return (out, lse) if return_lse else out

@@ -1,40 +1,67 @@
-"""``attngen.prefill``: FlashAttention-layout attention forward on torch tensors or CuPy arrays."""
+"""``attngen.prefill``: FlashAttention-layout attention forward on torch tensors or CuPy arrays.
+
+The host path of one call is kept short (the issue's target: within SDPA's ~15 us on tiny
+inputs): everything that depends only on (head_dim, dtype, device, mask, return_lse, the user's
+spec, array kind) is worked out once per process into a ``_Plan`` (resolved spec, loaded
+kernel(s), allocators, stream getter, default scale), so a call does the argument checks, one
+dictionary lookup, an allocation, the parameter packing and the launch.
+
+Which tuning a plan uses: the user's ``spec`` when given (its 0 fields resolved for the arch);
+else the winners ``attngen tune`` stored for this GPU (bucketed by seqlen_q, nearest by log
+distance); else the arch's built-in default (``spec.resolve``). ``ATTNGEN_NO_TUNED=1`` skips the
+stored winners; it, the cache root and the store are read when a plan is made (the first call
+for its key), not per call.
+"""
 
 from __future__ import annotations
 
+import bisect
 import math
+import os
 import struct
 
-from ..errors import LaunchError
-from ..runtime import current_stream, empty_like_kind, get_kernel, tensor_info
-from ..spec import DType, MaskMode, PrefillSpec
+from .. import cache as _cache
+from ..__version__ import __version__
+from ..arch import Arch, get_arch
+from ..errors import AttngenError, LaunchError, SpecError
+from ..runtime import allocator, device_arch, get_kernel, register_dependent_cache, tensor_info, torch_stream_getter
+from ..spec import DType, MaskMode, PrefillSpec, resolve, validate
 
 # PrefillParams in templates/common/prefill_fwd.cuh: 5 pointers, 12 strides, 4 ints, 2 floats, 2 ints.
 _PARAMS = struct.Struct("<5Q12q4i2f2i")
 _LOG2E = 1.4426950408889634
+_NO_WINDOW = (-1, -1)
+# Masks by code: plan keys hold the int, since hashing an Enum member runs Python code (~0.15 us).
+_MASKS = (MaskMode.NONE, MaskMode.CAUSAL, MaskMode.SLIDING_WINDOW)
+_UNTUNED = ("head_dim", "dtype", "mask", "return_lse")
+
+
+def _shape(s) -> tuple:
+    return tuple(s)  # torch.Size prints as "torch.Size([...])"; messages show plain tuples
 
 
 def _check_qkv(q, k, v):
     qi, ki, vi = tensor_info(q, "q"), tensor_info(k, "k"), tensor_info(v, "v")
     for name, t in (("q", qi), ("k", ki), ("v", vi)):
-        if len(t.shape) != 4:
-            raise LaunchError(f"{name} has shape {t.shape}; expected 4 dims [batch, seqlen, heads, head_dim]")
-        if t.strides[-1] != 1:
-            raise LaunchError(f"{name} has stride {t.strides[-1]} in its last dim; head_dim must be contiguous")
-        if t.ptr % 16 or any(s % 8 for s in t.strides[:-1]):
+        st = t.strides
+        if len(st) != 4:
+            raise LaunchError(f"{name} has shape {_shape(t.shape)}; expected 4 dims [batch, seqlen, heads, head_dim]")
+        if st[3] != 1:
+            raise LaunchError(f"{name} has stride {st[3]} in its last dim; head_dim must be contiguous")
+        if t.ptr & 15 or st[0] & 7 or st[1] & 7 or st[2] & 7:
             raise LaunchError(f"{name} must be 16-byte aligned with batch/seq/head strides that are multiples "
-                              f"of 8 elements; got strides {t.strides}")
-    if len({qi.kind, ki.kind, vi.kind}) != 1:
+                              f"of 8 elements; got strides {_shape(st)}")
+    if not (qi.kind == ki.kind == vi.kind):
         raise LaunchError(f"q, k, v must be of one kind; got {qi.kind}, {ki.kind}, {vi.kind}")
-    if len({qi.device, ki.device, vi.device}) != 1:
+    if not (qi.device == ki.device == vi.device):
         raise LaunchError(f"q, k, v must be on one device; got {qi.device}, {ki.device}, {vi.device}")
-    if qi.dtype not in ("fp16", "bf16"):
+    if qi.dtype != "bf16" and qi.dtype != "fp16":
         raise LaunchError(f"q has dtype {qi.dtype}; allowed: fp16, bf16")
     if ki.dtype != qi.dtype or vi.dtype != qi.dtype:
         raise LaunchError(f"q, k, v must share a dtype; got {qi.dtype}, {ki.dtype}, {vi.dtype}")
     b, sq, h, d = qi.shape
     if ki.shape != vi.shape:
-        raise LaunchError(f"k {ki.shape} and v {vi.shape} must have the same shape")
+        raise LaunchError(f"k {_shape(ki.shape)} and v {_shape(vi.shape)} must have the same shape")
     bk, sk, hk, dk = ki.shape
     if bk != b:
         raise LaunchError(f"batch mismatch: q has {b}, k/v have {bk}")
@@ -47,7 +74,142 @@ def _check_qkv(q, k, v):
     return qi, ki, vi
 
 
-def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1), sm_scale: float | None = None,
+# --- choosing the spec ---------------------------------------------------------------------------
+
+def tuned_disabled() -> bool:
+    return os.environ.get("ATTNGEN_NO_TUNED", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def untuned_fields(spec: PrefillSpec) -> dict:
+    """The fields a tuned entry is keyed by, in their JSON form."""
+    d = spec.to_dict()
+    return {k: d[k] for k in _UNTUNED}
+
+
+def tuned_choices(base: PrefillSpec, arch: "str | Arch", gpu: str, entries: list[dict], *,
+                  nvrtc: str, version: str = __version__) -> list[tuple[int, PrefillSpec]]:
+    """(seqlen, spec) of every stored winner that applies to ``base``'s untuned fields on this
+    arch, GPU, NVRTC and attngen version, sorted by seqlen. Entries whose tuning does not make a
+    valid spec for ``arch`` (hand-edited, or from another version's rules) are skipped."""
+    a = get_arch(arch)
+    found = _cache.match_tuned(entries, family=base.family, fields=untuned_fields(base), arch=a.name, gpu=gpu,
+                               nvrtc=nvrtc, attngen=version)
+    out: dict[int, PrefillSpec] = {}
+    for e in found:
+        try:
+            t = {k: e["tuning"][k] for k in ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages")}
+            spec = base.replace(**t)
+            if not spec.is_resolved:
+                continue
+            validate(spec, a)
+        except (KeyError, TypeError, SpecError):
+            continue
+        out[e["seqlen"]] = spec
+    return sorted(out.items())
+
+
+def bucket_bounds(seqlens: list[int]) -> list[float]:
+    """Boundaries between neighbouring tuned seqlens: their geometric means. With
+    ``bisect_right(bounds, s)`` a seqlen goes to the nearest tuned one by log distance (a tie to
+    the larger)."""
+    return [math.sqrt(a * b) for a, b in zip(seqlens, seqlens[1:])]
+
+
+def choose_spec(base: PrefillSpec, arch: "str | Arch", seqlen: int, choices: list[tuple[int, PrefillSpec]]) -> PrefillSpec:
+    """The spec a call of ``seqlen`` query rows runs: the tuned winner of the nearest seqlen bucket
+    (``choices`` from ``tuned_choices``), else the arch's default for ``base``."""
+    if not choices:
+        return resolve(base, arch)
+    i = bisect.bisect_right(bucket_bounds([s for s, _ in choices]), seqlen)
+    return choices[i][1]
+
+
+class _Plan:
+    """Everything a call needs that does not depend on its shapes."""
+
+    __slots__ = ("kernel", "bounds", "specs", "kernels", "device", "default_scale", "alloc", "alloc_lse", "stream")
+
+    def kernel_for(self, seqlen: int):
+        """The kernel of ``seqlen``'s tuned bucket, loaded on first use."""
+        i = bisect.bisect_right(self.bounds, seqlen)
+        kern = self.kernels[i]
+        if kern is None:
+            kern = self.kernels[i] = get_kernel(self.specs[i], device=self.device)
+        return kern
+
+
+_plans: dict[tuple, _Plan] = register_dependent_cache({})
+
+
+def _make_plan(key: tuple) -> _Plan:
+    d, dtype, device, mask, return_lse, spec, kind = key
+    fields = dict(head_dim=d, dtype=DType(dtype), mask=_MASKS[mask], return_lse=return_lse)
+    base = PrefillSpec(**fields) if spec is None else spec.replace(**fields)
+    plan = _Plan()
+    plan.device = device
+    choices: list[tuple[int, PrefillSpec]] = []
+    if spec is None and not tuned_disabled():
+        from ..compiler import nvrtc_version
+        from ..runtime import driver
+
+        arch = device_arch(device)
+        try:
+            gpu = driver().device_name(device)
+            choices = tuned_choices(base, arch, gpu, _cache.tuned_entries(arch.name), nvrtc=nvrtc_version())
+        except (AttngenError, OSError):  # the store is an optimisation: a failed lookup means the default
+            choices = []
+    if choices:
+        plan.kernel = None
+        plan.bounds = bucket_bounds([s for s, _ in choices])
+        plan.specs = [c for _, c in choices]
+        plan.kernels = [None] * len(choices)
+    else:
+        plan.kernel = get_kernel(base, device=device)  # resolves, validates, builds and loads
+    plan.default_scale = 1.0 / math.sqrt(d)
+    plan.alloc = allocator(kind, dtype, device)
+    plan.alloc_lse = allocator(kind, "fp32", device) if return_lse else None
+    if kind == "torch":
+        plan.stream = torch_stream_getter()
+    else:
+        from ..runtime import current_stream
+
+        plan.stream = lambda dev: current_stream("cupy", dev)
+    _plans[key] = plan
+    return plan
+
+
+def clear_plans() -> None:
+    _plans.clear()
+
+
+def _mask_and_window(causal, window) -> tuple[int, int, int]:
+    """(mask code, left, right): the index into ``_MASKS`` and the window as the kernel takes it."""
+    if window is _NO_WINDOW or window == _NO_WINDOW:
+        left = right = -1
+    else:
+        try:
+            left, right = (int(window[0]), int(window[1]))
+        except (TypeError, ValueError, IndexError):
+            raise LaunchError(f"window={window!r} must be a pair (left, right) of ints, -1 for unbounded") from None
+        if left < -1 or right < -1:
+            raise LaunchError(f"window={window!r}: each side is -1 (unbounded) or a count >= 0")
+    if causal:
+        right = 0
+    return (1 if (causal and left < 0) else 2 if (left >= 0 or right >= 0) else 0), left, right
+
+
+def kernel_for(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WINDOW, return_lse: bool = False,
+               spec: PrefillSpec | None = None):
+    """The loaded ``Kernel`` that ``prefill`` launches for these arguments (``kernel.spec`` is the
+    spec it runs). Loads or compiles it if needed; enqueues nothing."""
+    qi, _, _ = _check_qkv(q, k, v)
+    mask, _, _ = _mask_and_window(causal, window)
+    key = (qi.shape[3], qi.dtype, qi.device, mask, bool(return_lse), spec, qi.kind)
+    plan = _plans.get(key) or _make_plan(key)
+    return plan.kernel or plan.kernel_for(qi.shape[1])
+
+
+def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WINDOW, sm_scale: float | None = None,
             return_lse: bool = False, out=None, spec: PrefillSpec | None = None):
     """Attention forward: softmax(q k^T * sm_scale) v, per head, with the FlashAttention layout.
 
@@ -56,55 +218,59 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = (-1, -1)
     up to i + seqlen_k - seqlen_q); ``window=(left, right)`` limits each query to that many
     keys either side of its aligned position, -1 meaning unbounded. Returns ``out`` (same kind
     as q), and with ``return_lse`` also the fp32 natural-log LSE ``[batch, heads, seqlen_q]``.
-    Rows that see no key give zeros and LSE -inf. ``spec`` overrides the tuning fields.
+    Rows that see no key give zeros and LSE -inf. ``spec`` overrides the tuning fields; without
+    it, a configuration stored by ``attngen tune`` for this GPU is used where there is one.
     """
     qi, ki, vi = _check_qkv(q, k, v)
     b, sq, h, d = qi.shape
     _, sk, hk, _ = ki.shape
-    try:
-        left, right = (int(window[0]), int(window[1]))
-    except (TypeError, ValueError, IndexError):
-        raise LaunchError(f"window={window!r} must be a pair (left, right) of ints, -1 for unbounded") from None
-    if left < -1 or right < -1:
-        raise LaunchError(f"window={window!r}: each side is -1 (unbounded) or a count >= 0")
-    if causal:
-        right = 0
-    mask = MaskMode.CAUSAL if (causal and left < 0) else (
-        MaskMode.SLIDING_WINDOW if (left >= 0 or right >= 0) else MaskMode.NONE)
-    scale = float(1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
-    if not math.isfinite(scale):
-        raise LaunchError(f"sm_scale={sm_scale!r} must be finite")
-
-    fields = dict(head_dim=d, dtype=DType(qi.dtype), mask=mask, return_lse=bool(return_lse))
-    spec = PrefillSpec(**fields) if spec is None else spec.replace(**fields)
+    if window is _NO_WINDOW:  # the common case, without a call
+        mask, left, right = (1, -1, 0) if causal else (0, -1, -1)
+    else:
+        mask, left, right = _mask_and_window(causal, window)
+    return_lse = bool(return_lse)
+    key = (d, qi.dtype, qi.device, mask, return_lse, spec, qi.kind)
+    plan = _plans.get(key) or _make_plan(key)
+    if sm_scale is None:
+        scale = plan.default_scale
+    else:
+        scale = float(sm_scale)
+        if not math.isfinite(scale):
+            raise LaunchError(f"sm_scale={sm_scale!r} must be finite")
 
     if out is None:
-        out = empty_like_kind(qi.kind, (b, sq, h, d), qi.dtype, qi.device)
-    oi = tensor_info(out, "out")
-    if oi.kind != qi.kind or oi.shape != qi.shape or oi.dtype != qi.dtype or oi.device != qi.device:
-        raise LaunchError(f"out must match q: {qi.kind} {qi.shape} {qi.dtype} on device {qi.device}; got "
-                          f"{oi.kind} {oi.shape} {oi.dtype} on device {oi.device}")
-    if oi.strides[-1] != 1 or oi.ptr % 16 or any(s % 8 for s in oi.strides[:-1]):
-        raise LaunchError(f"out must be 16-byte aligned with a contiguous last dim; got strides {oi.strides}")
-    lse = empty_like_kind(qi.kind, (b, h, sq), "fp32", qi.device) if return_lse else None
+        out = plan.alloc(b, sq, h, d)
+        optr = out.data_ptr() if qi.kind == "torch" else out.data.ptr
+        ostrides = (sq * h * d, h * d, d)  # a fresh contiguous array, aligned by its allocator
+    else:
+        oi = tensor_info(out, "out")
+        if oi.kind != qi.kind or oi.shape != qi.shape or oi.dtype != qi.dtype or oi.device != qi.device:
+            raise LaunchError(f"out must match q: {qi.kind} {_shape(qi.shape)} {qi.dtype} on device {qi.device}; "
+                              f"got {oi.kind} {_shape(oi.shape)} {oi.dtype} on device {oi.device}")
+        st = oi.strides
+        if st[3] != 1 or oi.ptr & 15 or st[0] & 7 or st[1] & 7 or st[2] & 7:
+            raise LaunchError(f"out must be 16-byte aligned with a contiguous last dim; got strides {_shape(st)}")
+        optr, ostrides = oi.ptr, st
+    if return_lse:
+        lse = plan.alloc_lse(b, h, sq)
+        lse_ptr = lse.data_ptr() if qi.kind == "torch" else lse.data.ptr
+    else:
+        lse, lse_ptr = None, 0
     if sq == 0 or b == 0 or h == 0:
         return (out, lse) if return_lse else out
+    if b > 65535:
+        raise LaunchError(f"batch={b} exceeds 65535 (the grid's z limit)")
 
-    kern = get_kernel(spec, device=qi.device)
-    rs = kern.spec
-    lse_ptr = tensor_info(lse, "lse").ptr if lse is not None else 0
-    params = _PARAMS.pack(
-        qi.ptr, ki.ptr, vi.ptr, oi.ptr, lse_ptr,
-        qi.strides[0], qi.strides[1], qi.strides[2],
-        ki.strides[0], ki.strides[1], ki.strides[2],
-        vi.strides[0], vi.strides[1], vi.strides[2],
-        oi.strides[0], oi.strides[1], oi.strides[2],
+    kern = plan.kernel or plan.kernel_for(sq)
+    qs, ks, vs = qi.strides, ki.strides, vi.strides
+    tile_q = kern.spec.cta_tile_q
+    kern.launch_struct(
+        _PARAMS, ((sq + tile_q - 1) // tile_q, h, b), plan.stream(qi.device),
+        qi.ptr, ki.ptr, vi.ptr, optr, lse_ptr,
+        qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+        ostrides[0], ostrides[1], ostrides[2],
         sq, sk, h, h // hk,
         scale, scale * _LOG2E,
         left, right,
     )
-    grid = ((sq + rs.cta_tile_q - 1) // rs.cta_tile_q, h, b)
-    if b > 65535:
-        raise LaunchError(f"batch={b} exceeds 65535 (the grid's z limit)")
-    kern.launch(grid, params, current_stream(qi.kind, qi.device))
     return (out, lse) if return_lse else out

@@ -1,0 +1,169 @@
+"""A stand-in for libcuda.so.1 on machines without a GPU: the host path of a launch, timed and checked.
+
+``install()`` compiles a small C library (gcc) that exports the driver calls attngen uses, with
+the soname ``libcuda.so.1``, and loads it globally: ``ctypes.CDLL("libcuda.so.1")`` in
+``attngen._driver`` then finds it by soname. Each call costs what a real ctypes call costs, so
+the Python side of ``attngen.prefill`` can be timed; the launch itself is a no-op that records
+its arguments. Device 0 reports compute capability 9.0 and its primary context is current.
+
+Use it only in a process of its own (a subprocess or a tool): once loaded, CUDA libraries that
+look for libcuda in the same process (CuPy, torch) would find the stub.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+typedef int CUresult;
+static void *primary = (void *)0x1000;
+static void *current = (void *)0x1000;
+static long launches, pushes, pops, ctx_queries;
+static unsigned last_grid[3], last_block;
+static unsigned last_smem;
+static void *last_stream, *last_func;
+static unsigned char last_params[512];
+
+CUresult cuInit(unsigned f) { return 0; }
+CUresult cuGetErrorName(CUresult rc, const char **s) { *s = rc == 201 ? "CUDA_ERROR_INVALID_CONTEXT" : "CUDA_ERROR_STUB"; return 0; }
+CUresult cuDeviceGetCount(int *n) { *n = 1; return 0; }
+CUresult cuDeviceGetAttribute(int *v, int attr, int dev) {
+    *v = attr == 75 ? 9 : attr == 76 ? 0 : attr == 16 ? 132 : 0; return dev == 0 ? 0 : 101;
+}
+CUresult cuDeviceGetName(char *name, int len, int dev) { strncpy(name, "Fake GPU (attngen stub)", len); return 0; }
+CUresult cuCtxGetDevice(int *d) { *d = 0; return current ? 0 : 201; }
+CUresult cuCtxGetCurrent(void **c) { ctx_queries++; *c = current; return 0; }
+CUresult cuDevicePrimaryCtxRetain(void **c, int dev) { *c = primary; return 0; }
+CUresult cuCtxPushCurrent_v2(void *c) { pushes++; current = c; return 0; }
+CUresult cuCtxPopCurrent_v2(void **c) { pops++; if (c) *c = current; current = 0; return 0; }
+CUresult cuModuleLoadData(void **m, const void *img) { *m = (void *)0x2000; return 0; }
+CUresult cuModuleGetFunction(void **f, void *m, const char *name) { *f = (void *)0x3000; return 0; }
+CUresult cuFuncSetAttribute(void *f, int attr, int v) { return 0; }
+CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                        unsigned smem, void *stream, void **params, void **extra) {
+    if (current != primary) return 201;
+    launches++; last_func = f; last_grid[0] = gx; last_grid[1] = gy; last_grid[2] = gz; last_block = bx;
+    last_smem = smem; last_stream = stream;
+    memcpy(last_params, params[0], sizeof last_params);
+    return 0;
+}
+/* for tests */
+void stub_set_current(void *c) { current = c; }
+long stub_count(int what) { return what == 0 ? launches : what == 1 ? pushes : what == 2 ? pops : ctx_queries; }
+const unsigned char *stub_last_params(void) { return last_params; }
+void stub_last_launch(unsigned *out) { out[0] = last_grid[0]; out[1] = last_grid[1]; out[2] = last_grid[2];
+                                       out[3] = last_block; out[4] = last_smem; out[5] = (unsigned)(uintptr_t)last_stream; }
+"""
+
+_lib = None
+
+
+def available() -> bool:
+    return shutil.which("gcc") is not None
+
+
+# What the tools and tests here run: head_dim 64, (dtype, mask, return_lse).
+PREBUILD = (("bf16", "none", False), ("bf16", "causal", False), ("bf16", "none", True),
+            ("fp16", "sliding_window", True))
+
+
+def prebuild(variants=PREBUILD, head_dim: int = 64, arch: str = "sm_90") -> None:
+    """Compile (into the cache root in use) the default kernels the stub's device will be asked for.
+
+    Must run before ``install``: NVRTC goes through CuPy, which would find the stub as its driver.
+    """
+    from attngen import build
+    from attngen.spec import PrefillSpec
+
+    for dt, mask, lse in variants:
+        build(PrefillSpec(head_dim=head_dim, dtype=dt, mask=mask, return_lse=lse), arch)
+
+
+def install() -> ctypes.CDLL:
+    """Build (once per source version, in the temp dir) and load the stub; returns it."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    tag = hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
+    d = Path(tempfile.gettempdir()) / f"attngen-fake-cuda-{os.getuid()}"
+    d.mkdir(exist_ok=True)
+    so = d / f"libcuda-{tag}.so"
+    if not so.exists():
+        src = d / f"fake_cuda-{tag}.c"
+        src.write_text(_SOURCE)
+        tmp = d / f"libcuda-{tag}.{os.getpid()}.so"
+        subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(tmp), str(src)],
+                       check=True, capture_output=True)
+        os.replace(tmp, so)
+    lib = ctypes.CDLL(str(so), mode=ctypes.RTLD_GLOBAL)
+    lib.stub_set_current.argtypes = [ctypes.c_void_p]
+    lib.stub_count.restype = ctypes.c_long
+    lib.stub_last_params.restype = ctypes.POINTER(ctypes.c_ubyte * 512)
+    _lib = lib
+    return lib
+
+
+def last_params(n: int) -> bytes:
+    return bytes(_lib.stub_last_params().contents[:n])
+
+
+def last_launch() -> dict:
+    out = (ctypes.c_uint * 6)()
+    _lib.stub_last_launch(out)
+    return {"grid": (out[0], out[1], out[2]), "threads": out[3], "smem": out[4], "stream": out[5]}
+
+
+def counts() -> dict:
+    return {name: _lib.stub_count(i) for i, name in enumerate(("launches", "pushes", "pops", "ctx_queries"))}
+
+
+def make_current(ctx: int | None) -> None:
+    _lib.stub_set_current(ctx)
+
+
+def patch_torch_cuda():
+    """Make CPU torch tensors pass for CUDA tensors of device 0 (a torch without CUDA is fine).
+
+    Returns ``cuda_tensor(t)``, which wraps a CPU tensor. ``torch.empty(..., device=cuda...)``
+    returns wrapped CPU tensors; the current stream is 0. The wrapper is a Tensor subclass with
+    torch-function dispatch off, so attribute access costs what it costs on a plain tensor
+    (``as_subclass`` in ``torch.empty`` adds ~0.3 us that a real CUDA allocation does not pay,
+    and a real ``torch.empty`` on CUDA and stream queries cost more than these stand-ins).
+    """
+    import types
+
+    import torch
+
+    cuda0 = torch.device("cuda", 0)
+
+    class CudaLike(torch.Tensor):
+        __torch_function__ = torch._C._disabled_torch_function_impl
+        is_cuda = True
+
+        def get_device(self):
+            return 0
+
+        @property
+        def device(self):
+            return cuda0
+
+    CudaLike.__module__ = "torch"  # what attngen's kind dispatch looks at
+    real_empty = torch.empty
+
+    def empty(*size, dtype=None, device=None, **kw):
+        t = real_empty(*size, dtype=dtype, **kw)
+        return t.as_subclass(CudaLike) if device is not None else t
+
+    stream = types.SimpleNamespace(cuda_stream=0)
+    torch.empty = empty
+    torch.cuda.current_stream = lambda device=None: stream
+    torch._C._cuda_getCurrentRawStream = lambda device: 0
+    return lambda t: t.as_subclass(CudaLike)

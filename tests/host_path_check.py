@@ -1,0 +1,144 @@
+"""Run by tests/test_host_path.py in a process of its own: attngen.prefill's host path on the stub driver.
+
+Checks what reaches cuLaunchKernel (grid, block, shared memory, stream, the parameter bytes)
+against values computed here from the tensors, the context push where the primary context is
+not current, launches from a second thread, error messages, and the choice of a tuned spec.
+Exits non-zero (an AssertionError) on the first failure; prints "ok" at the end.
+"""
+
+import os
+import struct
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests import fake_cuda  # noqa: E402
+
+P = struct.Struct("<5Q12q4i2f2i")
+TUNED = dict(cta_tile_q=64, cta_tile_kv=32, num_warps=4, num_stages=2)
+
+
+def main():
+    root = tempfile.mkdtemp(prefix="attngen-host-")
+    os.environ["ATTNGEN_CACHE_DIR"] = root
+    os.environ.pop("ATTNGEN_NO_TUNED", None)
+    from attngen import build
+    from attngen.spec import PrefillSpec
+
+    fake_cuda.prebuild()
+    build(PrefillSpec(head_dim=64, dtype="bf16", **TUNED), "sm_90")
+    fake_cuda.install()
+    wrap = fake_cuda.patch_torch_cuda()
+
+    import torch
+
+    import attngen
+    from attngen import cache
+    from attngen.compiler import nvrtc_version
+    from attngen.ops import prefill as op
+
+    def rand(*shape, dtype=torch.bfloat16):
+        return wrap(torch.randn(*shape).to(dtype))
+
+    def expect_launch(q, k, v, out, lse=None, causal=False, window=(-1, -1), scale=None):
+        b, sq, h, d = q.shape
+        sk, hk = k.shape[1], k.shape[2]
+        kern = op.kernel_for(q, k, v, causal=causal, window=window, return_lse=lse is not None)
+        left, right = window
+        if causal:
+            right = 0
+        s = d ** -0.5 if scale is None else scale
+        want = P.pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
+                      *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+                      sq, sk, h, h // hk, s, s * 1.4426950408889634, left, right)
+        assert fake_cuda.last_params(P.size) == want, "parameter bytes differ"
+        got = fake_cuda.last_launch()
+        tq = kern.spec.cta_tile_q
+        assert got["grid"] == ((sq + tq - 1) // tq, h, b), got
+        assert got["threads"] == kern.threads and got["smem"] == kern.smem_bytes, got
+        return kern
+
+    # Plain call, allocated output.
+    q, k, v = rand(2, 100, 8, 64), rand(2, 130, 2, 64), rand(2, 130, 2, 64)
+    n0 = fake_cuda.counts()["launches"]
+    out = attngen.prefill(q, k, v)
+    assert fake_cuda.counts()["launches"] == n0 + 1
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    expect_launch(q, k, v, out)
+    # LSE, causal, window, sm_scale, a strided q from a packed qkv tensor, out=.
+    qkv = rand(1, 77, 3, 4, 64, dtype=torch.float16)
+    q2, k2, v2 = (wrap(qkv[:, :, i]) for i in range(3))  # slices of the stand-in come back plain
+    assert not q2.is_contiguous()
+    out2 = wrap(torch.empty(1, 77, 4, 64, dtype=torch.float16))
+    o, lse = attngen.prefill(q2, k2, v2, causal=True, window=(16, -1), return_lse=True, out=out2, sm_scale=0.25)
+    assert o is out2 and lse.shape == (1, 4, 77) and lse.dtype == torch.float32
+    expect_launch(q2, k2, v2, out2, lse=lse, causal=True, window=(16, -1), scale=0.25)
+    # The primary context not current: pushed for the launch, popped after.
+    c = fake_cuda.counts()
+    fake_cuda.make_current(None)
+    attngen.prefill(q, k, v, out=out)
+    c2 = fake_cuda.counts()
+    assert c2["launches"] == c["launches"] + 1 and c2["pushes"] == c["pushes"] + 1 and c2["pops"] == c["pops"] + 1
+    fake_cuda.make_current(0x1000)
+    attngen.prefill(q, k, v, out=out)
+    assert fake_cuda.counts()["pushes"] == c2["pushes"], "pushed although the primary context was current"
+    # Another thread has its own parameter buffer.
+    errors = []
+
+    def worker():
+        try:
+            for _ in range(50):
+                attngen.prefill(q, k, v, out=out)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    expect_launch(q, k, v, out)
+    # Errors keep their wording; shapes print as tuples.
+    for args, kw, text in [
+        ((wrap(q[0]), k, v), {}, "q has shape (100, 8, 64); expected 4 dims"),
+        ((q, rand(2, 130, 3, 64), rand(2, 130, 3, 64)), {}, "heads=8 must be a multiple of kv_heads=3"),
+        ((q, k, rand(2, 131, 2, 64)), {}, "k (2, 130, 2, 64) and v (2, 131, 2, 64) must have the same shape"),
+        ((q, k, v), {"out": wrap(torch.empty(2, 100, 8, 64))}, "out must match q: torch (2, 100, 8, 64) bf16"),
+        ((q, k, v), {"window": (1,)}, "window=(1,) must be a pair"),
+        ((q, k, v), {"sm_scale": float("inf")}, "sm_scale=inf must be finite"),
+        ((q.float(), k, v), {}, "q is on cpu"),
+    ]:
+        try:
+            attngen.prefill(*args, **kw)
+        except attngen.LaunchError as e:
+            assert text in str(e), (text, str(e))
+        else:
+            raise AssertionError(f"no error for {text}")
+    # A tuned winner for this GPU is used; ATTNGEN_NO_TUNED=1 and an explicit spec are not.
+    default = op.kernel_for(q, k, v).spec
+    assert default == attngen.resolve(PrefillSpec(head_dim=64, dtype="bf16"), "sm_90")
+    gpu = attngen.runtime.driver().device_name(0)
+    fields = {"head_dim": 64, "dtype": "bf16", "mask": "none", "return_lse": False}
+    cache.TunedStore().put({"family": "prefill", "fields": fields, "arch": "sm_90", "gpu": gpu, "nvrtc": nvrtc_version(),
+                            "attngen": attngen.__version__, "seqlen": 512, "tuning": TUNED})
+    attngen.runtime.clear_loaded()
+    cache.clear_memory()
+    tuned = op.kernel_for(q, k, v).spec
+    assert tuned == PrefillSpec(head_dim=64, dtype="bf16", **TUNED), tuned
+    attngen.prefill(q, k, v, out=out)
+    expect_launch(q, k, v, out)
+    assert op.kernel_for(q, k, v, spec=PrefillSpec()).spec == default
+    causal = attngen.resolve(PrefillSpec(head_dim=64, dtype="bf16", mask="causal"), "sm_90")
+    assert op.kernel_for(q, k, v, causal=True).spec == causal  # other untuned fields: no entry
+    os.environ["ATTNGEN_NO_TUNED"] = "1"
+    attngen.runtime.clear_loaded()
+    assert op.kernel_for(q, k, v).spec == default
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""``attngen tune`` on a real GPU (pytest -m gpu): the stored winner is what a fresh process's prefill runs.
+
+Each check runs in fresh processes (``python -m attngen tune ...``, then a script that calls
+``attngen.prefill``) under the test's own cache root, so the store is read the way a later
+process reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = "prefill:head_dim=64,dtype=bf16"
+
+# Runs prefill on fresh inputs of seqlen argv[1], checks it against the fp32 reference and prints
+# the spec the kernel it launched was built from.
+_USE_SCRIPT = r"""
+import json, sys
+import torch
+import attngen
+from attngen.ops.prefill import kernel_for
+from tests.gpu_reference import reference_attention
+
+torch.backends.cuda.matmul.allow_tf32 = False
+s = int(sys.argv[1])
+g = torch.Generator(device="cuda")
+g.seed()
+q, k, v = (torch.randn(2, s, 4, 64, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+out = torch.full_like(q, float("nan"))
+attngen.prefill(q, k, v, out=out)
+torch.cuda.synchronize()
+ref, _ = reference_attention(q, k, v)
+err = (torch.linalg.vector_norm(out.float() - ref) / torch.linalg.vector_norm(ref)).item()
+spec = kernel_for(q, k, v).spec
+print("RESULT " + json.dumps({"spec": spec.to_dict(), "finite": bool(torch.isfinite(out).all()), "rel_l2": err}))
+"""
+
+
+def _env(cache_dir, **extra):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), ATTNGEN_CACHE_DIR=str(cache_dir))
+    env.pop("ATTNGEN_NO_TUNED", None)
+    env.update(extra)
+    return env
+
+
+def _use(cache_dir, seqlen, **extra) -> dict:
+    p = subprocess.run([sys.executable, "-c", _USE_SCRIPT, str(seqlen)], cwd=ROOT, env=_env(cache_dir, **extra),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))
+    r = json.loads(line[len("RESULT "):])
+    assert r["finite"] and r["rel_l2"] < 2e-2, r
+    return r
+
+
+def _tuning(d: dict) -> dict:
+    return {k: d[k] for k in ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages")}
+
+
+def test_tune_stores_a_winner_that_a_fresh_process_uses(cache_dir):
+    p = subprocess.run([sys.executable, "-m", "attngen", "tune", "prefill", SPEC, "--seqlen", "512",
+                        "--max-candidates", "3", "--json"], cwd=ROOT, env=_env(cache_dir), capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout)
+    assert out["ok"] and len(out["results"]) == 1
+    r = out["results"][0]
+    assert r["candidates"] == 3 and len(r["rows"]) == 3 and r["rows"][0]["default"]
+    assert all(row["status"] == "ok" for row in r["rows"]), r["rows"]
+    w = r["winner"]
+    assert w["ms"] == min(row["ms"] for row in r["rows"])
+    assert r["stored"] and Path(r["stored"]).is_file()
+    stored = json.loads(Path(r["stored"]).read_text())["entries"]
+    assert len(stored) == 1 and stored[0]["seqlen"] == 512 and stored[0]["tuning"] == w["tuning"]
+
+    used = _use(cache_dir, 512)
+    assert _tuning(used["spec"]) == w["tuning"]
+    assert _tuning(_use(cache_dir, 300)["spec"]) == w["tuning"]  # the only bucket serves every seqlen
+    default = _use(cache_dir, 512, ATTNGEN_NO_TUNED="1")
+    assert _tuning(default["spec"]) == r["rows"][0]["tuning"]
+
+
+def test_a_stored_non_default_config_is_used_and_correct(cache_dir):
+    """The search above may well keep the default; this stores a config that is not, per bucket."""
+    import torch
+
+    from attngen import tune
+    from attngen.spec import PrefillSpec
+
+    spec = PrefillSpec(head_dim=64, dtype="bf16")
+    ident = tune.device_identity(torch.cuda.current_device())
+    cands = tune.plan(spec, ident["arch"])
+    small, large = cands[1], cands[2]
+    for seqlen, cand in ((256, small), (4096, large)):
+        row = tune.Row(cand, ms=1.0, tflops=1.0, status="ok")
+        tune.store_winner(spec, seqlen, row, ident, {"batch": 1, "heads": 1, "window": [-1, -1], "candidates": 1},
+                          root=cache_dir)
+    assert _tuning(_use(cache_dir, 300)["spec"]) == _tuning(small.to_dict())
+    assert _tuning(_use(cache_dir, 3000)["spec"]) == _tuning(large.to_dict())
+    assert _tuning(_use(cache_dir, 3000, ATTNGEN_NO_TUNED="1")["spec"]) == _tuning(cands[0].to_dict())
