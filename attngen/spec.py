@@ -374,6 +374,8 @@ _TUNED_DECODE = {
 # Decode configs ptxas spills on some archs (NVRTC 13.5), per (head_dim, paged, q_rows, variant).
 _DECODE_SPILLS_ON = {
     ((256, True, 16, "fused"), (64, 4, 2)): ("sm_80",),
+    ((64, True, 16, "fused"), (128, 4, 2)): ("sm_80",),
+    ((64, False, 64, "unfused"), (64, 4, 2)): ("sm_86", "sm_89"),
 }
 
 
@@ -381,9 +383,9 @@ def _candidates(spec: "Spec", arch: Arch):
     """Tuned configs first, then every allowed combination, larger tiles first."""
     if isinstance(spec, DecodeSpec):
         where = (spec.head_dim, spec.paged, spec.q_rows, spec.variant.value)
-        yield from (c for c in _TUNED_DECODE[(spec.head_dim, spec.paged)]
-                    if arch.name not in _DECODE_SPILLS_ON.get((where, c), ()))
-        yield from itertools.product((64, 128, 32, 16), (4, 8), (4, 3, 2, 1))
+        every = itertools.chain(_TUNED_DECODE[(spec.head_dim, spec.paged)],
+                                itertools.product((64, 128, 32, 16), (4, 8), (4, 3, 2, 1)))
+        yield from (c for c in every if arch.name not in _DECODE_SPILLS_ON.get((where, c), ()))
         return
     d = spec.head_dim
     yield from (c for c in _TUNED[d] if arch.name not in _SPILLS_ON.get((d, c), ()))

@@ -47,7 +47,10 @@ print("RESULT " + json.dumps({"spec": spec.to_dict(), "finite": bool(torch.isfin
 
 
 def _env(cache_dir, **extra):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), ATTNGEN_CACHE_DIR=str(cache_dir))
+    # The checkout first, then the caller's path (which may name the NVRTC wheel in use: a tuned
+    # entry is keyed by the NVRTC version, so the child must load the same one).
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, ATTNGEN_CACHE_DIR=str(cache_dir))
     env.pop("ATTNGEN_NO_TUNED", None)
     env.update(extra)
     return env

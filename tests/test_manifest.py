@@ -164,12 +164,16 @@ def test_default_manifest_validates_for_every_arch_it_lists():
     archs = {a.name for _, a in items}
     assert archs == {"sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"}
     specs = {s for s, _ in items}
-    assert {s.head_dim for s in specs} >= {64, 128, 256}
+    prefill = {s for s in specs if s.family == "prefill"}
+    decode = {s for s in specs if s.family == "decode"}
+    assert {s.head_dim for s in prefill} >= {64, 128, 256}
     assert {s.dtype.value for s in specs} == {"fp16", "bf16"}
-    assert {s.mask.value for s in specs} == {"none", "causal", "sliding_window"}
-    # Every non-LSE kernel on every arch (what attngen.prefill asks for by default).
+    assert {s.mask.value for s in prefill} == {"none", "causal", "sliding_window"}
+    assert {s.head_dim for s in decode} == {64, 128, 256}
+    assert {s.paged for s in decode} == {False, True}
+    # Every non-LSE kernel on every arch (what attngen.prefill and attngen.decode ask for by default).
     for s in specs:
-        if not s.return_lse:
+        if not getattr(s, "return_lse", False):
             assert {a.name for sp, a in items if sp == s} == archs
     # Kept small enough that `attngen prewarm --jobs 2` stays within minutes on two cores.
-    assert 100 <= len(items) <= 300
+    assert 100 <= len(items) <= 400

@@ -14,14 +14,15 @@ from attngen.errors import SpecError
 from attngen.spec import DecodeSpec, resolve
 
 SHAPES = [  # batch, kv_len, kv_heads, heads, q_len, paged
-    (1, 4096, 8, 32, 1, False),
-    (1, 32768, 8, 32, 1, False),
+    (16, 4096, 4, 32, 1, False),
+    (16, 8192, 4, 32, 1, False),
     (16, 4096, 8, 32, 1, False),
-    (64, 4096, 8, 32, 1, True),
+    (1, 32768, 8, 32, 1, False),
+    (16, 4096, 4, 32, 1, True),
     (4, 16384, 1, 16, 4, False),
 ]
-CONFIGS = [(128, 4, 2), (64, 4, 2), (64, 4, 4), (32, 4, 4), (128, 8, 2)]
-SPLITS = [0, 1, 4, 8, 16, 32, 64]
+CONFIGS = [(128, 4, 2), (64, 4, 2), (64, 4, 3), (32, 4, 4)]
+SPLITS = [0, 1, 2, 3, 4, 6, 8, 16, 32]
 
 
 def make(b, L, hk, h, ql, paged, d=128, bs=64):
@@ -59,7 +60,7 @@ def main():
         auto = [r for r in rows if r[4] == 0 and r[1:4] == rows[0][1:4]]
         print(f"{name}: best {rows[0][0]*1e3:.1f} us ({gb / rows[0][0] * 1e3:.0f} GB/s) kv={rows[0][1]} w={rows[0][2]} "
               f"st={rows[0][3]} splits={rows[0][4]}", flush=True)
-        for r in rows[:6] + [r for r in rows if r[4] == 0]:
+        for r in rows[:8] + [r for r in rows if r[4] == 0]:
             print(f"    {r[0]*1e3:8.1f} us  {gb / r[0] * 1e3:6.0f} GB/s  kv={r[1]} w={r[2]} st={r[3]} splits={r[4]}")
         del auto
         # Kernel split of the default call.

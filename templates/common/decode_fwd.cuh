@@ -704,11 +704,11 @@ struct Decode {
 
 // ---- merge of split partials: one warp per (batch, token, head) row -----------------------------
 // Lanes first hold the LSE of splits lane, lane + 32, ...; the max and the weight sum come from
-// shuffles, then the partial rows are read four splits at a time so their loads overlap.
+// shuffles, then the partial rows are read eight splits at a time so their loads overlap.
 template <class T, bool BF16, int HEAD_DIM>
 __device__ __forceinline__ void decode_merge(const DecodeParams<T>& p) {
   constexpr int PER = HEAD_DIM / 32;  // elements per lane, contiguous
-  constexpr int UNROLL = 4;
+  constexpr int UNROLL = 8;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const long long rows = (long long)p.batch * p.q_len * p.num_heads;
@@ -744,11 +744,23 @@ __device__ __forceinline__ void decode_merge(const DecodeParams<T>& p) {
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
           const int s = s0 + min(j0 + u, n - 1);
+          const float* row = src + s * rows * HEAD_DIM;
+          if constexpr (PER % 4 == 0) {
 #pragma unroll
-          for (int i = 0; i < PER; i += 2) {
-            const float2 v = *reinterpret_cast<const float2*>(src + s * rows * HEAD_DIM + i);
-            x[u][i] = v.x;
-            x[u][i + 1] = v.y;
+            for (int i = 0; i < PER; i += 4) {
+              const float4 v = *reinterpret_cast<const float4*>(row + i);
+              x[u][i] = v.x;
+              x[u][i + 1] = v.y;
+              x[u][i + 2] = v.z;
+              x[u][i + 3] = v.w;
+            }
+          } else {
+#pragma unroll
+            for (int i = 0; i < PER; i += 2) {
+              const float2 v = *reinterpret_cast<const float2*>(row + i);
+              x[u][i] = v.x;
+              x[u][i + 1] = v.y;
+            }
           }
         }
 #pragma unroll

@@ -1,0 +1,95 @@
+"""Decode family on the CPU: the spec, its fit rules, its module's entries, the split heuristic."""
+
+from __future__ import annotations
+
+import pytest
+
+from attngen.arch import ARCHS
+from attngen.compiler import compile
+from attngen.errors import SpecError
+from attngen.ops.decode import MAX_SPLITS, choose_splits
+from attngen.render import render
+from attngen.spec import DecodeSpec, Variant, parse_spec, resolve, validate
+
+
+def test_text_form_round_trips_and_names_the_family():
+    s = parse_spec("decode:head_dim=64,dtype=fp16,q_rows=32,paged=true,variant=unfused")
+    assert isinstance(s, DecodeSpec)
+    assert (s.head_dim, s.dtype.value, s.q_rows, s.paged, s.variant) == (64, "fp16", 32, True, Variant.UNFUSED)
+    assert parse_spec(s.to_text()) == s
+    assert parse_spec(s.to_dict()) == s
+    assert s.kernel_name.startswith("attngen_decode_")
+
+
+@pytest.mark.parametrize("field,value", [("head_dim", 96), ("q_rows", 8), ("variant", "split"),
+                                         ("cta_tile_kv", 48), ("num_stages", 5), ("paged", "maybe")])
+def test_bad_values_name_the_field(field, value):
+    with pytest.raises(SpecError) as ei:
+        DecodeSpec(**{field: value})
+    assert ei.value.field == field
+
+
+@pytest.mark.parametrize("group,q_len,rows", [(1, 1, 16), (4, 1, 16), (16, 1, 16), (8, 4, 32), (16, 4, 64),
+                                              (16, 8, 128), (3, 7, 32)])
+def test_rows_for_packs_group_times_q_len(group, q_len, rows):
+    assert DecodeSpec.rows_for(group, q_len) == rows
+
+
+def test_rows_for_rejects_more_than_128_rows():
+    with pytest.raises(SpecError) as ei:
+        DecodeSpec.rows_for(16, 9)
+    assert ei.value.field == "q_rows"
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_every_decode_spec_resolves_on_every_arch(arch):
+    if not ARCHS[arch].has_mma_m16n8k16:
+        pytest.skip("no mma.sync m16n8k16")
+    for d in DecodeSpec.HEAD_DIMS:
+        for rows in DecodeSpec.Q_ROWS:
+            for paged in (False, True):
+                for v in Variant:
+                    r = resolve(DecodeSpec(head_dim=d, q_rows=rows, paged=paged, variant=v), arch)
+                    assert r.is_resolved
+                    assert r.smem_bytes() <= ARCHS[arch].smem_per_block
+                    assert r.warps_m * r.warps_n == r.num_warps
+                    assert r.cta_tile_kv // r.warps_n >= 16
+
+
+def test_a_warp_split_too_thin_names_cta_tile_kv():
+    s = DecodeSpec(head_dim=128, q_rows=16, cta_tile_kv=32, num_warps=4, num_stages=2)
+    with pytest.raises(SpecError) as ei:
+        validate(s, "sm_90")
+    assert ei.value.field == "cta_tile_kv" and "multiple of 64" in str(ei.value)
+
+
+def test_too_much_shared_memory_names_num_stages():
+    s = DecodeSpec(head_dim=256, q_rows=16, cta_tile_kv=64, num_warps=4, num_stages=4)
+    with pytest.raises(SpecError) as ei:
+        validate(s, "sm_86")
+    assert ei.value.field == "num_stages" and "sm_86" in str(ei.value)
+
+
+@pytest.mark.parametrize("variant,suffixes", [("fused", ("", "_merge")), ("unfused", ("", "_pv", "_merge"))])
+def test_module_holds_every_entry(variant, suffixes):
+    s = resolve(DecodeSpec(head_dim=128, variant=variant, paged=True), "sm_90")
+    assert s.entries == tuple(s.kernel_name + x for x in suffixes)
+    b = compile(render(s), "sm_90", kernel_name=s.kernel_name, entries=s.entries)
+    for name in s.entries:
+        assert b".text." + name.encode() + b"\x00" in b.cubin
+    r = b.resources
+    assert r.known and (r.spill_stores, r.spill_loads) == (0, 0)
+
+
+def test_split_heuristic():
+    sms, per = 132, 1
+    # A grid that already fills the GPU is not split.
+    assert choose_splits(64, 8, 4096, 128, sms, per, 32, 1, 128) == 1
+    # One long sequence on 8 KV heads is spread over about every SM.
+    s = choose_splits(1, 8, 32768, 128, sms, per, 32, 1, 128)
+    assert 8 <= s <= 32 and 8 * s <= 2 * sms
+    # Never more splits than tiles, never more than the cap.
+    assert choose_splits(1, 1, 100, 64, sms, per, 8, 1, 128) <= 2
+    assert choose_splits(1, 1, 1 << 22, 16, 10000, 4, 8, 1, 128) <= MAX_SPLITS
+    # More SMs never mean fewer splits for the same problem.
+    assert choose_splits(1, 8, 32768, 128, 264, per, 32, 1, 128) >= s
