@@ -1053,6 +1053,9 @@ def add_decode_parser(sub) -> None:
     pd.add_argument("--sdpa-layout", choices=("view", "contiguous"), default="view",
                     help="view (default): SDPA reads attngen's cache through .transpose(1, 2) views; "
                          "contiguous: its own [B, Hkv, L, D] copies (more memory)")
+    pd.add_argument("--graph", action="store_true",
+                    help="time CUDA-graph replays of each call (attngen and SDPA alike), as serving engines run "
+                         "decode steps: GPU time without the Python launch path")
     pd.add_argument("--json", type=Path, default=None, help="write the results as JSON to FILE")
     pd.add_argument("--out", type=Path, default=None, help="folder for bench_decode.json and bench_decode.png")
     pd.add_argument("--markdown", type=Path, default=None, help="write the table as Markdown to FILE")
@@ -1174,11 +1177,29 @@ def _rel_check(out, ref) -> dict:
             "tolerance_rel_l2": CHECK_TOL}
 
 
+def _graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` captured once into a CUDA graph (after two warm-up calls on a side stream, which
+    also compile and load what it needs); returns the graph's replay."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
 def run_decode_shape(shape: DecodeShape, backends: tuple[str, ...], *, impls: list[tuple[str, str, bool]],
                      num_splits: int = 0, block_size: int = 64, check: bool = True, warmup_ms: float = 25.0,
                      rep_ms: float = 100.0, reps: int | None = None, seed: int = 0, sdpa_layout: str = "view",
-                     copy_gbps: float | None = None) -> dict:
-    """Check and time one shape: each attngen row and each SDPA backend, on one dense cache."""
+                     copy_gbps: float | None = None, graph: bool = False) -> dict:
+    """Check and time one shape: each attngen row and each SDPA backend, on one dense cache.
+    With ``graph``, each call is captured once into a CUDA graph and its replays are timed."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
@@ -1279,9 +1300,11 @@ def run_decode_shape(shape: DecodeShape, backends: tuple[str, ...], *, impls: li
             if name in backends:
                 with warnings.catch_warnings(), sdpa_kernel(_sdpa_backend(name)):
                     warnings.simplefilter("ignore")
-                    ms, timer = bench_ms(fn, warmup_ms, rep_ms, reps)
+                    ms, timer = bench_ms(_graphed(fn) if graph else fn, warmup_ms, rep_ms, reps)
             else:
-                ms, timer = bench_ms(fn, warmup_ms, rep_ms, reps)
+                ms, timer = bench_ms(_graphed(fn) if graph else fn, warmup_ms, rep_ms, reps)
+            if graph:
+                timer += " on CUDA-graph replays"
         except Exception as e:
             fail(name, e)
             continue
@@ -1480,6 +1503,8 @@ def decode_markdown(data: dict) -> str:
               f"- {BYTES_NOTE}",
               f"- {RATIO_NOTE}",
               f"- {cfg.get('sdpa_note') or DECODE_SDPA_NOTE}",
+              *(["- timed on CUDA-graph replays (each call captured once, attngen and SDPA alike): GPU time, "
+                 "no Python launch path"] if cfg.get("graph") else []),
               "- check = rel L2 vs an fp32 reference on the first call, output poisoned with NaN; — = the backend "
               "refused that shape",
               ""]
@@ -1631,6 +1656,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
                    "block_size": args.block_size, "dtype": dtype, "warmup_ms": args.warmup_ms,
                    "rep_ms": args.rep_ms, "reps": args.reps, "timer": timer, "seed": args.seed,
                    "check": not args.no_check, "check_tolerance_rel_l2": CHECK_TOL, "sdpa_layout": args.sdpa_layout,
+                   "graph": bool(getattr(args, "graph", False)),
                    "sdpa_note": DECODE_SDPA_NOTE if args.sdpa_layout == "view" else DECODE_SDPA_CONTIG_NOTE,
                    "bytes": BYTES_NOTE, "ratio": RATIO_NOTE,
                    "targets": {"copy_frac": TARGET_COPY_FRAC, "cudnn_b1_32k": TARGET_B1_CUDNN,
@@ -1668,7 +1694,8 @@ def cmd_decode(args: argparse.Namespace) -> int:
         try:
             run_decode_shape(shapes[0], tuple(backends), impls=impls, num_splits=args.num_splits,
                              block_size=args.block_size, check=False, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
-                             reps=args.reps, seed=args.seed, sdpa_layout=args.sdpa_layout, copy_gbps=copy_gbps)
+                             reps=args.reps, seed=args.seed, sdpa_layout=args.sdpa_layout, copy_gbps=copy_gbps,
+                             graph=args.graph)
         except Exception:
             pass
     for i, shape in enumerate(shapes):
@@ -1687,7 +1714,8 @@ def cmd_decode(args: argparse.Namespace) -> int:
                 rec = run_decode_shape(shape, tuple(backends), impls=impls, num_splits=args.num_splits,
                                        block_size=args.block_size, check=not args.no_check,
                                        warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, reps=args.reps,
-                                       seed=args.seed + i, sdpa_layout=args.sdpa_layout, copy_gbps=copy_gbps)
+                                       seed=args.seed + i, sdpa_layout=args.sdpa_layout, copy_gbps=copy_gbps,
+                                       graph=args.graph)
             except Exception as e:  # e.g. out of memory: keep the sweep going
                 rec = {**base, "ms": {}, "gbps": {}, "frac_copy": {}, "ratio": {}, "checks": {},
                        "errors": {"shape": _short_error(e)}}
