@@ -736,7 +736,12 @@ def plot_prefill(data: dict, path: Path) -> Path | None:
             if j == 0:
                 ax.set_ylabel("TFLOP/s")
             ax.set_ylim(bottom=0)
-    handles, labels = axes[0][0].get_legend_handles_labels()
+    return _save_figure(plt, fig, axes, data, "prefill", path, bottom=0.06, dpi=130)
+
+
+def _save_figure(plt, fig, axes, data: dict, family: str, path: Path, *, bottom: float, dpi: int) -> Path:
+    """One legend for every panel's lines (each label once), the title with GPU and date, and the file."""
+    handles, labels = [], []
     for row in axes:
         for ax in row:
             for hnd, lab in zip(*ax.get_legend_handles_labels()):
@@ -745,11 +750,11 @@ def plot_prefill(data: dict, path: Path) -> Path | None:
                     labels.append(lab)
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), fontsize=8, frameon=False)
     env = data.get("env", {})
-    fig.suptitle(f"attngen prefill vs SDPA — {env.get('gpu', '?')}, {env.get('date', '')[:10]}", fontsize=11)
-    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
+    fig.suptitle(f"attngen {family} vs SDPA — {env.get('gpu', '?')}, {env.get('date', '')[:10]}", fontsize=11)
+    fig.tight_layout(rect=(0, bottom, 1, 0.96))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 
@@ -1575,22 +1580,7 @@ def plot_decode(data: dict, path: Path) -> Path | None:
                 ax.set_ylabel("GB/s (K+V read)")
             if i == len(groups) - 1:
                 ax.set_xlabel("kv_len")
-    handles, labels = [], []
-    for row in axes:
-        for ax in row:
-            for hnd, lab in zip(*ax.get_legend_handles_labels()):
-                if lab not in labels:
-                    handles.append(hnd)
-                    labels.append(lab)
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), fontsize=8, frameon=False)
-    env = data.get("env", {})
-    fig.suptitle(f"attngen decode vs SDPA — {env.get('gpu', '?')}, {env.get('date', '')[:10]}", fontsize=11)
-    fig.tight_layout(rect=(0, 0.05, 1, 0.96))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save_figure(plt, fig, axes, data, "decode", path, bottom=0.05, dpi=120)
 
 
 def _finish_decode(data: dict, args: argparse.Namespace, print_table: bool) -> None:

@@ -146,7 +146,7 @@ def load(result: BuildResult, device: int) -> Kernel:
     spec = result.spec
     smem = spec.smem_bytes()
     main = result.binary.kernel_name
-    names = tuple(getattr(spec, "entries", (main,)))
+    names = spec.entries
     # Entries past the main one: the unfused decode's "_pv" shares its launch shape; "_merge"
     # runs MERGE_THREADS threads and no dynamic shared memory.
     shapes = {"_pv": (spec.threads, smem), "_merge": (MERGE_THREADS, 0)}

@@ -40,3 +40,14 @@ def cache_dir(tmp_path, monkeypatch):
     yield d
     cache.clear_memory()
     runtime.clear_loaded()
+
+
+@pytest.fixture
+def exact_fp32_reference():
+    """fp32 matmuls without TF32 for the duration of a test, so the reference stays fp32-exact."""
+    import torch
+
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old

@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_reference")]
 
 torch = pytest.importorskip("torch")
 
@@ -28,14 +28,6 @@ NAN = float("nan")
 # One batch of ragged lengths: 1 key, odd, tile boundaries +-1, long and not a multiple of anything.
 RAGGED = [1, 17, 63, 64, 65, 127, 128, 129, 1000, 4097]
 VARIANTS = ["fused", "unfused"]
-
-
-@pytest.fixture(autouse=True)
-def _exact_fp32_reference():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def _gen():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_reference")]
 
 torch = pytest.importorskip("torch")
 
@@ -17,14 +17,6 @@ import attngen  # noqa: E402
 from tests.gpu_reference import reference_attention  # noqa: E402
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
-
-
-@pytest.fixture(autouse=True)
-def _exact_fp32_reference():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def _rand(*shape, dtype, gen):

@@ -8,6 +8,7 @@ import math
 import struct
 
 from .._driver import CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, driver
+from ..arch import get_arch
 from ..errors import LaunchError
 from ..render import MERGE_THREADS
 from ..runtime import current_stream, empty_like_kind, get_kernel, tensor_info
@@ -20,11 +21,12 @@ MAX_Q_LEN = 8
 MAX_GROUP = 16
 MAX_SPLITS = 256
 VARIANTS = ("auto", "fused", "unfused")
+_CACHE_DIMS = "[cache_batch, max_seqlen, kv_heads, head_dim] or, paged, [num_blocks, block_size, kv_heads, head_dim]"
 
 
-def _check_half(t, name: str) -> None:
+def _check_half(t, name: str, dims: str) -> None:
     if len(t.shape) != 4:
-        raise LaunchError(f"{name} has shape {t.shape}; expected 4 dims")
+        raise LaunchError(f"{name} has shape {t.shape}; expected 4 dims {dims}")
     if t.strides[-1] != 1:
         raise LaunchError(f"{name} has stride {t.strides[-1]} in its last dim; head_dim must be contiguous")
     if t.ptr % 16 or any(s % 8 for s in t.strides[:-1]):
@@ -56,17 +58,10 @@ def _sm_count(device: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _ctas_per_sm(kern) -> int:
-    return ctas_per_sm(kern)
-
-
 def ctas_per_sm(kern) -> int:
     """How many CTAs of a loaded kernel one SM holds at once (shared memory, threads, registers)."""
     spec = kern.spec
-    arch = kern.binary.arch
-    from ..arch import get_arch
-
-    a = get_arch(arch)
+    a = get_arch(kern.binary.arch)
     regs = kern.binary.resources.registers if kern.binary.resources.known else 255
     by_smem = a.smem_per_sm // (spec.smem_bytes() + 1024)
     by_threads = 2048 // spec.threads
@@ -126,11 +121,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     qi = tensor_info(q, "q")
     ki = tensor_info(k_cache, "k_cache")
     vi = tensor_info(v_cache, "v_cache")
-    if len(qi.shape) != 4:
-        raise LaunchError(f"q has shape {qi.shape}; expected 4 dims [batch, q_len, heads, head_dim]")
-    _check_half(qi, "q")
-    _check_half(ki, "k_cache")
-    _check_half(vi, "v_cache")
+    _check_half(qi, "q", "[batch, q_len, heads, head_dim]")
+    _check_half(ki, "k_cache", _CACHE_DIMS)
+    _check_half(vi, "v_cache", _CACHE_DIMS)
     if len({qi.kind, ki.kind, vi.kind}) != 1 or len({qi.device, ki.device, vi.device}) != 1:
         raise LaunchError(f"q, k_cache, v_cache must be of one kind on one device; got {qi.kind}:{qi.device}, "
                           f"{ki.kind}:{ki.device}, {vi.kind}:{vi.device}")
@@ -204,7 +197,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     if oi.kind != qi.kind or oi.shape != qi.shape or oi.dtype != qi.dtype or oi.device != qi.device:
         raise LaunchError(f"out must match q: {qi.kind} {qi.shape} {qi.dtype} on device {qi.device}; got "
                           f"{oi.kind} {oi.shape} {oi.dtype} on device {oi.device}")
-    _check_half(oi, "out")
+    _check_half(oi, "out", "[batch, q_len, heads, head_dim]")
     lse = empty_like_kind(qi.kind, (b, h, q_len), "fp32", qi.device) if return_lse else None
     if b == 0:
         return (out, lse) if return_lse else out
@@ -217,7 +210,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     kern = get_kernel(rs_spec, device=qi.device)
     rs = kern.spec
     if num_splits == 0:
-        num_splits = choose_splits(b, hk, capacity, rs.cta_tile_kv, _sm_count(qi.device), _ctas_per_sm(kern),
+        num_splits = choose_splits(b, hk, capacity, rs.cta_tile_kv, _sm_count(qi.device), ctas_per_sm(kern),
                                    h, q_len, d)
     # One fp32 workspace per call: split partials (outputs, then LSE), then the unfused
     # variant's scores and per-split row stats; every piece starts 16-byte aligned.
