@@ -9,10 +9,10 @@ from .ops.decode import decode
 from .ops.prefill import prefill
 from .render import render
 from .runtime import Kernel, get_kernel
-from .spec import DecodeSpec, DType, MaskMode, PrefillSpec, Variant, parse_spec, resolve, validate
+from .spec import DecodeSpec, DType, MaskMode, Mma, PrefillSpec, Variant, parse_spec, resolve, validate
 
 __all__ = [
     "__version__", "ARCHS", "get_arch", "DiskCache", "build", "cache_root", "Binary", "compile",
     "AttngenError", "CacheError", "CompileError", "LaunchError", "ManifestError", "SpecError", "decode", "prefill", "render", "Kernel",
-    "get_kernel", "DType", "MaskMode", "PrefillSpec", "DecodeSpec", "Variant", "parse_spec", "resolve", "validate",
+    "get_kernel", "DType", "MaskMode", "Mma", "PrefillSpec", "DecodeSpec", "Variant", "parse_spec", "resolve", "validate",
 ]

@@ -65,8 +65,12 @@ def get_arch(name: "str | Arch") -> Arch:
 
 
 def arch_for_capability(major: int, minor: int) -> Arch:
-    """The arch a device of this compute capability runs (plain, not the "a" variant)."""
+    """The arch attngen builds for on a device of this compute capability: the exact arch's "a"
+    variant where there is one (sm_90a: its wgmma kernels run only on cc 9.0, which this device
+    is), else the plain arch."""
     name = f"sm_{major}{minor}"
+    if name + "a" in ARCHS:
+        return ARCHS[name + "a"]
     if name in ARCHS:
         return ARCHS[name]
     # Newer minor revisions run code built for the family's base arch.

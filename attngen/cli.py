@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     tsub = t.add_subparsers(dest="tune_command", metavar="FAMILY", required=True)
     tp = tsub.add_parser(
         "prefill", help="tune a prefill spec",
-        description="Try every tile configuration (cta_tile_q, cta_tile_kv, num_warps, num_stages) that fits "
+        description="Try every tile configuration (cta_tile_q, cta_tile_kv, num_warps, num_stages, mma) that fits "
                     "the GPU's arch and agrees with the fields SPEC pins, on random inputs of batch x seqlen x "
                     "heads; reject any whose output differs from the default config's; time the rest with "
                     "CUDA events; store the fastest for SPEC's head_dim/dtype/mask/return_lse, this GPU and "
@@ -660,7 +660,8 @@ def cmd_tune_ls(args: argparse.Namespace) -> int:
     table = [("ARCH", "GPU", "NVRTC", "ATTNGEN", "SEQLEN", "CONFIG", "MS", "FIELDS")]
     for e in entries:
         t = e["tuning"]
-        cfg = f"q{t.get('cta_tile_q')} kv{t.get('cta_tile_kv')} w{t.get('num_warps')} s{t.get('num_stages')}"
+        cfg = (f"q{t.get('cta_tile_q')} kv{t.get('cta_tile_kv')} w{t.get('num_warps')} s{t.get('num_stages')} "
+               f"{t.get('mma', 'mma_sync')}")
         fields = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in e["fields"].items())
         ms = e.get("ms")
         table.append((e["arch"], e["gpu"], e["nvrtc"], e["attngen"], str(e["seqlen"]), cfg,

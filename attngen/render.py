@@ -14,7 +14,7 @@ from pathlib import Path
 import jinja2
 
 from .arch import Arch, get_arch
-from .spec import DecodeSpec, Spec, resolve
+from .spec import DecodeSpec, Mma, Spec, resolve
 
 # Threads of a decode module's `_merge` entry: one warp per output row.
 MERGE_THREADS = 128
@@ -34,7 +34,11 @@ def templates_dir() -> Path:
 class _MarkedLoader(jinja2.FileSystemLoader):
     def get_source(self, environment, template):
         source, filename, uptodate = super().get_source(environment, template)
-        if "/" in template:
+        if "/" in template and template.endswith(".jinja"):
+            # A piece that writes out long PTX operand lists with loops (wgmma); still no spec
+            # values in it, only the instruction shapes.
+            source = f"// attngen:begin {template}\n{source.rstrip()}\n// attngen:end {template}\n"
+        elif "/" in template:
             # Included pieces are plain CUDA headers (PTX operand lists like "{%0, %1}" would
             # read as Jinja tags): they are pasted verbatim, never parameterised.
             source = (f"// attngen:begin {template}\n{{% raw %}}{source.rstrip()}\n{{% endraw %}}"
@@ -71,6 +75,7 @@ def template_context(spec: Spec) -> dict:
             mask_mode={"none": 0, "causal": 1, "sliding_window": 2}[spec.mask.value],
             smem_row_elems=spec.smem_row_elems,
             swizzle=spec.head_dim % 64 == 0,
+            wgmma=spec.mma is Mma.WGMMA,
         )
     return ctx
 

@@ -28,6 +28,18 @@ class DType(enum.Enum):
         return 2
 
 
+class Mma(enum.Enum):
+    """Which tensor-core instruction the prefill kernel is built on. ``auto`` (the default) lets
+    ``resolve`` choose for the arch, so it is falsy like the other unresolved tuning fields."""
+
+    AUTO = "auto"
+    SYNC = "mma_sync"  # mma.sync m16n8k16 per warp: every arch from sm_80
+    WGMMA = "wgmma"    # wgmma.mma_async per warpgroup of 4 warps: sm_90a only
+
+    def __bool__(self) -> bool:
+        return self is not Mma.AUTO
+
+
 class MaskMode(enum.Enum):
     NONE = "none"
     CAUSAL = "causal"
@@ -163,12 +175,14 @@ class PrefillSpec(_SpecBase):
     cta_tile_kv: int = 0
     num_warps: int = 0
     num_stages: int = 0
+    mma: Mma = Mma.AUTO
 
     def __post_init__(self):
         s = object.__setattr__
         s(self, "head_dim", _coerce_int("head_dim", self.head_dim, self.HEAD_DIMS))
         s(self, "dtype", _coerce_enum(DType, "dtype", self.dtype))
         s(self, "mask", _coerce_enum(MaskMode, "mask", self.mask))
+        s(self, "mma", _coerce_enum(Mma, "mma", self.mma))
         s(self, "return_lse", _coerce_bool("return_lse", self.return_lse))
         s(self, "cta_tile_q", _coerce_int("cta_tile_q", self.cta_tile_q, self.CTA_TILE_Q))
         s(self, "cta_tile_kv", _coerce_int("cta_tile_kv", self.cta_tile_kv, self.CTA_TILE_KV))
@@ -179,7 +193,7 @@ class PrefillSpec(_SpecBase):
                             f"a divisor of cta_tile_q/16 = {self.cta_tile_q // 16}",
                             reason=f"each warp owns a whole number of 16-row tiles of cta_tile_q={self.cta_tile_q}")
 
-    TUNING_FIELDS: ClassVar[tuple[str, ...]] = ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages")
+    TUNING_FIELDS: ClassVar[tuple[str, ...]] = ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages", "mma")
     ALWAYS_SHOWN: ClassVar[tuple[str, ...]] = ("head_dim", "dtype", "mask")
 
     # --- derived ---------------------------------------------------------------------------
@@ -188,6 +202,8 @@ class PrefillSpec(_SpecBase):
         """Q fragments stay in registers for the whole KV loop while they take at most 32 per thread
         (head_dim/4 per 16-row m-tile); otherwise they are re-read from shared memory per tile."""
         self._require_resolved("q_in_regs")
+        if self.mma is Mma.WGMMA:
+            return False  # wgmma reads Q from shared memory through a descriptor
         m_tiles = self.cta_tile_q // self.num_warps // 16
         return self.head_dim * m_tiles <= 128
 
@@ -198,6 +214,10 @@ class PrefillSpec(_SpecBase):
 
     def smem_bytes(self) -> int:
         self._require_resolved("smem_bytes")
+        if self.mma is Mma.WGMMA:
+            # dense 128-byte-swizzled tiles, plus slack to align the first to the 1024-byte swizzle atom
+            row = self.head_dim * self.dtype.itemsize
+            return row * (self.cta_tile_q + 2 * self.num_stages * self.cta_tile_kv) + 1024
         row = self.smem_row_elems * self.dtype.itemsize
         return row * (self.cta_tile_q + 2 * self.num_stages * self.cta_tile_kv)
 
@@ -343,12 +363,20 @@ def parse_spec(text: "str | Spec | dict") -> Spec:
 # (tools/sweep_configs.py; BENCHMARKS.md). Archs with less shared memory take the best
 # measured config that fits them.
 _TUNED = {
-    # head_dim: [(cta_tile_q, cta_tile_kv, num_warps, num_stages), ...] best first
+    # head_dim: [(cta_tile_q, cta_tile_kv, num_warps, num_stages), ...] best first (mma.sync kernels)
     64: [(128, 64, 4, 3), (64, 64, 4, 3)],
     96: [(128, 64, 8, 2)],
     128: [(64, 64, 4, 3), (128, 64, 8, 2)],
     192: [(128, 32, 8, 2), (64, 32, 4, 2)],
     256: [(128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
+}
+
+# sm_90a: the wgmma kernels, one warpgroup per 64 query rows (cta_tile_q = 16 x num_warps).
+_TUNED_WGMMA = {
+    64: [(128, 128, 8, 2)],
+    128: [(128, 128, 8, 2)],
+    192: [(128, 64, 8, 2)],
+    256: [(128, 64, 8, 2)],
 }
 
 
@@ -388,8 +416,11 @@ def _candidates(spec: "Spec", arch: Arch):
         yield from (c for c in every if arch.name not in _DECODE_SPILLS_ON.get((where, c), ()))
         return
     d = spec.head_dim
-    yield from (c for c in _TUNED[d] if arch.name not in _SPILLS_ON.get((d, c), ()))
-    yield from itertools.product((128, 64), (64, 128, 32), (4, 8), (2, 3, 1, 4))
+    if arch.name == "sm_90a" and d % 64 == 0:
+        yield from ((*c, Mma.WGMMA) for c in _TUNED_WGMMA[d])
+        yield from ((16 * w, kv, w, st, Mma.WGMMA) for w in (8, 4) for kv in (128, 64, 32) for st in (2, 3, 1, 4))
+    yield from ((*c, Mma.SYNC) for c in _TUNED[d] if arch.name not in _SPILLS_ON.get((d, c), ()))
+    yield from ((*c, Mma.SYNC) for c in itertools.product((128, 64), (64, 128, 32), (4, 8), (2, 3, 1, 4)))
 
 
 def default_tuning(spec: "Spec", arch: Arch) -> dict[str, int]:
@@ -461,6 +492,9 @@ def validate(spec: Spec, arch: "str | Arch") -> None:
     if isinstance(spec, DecodeSpec):
         _validate_decode(spec, a)
         return
+    if spec.mma is Mma.WGMMA:
+        _validate_wgmma(spec, a)
+        return
     warp_rows = spec.cta_tile_q // spec.num_warps
     if warp_rows % 16:
         raise SpecError("num_warps", spec.num_warps, f"a divisor of cta_tile_q/16 = {spec.cta_tile_q // 16}")
@@ -479,6 +513,27 @@ def validate(spec: Spec, arch: "str | Arch") -> None:
     if smem > a.smem_per_block:
         raise SpecError("cta_tile_kv", spec.cta_tile_kv,
                         "a smaller cta_tile_kv, num_stages or cta_tile_q",
+                        reason=f"needs {smem} bytes of shared memory; {a.name} allows {a.smem_per_block} per block")
+
+
+def _validate_wgmma(spec: PrefillSpec, a: Arch) -> None:
+    if not a.arch_specific or a.major != 9:
+        raise SpecError("mma", spec.mma.value, "mma_sync", reason=f"wgmma needs sm_90a; the target is {a.name}")
+    if spec.head_dim % 64:
+        raise SpecError("head_dim", spec.head_dim, "64, 128, 192, 256 (whole 128-byte swizzle rows) with mma=wgmma")
+    if spec.cta_tile_q != 16 * spec.num_warps:
+        raise SpecError("cta_tile_q", spec.cta_tile_q, f"{16 * spec.num_warps} with num_warps={spec.num_warps}",
+                        reason="with mma=wgmma each warpgroup of 4 warps owns 64 query rows")
+    # Per thread: O (head_dim/2 floats), S (cta_tile_kv/2) and P packed to 16 bits (cta_tile_kv/4).
+    # ptxas spilled past ~176 (NVRTC 13.5: head_dim 192 with 128-key tiles, estimate 192).
+    acc = spec.head_dim // 2 + spec.cta_tile_kv // 2 + spec.cta_tile_kv // 4
+    if acc > 176:
+        raise SpecError("cta_tile_kv", spec.cta_tile_kv, "a smaller cta_tile_kv",
+                        reason=f"needs about {acc} accumulator registers per thread (limit 176) with "
+                               f"head_dim={spec.head_dim} and mma=wgmma")
+    smem = spec.smem_bytes()
+    if smem > a.smem_per_block:
+        raise SpecError("cta_tile_kv", spec.cta_tile_kv, "a smaller cta_tile_kv or num_stages",
                         reason=f"needs {smem} bytes of shared memory; {a.name} allows {a.smem_per_block} per block")
 
 

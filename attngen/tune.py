@@ -32,7 +32,13 @@ DEFAULT_WINDOW = (256, 0)  # for sliding_window specs when no --window is given
 
 
 def config_text(spec: PrefillSpec) -> str:
-    return f"q{spec.cta_tile_q} kv{spec.cta_tile_kv} w{spec.num_warps} s{spec.num_stages}"
+    return f"q{spec.cta_tile_q} kv{spec.cta_tile_kv} w{spec.num_warps} s{spec.num_stages} {spec.mma.value}"
+
+
+def tuning_of(spec: PrefillSpec) -> dict[str, Any]:
+    """The tuning fields as plain JSON values (what the store keeps)."""
+    d = spec.to_dict()
+    return {k: d[k] for k in spec.TUNING_FIELDS}
 
 
 def problem_size(spec: PrefillSpec, seqlen: int, batch: int | None = None, heads: int | None = None) -> tuple[int, int]:
@@ -93,7 +99,7 @@ class Row:
     def to_dict(self) -> dict[str, Any]:
         return {
             "config": config_text(self.spec), "spec": self.spec.to_text(full=True),
-            "tuning": {k: getattr(self.spec, k) for k in ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages")},
+            "tuning": tuning_of(self.spec),
             "default": self.default, "registers": self.registers, "spill_stores": self.spill_stores,
             "spill_loads": self.spill_loads, "smem": self.smem, "origin": self.origin,
             "ms": None if self.ms is None else round(self.ms, 5),

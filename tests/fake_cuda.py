@@ -75,7 +75,7 @@ PREBUILD = (("bf16", "none", False), ("bf16", "causal", False), ("bf16", "none",
             ("fp16", "sliding_window", True))
 
 
-def prebuild(variants=PREBUILD, head_dim: int = 64, arch: str = "sm_90") -> None:
+def prebuild(variants=PREBUILD, head_dim: int = 64, arch: str = "sm_90a") -> None:
     """Compile (into the cache root in use) the default kernels the stub's device will be asked for.
 
     Must run before ``install``: NVRTC goes through CuPy, which would find the stub as its driver.

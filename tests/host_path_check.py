@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests import fake_cuda  # noqa: E402
 
 P = struct.Struct("<5Q12q4i2f2i")
-TUNED = dict(cta_tile_q=64, cta_tile_kv=32, num_warps=4, num_stages=2)
+TUNED = dict(cta_tile_q=64, cta_tile_kv=32, num_warps=4, num_stages=2, mma="mma_sync")
 
 
 def main():
@@ -29,7 +29,7 @@ def main():
     from attngen.spec import PrefillSpec
 
     fake_cuda.prebuild()
-    build(PrefillSpec(head_dim=64, dtype="bf16", **TUNED), "sm_90")
+    build(PrefillSpec(head_dim=64, dtype="bf16", **TUNED), "sm_90a")
     fake_cuda.install()
     wrap = fake_cuda.patch_torch_cuda()
 
@@ -120,10 +120,10 @@ def main():
             raise AssertionError(f"no error for {text}")
     # A tuned winner for this GPU is used; ATTNGEN_NO_TUNED=1 and an explicit spec are not.
     default = op.kernel_for(q, k, v).spec
-    assert default == attngen.resolve(PrefillSpec(head_dim=64, dtype="bf16"), "sm_90")
+    assert default == attngen.resolve(PrefillSpec(head_dim=64, dtype="bf16"), "sm_90a")
     gpu = attngen.runtime.driver().device_name(0)
     fields = {"head_dim": 64, "dtype": "bf16", "mask": "none", "return_lse": False}
-    cache.TunedStore().put({"family": "prefill", "fields": fields, "arch": "sm_90", "gpu": gpu, "nvrtc": nvrtc_version(),
+    cache.TunedStore().put({"family": "prefill", "fields": fields, "arch": "sm_90a", "gpu": gpu, "nvrtc": nvrtc_version(),
                             "attngen": attngen.__version__, "seqlen": 512, "tuning": TUNED})
     attngen.runtime.clear_loaded()
     cache.clear_memory()
@@ -132,7 +132,7 @@ def main():
     attngen.prefill(q, k, v, out=out)
     expect_launch(q, k, v, out)
     assert op.kernel_for(q, k, v, spec=PrefillSpec()).spec == default
-    causal = attngen.resolve(PrefillSpec(head_dim=64, dtype="bf16", mask="causal"), "sm_90")
+    causal = attngen.resolve(PrefillSpec(head_dim=64, dtype="bf16", mask="causal"), "sm_90a")
     assert op.kernel_for(q, k, v, causal=True).spec == causal  # other untuned fields: no entry
     os.environ["ATTNGEN_NO_TUNED"] = "1"
     attngen.runtime.clear_loaded()

@@ -4,7 +4,7 @@ Every value each field may take. A field added to PrefillSpec must be added here
 that use this table fail: that is the point (FlashInfer's "every codegen arg feeds the name").
 """
 
-from attngen.spec import DType, MaskMode, PrefillSpec
+from attngen.spec import DType, MaskMode, Mma, PrefillSpec
 
 FIELD_VALUES = {
     "head_dim": PrefillSpec.HEAD_DIMS,
@@ -15,7 +15,11 @@ FIELD_VALUES = {
     "cta_tile_kv": PrefillSpec.CTA_TILE_KV,
     "num_warps": PrefillSpec.NUM_WARPS,
     "num_stages": PrefillSpec.NUM_STAGES,
+    "mma": tuple(Mma),
 }
 # A resolved spec from which every field can change alone and still fit sm_90.
 BASE = PrefillSpec(head_dim=64, dtype=DType.BF16, mask=MaskMode.NONE, return_lse=False,
-                   cta_tile_q=128, cta_tile_kv=32, num_warps=4, num_stages=2)
+                   cta_tile_q=128, cta_tile_kv=32, num_warps=4, num_stages=2, mma=Mma.SYNC)
+# (base, arch) pairs the resolve-based tests vary from: between them every field changes alone
+# (mma=wgmma needs sm_90a and cta_tile_q = 16 x num_warps, so the second base exists for it).
+BASES = ((BASE, "sm_90"), (BASE.replace(cta_tile_q=64), "sm_90a"))

@@ -84,12 +84,15 @@ def test_sm90_and_sm90a_are_separate_targets():
     assert plain.options != specific.options
 
 
-def test_ptx_on_request():
-    spec = resolve(parse_spec("prefill:head_dim=64"), "sm_90a")
-    b = compile(render(spec), "sm_90a", kernel_name=spec.kernel_name, want_ptx=True)
+@pytest.mark.parametrize("arch, instr", [("sm_90", "mma.sync.aligned.m16n8k16"),
+                                         ("sm_90a", "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16")])
+def test_ptx_on_request(arch, instr):
+    # sm_90a's default prefill is the wgmma kernel; plain sm_90 (and every other arch) mma.sync
+    spec = resolve(parse_spec("prefill:head_dim=64"), arch)
+    b = compile(render(spec), arch, kernel_name=spec.kernel_name, want_ptx=True)
     assert f".entry {spec.kernel_name}(" in b.ptx
-    assert ".target sm_90a" in b.ptx
-    assert "mma.sync.aligned.m16n8k16" in b.ptx
+    assert f".target {arch}" in b.ptx
+    assert instr in b.ptx
     assert "\x00" not in b.ptx
 
 

@@ -34,13 +34,14 @@ def rel_l2(out, ref):
     return (torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-30)).item()
 
 
-def run_case(b, sq, sk, h, hk, d, dtype, causal=False, window=(-1, -1), lse=True, sm_scale=None):
+def run_case(b, sq, sk, h, hk, d, dtype, causal=False, window=(-1, -1), lse=True, sm_scale=None, spec=None):
     gen = _gen()
     q = _rand(b, sq, h, d, dtype=dtype, gen=gen)
     k = _rand(b, sk, hk, d, dtype=dtype, gen=gen)
     v = _rand(b, sk, hk, d, dtype=dtype, gen=gen)
     out = torch.full_like(q, float("nan"))
-    res = attngen.prefill(q, k, v, causal=causal, window=window, return_lse=lse, out=out, sm_scale=sm_scale)
+    res = attngen.prefill(q, k, v, causal=causal, window=window, return_lse=lse, out=out, sm_scale=sm_scale,
+                          spec=spec)
     torch.cuda.synchronize()
     o, l = res if lse else (res, None)
     assert o is out
@@ -74,6 +75,26 @@ SEQS = [(1, 1), (17, 17), (128, 128), (1000, 1000), (4097, 4097), (17, 1000), (1
 def test_prefill_matches_reference(dtype, d, causal, sq, sk):
     h = 2 if max(sq, sk) > 2000 else 4
     run_case(2, sq, sk, h, h, d, dtype, causal=causal)
+
+
+# Both instruction paths on an sm_90 GPU (the defaults there are wgmma), and the wgmma tile space.
+TILES = [(64, 4, 2), (128, 4, 2), (128, 8, 1), (64, 8, 3), (32, 8, 2), (128, 8, 2)]
+
+
+@pytest.mark.parametrize("mma", ["mma_sync", "wgmma"])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kv,warps,stages", TILES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_instruction_paths_and_tiles(mma, d, causal, kv, warps, stages, dtype):
+    arch = attngen.runtime.device_arch(torch.cuda.current_device())
+    spec = attngen.PrefillSpec(head_dim=d, cta_tile_kv=kv, num_warps=warps, num_stages=stages, mma=mma)
+    try:
+        spec = attngen.resolve(spec, arch)
+    except attngen.SpecError as e:
+        pytest.skip(f"{spec.to_text()} does not fit {arch.name}: {e}")
+    run_case(2, 333, 1031, 4, 2, d, dtype, causal=causal, spec=spec)
+    run_case(1, 1000, 1000, 2, 2, d, dtype, causal=causal, spec=spec)
 
 
 @pytest.mark.parametrize("d", [96, 192])

@@ -17,7 +17,7 @@ from attngen.compiler import compile_options, nvrtc_version
 from attngen.errors import SpecError
 from attngen.render import environment, render, template_context, templates_dir
 from attngen.spec import PrefillSpec, parse_spec, resolve
-from tests.spec_fields import BASE, FIELD_VALUES
+from tests.spec_fields import BASE, BASES, FIELD_VALUES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,25 +59,26 @@ def test_options_hold_no_machine_paths():
 
 
 def test_every_spec_field_changes_the_key():
-    keys = {key_for(BASE): BASE.to_text(full=True)}
-    seen = {BASE}
     varied = set()
-    for f in dataclasses.fields(PrefillSpec):
-        for v in FIELD_VALUES[f.name]:
-            if v == getattr(BASE, f.name):
-                continue
-            try:
-                spec = BASE.replace(**{f.name: v})
-                r = resolve(spec, "sm_90")
-            except SpecError:
-                continue
-            if r in seen:  # a 0 resolves to a value some other variant (or the base) already has
-                continue
-            seen.add(r)
-            k = key_for(r)
-            assert k not in keys, f"{f.name}={v} gives the key of {keys[k]}"
-            keys[k] = r.to_text(full=True)
-            varied.add(f.name)
+    for base, arch in BASES:
+        keys = {key_for(base, arch): base.to_text(full=True)}
+        seen = {base}
+        for f in dataclasses.fields(PrefillSpec):
+            for v in FIELD_VALUES[f.name]:
+                if v == getattr(base, f.name):
+                    continue
+                try:
+                    spec = base.replace(**{f.name: v})
+                    r = resolve(spec, arch)
+                except SpecError:
+                    continue
+                if r in seen:  # a 0 resolves to a value some other variant (or the base) already has
+                    continue
+                seen.add(r)
+                k = key_for(r, arch)
+                assert k not in keys, f"{f.name}={v} gives the key of {keys[k]}"
+                keys[k] = r.to_text(full=True)
+                varied.add(f.name)
     assert varied == set(FIELD_VALUES), f"fields never varied: {set(FIELD_VALUES) - varied}"
 
 
@@ -87,7 +88,7 @@ def test_field_table_covers_every_field():
 
 def test_arch_changes_the_key():
     # One resolved spec that fits every arch: only the target differs.
-    spec = PrefillSpec(head_dim=64, cta_tile_q=128, cta_tile_kv=64, num_warps=8, num_stages=2)
+    spec = PrefillSpec(head_dim=64, cta_tile_q=128, cta_tile_kv=64, num_warps=8, num_stages=2, mma="mma_sync")
     archs = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120")
     keys = {a: key_for(spec, a) for a in archs}
     assert len(set(keys.values())) == len(archs), keys

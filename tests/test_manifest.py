@@ -162,7 +162,7 @@ def test_default_manifest_validates_for_every_arch_it_lists():
     for spec, arch in items:
         validate(resolve(spec, arch), arch)
     archs = {a.name for _, a in items}
-    assert archs == {"sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"}
+    assert archs == {"sm_80", "sm_86", "sm_89", "sm_90a", "sm_100", "sm_120"}
     specs = {s for s, _ in items}
     prefill = {s for s in specs if s.family == "prefill"}
     decode = {s for s in specs if s.family == "decode"}

@@ -15,7 +15,7 @@ import pytest
 from attngen.errors import SpecError
 from attngen.render import environment, render, template_context, templates_dir
 from attngen.spec import DType, MaskMode, PrefillSpec, parse_spec, resolve
-from tests.spec_fields import BASE, FIELD_VALUES
+from tests.spec_fields import BASE, BASES, FIELD_VALUES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -123,7 +123,7 @@ def test_family_template_fails_on_any_missing_context_value(drop):
 
 def test_source_binds_the_spec():
     spec = parse_spec("prefill:head_dim=96,dtype=fp16,mask=causal,return_lse=true,"
-                      "cta_tile_q=128,cta_tile_kv=64,num_warps=8,num_stages=3")
+                      "cta_tile_q=128,cta_tile_kv=64,num_warps=8,num_stages=3,mma=mma_sync")
     src = render(spec)
     assert re.search(rf'extern "C" __global__ void __launch_bounds__\({spec.threads}\)\s*\n'
                      rf'{spec.kernel_name}\(', src), src[-600:]
@@ -167,14 +167,15 @@ def test_source_is_self_contained():
 
 
 def test_every_field_that_changes_the_resolved_spec_changes_the_source():
-    base_src = render(BASE).replace(BASE.kernel_name, "KERNEL")
     seen = set()
-    for name, r in resolved_variants(BASE):
-        src = render(r)
-        assert r.kernel_name in src
-        # Not only through the kernel's name: the constants themselves differ.
-        assert src.replace(r.kernel_name, "KERNEL") != base_src, (name, r.to_text(full=True))
-        seen.add(name)
+    for base, arch in BASES:
+        base_src = render(base).replace(base.kernel_name, "KERNEL")
+        for name, r in resolved_variants(base, arch):
+            src = render(r)
+            assert r.kernel_name in src
+            # Not only through the kernel's name: the constants themselves differ.
+            assert src.replace(r.kernel_name, "KERNEL") != base_src, (name, r.to_text(full=True))
+            seen.add(name)
     assert seen == set(FIELD_VALUES), f"fields never varied: {set(FIELD_VALUES) - seen}"
 
 
@@ -256,4 +257,8 @@ def test_resolved_and_unresolved_specs_name_distinct_kernels():
     s = PrefillSpec(head_dim=128)
     assert resolve(s, "sm_90").kernel_name != s.kernel_name
     # The name is the spec's; the arch goes into the cache key (test_key.py), not the symbol.
-    assert resolve(s, "sm_90").kernel_name == resolve(s, "sm_90a").kernel_name
+    pinned = s.replace(mma="mma_sync")
+    assert resolve(pinned, "sm_90").kernel_name == resolve(pinned, "sm_90a").kernel_name
+    # Left to the arch, sm_90a resolves to the wgmma kernel, a different spec and name.
+    assert resolve(s, "sm_90a").mma.value == "wgmma" and resolve(s, "sm_90").mma.value == "mma_sync"
+    assert resolve(s, "sm_90").kernel_name != resolve(s, "sm_90a").kernel_name

@@ -190,7 +190,7 @@ def test_parse_spec_passes_specs_through_and_takes_dicts():
 def test_to_dict_holds_plain_values_only():
     d = PrefillSpec(head_dim=64, mask=MaskMode.CAUSAL).to_dict()
     assert d == {"family": "prefill", "head_dim": 64, "dtype": "bf16", "mask": "causal", "return_lse": False,
-                 "cta_tile_q": 0, "cta_tile_kv": 0, "num_warps": 0, "num_stages": 0}
+                 "cta_tile_q": 0, "cta_tile_kv": 0, "num_warps": 0, "num_stages": 0, "mma": "auto"}
     assert json.loads(json.dumps(d)) == d
 
 
@@ -274,7 +274,8 @@ def test_resolve_fills_around_any_one_value_of_a_config_that_fits():
     values must leave resolve a valid spec to return, never an error about a field left at 0."""
     wrong = []
     for arch, head_dim in itertools.product(ALL_ARCHS, (192, 256)):
-        fits = PrefillSpec(head_dim=head_dim, cta_tile_q=64, cta_tile_kv=32, num_warps=4, num_stages=2)
+        fits = PrefillSpec(head_dim=head_dim, cta_tile_q=64, cta_tile_kv=32, num_warps=4, num_stages=2,
+                           mma="mma_sync")
         validate(fits, arch)
         for k in TUNING:
             spec = PrefillSpec(head_dim=head_dim, **{k: getattr(fits, k)})
@@ -297,7 +298,7 @@ def test_resolve_tuning_differs_where_shared_memory_differs():
 
 
 def test_validate_rejects_spec_over_shared_memory_on_sm86():
-    spec = PrefillSpec(head_dim=256, cta_tile_q=64, cta_tile_kv=128, num_stages=4, num_warps=4)
+    spec = PrefillSpec(head_dim=256, cta_tile_q=64, cta_tile_kv=128, num_stages=4, num_warps=4, mma="mma_sync")
     with pytest.raises(SpecError) as ei:
         validate(spec, "sm_86")
     e = ei.value
@@ -310,7 +311,7 @@ def test_validate_rejects_spec_over_shared_memory_on_sm86():
 
 
 def test_fits_on_sm90_but_not_sm86():
-    spec = PrefillSpec(head_dim=128, cta_tile_q=128, cta_tile_kv=64, num_warps=8, num_stages=3)
+    spec = PrefillSpec(head_dim=128, cta_tile_q=128, cta_tile_kv=64, num_warps=8, num_stages=3, mma="mma_sync")
     validate(spec, "sm_90")
     with pytest.raises(SpecError) as ei:
         validate(spec, "sm_86")
@@ -318,11 +319,38 @@ def test_fits_on_sm90_but_not_sm86():
 
 
 def test_validate_rejects_register_hungry_tiles():
-    spec = PrefillSpec(head_dim=256, cta_tile_q=128, cta_tile_kv=64, num_warps=4, num_stages=2)
+    spec = PrefillSpec(head_dim=256, cta_tile_q=128, cta_tile_kv=64, num_warps=4, num_stages=2, mma="mma_sync")
     with pytest.raises(SpecError) as ei:
         validate(spec, "sm_90")
     assert ei.value.field == "cta_tile_q"
     assert "accumulator registers" in str(ei.value)
+
+
+def test_wgmma_rules():
+    ok = PrefillSpec(head_dim=128, cta_tile_q=128, cta_tile_kv=128, num_warps=8, num_stages=2, mma="wgmma")
+    validate(ok, "sm_90a")
+    for arch in ("sm_80", "sm_90", "sm_100", "sm_120"):
+        with pytest.raises(SpecError) as ei:
+            validate(ok, arch)
+        assert ei.value.field == "mma" and "needs sm_90a" in str(ei.value)
+    with pytest.raises(SpecError) as ei:
+        validate(ok.replace(head_dim=96), "sm_90a")
+    assert ei.value.field == "head_dim"
+    with pytest.raises(SpecError) as ei:  # one warpgroup per 64 query rows
+        validate(ok.replace(num_warps=4), "sm_90a")
+    assert ei.value.field == "cta_tile_q" and "64 with num_warps=4" in str(ei.value)
+    with pytest.raises(SpecError) as ei:
+        validate(ok.replace(head_dim=256), "sm_90a")
+    assert ei.value.field == "cta_tile_kv" and "accumulator registers" in str(ei.value)
+    with pytest.raises(SpecError) as ei:
+        validate(ok.replace(num_stages=4), "sm_90a")
+    assert ei.value.field == "cta_tile_kv" and "shared memory" in str(ei.value)
+    # resolve: wgmma where it applies on sm_90a, mma.sync elsewhere and where pinned
+    assert resolve(PrefillSpec(head_dim=192), "sm_90a").mma.value == "wgmma"
+    assert resolve(PrefillSpec(head_dim=96), "sm_90a").mma.value == "mma_sync"
+    assert resolve(PrefillSpec(head_dim=128, mma="mma_sync"), "sm_90a").mma.value == "mma_sync"
+    assert resolve(PrefillSpec(head_dim=128, num_warps=4), "sm_90a").cta_tile_q == 64
+    assert not PrefillSpec(head_dim=128, cta_tile_q=64, cta_tile_kv=64, num_warps=4, num_stages=2).is_resolved
 
 
 def test_validate_needs_a_resolved_spec():

@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SPEC = "prefill:head_dim=64,dtype=bf16"
 FIELDS = {"head_dim": 64, "dtype": "bf16", "mask": "none", "return_lse": False}
 IDENT = {"arch": "sm_90", "gpu": "NVIDIA H200", "nvrtc": "13.0", "attngen": __version__}
-CFG_A = {"cta_tile_q": 64, "cta_tile_kv": 32, "num_warps": 4, "num_stages": 2}
-CFG_B = {"cta_tile_q": 128, "cta_tile_kv": 32, "num_warps": 8, "num_stages": 1}
+CFG_A = {"cta_tile_q": 64, "cta_tile_kv": 32, "num_warps": 4, "num_stages": 2, "mma": "mma_sync"}
+CFG_B = {"cta_tile_q": 128, "cta_tile_kv": 32, "num_warps": 8, "num_stages": 1, "mma": "mma_sync"}
 
 
 def entry(seqlen=512, tuning=CFG_A, fields=FIELDS, **over) -> dict:
@@ -179,7 +179,7 @@ def test_tuned_choices_give_specs_sorted_by_seqlen_and_skip_invalid_tunings():
     got = choices(entries)
     assert got == [(512, base(**CFG_A)), (4096, base(**CFG_B))]
     # What does not fit the arch is skipped too: 128x128 tiles with 4 stages need > 99 KiB (sm_86).
-    big = {"cta_tile_q": 128, "cta_tile_kv": 128, "num_warps": 8, "num_stages": 4}
+    big = {"cta_tile_q": 128, "cta_tile_kv": 128, "num_warps": 8, "num_stages": 4, "mma": "mma_sync"}
     assert choices([entry(512, big, arch="sm_86")], arch="sm_86") == []
     assert choices([entry(512, big)]) != []
 

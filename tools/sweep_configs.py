@@ -24,6 +24,8 @@ def main():
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--head-dims", default="64,128,256")
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--mma", default="mma_sync,wgmma", help="instruction paths to try (wgmma needs sm_90a)")
+    ap.add_argument("--causal", default="both", choices=("both", "false", "true"))
     a = ap.parse_args()
     from cupy_backends.cuda.libs import nvrtc
 
@@ -33,13 +35,14 @@ def main():
     for d in map(int, a.head_dims.split(",")):
         h, b = 2048 // d, 16384 // s
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=tdt) for _ in range(3))
-        for causal in (False, True):
+        for causal in {"both": (False, True), "false": (False,), "true": (True,)}[a.causal]:
             flops = 4 * b * h * s * s * d / (2 if causal else 1)
             res = []
-            for bm, bn, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+            for mma, bm, bn, w, st in itertools.product(a.mma.split(","), (64, 128), (32, 64, 128), (4, 8),
+                                                        (1, 2, 3, 4)):
                 try:
                     spec = attngen.PrefillSpec(head_dim=d, dtype=a.dtype, mask="causal" if causal else "none",
-                                               cta_tile_q=bm, cta_tile_kv=bn, num_warps=w, num_stages=st)
+                                               cta_tile_q=bm, cta_tile_kv=bn, num_warps=w, num_stages=st, mma=mma)
                     kern = attngen.get_kernel(spec)
                 except SpecError:
                     continue
@@ -47,11 +50,11 @@ def main():
                 fn()
                 ms = do_bench(fn, warmup=10, rep=40, return_mode="median")
                 r = kern.binary.resources
-                res.append((flops / ms / 1e9, bm, bn, w, st, r.registers, r.spill_stores, kern.smem_bytes))
+                res.append((flops / ms / 1e9, mma, bm, bn, w, st, r.registers, r.spill_stores, kern.smem_bytes))
             res.sort(reverse=True)
             print(f"\nD={d} S={s} causal={causal}")
-            for tf, bm, bn, w, st, reg, sp, sm in res[:10]:
-                print(f"  {tf:7.1f} TFLOP/s  q{bm} kv{bn} w{w} st{st}  regs {reg} spill {sp} smem {sm}")
+            for tf, mma, bm, bn, w, st, reg, sp, sm in res[:10]:
+                print(f"  {tf:7.1f} TFLOP/s  {mma} q{bm} kv{bn} w{w} st{st}  regs {reg} spill {sp} smem {sm}")
 
 
 if __name__ == "__main__":

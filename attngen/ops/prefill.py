@@ -97,7 +97,7 @@ def tuned_choices(base: PrefillSpec, arch: "str | Arch", gpu: str, entries: list
     out: dict[int, PrefillSpec] = {}
     for e in found:
         try:
-            t = {k: e["tuning"][k] for k in ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages")}
+            t = {k: e["tuning"][k] for k in base.TUNING_FIELDS}
             spec = base.replace(**t)
             if not spec.is_resolved:
                 continue

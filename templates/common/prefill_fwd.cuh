@@ -5,7 +5,17 @@
 // NUM_STAGES-deep cp.async ring; S = Q K^T and O += P V run on mma.sync m16n8k16 with fp32
 // accumulators; the softmax is online, in fp32, with exp2 and the scale folded into one FMA.
 // Tiles no row can see are never loaded; tiles every row sees entirely skip the mask.
+//
+// WGMMA (sm_90a): each warpgroup of 4 warps owns 64 query rows; S = Q K^T reads Q and K from
+// shared memory through descriptors, O += P V takes P from registers (the S accumulators packed to
+// 16 bits, the same fragment as mma.sync's A) and V through a transposed descriptor. Tiles are then
+// stored 128-byte swizzled (WgmmaLayout); the softmax and epilogue are the same code.
 namespace attngen {
+
+template <bool BF16>
+struct WgmmaOps;  // defined in wgmma.cuh.jinja, included only by sm_90a kernels
+template <int N, bool BF16>
+struct Wgmma;
 
 template <class T>
 struct PrefillParams {
@@ -24,9 +34,13 @@ struct PrefillParams {
 };
 
 template <class T, bool BF16, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int NUM_STAGES,
-          int MASK, bool RETURN_LSE, bool Q_IN_REGS, int ROW_ELEMS, bool SWIZZLE>
+          int MASK, bool RETURN_LSE, bool Q_IN_REGS, int ROW_ELEMS, bool SWIZZLE, bool WGMMA>
 __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
   using L = SmemLayout<HEAD_DIM, ROW_ELEMS, SWIZZLE>;
+  using LQ = typename Select<WGMMA, WgmmaLayout<HEAD_DIM, BLOCK_M>, L>::type;
+  using LKV = typename Select<WGMMA, WgmmaLayout<HEAD_DIM, BLOCK_N>, L>::type;
+  constexpr int Q_ELEMS = WGMMA ? BLOCK_M * HEAD_DIM : BLOCK_M * ROW_ELEMS;
+  constexpr int KV_ELEMS = WGMMA ? BLOCK_N * HEAD_DIM : BLOCK_N * ROW_ELEMS;
   constexpr int THREADS = NUM_WARPS * 32;
   constexpr int WARP_M = BLOCK_M / NUM_WARPS;
   constexpr int M_TILES = WARP_M / 16;
@@ -36,9 +50,12 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
   static_assert(WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + BLOCK_M * ROW_ELEMS;
-  T* sV = sK + NUM_STAGES * BLOCK_N * ROW_ELEMS;
+  // wgmma's swizzle atoms are 1024 bytes: start there (smem_bytes() reserves the slack).
+  unsigned char* smem_base = smem_raw;
+  if constexpr (WGMMA) smem_base += (1024 - (smem_addr(smem_raw) & 1023)) & 1023;
+  T* sQ = reinterpret_cast<T*>(smem_base);
+  T* sK = sQ + Q_ELEMS;
+  T* sV = sK + NUM_STAGES * KV_ELEMS;
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -70,14 +87,14 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
 
   auto load_kv = [&](int tile, int slot) {
     const int n0 = tile * BLOCK_N;
-    load_tile_async<L, BLOCK_N, THREADS>(sK + slot * BLOCK_N * ROW_ELEMS, gK + (long long)n0 * p.k_ss, p.k_ss,
-                                         p.seqlen_k - n0, tid);
-    load_tile_async<L, BLOCK_N, THREADS>(sV + slot * BLOCK_N * ROW_ELEMS, gV + (long long)n0 * p.v_ss, p.v_ss,
-                                         p.seqlen_k - n0, tid);
+    load_tile_async<LKV, BLOCK_N, THREADS>(sK + slot * KV_ELEMS, gK + (long long)n0 * p.k_ss, p.k_ss,
+                                           p.seqlen_k - n0, tid);
+    load_tile_async<LKV, BLOCK_N, THREADS>(sV + slot * KV_ELEMS, gV + (long long)n0 * p.v_ss, p.v_ss,
+                                           p.seqlen_k - n0, tid);
   };
 
   // Prologue: Q with the first K/V tile in one group, then the next NUM_STAGES - 2 tiles.
-  load_tile_async<L, BLOCK_M, THREADS>(sQ, gQ, p.q_ss, p.seqlen_q - m0, tid);
+  load_tile_async<LQ, BLOCK_M, THREADS>(sQ, gQ, p.q_ss, p.seqlen_q - m0, tid);
   if constexpr (NUM_STAGES > 1) {
 #pragma unroll
     for (int s = 0; s < NUM_STAGES - 1; ++s) {
@@ -110,6 +127,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
     const int slot = NUM_STAGES > 1 ? it % NUM_STAGES : 0;
     if constexpr (NUM_STAGES > 1) {
       cp_async_wait<NUM_STAGES - 2>();
+      if constexpr (WGMMA) WgmmaOps<BF16>::fence_proxy();
       __syncthreads();
       // The slot refilled here held tile - 1, which every warp finished before the barrier.
       if (tile + NUM_STAGES - 1 < tile_end) load_kv(tile + NUM_STAGES - 1, (it + NUM_STAGES - 1) % NUM_STAGES);
@@ -118,6 +136,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
       load_kv(tile, 0);
       cp_async_commit();
       cp_async_wait<0>();
+      if constexpr (WGMMA) WgmmaOps<BF16>::fence_proxy();
       __syncthreads();
     }
     if constexpr (Q_IN_REGS) {
@@ -130,8 +149,8 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
                         smem_addr(sQ + L::offset(warp_row0 + mt * 16 + (lane % 16), kk * 16 + (lane / 16) * 8)));
       }
     }
-    const T* sKs = sK + slot * BLOCK_N * ROW_ELEMS;
-    const T* sVs = sV + slot * BLOCK_N * ROW_ELEMS;
+    const T* sKs = sK + slot * KV_ELEMS;
+    const T* sVs = sV + slot * KV_ELEMS;
 
     // ---- S = Q K^T ------------------------------------------------------------------------
     float acc_s[M_TILES][N_TILES][4];
@@ -142,6 +161,20 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc_s[mt][n][c] = 0.f;
 
+    if constexpr (WGMMA) {
+      // Q rows of this warpgroup x the K tile; k-step kk is 32 bytes into 64-column block kk / 4.
+      using W = WgmmaOps<BF16>;
+      const unsigned q_at = smem_addr(sQ) + (warp / 4) * 64 * 128;
+      const unsigned k_at = smem_addr(sKs);
+      W::fence();
+#pragma unroll
+      for (int kk = 0; kk < K_STEPS; ++kk)
+        Wgmma<BLOCK_N, BF16>::ss(acc_s[0], W::desc(q_at + (kk / 4) * LQ::BLOCK_BYTES + (kk % 4) * 32, 16, 1024),
+                                 W::desc(k_at + (kk / 4) * LKV::BLOCK_BYTES + (kk % 4) * 32, 16, 1024), kk > 0);
+      W::commit();
+      W::template wait<0>();
+      W::hold(acc_s[0]);
+    } else {
 #pragma unroll
     for (int kk = 0; kk < K_STEPS; ++kk) {
       unsigned a[M_TILES][4];
@@ -166,6 +199,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
           mma_16816<BF16>(acc_s[mt][2 * n2 + 1], a[mt], b2, b3);
         }
       }
+    }
     }
 
     // ---- mask (only tiles some row cannot see whole) --------------------------------------
@@ -225,6 +259,25 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
     }
 
     // ---- O += P V ---------------------------------------------------------------------------
+    if constexpr (WGMMA) {
+      // V is N-major for this product: 16 keys = 2048 bytes down each 64-column block, and the
+      // blocks (64 output columns each) are LKV::BLOCK_BYTES apart.
+      using W = WgmmaOps<BF16>;
+      const unsigned v_at = smem_addr(sVs);
+      W::fence();
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        unsigned a[4];
+        a[0] = pack2<BF16>(acc_s[0][2 * kk][0], acc_s[0][2 * kk][1]);
+        a[1] = pack2<BF16>(acc_s[0][2 * kk][2], acc_s[0][2 * kk][3]);
+        a[2] = pack2<BF16>(acc_s[0][2 * kk + 1][0], acc_s[0][2 * kk + 1][1]);
+        a[3] = pack2<BF16>(acc_s[0][2 * kk + 1][2], acc_s[0][2 * kk + 1][3]);
+        Wgmma<HEAD_DIM, BF16>::rs(acc_o[0], a, W::desc(v_at + kk * 2048, LKV::BLOCK_BYTES, 1024));
+      }
+      W::commit();
+      W::template wait<0>();
+      W::hold(acc_o[0]);
+    } else {
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
       unsigned a[M_TILES][4];
@@ -246,6 +299,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
           mma_16816<BF16>(acc_o[mt][2 * d2 + 1], a[mt], b2, b3);
         }
       }
+    }
     }
     if constexpr (NUM_STAGES == 1) __syncthreads();  // the single slot is refilled next
   }
@@ -282,7 +336,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = warp_row0 + mt * 16 + g + 8 * r;
-        *reinterpret_cast<unsigned*>(sQ + L::offset(row, d * 8) + 2 * t) =
+        *reinterpret_cast<unsigned*>(sQ + LQ::offset(row, d * 8) + 2 * t) =
             pack2<BF16>(acc_o[mt][d][2 * r], acc_o[mt][d][2 * r + 1]);
       }
   __syncwarp();
@@ -293,7 +347,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
     const int r = warp_row0 + idx / L::CHUNKS;
     const int c = (idx % L::CHUNKS) * 8;
     if (m0 + r < p.seqlen_q)
-      *reinterpret_cast<uint4*>(gO + r * p.o_ss + c) = *reinterpret_cast<const uint4*>(sQ + L::offset(r, c));
+      *reinterpret_cast<uint4*>(gO + r * p.o_ss + c) = *reinterpret_cast<const uint4*>(sQ + LQ::offset(r, c));
   }
 }
 

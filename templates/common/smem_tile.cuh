@@ -20,6 +20,28 @@ struct SmemLayout {
   }
 };
 
+// The layout wgmma reads through a 128-byte-swizzle descriptor: the tile is stored as HEAD_DIM/64
+// column blocks of ROWS rows x 128 bytes, and within each 8-row (1024-byte) atom chunk c of row r
+// sits at chunk c ^ (r % 8). The tile must start 1024-byte aligned.
+template <int HEAD_DIM, int ROWS>
+struct WgmmaLayout {
+  static constexpr int CHUNKS = HEAD_DIM / 8;
+  static constexpr int BLOCK_BYTES = ROWS * 128;  // one 64-column block
+
+  __device__ __forceinline__ static int offset(int row, int col) {
+    return ((col >> 6) * ROWS + row) * 64 + ((((col >> 3) ^ row) & 7) << 3);
+  }
+};
+
+template <bool C, class A, class B>
+struct Select {
+  using type = A;
+};
+template <class A, class B>
+struct Select<false, A, B> {
+  using type = B;
+};
+
 // Issue cp.async for ROWS rows starting at `src` (row stride `stride` elements); rows at or past
 // `valid_rows` are zero-filled. Consecutive threads take consecutive chunks of a row: coalesced.
 // When THREADS is a multiple of the chunks per row, each thread keeps one column and steps down
