@@ -371,12 +371,18 @@ _TUNED = {
     256: [(128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
 }
 
-# sm_90a: the wgmma kernels, one warpgroup per 64 query rows (cta_tile_q = 16 x num_warps).
+# sm_90a: the wgmma kernels, one warpgroup per 64 query rows (cta_tile_q = 16 x num_warps), per
+# (head_dim, masked). From tools/sweep_configs.py on an H100 (NVRTC 13.5, bf16, 16k tokens at
+# seqlen 4096, 2026-11-22; BENCHMARKS.md); head_dim 192 not timed yet.
 _TUNED_WGMMA = {
-    64: [(128, 128, 8, 2)],
-    128: [(128, 128, 8, 2)],
-    192: [(128, 64, 8, 2)],
-    256: [(128, 64, 8, 2)],
+    (64, False): [(64, 64, 4, 2), (64, 128, 4, 2)],
+    (64, True): [(64, 128, 4, 2), (64, 64, 4, 3)],
+    (128, False): [(128, 128, 8, 3), (64, 64, 4, 3)],
+    (128, True): [(128, 128, 8, 3), (128, 128, 8, 2)],
+    (192, False): [(128, 64, 8, 2)],
+    (192, True): [(128, 64, 8, 2)],
+    (256, False): [(128, 64, 8, 2), (64, 64, 4, 1)],
+    (256, True): [(128, 64, 8, 2), (64, 64, 4, 1)],
 }
 
 
@@ -417,7 +423,7 @@ def _candidates(spec: "Spec", arch: Arch):
         return
     d = spec.head_dim
     if arch.name == "sm_90a" and d % 64 == 0:
-        yield from ((*c, Mma.WGMMA) for c in _TUNED_WGMMA[d])
+        yield from ((*c, Mma.WGMMA) for c in _TUNED_WGMMA[(d, spec.mask is not MaskMode.NONE)])
         yield from ((16 * w, kv, w, st, Mma.WGMMA) for w in (8, 4) for kv in (128, 64, 32) for st in (2, 3, 1, 4))
     yield from ((*c, Mma.SYNC) for c in _TUNED[d] if arch.name not in _SPILLS_ON.get((d, c), ()))
     yield from ((*c, Mma.SYNC) for c in itertools.product((128, 64), (64, 128, 32), (4, 8), (2, 3, 1, 4)))

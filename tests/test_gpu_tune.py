@@ -67,7 +67,9 @@ def _use(cache_dir, seqlen, **extra) -> dict:
 
 
 def _tuning(d: dict) -> dict:
-    return {k: d[k] for k in ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages")}
+    from attngen.spec import PrefillSpec
+
+    return {k: d[k] for k in PrefillSpec.TUNING_FIELDS}
 
 
 def test_tune_stores_a_winner_that_a_fresh_process_uses(cache_dir):
