@@ -10,6 +10,7 @@ Layout under the root (``ATTNGEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/attngen``, 
     v1/tmp/                           entries being written; renamed into place when complete
     v1/tuned/<arch>.json              tuning winners of ``attngen tune`` (see "tuned configurations")
     v1/locks/tuned-<arch>.lock        the lock of that file's read-modify-write
+    v1/jinja/                         compiled templates (Jinja's bytecode cache, checksummed by source)
 
 An entry appears only through ``os.rename`` of a complete directory, so a reader sees a whole
 entry or none. A reader that finds a checksum mismatch or an unreadable entry treats it as a
@@ -38,7 +39,7 @@ from .__version__ import __version__
 from .arch import Arch, get_arch
 from .compiler import Binary, Resources, compile as nvrtc_compile, compile_options, nvrtc_version
 from .errors import AttngenError, CacheError
-from .render import render
+from .render import bytecode_dir, render
 from .spec import Spec, resolve
 
 LAYOUT_VERSION = "v1"
@@ -244,6 +245,7 @@ class DiskCache:
             shutil.rmtree(e.path, ignore_errors=True)
             n += 1
         shutil.rmtree(self.base / "tmp", ignore_errors=True)
+        shutil.rmtree(self.base / "jinja", ignore_errors=True)
         return n
 
 
@@ -297,7 +299,7 @@ def _remember(root: str, key: str, binary: Binary, stored: bool) -> None:
 
 def _build(spec: Spec, a: Arch, cache: DiskCache) -> BuildResult:
     spec = resolve(spec, a)
-    source = render(spec)
+    source = render(spec, bytecode=bytecode_dir(cache.root))
     options = compile_options(a)
     material = key_material(spec, a, source, options)
     key = key_of(material)

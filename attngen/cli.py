@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Show what attngen builds for SPEC on ARCH. Without a flag: the rendered "
                                      "CUDA source. Flags combine.")
     ins.add_argument("spec", metavar="SPEC", help="e.g. prefill:head_dim=128,dtype=bf16,mask=causal")
-    ins.add_argument("--arch", type=_one_arch, default="sm_90", metavar="ARCH", help="target arch (default: sm_90)")
+    ins.add_argument("--arch", type=_one_arch, default="sm_90a", metavar="ARCH",
+                     help="target arch (default: sm_90a, what an H100/H200 runs)")
     ins.add_argument("--source", action="store_true", help="the rendered CUDA source (the default)")
     ins.add_argument("--ptx", action="store_true", help="the PTX NVRTC generates (not cached)")
     ins.add_argument("--resources", action="store_true",

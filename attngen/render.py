@@ -46,10 +46,38 @@ class _MarkedLoader(jinja2.FileSystemLoader):
         return source, filename, uptodate
 
 
+def bytecode_dir(root: "str | Path") -> str | None:
+    """Where Jinja keeps compiled templates between processes: ``<cache root>/v1/jinja``.
+
+    A warm load in a fresh process still renders its source (the cache key hashes it), and
+    compiling the templates, the wgmma piece's loops above all, was most of that (~20 ms).
+    Jinja checks each entry against the template's source checksum and writes atomically;
+    None (no bytecode cache) where the folder cannot be made."""
+    from .cache import LAYOUT_VERSION
+
+    d = Path(root) / LAYOUT_VERSION / "jinja"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return str(d)
+
+
+class _BytecodeCache(jinja2.FileSystemBytecodeCache):
+    """Jinja's file cache (atomic writes, source checksums) where a damaged entry is a miss."""
+
+    def load_bytecode(self, bucket) -> None:
+        try:
+            super().load_bytecode(bucket)
+        except Exception:
+            bucket.reset()
+
+
 @functools.lru_cache(maxsize=None)
-def environment(path: str | None = None) -> jinja2.Environment:
+def environment(path: str | None = None, bytecode: str | None = None) -> jinja2.Environment:
     return jinja2.Environment(
         loader=_MarkedLoader(path or str(templates_dir())),
+        bytecode_cache=_BytecodeCache(bytecode) if bytecode else None,
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,
@@ -80,13 +108,15 @@ def template_context(spec: Spec) -> dict:
     return ctx
 
 
-def render(spec: Spec, arch: "str | Arch | None" = None) -> str:
+def render(spec: Spec, arch: "str | Arch | None" = None, *, bytecode: str | None = None) -> str:
     """Render the CUDA source for ``spec``.
 
     Unresolved tuning fields are filled for ``arch`` (default sm_90). The result is
-    deterministic: the same spec gives the same bytes in any process.
+    deterministic: the same spec gives the same bytes in any process. ``bytecode`` names a
+    folder for compiled templates (the cache passes ``bytecode_dir(root)``); without it nothing
+    is written anywhere.
     """
     if not spec.is_resolved:
         spec = resolve(spec, get_arch(arch or "sm_90"))
-    tmpl = environment().get_template(spec.template)
+    tmpl = environment(None, bytecode).get_template(spec.template)
     return tmpl.render(**template_context(spec))

@@ -169,7 +169,7 @@ def test_help_and_version_exit_0(capsys):
 def test_inspect_prints_the_source_with_the_kernel_name(capsys):
     assert main(["inspect", SPEC]) == 0
     src = capsys.readouterr().out
-    assert resolve(parse_spec(SPEC), "sm_90").kernel_name in src
+    assert resolve(parse_spec(SPEC), "sm_90a").kernel_name in src
     assert main(["inspect", SPEC, "--arch", "sm_86"]) == 0
     assert resolve(parse_spec(SPEC), "sm_86").kernel_name in capsys.readouterr().out
 
@@ -211,21 +211,21 @@ def test_inspect_resources_builds_through_the_cache_with_the_key_it_shows(cache_
     assert rc == 0
     res = js["resources"]
     assert res["registers"] > 0 and res["origin"] in ("memory", "disk")
-    assert res["smem_dynamic"] == resolve(parse_spec(SPEC), "sm_90").smem_bytes()
+    assert res["smem_dynamic"] == resolve(parse_spec(SPEC), "sm_90a").smem_bytes()
     assert js["key"] == res["key"]  # --key predicts the key the build path uses
 
     # The cache commands see that entry.
     rc, ls = run_json(capsys, "cache", "ls")
     assert rc == 0 and [e["key"] for e in ls["entries"]] == [res["key"]]
     entry = ls["entries"][0]
-    assert entry["valid"] and entry["arch"] == "sm_90" and entry["registers"] == res["registers"]
+    assert entry["valid"] and entry["arch"] == "sm_90a" and entry["registers"] == res["registers"]
     assert entry["spec"].startswith(SPEC) and entry["bytes"] > 0 and entry["created"]
     assert main(["cache", "ls"]) == 0
     text = capsys.readouterr().out
     assert res["key"][:12] in text and "sm_90" in text and "KEY" in text
 
     rc, st = run_json(capsys, "cache", "stats")
-    assert rc == 0 and st["entries"] == 1 and st["by_arch"] == {"sm_90": 1} and st["root"] == str(cache_dir)
+    assert rc == 0 and st["entries"] == 1 and st["by_arch"] == {"sm_90a": 1} and st["root"] == str(cache_dir)
     assert main(["cache", "stats"]) == 0
     assert "entries" in capsys.readouterr().out
 

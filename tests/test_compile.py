@@ -85,7 +85,7 @@ def test_sm90_and_sm90a_are_separate_targets():
 
 
 @pytest.mark.parametrize("arch, instr", [("sm_90", "mma.sync.aligned.m16n8k16"),
-                                         ("sm_90a", "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16")])
+                                         ("sm_90a", "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16")])
 def test_ptx_on_request(arch, instr):
     # sm_90a's default prefill is the wgmma kernel; plain sm_90 (and every other arch) mma.sync
     spec = resolve(parse_spec("prefill:head_dim=64"), arch)

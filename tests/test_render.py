@@ -4,6 +4,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import itertools
 import re
 import subprocess
 import sys
@@ -262,3 +263,25 @@ def test_resolved_and_unresolved_specs_name_distinct_kernels():
     # Left to the arch, sm_90a resolves to the wgmma kernel, a different spec and name.
     assert resolve(s, "sm_90a").mma.value == "wgmma" and resolve(s, "sm_90").mma.value == "mma_sync"
     assert resolve(s, "sm_90").kernel_name != resolve(s, "sm_90a").kernel_name
+
+
+def test_compiled_templates_are_kept_in_the_cache_root(tmp_path, monkeypatch):
+    # A fresh process's warm load renders its source for the key; the compiled templates come
+    # from <root>/v1/jinja, and a damaged entry there is a miss, never an error.
+    import jinja2.bccache
+
+    from attngen.render import environment
+
+    from attngen import build
+
+    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path))
+    spec = resolve(PrefillSpec(head_dim=128), "sm_90a")
+    src = render(spec)
+    assert not (tmp_path / "v1").exists()  # plain render writes nothing
+    build(spec, "sm_90a")
+    files = sorted((tmp_path / "v1" / "jinja").glob("*.cache"))
+    assert len(files) >= 2  # the family's template and its wgmma piece
+    for f, junk in zip(files, itertools.cycle([b"junk", jinja2.bccache.bc_magic + b"junk"])):
+        f.write_bytes(junk)
+    environment.cache_clear()
+    assert render(spec, bytecode=str(tmp_path / "v1" / "jinja")) == src
