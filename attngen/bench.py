@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import functools
 import json
 import math
 import os
@@ -419,19 +420,23 @@ def bench_ms(fn: Callable[[], Any], warmup_ms: float = 25.0, rep_ms: float = 100
 _flush_buf = None
 
 
-def _event_bench(fn, warmup_ms: float, rep_ms: float, reps: int | None) -> float:
-    """do_bench's method without triton: L2 flushed before each timed call, one event pair each, median."""
+def _event_bench(fn, warmup_ms: float, rep_ms: float, reps: int | None, flush: bool = True) -> float:
+    """do_bench's method without triton: L2 flushed before each timed call, one event pair each, median.
+
+    ``flush=False`` is for callers that keep their inputs out of L2 themselves (decode's --rotate): the
+    flush's zeroing leaves dirty lines whose write-back the timed call would pay."""
     import torch
 
     global _flush_buf
-    if _flush_buf is None:
+    if flush and _flush_buf is None:
         _flush_buf = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(5):
-        _flush_buf.zero_()
+        if flush:
+            _flush_buf.zero_()
         fn()
     end.record()
     torch.cuda.synchronize()
@@ -443,7 +448,8 @@ def _event_bench(fn, warmup_ms: float, rep_ms: float, reps: int | None) -> float
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
     for i in range(n_rep):
-        _flush_buf.zero_()
+        if flush:
+            _flush_buf.zero_()
         starts[i].record()
         fn()
         ends[i].record()
@@ -877,6 +883,9 @@ REF_CHUNK_BYTES = 1 << 30        # fp32 K+V per chunk of the spot-check referenc
 TARGET_COPY_FRAC = 0.90          # of the copy bandwidth, for batch >= 16 and kv_len >= 4k
 TARGET_B1_CUDNN = 1.3            # batch 1 at kv_len 32k: cuDNN's time / attngen's
 TARGET_FLASH = 1.0               # every shape: flash's time / attngen's
+# --rotate: K/V copies walked per graph replay add up to at least this, four H100 L2s (50 MB each), so that
+# when a copy comes round again the copies read since have pushed it out of L2: every call reads from DRAM.
+ROTATE_BYTES = 4 * 50 * 2**20
 BYTES_NOTE = ("GB/s = K + V bytes read (sum over the batch of L x kv_heads x head_dim x 2 x itemsize) / time, "
               "GB = 1e9 bytes; %copy = that over the device-to-device copy bandwidth measured in the same run "
               "(dst.copy_(src) of a 1 GiB buffer, bytes read + written / median time)")
@@ -981,6 +990,21 @@ def decode_mem_need(shape: DecodeShape, *, paged: bool = False, sdpa_contiguous:
     return need + MEM_MARGIN
 
 
+def rotate_copies(kv_bytes: int, free_bytes: int | None = None) -> int:
+    """How many K/V copies ``--rotate`` walks per graph replay: enough to cover ROTATE_BYTES, one where a
+    single cache already does; at most ``free_bytes // (4 * kv_bytes)``, since a copy may hold a dense cache,
+    a paged one and SDPA's contiguous one, and the rest is left to the graph's outputs and workspaces."""
+    kv = max(1, int(kv_bytes))
+    n = max(1, -(-ROTATE_BYTES // kv))
+    if free_bytes is not None:
+        n = min(n, max(1, int(free_bytes) // (4 * kv)))
+    return n
+
+
+def rotate_timer(n: int) -> str:
+    return f"cuda-events, no flush, {n} calls over {n} K/V copies per CUDA-graph replay"
+
+
 def _heads_list(text: str) -> tuple[tuple[int, int], ...]:
     vals = []
     for part in text.split(","):
@@ -1061,6 +1085,10 @@ def add_decode_parser(sub) -> None:
     pd.add_argument("--graph", action="store_true",
                     help="time CUDA-graph replays of each call (attngen and SDPA alike), as serving engines run "
                          "decode steps: GPU time without the Python launch path")
+    pd.add_argument("--rotate", action="store_true",
+                    help="time a CUDA graph of back-to-back calls, each over its own copy of the inputs (copies "
+                         f"adding up to {ROTATE_BYTES >> 20} MiB, past L2), with no L2 flush: a decode step's "
+                         "one call per layer; ms = replay time / calls (implies --graph)")
     pd.add_argument("--json", type=Path, default=None, help="write the results as JSON to FILE")
     pd.add_argument("--out", type=Path, default=None, help="folder for bench_decode.json and bench_decode.png")
     pd.add_argument("--markdown", type=Path, default=None, help="write the table as Markdown to FILE")
@@ -1182,29 +1210,33 @@ def _rel_check(out, ref) -> dict:
             "tolerance_rel_l2": CHECK_TOL}
 
 
-def _graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` captured once into a CUDA graph (after two warm-up calls on a side stream, which
-    also compile and load what it needs); returns the graph's replay."""
+def _graphed(*fns: Callable[[], Any]) -> Callable[[], Any]:
+    """``fns`` captured once, in order, into one CUDA graph (after two warm-up calls of each on a side
+    stream, which also compile and load what they need); returns the graph's replay."""
     import torch
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn()
-        fn()
+        for fn in fns:
+            fn()
+            fn()
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
+        for fn in fns:
+            fn()
     return g.replay
 
 
 def run_decode_shape(shape: DecodeShape, backends: tuple[str, ...], *, impls: list[tuple[str, str, bool]],
                      num_splits: int = 0, block_size: int = 64, check: bool = True, warmup_ms: float = 25.0,
                      rep_ms: float = 100.0, reps: int | None = None, seed: int = 0, sdpa_layout: str = "view",
-                     copy_gbps: float | None = None, graph: bool = False) -> dict:
+                     copy_gbps: float | None = None, graph: bool = False, rotate: bool = False) -> dict:
     """Check and time one shape: each attngen row and each SDPA backend, on one dense cache.
-    With ``graph``, each call is captured once into a CUDA graph and its replays are timed."""
+    With ``graph``, each call is captured once into a CUDA graph and its replays are timed. With
+    ``rotate``, one graph holds ``rotate_copies`` calls, each over its own copy of the K/V it reads, and
+    its replays are timed without an L2 flush; ms is per call."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
@@ -1270,7 +1302,7 @@ def run_decode_shape(shape: DecodeShape, backends: tuple[str, ...], *, impls: li
     for name in backends:
         tried = []
         for label, kw in forms:
-            def sdpa(kw=kw):
+            def sdpa(kw=kw, kt=kt, vt=vt):
                 return F.scaled_dot_product_attention(qt, kt, vt, **kw, **gqa)
             try:
                 with warnings.catch_warnings(), sdpa_kernel(_sdpa_backend(name)):
@@ -1296,20 +1328,47 @@ def run_decode_shape(shape: DecodeShape, backends: tuple[str, ...], *, impls: li
             rec["ms"][name] = rec["gbps"][name] = rec["frac_copy"][name] = None
     del ref
 
+    # Copy 0 is what the checks ran on. With rotate, the others are clones at other addresses (same values,
+    # so copy 0's check speaks for them): a graph walking them reads each from DRAM, as a decode step's
+    # layers do, where timing one cache again and again would read it from L2 once it fits there.
+    copies = [(kc, vc, paged, kt, vt)]
+    if rotate:
+        for _ in range(rotate_copies(shape.kv_bytes, torch.cuda.mem_get_info()[0]) - 1):
+            k2, v2 = kc.clone(), vc.clone()
+            # The block table is a few KB, read-only: every copy shares it.
+            p2 = None if paged is None else (paged[0].clone(), paged[1].clone(), paged[2])
+            if sdpa_layout == "contiguous":
+                copies.append((k2, v2, p2, kt.clone(), vt.clone()))
+            else:
+                copies.append((k2, v2, p2, k2.transpose(1, 2), v2.transpose(1, 2)))
+        rec["rotate"] = len(copies)
+    paged_rows = {name for name, _, p in impls if p}
+
+    def on_copy(name: str, fn: Callable[..., Any], c: tuple) -> Callable[[], Any]:
+        if name in backends:
+            return functools.partial(fn, kt=c[3], vt=c[4])
+        kk, vv = (c[2][0], c[2][1]) if name in paged_rows else (c[0], c[1])
+        return functools.partial(fn, kk=kk, vv=vv)
+
+    def timed(name: str, fn: Callable[..., Any]) -> tuple[float, str]:
+        if rotate:
+            replay = _graphed(*(on_copy(name, fn, c) for c in copies))
+            return _event_bench(replay, warmup_ms, rep_ms, reps, flush=False) / len(copies), rotate_timer(len(copies))
+        ms, timer = bench_ms(_graphed(fn) if graph else fn, warmup_ms, rep_ms, reps)
+        return ms, timer + (" on CUDA-graph replays" if graph else "")
+
     # Timing, attngen rows first.
     for name in [i[0] for i in impls] + list(backends):
         fn = fns.get(name)
         if fn is None:
             continue
         try:
-            if name in backends:
+            if name in backends:   # capture and replay alike under the backend's context
                 with warnings.catch_warnings(), sdpa_kernel(_sdpa_backend(name)):
                     warnings.simplefilter("ignore")
-                    ms, timer = bench_ms(_graphed(fn) if graph else fn, warmup_ms, rep_ms, reps)
+                    ms, timer = timed(name, fn)
             else:
-                ms, timer = bench_ms(_graphed(fn) if graph else fn, warmup_ms, rep_ms, reps)
-            if graph:
-                timer += " on CUDA-graph replays"
+                ms, timer = timed(name, fn)
         except Exception as e:
             fail(name, e)
             continue
@@ -1492,6 +1551,14 @@ def _copy_line(copy: dict | None) -> str:
     return line
 
 
+def rotate_note(records: list[dict]) -> str:
+    ns = sorted({r["rotate"] for r in records if r.get("rotate")})
+    per = f" ({ns[0]}{'' if len(ns) == 1 else f'..{ns[-1]}'} per shape)" if ns else ""
+    return ("timed as a decode step's layers run (--rotate): one CUDA graph of back-to-back calls, each over its "
+            f"own K/V copy{per}, the copies adding up to >= {ROTATE_BYTES >> 20} MiB (4 H100 L2s) so every call "
+            "reads K/V from DRAM; no L2 flush; ms = median replay time / calls")
+
+
 def decode_markdown(data: dict) -> str:
     env, records = data.get("env", {}), data.get("results", [])
     cfg = data.get("config", {})
@@ -1508,7 +1575,8 @@ def decode_markdown(data: dict) -> str:
               f"- {BYTES_NOTE}",
               f"- {RATIO_NOTE}",
               f"- {cfg.get('sdpa_note') or DECODE_SDPA_NOTE}",
-              *(["- timed on CUDA-graph replays (each call captured once, attngen and SDPA alike): GPU time, "
+              *([f"- {rotate_note(records)}"] if cfg.get("rotate") else
+                ["- timed on CUDA-graph replays (each call captured once, attngen and SDPA alike): GPU time, "
                  "no Python launch path"] if cfg.get("graph") else []),
               "- check = rel L2 vs an fp32 reference on the first call, output poisoned with NaN; — = the backend "
               "refused that shape",
@@ -1590,6 +1658,8 @@ def _finish_decode(data: dict, args: argparse.Namespace, print_table: bool) -> N
         for ln in env_lines(data.get("env", {})):
             _say(ln)
         _say(_copy_line(data.get("copy")))
+        if data.get("config", {}).get("rotate"):
+            _say(rotate_note(records))
         _say(decode_text_header(backends))
         for r in records:
             for ln in decode_text_rows(r, backends):
@@ -1639,6 +1709,8 @@ def cmd_decode(args: argparse.Namespace) -> int:
     impls = decode_impls(args.variant, args.paged)
     env = environment(gpu=True)
     timer = "cuda-events" if args.reps is not None or _triton_do_bench() is None else "triton.do_bench"
+    if args.rotate:
+        timer = "cuda-events, no flush, CUDA-graph replays over rotated K/V copies"
     data: dict[str, Any] = {
         "benchmark": "decode", "complete": False, "env": env,
         "config": {"shapes": len(shapes), "backends": backends, "impls": [i[0] for i in impls],
@@ -1646,7 +1718,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
                    "block_size": args.block_size, "dtype": dtype, "warmup_ms": args.warmup_ms,
                    "rep_ms": args.rep_ms, "reps": args.reps, "timer": timer, "seed": args.seed,
                    "check": not args.no_check, "check_tolerance_rel_l2": CHECK_TOL, "sdpa_layout": args.sdpa_layout,
-                   "graph": bool(getattr(args, "graph", False)),
+                   "graph": bool(getattr(args, "graph", False) or args.rotate), "rotate": bool(args.rotate),
                    "sdpa_note": DECODE_SDPA_NOTE if args.sdpa_layout == "view" else DECODE_SDPA_CONTIG_NOTE,
                    "bytes": BYTES_NOTE, "ratio": RATIO_NOTE,
                    "targets": {"copy_frac": TARGET_COPY_FRAC, "cudnn_b1_32k": TARGET_B1_CUDNN,
@@ -1673,6 +1745,8 @@ def cmd_decode(args: argparse.Namespace) -> int:
     _say(BYTES_NOTE)
     _say(RATIO_NOTE)
     _say(data["config"]["sdpa_note"])
+    if args.rotate:
+        _say(rotate_note([]))
     if not json_paths:
         _say("(no --json/--out: the JSON is not written)")
     _say(decode_text_header(backends))
@@ -1685,7 +1759,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
             run_decode_shape(shapes[0], tuple(backends), impls=impls, num_splits=args.num_splits,
                              block_size=args.block_size, check=False, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
                              reps=args.reps, seed=args.seed, sdpa_layout=args.sdpa_layout, copy_gbps=copy_gbps,
-                             graph=args.graph)
+                             graph=args.graph, rotate=args.rotate)
         except Exception:
             pass
     for i, shape in enumerate(shapes):
@@ -1705,7 +1779,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
                                        block_size=args.block_size, check=not args.no_check,
                                        warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, reps=args.reps,
                                        seed=args.seed + i, sdpa_layout=args.sdpa_layout, copy_gbps=copy_gbps,
-                                       graph=args.graph)
+                                       graph=args.graph, rotate=args.rotate)
             except Exception as e:  # e.g. out of memory: keep the sweep going
                 rec = {**base, "ms": {}, "gbps": {}, "frac_copy": {}, "ratio": {}, "checks": {},
                        "errors": {"shape": _short_error(e)}}

@@ -448,6 +448,39 @@ def test_decode_memory_estimate():
     assert bench.decode_mem_need(small) < 2 * 2**30
 
 
+def test_decode_rotate_argument():
+    assert not parse("decode").rotate
+    a = parse("decode", "--rotate", "--quick")
+    assert a.rotate and not a.graph and a.quick
+
+
+def test_rotate_copies():
+    mib = 2**20
+    assert bench.ROTATE_BYTES == 200 * mib                        # four 50 MB H100 L2s
+    # Small caches: enough copies to cover ROTATE_BYTES, rounding up.
+    assert bench.rotate_copies(4 * mib) == 50
+    assert bench.rotate_copies(3 * mib) == 67                     # 66 copies would be 198 MiB
+    assert bench.rotate_copies(1) == bench.ROTATE_BYTES
+    # Exact multiples need no extra copy; a cache of ROTATE_BYTES or more is read once per replay.
+    assert bench.rotate_copies(50 * mib) == 4
+    assert bench.rotate_copies(50 * mib + 1) == 4
+    assert bench.rotate_copies(50 * mib - 1) == 5
+    assert bench.rotate_copies(bench.ROTATE_BYTES) == 1
+    assert bench.rotate_copies(bench.ROTATE_BYTES + 1) == 1
+    assert bench.rotate_copies(bench.DecodeShape("bf16", 128, 32768, 1, 32, 4, 128).kv_bytes) == 1
+    # The sweep's smallest caches: b=1 L=1k with 8 and 4 KV heads; the MQA extra shape.
+    assert bench.rotate_copies(bench.DecodeShape("bf16", 1, 1024, 1, 32, 8, 128).kv_bytes) == 50
+    assert bench.rotate_copies(bench.DecodeShape("bf16", 1, 1024, 1, 32, 4, 128).kv_bytes) == 100
+    assert bench.rotate_copies(bench.DecodeShape("bf16", 4, 16384, 4, 16, 1, 128).kv_bytes) == 7
+    # The memory cap: copies in a quarter of free memory, never fewer than one.
+    assert bench.rotate_copies(4 * mib, free_bytes=80 * 2**30) == 50
+    assert bench.rotate_copies(4 * mib, free_bytes=4 * 4 * mib * 10) == 10
+    assert bench.rotate_copies(4 * mib, free_bytes=4 * 4 * mib * 10 - 1) == 9
+    assert bench.rotate_copies(4 * mib, free_bytes=0) == 1
+    assert bench.rotate_copies(bench.ROTATE_BYTES, free_bytes=0) == 1
+    assert bench.rotate_copies(0) == bench.ROTATE_BYTES           # no division by zero
+
+
 # --- decode: the reference and the paged copy (CPU torch) ----------------------------------------------
 
 def test_decode_reference_matches_the_test_reference():
@@ -595,6 +628,29 @@ def test_decode_markdown():
     assert any("target attngen: never slower than SDPA flash" in ln for ln in lines)
 
 
+def test_decode_markdown_names_the_timing_method(tmp_path, capsys):
+    data = fake_decode_data()
+    md = bench.decode_markdown(data)
+    assert "--rotate" not in md and "CUDA-graph replays" not in md
+    data["config"]["graph"] = True
+    assert "- timed on CUDA-graph replays (each call captured once" in bench.decode_markdown(data)
+    data["config"].update(rotate=True, timer="cuda-events, no flush, CUDA-graph replays over rotated K/V copies")
+    data["results"][0]["rotate"], data["results"][1]["rotate"], data["results"][2]["rotate"] = 2, 50, 1
+    md = bench.decode_markdown(data)
+    note = [ln for ln in md.splitlines() if "(--rotate)" in ln]
+    assert len(note) == 1 and note[0].startswith("- timed as a decode step's layers run (--rotate)")
+    assert "own K/V copy (1..50 per shape)" in note[0] and ">= 200 MiB" in note[0] and "no L2 flush" in note[0]
+    assert "each call captured once" not in md                     # the rotate note replaces the graph one
+    assert "(cuda-events, no flush, CUDA-graph replays over rotated K/V copies)" in md
+    for r in data["results"][:3]:
+        r["rotate"] = 7
+    assert "own K/V copy (7 per shape)" in bench.decode_markdown(data)
+    p = tmp_path / "bench_decode.json"
+    bench.write_json(p, data)
+    assert bench.main(["decode", "--from-json", str(p)]) == 0
+    assert "(--rotate): one CUDA graph of back-to-back calls" in capsys.readouterr().out
+
+
 def test_decode_json_and_from_json(tmp_path, capsys):
     data = fake_decode_data()
     data["results"][0]["checks"]["attngen"]["max_abs"] = float("nan")
@@ -712,6 +768,44 @@ def test_decode_sweep_leaves_partial_json_when_cut_short(decode_sim, tmp_path):
     assert "Partial run" in bench.decode_markdown(data)
 
 
+def test_decode_rotate_simulated(decode_sim, monkeypatch, tmp_path, capsys):
+    """--rotate's plumbing: one graph per row over N copies, each call on its own K/V, ms per call."""
+    graphs = []
+
+    def fake_graphed(*fns):
+        graphs.append([f.keywords.get("kk", f.keywords.get("kt")) for f in fns])
+        return lambda: [f() for f in fns]
+
+    def fake_event_bench(fn, warmup_ms, rep_ms, reps, flush=True):
+        assert not flush
+        fn()
+        return 6.0
+
+    monkeypatch.setattr(bench, "_graphed", fake_graphed)
+    monkeypatch.setattr(bench, "_event_bench", fake_event_bench)
+    monkeypatch.setattr(bench, "ROTATE_BYTES", 3 * 2**16)      # 3 copies of the 64-key cache, 2 of the 100-key one
+    p = tmp_path / "d.json"
+    rc = bench.main(DSIM + ["--rotate", "--paged", "--block-size", "16", "--json", str(p), "--markdown",
+                            str(tmp_path / "d.md")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    data = json.loads(p.read_text())
+    assert data["config"]["rotate"] is True and data["config"]["graph"] is True
+    assert [r["bytes"] for r in data["results"]] == [2**16, 100 * 2**10]
+    assert [r["rotate"] for r in data["results"]] == [3, 2]
+    for r in data["results"]:
+        assert r["timer"] == f"cuda-events, no flush, {r['rotate']} calls over {r['rotate']} K/V copies per " \
+                             "CUDA-graph replay"
+        for name in ("attngen", "attngen-paged"):
+            assert r["checks"][name]["ok"] and r["ms"][name] == pytest.approx(6.0 / r["rotate"])
+        for peer in ("flash", "cudnn"):
+            assert r["ms"][peer] is None or r["ms"][peer] == pytest.approx(6.0 / r["rotate"])
+    assert graphs and all(len(g) in (3, 2) for g in graphs)
+    for g in graphs:                                             # every call reads its own copy
+        assert len({t.data_ptr() for t in g}) == len(g)
+    assert "own K/V copy (2..3 per shape)" in (tmp_path / "d.md").read_text()
+
+
 def test_decode_needs_a_gpu_message(monkeypatch, capsys):
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -743,3 +837,21 @@ def test_decode_bench_small_on_gpu(tmp_path, capsys):
         assert set(r["ms"]) >= {"flash", "cudnn"}
     assert rc == 0
     assert "target attngen-fused: never slower than SDPA flash" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_decode_bench_rotate_on_gpu(tmp_path):
+    pytest.importorskip("torch")
+    p = tmp_path / "bench_decode.json"
+    rc = bench.main(["decode", "--heads", "32/8", "--batches", "1", "--kv-lens", "1k", "--paged", "--rotate",
+                     "--warmup-ms", "5", "--rep-ms", "20", "--json", str(p)])
+    data = json.loads(p.read_text())
+    assert rc == 0 and data["complete"] and data["config"]["rotate"]
+    (r,) = data["results"]
+    assert r["rotate"] == bench.rotate_copies(r["bytes"]) == 50       # 4 MiB of K+V: 50 copies
+    assert "50 calls over 50 K/V copies" in r["timer"]
+    for name in ("attngen", "attngen-paged", "flash", "cudnn"):
+        if name in r["errors"]:
+            assert not name.startswith("attngen"), r["errors"]
+            continue
+        assert r["ms"][name] > 0 and r["checks"][name]["ok"], (name, r)
