@@ -791,20 +791,29 @@ def _finish_prefill(data: dict, args: argparse.Namespace, print_table: bool) -> 
             _say(f"wrote {p}")
 
 
+def _gpu_ready(family: str) -> bool:
+    """Whether torch and a CUDA GPU are there for ``attngen bench FAMILY``; says why not on stderr."""
+    try:
+        import torch
+    except Exception as e:
+        _say(f"attngen bench {family} needs torch: {e}", file=sys.stderr)
+        return False
+    if not torch.cuda.is_available():
+        _say(f"attngen bench {family} needs a CUDA GPU (torch.cuda.is_available() is False); "
+             "use --from-json to re-render saved results", file=sys.stderr)
+        return False
+    return True
+
+
 def cmd_prefill(args: argparse.Namespace) -> int:
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
         _finish_prefill(data, args, print_table=True)
         return 0
-    try:
-        import torch
-    except Exception as e:
-        _say(f"attngen bench prefill needs torch: {e}", file=sys.stderr)
+    if not _gpu_ready("prefill"):
         return 2
-    if not torch.cuda.is_available():
-        _say("attngen bench prefill needs a CUDA GPU (torch.cuda.is_available() is False); "
-             "use --from-json to re-render saved results", file=sys.stderr)
-        return 2
+    import torch
+
     shapes = sweep_from_args(args)
     backends = list(args.backends)
     env = environment(gpu=True)
@@ -1694,15 +1703,10 @@ def cmd_decode(args: argparse.Namespace) -> int:
         data = json.loads(Path(args.from_json).read_text())
         _finish_decode(data, args, print_table=True)
         return 0
-    try:
-        import torch
-    except Exception as e:
-        _say(f"attngen bench decode needs torch: {e}", file=sys.stderr)
+    if not _gpu_ready("decode"):
         return 2
-    if not torch.cuda.is_available():
-        _say("attngen bench decode needs a CUDA GPU (torch.cuda.is_available() is False); "
-             "use --from-json to re-render saved results", file=sys.stderr)
-        return 2
+    import torch
+
     dtype = args.dtype
     shapes = decode_sweep_from_args(args)
     backends = list(args.backends)

@@ -214,12 +214,11 @@ class PrefillSpec(_SpecBase):
 
     def smem_bytes(self) -> int:
         self._require_resolved("smem_bytes")
-        if self.mma is Mma.WGMMA:
-            # dense 128-byte-swizzled tiles, plus slack to align the first to the 1024-byte swizzle atom
-            row = self.head_dim * self.dtype.itemsize
-            return row * (self.cta_tile_q + 2 * self.num_stages * self.cta_tile_kv) + 1024
         row = self.smem_row_elems * self.dtype.itemsize
-        return row * (self.cta_tile_q + 2 * self.num_stages * self.cta_tile_kv)
+        # wgmma's tiles are dense (head_dim is a multiple of 64 there): only slack to align the first
+        # one to the 1024-byte swizzle atom is added
+        slack = 1024 if self.mma is Mma.WGMMA else 0
+        return row * (self.cta_tile_q + 2 * self.num_stages * self.cta_tile_kv) + slack
 
     @property
     def threads(self) -> int:
@@ -515,10 +514,14 @@ def validate(spec: Spec, arch: "str | Arch") -> None:
                         "a smaller cta_tile_q or cta_tile_kv, or more num_warps",
                         reason=f"needs about {acc} accumulator registers per thread (limit 200) "
                                f"with head_dim={spec.head_dim}, cta_tile_kv={spec.cta_tile_kv}, num_warps={spec.num_warps}")
+    _check_smem(spec, a, "cta_tile_kv", "a smaller cta_tile_kv, num_stages or cta_tile_q")
+
+
+def _check_smem(spec: Spec, a: Arch, field: str, allowed: str) -> None:
+    """Reject a spec whose shared memory exceeds the arch's per-block limit, naming ``field``."""
     smem = spec.smem_bytes()
     if smem > a.smem_per_block:
-        raise SpecError("cta_tile_kv", spec.cta_tile_kv,
-                        "a smaller cta_tile_kv, num_stages or cta_tile_q",
+        raise SpecError(field, getattr(spec, field), allowed,
                         reason=f"needs {smem} bytes of shared memory; {a.name} allows {a.smem_per_block} per block")
 
 
@@ -537,10 +540,7 @@ def _validate_wgmma(spec: PrefillSpec, a: Arch) -> None:
         raise SpecError("cta_tile_kv", spec.cta_tile_kv, "a smaller cta_tile_kv",
                         reason=f"needs about {acc} accumulator registers per thread (limit 176) with "
                                f"head_dim={spec.head_dim} and mma=wgmma")
-    smem = spec.smem_bytes()
-    if smem > a.smem_per_block:
-        raise SpecError("cta_tile_kv", spec.cta_tile_kv, "a smaller cta_tile_kv or num_stages",
-                        reason=f"needs {smem} bytes of shared memory; {a.name} allows {a.smem_per_block} per block")
+    _check_smem(spec, a, "cta_tile_kv", "a smaller cta_tile_kv or num_stages")
 
 
 def _validate_decode(spec: DecodeSpec, a: Arch) -> None:
@@ -558,7 +558,4 @@ def _validate_decode(spec: DecodeSpec, a: Arch) -> None:
         raise SpecError("num_warps", spec.num_warps, "more warps (8), a smaller cta_tile_kv or a smaller q_rows",
                         reason=f"needs about {acc} accumulator registers per thread (limit 136) with "
                                f"head_dim={spec.head_dim}, q_rows={spec.q_rows}")
-    smem = spec.smem_bytes()
-    if smem > a.smem_per_block:
-        raise SpecError("num_stages", spec.num_stages, "a smaller num_stages or cta_tile_kv",
-                        reason=f"needs {smem} bytes of shared memory; {a.name} allows {a.smem_per_block} per block")
+    _check_smem(spec, a, "num_stages", "a smaller num_stages or cta_tile_kv")

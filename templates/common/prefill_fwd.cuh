@@ -17,6 +17,16 @@ struct WgmmaOps;  // defined in wgmma.cuh.jinja, included only by sm_90a kernels
 template <int N, bool BF16>
 struct Wgmma;
 
+// The A fragment of P for k-step kk of O += P V (mma.sync and wgmma take the same one): the fp32
+// S accumulators of 8-column tiles 2kk and 2kk+1, packed to 16 bits.
+template <bool BF16, int N_TILES>
+__device__ __forceinline__ void p_fragment(const float (&s)[N_TILES][4], int kk, unsigned (&a)[4]) {
+  a[0] = pack2<BF16>(s[2 * kk][0], s[2 * kk][1]);
+  a[1] = pack2<BF16>(s[2 * kk][2], s[2 * kk][3]);
+  a[2] = pack2<BF16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  a[3] = pack2<BF16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
 template <class T>
 struct PrefillParams {
   const T* q;
@@ -176,30 +186,30 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
       W::hold(acc_s[0]);
     } else {
 #pragma unroll
-    for (int kk = 0; kk < K_STEPS; ++kk) {
-      unsigned a[M_TILES][4];
-#pragma unroll
-      for (int mt = 0; mt < M_TILES; ++mt) {
-        if constexpr (Q_IN_REGS) {
-#pragma unroll
-          for (int c = 0; c < 4; ++c) a[mt][c] = q_frag[mt][kk][c];
-        } else {
-          ldmatrix_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3],
-                      smem_addr(sQ + L::offset(warp_row0 + mt * 16 + (lane % 16), kk * 16 + (lane / 16) * 8)));
-        }
-      }
-#pragma unroll
-      for (int n2 = 0; n2 < N_TILES / 2; ++n2) {
-        unsigned b0, b1, b2, b3;
-        ldmatrix_x4(b0, b1, b2, b3,
-                    smem_addr(sKs + L::offset(n2 * 16 + (lane % 8) + (lane / 16) * 8, kk * 16 + ((lane / 8) % 2) * 8)));
+      for (int kk = 0; kk < K_STEPS; ++kk) {
+        unsigned a[M_TILES][4];
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
-          mma_16816<BF16>(acc_s[mt][2 * n2], a[mt], b0, b1);
-          mma_16816<BF16>(acc_s[mt][2 * n2 + 1], a[mt], b2, b3);
+          if constexpr (Q_IN_REGS) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) a[mt][c] = q_frag[mt][kk][c];
+          } else {
+            ldmatrix_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3],
+                        smem_addr(sQ + L::offset(warp_row0 + mt * 16 + (lane % 16), kk * 16 + (lane / 16) * 8)));
+          }
+        }
+#pragma unroll
+        for (int n2 = 0; n2 < N_TILES / 2; ++n2) {
+          unsigned b0, b1, b2, b3;
+          ldmatrix_x4(b0, b1, b2, b3,
+                      smem_addr(sKs + L::offset(n2 * 16 + (lane % 8) + (lane / 16) * 8, kk * 16 + ((lane / 8) % 2) * 8)));
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt) {
+            mma_16816<BF16>(acc_s[mt][2 * n2], a[mt], b0, b1);
+            mma_16816<BF16>(acc_s[mt][2 * n2 + 1], a[mt], b2, b3);
+          }
         }
       }
-    }
     }
 
     // ---- mask (only tiles some row cannot see whole) --------------------------------------
@@ -268,10 +278,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
 #pragma unroll
       for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
         unsigned a[4];
-        a[0] = pack2<BF16>(acc_s[0][2 * kk][0], acc_s[0][2 * kk][1]);
-        a[1] = pack2<BF16>(acc_s[0][2 * kk][2], acc_s[0][2 * kk][3]);
-        a[2] = pack2<BF16>(acc_s[0][2 * kk + 1][0], acc_s[0][2 * kk + 1][1]);
-        a[3] = pack2<BF16>(acc_s[0][2 * kk + 1][2], acc_s[0][2 * kk + 1][3]);
+        p_fragment<BF16>(acc_s[0], kk, a);
         Wgmma<HEAD_DIM, BF16>::rs(acc_o[0], a, W::desc(v_at + kk * 2048, LKV::BLOCK_BYTES, 1024));
       }
       W::commit();
@@ -279,27 +286,24 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
       W::hold(acc_o[0]);
     } else {
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-      unsigned a[M_TILES][4];
-#pragma unroll
-      for (int mt = 0; mt < M_TILES; ++mt) {
-        a[mt][0] = pack2<BF16>(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
-        a[mt][1] = pack2<BF16>(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
-        a[mt][2] = pack2<BF16>(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
-        a[mt][3] = pack2<BF16>(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
-      }
-#pragma unroll
-      for (int d2 = 0; d2 < HEAD_DIM / 16; ++d2) {
-        unsigned b0, b1, b2, b3;
-        ldmatrix_x4_trans(b0, b1, b2, b3,
-                          smem_addr(sVs + L::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, d2 * 16 + (lane / 16) * 8)));
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        unsigned a[M_TILES][4];
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
-          mma_16816<BF16>(acc_o[mt][2 * d2], a[mt], b0, b1);
-          mma_16816<BF16>(acc_o[mt][2 * d2 + 1], a[mt], b2, b3);
+          p_fragment<BF16>(acc_s[mt], kk, a[mt]);
+        }
+#pragma unroll
+        for (int d2 = 0; d2 < HEAD_DIM / 16; ++d2) {
+          unsigned b0, b1, b2, b3;
+          ldmatrix_x4_trans(b0, b1, b2, b3,
+                            smem_addr(sVs + L::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, d2 * 16 + (lane / 16) * 8)));
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt) {
+            mma_16816<BF16>(acc_o[mt][2 * d2], a[mt], b0, b1);
+            mma_16816<BF16>(acc_o[mt][2 * d2 + 1], a[mt], b2, b3);
+          }
         }
       }
-    }
     }
     if constexpr (NUM_STAGES == 1) __syncthreads();  // the single slot is refilled next
   }
