@@ -201,6 +201,39 @@ def test_many_splits_every_head_dim(d):
     run(Case([5, 300, 2049], q_len=3, heads=4, kv_heads=4, head_dim=d, dtype=torch.float16), num_splits=7)
 
 
+# --- tile configs: every ring depth, tile and warp grid, not only the defaults ------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("cfg", [(128, 4, 1), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 8, 3), (128, 4, 3)],
+                         ids=lambda c: "kv%d-w%d-st%d" % c)
+def test_tile_configs(variant, paged, cfg):
+    # Rows shorter than the ring, rows of one tile plus one key, and long rows; some splits get no tiles.
+    spec = attngen.DecodeSpec(cta_tile_kv=cfg[0], num_warps=cfg[1], num_stages=cfg[2])
+    case = Case([1, 33, 129, 700, 5000], q_len=2, heads=16, kv_heads=4, head_dim=128, dtype=torch.bfloat16,
+                block_size=32 if paged else None)
+    for splits in (1, 3):
+        out = torch.full_like(case.q, NAN)
+        o, lse = attngen.decode(case.q, case.k_cache, case.v_cache, **case.kwargs(), num_splits=splits,
+                                variant=variant, spec=spec, out=out, return_lse=True)
+        torch.cuda.synchronize()
+        check(case, o, lse)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_one_stage_empty_splits(variant):
+    # Short rows and 64 splits: most CTAs get no tile, so with one stage their Q copy is the only one in
+    # flight when the epilogue reuses its shared memory. Repeated: a missed wait shows only sometimes.
+    spec = attngen.DecodeSpec(cta_tile_kv=128, num_warps=4, num_stages=1)
+    case = Case([1, 2, 33, 129] * 8, q_len=2, heads=16, kv_heads=4, head_dim=128, dtype=torch.bfloat16)
+    for _ in range(5):
+        out = torch.full_like(case.q, NAN)
+        o, lse = attngen.decode(case.q, case.k_cache, case.v_cache, **case.kwargs(), num_splits=64, variant=variant,
+                                spec=spec, out=out, return_lse=True)
+        torch.cuda.synchronize()
+        check(case, o, lse)
+
+
 # --- cache_batch_idx --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("variant", VARIANTS)

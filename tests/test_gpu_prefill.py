@@ -97,6 +97,21 @@ def test_instruction_paths_and_tiles(mma, d, causal, kv, warps, stages, dtype):
     run_case(1, 1000, 1000, 2, 2, d, dtype, causal=causal, spec=spec)
 
 
+@pytest.mark.parametrize("mma", ["mma_sync", "wgmma"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_one_stage_ctas_without_keys(mma, d):
+    # Causal with sq >> sk (bottom-right): most CTAs see no key, and with one stage their Q copy is the
+    # only one in flight when the epilogue reuses sQ. Repeated: a missed wait shows only sometimes.
+    arch = attngen.runtime.device_arch(torch.cuda.current_device())
+    spec = attngen.PrefillSpec(head_dim=d, cta_tile_kv=64, num_warps=4, num_stages=1, mma=mma)
+    try:
+        spec = attngen.resolve(spec, arch)
+    except attngen.SpecError as e:
+        pytest.skip(f"{spec.to_text()} does not fit {arch.name}: {e}")
+    for _ in range(3):
+        run_case(2, 4096, 64, 8, 2, d, torch.bfloat16, causal=True, spec=spec)
+
+
 @pytest.mark.parametrize("d", [96, 192])
 @pytest.mark.parametrize("causal", [False, True])
 def test_other_head_dims(d, causal):

@@ -2,6 +2,9 @@
 and splits each call's GPU time between the main and merge kernels with the torch profiler.
 
     PYTHONPATH=. python3 tools/sweep_decode.py [--quick]
+
+Its timing flushes L2 before each call (do_bench), which biases decode (BENCHMARKS.md, `--rotate`);
+tools/probe_decode.py --configs times configs as a decode step, against a bare read of the bytes.
 """
 import argparse
 import itertools

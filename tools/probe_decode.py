@@ -1,0 +1,131 @@
+"""Where a decode call's time goes: attngen's decode with its default config and with other
+tile configs (automatic split count), against a plain streaming read of the same K/V bytes and
+SDPA's cuDNN backend, all timed as ``attngen bench decode --rotate`` does (one CUDA graph of
+back-to-back calls over their own K/V copies, no L2 flush).
+
+The streaming read is one kernel that loads every byte of K and V once with 16-byte loads over
+the whole GPU: about what any decode of one launch could do on these bytes.
+
+    PYTHONPATH=. python3 tools/probe_decode.py --out OUT/probe.json [--configs] [--label new]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import attngen  # noqa: E402
+from attngen.bench import (_event_bench, _graphed, _rel_check, decode_reference, environment,  # noqa: E402
+                           measure_copy_bandwidth, rotate_copies)
+
+# (batch, kv_len, heads, kv_heads), head_dim 128, bf16, q_len 1
+SHAPES = [(1, 32768, 32, 8), (1, 32768, 32, 4), (1, 32768, 64, 8), (1, 8192, 32, 8), (16, 4096, 32, 4),
+          (16, 4096, 32, 8), (16, 1024, 32, 8), (64, 8192, 32, 8)]
+# (cta_tile_kv, num_warps, num_stages) tried with --configs
+CONFIGS = [(128, 4, 2), (128, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 8, 2), (128, 8, 3), (128, 4, 1)]
+
+_READ_SRC = r"""
+extern "C" __global__ void stream_read(const uint4* a, long long na, const uint4* b, long long nb,
+                                       unsigned* sink) {
+  unsigned x = 0;
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < na + nb; i += 4 * stride) {
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const long long j = i + u * stride;
+      v[u] = j < na ? __ldcs(a + j) : (j < na + nb ? __ldcs(b + j - na) : make_uint4(0, 0, 0, 0));
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) x ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  if (x == 0x9e3779b9u) sink[0] = x;  // keeps the loads; practically never true
+}
+"""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--label", default="", help="names this tree in the output")
+    ap.add_argument("--configs", action="store_true", help="also time every config in CONFIGS")
+    ap.add_argument("--rep-ms", type=float, default=100.0)
+    args = ap.parse_args()
+
+    import cupy as cp
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    read = cp.RawKernel(_READ_SRC, "stream_read")
+    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def stream_read(k, v):
+        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            read((sms * 4,), (512,), (k.data_ptr(), k.numel() * 2 // 16, v.data_ptr(), v.numel() * 2 // 16,
+                                      sink.data_ptr()))
+
+    copy = measure_copy_bandwidth()
+    rows = []
+    for b, n, h, hk in SHAPES:
+        d = 128
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        kc = torch.randn(b, n, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        vc = torch.randn(b, n, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        nbytes = kc.numel() * 2 * 2
+        copies = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(rotate_copies(nbytes) - 1)]
+        ref = decode_reference(q, kc, vc)
+        rec = {"batch": b, "kv_len": n, "heads": h, "kv_heads": hk, "bytes": nbytes, "copies": len(copies),
+               "us": {}, "checks": {}}
+
+        def timed(name, make):
+            replay = _graphed(*(make(kk, vv) for kk, vv in copies))
+            rec["us"][name] = 1e3 * _event_bench(replay, 25.0, args.rep_ms, None, flush=False) / len(copies)
+
+        for cfg in [None] + (CONFIGS if args.configs else []):
+            spec = None if cfg is None else attngen.DecodeSpec(cta_tile_kv=cfg[0], num_warps=cfg[1], num_stages=cfg[2])
+            name = "default" if cfg is None else "kv%d w%d st%d" % cfg
+            out = torch.full_like(q, float("nan"))
+            try:
+                attngen.decode(q, kc, vc, cache_seqlens=n, out=out, spec=spec)
+            except attngen.AttngenError as e:
+                rec["checks"][name] = str(e)[:200]
+                continue
+            torch.cuda.synchronize()
+            rec["checks"][name] = _rel_check(out, ref)["rel_l2"]
+            timed(name, lambda kk, vv, spec=spec: (lambda: attngen.decode(q, kk, vv, cache_seqlens=n, spec=spec)))
+        timed("stream_read", lambda kk, vv: (lambda: stream_read(kk, vv)))
+        qt = q.transpose(1, 2)
+
+        def cudnn(kk, vv):
+            kt, vt = kk.transpose(1, 2), vv.transpose(1, 2)
+
+            def call():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+            return call
+        timed("cudnn", cudnn)
+        rows.append(rec)
+        print(f"[{args.label}] b={b} L={n} h={h}/{hk} ({nbytes / 1e6:.0f} MB): "
+              + "  ".join(f"{k} {v:.1f}" for k, v in sorted(rec["us"].items(), key=lambda kv: kv[1])), flush=True)
+        bad = {k: v for k, v in rec["checks"].items() if not isinstance(v, float) or v > 1e-2}
+        if bad:
+            print("    FAILED or refused:", bad, flush=True)
+        copies = kc = vc = None
+        torch.cuda.empty_cache()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"label": args.label, "env": environment(True), "copy": copy, "rows": rows},
+                                   indent=1, default=str))
+    print(f"[{args.label}] copy {copy['gbps']:.0f} GB/s; median rel L2 "
+          f"{statistics.median(v for r in rows for v in r['checks'].values() if isinstance(v, float)):.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
