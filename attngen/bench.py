@@ -791,27 +791,29 @@ def _finish_prefill(data: dict, args: argparse.Namespace, print_table: bool) -> 
             _say(f"wrote {p}")
 
 
-def _gpu_ready(family: str) -> bool:
-    """Whether torch and a CUDA GPU are there for ``attngen bench FAMILY``; says why not on stderr."""
+def _replay_or_gpu_check(family: str, args: argparse.Namespace, finish: Callable[..., None]) -> int | None:
+    """``attngen bench FAMILY``'s start: with --from-json, re-render the saved results (exit 0);
+    without torch or a CUDA GPU, say why on stderr (exit 2); None when the run can go on."""
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        finish(data, args, print_table=True)
+        return 0
     try:
         import torch
     except Exception as e:
         _say(f"attngen bench {family} needs torch: {e}", file=sys.stderr)
-        return False
+        return 2
     if not torch.cuda.is_available():
         _say(f"attngen bench {family} needs a CUDA GPU (torch.cuda.is_available() is False); "
              "use --from-json to re-render saved results", file=sys.stderr)
-        return False
-    return True
+        return 2
+    return None
 
 
 def cmd_prefill(args: argparse.Namespace) -> int:
-    if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        _finish_prefill(data, args, print_table=True)
-        return 0
-    if not _gpu_ready("prefill"):
-        return 2
+    done = _replay_or_gpu_check("prefill", args, _finish_prefill)
+    if done is not None:
+        return done
     import torch
 
     shapes = sweep_from_args(args)
@@ -1699,12 +1701,9 @@ def _decode_json_paths(args: argparse.Namespace) -> list[Path]:
 
 
 def cmd_decode(args: argparse.Namespace) -> int:
-    if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        _finish_decode(data, args, print_table=True)
-        return 0
-    if not _gpu_ready("decode"):
-        return 2
+    done = _replay_or_gpu_check("decode", args, _finish_decode)
+    if done is not None:
+        return done
     import torch
 
     dtype = args.dtype

@@ -264,6 +264,16 @@ struct Decode {
     }
   }
 
+  // The scores of one K tile for fused and unfused_qk: Q's fragments come from shared memory on
+  // the CTA's first tile (it == 0), masking only where some key of the warp's slice needs it.
+  static __device__ __forceinline__ void tile_scores(float (&acc_s)[M_TILES][KW_TILES][4],
+                                                     unsigned (&q_frag)[Q_IN_REGS ? M_TILES : 1][Q_IN_REGS ? K_STEPS : 1][4],
+                                                     const T* sQ, const T* sKs, const int (&lim)[M_TILES][2], int it,
+                                                     int n0, const DecodeParams<T>& p, const Cta& c, const Lane& l) {
+    if (it == 0) load_q_frags(q_frag, sQ, l);
+    scores(acc_s, q_frag, sQ, sKs, lim, needs_mask(p, c, n0, l), n0, l);
+  }
+
   // Online softmax of one tile's scores: updates max and sum, turns acc_s into probabilities and
   // returns through corr the factor older accumulations must be scaled by.
   static __device__ __forceinline__ void softmax_step(float (&acc_s)[M_TILES][KW_TILES][4], float (&row_max)[M_TILES][2],
@@ -368,7 +378,7 @@ struct Decode {
   static __device__ __forceinline__ void epilogue(const DecodeParams<T>& p, const Cta& c, unsigned char* smem,
                                                   float (&acc_o)[M_TILES][D_TILES][4], float (&row_max)[M_TILES][2],
                                                   float (&row_sum)[M_TILES][2], const Lane& l) {
-    cp_async_wait<0>();
+    cp_async_wait_all();  // with one stage, a CTA with no tile never committed Q's copies
     __syncthreads();
     float* sStat = reinterpret_cast<float*>(smem);  // [2][WARPS_N][ROWS]
     float* sO = sStat + 2 * WARPS_N * ROWS;         // [WARPS_N - 1][ROWS][HEAD_DIM + 4]
@@ -437,8 +447,9 @@ struct Decode {
   // NUM_STAGES - 1 tiles; callers set up their accumulators between the two, where the loops had
   // it before they were shared, and ptxas keeps their registers (set up before the fill, head_dim
   // 128 paged took 182, not 166: two CTAs an SM, not three). Each step waits for its tile, then
-  // refills the slot the previous step freed. (Refilling first, with a second barrier, keeps one more tile in flight while
-  // waiting: 1-3% faster on decode calls under ~1 GB, 1-2% slower on larger ones, H100.)
+  // refills the slot the previous step freed. (Refilling first, with a second barrier, keeps one
+  // more tile in flight while waiting: 1-3% faster on decode calls under ~1 GB, 1-2% slower on
+  // larger ones, H100.)
   template <class Load>
   static __device__ __forceinline__ void ring_fill(const Cta& c, Load&& load) {
 #pragma unroll
@@ -480,7 +491,6 @@ struct Decode {
     Pages pg;
     lookup(pg, p, c, c.tile_begin, l.tid);
     load_q(sQ, p, c, l.tid);
-    cp_async_commit();  // its own group: a CTA with no tiles commits none, and wait_group skips uncommitted copies
     const auto load = [&](int tile, int slot) {
       load_k(sK + slot * BLOCK_N * HEAD_DIM, p, c, pg, tile, l.tid);
       load_v(sV + slot * BLOCK_N * HEAD_DIM, p, c, pg, tile, l.tid);
@@ -505,10 +515,9 @@ struct Decode {
     ring(
         c, load,
         [&](int tile, int it, int slot) {
-          if (it == 0) load_q_frags(q_frag, sQ, l);
           const int n0 = tile * BLOCK_N;
           float acc_s[M_TILES][KW_TILES][4];
-          scores(acc_s, q_frag, sQ, sK + slot * BLOCK_N * HEAD_DIM, lim, needs_mask(p, c, n0, l), n0, l);
+          tile_scores(acc_s, q_frag, sQ, sK + slot * BLOCK_N * HEAD_DIM, lim, it, n0, p, c, l);
           float corr[M_TILES][2];
           softmax_step(acc_s, row_max, row_sum, corr, p.scale_log2);
 #pragma unroll
@@ -533,7 +542,6 @@ struct Decode {
     Pages pg;
     lookup(pg, p, c, c.tile_begin, l.tid);
     load_q(sQ, p, c, l.tid);
-    cp_async_commit();  // its own group: a CTA with no tiles commits none, and wait_group skips uncommitted copies
     const auto load = [&](int tile, int slot) {
       load_k(sK + slot * BLOCK_N * HEAD_DIM, p, c, pg, tile, l.tid);
       lookup(pg, p, c, tile + 1, l.tid);
@@ -553,10 +561,9 @@ struct Decode {
     ring(
         c, load,
         [&](int tile, int it, int slot) {
-          if (it == 0) load_q_frags(q_frag, sQ, l);
           const int n0 = tile * BLOCK_N;
           float acc_s[M_TILES][KW_TILES][4];
-          scores(acc_s, q_frag, sQ, sK + slot * BLOCK_N * HEAD_DIM, lim, needs_mask(p, c, n0, l), n0, l);
+          tile_scores(acc_s, q_frag, sQ, sK + slot * BLOCK_N * HEAD_DIM, lim, it, n0, p, c, l);
           // Masked scores are stored as -inf; keys past the sequence are not stored.
 #pragma unroll
           for (int mt = 0; mt < M_TILES; ++mt)
@@ -578,7 +585,7 @@ struct Decode {
           float corr[M_TILES][2];
           softmax_step(acc_s, row_max, row_sum, corr, p.scale_log2);
         });
-    cp_async_wait<0>();
+    cp_async_wait_all();  // with one stage, a CTA with no tile never committed Q's copies
     __syncthreads();
     float factor[M_TILES][2];
     merge_stats(reinterpret_cast<float*>(smem_raw), row_max, row_sum, factor, p.scale_log2, l);

@@ -103,11 +103,8 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
                                            p.seqlen_k - n0, tid);
   };
 
-  // Prologue: Q with the first K/V tile in one group, then the next NUM_STAGES - 2 tiles. With one
-  // stage Q gets a group of its own: a CTA with no KV tile commits no other, and the epilogue's
-  // wait_group would not wait for uncommitted copies into sQ, which it reuses.
+  // Prologue: Q with the first K/V tile in one group, then the next NUM_STAGES - 2 tiles.
   load_tile_async<LQ, BLOCK_M, THREADS>(sQ, gQ, p.q_ss, p.seqlen_q - m0, tid);
-  if constexpr (NUM_STAGES == 1) cp_async_commit();
   if constexpr (NUM_STAGES > 1) {
 #pragma unroll
     for (int s = 0; s < NUM_STAGES - 1; ++s) {
@@ -312,7 +309,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
   }
 
   // ---- epilogue: normalise, write LSE, stage O through this warp's rows of sQ ------------------
-  cp_async_wait<0>();
+  cp_async_wait_all();  // with one stage, a CTA with no KV tile never committed Q's copies
   __syncthreads();
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt) {
