@@ -1,0 +1,63 @@
+"""Checks run against the installed wheel, from a folder outside the checkout (see wheel_check.sh).
+
+argv[1] is the checkout, only to make sure the attngen in use is not the one in it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import attngen
+from attngen.manifest import load_manifest
+
+repo = Path(sys.argv[1]).resolve()
+pkg = Path(attngen.__file__).resolve().parent
+assert repo not in pkg.parents, f"attngen was imported from the checkout ({pkg}), not from the wheel"
+print(f"wheel: attngen {attngen.__version__} from {pkg}")
+
+missing = [n for n in attngen.__all__ if not hasattr(attngen, n)]
+assert not missing, f"public names missing from the installed package: {missing}"
+print(f"wheel: {len(attngen.__all__)} public names import")
+
+templates = pkg / "templates"
+pieces = sorted(str(p.relative_to(templates)) for p in templates.rglob("*") if p.is_file())
+
+# One spec per family, the first its default-manifest entry lists, for sm_80 and sm_90a.
+first: dict[str, object] = {}
+for group in load_manifest().groups:
+    for spec in group.specs:
+        first.setdefault(spec.family, spec)
+archs = ("sm_80", "sm_90a")
+for fam, spec in first.items():
+    for arch in archs:
+        out = subprocess.run(["attngen", "inspect", spec.to_text(), "--arch", arch, "--resources", "--json"],
+                             capture_output=True, text=True)
+        assert out.returncode == 0, f"attngen inspect {spec.to_text()} --arch {arch}: {out.stderr}"
+        json.loads(out.stdout)
+    print(f"wheel: attngen inspect {spec.to_text()} on {', '.join(archs)}")
+
+lines = ["format = 1", f"archs = {json.dumps(list(archs))}"]
+for group in load_manifest().groups:
+    # every group of the default manifest, each list narrowed to its first value
+    lines.append("[[kernel]]")
+    for k, v in group.fields.items():
+        v = v[0] if isinstance(v, list) else v
+        lines.append(f"{k} = {json.dumps(v)}")
+with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+    f.write("\n".join(lines) + "\n")
+rc = subprocess.call(["attngen", "prewarm", "--manifest", f.name, "--quiet"])
+assert rc == 0, f"attngen prewarm of the slice exited {rc}"
+
+root = Path(os.environ["ATTNGEN_CACHE_DIR"])
+sources = "\n".join(p.read_text() for p in root.rglob("kernel.cu"))
+used = {line.split("// attngen:begin ", 1)[1].strip() for line in sources.splitlines() if "// attngen:begin " in line}
+tops = {p for p in pieces if "/" not in p}  # the families' top-level templates are not bracketed
+untouched = sorted(set(pieces) - used - tops)
+assert not untouched, f"the prewarm slice touched no kernel that includes {untouched}"
+print(f"wheel: prewarm of {len(lines)} manifest lines built kernels that include all {len(pieces) - len(tops)} "
+      f"template pieces")
