@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import attngen
+from attngen.family import families
 from attngen.manifest import load_manifest
 
 repo = Path(sys.argv[1]).resolve()
@@ -27,19 +28,16 @@ print(f"wheel: {len(attngen.__all__)} public names import")
 templates = pkg / "templates"
 pieces = sorted(str(p.relative_to(templates)) for p in templates.rglob("*") if p.is_file())
 
-# One spec per family, the first its default-manifest entry lists, for sm_80 and sm_90a.
-first: dict[str, object] = {}
-for group in load_manifest().groups:
-    for spec in group.specs:
-        first.setdefault(spec.family, spec)
+# Every registered family's default spec, for sm_80 and sm_90a.
 archs = ("sm_80", "sm_90a")
-for fam, spec in first.items():
+for fam in families():
+    text = fam.spec().to_text()
     for arch in archs:
-        out = subprocess.run(["attngen", "inspect", spec.to_text(), "--arch", arch, "--resources", "--json"],
+        out = subprocess.run(["attngen", "inspect", text, "--arch", arch, "--resources", "--json"],
                              capture_output=True, text=True)
-        assert out.returncode == 0, f"attngen inspect {spec.to_text()} --arch {arch}: {out.stderr}"
+        assert out.returncode == 0, f"attngen inspect {text} --arch {arch}: {out.stderr}"
         json.loads(out.stdout)
-    print(f"wheel: attngen inspect {spec.to_text()} on {', '.join(archs)}")
+    print(f"wheel: attngen inspect {text} on {', '.join(archs)}")
 
 lines = ["format = 1", f"archs = {json.dumps(list(archs))}"]
 for group in load_manifest().groups:

@@ -1,18 +1,28 @@
-"""attngen: attention kernels generated from specs, compiled with NVRTC, cached on disk."""
+"""attngen: attention kernels generated from specs, compiled with NVRTC, cached on disk.
+
+Each kernel family adds its own public names (its op, e.g. ``attngen.prefill``, its spec class
+and enums) through its registration (``Family.exports``), so a new family needs no line here.
+"""
 
 from .__version__ import __version__
 from .arch import ARCHS, get_arch
 from .cache import DiskCache, build, cache_root
 from .compiler import Binary, compile
 from .errors import AttngenError, CacheError, CompileError, LaunchError, ManifestError, SpecError
-from .ops.decode import decode
-from .ops.prefill import prefill
+from .family import Family, get_family, register
+from .family import families as _families
 from .render import render
 from .runtime import Kernel, get_kernel
-from .spec import DecodeSpec, DType, MaskMode, Mma, PrefillSpec, Variant, parse_spec, resolve, validate
+from .spec import DType, parse_spec, resolve, validate
 
 __all__ = [
     "__version__", "ARCHS", "get_arch", "DiskCache", "build", "cache_root", "Binary", "compile",
-    "AttngenError", "CacheError", "CompileError", "LaunchError", "ManifestError", "SpecError", "decode", "prefill", "render", "Kernel",
-    "get_kernel", "DType", "MaskMode", "Mma", "PrefillSpec", "DecodeSpec", "Variant", "parse_spec", "resolve", "validate",
+    "AttngenError", "CacheError", "CompileError", "LaunchError", "ManifestError", "SpecError",
+    "render", "Kernel", "get_kernel", "DType", "parse_spec", "resolve", "validate",
+    "Family", "get_family", "register",
 ]
+
+for _family in _families():
+    globals().update(_family.exports)
+    __all__ += [n for n in _family.exports if n not in __all__]
+del _family, _families

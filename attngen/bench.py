@@ -479,7 +479,7 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
     from torch.nn.attention import sdpa_kernel
 
     import attngen
-    from .spec import DType, MaskMode, PrefillSpec
+    from . import DType, MaskMode, PrefillSpec
 
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[shape.dtype]
     b, s, h, d, causal = shape.batch, shape.seqlen, shape.heads, shape.head_dim, shape.causal
@@ -1828,7 +1828,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
 # --- jit ------------------------------------------------------------------------------------------
 
 def default_jit_specs(head_dims: Iterable[int] = HEAD_DIMS, causal: Iterable[bool] = (False, True)) -> list:
-    from .spec import PrefillSpec
+    from . import PrefillSpec
 
     return [PrefillSpec(head_dim=d, dtype="bf16", mask="causal" if c else "none") for d in head_dims for c in causal]
 

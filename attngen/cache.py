@@ -8,9 +8,12 @@ Layout under the root (``ATTNGEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/attngen``, 
                       /meta.json      spec, arch, versions, options, checksum, resources, timings
     v1/locks/<key>.lock               one file lock per key
     v1/tmp/                           entries being written; renamed into place when complete
-    v1/tuned/<arch>.json              tuning winners of ``attngen tune`` (see "tuned configurations")
+    v1/tuned/<arch>.json              tuning winners of ``attngen tune`` (``attngen.tuned``)
     v1/locks/tuned-<arch>.lock        the lock of that file's read-modify-write
-    v1/jinja/                         compiled templates (Jinja's bytecode cache, checksummed by source)
+
+The key hashes the resolved spec and the family's template files and template-context code
+(``render.family_digests``), not the rendered source, so a hit neither renders nor imports
+Jinja; the source is rendered on a miss and stored beside the cubin.
 
 An entry appears only through ``os.rename`` of a complete directory, so a reader sees a whole
 entry or none. A reader that finds a checksum mismatch or an unreadable entry treats it as a
@@ -26,6 +29,7 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import logging
 import os
 import shutil
 import threading
@@ -38,13 +42,45 @@ import filelock
 from .__version__ import __version__
 from .arch import Arch, get_arch
 from .compiler import Binary, Resources, compile as nvrtc_compile, compile_options, nvrtc_version
-from .errors import AttngenError, CacheError
-from .render import bytecode_dir, render
+from .errors import CacheError
+from .family import family_of
 from .spec import Spec, resolve
 
 LAYOUT_VERSION = "v1"
-KEY_SCHEMA = 1
+# 2: the template files and template-context code are hashed instead of the rendered source.
+KEY_SCHEMA = 2
 _CUBIN, _SOURCE, _META = "kernel.cubin", "kernel.cu", "meta.json"
+
+
+log = logging.getLogger("attngen")
+# The ATTNGEN_LOG value the "attngen" logger was last set up for (None: not yet looked at).
+_log_setting: list = [None]
+_LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def configure_logging() -> None:
+    """Apply ``ATTNGEN_LOG`` (debug, info, warning, error) to the ``attngen`` logger, with a
+    stderr handler of its own, when the variable is set; read when a build is asked for, and
+    applied again only when it changed. Without it, logging is left to the application."""
+    value = os.environ.get("ATTNGEN_LOG", "").strip().lower()
+    if value == _log_setting[0]:
+        return
+    _log_setting[0] = value
+    level = _LOG_LEVELS.get(value)
+    if level is None:
+        return
+    log.setLevel(level)
+    if not any(getattr(h, "_attngen", False) for h in log.handlers):
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("attngen: %(levelname)s: %(message)s"))
+        h._attngen = True
+        log.addHandler(h)
+
+
+def always_compile() -> bool:
+    """``ATTNGEN_ALWAYS_COMPILE=1``: compile every request afresh, bypassing the memory and disk
+    caches (as Triton's TRITON_ALWAYS_COMPILE does); the result is still stored."""
+    return os.environ.get("ATTNGEN_ALWAYS_COMPILE", "").strip().lower() not in ("", "0", "false", "no")
 
 
 def cache_root() -> Path:
@@ -61,13 +97,21 @@ def lock_timeout() -> float:
     return float(os.environ.get("ATTNGEN_LOCK_TIMEOUT", "600"))
 
 
-def key_material(spec: Spec, arch: Arch, source: str, options: tuple[str, ...]) -> dict:
-    """Everything that can change the binary. The key is the SHA-256 of its canonical JSON."""
+def key_material(spec: Spec, arch: Arch, options: tuple[str, ...], digests: "dict[str, str] | None" = None) -> dict:
+    """Everything that can change the binary: the resolved spec, the digests of the family's
+    template files and template-context code (default: ``render.family_digests``), the options,
+    the NVRTC version, the arch, attngen's version and the key schema. The key is the SHA-256 of
+    its canonical JSON."""
+    if digests is None:
+        from .render import family_digests
+
+        digests = family_digests(family_of(spec))
     return {
         "schema": KEY_SCHEMA,
         "attngen": __version__,
         "spec": spec.to_dict(),
-        "source_sha256": hashlib.sha256(source.encode()).hexdigest(),
+        "templates_sha256": digests["templates"],
+        "code_sha256": digests["code"],
         "options": list(options),
         "nvrtc": nvrtc_version(),
         "arch": arch.name,
@@ -93,10 +137,16 @@ class Entry:
 class BuildResult:
     binary: Binary
     key: str
-    source: str
     spec: Spec
     origin: str  # "memory", "disk" or "compiled"
     stored: bool  # whether the disk now holds it (False on a read-only root)
+
+    @property
+    def source(self) -> str:
+        """The CUDA source of the binary, rendered on request (a hit does not render it)."""
+        from .render import render
+
+        return render(self.spec)
 
 
 class DiskCache:
@@ -245,6 +295,7 @@ class DiskCache:
             shutil.rmtree(e.path, ignore_errors=True)
             n += 1
         shutil.rmtree(self.base / "tmp", ignore_errors=True)
+        # Jinja's bytecode cache of earlier versions lived here; it held Python code objects.
         shutil.rmtree(self.base / "jinja", ignore_errors=True)
         return n
 
@@ -269,7 +320,9 @@ def clear_memory() -> None:
         _memory.clear()
         _built.clear()
         _stored.clear()
-        _tuned_memo.clear()
+    from .render import clear_digests
+
+    clear_digests()
 
 
 def build(spec: Spec, arch: "str | Arch", *, cache: DiskCache | None = None) -> BuildResult:
@@ -282,11 +335,13 @@ def build(spec: Spec, arch: "str | Arch", *, cache: DiskCache | None = None) -> 
     a = get_arch(arch)
     cache = cache or DiskCache()
     fast_key = (spec, a.name, str(cache.root))
-    fast = _built.get(fast_key)
+    fresh = always_compile()
+    fast = None if fresh else _built.get(fast_key)
     if fast is not None:
-        return BuildResult(fast.binary, fast.key, fast.source, fast.spec, "memory", True)
-    result = _build(spec, a, cache)
-    if result.stored:
+        return BuildResult(fast.binary, fast.key, fast.spec, "memory", True)
+    configure_logging()
+    result = _build(spec, a, cache, fresh)
+    if result.stored and not fresh:  # ATTNGEN_ALWAYS_COMPILE: every request compiles again
         _built[fast_key] = result
     return result
 
@@ -297,174 +352,67 @@ def _remember(root: str, key: str, binary: Binary, stored: bool) -> None:
         _stored[(root, key)] = stored
 
 
-def _build(spec: Spec, a: Arch, cache: DiskCache) -> BuildResult:
+def _build(spec: Spec, a: Arch, cache: DiskCache, fresh: bool = False) -> BuildResult:
+    """The build path; ``fresh`` (ATTNGEN_ALWAYS_COMPILE) skips every lookup and compiles."""
     spec = resolve(spec, a)
-    source = render(spec, bytecode=bytecode_dir(cache.root))
     options = compile_options(a)
-    material = key_material(spec, a, source, options)
+    material = key_material(spec, a, options)
     key = key_of(material)
     root = str(cache.root)
     with _memory_lock:
-        hit = _memory.get(key)
+        hit = None if fresh else _memory.get(key)
         hit_stored = _stored.get((root, key), False)
     if hit is not None and hit_stored:
-        return BuildResult(hit, key, source, spec, "memory", True)
-    binary = cache.get(key)
+        return BuildResult(hit, key, spec, "memory", True)
+    binary = None if fresh else cache.get(key)
     if binary is not None:
         _remember(root, key, binary, True)
-        return BuildResult(binary, key, source, spec, "disk" if hit is None else "memory", True)
+        log.debug("cache hit (disk): %s for %s, key %s", spec.to_text(), a.name, key[:16])
+        return BuildResult(binary, key, spec, "disk" if hit is None else "memory", True)
+    log.debug("cache miss: %s for %s, key %s under %s", spec.to_text(), a.name, key[:16], root)
 
-    def produce() -> tuple[Binary, str]:
+    def produce() -> tuple[Binary, str, str]:
+        from .render import render
+
+        source = render(spec)
         if hit is not None:  # compiled earlier in this process, for another root
-            return hit, "memory"
-        return nvrtc_compile(source, a, kernel_name=spec.kernel_name, entries=spec.entries), "compiled"
+            return hit, source, "memory"
+        b = nvrtc_compile(source, a, kernel_name=spec.kernel_name, entries=spec.entries)
+        _log_compile(spec, a, b)
+        return b, source, "compiled"
 
     lock = cache.lock(key)
     if lock is None:  # read-only root: compile, keep in memory only
-        binary, origin = produce()
+        binary, _, origin = produce()
         _remember(root, key, binary, False)
-        return BuildResult(binary, key, source, spec, origin, False)
+        return BuildResult(binary, key, spec, origin, False)
     try:
         with lock:
-            binary = cache.get(key)  # another process may have built it while we waited
+            binary = None if fresh else cache.get(key)  # another process may have built it while we waited
             if binary is not None:
                 origin, stored = "disk", True
             else:
-                binary, origin = produce()
+                binary, source, origin = produce()
                 stored = cache.put(key, binary, source, material, spec)
     except filelock.Timeout:
         raise CacheError(f"timed out after {lock_timeout():g}s waiting for the cache lock "
                          f"{cache.lock_path(key)} (another process holds it; set ATTNGEN_LOCK_TIMEOUT "
                          f"or remove a stale lock)") from None
     _remember(root, key, binary, stored)
-    return BuildResult(binary, key, source, spec, origin, stored)
+    return BuildResult(binary, key, spec, origin, stored)
 
 
-# --- tuned configurations ----------------------------------------------------------------------
-#
-# ``attngen tune`` stores the winner of a search per (family, untuned spec fields, arch, GPU name,
-# NVRTC version, attngen version, seqlen): one JSON file per arch, ``{"format": 1, "entries": [...]}``,
-# rewritten whole (temp file + os.replace) under a file lock. A reader that finds the file
-# missing, unreadable or malformed sees no entries; a malformed entry is skipped alone. Tuning
-# results are not compiled code: ``DiskCache.clear`` keeps them, ``TunedStore.clear`` removes them.
-# Bump ``TUNED_FORMAT`` when an entry's meaning changes (files of another format are then ignored).
-
-TUNED_FORMAT = 1
-# What must agree for a stored winner to apply; "seqlen" is the bucket within a match.
-TUNED_MATCH = ("family", "fields", "arch", "gpu", "nvrtc", "attngen")
-
-# (root, arch) -> entries of that file, read once per process (a lookup is then a filter in memory).
-_tuned_memo: dict[tuple[str, str], list[dict]] = {}
+_slow_compile_told = [False]
 
 
-def _valid_tuned(e) -> bool:
-    return (isinstance(e, dict) and all(isinstance(e.get(k), str) for k in ("family", "arch", "gpu", "nvrtc", "attngen"))
-            and isinstance(e.get("fields"), dict) and isinstance(e.get("tuning"), dict)
-            and isinstance(e.get("seqlen"), int) and not isinstance(e.get("seqlen"), bool) and e["seqlen"] > 0)
-
-
-def _tuned_identity(e: dict) -> tuple:
-    return tuple(json.dumps(e.get(k), sort_keys=True) for k in TUNED_MATCH + ("seqlen",))
-
-
-class TunedStore:
-    """The tuning winners under one cache root."""
-
-    def __init__(self, root: "str | Path | None" = None):
-        self.root = Path(root) if root is not None else cache_root()
-
-    @property
-    def base(self) -> Path:
-        return self.root / LAYOUT_VERSION / "tuned"
-
-    def path(self, arch: str) -> Path:
-        return self.base / f"{get_arch(arch).name}.json"
-
-    def lock_path(self, arch: str) -> Path:
-        return self.root / LAYOUT_VERSION / "locks" / f"tuned-{get_arch(arch).name}.lock"
-
-    def read(self, arch: str) -> list[dict]:
-        """Every well-formed entry of ``arch``'s file; [] when it is missing, unreadable or malformed."""
-        try:
-            data = json.loads(self.path(arch).read_text())
-        except (OSError, ValueError, UnicodeDecodeError):
-            return []
-        if not isinstance(data, dict) or data.get("format") != TUNED_FORMAT or not isinstance(data.get("entries"), list):
-            return []
-        return [e for e in data["entries"] if _valid_tuned(e)]
-
-    def entries(self) -> list[dict]:
-        """Every entry of every arch's file."""
-        out: list[dict] = []
-        try:
-            files = sorted(self.base.glob("*.json"))
-        except OSError:
-            return out
-        for f in files:
-            try:
-                out += self.read(f.stem)
-            except AttngenError:  # a file named after no arch: not ours
-                continue
-        return out
-
-    def put(self, entry: dict) -> Path:
-        """Store ``entry``, replacing the one with the same match fields and seqlen; returns the file.
-
-        Raises ``CacheError`` where the root cannot be written or the lock is not had in time.
-        """
-        if not _valid_tuned(entry):
-            raise CacheError(f"not a tuned entry: {json.dumps(entry, sort_keys=True)[:300]}")
-        arch = entry["arch"]
-        path, lock_path = self.path(arch), self.lock_path(arch)
-        try:
-            lock_path.parent.mkdir(parents=True, exist_ok=True)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with filelock.FileLock(str(lock_path), timeout=lock_timeout()):
-                ident = _tuned_identity(entry)
-                entries = [e for e in self.read(arch) if _tuned_identity(e) != ident] + [entry]
-                entries.sort(key=lambda e: _tuned_identity(e))
-                tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-                try:
-                    _write(tmp, (json.dumps({"format": TUNED_FORMAT, "entries": entries}, indent=1, sort_keys=True)
-                                 + "\n").encode())
-                    os.replace(tmp, path)
-                finally:
-                    if tmp.exists():
-                        tmp.unlink()
-        except filelock.Timeout:
-            raise CacheError(f"timed out after {lock_timeout():g}s waiting for the lock {lock_path} (another "
-                             f"process holds it; set ATTNGEN_LOCK_TIMEOUT or remove a stale lock)") from None
-        except OSError as e:
-            raise CacheError(f"could not store the tuned configuration in {path}: {e}") from None
-        with _memory_lock:
-            _tuned_memo[(str(self.root), get_arch(arch).name)] = entries
-        return path
-
-    def clear(self) -> int:
-        """Remove every tuned entry; returns how many there were."""
-        n = len(self.entries())
-        shutil.rmtree(self.base, ignore_errors=True)
-        with _memory_lock:
-            for k in [k for k in _tuned_memo if k[0] == str(self.root)]:
-                del _tuned_memo[k]
-        return n
-
-
-def tuned_entries(arch: str, root: "str | Path | None" = None) -> list[dict]:
-    """``arch``'s tuned entries under ``root`` (default: the environment's), read once per process."""
-    store = TunedStore(root)
-    k = (str(store.root), get_arch(arch).name)
-    got = _tuned_memo.get(k)
-    if got is None:
-        got = store.read(arch)
-        with _memory_lock:
-            _tuned_memo[k] = got
-    return got
-
-
-def match_tuned(entries: list[dict], **match) -> list[dict]:
-    """The entries whose ``TUNED_MATCH`` fields equal ``match``'s (every one of them must be given)."""
-    missing = set(TUNED_MATCH) - set(match)
-    if missing:
-        raise TypeError(f"match_tuned needs {', '.join(sorted(missing))}")
-    return [e for e in entries if all(e.get(k) == match[k] for k in TUNED_MATCH)]
+def _log_compile(spec: Spec, a: Arch, b: Binary) -> None:
+    """One INFO record per compile; the first compile of a process that took over a second also
+    says how to avoid it."""
+    r = b.resources
+    res = (f"{r.registers} registers, {r.spill_stores}/{r.spill_loads} bytes spilled (stores/loads)"
+           if r.known else "resources not reported")
+    log.info("compiled %s for %s in %.2f s: %s", spec.to_text(), a.name, b.compile_seconds, res)
+    if b.compile_seconds > 1.0 and not _slow_compile_told[0]:
+        _slow_compile_told[0] = True
+        log.info("a kernel compile blocked this call for %.1f s; 'attngen prewarm' fills the cache ahead of "
+                 "time (ATTNGEN_CACHE_DIR)", b.compile_seconds)

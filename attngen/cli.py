@@ -14,22 +14,22 @@ command runs, never at import.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
+import enum
 import json
-import multiprocessing
 import os
-import shutil
 import sys
 import time
-from typing import Any, Callable, TextIO
+from typing import Any
 
 from . import cache as _cache
+from . import tuned as _tuned
 from .__version__ import __version__
 from .arch import ARCHS, Arch, get_arch, parse_arch_list
 from .compiler import compile as nvrtc_compile, compile_options
 from .errors import AttngenError, CacheError, CompileError, SpecError
+from .family import families, get_family
 from .manifest import ManifestError, default_manifest_path, expand, load_manifest
-from .render import render
+from .prewarm import Progress, _indent, run_prewarm, summarize
 from .spec import Spec, parse_spec, resolve
 
 PROG = "attngen"
@@ -109,42 +109,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tune", help="search tile configurations on this GPU; store the fastest",
                        description="Search a spec's tuning space on the current GPU and store the winner in "
-                                   "the cache root, where attngen.prefill finds it in later processes.")
+                                   "the cache root, where the family's op finds it in later processes.")
     tsub = t.add_subparsers(dest="tune_command", metavar="FAMILY", required=True)
-    tp = tsub.add_parser(
-        "prefill", help="tune a prefill spec",
-        description="Try every tile configuration (cta_tile_q, cta_tile_kv, num_warps, num_stages, mma) that fits "
-                    "the GPU's arch and agrees with the fields SPEC pins, on random inputs of batch x seqlen x "
-                    "heads; reject any whose output differs from the default config's; time the rest with "
-                    "CUDA events; store the fastest for SPEC's head_dim/dtype/mask/return_lse, this GPU and "
-                    "each seqlen. attngen.prefill uses the winner of the nearest tuned seqlen (by ratio) when "
-                    "called without spec= (ATTNGEN_NO_TUNED=1 turns that off). Exits 1 if some seqlen had no "
-                    "correct candidate.")
-    tp.add_argument("spec", metavar="SPEC", help="e.g. prefill:head_dim=128,dtype=bf16,mask=causal")
-    tp.add_argument("--seqlen", action="append", type=_seqlen_list, required=True, metavar="N[,N...]",
-                    help="sequence length (q and kv) to tune for; repeatable or a comma list, e.g. 1k,4k")
-    tp.add_argument("--batch", type=_positive_int, metavar="B", help="batch (default 16384 // seqlen, at least 1)")
-    tp.add_argument("--heads", type=_positive_int, metavar="H", help="heads (default 2048 // head_dim)")
-    tp.add_argument("--window", type=_window, metavar="L,R",
-                    help="window of a sliding_window spec (default 256,0)")
-    tp.add_argument("--max-candidates", type=_positive_int, metavar="N",
-                    help="try only the first N configs (the default config is always first)")
-    tp.add_argument("--warmup-ms", type=float, default=25.0, help="warm-up per candidate (ms, default 25)")
-    tp.add_argument("--rep-ms", type=float, default=100.0, help="timed repeats per candidate (ms, default 100)")
-    tp.add_argument("--dry-run", action="store_true",
-                    help="list the candidates and exit; no GPU needed (with --arch)")
-    tp.add_argument("--compile", action="store_true",
-                    help="with --dry-run: also build each candidate (through the cache) and show its resources")
-    tp.add_argument("--arch", type=_one_arch, metavar="ARCH",
-                    help="with --dry-run: the arch to list for (default: the current GPU's)")
-    tp.add_argument("--no-store", action="store_true", help="search and report, but store nothing")
-    tp.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    tp.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
-    tp.set_defaults(func=cmd_tune_prefill)
+    for fam in families():
+        if fam.tuning:
+            _add_tune_parser(tsub, fam)
     tl = tsub.add_parser("ls", help="list the stored winners",
                          description="List the configurations 'attngen tune' stored under the cache root.")
     tl.add_argument("--json", action="store_true", help="one JSON object on stdout")
     tl.set_defaults(func=cmd_tune_ls)
+
+    fl = sub.add_parser("families", help="list the kernel families and their spec fields",
+                        description="List every registered kernel family: its spec fields with their values and "
+                                    "defaults, its template, and whether it can be tuned and benchmarked.")
+    fl.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    fl.set_defaults(func=cmd_families)
 
     # Listed for --help only: main() hands "bench ..." to attngen.bench before argparse runs.
     sub.add_parser("bench", help="benchmarks (arguments go to attngen.bench)", add_help=False)
@@ -195,16 +174,6 @@ def _seqlen_list(text: str) -> tuple[int, ...]:
     return tuple(vals)
 
 
-def _window(text: str) -> tuple[int, int]:
-    try:
-        left, right = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: LEFT,RIGHT, e.g. 256,0") from None
-    if left < -1 or right < -1:
-        raise argparse.ArgumentTypeError(f"{text!r}: each side is -1 (unbounded) or a count >= 0")
-    return left, right
-
-
 def _report_error(e: BaseException, as_json: bool) -> None:
     print(f"{PROG}: error: {e}", file=sys.stderr)
     if as_json:
@@ -253,165 +222,14 @@ def cmd_prewarm(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def run_prewarm(items: "list[tuple[Spec, Arch | str]]", *, jobs: int | None = None,
-                on_result: "Callable[[dict], None] | None" = None) -> list[dict]:
-    """Build every (spec, arch) into the cache; one result dict per item, in the items' order.
-
-    With more than one job, builds run in worker processes (spawned, so no CUDA or lock state
-    is inherited); the workers read ATTNGEN_CACHE_DIR from the environment they start with. A
-    failing item never stops the others.
-    """
-    jobs = jobs or os.cpu_count() or 1
-    work = [(i, spec.to_dict(), get_arch(arch).name) for i, (spec, arch) in enumerate(items)]
-    results: list[dict | None] = [None] * len(work)
-
-    def done(r: dict) -> None:
-        results[r["index"]] = r
-        if on_result is not None:
-            on_result(r)
-
-    workers = min(jobs, len(work))
-    if workers <= 1:
-        for w in work:
-            done(build_item(*w))
-    else:
-        ctx = multiprocessing.get_context("spawn")
-        with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-            futures = {pool.submit(build_item, *w): w for w in work}
-            try:
-                for fut in cf.as_completed(futures):
-                    try:
-                        r = fut.result()
-                    except Exception as e:  # the worker died (BrokenProcessPool) or could not be reached
-                        i, spec_dict, arch = futures[fut]
-                        r = _failed_item(i, spec_dict, arch, f"worker process failed: {type(e).__name__}: {e}")
-                    done(r)
-            except BaseException:
-                pool.shutdown(wait=False, cancel_futures=True)
-                raise
-    return [r for r in results if r is not None]
-
-
-def build_item(index: int, spec_dict: dict, arch: str) -> dict:
-    """One prewarm item through ``attngen.cache.build``; runs in a worker process. Plain data in and out."""
-    t0 = time.perf_counter()
-    try:
-        spec = parse_spec(spec_dict)
-        r = _cache.build(spec, arch)
-    except AttngenError as e:
-        return _failed_item(index, spec_dict, arch, str(e), time.perf_counter() - t0, type(e).__name__)
-    except Exception as e:  # a bug in one stage must not take the other items down with it
-        return _failed_item(index, spec_dict, arch, f"{type(e).__name__}: {e}", time.perf_counter() - t0,
-                            type(e).__name__)
-    res = r.binary.resources
-    error = None
-    if not r.stored:
-        # The point of prewarm is the disk copy: a kernel that only lives in this worker's memory is lost.
-        error = f"compiled but not stored: the cache root {_cache.cache_root()} cannot be written"
-    return {
-        "index": index,
-        "spec": spec.to_text(),
-        "spec_resolved": r.spec.to_text(full=True),
-        "arch": arch,
-        "key": r.key,
-        "kernel_name": r.binary.kernel_name,
-        "origin": r.origin,
-        "registers": res.registers,
-        "smem_static": res.smem_static,
-        "smem_dynamic": r.spec.smem_bytes(),
-        "spill_stores": res.spill_stores,
-        "spill_loads": res.spill_loads,
-        # For a hit this is the time the original compile took, as recorded in the entry.
-        "compile_seconds": round(r.binary.compile_seconds, 4),
-        "seconds": round(time.perf_counter() - t0, 4),
-        "error": error,
-        "error_type": "CacheError" if error else None,
-    }
-
-
-def _failed_item(index: int, spec_dict: dict, arch: str, error: str, seconds: float = 0.0,
-                 error_type: str = "Error") -> dict:
-    try:
-        text = parse_spec(spec_dict).to_text()
-    except AttngenError:
-        text = json.dumps(spec_dict, sort_keys=True)
-    return {"index": index, "spec": text, "spec_resolved": None, "arch": arch, "key": None,
-            "kernel_name": None, "origin": "failed", "registers": None, "smem_static": None,
-            "smem_dynamic": None, "spill_stores": None, "spill_loads": None, "compile_seconds": None,
-            "seconds": round(seconds, 4), "error": error, "error_type": error_type}
-
-
-def summarize(results: list[dict], wall_seconds: float) -> dict:
-    compiled = [r for r in results if r["origin"] == "compiled"]
-    return {
-        "ok": not any(r["error"] for r in results),
-        "total": len(results),
-        "compiled": len(compiled),
-        "cache_hits": sum(1 for r in results if r["origin"] in ("disk", "memory")),
-        "failed": sum(1 for r in results if r["error"]),
-        "wall_seconds": round(wall_seconds, 3),
-        # Only what this run compiled: with N jobs, wall is about this sum / N.
-        "compile_seconds": round(sum(r["compile_seconds"] or 0 for r in compiled), 3),
-    }
-
-
-class Progress:
-    """``[done/total]`` progress on a stream: one rewritten line on a terminal, plain lines otherwise."""
-
-    def __init__(self, total: int, stream: TextIO, *, enabled: bool = True):
-        self.total = total
-        self.stream = stream
-        self.enabled = enabled
-        self.done = 0
-        self.failed = 0
-        self.tty = enabled and _isatty(stream)
-        self._open = False
-
-    def update(self, r: dict) -> None:
-        self.done += 1
-        self.failed += bool(r["error"])
-        if not self.enabled:
-            return
-        status = "FAILED" if r["error"] else ("compiled" if r["origin"] == "compiled" else "hit")
-        counter = f"[{self.done}/{self.total}]"
-        if self.tty:
-            width = shutil.get_terminal_size((100, 20)).columns
-            filled = self.done * 20 // max(1, self.total)
-            bar = "#" * filled + "." * (20 - filled)
-            fails = f" {self.failed} failed" if self.failed else ""
-            line = f"{counter} {bar}{fails} {status} {r['arch']} {r['spec']}"
-            line = line[: max(10, width - 1)]
-            self.stream.write("\r" + line.ljust(max(10, width - 1)))
-            self._open = True
-        else:
-            secs = r.get("seconds") or 0.0
-            self.stream.write(f"{counter} {status:8} {r['arch']:7} {r['spec']} ({secs:.2f} s)\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self._open:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._open = False
-
-
-def _isatty(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
-
-
-def _indent(text: str, prefix: str = "    ") -> str:
-    return "\n".join(prefix + line for line in str(text).splitlines())
-
-
 # --- inspect ---------------------------------------------------------------------------------
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     arch: Arch = args.arch
     spec = parse_spec(args.spec)
     resolved = resolve(spec, arch)
+    from .render import render
+
     source = render(resolved)
     want_source = args.source or not (args.ptx or args.resources or args.key)
     out: dict[str, Any] = {"ok": True, "spec": spec.to_text(), "spec_resolved": resolved.to_text(full=True),
@@ -445,7 +263,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"cache       {r.origin} ({r.key})",
         ]) + "\n"))
     if args.key:
-        material = _cache.key_material(resolved, arch, source, compile_options(arch))
+        material = _cache.key_material(resolved, arch, compile_options(arch))
         key = _cache.key_of(material)
         out["key"] = key
         out["key_material"] = material
@@ -458,6 +276,33 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             sys.stdout.write(f"== {name} ==\n")
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
     sys.stdout.flush()
+    return 0
+
+
+def cmd_families(args: argparse.Namespace) -> int:
+    rows = []
+    for fam in families():
+        default = fam.spec()
+        fields_ = []
+        for name, value in default.to_dict().items():
+            if name == "family":
+                continue
+            allowed = [v.value if isinstance(v, enum.Enum) else v for v in fam.spec.allowed_values(name)]
+            fields_.append({"name": name, "default": value, "allowed": allowed,
+                            "tuning": name in fam.spec.TUNING_FIELDS})
+        rows.append({"name": fam.name, "summary": fam.summary, "template": fam.template,
+                     "tune": bool(fam.tuning), "bench": bool(fam.bench), "fields": fields_})
+    if args.json:
+        _print_json({"ok": True, "families": rows})
+        return 0
+    for r in rows:
+        extras = ", ".join(x for x, on in (("attngen tune", r["tune"]), ("attngen bench", r["bench"])) if on)
+        print(f"{r['name']}: {r['summary']}")
+        print(f"  template {r['template']}" + (f"; {extras}" if extras else ""))
+        for f in r["fields"]:
+            vals = ", ".join(str(v).lower() if isinstance(v, bool) else str(v) for v in f["allowed"]) or "?"
+            dflt = str(f["default"]).lower() if isinstance(f["default"], bool) else f["default"]
+            print(f"  {f['name']:<12} {vals}  (default {dflt}{'; tuning, 0/auto = the arch default' if f['tuning'] else ''})")
     return 0
 
 
@@ -521,7 +366,7 @@ def cmd_cache_ls(args: argparse.Namespace) -> int:
 
 def cmd_cache_stats(args: argparse.Namespace) -> int:
     stats = _cache.DiskCache().stats()
-    stats["tuned"] = len(_cache.TunedStore().entries())
+    stats["tuned"] = len(_tuned.TunedStore().entries())
     if args.json:
         _print_json({"ok": True, **stats})
         return 0
@@ -544,7 +389,7 @@ def cmd_cache_clear(args: argparse.Namespace) -> int:
                                 f"{left} could not be removed (permissions?)")
     tuned = None
     if args.tuned:
-        store = _cache.TunedStore(disk.root)
+        store = _tuned.TunedStore(disk.root)
         tuned = store.clear()
         if store.entries():
             raise CacheError(f"cache clear --tuned could not remove the tuned configurations in {store.base}")
@@ -570,13 +415,51 @@ def _size(n: int) -> str:
 
 # --- tune ------------------------------------------------------------------------------------
 
-def cmd_tune_prefill(args: argparse.Namespace) -> int:
+def _add_tune_parser(tsub, fam) -> None:
+    import importlib
+
+    mod = importlib.import_module(fam.tuning)
+    fields = ", ".join(fam.spec.TUNING_FIELDS)
+    tp = tsub.add_parser(
+        fam.name, help=f"tune a {fam.name} spec",
+        description=f"Try every tile configuration ({fields}) that fits the GPU's arch and agrees with the fields "
+                    f"SPEC pins, on random inputs; reject any whose output differs from the default config's; "
+                    f"time the rest with CUDA events; store the fastest for SPEC's other fields, this GPU and each "
+                    f"--seqlen ({mod.SIZE}). attngen.{fam.name} uses the winner of the nearest tuned size (by "
+                    f"ratio) when called without spec= (ATTNGEN_NO_TUNED=1 turns that off). Exits 1 if some "
+                    f"size had no correct candidate.")
+    tp.add_argument("spec", metavar="SPEC", help=f"e.g. {fam.spec().to_text()}")
+    tp.add_argument("--seqlen", action="append", type=_seqlen_list, required=True, metavar="N[,N...]",
+                    help=f"{mod.SIZE} to tune for; repeatable or a comma list, e.g. 1k,4k")
+    tp.add_argument("--batch", type=_positive_int, metavar="B", help="batch (default: the family's for the size)")
+    tp.add_argument("--heads", type=_positive_int, metavar="H", help="query heads (default: the family's)")
+    before = {a.dest for a in tp._actions}
+    mod.add_arguments(tp)
+    extra = tuple(a.dest for a in tp._actions if a.dest not in before)  # the family's problem options
+    tp.add_argument("--max-candidates", type=_positive_int, metavar="N",
+                    help="try only the first N configs (the default config is always first)")
+    tp.add_argument("--warmup-ms", type=float, default=25.0, help="warm-up per candidate (ms, default 25)")
+    tp.add_argument("--rep-ms", type=float, default=100.0, help="timed repeats per candidate (ms, default 100)")
+    tp.add_argument("--dry-run", action="store_true",
+                    help="list the candidates and exit; no GPU needed (with --arch)")
+    tp.add_argument("--compile", action="store_true",
+                    help="with --dry-run: also build each candidate (through the cache) and show its resources")
+    tp.add_argument("--arch", type=_one_arch, metavar="ARCH",
+                    help="with --dry-run: the arch to list for (default: the current GPU's)")
+    tp.add_argument("--no-store", action="store_true", help="search and report, but store nothing")
+    tp.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    tp.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+    tp.set_defaults(func=cmd_tune, family=fam.name, problem_options=extra)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
     from . import tune
 
     spec = parse_spec(args.spec)
-    if spec.family != "prefill":
-        raise SpecError("family", spec.family, "prefill", reason="attngen tune prefill takes a prefill spec")
-    seqlens = list(dict.fromkeys(n for group in args.seqlen for n in group))
+    if spec.family != args.family:
+        raise SpecError("family", spec.family, args.family,
+                        reason=f"attngen tune {args.family} takes a {args.family} spec")
+    sizes = list(dict.fromkeys(n for group in args.seqlen for n in group))
     if args.compile and not args.dry_run:
         raise SpecError("--compile", True, "--compile together with --dry-run",
                         reason="a real search compiles every candidate anyway")
@@ -584,21 +467,22 @@ def cmd_tune_prefill(args: argparse.Namespace) -> int:
         raise SpecError("--arch", args.arch.name, "--arch together with --dry-run",
                         reason="a search runs on the current GPU, whose arch it uses")
     if args.dry_run:
-        return _tune_dry_run(args, spec, seqlens)
+        return _tune_dry_run(args, spec, sizes)
+    options = {k: getattr(args, k) for k in args.problem_options}
+
     def progress(i: int, n: int, row) -> None:
-        what = (f"{row.ms:.4f} ms, {row.tflops:.1f} TFLOP/s" if row.status == "ok"
-                else f"{row.status}: {row.error}")
+        what = f"{row.ms:.4f} ms, {row.rate:.1f}" if row.status == "ok" else f"{row.status}: {row.error}"
         print(f"  [{i + 1}/{n}] {tune.config_text(row.spec)}{' (default)' if row.default else ''}: {what}",
               file=sys.stderr, flush=True)
 
     results = []
-    for n in seqlens:
+    for n in sizes:
         if not args.quiet:
             b, h = tune.problem_size(spec, n, args.batch, args.heads)
             print(f"tune {spec.to_text()} seqlen={n} batch={b} heads={h}", file=sys.stderr, flush=True)
         results.append(tune.run(spec, n, batch=args.batch, heads=args.heads, max_candidates=args.max_candidates,
-                                window=args.window, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
-                                store=not args.no_store, on_row=None if args.quiet else progress))
+                                warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, store=not args.no_store,
+                                on_row=None if args.quiet else progress, **options))
     missing = [r["seqlen"] for r in results if r["winner"] is None]
     if args.json:
         _print_json({"ok": not missing, "spec": spec.to_text(), "results": results})
@@ -606,7 +490,7 @@ def cmd_tune_prefill(args: argparse.Namespace) -> int:
         for r in results:
             print(f"{r['spec']}  seqlen={r['seqlen']} batch={r['batch']} heads={r['heads']}  "
                   f"{r['gpu']} ({r['arch']}), NVRTC {r['nvrtc']}")
-            for line in tune.table(r["rows"], r["winner"]):
+            for line in tune.table(r["rows"], r["winner"], r["unit"]):
                 print("  " + line)
             w = r["winner"]
             if w is None:
@@ -620,7 +504,7 @@ def cmd_tune_prefill(args: argparse.Namespace) -> int:
     return 1 if missing else 0
 
 
-def _tune_dry_run(args: argparse.Namespace, spec: Spec, seqlens: list[int]) -> int:
+def _tune_dry_run(args: argparse.Namespace, spec: Spec, sizes: list[int]) -> int:
     from . import tune
 
     arch = args.arch
@@ -635,7 +519,7 @@ def _tune_dry_run(args: argparse.Namespace, spec: Spec, seqlens: list[int]) -> i
     specs = tune.plan(spec, arch, args.max_candidates)
     rows = (tune.compile_rows(specs, arch) if args.compile else [tune.Row(s, default=(i == 0)) for i, s in enumerate(specs)])
     problems = [dict(zip(("seqlen", "batch", "heads"), (n, *tune.problem_size(spec, n, args.batch, args.heads))))
-                for n in seqlens]
+                for n in sizes]
     if args.json:
         _print_json({"ok": True, "dry_run": True, "spec": spec.to_text(), "arch": arch.name, "problems": problems,
                      "candidates": [r.to_dict() for r in rows]})
@@ -650,7 +534,9 @@ def _tune_dry_run(args: argparse.Namespace, spec: Spec, seqlens: list[int]) -> i
 
 
 def cmd_tune_ls(args: argparse.Namespace) -> int:
-    store = _cache.TunedStore()
+    from . import tune
+
+    store = _tuned.TunedStore()
     entries = store.entries()
     if args.json:
         _print_json({"ok": True, "root": str(store.root), "entries": entries})
@@ -660,9 +546,10 @@ def cmd_tune_ls(args: argparse.Namespace) -> int:
         return 0
     table = [("ARCH", "GPU", "NVRTC", "ATTNGEN", "SEQLEN", "CONFIG", "MS", "FIELDS")]
     for e in entries:
-        t = e["tuning"]
-        cfg = (f"q{t.get('cta_tile_q')} kv{t.get('cta_tile_kv')} w{t.get('num_warps')} s{t.get('num_stages')} "
-               f"{t.get('mma', 'mma_sync')}")
+        try:
+            cfg = tune.config_text(get_family(e["family"]).spec(**e["fields"], **e["tuning"]))
+        except (AttngenError, TypeError):  # written by another version: show the fields as stored
+            cfg = " ".join(f"{k}={v}" for k, v in e["tuning"].items())
         fields = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in e["fields"].items())
         ms = e.get("ms")
         table.append((e["arch"], e["gpu"], e["nvrtc"], e["attngen"], str(e["seqlen"]), cfg,

@@ -4,22 +4,24 @@ Templates only bind constants (``constexpr int HEAD_DIM = {{ head_dim }};``); th
 lives in the included pieces under ``templates/common/``. Every included piece is bracketed
 with ``// attngen:begin NAME`` / ``// attngen:end NAME`` so a compile error can name the
 template a bad line came from.
+
+The cache key does not hash the rendered source: it hashes the template files a family can
+include and the code that builds its template context (``family_digests``), so a warm load
+neither renders nor imports Jinja. Jinja is imported only to render.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import inspect
+import re
+import sys
 from pathlib import Path
 
-import jinja2
-
 from .arch import Arch, get_arch
-from .spec import DecodeSpec, Mma, Spec, resolve
-
-# Threads of a decode module's `_merge` entry: one warp per output row.
-MERGE_THREADS = 128
-
-_PKG_TEMPLATES = "templates"
+from .family import Family, family_of
+from .spec import Spec, resolve
 
 
 def templates_dir() -> Path:
@@ -31,53 +33,33 @@ def templates_dir() -> Path:
     raise FileNotFoundError(f"attngen templates not found next to {here}")
 
 
-class _MarkedLoader(jinja2.FileSystemLoader):
-    def get_source(self, environment, template):
-        source, filename, uptodate = super().get_source(environment, template)
-        if "/" in template and template.endswith(".jinja"):
-            # A piece that writes out long PTX operand lists with loops (wgmma); still no spec
-            # values in it, only the instruction shapes.
-            source = f"// attngen:begin {template}\n{source.rstrip()}\n// attngen:end {template}\n"
-        elif "/" in template:
-            # Included pieces are plain CUDA headers (PTX operand lists like "{%0, %1}" would
-            # read as Jinja tags): they are pasted verbatim, never parameterised.
-            source = (f"// attngen:begin {template}\n{{% raw %}}{source.rstrip()}\n{{% endraw %}}"
-                      f"// attngen:end {template}\n")
-        return source, filename, uptodate
-
-
-def bytecode_dir(root: "str | Path") -> str | None:
-    """Where Jinja keeps compiled templates between processes: ``<cache root>/v1/jinja``.
-
-    A warm load in a fresh process still renders its source (the cache key hashes it), and
-    compiling the templates, the wgmma piece's loops above all, was most of that (~20 ms).
-    Jinja checks each entry against the template's source checksum and writes atomically;
-    None (no bytecode cache) where the folder cannot be made."""
-    from .cache import LAYOUT_VERSION
-
-    d = Path(root) / LAYOUT_VERSION / "jinja"
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return None
-    return str(d)
-
-
-class _BytecodeCache(jinja2.FileSystemBytecodeCache):
-    """Jinja's file cache (atomic writes, source checksums) where a damaged entry is a miss."""
-
-    def load_bytecode(self, bucket) -> None:
-        try:
-            super().load_bytecode(bucket)
-        except Exception:
-            bucket.reset()
+def search_path(family: Family) -> tuple[str, ...]:
+    """Where ``family``'s templates are looked up, in order: its own folder, then templates/."""
+    own = (str(family.template_dir),) if family.template_dir is not None else ()
+    return own + (str(templates_dir()),)
 
 
 @functools.lru_cache(maxsize=None)
-def environment(path: str | None = None, bytecode: str | None = None) -> jinja2.Environment:
+def environment(path: "str | tuple[str, ...] | None" = None):
+    """The Jinja environment over ``path`` (one folder or a search path; default templates/)."""
+    import jinja2
+
+    class MarkedLoader(jinja2.FileSystemLoader):
+        def get_source(self, environment, template):
+            source, filename, uptodate = super().get_source(environment, template)
+            if "/" in template and template.endswith(".jinja"):
+                # A piece that writes out long PTX operand lists with loops (wgmma); still no spec
+                # values in it, only the instruction shapes.
+                source = f"// attngen:begin {template}\n{source.rstrip()}\n// attngen:end {template}\n"
+            elif "/" in template:
+                # Included pieces are plain CUDA headers (PTX operand lists like "{%0, %1}" would
+                # read as Jinja tags): they are pasted verbatim, never parameterised.
+                source = (f"// attngen:begin {template}\n{{% raw %}}{source.rstrip()}\n{{% endraw %}}"
+                          f"// attngen:end {template}\n")
+            return source, filename, uptodate
+
     return jinja2.Environment(
-        loader=_MarkedLoader(path or str(templates_dir())),
-        bytecode_cache=_BytecodeCache(bytecode) if bytecode else None,
+        loader=MarkedLoader(list(path) if isinstance(path, tuple) else (path or str(templates_dir()))),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,
@@ -86,37 +68,90 @@ def environment(path: str | None = None, bytecode: str | None = None) -> jinja2.
     )
 
 
-def template_context(spec: Spec) -> dict:
-    """Every value a template may read: the spec's fields as plain values plus derived constants."""
-    ctx = spec.to_dict()
-    ctx.update(
-        kernel_name=spec.kernel_name,
-        is_bf16=spec.dtype.value == "bf16",
-        q_in_regs=spec.q_in_regs,
-        smem_bytes=spec.smem_bytes(),
-        threads=spec.threads,
-    )
-    if isinstance(spec, DecodeSpec):
-        ctx.update(warps_m=spec.warps_m, merge_threads=MERGE_THREADS)
-    else:
-        ctx.update(
-            mask_mode={"none": 0, "causal": 1, "sliding_window": 2}[spec.mask.value],
-            smem_row_elems=spec.smem_row_elems,
-            swizzle=spec.head_dim % 64 == 0,
-            wgmma=spec.mma is Mma.WGMMA,
-        )
-    return ctx
-
-
-def render(spec: Spec, arch: "str | Arch | None" = None, *, bytecode: str | None = None) -> str:
+def render(spec: Spec, arch: "str | Arch | None" = None) -> str:
     """Render the CUDA source for ``spec``.
 
     Unresolved tuning fields are filled for ``arch`` (default sm_90). The result is
-    deterministic: the same spec gives the same bytes in any process. ``bytecode`` names a
-    folder for compiled templates (the cache passes ``bytecode_dir(root)``); without it nothing
-    is written anywhere.
+    deterministic: the same spec gives the same bytes in any process. Nothing is written anywhere.
     """
     if not spec.is_resolved:
         spec = resolve(spec, get_arch(arch or "sm_90"))
-    tmpl = environment(None, bytecode).get_template(spec.template)
-    return tmpl.render(**template_context(spec))
+    fam = family_of(spec)
+    tmpl = environment(search_path(fam)).get_template(fam.template)
+    return tmpl.render(**spec.template_context())
+
+
+# --- what the key hashes instead of the source ---------------------------------------------------
+
+# Every way a Jinja template names another one. Conditional includes are followed too: the key
+# covers every piece a family can include, whichever branch a spec takes.
+_INCLUDES = re.compile(r"""\{%-?\s*(?:include|import|from|extends)\s+["']([^"']+)["']""")
+
+
+def _find(name: str, path: tuple[str, ...]) -> Path:
+    for folder in path:
+        p = Path(folder) / name
+        if p.is_file():
+            return p
+    raise FileNotFoundError(f"template {name!r} not found in {', '.join(path)}")
+
+
+def template_files(family: Family, path: "tuple[str, ...] | None" = None) -> dict[str, Path]:
+    """Every template file ``family`` can include, by its name, the top-level template first."""
+    path = path or search_path(family)
+    found: dict[str, Path] = {}
+    todo = [family.template]
+    while todo:
+        name = todo.pop(0)
+        if name in found:
+            continue
+        found[name] = p = _find(name, path)
+        todo += _INCLUDES.findall(p.read_text())
+    return found
+
+
+def _digest(parts: list[tuple[str, bytes]]) -> str:
+    h = hashlib.sha256()
+    for name, data in parts:
+        h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    return h.hexdigest()
+
+
+def context_code_files(family: Family) -> list[Path]:
+    """The Python files whose text decides what ``family``'s templates are given: this module (how
+    pieces are pasted), the module of the family's spec class (its template context) and the
+    family's extra ``context_modules``, with the spec classes they derive from."""
+    mods = [__name__, family.spec.__module__, *family.context_modules]
+    for base in family.spec.__mro__[1:]:
+        if base.__module__ not in ("builtins", "abc") and base.__module__ not in mods:
+            mods.append(base.__module__)
+    files = []
+    for m in mods:
+        __import__(m)
+        files.append(Path(inspect.getsourcefile(sys.modules[m])))
+    return files
+
+
+def digests_for(family: Family, path: "tuple[str, ...] | None" = None) -> dict[str, str]:
+    """``templates``: SHA-256 over every template file ``family`` can include (names and bytes);
+    ``code``: over the files of ``context_code_files``. Read from disk on each call."""
+    templates = [(n, p.read_bytes()) for n, p in sorted(template_files(family, path).items())]
+    code = [(p.name, p.read_bytes()) for p in context_code_files(family)]
+    return {"templates": _digest(templates), "code": _digest(code)}
+
+
+_digests: dict[tuple, dict[str, str]] = {}
+
+
+def family_digests(family: Family) -> dict[str, str]:
+    """``digests_for(family)``, computed once per process (the files do not change under a running
+    process; ``clear_digests`` forgets them)."""
+    k = (family.name, family.spec, family.template, family.template_dir, family.context_modules)
+    got = _digests.get(k)
+    if got is None:
+        got = _digests[k] = digests_for(family)
+    return got
+
+
+def clear_digests() -> None:
+    _digests.clear()

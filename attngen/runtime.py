@@ -17,7 +17,6 @@ from .cache import BuildResult, build
 from .compiler import Binary
 from ._driver import driver
 from .errors import LaunchError
-from .render import MERGE_THREADS
 from .spec import Spec
 
 
@@ -142,23 +141,18 @@ class Kernel:
 
 def load(result: BuildResult, device: int) -> Kernel:
     """Load a built binary on ``device`` with every entry of its module, and raise their dynamic
-    shared-memory limits."""
+    shared-memory limits. The spec says each entry's launch shape (``launch_shapes``)."""
     spec = result.spec
-    smem = spec.smem_bytes()
     main = result.binary.kernel_name
-    names = spec.entries
-    # Entries past the main one: the unfused decode's "_pv" shares its launch shape; "_merge"
-    # runs MERGE_THREADS threads and no dynamic shared memory.
-    shapes = {"_pv": (spec.threads, smem), "_merge": (MERGE_THREADS, 0)}
-    suffixes = [n[len(main):] for n in names[1:]]
+    shapes = spec.launch_shapes()
+    names = tuple(main + suffix for suffix, _, _ in shapes)
     try:
-        mod, fns = driver().load_functions(device, result.binary.cubin, names,
-                                           (smem,) + tuple(shapes[x][1] for x in suffixes))
+        mod, fns = driver().load_functions(device, result.binary.cubin, names, tuple(smem for _, _, smem in shapes))
     except LaunchError as e:
         raise LaunchError(f"could not load {main} ({result.binary.arch}) on device {device}: {e}") from None
-    extra = {x: (fn,) + shapes[x] for x, fn in zip(suffixes, fns[1:])}
+    (_, threads, smem), extra = shapes[0], {s: (fn, th, sm) for (s, th, sm), fn in zip(shapes[1:], fns[1:])}
     return Kernel(spec=spec, binary=result.binary, key=result.key, device=device, module=mod,
-                  func_ptr=fns[0], smem_bytes=smem, threads=spec.threads, origin=result.origin, extra=extra,
+                  func_ptr=fns[0], smem_bytes=smem, threads=threads, origin=result.origin, extra=extra,
                   context=driver().primary_context(device))
 
 

@@ -1,12 +1,19 @@
-"""``attngen tune``: search a spec's tuning space on the current GPU and store the winner.
+"""``attngen tune FAMILY``: search a spec's tuning space on the current GPU and store the winner.
 
-For each seqlen: every config of ``spec.tuning_candidates`` (the arch's default first; fields
-the spec pins stay pinned) is built through the cache, run through ``attngen.prefill`` on random
-inputs of batch x seqlen x heads (default FlashAttention's sweep: batch = 16384 // seqlen,
-heads = 2048 // head_dim), checked against the default config's output, and timed with CUDA
-events (``bench.bench_ms``). The fastest correct one is stored in the cache root's tuned store
-(``cache.TunedStore``) under the spec's untuned fields, the arch, the GPU's name, the NVRTC and
-attngen versions and the seqlen; ``attngen.prefill`` then picks it up in later processes.
+For each size: every config of ``spec.tuning_candidates`` (the arch's default first; fields the
+spec pins stay pinned) is built through the cache, run through the family's op on random inputs
+(the family's tuning module builds the ``Problem``), checked against the default config's
+outputs, and timed with CUDA events (``bench.bench_ms``). The fastest correct one is stored in
+the cache root's tuned store (``attngen.tuned``) under the spec's untuned fields, the arch, the
+GPU's name, the NVRTC and attngen versions and the size; the family's op picks it up in later
+processes.
+
+A family's tuning module (``Family.tuning``) provides:
+
+- ``SIZE``: what the size is, for help texts ("q and kv sequence length", ...);
+- ``add_arguments(parser)``: its own problem options (e.g. ``--window``);
+- ``problem_size(spec, size, batch, heads) -> (batch, heads)``: the defaults a search uses;
+- ``problem(spec, size, batch, heads, seed, **options) -> Problem``.
 
 ``plan`` is pure (no GPU): it lists the candidates; ``run`` needs torch and a CUDA GPU.
 """
@@ -14,75 +21,74 @@ attngen versions and the seqlen; ``attngen.prefill`` then picks it up in later p
 from __future__ import annotations
 
 import datetime as _dt
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
 
 from . import cache as _cache
 from .__version__ import __version__
 from .arch import Arch, get_arch
 from .errors import AttngenError, LaunchError, SpecError
-from .spec import PrefillSpec, tuning_candidates
+from .family import get_family
+from .spec import Spec, tuning_candidates
+from .tuned import TunedStore
 
-TOKENS = 16384   # default batch * seqlen
-HIDDEN = 2048    # default heads * head_dim
 CHECK_TOL = 1e-2  # relative L2 vs the default config; two correct configs differ by ~1e-3 (bf16 rounding)
-LSE_TOL = 1e-2    # max abs LSE difference
-DEFAULT_WINDOW = (256, 0)  # for sliding_window specs when no --window is given
+LSE_TOL = 1e-2    # max abs difference of fp32 outputs that are log-sum-exps
 
 
-def config_text(spec: PrefillSpec) -> str:
-    return f"q{spec.cta_tile_q} kv{spec.cta_tile_kv} w{spec.num_warps} s{spec.num_stages} {spec.mma.value}"
+@dataclass
+class Problem:
+    """One tuning problem: inputs made once, run with any candidate spec."""
+
+    describe: dict[str, Any]                 # batch, heads, ... as the family names them
+    run: Callable[[Spec], tuple]             # launches the op with ``spec``; returns its outputs
+    work: float                              # FLOPs (unit TFLOP/s) or bytes (GB/s) of one call
+    unit: str = "TFLOP/s"
+    # outputs compared by max abs difference (LSE) rather than relative L2, by index
+    lse_outputs: tuple[int, ...] = ()
+    poison: Callable[[], None] = lambda: None  # fills reused outputs with NaN before a checked run
 
 
-def tuning_of(spec: PrefillSpec) -> dict[str, Any]:
+def tuning_module(spec_or_family) -> ModuleType:
+    fam = get_family(spec_or_family if isinstance(spec_or_family, str) else spec_or_family.family)
+    if not fam.tuning:
+        raise SpecError("family", fam.name, "a family with a tuning space", reason="attngen tune cannot search it")
+    return importlib.import_module(fam.tuning)
+
+
+def config_text(spec: Spec) -> str:
+    """The tuning fields, short: ``cta_tile_q=128 cta_tile_kv=64 ...`` -> ``q128 kv64 w8 s2 mma_sync``."""
+    short = {"cta_tile_q": "q", "cta_tile_kv": "kv", "num_warps": "w", "num_stages": "s"}
+    d = spec.to_dict()
+    return " ".join(f"{short[k]}{d[k]}" if k in short else str(d[k]) for k in spec.TUNING_FIELDS)
+
+
+def tuning_of(spec: Spec) -> dict[str, Any]:
     """The tuning fields as plain JSON values (what the store keeps)."""
     d = spec.to_dict()
     return {k: d[k] for k in spec.TUNING_FIELDS}
 
 
-def problem_size(spec: PrefillSpec, seqlen: int, batch: int | None = None, heads: int | None = None) -> tuple[int, int]:
-    """(batch, heads) of the inputs a search at ``seqlen`` times."""
-    return (batch or max(1, TOKENS // seqlen), heads or max(1, HIDDEN // spec.head_dim))
+def problem_size(spec: Spec, size: int, batch: int | None = None, heads: int | None = None) -> tuple[int, int]:
+    """(batch, heads) of the inputs a search at ``size`` times."""
+    return tuning_module(spec).problem_size(spec, size, batch, heads)
 
 
-def plan(spec: PrefillSpec, arch: "str | Arch", max_candidates: int | None = None) -> list[PrefillSpec]:
+def plan(spec: Spec, arch: "str | Arch", max_candidates: int | None = None) -> list[Spec]:
     """The configs a search tries, the default first; at most ``max_candidates`` of them."""
-    if spec.family != "prefill":
-        raise SpecError("family", spec.family, "prefill", reason="attngen tune searches prefill specs")
+    tuning_module(spec)  # refuses a family without a tuning space
     cands = tuning_candidates(spec, get_arch(arch))
     return cands[:max_candidates] if max_candidates else cands
-
-
-def visible_pairs(sq: int, sk: int, causal: bool, left: int, right: int) -> int:
-    """How many (query, key) pairs the mask lets through, bottom-right aligned as in prefill."""
-    if causal:
-        right = 0
-    total = 0
-    for i in range(sq):
-        p = i + sk - sq
-        hi = sk - 1 if right < 0 else min(sk - 1, p + right)
-        lo = 0 if left < 0 else max(0, p - left)
-        total += max(0, hi - lo + 1)
-    return total
-
-
-def flops(spec: PrefillSpec, batch: int, heads: int, seqlen: int, window: tuple[int, int]) -> float:
-    """FLOPs of one call. FlashAttention's convention (4*B*H*S*S*D, halved for causal) for
-    none/causal, as ``attngen bench`` counts; sliding windows count the pairs they keep."""
-    from .bench import attention_flops
-    from .spec import MaskMode
-
-    if spec.mask is MaskMode.SLIDING_WINDOW:
-        return 4.0 * batch * heads * spec.head_dim * visible_pairs(seqlen, seqlen, False, *window)
-    return attention_flops(batch, heads, seqlen, seqlen, spec.head_dim, spec.mask is MaskMode.CAUSAL)
 
 
 @dataclass
 class Row:
     """One candidate of one search."""
 
-    spec: PrefillSpec
+    spec: Spec
     default: bool = False
     registers: int | None = None
     spill_stores: int | None = None
@@ -90,7 +96,7 @@ class Row:
     smem: int | None = None
     origin: str | None = None      # where its binary came from: compiled, disk or memory
     ms: float | None = None
-    tflops: float | None = None
+    rate: float | None = None      # in the problem's unit (TFLOP/s or GB/s)
     rel_err: float | None = None   # vs the default config's output
     status: str = "planned"        # ok, wrong, failed, planned, compiled
     error: str = ""
@@ -103,13 +109,13 @@ class Row:
             "default": self.default, "registers": self.registers, "spill_stores": self.spill_stores,
             "spill_loads": self.spill_loads, "smem": self.smem, "origin": self.origin,
             "ms": None if self.ms is None else round(self.ms, 5),
-            "tflops": None if self.tflops is None else round(self.tflops, 2),
+            "rate": None if self.rate is None else round(self.rate, 2),
             "rel_err": None if self.rel_err is None else float(f"{self.rel_err:.3g}"),
             "status": self.status, "error": self.error, **self.extra,
         }
 
 
-def compile_rows(specs: list[PrefillSpec], arch: "str | Arch", on_row: Callable[[int, Row], None] | None = None) -> list[Row]:
+def compile_rows(specs: list[Spec], arch: "str | Arch", on_row: Callable[[int, Row], None] | None = None) -> list[Row]:
     """Build each candidate through the cache (no GPU) and note its resources."""
     rows = []
     for i, s in enumerate(specs):
@@ -141,7 +147,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def device_identity(device: int) -> dict[str, str]:
-    """What a stored winner is keyed by besides the spec and seqlen, for ``device``."""
+    """What a stored winner is keyed by besides the spec and size, for ``device``."""
     from .compiler import nvrtc_version
     from .runtime import device_arch, driver
 
@@ -149,14 +155,14 @@ def device_identity(device: int) -> dict[str, str]:
             "attngen": __version__}
 
 
-def run(spec: PrefillSpec, seqlen: int, *, batch: int | None = None, heads: int | None = None,
-        max_candidates: int | None = None, window: tuple[int, int] | None = None, warmup_ms: float = 25.0,
-        rep_ms: float = 100.0, store: bool = True, seed: int = 0,
-        on_row: Callable[[int, int, Row], None] | None = None) -> dict[str, Any]:
-    """Search ``spec``'s configs at ``seqlen`` on the current CUDA device; store the winner.
+def run(spec: Spec, size: int, *, batch: int | None = None, heads: int | None = None,
+        max_candidates: int | None = None, warmup_ms: float = 25.0, rep_ms: float = 100.0, store: bool = True,
+        seed: int = 0, on_row: Callable[[int, int, Row], None] | None = None, **options) -> dict[str, Any]:
+    """Search ``spec``'s configs at ``size`` on the current CUDA device; store the winner.
 
-    Returns a plain dict: the problem, one row per candidate, the winner (or None) and where
-    it was stored. ``on_row(i, n, row)`` is called as each candidate finishes.
+    ``options`` go to the family's ``problem`` (e.g. prefill's ``window``). Returns a plain dict:
+    the problem, one row per candidate, the winner (or None) and where it was stored.
+    ``on_row(i, n, row)`` is called as each candidate finishes.
     """
     try:
         import torch
@@ -165,60 +171,43 @@ def run(spec: PrefillSpec, seqlen: int, *, batch: int | None = None, heads: int 
     if not torch.cuda.is_available():
         raise LaunchError("attngen tune needs a CUDA GPU (torch.cuda.is_available() is False); "
                           "--dry-run lists the candidates without one")
-    from . import bench
-    from .ops.prefill import prefill
-    from .spec import MaskMode
+    from .bench import bench_ms
 
+    mod = tuning_module(spec)
     device = torch.cuda.current_device()
     ident = device_identity(device)
     arch = get_arch(ident["arch"])
     specs = plan(spec, arch, max_candidates)
-    b, h = problem_size(spec, seqlen, batch, heads)
-    d = spec.head_dim
-    causal = spec.mask is MaskMode.CAUSAL
-    if spec.mask is MaskMode.SLIDING_WINDOW:
-        window = tuple(window or DEFAULT_WINDOW)
-    else:
-        window = (-1, -1)
-    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype.value]
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(b, seqlen, h, d, generator=gen, device="cuda", dtype=torch.float32).to(tdt)
-               for _ in range(3))
-    out = torch.empty_like(q)
-    n_flops = flops(spec, b, h, seqlen, window)
-    kw = dict(causal=causal, window=window, return_lse=spec.return_lse, out=out)
-
-    def call(s: PrefillSpec):
-        return prefill(q, k, v, spec=s, **kw)
+    b, h = mod.problem_size(spec, size, batch, heads)
+    prob: Problem = mod.problem(spec, size, b, h, seed, **options)
 
     rows: list[Row] = []
-    ref = ref_lse = None
+    ref = None
     for i, s in enumerate(specs):
         row = Row(s, default=(i == 0))
         rows.append(row)
         if _compile(row, arch):
             try:
-                out.fill_(float("nan"))
-                res = call(s)
+                prob.poison()
+                outs = [o.float() for o in prob.run(s)]
                 torch.cuda.synchronize()
-                o = out.float()
-                lse = res[1] if spec.return_lse else None
-                if not bool(torch.isfinite(o).all()):
+                if not all(bool(torch.isfinite(o).all()) for j, o in enumerate(outs) if j not in prob.lse_outputs):
                     row.status, row.error = "wrong", "non-finite or unwritten output"
                 elif ref is None:
                     if i != 0:  # the default failed to build or run: no reference to check against
                         row.status, row.error = "failed", "no reference: the default config did not run"
                     else:
-                        ref, ref_lse, row.rel_err = o, lse, 0.0
+                        ref, row.rel_err = outs, 0.0
                 else:
-                    row.rel_err = (torch.linalg.vector_norm(o - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-30)).item()
+                    row.rel_err = max(_rel(torch, o, r) for j, (o, r) in enumerate(zip(outs, ref))
+                                      if j not in prob.lse_outputs)
                     if not row.rel_err < CHECK_TOL:
                         row.status, row.error = "wrong", f"rel L2 {row.rel_err:.3g} vs the default config (tol {CHECK_TOL:g})"
-                    elif lse is not None and not _lse_close(torch, lse, ref_lse):
+                    elif not all(_lse_close(torch, outs[j], ref[j]) for j in prob.lse_outputs):
                         row.status, row.error = "wrong", "LSE differs from the default config's"
                 if row.status == "planned":
-                    row.ms, _ = bench.bench_ms(lambda: call(s), warmup_ms, rep_ms)
-                    row.tflops = bench.tflops(n_flops, row.ms)
+                    row.ms, _ = bench_ms(lambda: prob.run(s), warmup_ms, rep_ms)
+                    row.rate = prob.work / (row.ms * 1e-3) / (1e12 if prob.unit == "TFLOP/s" else 1e9)
                     row.status = "ok"
             except AttngenError as e:
                 row.status, row.error = "failed", _first_line(e)
@@ -227,14 +216,18 @@ def run(spec: PrefillSpec, seqlen: int, *, batch: int | None = None, heads: int 
     good = [r for r in rows if r.status == "ok"]
     winner = min(good, key=lambda r: r.ms) if good else None
     result: dict[str, Any] = {
-        "spec": spec.to_text(), "seqlen": seqlen, "batch": b, "heads": h, "window": list(window),
-        **ident, "candidates": len(specs), "rows": [r.to_dict() for r in rows],
+        "spec": spec.to_text(), "family": spec.family, "seqlen": size, "batch": b, "heads": h, **prob.describe,
+        "unit": prob.unit, **ident, "candidates": len(specs), "rows": [r.to_dict() for r in rows],
         "winner": winner.to_dict() if winner else None, "stored": None,
         "default_ms": rows[0].ms if rows and rows[0].status == "ok" else None,
     }
     if winner is not None and store:
-        result["stored"] = str(store_winner(spec, seqlen, winner, ident, result))
+        result["stored"] = str(store_winner(spec, size, winner, ident, result))
     return result
+
+
+def _rel(torch, o, r) -> float:
+    return (torch.linalg.vector_norm(o - r) / torch.linalg.vector_norm(r).clamp_min(1e-30)).item()
 
 
 def _lse_close(torch, lse, ref) -> bool:
@@ -244,30 +237,28 @@ def _lse_close(torch, lse, ref) -> bool:
     return not bool(fin.any()) or (lse[fin] - ref[fin]).abs().max().item() < LSE_TOL
 
 
-def store_winner(spec: PrefillSpec, seqlen: int, winner: Row, ident: dict, result: dict,
+def store_winner(spec: Spec, size: int, winner: Row, ident: dict, result: dict,
                  root: "str | Path | None" = None) -> Path:
     """Write the winner into the tuned store; returns the file."""
-    from .ops.prefill import untuned_fields
-
     w = winner.to_dict()
+    skip = {"rows", "winner", "stored", "spec", "family", "seqlen", "arch", "gpu", "nvrtc", "attngen"}
     entry = {
-        "family": spec.family, "fields": untuned_fields(spec), **ident, "seqlen": int(seqlen),
-        "tuning": w["tuning"], "spec": w["spec"], "ms": w["ms"], "tflops": w["tflops"],
-        "default_ms": result.get("default_ms"), "batch": result["batch"], "heads": result["heads"],
-        "window": result["window"], "candidates": result["candidates"],
+        "family": spec.family, "fields": spec.untuned_dict(), **ident, "seqlen": int(size),
+        "tuning": w["tuning"], "spec": w["spec"], "ms": w["ms"], "rate": w["rate"],
+        **{k: v for k, v in result.items() if k not in skip},
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    return _cache.TunedStore(root).put(entry)
+    return TunedStore(root).put(entry)
 
 
 # --- text output ----------------------------------------------------------------------------------
 
-def table(rows: list[dict], winner: dict | None = None) -> list[str]:
+def table(rows: list[dict], winner: dict | None = None, unit: str = "TFLOP/s") -> list[str]:
     """The rows as an aligned table; the winner marked with '*', the default with 'd'."""
     def fmt(x, spec):
         return "—" if x is None else format(x, spec)
 
-    head = ("", "CONFIG", "REGS", "SPILLS", "SMEM", "MS", "TFLOP/S", "REL.ERR", "STATUS")
+    head = ("", "CONFIG", "REGS", "SPILLS", "SMEM", "MS", unit.upper(), "REL.ERR", "STATUS")
     lines = [head]
     for r in rows:
         mark = ("*" if winner and r["config"] == winner["config"] else " ") + ("d" if r["default"] else " ")
@@ -275,6 +266,6 @@ def table(rows: list[dict], winner: dict | None = None) -> list[str]:
         status = r["status"] + (f": {r['error']}" if r["error"] else "")
         lines.append((mark, r["config"], fmt(r["registers"], "d"), spills,
                       "—" if r["smem"] is None else f"{r['smem'] // 1024} KiB",
-                      fmt(r["ms"], ".4f"), fmt(r["tflops"], ".1f"), fmt(r["rel_err"], ".1e"), status))
+                      fmt(r["ms"], ".4f"), fmt(r["rate"], ".1f"), fmt(r["rel_err"], ".1e"), status))
     widths = [max(len(str(row[i])) for row in lines) for i in range(len(head) - 1)]
     return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in lines]

@@ -31,15 +31,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     """A fresh, empty cache root for one test (and a clean in-process layer)."""
-    from attngen import cache, runtime
+    from attngen import cache, runtime, tuned
 
     d = tmp_path / "cache"
     monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(d))
-    cache.clear_memory()
-    runtime.clear_loaded()
+    for clear in (cache.clear_memory, tuned.clear_tuned_memo, runtime.clear_loaded):
+        clear()
     yield d
-    cache.clear_memory()
-    runtime.clear_loaded()
+    for clear in (cache.clear_memory, tuned.clear_tuned_memo, runtime.clear_loaded):
+        clear()
 
 
 @pytest.fixture

@@ -81,7 +81,7 @@ def prebuild(variants=PREBUILD, head_dim: int = 64, arch: str = "sm_90a") -> Non
     Must run before ``install``: NVRTC goes through CuPy, which would find the stub as its driver.
     """
     from attngen import build
-    from attngen.spec import PrefillSpec
+    from attngen import PrefillSpec
 
     for dt, mask, lse in variants:
         build(PrefillSpec(head_dim=head_dim, dtype=dt, mask=mask, return_lse=lse), arch)

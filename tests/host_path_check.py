@@ -26,7 +26,7 @@ def main():
     os.environ["ATTNGEN_CACHE_DIR"] = root
     os.environ.pop("ATTNGEN_NO_TUNED", None)
     from attngen import build
-    from attngen.spec import PrefillSpec
+    from attngen import PrefillSpec
 
     fake_cuda.prebuild()
     build(PrefillSpec(head_dim=64, dtype="bf16", **TUNED), "sm_90a")
@@ -38,7 +38,7 @@ def main():
     import attngen
     from attngen import cache
     from attngen.compiler import nvrtc_version
-    from attngen.ops import prefill as op
+    from attngen.families.prefill import op
 
     def rand(*shape, dtype=torch.bfloat16):
         return wrap(torch.randn(*shape).to(dtype))
@@ -123,8 +123,10 @@ def main():
     assert default == attngen.resolve(PrefillSpec(head_dim=64, dtype="bf16"), "sm_90a")
     gpu = attngen.runtime.driver().device_name(0)
     fields = {"head_dim": 64, "dtype": "bf16", "mask": "none", "return_lse": False}
-    cache.TunedStore().put({"family": "prefill", "fields": fields, "arch": "sm_90a", "gpu": gpu, "nvrtc": nvrtc_version(),
-                            "attngen": attngen.__version__, "seqlen": 512, "tuning": TUNED})
+    from attngen.tuned import TunedStore
+
+    TunedStore().put({"family": "prefill", "fields": fields, "arch": "sm_90a", "gpu": gpu, "nvrtc": nvrtc_version(),
+                      "attngen": attngen.__version__, "seqlen": 512, "tuning": TUNED})
     attngen.runtime.clear_loaded()
     cache.clear_memory()
     tuned = op.kernel_for(q, k, v).spec

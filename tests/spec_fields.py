@@ -4,7 +4,8 @@ Every value each field may take. A field added to PrefillSpec must be added here
 that use this table fail: that is the point (FlashInfer's "every codegen arg feeds the name").
 """
 
-from attngen.spec import DType, MaskMode, Mma, PrefillSpec
+from attngen.spec import DType
+from attngen import MaskMode, Mma, PrefillSpec
 
 FIELD_VALUES = {
     "head_dim": PrefillSpec.HEAD_DIMS,

@@ -27,7 +27,8 @@ from attngen.cache import BuildResult, DiskCache, build, cache_root, clear_memor
 from attngen.compiler import Binary, Resources, compile_options, nvrtc_version
 from attngen.errors import AttngenError, CacheError
 from attngen.render import render
-from attngen.spec import DType, MaskMode, PrefillSpec, parse_spec, resolve
+from attngen.spec import DType, parse_spec, resolve
+from attngen import MaskMode, PrefillSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = PrefillSpec(head_dim=64)
@@ -38,7 +39,7 @@ ARCH = "sm_80"
 def key_for(spec=SPEC, arch=ARCH) -> str:
     a = get_arch(arch)
     r = resolve(spec, a)
-    return key_of(key_material(r, a, render(r), compile_options(a)))
+    return key_of(key_material(r, a, compile_options(a)))
 
 
 def sha(b: bytes) -> str:
@@ -162,7 +163,7 @@ def test_entry_layout(golden, cache_dir):
     assert meta["arch"] == ARCH and meta["options"] == list(compile_options(ARCH))
     assert meta["kernel_name"] == res.spec.kernel_name
     assert meta["spec"] == res.spec.to_dict() and parse_spec(meta["spec_text"]) == res.spec
-    assert meta["key_material"] == key_material(res.spec, get_arch(ARCH), res.source, compile_options(ARCH))
+    assert meta["key_material"] == key_material(res.spec, get_arch(ARCH), compile_options(ARCH))
     assert key_of(meta["key_material"]) == key
     assert isinstance(meta["compile_seconds"], float) and meta["compile_seconds"] > 0
     assert meta["smem_dynamic"] == res.spec.smem_bytes() and meta["threads"] == res.spec.threads
@@ -570,3 +571,53 @@ def test_empty_and_missing_roots_list_nothing(tmp_path):
         assert disk.stats() == {"root": str(root), "entries": 0, "invalid": 0, "bytes": 0, "by_arch": {},
                                 "compile_seconds": 0}
         assert disk.clear() == 0
+
+
+# --- logging and ATTNGEN_ALWAYS_COMPILE -----------------------------------------------------------
+
+def test_a_compile_is_one_info_record_and_hits_are_debug(cache_dir, caplog):
+    import logging
+
+    spec = PrefillSpec(head_dim=64, dtype="fp16")
+    with caplog.at_level(logging.DEBUG, logger="attngen"):
+        build(spec, ARCH)
+        clear_memory()
+        build(spec, ARCH)
+    info = [r for r in caplog.records if r.levelno == logging.INFO and r.getMessage().startswith("compiled ")]
+    assert len(info) == 1
+    msg = info[0].getMessage()
+    assert spec.to_text() in msg and ARCH in msg and " s: " in msg and "registers" in msg
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any(m.startswith("cache miss: ") for m in debug) and any(m.startswith("cache hit (disk): ") for m in debug)
+
+
+def test_attngen_log_sets_the_level_from_the_environment(cache_dir, monkeypatch):
+    import logging
+
+    from attngen import cache as cache_mod
+
+    log = logging.getLogger("attngen")
+    old = log.level
+    try:
+        monkeypatch.setenv("ATTNGEN_LOG", "debug")
+        build(PrefillSpec(head_dim=64, dtype="fp16"), ARCH)
+        assert log.level == logging.DEBUG and any(getattr(h, "_attngen", False) for h in log.handlers)
+        monkeypatch.setenv("ATTNGEN_LOG", "warning")
+        cache_mod.configure_logging()
+        assert log.level == logging.WARNING
+        assert sum(getattr(h, "_attngen", False) for h in log.handlers) == 1
+    finally:
+        log.setLevel(old)
+        for h in [h for h in log.handlers if getattr(h, "_attngen", False)]:
+            log.removeHandler(h)
+        cache_mod._log_setting[0] = None
+
+
+def test_always_compile_bypasses_both_caches(cache_dir, monkeypatch):
+    spec = PrefillSpec(head_dim=64, dtype="fp16")
+    assert build(spec, ARCH).origin == "compiled"
+    assert build(spec, ARCH).origin == "memory"
+    monkeypatch.setenv("ATTNGEN_ALWAYS_COMPILE", "1")
+    assert [build(spec, ARCH).origin for _ in range(2)] == ["compiled", "compiled"]
+    monkeypatch.setenv("ATTNGEN_ALWAYS_COMPILE", "0")
+    assert build(spec, ARCH).origin == "memory"

@@ -196,7 +196,7 @@ def test_inspect_spec_that_does_not_fit_the_arch_exits_2(capsys):
 def test_inspect_key_without_compiling(cache_dir, capsys):
     assert main(["inspect", SPEC, "--key"]) == 0
     out = capsys.readouterr().out
-    assert HEX64.search(out) and '"source_sha256"' in out and '"nvrtc"' in out
+    assert HEX64.search(out) and '"templates_sha256"' in out and '"nvrtc"' in out
     rc, js = run_json(capsys, "inspect", SPEC, "--key", "--arch", "sm_80")
     assert rc == 0 and HEX64.fullmatch(js["key"]) and js["key_material"]["arch"] == "sm_80"
     assert "source" not in js

@@ -7,9 +7,10 @@ import pytest
 from attngen.arch import ARCHS
 from attngen.compiler import compile
 from attngen.errors import SpecError
-from attngen.ops.decode import MAX_SPLITS, choose_splits
+from attngen.families.decode.op import MAX_SPLITS, choose_splits
 from attngen.render import render
-from attngen.spec import DecodeSpec, Variant, parse_spec, resolve, validate
+from attngen.spec import parse_spec, resolve, validate
+from attngen import DecodeSpec, Variant
 
 
 def test_text_form_round_trips_and_names_the_family():

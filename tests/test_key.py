@@ -15,8 +15,10 @@ from attngen.arch import get_arch
 from attngen.cache import KEY_SCHEMA, key_material, key_of
 from attngen.compiler import compile_options, nvrtc_version
 from attngen.errors import SpecError
-from attngen.render import environment, render, template_context, templates_dir
-from attngen.spec import PrefillSpec, parse_spec, resolve
+from attngen.family import get_family
+from attngen.render import digests_for, family_digests, render, template_files, templates_dir
+from attngen.spec import parse_spec, resolve
+from attngen import PrefillSpec
 from tests.spec_fields import BASE, BASES, FIELD_VALUES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def parts(spec, arch="sm_90", extra=()):
     a = get_arch(arch)
     r = resolve(spec, a)
-    return r, a, render(r), compile_options(a, extra)
+    return r, a, compile_options(a, extra)
 
 
 def key_for(spec, arch="sm_90", extra=()):
@@ -34,9 +36,10 @@ def key_for(spec, arch="sm_90", extra=()):
 
 
 def test_key_shape_and_material():
-    r, a, src, opts = parts(BASE)
-    m = key_material(r, a, src, opts)
-    assert set(m) == {"schema", "attngen", "spec", "source_sha256", "options", "nvrtc", "arch"}
+    r, a, opts = parts(BASE)
+    m = key_material(r, a, opts)
+    assert set(m) == {"schema", "attngen", "spec", "templates_sha256", "code_sha256", "options", "nvrtc", "arch"}
+    assert m["templates_sha256"] == family_digests(get_family("prefill"))["templates"]
     assert m["schema"] == KEY_SCHEMA
     assert m["attngen"] == __version__
     assert m["spec"] == r.to_dict()
@@ -101,51 +104,115 @@ def test_options_change_the_key():
     assert key_for(BASE, extra=("-lineinfo",)) != key_for(BASE, extra=("--use_fast_math",))
 
 
-def test_source_changes_the_key():
-    r, a, src, opts = parts(BASE)
-    k = key_of(key_material(r, a, src, opts))
-    assert key_of(key_material(r, a, src + "\n", opts)) != k
-    assert key_of(key_material(r, a, src.replace("NUM_STAGES = 2", "NUM_STAGES = 3"), opts)) != k
+def test_digests_change_the_key():
+    r, a, opts = parts(BASE)
+    d = family_digests(get_family("prefill"))
+    k = key_of(key_material(r, a, opts, d))
+    assert key_of(key_material(r, a, opts)) == k
+    assert key_of(key_material(r, a, opts, {**d, "templates": "0" * 64})) != k
+    assert key_of(key_material(r, a, opts, {**d, "code": "0" * 64})) != k
 
 
 def test_template_edit_changes_the_key(tmp_path):
-    """An edit to an included piece reaches the rendered source, hence the key, with no version bump."""
-    r, a, src, opts = parts(BASE)
-    copy = tmp_path / "templates"
-    shutil.copytree(templates_dir(), copy)
-    piece = copy / "common" / "mask.cuh"
-    piece.write_text(piece.read_text() + "// a harmless edit\n")
-    edited = environment(str(copy)).get_template(r.template).render(**template_context(r))
-    assert edited != src
-    assert "// a harmless edit" in edited
-    assert key_of(key_material(r, a, edited, opts)) != key_of(key_material(r, a, src, opts))
-    # An unedited copy renders the same bytes as the package's templates.
+    """An edit to any piece a family can include moves its key with no version bump; a copy does not."""
+    fam = get_family("prefill")
+    r, a, opts = parts(BASE)
+    base = digests_for(fam)
     fresh = tmp_path / "fresh"
     shutil.copytree(templates_dir(), fresh)
-    assert environment(str(fresh)).get_template(r.template).render(**template_context(r)) == src
+    assert digests_for(fam, (str(fresh),)) == base
+    for piece in ("common/mask.cuh", "common/wgmma.cuh.jinja", "prefill.cu.jinja"):
+        copy = tmp_path / piece.replace("/", "_")
+        shutil.copytree(templates_dir(), copy)
+        (copy / piece).write_text((copy / piece).read_text() + "// a harmless edit\n")
+        edited = digests_for(fam, (str(copy),))
+        assert edited["templates"] != base["templates"], piece
+        assert key_of(key_material(r, a, opts, edited)) != key_of(key_material(r, a, opts, base))
+    # A piece decode does not include leaves decode's key alone.
+    dec = get_family("decode")
+    copy = tmp_path / "mask_only"
+    shutil.copytree(templates_dir(), copy)
+    (copy / "common" / "mask.cuh").write_text("// changed\n")
+    assert "common/mask.cuh" not in template_files(dec)
+    assert digests_for(dec, (str(copy),)) == digests_for(dec)
+
+
+def test_template_files_cover_everything_a_render_loads(monkeypatch):
+    """The key's template set is a superset of what rendering reads, for every family and branch."""
+    import jinja2
+
+    loaded = []
+    real = jinja2.FileSystemLoader.get_source
+
+    def spy(self, environment, template):
+        loaded.append(template)
+        return real(self, environment, template)
+
+    monkeypatch.setattr(jinja2.FileSystemLoader, "get_source", spy)
+    from attngen.render import environment
+
+    environment.cache_clear()
+    try:
+        for text, arch in [("prefill:head_dim=128,mask=causal", "sm_90a"), ("prefill:head_dim=96", "sm_80"),
+                           ("decode:head_dim=128,paged=true", "sm_90a"), ("decode:variant=unfused", "sm_80")]:
+            spec = resolve(parse_spec(text), arch)
+            loaded.clear()
+            environment.cache_clear()  # a fresh environment loads every template it needs again
+            render(spec)
+            assert loaded and set(loaded) <= set(template_files(get_family(spec.family))), (text, loaded)
+    finally:
+        environment.cache_clear()
+
+
+def test_context_code_feeds_the_key():
+    from attngen.render import context_code_files
+
+    fam = get_family("prefill")
+    files = {p.name for p in context_code_files(fam)}
+    assert {"render.py", "spec.py"} <= files  # render.py pastes pieces; spec.py builds the context
+    assert any(p.parent.name == "prefill" and p.name == "spec.py" for p in context_code_files(fam))
+    # A module the family names as context code is hashed too.
+    extra = dataclasses.replace(fam, context_modules=("tests.spec_fields",))
+    assert digests_for(extra)["code"] != digests_for(fam)["code"]
+    assert digests_for(extra)["templates"] == digests_for(fam)["templates"]
+
+
+def test_a_warm_hit_in_a_new_process_imports_no_jinja(tmp_path):
+    code = (
+        "import sys\n"
+        "from attngen import build, parse_spec\n"
+        "r = build(parse_spec('prefill:head_dim=128,mask=causal'), 'sm_90a')\n"
+        "print(r.origin, 'jinja2' in sys.modules)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), ATTNGEN_CACHE_DIR=str(tmp_path))
+    outs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    assert outs[0].returncode == 0 and outs[1].returncode == 0, outs[0].stderr + outs[1].stderr
+    assert outs[0].stdout.split() == ["compiled", "True"]
+    assert outs[1].stdout.split() == ["disk", "False"]
 
 
 def test_nvrtc_version_changes_the_key(monkeypatch):
-    r, a, src, opts = parts(BASE)
-    k = key_of(key_material(r, a, src, opts))
+    r, a, opts = parts(BASE)
+    k = key_of(key_material(r, a, opts))
     monkeypatch.setattr(cache_mod, "nvrtc_version", lambda: "12.9")
-    m = key_material(r, a, src, opts)
+    m = key_material(r, a, opts)
     assert m["nvrtc"] == "12.9"
     assert key_of(m) != k
 
 
 def test_attngen_version_changes_the_key(monkeypatch):
-    r, a, src, opts = parts(BASE)
-    k = key_of(key_material(r, a, src, opts))
+    r, a, opts = parts(BASE)
+    k = key_of(key_material(r, a, opts))
     monkeypatch.setattr(cache_mod, "__version__", "0.0.0+other")
-    assert key_of(key_material(r, a, src, opts)) != k
+    assert key_of(key_material(r, a, opts)) != k
 
 
 def test_key_schema_changes_the_key(monkeypatch):
-    r, a, src, opts = parts(BASE)
-    k = key_of(key_material(r, a, src, opts))
+    r, a, opts = parts(BASE)
+    k = key_of(key_material(r, a, opts))
     monkeypatch.setattr(cache_mod, "KEY_SCHEMA", KEY_SCHEMA + 1)
-    assert key_of(key_material(r, a, src, opts)) != k
+    assert key_of(key_material(r, a, opts)) != k
 
 
 def test_same_spec_same_key_in_a_new_process():
@@ -156,13 +223,12 @@ def test_same_spec_same_key_in_a_new_process():
         "from attngen.arch import get_arch\n"
         "from attngen.cache import key_material, key_of\n"
         "from attngen.compiler import compile_options\n"
-        "from attngen.render import render\n"
         "from attngen.spec import parse_spec, resolve\n"
         "out = {}\n"
         f"for t in {specs!r}:\n"
         f"    for a in {archs!r}:\n"
         "        r = resolve(parse_spec(t), a)\n"
-        "        out[t + '@' + a] = key_of(key_material(r, get_arch(a), render(r), compile_options(a)))\n"
+        "        out[t + '@' + a] = key_of(key_material(r, get_arch(a), compile_options(a)))\n"
         "print(json.dumps(out))\n"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED="987")

@@ -12,7 +12,8 @@ from attngen.arch import get_arch
 from attngen.errors import SpecError
 from attngen.manifest import (ManifestError, default_manifest_path, expand, load_manifest,
                               manifest_from_dict)
-from attngen.spec import MaskMode, resolve, validate
+from attngen.spec import resolve, validate
+from attngen import MaskMode
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -4,7 +4,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import itertools
 import re
 import subprocess
 import sys
@@ -14,8 +13,9 @@ import jinja2
 import pytest
 
 from attngen.errors import SpecError
-from attngen.render import environment, render, template_context, templates_dir
-from attngen.spec import DType, MaskMode, PrefillSpec, parse_spec, resolve
+from attngen.render import environment, render, templates_dir
+from attngen.spec import DType, parse_spec, resolve
+from attngen import MaskMode, PrefillSpec
 from tests.spec_fields import BASE, BASES, FIELD_VALUES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,10 +114,10 @@ def test_environment_is_strict_about_missing_variables():
 @pytest.mark.parametrize("drop", ["num_stages", "kernel_name", "is_bf16", "mask_mode", "threads"])
 def test_family_template_fails_on_any_missing_context_value(drop):
     spec = resolve(PrefillSpec(head_dim=64), "sm_90")
-    ctx = template_context(spec)
+    ctx = spec.template_context()
     del ctx[drop]
     with pytest.raises(jinja2.UndefinedError, match=drop):
-        environment().get_template(spec.template).render(**ctx)
+        environment().get_template(f"{spec.family}.cu.jinja").render(**ctx)
 
 
 # --- what the source holds -------------------------------------------------------------------------
@@ -265,23 +265,14 @@ def test_resolved_and_unresolved_specs_name_distinct_kernels():
     assert resolve(s, "sm_90").kernel_name != resolve(s, "sm_90a").kernel_name
 
 
-def test_compiled_templates_are_kept_in_the_cache_root(tmp_path, monkeypatch):
-    # A fresh process's warm load renders its source for the key; the compiled templates come
-    # from <root>/v1/jinja, and a damaged entry there is a miss, never an error.
-    import jinja2.bccache
-
-    from attngen.render import environment
-
+def test_building_writes_no_python_code_into_the_cache_root(tmp_path, monkeypatch):
+    # Nothing CPU-executable is kept in the cache (Jinja's bytecode cache held code objects):
+    # a build leaves cubins, sources, metadata and lock files only.
     from attngen import build
 
     monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path))
     spec = resolve(PrefillSpec(head_dim=128), "sm_90a")
-    src = render(spec)
-    assert not (tmp_path / "v1").exists()  # plain render writes nothing
-    build(spec, "sm_90a")
-    files = sorted((tmp_path / "v1" / "jinja").glob("*.cache"))
-    assert len(files) >= 2  # the family's template and its wgmma piece
-    for f, junk in zip(files, itertools.cycle([b"junk", jinja2.bccache.bc_magic + b"junk"])):
-        f.write_bytes(junk)
-    environment.cache_clear()
-    assert render(spec, bytecode=str(tmp_path / "v1" / "jinja")) == src
+    assert build(spec, "sm_90a").origin == "compiled"
+    names = {p.name.rsplit(".", 1)[-1] for p in tmp_path.rglob("*") if p.is_file()}
+    assert names <= {"cubin", "cu", "json", "lock"}, names
+    assert not (tmp_path / "v1" / "jinja").exists()

@@ -8,7 +8,8 @@ import pytest
 
 from attngen import ARCHS, AttngenError, SpecError
 from attngen.arch import get_arch
-from attngen.spec import DType, MaskMode, PrefillSpec, parse_spec, resolve, validate
+from attngen.spec import DType, parse_spec, resolve, validate
+from attngen import MaskMode, PrefillSpec
 
 ALL_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120")
 TUNING = ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages")
@@ -160,12 +161,17 @@ def test_duplicate_field():
     assert "given twice" in str(ei.value)
 
 
-@pytest.mark.parametrize("text", ["nosuch:head_dim=128", "head_dim=128", "", "Prefill:head_dim=64"])
+@pytest.mark.parametrize("text", ["nosuch:head_dim=128", "head_dim=128", "", "prefil:head_dim=64"])
 def test_bad_family(text):
     with pytest.raises(SpecError) as ei:
         parse_spec(text)
     assert ei.value.field == "family"
-    assert ei.value.allowed == "prefill, decode"
+    assert ei.value.allowed == "decode, prefill"
+
+
+def test_family_names_and_values_are_case_insensitive_alike():
+    assert parse_spec("Prefill:head_dim=64,dtype=BF16,mask=Causal") == parse_spec("prefill:head_dim=64,mask=causal")
+    assert parse_spec({"family": "DECODE", "head_dim": 64}) == parse_spec("decode:head_dim=64")
 
 
 @pytest.mark.parametrize("item", ["head_dim", "=128", "head_dim:128"])

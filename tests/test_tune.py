@@ -14,8 +14,10 @@ import pytest
 from attngen import __version__, cache
 from attngen.cli import main
 from attngen.errors import CacheError
-from attngen.ops import prefill as op
-from attngen.spec import PrefillSpec, resolve, tuning_candidates
+from attngen import tuned
+from attngen.families.prefill import tuning as prefill_tuning
+from attngen.spec import resolve, tuning_candidates
+from attngen import PrefillSpec
 from attngen import tune
 from conftest import gpu_count
 
@@ -39,13 +41,13 @@ def base(**kw) -> PrefillSpec:
 
 def choices(entries, **ident):
     i = {**IDENT, **ident}
-    return op.tuned_choices(base(), i["arch"], i["gpu"], entries, nvrtc=i["nvrtc"], version=i["attngen"])
+    return tuned.tuned_choices(base(), i["arch"], i["gpu"], entries, nvrtc=i["nvrtc"], version=i["attngen"])
 
 
 # --- the store ------------------------------------------------------------------------------------
 
 def test_store_round_trip(cache_dir):
-    store = cache.TunedStore()
+    store = tuned.TunedStore()
     assert store.read("sm_90") == [] and store.entries() == []
     path = store.put(entry(512))
     assert path == cache_dir / "v1" / "tuned" / "sm_90.json"
@@ -53,7 +55,7 @@ def test_store_round_trip(cache_dir):
     got = store.read("sm_90")
     assert sorted(e["seqlen"] for e in got) == [512, 4096]
     assert next(e for e in got if e["seqlen"] == 4096)["tuning"] == CFG_B
-    assert json.loads(path.read_text())["format"] == cache.TUNED_FORMAT
+    assert json.loads(path.read_text())["format"] == tuned.TUNED_FORMAT
     # Same key and seqlen: replaced, not duplicated.
     store.put(entry(512, CFG_B))
     got = store.read("sm_90")
@@ -65,36 +67,36 @@ def test_store_round_trip(cache_dir):
 
 
 def test_tuned_entries_read_once_per_process_and_updated_by_put(cache_dir):
-    store = cache.TunedStore()
+    store = tuned.TunedStore()
     store.put(entry(512))
     cache.clear_memory()
-    first = cache.tuned_entries("sm_90")
+    first = tuned.tuned_entries("sm_90")
     assert len(first) == 1
     store.path("sm_90").write_text("{}")  # another process rewrites the file: this one keeps its copy
-    assert cache.tuned_entries("sm_90") == first
+    assert tuned.tuned_entries("sm_90") == first
     store.put(entry(1024))  # a put re-reads the file under its lock and refreshes this process's copy
-    assert [e["seqlen"] for e in cache.tuned_entries("sm_90")] == [1024]
+    assert [e["seqlen"] for e in tuned.tuned_entries("sm_90")] == [1024]
     cache.clear_memory()
-    assert [e["seqlen"] for e in cache.tuned_entries("sm_90")] == [1024]
+    assert [e["seqlen"] for e in tuned.tuned_entries("sm_90")] == [1024]
 
 
 @pytest.mark.parametrize("content", [b"", b"{not json", b"[]", b'"x"', b'{"format": 99, "entries": []}',
                                      b'{"format": 1, "entries": {}}', b"\xff\xfe\x00garbage"])
 def test_corrupt_file_reads_as_empty_and_is_replaced_by_put(cache_dir, content):
-    store = cache.TunedStore()
+    store = tuned.TunedStore()
     p = store.path("sm_90")
     p.parent.mkdir(parents=True)
     p.write_bytes(content)
     assert store.read("sm_90") == [] and store.entries() == []
     cache.clear_memory()
-    assert cache.tuned_entries("sm_90") == []
-    assert choices(cache.tuned_entries("sm_90")) == []
+    assert tuned.tuned_entries("sm_90") == []
+    assert choices(tuned.tuned_entries("sm_90")) == []
     store.put(entry(512))
     assert [e["seqlen"] for e in store.read("sm_90")] == [512]
 
 
 def test_malformed_entries_are_skipped_alone(cache_dir):
-    store = cache.TunedStore()
+    store = tuned.TunedStore()
     good = entry(512)
     bad = [1, "x", {"family": "prefill"}, entry(0), entry(-5), entry(True), {**entry(700), "tuning": "fast"},
            {**entry(800), "fields": None}, {**entry(900), "gpu": 3}]
@@ -107,7 +109,7 @@ def test_malformed_entries_are_skipped_alone(cache_dir):
 
 
 def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(cache_dir, monkeypatch):
-    store = cache.TunedStore()
+    store = tuned.TunedStore()
     store.put(entry(512))
     before = store.path("sm_90").read_bytes()
 
@@ -115,7 +117,7 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(cache_dir, mo
         Path(path).write_bytes(data[: len(data) // 2])  # a crash halfway through the temp file
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(cache, "_write", boom)
+    monkeypatch.setattr(tuned, "_write", boom)
     with pytest.raises(CacheError, match="could not store the tuned configuration"):
         store.put(entry(1024))
     assert store.path("sm_90").read_bytes() == before
@@ -130,19 +132,19 @@ def test_read_only_root_raises_cache_error(tmp_path, monkeypatch):
     ro.chmod(0o555)
     try:
         with pytest.raises(CacheError):
-            cache.TunedStore(ro).put(entry(512))
-        assert cache.TunedStore(ro).entries() == []
+            tuned.TunedStore(ro).put(entry(512))
+        assert tuned.TunedStore(ro).entries() == []
     finally:
         ro.chmod(0o755)
 
 
 _PUT_SCRIPT = """
 import sys
-from attngen import cache
+from attngen import tuned
 e = {"family": "prefill", "fields": %r, "arch": "sm_90", "gpu": "g", "nvrtc": "13.0", "attngen": "x",
      "tuning": %r}
 for i in range(int(sys.argv[2])):
-    cache.TunedStore(sys.argv[1]).put({**e, "seqlen": int(sys.argv[3]) * 1000 + i + 1})
+    tuned.TunedStore(sys.argv[1]).put({**e, "seqlen": int(sys.argv[3]) * 1000 + i + 1})
 """ % (FIELDS, CFG_A)
 
 
@@ -151,7 +153,7 @@ def test_concurrent_processes_lose_no_entry(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", _PUT_SCRIPT, str(tmp_path), "10", str(w)], env=env)
              for w in range(4)]
     assert all(p.wait(timeout=120) == 0 for p in procs)
-    got = cache.TunedStore(tmp_path).read("sm_90")
+    got = tuned.TunedStore(tmp_path).read("sm_90")
     assert sorted(e["seqlen"] for e in got) == sorted(w * 1000 + i + 1 for w in range(4) for i in range(10))
 
 
@@ -165,7 +167,7 @@ def test_key_separation():
         assert choices(entries, **{field: other}) == [], field
     for field, other in [("head_dim", 128), ("dtype", "fp16"), ("mask", "causal"), ("return_lse", True)]:
         b = base(**{field: other})
-        assert op.tuned_choices(b, "sm_90", IDENT["gpu"], entries, nvrtc=IDENT["nvrtc"]) == [], field
+        assert tuned.tuned_choices(b, "sm_90", IDENT["gpu"], entries, nvrtc=IDENT["nvrtc"]) == [], field
     fam = dict(entry(512), family="decode")
     assert choices([fam]) == []
 
@@ -189,33 +191,33 @@ def test_tuned_choices_give_specs_sorted_by_seqlen_and_skip_invalid_tunings():
 def test_nearest_bucket_by_log_distance(seqlen, want):
     assert math.sqrt(512 * 4096) == pytest.approx(1448.15, abs=0.01)
     ch = [(512, base(**CFG_A)), (4096, base(**CFG_B))]
-    assert op.choose_spec(base(), "sm_90", seqlen, ch) == dict(ch)[want]
+    assert tuned.choose_spec(base(), "sm_90", seqlen, ch) == dict(ch)[want]
 
 
 def test_three_buckets_and_no_bucket():
     ch = [(256, base(**CFG_A)), (1024, base(**CFG_B)), (8192, base(**{**CFG_A, "num_stages": 3}))]
-    assert [op.choose_spec(base(), "sm_90", s, ch) for s in (300, 511, 513, 2895, 2897)] == [
+    assert [tuned.choose_spec(base(), "sm_90", s, ch) for s in (300, 511, 513, 2895, 2897)] == [
         ch[0][1], ch[0][1], ch[1][1], ch[1][1], ch[2][1]]
-    assert op.choose_spec(base(), "sm_90", 512, []) == resolve(base(), "sm_90")
-    assert op.bucket_bounds([512]) == []
+    assert tuned.choose_spec(base(), "sm_90", 512, []) == resolve(base(), "sm_90")
+    assert tuned.bucket_bounds([512]) == []
 
 
 def test_tuned_disabled_by_environment(monkeypatch):
     monkeypatch.delenv("ATTNGEN_NO_TUNED", raising=False)
-    assert not op.tuned_disabled()
+    assert not tuned.tuned_disabled()
     for v, off in [("1", True), ("yes", True), ("true", True), ("0", False), ("", False), ("no", False)]:
         monkeypatch.setenv("ATTNGEN_NO_TUNED", v)
-        assert op.tuned_disabled() is off, v
+        assert tuned.tuned_disabled() is off, v
 
 
 def test_store_winner_writes_what_prefill_reads(cache_dir):
     spec = PrefillSpec(head_dim=64, dtype="bf16", mask="causal", return_lse=True)
-    row = tune.Row(spec.replace(**CFG_B), ms=0.5, tflops=100.0, status="ok")
+    row = tune.Row(spec.replace(**CFG_B), ms=0.5, rate=100.0, status="ok")
     result = {"batch": 32, "heads": 32, "window": [-1, -1], "candidates": 3, "default_ms": 0.6}
     tune.store_winner(spec, 512, row, IDENT, result)
-    got = cache.TunedStore().read("sm_90")
+    got = tuned.TunedStore().read("sm_90")
     assert len(got) == 1 and got[0]["fields"] == {"head_dim": 64, "dtype": "bf16", "mask": "causal", "return_lse": True}
-    ch = op.tuned_choices(spec, "sm_90", IDENT["gpu"], got, nvrtc=IDENT["nvrtc"])
+    ch = tuned.tuned_choices(spec, "sm_90", IDENT["gpu"], got, nvrtc=IDENT["nvrtc"])
     assert ch == [(512, spec.replace(**CFG_B))]
 
 
@@ -243,8 +245,8 @@ def test_problem_size_and_flops():
         brute = sum(1 for i in range(sq) for j in range(sk)
                     if (right < 0 and not causal or j <= i + sk - sq + (0 if causal else right))
                     and (left < 0 or j >= i + sk - sq - left))
-        assert tune.visible_pairs(sq, sk, causal, left, right) == brute
-    assert tune.flops(PrefillSpec(head_dim=64, mask="causal"), 2, 3, 100, (-1, -1)) == 4 * 2 * 3 * 100 * 100 * 64 / 2
+        assert prefill_tuning.visible_pairs(sq, sk, causal, left, right) == brute
+    assert prefill_tuning.flops(PrefillSpec(head_dim=64, mask="causal"), 2, 3, 100, (-1, -1)) == 4 * 2 * 3 * 100 * 100 * 64 / 2
 
 
 # --- the CLI --------------------------------------------------------------------------------------
@@ -307,13 +309,13 @@ def test_cli_search_without_gpu_is_an_error(capsys, cache_dir):
     assert main(["tune", "prefill", SPEC, "--seqlen", "512", "-q"]) == 2
     err = capsys.readouterr().err
     assert "needs a CUDA GPU" in err or "torch is not available" in err
-    assert cache.TunedStore().entries() == []
+    assert tuned.TunedStore().entries() == []
 
 
 def test_cli_tune_ls_and_cache_commands(capsys, cache_dir):
     assert main(["tune", "ls"]) == 0
     assert "no tuned configurations" in capsys.readouterr().err
-    cache.TunedStore().put(entry(512))
+    tuned.TunedStore().put(entry(512))
     rc, out = run_json(capsys, "tune", "ls")
     assert rc == 0 and [e["seqlen"] for e in out["entries"]] == [512]
     assert main(["tune", "ls"]) == 0
@@ -324,7 +326,7 @@ def test_cli_tune_ls_and_cache_commands(capsys, cache_dir):
     assert rc == 0 and out["tuned"] == 1 and out["entries"] == 0 and out["invalid"] == 0
     rc, out = run_json(capsys, "cache", "clear")
     assert rc == 0 and "removed_tuned" not in out
-    assert len(cache.TunedStore().entries()) == 1, "cache clear removed tuned configurations"
+    assert len(tuned.TunedStore().entries()) == 1, "cache clear removed tuned configurations"
     rc, out = run_json(capsys, "cache", "clear", "--tuned")
     assert rc == 0 and out["removed_tuned"] == 1
-    assert cache.TunedStore().entries() == [] and cache.tuned_entries("sm_90") == []
+    assert tuned.TunedStore().entries() == [] and tuned.tuned_entries("sm_90") == []

@@ -14,7 +14,8 @@ import torch
 import attngen
 from attngen.bench import bench_ms
 from attngen.errors import SpecError
-from attngen.spec import DecodeSpec, resolve
+from attngen.spec import resolve
+from attngen import DecodeSpec
 
 SHAPES = [  # batch, kv_len, kv_heads, heads, q_len, paged
     (16, 4096, 4, 32, 1, False),

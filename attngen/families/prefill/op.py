@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import bisect
 import math
-import os
 import struct
 
-from .. import cache as _cache
-from ..__version__ import __version__
-from ..arch import Arch, get_arch
-from ..errors import AttngenError, LaunchError, SpecError
-from ..runtime import allocator, device_arch, get_kernel, register_dependent_cache, tensor_info, torch_stream_getter
-from ..spec import DType, MaskMode, PrefillSpec, resolve, validate
+from ...errors import LaunchError
+from ...runtime import allocator, get_kernel, register_dependent_cache, tensor_info, torch_stream_getter
+from ...spec import DType
+from ...tuned import bucket_bounds, stored_choices
+from .spec import MaskMode, PrefillSpec
 
 # PrefillParams in templates/common/prefill_fwd.cuh: 5 pointers, 12 strides, 4 ints, 2 floats, 2 ints.
 _PARAMS = struct.Struct("<5Q12q4i2f2i")
@@ -33,7 +31,6 @@ _LOG2E = 1.4426950408889634
 _NO_WINDOW = (-1, -1)
 # Masks by code: plan keys hold the int, since hashing an Enum member runs Python code (~0.15 us).
 _MASKS = (MaskMode.NONE, MaskMode.CAUSAL, MaskMode.SLIDING_WINDOW)
-_UNTUNED = ("head_dim", "dtype", "mask", "return_lse")
 
 
 def _shape(s) -> tuple:
@@ -74,56 +71,6 @@ def _check_qkv(q, k, v):
     return qi, ki, vi
 
 
-# --- choosing the spec ---------------------------------------------------------------------------
-
-def tuned_disabled() -> bool:
-    return os.environ.get("ATTNGEN_NO_TUNED", "").strip().lower() not in ("", "0", "false", "no")
-
-
-def untuned_fields(spec: PrefillSpec) -> dict:
-    """The fields a tuned entry is keyed by, in their JSON form."""
-    d = spec.to_dict()
-    return {k: d[k] for k in _UNTUNED}
-
-
-def tuned_choices(base: PrefillSpec, arch: "str | Arch", gpu: str, entries: list[dict], *,
-                  nvrtc: str, version: str = __version__) -> list[tuple[int, PrefillSpec]]:
-    """(seqlen, spec) of every stored winner that applies to ``base``'s untuned fields on this
-    arch, GPU, NVRTC and attngen version, sorted by seqlen. Entries whose tuning does not make a
-    valid spec for ``arch`` (hand-edited, or from another version's rules) are skipped."""
-    a = get_arch(arch)
-    found = _cache.match_tuned(entries, family=base.family, fields=untuned_fields(base), arch=a.name, gpu=gpu,
-                               nvrtc=nvrtc, attngen=version)
-    out: dict[int, PrefillSpec] = {}
-    for e in found:
-        try:
-            t = {k: e["tuning"][k] for k in base.TUNING_FIELDS}
-            spec = base.replace(**t)
-            if not spec.is_resolved:
-                continue
-            validate(spec, a)
-        except (KeyError, TypeError, SpecError):
-            continue
-        out[e["seqlen"]] = spec
-    return sorted(out.items())
-
-
-def bucket_bounds(seqlens: list[int]) -> list[float]:
-    """Boundaries between neighbouring tuned seqlens: their geometric means. With
-    ``bisect_right(bounds, s)`` a seqlen goes to the nearest tuned one by log distance (a tie to
-    the larger)."""
-    return [math.sqrt(a * b) for a, b in zip(seqlens, seqlens[1:])]
-
-
-def choose_spec(base: PrefillSpec, arch: "str | Arch", seqlen: int, choices: list[tuple[int, PrefillSpec]]) -> PrefillSpec:
-    """The spec a call of ``seqlen`` query rows runs: the tuned winner of the nearest seqlen bucket
-    (``choices`` from ``tuned_choices``), else the arch's default for ``base``."""
-    if not choices:
-        return resolve(base, arch)
-    i = bisect.bisect_right(bucket_bounds([s for s, _ in choices]), seqlen)
-    return choices[i][1]
-
-
 class _Plan:
     """Everything a call needs that does not depend on its shapes."""
 
@@ -147,17 +94,7 @@ def _make_plan(key: tuple) -> _Plan:
     base = PrefillSpec(**fields) if spec is None else spec.replace(**fields)
     plan = _Plan()
     plan.device = device
-    choices: list[tuple[int, PrefillSpec]] = []
-    if spec is None and not tuned_disabled():
-        from ..compiler import nvrtc_version
-        from ..runtime import driver
-
-        arch = device_arch(device)
-        try:
-            gpu = driver().device_name(device)
-            choices = tuned_choices(base, arch, gpu, _cache.tuned_entries(arch.name), nvrtc=nvrtc_version())
-        except (AttngenError, OSError):  # the store is an optimisation: a failed lookup means the default
-            choices = []
+    choices = stored_choices(base, device) if spec is None else []
     if choices:
         plan.kernel = None
         plan.bounds = bucket_bounds([s for s, _ in choices])
@@ -171,7 +108,7 @@ def _make_plan(key: tuple) -> _Plan:
     if kind == "torch":
         plan.stream = torch_stream_getter()
     else:
-        from ..runtime import current_stream
+        from ...runtime import current_stream
 
         plan.stream = lambda dev: current_stream("cupy", dev)
     _plans[key] = plan

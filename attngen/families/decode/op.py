@@ -3,16 +3,18 @@
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 import struct
 
-from .._driver import CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, driver
-from ..arch import get_arch
-from ..errors import LaunchError
-from ..render import MERGE_THREADS
-from ..runtime import current_stream, empty_like_kind, get_kernel, tensor_info
-from ..spec import DecodeSpec, DType, Variant
+from ..._driver import CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, driver
+from ...arch import get_arch
+from ...errors import LaunchError
+from ...runtime import current_stream, empty_like_kind, get_kernel, register_dependent_cache, tensor_info
+from ...spec import DType
+from ...tuned import bucket_bounds, stored_choices
+from .spec import MERGE_THREADS, DecodeSpec, Variant
 
 # DecodeParams in templates/common/decode_fwd.cuh: 12 pointers, 14 strides, 10 ints, 2 floats.
 _PARAMS = struct.Struct("<12Q14q10i2f")
@@ -50,6 +52,19 @@ def _check_index(x, name: str, shape_rank: int, kind: str, device: int):
 def _spec_for(head_dim: int, dtype: str, q_rows: int, paged: bool, variant: str, user: DecodeSpec | None):
     fields = dict(head_dim=head_dim, dtype=DType(dtype), q_rows=q_rows, paged=paged, variant=Variant(variant))
     return DecodeSpec(**fields) if user is None else user.replace(**fields)
+
+
+# (spec, device) -> (bucket bounds, specs) of the winners `attngen tune decode` stored for this GPU,
+# by cache capacity; read once per process for each pair.
+_tuned: dict[tuple, tuple[list, list]] = register_dependent_cache({})
+
+
+def _tuned_for(base: DecodeSpec, device: int) -> tuple[list, list]:
+    got = _tuned.get((base, device))
+    if got is None:
+        choices = stored_choices(base, device)
+        got = _tuned[(base, device)] = (bucket_bounds([s for s, _ in choices]), [c for _, c in choices])
+    return got
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,7 +129,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     keys 0..L - q_len + i. Lengths past the cache's capacity are clamped to it; out-of-range
     cache rows or blocks are clamped to the pool (they are read on the device, never checked on
     the host). ``num_splits`` 0 chooses the split-KV count, a positive number forces it.
-    ``variant``: "auto", "fused" or "unfused". Returns ``out`` (q's dtype and kind), with
+    ``variant``: "auto", "fused" or "unfused". ``spec`` overrides the tuning fields; without it, a
+    configuration ``attngen tune decode`` stored for this GPU (nearest tuned cache capacity) is
+    used where there is one, else the arch's default. Returns ``out`` (q's dtype and kind), with
     ``return_lse`` also the fp32 LSE ``[batch, heads, q_len]``; a token that sees no key gives
     zeros and LSE -inf.
     """
@@ -207,6 +224,10 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     kind, dev = qi.kind, qi.device
     chosen = "fused" if variant == "auto" else variant
     rs_spec = _spec_for(d, qi.dtype, DecodeSpec.rows_for(group, q_len), paged, chosen, spec)
+    if spec is None:  # a winner `attngen tune decode` stored for the nearest cache capacity, if any
+        bounds, tuned = _tuned.get((rs_spec, dev)) or _tuned_for(rs_spec, dev)
+        if tuned:
+            rs_spec = tuned[bisect.bisect_right(bounds, capacity)]
     kern = get_kernel(rs_spec, device=qi.device)
     rs = kern.spec
     if num_splits == 0:

@@ -1,0 +1,17 @@
+"""The decode family: a few new tokens against a KV cache, GQA-packed, split-KV, contiguous or paged."""
+
+from ...family import Family, register
+from .defaults import candidates
+from .op import decode
+from .spec import DecodeSpec, Variant
+
+FAMILY = register(Family(
+    name="decode",
+    spec=DecodeSpec,
+    candidates=candidates,
+    template="decode.cu.jinja",
+    summary="q_len 1..8 against a KV cache (contiguous or paged), GQA-packed, split-KV with an LSE merge",
+    tuning="attngen.families.decode.tuning",
+    exports={"decode": decode, "DecodeSpec": DecodeSpec, "Variant": Variant},
+    bench="attngen.families.decode.bench",
+))

@@ -1,0 +1,38 @@
+"""The decode family's per-arch defaults: measured configs first, then every allowed combination."""
+
+from __future__ import annotations
+
+import itertools
+
+from ...arch import Arch
+
+# Per (head_dim, paged): [(cta_tile_kv, num_warps, num_stages), ...] best first. From
+# tools/sweep_decode.py on an H100 (NVRTC 13.5, bf16, 2026-11-22, timed with an L2 flush): two
+# stages of large tiles matched or beat deeper rings; paged caches want more CTAs per SM to hide
+# the table reads.
+# head_dim 128 contiguous from tools/probe_decode.py --configs (timed as a decode step) on an H200
+# and an H100: four stages of 64-key tiles keep the H200's faster memory busy, where the 128-key
+# two-stage ring was 8-11% slower than cuDNN, and are within 1% of the best config on the H100.
+TUNED = {
+    (64, False): [(128, 4, 2), (64, 4, 2)],
+    (64, True): [(128, 4, 2), (64, 4, 3)],
+    (128, False): [(64, 4, 4), (128, 4, 2), (64, 4, 2)],
+    (128, True): [(64, 4, 2)],
+    (256, False): [(64, 4, 2), (32, 8, 2)],
+    (256, True): [(64, 4, 2), (32, 8, 2)],
+}
+
+# Configs ptxas spills on some archs (NVRTC 13.5), per (head_dim, paged, q_rows, variant).
+SPILLS_ON = {
+    ((256, True, 16, "fused"), (64, 4, 2)): ("sm_80",),
+    ((64, True, 16, "fused"), (128, 4, 2)): ("sm_80",),
+    ((64, False, 64, "unfused"), (64, 4, 2)): ("sm_86", "sm_89"),
+}
+
+
+def candidates(spec, arch: Arch):
+    """(cta_tile_kv, num_warps, num_stages): tuned configs first, then every allowed combination."""
+    where = (spec.head_dim, spec.paged, spec.q_rows, spec.variant.value)
+    every = itertools.chain(TUNED[(spec.head_dim, spec.paged)],
+                            itertools.product((64, 128, 32, 16), (4, 8), (4, 3, 2, 1)))
+    yield from (c for c in every if arch.name not in SPILLS_ON.get((where, c), ()))

@@ -1,0 +1,142 @@
+"""``DecodeSpec``: the decode family's spec, its fit rules, its template context and its entries.
+
+The text of this module feeds the cache key (it decides what the template context holds); the
+measured per-arch defaults live in ``defaults.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ...arch import Arch
+from ...errors import SpecError
+from ...spec import DType, SpecBase, check_smem, coerce_bool, coerce_enum, coerce_int
+
+# Threads of a decode module's `_merge` entry: one warp per output row.
+MERGE_THREADS = 128
+
+
+class Variant(enum.Enum):
+    FUSED = "fused"      # one kernel: S = Q K^T, online softmax and O += P V per KV tile
+    UNFUSED = "unfused"  # QK^T + per-row max/sum to a workspace, then a second kernel for P V
+
+
+@dataclass(frozen=True)
+class DecodeSpec(SpecBase):
+    """Decode against a KV cache: q_len 1..8 new tokens per sequence, GQA-packed.
+
+    One CTA serves every query head of one KV head (``q_rows`` = group x q_len packed rows,
+    rounded up to a multiple of 16) over one split of the cache, so each K/V byte is read
+    once per split. ``paged`` addresses the cache through a block table. Partial results of
+    several splits are merged through their LSE by the module's ``_merge`` entry.
+    Tuning fields (``cta_tile_kv``, ``num_warps``, ``num_stages``) take 0 for the arch's default.
+    """
+
+    family: ClassVar[str] = "decode"
+
+    HEAD_DIMS: ClassVar[tuple[int, ...]] = (64, 128, 256)
+    Q_ROWS: ClassVar[tuple[int, ...]] = (16, 32, 64, 128)
+    CTA_TILE_KV: ClassVar[tuple[int, ...]] = (0, 16, 32, 64, 128)
+    NUM_WARPS: ClassVar[tuple[int, ...]] = (0, 4, 8)
+    NUM_STAGES: ClassVar[tuple[int, ...]] = (0, 1, 2, 3, 4)
+    TUNING_FIELDS: ClassVar[tuple[str, ...]] = ("cta_tile_kv", "num_warps", "num_stages")
+    ALWAYS_SHOWN: ClassVar[tuple[str, ...]] = ("head_dim", "dtype", "q_rows", "paged", "variant")
+
+    head_dim: int = 128
+    dtype: DType = DType.BF16
+    q_rows: int = 16
+    paged: bool = False
+    variant: Variant = Variant.FUSED
+    cta_tile_kv: int = 0
+    num_warps: int = 0
+    num_stages: int = 0
+
+    def __post_init__(self):
+        s = object.__setattr__
+        s(self, "head_dim", coerce_int("head_dim", self.head_dim, self.HEAD_DIMS))
+        s(self, "dtype", coerce_enum(DType, "dtype", self.dtype))
+        s(self, "q_rows", coerce_int("q_rows", self.q_rows, self.Q_ROWS))
+        s(self, "paged", coerce_bool("paged", self.paged))
+        s(self, "variant", coerce_enum(Variant, "variant", self.variant))
+        s(self, "cta_tile_kv", coerce_int("cta_tile_kv", self.cta_tile_kv, self.CTA_TILE_KV))
+        s(self, "num_warps", coerce_int("num_warps", self.num_warps, self.NUM_WARPS))
+        s(self, "num_stages", coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
+
+    @staticmethod
+    def rows_for(group: int, q_len: int) -> int:
+        """The smallest q_rows that holds group x q_len packed query rows."""
+        need = group * q_len
+        for r in DecodeSpec.Q_ROWS:
+            if need <= r:
+                return r
+        raise SpecError("q_rows", need, "at most 128 packed rows (GQA group x q_len)")
+
+    # --- derived: how the warps split the CTA's work ----------------------------------------
+    @property
+    def warps_m(self) -> int:
+        """Warps along the packed query rows; the rest split each KV tile's keys."""
+        self._require_resolved("warps_m")
+        return min(self.num_warps, self.q_rows // 16)
+
+    @property
+    def warps_n(self) -> int:
+        return self.num_warps // self.warps_m
+
+    @property
+    def m_tiles(self) -> int:
+        return self.q_rows // 16 // self.warps_m
+
+    @property
+    def q_in_regs(self) -> bool:
+        return self.head_dim * self.m_tiles <= 128
+
+    @property
+    def threads(self) -> int:
+        self._require_resolved("threads")
+        return 32 * self.num_warps
+
+    def smem_bytes(self) -> int:
+        """The Q tile and the cp.async ring (K and V tiles; for the unfused kernels, V tiles with
+        their fp32 scores) during the KV loop; after it, the same bytes hold the per-row max/sum
+        of every warp and the fp32 partial outputs of the warps past the first along the keys."""
+        self._require_resolved("smem_bytes")
+        row = self.head_dim * self.dtype.itemsize
+        q = self.q_rows * row
+        ring = self.num_stages * self.cta_tile_kv * row * 2
+        if self.variant is Variant.UNFUSED:
+            # the P V kernel stages fp32 scores (q_rows x cta_tile_kv, padded) next to each V tile
+            ring = self.num_stages * (self.cta_tile_kv * row + self.q_rows * (self.cta_tile_kv + 4) * 4)
+        combine = ((self.warps_n - 1) * self.q_rows * (self.head_dim + 4) + 2 * self.warps_n * self.q_rows) * 4
+        return max(q + ring, combine)
+
+    def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
+        """The main entry; for the unfused variant its ``_pv`` kernel (same launch shape); and the
+        ``_merge`` entry (MERGE_THREADS threads, no dynamic shared memory)."""
+        main = ("", self.threads, self.smem_bytes())
+        pv = (("_pv", self.threads, self.smem_bytes()),) if self.variant is Variant.UNFUSED else ()
+        return (main, *pv, ("_merge", MERGE_THREADS, 0))
+
+    def template_context(self) -> dict:
+        ctx = super().template_context()
+        ctx.update(q_in_regs=self.q_in_regs, warps_m=self.warps_m, merge_threads=MERGE_THREADS)
+        return ctx
+
+    # --- fit ---------------------------------------------------------------------------------
+    def check(self, a: Arch) -> None:
+        keys_per_warp = self.cta_tile_kv // self.warps_n
+        if keys_per_warp < 16 or keys_per_warp % 16:
+            raise SpecError("cta_tile_kv", self.cta_tile_kv, f"a multiple of {16 * self.warps_n}",
+                            reason=f"{self.warps_n} warps split each KV tile and each needs whole 16-key steps "
+                                   f"(q_rows={self.q_rows}, num_warps={self.num_warps})")
+        acc = self.m_tiles * 4 * (self.head_dim // 8 + keys_per_warp // 8)
+        if self.q_in_regs:
+            acc += self.m_tiles * 4 * (self.head_dim // 16)
+        # Decode keeps more live state per accumulator than prefill (row limits, per-row addresses of
+        # the packed heads); past ~136 ptxas spilled (NVRTC 13.5, sm_90, every q_rows x head_dim).
+        if acc > 136:
+            raise SpecError("num_warps", self.num_warps, "more warps (8), a smaller cta_tile_kv or a smaller q_rows",
+                            reason=f"needs about {acc} accumulator registers per thread (limit 136) with "
+                                   f"head_dim={self.head_dim}, q_rows={self.q_rows}")
+        check_smem(self, a, "num_stages", "a smaller num_stages or cta_tile_kv")

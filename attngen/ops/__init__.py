@@ -1,1 +1,0 @@
-"""User-facing operations, one module per kernel family."""
