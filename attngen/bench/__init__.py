@@ -1,0 +1,48 @@
+"""Benchmarks: each kernel family against its peers (one command per family), and the JIT pipeline (jit).
+
+Each kernel family that has a benchmark names its module in the registry (``Family.bench``);
+that module adds its subcommand with ``add_parser(subparsers)``. ``core`` is the harness they
+share (timing, environment, JSON, formatting, the ``--from-json`` start); ``jit`` measures the
+latency of the JIT pipeline.
+
+All write Markdown (``--markdown FILE``) for BENCHMARKS.md, and re-render from a saved JSON
+with ``--from-json FILE`` (no GPU needed for that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# What other modules take from ``attngen.bench``: the tuner and the prefill tuning problem (timer,
+# FLOP count), and tools/ (tools/probe_decode.py times graphs with the event timer and checks them).
+from .core import (_event_bench, _graphed, _rel_check, attention_flops, bench_ms, env_lines,  # noqa: F401
+                   environment, gbps, have_gpu, tflops, write_json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..family import families
+    from . import jit
+
+    p = argparse.ArgumentParser(prog="attngen bench", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command")
+    # By name, so that --help lists them in one order whatever order the families registered in.
+    for fam in sorted(families(), key=lambda f: f.name):
+        if fam.bench:
+            importlib.import_module(fam.bench).add_parser(sub)
+    jit.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

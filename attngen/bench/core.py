@@ -1,0 +1,426 @@
+"""The harness every ``attngen bench`` subcommand shares: timing, the environment record, JSON,
+number formatting, the shared argument parsers, the SDPA peers, the figure footer and the
+``--from-json`` / GPU check start. Nothing here knows a kernel family.
+
+Family benchmarks call the timers, ``environment`` and ``DEVICE`` through this module
+(``core.bench_ms(...)``), not through copies of the names, so that one swap here (a test on the
+CPU, a host-clock timer) reaches every benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+DTYPES = ("bf16", "fp16")
+BACKENDS = ("flash", "cudnn", "efficient")   # SDPA's backends, the peers every benchmark compares with
+DEVICE = "cuda"         # where the benchmarks' inputs live (a test may point this elsewhere)
+CHECK_TOL = 1e-2        # relative L2 of attngen vs its reference; bf16/fp16 land ~1e-3..5e-3
+
+
+# --- argument parsing ----------------------------------------------------------------------------
+
+def _int_list(text: str) -> tuple[int, ...]:
+    vals = []
+    for part in text.split(","):
+        p = part.strip().lower()
+        if not p:
+            continue
+        mult = 1
+        if p.endswith("k"):
+            p, mult = p[:-1], 1024
+        try:
+            v = int(p) * mult
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not an integer (e.g. 512,2k,16384)") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"{part!r} must be positive")
+        vals.append(v)
+    if not vals:
+        raise argparse.ArgumentTypeError("empty list")
+    return tuple(dict.fromkeys(vals))
+
+
+def _choice_list(allowed: tuple[str, ...], aliases: dict[str, str] | None = None):
+    aliases = aliases or {}
+
+    def parse(text: str) -> tuple[str, ...]:
+        vals = []
+        for part in text.split(","):
+            p = part.strip().lower()
+            if not p:
+                continue
+            p = aliases.get(p, p)
+            if p not in allowed:
+                raise argparse.ArgumentTypeError(f"{part!r} is not one of {', '.join(allowed)}")
+            vals.append(p)
+        if not vals:
+            raise argparse.ArgumentTypeError("empty list")
+        return tuple(dict.fromkeys(vals))
+
+    return parse
+
+
+_dtype_list = _choice_list(DTYPES, {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"})
+_backend_list = _choice_list(BACKENDS, {"fa2": "flash", "flash_attention": "flash", "cudnn_attention": "cudnn",
+                                        "mem_efficient": "efficient", "memory_efficient": "efficient"})
+_CAUSAL = {"both": (False, True), "yes": (True,), "no": (False,), "true": (True,), "false": (False,)}
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return v
+
+
+# --- work and rates ------------------------------------------------------------------------------
+
+def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
+    """Forward FLOPs: two GEMMs of 2*Sq*Sk*D each per head; causal does half."""
+    f = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+    return f / 2 if causal else f
+
+
+def tflops(flops: float, ms: float | None) -> float | None:
+    if ms is None or not ms > 0:
+        return None
+    return flops / (ms * 1e-3) / 1e12
+
+
+def gbps(nbytes: float, ms: float | None) -> float | None:
+    if ms is None or not ms > 0:
+        return None
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+# --- small helpers --------------------------------------------------------------------------------
+
+def _say(*a, **kw) -> None:
+    print(*a, **kw, flush=True)
+
+
+def _finite(x: Any) -> Any:
+    """JSON-safe: NaN/inf floats become strings, recursively."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Atomic: a reader (or a run killed mid-write) sees the old file or the new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(_finite(data), indent=1, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
+def _fmt(x: float | None, spec: str = ".1f", none: str = "—") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return none
+    return format(x, spec)
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _short_error(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0][:200] if msg else ''}"
+
+
+def _sdpa_backend(name: str):
+    from torch.nn.attention import SDPBackend
+
+    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+
+
+# --- the environment record -------------------------------------------------------------------------
+
+def have_gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def _version(mod: str) -> str | None:
+    try:
+        m = __import__(mod)
+        return str(getattr(m, "__version__", "?"))
+    except Exception:
+        return None
+
+
+def environment(gpu: bool | None = None) -> dict:
+    """Where the numbers came from: GPU, driver, library versions, date."""
+    from .. import __version__
+
+    env: dict[str, Any] = {
+        "date": _now(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "attngen": __version__,
+        "torch": _version("torch"),
+        "cupy": _version("cupy"),
+        "triton": _version("triton"),
+        "numpy": _version("numpy"),
+    }
+    try:
+        from ..compiler import nvrtc_version
+
+        env["nvrtc"] = nvrtc_version()
+    except Exception as e:
+        env["nvrtc"] = f"unavailable ({e})"
+    try:
+        root = Path(__file__).resolve().parents[2]   # the checkout that holds attngen/bench/core.py
+        r = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                           text=True, timeout=5)
+        if r.returncode == 0:
+            env["attngen_commit"] = r.stdout.strip()
+    except Exception:
+        pass
+    if gpu is None:
+        gpu = have_gpu()
+    env["gpu_present"] = bool(gpu)
+    if not gpu:
+        return env
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            dev = torch.cuda.current_device()
+            prop = torch.cuda.get_device_properties(dev)
+            env["gpu"] = prop.name
+            env["compute_capability"] = f"{prop.major}.{prop.minor}"
+            env["sm_count"] = prop.multi_processor_count
+            env["gpu_memory_gib"] = round(prop.total_memory / 2**30, 1)
+            env["torch_cuda"] = torch.version.cuda
+            try:
+                env["cudnn"] = torch.backends.cudnn.version()
+            except Exception:
+                pass
+    except Exception:
+        pass
+    try:
+        import cupy
+
+        env["cuda_driver_api"] = cupy.cuda.runtime.driverGetVersion()
+        env["cuda_runtime_cupy"] = cupy.cuda.runtime.runtimeGetVersion()
+        if "gpu" not in env:
+            p = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+            env["gpu"] = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
+    except Exception:
+        pass
+    try:
+        from ..runtime import device_arch
+
+        import cupy
+
+        env["attngen_arch"] = device_arch(cupy.cuda.runtime.getDevice()).name
+    except Exception:
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        fields = "name,driver_version,clocks.max.sm,clocks.sm,power.limit,temperature.gpu,persistence_mode"
+        try:
+            r = subprocess.run([smi, f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=15)
+            if r.returncode == 0 and r.stdout.strip():
+                vals = [v.strip() for v in r.stdout.strip().splitlines()[0].split(",")]
+                env["nvidia_smi"] = dict(zip(fields.split(","), vals))
+                env["driver"] = env["nvidia_smi"].get("driver_version")
+        except Exception:
+            pass
+    return env
+
+
+def env_lines(env: dict) -> list[str]:
+    """A short human header for tables and Markdown."""
+    gpu = env.get("gpu") or ("no GPU" if not env.get("gpu_present") else "GPU ?")
+    cc = f" (cc {env['compute_capability']}, {env.get('sm_count', '?')} SMs)" if env.get("compute_capability") else ""
+    drv = env.get("driver") or env.get("cuda_driver_api")
+    lines = [
+        f"GPU: {gpu}{cc}" + (f", driver {drv}" if drv else "")
+        + (f", attngen arch {env['attngen_arch']}" if env.get("attngen_arch") else ""),
+        "versions: " + ", ".join(f"{k} {env[k]}" for k in ("attngen", "torch", "torch_cuda", "cudnn", "cupy",
+                                                              "triton", "nvrtc", "python") if env.get(k) is not None)
+        + (f", attngen commit {env['attngen_commit']}" if env.get("attngen_commit") else ""),
+        f"date: {env.get('date', '?')}",
+    ]
+    return lines
+
+
+# --- timing ---------------------------------------------------------------------------------------
+
+def _triton_do_bench():
+    try:
+        from triton.testing import do_bench
+
+        return do_bench
+    except Exception:
+        return None
+
+
+def bench_ms(fn: Callable[[], Any], warmup_ms: float = 25.0, rep_ms: float = 100.0,
+             reps: int | None = None) -> tuple[float, str]:
+    """Median milliseconds of ``fn`` on the GPU, with CUDA events; returns (ms, method)."""
+    if reps is None:
+        do_bench = _triton_do_bench()
+        if do_bench is not None:
+            try:
+                return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")), "triton.do_bench"
+            except TypeError:
+                pass
+    return _event_bench(fn, warmup_ms, rep_ms, reps), "cuda-events"
+
+
+_flush_buf = None
+
+
+def _event_bench(fn, warmup_ms: float, rep_ms: float, reps: int | None, flush: bool = True) -> float:
+    """do_bench's method without triton: L2 flushed before each timed call, one event pair each, median.
+
+    ``flush=False`` is for callers that keep their inputs out of L2 themselves (decode's --rotate): the
+    flush's zeroing leaves dirty lines whose write-back the timed call would pay."""
+    import torch
+
+    global _flush_buf
+    if flush and _flush_buf is None:
+        _flush_buf = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        if flush:
+            _flush_buf.zero_()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    est = max(start.elapsed_time(end) / 5, 1e-3)
+    n_warm = max(1, int(warmup_ms / est))
+    n_rep = reps if reps is not None else max(1, int(rep_ms / est))
+    for _ in range(n_warm):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+    for i in range(n_rep):
+        if flush:
+            _flush_buf.zero_()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def _graphed(*fns: Callable[[], Any]) -> Callable[[], Any]:
+    """``fns`` captured once, in order, into one CUDA graph (after two warm-up calls of each on a side
+    stream, which also compile and load what they need); returns the graph's replay."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns:
+            fn()
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn in fns:
+            fn()
+    return g.replay
+
+
+# --- checking ------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _no_tf32():
+    """fp32 matmuls without TF32 for the block, so that an fp32 reference stays fp32."""
+    import torch
+
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _rel_check(out, ref) -> dict:
+    """NaN count, max abs and rel L2 of ``out`` (any layout matching ``ref``) against ``ref`` fp32."""
+    import torch
+
+    nan_count = int(torch.isnan(out).sum().item())
+    diff = out.float() - ref
+    rel = float((torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(ref).clamp_min(1e-30)).item())
+    mx = float(diff.abs().max().item()) if diff.numel() else 0.0
+    ok = bool(nan_count == 0 and math.isfinite(rel) and rel <= CHECK_TOL)
+    return {"reference": "fp32", "nan_count": nan_count, "max_abs": mx, "rel_l2": rel, "ok": ok,
+            "tolerance_rel_l2": CHECK_TOL}
+
+
+# --- reporting and the command's start ----------------------------------------------------------
+
+def _save_figure(plt, fig, axes, data: dict, family: str, path: Path, *, bottom: float, dpi: int) -> Path:
+    """One legend for every panel's lines (each label once), the title with GPU and date, and the file."""
+    handles, labels = [], []
+    for row in axes:
+        for ax in row:
+            for hnd, lab in zip(*ax.get_legend_handles_labels()):
+                if lab not in labels:
+                    handles.append(hnd)
+                    labels.append(lab)
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), fontsize=8, frameon=False)
+    env = data.get("env", {})
+    fig.suptitle(f"attngen {family} vs SDPA — {env.get('gpu', '?')}, {env.get('date', '')[:10]}", fontsize=11)
+    fig.tight_layout(rect=(0, bottom, 1, 0.96))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+def _replay_or_gpu_check(family: str, args: argparse.Namespace, finish: Callable[..., None]) -> int | None:
+    """``attngen bench FAMILY``'s start: with --from-json, re-render the saved results (exit 0);
+    without torch or a CUDA GPU, say why on stderr (exit 2); None when the run can go on."""
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        finish(data, args, print_table=True)
+        return 0
+    try:
+        import torch
+    except Exception as e:
+        _say(f"attngen bench {family} needs torch: {e}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        _say(f"attngen bench {family} needs a CUDA GPU (torch.cuda.is_available() is False); "
+             "use --from-json to re-render saved results", file=sys.stderr)
+        return 2
+    return None

@@ -1,0 +1,478 @@
+"""``attngen bench prefill``: attngen.prefill vs PyTorch SDPA's backends.
+
+Runs attngen and ``torch.nn.functional.scaled_dot_product_attention`` with each selected
+backend (flash = FlashAttention-2, cudnn, efficient) on the same inputs in one process, over
+FlashAttention's standard sweep: batch x seqlen = 16384 tokens, heads = 2048 / head_dim,
+head_dim 64/128/256, causal and not, bf16 and fp16. Every shape is checked first (attngen vs
+the flash backend, output poisoned with NaN), then timed with CUDA events (warm-up first,
+median of many repeats). Rows stream to stdout; the JSON is rewritten after every shape, so a
+run cut short still leaves its results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import attngen
+from attngen.bench import core
+from attngen.bench.core import (_CAUSAL, BACKENDS, CHECK_TOL, DTYPES, _backend_list, _dtype_list, _fmt, _int_list,
+                                _replay_or_gpu_check, _save_figure, _say, _sdpa_backend, _short_error,
+                                attention_flops, env_lines, tflops, write_json)
+
+# --- the sweep ------------------------------------------------------------------------------------
+
+TOKENS = 16384          # batch * seqlen
+HIDDEN = 2048           # heads * head_dim
+SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+HEAD_DIMS = (64, 128, 256)
+QUICK = dict(seqlens=(1024, 4096), head_dims=(64, 128), dtypes=("bf16",))
+SDPA_NOTE = ("SDPA is given [B, H, S, D] views made by .transpose(1, 2) of the [B, S, H, D] tensors attngen "
+             "takes, which is how FlashAttention-layout users call it.")
+SDPA_CONTIG_NOTE = ("SDPA is given contiguous [B, H, S, D] copies of the inputs (--sdpa-layout contiguous); "
+                    "attngen gets [B, S, H, D].")
+FLOP_NOTE = "FLOPs = 4*B*H*Sq*Sk*D, halved for causal (FlashAttention's convention)."
+
+
+@dataclass(frozen=True)
+class Shape:
+    dtype: str
+    head_dim: int
+    causal: bool
+    batch: int
+    seqlen: int
+    heads: int
+
+    @property
+    def flops(self) -> float:
+        return attention_flops(self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim, self.causal)
+
+    def label(self) -> str:
+        return (f"{self.dtype} d={self.head_dim} {'causal' if self.causal else 'full'} "
+                f"b={self.batch} s={self.seqlen} h={self.heads}")
+
+
+def make_sweep(head_dims: Iterable[int] = HEAD_DIMS, seqlens: Iterable[int] = SEQLENS,
+               dtypes: Iterable[str] = DTYPES, causal: Iterable[bool] = (False, True),
+               tokens: int = TOKENS, hidden: int = HIDDEN) -> list[Shape]:
+    """The shapes, in the order they run: dtype, mask, head_dim, seqlen."""
+    out = []
+    for dt in dtypes:
+        for c in causal:
+            for d in head_dims:
+                for s in seqlens:
+                    out.append(Shape(dt, d, c, max(1, tokens // s), s, max(1, hidden // d)))
+    return out
+
+
+def sweep_from_args(args: argparse.Namespace) -> list[Shape]:
+    q = QUICK if args.quick else {}
+    return make_sweep(
+        head_dims=args.head_dims or q.get("head_dims", HEAD_DIMS),
+        seqlens=args.seqlens or q.get("seqlens", SEQLENS),
+        dtypes=args.dtypes or q.get("dtypes", DTYPES),
+        causal=_CAUSAL[args.causal],
+        tokens=args.tokens, hidden=args.hidden,
+    )
+
+
+def add_parser(sub) -> None:
+    pp = sub.add_parser("prefill", help="attngen.prefill vs SDPA's flash / cudnn / efficient backends",
+                        description="attngen.prefill vs torch SDPA backends on FlashAttention's standard sweep "
+                                    f"(batch*seqlen={TOKENS}, heads={HIDDEN}/head_dim). {SDPA_NOTE} {FLOP_NOTE}")
+    pp.add_argument("--head-dims", type=_int_list, default=None, help="e.g. 64,128 (default 64,128,256)")
+    pp.add_argument("--seqlens", type=_int_list, default=None, help="e.g. 512,2k (default 512..16k)")
+    pp.add_argument("--dtypes", type=_dtype_list, default=None, help="bf16,fp16 (default both)")
+    pp.add_argument("--causal", choices=sorted(_CAUSAL), default="both", help="masks to run (default both)")
+    pp.add_argument("--backends", type=_backend_list, default=BACKENDS,
+                    help="SDPA backends to compare with (default flash,cudnn,efficient)")
+    pp.add_argument("--quick", action="store_true",
+                    help="a small subset: seqlens 1k,4k, head_dims 64,128, bf16 (explicit options still win)")
+    pp.add_argument("--tokens", type=int, default=TOKENS, help=argparse.SUPPRESS)
+    pp.add_argument("--hidden", type=int, default=HIDDEN, help=argparse.SUPPRESS)
+    pp.add_argument("--out", type=Path, default=None, help="folder for bench_prefill.json and bench_prefill.png")
+    pp.add_argument("--markdown", type=Path, default=None, help="write the table as Markdown to FILE")
+    pp.add_argument("--warmup-ms", type=float, default=25.0, help="warm-up per measurement (ms, default 25)")
+    pp.add_argument("--rep-ms", type=float, default=100.0, help="timed repeats per measurement (ms, default 100)")
+    pp.add_argument("--reps", type=int, default=None,
+                    help="a fixed number of timed repeats instead of --rep-ms (own CUDA-event loop)")
+    pp.add_argument("--sdpa-layout", choices=("view", "contiguous"), default="view",
+                    help="view (default): SDPA gets .transpose(1, 2) views of attngen's [B, S, H, D] inputs; "
+                         "contiguous: SDPA gets its own contiguous [B, H, S, D] copies (its preferred layout)")
+    pp.add_argument("--no-check", action="store_true", help="skip the correctness check")
+    pp.add_argument("--seed", type=int, default=0)
+    pp.add_argument("--from-json", type=Path, default=None,
+                    help="re-render table/Markdown/plot from a saved bench_prefill.json (no GPU)")
+    pp.set_defaults(func=cmd_prefill)
+
+
+# --- measuring ------------------------------------------------------------------------------------
+
+def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, warmup_ms: float = 25.0,
+              rep_ms: float = 100.0, reps: int | None = None, seed: int = 0, sdpa_layout: str = "view") -> dict:
+    """Check and time one shape: attngen and each SDPA backend on the same inputs."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[shape.dtype]
+    b, s, h, d, causal = shape.batch, shape.seqlen, shape.heads, shape.head_dim, shape.causal
+    gen = torch.Generator(device=core.DEVICE).manual_seed(seed)
+    q, k, v = (torch.randn(b, s, h, d, device=core.DEVICE, dtype=tdt, generator=gen) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, S, D] views: FA-layout users' call
+    if sdpa_layout == "contiguous":
+        qt, kt, vt = (x.contiguous() for x in (qt, kt, vt))
+
+    rec: dict[str, Any] = {**asdict(shape), "flops": shape.flops, "ms": {}, "tflops": {}, "errors": {},
+                           "timer": None}
+
+    def attngen_fn():
+        return attngen.prefill(q, k, v, causal=causal)
+
+    def sdpa_fn():
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    # Peers: one call each decides supported or not (and warms up cuDNN plans / handles).
+    peer_out: dict[str, Any] = {}
+    for name in backends:
+        try:
+            with warnings.catch_warnings(), sdpa_kernel(_sdpa_backend(name)):
+                warnings.simplefilter("ignore")
+                o = sdpa_fn()
+            torch.cuda.synchronize()
+            peer_out[name] = o
+        except Exception as e:  # unsupported for this shape / dtype / layout: recorded as null
+            rec["errors"][name] = _short_error(e)
+            rec["ms"][name] = rec["tflops"][name] = None
+            torch.cuda.synchronize()
+
+    # Correctness: attngen into a NaN-poisoned out, vs the flash backend (else the first peer that ran).
+    try:
+        out = torch.full_like(q, float("nan"))
+        attngen.prefill(q, k, v, causal=causal, out=out)
+        torch.cuda.synchronize()
+        mask = attngen.MaskMode.CAUSAL if causal else attngen.MaskMode.NONE
+        kern = attngen.get_kernel(attngen.PrefillSpec(head_dim=d, dtype=attngen.DType(shape.dtype), mask=mask),
+                                  device=q.device.index)
+        rec["kernel"] = {"spec": kern.spec.to_text(), "origin_first": kern.origin,
+                         "resources": kern.binary.resources.to_dict(), "smem_dynamic": kern.smem_bytes,
+                         "threads": kern.threads}
+    except Exception as e:
+        rec["errors"]["attngen"] = _short_error(e)
+        rec["ms"]["attngen"] = rec["tflops"]["attngen"] = None
+        out = None
+    if check and out is not None:
+        if "flash" not in peer_out and "flash" not in backends:
+            # The reference is the flash backend even when it is not among the timed peers.
+            try:
+                with warnings.catch_warnings(), sdpa_kernel(_sdpa_backend("flash")):
+                    warnings.simplefilter("ignore")
+                    peer_out["flash"] = sdpa_fn()
+            except Exception:
+                pass
+        ref_name = next((n for n in ("flash", "cudnn", "efficient") if n in peer_out), None)
+        chk: dict[str, Any] = {"reference": ref_name}
+        nan_count = int(torch.isnan(out).sum().item())
+        chk["nan_count"] = nan_count
+        if ref_name is not None:
+            ref = peer_out[ref_name].transpose(1, 2).float()
+            diff = out.float() - ref
+            chk["max_abs"] = float(diff.abs().max().item())
+            chk["rel_l2"] = float((diff.norm() / ref.norm()).item())
+            del ref, diff
+            chk["ok"] = bool(nan_count == 0 and math.isfinite(chk["rel_l2"]) and chk["rel_l2"] <= CHECK_TOL)
+        else:
+            chk["ok"] = nan_count == 0
+        chk["tolerance_rel_l2"] = CHECK_TOL
+        rec["check"] = chk
+    del out
+    peer_out.clear()
+
+    # Timing.
+    if rec["errors"].get("attngen") is None:
+        try:
+            ms, rec["timer"] = core.bench_ms(attngen_fn, warmup_ms, rep_ms, reps)
+            rec["ms"]["attngen"], rec["tflops"]["attngen"] = ms, tflops(shape.flops, ms)
+        except Exception as e:
+            rec["errors"]["attngen"] = _short_error(e)
+            rec["ms"]["attngen"] = rec["tflops"]["attngen"] = None
+    for name in backends:
+        if name in rec["errors"]:
+            continue
+        try:
+            with warnings.catch_warnings(), sdpa_kernel(_sdpa_backend(name)):
+                warnings.simplefilter("ignore")
+                ms, timer = core.bench_ms(sdpa_fn, warmup_ms, rep_ms, reps)
+            rec["ms"][name], rec["tflops"][name] = ms, tflops(shape.flops, ms)
+            rec["timer"] = rec["timer"] or timer
+        except Exception as e:
+            rec["errors"][name] = _short_error(e)
+            rec["ms"][name] = rec["tflops"][name] = None
+    a = rec["tflops"].get("attngen")
+    rec["ratio"] = {n: (a / rec["tflops"][n] if a and rec["tflops"].get(n) else None) for n in backends}
+    return rec
+
+
+# --- reporting ------------------------------------------------------------------------------------
+
+def _impls(records: list[dict], backends: Iterable[str] | None = None) -> list[str]:
+    if backends is None:
+        seen: list[str] = []
+        for r in records:
+            for n in r.get("tflops", {}):
+                if n != "attngen" and n not in seen:
+                    seen.append(n)
+        backends = [n for n in BACKENDS if n in seen] + [n for n in seen if n not in BACKENDS]
+    return list(backends)
+
+
+def _check_cell(r: dict) -> str:
+    c = r.get("check")
+    if not c:
+        return "—"
+    if c.get("nan_count"):
+        return f"FAIL {c['nan_count']} NaN"
+    rel = c.get("rel_l2")
+    if rel is None:
+        return "ok (no ref)" if c.get("ok") else "FAIL"
+    return f"{rel:.1e}" + ("" if c.get("ok") else " FAIL")
+
+
+def table_columns(backends: list[str]) -> list[str]:
+    return (["dtype", "D", "causal", "B", "S", "H", "attngen"] + list(backends)
+            + [f"/{n}" for n in backends] + ["check"])
+
+
+def table_row(r: dict, backends: list[str]) -> list[str]:
+    tf, ratio = r.get("tflops", {}), r.get("ratio", {})
+    return ([r["dtype"], str(r["head_dim"]), "yes" if r["causal"] else "no", str(r["batch"]), str(r["seqlen"]),
+             str(r["heads"]), _fmt(tf.get("attngen"))]
+            + [_fmt(tf.get(n)) for n in backends]
+            + [_fmt(ratio.get(n), ".2f") for n in backends]
+            + [_check_cell(r)])
+
+
+_WIDTHS = {"dtype": 5, "D": 4, "causal": 6, "B": 3, "S": 6, "H": 3, "check": 12}
+
+
+def _width(col: str) -> int:
+    return _WIDTHS.get(col, max(9, len(col)))
+
+
+def text_header(backends: list[str]) -> str:
+    cols = table_columns(backends)
+    return "  ".join(c.rjust(_width(c)) for c in cols)
+
+
+def text_row(r: dict, backends: list[str]) -> str:
+    cols = table_columns(backends)
+    return "  ".join(v.rjust(_width(c)) for c, v in zip(cols, table_row(r, backends)))
+
+
+def summarize(records: list[dict], backends: list[str]) -> dict:
+    """Minimum and geometric-mean ratio attngen/peer across the sweep, with the worst shape."""
+    out: dict[str, Any] = {}
+    for n in backends:
+        pairs = [(r["ratio"][n], r) for r in records if r.get("ratio", {}).get(n)]
+        if not pairs:
+            out[n] = None
+            continue
+        worst, wr = min(pairs, key=lambda p: p[0])
+        gmean = math.exp(sum(math.log(p) for p, _ in pairs) / len(pairs))
+        out[n] = {"min": worst, "geomean": gmean, "shapes": len(pairs),
+                  "min_at": {k: wr[k] for k in ("dtype", "head_dim", "causal", "batch", "seqlen", "heads")}}
+    checks = [r["check"] for r in records if r.get("check")]
+    out["checks"] = {"run": len(checks), "failed": sum(1 for c in checks if not c.get("ok")),
+                     "max_rel_l2": max((c["rel_l2"] for c in checks if isinstance(c.get("rel_l2"), float)),
+                                       default=None)}
+    return out
+
+
+def summary_lines(summary: dict, backends: list[str]) -> list[str]:
+    lines = []
+    for n in backends:
+        s = summary.get(n)
+        if not s:
+            lines.append(f"attngen/{n}: no shape where both ran")
+            continue
+        at = s["min_at"]
+        lines.append(f"attngen/{n}: min {s['min']:.3f} at {at['dtype']} D={at['head_dim']} "
+                     f"{'causal' if at['causal'] else 'full'} S={at['seqlen']}; geomean {s['geomean']:.3f} "
+                     f"over {s['shapes']} shapes")
+    c = summary.get("checks") or {}
+    if c.get("run"):
+        lines.append(f"checks: {c['run']} run, {c['failed']} failed, max rel L2 {_fmt(c.get('max_rel_l2'), '.1e')}")
+    return lines
+
+
+def prefill_markdown(data: dict) -> str:
+    env, records = data.get("env", {}), data.get("results", [])
+    backends = _impls(records, data.get("config", {}).get("backends"))
+    cols = ["dtype", "D", "causal", "B", "S", "H", "attngen TFLOP/s"] + [f"{n} TFLOP/s" for n in backends] \
+        + [f"attngen/{n}" for n in backends] + ["check (rel L2 vs flash)"]
+    lines = ["## Prefill: attngen vs PyTorch SDPA", ""]
+    lines += [f"- {ln}" for ln in env_lines(env)]
+    cfg = data.get("config", {})
+    lines += [f"- timing: median of CUDA-event timings ({cfg.get('timer') or 'triton.do_bench'}), warm-up "
+              f"{cfg.get('warmup_ms', '?')} ms, repeats {cfg.get('reps') or str(cfg.get('rep_ms', '?')) + ' ms'}; "
+              f"JIT compile and module load are outside the timings",
+              f"- {FLOP_NOTE}",
+              f"- {cfg.get('sdpa_note') or SDPA_NOTE}",
+              "- — = the backend refused that shape.",
+              ""]
+    if not data.get("complete", True):
+        lines += ["**Partial run**: the sweep did not finish.", ""]
+    lines.append("| " + " | ".join(cols) + " |")
+    lines.append("|" + "|".join("---" if i < 3 else "---:" for i in range(len(cols))) + "|")
+    for r in records:
+        lines.append("| " + " | ".join(table_row(r, backends)) + " |")
+    summ = data.get("summary") or summarize(records, backends)
+    lines += [""] + [f"- {ln}" for ln in summary_lines(summ, backends)]
+    return "\n".join(lines) + "\n"
+
+
+def plot_prefill(data: dict, path: Path) -> Path | None:
+    """TFLOP/s vs seqlen: a panel per (mask, head_dim), a colour per implementation, a line style per dtype."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        _say(f"plot skipped: matplotlib is not available ({e})")
+        return None
+    records = data.get("results", [])
+    if not records:
+        return None
+    backends = _impls(records, data.get("config", {}).get("backends"))
+    impls = ["attngen"] + backends
+    masks = sorted({r["causal"] for r in records})
+    dims = sorted({r["head_dim"] for r in records})
+    dtypes = [d for d in DTYPES if any(r["dtype"] == d for r in records)]
+    styles = {"bf16": "-", "fp16": "--"}
+    colors = {"attngen": "tab:red", "flash": "tab:blue", "cudnn": "tab:green", "efficient": "tab:orange"}
+    fig, axes = plt.subplots(len(masks), len(dims), figsize=(4.2 * len(dims), 3.4 * len(masks)), squeeze=False,
+                             sharex=True)
+    for i, c in enumerate(masks):
+        for j, d in enumerate(dims):
+            ax = axes[i][j]
+            for impl in impls:
+                for dt in dtypes:
+                    pts = sorted((r["seqlen"], r["tflops"].get(impl)) for r in records
+                                 if r["causal"] == c and r["head_dim"] == d and r["dtype"] == dt)
+                    pts = [(x, y) for x, y in pts if y]
+                    if not pts:
+                        continue
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], styles.get(dt, ":"), marker="o", ms=3,
+                            color=colors.get(impl), label=f"{impl} {dt}", linewidth=2.2 if impl == "attngen" else 1.4)
+            ax.set_xscale("log", base=2)
+            xs = sorted({r["seqlen"] for r in records})
+            ax.set_xticks(xs, [f"{x // 1024}k" if x >= 1024 and x % 1024 == 0 else str(x) for x in xs])
+            ax.minorticks_off()
+            ax.set_title(f"head_dim {d}, {'causal' if c else 'no mask'}", fontsize=10)
+            ax.grid(True, alpha=0.3)
+            if i == len(masks) - 1:
+                ax.set_xlabel("seqlen (batch = 16384 / seqlen)")
+            if j == 0:
+                ax.set_ylabel("TFLOP/s")
+            ax.set_ylim(bottom=0)
+    return _save_figure(plt, fig, axes, data, "prefill", path, bottom=0.06, dpi=130)
+
+
+def _finish_prefill(data: dict, args: argparse.Namespace, print_table: bool) -> None:
+    records = data.get("results", [])
+    backends = _impls(records, data.get("config", {}).get("backends"))
+    if print_table:
+        for ln in env_lines(data.get("env", {})):
+            _say(ln)
+        _say(text_header(backends))
+        for r in records:
+            _say(text_row(r, backends))
+    summ = data.get("summary") or summarize(records, backends)
+    _say("")
+    for ln in summary_lines(summ, backends):
+        _say(ln)
+    if "flash" in backends:
+        s = summ.get("flash")
+        _say(f"minimum ratio attngen/flash across the sweep: {_fmt(s['min'] if s else None, '.3f')}")
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(prefill_markdown(data))
+        _say(f"wrote {args.markdown}")
+    if args.out:
+        p = plot_prefill(data, Path(args.out) / "bench_prefill.png")
+        if p:
+            _say(f"wrote {p}")
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+def cmd_prefill(args: argparse.Namespace) -> int:
+    done = _replay_or_gpu_check("prefill", args, _finish_prefill)
+    if done is not None:
+        return done
+    import torch
+
+    shapes = sweep_from_args(args)
+    backends = list(args.backends)
+    env = core.environment(gpu=True)
+    timer = "cuda-events" if args.reps is not None or core._triton_do_bench() is None else "triton.do_bench"
+    data: dict[str, Any] = {
+        "benchmark": "prefill", "complete": False, "env": env,
+        "config": {"shapes": len(shapes), "backends": backends, "warmup_ms": args.warmup_ms,
+                   "rep_ms": args.rep_ms, "reps": args.reps, "timer": timer, "seed": args.seed,
+                   "check": not args.no_check, "check_tolerance_rel_l2": CHECK_TOL, "tokens": args.tokens,
+                   "hidden": args.hidden, "sdpa_layout": args.sdpa_layout,
+                   "sdpa_note": SDPA_NOTE if args.sdpa_layout == "view" else SDPA_CONTIG_NOTE, "flops": FLOP_NOTE},
+        "results": [],
+    }
+    json_path = Path(args.out) / "bench_prefill.json" if args.out else None
+    for ln in env_lines(env):
+        _say(ln)
+    _say(f"{len(shapes)} shapes x (attngen + {', '.join(backends)}); timer {timer}, warm-up {args.warmup_ms} ms, "
+         f"repeats {args.reps if args.reps is not None else str(args.rep_ms) + ' ms'}; TFLOP/s; /peer = attngen/peer")
+    _say(data["config"]["sdpa_note"])
+    if json_path is None:
+        _say("(no --out: the JSON and the plot are not written)")
+    _say(text_header(backends))
+    t0 = time.perf_counter()
+    for i, shape in enumerate(shapes):
+        try:
+            rec = run_shape(shape, tuple(backends), check=not args.no_check, warmup_ms=args.warmup_ms,
+                            rep_ms=args.rep_ms, reps=args.reps, seed=args.seed + i, sdpa_layout=args.sdpa_layout)
+        except Exception as e:  # e.g. out of memory: keep the sweep going
+            rec = {**asdict(shape), "flops": shape.flops, "ms": {}, "tflops": {}, "ratio": {},
+                   "errors": {"shape": _short_error(e)}}
+            try:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            except Exception:
+                pass
+        data["results"].append(rec)
+        _say(text_row(rec, backends))
+        for n, err in rec.get("errors", {}).items():
+            if n in ("attngen", "shape"):
+                _say(f"    {n} failed: {err}")
+        if json_path:
+            data["elapsed_s"] = round(time.perf_counter() - t0, 1)
+            write_json(json_path, data)
+    data["complete"] = True
+    data["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    data["summary"] = summarize(data["results"], backends)
+    if json_path:
+        write_json(json_path, data)
+        _say(f"wrote {json_path}")
+    _say(f"sweep took {data['elapsed_s']} s")
+    _finish_prefill(data, args, print_table=False)
+    failed = [r for r in data["results"] if (r.get("check") and not r["check"].get("ok"))
+              or "attngen" in r.get("errors", {}) or "shape" in r.get("errors", {})]
+    if failed:
+        _say(f"{len(failed)} shape(s) failed the check or did not run attngen", file=sys.stderr)
+        return 1
+    return 0
