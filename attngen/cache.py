@@ -15,6 +15,11 @@ The key hashes the resolved spec and the family's template files and template-co
 (``render.family_digests``), not the rendered source, so a hit neither renders nor imports
 Jinja; the source is rendered on a miss and stored beside the cubin.
 
+A root is a trust boundary (``attngen.fs``): everything created under it is private (0700/0600),
+a root or entry owned by another user or writable by group/others is neither read nor written
+(one WARNING names the path and the fix), links inside it are not followed, and nothing
+CPU-executable is read from it.
+
 An entry appears only through ``os.rename`` of a complete directory, so a reader sees a whole
 entry or none. A reader that finds a checksum mismatch or an unreadable entry treats it as a
 miss. Processes that miss on the same key compile once: the lookup is repeated under the key's
@@ -27,18 +32,20 @@ Bump ``LAYOUT_VERSION`` when the on-disk layout changes (old entries are then ig
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import hashlib
 import json
 import logging
 import os
-import shutil
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import filelock
 
+from . import fs
 from .__version__ import __version__
 from .arch import Arch, get_arch
 from .compiler import Binary, Resources, compile as nvrtc_compile, compile_options, nvrtc_version
@@ -165,14 +172,42 @@ class DiskCache:
     def lock_path(self, key: str) -> Path:
         return self.base / "locks" / f"{key}.lock"
 
+    def usable(self) -> bool:
+        """Whether the root may be read and written (see ``attngen.fs``); warns once where not."""
+        why = fs.root_problem(self.root)
+        if why is None:
+            try:
+                if os.path.lexists(self.base):
+                    fs.check_dir(self.base)
+            except OSError as e:
+                why = f"{self.base} is {'a symbolic link' if e.errno == errno.ELOOP else 'not to be trusted'}: {e.strerror}"
+        if why is None:
+            return True
+        fs.warn_once(self.root, f"not using the cache root {self.root}: {why}. Kernels are compiled and kept in "
+                                f"memory only. Fix: point ATTNGEN_CACHE_DIR at a folder of your own that only you "
+                                f"can write (chmod 700), or fix this one's owner and mode.")
+        return False
+
     # --- reading ---------------------------------------------------------------------------
     def get(self, key: str) -> Binary | None:
-        """The entry's binary, or None for a miss (absent, incomplete, corrupt or unreadable)."""
+        """The entry's binary, or None for a miss (absent, incomplete, corrupt, unreadable, or not
+        to be trusted: a link, another user's, writable by others)."""
         path = self.entry_path(key)
         try:
-            meta = json.loads((path / _META).read_text())
-            cubin = (path / _CUBIN).read_bytes()
-        except (OSError, ValueError):
+            if not os.path.lexists(path):
+                return None
+            if not self.usable():
+                return None
+            fs.check_dir(path.parent)
+            fs.check_dir(path)
+            meta = json.loads(fs.read_private(path / _META))
+            cubin = fs.read_private(path / _CUBIN)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EPERM):
+                fs.warn_once(path, f"ignoring the cache entry {path}: {e.strerror}; remove it "
+                                   f"('attngen cache clear') to let attngen rebuild it")
+            return None
+        except ValueError:
             return None
         if not isinstance(meta, dict):
             return None
@@ -188,8 +223,8 @@ class DiskCache:
 
     def source(self, key: str) -> str | None:
         try:
-            return (self.entry_path(key) / _SOURCE).read_text()
-        except OSError:
+            return fs.read_private(self.entry_path(key) / _SOURCE).decode()
+        except (OSError, UnicodeDecodeError):
             return None
 
     # --- writing ---------------------------------------------------------------------------
@@ -200,12 +235,16 @@ class DiskCache:
         entry is kept, a corrupt one is moved aside first.
         """
         final = self.entry_path(key)
+        if not self.usable():
+            return False
+        tmp_root = self.base / "tmp"
         try:
-            tmp_root = self.base / "tmp"
-            tmp_root.mkdir(parents=True, exist_ok=True)
+            fs.make_dirs(self.root, tmp_root)
+            self._sweep_tmp(tmp_root)
             tmp = tmp_root / f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-            tmp.mkdir()
-        except OSError:
+            os.mkdir(tmp, 0o700)
+        except OSError as e:
+            self._unwritable(e)
             return False
         try:
             meta = {
@@ -227,45 +266,82 @@ class DiskCache:
                 "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 "log": binary.log,
             }
-            _write(tmp / _CUBIN, binary.cubin)
-            _write(tmp / _SOURCE, source.encode())
-            _write(tmp / _META, json.dumps(meta, indent=1, sort_keys=True).encode())  # last: marks completeness
-            final.parent.mkdir(parents=True, exist_ok=True)
-            if final.exists():
+            fs.write_private(tmp / _CUBIN, binary.cubin)
+            fs.write_private(tmp / _SOURCE, source.encode())
+            fs.write_private(tmp / _META, json.dumps(meta, indent=1, sort_keys=True).encode())  # last: completeness
+            fs.make_dirs(self.root, final.parent)
+            if os.path.lexists(final):
                 if self.get(key) is not None:
-                    shutil.rmtree(tmp, ignore_errors=True)
+                    fs.remove_tree(tmp)
                     return True
+                # A damaged entry (or a link planted where the entry goes) is moved aside, never followed.
                 aside = tmp_root / f"corrupt.{key}.{uuid.uuid4().hex[:8]}"
                 os.rename(final, aside)
-                shutil.rmtree(aside, ignore_errors=True)
+                if not fs.remove_tree(aside):
+                    os.unlink(aside)
             os.rename(tmp, final)
             return True
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+        except OSError as e:
+            fs.remove_tree(tmp)
+            self._unwritable(e)
             return False
 
+    def _unwritable(self, e: OSError) -> None:
+        fs.warn_once(f"{self.root} (write)", f"cannot write the cache root {self.root}: "
+                                             f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}. Kernels "
+                                             f"are compiled and kept in memory only, so every new process compiles "
+                                             f"them again. Fix: make it writable, or point ATTNGEN_CACHE_DIR at a "
+                                             f"folder you can write.")
+
+    # Temporaries older than this belong to a process that died mid-write (a write takes
+    # milliseconds); the next put removes them.
+    STALE_TMP_SECONDS = 3600
+
+    def _sweep_tmp(self, tmp_root: Path) -> None:
+        now = time.time()
+        for d in fs.real_subdirs(tmp_root):
+            try:
+                if now - os.lstat(d).st_mtime > self.STALE_TMP_SECONDS:
+                    fs.remove_tree(d)
+            except OSError:
+                continue
+
     def lock(self, key: str) -> "filelock.BaseFileLock | None":
-        """The key's file lock, or None where the root cannot hold lock files (read-only)."""
+        """The key's file lock, or None where the root cannot hold lock files (read-only, or not
+        to be trusted). A lock file that is a link, or another user's, is a ``CacheError``."""
         path = self.lock_path(key)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if not os.access(path.parent, os.W_OK):
-                return None
-        except OSError:
+        if not self.usable():
             return None
-        return filelock.FileLock(str(path), timeout=lock_timeout())
+        try:
+            fs.make_dirs(self.root, path.parent)
+            if not os.access(path.parent, os.W_OK):
+                raise OSError(errno.EACCES, "not writable", str(path.parent))
+        except OSError as e:
+            self._unwritable(e)
+            return None
+        try:
+            fs.open_lock_file(path)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EPERM):
+                raise CacheError(f"the lock file {path} is not to be trusted: "
+                                 f"{'it is a symbolic link' if e.errno == errno.ELOOP else e.strerror}; "
+                                 f"remove it (attngen recreates it)") from None
+            self._unwritable(e)
+            return None
+        return filelock.FileLock(str(path), timeout=lock_timeout(), mode=0o600)
 
     # --- listing and housekeeping ------------------------------------------------------------
     def entries(self) -> list[Entry]:
+        """Every entry folder under the root; links (to folders or not) are never followed."""
         out = []
-        if not self.base.is_dir():
+        if not self.base.is_dir() or os.path.islink(self.base):
             return out
-        for shard in sorted(self.base.iterdir()):
-            if len(shard.name) != 2 or not shard.is_dir():
+        for shard in fs.real_subdirs(self.base):
+            if len(shard.name) != 2:
                 continue
-            for d in sorted(shard.iterdir()):
+            for d in fs.real_subdirs(shard):
                 try:
-                    meta = json.loads((d / _META).read_text())
+                    meta = json.loads(fs.read_private(d / _META))
                 except (OSError, ValueError):
                     meta = {}
                 if not isinstance(meta, dict):
@@ -289,22 +365,23 @@ class DiskCache:
         }
 
     def clear(self) -> int:
-        """Remove every entry (and stale temporaries); returns how many entries were removed."""
+        """Remove every entry, the temporaries and the shard folders left empty; returns how many
+        entries were removed. Only real folders under the root are touched: a link is left
+        where it is, and nothing it points to is removed."""
         n = 0
         for e in self.entries():
-            shutil.rmtree(e.path, ignore_errors=True)
+            fs.remove_tree(e.path)
             n += 1
-        shutil.rmtree(self.base / "tmp", ignore_errors=True)
+        fs.remove_tree(self.base / "tmp")
         # Jinja's bytecode cache of earlier versions lived here; it held Python code objects.
-        shutil.rmtree(self.base / "jinja", ignore_errors=True)
+        fs.remove_tree(self.base / "jinja")
+        for shard in fs.real_subdirs(self.base) if not os.path.islink(self.base) else ():
+            if len(shard.name) == 2:
+                try:
+                    os.rmdir(shard)  # only when empty
+                except OSError:
+                    pass
         return n
-
-
-def _write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 # --- the in-process layer and the build path ---------------------------------------------------

@@ -13,10 +13,10 @@ changes (files of another format are then ignored).
 from __future__ import annotations
 
 import bisect
+import errno
 import json
 import math
 import os
-import shutil
 import uuid
 from pathlib import Path
 
@@ -24,7 +24,8 @@ import filelock
 
 from .__version__ import __version__
 from .arch import Arch, get_arch
-from .cache import LAYOUT_VERSION, _memory_lock, _write, cache_root, lock_timeout
+from . import fs
+from .cache import LAYOUT_VERSION, _memory_lock, cache_root, lock_timeout
 from .errors import AttngenError, CacheError, SpecError
 from .spec import Spec, resolve, validate
 
@@ -70,7 +71,7 @@ class TunedStore:
     def read(self, arch: str) -> list[dict]:
         """Every well-formed entry of ``arch``'s file; [] when it is missing, unreadable or malformed."""
         try:
-            data = json.loads(self.path(arch).read_text())
+            data = json.loads(fs.read_private(self.path(arch)))
         except (OSError, ValueError, UnicodeDecodeError):
             return []
         if not isinstance(data, dict) or data.get("format") != TUNED_FORMAT or not isinstance(data.get("entries"), list):
@@ -101,16 +102,20 @@ class TunedStore:
         arch = entry["arch"]
         path, lock_path = self.path(arch), self.lock_path(arch)
         try:
-            lock_path.parent.mkdir(parents=True, exist_ok=True)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with filelock.FileLock(str(lock_path), timeout=lock_timeout()):
+            why = fs.root_problem(self.root)
+            if why:
+                raise OSError(errno.EPERM, f"the cache root is not to be trusted: {why}", str(self.root))
+            fs.make_dirs(self.root, lock_path.parent)
+            fs.make_dirs(self.root, path.parent)
+            fs.open_lock_file(lock_path)
+            with filelock.FileLock(str(lock_path), timeout=lock_timeout(), mode=0o600):
                 ident = _tuned_identity(entry)
                 entries = [e for e in self.read(arch) if _tuned_identity(e) != ident] + [entry]
                 entries.sort(key=lambda e: _tuned_identity(e))
                 tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
                 try:
-                    _write(tmp, (json.dumps({"format": TUNED_FORMAT, "entries": entries}, indent=1, sort_keys=True)
-                                 + "\n").encode())
+                    fs.write_private(tmp, (json.dumps({"format": TUNED_FORMAT, "entries": entries}, indent=1, sort_keys=True)
+                                           + "\n").encode())
                     os.replace(tmp, path)
                 finally:
                     if tmp.exists():
@@ -127,7 +132,7 @@ class TunedStore:
     def clear(self) -> int:
         """Remove every tuned entry; returns how many there were."""
         n = len(self.entries())
-        shutil.rmtree(self.base, ignore_errors=True)
+        fs.remove_tree(self.base)
         with _memory_lock:
             for k in [k for k in _tuned_memo if k[0] == str(self.root)]:
                 del _tuned_memo[k]

@@ -280,9 +280,10 @@ def test_eight_processes_racing_on_a_cold_key_compile_once(cache_dir, tmp_path):
 DIES_WHILE_WRITING = f"""
 import os, sys
 import attngen.cache as c
+from attngen import fs
 from attngen.spec import parse_spec
 target = sys.argv[1]
-real_write = c._write
+real_write = fs.write_private
 
 def dying_write(path, data):
     if path.name == target:
@@ -293,7 +294,7 @@ def dying_write(path, data):
         os.kill(os.getpid(), 9)
     real_write(path, data)
 
-c._write = dying_write
+fs.write_private = dying_write
 c.build(parse_spec({SPEC_TEXT!r}), {ARCH!r})
 print("survived")
 """

@@ -117,7 +117,7 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(cache_dir, mo
         Path(path).write_bytes(data[: len(data) // 2])  # a crash halfway through the temp file
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(tuned, "_write", boom)
+    monkeypatch.setattr(tuned.fs, "write_private", boom)
     with pytest.raises(CacheError, match="could not store the tuned configuration"):
         store.put(entry(1024))
     assert store.path("sm_90").read_bytes() == before
