@@ -51,14 +51,15 @@ ARCHS: dict[str, Arch] = {
 
 
 def get_arch(name: "str | Arch") -> Arch:
-    """Parse an arch name ("sm_90", "90", "sm_90a", "9.0") into its facts."""
+    """Parse an arch name ("sm_90a", "sm90a", "90a", "9.0", "compute_90a") into its facts."""
     if isinstance(name, Arch):
         return name
-    s = str(name).strip().lower()
-    if s.startswith("compute_"):
-        s = "sm_" + s[len("compute_"):]
-    if not s.startswith("sm_"):
-        s = "sm_" + s.replace(".", "")
+    s = str(name).strip().lower().replace(".", "")
+    for prefix in ("compute_", "compute", "sm_", "sm"):  # sm_90a, sm90a, compute_90a, 90a, 9.0 alike
+        if s.startswith(prefix):
+            s = s[len(prefix):]
+            break
+    s = "sm_" + s
     if s not in ARCHS:
         raise SpecError("arch", name, ", ".join(ARCHS))
     return ARCHS[s]

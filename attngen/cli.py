@@ -38,6 +38,17 @@ PROG = "attngen"
 # --- entry point -----------------------------------------------------------------------------
 
 def main(argv: "list[str] | None" = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader went away (attngen cache ls | head -1): end quietly, as git does. Later writes,
+        # the interpreter's last flush included, go to /dev/null instead of raising again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by the signal
+
+
+def _main(argv: "list[str] | None") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # bench owns its whole argument list (its own options and --help), so it bypasses argparse.
     if argv and argv[0] == "bench":
@@ -53,6 +64,8 @@ def main(argv: "list[str] | None" = None) -> int:
     except AttngenError as e:
         _report_error(e, as_json)
         return 2
+    except BrokenPipeError:
+        raise
     except OSError as e:  # e.g. a cache root that cannot be listed or removed
         _report_error(e, as_json)
         return 2

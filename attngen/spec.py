@@ -13,6 +13,7 @@ kernel's name), the field coercions, ``parse_spec`` and the generic ``resolve`` 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import hashlib
 import json
@@ -159,8 +160,10 @@ class SpecBase:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
+            near = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+            hint = f"; did you mean {near[0]}?" if near else ""
             raise SpecError(unknown[0], d[unknown[0]], ", ".join(sorted(known)),
-                            reason=f"unknown field of a {cls.family} spec")
+                            reason=f"unknown field of a {cls.family} spec{hint}")
         return cls(**d)
 
     def canonical_json(self) -> str:
@@ -176,6 +179,9 @@ class SpecBase:
                 v = v.value if isinstance(v, enum.Enum) else v
                 parts.append(f"{f.name}={str(v).lower() if isinstance(v, bool) else v}")
         return f"{self.family}:" + ",".join(parts)
+
+    def __str__(self) -> str:
+        return self.to_text()
 
     def digest(self) -> str:
         """Short stable hash of the canonical spec; feeds the kernel's symbol name."""

@@ -56,9 +56,9 @@ def test_decode_arguments():
     assert a.variant == "auto" and a.num_splits == 0 and not a.paged and a.block_size == 64
     assert a.backends == ("flash", "cudnn") and a.dtype == "bf16"
     a = parse("decode", "--variant", "both", "--num-splits", "7", "--paged", "--block-size", "16", "--backends",
-              "flash,cudnn,efficient", "--dtype", "half", "--json", "x.json")
+              "flash,cudnn,efficient", "--dtype", "half", "--out", "x", "--json")
     assert (a.variant, a.num_splits, a.paged, a.block_size, a.dtype) == ("both", 7, True, 16, "fp16")
-    assert a.backends == ("flash", "cudnn", "efficient") and a.json == Path("x.json")
+    assert a.backends == ("flash", "cudnn", "efficient") and a.out == Path("x") and a.json is True
     assert parse("decode", "--heads", "32/8, 64/8").heads == ((32, 8), (64, 8))
     for bad in (["--heads", "32/5"], ["--heads", "32"], ["--heads", "a/b"], ["--q-lens", "9"], ["--q-lens", "0"],
                 ["--block-size", "24"], ["--block-size", "512"], ["--num-splits", "-1"], ["--variant", "split"],
@@ -372,9 +372,9 @@ DSIM = ["decode", "--heads", "8/2", "--batches", "2", "--kv-lens", "64,100", "--
 
 
 def test_decode_plumbing_simulated(decode_sim, tmp_path, capsys):
-    p = tmp_path / "r" / "decode.json"
+    p = tmp_path / "r" / "bench_decode.json"
     rc = bench.main(DSIM + ["--q-lens", "1,3", "--variant", "both", "--paged", "--block-size", "16",
-                            "--num-splits", "3", "--json", str(p), "--markdown", str(tmp_path / "d.md")])
+                            "--num-splits", "3", "--out", str(p.parent), "--markdown", str(tmp_path / "d.md")])
     out = capsys.readouterr().out
     assert rc == 0, out
     data = json.loads(p.read_text())
@@ -421,8 +421,8 @@ def test_decode_simulated_nan_and_memory_skip(decode_sim, tmp_path, capsys):
 
 def test_decode_sweep_leaves_partial_json_when_cut_short(decode_sim, tmp_path):
     decode_sim["interrupt_at"] = 5    # an untimed warm-up pass (2 calls), then 2 calls per shape: dies in the second shape
-    p = tmp_path / "d.json"
-    assert bench.main(DSIM + ["--json", str(p)]) == 130
+    p = tmp_path / "bench_decode.json"
+    assert bench.main(DSIM + ["--out", str(tmp_path)]) == 130
     data = json.loads(p.read_text())
     assert not data["complete"] and len(data["results"]) == 1
     assert "Partial run" in decode_report.decode_markdown(data)
@@ -444,8 +444,8 @@ def test_decode_rotate_simulated(decode_sim, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(core, "_graphed", fake_graphed)
     monkeypatch.setattr(core, "_event_bench", fake_event_bench)
     monkeypatch.setattr(decode_bench, "ROTATE_BYTES", 3 * 2**16)   # 3 copies of the 64-key cache, 2 of the 100-key one
-    p = tmp_path / "d.json"
-    rc = bench.main(DSIM + ["--rotate", "--paged", "--block-size", "16", "--json", str(p), "--markdown",
+    p = tmp_path / "bench_decode.json"
+    rc = bench.main(DSIM + ["--rotate", "--paged", "--block-size", "16", "--out", str(tmp_path), "--markdown",
                             str(tmp_path / "d.md")])
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -487,7 +487,7 @@ def test_decode_bench_small_on_gpu(tmp_path, capsys):
     pytest.importorskip("torch")
     p = tmp_path / "bench_decode.json"
     rc = bench.main(["decode", "--heads", "32/8", "--batches", "1,16", "--kv-lens", "1000,4k", "--variant", "both",
-                     "--paged", "--warmup-ms", "5", "--rep-ms", "20", "--json", str(p), "--markdown",
+                     "--paged", "--warmup-ms", "5", "--rep-ms", "20", "--out", str(tmp_path), "--markdown",
                      str(tmp_path / "d.md")])
     data = json.loads(p.read_text())
     assert data["complete"] and len(data["results"]) == 4
@@ -506,7 +506,7 @@ def test_decode_bench_rotate_on_gpu(tmp_path):
     pytest.importorskip("torch")
     p = tmp_path / "bench_decode.json"
     rc = bench.main(["decode", "--heads", "32/8", "--batches", "1", "--kv-lens", "1k", "--paged", "--rotate",
-                     "--warmup-ms", "5", "--rep-ms", "20", "--json", str(p)])
+                     "--warmup-ms", "5", "--rep-ms", "20", "--out", str(tmp_path)])
     data = json.loads(p.read_text())
     assert rc == 0 and data["complete"] and data["config"]["rotate"]
     (r,) = data["results"]

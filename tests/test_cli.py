@@ -329,3 +329,45 @@ def test_module_entry_point_exit_codes(cache_dir):
     assert p.returncode == 0 and HEX64.fullmatch(json.loads(p.stdout)["key"])
     p = run_module("prewarm", "--arch", "sm_75")
     assert p.returncode == 2 and "sm_75" in p.stderr
+
+
+# --- one CLI voice ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", ["sm_90a", "sm90a", "90a", "SM_90A", "compute_90a"])
+def test_arch_spellings_agree(text):
+    from attngen.arch import get_arch
+
+    assert get_arch(text).name == "sm_90a"
+    assert get_arch("9.0").name == "sm_90" and get_arch("86").name == "sm_86"
+
+
+def test_an_unknown_field_suggests_the_nearest(capsys):
+    assert main(["inspect", "prefill:head_dimm=128", "--key"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attngen: error: head_dimm='128' is not allowed") and "did you mean head_dim?" in err
+
+
+def test_a_closed_stdout_ends_quietly():
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "attngen", "families"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, cwd=ROOT)
+    p.stdout.close()  # the reader is gone before the first line is written
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141
+    assert err == "", err
+
+
+def test_bench_without_torch_says_how_to_install_and_json_stays_json(capsys):
+    pytest.importorskip("attngen.bench")
+    try:
+        import torch  # noqa: F401
+        pytest.skip("torch is installed here")
+    except ImportError:
+        pass
+    assert main(["bench", "prefill", "--quick", "--json"]) == 2
+    cap = capsys.readouterr()
+    assert json.loads(cap.out) == {"ok": False, "exit": 2}
+    assert cap.err.startswith("attngen: error: attngen bench prefill needs torch") and \
+        "pip install 'attngen[torch]'" in cap.err

@@ -12,12 +12,14 @@ with ``--from-json FILE`` (no GPU needed for that).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import json
 import sys
 
 # What other modules take from ``attngen.bench``: the tuner and the prefill tuning problem (timer,
 # FLOP count), and tools/ (tools/probe_decode.py times graphs with the event timer and checks them).
-from .core import (_event_bench, _graphed, _rel_check, attention_flops, bench_ms, env_lines,  # noqa: F401
+from .core import (_event_bench, _finite, _graphed, _rel_check, attention_flops, bench_ms, env_lines,  # noqa: F401
                    environment, gbps, have_gpu, tflops, write_json)
 
 
@@ -32,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
         if fam.bench:
             importlib.import_module(fam.bench).add_parser(sub)
     jit.add_parser(sub)
+    for sp in sub.choices.values():  # one --json for every benchmark, as for every attngen command
+        sp.add_argument("--json", action="store_true",
+                        help="print the results as one JSON object on stdout; the table and progress go to stderr")
     return p
 
 
@@ -42,7 +47,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        if not args.json:
+            return int(args.func(args) or 0)
+        with contextlib.redirect_stdout(sys.stderr):
+            rc = int(args.func(args) or 0)
+        result = getattr(args, "result", None)
+        out = _finite(result) if result is not None else {"ok": False, "exit": rc}
+        sys.stdout.write(json.dumps(out, indent=1) + "\n")
+        return rc
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -417,10 +417,11 @@ def _replay_or_gpu_check(family: str, args: argparse.Namespace, finish: Callable
     try:
         import torch
     except Exception as e:
-        _say(f"attngen bench {family} needs torch: {e}", file=sys.stderr)
+        _say(f"attngen: error: attngen bench {family} needs torch ({e}); pip install 'attngen[torch]'",
+             file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        _say(f"attngen bench {family} needs a CUDA GPU (torch.cuda.is_available() is False); "
-             "use --from-json to re-render saved results", file=sys.stderr)
+        _say(f"attngen: error: attngen bench {family} needs a CUDA GPU (torch.cuda.is_available() is False); "
+             "run it on a GPU machine, or pass --from-json FILE to re-render saved results", file=sys.stderr)
         return 2
     return None

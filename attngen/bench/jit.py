@@ -352,6 +352,7 @@ def jit_markdown(data: dict) -> str:
 
 
 def _finish_jit(data: dict, args: argparse.Namespace) -> None:
+    args.result = data  # what --json prints
     for ln in jit_text(data):
         _say(ln)
     for s in data.get("skipped") or []:

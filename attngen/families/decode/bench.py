@@ -194,7 +194,6 @@ def add_parser(sub) -> None:
                     help="time a CUDA graph of back-to-back calls, each over its own copy of the inputs (copies "
                          f"adding up to {ROTATE_BYTES >> 20} MiB, past L2), with no L2 flush: a decode step's "
                          "one call per layer; ms = replay time / calls (implies --graph)")
-    pd.add_argument("--json", type=Path, default=None, help="write the results as JSON to FILE")
     pd.add_argument("--out", type=Path, default=None, help="folder for bench_decode.json and bench_decode.png")
     pd.add_argument("--markdown", type=Path, default=None, help="write the table as Markdown to FILE")
     pd.add_argument("--warmup-ms", type=float, default=25.0, help="warm-up per measurement (ms, default 25)")
@@ -446,14 +445,7 @@ def run_decode_shape(shape: DecodeShape, backends: tuple[str, ...], *, impls: li
 # --- the command ----------------------------------------------------------------------------------
 
 def _decode_json_paths(args: argparse.Namespace) -> list[Path]:
-    paths = []
-    if args.json:
-        paths.append(Path(args.json))
-    if args.out:
-        p = Path(args.out) / "bench_decode.json"
-        if p not in paths:
-            paths.append(p)
-    return paths
+    return [Path(args.out) / "bench_decode.json"] if args.out else []
 
 
 def cmd_decode(args: argparse.Namespace) -> int:

@@ -340,6 +340,7 @@ def plot_decode(data: dict, path: Path) -> Path | None:
 
 
 def _finish_decode(data: dict, args: argparse.Namespace, print_table: bool) -> None:
+    args.result = data  # what --json prints
     records = data.get("results", [])
     backends = _decode_backends(records, data.get("config", {}).get("backends"))
     if print_table:

@@ -386,6 +386,7 @@ def plot_prefill(data: dict, path: Path) -> Path | None:
 
 
 def _finish_prefill(data: dict, args: argparse.Namespace, print_table: bool) -> None:
+    args.result = data  # what --json prints
     records = data.get("results", [])
     backends = _impls(records, data.get("config", {}).get("backends"))
     if print_table:
