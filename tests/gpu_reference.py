@@ -3,8 +3,24 @@
 from __future__ import annotations
 
 
-def reference_attention(q, k, v, *, causal=False, window=(-1, -1), sm_scale=None):
-    """softmax(q k^T * scale) v in fp32 with the same masks as attngen.prefill.
+def _score_mods(s, softcap, alibi, dist):
+    """FlashAttention's order: cap the scaled logits, then add -slope * |distance| (per head).
+    ``s`` [..., H, rows, keys] (or [B, H, rows, keys]); ``alibi`` [H] or [B, H] fp32; ``dist``
+    [rows, keys] (query position - key position)."""
+    import torch
+
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi is not None:
+        sl = alibi.float()
+        sl = sl[..., None, None] if sl.dim() == 2 else sl[:, None, None]
+        s = s - sl * dist.abs().float()
+    return s
+
+
+def reference_attention(q, k, v, *, causal=False, window=(-1, -1), sm_scale=None, softcap=0.0, alibi_slopes=None):
+    """softmax(q k^T * scale) v in fp32 with the same masks as attngen.prefill (and its softcap
+    and ALiBi, applied before the mask).
 
     q [B, Sq, H, D], k/v [B, Sk, Hkv, D] (torch). Returns (out fp32 [B, Sq, H, D], lse fp32
     [B, H, Sq]); rows that see no key give zeros and LSE -inf.
@@ -23,6 +39,7 @@ def reference_attention(q, k, v, *, causal=False, window=(-1, -1), sm_scale=None
         right = 0
     i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
     j = torch.arange(sk, device=q.device)[None, :]
+    s = _score_mods(s, softcap, alibi_slopes, i - j)
     keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
     if right >= 0:
         keep &= j <= i + right
@@ -48,7 +65,8 @@ def _lengths(cache_seqlens, batch):
     return [int(x) for x in vals]
 
 
-def reference_decode(q, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, block_table=None, sm_scale=None):
+def reference_decode(q, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, block_table=None, sm_scale=None,
+                     softcap=0.0, alibi_slopes=None):
     """fp32 reference for attngen.decode (torch tensors on any device).
 
     q ``[B, q_len, H, D]``. Contiguous cache: k/v ``[cache_batch, max_seqlen, Hkv, D]``, row b reads
@@ -89,6 +107,11 @@ def reference_decode(q, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, b
         qf = q[i].float().reshape(ql, hk, g, d).permute(1, 2, 0, 3).reshape(hk, g * ql, d)
         s = torch.matmul(qf, kf.transpose(-1, -2)).reshape(hk, g, ql, n) * scale
         pos = torch.arange(ql, device=q.device)[:, None] + (n - ql)
+        if softcap or alibi_slopes is not None:
+            sl = None
+            if alibi_slopes is not None:
+                sl = (alibi_slopes[i] if alibi_slopes.dim() == 2 else alibi_slopes).reshape(hk, g)
+            s = _score_mods(s, softcap, sl, pos - torch.arange(n, device=q.device)[None, :])
         keep = torch.arange(n, device=q.device)[None, :] <= pos             # [q_len, L]
         s = s.masked_fill(~keep, float("-inf"))
         row_lse = torch.logsumexp(s, dim=-1)                                 # [Hkv, g, q_len]

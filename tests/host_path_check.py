@@ -122,7 +122,7 @@ def main():
     default = op.kernel_for(q, k, v).spec
     assert default == attngen.resolve(PrefillSpec(head_dim=64, dtype="bf16"), "sm_90a")
     gpu = attngen.runtime.driver().device_name(0)
-    fields = {"head_dim": 64, "dtype": "bf16", "mask": "none", "return_lse": False}
+    fields = {"head_dim": 64, "dtype": "bf16", "mask": "none", "return_lse": False, "softcap": False, "alibi": False}
     from attngen.tuned import TunedStore
 
     TunedStore().put({"family": "prefill", "fields": fields, "arch": "sm_90a", "gpu": gpu, "nvrtc": nvrtc_version(),

@@ -17,6 +17,8 @@ FIELD_VALUES = {
     "num_warps": PrefillSpec.NUM_WARPS,
     "num_stages": PrefillSpec.NUM_STAGES,
     "mma": tuple(Mma),
+    "softcap": (False, True),
+    "alibi": (False, True),
 }
 # A resolved spec from which every field can change alone and still fit sm_90.
 BASE = PrefillSpec(head_dim=64, dtype=DType.BF16, mask=MaskMode.NONE, return_lse=False,

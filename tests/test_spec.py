@@ -196,7 +196,8 @@ def test_parse_spec_passes_specs_through_and_takes_dicts():
 def test_to_dict_holds_plain_values_only():
     d = PrefillSpec(head_dim=64, mask=MaskMode.CAUSAL).to_dict()
     assert d == {"family": "prefill", "head_dim": 64, "dtype": "bf16", "mask": "causal", "return_lse": False,
-                 "cta_tile_q": 0, "cta_tile_kv": 0, "num_warps": 0, "num_stages": 0, "mma": "auto"}
+                 "cta_tile_q": 0, "cta_tile_kv": 0, "num_warps": 0, "num_stages": 0, "mma": "auto", "softcap": False,
+                 "alibi": False}
     assert json.loads(json.dumps(d)) == d
 
 
@@ -216,7 +217,7 @@ def test_canonical_json_is_sorted_and_compact():
     cj = s.canonical_json()
     assert cj == json.dumps(json.loads(cj), sort_keys=True, separators=(",", ":"))
     assert " " not in cj
-    assert cj.startswith('{"cta_tile_kv":0,"cta_tile_q":0,')
+    assert cj.startswith('{"alibi":false,"cta_tile_kv":0,"cta_tile_q":0,')
     # Construction order and value spelling do not matter.
     assert PrefillSpec.from_dict({"mask": "none", "head_dim": "64", "dtype": "BF16"}).canonical_json() == cj
 

@@ -36,10 +36,13 @@ struct DecodeParams {
   int num_splits, block_size, capacity, num_blocks;  // num_blocks: paged blocks, or cache rows
   int seqlen_fixed, block_shift;  // block_shift: log2(block_size) when a power of two, else -1
   float sm_scale, scale_log2;
+  float softcap_u, inv_softcap_u;  // cap / sm_scale and its inverse (SOFTCAP)
+  const float* alibi;              // fp32 slopes [batch, heads] or [heads] (ALIBI)
+  long long alibi_sb;              // batch stride of alibi: heads, or 0
 };
 
 template <class T, bool BF16, int HEAD_DIM, int ROWS, int BLOCK_N, int NUM_WARPS, int WARPS_M, int NUM_STAGES,
-          bool PAGED, bool Q_IN_REGS>
+          bool PAGED, bool Q_IN_REGS, bool SOFTCAP = false, bool ALIBI = false>
 struct Decode {
   using L = SmemLayout<HEAD_DIM, HEAD_DIM, true>;
   static constexpr int THREADS = NUM_WARPS * 32;
@@ -211,11 +214,12 @@ struct Decode {
     }
   }
 
-  // S = Q K^T over this warp's KW keys of the tile in sKs, masked to each row's limit.
+  // S = Q K^T over this warp's KW keys of the tile in sKs, capped and ALiBi-biased where the spec
+  // asks, masked to each row's limit.
   static __device__ __forceinline__ void scores(float (&acc_s)[M_TILES][KW_TILES][4],
                                                 const unsigned (&q_frag)[Q_IN_REGS ? M_TILES : 1][Q_IN_REGS ? K_STEPS : 1][4],
                                                 const T* sQ, const T* sKs, const int (&lim)[M_TILES][2], bool mask,
-                                                int n0, const Lane& l) {
+                                                int n0, const DecodeParams<T>& p, const Cta& c, const Lane& l) {
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -248,6 +252,25 @@ struct Decode {
         }
       }
     }
+    if constexpr (SOFTCAP || ALIBI) {
+      const int col0 = n0 + l.key0 + 2 * l.t;
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          // The packed row's query head and position (lim: the last key it sees, its own).
+          const int row = l.row0 + mt * 16 + l.g + 8 * r;
+          const float slope_u =
+              ALIBI ? p.alibi[c.batch * p.alibi_sb + c.kv_head * p.group + row % p.group] / p.sm_scale : 0.f;
+#pragma unroll
+          for (int n = 0; n < KW_TILES; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              acc_s[mt][n][2 * r + e] = score_transform<SOFTCAP, ALIBI>(acc_s[mt][n][2 * r + e], p.softcap_u,
+                                                                        p.inv_softcap_u, slope_u,
+                                                                        lim[mt][r] - (col0 + n * 8 + e));
+        }
+    }
     if (mask) {
       const int col0 = n0 + l.key0 + 2 * l.t;
 #pragma unroll
@@ -271,7 +294,7 @@ struct Decode {
                                                      const T* sQ, const T* sKs, const int (&lim)[M_TILES][2], int it,
                                                      int n0, const DecodeParams<T>& p, const Cta& c, const Lane& l) {
     if (it == 0) load_q_frags(q_frag, sQ, l);
-    scores(acc_s, q_frag, sQ, sKs, lim, needs_mask(p, c, n0, l), n0, l);
+    scores(acc_s, q_frag, sQ, sKs, lim, needs_mask(p, c, n0, l), n0, p, c, l);
   }
 
   // Online softmax of one tile's scores: updates max and sum, turns acc_s into probabilities and

@@ -41,10 +41,14 @@ struct PrefillParams {
   int seqlen_q, seqlen_k, num_heads, group;
   float sm_scale, scale_log2;
   int win_left, win_right;
+  float softcap_u, inv_softcap_u;  // cap / sm_scale and its inverse (SOFTCAP)
+  const float* alibi;              // fp32 slopes [batch, heads] or [heads] (ALIBI)
+  long long alibi_sb;              // batch stride of alibi: heads, or 0
 };
 
 template <class T, bool BF16, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int NUM_STAGES,
-          int MASK, bool RETURN_LSE, bool Q_IN_REGS, int ROW_ELEMS, bool SWIZZLE, bool WGMMA>
+          int MASK, bool RETURN_LSE, bool Q_IN_REGS, int ROW_ELEMS, bool SWIZZLE, bool WGMMA, bool SOFTCAP = false,
+          bool ALIBI = false>
 __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
   using L = SmemLayout<HEAD_DIM, ROW_ELEMS, SWIZZLE>;
   using LQ = typename Select<WGMMA, WgmmaLayout<HEAD_DIM, BLOCK_M>, L>::type;
@@ -91,6 +95,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
   const int tile_begin = n_lo / BLOCK_N;
   const int tile_end = n_hi > n_lo ? (n_hi + BLOCK_N - 1) / BLOCK_N : tile_begin;
 
+  const float alibi_u = ALIBI ? p.alibi[batch * p.alibi_sb + head] / p.sm_scale : 0.f;
   const T* gQ = p.q + batch * p.q_sb + head * p.q_sh + (long long)m0 * p.q_ss;
   const T* gK = p.k + batch * p.k_sb + kv_head * p.k_sh;
   const T* gV = p.v + batch * p.v_sb + kv_head * p.v_sh;
@@ -212,8 +217,25 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
       }
     }
 
-    // ---- mask (only tiles some row cannot see whole) --------------------------------------
     const int n0 = tile * BLOCK_N;
+    // ---- logit capping and ALiBi, before the mask ----------------------------------------------
+    if constexpr (SOFTCAP || ALIBI) {
+      const int col0 = n0 + 2 * t;
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int pos = m0 + warp_row0 + mt * 16 + g + 8 * r + keys.shift;  // the row's aligned key position
+#pragma unroll
+          for (int n = 0; n < N_TILES; ++n)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+              acc_s[mt][n][2 * r + c] = score_transform<SOFTCAP, ALIBI>(acc_s[mt][n][2 * r + c], p.softcap_u,
+                                                                        p.inv_softcap_u, alibi_u, pos - (col0 + n * 8 + c));
+        }
+    }
+
+    // ---- mask (only tiles some row cannot see whole) --------------------------------------
     if (!keys.all_visible(warp_lo, warp_hi, n0, n0 + BLOCK_N)) {
       // One visible key range [lo, hi) per row, relative to this thread's first column, then a
       // compare per element: fewer live values than testing every (row, key) pair.

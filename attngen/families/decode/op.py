@@ -14,10 +14,12 @@ from ...errors import LaunchError
 from ...runtime import current_stream, empty_like_kind, get_kernel, register_dependent_cache, tensor_info
 from ...spec import DType
 from ...tuned import bucket_bounds, stored_choices
+from ..score_mods import extras
 from .spec import MERGE_THREADS, DecodeSpec, Variant
 
-# DecodeParams in templates/common/decode_fwd.cuh: 12 pointers, 14 strides, 10 ints, 2 floats.
-_PARAMS = struct.Struct("<12Q14q10i2f")
+# DecodeParams in templates/common/decode_fwd.cuh: 12 pointers, 14 strides, 10 ints, 2 floats, 2 floats
+# (softcap), the ALiBi slopes' pointer and batch stride.
+_PARAMS = struct.Struct("<12Q14q10i2f2fQq")
 _LOG2E = 1.4426950408889634
 MAX_Q_LEN = 8
 MAX_GROUP = 16
@@ -49,8 +51,10 @@ def _check_index(x, name: str, shape_rank: int, kind: str, device: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _spec_for(head_dim: int, dtype: str, q_rows: int, paged: bool, variant: str, user: DecodeSpec | None):
-    fields = dict(head_dim=head_dim, dtype=DType(dtype), q_rows=q_rows, paged=paged, variant=Variant(variant))
+def _spec_for(head_dim: int, dtype: str, q_rows: int, paged: bool, variant: str, user: DecodeSpec | None,
+              softcap: bool = False, alibi: bool = False):
+    fields = dict(head_dim=head_dim, dtype=DType(dtype), q_rows=q_rows, paged=paged, variant=Variant(variant),
+                  softcap=softcap, alibi=alibi)
     return DecodeSpec(**fields) if user is None else user.replace(**fields)
 
 
@@ -116,7 +120,7 @@ def _data_ptr(x, kind: str) -> int:
 
 def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_table=None, num_splits: int = 0,
            sm_scale: float | None = None, return_lse: bool = False, out=None, variant: str = "auto",
-           spec: DecodeSpec | None = None):
+           spec: DecodeSpec | None = None, softcap: float = 0.0, alibi_slopes=None):
     """Attention of q_len new tokens per sequence against a KV cache.
 
     q ``[batch, q_len, heads, head_dim]`` (q_len 1..8). Contiguous cache: k_cache, v_cache
@@ -133,7 +137,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     configuration ``attngen tune decode`` stored for this GPU (nearest tuned cache capacity) is
     used where there is one, else the arch's default. Returns ``out`` (q's dtype and kind), with
     ``return_lse`` also the fp32 LSE ``[batch, heads, q_len]``; a token that sees no key gives
-    zeros and LSE -inf.
+    zeros and LSE -inf. ``softcap`` and ``alibi_slopes`` (fp32 ``[heads]`` or ``[batch, heads]``)
+    act as in ``attngen.prefill``.
     """
     qi = tensor_info(q, "q")
     ki = tensor_info(k_cache, "k_cache")
@@ -223,7 +228,13 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
 
     kind, dev = qi.kind, qi.device
     chosen = "fused" if variant == "auto" else variant
-    rs_spec = _spec_for(d, qi.dtype, DecodeSpec.rows_for(group, q_len), paged, chosen, spec)
+    if softcap or alibi_slopes is not None:
+        cap_u, inv_cap_u, alibi_ptr, alibi_sb = extras(softcap, alibi_slopes, b, h, qi, sm_scale)
+    else:
+        cap_u = inv_cap_u = 0.0
+        alibi_ptr = alibi_sb = 0
+    rs_spec = _spec_for(d, qi.dtype, DecodeSpec.rows_for(group, q_len), paged, chosen, spec, bool(softcap),
+                        alibi_ptr != 0)
     if spec is None:  # a winner `attngen tune decode` stored for the nearest cache capacity, if any
         bounds, tuned = _tuned.get((rs_spec, dev)) or _tuned_for(rs_spec, dev)
         if tuned:
@@ -265,6 +276,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
         num_splits, block_size, capacity, pool,
         seq_fixed, (block_size.bit_length() - 1) if block_size and not block_size & (block_size - 1) else -1,
         scale, scale * _LOG2E,
+        cap_u, inv_cap_u, alibi_ptr, alibi_sb,
     )
     stream = current_stream(kind, dev)
     grid = (num_splits, hk, b)

@@ -49,6 +49,8 @@ class DecodeSpec(SpecBase):
     q_rows: int = 16
     paged: bool = False
     variant: Variant = Variant.FUSED
+    softcap: bool = False   # logit capping cap * tanh(s / cap); the cap is a call argument
+    alibi: bool = False     # ALiBi bias -slope * |i - j|; the per-head slopes are a call argument
     cta_tile_kv: int = 0
     num_warps: int = 0
     num_stages: int = 0
@@ -60,6 +62,8 @@ class DecodeSpec(SpecBase):
         s(self, "q_rows", coerce_int("q_rows", self.q_rows, self.Q_ROWS))
         s(self, "paged", coerce_bool("paged", self.paged))
         s(self, "variant", coerce_enum(Variant, "variant", self.variant))
+        s(self, "softcap", coerce_bool("softcap", self.softcap))
+        s(self, "alibi", coerce_bool("alibi", self.alibi))
         s(self, "cta_tile_kv", coerce_int("cta_tile_kv", self.cta_tile_kv, self.CTA_TILE_KV))
         s(self, "num_warps", coerce_int("num_warps", self.num_warps, self.NUM_WARPS))
         s(self, "num_stages", coerce_int("num_stages", self.num_stages, self.NUM_STAGES))

@@ -23,10 +23,12 @@ from ...errors import LaunchError
 from ...runtime import allocator, get_kernel, register_dependent_cache, tensor_info, torch_stream_getter
 from ...spec import DType
 from ...tuned import bucket_bounds, stored_choices
+from ..score_mods import extras
 from .spec import MaskMode, PrefillSpec
 
-# PrefillParams in templates/common/prefill_fwd.cuh: 5 pointers, 12 strides, 4 ints, 2 floats, 2 ints.
-_PARAMS = struct.Struct("<5Q12q4i2f2i")
+# PrefillParams in templates/common/prefill_fwd.cuh: 5 pointers, 12 strides, 4 ints, 2 floats, 2 ints,
+# 2 floats (softcap), the ALiBi slopes' pointer and batch stride.
+_PARAMS = struct.Struct("<5Q12q4i2f2i2fQq")
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = (-1, -1)
 # Masks by code: plan keys hold the int, since hashing an Enum member runs Python code (~0.15 us).
@@ -89,8 +91,9 @@ _plans: dict[tuple, _Plan] = register_dependent_cache({})
 
 
 def _make_plan(key: tuple) -> _Plan:
-    d, dtype, device, mask, return_lse, spec, kind = key
-    fields = dict(head_dim=d, dtype=DType(dtype), mask=_MASKS[mask], return_lse=return_lse)
+    d, dtype, device, mask, return_lse, spec, kind, softcap, alibi = key
+    fields = dict(head_dim=d, dtype=DType(dtype), mask=_MASKS[mask], return_lse=return_lse, softcap=softcap,
+                  alibi=alibi)
     base = PrefillSpec(**fields) if spec is None else spec.replace(**fields)
     plan = _Plan()
     plan.device = device
@@ -141,13 +144,14 @@ def kernel_for(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_W
     spec it runs). Loads or compiles it if needed; enqueues nothing."""
     qi, _, _ = _check_qkv(q, k, v)
     mask, _, _ = _mask_and_window(causal, window)
-    key = (qi.shape[3], qi.dtype, qi.device, mask, bool(return_lse), spec, qi.kind)
+    key = (qi.shape[3], qi.dtype, qi.device, mask, bool(return_lse), spec, qi.kind, False, False)
     plan = _plans.get(key) or _make_plan(key)
     return plan.kernel or plan.kernel_for(qi.shape[1])
 
 
 def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WINDOW, sm_scale: float | None = None,
-            return_lse: bool = False, out=None, spec: PrefillSpec | None = None):
+            return_lse: bool = False, out=None, spec: PrefillSpec | None = None, softcap: float = 0.0,
+            alibi_slopes=None):
     """Attention forward: softmax(q k^T * sm_scale) v, per head, with the FlashAttention layout.
 
     q ``[batch, seqlen_q, heads, head_dim]``; k, v ``[batch, seqlen_k, kv_heads, head_dim]`` with
@@ -157,6 +161,9 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     as q), and with ``return_lse`` also the fp32 natural-log LSE ``[batch, heads, seqlen_q]``.
     Rows that see no key give zeros and LSE -inf. ``spec`` overrides the tuning fields; without
     it, a configuration stored by ``attngen tune`` for this GPU is used where there is one.
+    ``softcap`` > 0 caps the scaled logits at ``softcap * tanh(s / softcap)`` (Gemma 2, Grok);
+    ``alibi_slopes`` (fp32 ``[heads]`` or ``[batch, heads]``) adds ``-slope * |i' - j|`` to them,
+    i' the query's aligned key position (FlashAttention's conventions for both).
     """
     qi, ki, vi = _check_qkv(q, k, v)
     b, sq, h, d = qi.shape
@@ -166,7 +173,12 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     else:
         mask, left, right = _mask_and_window(causal, window)
     return_lse = bool(return_lse)
-    key = (d, qi.dtype, qi.device, mask, return_lse, spec, qi.kind)
+    if softcap or alibi_slopes is not None:
+        cap_u, inv_cap_u, alibi_ptr, alibi_sb = extras(softcap, alibi_slopes, b, h, qi, sm_scale)
+    else:
+        cap_u = inv_cap_u = 0.0
+        alibi_ptr = alibi_sb = 0
+    key = (d, qi.dtype, qi.device, mask, return_lse, spec, qi.kind, bool(softcap), alibi_ptr != 0)
     plan = _plans.get(key) or _make_plan(key)
     if sm_scale is None:
         scale = plan.default_scale
@@ -209,5 +221,6 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
         sq, sk, h, h // hk,
         scale, scale * _LOG2E,
         left, right,
+        cap_u, inv_cap_u, alibi_ptr, alibi_sb,
     )
     return (out, lse) if return_lse else out

@@ -65,6 +65,8 @@ class PrefillSpec(SpecBase):
     num_warps: int = 0
     num_stages: int = 0
     mma: Mma = Mma.AUTO
+    softcap: bool = False   # logit capping cap * tanh(s / cap); the cap is a call argument
+    alibi: bool = False     # ALiBi bias -slope * |i - j|; the per-head slopes are a call argument
 
     def __post_init__(self):
         s = object.__setattr__
@@ -73,6 +75,8 @@ class PrefillSpec(SpecBase):
         s(self, "mask", coerce_enum(MaskMode, "mask", self.mask))
         s(self, "mma", coerce_enum(Mma, "mma", self.mma))
         s(self, "return_lse", coerce_bool("return_lse", self.return_lse))
+        s(self, "softcap", coerce_bool("softcap", self.softcap))
+        s(self, "alibi", coerce_bool("alibi", self.alibi))
         s(self, "cta_tile_q", coerce_int("cta_tile_q", self.cta_tile_q, self.CTA_TILE_Q))
         s(self, "cta_tile_kv", coerce_int("cta_tile_kv", self.cta_tile_kv, self.CTA_TILE_KV))
         s(self, "num_warps", coerce_int("num_warps", self.num_warps, self.NUM_WARPS))

@@ -1,0 +1,37 @@
+"""The score modifiers the attention ops take, FlashAttention's conventions: ``softcap`` (logit
+capping, Gemma 2 and Grok) and ``alibi_slopes`` (ALiBi). Both are template switches in the spec
+(``softcap``, ``alibi``); the cap and the slopes are call arguments, checked here."""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import LaunchError
+from ..runtime import tensor_info
+
+
+def extras(softcap, alibi_slopes, batch: int, heads: int, qi, sm_scale) -> tuple[float, float, int, int]:
+    """(cap / scale, scale / cap, slopes pointer, slopes batch stride) for the kernel, after checking
+    ``softcap`` and ``alibi_slopes`` against the call (shared by prefill and decode)."""
+    scale = 1.0 / math.sqrt(qi.shape[3]) if sm_scale is None else float(sm_scale)
+    try:
+        cap = float(softcap)
+    except (TypeError, ValueError):
+        raise LaunchError(f"softcap={softcap!r} must be a number: 0 (off) or the cap > 0") from None
+    if not math.isfinite(cap) or cap < 0:
+        raise LaunchError(f"softcap={softcap!r} must be 0 (off) or a finite cap > 0")
+    if cap and not scale > 0:
+        raise LaunchError(f"softcap needs sm_scale > 0; got {scale!r}")
+    ptr = sb = 0
+    if alibi_slopes is not None:
+        a = tensor_info(alibi_slopes, "alibi_slopes")
+        if a.kind != qi.kind or a.device != qi.device or a.dtype != "fp32":
+            raise LaunchError(f"alibi_slopes must be an fp32 {qi.kind} array on device {qi.device}; got "
+                              f"{a.dtype} {a.kind} on device {a.device}")
+        if a.shape not in ((heads,), (batch, heads)) or a.strides[-1] != 1:
+            raise LaunchError(f"alibi_slopes has shape {tuple(a.shape)}; expected ({heads},) or ({batch}, {heads}), "
+                              f"contiguous in the heads")
+        if not scale > 0:
+            raise LaunchError(f"alibi_slopes needs sm_scale > 0; got {scale!r}")
+        ptr, sb = a.ptr, (a.strides[0] if len(a.shape) == 2 else 0)
+    return (cap / scale if cap else 0.0), (scale / cap if cap else 0.0), ptr, sb
