@@ -31,6 +31,7 @@ from .family import families, get_family
 from .manifest import ManifestError, default_manifest_path, expand, load_manifest
 from .prewarm import Progress, _indent, run_prewarm, summarize
 from .spec import Spec, parse_spec, resolve
+from .tune import positive_int as _positive_int
 
 PROG = "attngen"
 
@@ -155,16 +156,6 @@ def _one_arch(text: str) -> Arch:
         return get_arch(text)
     except SpecError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a positive integer")
-    return n
 
 
 def _seqlen_list(text: str) -> tuple[int, ...]:

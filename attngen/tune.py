@@ -11,7 +11,8 @@ processes.
 A family's tuning module (``Family.tuning``) provides:
 
 - ``SIZE``: what the size is, for help texts ("q and kv sequence length", ...);
-- ``add_arguments(parser)``: its own problem options (e.g. ``--window``);
+- ``add_arguments(parser)``: its own problem options (e.g. ``--window``; ``positive_int`` is
+  an argparse type for counts);
 - ``problem_size(spec, size, batch, heads) -> (batch, heads)``: the defaults a search uses;
 - ``problem(spec, size, batch, heads, seed, **options) -> Problem``.
 
@@ -20,6 +21,7 @@ A family's tuning module (``Family.tuning``) provides:
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import importlib
 from dataclasses import dataclass, field
@@ -50,6 +52,17 @@ class Problem:
     # outputs compared by max abs difference (LSE) rather than relative L2, by index
     lse_outputs: tuple[int, ...] = ()
     poison: Callable[[], None] = lambda: None  # fills reused outputs with NaN before a checked run
+
+
+def positive_int(text: str) -> int:
+    """An argparse type for a positive integer (the CLI's and the tuning modules' options)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a positive integer")
+    return n
 
 
 def tuning_module(spec_or_family) -> ModuleType:

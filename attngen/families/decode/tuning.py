@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from ...tune import Problem
+from ...tune import Problem, positive_int
 from .spec import DecodeSpec
 
 SIZE = "cache length per sequence"
@@ -20,19 +20,9 @@ KV_HEADS = 8
 BLOCK_SIZE = 64
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a positive integer")
-    return n
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-heads", type=_positive, metavar="N", help=f"KV heads (default {KV_HEADS})")
-    p.add_argument("--block-size", type=_positive, metavar="N",
+    p.add_argument("--kv-heads", type=positive_int, metavar="N", help=f"KV heads (default {KV_HEADS})")
+    p.add_argument("--block-size", type=positive_int, metavar="N",
                    help=f"block size of a paged spec's cache (default {BLOCK_SIZE})")
 
 
