@@ -109,7 +109,8 @@ def main():
         ((q, k, rand(2, 131, 2, 64)), {}, "k (2, 130, 2, 64) and v (2, 131, 2, 64) must have the same shape"),
         ((q, k, v), {"out": wrap(torch.empty(2, 100, 8, 64))}, "out must match q: torch (2, 100, 8, 64) bf16"),
         ((q, k, v), {"window": (1,)}, "window=(1,) must be a pair"),
-        ((q, k, v), {"sm_scale": float("inf")}, "sm_scale=inf must be finite"),
+        ((q, k, v), {"sm_scale": float("inf")}, "sm_scale=inf must be finite and > 0"),
+        ((q, k, v), {"sm_scale": -0.5}, "sm_scale=-0.5 must be finite and > 0"),
         ((q.float(), k, v), {}, "q is on cpu"),
     ]:
         try:

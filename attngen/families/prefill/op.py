@@ -159,6 +159,7 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     up to i + seqlen_k - seqlen_q); ``window=(left, right)`` limits each query to that many
     keys either side of its aligned position, -1 meaning unbounded. Returns ``out`` (same kind
     as q), and with ``return_lse`` also the fp32 natural-log LSE ``[batch, heads, seqlen_q]``.
+    ``sm_scale`` (default 1/sqrt(head_dim)) must be finite and > 0, as in ``attngen.decode``.
     Rows that see no key give zeros and LSE -inf. ``spec`` overrides the tuning fields; without
     it, a configuration stored by ``attngen tune`` for this GPU is used where there is one.
     ``softcap`` > 0 caps the scaled logits at ``softcap * tanh(s / softcap)`` (Gemma 2, Grok);
@@ -184,8 +185,8 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
         scale = plan.default_scale
     else:
         scale = float(sm_scale)
-        if not math.isfinite(scale):
-            raise LaunchError(f"sm_scale={sm_scale!r} must be finite")
+        if not math.isfinite(scale) or scale <= 0:  # one rule with decode's
+            raise LaunchError(f"sm_scale={sm_scale!r} must be finite and > 0")
 
     if out is None:
         out = plan.alloc(b, sq, h, d)
