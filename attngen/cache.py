@@ -229,10 +229,36 @@ class DiskCache:
 
     # --- writing ---------------------------------------------------------------------------
     def put(self, key: str, binary: Binary, source: str, material: dict, spec: Spec) -> bool:
-        """Commit an entry atomically. Returns False where the root cannot be written.
+        """Commit an entry atomically (``put_files``). Returns False where the root cannot be written."""
+        meta = {
+            "key": key,
+            "key_material": material,
+            "spec": spec.to_dict(),
+            "spec_text": spec.to_text(full=True),
+            "kernel_name": binary.kernel_name,
+            "arch": binary.arch,
+            "options": list(binary.options),
+            "nvrtc": binary.nvrtc_version,
+            "attngen": __version__,
+            "cubin_sha256": hashlib.sha256(binary.cubin).hexdigest(),
+            "cubin_bytes": len(binary.cubin),
+            "resources": binary.resources.to_dict(),
+            "smem_dynamic": spec.smem_bytes(),
+            "threads": spec.threads,
+            "compile_seconds": round(binary.compile_seconds, 4),
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "log": binary.log,
+        }
+        return self.put_files(key, {_CUBIN: binary.cubin, _SOURCE: source.encode(),
+                                    _META: json.dumps(meta, indent=1, sort_keys=True).encode()})
 
-        The entry is written whole under ``tmp/`` and renamed into place; an existing valid
-        entry is kept, a corrupt one is moved aside first.
+    ENTRY_FILES = (_CUBIN, _SOURCE, _META)
+
+    def put_files(self, key: str, files: "dict[str, bytes]") -> bool:
+        """Commit an entry's files (``ENTRY_FILES``, meta.json last: it marks completeness) atomically.
+
+        They are written whole under ``tmp/`` and renamed into place; an existing valid entry is
+        kept, a corrupt one is moved aside first. Returns False where the root cannot be written.
         """
         final = self.entry_path(key)
         if not self.usable():
@@ -247,28 +273,8 @@ class DiskCache:
             self._unwritable(e)
             return False
         try:
-            meta = {
-                "key": key,
-                "key_material": material,
-                "spec": spec.to_dict(),
-                "spec_text": spec.to_text(full=True),
-                "kernel_name": binary.kernel_name,
-                "arch": binary.arch,
-                "options": list(binary.options),
-                "nvrtc": binary.nvrtc_version,
-                "attngen": __version__,
-                "cubin_sha256": hashlib.sha256(binary.cubin).hexdigest(),
-                "cubin_bytes": len(binary.cubin),
-                "resources": binary.resources.to_dict(),
-                "smem_dynamic": spec.smem_bytes(),
-                "threads": spec.threads,
-                "compile_seconds": round(binary.compile_seconds, 4),
-                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                "log": binary.log,
-            }
-            fs.write_private(tmp / _CUBIN, binary.cubin)
-            fs.write_private(tmp / _SOURCE, source.encode())
-            fs.write_private(tmp / _META, json.dumps(meta, indent=1, sort_keys=True).encode())  # last: completeness
+            for name in sorted(files, key=lambda n: n == _META):
+                fs.write_private(tmp / name, files[name])
             fs.make_dirs(self.root, final.parent)
             if os.path.lexists(final):
                 if self.get(key) is not None:
@@ -285,6 +291,15 @@ class DiskCache:
             fs.remove_tree(tmp)
             self._unwritable(e)
             return False
+
+    def entry_files(self, key: str) -> "dict[str, bytes] | None":
+        """The files of a valid entry (``get`` passes), or None."""
+        if self.get(key) is None:
+            return None
+        try:
+            return {n: fs.read_private(self.entry_path(key) / n) for n in self.ENTRY_FILES}
+        except OSError:
+            return None
 
     def _unwritable(self, e: OSError) -> None:
         fs.warn_once(f"{self.root} (write)", f"cannot write the cache root {self.root}: "

@@ -26,9 +26,10 @@ from . import tuned as _tuned
 from .__version__ import __version__
 from .arch import ARCHS, Arch, get_arch, parse_arch_list
 from .compiler import compile as nvrtc_compile, compile_options
-from .errors import AttngenError, CacheError, CompileError, SpecError
+from .errors import AttngenError, CompileError, SpecError
 from .family import families, get_family
 from .manifest import ManifestError, default_manifest_path, expand, load_manifest
+from .cli_cache import add_cache_parser
 from .prewarm import Progress, _indent, run_prewarm, summarize
 from .spec import Spec, parse_spec, resolve
 from .tune import positive_int as _positive_int
@@ -108,18 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--json", action="store_true", help="one JSON object on stdout")
     ins.set_defaults(func=cmd_inspect)
 
-    c = sub.add_parser("cache", help="list, summarise or clear the cubin cache",
-                       description="The on-disk cache under ATTNGEN_CACHE_DIR (else the user cache directory).")
-    csub = c.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
-    for name, func, text in (("ls", cmd_cache_ls, "list entries"),
-                             ("stats", cmd_cache_stats, "count entries, bytes and compile time"),
-                             ("clear", cmd_cache_clear, "remove every compiled entry (tuned configs stay unless --tuned)")):
-        sp = csub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
-        sp.add_argument("--json", action="store_true", help="machine-readable output on stdout")
-        if name == "clear":
-            sp.add_argument("--tuned", action="store_true",
-                            help="also remove the configurations stored by 'attngen tune'")
-        sp.set_defaults(func=func)
+    add_cache_parser(sub)
 
     t = sub.add_parser("tune", help="search tile configurations on this GPU; store the fastest",
                        description="Search a spec's tuning space on the current GPU and store the winner in "
@@ -308,113 +298,6 @@ def cmd_families(args: argparse.Namespace) -> int:
             dflt = str(f["default"]).lower() if isinstance(f["default"], bool) else f["default"]
             print(f"  {f['name']:<12} {vals}  (default {dflt}{'; tuning, 0/auto = the arch default' if f['tuning'] else ''})")
     return 0
-
-
-# --- cache -----------------------------------------------------------------------------------
-
-def _entry_row(disk: "_cache.DiskCache", e: "_cache.Entry") -> dict:
-    # A damaged entry (meta.json that is not an object, fields of the wrong type) is listed as
-    # invalid rather than taking the whole listing down.
-    meta = e.meta if isinstance(e.meta, dict) else {}
-    res = meta.get("resources") if isinstance(meta.get("resources"), dict) else {}
-    try:
-        valid = disk.get(e.key) is not None
-    except Exception:
-        valid = False
-    try:
-        text = parse_spec(meta["spec"]).to_text()
-    except (AttngenError, KeyError, TypeError):
-        text = meta.get("spec_text")
-    try:
-        size = e.size
-    except OSError:  # removed while we listed it
-        size = 0
-    return {
-        "key": e.key,
-        "valid": valid,
-        "spec": text,
-        "arch": meta.get("arch"),
-        "kernel_name": meta.get("kernel_name"),
-        "registers": res.get("registers"),
-        "smem_static": res.get("smem_static"),
-        "smem_dynamic": meta.get("smem_dynamic"),
-        "spill_stores": res.get("spill_stores"),
-        "spill_loads": res.get("spill_loads"),
-        "bytes": size,
-        "compile_seconds": meta.get("compile_seconds"),
-        "created": meta.get("created"),
-        "path": str(e.path),
-    }
-
-
-def cmd_cache_ls(args: argparse.Namespace) -> int:
-    disk = _cache.DiskCache()
-    rows = [_entry_row(disk, e) for e in disk.entries()]
-    if args.json:
-        _print_json({"ok": True, "root": str(disk.root), "entries": rows})
-        return 0
-    if not rows:
-        print(f"no entries in {disk.root}", file=sys.stderr)
-        return 0
-    table = [("KEY", "ARCH", "REGS", "SPILLS", "SIZE", "CREATED", "SPEC")]
-    for r in rows:
-        spills = "?" if r["spill_stores"] is None else f"{r['spill_stores']}/{r['spill_loads']}"
-        table.append((r["key"][:12], r["arch"] or "?", "?" if r["registers"] is None else str(r["registers"]),
-                      spills, _size(r["bytes"]), r["created"] or "?",
-                      (r["spec"] or "?") + ("" if r["valid"] else "  [invalid]")))
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
-    for row in table:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
-    return 0
-
-
-def cmd_cache_stats(args: argparse.Namespace) -> int:
-    stats = _cache.DiskCache().stats()
-    stats["tuned"] = len(_tuned.TunedStore().entries())
-    if args.json:
-        _print_json({"ok": True, **stats})
-        return 0
-    print(f"root             {stats['root']}")
-    print(f"entries          {stats['entries']}" + (f" (+{stats['invalid']} invalid)" if stats["invalid"] else ""))
-    print(f"size             {_size(stats['bytes'])}")
-    print("by arch          " + (", ".join(f"{a}: {n}" for a, n in stats["by_arch"].items()) or "-"))
-    print(f"compile seconds  {stats['compile_seconds']}")
-    print(f"tuned configs    {stats['tuned']}")
-    return 0
-
-
-def cmd_cache_clear(args: argparse.Namespace) -> int:
-    disk = _cache.DiskCache()
-    removed = disk.clear()
-    left = len(disk.entries())
-    if left:
-        # rmtree ignores errors; an entry that is still there is a failure, not a quiet success.
-        raise CacheError(f"cache clear removed {removed - left} of {removed} entries under {disk.root}; "
-                                f"{left} could not be removed (permissions?)")
-    tuned = None
-    if args.tuned:
-        store = _tuned.TunedStore(disk.root)
-        tuned = store.clear()
-        if store.entries():
-            raise CacheError(f"cache clear --tuned could not remove the tuned configurations in {store.base}")
-    if args.json:
-        _print_json({"ok": True, "root": str(disk.root), "removed": removed,
-                     **({"removed_tuned": tuned} if tuned is not None else {})})
-    else:
-        print(f"removed {removed} entries from {disk.root}"
-              + (f" and {tuned} tuned configurations" if tuned is not None else ""))
-    return 0
-
-
-def _size(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    size = float(n)
-    for unit in ("KiB", "MiB", "GiB"):
-        size /= 1024
-        if size < 1024 or unit == "GiB":
-            break
-    return f"{size:.1f} {unit}"
 
 
 # --- tune ------------------------------------------------------------------------------------

@@ -1,0 +1,187 @@
+"""``attngen cache``: list, summarise, clear, verify, export and import the cubin cache."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import cache as _cache
+from . import tuned as _tuned
+from .bundle import export_bundle, import_bundle, verify
+from .errors import AttngenError, CacheError
+from .spec import parse_spec
+
+
+def _print_json(obj) -> None:
+    import json
+
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def add_cache_parser(sub) -> None:
+    c = sub.add_parser("cache", help="list, summarise, clear, verify, export or import the cubin cache",
+                       description="The on-disk cache under ATTNGEN_CACHE_DIR (else the user cache directory).")
+    csub = c.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
+    for name, func, text in (("ls", cmd_cache_ls, "list entries"),
+                             ("stats", cmd_cache_stats, "count entries, bytes and compile time"),
+                             ("clear", cmd_cache_clear, "remove every compiled entry (tuned configs stay unless --tuned)"),
+                             ("verify", cmd_cache_verify, "check every entry's checksums; exit 1 on damage"),
+                             ("export", cmd_cache_export, "write every valid entry into one bundle FILE"),
+                             ("import", cmd_cache_import, "add the entries of a bundle FILE, each checked first")):
+        sp = csub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+        if name in ("export", "import"):
+            sp.add_argument("file", metavar="FILE", help="the bundle (a tar file; gzip when it ends in .gz)")
+        sp.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+        if name == "clear":
+            sp.add_argument("--tuned", action="store_true",
+                            help="also remove the configurations stored by 'attngen tune'")
+        sp.set_defaults(func=func)
+
+
+
+def _entry_row(disk: "_cache.DiskCache", e: "_cache.Entry") -> dict:
+    # A damaged entry (meta.json that is not an object, fields of the wrong type) is listed as
+    # invalid rather than taking the whole listing down.
+    meta = e.meta if isinstance(e.meta, dict) else {}
+    res = meta.get("resources") if isinstance(meta.get("resources"), dict) else {}
+    try:
+        valid = disk.get(e.key) is not None
+    except Exception:
+        valid = False
+    try:
+        text = parse_spec(meta["spec"]).to_text()
+    except (AttngenError, KeyError, TypeError):
+        text = meta.get("spec_text")
+    try:
+        size = e.size
+    except OSError:  # removed while we listed it
+        size = 0
+    return {
+        "key": e.key,
+        "valid": valid,
+        "spec": text,
+        "arch": meta.get("arch"),
+        "kernel_name": meta.get("kernel_name"),
+        "registers": res.get("registers"),
+        "smem_static": res.get("smem_static"),
+        "smem_dynamic": meta.get("smem_dynamic"),
+        "spill_stores": res.get("spill_stores"),
+        "spill_loads": res.get("spill_loads"),
+        "bytes": size,
+        "compile_seconds": meta.get("compile_seconds"),
+        "created": meta.get("created"),
+        "path": str(e.path),
+    }
+
+
+def cmd_cache_ls(args: argparse.Namespace) -> int:
+    disk = _cache.DiskCache()
+    rows = [_entry_row(disk, e) for e in disk.entries()]
+    if args.json:
+        _print_json({"ok": True, "root": str(disk.root), "entries": rows})
+        return 0
+    if not rows:
+        print(f"no entries in {disk.root}", file=sys.stderr)
+        return 0
+    table = [("KEY", "ARCH", "REGS", "SPILLS", "SIZE", "CREATED", "SPEC")]
+    for r in rows:
+        spills = "?" if r["spill_stores"] is None else f"{r['spill_stores']}/{r['spill_loads']}"
+        table.append((r["key"][:12], r["arch"] or "?", "?" if r["registers"] is None else str(r["registers"]),
+                      spills, _size(r["bytes"]), r["created"] or "?",
+                      (r["spec"] or "?") + ("" if r["valid"] else "  [invalid]")))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+    for row in table:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+    return 0
+
+
+def cmd_cache_stats(args: argparse.Namespace) -> int:
+    stats = _cache.DiskCache().stats()
+    stats["tuned"] = len(_tuned.TunedStore().entries())
+    if args.json:
+        _print_json({"ok": True, **stats})
+        return 0
+    print(f"root             {stats['root']}")
+    print(f"entries          {stats['entries']}" + (f" (+{stats['invalid']} invalid)" if stats["invalid"] else ""))
+    print(f"size             {_size(stats['bytes'])}")
+    print("by arch          " + (", ".join(f"{a}: {n}" for a, n in stats["by_arch"].items()) or "-"))
+    print(f"compile seconds  {stats['compile_seconds']}")
+    print(f"tuned configs    {stats['tuned']}")
+    return 0
+
+
+def cmd_cache_clear(args: argparse.Namespace) -> int:
+    disk = _cache.DiskCache()
+    removed = disk.clear()
+    left = len(disk.entries())
+    if left:
+        # rmtree ignores errors; an entry that is still there is a failure, not a quiet success.
+        raise CacheError(f"cache clear removed {removed - left} of {removed} entries under {disk.root}; "
+                                f"{left} could not be removed (permissions?)")
+    tuned = None
+    if args.tuned:
+        store = _tuned.TunedStore(disk.root)
+        tuned = store.clear()
+        if store.entries():
+            raise CacheError(f"cache clear --tuned could not remove the tuned configurations in {store.base}")
+    if args.json:
+        _print_json({"ok": True, "root": str(disk.root), "removed": removed,
+                     **({"removed_tuned": tuned} if tuned is not None else {})})
+    else:
+        print(f"removed {removed} entries from {disk.root}"
+              + (f" and {tuned} tuned configurations" if tuned is not None else ""))
+    return 0
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    size = float(n)
+    for unit in ("KiB", "MiB", "GiB"):
+        size /= 1024
+        if size < 1024 or unit == "GiB":
+            break
+    return f"{size:.1f} {unit}"
+
+
+def cmd_cache_verify(args: argparse.Namespace) -> int:
+    disk = _cache.DiskCache()
+    r = verify(disk)
+    if args.json:
+        _print_json({"ok": not r["damaged"], "root": str(disk.root), **r})
+    else:
+        for key, path in r["damaged"]:
+            print(f"damaged: {key} ({path})")
+        print(f"verified {r['checked']} entries under {disk.root}: {r['valid']} valid, {len(r['damaged'])} damaged"
+              + ("; 'attngen cache clear' removes them, or a build replaces each" if r["damaged"] else ""))
+    return 1 if r["damaged"] else 0
+
+
+def cmd_cache_export(args: argparse.Namespace) -> int:
+    disk = _cache.DiskCache()
+    m = export_bundle(disk, args.file)
+    if args.json:
+        _print_json({"ok": True, "file": args.file, "entries": len(m["entries"]), "attngen": m["attngen"],
+                     "nvrtc": m["nvrtc"]})
+    else:
+        print(f"exported {len(m['entries'])} entries from {disk.root} to {args.file} "
+              f"(attngen {m['attngen']}, NVRTC {m['nvrtc']})")
+    return 0
+
+
+def cmd_cache_import(args: argparse.Namespace) -> int:
+    disk = _cache.DiskCache()
+    r = import_bundle(disk, args.file)
+    for what, why in r["rejected"]:
+        print(f"attngen: error: rejected {what} from {args.file}: {why}", file=sys.stderr)
+    if r["other_versions"]:
+        print(f"attngen: warning: {args.file} was built by attngen {r['bundle_attngen']} with NVRTC {r['bundle_nvrtc']}; "
+              f"this install's requests will not find its entries (rebuild the bundle with this version)",
+              file=sys.stderr)
+    if args.json:
+        _print_json({"ok": not r["rejected"], "file": args.file, "root": str(disk.root), **r})
+    else:
+        print(f"imported {r['imported']} entries into {disk.root} ({r['present']} already there, "
+              f"{len(r['rejected'])} rejected)")
+    return 1 if r["rejected"] else 0
