@@ -29,7 +29,7 @@ from .compiler import compile as nvrtc_compile, compile_options
 from .errors import AttngenError, CompileError, SpecError
 from .family import families, get_family
 from .manifest import ManifestError, default_manifest_path, expand, load_manifest
-from .cli_cache import add_cache_parser
+from .cli_cache import add_cache_parser, print_json as _print_json
 from .prewarm import Progress, _indent, run_prewarm, summarize
 from .spec import Spec, parse_spec, resolve
 from .tune import positive_int as _positive_int
@@ -175,11 +175,6 @@ def _report_error(e: BaseException, as_json: bool) -> None:
         if isinstance(e, SpecError):
             err.update(field=e.field, value=e.value, allowed=e.allowed, reason=e.reason)
         _print_json({"ok": False, "error": err})
-
-
-def _print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
-    sys.stdout.flush()
 
 
 # --- prewarm ---------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from . import cache as _cache
@@ -12,9 +13,8 @@ from .errors import AttngenError, CacheError
 from .spec import parse_spec
 
 
-def _print_json(obj) -> None:
-    import json
-
+def print_json(obj) -> None:
+    """One JSON object on stdout, as every attngen command's --json prints it."""
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
     sys.stdout.flush()
 
@@ -79,7 +79,7 @@ def cmd_cache_ls(args: argparse.Namespace) -> int:
     disk = _cache.DiskCache()
     rows = [_entry_row(disk, e) for e in disk.entries()]
     if args.json:
-        _print_json({"ok": True, "root": str(disk.root), "entries": rows})
+        print_json({"ok": True, "root": str(disk.root), "entries": rows})
         return 0
     if not rows:
         print(f"no entries in {disk.root}", file=sys.stderr)
@@ -100,7 +100,7 @@ def cmd_cache_stats(args: argparse.Namespace) -> int:
     stats = _cache.DiskCache().stats()
     stats["tuned"] = len(_tuned.TunedStore().entries())
     if args.json:
-        _print_json({"ok": True, **stats})
+        print_json({"ok": True, **stats})
         return 0
     print(f"root             {stats['root']}")
     print(f"entries          {stats['entries']}" + (f" (+{stats['invalid']} invalid)" if stats["invalid"] else ""))
@@ -126,7 +126,7 @@ def cmd_cache_clear(args: argparse.Namespace) -> int:
         if store.entries():
             raise CacheError(f"cache clear --tuned could not remove the tuned configurations in {store.base}")
     if args.json:
-        _print_json({"ok": True, "root": str(disk.root), "removed": removed,
+        print_json({"ok": True, "root": str(disk.root), "removed": removed,
                      **({"removed_tuned": tuned} if tuned is not None else {})})
     else:
         print(f"removed {removed} entries from {disk.root}"
@@ -149,7 +149,7 @@ def cmd_cache_verify(args: argparse.Namespace) -> int:
     disk = _cache.DiskCache()
     r = verify(disk)
     if args.json:
-        _print_json({"ok": not r["damaged"], "root": str(disk.root), **r})
+        print_json({"ok": not r["damaged"], "root": str(disk.root), **r})
     else:
         for key, path in r["damaged"]:
             print(f"damaged: {key} ({path})")
@@ -162,7 +162,7 @@ def cmd_cache_export(args: argparse.Namespace) -> int:
     disk = _cache.DiskCache()
     m = export_bundle(disk, args.file)
     if args.json:
-        _print_json({"ok": True, "file": args.file, "entries": len(m["entries"]), "attngen": m["attngen"],
+        print_json({"ok": True, "file": args.file, "entries": len(m["entries"]), "attngen": m["attngen"],
                      "nvrtc": m["nvrtc"]})
     else:
         print(f"exported {len(m['entries'])} entries from {disk.root} to {args.file} "
@@ -180,7 +180,7 @@ def cmd_cache_import(args: argparse.Namespace) -> int:
               f"this install's requests will not find its entries (rebuild the bundle with this version)",
               file=sys.stderr)
     if args.json:
-        _print_json({"ok": not r["rejected"], "file": args.file, "root": str(disk.root), **r})
+        print_json({"ok": not r["rejected"], "file": args.file, "root": str(disk.root), **r})
     else:
         print(f"imported {r['imported']} entries into {disk.root} ({r['present']} already there, "
               f"{len(r['rejected'])} rejected)")
