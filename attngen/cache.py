@@ -156,11 +156,21 @@ class BuildResult:
         return render(self.spec)
 
 
-class DiskCache:
-    """The on-disk store under one root. Safe across threads and processes."""
+def cache_layers() -> list[Path]:
+    """Read-only layers below the root, looked up in order after it: ``ATTNGEN_CACHE_LAYERS``
+    (folders separated by ``os.pathsep``), read each time it is used."""
+    return [Path(p).expanduser() for p in os.environ.get("ATTNGEN_CACHE_LAYERS", "").split(os.pathsep) if p.strip()]
 
-    def __init__(self, root: "str | Path | None" = None):
+
+class DiskCache:
+    """The on-disk store under one root. Safe across threads and processes.
+
+    ``layer=True``: a read-only layer (a fleet's unpacked bundle, a system folder): never written,
+    and trusted when owned by you or by root (not writable by group/others either way)."""
+
+    def __init__(self, root: "str | Path | None" = None, *, layer: bool = False):
         self.root = Path(root) if root is not None else cache_root()
+        self.layer = layer
 
     @property
     def base(self) -> Path:
@@ -174,11 +184,11 @@ class DiskCache:
 
     def usable(self) -> bool:
         """Whether the root may be read and written (see ``attngen.fs``); warns once where not."""
-        why = fs.root_problem(self.root)
+        why = fs.root_problem(self.root, self.layer)
         if why is None:
             try:
                 if os.path.lexists(self.base):
-                    fs.check_dir(self.base)
+                    fs.check_dir(self.base, self.layer)
             except OSError as e:
                 why = f"{self.base} is {'a symbolic link' if e.errno == errno.ELOOP else 'not to be trusted'}: {e.strerror}"
         if why is None:
@@ -198,10 +208,10 @@ class DiskCache:
                 return None
             if not self.usable():
                 return None
-            fs.check_dir(path.parent)
-            fs.check_dir(path)
-            meta = json.loads(fs.read_private(path / _META))
-            cubin = fs.read_private(path / _CUBIN)
+            fs.check_dir(path.parent, self.layer)
+            fs.check_dir(path, self.layer)
+            meta = json.loads(fs.read_private(path / _META, self.layer))
+            cubin = fs.read_private(path / _CUBIN, self.layer)
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.EPERM):
                 fs.warn_once(path, f"ignoring the cache entry {path}: {e.strerror}; remove it "
@@ -213,6 +223,11 @@ class DiskCache:
             return None
         if meta.get("key") != key or hashlib.sha256(cubin).hexdigest() != meta.get("cubin_sha256"):
             return None
+        if not self.layer:
+            try:  # last use, for prune's least-recently-used order (read-only roots stay as they are)
+                os.utime(path / _META)
+            except OSError:
+                pass
         try:
             return Binary(cubin=cubin, kernel_name=meta["kernel_name"], arch=meta["arch"],
                           options=tuple(meta["options"]), nvrtc_version=meta["nvrtc"],
@@ -223,7 +238,7 @@ class DiskCache:
 
     def source(self, key: str) -> str | None:
         try:
-            return fs.read_private(self.entry_path(key) / _SOURCE).decode()
+            return fs.read_private(self.entry_path(key) / _SOURCE, self.layer).decode()
         except (OSError, UnicodeDecodeError):
             return None
 
@@ -261,7 +276,7 @@ class DiskCache:
         kept, a corrupt one is moved aside first. Returns False where the root cannot be written.
         """
         final = self.entry_path(key)
-        if not self.usable():
+        if self.layer or not self.usable():
             return False
         tmp_root = self.base / "tmp"
         try:
@@ -297,7 +312,7 @@ class DiskCache:
         if self.get(key) is None:
             return None
         try:
-            return {n: fs.read_private(self.entry_path(key) / n) for n in self.ENTRY_FILES}
+            return {n: fs.read_private(self.entry_path(key) / n, self.layer) for n in self.ENTRY_FILES}
         except OSError:
             return None
 
@@ -325,7 +340,7 @@ class DiskCache:
         """The key's file lock, or None where the root cannot hold lock files (read-only, or not
         to be trusted). A lock file that is a link, or another user's, is a ``CacheError``."""
         path = self.lock_path(key)
-        if not self.usable():
+        if self.layer or not self.usable():
             return None
         try:
             fs.make_dirs(self.root, path.parent)
@@ -356,13 +371,52 @@ class DiskCache:
                 continue
             for d in fs.real_subdirs(shard):
                 try:
-                    meta = json.loads(fs.read_private(d / _META))
+                    meta = json.loads(fs.read_private(d / _META, self.layer))
                 except (OSError, ValueError):
                     meta = {}
                 if not isinstance(meta, dict):
                     meta = {}
                 out.append(Entry(d.name, d, meta))
         return out
+
+    def prune(self, max_bytes: "int | None" = None, older_than: "float | None" = None) -> list[tuple[str, int]]:
+        """Remove entries unused for ``older_than`` seconds, then the least recently used ones until
+        the entries take at most ``max_bytes``; an entry whose lock another process holds (being
+        built or replaced) is never removed. Returns the (key, bytes) removed."""
+        now = time.time()
+        ents = []
+        for e in self.entries():
+            try:
+                ents.append((os.lstat(e.path / _META).st_mtime, e.size, e))
+            except OSError:
+                ents.append((0.0, 0, e))  # no meta: an incomplete entry, the oldest of all
+        ents.sort(key=lambda x: x[0])
+        total = sum(size for _, size, _ in ents)
+        removed: list[tuple[str, int]] = []
+        for used, size, e in ents:
+            stale = older_than is not None and now - used > older_than
+            over = max_bytes is not None and total > max_bytes
+            if not (stale or over):
+                continue
+            if self._locked(e.key):
+                continue
+            if fs.remove_tree(e.path):
+                removed.append((e.key, size))
+                total -= size
+        return removed
+
+    def _locked(self, key: str) -> bool:
+        path = self.lock_path(key)
+        if not os.path.lexists(path):
+            return False
+        try:
+            lock = filelock.FileLock(str(path), timeout=0, mode=0o600)
+            lock.acquire()
+        except (filelock.Timeout, OSError):
+            return True
+        lock.release()
+        return False
+
 
     def stats(self) -> dict:
         ents = self.entries()
@@ -426,7 +480,7 @@ def build(spec: Spec, arch: "str | Arch", *, cache: DiskCache | None = None) -> 
     """
     a = get_arch(arch)
     cache = cache or DiskCache()
-    fast_key = (spec, a.name, str(cache.root))
+    fast_key = (spec, a.name, str(cache.root), os.environ.get("ATTNGEN_CACHE_LAYERS", ""))
     fresh = always_compile()
     fast = None if fresh else _built.get(fast_key)
     if fast is not None:
@@ -457,6 +511,12 @@ def _build(spec: Spec, a: Arch, cache: DiskCache, fresh: bool = False) -> BuildR
     if hit is not None and hit_stored:
         return BuildResult(hit, key, spec, "memory", True)
     binary = None if fresh else cache.get(key)
+    if binary is None and not fresh:
+        for layer in cache_layers():
+            binary = DiskCache(layer, layer=True).get(key)
+            if binary is not None:
+                log.debug("cache hit (layer %s): %s for %s", layer, spec.to_text(), a.name)
+                break
     if binary is not None:
         _remember(root, key, binary, True)
         log.debug("cache hit (disk): %s for %s, key %s", spec.to_text(), a.name, key[:16])

@@ -28,11 +28,18 @@ def add_cache_parser(sub) -> None:
                              ("clear", cmd_cache_clear, "remove every compiled entry (tuned configs stay unless --tuned)"),
                              ("verify", cmd_cache_verify, "check every entry's checksums; exit 1 on damage"),
                              ("export", cmd_cache_export, "write every valid entry into one bundle FILE"),
-                             ("import", cmd_cache_import, "add the entries of a bundle FILE, each checked first")):
+                             ("import", cmd_cache_import, "add the entries of a bundle FILE, each checked first"),
+                             ("prune", cmd_cache_prune, "remove unused entries: older than an age, least recently "
+                                                        "used first down to a size")):
         sp = csub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
         if name in ("export", "import"):
             sp.add_argument("file", metavar="FILE", help="the bundle (a tar file; gzip when it ends in .gz)")
         sp.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+        if name == "prune":
+            sp.add_argument("--max-size", type=_size_arg, metavar="SIZE",
+                            help="keep the entries within SIZE (e.g. 500M, 10G), removing the least recently used")
+            sp.add_argument("--older-than", type=_age_arg, metavar="AGE",
+                            help="remove entries unused for AGE (e.g. 12h, 30d)")
         if name == "clear":
             sp.add_argument("--tuned", action="store_true",
                             help="also remove the configurations stored by 'attngen tune'")
@@ -185,3 +192,41 @@ def cmd_cache_import(args: argparse.Namespace) -> int:
         print(f"imported {r['imported']} entries into {disk.root} ({r['present']} already there, "
               f"{len(r['rejected'])} rejected)")
     return 1 if r["rejected"] else 0
+
+
+def _size_arg(text: str) -> int:
+    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    s = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        n = float(s[:-1] if s and s[-1] in units else s) * units[s[-1] if s and s[-1] in units else ""]
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a size such as 500M or 10G")
+    return int(n)
+
+
+def _age_arg(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    s = text.strip().lower()
+    try:
+        n = float(s[:-1]) * units[s[-1]] if s and s[-1] in units else float(s)
+    except (ValueError, KeyError):
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: an age such as 12h or 30d")
+    return n
+
+
+def cmd_cache_prune(args: argparse.Namespace) -> int:
+    if args.max_size is None and args.older_than is None:
+        raise CacheError("cache prune needs --max-size SIZE and/or --older-than AGE")
+    disk = _cache.DiskCache()
+    removed = disk.prune(args.max_size, args.older_than)
+    freed = sum(n for _, n in removed)
+    if args.json:
+        print_json({"ok": True, "root": str(disk.root), "removed": len(removed), "bytes": freed,
+                    "keys": [k for k, _ in removed]})
+    else:
+        print(f"removed {len(removed)} entries ({_size(freed)}) from {disk.root}")
+    return 0

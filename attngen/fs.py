@@ -42,18 +42,19 @@ def forget_warnings() -> None:
         _told.clear()
 
 
-def distrust(st: os.stat_result) -> "str | None":
-    """Why a file or folder with this status is not to be trusted, or None."""
+def distrust(st: os.stat_result, root_ok: bool = False) -> "str | None":
+    """Why a file or folder with this status is not to be trusted, or None. ``root_ok``: owned by
+    root is fine too (read-only cache layers a system installs)."""
     uid = os.geteuid()
-    if st.st_uid != uid:
-        return f"it is owned by uid {st.st_uid}, not by you (uid {uid})"
+    if st.st_uid != uid and not (root_ok and st.st_uid == 0):
+        return f"it is owned by uid {st.st_uid}, not by you (uid {uid})" + (" or root" if root_ok else "")
     if st.st_mode & 0o022:
         who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002)) if st.st_mode & bit)
         return f"it is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o})"
     return None
 
 
-def root_problem(root: Path) -> "str | None":
+def root_problem(root: Path, root_ok: bool = False) -> "str | None":
     """Why ``root`` (followed if it is a link) cannot serve as a cache root, or None; a root that
     does not exist yet is fine (attngen creates it private)."""
     try:
@@ -64,17 +65,17 @@ def root_problem(root: Path) -> "str | None":
         return f"it cannot be read ({e.strerror or e})"
     if not stat.S_ISDIR(st.st_mode):
         return "it is not a folder"
-    return distrust(st)
+    return distrust(st, root_ok)
 
 
-def check_dir(path: Path) -> None:
+def check_dir(path: Path, root_ok: bool = False) -> None:
     """Raise OSError unless ``path`` is a real folder (not a link) that can be trusted."""
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         raise OSError(errno.ELOOP, "a symbolic link inside the cache root; attngen does not follow it", str(path))
     if not stat.S_ISDIR(st.st_mode):
         raise OSError(errno.ENOTDIR, "not a folder", str(path))
-    why = distrust(st)
+    why = distrust(st, root_ok)
     if why:
         raise OSError(errno.EPERM, why, str(path))
 
@@ -105,12 +106,12 @@ def write_private(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def read_private(path: Path) -> bytes:
+def read_private(path: Path, root_ok: bool = False) -> bytes:
     """Read a file that is not a link and is owned by you and not writable by others; OSError
     otherwise (a caller treats that as absent)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     with os.fdopen(fd, "rb") as f:
-        why = distrust(os.fstat(f.fileno()))
+        why = distrust(os.fstat(f.fileno()), root_ok)
         if why:
             raise OSError(errno.EPERM, why, str(path))
         return f.read()
