@@ -371,3 +371,42 @@ def test_bench_without_torch_says_how_to_install_and_json_stays_json(capsys):
     assert json.loads(cap.out) == {"ok": False, "exit": 2}
     assert cap.err.startswith("attngen: error: attngen bench prefill needs torch") and \
         "pip install 'attngen[torch]'" in cap.err
+
+
+# --- every error path: one line, non-zero, no traceback ---------------------------------------------
+
+BAD_ARGS = [
+    ["nosuch"],
+    ["prewarm", "--arch", "sm_70"],
+    ["prewarm", "--jobs", "0"],
+    ["prewarm", "--manifest", "/nonexistent.toml"],
+    ["inspect"],
+    ["inspect", "prefill:head_dim=100"],
+    ["inspect", "nosuch:head_dim=64"],
+    ["inspect", "prefill:head_dim=64", "--arch", "sm_90x"],
+    ["inspect", "prefill:head_dimm=64"],
+    ["cache"],
+    ["cache", "nosuch"],
+    ["cache", "import", "/nonexistent.tar"],
+    ["cache", "prune"],
+    ["cache", "prune", "--max-size", "lots"],
+    ["tune"],
+    ["tune", "prefill", "prefill:head_dim=64"],
+    ["tune", "decode", "prefill:head_dim=64", "--seqlen", "1k", "--dry-run", "--arch", "sm_90"],
+    ["tune", "prefill", "prefill:head_dim=64", "--seqlen", "-3"],
+    ["families", "--bogus"],
+    ["bench", "nosuch"],
+    ["bench", "prefill", "--seqlens", "x"],
+]
+
+
+@pytest.mark.parametrize("argv", BAD_ARGS, ids=[" ".join(a) for a in BAD_ARGS])
+def test_every_bad_request_is_one_error_line_and_no_traceback(argv, cache_dir):
+    p = subprocess.run([sys.executable, "-m", "attngen", *argv], capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert "Traceback" not in p.stderr
+    errors = [ln for ln in p.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1, p.stderr
+    assert errors[0].startswith(("attngen: error: ", "attngen bench: error: ", "usage: ")) or \
+        errors[0].split(": error: ")[0].startswith("attngen"), p.stderr
