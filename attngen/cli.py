@@ -29,7 +29,7 @@ from .compiler import compile as nvrtc_compile, compile_options
 from .errors import AttngenError, CompileError, SpecError
 from .family import families, get_family
 from .manifest import ManifestError, default_manifest_path, expand, load_manifest
-from .cli_cache import add_cache_parser, print_json as _print_json
+from .cli_cache import add_cache_parser, aligned, print_json as _print_json
 from .prewarm import Progress, _indent, run_prewarm, summarize
 from .spec import Spec, parse_spec, resolve
 from .tune import positive_int as _positive_int
@@ -436,9 +436,8 @@ def cmd_tune_ls(args: argparse.Namespace) -> int:
         ms = e.get("ms")
         table.append((e["arch"], e["gpu"], e["nvrtc"], e["attngen"], str(e["seqlen"]), cfg,
                       f"{ms:.4f}" if isinstance(ms, (int, float)) else "?", f"{e['family']}:{fields}"))
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
-    for row in table:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+    for line in aligned(table):
+        print(line)
     return 0
 
 

@@ -19,6 +19,13 @@ def print_json(obj) -> None:
     sys.stdout.flush()
 
 
+def aligned(rows) -> list[str]:
+    """Rows of cells as text lines, every column but the last padded to its widest cell."""
+    rows = [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in rows]
+
+
 def add_cache_parser(sub) -> None:
     c = sub.add_parser("cache", help="list, summarise, clear, verify, export or import the cubin cache",
                        description="The on-disk cache under ATTNGEN_CACHE_DIR (else the user cache directory).")
@@ -97,9 +104,8 @@ def cmd_cache_ls(args: argparse.Namespace) -> int:
         table.append((r["key"][:12], r["arch"] or "?", "?" if r["registers"] is None else str(r["registers"]),
                       spills, _size(r["bytes"]), r["created"] or "?",
                       (r["spec"] or "?") + ("" if r["valid"] else "  [invalid]")))
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
-    for row in table:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+    for line in aligned(table):
+        print(line)
     return 0
 
 

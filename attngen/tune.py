@@ -32,6 +32,7 @@ from typing import Any, Callable
 from . import cache as _cache
 from .__version__ import __version__
 from .arch import Arch, get_arch
+from .cli_cache import aligned
 from .errors import AttngenError, LaunchError, SpecError
 from .family import get_family
 from .spec import Spec, tuning_candidates
@@ -280,5 +281,4 @@ def table(rows: list[dict], winner: dict | None = None, unit: str = "TFLOP/s") -
         lines.append((mark, r["config"], fmt(r["registers"], "d"), spills,
                       "—" if r["smem"] is None else f"{r['smem'] // 1024} KiB",
                       fmt(r["ms"], ".4f"), fmt(r["rate"], ".1f"), fmt(r["rel_err"], ".1e"), status))
-    widths = [max(len(str(row[i])) for row in lines) for i in range(len(head) - 1)]
-    return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in lines]
+    return aligned(lines)
