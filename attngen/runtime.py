@@ -214,7 +214,7 @@ class TensorInfo(NamedTuple):
 
 
 _new_info = tuple.__new__  # TensorInfo without its Python-level __new__ (half the cost)
-_CUPY_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int32": "int32"}
+_CUPY_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "int32": "int32", "bool": "bool"}
 _kinds: dict[type, str] = {}              # array type -> "torch" / "cupy", decided once per type
 _torch_dtypes: dict[Any, str] = {}        # torch dtype object -> name (no str() per call)
 _torch_dtype_objs: dict[str, Any] = {}    # name -> torch dtype object
@@ -225,7 +225,7 @@ def _torch():
 
     if not _torch_dtypes:
         for obj, name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16"), (torch.float32, "fp32"),
-                          (torch.int32, "int32")):
+                          (torch.int32, "int32"), (torch.bool, "bool")):
             _torch_dtype_objs[name] = obj
             _torch_dtypes[obj] = name
     return torch

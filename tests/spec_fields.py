@@ -19,10 +19,14 @@ FIELD_VALUES = {
     "mma": tuple(Mma),
     "softcap": (False, True),
     "alibi": (False, True),
+    "custom_mask": (False, True),
+    "varlen": (False, True),
+    "paged": (False, True),  # alone it is refused (paged needs varlen): tests skip what does not fit
 }
 # A resolved spec from which every field can change alone and still fit sm_90.
 BASE = PrefillSpec(head_dim=64, dtype=DType.BF16, mask=MaskMode.NONE, return_lse=False,
                    cta_tile_q=128, cta_tile_kv=32, num_warps=4, num_stages=2, mma=Mma.SYNC)
 # (base, arch) pairs the resolve-based tests vary from: between them every field changes alone
 # (mma=wgmma needs sm_90a and cta_tile_q = 16 x num_warps, so the second base exists for it).
-BASES = ((BASE, "sm_90"), (BASE.replace(cta_tile_q=64), "sm_90a"))
+# A third, varlen, lets paged (which needs varlen) change alone.
+BASES = ((BASE, "sm_90"), (BASE.replace(cta_tile_q=64), "sm_90a"), (BASE.replace(varlen=True), "sm_90"))

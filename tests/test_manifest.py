@@ -172,9 +172,12 @@ def test_default_manifest_validates_for_every_arch_it_lists():
     assert {s.mask.value for s in prefill} == {"none", "causal", "sliding_window"}
     assert {s.head_dim for s in decode} == {64, 128, 256}
     assert {s.paged for s in decode} == {False, True}
-    # Every non-LSE kernel on every arch (what attngen.prefill and attngen.decode ask for by default).
+    # Every non-LSE kernel on every arch (what attngen.prefill and attngen.decode ask for by default),
+    # but custom masks at head_dim 192/256: only on the archs where they compile spill-free.
     for s in specs:
-        if not getattr(s, "return_lse", False):
+        partial = getattr(s, "custom_mask", False) and s.head_dim in (192, 256)
+        if not getattr(s, "return_lse", False) and not partial:
             assert {a.name for sp, a in items if sp == s} == archs
-    # Kept small enough that `attngen prewarm --jobs 2` stays within minutes on two cores.
-    assert 100 <= len(items) <= 400
+    assert {s.varlen for s in prefill} == {False, True} and {s.custom_mask for s in prefill} == {False, True}
+    # Kept small enough that `attngen prewarm --jobs 2` stays within CI's budget on two cores (~10 min).
+    assert 100 <= len(items) <= 1000

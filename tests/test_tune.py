@@ -23,7 +23,8 @@ from conftest import gpu_count
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = "prefill:head_dim=64,dtype=bf16"
-FIELDS = {"head_dim": 64, "dtype": "bf16", "mask": "none", "return_lse": False, "softcap": False, "alibi": False}
+FIELDS = {"head_dim": 64, "dtype": "bf16", "mask": "none", "return_lse": False, "softcap": False, "alibi": False,
+          "custom_mask": False, "varlen": False, "paged": False}
 IDENT = {"arch": "sm_90", "gpu": "NVIDIA H200", "nvrtc": "13.0", "attngen": __version__}
 CFG_A = {"cta_tile_q": 64, "cta_tile_kv": 32, "num_warps": 4, "num_stages": 2, "mma": "mma_sync"}
 CFG_B = {"cta_tile_q": 128, "cta_tile_kv": 32, "num_warps": 8, "num_stages": 1, "mma": "mma_sync"}
@@ -217,7 +218,8 @@ def test_store_winner_writes_what_prefill_reads(cache_dir):
     tune.store_winner(spec, 512, row, IDENT, result)
     got = tuned.TunedStore().read("sm_90")
     assert len(got) == 1 and got[0]["fields"] == {"head_dim": 64, "dtype": "bf16", "mask": "causal", "return_lse": True,
-                                                     "softcap": False, "alibi": False}
+                                                     "softcap": False, "alibi": False, "custom_mask": False,
+                                                     "varlen": False, "paged": False}
     ch = tuned.tuned_choices(spec, "sm_90", IDENT["gpu"], got, nvrtc=IDENT["nvrtc"])
     assert ch == [(512, spec.replace(**CFG_B))]
 

@@ -44,11 +44,33 @@ struct PrefillParams {
   float softcap_u, inv_softcap_u;  // cap / sm_scale and its inverse (SOFTCAP)
   const float* alibi;              // fp32 slopes [batch, heads] or [heads] (ALIBI)
   long long alibi_sb;              // batch stride of alibi: heads, or 0
+  // ---- read only by the VARLEN, PAGED and MASK_LIST kernels (a dense launch packs none of it) ----
+  // VARLEN: q, o [total_q, heads, head_dim], k, v [total_k, kv_heads, head_dim] (batch strides
+  // unused); sequence s holds rows [cu_q[s], cu_q[s+1]) and [cu_k[s], cu_k[s+1]), clamped in range.
+  const int* cu_q;
+  const int* cu_k;
+  // PAGED: k, v [num_blocks, block_size, kv_heads, head_dim] (k_sb: block stride); key j of
+  // sequence s at block block_table[s * bt_sb + j / block_size], clamped to the blocks.
+  const int* block_table;
+  // VARLEN and MASK_LIST: the work list, slot -> (unit, query tile), heaviest first; a CTA is
+  // (slot, one of heads_per_item heads). VARLEN: unit = sequence, *work_count slots are live.
+  const int2* work;
+  const int* work_count;
+  // MASK_LIST: unit = mask batch * mask_units_h + mask head. Per unit and query tile, tile_count
+  // live KV tiles listed at tiles[(unit * num_q_tiles + q tile) * max_tiles], each the tile index
+  // with bit 31 set when the custom mask keeps all of it; the mask itself as bits, one uint32 per
+  // 32 keys, bits_words a row, bits_su a unit.
+  const unsigned* mask_bits;
+  const int* tiles;
+  const int* tile_count;
+  long long bt_sb, bits_su;
+  int block_size, num_blocks, total_q, total_k, heads_per_item, bits_words, max_tiles, num_q_tiles;
+  int mask_units_h, mask_units_b;
 };
 
 template <class T, bool BF16, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int NUM_STAGES,
           int MASK, bool RETURN_LSE, bool Q_IN_REGS, int ROW_ELEMS, bool SWIZZLE, bool WGMMA, bool SOFTCAP = false,
-          bool ALIBI = false>
+          bool ALIBI = false, bool VARLEN = false, bool PAGED = false, bool MASK_LIST = false>
 __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
   using L = SmemLayout<HEAD_DIM, ROW_ELEMS, SWIZZLE>;
   using LQ = typename Select<WGMMA, WgmmaLayout<HEAD_DIM, BLOCK_M>, L>::type;
@@ -77,43 +99,100 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
   const int g = lane / 4;  // row within an 8-row group of an mma fragment
   const int t = lane % 4;  // column pair within an 8-wide fragment
 
-  // Heaviest query tiles (the last ones, under a causal mask) start first.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
+  // Which (query tile, head, batch) this CTA computes. Dense: heaviest query tiles (the last
+  // ones, under a causal mask) start first. VARLEN / MASK_LIST: the work list's slot order,
+  // built heaviest first on the GPU; heads vary fastest, so every head of a heavy item starts early.
+  int m_block, head, batch, seqlen_q, seqlen_k;
+  long long q_row0 = 0, k_row0 = 0;  // VARLEN: the sequence's first row in q / k
+  long long list_at = 0;             // MASK_LIST: where this tile's live KV tiles start in p.tiles
+  int unit = 0;                      // MASK_LIST: the mask's (batch, head) unit
+  int n_tiles;
+  if constexpr (VARLEN || MASK_LIST) {
+    const int slot = blockIdx.x / p.heads_per_item;
+    const int hsub = blockIdx.x - slot * p.heads_per_item;
+    if constexpr (VARLEN) {
+      if (slot >= *p.work_count) return;
+    }
+    const int2 item = p.work[slot];
+    m_block = item.y;
+    if constexpr (VARLEN) {
+      batch = item.x;
+      head = hsub;
+      const int q_lo = min(max(p.cu_q[batch], 0), p.total_q);
+      seqlen_q = min(max(p.cu_q[batch + 1], q_lo), p.total_q) - q_lo;
+      q_row0 = q_lo;
+      if constexpr (PAGED) {
+        seqlen_k = min(max(p.cu_k[batch + 1] - p.cu_k[batch], 0), p.total_k);
+      } else {
+        const int k_lo = min(max(p.cu_k[batch], 0), p.total_k);
+        seqlen_k = min(max(p.cu_k[batch + 1], k_lo), p.total_k) - k_lo;
+        k_row0 = k_lo;
+      }
+    } else {
+      unit = item.x;
+      batch = p.mask_units_b > 1 ? unit / p.mask_units_h : blockIdx.z;
+      head = p.mask_units_h > 1 ? unit % p.mask_units_h : hsub;
+      seqlen_q = p.seqlen_q;
+      seqlen_k = p.seqlen_k;
+      const long long at = (long long)unit * p.num_q_tiles + m_block;
+      list_at = at * p.max_tiles;
+      n_tiles = p.tile_count[at];
+    }
+  } else {
+    m_block = gridDim.x - 1 - blockIdx.x;
+    head = blockIdx.y;
+    batch = blockIdx.z;
+    seqlen_q = p.seqlen_q;
+    seqlen_k = p.seqlen_k;
+  }
   const int kv_head = head / p.group;
   const int m0 = m_block * BLOCK_M;
-  const int m_last = min(m0 + BLOCK_M, p.seqlen_q) - 1;
+  const int m_last = min(m0 + BLOCK_M, seqlen_q) - 1;
 
   KeyRange keys;
-  keys.shift = p.seqlen_k - p.seqlen_q;
-  keys.seqlen_k = p.seqlen_k;
+  keys.shift = seqlen_k - seqlen_q;
+  keys.seqlen_k = seqlen_k;
   keys.left = MASK == MASK_WINDOW ? p.win_left : -1;
   keys.right = MASK == MASK_CAUSAL ? 0 : (MASK == MASK_WINDOW ? p.win_right : -1);
   const int n_lo = keys.lo(m0);
   const int n_hi = keys.hi(m_last);
   const int tile_begin = n_lo / BLOCK_N;
-  const int tile_end = n_hi > n_lo ? (n_hi + BLOCK_N - 1) / BLOCK_N : tile_begin;
+  if constexpr (!MASK_LIST) n_tiles = n_hi > n_lo ? (n_hi + BLOCK_N - 1) / BLOCK_N - tile_begin : 0;
+  // The it-th KV tile this CTA visits (MASK_LIST: the list's entry, bit 31 = mask all kept).
+  auto tile_at = [&](int it) { return MASK_LIST ? (p.tiles[list_at + it] & 0x7fffffff) : tile_begin + it; };
 
   const float alibi_u = ALIBI ? p.alibi[batch * p.alibi_sb + head] / p.sm_scale : 0.f;
-  const T* gQ = p.q + batch * p.q_sb + head * p.q_sh + (long long)m0 * p.q_ss;
-  const T* gK = p.k + batch * p.k_sb + kv_head * p.k_sh;
-  const T* gV = p.v + batch * p.v_sb + kv_head * p.v_sh;
+  const T* gQ = p.q + (VARLEN ? 0 : batch * p.q_sb) + head * p.q_sh + (q_row0 + m0) * p.q_ss;
+  if constexpr (VARLEN) q_row0 = 0;  // dead until the epilogue reads it again
+  const T* gK = p.k + (VARLEN ? 0 : batch * p.k_sb) + kv_head * p.k_sh + k_row0 * p.k_ss;
+  const T* gV = p.v + (VARLEN ? 0 : batch * p.v_sb) + kv_head * p.v_sh + k_row0 * p.v_ss;
 
   auto load_kv = [&](int tile, int slot) {
     const int n0 = tile * BLOCK_N;
-    load_tile_async<LKV, BLOCK_N, THREADS>(sK + slot * KV_ELEMS, gK + (long long)n0 * p.k_ss, p.k_ss,
-                                           p.seqlen_k - n0, tid);
-    load_tile_async<LKV, BLOCK_N, THREADS>(sV + slot * KV_ELEMS, gV + (long long)n0 * p.v_ss, p.v_ss,
-                                           p.seqlen_k - n0, tid);
+    if constexpr (PAGED) {
+      // Each row through the sequence's block table; both copies share the lookup.
+      const int* table = p.block_table + batch * p.bt_sb;
+      load_pair_rows_async<LKV, BLOCK_N, THREADS>(
+          sK + slot * KV_ELEMS, sV + slot * KV_ELEMS, gK, gV, seqlen_k - n0, tid, [&](int r) {
+            const int pos = n0 + r;
+            const int blk = min(max(table[pos / p.block_size], 0), p.num_blocks - 1);
+            const long long slot_row = pos - (pos / p.block_size) * p.block_size;
+            return make_longlong2(blk * p.k_sb + slot_row * p.k_ss, blk * p.v_sb + slot_row * p.v_ss);
+          });
+    } else {
+      load_tile_async<LKV, BLOCK_N, THREADS>(sK + slot * KV_ELEMS, gK + (long long)n0 * p.k_ss, p.k_ss,
+                                             seqlen_k - n0, tid);
+      load_tile_async<LKV, BLOCK_N, THREADS>(sV + slot * KV_ELEMS, gV + (long long)n0 * p.v_ss, p.v_ss,
+                                             seqlen_k - n0, tid);
+    }
   };
 
   // Prologue: Q with the first K/V tile in one group, then the next NUM_STAGES - 2 tiles.
-  load_tile_async<LQ, BLOCK_M, THREADS>(sQ, gQ, p.q_ss, p.seqlen_q - m0, tid);
+  load_tile_async<LQ, BLOCK_M, THREADS>(sQ, gQ, p.q_ss, seqlen_q - m0, tid);
   if constexpr (NUM_STAGES > 1) {
 #pragma unroll
     for (int s = 0; s < NUM_STAGES - 1; ++s) {
-      if (tile_begin + s < tile_end) load_kv(tile_begin + s, s);
+      if (s < n_tiles) load_kv(tile_at(s), s);
       cp_async_commit();
     }
   }
@@ -134,18 +213,18 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
   const int warp_row0 = warp * WARP_M;
   // This warp's query rows that exist; a warp wholly past seqlen_q gets a one-row range.
   const int warp_lo = m0 + warp_row0;
-  const int warp_hi = max(warp_lo, min(warp_lo + WARP_M, p.seqlen_q) - 1);
+  const int warp_hi = max(warp_lo, min(warp_lo + WARP_M, seqlen_q) - 1);
   unsigned q_frag[Q_IN_REGS ? M_TILES : 1][Q_IN_REGS ? K_STEPS : 1][4];
 
-  for (int tile = tile_begin; tile < tile_end; ++tile) {
-    const int it = tile - tile_begin;
+  for (int it = 0; it < n_tiles; ++it) {
+    const int tile = tile_at(it);
     const int slot = NUM_STAGES > 1 ? it % NUM_STAGES : 0;
     if constexpr (NUM_STAGES > 1) {
       cp_async_wait<NUM_STAGES - 2>();
       if constexpr (WGMMA) WgmmaOps<BF16>::fence_proxy();
       __syncthreads();
       // The slot refilled here held tile - 1, which every warp finished before the barrier.
-      if (tile + NUM_STAGES - 1 < tile_end) load_kv(tile + NUM_STAGES - 1, (it + NUM_STAGES - 1) % NUM_STAGES);
+      if (it + NUM_STAGES - 1 < n_tiles) load_kv(tile_at(it + NUM_STAGES - 1), (it + NUM_STAGES - 1) % NUM_STAGES);
       cp_async_commit();
     } else {
       load_kv(tile, 0);
@@ -233,6 +312,31 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
               acc_s[mt][n][2 * r + c] = score_transform<SOFTCAP, ALIBI>(acc_s[mt][n][2 * r + c], p.softcap_u,
                                                                         p.inv_softcap_u, alibi_u, pos - (col0 + n * 8 + c));
         }
+    }
+
+    // ---- custom mask (MASK_LIST; only tiles it does not keep whole) ----------------------------
+    if constexpr (MASK_LIST) {
+      if (p.tiles[list_at + it] >= 0) {
+        // This thread's columns 2t, 2t+1 of 8-column tile n are bits (n % 4) * 8 + 2t (+1) of word n / 4.
+        constexpr int WORDS = BLOCK_N / 32;
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int i = m0 + warp_row0 + mt * 16 + g + 8 * r;
+            // Addressed from the unit here, not through a pointer held across the loop (registers).
+            const unsigned* row =
+                p.mask_bits + unit * p.bits_su + (long long)min(i, seqlen_q - 1) * p.bits_words + n0 / 32;
+            unsigned w[WORDS];
+#pragma unroll
+            for (int q = 0; q < WORDS; ++q) w[q] = i < seqlen_q ? __ldg(row + q) : 0u;
+#pragma unroll
+            for (int n = 0; n < N_TILES; ++n)
+#pragma unroll
+              for (int c = 0; c < 2; ++c)
+                if (!((w[n / 4] >> ((n % 4) * 8 + 2 * t + c)) & 1u)) acc_s[mt][n][2 * r + c] = -ATTNGEN_INF;
+          }
+      }
     }
 
     // ---- mask (only tiles some row cannot see whole) --------------------------------------
@@ -331,6 +435,8 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
   }
 
   // ---- epilogue: normalise, write LSE, stage O through this warp's rows of sQ ------------------
+  // VARLEN: the sequence's first row, read again rather than held across the loop (registers).
+  if constexpr (VARLEN) q_row0 = min(max(p.cu_q[batch], 0), p.total_q);
   cp_async_wait_all();  // with one stage, a CTA with no KV tile never committed Q's copies
   __syncthreads();
 #pragma unroll
@@ -348,9 +454,13 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
       }
       if constexpr (RETURN_LSE) {
         const int i = m0 + warp_row0 + mt * 16 + g + 8 * r;
-        if (t == 0 && i < p.seqlen_q) {
+        if (t == 0 && i < seqlen_q) {
           const float lse = l > 0.f ? row_max[mt][r] * p.sm_scale + logf(l) : -ATTNGEN_INF;
-          p.lse[((long long)batch * p.num_heads + head) * p.seqlen_q + i] = lse;
+          // VARLEN: [heads, total_q], FlashAttention's varlen layout; else [batch, heads, seqlen_q].
+          if constexpr (VARLEN)
+            p.lse[(long long)head * p.total_q + q_row0 + i] = lse;
+          else
+            p.lse[((long long)batch * p.num_heads + head) * p.seqlen_q + i] = lse;
         }
       }
     }
@@ -366,13 +476,13 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
             pack2<BF16>(acc_o[mt][d][2 * r], acc_o[mt][d][2 * r + 1]);
       }
   __syncwarp();
-  T* gO = p.o + batch * p.o_sb + head * p.o_sh + (long long)m0 * p.o_ss;
+  T* gO = p.o + (VARLEN ? 0 : batch * p.o_sb) + head * p.o_sh + (q_row0 + m0) * p.o_ss;
   constexpr int CHUNKS = WARP_M * L::CHUNKS;
 #pragma unroll
   for (int idx = lane; idx < CHUNKS; idx += 32) {
     const int r = warp_row0 + idx / L::CHUNKS;
     const int c = (idx % L::CHUNKS) * 8;
-    if (m0 + r < p.seqlen_q)
+    if (m0 + r < seqlen_q)
       *reinterpret_cast<uint4*>(gO + r * p.o_ss + c) = *reinterpret_cast<const uint4*>(sQ + LQ::offset(r, c));
   }
 }

@@ -2,16 +2,19 @@
 
 from ...family import Family, register
 from .defaults import candidates
-from .op import prefill
+from .masks import MaskPlan
+from .op import mask_plan, prefill
 from .spec import MaskMode, Mma, PrefillSpec
+from .varlen import prefill_varlen
 
 FAMILY = register(Family(
     name="prefill",
     spec=PrefillSpec,
     candidates=candidates,
     template="prefill.cu.jinja",
-    summary="attention forward over [batch, seqlen, heads, head_dim]: causal, sliding window, GQA, LSE",
+    summary="attention forward: dense, varlen or paged; causal, sliding window, custom masks (live-tile lists), GQA",
     tuning="attngen.families.prefill.tuning",
-    exports={"prefill": prefill, "PrefillSpec": PrefillSpec, "MaskMode": MaskMode, "Mma": Mma},
+    exports={"prefill": prefill, "prefill_varlen": prefill_varlen, "mask_plan": mask_plan, "MaskPlan": MaskPlan,
+             "PrefillSpec": PrefillSpec, "MaskMode": MaskMode, "Mma": Mma},
     bench="attngen.families.prefill.bench",
 ))

@@ -110,6 +110,9 @@ def add_parser(sub) -> None:
     pp.add_argument("--from-json", type=Path, default=None,
                     help="re-render table/Markdown/plot from a saved bench_prefill.json (no GPU)")
     pp.set_defaults(func=cmd_prefill)
+    from . import bench_serving
+
+    bench_serving.add_parser(sub)  # mask, varlen
 
 
 # --- measuring ------------------------------------------------------------------------------------

@@ -38,18 +38,47 @@ TUNED_WGMMA = {
     (256, True): [(128, 64, 8, 2), (64, 64, 4, 1)],
 }
 
-# Configs ptxas spills on some archs (NVRTC 13.5): there the next tuned config is taken.
+# Configs ptxas spills on some archs (NVRTC 13.5): there the next candidate is taken. Keyed by
+# (head_dim, (cta_tile_q, cta_tile_kv, num_warps, num_stages), mma) -> archs, per layout: the
+# custom-mask and varlen kernels hold a few more registers than the dense one, at other edges
+# (measured by compiling each candidate for every manifest arch, 2026-11-23). No mma.sync
+# candidate compiled spill-free for a custom mask at head_dim 192 on sm_100/sm_120 (8-32 bytes)
+# or 256 on sm_86/sm_89 (16 bytes): those keep the least-spilling one and stay out of the
+# default manifest.
+_ALL_STAGES = (1, 2, 3, 4)
 SPILLS_ON = {
-    (64, (128, 64, 4, 3)): ("sm_80", "sm_86", "sm_89", "sm_120"),
+    "dense": {
+        (64, (128, 64, 4, 3), Mma.SYNC): ("sm_80", "sm_86", "sm_89", "sm_120"),
+    },
+    "varlen": {
+        (64, (128, 64, 4, 3), Mma.SYNC): ("sm_80", "sm_86", "sm_89", "sm_100", "sm_120"),
+        (256, (128, 32, 8, 2), Mma.SYNC): ("sm_100",),
+    },
+    "mask": {
+        (64, (128, 64, 4, 3), Mma.SYNC): ("sm_80", "sm_86", "sm_89", "sm_100", "sm_120"),
+        (256, (64, 32, 4, 2), Mma.SYNC): ("sm_80", "sm_100", "sm_120"),
+        **{(192, (64, 64, 4, st), Mma.WGMMA): ("sm_90a",) for st in _ALL_STAGES},
+    },
 }
 
 
 def candidates(spec, arch: Arch):
     """(cta_tile_q, cta_tile_kv, num_warps, num_stages, mma): tuned configs first, then every
-    allowed combination, larger tiles first; wgmma ones first on sm_90a."""
+    allowed combination, larger tiles first; wgmma ones first on sm_90a. A custom mask takes
+    64-row tiles first: the finer its tiles, the more of a sparse mask its live-tile lists skip.
+    Configs ``SPILLS_ON`` lists for the arch are left out."""
+    spills = SPILLS_ON["mask" if spec.custom_mask else "varlen" if spec.varlen else "dense"]
+    every = [c for c in _candidates(spec, arch)
+             if arch.name not in spills.get((spec.head_dim, tuple(c[:4]), c[4]), ())]
+    if spec.custom_mask:
+        every = [c for c in every if c[0] == 64] + [c for c in every if c[0] != 64]
+    return iter(every)
+
+
+def _candidates(spec, arch: Arch):
     d = spec.head_dim
     if arch.name == "sm_90a" and d % 64 == 0:
         yield from ((*c, Mma.WGMMA) for c in TUNED_WGMMA[(d, spec.mask is not MaskMode.NONE)])
         yield from ((16 * w, kv, w, st, Mma.WGMMA) for w in (8, 4) for kv in (128, 64, 32) for st in (2, 3, 1, 4))
-    yield from ((*c, Mma.SYNC) for c in TUNED[d] if arch.name not in SPILLS_ON.get((d, c), ()))
+    yield from ((*c, Mma.SYNC) for c in TUNED[d])
     yield from ((*c, Mma.SYNC) for c in itertools.product((128, 64), (64, 128, 32), (4, 8), (2, 3, 1, 4)))

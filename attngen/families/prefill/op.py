@@ -27,8 +27,12 @@ from ..score_mods import extras
 from .spec import MaskMode, PrefillSpec
 
 # PrefillParams in templates/common/prefill_fwd.cuh: 5 pointers, 12 strides, 4 ints, 2 floats, 2 ints,
-# 2 floats (softcap), the ALiBi slopes' pointer and batch stride.
+# 2 floats (softcap), the ALiBi slopes' pointer and batch stride. A dense launch packs only these;
+# the varlen and custom-mask kernels read the rest (PARAMS_EXT): 8 pointers, 2 strides, 10 ints.
 _PARAMS = struct.Struct("<5Q12q4i2f2i2fQq")
+PARAMS_EXT = struct.Struct("<5Q12q4i2f2i2fQq8Q2q10i")
+# What a plan's kernel reads its inputs as (the last element of a plan key).
+DENSE, CUSTOM_MASK, VARLEN, VARLEN_PAGED = range(4)
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = (-1, -1)
 # Masks by code: plan keys hold the int, since hashing an Enum member runs Python code (~0.15 us).
@@ -39,15 +43,17 @@ def _shape(s) -> tuple:
     return tuple(s)  # torch.Size prints as "torch.Size([...])"; messages show plain tuples
 
 
-def _check_qkv(q, k, v):
+def check_qkv(q, k, v, dims: str = "[batch, seqlen, heads, head_dim]", kv_dims: str = ""):
+    """TensorInfos of q, k, v after the checks every layout shares: ranks (``dims`` for q, ``kv_dims``
+    for k and v, default ``dims``), kind, device, dtype, alignment, head_dim and GQA heads."""
     qi, ki, vi = tensor_info(q, "q"), tensor_info(k, "k"), tensor_info(v, "v")
-    for name, t in (("q", qi), ("k", ki), ("v", vi)):
+    for name, t, want in (("q", qi, dims), ("k", ki, kv_dims or dims), ("v", vi, kv_dims or dims)):
         st = t.strides
-        if len(st) != 4:
-            raise LaunchError(f"{name} has shape {_shape(t.shape)}; expected 4 dims [batch, seqlen, heads, head_dim]")
-        if st[3] != 1:
-            raise LaunchError(f"{name} has stride {st[3]} in its last dim; head_dim must be contiguous")
-        if t.ptr & 15 or st[0] & 7 or st[1] & 7 or st[2] & 7:
+        if len(st) != want.count(",") + 1:
+            raise LaunchError(f"{name} has shape {_shape(t.shape)}; expected {want}")
+        if st[-1] != 1:
+            raise LaunchError(f"{name} has stride {st[-1]} in its last dim; head_dim must be contiguous")
+        if t.ptr & 15 or (st[-2] | st[-3] | (st[-4] if len(st) > 3 else 0)) & 7:  # ranks are 3 or 4
             raise LaunchError(f"{name} must be 16-byte aligned with batch/seq/head strides that are multiples "
                               f"of 8 elements; got strides {_shape(st)}")
     if not (qi.kind == ki.kind == vi.kind):
@@ -58,12 +64,10 @@ def _check_qkv(q, k, v):
         raise LaunchError(f"q has dtype {qi.dtype}; allowed: fp16, bf16")
     if ki.dtype != qi.dtype or vi.dtype != qi.dtype:
         raise LaunchError(f"q, k, v must share a dtype; got {qi.dtype}, {ki.dtype}, {vi.dtype}")
-    b, sq, h, d = qi.shape
     if ki.shape != vi.shape:
         raise LaunchError(f"k {_shape(ki.shape)} and v {_shape(vi.shape)} must have the same shape")
-    bk, sk, hk, dk = ki.shape
-    if bk != b:
-        raise LaunchError(f"batch mismatch: q has {b}, k/v have {bk}")
+    h, d = qi.shape[-2], qi.shape[-1]
+    hk, dk = ki.shape[-2], ki.shape[-1]
     if dk != d:
         raise LaunchError(f"head_dim mismatch: q has {d}, k/v have {dk}")
     if d not in PrefillSpec.HEAD_DIMS:
@@ -73,10 +77,31 @@ def _check_qkv(q, k, v):
     return qi, ki, vi
 
 
+def _check_qkv(q, k, v):
+    qi, ki, vi = check_qkv(q, k, v)
+    if ki.shape[0] != qi.shape[0]:
+        raise LaunchError(f"batch mismatch: q has {qi.shape[0]}, k/v have {ki.shape[0]}")
+    return qi, ki, vi
+
+
+def out_of(out, qi) -> tuple[int, tuple]:
+    """(pointer, strides) of a caller's ``out``, checked against q (shape, kind, dtype, device,
+    16-byte alignment, contiguous last dim)."""
+    oi = tensor_info(out, "out")
+    if oi.kind != qi.kind or oi.shape != qi.shape or oi.dtype != qi.dtype or oi.device != qi.device:
+        raise LaunchError(f"out must match q: {qi.kind} {_shape(qi.shape)} {qi.dtype} on device {qi.device}; "
+                          f"got {oi.kind} {_shape(oi.shape)} {oi.dtype} on device {oi.device}")
+    st = oi.strides
+    if st[-1] != 1 or oi.ptr & 15 or (st[-2] | st[-3] | (st[-4] if len(st) > 3 else 0)) & 7:
+        raise LaunchError(f"out must be 16-byte aligned with a contiguous last dim; got strides {_shape(st)}")
+    return oi.ptr, st
+
+
 class _Plan:
     """Everything a call needs that does not depend on its shapes."""
 
-    __slots__ = ("kernel", "bounds", "specs", "kernels", "device", "default_scale", "alloc", "alloc_lse", "stream")
+    __slots__ = ("kernel", "bounds", "specs", "kernels", "device", "default_scale", "alloc", "alloc_lse",
+                 "alloc_index", "stream")
 
     def kernel_for(self, seqlen: int):
         """The kernel of ``seqlen``'s tuned bucket, loaded on first use."""
@@ -91,9 +116,10 @@ _plans: dict[tuple, _Plan] = register_dependent_cache({})
 
 
 def _make_plan(key: tuple) -> _Plan:
-    d, dtype, device, mask, return_lse, spec, kind, softcap, alibi = key
+    d, dtype, device, mask, return_lse, spec, kind, softcap, alibi, layout = key
     fields = dict(head_dim=d, dtype=DType(dtype), mask=_MASKS[mask], return_lse=return_lse, softcap=softcap,
-                  alibi=alibi)
+                  alibi=alibi, custom_mask=layout == CUSTOM_MASK, varlen=layout >= VARLEN,
+                  paged=layout == VARLEN_PAGED)
     base = PrefillSpec(**fields) if spec is None else spec.replace(**fields)
     plan = _Plan()
     plan.device = device
@@ -108,6 +134,7 @@ def _make_plan(key: tuple) -> _Plan:
     plan.default_scale = 1.0 / math.sqrt(d)
     plan.alloc = allocator(kind, dtype, device)
     plan.alloc_lse = allocator(kind, "fp32", device) if return_lse else None
+    plan.alloc_index = allocator(kind, "int32", device)
     if kind == "torch":
         plan.stream = torch_stream_getter()
     else:
@@ -122,7 +149,13 @@ def clear_plans() -> None:
     _plans.clear()
 
 
-def _mask_and_window(causal, window) -> tuple[int, int, int]:
+def plan_for(key: tuple) -> _Plan:
+    """The ``_Plan`` of ``key`` (d, dtype, device, mask code, return_lse, spec, kind, softcap, alibi,
+    layout), made on first use."""
+    return _plans.get(key) or _make_plan(key)
+
+
+def mask_and_window(causal, window) -> tuple[int, int, int]:
     """(mask code, left, right): the index into ``_MASKS`` and the window as the kernel takes it."""
     if window is _NO_WINDOW or window == _NO_WINDOW:
         left = right = -1
@@ -143,15 +176,15 @@ def kernel_for(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_W
     """The loaded ``Kernel`` that ``prefill`` launches for these arguments (``kernel.spec`` is the
     spec it runs). Loads or compiles it if needed; enqueues nothing."""
     qi, _, _ = _check_qkv(q, k, v)
-    mask, _, _ = _mask_and_window(causal, window)
-    key = (qi.shape[3], qi.dtype, qi.device, mask, bool(return_lse), spec, qi.kind, False, False)
+    mask, _, _ = mask_and_window(causal, window)
+    key = (qi.shape[3], qi.dtype, qi.device, mask, bool(return_lse), spec, qi.kind, False, False, DENSE)
     plan = _plans.get(key) or _make_plan(key)
     return plan.kernel or plan.kernel_for(qi.shape[1])
 
 
 def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WINDOW, sm_scale: float | None = None,
             return_lse: bool = False, out=None, spec: PrefillSpec | None = None, softcap: float = 0.0,
-            alibi_slopes=None):
+            alibi_slopes=None, mask=None, mask_plan=None):
     """Attention forward: softmax(q k^T * sm_scale) v, per head, with the FlashAttention layout.
 
     q ``[batch, seqlen_q, heads, head_dim]``; k, v ``[batch, seqlen_k, kv_heads, head_dim]`` with
@@ -165,21 +198,31 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     ``softcap`` > 0 caps the scaled logits at ``softcap * tanh(s / softcap)`` (Gemma 2, Grok);
     ``alibi_slopes`` (fp32 ``[heads]`` or ``[batch, heads]``) adds ``-slope * |i' - j|`` to them,
     i' the query's aligned key position (FlashAttention's conventions for both).
+
+    ``mask``: a custom mask, boolean (True keeps) or additive (0 keeps, -inf masks; fp16, bf16 or
+    fp32), shaped ``[seqlen_q, seqlen_k]``, ``[batch, 1, seqlen_q, seqlen_k]`` or ``[batch, heads,
+    seqlen_q, seqlen_k]`` (size-1 or stride-0 dims broadcast), contiguous in the keys; it combines
+    with ``causal`` and ``window``. The kernel walks only the KV tiles some row can see, listed by
+    a plan built on the GPU from the mask (``attngen.mask_plan``); pass that plan as
+    ``mask_plan`` to reuse it across calls (layers), else each call builds one.
     """
     qi, ki, vi = _check_qkv(q, k, v)
     b, sq, h, d = qi.shape
     _, sk, hk, _ = ki.shape
     if window is _NO_WINDOW:  # the common case, without a call
-        mask, left, right = (1, -1, 0) if causal else (0, -1, -1)
+        mcode, left, right = (1, -1, 0) if causal else (0, -1, -1)
     else:
-        mask, left, right = _mask_and_window(causal, window)
+        mcode, left, right = mask_and_window(causal, window)
     return_lse = bool(return_lse)
     if softcap or alibi_slopes is not None:
         cap_u, inv_cap_u, alibi_ptr, alibi_sb = extras(softcap, alibi_slopes, b, h, qi, sm_scale)
     else:
         cap_u = inv_cap_u = 0.0
         alibi_ptr = alibi_sb = 0
-    key = (d, qi.dtype, qi.device, mask, return_lse, spec, qi.kind, bool(softcap), alibi_ptr != 0)
+    if mask_plan is not None and mask is None:
+        raise LaunchError("mask_plan needs the mask it was built from (mask=)")
+    key = (d, qi.dtype, qi.device, mcode, return_lse, spec, qi.kind, bool(softcap), alibi_ptr != 0,
+           DENSE if mask is None else CUSTOM_MASK)
     plan = _plans.get(key) or _make_plan(key)
     if sm_scale is None:
         scale = plan.default_scale
@@ -193,14 +236,7 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
         optr = out.data_ptr() if qi.kind == "torch" else out.data.ptr
         ostrides = (sq * h * d, h * d, d)  # a fresh contiguous array, aligned by its allocator
     else:
-        oi = tensor_info(out, "out")
-        if oi.kind != qi.kind or oi.shape != qi.shape or oi.dtype != qi.dtype or oi.device != qi.device:
-            raise LaunchError(f"out must match q: {qi.kind} {_shape(qi.shape)} {qi.dtype} on device {qi.device}; "
-                              f"got {oi.kind} {_shape(oi.shape)} {oi.dtype} on device {oi.device}")
-        st = oi.strides
-        if st[3] != 1 or oi.ptr & 15 or st[0] & 7 or st[1] & 7 or st[2] & 7:
-            raise LaunchError(f"out must be 16-byte aligned with a contiguous last dim; got strides {_shape(st)}")
-        optr, ostrides = oi.ptr, st
+        optr, ostrides = out_of(out, qi)
     if return_lse:
         lse = plan.alloc_lse(b, h, sq)
         lse_ptr = lse.data_ptr() if qi.kind == "torch" else lse.data.ptr
@@ -213,9 +249,24 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
 
     kern = plan.kernel or plan.kernel_for(sq)
     qs, ks, vs = qi.strides, ki.strides, vi.strides
+    stream = plan.stream(qi.device)
+    if mask is not None:
+        from .masks import checked_plan
+
+        mp = checked_plan(mask_plan, mask, kern, qi, ki, mcode, left, right, stream)
+        grid, ext = mp.launch_args(h, b)
+        kern.launch_struct(
+            PARAMS_EXT, grid, stream,
+            qi.ptr, ki.ptr, vi.ptr, optr, lse_ptr,
+            qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+            ostrides[0], ostrides[1], ostrides[2],
+            sq, sk, h, h // hk, scale, scale * _LOG2E, left, right, cap_u, inv_cap_u, alibi_ptr, alibi_sb,
+            *ext,
+        )
+        return (out, lse) if return_lse else out
     tile_q = kern.spec.cta_tile_q
     kern.launch_struct(
-        _PARAMS, ((sq + tile_q - 1) // tile_q, h, b), plan.stream(qi.device),
+        _PARAMS, ((sq + tile_q - 1) // tile_q, h, b), stream,
         qi.ptr, ki.ptr, vi.ptr, optr, lse_ptr,
         qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
         ostrides[0], ostrides[1], ostrides[2],
@@ -225,3 +276,22 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
         cap_u, inv_cap_u, alibi_ptr, alibi_sb,
     )
     return (out, lse) if return_lse else out
+
+
+def mask_plan(mask, q, k, *, causal: bool = False, window: tuple[int, int] = _NO_WINDOW,
+              spec: PrefillSpec | None = None):
+    """Build the plan ``attngen.prefill(q, k, v, mask=mask, causal=..., window=..., mask_plan=plan)``
+    walks: per query tile, the KV tiles some row sees (``mask`` with ``causal``/``window``), each
+    marked when the mask keeps all of it, and the query tiles sorted heaviest first. Built on the
+    GPU on the current stream, without a host sync; reuse it for every call (layer) with this mask
+    unchanged, the same shapes and masks, and a kernel of the same tile sizes (``spec``), which
+    ``prefill`` checks. q and k give the shapes, dtype and device (their values are not read).
+    """
+    qi, ki, _ = _check_qkv(q, k, k)
+    mcode, left, right = mask_and_window(causal, window)
+    key = (qi.shape[3], qi.dtype, qi.device, mcode, False, spec, qi.kind, False, False, CUSTOM_MASK)
+    plan = _plans.get(key) or _make_plan(key)
+    kern = plan.kernel or plan.kernel_for(qi.shape[1])
+    from .masks import build
+
+    return build(kern, mask, qi, ki, mcode, left, right, plan.stream(qi.device))

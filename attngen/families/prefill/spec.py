@@ -34,6 +34,10 @@ class MaskMode(enum.Enum):
     SLIDING_WINDOW = "sliding_window"
 
 
+# templates/common/prefill_plan.cuh: threads of the plan builders and of the work-list sort.
+PLAN_THREADS = 256
+ORDER_THREADS = 1024
+
 # The template's MASK constant per mode.
 MASK_CODES = {MaskMode.NONE: 0, MaskMode.CAUSAL: 1, MaskMode.SLIDING_WINDOW: 2}
 
@@ -67,6 +71,9 @@ class PrefillSpec(SpecBase):
     mma: Mma = Mma.AUTO
     softcap: bool = False   # logit capping cap * tanh(s / cap); the cap is a call argument
     alibi: bool = False     # ALiBi bias -slope * |i - j|; the per-head slopes are a call argument
+    custom_mask: bool = False  # a mask tensor, walked through its plan's lists of live KV tiles
+    varlen: bool = False    # packed sequences of different lengths (cu_seqlens), a work list per call
+    paged: bool = False     # (varlen) k/v in a paged cache through a block table
 
     def __post_init__(self):
         s = object.__setattr__
@@ -77,6 +84,15 @@ class PrefillSpec(SpecBase):
         s(self, "return_lse", coerce_bool("return_lse", self.return_lse))
         s(self, "softcap", coerce_bool("softcap", self.softcap))
         s(self, "alibi", coerce_bool("alibi", self.alibi))
+        s(self, "custom_mask", coerce_bool("custom_mask", self.custom_mask))
+        s(self, "varlen", coerce_bool("varlen", self.varlen))
+        s(self, "paged", coerce_bool("paged", self.paged))
+        if self.paged and not self.varlen:
+            raise SpecError("paged", True, "false, or true with varlen=true",
+                            reason="a paged prefill takes its sequences' lengths from cu_seqlens (prefill_varlen)")
+        if self.custom_mask and self.varlen:
+            raise SpecError("custom_mask", True, "false with varlen=true",
+                            reason="a mask tensor has the dense [.., seqlen_q, seqlen_k] layout")
         s(self, "cta_tile_q", coerce_int("cta_tile_q", self.cta_tile_q, self.CTA_TILE_Q))
         s(self, "cta_tile_kv", coerce_int("cta_tile_kv", self.cta_tile_kv, self.CTA_TILE_KV))
         s(self, "num_warps", coerce_int("num_warps", self.num_warps, self.NUM_WARPS))
@@ -114,6 +130,15 @@ class PrefillSpec(SpecBase):
     def threads(self) -> int:
         self._require_resolved("threads")
         return 32 * self.num_warps
+
+    def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
+        """The main entry; a custom-mask module adds its plan builders (``_mtiles``, ``_mlists``) and
+        a custom-mask or varlen module its work-list sort (``_order``): PLAN_THREADS and
+        ORDER_THREADS in templates/common/prefill_plan.cuh, static shared memory only."""
+        main = ("", self.threads, self.smem_bytes())
+        plan = (("_mtiles", PLAN_THREADS, 0), ("_mlists", PLAN_THREADS, 0)) if self.custom_mask else ()
+        order = (("_order", ORDER_THREADS, 0),) if self.custom_mask or self.varlen else ()
+        return (main, *plan, *order)
 
     def template_context(self) -> dict:
         ctx = super().template_context()

@@ -1,0 +1,226 @@
+"""``attngen bench mask`` and ``attngen bench varlen``: prefill for serving.
+
+mask: (1) llama.cpp's batched inference, 1024 query tokens from N parallel sequences over a KV
+buffer of 65536 cells, each sequence seeing its own cells causally; (2) a block-sparse density
+sweep. attngen with its live-tile plan against attngen without a mask (the dense cost the plan
+saves from) and SDPA given the same boolean mask (cuDNN and efficient backends).
+varlen: 16k tokens as one long sequence among many short ones vs the same tokens in equal
+lengths, and paged vs contiguous KV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+from ...bench.core import _int_list, _replay_or_gpu_check, _say, bench_ms, env_lines, environment, write_json
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def add_parser(sub) -> None:
+    for name, fn, help_ in (("mask", cmd_mask, "custom masks with live-tile plans vs dense attngen and SDPA"),
+                            ("varlen", cmd_varlen, "varlen long-tailed vs equal lengths; paged vs contiguous")):
+        p = sub.add_parser(name, help=help_, description=__doc__.split("\n\n")[0])
+        if name == "mask":
+            p.add_argument("--parallel", type=_int_list, default=(1, 2, 4, 8, 16, 32),
+                           help="sweep 1: numbers of parallel sequences (default 1,2,4,8,16,32)")
+            p.add_argument("--seqlens", type=_int_list, default=(8192, 16384),
+                           help="sweep 2: seqlens (default 8k,16k)")
+            p.add_argument("--densities", default="0.05,0.1,0.2,0.3,0.5,0.7,0.9",
+                           help="sweep 2: live-block densities")
+            p.add_argument("--backends", default="cudnn,efficient", help="SDPA backends (default cudnn,efficient)")
+        p.add_argument("--out", type=Path, default=None, help=f"folder for bench_{name}.json")
+        p.add_argument("--rep-ms", type=float, default=100.0, help="timed repeats per measurement (ms)")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--from-json", type=Path, default=None, help="re-render a saved JSON (no GPU)")
+        p.set_defaults(func=fn)
+
+
+def _sdpa(torch, q, k, v, mask, backend):
+    """SDPA in its layout with k/v repeated to the query heads and the boolean mask broadcast."""
+    from torch.nn.attention import sdpa_kernel
+
+    from ...bench.core import _sdpa_backend
+
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    rep = q.shape[2] // k.shape[2]
+    kt, vt = kt.repeat_interleave(rep, dim=1), vt.repeat_interleave(rep, dim=1)
+    m = mask if mask.dim() == 4 else mask[None, None]
+
+    def run():
+        with sdpa_kernel(_sdpa_backend(backend)):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=m)
+    return run
+
+
+def llama_mask(torch, sq: int, sk: int, nseq: int):
+    """Sequence s owns cells [s*sk/N, (s+1)*sk/N); its sq/N queries are its last cells, causal."""
+    keep = torch.zeros(sq, sk, dtype=torch.bool, device="cuda")
+    qn, kn = sq // nseq, sk // nseq
+    i = torch.arange(qn, device="cuda")[:, None]
+    j = torch.arange(kn, device="cuda")[None, :]
+    block = j <= i + (kn - qn)
+    for s in range(nseq):
+        keep[s * qn:(s + 1) * qn, s * kn:(s + 1) * kn] = block
+    return keep
+
+
+def _time(fn, args):
+    return bench_ms(fn, rep_ms=args.rep_ms)[0]
+
+
+def cmd_mask(args: argparse.Namespace) -> int:
+    rc = _replay_or_gpu_check("mask", args, _finish_mask)
+    if rc is not None:
+        return rc
+    import torch
+
+    import attngen
+
+    torch.manual_seed(args.seed)
+    dt = torch.bfloat16
+    rows = []
+    sq, sk = 1024, 65536
+    q = torch.randn(1, sq, HEADS, HEAD_DIM, device="cuda", dtype=dt)
+    k = torch.randn(1, sk, KV_HEADS, HEAD_DIM, device="cuda", dtype=dt)
+    v = torch.randn_like(k)
+    dense = _time(lambda: attngen.prefill(q, k, v), args)
+    for n in args.parallel:
+        mask = llama_mask(torch, sq, sk, n)
+        plan = attngen.mask_plan(mask, q, k)
+        row = dict(sweep="parallel", n=n, seqlen_q=sq, seqlen_k=sk, live=plan.live_fraction(),
+                   plan_ms=_time(lambda: attngen.mask_plan(mask, q, k), args),
+                   masked_ms=_time(lambda: attngen.prefill(q, k, v, mask=mask, mask_plan=plan), args),
+                   dense_ms=dense)
+        for b in args.backends.split(","):
+            try:
+                row[f"sdpa_{b}_ms"] = _time(_sdpa(torch, q, k, v, mask, b), args)
+            except Exception as e:  # a backend that refuses this shape or mask
+                row[f"sdpa_{b}_ms"] = None
+                row[f"sdpa_{b}_error"] = str(e).splitlines()[0][:120]
+        rows.append(row)
+        _say(_line(row))
+    rng = random.Random(args.seed)
+    for s in args.seqlens:
+        q = torch.randn(1, s, HEADS, HEAD_DIM, device="cuda", dtype=dt)
+        k = torch.randn(1, s, HEADS, HEAD_DIM, device="cuda", dtype=dt)
+        v = torch.randn_like(k)
+        dense = _time(lambda: attngen.prefill(q, k, v), args)
+        for dens in (float(x) for x in args.densities.split(",")):
+            nb = -(-s // 64)
+            live = torch.tensor([[rng.random() < dens for _ in range(nb)] for _ in range(nb)], device="cuda")
+            mask = live.repeat_interleave(64, 0).repeat_interleave(64, 1)[:s, :s].contiguous()
+            plan = attngen.mask_plan(mask, q, k)
+            row = dict(sweep="density", density=dens, seqlen_q=s, seqlen_k=s, live=plan.live_fraction(),
+                       plan_ms=_time(lambda: attngen.mask_plan(mask, q, k), args),
+                       masked_ms=_time(lambda: attngen.prefill(q, k, v, mask=mask, mask_plan=plan), args),
+                       dense_ms=dense)
+            rows.append(row)
+            _say(_line(row))
+    data = dict(env=environment(), rows=rows)
+    args.result = data
+    _finish_mask(data, args)
+    return 0
+
+
+def _line(r: dict) -> str:
+    what = f"N={r['n']}" if r["sweep"] == "parallel" else f"s={r['seqlen_q']} density={r['density']}"
+    bound = r["dense_ms"] * r["live"]
+    sd = "".join(f" {k[5:-3]}={r[k]:.3f}" for k in r if k.startswith("sdpa_") and k.endswith("_ms") and r[k])
+    return (f"{what:>22}  live={r['live']:.3f}  plan={r['plan_ms']:.3f}  masked={r['masked_ms']:.3f}  "
+            f"dense={r['dense_ms']:.3f}  masked/(dense*live)={r['masked_ms'] / bound if bound else 0:.2f}{sd}")
+
+
+def _finish_mask(data: dict, args, print_table: bool = False) -> None:
+    if print_table:
+        for r in data["rows"]:
+            print(_line(r))
+    lines = [*env_lines(data["env"]), "",
+             "| sweep | point | live tiles | plan ms | masked ms | dense ms | masked ÷ (dense × live) | "
+             "plan ÷ masked | SDPA cuDNN ms | SDPA efficient ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        pt = f"N={r['n']}" if r["sweep"] == "parallel" else f"{r['seqlen_q']}, {r['density']}"
+        bound = r["dense_ms"] * r["live"]
+        c, e = r.get("sdpa_cudnn_ms"), r.get("sdpa_efficient_ms")
+        lines.append(f"| {r['sweep']} | {pt} | {r['live']:.3f} | {r['plan_ms']:.3f} | {r['masked_ms']:.3f} | "
+                     f"{r['dense_ms']:.3f} | {r['masked_ms'] / bound if bound else 0:.2f} | "
+                     f"{r['plan_ms'] / r['masked_ms']:.3f} | {c if c is None else f'{c:.3f}'} | "
+                     f"{e if e is None else f'{e:.3f}'} |")
+    print("\n".join(lines))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_json(args.out / "bench_mask.json", data)
+
+
+def long_tail(total: int, longest: int, rng: random.Random) -> list[int]:
+    lens, left = [longest], total - longest
+    while left > 0:
+        n = min(left, int(16 * (2 ** (rng.random() * 5))))  # 16 .. 512, long-tailed toward short
+        lens.append(n)
+        left -= n
+    return lens
+
+
+def cmd_varlen(args: argparse.Namespace) -> int:
+    rc = _replay_or_gpu_check("varlen", args, _finish_varlen)
+    if rc is not None:
+        return rc
+    import torch
+
+    import attngen
+
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    dt, total = torch.bfloat16, 16384
+    cases = [("long-tailed", long_tail(total, 8192, rng)), ("equal 16x1024", [1024] * 16),
+             ("equal 2x8192", [8192] * 2)]
+    rows = []
+    for name, lens in cases:
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        q = torch.randn(total, HEADS, HEAD_DIM, device="cuda", dtype=dt)
+        k = torch.randn(total, KV_HEADS, HEAD_DIM, device="cuda", dtype=dt)
+        v = torch.randn_like(k)
+        flops = sum(4 * HEADS * HEAD_DIM * n * (n + 1) / 2 for n in lens)
+        ms = _time(lambda: attngen.prefill_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True), args)
+        row = dict(case=name, seqs=len(lens), ms=ms, tflops=flops / ms / 1e9, layout="contiguous")
+        rows.append(row)
+        _say(row)
+        if name == "long-tailed":
+            for bs in (16, 64, 256):
+                per = [-(-n // bs) for n in lens]
+                nblocks = sum(per)
+                perm = torch.randperm(nblocks)
+                kc = torch.randn(nblocks, bs, KV_HEADS, HEAD_DIM, device="cuda", dtype=dt)
+                vc = torch.randn_like(kc)
+                table = torch.zeros(len(lens), max(per), dtype=torch.int32)
+                at = 0
+                for s, n in enumerate(lens):
+                    for j in range(per[s]):
+                        table[s, j] = int(perm[at])
+                        at += 1
+                table = table.cuda()
+                ms_p = _time(lambda: attngen.prefill_varlen(q, kc, vc, cu, cu, max(lens), max(lens), causal=True,
+                                                            block_table=table), args)
+                row = dict(case=name, seqs=len(lens), ms=ms_p, tflops=flops / ms_p / 1e9,
+                           layout=f"paged {bs}", paged_vs_contiguous=ms / ms_p)
+                rows.append(row)
+                _say(row)
+    data = dict(env=environment(), rows=rows)
+    args.result = data
+    _finish_varlen(data, args)
+    return 0
+
+
+def _finish_varlen(data: dict, args, print_table: bool = False) -> None:
+    lines = [*env_lines(data["env"]), "", "| case | sequences | KV layout | ms | TFLOP/s | paged ÷ contiguous speed |",
+             "|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        pv = r.get("paged_vs_contiguous")
+        lines.append(f"| {r['case']} | {r['seqs']} | {r['layout']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+                     f"{'' if pv is None else f'{pv:.2f}'} |")
+    print("\n".join(lines))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_json(args.out / "bench_varlen.json", data)

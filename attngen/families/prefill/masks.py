@@ -1,0 +1,171 @@
+"""Custom masks for ``attngen.prefill``: the plan of live KV tiles, built on the GPU, and its checks.
+
+A plan belongs to one mask and to the tile sizes of the kernel that walks it. It is built by
+three entries of that kernel's own module (templates/common/prefill_plan.cuh) on the caller's
+stream, with no host sync: the mask as bits, per (mask batch/head, query tile) the list of KV
+tiles some row sees (custom mask, causal and window together) with a bit for "the mask keeps
+all of it", and the (mask batch/head, query tile) items sorted heaviest first.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from ...errors import LaunchError
+from ...runtime import allocator, tensor_info
+
+# PlanParams: 11 pointers, 4 strides, 14 ints.
+PLAN_PARAMS = struct.Struct("<11Q4q14i")
+_MASK_KINDS = {"bool": 0, "fp16": 1, "bf16": 2, "fp32": 3}
+_MASK_DIMS = "[seqlen_q, seqlen_k], [batch, 1, seqlen_q, seqlen_k] or [batch, heads, seqlen_q, seqlen_k]"
+
+
+def ptr_of(x, kind: str) -> int:
+    return x.data_ptr() if kind == "torch" else x.data.ptr
+
+
+def zeros_int32(kind: str, device: int, n: int):
+    if kind == "torch":
+        import torch
+
+        return torch.zeros(n, dtype=torch.int32, device=torch.device("cuda", device))
+    import cupy as cp
+
+    with cp.cuda.Device(device):
+        return cp.zeros(n, dtype=cp.int32)
+
+
+def _version(x) -> int:
+    """torch's in-place modification counter (CuPy arrays have none: -1)."""
+    return getattr(x, "_version", -1)
+
+
+class MaskPlan:
+    """The live-tile lists of one mask for one tile size (``attngen.mask_plan``). Reusable for
+    every call with the same mask (unchanged), shapes, ``causal``/``window`` and tile sizes."""
+
+    __slots__ = ("kind", "device", "tiles", "seqlen_q", "seqlen_k", "units_b", "units_h", "mask_mode",
+                 "mask_ptr", "mask_shape", "mask_strides", "version", "num_q_tiles", "num_kv_tiles",
+                 "bits_words", "_bits", "_states", "_tiles", "_counts", "_work", "_flags")
+
+    def __repr__(self) -> str:
+        return (f"MaskPlan(tiles={self.tiles[0]}x{self.tiles[1]}, seqlen_q={self.seqlen_q}, "
+                f"seqlen_k={self.seqlen_k}, units={self.units_b}x{self.units_h}, device={self.device})")
+
+    def launch_args(self, heads: int, batch: int) -> tuple[tuple[int, int, int], tuple]:
+        """(grid, the PrefillParams fields past the dense ones) for a call with these heads/batch."""
+        hpi = heads if self.units_h == 1 else 1
+        bpi = batch if self.units_b == 1 else 1
+        units = self.units_b * self.units_h
+        k = self.kind
+        return ((units * self.num_q_tiles * hpi, 1, bpi),
+                (0, 0, 0, ptr_of(self._work, k), 0, ptr_of(self._bits, k), ptr_of(self._tiles, k),
+                 ptr_of(self._counts, k), 0, self.seqlen_q * self.bits_words,
+                 0, 0, 0, 0, hpi, self.bits_words, self.num_kv_tiles, self.num_q_tiles, self.units_h, self.units_b))
+
+    def live_counts(self):
+        """Live KV tiles per (mask batch * heads, query tile), an int32 array ``[units, q tiles]``
+        of the caller's kind (reading it waits for the plan)."""
+        return self._counts.reshape(self.units_b * self.units_h, self.num_q_tiles)
+
+    def live_fraction(self) -> float:
+        """The fraction of (query tile, KV tile) pairs the kernel visits (syncs)."""
+        total = self.units_b * self.units_h * self.num_q_tiles * self.num_kv_tiles
+        return float(self._counts.sum()) / total if total else 0.0
+
+    def check(self) -> None:
+        """Raise ``LaunchError`` if the mask was additive with a value other than 0 and -inf (such
+        values count as 0 there). Syncs, so it is left to the caller."""
+        if int(self._flags[0]):
+            raise LaunchError("mask held values other than 0 and -inf; an additive mask is 0 (keep) or -inf "
+                              "(mask), its other values are read as 0")
+
+
+def mask_info(mask, b: int, h: int, sq: int, sk: int, kind: str, device: int):
+    """(TensorInfo, units_b, units_h, batch stride, head stride) of a mask for a call with these sizes."""
+    mi = tensor_info(mask, "mask")
+    if mi.kind != kind or mi.device != device:
+        raise LaunchError(f"mask must be a {kind} array on device {device}; got {mi.kind} on device {mi.device}")
+    if mi.dtype not in _MASK_KINDS:
+        raise LaunchError(f"mask has dtype {mi.dtype}; allowed: bool (True keeps) or additive fp16, bf16, fp32 "
+                          f"(0 keeps, -inf masks)")
+    shape, st = tuple(mi.shape), mi.strides
+    if len(shape) == 2:
+        shape, st = (1, 1, *shape), (0, 0, *st)
+    if len(shape) != 4 or shape[0] not in (1, b) or shape[1] not in (1, h) or shape[2:] != (sq, sk):
+        raise LaunchError(f"mask has shape {tuple(mi.shape)}; expected {_MASK_DIMS} with batch={b}, heads={h}, "
+                          f"seqlen_q={sq}, seqlen_k={sk}")
+    if sk > 1 and st[3] != 1:
+        raise LaunchError(f"mask has stride {st[3]} in its last dim; it must be contiguous in the keys")
+    ub = b if shape[0] > 1 and st[0] else 1
+    uh = h if shape[1] > 1 and st[1] else 1
+    return mi, ub, uh, st[0], st[1], st[2]
+
+
+def build(kern, mask, qi, ki, mcode: int, left: int, right: int, stream: int) -> MaskPlan:
+    """Build the plan of ``mask`` for ``kern``'s tile sizes on ``stream`` (enqueued, not waited for)."""
+    b, sq, h, _ = qi.shape
+    sk = ki.shape[1]
+    mi, ub, uh, m_sb, m_sh, m_sq = mask_info(mask, b, h, sq, sk, qi.kind, qi.device)
+    tq, tk = kern.spec.cta_tile_q, kern.spec.cta_tile_kv
+    nqt, nkt = -(-sq // tq), -(-sk // tk)
+    units = ub * uh
+    if nqt > 65535 or units > 65535 or (ub == 1 and b > 65535):
+        raise LaunchError(f"mask of {units} batch x head units and {nqt} query tiles of {tq} (batch {b}): "
+                          f"at most 65535 of each")
+    mp = MaskPlan()
+    mp.kind, mp.device, mp.tiles = qi.kind, qi.device, (tq, tk)
+    mp.seqlen_q, mp.seqlen_k, mp.units_b, mp.units_h = sq, sk, ub, uh
+    mp.mask_mode = (mcode, left, right)
+    mp.mask_ptr, mp.mask_shape, mp.mask_strides, mp.version = mi.ptr, tuple(mi.shape), mi.strides, _version(mask)
+    mp.num_q_tiles, mp.num_kv_tiles = nqt, nkt
+    mp.bits_words = nkt * tk // 32
+    i32 = allocator(qi.kind, "int32", qi.device)
+    cells = units * nqt * nkt
+    mp._bits = i32(max(units * sq * mp.bits_words, 1))
+    mp._states = i32(max(-(-cells // 4), 1))
+    mp._tiles = i32(max(cells, 1))
+    mp._counts = i32(max(units * nqt, 1))
+    mp._work = i32(2 * max(units * nqt, 1))
+    mp._flags = zeros_int32(qi.kind, qi.device, 1)
+    k = qi.kind
+    params = (mi.ptr, ptr_of(mp._bits, k), ptr_of(mp._states, k), ptr_of(mp._tiles, k), ptr_of(mp._counts, k),
+              ptr_of(mp._work, k), 0, ptr_of(mp._flags, k), 0, 0, 0,
+              m_sb, m_sh, m_sq, sq * mp.bits_words,
+              _MASK_KINDS[mi.dtype], sq, sk, ub, uh, nqt, nkt, mp.bits_words, left, right, 0, 0, 0, 0)
+    if nqt:
+        if nkt:
+            kern.launch_struct(PLAN_PARAMS, (-(-mp.bits_words // 32), nqt, units), stream, *params, entry="_mtiles")
+        kern.launch_struct(PLAN_PARAMS, (nqt, units, 1), stream, *params, entry="_mlists")
+        kern.launch_struct(PLAN_PARAMS, (1, 1, 1), stream, *params, entry="_order")
+    return mp
+
+
+def checked_plan(mp, mask, kern, qi, ki, mcode: int, left: int, right: int, stream: int) -> MaskPlan:
+    """``mp`` after checking it fits this call, or a plan built now when ``mp`` is None."""
+    if mp is None:
+        return build(kern, mask, qi, ki, mcode, left, right, stream)
+    if not isinstance(mp, MaskPlan):
+        raise LaunchError(f"mask_plan is a {type(mp).__name__}; expected the MaskPlan attngen.mask_plan returns")
+    if mp.device != qi.device or mp.kind != qi.kind:
+        raise LaunchError(f"mask_plan was built for {mp.kind} on device {mp.device}; this call is {qi.kind} on "
+                          f"device {qi.device}")
+    if mp.mask_mode != (mcode, left, right):
+        raise LaunchError("mask_plan was built with other causal/window arguments than this call's")
+    tiles = (kern.spec.cta_tile_q, kern.spec.cta_tile_kv)
+    if mp.tiles != tiles:
+        raise LaunchError(f"mask_plan was built for tiles of {mp.tiles[0]}x{mp.tiles[1]} (cta_tile_q x cta_tile_kv); "
+                          f"this call's kernel uses {tiles[0]}x{tiles[1]}: build the plan with the same spec, head_dim, "
+                          f"dtype and masks as the call")
+    if (mp.seqlen_q, mp.seqlen_k) != (qi.shape[1], ki.shape[1]):
+        raise LaunchError(f"mask_plan was built for seqlen_q={mp.seqlen_q}, seqlen_k={mp.seqlen_k}; this call has "
+                          f"seqlen_q={qi.shape[1]}, seqlen_k={ki.shape[1]}")
+    mi = tensor_info(mask, "mask")
+    if (mi.ptr, tuple(mi.shape), mi.strides) != (mp.mask_ptr, mp.mask_shape, mp.mask_strides):
+        raise LaunchError("mask_plan was built from another mask (its data pointer, shape or strides differ)")
+    if mp.version != _version(mask):
+        raise LaunchError("mask was modified in place after its mask_plan was built; build a new plan")
+    if (mp.units_b not in (1, qi.shape[0])) or (mp.units_h not in (1, qi.shape[2])):
+        raise LaunchError(f"mask_plan has {mp.units_b} batch and {mp.units_h} head units; this call has batch "
+                          f"{qi.shape[0]}, heads {qi.shape[2]}")
+    return mp

@@ -1,0 +1,137 @@
+"""``attngen.prefill_varlen``: packed sequences of different lengths, optionally over a paged cache.
+
+The lengths stay on the GPU: the grid is sized by what the host knows (total query rows and the
+number of sequences bound the number of query tiles), and one small launch of the kernel's
+``_order`` entry turns ``cu_seqlens`` into the list of (sequence, query tile) items, heaviest
+first; CTAs past the list's length return at once.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ...errors import LaunchError
+from ...runtime import tensor_info
+from ..score_mods import extras
+from .masks import PLAN_PARAMS, ptr_of
+from .op import _LOG2E, _NO_WINDOW, PARAMS_EXT, VARLEN, VARLEN_PAGED, check_qkv, mask_and_window, out_of, plan_for
+
+
+def _index(x, name: str, rank: int, qi):
+    t = tensor_info(x, name)
+    if t.kind != qi.kind or t.device != qi.device:
+        raise LaunchError(f"{name} must be a {qi.kind} array on device {qi.device}; got {t.kind} on device {t.device}")
+    if t.dtype != "int32":
+        raise LaunchError(f"{name} has dtype {t.dtype}; allowed: int32")
+    if len(t.shape) != rank or t.strides[-1] != 1:
+        raise LaunchError(f"{name} has shape {tuple(t.shape)}; expected {rank} dim(s), contiguous in the last")
+    return t
+
+
+def _max_seqlen(x, name: str) -> int:
+    try:
+        n = int(x)
+    except (TypeError, ValueError):
+        raise LaunchError(f"{name}={x!r} must be an int >= 0") from None
+    if n < 0 or n != x:
+        raise LaunchError(f"{name}={x!r} must be an int >= 0")
+    return n
+
+
+def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                   causal: bool = False, window: tuple[int, int] = _NO_WINDOW, sm_scale: float | None = None,
+                   return_lse: bool = False, out=None, block_table=None, spec=None, softcap: float = 0.0,
+                   alibi_slopes=None):
+    """Attention forward over packed sequences of different lengths (FlashAttention's varlen API).
+
+    q ``[total_q, heads, head_dim]``, k and v ``[total_k, kv_heads, head_dim]``; sequence s is rows
+    ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` of q and ``cu_seqlens_k[s]:cu_seqlens_k[s+1]`` of k/v
+    (int32 ``[batch + 1]`` on the device, non-decreasing; values outside the arrays are clamped to
+    them, never read past). With ``block_table`` (int32 ``[batch, max_blocks]``) k and v are a
+    paged cache ``[num_blocks, block_size, kv_heads, head_dim]`` (block_size a multiple of 16
+    from 16 to 256): key j of sequence s is at ``k[block_table[s, j // block_size], j % block_size]``
+    and ``cu_seqlens_k`` gives only the lengths. ``causal`` and ``window`` align bottom-right
+    per sequence, as in ``prefill``; GQA, ``sm_scale``, ``softcap`` and ``alibi_slopes`` (``[heads]`` or
+    ``[batch, heads]``) too. ``max_seqlen_q``/``max_seqlen_k`` are accepted for FlashAttention's
+    signature and checked as ints >= 0; the lengths are never read on the host. Returns ``out``
+    ``[total_q, heads, head_dim]`` and with ``return_lse`` the LSE ``[heads, total_q]`` (fp32).
+    """
+    paged = block_table is not None
+    qi, ki, vi = check_qkv(q, k, v, "[total_q, heads, head_dim]",
+                           "[num_blocks, block_size, kv_heads, head_dim]" if paged else "[total_k, kv_heads, head_dim]")
+    total_q, h, d = qi.shape
+    hk = ki.shape[-2]
+    _max_seqlen(max_seqlen_q, "max_seqlen_q")
+    _max_seqlen(max_seqlen_k, "max_seqlen_k")
+    cq = _index(cu_seqlens_q, "cu_seqlens_q", 1, qi)
+    ck = _index(cu_seqlens_k, "cu_seqlens_k", 1, qi)
+    if cq.shape[0] != ck.shape[0] or cq.shape[0] < 1:
+        raise LaunchError(f"cu_seqlens_q has {cq.shape[0]} entries and cu_seqlens_k {ck.shape[0]}; both must be "
+                          f"batch + 1 >= 1")
+    batch = cq.shape[0] - 1
+    if paged:
+        bt = _index(block_table, "block_table", 2, qi)
+        if bt.shape[0] != batch:
+            raise LaunchError(f"block_table has {bt.shape[0]} rows; cu_seqlens give batch {batch}")
+        num_blocks, block_size = ki.shape[0], ki.shape[1]
+        if block_size % 16 or not 16 <= block_size <= 256:
+            raise LaunchError(f"block_size={block_size} (k.shape[1]) is not supported; allowed: a multiple of 16 "
+                              f"from 16 to 256")
+        if num_blocks == 0:
+            raise LaunchError("k and v hold no blocks (k.shape[0] == 0)")
+        total_k, bt_ptr, bt_sb = bt.shape[1] * block_size, bt.ptr, bt.strides[0]
+    else:
+        num_blocks = block_size = bt_ptr = bt_sb = 0
+        total_k = ki.shape[0]
+    if total_q >= 2 ** 31 or total_k >= 2 ** 31:
+        raise LaunchError(f"total_q={total_q} / total_k={total_k}: at most 2^31 - 1 rows (int32 cu_seqlens)")
+    mcode, left, right = mask_and_window(causal, window)
+    return_lse = bool(return_lse)
+    if softcap or alibi_slopes is not None:
+        cap_u, inv_cap_u, alibi_ptr, alibi_sb = extras(softcap, alibi_slopes, batch, h, qi, sm_scale)
+    else:
+        cap_u = inv_cap_u = 0.0
+        alibi_ptr = alibi_sb = 0
+    key = (d, qi.dtype, qi.device, mcode, return_lse, spec, qi.kind, bool(softcap), alibi_ptr != 0,
+           VARLEN_PAGED if paged else VARLEN)
+    plan = plan_for(key)
+    if sm_scale is None:
+        scale = plan.default_scale
+    else:
+        scale = float(sm_scale)
+        if not math.isfinite(scale) or scale <= 0:
+            raise LaunchError(f"sm_scale={sm_scale!r} must be finite and > 0")
+    if out is None:
+        out = plan.alloc(total_q, h, d)
+        optr, ostrides = ptr_of(out, qi.kind), (h * d, d)
+    else:
+        optr, ostrides = out_of(out, qi)
+    lse = plan.alloc_lse(h, total_q) if return_lse else None
+    if total_q == 0 or batch == 0 or h == 0:
+        return (out, lse) if return_lse else out
+
+    kern = plan.kernel or plan.kernel_for(max(1, total_q // max(batch, 1)))
+    tq = kern.spec.cta_tile_q
+    max_items = -(-total_q // tq) + batch  # sum over sequences of ceil(len / tq) is below this
+    if max_items * h >= 2 ** 31:
+        raise LaunchError(f"{max_items} query tiles x {h} heads exceed the grid's 2^31 - 1 CTAs")
+    ws = plan.alloc_index(2 * max_items + 1 + batch + 1)  # work items, their count, per-sequence tile offsets
+    wp = ptr_of(ws, qi.kind)
+    stream = plan.stream(qi.device)
+    kern.launch_struct(PLAN_PARAMS, (1, 1, 1), stream,
+                       0, 0, 0, 0, 0, wp, wp + 8 * max_items, 0, cq.ptr, ck.ptr, wp + 8 * max_items + 4,
+                       0, 0, 0, 0,
+                       0, 0, 0, 1, 1, 0, 0, 0, left, right, batch, total_q, total_k, int(paged), entry="_order")
+    qs, ks, vs = qi.strides, ki.strides, vi.strides
+    kern.launch_struct(
+        PARAMS_EXT, (max_items * h, 1, 1), stream,
+        qi.ptr, ki.ptr, vi.ptr, optr, ptr_of(lse, qi.kind) if return_lse else 0,
+        0, qs[0], qs[1],
+        ks[0] if paged else 0, ks[-3], ks[-2], vs[0] if paged else 0, vs[-3], vs[-2],
+        0, ostrides[0], ostrides[1],
+        0, 0, h, h // hk, scale, scale * _LOG2E, left, right, cap_u, inv_cap_u, alibi_ptr, alibi_sb,
+        cq.ptr, ck.ptr, bt_ptr, wp, wp + 8 * max_items, 0, 0, 0,
+        bt_sb, 0,
+        block_size, num_blocks, total_q, total_k, h, 0, 0, 0, 0, 0,
+    )
+    return (out, lse) if return_lse else out

@@ -1,0 +1,288 @@
+// The prefill kernel's work lists, built on the GPU with no host sync (included by custom-mask
+// and varlen kernels only; the tile sizes and mask mode are the kernel's own, so a plan always
+// fits the kernel it was built by).
+//
+// Custom mask, three launches:
+//   mask_tiles  reads the mask once: writes it as bits (one uint32 per 32 keys, padded to whole
+//               KV tiles) and, per (unit, query tile, KV tile), a state: 0 no row sees a key
+//               (custom mask and causal/window together), 1 live, 2 live and the custom mask
+//               keeps the whole tile (the kernel then reads no bits for it);
+//   mask_lists  compacts each (unit, query tile)'s states into its list of live KV tiles;
+//   order_work  sorts the (unit, query tile) items by their number of live tiles, heaviest first.
+// Varlen, one launch: order_work enumerates every sequence's query tiles and sorts them by the
+// number of KV tiles each sees.
+namespace attngen {
+
+constexpr int PLAN_THREADS = 256;
+constexpr int ORDER_THREADS = 1024;
+constexpr int ORDER_BUCKETS = 2048;  // work keys past this share the last bucket
+
+struct PlanParams {
+  const void* mask;          // [.., seqlen_q, seqlen_k] with unit key stride
+  unsigned* bits;            // [units, seqlen_q, bits_words]
+  unsigned char* states;     // [units, num_q_tiles, num_kv_tiles]
+  int* tiles;                // [units, num_q_tiles, num_kv_tiles]: live tiles first
+  int* counts;               // [units, num_q_tiles]
+  int2* work;                // slot -> (unit or sequence, query tile)
+  int* work_count;
+  unsigned* flags;           // bit 0: an additive mask held a value other than 0 and -inf
+  const int* cu_q;           // VARLEN
+  const int* cu_k;
+  int* scratch;              // VARLEN: [batch + 1] running count of query tiles
+  long long m_sb, m_sh, m_sq;  // mask strides in elements (a broadcast dim's is unused)
+  long long bits_su;
+  int mask_kind;             // 0: bool / uint8 (nonzero keeps), 1 fp16, 2 bf16, 3 fp32 (additive: -inf masks)
+  int seqlen_q, seqlen_k, units_b, units_h, num_q_tiles, num_kv_tiles, bits_words;
+  int win_left, win_right;   // as the kernel's
+  int batch, total_q, total_k;  // VARLEN; total_k: the paged capacity when paged
+  int paged;
+};
+
+template <int MASK>
+__device__ __forceinline__ KeyRange plan_keys(const PlanParams& p, int seqlen_q, int seqlen_k) {
+  KeyRange keys;
+  keys.shift = seqlen_k - seqlen_q;
+  keys.seqlen_k = seqlen_k;
+  keys.left = MASK == MASK_WINDOW ? p.win_left : -1;
+  keys.right = MASK == MASK_CAUSAL ? 0 : (MASK == MASK_WINDOW ? p.win_right : -1);
+  return keys;
+}
+
+// Bits [lo, hi) of a word, both clamped to [0, 32].
+__device__ __forceinline__ unsigned bit_range(int lo, int hi) {
+  lo = max(lo, 0);
+  hi = min(hi, 32);
+  if (hi <= lo) return 0u;
+  const unsigned upto = hi == 32 ? ~0u : (1u << hi) - 1u;
+  return upto & ~((1u << lo) - 1u);
+}
+
+__device__ __forceinline__ bool mask_keeps(unsigned char v, bool&) { return v != 0; }
+__device__ __forceinline__ bool mask_keeps(float v, bool& odd) {
+  odd |= !(v == 0.f || v == -ATTNGEN_INF);
+  return v != -ATTNGEN_INF;
+}
+__device__ __forceinline__ bool mask_keeps(__half v, bool& odd) { return mask_keeps(__half2float(v), odd); }
+__device__ __forceinline__ bool mask_keeps(__nv_bfloat16 v, bool& odd) { return mask_keeps(__bfloat162float(v), odd); }
+
+// grid (ceil(bits_words / 32), num_q_tiles, units), PLAN_THREADS threads: one query tile x 1024 keys.
+// Lane l of a warp reads key 32w + l of a row for w = 0..31 (coalesced); the ballot of step w is
+// word w of the row, which lane w keeps and stores.
+template <class M, int BLOCK_M, int BLOCK_N, int MASK>
+__device__ __forceinline__ void mask_tiles_of(const PlanParams& p) {
+  constexpr int WARPS = PLAN_THREADS / 32;
+  __shared__ unsigned s_live[32], s_all[32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (threadIdx.x < 32) {
+    s_live[lane] = 0u;
+    s_all[lane] = ~0u;
+  }
+  __syncthreads();
+  const int unit = blockIdx.z, qt = blockIdx.y;
+  const int word = blockIdx.x * 32 + lane;  // the word this lane assembles
+  const int key0 = blockIdx.x * 1024;
+  const KeyRange keys = plan_keys<MASK>(p, p.seqlen_q, p.seqlen_k);
+  const M* m = static_cast<const M*>(p.mask) + (p.units_b > 1 ? unit / p.units_h : 0) * p.m_sb +
+               (p.units_h > 1 ? unit % p.units_h : 0) * p.m_sh;
+  const unsigned valid = bit_range(0, p.seqlen_k - word * 32);
+  unsigned live = 0u, all = ~0u;
+  bool odd = false;
+  for (int r = warp; r < BLOCK_M; r += WARPS) {
+    const int i = qt * BLOCK_M + r;
+    if (i >= p.seqlen_q) break;
+    const M* row = m + i * p.m_sq;
+    unsigned mine = 0u;
+#pragma unroll
+    for (int w = 0; w < 32; ++w) {
+      const int key = key0 + w * 32 + lane;
+      const bool keep = key < p.seqlen_k && mask_keeps(row[key], odd);
+      const unsigned b = __ballot_sync(0xffffffffu, keep);
+      if (lane == w) mine = b;
+    }
+    if (word < p.bits_words) p.bits[unit * p.bits_su + (long long)i * p.bits_words + word] = mine;
+    live |= mine & bit_range(keys.lo(i) - word * 32, keys.hi(i) - word * 32);
+    all &= mine | ~valid;
+  }
+  atomicOr(&s_live[lane], live);
+  atomicAnd(&s_all[lane], all);
+  if (odd) atomicOr(p.flags, 1u);
+  __syncthreads();
+  constexpr int WPT = BLOCK_N / 32, TILES = 1024 / BLOCK_N;
+  if (threadIdx.x < TILES) {
+    const int kt = blockIdx.x * TILES + threadIdx.x;
+    if (kt < p.num_kv_tiles) {
+      unsigned l = 0u, a = ~0u;
+#pragma unroll
+      for (int q = 0; q < WPT; ++q) {
+        l |= s_live[threadIdx.x * WPT + q];
+        a &= s_all[threadIdx.x * WPT + q];
+      }
+      p.states[((long long)unit * p.num_q_tiles + qt) * p.num_kv_tiles + kt] = l ? (a == ~0u ? 2 : 1) : 0;
+    }
+  }
+}
+
+template <int BLOCK_M, int BLOCK_N, int MASK>
+__device__ __forceinline__ void mask_tiles(const PlanParams& p) {
+  switch (p.mask_kind) {
+    case 0: mask_tiles_of<unsigned char, BLOCK_M, BLOCK_N, MASK>(p); break;
+    case 1: mask_tiles_of<__half, BLOCK_M, BLOCK_N, MASK>(p); break;
+    case 2: mask_tiles_of<__nv_bfloat16, BLOCK_M, BLOCK_N, MASK>(p); break;
+    default: mask_tiles_of<float, BLOCK_M, BLOCK_N, MASK>(p); break;
+  }
+}
+
+// grid (num_q_tiles, units), PLAN_THREADS threads: the live KV tiles of one (unit, query tile) in
+// order, bit 31 set on those the mask keeps whole, and their count.
+__device__ __forceinline__ void mask_lists(const PlanParams& p) {
+  constexpr int WARPS = PLAN_THREADS / 32;
+  __shared__ int s_warp[WARPS];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const long long at = (long long)blockIdx.y * p.num_q_tiles + blockIdx.x;
+  const unsigned char* st = p.states + at * p.num_kv_tiles;
+  int* out = p.tiles + at * p.num_kv_tiles;
+  int total = 0;
+  for (int c0 = 0; c0 < p.num_kv_tiles; c0 += PLAN_THREADS) {
+    const int kt = c0 + threadIdx.x;
+    const int s = kt < p.num_kv_tiles ? st[kt] : 0;
+    const unsigned b = __ballot_sync(0xffffffffu, s != 0);
+    if (lane == 0) s_warp[warp] = __popc(b);
+    __syncthreads();
+    int before = 0, chunk = 0;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      before += w < warp ? s_warp[w] : 0;
+      chunk += s_warp[w];
+    }
+    if (s) out[total + before + __popc(b & ((1u << lane) - 1u))] = kt | (s == 2 ? int(0x80000000u) : 0);
+    total += chunk;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) p.counts[at] = total;
+}
+
+// Exclusive prefix sum over the block (ORDER_THREADS threads); *total gets the sum.
+__device__ __forceinline__ int block_exclusive_sum(int v, int* s_warp, int* total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int x = v;
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int y = __shfl_up_sync(0xffffffffu, x, d);
+    if (lane >= d) x += y;
+  }
+  if (lane == 31) s_warp[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int w = s_warp[lane];
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int y = __shfl_up_sync(0xffffffffu, w, d);
+      if (lane >= d) w += y;
+    }
+    s_warp[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  const int before = (warp ? s_warp[warp - 1] : 0) + x - v;
+  *total = s_warp[ORDER_THREADS / 32 - 1];
+  __syncthreads();  // s_warp is reused by the next call
+  return before;
+}
+
+// A sequence's clamped query rows [q_lo, q_lo + sq) and key count sk (VARLEN), as the kernel takes them.
+__device__ __forceinline__ void varlen_lengths(const PlanParams& p, int s, int& sq, int& sk) {
+  const int q_lo = min(max(p.cu_q[s], 0), p.total_q);
+  sq = min(max(p.cu_q[s + 1], q_lo), p.total_q) - q_lo;
+  if (p.paged) {
+    sk = min(max(p.cu_k[s + 1] - p.cu_k[s], 0), p.total_k);
+  } else {
+    const int k_lo = min(max(p.cu_k[s], 0), p.total_k);
+    sk = min(max(p.cu_k[s + 1], k_lo), p.total_k) - k_lo;
+  }
+}
+
+// One CTA of ORDER_THREADS threads: every item (unit, query tile) with its work (live KV tiles),
+// then a counting sort by work, heaviest first, into p.work. Equal works keep no particular order;
+// each item writes its own output, so the result does not depend on it.
+template <int BLOCK_M, int BLOCK_N, int MASK, bool VARLEN>
+__device__ __forceinline__ void order_work(const PlanParams& p) {
+  __shared__ int s_hist[ORDER_BUCKETS];
+  __shared__ int s_warp[32];
+  int n;
+  if constexpr (VARLEN) {
+    // scratch[s] = query tiles of the sequences before s
+    int carry = 0;
+    for (int c0 = 0; c0 < p.batch; c0 += ORDER_THREADS) {
+      const int s = c0 + threadIdx.x;
+      int tiles = 0;
+      if (s < p.batch) {
+        int sq, sk;
+        varlen_lengths(p, s, sq, sk);
+        tiles = (sq + BLOCK_M - 1) / BLOCK_M;
+      }
+      int chunk;
+      const int before = block_exclusive_sum(tiles, s_warp, &chunk);
+      if (s < p.batch) p.scratch[s] = carry + before;
+      carry += chunk;
+    }
+    if (threadIdx.x == 0) {
+      p.scratch[p.batch] = carry;
+      *p.work_count = carry;
+    }
+    n = carry;
+    __syncthreads();
+  } else {
+    n = p.units_b * p.units_h * p.num_q_tiles;
+  }
+  // item i -> (unit, query tile) and its work
+  auto item = [&](int i, int& work) {
+    if constexpr (VARLEN) {
+      int lo = 0, hi = p.batch - 1;  // the last sequence whose first tile is at or before i
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (p.scratch[mid] <= i) lo = mid; else hi = mid - 1;
+      }
+      const int qt = i - p.scratch[lo];
+      int sq, sk;
+      varlen_lengths(p, lo, sq, sk);
+      const KeyRange keys = plan_keys<MASK>(p, sq, sk);
+      const int m0 = qt * BLOCK_M;
+      const int n_lo = keys.lo(m0), n_hi = keys.hi(min(m0 + BLOCK_M, sq) - 1);
+      work = n_hi > n_lo ? (n_hi + BLOCK_N - 1) / BLOCK_N - n_lo / BLOCK_N : 0;
+      return make_int2(lo, qt);
+    } else {
+      work = p.counts[i];
+      return make_int2(i / p.num_q_tiles, i % p.num_q_tiles);
+    }
+  };
+  for (int b = threadIdx.x; b < ORDER_BUCKETS; b += ORDER_THREADS) s_hist[b] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += ORDER_THREADS) {
+    int work;
+    item(i, work);
+    atomicAdd(&s_hist[min(work, ORDER_BUCKETS - 1)], 1);
+  }
+  __syncthreads();
+  // Heaviest bucket first: thread t owns buckets B-1-t*K .. B-K-t*K (K = B / threads).
+  constexpr int K = ORDER_BUCKETS / ORDER_THREADS;
+  int own[K], sum = 0;
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    own[j] = s_hist[ORDER_BUCKETS - 1 - (threadIdx.x * K + j)];
+    sum += own[j];
+  }
+  int total;
+  int at = block_exclusive_sum(sum, s_warp, &total);
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    s_hist[ORDER_BUCKETS - 1 - (threadIdx.x * K + j)] = at;  // now each bucket's next free slot
+    at += own[j];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += ORDER_THREADS) {
+    int work;
+    const int2 it = item(i, work);
+    p.work[atomicAdd(&s_hist[min(work, ORDER_BUCKETS - 1)], 1)] = it;
+  }
+}
+
+}  // namespace attngen
