@@ -32,29 +32,29 @@ def _gen():
     return g
 
 
-def guarded(*shape, dtype, gen, pad=3):
-    """A random tensor of ``shape`` inside a NaN-filled buffer (``pad`` NaN rows before and after
-    along dim 0 of the flattened storage): a read past either end brings NaN in."""
+def _padded(shape, dtype, fill, pad=3):
+    """(a view of ``shape`` in the middle of a flat buffer filled with ``fill``, the buffer, the
+    slices of ``pad`` rows of filler before and after it)."""
     n = 1
     for s in shape:
         n *= s
     row = shape[-1]
-    buf = torch.full((n + 2 * pad * row,), NAN, dtype=dtype, device="cuda")
-    inner = buf[pad * row: pad * row + n].view(*shape)
+    buf = torch.full((n + 2 * pad * row,), fill, dtype=dtype, device="cuda")
+    return buf[pad * row: pad * row + n].view(*shape), buf, (slice(0, pad * row), slice(pad * row + n, None))
+
+
+def guarded(*shape, dtype, gen, pad=3):
+    """A random tensor of ``shape`` inside a NaN-filled buffer: a read past either end brings NaN in."""
+    inner, _, _ = _padded(shape, dtype, NAN, pad)
     inner.copy_(torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype))
     return inner
 
 
 def sentinel_out(shape, dtype, pad=3):
     """(out view poisoned with NaN, the whole buffer, slices of the sentinel around it)."""
-    n = 1
-    for s in shape:
-        n *= s
-    row = shape[-1]
-    buf = torch.full((n + 2 * pad * row,), SENTINEL, dtype=dtype, device="cuda")
-    out = buf[pad * row: pad * row + n].view(*shape)
+    out, buf, guards = _padded(shape, dtype, SENTINEL, pad)
     out.fill_(NAN)
-    return out, buf, (slice(0, pad * row), slice(pad * row + n, None))
+    return out, buf, guards
 
 
 def check_sentinel(buf, guards):

@@ -10,6 +10,19 @@ from ..errors import LaunchError
 from ..runtime import tensor_info
 
 
+# What ``extras`` gives for a call with neither: no cap, no slopes (ops test for this case inline,
+# on their hot path, and take this tuple instead of calling).
+NO_EXTRAS = (0.0, 0.0, 0, 0)
+
+
+def checked_scale(sm_scale) -> float:
+    """``sm_scale`` as a float after the one rule every op shares: finite and > 0."""
+    scale = float(sm_scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise LaunchError(f"sm_scale={sm_scale!r} must be finite and > 0")
+    return scale
+
+
 def extras(softcap, alibi_slopes, batch: int, heads: int, qi, sm_scale) -> tuple[float, float, int, int]:
     """(cap / scale, scale / cap, slopes pointer, slopes batch stride) for the kernel, after checking
     ``softcap`` and ``alibi_slopes`` against the call (shared by prefill and decode)."""

@@ -14,7 +14,7 @@ from ...errors import LaunchError
 from ...runtime import current_stream, empty_like_kind, get_kernel, register_dependent_cache, tensor_info
 from ...spec import DType
 from ...tuned import bucket_bounds, stored_choices
-from ..score_mods import extras
+from ..score_mods import NO_EXTRAS, checked_scale, extras
 from .spec import MERGE_THREADS, DecodeSpec, Variant
 
 # DecodeParams in templates/common/decode_fwd.cuh: 12 pointers, 14 strides, 10 ints, 2 floats, 2 floats
@@ -172,9 +172,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
         raise LaunchError(f"variant={variant!r} is not allowed; allowed: {', '.join(VARIANTS)}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise LaunchError(f"num_splits={num_splits!r} must be an int from 0 (automatic) to {MAX_SPLITS}")
-    scale = float(1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
-    if not math.isfinite(scale) or scale <= 0:
-        raise LaunchError(f"sm_scale={sm_scale!r} must be finite and > 0")
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else checked_scale(sm_scale)
 
     paged = block_table is not None
     if paged:
@@ -228,11 +226,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
 
     kind, dev = qi.kind, qi.device
     chosen = "fused" if variant == "auto" else variant
-    if softcap or alibi_slopes is not None:
-        cap_u, inv_cap_u, alibi_ptr, alibi_sb = extras(softcap, alibi_slopes, b, h, qi, sm_scale)
-    else:
-        cap_u = inv_cap_u = 0.0
-        alibi_ptr = alibi_sb = 0
+    cap_u, inv_cap_u, alibi_ptr, alibi_sb = (extras(softcap, alibi_slopes, b, h, qi, sm_scale)
+                                             if softcap or alibi_slopes is not None else NO_EXTRAS)
     rs_spec = _spec_for(d, qi.dtype, DecodeSpec.rows_for(group, q_len), paged, chosen, spec, bool(softcap),
                         alibi_ptr != 0)
     if spec is None:  # a winner `attngen tune decode` stored for the nearest cache capacity, if any

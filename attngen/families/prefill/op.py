@@ -23,7 +23,7 @@ from ...errors import LaunchError
 from ...runtime import allocator, get_kernel, register_dependent_cache, tensor_info, torch_stream_getter
 from ...spec import DType
 from ...tuned import bucket_bounds, stored_choices
-from ..score_mods import extras
+from ..score_mods import NO_EXTRAS, checked_scale, extras
 from .spec import MaskMode, PrefillSpec
 
 # PrefillParams in templates/common/prefill_fwd.cuh: 5 pointers, 12 strides, 4 ints, 2 floats, 2 ints,
@@ -214,22 +214,14 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     else:
         mcode, left, right = mask_and_window(causal, window)
     return_lse = bool(return_lse)
-    if softcap or alibi_slopes is not None:
-        cap_u, inv_cap_u, alibi_ptr, alibi_sb = extras(softcap, alibi_slopes, b, h, qi, sm_scale)
-    else:
-        cap_u = inv_cap_u = 0.0
-        alibi_ptr = alibi_sb = 0
+    cap_u, inv_cap_u, alibi_ptr, alibi_sb = (extras(softcap, alibi_slopes, b, h, qi, sm_scale)
+                                             if softcap or alibi_slopes is not None else NO_EXTRAS)
     if mask_plan is not None and mask is None:
         raise LaunchError("mask_plan needs the mask it was built from (mask=)")
     key = (d, qi.dtype, qi.device, mcode, return_lse, spec, qi.kind, bool(softcap), alibi_ptr != 0,
            DENSE if mask is None else CUSTOM_MASK)
     plan = _plans.get(key) or _make_plan(key)
-    if sm_scale is None:
-        scale = plan.default_scale
-    else:
-        scale = float(sm_scale)
-        if not math.isfinite(scale) or scale <= 0:  # one rule with decode's
-            raise LaunchError(f"sm_scale={sm_scale!r} must be finite and > 0")
+    scale = plan.default_scale if sm_scale is None else checked_scale(sm_scale)
 
     if out is None:
         out = plan.alloc(b, sq, h, d)

@@ -8,11 +8,10 @@ first; CTAs past the list's length return at once.
 
 from __future__ import annotations
 
-import math
 
 from ...errors import LaunchError
 from ...runtime import tensor_info
-from ..score_mods import extras
+from ..score_mods import NO_EXTRAS, checked_scale, extras
 from .masks import PLAN_PARAMS, ptr_of
 from .op import _LOG2E, _NO_WINDOW, PARAMS_EXT, VARLEN, VARLEN_PAGED, check_qkv, mask_and_window, out_of, plan_for
 
@@ -87,20 +86,12 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         raise LaunchError(f"total_q={total_q} / total_k={total_k}: at most 2^31 - 1 rows (int32 cu_seqlens)")
     mcode, left, right = mask_and_window(causal, window)
     return_lse = bool(return_lse)
-    if softcap or alibi_slopes is not None:
-        cap_u, inv_cap_u, alibi_ptr, alibi_sb = extras(softcap, alibi_slopes, batch, h, qi, sm_scale)
-    else:
-        cap_u = inv_cap_u = 0.0
-        alibi_ptr = alibi_sb = 0
+    cap_u, inv_cap_u, alibi_ptr, alibi_sb = (extras(softcap, alibi_slopes, batch, h, qi, sm_scale)
+                                             if softcap or alibi_slopes is not None else NO_EXTRAS)
     key = (d, qi.dtype, qi.device, mcode, return_lse, spec, qi.kind, bool(softcap), alibi_ptr != 0,
            VARLEN_PAGED if paged else VARLEN)
     plan = plan_for(key)
-    if sm_scale is None:
-        scale = plan.default_scale
-    else:
-        scale = float(sm_scale)
-        if not math.isfinite(scale) or scale <= 0:
-            raise LaunchError(f"sm_scale={sm_scale!r} must be finite and > 0")
+    scale = plan.default_scale if sm_scale is None else checked_scale(sm_scale)
     if out is None:
         out = plan.alloc(total_q, h, d)
         optr, ostrides = ptr_of(out, qi.kind), (h * d, d)
