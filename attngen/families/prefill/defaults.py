@@ -39,7 +39,8 @@ TUNED_WGMMA = {
 }
 
 # Configs ptxas spills on some archs (NVRTC 13.5): there the next candidate is taken. Keyed by
-# (head_dim, (cta_tile_q, cta_tile_kv, num_warps, num_stages), mma) -> archs, per layout: the
+# (head_dim, (cta_tile_q, cta_tile_kv, num_warps, num_stages), mma) -> archs, or with a mask mode
+# appended when only that mask spills, per layout: the
 # custom-mask and varlen kernels hold a few more registers than the dense one, at other edges
 # (measured by compiling each candidate for every manifest arch, 2026-11-23). No mma.sync
 # candidate compiled spill-free for a custom mask at head_dim 192 on sm_100/sm_120 (8-32 bytes)
@@ -53,6 +54,10 @@ SPILLS_ON = {
     "varlen": {
         (64, (128, 64, 4, 3), Mma.SYNC): ("sm_80", "sm_86", "sm_89", "sm_100", "sm_120"),
         (256, (128, 32, 8, 2), Mma.SYNC): ("sm_100",),
+        # A sliding window at head_dim 256 spilled 4-8 bytes in CI on these (2026-11-23).
+        (256, (128, 32, 8, 2), Mma.SYNC, MaskMode.SLIDING_WINDOW): ("sm_80",),
+        (256, (128, 64, 8, 2), Mma.SYNC, MaskMode.SLIDING_WINDOW): ("sm_100",),
+        (256, (64, 32, 4, 2), Mma.SYNC, MaskMode.SLIDING_WINDOW): ("sm_100",),
     },
     "mask": {
         (64, (128, 64, 4, 3), Mma.SYNC): ("sm_80", "sm_86", "sm_89", "sm_100", "sm_120"),
@@ -68,8 +73,11 @@ def candidates(spec, arch: Arch):
     64-row tiles first: the finer its tiles, the more of a sparse mask its live-tile lists skip.
     Configs ``SPILLS_ON`` lists for the arch are left out."""
     spills = SPILLS_ON["mask" if spec.custom_mask else "varlen" if spec.varlen else "dense"]
-    every = [c for c in _candidates(spec, arch)
-             if arch.name not in spills.get((spec.head_dim, tuple(c[:4]), c[4]), ())]
+    def spilled(c):
+        key = (spec.head_dim, tuple(c[:4]), c[4])
+        return arch.name in spills.get(key, ()) or arch.name in spills.get((*key, spec.mask), ())
+
+    every = [c for c in _candidates(spec, arch) if not spilled(c)]
     if spec.custom_mask:
         every = [c for c in every if c[0] == 64] + [c for c in every if c[0] != 64]
     return iter(every)
