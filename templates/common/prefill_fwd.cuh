@@ -53,7 +53,8 @@ struct PrefillParams {
   // sequence s at block block_table[s * bt_sb + j / block_size], clamped to the blocks.
   const int* block_table;
   // VARLEN and MASK_LIST: the work list, slot -> (unit, query tile), heaviest first; a CTA is
-  // (slot, one of heads_per_item heads). VARLEN: unit = sequence, *work_count slots are live.
+  // (slot, head or mask-broadcast head, mask-broadcast batch). VARLEN: unit = sequence,
+  // *work_count slots are live.
   const int2* work;
   const int* work_count;
   // MASK_LIST: unit = mask batch * mask_units_h + mask head. Per unit and query tile, tile_count
@@ -64,7 +65,7 @@ struct PrefillParams {
   const int* tiles;
   const int* tile_count;
   long long bt_sb, bits_su;
-  int block_size, num_blocks, total_q, total_k, heads_per_item, bits_words, max_tiles, num_q_tiles;
+  int block_size, num_blocks, total_q, total_k, bits_words, max_tiles, num_q_tiles;
   int mask_units_h, mask_units_b;
 };
 
@@ -101,15 +102,16 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
 
   // Which (query tile, head, batch) this CTA computes. Dense: heaviest query tiles (the last
   // ones, under a causal mask) start first. VARLEN / MASK_LIST: the work list's slot order,
-  // built heaviest first on the GPU; heads vary fastest, so every head of a heavy item starts early.
+  // built heaviest first on the GPU. Heads vary slowest in both, so the CTAs running together
+  // share one head's K/V in L2 (heads fastest thrashed L2: 2x slower at 16k keys).
   int m_block, head, batch, seqlen_q, seqlen_k;
   long long q_row0 = 0, k_row0 = 0;  // VARLEN: the sequence's first row in q / k
   long long list_at = 0;             // MASK_LIST: where this tile's live KV tiles start in p.tiles
   int unit = 0;                      // MASK_LIST: the mask's (batch, head) unit
   int n_tiles;
   if constexpr (VARLEN || MASK_LIST) {
-    const int slot = blockIdx.x / p.heads_per_item;
-    const int hsub = blockIdx.x - slot * p.heads_per_item;
+    const int slot = blockIdx.x;
+    const int hsub = blockIdx.y;
     if constexpr (VARLEN) {
       if (slot >= *p.work_count) return;
     }
@@ -170,13 +172,17 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
   auto load_kv = [&](int tile, int slot) {
     const int n0 = tile * BLOCK_N;
     if constexpr (PAGED) {
-      // Each row through the sequence's block table; both copies share the lookup.
-      const int* table = p.block_table + batch * p.bt_sb;
+      // The tile's keys lie in at most BLOCK_N / 16 + 1 blocks: lane j of each warp reads the j-th
+      // table entry (one coalesced load), and each row takes its block from that lane by a shuffle.
+      const int first = n0 / p.block_size;
+      const int last = (min(n0 + BLOCK_N, seqlen_k) - 1) / p.block_size;
+      const int lane_blk = first + lane <= last ? p.block_table[batch * p.bt_sb + first + lane] : 0;
       load_pair_rows_async<LKV, BLOCK_N, THREADS>(
           sK + slot * KV_ELEMS, sV + slot * KV_ELEMS, gK, gV, seqlen_k - n0, tid, [&](int r) {
             const int pos = n0 + r;
-            const int blk = min(max(table[pos / p.block_size], 0), p.num_blocks - 1);
-            const long long slot_row = pos - (pos / p.block_size) * p.block_size;
+            const int bi = pos / p.block_size;
+            const int blk = min(max(__shfl_sync(0xffffffffu, lane_blk, bi - first), 0), p.num_blocks - 1);
+            const long long slot_row = pos - bi * p.block_size;
             return make_longlong2(blk * p.k_sb + slot_row * p.k_ss, blk * p.v_sb + slot_row * p.v_ss);
           });
     } else {

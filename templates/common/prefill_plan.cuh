@@ -57,20 +57,54 @@ __device__ __forceinline__ unsigned bit_range(int lo, int hi) {
   return upto & ~((1u << lo) - 1u);
 }
 
-__device__ __forceinline__ bool mask_keeps(unsigned char v, bool&) { return v != 0; }
-__device__ __forceinline__ bool mask_keeps(float v, bool& odd) {
-  odd |= !(v == 0.f || v == -ATTNGEN_INF);
-  return v != -ATTNGEN_INF;
-}
-__device__ __forceinline__ bool mask_keeps(__half v, bool& odd) { return mask_keeps(__half2float(v), odd); }
-__device__ __forceinline__ bool mask_keeps(__nv_bfloat16 v, bool& odd) { return mask_keeps(__bfloat162float(v), odd); }
+// A mask element's raw bits: keep (bool: nonzero; additive: not -inf) and odd (additive: neither
+// 0, -0 nor -inf; such values are read as 0 and reported through p.flags).
+template <class M>
+struct MaskBits;
+template <>
+struct MaskBits<unsigned char> {
+  using raw = unsigned char;
+  __device__ static bool keep(raw v, bool&) { return v != 0; }
+};
+template <>
+struct MaskBits<__half> {
+  using raw = unsigned short;
+  __device__ static bool keep(raw v, bool& odd) {
+    odd |= (v & 0x7fffu) != 0 && v != 0xfc00u;
+    return v != 0xfc00u;
+  }
+};
+template <>
+struct MaskBits<__nv_bfloat16> {
+  using raw = unsigned short;
+  __device__ static bool keep(raw v, bool& odd) {
+    odd |= (v & 0x7fffu) != 0 && v != 0xff80u;
+    return v != 0xff80u;
+  }
+};
+template <>
+struct MaskBits<float> {
+  using raw = unsigned;
+  __device__ static bool keep(raw v, bool& odd) {
+    odd |= (v & 0x7fffffffu) != 0 && v != 0xff800000u;
+    return v != 0xff800000u;
+  }
+};
 
-// grid (ceil(bits_words / 32), num_q_tiles, units), PLAN_THREADS threads: one query tile x 1024 keys.
-// Lane l of a warp reads key 32w + l of a row for w = 0..31 (coalesced); the ballot of step w is
-// word w of the row, which lane w keeps and stores.
+// grid (ceil(bits_words / 32), num_q_tiles, units), PLAN_THREADS threads: one query tile x 1024
+// keys. Each lane reads KPL consecutive keys of a row with one 16-byte load (or key by key at the
+// row's end or when rows are not 16-byte aligned), turns them into KPL bits, and the LPW lanes of
+// a 32-key word OR theirs together; the group's first lane owns that word (stores it and folds it
+// into the tile states).
 template <class M, int BLOCK_M, int BLOCK_N, int MASK>
 __device__ __forceinline__ void mask_tiles_of(const PlanParams& p) {
+  using B = MaskBits<M>;
+  using R = typename B::raw;
   constexpr int WARPS = PLAN_THREADS / 32;
+  constexpr int KPL = 16 / sizeof(R);         // keys per lane and load
+  constexpr int LPW = 32 / KPL;               // lanes per 32-key word
+  constexpr int STEPS = 1024 / (32 * KPL);    // loads per row of this CTA's 1024 keys
+  constexpr int WPS = 32 / LPW;               // words per step
   __shared__ unsigned s_live[32], s_all[32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (threadIdx.x < 32) {
@@ -79,32 +113,56 @@ __device__ __forceinline__ void mask_tiles_of(const PlanParams& p) {
   }
   __syncthreads();
   const int unit = blockIdx.z, qt = blockIdx.y;
-  const int word = blockIdx.x * 32 + lane;  // the word this lane assembles
   const int key0 = blockIdx.x * 1024;
   const KeyRange keys = plan_keys<MASK>(p, p.seqlen_q, p.seqlen_k);
-  const M* m = static_cast<const M*>(p.mask) + (p.units_b > 1 ? unit / p.units_h : 0) * p.m_sb +
+  const R* m = static_cast<const R*>(p.mask) + (p.units_b > 1 ? unit / p.units_h : 0) * p.m_sb +
                (p.units_h > 1 ? unit % p.units_h : 0) * p.m_sh;
-  const unsigned valid = bit_range(0, p.seqlen_k - word * 32);
-  unsigned live = 0u, all = ~0u;
+  const bool vec = (reinterpret_cast<unsigned long long>(m) & 15) == 0 && (p.m_sq * sizeof(R)) % 16 == 0;
+  const bool owner = lane % LPW == 0;
+  unsigned live[STEPS], all[STEPS];
+#pragma unroll
+  for (int st = 0; st < STEPS; ++st) {
+    live[st] = 0u;
+    all[st] = ~0u;
+  }
   bool odd = false;
   for (int r = warp; r < BLOCK_M; r += WARPS) {
     const int i = qt * BLOCK_M + r;
     if (i >= p.seqlen_q) break;
-    const M* row = m + i * p.m_sq;
-    unsigned mine = 0u;
+    const R* row = m + i * p.m_sq;
+    const int lo = keys.lo(i), hi = keys.hi(i);
 #pragma unroll
-    for (int w = 0; w < 32; ++w) {
-      const int key = key0 + w * 32 + lane;
-      const bool keep = key < p.seqlen_k && mask_keeps(row[key], odd);
-      const unsigned b = __ballot_sync(0xffffffffu, keep);
-      if (lane == w) mine = b;
+    for (int st = 0; st < STEPS; ++st) {
+      const int key = key0 + st * 32 * KPL + lane * KPL;
+      unsigned bits = 0u;
+      if (vec && key + KPL <= p.seqlen_k) {
+        union { uint4 v; R e[KPL]; } u;
+        u.v = *reinterpret_cast<const uint4*>(row + key);
+#pragma unroll
+        for (int e = 0; e < KPL; ++e) bits |= unsigned(B::keep(u.e[e], odd)) << e;
+      } else {
+#pragma unroll
+        for (int e = 0; e < KPL; ++e)
+          if (key + e < p.seqlen_k) bits |= unsigned(B::keep(row[key + e], odd)) << e;
+      }
+      bits <<= (lane % LPW) * KPL;
+#pragma unroll
+      for (int o = 1; o < LPW; o *= 2) bits |= __shfl_xor_sync(0xffffffffu, bits, o);
+      const int word = blockIdx.x * 32 + st * WPS + lane / LPW;
+      if (owner) {
+        if (word < p.bits_words) p.bits[unit * p.bits_su + (long long)i * p.bits_words + word] = bits;
+        live[st] |= bits & bit_range(lo - word * 32, hi - word * 32);
+        all[st] &= bits | ~bit_range(0, p.seqlen_k - word * 32);
+      }
     }
-    if (word < p.bits_words) p.bits[unit * p.bits_su + (long long)i * p.bits_words + word] = mine;
-    live |= mine & bit_range(keys.lo(i) - word * 32, keys.hi(i) - word * 32);
-    all &= mine | ~valid;
   }
-  atomicOr(&s_live[lane], live);
-  atomicAnd(&s_all[lane], all);
+  if (owner) {
+#pragma unroll
+    for (int st = 0; st < STEPS; ++st) {
+      atomicOr(&s_live[st * WPS + lane / LPW], live[st]);
+      atomicAnd(&s_all[st * WPS + lane / LPW], all[st]);
+    }
+  }
   if (odd) atomicOr(p.flags, 1u);
   __syncthreads();
   constexpr int WPT = BLOCK_N / 32, TILES = 1024 / BLOCK_N;

@@ -58,10 +58,10 @@ class MaskPlan:
         bpi = batch if self.units_b == 1 else 1
         units = self.units_b * self.units_h
         k = self.kind
-        return ((units * self.num_q_tiles * hpi, 1, bpi),
+        return ((units * self.num_q_tiles, hpi, bpi),
                 (0, 0, 0, ptr_of(self._work, k), 0, ptr_of(self._bits, k), ptr_of(self._tiles, k),
                  ptr_of(self._counts, k), 0, self.seqlen_q * self.bits_words,
-                 0, 0, 0, 0, hpi, self.bits_words, self.num_kv_tiles, self.num_q_tiles, self.units_h, self.units_b))
+                 0, 0, 0, 0, self.bits_words, self.num_kv_tiles, self.num_q_tiles, self.units_h, self.units_b))
 
     def live_counts(self):
         """Live KV tiles per (mask batch * heads, query tile), an int32 array ``[units, q tiles]``

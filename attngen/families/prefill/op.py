@@ -28,9 +28,9 @@ from .spec import MaskMode, PrefillSpec
 
 # PrefillParams in templates/common/prefill_fwd.cuh: 5 pointers, 12 strides, 4 ints, 2 floats, 2 ints,
 # 2 floats (softcap), the ALiBi slopes' pointer and batch stride. A dense launch packs only these;
-# the varlen and custom-mask kernels read the rest (PARAMS_EXT): 8 pointers, 2 strides, 10 ints.
+# the varlen and custom-mask kernels read the rest (PARAMS_EXT): 8 pointers, 2 strides, 9 ints.
 _PARAMS = struct.Struct("<5Q12q4i2f2i2fQq")
-PARAMS_EXT = struct.Struct("<5Q12q4i2f2i2fQq8Q2q10i")
+PARAMS_EXT = struct.Struct("<5Q12q4i2f2i2fQq8Q2q9i")
 # What a plan's kernel reads its inputs as (the last element of a plan key).
 DENSE, CUSTOM_MASK, VARLEN, VARLEN_PAGED = range(4)
 _LOG2E = 1.4426950408889634

@@ -104,8 +104,8 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     kern = plan.kernel or plan.kernel_for(max(1, total_q // max(batch, 1)))
     tq = kern.spec.cta_tile_q
     max_items = -(-total_q // tq) + batch  # sum over sequences of ceil(len / tq) is below this
-    if max_items * h >= 2 ** 31:
-        raise LaunchError(f"{max_items} query tiles x {h} heads exceed the grid's 2^31 - 1 CTAs")
+    if h > 65535:
+        raise LaunchError(f"heads={h} exceeds 65535 (the grid's y limit)")
     ws = plan.alloc_index(2 * max_items + 1 + batch + 1)  # work items, their count, per-sequence tile offsets
     wp = ptr_of(ws, qi.kind)
     stream = plan.stream(qi.device)
@@ -115,7 +115,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                        0, 0, 0, 1, 1, 0, 0, 0, left, right, batch, total_q, total_k, int(paged), entry="_order")
     qs, ks, vs = qi.strides, ki.strides, vi.strides
     kern.launch_struct(
-        PARAMS_EXT, (max_items * h, 1, 1), stream,
+        PARAMS_EXT, (max_items, h, 1), stream,
         qi.ptr, ki.ptr, vi.ptr, optr, ptr_of(lse, qi.kind) if return_lse else 0,
         0, qs[0], qs[1],
         ks[0] if paged else 0, ks[-3], ks[-2], vs[0] if paged else 0, vs[-3], vs[-2],
@@ -123,6 +123,6 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         0, 0, h, h // hk, scale, scale * _LOG2E, left, right, cap_u, inv_cap_u, alibi_ptr, alibi_sb,
         cq.ptr, ck.ptr, bt_ptr, wp, wp + 8 * max_items, 0, 0, 0,
         bt_sb, 0,
-        block_size, num_blocks, total_q, total_k, h, 0, 0, 0, 0, 0,
+        block_size, num_blocks, total_q, total_k, 0, 0, 0, 0, 0,
     )
     return (out, lse) if return_lse else out
