@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import attngen  # noqa: E402
 from attngen.bench import _event_bench, _graphed, _rel_check, environment  # noqa: E402
-from attngen.families.decode.bench import decode_reference, measure_copy_bandwidth, rotate_copies  # noqa: E402
+from attngen.bench.core import measure_copy_bandwidth  # noqa: E402
+from attngen.families.decode.bench import decode_reference, rotate_copies  # noqa: E402
 
 # (batch, kv_len, heads, kv_heads), head_dim 128, bf16, q_len 1
 SHAPES = [(1, 32768, 32, 8), (1, 32768, 32, 4), (1, 32768, 64, 8), (1, 8192, 32, 8), (16, 4096, 32, 4),

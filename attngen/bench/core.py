@@ -26,6 +26,7 @@ from typing import Any, Callable
 DTYPES = ("bf16", "fp16")
 BACKENDS = ("flash", "cudnn", "efficient")   # SDPA's backends, the peers every benchmark compares with
 DEVICE = "cuda"         # where the benchmarks' inputs live (a test may point this elsewhere)
+COPY_MIB = 1024         # the copy-bandwidth buffer: 1 GiB read + 1 GiB written
 CHECK_TOL = 1e-2        # relative L2 of attngen vs its reference; bf16/fp16 land ~1e-3..5e-3
 
 
@@ -298,6 +299,19 @@ def bench_ms(fn: Callable[[], Any], warmup_ms: float = 25.0, rep_ms: float = 100
     return _event_bench(fn, warmup_ms, rep_ms, reps), "cuda-events"
 
 
+def measure_copy_bandwidth(mib: int = COPY_MIB, warmup_ms: float = 25.0, rep_ms: float = 100.0,
+                           reps: int | None = None) -> dict:
+    """Device-to-device copy of a ``mib`` MiB buffer: (bytes read + bytes written) / median time."""
+    import torch
+
+    nbytes = int(mib) << 20
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=DEVICE)   # never time on zeros
+    dst = torch.empty_like(src)
+    ms, timer = bench_ms(lambda: dst.copy_(src), warmup_ms, rep_ms, reps)
+    return {"buffer_bytes": nbytes, "bytes_moved": 2 * nbytes, "ms": ms, "gbps": gbps(2 * nbytes, ms),
+            "timer": timer}
+
+
 _flush_buf = None
 
 
@@ -387,7 +401,8 @@ def _rel_check(out, ref) -> dict:
 
 # --- reporting and the command's start ----------------------------------------------------------
 
-def _save_figure(plt, fig, axes, data: dict, family: str, path: Path, *, bottom: float, dpi: int) -> Path:
+def _save_figure(plt, fig, axes, data: dict, family: str, path: Path, *, bottom: float, dpi: int,
+                 ncol: int = 8) -> Path:
     """One legend for every panel's lines (each label once), the title with GPU and date, and the file."""
     handles, labels = [], []
     for row in axes:
@@ -396,7 +411,7 @@ def _save_figure(plt, fig, axes, data: dict, family: str, path: Path, *, bottom:
                 if lab not in labels:
                     handles.append(hnd)
                     labels.append(lab)
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), fontsize=8, frameon=False)
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), ncol), fontsize=8, frameon=False)
     env = data.get("env", {})
     fig.suptitle(f"attngen {family} vs SDPA — {env.get('gpu', '?')}, {env.get('date', '')[:10]}", fontsize=11)
     fig.tight_layout(rect=(0, bottom, 1, 0.96))

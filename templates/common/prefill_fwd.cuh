@@ -169,21 +169,38 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
   const T* gK = p.k + (VARLEN ? 0 : batch * p.k_sb) + kv_head * p.k_sh + k_row0 * p.k_ss;
   const T* gV = p.v + (VARLEN ? 0 : batch * p.v_sb) + kv_head * p.v_sh + k_row0 * p.v_ss;
 
+  // PAGED: lane j of each warp holds the j-th table entry of the tile load_kv fills next (tiles
+  // are consecutive there: paged is varlen, never a mask list), read one tile ahead so that the
+  // table load's latency is not paid before each tile's copies.
+  // Key position -> block: a shift when block_size is a power of two (the usual sizes), else a
+  // division.
+  const int bs_shift = PAGED && (p.block_size & (p.block_size - 1)) == 0 ? __popc(p.block_size - 1) : -1;
+  auto block_of = [&](int pos) { return bs_shift >= 0 ? pos >> bs_shift : pos / p.block_size; };
+  auto table_lane = [&](int tile) {
+    if constexpr (!PAGED) return 0;
+    const int first = block_of(tile * BLOCK_N);
+    const int last = block_of(min(tile * BLOCK_N + BLOCK_N, seqlen_k) - 1);
+    return first + lane <= last ? p.block_table[batch * p.bt_sb + first + lane] : 0;
+  };
+  int next_table = table_lane(tile_begin);
   auto load_kv = [&](int tile, int slot) {
     const int n0 = tile * BLOCK_N;
     if constexpr (PAGED) {
-      // The tile's keys lie in at most BLOCK_N / 16 + 1 blocks: lane j of each warp reads the j-th
-      // table entry (one coalesced load), and each row takes its block from that lane by a shuffle.
-      const int first = n0 / p.block_size;
-      const int last = (min(n0 + BLOCK_N, seqlen_k) - 1) / p.block_size;
-      const int lane_blk = first + lane <= last ? p.block_table[batch * p.bt_sb + first + lane] : 0;
+      // The tile's keys lie in at most BLOCK_N / 16 + 1 blocks. Blocks are whole multiples of 16
+      // rows and n0 is one too, so the 16 rows of group r / 16 share a block: lane g (mod the
+      // groups) works out group g's block and first row in it, and each row takes them by shuffle.
+      const int lane_blk = next_table;
+      next_table = table_lane(tile + 1);
+      const int first = block_of(n0);
+      const int gpos = n0 + 16 * (lane % (BLOCK_N / 16));
+      const int gbi = block_of(gpos);
+      const int g_blk = min(max(__shfl_sync(0xffffffffu, lane_blk, gbi - first), 0), p.num_blocks - 1);
+      const int g_row = gpos - gbi * p.block_size;
       load_pair_rows_async<LKV, BLOCK_N, THREADS>(
           sK + slot * KV_ELEMS, sV + slot * KV_ELEMS, gK, gV, seqlen_k - n0, tid, [&](int r) {
-            const int pos = n0 + r;
-            const int bi = pos / p.block_size;
-            const int blk = min(max(__shfl_sync(0xffffffffu, lane_blk, bi - first), 0), p.num_blocks - 1);
-            const long long slot_row = pos - bi * p.block_size;
-            return make_longlong2(blk * p.k_sb + slot_row * p.k_ss, blk * p.v_sb + slot_row * p.v_ss);
+            const long long blk = __shfl_sync(0xffffffffu, g_blk, r / 16);
+            const long long row = __shfl_sync(0xffffffffu, g_row, r / 16) + r % 16;
+            return make_longlong2(blk * p.k_sb + row * p.k_ss, blk * p.v_sb + row * p.v_ss);
           });
     } else {
       load_tile_async<LKV, BLOCK_N, THREADS>(sK + slot * KV_ELEMS, gK + (long long)n0 * p.k_ss, p.k_ss,

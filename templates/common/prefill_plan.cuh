@@ -6,9 +6,12 @@
 //   mask_tiles  reads the mask once: writes it as bits (one uint32 per 32 keys, padded to whole
 //               KV tiles) and, per (unit, query tile, KV tile), a state: 0 no row sees a key
 //               (custom mask and causal/window together), 1 live, 2 live and the custom mask
-//               keeps the whole tile (the kernel then reads no bits for it);
+//               keeps the whole tile (the kernel then reads no bits for it), plus 4 when the CTA
+//               that wrote it read an additive value other than 0 and -inf;
 //   mask_lists  compacts each (unit, query tile)'s states into its list of live KV tiles;
 //   order_work  sorts the (unit, query tile) items by their number of live tiles, heaviest first.
+// No buffer needs zeroing first: the odd-value flag travels through the states and a word per
+// item (mask_lists) to flags[0] (order_work), each written whole.
 // Varlen, one launch: order_work enumerates every sequence's query tiles and sorts them by the
 // number of KV tiles each sees.
 namespace attngen {
@@ -25,7 +28,8 @@ struct PlanParams {
   int* counts;               // [units, num_q_tiles]
   int2* work;                // slot -> (unit or sequence, query tile)
   int* work_count;
-  unsigned* flags;           // bit 0: an additive mask held a value other than 0 and -inf
+  unsigned* flags;           // [0]: an additive mask held a value other than 0 and -inf;
+                             // [1 + item]: the same for that (unit, query tile)
   const int* cu_q;           // VARLEN
   const int* cu_k;
   int* scratch;              // VARLEN: [batch + 1] running count of query tiles
@@ -106,11 +110,13 @@ __device__ __forceinline__ void mask_tiles_of(const PlanParams& p) {
   constexpr int STEPS = 1024 / (32 * KPL);    // loads per row of this CTA's 1024 keys
   constexpr int WPS = 32 / LPW;               // words per step
   __shared__ unsigned s_live[32], s_all[32];
+  __shared__ int s_odd;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (threadIdx.x < 32) {
     s_live[lane] = 0u;
     s_all[lane] = ~0u;
   }
+  if (threadIdx.x == 0) s_odd = 0;
   __syncthreads();
   const int unit = blockIdx.z, qt = blockIdx.y;
   const int key0 = blockIdx.x * 1024;
@@ -126,33 +132,50 @@ __device__ __forceinline__ void mask_tiles_of(const PlanParams& p) {
     all[st] = ~0u;
   }
   bool odd = false;
-  for (int r = warp; r < BLOCK_M; r += WARPS) {
-    const int i = qt * BLOCK_M + r;
-    if (i >= p.seqlen_q) break;
-    const R* row = m + i * p.m_sq;
-    const int lo = keys.lo(i), hi = keys.hi(i);
+  // RB rows at a time: their 16-byte loads are all issued before the first is used (8 per lane
+  // in flight), since the stores of bits between rows would otherwise hold the next row's loads.
+  constexpr int RB = STEPS >= 8 ? 1 : 8 / STEPS;
+  for (int r0 = warp; r0 < BLOCK_M; r0 += WARPS * RB) {
+    uint4 raw[RB][STEPS];
 #pragma unroll
-    for (int st = 0; st < STEPS; ++st) {
-      const int key = key0 + st * 32 * KPL + lane * KPL;
-      unsigned bits = 0u;
-      if (vec && key + KPL <= p.seqlen_k) {
-        union { uint4 v; R e[KPL]; } u;
-        u.v = *reinterpret_cast<const uint4*>(row + key);
+    for (int b = 0; b < RB; ++b) {
+      const int r = r0 + b * WARPS, i = qt * BLOCK_M + r;
 #pragma unroll
-        for (int e = 0; e < KPL; ++e) bits |= unsigned(B::keep(u.e[e], odd)) << e;
-      } else {
-#pragma unroll
-        for (int e = 0; e < KPL; ++e)
-          if (key + e < p.seqlen_k) bits |= unsigned(B::keep(row[key + e], odd)) << e;
+      for (int st = 0; st < STEPS; ++st) {
+        const int key = key0 + st * 32 * KPL + lane * KPL;
+        if (vec && r < BLOCK_M && i < p.seqlen_q && key + KPL <= p.seqlen_k)
+          raw[b][st] = __ldg(reinterpret_cast<const uint4*>(m + i * p.m_sq + key));
       }
-      bits <<= (lane % LPW) * KPL;
+    }
 #pragma unroll
-      for (int o = 1; o < LPW; o *= 2) bits |= __shfl_xor_sync(0xffffffffu, bits, o);
-      const int word = blockIdx.x * 32 + st * WPS + lane / LPW;
-      if (owner) {
-        if (word < p.bits_words) p.bits[unit * p.bits_su + (long long)i * p.bits_words + word] = bits;
-        live[st] |= bits & bit_range(lo - word * 32, hi - word * 32);
-        all[st] &= bits | ~bit_range(0, p.seqlen_k - word * 32);
+    for (int b = 0; b < RB; ++b) {
+      const int r = r0 + b * WARPS, i = qt * BLOCK_M + r;
+      if (r >= BLOCK_M || i >= p.seqlen_q) break;
+      const R* row = m + i * p.m_sq;
+      const int lo = keys.lo(i), hi = keys.hi(i);
+#pragma unroll
+      for (int st = 0; st < STEPS; ++st) {
+        const int key = key0 + st * 32 * KPL + lane * KPL;
+        unsigned bits = 0u;
+        if (vec && key + KPL <= p.seqlen_k) {
+          union { uint4 v; R e[KPL]; } u;
+          u.v = raw[b][st];
+#pragma unroll
+          for (int e = 0; e < KPL; ++e) bits |= unsigned(B::keep(u.e[e], odd)) << e;
+        } else {
+#pragma unroll
+          for (int e = 0; e < KPL; ++e)
+            if (key + e < p.seqlen_k) bits |= unsigned(B::keep(row[key + e], odd)) << e;
+        }
+        bits <<= (lane % LPW) * KPL;
+#pragma unroll
+        for (int o = 1; o < LPW; o *= 2) bits |= __shfl_xor_sync(0xffffffffu, bits, o);
+        const int word = blockIdx.x * 32 + st * WPS + lane / LPW;
+        if (owner) {
+          if (word < p.bits_words) p.bits[unit * p.bits_su + (long long)i * p.bits_words + word] = bits;
+          live[st] |= bits & bit_range(lo - word * 32, hi - word * 32);
+          all[st] &= bits | ~bit_range(0, p.seqlen_k - word * 32);
+        }
       }
     }
   }
@@ -163,7 +186,7 @@ __device__ __forceinline__ void mask_tiles_of(const PlanParams& p) {
       atomicAnd(&s_all[st * WPS + lane / LPW], all[st]);
     }
   }
-  if (odd) atomicOr(p.flags, 1u);
+  if (odd) s_odd = 4;
   __syncthreads();
   constexpr int WPT = BLOCK_N / 32, TILES = 1024 / BLOCK_N;
   if (threadIdx.x < TILES) {
@@ -175,7 +198,7 @@ __device__ __forceinline__ void mask_tiles_of(const PlanParams& p) {
         l |= s_live[threadIdx.x * WPT + q];
         a &= s_all[threadIdx.x * WPT + q];
       }
-      p.states[((long long)unit * p.num_q_tiles + qt) * p.num_kv_tiles + kt] = l ? (a == ~0u ? 2 : 1) : 0;
+      p.states[((long long)unit * p.num_q_tiles + qt) * p.num_kv_tiles + kt] = (l ? (a == ~0u ? 2 : 1) : 0) | s_odd;
     }
   }
 }
@@ -191,7 +214,7 @@ __device__ __forceinline__ void mask_tiles(const PlanParams& p) {
 }
 
 // grid (num_q_tiles, units), PLAN_THREADS threads: the live KV tiles of one (unit, query tile) in
-// order, bit 31 set on those the mask keeps whole, and their count.
+// order, bit 31 set on those the mask keeps whole, their count, and whether any was odd.
 __device__ __forceinline__ void mask_lists(const PlanParams& p) {
   constexpr int WARPS = PLAN_THREADS / 32;
   __shared__ int s_warp[WARPS];
@@ -199,10 +222,12 @@ __device__ __forceinline__ void mask_lists(const PlanParams& p) {
   const long long at = (long long)blockIdx.y * p.num_q_tiles + blockIdx.x;
   const unsigned char* st = p.states + at * p.num_kv_tiles;
   int* out = p.tiles + at * p.num_kv_tiles;
-  int total = 0;
+  int total = 0, odd = 0;
   for (int c0 = 0; c0 < p.num_kv_tiles; c0 += PLAN_THREADS) {
     const int kt = c0 + threadIdx.x;
-    const int s = kt < p.num_kv_tiles ? st[kt] : 0;
+    const int raw = kt < p.num_kv_tiles ? st[kt] : 0;
+    const int s = raw & 3;
+    odd |= raw & 4;
     const unsigned b = __ballot_sync(0xffffffffu, s != 0);
     if (lane == 0) s_warp[warp] = __popc(b);
     __syncthreads();
@@ -216,7 +241,11 @@ __device__ __forceinline__ void mask_lists(const PlanParams& p) {
     total += chunk;
     __syncthreads();
   }
-  if (threadIdx.x == 0) p.counts[at] = total;
+  odd = __syncthreads_or(odd);
+  if (threadIdx.x == 0) {
+    p.counts[at] = total;
+    p.flags[1 + at] = odd ? 1u : 0u;
+  }
 }
 
 // Exclusive prefix sum over the block (ORDER_THREADS threads); *total gets the sum.
@@ -314,12 +343,17 @@ __device__ __forceinline__ void order_work(const PlanParams& p) {
   };
   for (int b = threadIdx.x; b < ORDER_BUCKETS; b += ORDER_THREADS) s_hist[b] = 0;
   __syncthreads();
+  unsigned odd = 0u;
   for (int i = threadIdx.x; i < n; i += ORDER_THREADS) {
     int work;
     item(i, work);
     atomicAdd(&s_hist[min(work, ORDER_BUCKETS - 1)], 1);
+    if constexpr (!VARLEN) odd |= p.flags[1 + i];
   }
-  __syncthreads();
+  odd = __syncthreads_or(odd);
+  if constexpr (!VARLEN) {
+    if (threadIdx.x == 0) p.flags[0] = odd ? 1u : 0u;
+  }
   // Heaviest bucket first: thread t owns buckets B-1-t*K .. B-K-t*K (K = B / threads).
   constexpr int K = ORDER_BUCKETS / ORDER_THREADS;
   int own[K], sum = 0;

@@ -28,8 +28,9 @@ from .bench_report import (BYTES_NOTE, DECODE_SDPA_CONTIG_NOTE, DECODE_SDPA_NOTE
                            ROTATE_BYTES, TARGET_B1_CUDNN, TARGET_COPY_FRAC, TARGET_FLASH, DecodeShape, _copy_line,
                            _finish_decode, decode_summary, decode_text_header,
                            decode_text_rows, rotate_note)
-from attngen.bench.core import (CHECK_TOL, _backend_list, _dtype_list, _int_list, _no_tf32, _nonneg_int, _rel_check,
-                                _replay_or_gpu_check, _say, _sdpa_backend, _short_error, env_lines, gbps, write_json)
+from attngen.bench.core import (CHECK_TOL, COPY_MIB, _backend_list, _dtype_list, _int_list, _no_tf32, _nonneg_int,
+                                _rel_check, _replay_or_gpu_check, _say, _sdpa_backend, _short_error, env_lines, gbps,
+                                write_json)
 
 DECODE_HEADS = ((32, 8), (32, 4), (64, 8))      # (query heads, KV heads)
 DECODE_BATCHES = (1, 16, 64, 128)
@@ -41,7 +42,6 @@ DECODE_EXTRA = ((4, 16384, 4, 16, 1),)
 DECODE_QUICK = dict(heads=((32, 8),), batches=(1, 64), kv_lens=(4096, 32768))
 DECODE_BACKENDS = ("flash", "cudnn")
 DECODE_VARIANTS = ("auto", "fused", "unfused", "both")
-COPY_MIB = 1024                  # the copy-bandwidth buffer: 1 GiB read + 1 GiB written
 MEM_MARGIN = 3 << 29             # 1.5 GiB kept free beside a shape's own tensors
 REF_CHUNK_BYTES = 1 << 30        # fp32 K+V per chunk of the spot-check reference
 
@@ -276,19 +276,6 @@ def paged_copy(k, v, block_size: int, seed: int = 0):
     return pages[0], pages[1], table
 
 
-def measure_copy_bandwidth(mib: int = COPY_MIB, warmup_ms: float = 25.0, rep_ms: float = 100.0,
-                           reps: int | None = None) -> dict:
-    """Device-to-device copy of a ``mib`` MiB buffer: (bytes read + bytes written) / median time."""
-    import torch
-
-    nbytes = int(mib) << 20
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=core.DEVICE)   # never time on zeros
-    dst = torch.empty_like(src)
-    ms, timer = core.bench_ms(lambda: dst.copy_(src), warmup_ms, rep_ms, reps)
-    return {"buffer_bytes": nbytes, "bytes_moved": 2 * nbytes, "ms": ms, "gbps": gbps(2 * nbytes, ms),
-            "timer": timer}
-
-
 def run_decode_shape(shape: DecodeShape, backends: tuple[str, ...], *, impls: list[tuple[str, str, bool]],
                      num_splits: int = 0, block_size: int = 64, check: bool = True, warmup_ms: float = 25.0,
                      rep_ms: float = 100.0, reps: int | None = None, seed: int = 0, sdpa_layout: str = "view",
@@ -487,7 +474,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
     for ln in env_lines(env):
         _say(ln)
     try:
-        data["copy"] = measure_copy_bandwidth(args.copy_mib, args.warmup_ms, args.rep_ms, args.reps)
+        data["copy"] = core.measure_copy_bandwidth(args.copy_mib, args.warmup_ms, args.rep_ms, args.reps)
     except Exception as e:
         data["copy"] = {"error": _short_error(e)}
         _say(f"copy bandwidth: failed: {_short_error(e)}")
@@ -554,7 +541,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
         save()
     if copy_gbps:
         try:
-            end = measure_copy_bandwidth(args.copy_mib, args.warmup_ms, args.rep_ms, args.reps)
+            end = core.measure_copy_bandwidth(args.copy_mib, args.warmup_ms, args.rep_ms, args.reps)
             data["copy"]["end_gbps"] = end["gbps"]
         except Exception:
             pass

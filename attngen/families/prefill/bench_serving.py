@@ -14,7 +14,8 @@ import argparse
 import random
 from pathlib import Path
 
-from ...bench.core import _int_list, _replay_or_gpu_check, _say, bench_ms, env_lines, environment, write_json
+from ...bench.core import (_graphed, _int_list, _replay_or_gpu_check, _say, bench_ms, env_lines, environment,
+                           measure_copy_bandwidth, write_json)
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -71,6 +72,20 @@ def _time(fn, args):
     return bench_ms(fn, rep_ms=args.rep_ms)[0]
 
 
+def _plan_row(attngen, q, k, v, mask, args, copy_gbps: float, **row) -> dict:
+    """One point: the plan timed as a caller makes it (host and GPU) and replayed in a CUDA graph
+    (GPU alone), its floor (the mask read once and its bits written once at copy bandwidth), the
+    masked call with the plan and the target bound 1.1 x dense x live + plan."""
+    plan = attngen.mask_plan(mask, q, k)
+    floor_bytes = mask.numel() * mask.element_size() + mask.numel() // 8
+    row.update(live=plan.live_fraction(), plan_ms=_time(lambda: attngen.mask_plan(mask, q, k), args),
+               plan_graph_ms=_time(_graphed(lambda: attngen.mask_plan(mask, q, k)), args),
+               plan_floor_ms=floor_bytes / copy_gbps / 1e6,
+               masked_ms=_time(lambda: attngen.prefill(q, k, v, mask=mask, mask_plan=plan), args))
+    row["bound_ms"] = 1.1 * row["dense_ms"] * row["live"] + row["plan_graph_ms"]
+    return row
+
+
 def cmd_mask(args: argparse.Namespace) -> int:
     rc = _replay_or_gpu_check("mask", args, _finish_mask)
     if rc is not None:
@@ -86,14 +101,13 @@ def cmd_mask(args: argparse.Namespace) -> int:
     q = torch.randn(1, sq, HEADS, HEAD_DIM, device="cuda", dtype=dt)
     k = torch.randn(1, sk, KV_HEADS, HEAD_DIM, device="cuda", dtype=dt)
     v = torch.randn_like(k)
+    copy = measure_copy_bandwidth(rep_ms=args.rep_ms)
+    _say(f"device-to-device copy: {copy['gbps']:.0f} GB/s")
     dense = _time(lambda: attngen.prefill(q, k, v), args)
     for n in args.parallel:
         mask = llama_mask(torch, sq, sk, n)
-        plan = attngen.mask_plan(mask, q, k)
-        row = dict(sweep="parallel", n=n, seqlen_q=sq, seqlen_k=sk, live=plan.live_fraction(),
-                   plan_ms=_time(lambda: attngen.mask_plan(mask, q, k), args),
-                   masked_ms=_time(lambda: attngen.prefill(q, k, v, mask=mask, mask_plan=plan), args),
-                   dense_ms=dense)
+        row = _plan_row(attngen, q, k, v, mask, args, copy["gbps"], sweep="parallel", n=n, seqlen_q=sq,
+                        seqlen_k=sk, dense_ms=dense)
         for b in args.backends.split(","):
             try:
                 row[f"sdpa_{b}_ms"] = _time(_sdpa(torch, q, k, v, mask, b), args)
@@ -112,14 +126,11 @@ def cmd_mask(args: argparse.Namespace) -> int:
             nb = -(-s // 64)
             live = torch.tensor([[rng.random() < dens for _ in range(nb)] for _ in range(nb)], device="cuda")
             mask = live.repeat_interleave(64, 0).repeat_interleave(64, 1)[:s, :s].contiguous()
-            plan = attngen.mask_plan(mask, q, k)
-            row = dict(sweep="density", density=dens, seqlen_q=s, seqlen_k=s, live=plan.live_fraction(),
-                       plan_ms=_time(lambda: attngen.mask_plan(mask, q, k), args),
-                       masked_ms=_time(lambda: attngen.prefill(q, k, v, mask=mask, mask_plan=plan), args),
-                       dense_ms=dense)
+            row = _plan_row(attngen, q, k, v, mask, args, copy["gbps"], sweep="density", density=dens,
+                            seqlen_q=s, seqlen_k=s, dense_ms=dense)
             rows.append(row)
             _say(_line(row))
-    data = dict(env=environment(), rows=rows)
+    data = dict(env=environment(), copy=copy, rows=rows)
     args.result = data
     _finish_mask(data, args)
     return 0
@@ -129,29 +140,77 @@ def _line(r: dict) -> str:
     what = f"N={r['n']}" if r["sweep"] == "parallel" else f"s={r['seqlen_q']} density={r['density']}"
     bound = r["dense_ms"] * r["live"]
     sd = "".join(f" {k[5:-3]}={r[k]:.3f}" for k in r if k.startswith("sdpa_") and k.endswith("_ms") and r[k])
-    return (f"{what:>22}  live={r['live']:.3f}  plan={r['plan_ms']:.3f}  masked={r['masked_ms']:.3f}  "
-            f"dense={r['dense_ms']:.3f}  masked/(dense*live)={r['masked_ms'] / bound if bound else 0:.2f}{sd}")
+    return (f"{what:>22}  live={r['live']:.3f}  plan={r['plan_ms']:.3f} (GPU {_f(r.get('plan_graph_ms'))})  "
+            f"masked={r['masked_ms']:.3f}  dense={r['dense_ms']:.3f}  "
+            f"masked/(dense*live)={r['masked_ms'] / bound if bound else 0:.2f}{sd}")
+
+
+def _f(x, spec: str = ".3f") -> str:
+    return "—" if x is None else format(x, spec)
 
 
 def _finish_mask(data: dict, args, print_table: bool = False) -> None:
     if print_table:
         for r in data["rows"]:
             print(_line(r))
-    lines = [*env_lines(data["env"]), "",
-             "| sweep | point | live tiles | plan ms | masked ms | dense ms | masked ÷ (dense × live) | "
-             "plan ÷ masked | SDPA cuDNN ms | SDPA efficient ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    copy = data.get("copy")
+    lines = [*env_lines(data["env"]),
+             f"device-to-device copy: {copy['gbps']:.0f} GB/s (the plan's floor: the mask read and its bits "
+             f"written once at that rate)" if copy else "", "",
+             "| sweep | point | live tiles | plan ms (GPU ms, floor ms) | masked ms | dense ms | "
+             "bound ms: 1.1 × dense × live + plan GPU | met | masked ÷ (dense × live) | plan GPU ÷ masked | "
+             "SDPA cuDNN ms | SDPA efficient ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         pt = f"N={r['n']}" if r["sweep"] == "parallel" else f"{r['seqlen_q']}, {r['density']}"
         bound = r["dense_ms"] * r["live"]
-        c, e = r.get("sdpa_cudnn_ms"), r.get("sdpa_efficient_ms")
-        lines.append(f"| {r['sweep']} | {pt} | {r['live']:.3f} | {r['plan_ms']:.3f} | {r['masked_ms']:.3f} | "
-                     f"{r['dense_ms']:.3f} | {r['masked_ms'] / bound if bound else 0:.2f} | "
-                     f"{r['plan_ms'] / r['masked_ms']:.3f} | {c if c is None else f'{c:.3f}'} | "
-                     f"{e if e is None else f'{e:.3f}'} |")
+        gpu = r.get("plan_graph_ms")
+        target = r.get("bound_ms")
+        met = "" if target is None else ("yes" if r["masked_ms"] <= target else "no")
+        lines.append(f"| {r['sweep']} | {pt} | {r['live']:.3f} | {r['plan_ms']:.3f} ({_f(gpu)}, "
+                     f"{_f(r.get('plan_floor_ms'))}) | {r['masked_ms']:.3f} | {r['dense_ms']:.3f} | {_f(target)} | "
+                     f"{met} | {r['masked_ms'] / bound if bound else 0:.2f} | "
+                     f"{_f(gpu / r['masked_ms'] if gpu is not None else None, '.2f')} | "
+                     f"{_f(r.get('sdpa_cudnn_ms'))} | {_f(r.get('sdpa_efficient_ms'))} |")
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         write_json(args.out / "bench_mask.json", data)
+        plot_mask(data, args.out / "bench_mask.png")
+
+
+def plot_mask(data: dict, path: Path) -> Path | None:
+    """Sweep 1: times against N; sweep 2: masked ÷ dense against the live fraction, per seqlen."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        _say(f"plot skipped: matplotlib is not available ({e})")
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.4), squeeze=False)
+    par = [r for r in data["rows"] if r["sweep"] == "parallel"]
+    ax = axes[0][0]
+    ns = [r["n"] for r in par]
+    for key, label in (("masked_ms", "attngen, live-tile plan"), ("dense_ms", "attngen, no mask"),
+                       ("plan_graph_ms", "plan (GPU)"), ("sdpa_cudnn_ms", "SDPA cuDNN, mask"),
+                       ("sdpa_efficient_ms", "SDPA efficient, mask")):
+        pts = [(n, r.get(key)) for n, r in zip(ns, par) if r.get(key)]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", ms=3, label=label)
+    ax.set(xscale="log", yscale="log", xlabel="parallel sequences N (1024 queries, 65536 cells)", ylabel="ms")
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax = axes[0][1]
+    for c, s in enumerate(sorted({r["seqlen_q"] for r in data["rows"] if r["sweep"] == "density"})):
+        pts = sorted((r["live"], r["masked_ms"] / r["dense_ms"]) for r in data["rows"]
+                     if r["sweep"] == "density" and r["seqlen_q"] == s)
+        ax.plot(*zip(*pts), marker="s", ms=3, c=f"C{5 + c}", label=f"masked ÷ dense, seqlen {s}")
+    ax.plot([0, 1], [0, 1], ls="--", c="gray", label="time ∝ live tiles")
+    ax.plot([0, 1], [0, 1.1], ls=":", c="gray", label="1.1 × live")
+    ax.set(xlabel="live-tile fraction", ylabel="masked ÷ dense time", xlim=(0, 1), ylim=(0, 1.2))
+    from ...bench.core import _save_figure
+
+    return _save_figure(plt, fig, axes, data, "prefill, custom masks", path, bottom=0.2, dpi=120, ncol=4)
 
 
 def long_tail(total: int, longest: int, rng: random.Random) -> list[int]:

@@ -24,17 +24,6 @@ def ptr_of(x, kind: str) -> int:
     return x.data_ptr() if kind == "torch" else x.data.ptr
 
 
-def zeros_int32(kind: str, device: int, n: int):
-    if kind == "torch":
-        import torch
-
-        return torch.zeros(n, dtype=torch.int32, device=torch.device("cuda", device))
-    import cupy as cp
-
-    with cp.cuda.Device(device):
-        return cp.zeros(n, dtype=cp.int32)
-
-
 def _version(x) -> int:
     """torch's in-place modification counter (CuPy arrays have none: -1)."""
     return getattr(x, "_version", -1)
@@ -46,7 +35,7 @@ class MaskPlan:
 
     __slots__ = ("kind", "device", "tiles", "seqlen_q", "seqlen_k", "units_b", "units_h", "mask_mode",
                  "mask_ptr", "mask_shape", "mask_strides", "version", "num_q_tiles", "num_kv_tiles",
-                 "bits_words", "_bits", "_states", "_tiles", "_counts", "_work", "_flags")
+                 "bits_words", "_buf", "_at")
 
     def __repr__(self) -> str:
         return (f"MaskPlan(tiles={self.tiles[0]}x{self.tiles[1]}, seqlen_q={self.seqlen_q}, "
@@ -57,26 +46,32 @@ class MaskPlan:
         hpi = heads if self.units_h == 1 else 1
         bpi = batch if self.units_b == 1 else 1
         units = self.units_b * self.units_h
-        k = self.kind
+        at = self._at
         return ((units * self.num_q_tiles, hpi, bpi),
-                (0, 0, 0, ptr_of(self._work, k), 0, ptr_of(self._bits, k), ptr_of(self._tiles, k),
-                 ptr_of(self._counts, k), 0, self.seqlen_q * self.bits_words,
+                (0, 0, 0, at["work"], 0, at["bits"], at["tiles"], at["counts"], 0, self.seqlen_q * self.bits_words,
                  0, 0, 0, 0, self.bits_words, self.num_kv_tiles, self.num_q_tiles, self.units_h, self.units_b))
 
     def live_counts(self):
         """Live KV tiles per (mask batch * heads, query tile), an int32 array ``[units, q tiles]``
         of the caller's kind (reading it waits for the plan)."""
-        return self._counts.reshape(self.units_b * self.units_h, self.num_q_tiles)
+        n = self.units_b * self.units_h * self.num_q_tiles
+        return self._part("counts", n).reshape(self.units_b * self.units_h, self.num_q_tiles)
 
     def live_fraction(self) -> float:
         """The fraction of (query tile, KV tile) pairs the kernel visits (syncs)."""
         total = self.units_b * self.units_h * self.num_q_tiles * self.num_kv_tiles
-        return float(self._counts.sum()) / total if total else 0.0
+        return float(self.live_counts().sum()) / total if total else 0.0
+
+    def _part(self, name: str, n: int):
+        """``n`` int32 of the plan's buffer from where ``name`` starts."""
+        base = self._buf.data_ptr() if self.kind == "torch" else self._buf.data.ptr
+        i = (self._at[name] - base) // 4
+        return self._buf[i:i + n]
 
     def check(self) -> None:
         """Raise ``LaunchError`` if the mask was additive with a value other than 0 and -inf (such
         values count as 0 there). Syncs, so it is left to the caller."""
-        if int(self._flags[0]):
+        if self.num_q_tiles and self.num_kv_tiles and int(self._part("flags", 1)[0]):
             raise LaunchError("mask held values other than 0 and -inf; an additive mask is 0 (keep) or -inf "
                               "(mask), its other values are read as 0")
 
@@ -120,17 +115,20 @@ def build(kern, mask, qi, ki, mcode: int, left: int, right: int, stream: int) ->
     mp.mask_ptr, mp.mask_shape, mp.mask_strides, mp.version = mi.ptr, tuple(mi.shape), mi.strides, _version(mask)
     mp.num_q_tiles, mp.num_kv_tiles = nqt, nkt
     mp.bits_words = nkt * tk // 32
-    i32 = allocator(qi.kind, "int32", qi.device)
-    cells = units * nqt * nkt
-    mp._bits = i32(max(units * sq * mp.bits_words, 1))
-    mp._states = i32(max(-(-cells // 4), 1))
-    mp._tiles = i32(max(cells, 1))
-    mp._counts = i32(max(units * nqt, 1))
-    mp._work = i32(2 * max(units * nqt, 1))
-    mp._flags = zeros_int32(qi.kind, qi.device, 1)
-    k = qi.kind
-    params = (mi.ptr, ptr_of(mp._bits, k), ptr_of(mp._states, k), ptr_of(mp._tiles, k), ptr_of(mp._counts, k),
-              ptr_of(mp._work, k), 0, ptr_of(mp._flags, k), 0, 0, 0,
+    # One buffer for all of it (one allocation; nothing needs zeroing: every word the kernels
+    # read is written first), each part 16-byte aligned (work is read as int2). flags: [0] any
+    # odd additive value, then one word per item.
+    cells, items = units * nqt * nkt, units * nqt
+    sizes = (("bits", units * sq * mp.bits_words), ("states", -(-cells // 4)), ("tiles", cells),
+             ("counts", items), ("work", 2 * items), ("flags", 1 + items))
+    sizes = tuple((name, -(-n // 4) * 4) for name, n in sizes)
+    mp._buf = allocator(qi.kind, "int32", qi.device)(sum(n for _, n in sizes))
+    at = mp._at = {}
+    ptr = ptr_of(mp._buf, qi.kind)
+    for name, n in sizes:
+        at[name] = ptr
+        ptr += 4 * n
+    params = (mi.ptr, at["bits"], at["states"], at["tiles"], at["counts"], at["work"], 0, at["flags"], 0, 0, 0,
               m_sb, m_sh, m_sq, sq * mp.bits_words,
               _MASK_KINDS[mi.dtype], sq, sk, ub, uh, nqt, nkt, mp.bits_words, left, right, 0, 0, 0, 0)
     if nqt:
