@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import hashlib
 import json
 import math
 import os
@@ -176,6 +177,18 @@ def _version(mod: str) -> str | None:
         return None
 
 
+def source_digest() -> str:
+    """12 hex digits of SHA-256 over the package's Python and templates: names the code that ran
+    even where the checkout's git metadata is missing or stale (a copied tree)."""
+    h = hashlib.sha256()
+    pkg = Path(__file__).resolve().parents[1]
+    roots = [pkg, pkg.parent / "templates" if (pkg.parent / "templates").is_dir() else pkg / "templates"]
+    for root in roots:
+        for f in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cuh", ".jinja", ".toml")):
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def environment(gpu: bool | None = None) -> dict:
     """Where the numbers came from: GPU, driver, library versions, date."""
     from .. import __version__
@@ -201,9 +214,12 @@ def environment(gpu: bool | None = None) -> dict:
         r = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                            text=True, timeout=5)
         if r.returncode == 0:
-            env["attngen_commit"] = r.stdout.strip()
+            dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "attngen", "templates"],
+                                   capture_output=True, text=True, timeout=5).stdout.strip()
+            env["attngen_commit"] = r.stdout.strip() + ("+changes" if dirty else "")
     except Exception:
         pass
+    env["attngen_source"] = source_digest()
     if gpu is None:
         gpu = have_gpu()
     env["gpu_present"] = bool(gpu)
@@ -269,7 +285,8 @@ def env_lines(env: dict) -> list[str]:
         + (f", attngen arch {env['attngen_arch']}" if env.get("attngen_arch") else ""),
         "versions: " + ", ".join(f"{k} {env[k]}" for k in ("attngen", "torch", "torch_cuda", "cudnn", "cupy",
                                                               "triton", "nvrtc", "python") if env.get(k) is not None)
-        + (f", attngen commit {env['attngen_commit']}" if env.get("attngen_commit") else ""),
+        + (f", attngen commit {env['attngen_commit']}" if env.get("attngen_commit") else "")
+        + (f", source {env['attngen_source']}" if env.get("attngen_source") else ""),
         f"date: {env.get('date', '?')}",
     ]
     return lines
