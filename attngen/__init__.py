@@ -10,7 +10,7 @@ from .cache import DiskCache, build, cache_root
 from .compiler import Binary, compile
 from .errors import AttngenError, CacheError, CompileError, LaunchError, ManifestError, SpecError
 from .family import Family, get_family, register
-from .flash_api import flash_attn_func, flash_attn_with_kvcache
+from .flash_api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .family import families as _families
 from .render import render
 from .runtime import Kernel, get_kernel
@@ -20,7 +20,7 @@ __all__ = [
     "__version__", "ARCHS", "get_arch", "DiskCache", "build", "cache_root", "Binary", "compile",
     "AttngenError", "CacheError", "CompileError", "LaunchError", "ManifestError", "SpecError",
     "render", "Kernel", "get_kernel", "DType", "parse_spec", "resolve", "validate",
-    "Family", "get_family", "register", "flash_attn_func", "flash_attn_with_kvcache",
+    "Family", "get_family", "register", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
 ]
 
 for _family in _families():

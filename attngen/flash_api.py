@@ -1,6 +1,7 @@
 """FlashAttention 2's entry points over attngen's ops, so that a user swaps one import.
 
-``flash_attn_func`` and ``flash_attn_with_kvcache`` take FlashAttention 2's arguments and return
+``flash_attn_func``, ``flash_attn_varlen_func`` and ``flash_attn_with_kvcache`` take FlashAttention 2's
+arguments and return
 what it returns: ``softmax_scale``, ``window_size=(left, right)``, ``softcap``, ``alibi_slopes``,
 ``return_softmax_lse``, the LSE as fp32 ``[batch, heads, seqlen_q]`` (natural log). What attngen
 cannot do is refused with a ``LaunchError`` that says so (dropout, attention probabilities,
@@ -12,6 +13,7 @@ from __future__ import annotations
 from .errors import LaunchError
 from .families.decode.op import decode
 from .families.prefill.op import prefill
+from .families.prefill.varlen import prefill_varlen
 
 
 def _window(window_size) -> tuple[int, int]:
@@ -23,6 +25,15 @@ def _window(window_size) -> tuple[int, int]:
     return left, right
 
 
+def _refuse(dropout_p, return_attn_probs, native: str) -> None:
+    if dropout_p:
+        raise LaunchError(f"dropout_p={dropout_p!r} is not supported; allowed: 0.0 (attngen's kernels are "
+                          f"inference forward passes)")
+    if return_attn_probs:
+        raise LaunchError(f"return_attn_probs=True is not supported: attngen never materialises the attention "
+                          f"probabilities; for the LSE call attngen.{native}(..., return_lse=True)")
+
+
 def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
                     window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
                     return_attn_probs: bool = False):
@@ -31,15 +42,27 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: float | None
     ``window_size=(left, right)``, -1 unbounded. ``deterministic`` is accepted (the forward pass
     always is). ``dropout_p`` > 0 and ``return_attn_probs`` are refused: attngen runs no dropout
     and never materialises the probabilities."""
-    if dropout_p:
-        raise LaunchError(f"dropout_p={dropout_p!r} is not supported; allowed: 0.0 (attngen's kernels are "
-                          f"inference forward passes)")
-    if return_attn_probs:
-        raise LaunchError("return_attn_probs=True is not supported: attngen never materialises the attention "
-                          "probabilities; for the LSE call attngen.prefill(..., return_lse=True)")
+    _refuse(dropout_p, return_attn_probs, "prefill")
     left, right = _window(window_size)
     return prefill(q, k, v, causal=bool(causal), window=(left, right), sm_scale=softmax_scale, softcap=softcap,
                    alibi_slopes=alibi_slopes)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                           dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+                           window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
+                           return_attn_probs: bool = False, block_table=None):
+    """FlashAttention 2's ``flash_attn_varlen_func`` on ``attngen.prefill_varlen``: q
+    ``[total_q, heads, head_dim]``, k and v ``[total_k, kv_heads, head_dim]`` (or, with
+    ``block_table`` int32 ``[batch, max_blocks]``, a paged cache ``[num_blocks, block_size,
+    kv_heads, head_dim]``), int32 ``cu_seqlens_q``/``cu_seqlens_k`` ``[batch + 1]``; returns out
+    like q. ``causal`` aligns bottom-right per sequence; ``window_size=(left, right)``, -1
+    unbounded. ``dropout_p`` > 0 and ``return_attn_probs`` are refused, as in ``flash_attn_func``."""
+    _refuse(dropout_p, return_attn_probs, "prefill_varlen")
+    left, right = _window(window_size)
+    return prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=bool(causal),
+                          window=(left, right), sm_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes,
+                          block_table=block_table)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,

@@ -68,6 +68,43 @@ def test_flash_attn_func_is_prefill(cache_dir):
     assert rel(out, ref) < TOL
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_flash_attn_varlen_func_is_prefill_varlen(paged, cache_dir):
+    gen = torch.Generator(device="cuda")
+    gen.seed()
+    lens_q, lens_k = [5, 300, 0, 77], [40, 300, 9, 500]
+    cu_q = torch.tensor([0, 5, 305, 305, 382], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 40, 340, 349, 849], dtype=torch.int32, device="cuda")
+    q, k, v = rnd(382, 8, 128, gen=gen), rnd(849, 2, 128, gen=gen), rnd(849, 2, 128, gen=gen)
+    al = slopes(4, 8, True, gen)
+    kc, vc, table = k, v, None
+    if paged:  # each sequence's keys in its own 64-row blocks, in a shuffled pool
+        bs, per = 64, 8
+        kc = torch.full((4 * per + 3, bs, 2, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+        vc = kc.clone()
+        table = torch.randperm(4 * per + 3, device="cuda", generator=gen)[: 4 * per].to(torch.int32).reshape(4, per)
+        for s, (k0, n) in enumerate(zip((0, 40, 340, 349), lens_k)):
+            for j in range(-(-n // bs)):
+                rows = min(bs, n - j * bs)
+                kc[table[s, j], :rows] = k[k0 + j * bs: k0 + j * bs + rows]
+                vc[table[s, j], :rows] = v[k0 + j * bs: k0 + j * bs + rows]
+    args = (q, kc, vc, cu_q, cu_k, max(lens_q), max(lens_k))
+    out = attngen.flash_attn_varlen_func(*args, softmax_scale=0.1, causal=True, window_size=(128, 0), softcap=20.0,
+                                         alibi_slopes=al, deterministic=True, block_table=table)
+    native = attngen.prefill_varlen(*args, sm_scale=0.1, causal=True, window=(128, 0), softcap=20.0,
+                                    alibi_slopes=al, block_table=table)
+    assert torch.equal(out, native) and torch.isfinite(out).all()
+    for s, (q0, k0, nq, nk) in enumerate(zip((0, 5, 305, 305), (0, 40, 340, 349), lens_q, lens_k)):
+        if nq:
+            ref, _ = reference_attention(q[None, q0:q0 + nq], k[None, k0:k0 + nk], v[None, k0:k0 + nk], sm_scale=0.1,
+                                         causal=True, window=(128, 0), softcap=20.0, alibi_slopes=al[s:s + 1])
+            assert rel(out[None, q0:q0 + nq], ref) < TOL
+    with pytest.raises(attngen.LaunchError, match="dropout_p"):
+        attngen.flash_attn_varlen_func(*args, dropout_p=0.1)
+    with pytest.raises(attngen.LaunchError, match="return_attn_probs"):
+        attngen.flash_attn_varlen_func(*args, return_attn_probs=True)
+
+
 def _cache(b, cap, hk, d, paged, bs, gen, dtype=torch.bfloat16):
     """A cache of capacity ``cap`` per row, NaN everywhere, and its table when paged."""
     if paged:
