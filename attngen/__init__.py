@@ -27,3 +27,9 @@ for _family in _families():
     globals().update(_family.exports)
     __all__ += [n for n in _family.exports if n not in __all__]
 del _family, _families
+
+if "torch" in __import__("sys").modules:  # torch.compile support; without torch: import attngen.torch_ops
+    try:
+        from . import torch_ops as _torch_ops  # noqa: F401
+    except Exception as _e:  # a torch without torch.library.custom_op (< 2.4): eager calls still work
+        __import__("logging").getLogger("attngen").warning("attngen's torch custom ops not registered: %s", _e)

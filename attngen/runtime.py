@@ -200,6 +200,11 @@ def clear_loaded() -> None:
             d.clear()
 
 
+# While torch.compile traces, a callable that returns True (attngen.torch_ops sets it to
+# torch.compiler.is_compiling when it registers the custom ops): each op then hands its call to its
+# custom op. None until then, so an eager call pays one attribute read.
+tracing: Callable[[], bool] | None = None
+
 # --- tensors -------------------------------------------------------------------------------------
 
 class TensorInfo(NamedTuple):

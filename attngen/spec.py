@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import functools
 import hashlib
 import json
 from dataclasses import fields
@@ -196,6 +197,15 @@ class SpecBase:
 
 
 Spec = SpecBase  # any family's spec
+
+
+@functools.lru_cache(maxsize=256)
+def spec_of_text(text: str, family: str) -> Spec:
+    """The spec an op's ``spec=`` text names (parsed once per text), checked to be of ``family``."""
+    spec = parse_spec(text)
+    if spec.family != family:
+        raise SpecError("family", spec.family, family, reason=f"spec={text!r} is given to attngen.{family}")
+    return spec
 
 
 def parse_spec(text: "str | Spec | dict") -> Spec:

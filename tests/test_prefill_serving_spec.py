@@ -51,8 +51,8 @@ def test_custom_masks_take_64_row_tiles_and_skip_measured_spills(arch, d):
     spec = PrefillSpec(head_dim=d, custom_mask=True)
     r = resolve(spec, arch)
     assert r.cta_tile_q == 64, r  # finer query tiles skip more of a sparse mask
-    for c in candidates(spec, get_arch(arch)):
-        assert arch not in SPILLS_ON["mask"].get((d, tuple(c[:4]), c[4]), ())
+    spills = [arch in SPILLS_ON["mask"].get((d, tuple(c[:4]), c[4]), ()) for c in candidates(spec, get_arch(arch))]
+    assert spills == sorted(spills)  # configs measured to spill come after every other
 
 
 def test_varlen_skips_configs_that_spill_only_in_its_layout():
@@ -60,6 +60,12 @@ def test_varlen_skips_configs_that_spill_only_in_its_layout():
     varlen = resolve(PrefillSpec(head_dim=64, varlen=True), "sm_100")
     assert (dense.cta_tile_q, dense.cta_tile_kv, dense.num_warps, dense.num_stages) == (128, 64, 4, 3)
     assert (varlen.cta_tile_q, varlen.cta_tile_kv, varlen.num_warps, varlen.num_stages) != (128, 64, 4, 3)
+
+
+def test_a_pinned_config_that_spills_is_still_given():
+    pinned = PrefillSpec(head_dim=64, varlen=True, cta_tile_q=128, cta_tile_kv=64, num_warps=4, num_stages=3)
+    r = resolve(pinned, "sm_100")  # listed in SPILLS_ON: never a default there, but the user's choice
+    assert (r.cta_tile_q, r.cta_tile_kv, r.num_warps, r.num_stages) == (128, 64, 4, 3)
 
 
 def test_wgmma_paths_cover_the_new_layouts():

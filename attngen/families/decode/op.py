@@ -10,9 +10,10 @@ import struct
 
 from ..._driver import CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, driver
 from ...arch import get_arch
+from ... import runtime as _rt
 from ...errors import LaunchError
 from ...runtime import current_stream, empty_like_kind, get_kernel, register_dependent_cache, tensor_info
-from ...spec import DType
+from ...spec import DType, spec_of_text
 from ...tuned import bucket_bounds, stored_choices
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from .spec import MERGE_THREADS, DecodeSpec, Variant
@@ -133,13 +134,21 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     keys 0..L - q_len + i. Lengths past the cache's capacity are clamped to it; out-of-range
     cache rows or blocks are clamped to the pool (they are read on the device, never checked on
     the host). ``num_splits`` 0 chooses the split-KV count, a positive number forces it.
-    ``variant``: "auto", "fused" or "unfused". ``spec`` overrides the tuning fields; without it, a
+    ``variant``: "auto", "fused" or "unfused". ``spec`` (a spec or its text) overrides the tuning fields; without it, a
     configuration ``attngen tune decode`` stored for this GPU (nearest tuned cache capacity) is
     used where there is one, else the arch's default. Returns ``out`` (q's dtype and kind), with
     ``return_lse`` also the fp32 LSE ``[batch, heads, q_len]``; a token that sees no key gives
     zeros and LSE -inf. ``softcap`` and ``alibi_slopes`` (fp32 ``[heads]`` or ``[batch, heads]``)
     act as in ``attngen.prefill``.
     """
+    if _rt.tracing is not None and _rt.tracing():
+        from ...torch_ops import decode as traced
+
+        return traced(q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+                      block_table=block_table, num_splits=num_splits, sm_scale=sm_scale, return_lse=return_lse,
+                      out=out, variant=variant, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes)
+    if spec.__class__ is str:
+        spec = spec_of_text(spec, "decode")
     qi = tensor_info(q, "q")
     ki = tensor_info(k_cache, "k_cache")
     vi = tensor_info(v_cache, "v_cache")

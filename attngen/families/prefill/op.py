@@ -19,9 +19,10 @@ import bisect
 import math
 import struct
 
+from ... import runtime as _rt
 from ...errors import LaunchError
 from ...runtime import allocator, get_kernel, register_dependent_cache, tensor_info, torch_stream_getter
-from ...spec import DType
+from ...spec import DType, spec_of_text
 from ...tuned import bucket_bounds, stored_choices
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from .spec import MaskMode, PrefillSpec
@@ -193,8 +194,9 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     keys either side of its aligned position, -1 meaning unbounded. Returns ``out`` (same kind
     as q), and with ``return_lse`` also the fp32 natural-log LSE ``[batch, heads, seqlen_q]``.
     ``sm_scale`` (default 1/sqrt(head_dim)) must be finite and > 0, as in ``attngen.decode``.
-    Rows that see no key give zeros and LSE -inf. ``spec`` overrides the tuning fields; without
-    it, a configuration stored by ``attngen tune`` for this GPU is used where there is one.
+    Rows that see no key give zeros and LSE -inf. ``spec`` (a spec or its text) overrides the
+    tuning fields; without it, a configuration stored by ``attngen tune`` for this GPU is used
+    where there is one.
     ``softcap`` > 0 caps the scaled logits at ``softcap * tanh(s / softcap)`` (Gemma 2, Grok);
     ``alibi_slopes`` (fp32 ``[heads]`` or ``[batch, heads]``) adds ``-slope * |i' - j|`` to them,
     i' the query's aligned key position (FlashAttention's conventions for both).
@@ -206,6 +208,13 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     a plan built on the GPU from the mask (``attngen.mask_plan``); pass that plan as
     ``mask_plan`` to reuse it across calls (layers), else each call builds one.
     """
+    if _rt.tracing is not None and _rt.tracing():
+        from ...torch_ops import prefill as traced
+
+        return traced(q, k, v, causal=causal, window=window, sm_scale=sm_scale, return_lse=return_lse, out=out,
+                      spec=spec, softcap=softcap, alibi_slopes=alibi_slopes, mask=mask, mask_plan=mask_plan)
+    if spec.__class__ is str:
+        spec = spec_of_text(spec, "prefill")
     qi, ki, vi = _check_qkv(q, k, v)
     b, sq, h, d = qi.shape
     _, sk, hk, _ = ki.shape

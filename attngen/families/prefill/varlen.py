@@ -8,9 +8,10 @@ first; CTAs past the list's length return at once.
 
 from __future__ import annotations
 
-
+from ... import runtime as _rt
 from ...errors import LaunchError
 from ...runtime import tensor_info
+from ...spec import spec_of_text
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from .masks import PLAN_PARAMS, ptr_of
 from .op import _LOG2E, _NO_WINDOW, PARAMS_EXT, VARLEN, VARLEN_PAGED, check_qkv, mask_and_window, out_of, plan_for
@@ -55,6 +56,14 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     signature and checked as ints >= 0; the lengths are never read on the host. Returns ``out``
     ``[total_q, heads, head_dim]`` and with ``return_lse`` the LSE ``[heads, total_q]`` (fp32).
     """
+    if _rt.tracing is not None and _rt.tracing():
+        from ...torch_ops import prefill_varlen as traced
+
+        return traced(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
+                      sm_scale=sm_scale, return_lse=return_lse, out=out, block_table=block_table, spec=spec,
+                      softcap=softcap, alibi_slopes=alibi_slopes)
+    if spec.__class__ is str:
+        spec = spec_of_text(spec, "prefill")
     paged = block_table is not None
     qi, ki, vi = check_qkv(q, k, v, "[total_q, heads, head_dim]",
                            "[num_blocks, block_size, kv_heads, head_dim]" if paged else "[total_k, kv_heads, head_dim]")
