@@ -204,6 +204,8 @@ def clear_loaded() -> None:
 # torch.compiler.is_compiling when it registers the custom ops): each op then hands its call to its
 # custom op. None until then, so an eager call pays one attribute read.
 tracing: Callable[[], bool] | None = None
+# name -> the function that hands that op's call to its custom op (filled by attngen.torch_ops).
+traced_ops: dict[str, Callable[..., Any]] = {}
 
 # --- tensors -------------------------------------------------------------------------------------
 

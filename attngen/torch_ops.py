@@ -152,4 +152,5 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx, block_table, 
     return (o, lse) if return_lse else o
 
 
+runtime.traced_ops.update(prefill=prefill, prefill_varlen=prefill_varlen, decode=decode)
 runtime.tracing = torch.compiler.is_compiling

@@ -120,3 +120,11 @@ def reference_decode(q, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, b
         out[i] = o.permute(2, 0, 1, 3).reshape(ql, h, d)
         lse[i] = row_lse.reshape(h, ql)
     return out, lse
+
+
+def rel(a, b) -> float:
+    """Relative L2 error of ``a`` against ``b``, both taken as fp32."""
+    import torch
+
+    a, b = a.float(), b.float()
+    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30)).item()

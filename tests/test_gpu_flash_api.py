@@ -10,14 +10,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_reference")]
 torch = pytest.importorskip("torch")
 
 import attngen  # noqa: E402
-from tests.gpu_reference import reference_attention, reference_decode  # noqa: E402
+from tests.gpu_reference import reference_attention, reference_decode, rel  # noqa: E402
 
 TOL = 2e-2
-
-
-def rel(a, b) -> float:
-    a, b = a.float(), b.float()
-    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30)).item()
 
 
 def rnd(*shape, dtype=torch.bfloat16, gen=None):

@@ -12,14 +12,9 @@ torch = pytest.importorskip("torch")
 
 import attngen  # noqa: E402
 import attngen.torch_ops  # noqa: E402,F401  (registers the ops whatever the import order)
-from tests.gpu_reference import reference_attention, reference_decode  # noqa: E402
+from tests.gpu_reference import reference_attention, reference_decode, rel  # noqa: E402
 
 TOL = 2e-2
-
-
-def rel(a, b) -> float:
-    a, b = a.float(), b.float()
-    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30)).item()
 
 
 def rnd(*shape, gen, dtype=torch.bfloat16):

@@ -418,6 +418,19 @@ def _rel_check(out, ref) -> dict:
 
 # --- reporting and the command's start ----------------------------------------------------------
 
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (saying why) when matplotlib is not there."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        _say(f"plot skipped: matplotlib is not available ({e})")
+        return None
+    return plt
+
+
 def _save_figure(plt, fig, axes, data: dict, family: str, path: Path, *, bottom: float, dpi: int,
                  ncol: int = 8) -> Path:
     """One legend for every panel's lines (each label once), the title with GPU and date, and the file."""

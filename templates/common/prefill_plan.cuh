@@ -62,7 +62,16 @@ __device__ __forceinline__ unsigned bit_range(int lo, int hi) {
 }
 
 // A mask element's raw bits: keep (bool: nonzero; additive: not -inf) and odd (additive: neither
-// 0, -0 nor -inf; such values are read as 0 and reported through p.flags).
+// 0, -0 nor -inf; such values are read as 0 and reported through p.flags). An additive type is
+// its raw word, the bits of -inf and the mask that clears the sign.
+template <class Raw, Raw NEG_INF, Raw NO_SIGN>
+struct AdditiveBits {
+  using raw = Raw;
+  __device__ static bool keep(raw v, bool& odd) {
+    odd |= (v & NO_SIGN) != 0 && v != NEG_INF;
+    return v != NEG_INF;
+  }
+};
 template <class M>
 struct MaskBits;
 template <>
@@ -71,29 +80,11 @@ struct MaskBits<unsigned char> {
   __device__ static bool keep(raw v, bool&) { return v != 0; }
 };
 template <>
-struct MaskBits<__half> {
-  using raw = unsigned short;
-  __device__ static bool keep(raw v, bool& odd) {
-    odd |= (v & 0x7fffu) != 0 && v != 0xfc00u;
-    return v != 0xfc00u;
-  }
-};
+struct MaskBits<__half> : AdditiveBits<unsigned short, 0xfc00u, 0x7fffu> {};
 template <>
-struct MaskBits<__nv_bfloat16> {
-  using raw = unsigned short;
-  __device__ static bool keep(raw v, bool& odd) {
-    odd |= (v & 0x7fffu) != 0 && v != 0xff80u;
-    return v != 0xff80u;
-  }
-};
+struct MaskBits<__nv_bfloat16> : AdditiveBits<unsigned short, 0xff80u, 0x7fffu> {};
 template <>
-struct MaskBits<float> {
-  using raw = unsigned;
-  __device__ static bool keep(raw v, bool& odd) {
-    odd |= (v & 0x7fffffffu) != 0 && v != 0xff800000u;
-    return v != 0xff800000u;
-  }
-};
+struct MaskBits<float> : AdditiveBits<unsigned, 0xff800000u, 0x7fffffffu> {};
 
 // grid (ceil(bits_words / 32), num_q_tiles, units), PLAN_THREADS threads: one query tile x 1024
 // keys. Each lane reads KPL consecutive keys of a row with one 16-byte load (or key by key at the

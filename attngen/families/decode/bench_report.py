@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from attngen.bench.core import _fmt, _save_figure, _say, env_lines
+from attngen.bench.core import _fmt, _save_figure, _say, env_lines, pyplot
 
 ITEMSIZE = {"bf16": 2, "fp16": 2}
 TARGET_COPY_FRAC = 0.90          # of the copy bandwidth, for batch >= 16 and kv_len >= 4k
@@ -290,13 +290,8 @@ def decode_markdown(data: dict) -> str:
 
 def plot_decode(data: dict, path: Path) -> Path | None:
     """GB/s vs kv_len: a panel per (heads, q_len) row and batch column, a line per implementation."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:
-        _say(f"plot skipped: matplotlib is not available ({e})")
+    plt = pyplot()
+    if plt is None:
         return None
     records = [r for r in data.get("results", []) if not r.get("skipped")]
     if not records:

@@ -142,11 +142,10 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     act as in ``attngen.prefill``.
     """
     if _rt.tracing is not None and _rt.tracing():
-        from ...torch_ops import decode as traced
-
-        return traced(q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
-                      block_table=block_table, num_splits=num_splits, sm_scale=sm_scale, return_lse=return_lse,
-                      out=out, variant=variant, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes)
+        return _rt.traced_ops["decode"](
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+            block_table=block_table, num_splits=num_splits, sm_scale=sm_scale, return_lse=return_lse, out=out,
+            variant=variant, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes)
     if spec.__class__ is str:
         spec = spec_of_text(spec, "decode")
     qi = tensor_info(q, "q")

@@ -24,7 +24,7 @@ import attngen
 from attngen.bench import core
 from attngen.bench.core import (_CAUSAL, BACKENDS, CHECK_TOL, DTYPES, _backend_list, _dtype_list, _fmt, _int_list,
                                 _replay_or_gpu_check, _save_figure, _say, _sdpa_backend, _short_error,
-                                attention_flops, env_lines, tflops, write_json)
+                                attention_flops, env_lines, pyplot, tflops, write_json)
 
 # --- the sweep ------------------------------------------------------------------------------------
 
@@ -342,13 +342,8 @@ def prefill_markdown(data: dict) -> str:
 
 def plot_prefill(data: dict, path: Path) -> Path | None:
     """TFLOP/s vs seqlen: a panel per (mask, head_dim), a colour per implementation, a line style per dtype."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:
-        _say(f"plot skipped: matplotlib is not available ({e})")
+    plt = pyplot()
+    if plt is None:
         return None
     records = data.get("results", [])
     if not records:

@@ -15,7 +15,7 @@ import random
 from pathlib import Path
 
 from ...bench.core import (_graphed, _int_list, _replay_or_gpu_check, _say, bench_ms, env_lines, environment,
-                           measure_copy_bandwidth, write_json)
+                           measure_copy_bandwidth, pyplot, write_json)
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -180,13 +180,8 @@ def _finish_mask(data: dict, args, print_table: bool = False) -> None:
 
 def plot_mask(data: dict, path: Path) -> Path | None:
     """Sweep 1: times against N; sweep 2: masked ÷ dense against the live fraction, per seqlen."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:
-        _say(f"plot skipped: matplotlib is not available ({e})")
+    plt = pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.4), squeeze=False)
     par = [r for r in data["rows"] if r["sweep"] == "parallel"]

@@ -209,10 +209,9 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     ``mask_plan`` to reuse it across calls (layers), else each call builds one.
     """
     if _rt.tracing is not None and _rt.tracing():
-        from ...torch_ops import prefill as traced
-
-        return traced(q, k, v, causal=causal, window=window, sm_scale=sm_scale, return_lse=return_lse, out=out,
-                      spec=spec, softcap=softcap, alibi_slopes=alibi_slopes, mask=mask, mask_plan=mask_plan)
+        return _rt.traced_ops["prefill"](
+            q, k, v, causal=causal, window=window, sm_scale=sm_scale, return_lse=return_lse, out=out, spec=spec,
+            softcap=softcap, alibi_slopes=alibi_slopes, mask=mask, mask_plan=mask_plan)
     if spec.__class__ is str:
         spec = spec_of_text(spec, "prefill")
     qi, ki, vi = _check_qkv(q, k, v)

@@ -57,11 +57,10 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     ``[total_q, heads, head_dim]`` and with ``return_lse`` the LSE ``[heads, total_q]`` (fp32).
     """
     if _rt.tracing is not None and _rt.tracing():
-        from ...torch_ops import prefill_varlen as traced
-
-        return traced(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
-                      sm_scale=sm_scale, return_lse=return_lse, out=out, block_table=block_table, spec=spec,
-                      softcap=softcap, alibi_slopes=alibi_slopes)
+        return _rt.traced_ops["prefill_varlen"](
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
+            sm_scale=sm_scale, return_lse=return_lse, out=out, block_table=block_table, spec=spec, softcap=softcap,
+            alibi_slopes=alibi_slopes)
     if spec.__class__ is str:
         spec = spec_of_text(spec, "prefill")
     paged = block_table is not None
