@@ -104,7 +104,7 @@ def main():
     expect_launch(q, k, v, out)
     # Errors keep their wording; shapes print as tuples.
     for args, kw, text in [
-        ((wrap(q[0]), k, v), {}, "q has shape (100, 8, 64); expected 4 dims"),
+        ((wrap(q[0]), k, v), {}, "q has shape (100, 8, 64); expected [batch, seqlen, heads, head_dim]"),
         ((q, rand(2, 130, 3, 64), rand(2, 130, 3, 64)), {}, "heads=8 must be a multiple of kv_heads=3"),
         ((q, k, rand(2, 131, 2, 64)), {}, "k (2, 130, 2, 64) and v (2, 131, 2, 64) must have the same shape"),
         ((q, k, v), {"out": wrap(torch.empty(2, 100, 8, 64))}, "out must match q: torch (2, 100, 8, 64) bf16"),
@@ -123,7 +123,8 @@ def main():
     default = op.kernel_for(q, k, v).spec
     assert default == attngen.resolve(PrefillSpec(head_dim=64, dtype="bf16"), "sm_90a")
     gpu = attngen.runtime.driver().device_name(0)
-    fields = {"head_dim": 64, "dtype": "bf16", "mask": "none", "return_lse": False, "softcap": False, "alibi": False}
+    fields = {"head_dim": 64, "dtype": "bf16", "mask": "none", "return_lse": False, "softcap": False, "alibi": False,
+              "custom_mask": False, "varlen": False, "paged": False}
     from attngen.tuned import TunedStore
 
     TunedStore().put({"family": "prefill", "fields": fields, "arch": "sm_90a", "gpu": gpu, "nvrtc": nvrtc_version(),
