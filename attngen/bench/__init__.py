@@ -3,7 +3,7 @@
 Each kernel family that has a benchmark names its module in the registry (``Family.bench``);
 that module adds its subcommand with ``add_parser(subparsers)``. ``core`` is the harness they
 share (timing, environment, JSON, formatting, the ``--from-json`` start); ``jit`` measures the
-latency of the JIT pipeline.
+latency of the JIT pipeline; ``host`` the host path of one eager call.
 
 All write Markdown (``--markdown FILE``) for BENCHMARKS.md, and re-render from a saved JSON
 with ``--from-json FILE`` (no GPU needed for that).
@@ -25,7 +25,7 @@ from .core import (_event_bench, _finite, _graphed, _rel_check, attention_flops,
 
 def build_parser() -> argparse.ArgumentParser:
     from ..family import families
-    from . import jit
+    from . import host, jit
 
     p = argparse.ArgumentParser(prog="attngen bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command")
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         if fam.bench:
             importlib.import_module(fam.bench).add_parser(sub)
     jit.add_parser(sub)
+    host.add_parser(sub)
     for sp in sub.choices.values():  # one --json for every benchmark, as for every attngen command
         sp.add_argument("--json", action="store_true",
                         help="print the results as one JSON object on stdout; the table and progress go to stderr")

@@ -316,6 +316,27 @@ def bench_ms(fn: Callable[[], Any], warmup_ms: float = 25.0, rep_ms: float = 100
     return _event_bench(fn, warmup_ms, rep_ms, reps), "cuda-events"
 
 
+def host_time_us(fn: Callable[[], Any], calls: int, batches: int) -> float:
+    """Host time of one call of ``fn`` in µs: ``calls`` back-to-back calls per batch on the host
+    clock, the GPU drained before and after each batch, median over ``batches`` (after 50
+    warm-up calls). Meaningful where a call's GPU work is shorter than its host path."""
+    import time
+
+    import torch
+
+    for _ in range(50):
+        fn()
+    per = []
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(per)
+
+
 def measure_copy_bandwidth(mib: int = COPY_MIB, warmup_ms: float = 25.0, rep_ms: float = 100.0,
                            reps: int | None = None) -> dict:
     """Device-to-device copy of a ``mib`` MiB buffer: (bytes read + bytes written) / median time."""

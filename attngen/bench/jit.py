@@ -280,19 +280,9 @@ def measure_overhead(calls: int, batches: int) -> list[dict]:
     rows = []
     for label, fn, target in cands:
         try:
-            for _ in range(50):
-                fn()
-            torch.cuda.synchronize()
-            per = []
-            for _ in range(batches):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                per.append((time.perf_counter() - t0) / calls * 1e6)
-                torch.cuda.synchronize()
-            rows.append(_row(f"host time per call: {label}", "B=1 S=128 H=8 D=64 bf16", statistics.median(per),
-                             "µs", target, f"{calls} calls x {batches} batches, median"))
+            rows.append(_row(f"host time per call: {label}", "B=1 S=128 H=8 D=64 bf16",
+                             core.host_time_us(fn, calls, batches), "µs", target,
+                             f"{calls} calls x {batches} batches, median"))
         except Exception as e:
             rows.append(_row(f"host time per call: {label}", "B=1 S=128 H=8 D=64 bf16", None, "µs", target,
                              f"failed: {_short_error(e)}"))
