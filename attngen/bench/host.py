@@ -49,6 +49,11 @@ def _cases(torch, attngen):
          lambda: attngen.decode(dq, kc, vc, cache_seqlens=lens), TARGET_HOST_US),
         ("attngen.decode(..., cache_seqlens=200)", dec, lambda: attngen.decode(dq, kc, vc, cache_seqlens=200), None),
         ("SDPA (default dispatch), decode shapes", dec, lambda: F.scaled_dot_product_attention(dqt, kct, vct), None),
+        # Pieces every call of a Python op on torch tensors pays, whatever it does: the floor's parts.
+        ("piece: torch.empty of prefill's output", small, lambda: torch.empty(1, 128, 8, 64, **bf), None),
+        ("piece: q, k, v's pointer, shape, strides, dtype and device read", small,
+         lambda: [(x.data_ptr(), x.shape, x.stride(), x.dtype, x.get_device()) for x in (q, k, v)], None),
+        ("piece: torch.cuda.current_stream()", small, torch.cuda.current_stream, None),
     ]
     return cases
 
