@@ -9,7 +9,7 @@ here); eager calls go straight to the kernels as before. ``import attngen`` regi
 torch is already imported; otherwise ``import attngen.torch_ops`` does. What a custom op cannot
 carry is refused while tracing with a ``LaunchError``: ``out=`` (ops return new tensors), a
 ``mask_plan`` (pass ``mask=`` alone: the op builds the plan) and a spec object (pass its text,
-``spec=str(spec)``, which every op accepts).
+``spec=str(spec)``, which every op accepts and parses once per text).
 """
 
 from typing import Optional
@@ -18,19 +18,6 @@ import torch
 
 from . import runtime
 from .errors import LaunchError
-
-_specs: dict = {}
-
-
-def _spec_of(text: Optional[str]):
-    if text is None:
-        return None
-    spec = _specs.get(text)
-    if spec is None:
-        from .spec import parse_spec
-
-        spec = _specs[text] = parse_spec(text)
-    return spec
 
 
 def _text(spec, what: str) -> Optional[str]:
@@ -53,7 +40,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, wi
     from .families.prefill.op import prefill
 
     r = prefill(q, k, v, causal=causal, window=(window_left, window_right), sm_scale=sm_scale, softcap=softcap,
-                alibi_slopes=alibi_slopes, return_lse=return_lse, spec=_spec_of(spec), mask=mask)
+                alibi_slopes=alibi_slopes, return_lse=return_lse, spec=spec, mask=mask)
     return r if return_lse else (r, _no_lse(q))
 
 
@@ -75,7 +62,7 @@ def _prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     r = prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                        window=(window_left, window_right), sm_scale=sm_scale, softcap=softcap,
                        alibi_slopes=alibi_slopes, block_table=block_table, return_lse=return_lse,
-                       spec=_spec_of(spec))
+                       spec=spec)
     return r if return_lse else (r, _no_lse(q))
 
 
@@ -96,7 +83,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache
 
     r = decode(q, k_cache, v_cache, cache_seqlens=cache_seqlen if cache_seqlens is None else cache_seqlens,
                cache_batch_idx=cache_batch_idx, block_table=block_table, num_splits=num_splits, sm_scale=sm_scale,
-               return_lse=return_lse, variant=variant, spec=_spec_of(spec), softcap=softcap,
+               return_lse=return_lse, variant=variant, spec=spec, softcap=softcap,
                alibi_slopes=alibi_slopes)
     return r if return_lse else (r, _no_lse(q))
 

@@ -316,6 +316,18 @@ def bench_ms(fn: Callable[[], Any], warmup_ms: float = 25.0, rep_ms: float = 100
     return _event_bench(fn, warmup_ms, rep_ms, reps), "cuda-events"
 
 
+def release_gpu_memory() -> None:
+    """After a shape that failed (out of memory, say): wait for the GPU and hand torch's cached
+    blocks back, so the sweep's next shape starts clean; errors here are ignored."""
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    except Exception:
+        pass
+
+
 def host_time_us(fn: Callable[[], Any], calls: int, batches: int) -> float:
     """Host time of one call of ``fn`` in µs: ``calls`` back-to-back calls per batch on the host
     clock, the GPU drained before and after each batch, median over ``batches`` (after 50

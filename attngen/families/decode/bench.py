@@ -523,11 +523,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
             except Exception as e:  # e.g. out of memory: keep the sweep going
                 rec = {**base, "ms": {}, "gbps": {}, "frac_copy": {}, "ratio": {}, "checks": {},
                        "errors": {"shape": _short_error(e)}}
-            try:
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-            except Exception:
-                pass
+            core.release_gpu_memory()
         data["results"].append(rec)
         for ln in decode_text_rows(rec, backends):
             _say(ln)

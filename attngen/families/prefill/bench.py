@@ -416,8 +416,6 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     done = _replay_or_gpu_check("prefill", args, _finish_prefill)
     if done is not None:
         return done
-    import torch
-
     shapes = sweep_from_args(args)
     backends = list(args.backends)
     env = core.environment(gpu=True)
@@ -448,11 +446,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         except Exception as e:  # e.g. out of memory: keep the sweep going
             rec = {**asdict(shape), "flops": shape.flops, "ms": {}, "tflops": {}, "ratio": {},
                    "errors": {"shape": _short_error(e)}}
-            try:
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-            except Exception:
-                pass
+            core.release_gpu_memory()
         data["results"].append(rec)
         _say(text_row(rec, backends))
         for n, err in rec.get("errors", {}).items():

@@ -14,8 +14,8 @@ import argparse
 import random
 from pathlib import Path
 
-from ...bench.core import (_graphed, _int_list, _replay_or_gpu_check, _say, bench_ms, env_lines, environment,
-                           measure_copy_bandwidth, pyplot, write_json)
+from ...bench.core import (_graphed, _int_list, _replay_or_gpu_check, _save_figure, _say, bench_ms, env_lines,
+                           environment, measure_copy_bandwidth, pyplot, write_json)
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -203,8 +203,6 @@ def plot_mask(data: dict, path: Path) -> Path | None:
     ax.plot([0, 1], [0, 1], ls="--", c="gray", label="time ∝ live tiles")
     ax.plot([0, 1], [0, 1.1], ls=":", c="gray", label="1.1 × live")
     ax.set(xlabel="live-tile fraction", ylabel="masked ÷ dense time", xlim=(0, 1), ylim=(0, 1.2))
-    from ...bench.core import _save_figure
-
     return _save_figure(plt, fig, axes, data, "prefill, custom masks", path, bottom=0.2, dpi=120, ncol=4)
 
 

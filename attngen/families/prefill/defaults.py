@@ -84,7 +84,7 @@ def candidates(spec, arch: Arch):
     every = list(_candidates(spec, arch))
     if spec.custom_mask:
         every = [c for c in every if c[0] == 64] + [c for c in every if c[0] != 64]
-    return iter([c for c in every if not spilled(c)] + [c for c in every if spilled(c)])
+    return iter(sorted(every, key=spilled))  # stable: the order within each group is kept
 
 
 def _candidates(spec, arch: Arch):
