@@ -48,7 +48,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, wi
 def _(q, k, v, causal, window_left, window_right, sm_scale, softcap, alibi_slopes, return_lse, spec, mask):
     b, sq, h, _ = q.shape
     lse = q.new_empty((b, h, sq), dtype=torch.float32) if return_lse else _no_lse(q)
-    return torch.empty_like(q, memory_format=torch.contiguous_format), lse
+    return q.new_empty((b, sq, h, v.shape[-1])), lse
 
 
 @torch.library.custom_op("attngen::prefill_varlen", mutates_args=(), device_types="cuda")
@@ -71,7 +71,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, w
       sm_scale, softcap, alibi_slopes, block_table, return_lse, spec):
     total, h, _ = q.shape
     lse = q.new_empty((h, total), dtype=torch.float32) if return_lse else _no_lse(q)
-    return torch.empty_like(q, memory_format=torch.contiguous_format), lse
+    return q.new_empty((total, h, v.shape[-1])), lse
 
 
 @torch.library.custom_op("attngen::decode", mutates_args=(), device_types="cuda")

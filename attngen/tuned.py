@@ -172,12 +172,22 @@ def tuned_choices(base: Spec, arch: "str | Arch", gpu: str, entries: list[dict],
     GPU, NVRTC and attngen version, sorted by size. Entries whose tuning does not make a valid
     spec for ``arch`` (hand-edited, or from another version's rules) are skipped."""
     a = get_arch(arch)
-    found = match_tuned(entries, family=base.family, fields=base.untuned_dict(), arch=a.name, gpu=gpu,
+    # Fields added to the spec after an entry was stored take their defaults (the behaviour the
+    # entry was measured with), so a new field does not orphan every stored winner.
+    defaults = type(base)().to_dict()
+    untuned = base.untuned_dict()
+
+    def filled(e):
+        if e.get("family") != base.family or not isinstance(e.get("fields"), dict):
+            return e
+        return {**e, "fields": {**{k: defaults[k] for k in untuned if k not in e["fields"]}, **e["fields"]}}
+
+    found = match_tuned([filled(e) for e in entries], family=base.family, fields=untuned, arch=a.name, gpu=gpu,
                         nvrtc=nvrtc, attngen=version)
     out: dict[int, Spec] = {}
     for e in found:
         try:
-            t = {k: e["tuning"][k] for k in base.TUNING_FIELDS}
+            t = {k: e["tuning"].get(k, defaults[k]) for k in base.TUNING_FIELDS}
             spec = base.replace(**t)
             if not spec.is_resolved:
                 continue

@@ -27,10 +27,11 @@ def test_spec_error_is_a_value_error_and_an_attngen_error():
 def test_bad_head_dim_message_names_field_value_and_allowed_set():
     with pytest.raises(SpecError) as ei:
         PrefillSpec(head_dim=100)
-    assert str(ei.value) == "head_dim=100 is not allowed; allowed: 64, 96, 128, 192, 256"
+    allowed = "64, 96, 128, 192, 256, 320, 384, 448, 512, 576, 640, 768, 1024"
+    assert str(ei.value) == f"head_dim=100 is not allowed; allowed: {allowed}"
     assert ei.value.field == "head_dim"
     assert ei.value.value == 100
-    assert ei.value.allowed == "64, 96, 128, 192, 256"
+    assert ei.value.allowed == allowed
 
 
 def test_bad_dtype_message_is_pinned():
@@ -49,7 +50,7 @@ def test_bad_mask_from_text_form_names_the_allowed_masks():
 
 
 @pytest.mark.parametrize("field, value, allowed", [
-    ("cta_tile_q", 96, "0, 64, 128"),
+    ("cta_tile_q", 96, "0, 32, 64, 128"),
     ("cta_tile_kv", 16, "0, 32, 64, 128"),
     ("num_warps", 2, "0, 4, 8"),
     ("num_stages", 5, "0, 1, 2, 3, 4"),
@@ -197,7 +198,8 @@ def test_to_dict_holds_plain_values_only():
     d = PrefillSpec(head_dim=64, mask=MaskMode.CAUSAL).to_dict()
     assert d == {"family": "prefill", "head_dim": 64, "dtype": "bf16", "mask": "causal", "return_lse": False,
                  "cta_tile_q": 0, "cta_tile_kv": 0, "num_warps": 0, "num_stages": 0, "mma": "auto", "softcap": False,
-                 "alibi": False, "custom_mask": False, "varlen": False, "paged": False}
+                 "alibi": False, "custom_mask": False, "varlen": False, "paged": False, "head_dim_v": 0,
+                 "head_dim_chunk": 0}
     assert json.loads(json.dumps(d)) == d
 
 
@@ -241,13 +243,15 @@ def test_resolve_fills_tuning_and_fits_every_arch(arch):
         r = resolve(spec, arch)
         assert r.is_resolved, r
         for k in TUNING:
-            assert getattr(r, k) > 0, (k, r)
+            # head_dim_chunk 0 is the whole-row kernel's value
+            assert getattr(r, k) > 0 or (k == "head_dim_chunk" and not r.chunked), (k, r)
         # Only tuning fields change.
         for k in ("head_dim", "dtype", "mask", "return_lse"):
             assert getattr(r, k) == getattr(spec, k)
         assert r.smem_bytes() <= a.smem_per_block, (arch, r.to_text())
         assert r.threads == 32 * r.num_warps
-        assert (r.cta_tile_q // r.num_warps) % 16 == 0
+        # the whole-row kernel's warps own 16-row tiles; the chunked one's 32-row groups
+        assert (r.cta_tile_q // r.num_warps) % 16 == 0 if not r.chunked else r.cta_tile_q % 32 == 0
         validate(r, arch)
         assert resolve(r, arch) == r  # resolving is idempotent
 

@@ -24,7 +24,7 @@ from conftest import gpu_count
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = "prefill:head_dim=64,dtype=bf16"
 FIELDS = {"head_dim": 64, "dtype": "bf16", "mask": "none", "return_lse": False, "softcap": False, "alibi": False,
-          "custom_mask": False, "varlen": False, "paged": False}
+          "custom_mask": False, "varlen": False, "paged": False, "head_dim_v": 0}
 IDENT = {"arch": "sm_90", "gpu": "NVIDIA H200", "nvrtc": "13.0", "attngen": __version__}
 CFG_A = {"cta_tile_q": 64, "cta_tile_kv": 32, "num_warps": 4, "num_stages": 2, "mma": "mma_sync"}
 CFG_B = {"cta_tile_q": 128, "cta_tile_kv": 32, "num_warps": 8, "num_stages": 1, "mma": "mma_sync"}
@@ -173,6 +173,16 @@ def test_key_separation():
     assert choices([fam]) == []
 
 
+def test_entries_stored_before_a_field_existed_still_apply():
+    # head_dim_v and head_dim_chunk came later: an entry without them was measured with their defaults
+    old_fields = {k: v for k, v in FIELDS.items() if k != "head_dim_v"}
+    assert [s for s, _ in choices([entry(512, CFG_A, fields=old_fields)])] == [512]
+    # ... but not for a spec whose new field is not the default
+    b = base(head_dim=192, head_dim_v=128)
+    old = entry(512, CFG_A, fields=dict(old_fields, head_dim=192))
+    assert tuned.tuned_choices(b, "sm_90", IDENT["gpu"], [old], nvrtc=IDENT["nvrtc"]) == []
+
+
 def test_tuned_choices_give_specs_sorted_by_seqlen_and_skip_invalid_tunings():
     entries = [entry(4096, CFG_B), entry(512, CFG_A),
                entry(1024, {"cta_tile_q": 96, "cta_tile_kv": 32, "num_warps": 4, "num_stages": 2}),  # no such tile
@@ -219,7 +229,7 @@ def test_store_winner_writes_what_prefill_reads(cache_dir):
     got = tuned.TunedStore().read("sm_90")
     assert len(got) == 1 and got[0]["fields"] == {"head_dim": 64, "dtype": "bf16", "mask": "causal", "return_lse": True,
                                                      "softcap": False, "alibi": False, "custom_mask": False,
-                                                     "varlen": False, "paged": False}
+                                                     "varlen": False, "paged": False, "head_dim_v": 0}
     ch = tuned.tuned_choices(spec, "sm_90", IDENT["gpu"], got, nvrtc=IDENT["nvrtc"])
     assert ch == [(512, spec.replace(**CFG_B))]
 

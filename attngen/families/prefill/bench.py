@@ -60,15 +60,35 @@ class Shape:
 
 def make_sweep(head_dims: Iterable[int] = HEAD_DIMS, seqlens: Iterable[int] = SEQLENS,
                dtypes: Iterable[str] = DTYPES, causal: Iterable[bool] = (False, True),
-               tokens: int = TOKENS, hidden: int = HIDDEN) -> list[Shape]:
-    """The shapes, in the order they run: dtype, mask, head_dim, seqlen."""
+               tokens: int = TOKENS, hidden: int = HIDDEN,
+               shapes: Iterable[tuple[int, int, int]] = ()) -> list[Shape]:
+    """The shapes, in the order they run: dtype, mask, head_dim, seqlen. ``shapes`` (batch, heads,
+    seqlen) triples replace the seqlen sweep where given."""
+    shapes = tuple(shapes)
     out = []
     for dt in dtypes:
         for c in causal:
             for d in head_dims:
+                if shapes:
+                    out.extend(Shape(dt, d, c, b, s, h) for b, h, s in shapes)
+                    continue
                 for s in seqlens:
                     out.append(Shape(dt, d, c, max(1, tokens // s), s, max(1, hidden // d)))
     return out
+
+
+def _shape_list(text: str) -> tuple[tuple[int, int, int], ...]:
+    """``1x48x8192,4x16x2048`` -> ((1, 48, 8192), (4, 16, 2048)): batch x heads x seqlen."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            b, h, n = (int(x) for x in part.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not BATCHxHEADSxSEQLEN (e.g. 1x48x8192)") from None
+        if min(b, h, n) < 1:
+            raise argparse.ArgumentTypeError(f"{part!r}: batch, heads and seqlen must be >= 1")
+        out.append((b, h, n))
+    return tuple(out)
 
 
 def sweep_from_args(args: argparse.Namespace) -> list[Shape]:
@@ -78,7 +98,7 @@ def sweep_from_args(args: argparse.Namespace) -> list[Shape]:
         seqlens=args.seqlens or q.get("seqlens", SEQLENS),
         dtypes=args.dtypes or q.get("dtypes", DTYPES),
         causal=_CAUSAL[args.causal],
-        tokens=args.tokens, hidden=args.hidden,
+        tokens=args.tokens, hidden=args.hidden, shapes=args.shapes or (),
     )
 
 
@@ -92,6 +112,11 @@ def add_parser(sub) -> None:
     pp.add_argument("--causal", choices=sorted(_CAUSAL), default="both", help="masks to run (default both)")
     pp.add_argument("--backends", type=_backend_list, default=BACKENDS,
                     help="SDPA backends to compare with (default flash,cudnn,efficient)")
+    pp.add_argument("--shapes", type=_shape_list, default=None, metavar="BxHxS,...",
+                    help="batch x heads x seqlen per head dim instead of the 16k-token sweep, e.g. 1x48x8192,4x16x2048")
+    pp.add_argument("--chunked-too", action="store_true",
+                    help="for head dims up to 256, also time the chunked kernel (head_dim_chunk=64) as "
+                         "'chunked': where the two kernels cross over")
     pp.add_argument("--quick", action="store_true",
                     help="a small subset: seqlens 1k,4k, head_dims 64,128, bf16 (explicit options still win)")
     pp.add_argument("--tokens", type=int, default=TOKENS, help=argparse.SUPPRESS)
@@ -118,7 +143,8 @@ def add_parser(sub) -> None:
 # --- measuring ------------------------------------------------------------------------------------
 
 def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, warmup_ms: float = 25.0,
-              rep_ms: float = 100.0, reps: int | None = None, seed: int = 0, sdpa_layout: str = "view") -> dict:
+              rep_ms: float = 100.0, reps: int | None = None, seed: int = 0, sdpa_layout: str = "view",
+              chunked_too: bool = False) -> dict:
     """Check and time one shape: attngen and each SDPA backend on the same inputs."""
     import torch
     import torch.nn.functional as F
@@ -217,8 +243,18 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
         except Exception as e:
             rec["errors"][name] = _short_error(e)
             rec["ms"][name] = rec["tflops"][name] = None
+    if chunked_too and d <= attngen.PrefillSpec.WHOLE_MAX:
+        # The same inputs through the chunked kernel: an attngen row of its own, not a peer.
+        try:
+            ms, _ = core.bench_ms(lambda: attngen.prefill(q, k, v, causal=causal, spec="prefill:head_dim_chunk=64"),
+                                  warmup_ms, rep_ms, reps)
+            rec["ms"]["chunked"], rec["tflops"]["chunked"] = ms, tflops(shape.flops, ms)
+        except Exception as e:
+            rec["errors"]["chunked"] = _short_error(e)
+            rec["ms"]["chunked"] = rec["tflops"]["chunked"] = None
     a = rec["tflops"].get("attngen")
-    rec["ratio"] = {n: (a / rec["tflops"][n] if a and rec["tflops"].get(n) else None) for n in backends}
+    rec["ratio"] = {n: (a / rec["tflops"][n] if a and rec["tflops"].get(n) else None)
+                    for n in (*backends, *(["chunked"] if "chunked" in rec["tflops"] else []))}
     return rec
 
 
@@ -354,7 +390,8 @@ def plot_prefill(data: dict, path: Path) -> Path | None:
     dims = sorted({r["head_dim"] for r in records})
     dtypes = [d for d in DTYPES if any(r["dtype"] == d for r in records)]
     styles = {"bf16": "-", "fp16": "--"}
-    colors = {"attngen": "tab:red", "flash": "tab:blue", "cudnn": "tab:green", "efficient": "tab:orange"}
+    colors = {"attngen": "tab:red", "flash": "tab:blue", "cudnn": "tab:green", "efficient": "tab:orange",
+              "chunked": "tab:purple"}
     fig, axes = plt.subplots(len(masks), len(dims), figsize=(4.2 * len(dims), 3.4 * len(masks)), squeeze=False,
                              sharex=True)
     for i, c in enumerate(masks):
@@ -376,7 +413,8 @@ def plot_prefill(data: dict, path: Path) -> Path | None:
             ax.set_title(f"head_dim {d}, {'causal' if c else 'no mask'}", fontsize=10)
             ax.grid(True, alpha=0.3)
             if i == len(masks) - 1:
-                ax.set_xlabel("seqlen (batch = 16384 / seqlen)")
+                ax.set_xlabel("seqlen (shapes as listed)" if data.get("config", {}).get("explicit_shapes")
+                              else "seqlen (batch = 16384 / seqlen)")
             if j == 0:
                 ax.set_ylabel("TFLOP/s")
             ax.set_ylim(bottom=0)
@@ -417,7 +455,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     if done is not None:
         return done
     shapes = sweep_from_args(args)
-    backends = list(args.backends)
+    backends = list(args.backends) + (["chunked"] if args.chunked_too else [])  # the columns
     env = core.environment(gpu=True)
     timer = "cuda-events" if args.reps is not None or core._triton_do_bench() is None else "triton.do_bench"
     data: dict[str, Any] = {
@@ -426,6 +464,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
                    "rep_ms": args.rep_ms, "reps": args.reps, "timer": timer, "seed": args.seed,
                    "check": not args.no_check, "check_tolerance_rel_l2": CHECK_TOL, "tokens": args.tokens,
                    "hidden": args.hidden, "sdpa_layout": args.sdpa_layout,
+                   "explicit_shapes": [list(x) for x in args.shapes or ()],
                    "sdpa_note": SDPA_NOTE if args.sdpa_layout == "view" else SDPA_CONTIG_NOTE, "flops": FLOP_NOTE},
         "results": [],
     }
@@ -441,8 +480,9 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     for i, shape in enumerate(shapes):
         try:
-            rec = run_shape(shape, tuple(backends), check=not args.no_check, warmup_ms=args.warmup_ms,
-                            rep_ms=args.rep_ms, reps=args.reps, seed=args.seed + i, sdpa_layout=args.sdpa_layout)
+            rec = run_shape(shape, tuple(args.backends), check=not args.no_check, warmup_ms=args.warmup_ms,
+                            rep_ms=args.rep_ms, reps=args.reps, seed=args.seed + i, sdpa_layout=args.sdpa_layout,
+                            chunked_too=args.chunked_too)
         except Exception as e:  # e.g. out of memory: keep the sweep going
             rec = {**asdict(shape), "flops": shape.flops, "ms": {}, "tflops": {}, "ratio": {},
                    "errors": {"shape": _short_error(e)}}

@@ -69,8 +69,26 @@ SPILLS_ON = {
 }
 
 
+# The chunked kernel (head_dim above 256, split head dims): (cta_tile_q, cta_tile_kv, num_warps,
+# num_stages, head_dim_chunk), best first. 64 query rows while O's columns split four ways stay
+# within the registers (head_dim_v up to 576), 32 rows (eight ways) above. Not yet timed: ordered
+# by the loads per mma and the barriers per tile (larger key tiles first), then by stages.
+CHUNKED = {
+    64: [(64, 128, 8, 3, 64), (64, 128, 8, 2, 64), (64, 64, 8, 3, 64), (64, 64, 8, 4, 64), (64, 64, 8, 2, 64),
+         (64, 64, 8, 3, 32), (64, 64, 8, 2, 32)],
+    32: [(32, 128, 8, 3, 64), (32, 128, 8, 2, 64), (32, 128, 8, 3, 32), (32, 128, 8, 2, 32)],
+}
+
+
+# Chunked configs ptxas spills (NVRTC 13.5, every default candidate of every chunked manifest entry
+# compiled for every arch, 2026-11-23), per (head_dim, head_dim_v, mask): config -> archs.
+CHUNKED_SPILLS_ON = {
+    (192, 128, MaskMode.CAUSAL): {(64, 128, 8, 3, 64): ("sm_80", "sm_86", "sm_89")},
+}
+
+
 def candidates(spec, arch: Arch):
-    """(cta_tile_q, cta_tile_kv, num_warps, num_stages, mma): tuned configs first, then every
+    """(cta_tile_q, cta_tile_kv, num_warps, num_stages, mma, head_dim_chunk): tuned configs first, then every
     allowed combination, larger tiles first; wgmma ones first on sm_90a. A custom mask takes
     64-row tiles first: the finer its tiles, the more of a sparse mask its live-tile lists skip.
     Configs ``SPILLS_ON`` lists for the arch come after all others: a default never takes one
@@ -81,7 +99,14 @@ def candidates(spec, arch: Arch):
         key = (spec.head_dim, tuple(c[:4]), c[4])
         return arch.name in spills.get(key, ()) or arch.name in spills.get((*key, spec.mask), ())
 
-    every = list(_candidates(spec, arch))
+    if spec.chunked:
+        rows = (64, 32) if spec.dim_v <= 576 else (32, 64)
+        listed = [c for r in rows for c in CHUNKED[r]]
+        rest = [(q, kv, 8, st, dk) for q in rows for kv in (128, 64) for dk in (64, 32) for st in (3, 2, 4)]
+        spills = CHUNKED_SPILLS_ON.get((spec.head_dim, spec.dim_v, spec.mask), {})
+        every = [(q, kv, w, st, Mma.SYNC, dk) for q, kv, w, st, dk in dict.fromkeys(listed + rest)]
+        return iter(sorted(every, key=lambda c: arch.name in spills.get((*c[:4], c[5]), ())))
+    every = [(*c, 0) for c in _candidates(spec, arch)]  # head_dim_chunk 0: whole rows
     if spec.custom_mask:
         every = [c for c in every if c[0] == 64] + [c for c in every if c[0] != 64]
     return iter(sorted(every, key=spilled))  # stable: the order within each group is kept

@@ -65,14 +65,16 @@ def check_qkv(q, k, v, dims: str = "[batch, seqlen, heads, head_dim]", kv_dims: 
         raise LaunchError(f"q has dtype {qi.dtype}; allowed: fp16, bf16")
     if ki.dtype != qi.dtype or vi.dtype != qi.dtype:
         raise LaunchError(f"q, k, v must share a dtype; got {qi.dtype}, {ki.dtype}, {vi.dtype}")
-    if ki.shape != vi.shape:
-        raise LaunchError(f"k {_shape(ki.shape)} and v {_shape(vi.shape)} must have the same shape")
+    if ki.shape[:-1] != vi.shape[:-1]:
+        raise LaunchError(f"k {_shape(ki.shape)} and v {_shape(vi.shape)} must have the same shape but for the "
+                          f"last dim (v's head dim may differ)")
     h, d = qi.shape[-2], qi.shape[-1]
-    hk, dk = ki.shape[-2], ki.shape[-1]
+    hk, dk, dv = ki.shape[-2], ki.shape[-1], vi.shape[-1]
     if dk != d:
-        raise LaunchError(f"head_dim mismatch: q has {d}, k/v have {dk}")
-    if d not in PrefillSpec.HEAD_DIMS:
-        raise LaunchError(f"head_dim={d} is not supported; allowed: {', '.join(map(str, PrefillSpec.HEAD_DIMS))}")
+        raise LaunchError(f"head_dim mismatch: q has {d}, k has {dk}")
+    for name, x in (("head_dim", d), ("v's head dim", dv)):
+        if x not in PrefillSpec.HEAD_DIMS:
+            raise LaunchError(f"{name}={x} is not supported; allowed: {', '.join(map(str, PrefillSpec.HEAD_DIMS))}")
     if hk == 0 or h % hk:
         raise LaunchError(f"heads={h} must be a multiple of kv_heads={hk} (GQA/MQA)")
     return qi, ki, vi
@@ -85,12 +87,13 @@ def _check_qkv(q, k, v):
     return qi, ki, vi
 
 
-def out_of(out, qi) -> tuple[int, tuple]:
-    """(pointer, strides) of a caller's ``out``, checked against q (shape, kind, dtype, device,
-    16-byte alignment, contiguous last dim)."""
+def out_of(out, qi, dv: int) -> tuple[int, tuple]:
+    """(pointer, strides) of a caller's ``out``, checked against q with v's head dim ``dv`` last
+    (shape, kind, dtype, device, 16-byte alignment, contiguous last dim)."""
     oi = tensor_info(out, "out")
-    if oi.kind != qi.kind or oi.shape != qi.shape or oi.dtype != qi.dtype or oi.device != qi.device:
-        raise LaunchError(f"out must match q: {qi.kind} {_shape(qi.shape)} {qi.dtype} on device {qi.device}; "
+    want = (*qi.shape[:-1], dv)
+    if oi.kind != qi.kind or tuple(oi.shape) != want or oi.dtype != qi.dtype or oi.device != qi.device:
+        raise LaunchError(f"out must match q with v's head dim: {qi.kind} {want} {qi.dtype} on device {qi.device}; "
                           f"got {oi.kind} {_shape(oi.shape)} {oi.dtype} on device {oi.device}")
     st = oi.strides
     if st[-1] != 1 or oi.ptr & 15 or (st[-2] | st[-3] | (st[-4] if len(st) > 3 else 0)) & 7:
@@ -117,8 +120,8 @@ _plans: dict[tuple, _Plan] = register_dependent_cache({})
 
 
 def _make_plan(key: tuple) -> _Plan:
-    d, dtype, device, mask, return_lse, spec, kind, softcap, alibi, layout = key
-    fields = dict(head_dim=d, dtype=DType(dtype), mask=_MASKS[mask], return_lse=return_lse, softcap=softcap,
+    d, dtype, device, mask, return_lse, spec, kind, softcap, alibi, layout, dv = key
+    fields = dict(head_dim=d, head_dim_v=dv, dtype=DType(dtype), mask=_MASKS[mask], return_lse=return_lse, softcap=softcap,
                   alibi=alibi, custom_mask=layout == CUSTOM_MASK, varlen=layout >= VARLEN,
                   paged=layout == VARLEN_PAGED)
     base = PrefillSpec(**fields) if spec is None else spec.replace(**fields)
@@ -152,7 +155,7 @@ def clear_plans() -> None:
 
 def plan_for(key: tuple) -> _Plan:
     """The ``_Plan`` of ``key`` (d, dtype, device, mask code, return_lse, spec, kind, softcap, alibi,
-    layout), made on first use."""
+    layout, v's head dim), made on first use."""
     return _plans.get(key) or _make_plan(key)
 
 
@@ -176,9 +179,9 @@ def kernel_for(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_W
                spec: PrefillSpec | None = None):
     """The loaded ``Kernel`` that ``prefill`` launches for these arguments (``kernel.spec`` is the
     spec it runs). Loads or compiles it if needed; enqueues nothing."""
-    qi, _, _ = _check_qkv(q, k, v)
+    qi, _, vi = _check_qkv(q, k, v)
     mask, _, _ = mask_and_window(causal, window)
-    key = (qi.shape[3], qi.dtype, qi.device, mask, bool(return_lse), spec, qi.kind, False, False, DENSE)
+    key = (qi.shape[3], qi.dtype, qi.device, mask, bool(return_lse), spec, qi.kind, False, False, DENSE, vi.shape[3])
     plan = _plans.get(key) or _make_plan(key)
     return plan.kernel or plan.kernel_for(qi.shape[1])
 
@@ -217,6 +220,7 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     qi, ki, vi = _check_qkv(q, k, v)
     b, sq, h, d = qi.shape
     _, sk, hk, _ = ki.shape
+    dv = vi.shape[3]
     if window is _NO_WINDOW:  # the common case, without a call
         mcode, left, right = (1, -1, 0) if causal else (0, -1, -1)
     else:
@@ -227,16 +231,16 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     if mask_plan is not None and mask is None:
         raise LaunchError("mask_plan needs the mask it was built from (mask=)")
     key = (d, qi.dtype, qi.device, mcode, return_lse, spec, qi.kind, bool(softcap), alibi_ptr != 0,
-           DENSE if mask is None else CUSTOM_MASK)
+           DENSE if mask is None else CUSTOM_MASK, dv)
     plan = _plans.get(key) or _make_plan(key)
     scale = plan.default_scale if sm_scale is None else checked_scale(sm_scale)
 
     if out is None:
-        out = plan.alloc(b, sq, h, d)
+        out = plan.alloc(b, sq, h, dv)
         optr = out.data_ptr() if qi.kind == "torch" else out.data.ptr
-        ostrides = (sq * h * d, h * d, d)  # a fresh contiguous array, aligned by its allocator
+        ostrides = (sq * h * dv, h * dv, dv)  # a fresh contiguous array, aligned by its allocator
     else:
-        optr, ostrides = out_of(out, qi)
+        optr, ostrides = out_of(out, qi, dv)
     if return_lse:
         lse = plan.alloc_lse(b, h, sq)
         lse_ptr = lse.data_ptr() if qi.kind == "torch" else lse.data.ptr
@@ -289,7 +293,7 @@ def mask_plan(mask, q, k, *, causal: bool = False, window: tuple[int, int] = _NO
     """
     qi, ki, _ = _check_qkv(q, k, k)
     mcode, left, right = mask_and_window(causal, window)
-    key = (qi.shape[3], qi.dtype, qi.device, mcode, False, spec, qi.kind, False, False, CUSTOM_MASK)
+    key = (qi.shape[3], qi.dtype, qi.device, mcode, False, spec, qi.kind, False, False, CUSTOM_MASK, qi.shape[3])
     plan = _plans.get(key) or _make_plan(key)
     kern = plan.kernel or plan.kernel_for(qi.shape[1])
     from .masks import build

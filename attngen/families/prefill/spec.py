@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from ...arch import Arch
 from ...errors import SpecError
-from ...spec import DType, SpecBase, check_smem, coerce_bool, coerce_enum, coerce_int
+from ...spec import DType, SpecBase, allowed_text, check_smem, coerce_bool, coerce_enum, coerce_int
 
 
 class Mma(enum.Enum):
@@ -38,6 +38,11 @@ class MaskMode(enum.Enum):
 PLAN_THREADS = 256
 ORDER_THREADS = 1024
 
+def _row(elems: int) -> int:
+    """Elements per shared-memory row of the chunked kernel's tiles: padded by 16 bytes."""
+    return elems + 8
+
+
 # The template's MASK constant per mode.
 MASK_CODES = {MaskMode.NONE: 0, MaskMode.CAUSAL: 1, MaskMode.SLIDING_WINDOW: 2}
 
@@ -52,15 +57,25 @@ class PrefillSpec(SpecBase):
 
     family: ClassVar[str] = "prefill"
 
-    HEAD_DIMS: ClassVar[tuple[int, ...]] = (64, 96, 128, 192, 256)
-    CTA_TILE_Q: ClassVar[tuple[int, ...]] = (0, 64, 128)
+    # Up to WHOLE_MAX the FlashAttention-2 kernel holds whole Q, K and V rows in shared memory;
+    # past it (and for split QK/V head dims) the chunked kernel streams them in head_dim chunks.
+    HEAD_DIMS: ClassVar[tuple[int, ...]] = (64, 96, 128, 192, 256, 320, 384, 448, 512, 576, 640, 768, 1024)
+    WHOLE_MAX: ClassVar[int] = 256
+    HEAD_DIM_V: ClassVar[tuple[int, ...]] = (0, *HEAD_DIMS)
+    CTA_TILE_Q: ClassVar[tuple[int, ...]] = (0, 32, 64, 128)
     CTA_TILE_KV: ClassVar[tuple[int, ...]] = (0, 32, 64, 128)
     NUM_WARPS: ClassVar[tuple[int, ...]] = (0, 4, 8)
     NUM_STAGES: ClassVar[tuple[int, ...]] = (0, 1, 2, 3, 4)
-    TUNING_FIELDS: ClassVar[tuple[str, ...]] = ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages", "mma")
+    # The chunk width of the chunked kernel; 0 (or the head_dim itself) keeps rows whole (the
+    # FlashAttention-2 kernel) where that can run, and means "choose" where it cannot.
+    HEAD_DIM_CHUNK: ClassVar[tuple[int, ...]] = (0, 32, 64, 96, 128, 192, 256)
+    CHUNKS: ClassVar[tuple[int, ...]] = (32, 64)
+    TUNING_FIELDS: ClassVar[tuple[str, ...]] = ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages", "mma",
+                                                "head_dim_chunk")
     ALWAYS_SHOWN: ClassVar[tuple[str, ...]] = ("head_dim", "dtype", "mask")
 
-    head_dim: int = 128
+    head_dim: int = 128     # of q and k (the QK head dim)
+    head_dim_v: int = 0     # of v and the output; 0: head_dim
     dtype: DType = DType.BF16
     mask: MaskMode = MaskMode.NONE
     return_lse: bool = False
@@ -74,10 +89,26 @@ class PrefillSpec(SpecBase):
     custom_mask: bool = False  # a mask tensor, walked through its plan's lists of live KV tiles
     varlen: bool = False    # packed sequences of different lengths (cu_seqlens), a work list per call
     paged: bool = False     # (varlen) k/v in a paged cache through a block table
+    head_dim_chunk: int = 0  # 32/64: the chunked kernel; 0: whole rows (FlashAttention-2) where they fit
 
     def __post_init__(self):
         s = object.__setattr__
         s(self, "head_dim", coerce_int("head_dim", self.head_dim, self.HEAD_DIMS))
+        s(self, "head_dim_v", coerce_int("head_dim_v", self.head_dim_v, self.HEAD_DIM_V))
+        if self.head_dim_v == self.head_dim:
+            s(self, "head_dim_v", 0)  # one spec (and one cache key) per kernel
+        s(self, "head_dim_chunk", coerce_int("head_dim_chunk", self.head_dim_chunk, self.HEAD_DIM_CHUNK))
+        if self.head_dim_chunk and self.head_dim_chunk not in self.CHUNKS and self.head_dim_chunk != self.head_dim:
+            raise SpecError("head_dim_chunk", self.head_dim_chunk,
+                            f"{allowed_text(self.CHUNKS)} (the chunked kernel)"
+                            + (f" or {self.head_dim} (whole rows)" if self.whole_allowed else ""),
+                            reason=f"with head_dim={self.head_dim}")
+        if self.head_dim_chunk == self.head_dim:
+            if not self.whole_allowed:
+                raise SpecError("head_dim_chunk", self.head_dim_chunk, f"{allowed_text(self.CHUNKS)} (the chunked kernel)",
+                                reason=f"whole rows need head_dim <= {self.WHOLE_MAX} and head_dim_v equal to it; "
+                                       f"head_dim={self.head_dim}, head_dim_v={self.dim_v}")
+            s(self, "head_dim_chunk", 0)  # whole rows: one spec (and one cache key) per kernel
         s(self, "dtype", coerce_enum(DType, "dtype", self.dtype))
         s(self, "mask", coerce_enum(MaskMode, "mask", self.mask))
         s(self, "mma", coerce_enum(Mma, "mma", self.mma))
@@ -97,12 +128,53 @@ class PrefillSpec(SpecBase):
         s(self, "cta_tile_kv", coerce_int("cta_tile_kv", self.cta_tile_kv, self.CTA_TILE_KV))
         s(self, "num_warps", coerce_int("num_warps", self.num_warps, self.NUM_WARPS))
         s(self, "num_stages", coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
-        if self.cta_tile_q and self.num_warps and self.cta_tile_q % (16 * self.num_warps):
+        if self.chunked:
+            for name in ("custom_mask", "varlen"):
+                if getattr(self, name):
+                    raise SpecError(name, True, "false with the chunked kernel (head_dim above "
+                                    f"{self.WHOLE_MAX}, split head dims or head_dim_chunk < head_dim)",
+                                    reason="the chunked kernel has no custom-mask or varlen form yet")
+        elif self.cta_tile_q and self.num_warps and self.cta_tile_q % (16 * self.num_warps):
             raise SpecError("num_warps", self.num_warps,
                             f"a divisor of cta_tile_q/16 = {self.cta_tile_q // 16}",
                             reason=f"each warp owns a whole number of 16-row tiles of cta_tile_q={self.cta_tile_q}")
 
     # --- derived ---------------------------------------------------------------------------
+    @property
+    def dim_v(self) -> int:
+        """The head dim of v and the output."""
+        return self.head_dim_v or self.head_dim
+
+    @property
+    def whole_allowed(self) -> bool:
+        """Whether the FlashAttention-2 kernel (whole rows in shared memory) can run this spec."""
+        return self.head_dim <= self.WHOLE_MAX and self.dim_v == self.head_dim
+
+    @property
+    def chunked(self) -> bool:
+        """The chunked kernel: head_dim chunks stream through shared memory (templates/common/
+        prefill_chunked.cuh). Chosen where whole rows cannot run or a chunk width is given."""
+        return not self.whole_allowed or bool(self.head_dim_chunk)
+
+    @property
+    def is_resolved(self) -> bool:
+        # head_dim_chunk 0 is a value (whole rows) where the FlashAttention-2 kernel runs
+        return all(getattr(self, f) for f in self.TUNING_FIELDS if f != "head_dim_chunk") and (
+            bool(self.head_dim_chunk) or not self.chunked)
+
+    @property
+    def chunk_grid(self) -> dict:
+        """The chunked kernel's warp grid and V steps (see prefill_chunked.cuh): WARPS_N column
+        groups, ON output columns per warp, SN keys of S per warp, and per V step VK keys x VCW
+        columns per warp, the widest VCW (fewest loads per mma) whose step fits the QK step."""
+        self._require_resolved("chunk_grid")
+        warps_n = self.num_warps // (self.cta_tile_q // 32)
+        on = self.dim_v // warps_n
+        qk_elems = (self.cta_tile_q + self.cta_tile_kv) * _row(self.head_dim_chunk)
+        vcw = next((w for w in (64, 32, 16) if on % w == 0), 16)  # a power-of-two count of 16-byte chunks
+        vk = next((k for k in (64, 32, 16) if self.cta_tile_kv % k == 0 and k * _row(vcw * warps_n) <= qk_elems), 16)
+        return dict(warps_n=warps_n, on=on, sn=self.cta_tile_kv // warps_n, vk=vk, vcw=vcw)
+
     @property
     def q_in_regs(self) -> bool:
         """Q fragments stay in registers for the whole KV loop while they take at most 32 per thread
@@ -120,6 +192,13 @@ class PrefillSpec(SpecBase):
 
     def smem_bytes(self) -> int:
         self._require_resolved("smem_bytes")
+        if self.chunked:
+            # the ring of equal steps, P (16-bit) and the row-max exchange (fp32, a row per warp column)
+            cg = self.chunk_grid
+            qk = (self.cta_tile_q + self.cta_tile_kv) * _row(self.head_dim_chunk)
+            v = cg["vk"] * _row(cg["vcw"] * cg["warps_n"])
+            p = self.cta_tile_q * _row(self.cta_tile_kv)
+            return 2 * (self.num_stages * max(qk, v) + p) + 4 * cg["warps_n"] * self.cta_tile_q
         row = self.smem_row_elems * self.dtype.itemsize
         # wgmma's tiles are dense (head_dim is a multiple of 64 there): only slack to align the first
         # one to the 1024-byte swizzle atom is added
@@ -142,7 +221,13 @@ class PrefillSpec(SpecBase):
 
     def template_context(self) -> dict:
         ctx = super().template_context()
+        if self.chunked:
+            cg = self.chunk_grid
+            ctx.update(chunked=True, wgmma=False, custom_mask=False, varlen=False, dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask], chunk_vk=cg["vk"],
+                       chunk_vcw=cg["vcw"])
+            return ctx
         ctx.update(
+            chunked=False,
             q_in_regs=self.q_in_regs,
             mask_mode=MASK_CODES[self.mask],
             smem_row_elems=self.smem_row_elems,
@@ -153,6 +238,9 @@ class PrefillSpec(SpecBase):
 
     # --- fit ---------------------------------------------------------------------------------
     def check(self, a: Arch) -> None:
+        if self.chunked:
+            self._check_chunked(a)
+            return
         if self.mma is Mma.WGMMA:
             self._check_wgmma(a)
             return
@@ -172,6 +260,36 @@ class PrefillSpec(SpecBase):
                                    f"with head_dim={self.head_dim}, cta_tile_kv={self.cta_tile_kv}, "
                                    f"num_warps={self.num_warps}")
         check_smem(self, a, "cta_tile_kv", "a smaller cta_tile_kv, num_stages or cta_tile_q")
+
+    def _check_chunked(self, a: Arch) -> None:
+        if self.mma is not Mma.SYNC:
+            raise SpecError("mma", self.mma.value, "mma_sync",
+                            reason="the chunked kernel (head_dim above 256 or split head dims) is mma.sync only")
+        if self.head_dim % self.head_dim_chunk:
+            raise SpecError("head_dim_chunk", self.head_dim_chunk, "a divisor of head_dim among "
+                            + allowed_text(self.CHUNKS), reason=f"head_dim={self.head_dim}")
+        if self.num_stages < 2:
+            raise SpecError("num_stages", self.num_stages, "2, 3, 4", reason="the chunked kernel's ring needs two slots")
+        if self.cta_tile_q not in (32, 64) or self.num_warps != 8:
+            raise SpecError("cta_tile_q" if self.num_warps == 8 else "num_warps",
+                            self.cta_tile_q if self.num_warps == 8 else self.num_warps,
+                            "cta_tile_q 32 or 64 with num_warps 8",
+                            reason="the chunked kernel's warps own 32-row groups and split the columns of O")
+        cg = self.chunk_grid
+        if cg["sn"] % 16:
+            raise SpecError("cta_tile_kv", self.cta_tile_kv, f"a multiple of {16 * cg['warps_n']}",
+                            reason=f"each of the {cg['warps_n']} warp columns takes 16-key blocks of S")
+        if cg["on"] % 16:
+            raise SpecError("cta_tile_q", self.cta_tile_q, "64" if self.cta_tile_q == 32 else "32",
+                            reason=f"head_dim_v={self.dim_v} splits into {cg['warps_n']} warp columns of "
+                                   f"{self.dim_v / cg['warps_n']:g}, not a multiple of 16")
+        # Per thread: O (ON floats for its two m-tiles) and S (SN); ptxas spilled past ~176.
+        acc = cg["on"] + cg["sn"]
+        if acc > 176:
+            raise SpecError("cta_tile_q", self.cta_tile_q, "32" if self.cta_tile_q == 64 else "a smaller head_dim_v",
+                            reason=f"needs about {acc} accumulator registers per thread (limit 176) with "
+                                   f"head_dim_v={self.dim_v} and cta_tile_kv={self.cta_tile_kv}")
+        check_smem(self, a, "num_stages", "fewer num_stages or a smaller head_dim_chunk or cta_tile_kv")
 
     def _check_wgmma(self, a: Arch) -> None:
         if not a.arch_specific or a.major != 9:

@@ -67,7 +67,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     qi, ki, vi = check_qkv(q, k, v, "[total_q, heads, head_dim]",
                            "[num_blocks, block_size, kv_heads, head_dim]" if paged else "[total_k, kv_heads, head_dim]")
     total_q, h, d = qi.shape
-    hk = ki.shape[-2]
+    hk, dv = ki.shape[-2], vi.shape[-1]
     _max_seqlen(max_seqlen_q, "max_seqlen_q")
     _max_seqlen(max_seqlen_k, "max_seqlen_k")
     cq = _index(cu_seqlens_q, "cu_seqlens_q", 1, qi)
@@ -97,14 +97,14 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     cap_u, inv_cap_u, alibi_ptr, alibi_sb = (extras(softcap, alibi_slopes, batch, h, qi, sm_scale)
                                              if softcap or alibi_slopes is not None else NO_EXTRAS)
     key = (d, qi.dtype, qi.device, mcode, return_lse, spec, qi.kind, bool(softcap), alibi_ptr != 0,
-           VARLEN_PAGED if paged else VARLEN)
+           VARLEN_PAGED if paged else VARLEN, dv)
     plan = plan_for(key)
     scale = plan.default_scale if sm_scale is None else checked_scale(sm_scale)
     if out is None:
-        out = plan.alloc(total_q, h, d)
-        optr, ostrides = ptr_of(out, qi.kind), (h * d, d)
+        out = plan.alloc(total_q, h, dv)
+        optr, ostrides = ptr_of(out, qi.kind), (h * dv, dv)
     else:
-        optr, ostrides = out_of(out, qi)
+        optr, ostrides = out_of(out, qi, dv)
     lse = plan.alloc_lse(h, total_q) if return_lse else None
     if total_q == 0 or batch == 0 or h == 0:
         return (out, lse) if return_lse else out

@@ -1,0 +1,364 @@
+// Prefill for large head dims (and split QK / V head dims): the tiling lowered to the MMA level,
+// so shared memory does not grow with the head dim.
+//
+// A CTA owns BLOCK_M query rows and walks the KV tiles. Per tile it runs a fixed sequence of
+// steps, each one stage of a cp.async ring of NUM_STAGES equal slots:
+//   QK steps (DQK / DK): a DK-wide column chunk of Q and of the K tile, S += Q_c K_c^T;
+//   V steps (BLOCK_N / VK x ON / VCW): VK keys of the V tile, VCW columns for each warp column.
+// The ring runs ahead across steps and tiles alike, so the next tile's Q/K chunks load while this
+// tile's V steps compute. Nothing is held whole in shared memory: per CTA it is the ring, P
+// (BLOCK_M x BLOCK_N, 16-bit) and a row-max exchange, whatever the head dims.
+//
+// Warps form WARPS_M row groups of 32 query rows (two 16-row m-tiles) x WARPS_N column groups.
+// In the QK steps warp (rg, cg) computes S for its 32 rows and keys [cg SN, (cg+1) SN) of the
+// tile; in the V steps it accumulates O for its 32 rows and output columns [cg ON, (cg+1) ON):
+// O stays in registers, split over the column groups, so it needs DV / WARPS_N floats per thread
+// per m-tile pair whatever DV is. The row max is exchanged through shared memory (every warp of
+// a row group computes the same new max from the same partials, so the running max and the
+// rescale agree bit for bit); P goes through shared memory to every warp of its rows; each warp
+// keeps a partial row sum, added up once in the epilogue.
+namespace attngen {
+
+// Copy ROWS x COLS 16-bit elements into a padded tile (rows of ROW_ELEMS) with cp.async; smem
+// column c (a multiple of 8) comes from global column col_of(c) of row r (src + r * stride); rows
+// at or past valid_rows are zero-filled. Each thread keeps one column and steps down the rows, so
+// a copy's addresses are one pointer plus immediates.
+template <int ROWS, int COLS, int ROW_ELEMS, int THREADS, class T, class ColOf>
+__device__ __forceinline__ void load_cols_async(T* dst, const T* src, long long stride, int valid_rows, int tid,
+                                                ColOf col_of) {
+  constexpr int CHUNKS = COLS / 8;
+  static_assert(THREADS % CHUNKS == 0, "a thread keeps one column");
+  constexpr int ROW_STEP = THREADS / CHUNKS;
+  constexpr int ITERS = (ROWS + ROW_STEP - 1) / ROW_STEP;
+  const int r0 = tid / CHUNKS;
+  const int c = (tid % CHUNKS) * 8;
+  const T* s = src + r0 * stride + col_of(c);
+  const unsigned d = smem_addr(dst + r0 * ROW_ELEMS + c);
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int r = r0 + it * ROW_STEP;
+    if (ROWS % ROW_STEP == 0 || r < ROWS) {
+      const bool ok = r < valid_rows;
+      cp_async_16(d + it * ROW_STEP * ROW_ELEMS * 2, ok ? s : src, ok);
+    }
+    s += ROW_STEP * stride;
+  }
+}
+
+// Element offset of (row, col) in a padded tile: rows of ROW_ELEMS = columns + 8, so the 8 rows of
+// an ldmatrix phase start 16 bytes apart in the banks, and offsets of different columns differ by
+// constants (the swizzled layout's XOR gave every column its own register when unrolled).
+template <int ROW_ELEMS>
+__device__ __forceinline__ int padded(int row, int col) {
+  return row * ROW_ELEMS + col;
+}
+
+template <class T, bool BF16, int DQK, int DV, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int NUM_STAGES, int DK,
+          int VK, int VCW, int MASK, bool RETURN_LSE, bool SOFTCAP, bool ALIBI>
+__device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
+  constexpr int THREADS = NUM_WARPS * 32;
+  constexpr int WARPS_M = BLOCK_M / 32;
+  constexpr int WARPS_N = NUM_WARPS / WARPS_M;
+  constexpr int SN = BLOCK_N / WARPS_N;  // keys of S per warp
+  constexpr int ON = DV / WARPS_N;       // output columns per warp
+  constexpr int VC = VCW * WARPS_N;      // columns of a V step
+  constexpr int QK_STEPS = DQK / DK;
+  constexpr int V_KEY_STEPS = BLOCK_N / VK;
+  constexpr int V_COL_STEPS = ON / VCW;
+  constexpr int STEPS = QK_STEPS + V_KEY_STEPS * V_COL_STEPS;
+  static_assert(BLOCK_M % 32 == 0 && NUM_WARPS % WARPS_M == 0, "warp grid");
+  static_assert(SN % 16 == 0 && ON % VCW == 0 && VCW % 16 == 0 && VK % 16 == 0 && BLOCK_N % VK == 0, "tiles");
+  static_assert(DQK % DK == 0 && DK % 16 == 0 && NUM_STAGES >= 2 && STEPS >= NUM_STAGES - 1, "steps");
+
+  // Padded tiles: rows of DK (Q, K), VC (V) or BLOCK_N (P) elements plus 8.
+  constexpr int DK_ROW = DK + 8;
+  constexpr int VC_ROW = VC + 8;
+  constexpr int P_ROW = BLOCK_N + 8;
+  constexpr int QK_ELEMS = (BLOCK_M + BLOCK_N) * DK_ROW;
+  constexpr int V_ELEMS = VK * VC_ROW;
+  constexpr int STAGE_ELEMS = QK_ELEMS > V_ELEMS ? QK_ELEMS : V_ELEMS;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sRing = reinterpret_cast<T*>(smem_raw);
+  T* sP = sRing + NUM_STAGES * STAGE_ELEMS;
+  float* sRed = reinterpret_cast<float*>(sP + BLOCK_M * P_ROW);  // [WARPS_N][BLOCK_M]
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const int rg = warp / WARPS_N;  // row group: rows [32 rg, 32 rg + 32)
+  const int cg = warp % WARPS_N;  // column group
+
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest query tiles first under a causal mask
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int seqlen_q = p.seqlen_q;
+  const int seqlen_k = p.seqlen_k;
+  const int kv_head = head / p.group;
+  const int m0 = m_block * BLOCK_M;
+  const int m_last = min(m0 + BLOCK_M, seqlen_q) - 1;
+
+  KeyRange keys;
+  keys.shift = seqlen_k - seqlen_q;
+  keys.seqlen_k = seqlen_k;
+  keys.left = MASK == MASK_WINDOW ? p.win_left : -1;
+  keys.right = MASK == MASK_CAUSAL ? 0 : (MASK == MASK_WINDOW ? p.win_right : -1);
+  const int n_lo = keys.lo(m0);
+  const int n_hi = keys.hi(m_last);
+  const int tile_begin = n_lo / BLOCK_N;
+  const int n_tiles = n_hi > n_lo ? (n_hi + BLOCK_N - 1) / BLOCK_N - tile_begin : 0;
+
+  const float alibi_u = ALIBI ? p.alibi[batch * p.alibi_sb + head] / p.sm_scale : 0.f;
+  const T* gQ = p.q + batch * p.q_sb + head * p.q_sh + (long long)m0 * p.q_ss;
+  const T* gK = p.k + batch * p.k_sb + kv_head * p.k_sh;
+  const T* gV = p.v + batch * p.v_sb + kv_head * p.v_sh;
+
+  // Step s (0 <= s < STEPS) of KV tile `tile` into ring slot `slot`.
+  // The step's column offset is made opaque to the compiler: otherwise, with the step loop
+  // unrolled, it hoists every step's copy addresses out of the KV loop and holds them all (spills).
+  auto opaque = [](int x) {
+    asm volatile("" : "+r"(x));
+    return x;
+  };
+  auto load_step = [&](int tile, int s, int slot) {
+    T* dst = sRing + slot * STAGE_ELEMS;
+    const int n0 = tile * BLOCK_N;
+    if (s < QK_STEPS) {
+      const int c0 = opaque(s * DK);
+      auto col = [&](int c) { return c0 + c; };
+      load_cols_async<BLOCK_M, DK, DK_ROW, THREADS>(dst, gQ, p.q_ss, seqlen_q - m0, tid, col);
+      load_cols_async<BLOCK_N, DK, DK_ROW, THREADS>(dst + BLOCK_M * DK_ROW, gK + (long long)n0 * p.k_ss, p.k_ss,
+                                                seqlen_k - n0, tid, col);
+    } else {
+      const int v = s - QK_STEPS;
+      const int k0 = n0 + opaque((v / V_COL_STEPS) * VK);
+      const int c0 = opaque((v % V_COL_STEPS) * VCW);
+      // Step column c belongs to warp column c / VCW: output column (c / VCW) ON + c0 + c % VCW.
+      load_cols_async<VK, VC, VC_ROW, THREADS>(dst, gV + (long long)k0 * p.v_ss, p.v_ss, seqlen_k - k0, tid,
+                                           [&](int c) { return (c / VCW) * ON + c0 + c % VCW; });
+    }
+  };
+
+  if (n_tiles > 0) {
+#pragma unroll
+    for (int s = 0; s < NUM_STAGES - 1; ++s) {
+      load_step(tile_begin, s, s);
+      cp_async_commit();
+    }
+  }
+
+  float acc_o[2][ON / 8][4];
+  float row_max[2][2], row_sum[2][2];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int d = 0; d < ON / 8; ++d)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc_o[mt][d][c] = 0.f;
+    row_max[mt][0] = row_max[mt][1] = -ATTNGEN_INF;
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
+  const int row0 = rg * 32;  // this warp's first row in the tile
+  const int warp_lo = m0 + row0;
+  const int warp_hi = max(warp_lo, min(warp_lo + 32, seqlen_q) - 1);
+
+  int slot = 0;       // the ring slot step (it, s) reads
+  int fill = NUM_STAGES - 1;  // the slot the next load fills
+  for (int it = 0; it < n_tiles; ++it) {
+    const int tile = tile_begin + it;
+    const int n0 = tile * BLOCK_N;
+    float acc_s[2][SN / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int n = 0; n < SN / 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc_s[mt][n][c] = 0.f;
+
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) {
+      cp_async_wait<NUM_STAGES - 2>();
+      __syncthreads();
+      // The slot filled here was read by step (it, s) - 1, which every warp finished before the barrier.
+      const int ahead = s + NUM_STAGES - 1;
+      if (ahead < STEPS)
+        load_step(tile, ahead, fill);
+      else if (it + 1 < n_tiles)
+        load_step(tile + 1, ahead - STEPS, fill);
+      cp_async_commit();
+      fill = fill + 1 == NUM_STAGES ? 0 : fill + 1;
+      const T* st = sRing + slot * STAGE_ELEMS;
+      slot = slot + 1 == NUM_STAGES ? 0 : slot + 1;
+
+      if (s < QK_STEPS) {
+        // ---- S += Q_c K_c^T over this DK-wide chunk --------------------------------------------
+        const T* sQc = st;
+        const T* sKc = st + BLOCK_M * DK_ROW;
+#pragma unroll 1
+        for (int kk = 0; kk < DK / 16; ++kk) {
+          unsigned a[2][4];
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt)
+            ldmatrix_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3],
+                        smem_addr(sQc + padded<DK_ROW>(row0 + mt * 16 + (lane % 16), kk * 16 + (lane / 16) * 8)));
+#pragma unroll
+          for (int n2 = 0; n2 < SN / 16; ++n2) {
+            unsigned b0, b1, b2, b3;
+            ldmatrix_x4(b0, b1, b2, b3,
+                        smem_addr(sKc + padded<DK_ROW>(cg * SN + n2 * 16 + (lane % 8) + (lane / 16) * 8,
+                                                   kk * 16 + ((lane / 8) % 2) * 8)));
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+              mma_16816<BF16>(acc_s[mt][2 * n2], a[mt], b0, b1);
+              mma_16816<BF16>(acc_s[mt][2 * n2 + 1], a[mt], b2, b3);
+            }
+          }
+        }
+      } else {
+        // ---- O += P V over VK keys and this warp's VCW columns -----------------------------------
+        const int v = s - QK_STEPS;
+        const int kb = v / V_COL_STEPS;
+        const int cs = v % V_COL_STEPS;
+#pragma unroll 1
+        for (int kk = 0; kk < VK / 16; ++kk) {
+          unsigned a[2][4];
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt)
+            ldmatrix_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3],
+                        smem_addr(sP + padded<P_ROW>(row0 + mt * 16 + (lane % 16), kb * VK + kk * 16 + (lane / 16) * 8)));
+#pragma unroll
+          for (int d2 = 0; d2 < VCW / 16; ++d2) {
+            unsigned b0, b1, b2, b3;
+            ldmatrix_x4_trans(b0, b1, b2, b3,
+                              smem_addr(st + padded<VC_ROW>(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
+                                                        cg * VCW + d2 * 16 + (lane / 16) * 8)));
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+              mma_16816<BF16>(acc_o[mt][cs * (VCW / 8) + 2 * d2], a[mt], b0, b1);
+              mma_16816<BF16>(acc_o[mt][cs * (VCW / 8) + 2 * d2 + 1], a[mt], b2, b3);
+            }
+          }
+        }
+      }
+
+      if (s == QK_STEPS - 1) {
+        // ---- score transforms and mask on this warp's S block ---------------------------------
+        const int col0 = n0 + cg * SN + 2 * t;
+        if constexpr (SOFTCAP || ALIBI) {
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const int pos = m0 + row0 + mt * 16 + g + 8 * r + keys.shift;
+#pragma unroll
+              for (int n = 0; n < SN / 8; ++n)
+#pragma unroll
+                for (int c = 0; c < 2; ++c)
+                  acc_s[mt][n][2 * r + c] = score_transform<SOFTCAP, ALIBI>(
+                      acc_s[mt][n][2 * r + c], p.softcap_u, p.inv_softcap_u, alibi_u, pos - (col0 + n * 8 + c));
+            }
+        }
+        if (!keys.all_visible(warp_lo, warp_hi, n0 + cg * SN, n0 + cg * SN + SN)) {
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const int i = m0 + row0 + mt * 16 + g + 8 * r;
+              const int lo = keys.lo(i) - col0;
+              const int hi = keys.hi(i) - col0;
+#pragma unroll
+              for (int n = 0; n < SN / 8; ++n)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                  const int j = n * 8 + c;
+                  if (j < lo || j >= hi) acc_s[mt][n][2 * r + c] = -ATTNGEN_INF;
+                }
+            }
+        }
+        // ---- row max across the column groups, then P into shared memory -----------------------
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float mx = -ATTNGEN_INF;
+#pragma unroll
+            for (int n = 0; n < SN / 8; ++n) mx = fmaxf(mx, fmaxf(acc_s[mt][n][2 * r], acc_s[mt][n][2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            if (t == 0) sRed[cg * BLOCK_M + row0 + mt * 16 + g + 8 * r] = mx;
+          }
+        __syncthreads();
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = row0 + mt * 16 + g + 8 * r;
+            float mx = row_max[mt][r];
+#pragma unroll
+            for (int c = 0; c < WARPS_N; ++c) mx = fmaxf(mx, sRed[c * BLOCK_M + row]);
+            // A row that has seen only masked keys keeps max -inf; subtracting 0 keeps exp2 at 0.
+            const float base = mx == -ATTNGEN_INF ? 0.f : mx * p.scale_log2;
+            const float corr = fast_exp2(row_max[mt][r] * p.scale_log2 - base);
+            row_max[mt][r] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < SN / 8; ++n) {
+              const float e0 = fast_exp2(fmaf(acc_s[mt][n][2 * r], p.scale_log2, -base));
+              const float e1 = fast_exp2(fmaf(acc_s[mt][n][2 * r + 1], p.scale_log2, -base));
+              sum += e0 + e1;
+              *reinterpret_cast<unsigned*>(sP + padded<P_ROW>(row, cg * SN + n * 8) + 2 * t) = pack2<BF16>(e0, e1);
+            }
+            row_sum[mt][r] = row_sum[mt][r] * corr + sum;
+#pragma unroll
+            for (int d = 0; d < ON / 8; ++d) {
+              acc_o[mt][d][2 * r] *= corr;
+              acc_o[mt][d][2 * r + 1] *= corr;
+            }
+          }
+        // P is read by the V steps after their ring barrier; sRed is written again only after
+        // the next tile's QK steps, several barriers on.
+      }
+    }
+  }
+
+  // ---- epilogue: the row sums of all column groups, normalise, LSE, O ---------------------------
+  cp_async_wait_all();
+  __syncthreads();  // every warp is past its last read of sRed
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float l = row_sum[mt][r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      if (t == 0) sRed[cg * BLOCK_M + row0 + mt * 16 + g + 8 * r] = l;
+    }
+  __syncthreads();
+  T* gO = p.o + batch * p.o_sb + head * p.o_sh + (long long)m0 * p.o_ss + cg * ON;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + mt * 16 + g + 8 * r;
+      float l = 0.f;
+#pragma unroll
+      for (int c = 0; c < WARPS_N; ++c) l += sRed[c * BLOCK_M + row];
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const bool live = m0 + row < seqlen_q;
+      if constexpr (RETURN_LSE) {
+        if (cg == 0 && t == 0 && live)
+          p.lse[((long long)batch * p.num_heads + head) * p.seqlen_q + m0 + row] =
+              l > 0.f ? row_max[mt][r] * p.sm_scale + logf(l) : -ATTNGEN_INF;
+      }
+      if (live) {
+#pragma unroll
+        for (int d = 0; d < ON / 8; ++d)
+          *reinterpret_cast<unsigned*>(gO + row * p.o_ss + d * 8 + 2 * t) =
+              pack2<BF16>(acc_o[mt][d][2 * r] * inv, acc_o[mt][d][2 * r + 1] * inv);
+      }
+    }
+}
+
+}  // namespace attngen

@@ -1,0 +1,124 @@
+"""The chunked prefill kernel (head dims above 256, split QK/V head dims) on a real GPU against an
+fp32 reference (pytest -m gpu).
+
+Fresh random inputs, outputs poisoned with NaN; q, k and v sit inside larger NaN-filled buffers
+(a stray read turns the output NaN) and the output inside a buffer whose border holds a sentinel
+(a stray write changes it).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_reference")]
+
+torch = pytest.importorskip("torch")
+
+import attngen  # noqa: E402
+from tests.gpu_reference import reference_attention  # noqa: E402
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+LARGE = (320, 384, 448, 512, 576, 640, 768, 1024)
+SENTINEL = 7.0
+
+
+def _gen():
+    g = torch.Generator(device="cuda")
+    g.seed()
+    return g
+
+
+def _inside_nan(shape, dtype, gen):
+    """A random [b, s, h, d] tensor viewed inside a NaN buffer with 3 rows before and after it,
+    one head past it and 8 elements past each row."""
+    b, s, h, d = shape
+    buf = torch.full((b, s + 6, h + 1, d + 8), float("nan"), dtype=dtype, device="cuda")
+    view = buf[:, 3:3 + s, :h, :d]
+    view.copy_(torch.randn(shape, dtype=torch.float32, device="cuda", generator=gen).to(dtype))
+    return view
+
+
+def run_case(b, sq, sk, h, hk, d, dv, dtype, causal=False, window=(-1, -1), spec=None, sm_scale=None):
+    gen = _gen()
+    q = _inside_nan((b, sq, h, d), dtype, gen)
+    k = _inside_nan((b, sk, hk, d), dtype, gen)
+    v = _inside_nan((b, sk, hk, dv), dtype, gen)
+    obuf = torch.full((b, sq + 2, h, dv + 8), SENTINEL, dtype=dtype, device="cuda")
+    out = obuf[:, 1:1 + sq, :, :dv]
+    out.fill_(float("nan"))
+    o, lse = attngen.prefill(q, k, v, causal=causal, window=window, return_lse=True, out=out, spec=spec,
+                             sm_scale=sm_scale)
+    torch.cuda.synchronize()
+    assert o is out
+    border = obuf.clone()
+    border[:, 1:1 + sq, :, :dv] = SENTINEL
+    assert (border == SENTINEL).all(), "a write landed outside the output"
+    assert torch.isfinite(o).all(), "unwritten (NaN) or non-finite output elements: a stray read or no write"
+    ref_o, ref_l = reference_attention(q, k, v, causal=causal, window=window, sm_scale=sm_scale)
+    err = (torch.linalg.vector_norm(o.float() - ref_o) / torch.linalg.vector_norm(ref_o).clamp_min(1e-30)).item()
+    assert err < TOL[dtype], f"rel L2 error {err:.3e}"
+    empty = torch.isinf(ref_l).transpose(1, 2)
+    if empty.any():
+        assert (o[empty] == 0).all()
+    fin = torch.isfinite(ref_l)
+    assert torch.equal(torch.isfinite(lse), fin)
+    if fin.any():
+        assert (lse[fin] - ref_l[fin]).abs().max().item() < 2e-2
+    return err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", LARGE)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_large_head_dims(dtype, d, causal):
+    run_case(1, 1000, 1000, 2, 2, d, d, dtype, causal=causal)
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 1), (17, 17), (3001, 3001), (17, 1000), (1000, 17), (129, 3001)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ragged_lengths(sq, sk, causal):
+    run_case(2, sq, sk, 2, 1, 512, 512, torch.bfloat16, causal=causal)
+
+
+@pytest.mark.parametrize("d,dv", [(576, 512), (192, 128), (512, 320), (320, 1024)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_split_head_dims(d, dv, causal):
+    run_case(2, 777, 1000, 4, 2, d, dv, torch.bfloat16, causal=causal)
+
+
+@pytest.mark.parametrize("h,hk", [(8, 1), (6, 2)])
+def test_gqa(h, hk):
+    run_case(1, 300, 700, h, hk, 640, 640, torch.bfloat16, causal=True)
+
+
+@pytest.mark.parametrize("window", [(64, 0), (100, 37)])
+def test_sliding_window(window):
+    run_case(1, 700, 900, 2, 2, 384, 384, torch.float16, window=window)
+
+
+@pytest.mark.parametrize("spec", ["head_dim_chunk=32,num_stages=2", "cta_tile_q=32,num_stages=4",
+                                  "cta_tile_kv=64,num_stages=3"])
+def test_tile_configs(spec):
+    run_case(1, 500, 1300, 2, 2, 512, 512, torch.bfloat16, causal=True, spec=f"prefill:{spec}")
+
+
+def test_head_dim_256_through_the_chunked_kernel():
+    run_case(1, 1000, 1000, 4, 4, 256, 256, torch.bfloat16, causal=True, spec="prefill:head_dim_chunk=64")
+
+
+def test_sm_scale_softcap_alibi():
+    gen = _gen()
+    q, k, v = (torch.randn(1, 400, 4, 512, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
+    slopes = torch.rand(4, device="cuda", generator=gen) * 0.1
+    o = attngen.prefill(q, k, v, causal=True, sm_scale=0.03, softcap=20.0, alibi_slopes=slopes)
+    ref, _ = reference_attention(q, k, v, causal=True, sm_scale=0.03, softcap=20.0, alibi_slopes=slopes)
+    err = (torch.linalg.vector_norm(o.float() - ref) / torch.linalg.vector_norm(ref)).item()
+    assert err < 2e-2
+
+
+def test_kernel_is_the_chunked_one():
+    q = torch.empty(1, 8, 2, 768, device="cuda", dtype=torch.bfloat16)
+    from attngen.families.prefill.op import kernel_for
+
+    kern = kernel_for(q, q, q)
+    assert kern.spec.chunked and kern.spec.head_dim_chunk in (32, 64)

@@ -1,0 +1,97 @@
+"""The chunked prefill kernel's spec side (head dims above 256, split QK/V head dims): routing,
+fit rules, errors, flat shared memory, rendering. Compiles for every manifest arch are in
+test_manifest_build (the default manifest lists these head dims)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from attngen import PrefillSpec, SpecError, parse_spec, resolve
+from attngen.families.prefill.spec import Mma
+from attngen.render import render
+
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100", "sm_120")
+LARGE = (320, 384, 448, 512, 576, 640, 768, 1024)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("d", LARGE)
+def test_large_head_dims_resolve_to_the_chunked_kernel(arch, d):
+    s = resolve(PrefillSpec(head_dim=d, mask="causal"), arch)
+    assert s.chunked and s.mma is Mma.SYNC and s.head_dim_chunk in PrefillSpec.CHUNKS
+    assert s.smem_bytes() <= __import__("attngen").get_arch(arch).smem_per_block
+
+
+@pytest.mark.parametrize("d", (64, 128, 256))
+def test_head_dims_up_to_256_keep_the_whole_row_kernel(d):
+    s = resolve(PrefillSpec(head_dim=d), "sm_80")
+    assert not s.chunked and s.head_dim_chunk == 0
+    # ... unless the chunk width asks for the chunked one (the crossover benchmark)
+    if d > 64:
+        c = resolve(PrefillSpec(head_dim=d, head_dim_chunk=64), "sm_80")
+        assert c.chunked
+
+
+def test_shared_memory_does_not_grow_with_head_dim():
+    cfg = dict(cta_tile_q=32, cta_tile_kv=128, num_warps=8, num_stages=3, mma="mma_sync", head_dim_chunk=64)
+    # every head dim whose V splits into 8 warp columns of a multiple of 16, 320 and 1024 among them
+    sizes = {d: PrefillSpec(head_dim=d, head_dim_v=dv, **cfg).smem_bytes()
+             for d, dv in ((320, 384), (384, 384), (512, 512), (640, 640), (768, 768), (1024, 1024))}
+    assert len(set(sizes.values())) == 1, sizes
+    for d in (320, 1024):
+        resolve(PrefillSpec(head_dim=d, head_dim_v=1024, **cfg), "sm_90a")  # fits: the one config serves both
+    cfg64 = dict(cfg, cta_tile_q=64)
+    sizes64 = {d: PrefillSpec(head_dim=d, **cfg64).smem_bytes() for d in (320, 384, 448, 512)}
+    assert len(set(sizes64.values())) == 1, sizes64
+
+
+@pytest.mark.parametrize("d,dv", [(576, 512), (192, 128), (320, 1024)])
+def test_split_head_dims(d, dv):
+    s = PrefillSpec(head_dim=d, head_dim_v=dv)
+    assert s.dim_v == dv and s.chunked
+    r = resolve(s, "sm_90a")
+    src = render(r)
+    assert f"constexpr int HEAD_DIM_V = {dv};" in src and "prefill_chunked<" in src
+    assert parse_spec(r.to_text()) == r
+
+
+def test_equal_head_dim_v_is_the_same_spec():
+    assert PrefillSpec(head_dim=512, head_dim_v=512) == PrefillSpec(head_dim=512)
+    assert "head_dim_v" not in PrefillSpec(head_dim=512, head_dim_v=512).to_text()
+
+
+@pytest.mark.parametrize("text,field", [
+    ("prefill:head_dim=512,head_dim_chunk=48", "head_dim_chunk"),
+    ("prefill:head_dim=512,head_dim_chunk=256", "head_dim_chunk"),
+    ("prefill:head_dim=320,head_dim_v=128,head_dim_chunk=128", "head_dim_chunk"),
+    ("prefill:head_dim=512,varlen=true", "varlen"),
+    ("prefill:head_dim=576,head_dim_v=512,custom_mask=true", "custom_mask"),
+    ("prefill:head_dim=2048", "head_dim"),
+    ("prefill:head_dim=512,head_dim_v=100", "head_dim_v"),
+])
+def test_bad_specs_name_the_field(text, field):
+    with pytest.raises(SpecError) as e:
+        parse_spec(text)
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("text,field", [
+    ("prefill:head_dim=512,mma=wgmma", "mma"),
+    ("prefill:head_dim=512,cta_tile_q=128", "cta_tile_q"),
+    ("prefill:head_dim=1024,cta_tile_q=64", "cta_tile_q"),
+    ("prefill:head_dim=512,num_stages=1", "num_stages"),
+    ("prefill:head_dim=320,head_dim_chunk=64,cta_tile_q=32,cta_tile_kv=64", "cta_tile_kv"),
+    ("prefill:head_dim=512,num_warps=4", "num_warps"),
+])
+def test_what_does_not_fit_is_refused_by_field(text, field):
+    with pytest.raises(SpecError) as e:
+        resolve(parse_spec(text), "sm_90a")
+    assert e.value.field == field, str(e.value)
+
+
+def test_small_smem_archs_fit_every_default():
+    for arch, d in itertools.product(("sm_86", "sm_89", "sm_120"), LARGE):
+        s = resolve(PrefillSpec(head_dim=d, mask="none"), arch)
+        assert s.smem_bytes() <= 101376
