@@ -24,4 +24,16 @@ struct KeyRange {
   }
 };
 
+// The key range of a MASK mode: the window's sides as the call gives them (read only for
+// MASK_WINDOW; causal is the window (-1, 0), no mask leaves both sides unbounded).
+template <int MASK>
+__device__ __forceinline__ KeyRange key_range(int seqlen_q, int seqlen_k, int win_left, int win_right) {
+  KeyRange keys;
+  keys.shift = seqlen_k - seqlen_q;
+  keys.seqlen_k = seqlen_k;
+  keys.left = MASK == MASK_WINDOW ? win_left : -1;
+  keys.right = MASK == MASK_CAUSAL ? 0 : (MASK == MASK_WINDOW ? win_right : -1);
+  return keys;
+}
+
 }  // namespace attngen

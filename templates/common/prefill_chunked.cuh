@@ -100,11 +100,7 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   const int m0 = m_block * BLOCK_M;
   const int m_last = min(m0 + BLOCK_M, seqlen_q) - 1;
 
-  KeyRange keys;
-  keys.shift = seqlen_k - seqlen_q;
-  keys.seqlen_k = seqlen_k;
-  keys.left = MASK == MASK_WINDOW ? p.win_left : -1;
-  keys.right = MASK == MASK_CAUSAL ? 0 : (MASK == MASK_WINDOW ? p.win_right : -1);
+  const KeyRange keys = key_range<MASK>(seqlen_q, seqlen_k, p.win_left, p.win_right);
   const int n_lo = keys.lo(m0);
   const int n_hi = keys.hi(m_last);
   const int tile_begin = n_lo / BLOCK_N;

@@ -42,16 +42,6 @@ struct PlanParams {
   int paged;
 };
 
-template <int MASK>
-__device__ __forceinline__ KeyRange plan_keys(const PlanParams& p, int seqlen_q, int seqlen_k) {
-  KeyRange keys;
-  keys.shift = seqlen_k - seqlen_q;
-  keys.seqlen_k = seqlen_k;
-  keys.left = MASK == MASK_WINDOW ? p.win_left : -1;
-  keys.right = MASK == MASK_CAUSAL ? 0 : (MASK == MASK_WINDOW ? p.win_right : -1);
-  return keys;
-}
-
 // Bits [lo, hi) of a word, both clamped to [0, 32].
 __device__ __forceinline__ unsigned bit_range(int lo, int hi) {
   lo = max(lo, 0);
@@ -111,7 +101,7 @@ __device__ __forceinline__ void mask_tiles_of(const PlanParams& p) {
   __syncthreads();
   const int unit = blockIdx.z, qt = blockIdx.y;
   const int key0 = blockIdx.x * 1024;
-  const KeyRange keys = plan_keys<MASK>(p, p.seqlen_q, p.seqlen_k);
+  const KeyRange keys = key_range<MASK>(p.seqlen_q, p.seqlen_k, p.win_left, p.win_right);
   const R* m = static_cast<const R*>(p.mask) + (p.units_b > 1 ? unit / p.units_h : 0) * p.m_sb +
                (p.units_h > 1 ? unit % p.units_h : 0) * p.m_sh;
   const bool vec = (reinterpret_cast<unsigned long long>(m) & 15) == 0 && (p.m_sq * sizeof(R)) % 16 == 0;
@@ -322,7 +312,7 @@ __device__ __forceinline__ void order_work(const PlanParams& p) {
       const int qt = i - p.scratch[lo];
       int sq, sk;
       varlen_lengths(p, lo, sq, sk);
-      const KeyRange keys = plan_keys<MASK>(p, sq, sk);
+      const KeyRange keys = key_range<MASK>(sq, sk, p.win_left, p.win_right);
       const int m0 = qt * BLOCK_M;
       const int n_lo = keys.lo(m0), n_hi = keys.hi(min(m0 + BLOCK_M, sq) - 1);
       work = n_hi > n_lo ? (n_hi + BLOCK_N - 1) / BLOCK_N - n_lo / BLOCK_N : 0;

@@ -93,22 +93,25 @@ def candidates(spec, arch: Arch):
     64-row tiles first: the finer its tiles, the more of a sparse mask its live-tile lists skip.
     Configs ``SPILLS_ON`` lists for the arch come after all others: a default never takes one
     while another fits, and a spec that pins one still gets it (spills cost speed, not results)."""
-    spills = SPILLS_ON["mask" if spec.custom_mask else "varlen" if spec.varlen else "dense"]
-
-    def spilled(c):
-        key = (spec.head_dim, tuple(c[:4]), c[4])
-        return arch.name in spills.get(key, ()) or arch.name in spills.get((*key, spec.mask), ())
-
     if spec.chunked:
         rows = (64, 32) if spec.dim_v <= 576 else (32, 64)
         listed = [c for r in rows for c in CHUNKED[r]]
         rest = [(q, kv, 8, st, dk) for q in rows for kv in (128, 64) for dk in (64, 32) for st in (3, 2, 4)]
-        spills = CHUNKED_SPILLS_ON.get((spec.head_dim, spec.dim_v, spec.mask), {})
         every = [(q, kv, w, st, Mma.SYNC, dk) for q, kv, w, st, dk in dict.fromkeys(listed + rest)]
-        return iter(sorted(every, key=lambda c: arch.name in spills.get((*c[:4], c[5]), ())))
-    every = [(*c, 0) for c in _candidates(spec, arch)]  # head_dim_chunk 0: whole rows
-    if spec.custom_mask:
-        every = [c for c in every if c[0] == 64] + [c for c in every if c[0] != 64]
+        chunked_spills = CHUNKED_SPILLS_ON.get((spec.head_dim, spec.dim_v, spec.mask), {})
+
+        def spilled(c):
+            return arch.name in chunked_spills.get((*c[:4], c[5]), ())
+    else:
+        every = [(*c, 0) for c in _candidates(spec, arch)]  # head_dim_chunk 0: whole rows
+        if spec.custom_mask:
+            every = [c for c in every if c[0] == 64] + [c for c in every if c[0] != 64]
+        spills = SPILLS_ON["mask" if spec.custom_mask else "varlen" if spec.varlen else "dense"]
+
+        def spilled(c):
+            key = (spec.head_dim, tuple(c[:4]), c[4])
+            return arch.name in spills.get(key, ()) or arch.name in spills.get((*key, spec.mask), ())
+
     return iter(sorted(every, key=spilled))  # stable: the order within each group is kept
 
 

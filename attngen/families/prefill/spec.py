@@ -38,6 +38,7 @@ class MaskMode(enum.Enum):
 PLAN_THREADS = 256
 ORDER_THREADS = 1024
 
+
 def _row(elems: int) -> int:
     """Elements per shared-memory row of the chunked kernel's tiles: padded by 16 bytes."""
     return elems + 8
@@ -165,15 +166,17 @@ class PrefillSpec(SpecBase):
     @property
     def chunk_grid(self) -> dict:
         """The chunked kernel's warp grid and V steps (see prefill_chunked.cuh): WARPS_N column
-        groups, ON output columns per warp, SN keys of S per warp, and per V step VK keys x VCW
-        columns per warp, the widest VCW (fewest loads per mma) whose step fits the QK step."""
+        groups, ON output columns per warp, SN keys of S per warp, per V step VK keys x VCW
+        columns per warp (the widest VCW, fewest loads per mma, whose step fits the QK step),
+        and the elements of one ring slot (the larger of the two steps)."""
         self._require_resolved("chunk_grid")
         warps_n = self.num_warps // (self.cta_tile_q // 32)
         on = self.dim_v // warps_n
         qk_elems = (self.cta_tile_q + self.cta_tile_kv) * _row(self.head_dim_chunk)
         vcw = next((w for w in (64, 32, 16) if on % w == 0), 16)  # a power-of-two count of 16-byte chunks
         vk = next((k for k in (64, 32, 16) if self.cta_tile_kv % k == 0 and k * _row(vcw * warps_n) <= qk_elems), 16)
-        return dict(warps_n=warps_n, on=on, sn=self.cta_tile_kv // warps_n, vk=vk, vcw=vcw)
+        return dict(warps_n=warps_n, on=on, sn=self.cta_tile_kv // warps_n, vk=vk, vcw=vcw,
+                    stage_elems=max(qk_elems, vk * _row(vcw * warps_n)))
 
     @property
     def q_in_regs(self) -> bool:
@@ -195,10 +198,8 @@ class PrefillSpec(SpecBase):
         if self.chunked:
             # the ring of equal steps, P (16-bit) and the row-max exchange (fp32, a row per warp column)
             cg = self.chunk_grid
-            qk = (self.cta_tile_q + self.cta_tile_kv) * _row(self.head_dim_chunk)
-            v = cg["vk"] * _row(cg["vcw"] * cg["warps_n"])
             p = self.cta_tile_q * _row(self.cta_tile_kv)
-            return 2 * (self.num_stages * max(qk, v) + p) + 4 * cg["warps_n"] * self.cta_tile_q
+            return 2 * (self.num_stages * cg["stage_elems"] + p) + 4 * cg["warps_n"] * self.cta_tile_q
         row = self.smem_row_elems * self.dtype.itemsize
         # wgmma's tiles are dense (head_dim is a multiple of 64 there): only slack to align the first
         # one to the 1024-byte swizzle atom is added
@@ -223,8 +224,8 @@ class PrefillSpec(SpecBase):
         ctx = super().template_context()
         if self.chunked:
             cg = self.chunk_grid
-            ctx.update(chunked=True, wgmma=False, custom_mask=False, varlen=False, dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask], chunk_vk=cg["vk"],
-                       chunk_vcw=cg["vcw"])
+            ctx.update(chunked=True, wgmma=False, dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask],
+                       chunk_vk=cg["vk"], chunk_vcw=cg["vcw"])
             return ctx
         ctx.update(
             chunked=False,
