@@ -110,7 +110,7 @@ def get_family(name: str) -> Family:
     _load_builtin()
     fam = _registry.get(name) or _registry.get(str(name).strip().lower())
     if fam is None:
-        raise SpecError("family", name, ", ".join(_registry) or "(none registered)")
+        raise SpecError("family", name, ", ".join(sorted(_registry)) or "(none registered)")
     return fam
 
 

@@ -1,7 +1,7 @@
 """PyTorch custom ops for attngen's ops (``torch.library``): ``attngen::prefill``,
-``attngen::prefill_varlen`` and ``attngen::decode``, each with a fake implementation that gives
-the output shapes, so ``torch.compile(fullgraph=True)`` traces a model that calls
-``attngen.prefill``, ``attngen.prefill_varlen`` or ``attngen.decode`` without a graph break, and
+``attngen::prefill_varlen``, ``attngen::decode`` and ``attngen::mla_decode``, each with a fake
+implementation that gives the output shapes, so ``torch.compile(fullgraph=True)`` traces a model
+that calls any of those ops without a graph break, and
 ``mode="reduce-overhead"`` captures them into its CUDA graphs.
 
 While torch.compile traces, each op hands its call to its custom op (``runtime.tracing``, set
@@ -96,6 +96,27 @@ def _(q, k_cache, v_cache, cache_seqlens, cache_seqlen, cache_batch_idx, block_t
     return torch.empty_like(q, memory_format=torch.contiguous_format), lse
 
 
+@torch.library.custom_op("attngen::mla_decode", mutates_args=(), device_types="cuda")
+def _mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,
+                cache_seqlens: Optional[torch.Tensor], cache_seqlen: int, sm_scale: float,
+                block_table: Optional[torch.Tensor], num_splits: int, return_lse: bool,
+                spec: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    from .families.mla_decode.op import mla_decode
+
+    r = mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens=cache_seqlen if cache_seqlens is None
+                   else cache_seqlens, sm_scale=sm_scale, block_table=block_table, num_splits=num_splits,
+                   return_lse=return_lse, spec=spec)
+    return r if return_lse else (r, _no_lse(q_nope))
+
+
+@_mla_decode.register_fake
+def _(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens, cache_seqlen, sm_scale, block_table, num_splits,
+      return_lse, spec):
+    b, n, h, _ = q_nope.shape
+    lse = q_nope.new_empty((b, h, n), dtype=torch.float32) if return_lse else _no_lse(q_nope)
+    return q_nope.new_empty((b, n, h, ckv_cache.shape[-1])), lse
+
+
 def _traced(what: str, out, extra: str = "") -> None:
     if out is not None:
         raise LaunchError(f"{what}(out=...) is not supported under torch.compile (its custom op returns a new "
@@ -139,5 +160,16 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx, block_table, 
     return (o, lse) if return_lse else o
 
 
-runtime.traced_ops.update(prefill=prefill, prefill_varlen=prefill_varlen, decode=decode)
+def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale, block_table, num_splits, return_lse,
+               out, spec):
+    """``attngen.mla_decode`` while torch.compile traces: the ``attngen::mla_decode`` op."""
+    _traced("attngen.mla_decode", out)
+    tensor = isinstance(cache_seqlens, torch.Tensor)
+    o, lse = torch.ops.attngen.mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens if tensor else None,
+                                          0 if tensor else int(cache_seqlens), float(sm_scale), block_table,
+                                          int(num_splits), bool(return_lse), _text(spec, "attngen.mla_decode"))
+    return (o, lse) if return_lse else o
+
+
+runtime.traced_ops.update(prefill=prefill, prefill_varlen=prefill_varlen, decode=decode, mla_decode=mla_decode)
 runtime.tracing = torch.compiler.is_compiling

@@ -128,3 +128,26 @@ def rel(a, b) -> float:
 
     a, b = a.float(), b.float()
     return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30)).item()
+
+
+def reference_mla(q_nope, q_pe, ckv, kpe, seqlens, sm_scale):
+    """MLA decode in fp32: output [b, q_len, h, rank] and LSE [b, h, q_len]; a token sees keys 0..L - q_len + i.
+    ``seqlens``: a list or an int32 tensor [b]."""
+    import torch
+
+    seqlens = [int(x) for x in seqlens]
+    b, q_len, h, rank = q_nope.shape
+    outs, lses = [], []
+    for i in range(b):
+        n = seqlens[i]
+        qn, qp = q_nope[i].float(), q_pe[i].float()
+        c, p = ckv[i, :n].float().nan_to_num(), kpe[i, :n].float().nan_to_num()
+        s = (torch.einsum("thd,nd->thn", qn, c) + torch.einsum("thd,nd->thn", qp, p)) * sm_scale
+        key = torch.arange(n, device="cuda")
+        lim = (n - q_len + torch.arange(q_len, device="cuda")).view(q_len, 1, 1)
+        s = s.masked_fill(key.view(1, 1, n) > lim, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1) if n else torch.full((q_len, h), float("-inf"), device="cuda")
+        pr = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
+        outs.append(torch.einsum("thn,nd->thd", pr, c))
+        lses.append(lse.transpose(0, 1))
+    return torch.stack(outs), torch.stack(lses)

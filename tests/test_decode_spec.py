@@ -7,7 +7,7 @@ import pytest
 from attngen.arch import ARCHS
 from attngen.compiler import compile
 from attngen.errors import SpecError
-from attngen.families.decode.op import MAX_SPLITS, choose_splits
+from attngen.families.split_kv import MAX_SPLITS, choose_splits
 from attngen.render import render
 from attngen.spec import parse_spec, resolve, validate
 from attngen import DecodeSpec, Variant
@@ -85,12 +85,12 @@ def test_module_holds_every_entry(variant, suffixes):
 def test_split_heuristic():
     sms, per = 132, 1
     # A grid that already fills the GPU is not split.
-    assert choose_splits(64, 8, 4096, 128, sms, per, 32, 1, 128) == 1
+    assert choose_splits(64 * 8, 4096, 128, sms, per, 4 * 128 * 128, 4 * 64 * 1 * 32 * 128) == 1
     # One long sequence on 8 KV heads is spread over about every SM.
-    s = choose_splits(1, 8, 32768, 128, sms, per, 32, 1, 128)
+    s = choose_splits(1 * 8, 32768, 128, sms, per, 4 * 128 * 128, 4 * 1 * 1 * 32 * 128)
     assert 8 <= s <= 32 and 8 * s <= 2 * sms
     # Never more splits than tiles, never more than the cap.
-    assert choose_splits(1, 1, 100, 64, sms, per, 8, 1, 128) <= 2
-    assert choose_splits(1, 1, 1 << 22, 16, 10000, 4, 8, 1, 128) <= MAX_SPLITS
+    assert choose_splits(1 * 1, 100, 64, sms, per, 4 * 64 * 128, 4 * 1 * 1 * 8 * 128) <= 2
+    assert choose_splits(1 * 1, 1 << 22, 16, 10000, 4, 4 * 16 * 128, 4 * 1 * 1 * 8 * 128) <= MAX_SPLITS
     # More SMs never mean fewer splits for the same problem.
-    assert choose_splits(1, 8, 32768, 128, 264, per, 32, 1, 128) >= s
+    assert choose_splits(1 * 8, 32768, 128, 264, per, 4 * 128 * 128, 4 * 1 * 1 * 32 * 128) >= s

@@ -1,6 +1,6 @@
 """attngen's ops as PyTorch custom ops (pytest -m gpu): torch.library's own checks of each op and
 its fake implementation, torch.compile(fullgraph=True) over functions that call attngen.prefill,
-prefill_varlen and decode (a graph break fails the test), and mode="reduce-overhead" (CUDA graphs)
+prefill_varlen, decode and mla_decode (a graph break fails the test), and mode="reduce-overhead" (CUDA graphs)
 with fresh inputs per call, each against the eager call and the fp32 reference."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 import attngen  # noqa: E402
 import attngen.torch_ops  # noqa: E402,F401  (registers the ops whatever the import order)
-from tests.gpu_reference import reference_attention, reference_decode, rel  # noqa: E402
+from tests.gpu_reference import reference_attention, reference_decode, reference_mla, rel  # noqa: E402
 
 TOL = 2e-2
 
@@ -127,3 +127,29 @@ def test_compile_reduce_overhead_cuda_graphs(which, gen, cache_dir):
         out = g(*args).clone()
         assert torch.equal(out, f(*args))
         assert rel(out, ref(*args)) < TOL
+
+
+def test_mla_decode_op(gen, cache_dir):
+    """opcheck, fullgraph and reduce-overhead for attngen::mla_decode."""
+    qn, qp = rnd(2, 2, 16, 512, gen=gen), rnd(2, 2, 16, 64, gen=gen)
+    ckv, kpe = rnd(2, 300, 512, gen=gen), rnd(2, 300, 64, gen=gen)
+    lens = torch.tensor([3, 300], dtype=torch.int32, device="cuda")
+    torch.library.opcheck(torch.ops.attngen.mla_decode.default, (qn, qp, ckv, kpe, lens, 0, 0.07, None, 0, True, None))
+
+    def f(qn, qp, ckv, kpe):
+        o, lse = attngen.mla_decode(qn, qp, ckv, kpe, cache_seqlens=lens, sm_scale=0.07, return_lse=True)
+        o2 = attngen.mla_decode(qn, qp, ckv, kpe, cache_seqlens=200, sm_scale=0.07,
+                                spec="mla_decode:qk_shard=false")
+        return o + o2, lse
+
+    got = torch.compile(f, fullgraph=True)(qn, qp, ckv, kpe)
+    assert all(torch.equal(a, b) for a, b in zip(got, f(qn, qp, ckv, kpe)))
+    ref = reference_mla(qn, qp, ckv, kpe, lens, 0.07)[0] + reference_mla(qn, qp, ckv, kpe, [200, 200], 0.07)[0]
+    assert rel(got[0], ref) < TOL
+    torch._dynamo.reset()
+    g = torch.compile(lambda *a: attngen.mla_decode(*a, cache_seqlens=lens, sm_scale=0.07) * 0.5,
+                      mode="reduce-overhead", fullgraph=True)
+    for _ in range(4):
+        args = (rnd(2, 1, 16, 512, gen=gen), rnd(2, 1, 16, 64, gen=gen), ckv, kpe)
+        out = g(*args).clone()
+        assert rel(out, reference_mla(*args, lens, 0.07)[0] * 0.5) < TOL

@@ -181,4 +181,6 @@ def test_default_manifest_validates_for_every_arch_it_lists():
             assert {a.name for sp, a in items if sp == s} == archs
     assert {s.varlen for s in prefill} == {False, True} and {s.custom_mask for s in prefill} == {False, True}
     # Kept small enough that `attngen prewarm --jobs 2` stays within CI's budget on two cores (~10 min).
-    assert 100 <= len(items) <= 1300
+    mla = {s for s in specs if s.family == "mla_decode"}
+    assert {s.q_rows for s in mla} == {16, 32, 64} and {s.paged for s in mla} == {False, True}
+    assert 100 <= len(items) <= 1400

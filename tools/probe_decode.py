@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import attngen  # noqa: E402
 from attngen.bench import _event_bench, _graphed, _rel_check, environment  # noqa: E402
-from attngen.bench.core import measure_copy_bandwidth  # noqa: E402
+from attngen.bench.core import measure_copy_bandwidth, stream_reader  # noqa: E402
 from attngen.families.decode.bench import decode_reference, rotate_copies  # noqa: E402
 
 # (batch, kv_len, heads, kv_heads), head_dim 128, bf16, q_len 1
@@ -29,25 +29,6 @@ SHAPES = [(1, 32768, 32, 8), (1, 32768, 32, 4), (1, 32768, 64, 8), (1, 8192, 32,
           (16, 4096, 32, 8), (16, 1024, 32, 8), (64, 8192, 32, 8)]
 # (cta_tile_kv, num_warps, num_stages) tried with --configs
 CONFIGS = [(128, 4, 2), (128, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 8, 2), (128, 8, 3), (128, 4, 1)]
-
-_READ_SRC = r"""
-extern "C" __global__ void stream_read(const uint4* a, long long na, const uint4* b, long long nb,
-                                       unsigned* sink) {
-  unsigned x = 0;
-  const long long stride = (long long)gridDim.x * blockDim.x;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < na + nb; i += 4 * stride) {
-    uint4 v[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const long long j = i + u * stride;
-      v[u] = j < na ? __ldcs(a + j) : (j < na + nb ? __ldcs(b + j - na) : make_uint4(0, 0, 0, 0));
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) x ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-  }
-  if (x == 0x9e3779b9u) sink[0] = x;  // keeps the loads; practically never true
-}
-"""
 
 
 def main() -> int:
@@ -58,18 +39,10 @@ def main() -> int:
     ap.add_argument("--rep-ms", type=float, default=100.0)
     args = ap.parse_args()
 
-    import cupy as cp
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    read = cp.RawKernel(_READ_SRC, "stream_read")
-    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-
-    def stream_read(k, v):
-        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-            read((sms * 4,), (512,), (k.data_ptr(), k.numel() * 2 // 16, v.data_ptr(), v.numel() * 2 // 16,
-                                      sink.data_ptr()))
+    stream_read = stream_reader()
 
     copy = measure_copy_bandwidth()
     rows = []

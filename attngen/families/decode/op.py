@@ -8,14 +8,13 @@ import functools
 import math
 import struct
 
-from ..._driver import CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, driver
-from ...arch import get_arch
 from ... import runtime as _rt
 from ...errors import LaunchError
 from ...runtime import current_stream, empty_like_kind, get_kernel, register_dependent_cache, tensor_info
 from ...spec import DType, spec_of_text
 from ...tuned import bucket_bounds, stored_choices
 from ..score_mods import NO_EXTRAS, checked_scale, extras
+from ..split_kv import MAX_SPLITS, check_index, check_rows, choose_splits, ctas_per_sm, sm_count
 from .spec import MERGE_THREADS, DecodeSpec, Variant
 
 # DecodeParams in templates/common/decode_fwd.cuh: 12 pointers, 14 strides, 10 ints, 2 floats, 2 floats
@@ -24,31 +23,8 @@ _PARAMS = struct.Struct("<12Q14q10i2f2fQq")
 _LOG2E = 1.4426950408889634
 MAX_Q_LEN = 8
 MAX_GROUP = 16
-MAX_SPLITS = 256
 VARIANTS = ("auto", "fused", "unfused")
 _CACHE_DIMS = "[cache_batch, max_seqlen, kv_heads, head_dim] or, paged, [num_blocks, block_size, kv_heads, head_dim]"
-
-
-def _check_half(t, name: str, dims: str) -> None:
-    if len(t.shape) != 4:
-        raise LaunchError(f"{name} has shape {t.shape}; expected 4 dims {dims}")
-    if t.strides[-1] != 1:
-        raise LaunchError(f"{name} has stride {t.strides[-1]} in its last dim; head_dim must be contiguous")
-    if t.ptr % 16 or any(s % 8 for s in t.strides[:-1]):
-        raise LaunchError(f"{name} must be 16-byte aligned with strides that are multiples of 8 elements; "
-                          f"got strides {t.strides}")
-
-
-def _check_index(x, name: str, shape_rank: int, kind: str, device: int):
-    t = tensor_info(x, name)
-    if t.kind != kind or t.device != device:
-        raise LaunchError(f"{name} must be a {kind} tensor on device {device}; got {t.kind} on device {t.device}")
-    if t.dtype != "int32":
-        raise LaunchError(f"{name} has dtype {t.dtype}; allowed: int32")
-    if len(t.shape) != shape_rank or t.strides[-1] != 1:
-        raise LaunchError(f"{name} has shape {t.shape} and strides {t.strides}; expected {shape_rank} dims with a "
-                          f"contiguous last dim")
-    return t
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,49 +46,6 @@ def _tuned_for(base: DecodeSpec, device: int) -> tuple[list, list]:
         choices = stored_choices(base, device)
         got = _tuned[(base, device)] = (bucket_bounds([s for s, _ in choices]), [c for _, c in choices])
     return got
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: int) -> int:
-    return driver().attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device)
-
-
-@functools.lru_cache(maxsize=None)
-def ctas_per_sm(kern) -> int:
-    """How many CTAs of a loaded kernel one SM holds at once (shared memory, threads, registers)."""
-    spec = kern.spec
-    a = get_arch(kern.binary.arch)
-    regs = kern.binary.resources.registers if kern.binary.resources.known else 255
-    by_smem = a.smem_per_sm // (spec.smem_bytes() + 1024)
-    by_threads = 2048 // spec.threads
-    by_regs = a.regs_per_sm // (max(regs, 1) * spec.threads)
-    return max(1, min(by_smem, by_threads, by_regs))
-
-
-@functools.lru_cache(maxsize=4096)
-def choose_splits(batch: int, kv_heads: int, capacity: int, block_n: int, sm_count: int, per_sm: int,
-                  q_heads: int, q_len: int, head_dim: int) -> int:
-    """Split count from a cost model over SM count, batch, heads and sequence capacity.
-
-    Time is counted in "tile steps": one step is every resident CTA reading one K/V tile. A
-    split count s runs batch*kv_heads*s CTAs in ceil(CTAs / slots) waves of ceil(tiles/s) + 2
-    steps (2 for the pipeline's fill), plus, when s > 1, one step for the merge launch and the
-    merge's traffic (s fp32 partial rows per output row) in steps of the same bandwidth.
-    """
-    tiles = max(1, -(-capacity // block_n))
-    base = max(1, batch * kv_heads)
-    slots = max(1, sm_count * per_sm)
-    tile_bytes = 2 * block_n * head_dim * 2
-    best, best_cost = 1, None
-    for s in range(1, min(MAX_SPLITS, tiles) + 1):
-        waves = -(-base * s // slots)
-        cost = waves * (-(-tiles // s) + 2)
-        if s > 1:
-            merge_bytes = s * batch * q_len * q_heads * head_dim * 4
-            cost += 1 + merge_bytes / (slots * tile_bytes)
-        if best_cost is None or cost < best_cost - 1e-9:
-            best, best_cost = s, cost
-    return best
 
 
 def _data_ptr(x, kind: str) -> int:
@@ -151,9 +84,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     qi = tensor_info(q, "q")
     ki = tensor_info(k_cache, "k_cache")
     vi = tensor_info(v_cache, "v_cache")
-    _check_half(qi, "q", "[batch, q_len, heads, head_dim]")
-    _check_half(ki, "k_cache", _CACHE_DIMS)
-    _check_half(vi, "v_cache", _CACHE_DIMS)
+    check_rows(qi, "q", 4, "[batch, q_len, heads, head_dim]")
+    check_rows(ki, "k_cache", 4, _CACHE_DIMS)
+    check_rows(vi, "v_cache", 4, _CACHE_DIMS)
     if len({qi.kind, ki.kind, vi.kind}) != 1 or len({qi.device, ki.device, vi.device}) != 1:
         raise LaunchError(f"q, k_cache, v_cache must be of one kind on one device; got {qi.kind}:{qi.device}, "
                           f"{ki.kind}:{ki.device}, {vi.kind}:{vi.device}")
@@ -187,7 +120,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
         if cache_batch_idx is not None:
             raise LaunchError("cache_batch_idx cannot be combined with block_table (a paged cache names its "
                               "blocks per row already)")
-        bt = _check_index(block_table, "block_table", 2, qi.kind, qi.device)
+        bt = check_index(block_table, "block_table", 2, qi.kind, qi.device)
         if bt.shape[0] != b:
             raise LaunchError(f"block_table has {bt.shape[0]} rows; q has batch {b}")
         block_size = cache_len
@@ -201,7 +134,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
         block_size, capacity, bt_ptr, bt_sb = 0, cache_len, 0, 0
         bi_ptr = 0
         if cache_batch_idx is not None:
-            bix = _check_index(cache_batch_idx, "cache_batch_idx", 1, qi.kind, qi.device)
+            bix = check_index(cache_batch_idx, "cache_batch_idx", 1, qi.kind, qi.device)
             if bix.shape[0] != b:
                 raise LaunchError(f"cache_batch_idx has {bix.shape[0]} entries; q has batch {b}")
             bi_ptr = bix.ptr
@@ -214,7 +147,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
             raise LaunchError(f"cache_seqlens={cache_seqlens} must be >= 0")
         seq_ptr, seq_fixed = 0, cache_seqlens
     else:
-        si = _check_index(cache_seqlens, "cache_seqlens", 1, qi.kind, qi.device)
+        si = check_index(cache_seqlens, "cache_seqlens", 1, qi.kind, qi.device)
         if si.shape[0] != b:
             raise LaunchError(f"cache_seqlens has {si.shape[0]} entries; q has batch {b}")
         seq_ptr, seq_fixed = si.ptr, 0
@@ -225,7 +158,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     if oi.kind != qi.kind or oi.shape != qi.shape or oi.dtype != qi.dtype or oi.device != qi.device:
         raise LaunchError(f"out must match q: {qi.kind} {qi.shape} {qi.dtype} on device {qi.device}; got "
                           f"{oi.kind} {oi.shape} {oi.dtype} on device {oi.device}")
-    _check_half(oi, "out", "[batch, q_len, heads, head_dim]")
+    check_rows(oi, "out", 4, "[batch, q_len, heads, head_dim]")
     lse = empty_like_kind(qi.kind, (b, h, q_len), "fp32", qi.device) if return_lse else None
     if b == 0:
         return (out, lse) if return_lse else out
@@ -245,8 +178,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     kern = get_kernel(rs_spec, device=qi.device)
     rs = kern.spec
     if num_splits == 0:
-        num_splits = choose_splits(b, hk, capacity, rs.cta_tile_kv, _sm_count(qi.device), ctas_per_sm(kern),
-                                   h, q_len, d)
+        num_splits = choose_splits(b * hk, capacity, rs.cta_tile_kv, sm_count(qi.device), ctas_per_sm(kern),
+                                   4 * rs.cta_tile_kv * d, 4 * b * q_len * h * d)
     # One fp32 workspace per call: split partials (outputs, then LSE), then the unfused
     # variant's scores and per-split row stats; every piece starts 16-byte aligned.
     scores_ld = 0

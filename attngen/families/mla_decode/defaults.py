@@ -1,0 +1,32 @@
+"""The MLA decode family's per-arch defaults: measured configs first, then every allowed combination.
+
+``resolve`` takes the first candidate that agrees with the pinned fields and fits the arch, so the
+order below is the choice: on the 99-100 KB arches (sm_86, sm_89, sm_120) a 64-row block leaves room
+for one stage of 16 keys, and there the unsharded form (no P exchange, one barrier per tile) comes
+first; elsewhere sharding does.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from ...arch import Arch
+from .spec import QkShard
+
+T, F = QkShard.TRUE, QkShard.FALSE
+
+# Per q_rows: [(qk_shard, cta_tile_kv, num_warps, num_stages), ...] best first.
+TUNED = {
+    64: [(T, 32, 8, 3), (F, 64, 8, 2), (F, 32, 8, 2)],
+    32: [(T, 32, 8, 3), (T, 64, 8, 2)],
+    16: [(T, 64, 8, 2), (T, 32, 4, 3)],
+}
+
+SMALL_SMEM = 128 * 1024  # per block: below this the unsharded form goes first
+
+
+def candidates(spec, arch: Arch):
+    """(qk_shard, cta_tile_kv, num_warps, num_stages): measured configs, then every combination."""
+    shard_order = (F, T) if arch.smem_per_block < SMALL_SMEM else (T, F)
+    first = TUNED[spec.q_rows] if arch.smem_per_block >= SMALL_SMEM else []
+    yield from itertools.chain(first, itertools.product(shard_order, (64, 32, 16), (8, 4), (4, 3, 2, 1)))

@@ -1,0 +1,175 @@
+"""``attngen.mla_decode``: MLA decode (DeepSeek-V2/V3's absorbed form) against one shared compressed
+cache, contiguous or paged, split-KV with an LSE merge, CUDA-graph safe (no host sync)."""
+
+from __future__ import annotations
+
+import functools
+import struct
+
+from ... import runtime as _rt
+from ...errors import LaunchError
+from ...runtime import current_stream, empty_like_kind, get_kernel, tensor_info
+from ...spec import DType, spec_of_text
+from ..score_mods import checked_scale
+from ..split_kv import MAX_SPLITS, check_index, check_rows, choose_splits, ctas_per_sm, sm_count
+from .spec import MERGE_COLS, MERGE_THREADS, MlaDecodeSpec
+
+# MlaParams in templates/common/mla_decode.cuh: 10 pointers, 14 strides, 9 ints, 2 floats.
+_PARAMS = struct.Struct("<10Q14q9i2f")
+_LOG2E = 1.4426950408889634
+MAX_Q_LEN = 4
+MAX_HEADS = 128
+
+
+@functools.lru_cache(maxsize=None)
+def _spec_for(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, user: MlaDecodeSpec | None):
+    fields = dict(kv_lora_rank=rank, rope_dim=rope, dtype=DType(dtype), q_rows=q_rows, paged=paged)
+    return MlaDecodeSpec(**fields) if user is None else user.replace(**fields)
+
+
+def _data_ptr(x, kind: str) -> int:
+    return x.data_ptr() if kind == "torch" else x.data.ptr
+
+
+def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: float, block_table=None,
+               num_splits: int = 0, return_lse: bool = False, out=None, spec: MlaDecodeSpec | str | None = None):
+    """MLA decode: q_len new tokens per sequence, every head against one shared compressed cache.
+
+    q_nope ``[batch, q_len, heads, kv_lora_rank]`` and q_pe ``[batch, q_len, heads, rope_dim]``
+    (q_len 1..4, heads 1..128; 512/64 and 256/32 supported). Contiguous cache: ckv_cache
+    ``[batch, max_seqlen, kv_lora_rank]`` and kpe_cache ``[batch, max_seqlen, rope_dim]``. Paged
+    (``block_table`` int32 ``[batch, max_blocks]``): ``[num_blocks, block_size, ...]`` with key j of
+    row b at block ``block_table[b, j // block_size]``, slot ``j % block_size`` (block sizes: a
+    multiple of 16 from 16 to 256). ``cache_seqlens`` (int32 ``[batch]`` or an int) is each row's
+    length including the new tokens, whose entries are already in the cache: token i sits at
+    position L - q_len + i and sees keys 0..L - q_len + i. Lengths past the capacity are clamped
+    to it; out-of-range blocks are clamped to the pool on the device.
+
+    Scores are ``(q_nope . ckv + q_pe . kpe) * sm_scale``; the output ``[batch, q_len, heads,
+    kv_lora_rank]`` (q's dtype and kind) is their softmax times ckv. ``num_splits`` 0 chooses the
+    split-KV count, a positive number forces it. ``spec`` (a spec or its text) pins tuning fields
+    (``qk_shard``, ``cta_tile_kv``, ``num_warps``, ``num_stages``). With ``return_lse`` also the
+    fp32 LSE ``[batch, heads, q_len]``; a token that sees no key gives zeros and LSE -inf.
+    """
+    if _rt.tracing is not None and _rt.tracing():
+        return _rt.traced_ops["mla_decode"](
+            q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens=cache_seqlens, sm_scale=sm_scale,
+            block_table=block_table, num_splits=num_splits, return_lse=return_lse, out=out, spec=spec)
+    if spec.__class__ is str:
+        spec = spec_of_text(spec, "mla_decode")
+    qn = tensor_info(q_nope, "q_nope")
+    qp = tensor_info(q_pe, "q_pe")
+    cv = tensor_info(ckv_cache, "ckv_cache")
+    pe = tensor_info(kpe_cache, "kpe_cache")
+    check_rows(qn, "q_nope", 4, "[batch, q_len, heads, kv_lora_rank]")
+    check_rows(qp, "q_pe", 4, "[batch, q_len, heads, rope_dim]")
+    cache_dims = "[batch, max_seqlen, dim] or, paged, [num_blocks, block_size, dim]"
+    check_rows(cv, "ckv_cache", 3, cache_dims)
+    check_rows(pe, "kpe_cache", 3, cache_dims)
+    infos = (qn, qp, cv, pe)
+    if len({t.kind for t in infos}) != 1 or len({t.device for t in infos}) != 1:
+        raise LaunchError("q_nope, q_pe, ckv_cache, kpe_cache must be of one kind on one device; got "
+                          + ", ".join(f"{t.kind}:{t.device}" for t in infos))
+    if qn.dtype not in ("fp16", "bf16"):
+        raise LaunchError(f"q_nope has dtype {qn.dtype}; allowed: fp16, bf16")
+    if any(t.dtype != qn.dtype for t in infos):
+        raise LaunchError("q_nope, q_pe, ckv_cache, kpe_cache must share a dtype; got "
+                          + ", ".join(t.dtype for t in infos))
+    b, q_len, h, rank = qn.shape
+    rope = qp.shape[3]
+    if qp.shape[:3] != (b, q_len, h):
+        raise LaunchError(f"q_pe has shape {qp.shape}; its first three dims must match q_nope's {qn.shape[:3]}")
+    if rank not in MlaDecodeSpec.KV_LORA_RANKS:
+        raise LaunchError(f"kv_lora_rank={rank} (q_nope.shape[3]) is not supported; allowed: "
+                          f"{', '.join(map(str, MlaDecodeSpec.KV_LORA_RANKS))}")
+    if rope not in MlaDecodeSpec.ROPE_DIMS:
+        raise LaunchError(f"rope_dim={rope} (q_pe.shape[3]) is not supported; allowed: "
+                          f"{', '.join(map(str, MlaDecodeSpec.ROPE_DIMS))}")
+    if cv.shape[2] != rank or pe.shape[2] != rope or cv.shape[:2] != pe.shape[:2]:
+        raise LaunchError(f"ckv_cache {cv.shape} and kpe_cache {pe.shape} must be [..., {rank}] and [..., {rope}] "
+                          f"with the same first two dims")
+    if not 1 <= q_len <= MAX_Q_LEN:
+        raise LaunchError(f"q_len={q_len} (q_nope.shape[1]) is not supported; allowed: 1 to {MAX_Q_LEN}")
+    if not 1 <= h <= MAX_HEADS:
+        raise LaunchError(f"heads={h} (q_nope.shape[2]) is not supported; allowed: 1 to {MAX_HEADS}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
+        raise LaunchError(f"num_splits={num_splits!r} must be an int from 0 (automatic) to {MAX_SPLITS}")
+    scale = checked_scale(sm_scale)
+    kind, dev = qn.kind, qn.device
+
+    pool, cache_len = cv.shape[0], cv.shape[1]
+    paged = block_table is not None
+    if paged:
+        bt = check_index(block_table, "block_table", 2, kind, dev)
+        if bt.shape[0] != b:
+            raise LaunchError(f"block_table has {bt.shape[0]} rows; q_nope has batch {b}")
+        block_size = cache_len
+        if block_size % 16 or not 16 <= block_size <= 256:
+            raise LaunchError(f"block_size={block_size} (ckv_cache.shape[1]) is not supported; allowed: a multiple "
+                              f"of 16 from 16 to 256")
+        capacity = bt.shape[1] * block_size
+        bt_ptr, bt_sb = bt.ptr, bt.strides[0]
+    else:
+        if pool < b:
+            raise LaunchError(f"ckv_cache has {pool} cache rows for batch {b}")
+        block_size, capacity, bt_ptr, bt_sb = 0, cache_len, 0, 0
+    if isinstance(cache_seqlens, bool):
+        raise LaunchError("cache_seqlens must be an int32 tensor [batch] or an int; got a bool")
+    if isinstance(cache_seqlens, int):
+        if cache_seqlens < 0:
+            raise LaunchError(f"cache_seqlens={cache_seqlens} must be >= 0")
+        seq_ptr, seq_fixed = 0, cache_seqlens
+    else:
+        si = check_index(cache_seqlens, "cache_seqlens", 1, kind, dev)
+        if si.shape[0] != b:
+            raise LaunchError(f"cache_seqlens has {si.shape[0]} entries; q_nope has batch {b}")
+        seq_ptr, seq_fixed = si.ptr, 0
+
+    shape = (b, q_len, h, rank)
+    if out is None:
+        out = empty_like_kind(kind, shape, qn.dtype, dev)
+    oi = tensor_info(out, "out")
+    if oi.kind != kind or oi.shape != shape or oi.dtype != qn.dtype or oi.device != dev:
+        raise LaunchError(f"out must be {kind} {shape} {qn.dtype} on device {dev}; got "
+                          f"{oi.kind} {oi.shape} {oi.dtype} on device {oi.device}")
+    check_rows(oi, "out", 4, "[batch, q_len, heads, kv_lora_rank]")
+    lse = empty_like_kind(kind, (b, h, q_len), "fp32", dev) if return_lse else None
+    if b == 0:
+        return (out, lse) if return_lse else out
+    if b > 65535:
+        raise LaunchError(f"batch={b} exceeds 65535 (the grid's z limit)")
+
+    rows = MlaDecodeSpec.rows_for(h, q_len)
+    kern = get_kernel(_spec_for(rank, rope, qn.dtype, rows, paged, spec), device=dev)
+    rs = kern.spec
+    row_blocks = -(-h * q_len // rows)
+    if num_splits == 0:
+        num_splits = choose_splits(b * row_blocks, capacity, rs.cta_tile_kv, sm_count(dev), ctas_per_sm(kern),
+                                   2 * rs.cta_tile_kv * (rank + rope), 4 * b * q_len * h * rank)
+    part_ptr = lse_part_ptr = 0
+    if num_splits > 1:
+        n_out = num_splits * b * q_len * h
+        work = empty_like_kind(kind, (n_out * rank + n_out,), "fp32", dev)
+        part_ptr = _data_ptr(work, kind)
+        lse_part_ptr = part_ptr + 4 * n_out * rank
+
+    values = (
+        qn.ptr, qp.ptr, cv.ptr, pe.ptr, oi.ptr, _data_ptr(lse, kind) if lse is not None else 0,
+        seq_ptr, bt_ptr, part_ptr, lse_part_ptr,
+        qn.strides[0], qn.strides[1], qn.strides[2],
+        qp.strides[0], qp.strides[1], qp.strides[2],
+        cv.strides[0], cv.strides[1], pe.strides[0], pe.strides[1],
+        oi.strides[0], oi.strides[1], oi.strides[2],
+        bt_sb,
+        b, q_len, h, num_splits,
+        block_size, capacity, pool,
+        seq_fixed, (block_size.bit_length() - 1) if block_size and not block_size & (block_size - 1) else -1,
+        scale, scale * _LOG2E,
+    )
+    stream = current_stream(kind, dev)
+    kern.launch_struct(_PARAMS, (num_splits, row_blocks, b), stream, *values)
+    if num_splits > 1:
+        warps = MERGE_THREADS // 32
+        kern.launch_struct(_PARAMS, (-(-b * q_len * h * (rank // MERGE_COLS) // warps), 1, 1), stream, *values,
+                           entry="_merge")
+    return (out, lse) if return_lse else out

@@ -1,0 +1,152 @@
+"""``MlaDecodeSpec``: the MLA decode family's spec, its fit rules and its template context.
+
+The text of this module feeds the cache key (it decides what the template context holds); the
+per-arch defaults live in ``defaults.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ...arch import Arch
+from ...errors import SpecError
+from ...spec import DType, SpecBase, check_smem, coerce_bool, coerce_enum, coerce_int
+
+# The module's `_merge` entry: 4 warps per CTA, each merging MERGE_COLS columns of an output row
+# (a batch-1 step has few rows and many splits: whole 512-wide rows left most of the GPU idle).
+MERGE_THREADS = 128
+MERGE_COLS = 64
+# Accumulator registers per thread (O slice + S) past which ptxas spilled in the chunked prefill
+# kernel of the same shape of loop (NVRTC 13.5); the MLA kernel keeps less besides.
+MAX_ACC_REGS = 176
+
+
+class QkShard(enum.Enum):
+    """How the warps of one row tile make S. ``auto`` (the default) lets ``resolve`` choose for
+    the arch, so it is falsy like the other unresolved tuning fields."""
+
+    AUTO = "auto"
+    TRUE = "true"    # the tile's keys split over the warps; P all-gathered through shared memory
+    FALSE = "false"  # every warp computes S for the whole tile; no exchange
+
+    def __bool__(self) -> bool:
+        return self is not QkShard.AUTO
+
+
+def _coerce_shard(value) -> QkShard:
+    if isinstance(value, bool):
+        return QkShard.TRUE if value else QkShard.FALSE
+    if isinstance(value, str) and value.strip().lower() in ("1", "yes", "0", "no"):
+        return QkShard.TRUE if value.strip().lower() in ("1", "yes") else QkShard.FALSE
+    return coerce_enum(QkShard, "qk_shard", value)
+
+
+@dataclass(frozen=True)
+class MlaDecodeSpec(SpecBase):
+    """MLA decode (DeepSeek-V2/V3's absorbed form): every query head against one shared cache of
+    ``kv_lora_rank`` (ckv) + ``rope_dim`` (kpe) columns per token; the output is ``kv_lora_rank``
+    wide.
+
+    One CTA takes ``q_rows`` packed query rows (token x head) of one sequence over one split of the
+    cache. Tuning fields (``qk_shard``, ``cta_tile_kv``, ``num_warps``, ``num_stages``) take
+    0 / ``auto`` for the arch's default, chosen from its shared memory.
+    """
+
+    family: ClassVar[str] = "mla_decode"
+
+    KV_LORA_RANKS: ClassVar[tuple[int, ...]] = (256, 512)
+    ROPE_DIMS: ClassVar[tuple[int, ...]] = (32, 64)
+    Q_ROWS: ClassVar[tuple[int, ...]] = (16, 32, 64)
+    CTA_TILE_KV: ClassVar[tuple[int, ...]] = (0, 16, 32, 64)
+    NUM_WARPS: ClassVar[tuple[int, ...]] = (0, 4, 8)
+    NUM_STAGES: ClassVar[tuple[int, ...]] = (0, 1, 2, 3, 4)
+    TUNING_FIELDS: ClassVar[tuple[str, ...]] = ("qk_shard", "cta_tile_kv", "num_warps", "num_stages")
+    ALWAYS_SHOWN: ClassVar[tuple[str, ...]] = ("kv_lora_rank", "rope_dim", "dtype", "q_rows", "paged")
+
+    kv_lora_rank: int = 512
+    rope_dim: int = 64
+    dtype: DType = DType.BF16
+    q_rows: int = 64
+    paged: bool = False
+    qk_shard: QkShard = QkShard.AUTO
+    cta_tile_kv: int = 0
+    num_warps: int = 0
+    num_stages: int = 0
+
+    def __post_init__(self):
+        s = object.__setattr__
+        s(self, "kv_lora_rank", coerce_int("kv_lora_rank", self.kv_lora_rank, self.KV_LORA_RANKS))
+        s(self, "rope_dim", coerce_int("rope_dim", self.rope_dim, self.ROPE_DIMS))
+        s(self, "dtype", coerce_enum(DType, "dtype", self.dtype))
+        s(self, "q_rows", coerce_int("q_rows", self.q_rows, self.Q_ROWS))
+        s(self, "paged", coerce_bool("paged", self.paged))
+        s(self, "qk_shard", _coerce_shard(self.qk_shard))
+        s(self, "cta_tile_kv", coerce_int("cta_tile_kv", self.cta_tile_kv, self.CTA_TILE_KV))
+        s(self, "num_warps", coerce_int("num_warps", self.num_warps, self.NUM_WARPS))
+        s(self, "num_stages", coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
+
+    @staticmethod
+    def rows_for(heads: int, q_len: int) -> int:
+        """The q_rows a CTA takes for heads x q_len packed rows: the smallest that holds them all,
+        else 64 (the rows are then cut into several blocks, each reading the cache)."""
+        need = heads * q_len
+        return next((r for r in MlaDecodeSpec.Q_ROWS if need <= r), MlaDecodeSpec.Q_ROWS[-1])
+
+    # --- derived: the warp grid (see mla_decode.cuh) -----------------------------------------
+    @property
+    def sharded(self) -> bool:
+        return self.qk_shard is QkShard.TRUE
+
+    @property
+    def warps_m(self) -> int:
+        """Row tiles of 16: one warp each."""
+        return self.q_rows // 16
+
+    @property
+    def warps_n(self) -> int:
+        self._require_resolved("warps_n")
+        return self.num_warps // self.warps_m
+
+    @property
+    def threads(self) -> int:
+        self._require_resolved("threads")
+        return 32 * self.num_warps
+
+    def smem_bytes(self) -> int:
+        """Q, the ring of cache tiles (ckv and kpe in one row padded by 8 elements), P when
+        sharded, and the row exchange (WARPS_N x q_rows floats)."""
+        self._require_resolved("smem_bytes")
+        row = self.kv_lora_rank + self.rope_dim + 8
+        elems = self.q_rows * row + self.num_stages * self.cta_tile_kv * row
+        if self.sharded:
+            elems += self.q_rows * (self.cta_tile_kv + 8)
+        return 2 * elems + 4 * self.warps_n * self.q_rows
+
+    def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
+        return (("", self.threads, self.smem_bytes()), ("_merge", MERGE_THREADS, 0))
+
+    def template_context(self) -> dict:
+        ctx = super().template_context()
+        ctx.update(merge_threads=MERGE_THREADS, merge_cols=MERGE_COLS)
+        return ctx
+
+    # --- fit ---------------------------------------------------------------------------------
+    def check(self, a: Arch) -> None:
+        if self.num_warps < self.warps_m:
+            raise SpecError("num_warps", self.num_warps, f"at least {self.warps_m}",
+                            reason=f"each warp takes 16 of the q_rows={self.q_rows} rows")
+        wn = self.warps_n
+        if self.sharded and (self.cta_tile_kv // wn) % 8:
+            raise SpecError("qk_shard", "true", f"false, or a cta_tile_kv that is a multiple of {8 * wn}",
+                            reason=f"sharding splits each KV tile's keys over the {wn} warps of a row tile and "
+                                   f"each needs whole 8-key MMA columns (cta_tile_kv={self.cta_tile_kv})")
+        out_cols = self.kv_lora_rank // wn
+        keys = self.cta_tile_kv // wn if self.sharded else self.cta_tile_kv
+        acc = out_cols // 2 + keys // 2
+        if acc > MAX_ACC_REGS:
+            raise SpecError("num_warps", self.num_warps, "more warps (8), a smaller cta_tile_kv or a smaller q_rows",
+                            reason=f"needs about {acc} accumulator registers per thread (limit {MAX_ACC_REGS}): "
+                                   f"{out_cols} output columns and {keys} keys of S per warp")
+        check_smem(self, a, "num_stages", "a smaller num_stages or cta_tile_kv, or qk_shard=false")

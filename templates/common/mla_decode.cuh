@@ -1,0 +1,368 @@
+// MLA decode (the absorbed form of multi-head latent attention): every query head attends to one
+// shared compressed cache. A cache row holds ckv (DC = kv_lora_rank columns) and kpe (DR = rope
+// dim columns); a query row holds q_nope (DC) and q_pe (DR). S = q_nope ckv^T + q_pe kpe^T and
+// O = softmax(S sm_scale) ckv, DC wide.
+//
+// Grid: (num_splits, row blocks, batch). The packed query rows of one sequence (row r = token
+// r / heads, head r % heads) are cut into blocks of ROWS; a CTA takes one block over its split's
+// run of BLOCK_N-key tiles. Q (ROWS x (DC + DR)) stays in shared memory; the cache tiles (ckv and
+// kpe side by side in one padded row) go through a NUM_STAGES-deep cp.async ring, and ckv is read
+// from the same tile as K and as V.
+//
+// Warps form WARPS_M = ROWS / 16 row tiles x WARPS_N column groups; warp (rt, cg) accumulates O for
+// rows [16 rt, 16 rt + 16) and output columns [cg ON, (cg + 1) ON). QK_SHARD chooses how S is made:
+//   true:  the WARPS_N warps of a row tile split the tile's keys (SN = BLOCK_N / WARPS_N each), trade
+//          their partial row maxima through shared memory and all-gather P there (16-bit);
+//   false: every warp computes S for all BLOCK_N keys of its rows (the QK work done WARPS_N times),
+//          keeps its own softmax and feeds P to the PV MMAs from registers: no exchange at all.
+// One split writes O (normalised) and the LSE; several write fp32 partials and their LSE, merged by
+// the module's `_merge` entry (split_merge.cuh).
+namespace attngen {
+
+template <class T>
+struct MlaParams {
+  const T* q_nope;         // [batch, q_len, heads, DC]
+  const T* q_pe;           // [batch, q_len, heads, DR]
+  const T* ckv;            // [batch, capacity, DC] or, paged, [num_blocks, block_size, DC]
+  const T* kpe;            // the same with DR columns
+  T* o;                    // [batch, q_len, heads, DC]
+  float* lse;              // [batch, heads, q_len], or null
+  const int* seqlens;      // [batch], or null: every row has seqlen_fixed keys
+  const int* block_table;  // [batch, max_blocks] when paged
+  float* o_part;           // [splits, batch, q_len, heads, DC] when num_splits > 1
+  float* lse_part;         // [splits, batch, heads, q_len] when num_splits > 1
+  long long qn_sb, qn_ss, qn_sh;
+  long long qp_sb, qp_ss, qp_sh;
+  long long c_sb, c_ss;  // ckv: cache row (paged: block) and position (paged: slot) strides
+  long long p_sb, p_ss;  // kpe: the same
+  long long o_sb, o_ss, o_sh;
+  long long bt_sb;
+  int batch, q_len, num_heads, num_splits;
+  int block_size, capacity, num_blocks;  // num_blocks: paged blocks, or cache rows
+  int seqlen_fixed, block_shift;         // block_shift: log2(block_size) when a power of two, else -1
+  float sm_scale, scale_log2;
+};
+
+template <class T, bool BF16, int DC, int DR, int ROWS, int BLOCK_N, int NUM_WARPS, int NUM_STAGES, bool QK_SHARD,
+          bool PAGED>
+struct MlaDecode {
+  static constexpr int THREADS = NUM_WARPS * 32;
+  static constexpr int WARPS_M = ROWS / 16;
+  static constexpr int WARPS_N = NUM_WARPS / WARPS_M;
+  static constexpr int DQK = DC + DR;
+  static constexpr int ROW = DQK + 8;      // padded row of Q and of a cache tile (elements)
+  static constexpr int P_ROW = BLOCK_N + 8;
+  static constexpr int ON = DC / WARPS_N;  // output columns per warp
+  static constexpr int SN = QK_SHARD ? BLOCK_N / WARPS_N : BLOCK_N;  // keys of S per warp
+  static constexpr int TILE_ELEMS = BLOCK_N * ROW;
+  static_assert(WARPS_M * WARPS_N == NUM_WARPS, "warp grid");
+  static_assert(SN % 8 == 0 && BLOCK_N % 16 == 0 && ON % 16 == 0 && DQK % 32 == 0, "tile shape");
+  static_assert(DC % 8 == 0 && DR % 8 == 0 && THREADS % (DC / 8) == 0 && THREADS % (DR / 8) == 0, "copies");
+
+  // Shared memory: Q, the ring, P (QK_SHARD), then WARPS_N x ROWS floats for the row exchange.
+  static constexpr int SMEM_BYTES =
+      2 * (ROWS * ROW + NUM_STAGES * TILE_ELEMS + (QK_SHARD ? ROWS * P_ROW : 0)) + 4 * WARPS_N * ROWS;
+
+  // COLS columns of ROWS cache rows from `base` (one row block: element stride s_pos per position,
+  // or per paged slot) into the tile's columns [col0, col0 + COLS): each thread keeps one column
+  // chunk and steps down the rows. Rows at or past the sequence are zero-filled and never read.
+  template <int COLS>
+  static __device__ __forceinline__ void load_cols(T* tile, int col0, const T* base, long long s_blk, long long s_pos,
+                                                   const MlaParams<T>& p, const int* table, int n0, int seqlen,
+                                                   int tid) {
+    constexpr int CHUNKS = COLS / 8;
+    constexpr int ROW_STEP = THREADS / CHUNKS;
+    const int c = (tid % CHUNKS) * 8;
+#pragma unroll 2
+    for (int r = tid / CHUNKS; r < BLOCK_N; r += ROW_STEP) {
+      const int pos = n0 + r;
+      const bool ok = pos < seqlen;
+      const T* src = base;
+      if (ok) {
+        if constexpr (PAGED) {
+          const int blk = p.block_shift >= 0 ? pos >> p.block_shift : pos / p.block_size;
+          const int slot = p.block_shift >= 0 ? pos & (p.block_size - 1) : pos - blk * p.block_size;
+          // Clamped to the pool: a bad table entry reads a wrong block instead of faulting.
+          const int b = min(max(__ldg(table + blk), 0), p.num_blocks - 1);
+          src = base + b * s_blk + slot * s_pos + c;
+        } else {
+          src = base + pos * s_pos + c;
+        }
+      }
+      cp_async_16(smem_addr(tile + r * ROW + col0 + c), src, ok);
+    }
+  }
+
+  static __device__ __forceinline__ void run(const MlaParams<T>& p) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sRing = sQ + ROWS * ROW;
+    T* sP = sRing + NUM_STAGES * TILE_ELEMS;
+    float* sRed = reinterpret_cast<float*>(sP + (QK_SHARD ? ROWS * P_ROW : 0));  // [WARPS_N][ROWS]
+
+    const int tid = threadIdx.x;
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const int rt = warp % WARPS_M;  // row tile
+    const int cg = warp / WARPS_M;  // column group
+    const int row0 = rt * 16;
+    const int key0 = QK_SHARD ? cg * SN : 0;
+
+    const int split = blockIdx.x;
+    const int rblock = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int rows_total = p.q_len * p.num_heads;
+    const int r_begin = rblock * ROWS;
+    const int len = p.seqlens ? p.seqlens[batch] : p.seqlen_fixed;
+    const int seqlen = min(max(len, 0), p.capacity);
+    // The row's tiles dealt out in equal runs; late splits of a short row may get none.
+    const int tiles = (seqlen + BLOCK_N - 1) / BLOCK_N;
+    const int per = (tiles + p.num_splits - 1) / p.num_splits;
+    const int tile_begin = min(tiles, split * per);
+    const int n_tiles = min(tiles, tile_begin + per) - tile_begin;
+
+    const T* ckv;
+    const T* kpe;
+    const int* table = nullptr;
+    if constexpr (PAGED) {
+      ckv = p.ckv;
+      kpe = p.kpe;
+      table = p.block_table + batch * p.bt_sb;
+    } else {
+      ckv = p.ckv + batch * p.c_sb;
+      kpe = p.kpe + batch * p.p_sb;
+    }
+
+    // ---- Q: ROWS packed rows (rows past the last head of the last token are zeros) -----------------
+    for (int idx = tid; idx < ROWS * (DQK / 8); idx += THREADS) {
+      const int r = idx / (DQK / 8);
+      const int col = (idx % (DQK / 8)) * 8;
+      const int gr = r_begin + r;
+      const bool ok = gr < rows_total;
+      const T* src = p.q_nope;
+      if (ok) {
+        const int qi = gr / p.num_heads;
+        const int head = gr - qi * p.num_heads;
+        src = col < DC ? p.q_nope + batch * p.qn_sb + qi * p.qn_ss + head * p.qn_sh + col
+                       : p.q_pe + batch * p.qp_sb + qi * p.qp_ss + head * p.qp_sh + (col - DC);
+      }
+      cp_async_16(smem_addr(sQ + r * ROW + col), src, ok);
+    }
+
+    auto load_tile = [&](int tile, int slot) {
+      T* dst = sRing + slot * TILE_ELEMS;
+      const int n0 = tile * BLOCK_N;
+      load_cols<DC>(dst, 0, ckv, p.c_sb, p.c_ss, p, table, n0, seqlen, tid);
+      load_cols<DR>(dst, DC, kpe, p.p_sb, p.p_ss, p, table, n0, seqlen, tid);
+    };
+
+    if constexpr (NUM_STAGES > 1) {
+#pragma unroll
+      for (int s = 0; s < NUM_STAGES - 1; ++s) {
+        if (s < n_tiles) load_tile(tile_begin + s, s);
+        cp_async_commit();  // the first group holds Q too
+      }
+    } else {
+      cp_async_commit();
+    }
+
+    // The last key each of this thread's two rows may see: token qi sits at seqlen - q_len + qi.
+    int lim[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int gr = r_begin + row0 + g + 8 * r;
+      lim[r] = gr < rows_total ? seqlen - p.q_len + gr / p.num_heads : seqlen - 1;
+    }
+
+    float acc_o[ON / 8][4];
+#pragma unroll
+    for (int d = 0; d < ON / 8; ++d)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc_o[d][c] = 0.f;
+    float row_max[2] = {-ATTNGEN_INF, -ATTNGEN_INF};
+    float row_sum[2] = {0.f, 0.f};
+
+    for (int it = 0; it < n_tiles; ++it) {
+      const int tile = tile_begin + it;
+      const int n0 = tile * BLOCK_N;
+      const int slot = it % NUM_STAGES;
+      if constexpr (NUM_STAGES > 1) {
+        cp_async_wait<NUM_STAGES - 2>();
+        __syncthreads();
+        // The slot filled here was read in iteration it - 1, which every warp finished before the barrier.
+        if (it + NUM_STAGES - 1 < n_tiles) load_tile(tile + NUM_STAGES - 1, (it + NUM_STAGES - 1) % NUM_STAGES);
+        cp_async_commit();
+      } else {
+        if (it > 0) __syncthreads();  // every warp is done with the previous tile
+        load_tile(tile, 0);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+      }
+      const T* sT = sRing + slot * TILE_ELEMS;
+
+      // ---- S = Q K^T for this warp's 16 rows and SN keys, two 16-column steps at a time -----------
+      float acc_s[SN / 8][4];
+#pragma unroll
+      for (int n = 0; n < SN / 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc_s[n][c] = 0.f;
+#pragma unroll 1
+      for (int kp = 0; kp < DQK / 32; ++kp) {
+        unsigned a0[4], a1[4];
+        const unsigned qa = smem_addr(sQ + (row0 + lane % 16) * ROW + kp * 32 + (lane / 16) * 8);
+        ldmatrix_x4(a0[0], a0[1], a0[2], a0[3], qa);
+        ldmatrix_x4(a1[0], a1[1], a1[2], a1[3], qa + 32);
+#pragma unroll
+        for (int n = 0; n < SN / 8; ++n) {
+          unsigned b0, b1, b2, b3;
+          ldmatrix_x4(b0, b1, b2, b3, smem_addr(sT + (key0 + n * 8 + lane % 8) * ROW + kp * 32 + (lane / 8) * 8));
+          mma_16816<BF16>(acc_s[n], a0, b0, b1);
+          mma_16816<BF16>(acc_s[n], a1, b2, b3);
+        }
+      }
+
+      // ---- mask: keys past a row's token (and past the sequence) --------------------------------
+      if (n0 + BLOCK_N - 1 > seqlen - p.q_len) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int hi = lim[r] - (n0 + key0 + 2 * t);
+#pragma unroll
+          for (int n = 0; n < SN / 8; ++n)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+              if (n * 8 + c > hi) acc_s[n][2 * r + c] = -ATTNGEN_INF;
+        }
+      }
+
+      // ---- online softmax ------------------------------------------------------------------------
+      float mx[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float m = -ATTNGEN_INF;
+#pragma unroll
+        for (int n = 0; n < SN / 8; ++n) m = fmaxf(m, fmaxf(acc_s[n][2 * r], acc_s[n][2 * r + 1]));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        mx[r] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      }
+      if constexpr (QK_SHARD) {
+        if (t == 0) {
+          sRed[cg * ROWS + row0 + g] = mx[0];
+          sRed[cg * ROWS + row0 + g + 8] = mx[1];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int c = 0; c < WARPS_N; ++c) mx[r] = fmaxf(mx[r], sRed[c * ROWS + row0 + g + 8 * r]);
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float m = fmaxf(row_max[r], mx[r]);
+        // A row that has seen only masked keys keeps max -inf; subtracting 0 keeps exp2 at 0.
+        const float base = m == -ATTNGEN_INF ? 0.f : m * p.scale_log2;
+        const float corr = fast_exp2(row_max[r] * p.scale_log2 - base);
+        row_max[r] = m;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < SN / 8; ++n) {
+          acc_s[n][2 * r] = fast_exp2(fmaf(acc_s[n][2 * r], p.scale_log2, -base));
+          acc_s[n][2 * r + 1] = fast_exp2(fmaf(acc_s[n][2 * r + 1], p.scale_log2, -base));
+          sum += acc_s[n][2 * r] + acc_s[n][2 * r + 1];
+        }
+        row_sum[r] = row_sum[r] * corr + sum;
+#pragma unroll
+        for (int d = 0; d < ON / 8; ++d) {
+          acc_o[d][2 * r] *= corr;
+          acc_o[d][2 * r + 1] *= corr;
+        }
+      }
+
+      // ---- O += P V over the tile's keys and this warp's ON columns of ckv -------------------------
+      if constexpr (QK_SHARD) {
+#pragma unroll
+        for (int n = 0; n < SN / 8; ++n)
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            *reinterpret_cast<unsigned*>(sP + (row0 + g + 8 * r) * P_ROW + key0 + n * 8 + 2 * t) =
+                pack2<BF16>(acc_s[n][2 * r], acc_s[n][2 * r + 1]);
+        __syncthreads();
+      }
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        unsigned a[4];
+        if constexpr (QK_SHARD) {
+          ldmatrix_x4(a[0], a[1], a[2], a[3], smem_addr(sP + (row0 + lane % 16) * P_ROW + kk * 16 + (lane / 16) * 8));
+        } else {
+          a[0] = pack2<BF16>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
+          a[1] = pack2<BF16>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
+          a[2] = pack2<BF16>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
+          a[3] = pack2<BF16>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+        }
+        const unsigned va = smem_addr(sT + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * ROW + cg * ON + (lane / 16) * 8);
+#pragma unroll
+        for (int d2 = 0; d2 < ON / 16; ++d2) {
+          unsigned b0, b1, b2, b3;
+          ldmatrix_x4_trans(b0, b1, b2, b3, va + d2 * 32);
+          mma_16816<BF16>(acc_o[2 * d2], a, b0, b1);
+          mma_16816<BF16>(acc_o[2 * d2 + 1], a, b2, b3);
+        }
+      }
+      // sRed and sP are written again only after the next tile's first barrier.
+    }
+
+    // ---- epilogue: row sums (across the column groups when sharded), normalise, write ---------------
+    cp_async_wait_all();
+    float l[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l[r] = row_sum[r];
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    if constexpr (QK_SHARD) {
+      __syncthreads();  // every warp is past its last read of sRed
+      if (t == 0) {
+        sRed[cg * ROWS + row0 + g] = l[0];
+        sRed[cg * ROWS + row0 + g + 8] = l[1];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        l[r] = 0.f;
+#pragma unroll
+        for (int c = 0; c < WARPS_N; ++c) l[r] += sRed[c * ROWS + row0 + g + 8 * r];
+      }
+    }
+    const long long out_rows = (long long)p.batch * rows_total;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int gr = r_begin + row0 + g + 8 * r;
+      if (gr >= rows_total) continue;
+      const int qi = gr / p.num_heads;
+      const int head = gr - qi * p.num_heads;
+      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+      const float lse = l[r] > 0.f ? row_max[r] * p.sm_scale + logf(l[r]) : -ATTNGEN_INF;
+      if (p.num_splits == 1) {
+        T* dst = p.o + batch * p.o_sb + qi * p.o_ss + head * p.o_sh + cg * ON + 2 * t;
+#pragma unroll
+        for (int d = 0; d < ON / 8; ++d)
+          *reinterpret_cast<unsigned*>(dst + d * 8) = pack2<BF16>(acc_o[d][2 * r] * inv, acc_o[d][2 * r + 1] * inv);
+        if (p.lse && cg == 0 && t == 0) p.lse[((long long)batch * p.num_heads + head) * p.q_len + qi] = lse;
+      } else {
+        // Row (batch, qi, head) of split `split`, in the merge's layout.
+        const long long orow = ((long long)batch * p.q_len + qi) * p.num_heads + head;
+        float* dst = p.o_part + ((long long)split * out_rows + orow) * DC + cg * ON + 2 * t;
+#pragma unroll
+        for (int d = 0; d < ON / 8; ++d)
+          *reinterpret_cast<float2*>(dst + d * 8) = make_float2(acc_o[d][2 * r] * inv, acc_o[d][2 * r + 1] * inv);
+        if (cg == 0 && t == 0)
+          p.lse_part[(long long)split * out_rows + ((long long)batch * p.num_heads + head) * p.q_len + qi] = lse;
+      }
+    }
+  }
+};
+
+}  // namespace attngen

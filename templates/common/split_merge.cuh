@@ -1,0 +1,94 @@
+// The merge of split-KV partial results, shared by the decode families: one warp per WARP_COLS
+// columns of a (batch, token, head) output row of HEAD_DIM columns (wide rows are cut so that a
+// few rows with many splits still spread over many warps). Params names o_part [splits, batch, q_len, heads,
+// HEAD_DIM] (fp32, each split's normalised partial output; zeros for a split that saw no key),
+// lse_part [splits, batch, heads, q_len], the output o with strides o_sb/o_ss/o_sh, lse (or null),
+// batch, q_len, num_heads and num_splits.
+namespace attngen {
+
+// Lanes first hold the LSE of splits lane, lane + 32, ...; the max and the weight sum come from
+// shuffles, then the partial rows are read eight splits at a time so their loads overlap.
+template <class T, bool BF16, int HEAD_DIM, int WARP_COLS, class Params>
+__device__ __forceinline__ void split_merge(const Params& p) {
+  static_assert(HEAD_DIM % WARP_COLS == 0 && WARP_COLS % 64 == 0, "a warp's columns");
+  constexpr int PER = WARP_COLS / 32;  // elements per lane, contiguous
+  constexpr int CHUNKS = HEAD_DIM / WARP_COLS;
+  constexpr int UNROLL = 8;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const long long rows = (long long)p.batch * p.q_len * p.num_heads;
+  const long long gw = (long long)blockIdx.x * (blockDim.x / 32) + warp;
+  const long long idx = gw / CHUNKS;
+  const int col0 = (gw % CHUNKS) * WARP_COLS;
+  if (idx >= rows) return;
+  const int head = idx % p.num_heads;
+  const long long bq = idx / p.num_heads;
+  const int qi = bq % p.q_len;
+  const int b = bq / p.q_len;
+  const long long lse_stride = (long long)p.batch * p.num_heads * p.q_len;
+  const float* lse_row = p.lse_part + ((long long)b * p.num_heads + head) * p.q_len + qi;
+
+  float mx = -ATTNGEN_INF;
+  for (int s = lane; s < p.num_splits; s += 32) mx = fmaxf(mx, lse_row[s * lse_stride]);
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+
+  float acc[PER];
+#pragma unroll
+  for (int i = 0; i < PER; ++i) acc[i] = 0.f;
+  float wsum = 0.f;
+  if (mx != -ATTNGEN_INF) {
+    const float* src = p.o_part + idx * HEAD_DIM + col0 + lane * PER;
+    for (int s0 = 0; s0 < p.num_splits; s0 += 32) {
+      // Every split's partial row is written (zeros for a split with no keys), so weights of 0
+      // multiply finite values.
+      const int n = min(32, p.num_splits - s0);
+      const float ls = lane < n ? lse_row[(s0 + lane) * lse_stride] : -ATTNGEN_INF;
+      const float my_w = ls == -ATTNGEN_INF ? 0.f : __expf(ls - mx);
+      wsum += my_w;
+      for (int j0 = 0; j0 < n; j0 += UNROLL) {
+        float x[UNROLL][PER];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          const int s = s0 + min(j0 + u, n - 1);
+          const float* row = src + s * rows * HEAD_DIM;
+          if constexpr (PER % 4 == 0) {
+#pragma unroll
+            for (int i = 0; i < PER; i += 4) {
+              const float4 v = *reinterpret_cast<const float4*>(row + i);
+              x[u][i] = v.x;
+              x[u][i + 1] = v.y;
+              x[u][i + 2] = v.z;
+              x[u][i + 3] = v.w;
+            }
+          } else {
+#pragma unroll
+            for (int i = 0; i < PER; i += 2) {
+              const float2 v = *reinterpret_cast<const float2*>(row + i);
+              x[u][i] = v.x;
+              x[u][i + 1] = v.y;
+            }
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          const float w = __shfl_sync(0xffffffffu, my_w, min(j0 + u, 31));
+          if (j0 + u < n) {
+#pragma unroll
+            for (int i = 0; i < PER; ++i) acc[i] = fmaf(w, x[u][i], acc[i]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) wsum += __shfl_xor_sync(0xffffffffu, wsum, o);
+  }
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  T* dst = p.o + b * p.o_sb + qi * p.o_ss + head * p.o_sh + col0 + lane * PER;
+#pragma unroll
+  for (int i = 0; i < PER; i += 2) *reinterpret_cast<unsigned*>(dst + i) = pack2<BF16>(acc[i] * inv, acc[i + 1] * inv);
+  if (lane == 0 && col0 == 0 && p.lse)
+    p.lse[((long long)b * p.num_heads + head) * p.q_len + qi] = wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
+}
+
+}  // namespace attngen

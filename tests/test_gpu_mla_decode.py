@@ -1,0 +1,224 @@
+"""The MLA decode family on a real GPU against an fp32 reference (pytest -m gpu).
+
+Fresh random inputs, outputs poisoned with NaN. Queries sit inside larger NaN-filled buffers;
+every cache position past a row's length, and every paged block no table names, holds NaN (a
+stray read turns the output NaN, even one multiplied by a zero probability); the output sits
+inside a buffer whose border holds a sentinel (a stray write changes it).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_reference")]
+
+torch = pytest.importorskip("torch")
+
+import attngen  # noqa: E402
+from attngen.arch import arch_for_capability  # noqa: E402
+from attngen.families.mla_decode.spec import MlaDecodeSpec  # noqa: E402
+from attngen.spec import SpecError, validate  # noqa: E402
+from tests.gpu_reference import reference_mla  # noqa: E402
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+SENTINEL = 7.0
+NAN = float("nan")
+
+
+def _gen():
+    g = torch.Generator(device="cuda")
+    g.seed()
+    return g
+
+
+def _randn(shape, dtype, gen):
+    return torch.randn(shape, dtype=torch.float32, device="cuda", generator=gen).to(dtype)
+
+
+def _inside_nan(shape, dtype, gen):
+    """A random [b, s, h, d] tensor viewed inside a NaN buffer (a row before and after, one head
+    past it, 8 elements past each row)."""
+    b, s, h, d = shape
+    buf = torch.full((b, s + 2, h + 1, d + 8), NAN, dtype=dtype, device="cuda")
+    view = buf[:, 1:1 + s, :h, :d]
+    view.copy_(_randn(shape, dtype, gen))
+    return view
+
+
+def make_cache(seqlens, dim, dtype, gen, block_size=None, table=None):
+    """Contiguous: a [b, cap, dim] view (rows padded by 8 NaN elements) with NaN past each length.
+    Paged: the pool [num_blocks, block_size, dim] filled through ``table``; unnamed blocks and
+    slots past a length hold NaN. Returns (cache, dense [b, cap, dim] fp32 copy of the live part)."""
+    b = len(seqlens)
+    cap = max(max(seqlens), 1)
+    dense = torch.randn((b, cap, dim), device="cuda", generator=gen).to(dtype)
+    for i, n in enumerate(seqlens):
+        dense[i, n:] = NAN
+    if block_size is None:
+        buf = torch.full((b, cap + 1, dim + 8), NAN, dtype=dtype, device="cuda")
+        view = buf[:, :cap, :dim]
+        view.copy_(dense)
+        return view, dense.float()
+    pool = torch.full((int(table.max().item()) + 3, block_size, dim), NAN, dtype=dtype, device="cuda")
+    for i in range(b):
+        for j in range(-(-seqlens[i] // block_size)):
+            n = min(block_size, seqlens[i] - j * block_size)
+            pool[table[i, j], :n] = dense[i, j * block_size: j * block_size + n]
+    return pool, dense.float()
+
+
+def run_case(seqlens, heads, q_len, dtype=torch.bfloat16, rank=512, rope=64, block_size=None, spec=None,
+             num_splits=0, seqlen_as_int=False):
+    gen = _gen()
+    b = len(seqlens)
+    q_nope = _inside_nan((b, q_len, heads, rank), dtype, gen)
+    q_pe = _inside_nan((b, q_len, heads, rope), dtype, gen)
+    table = None
+    if block_size is not None:
+        per_row = max(1, -(-max(seqlens) // block_size))
+        # Shuffled blocks, with a gap of unnamed (NaN) blocks among them.
+        perm = torch.randperm(b * per_row + 4, generator=torch.Generator().manual_seed(int(gen.initial_seed() % 2**31)))
+        table = perm[:b * per_row].reshape(b, per_row).to(torch.int32).cuda()
+    ckv, ckv_ref = make_cache(seqlens, rank, dtype, gen, block_size, table)
+    kpe, kpe_ref = make_cache(seqlens, rope, dtype, gen, block_size, table)
+    scale = 1.0 / (rank // 4 + rope) ** 0.5
+    obuf = torch.full((b, q_len + 2, heads, rank + 8), SENTINEL, dtype=dtype, device="cuda")
+    out = obuf[:, 1:1 + q_len, :, :rank]
+    out.fill_(NAN)
+    lens = seqlens[0] if seqlen_as_int else torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    o, lse = attngen.mla_decode(q_nope, q_pe, ckv, kpe, cache_seqlens=lens, block_table=table, sm_scale=scale,
+                                num_splits=num_splits, return_lse=True, out=out, spec=spec)
+    torch.cuda.synchronize()
+    assert o is out
+    border = obuf.clone()
+    border[:, 1:1 + q_len, :, :rank] = SENTINEL
+    assert (border == SENTINEL).all(), "a write landed outside the output"
+    assert torch.isfinite(o).all(), "unwritten (NaN) or non-finite output elements: a stray read or no write"
+    ref_o, ref_l = reference_mla(q_nope, q_pe, ckv_ref, kpe_ref, seqlens, scale)
+    err = (torch.linalg.vector_norm(o.float() - ref_o) / torch.linalg.vector_norm(ref_o).clamp_min(1e-30)).item()
+    assert err < TOL[dtype], f"rel L2 error {err:.3e}"
+    empty = torch.isinf(ref_l).transpose(1, 2)  # [b, q_len, h]
+    if empty.any():
+        assert (o[empty] == 0).all()
+    fin = torch.isfinite(ref_l)
+    assert torch.equal(torch.isfinite(lse), fin)
+    if fin.any():
+        assert (lse[fin] - ref_l[fin]).abs().max().item() < 2e-2
+    return err
+
+
+def _arch():
+    return arch_for_capability(*torch.cuda.get_device_capability())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("q_len", [1, 2, 4])
+def test_heads_and_q_len(dtype, heads, q_len):
+    run_case([1, 17, 1000, 3001], heads, q_len, dtype)
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_long_and_ragged(q_len):
+    run_case([32768, 5, 2, 0, 12345], 16, q_len)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 48, 64, 128, 256])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_paged(block_size, heads):
+    run_case([1, 63, 700, 2049], heads, 2, block_size=block_size)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7, 64])
+def test_forced_splits(splits):
+    run_case([100, 1500, 3], 32, 1, num_splits=splits)
+
+
+def test_fixed_length_and_empty_rows():
+    run_case([777, 777], 16, 2, seqlen_as_int=True)
+    run_case([0, 1, 2, 3], 16, 4)  # tokens that see no key give zeros and LSE -inf
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("q_rows", [16, 32, 64])
+def test_rope_32_rank_256(paged, q_rows):
+    heads = {16: 16, 32: 32, 64: 64}[q_rows]
+    run_case([1, 500, 2000], heads, 1, rank=256, rope=32, block_size=64 if paged else None)
+
+
+def _fitting_configs():
+    arch = _arch()
+    out = []
+    for q_rows, shard, tile, warps, stages in itertools.product((16, 64), ("true", "false"), (16, 32, 64), (4, 8),
+                                                                 (1, 2, 3, 4)):
+        spec = MlaDecodeSpec(q_rows=q_rows, qk_shard=shard, cta_tile_kv=tile, num_warps=warps, num_stages=stages)
+        try:
+            validate(spec, arch)
+        except SpecError:
+            continue
+        out.append(spec)
+    return out
+
+
+def test_every_config_that_fits():
+    """qk_shard on and off, every stage count and tile that fits this GPU, q_rows 16 and 64."""
+    specs = _fitting_configs()
+    assert any(s.sharded for s in specs) and any(not s.sharded for s in specs)
+    for spec in specs:
+        heads = 16 if spec.q_rows == 16 else 128
+        for paged in (None, 32):
+            run_case([1, 130, 1999], heads, 1, spec=spec, block_size=paged)
+
+
+def test_cuda_graph():
+    """Captured once, replayed with new lengths and queries: no host sync in the call."""
+    gen = _gen()
+    b, heads, q_len, cap = 4, 16, 1, 4096
+    q_nope = _randn((b, q_len, heads, 512), torch.bfloat16, gen)
+    q_pe = _randn((b, q_len, heads, 64), torch.bfloat16, gen)
+    ckv = _randn((b, cap, 512), torch.bfloat16, gen)
+    kpe = _randn((b, cap, 64), torch.bfloat16, gen)
+    lens = torch.tensor([100, 4000, 1, 2500], dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q_nope)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        attngen.mla_decode(q_nope, q_pe, ckv, kpe, cache_seqlens=lens, sm_scale=0.1, out=out, num_splits=8)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        attngen.mla_decode(q_nope, q_pe, ckv, kpe, cache_seqlens=lens, sm_scale=0.1, out=out, num_splits=8)
+    for new in ([4096, 7, 300, 1], [5, 5, 5, 5]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        q_nope.copy_(_randn(q_nope.shape, torch.bfloat16, gen))
+        out.fill_(NAN)
+        g.replay()
+        torch.cuda.synchronize()
+        ref, _ = reference_mla(q_nope, q_pe, ckv.float(), kpe.float(), new, 0.1)
+        err = (torch.linalg.vector_norm(out.float() - ref) / torch.linalg.vector_norm(ref)).item()
+        assert err < 2e-2
+
+
+def test_bad_inputs():
+    q = torch.zeros(2, 1, 16, 512, dtype=torch.bfloat16, device="cuda")
+    qp = torch.zeros(2, 1, 16, 64, dtype=torch.bfloat16, device="cuda")
+    c = torch.zeros(2, 64, 512, dtype=torch.bfloat16, device="cuda")
+    p = torch.zeros(2, 64, 64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(attngen.LaunchError, match="q_len=5"):
+        attngen.mla_decode(torch.zeros(2, 5, 16, 512, dtype=torch.bfloat16, device="cuda"),
+                           torch.zeros(2, 5, 16, 64, dtype=torch.bfloat16, device="cuda"), c, p,
+                           cache_seqlens=10, sm_scale=0.1)
+    with pytest.raises(attngen.LaunchError, match="kv_lora_rank=384"):
+        attngen.mla_decode(torch.zeros(2, 1, 16, 384, dtype=torch.bfloat16, device="cuda"), qp,
+                           torch.zeros(2, 64, 384, dtype=torch.bfloat16, device="cuda"), p,
+                           cache_seqlens=10, sm_scale=0.1)
+    with pytest.raises(attngen.LaunchError, match="block_size=8"):
+        attngen.mla_decode(q, qp, torch.zeros(4, 8, 512, dtype=torch.bfloat16, device="cuda"),
+                           torch.zeros(4, 8, 64, dtype=torch.bfloat16, device="cuda"), cache_seqlens=10,
+                           block_table=torch.zeros(2, 2, dtype=torch.int32, device="cuda"), sm_scale=0.1)
+    with pytest.raises(attngen.LaunchError, match="share a dtype"):
+        attngen.mla_decode(q, qp, c.half(), p, cache_seqlens=10, sm_scale=0.1)
+    with pytest.raises(attngen.LaunchError, match="sm_scale"):
+        attngen.mla_decode(q, qp, c, p, cache_seqlens=10, sm_scale=-1.0)

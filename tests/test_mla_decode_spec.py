@@ -1,0 +1,107 @@
+"""The MLA decode family on the CPU: its spec and text form, the fit rules per arch, the defaults each
+arch's shared memory leads to, the split count, and real NVRTC compiles (spill-free)."""
+
+from __future__ import annotations
+
+import pytest
+
+import attngen
+from attngen.arch import ARCHS, get_arch
+from attngen.families.mla_decode.spec import MlaDecodeSpec, QkShard
+from attngen.families.split_kv import choose_splits
+from attngen.spec import SpecError, parse_spec, resolve, validate
+
+
+def test_text_form_and_fields():
+    s = parse_spec("mla_decode:dtype=bf16,qk_shard=true,num_stages=2,cta_tile_kv=32")
+    assert isinstance(s, MlaDecodeSpec)
+    assert (s.qk_shard, s.num_stages, s.cta_tile_kv, s.kv_lora_rank, s.rope_dim) == (QkShard.TRUE, 2, 32, 512, 64)
+    assert parse_spec(s.to_text()) == s
+    assert "qk_shard=true" in s.to_text()
+    assert MlaDecodeSpec(qk_shard=False).qk_shard is QkShard.FALSE
+    assert MlaDecodeSpec(qk_shard="auto").qk_shard is QkShard.AUTO and not MlaDecodeSpec().is_resolved
+    assert parse_spec("mla_decode:kv_lora_rank=256,rope_dim=32").kv_lora_rank == 256
+    with pytest.raises(SpecError, match="qk_shard"):
+        MlaDecodeSpec(qk_shard="maybe")
+    with pytest.raises(SpecError, match="kv_lora_rank"):
+        parse_spec("mla_decode:kv_lora_rank=384")
+    with pytest.raises(SpecError, match="q_rows"):
+        MlaDecodeSpec(q_rows=128)
+
+
+def test_rows_for():
+    assert [MlaDecodeSpec.rows_for(h, q) for h, q in ((8, 1), (16, 1), (16, 2), (32, 1), (64, 1), (128, 4))] == \
+        [16, 16, 32, 32, 64, 64]
+
+
+@pytest.mark.parametrize("arch", ["sm_86", "sm_89", "sm_120"])
+def test_small_smem_archs_take_one_stage_of_16_unsharded(arch):
+    """99-100 KB: a 64-row block leaves room for one stage of 16 keys, unsharded."""
+    r = resolve(MlaDecodeSpec(q_rows=64), arch)
+    assert (r.qk_shard, r.cta_tile_kv, r.num_stages) == (QkShard.FALSE, 16, 1)
+    assert r.smem_bytes() <= get_arch(arch).smem_per_block
+    # A size that does not fit is refused, naming a field and the bytes.
+    with pytest.raises(SpecError, match="shared memory") as e:
+        resolve(MlaDecodeSpec(q_rows=64, qk_shard=True, cta_tile_kv=32), arch)
+    assert e.value.field in ("num_stages", "cta_tile_kv", "qk_shard")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_100"])
+def test_large_smem_archs_resolve_and_fit(arch):
+    for rows in MlaDecodeSpec.Q_ROWS:
+        r = resolve(MlaDecodeSpec(q_rows=rows), arch)
+        assert r.smem_bytes() <= get_arch(arch).smem_per_block
+        assert r.num_stages >= 2
+    assert resolve(MlaDecodeSpec(q_rows=64), "sm_90a").sharded
+
+
+def test_fit_rules_name_the_field():
+    # Sharding 32 keys over 8 warps of one row tile leaves 4 keys each: not whole MMA columns.
+    with pytest.raises(SpecError) as e:
+        validate(MlaDecodeSpec(q_rows=16, qk_shard=True, cta_tile_kv=32, num_warps=8, num_stages=2), "sm_90a")
+    assert e.value.field == "qk_shard"
+    # 64 rows on 4 warps: each warp would hold all 512 output columns of its 16 rows.
+    with pytest.raises(SpecError) as e:
+        validate(MlaDecodeSpec(q_rows=64, qk_shard=False, cta_tile_kv=16, num_warps=4, num_stages=1), "sm_90a")
+    assert e.value.field == "num_warps"
+    with pytest.raises(SpecError) as e:
+        validate(MlaDecodeSpec(q_rows=64, qk_shard=False, cta_tile_kv=64, num_warps=8, num_stages=4), "sm_90a")
+    assert e.value.field == "num_stages" and "bytes of shared memory" in str(e.value)
+
+
+def test_smem_accounting():
+    s = MlaDecodeSpec(q_rows=64, qk_shard=True, cta_tile_kv=32, num_warps=8, num_stages=3)
+    row = 512 + 64 + 8
+    assert s.smem_bytes() == 2 * (64 * row + 3 * 32 * row + 64 * 40) + 4 * 2 * 64
+    assert MlaDecodeSpec(q_rows=64, qk_shard=False, cta_tile_kv=32, num_warps=8, num_stages=3).smem_bytes() == \
+        2 * (64 * row + 3 * 32 * row) + 4 * 2 * 64
+
+
+def test_splits_spread_a_small_batch():
+    sms, per = 132, 1
+    tile = 2 * 32 * 576
+    # batch 1, 128 heads (two row blocks), 32k cache: split across the GPU.
+    s = choose_splits(2, 32768, 32, sms, per, tile, 4 * 128 * 512)
+    assert 32 <= s <= 132
+    # batch 128, 16 heads: the grid fills the GPU already.
+    assert choose_splits(128, 4096, 32, sms, per, tile, 4 * 128 * 16 * 512) == 1
+
+
+def test_exports_and_family():
+    from attngen.families.mla_decode.op import mla_decode
+
+    assert attngen.mla_decode is mla_decode
+    assert attngen.get_family("mla_decode").spec is MlaDecodeSpec
+    assert attngen.MlaDecodeSpec is MlaDecodeSpec
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_default_compiles_spill_free(arch, tmp_path, monkeypatch):
+    """The q_rows=64 default (the most registers) on every arch: a real NVRTC compile, no spills."""
+    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path))
+    spec = resolve(MlaDecodeSpec(q_rows=64, paged=True), arch)
+    b = attngen.build(spec, arch).binary
+    r = b.resources
+    assert r.known and (r.spill_stores, r.spill_loads) == (0, 0)
+    for entry in spec.entries:
+        assert b".text." + entry.encode() + b"\x00" in b.cubin
