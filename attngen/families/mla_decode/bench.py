@@ -220,8 +220,8 @@ def _finish(data: dict, args, print_table: bool) -> None:
          f"{_fmt(s['shard_over_no_shard'][1], '.2f')}; failed checks: {len(s['failed_checks'])}")
     if args.markdown:
         env = data["env"]
-        md = [f"GPU: {env.get('gpu')}; {env.get('date', '')[:10]}; torch {env.get('torch')}; attngen source "
-              f"{env.get('source_digest', '?')}; {data['config']['timer']}", ""] + table
+        md = [f"GPU: {env.get('gpu')}; {env.get('date', '')[:10]}; torch {env.get('torch')}; NVRTC {env.get('nvrtc')}; "
+              f"attngen {env.get('attngen_commit')} (source {env.get('attngen_source')}); {data['config']['timer']}", ""] + table
         Path(args.markdown).write_text("\n".join(md) + "\n")
     if args.out:
         p = _plot(data, Path(args.out) / "bench_mla.png")
