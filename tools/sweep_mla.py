@@ -63,6 +63,7 @@ def main() -> int:
     ap.add_argument("--prewarm", action="store_true")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--rep-ms", type=float, default=60.0)
+    ap.add_argument("--shapes", default=None, help="BxLxH,... (default: SHAPES)")
     args = ap.parse_args()
 
     import torch
@@ -79,7 +80,8 @@ def main() -> int:
         return 0
     read = stream_reader()
     rows = []
-    for b, n, h in SHAPES:
+    shapes = [tuple(int(x) for x in t.split("x")) for t in args.shapes.split(",")] if args.shapes else SHAPES
+    for b, n, h in shapes:
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(b, 1, h, 576, device="cuda", dtype=torch.bfloat16, generator=g)
         kv = torch.randn(b, n, 576, device="cuda", dtype=torch.bfloat16, generator=g)
