@@ -15,11 +15,17 @@ from .spec import QkShard
 
 T, F = QkShard.TRUE, QkShard.FALSE
 
-# Per q_rows: [(qk_shard, cta_tile_kv, num_warps, num_stages), ...] best first.
+# Per q_rows: [(qk_shard, cta_tile_kv, num_warps, num_stages), ...] best first. From
+# tools/sweep_mla.py on an H100 (bf16, 512 + 64, q_len 1, 2026-11-23; notes/sweep_mla_h100_*): every
+# fitting config timed as a decode step. q_rows 16 (16 heads): 64-key tiles, two stages, sharded,
+# first or within 1% on b=64 L=8k, b=128 L=4k and b=1 L=32k. q_rows 32 (32 heads): the same config
+# 1.28x faster than the 32-key three-stage guess at b=64 L=8k, 32-key tiles on 4 warps second (best
+# at b=256 L=1k by 2%). q_rows 64 (64-128 heads, compute-bound on mma.sync): 32-key tiles, three
+# stages, sharded, first or within 1% on every shape; the unsharded 64-key config within 2-3%.
 TUNED = {
     64: [(T, 32, 8, 3), (F, 64, 8, 2), (F, 32, 8, 2)],
-    32: [(T, 32, 8, 3), (T, 64, 8, 2)],
-    16: [(T, 64, 8, 2), (T, 32, 4, 3)],
+    32: [(T, 64, 8, 2), (T, 32, 4, 2)],
+    16: [(T, 64, 8, 2), (T, 32, 4, 2)],
 }
 
 SMALL_SMEM = 128 * 1024  # per block: below this the unsharded form goes first
