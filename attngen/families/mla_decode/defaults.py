@@ -28,6 +28,10 @@ TUNED = {
     16: [(T, 64, 8, 2), (T, 32, 4, 2)],
 }
 
+# Configs ptxas spills (4 bytes, NVRTC 13.0 and 13.5), per (kv_lora_rank, q_rows, paged): skipped
+# for the next candidate.
+SPILLS = {(256, 32, False): ((T, 64, 8, 2),)}
+
 SMALL_SMEM = 128 * 1024  # per block: below this the unsharded form goes first
 
 
@@ -35,4 +39,6 @@ def candidates(spec, arch: Arch):
     """(qk_shard, cta_tile_kv, num_warps, num_stages): measured configs, then every combination."""
     shard_order = (F, T) if arch.smem_per_block < SMALL_SMEM else (T, F)
     first = TUNED[spec.q_rows] if arch.smem_per_block >= SMALL_SMEM else []
-    yield from itertools.chain(first, itertools.product(shard_order, (64, 32, 16), (8, 4), (4, 3, 2, 1)))
+    spills = SPILLS.get((spec.kv_lora_rank, spec.q_rows, spec.paged), ())
+    every = itertools.chain(first, itertools.product(shard_order, (64, 32, 16), (8, 4), (4, 3, 2, 1)))
+    yield from (c for c in every if c not in spills)
