@@ -326,3 +326,9 @@ def allocator(kind: str, dtype: str, device: int) -> Callable[..., Any]:
 def empty_like_kind(kind: str, shape: tuple[int, ...], dtype: str, device: int):
     """A new contiguous array of ``kind`` on ``device``."""
     return allocator(kind, dtype, device)(*shape)
+
+
+def data_ptr(x, kind: str) -> int:
+    """The device address of an array the op made itself (``empty_like_kind``), without building a
+    ``TensorInfo`` for it."""
+    return x.data_ptr() if kind == "torch" else x.data.ptr

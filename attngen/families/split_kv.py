@@ -39,6 +39,41 @@ def check_index(x, name: str, rank: int, kind: str, device: int):
     return t
 
 
+def checked_splits(num_splits) -> int:
+    """``num_splits``: 0 (automatic) or a forced split count up to MAX_SPLITS."""
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
+        raise LaunchError(f"num_splits={num_splits!r} must be an int from 0 (automatic) to {MAX_SPLITS}")
+    return num_splits
+
+
+def paged_table(block_table, batch: int, block_size: int, kind: str, device: int, q_name: str,
+                cache_name: str) -> tuple[int, int, int]:
+    """(capacity, table pointer, table row stride) of a paged cache whose blocks hold ``block_size``
+    positions (``cache_name``.shape[1]), after checking the int32 table against the batch."""
+    bt = check_index(block_table, "block_table", 2, kind, device)
+    if bt.shape[0] != batch:
+        raise LaunchError(f"block_table has {bt.shape[0]} rows; {q_name} has batch {batch}")
+    if block_size % 16 or not 16 <= block_size <= 256:
+        raise LaunchError(f"block_size={block_size} ({cache_name}.shape[1]) is not supported; allowed: a multiple "
+                          f"of 16 from 16 to 256")
+    return bt.shape[1] * block_size, bt.ptr, bt.strides[0]
+
+
+def cache_lengths(cache_seqlens, batch: int, kind: str, device: int, q_name: str) -> tuple[int, int]:
+    """(lengths pointer, fixed length) for ``cache_seqlens``: an int32 tensor [batch] (pointer, 0)
+    or one int for every row (0, the int)."""
+    if isinstance(cache_seqlens, bool):
+        raise LaunchError("cache_seqlens must be an int32 tensor [batch] or an int; got a bool")
+    if isinstance(cache_seqlens, int):
+        if cache_seqlens < 0:
+            raise LaunchError(f"cache_seqlens={cache_seqlens} must be >= 0")
+        return 0, cache_seqlens
+    si = check_index(cache_seqlens, "cache_seqlens", 1, kind, device)
+    if si.shape[0] != batch:
+        raise LaunchError(f"cache_seqlens has {si.shape[0]} entries; {q_name} has batch {batch}")
+    return si.ptr, 0
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device: int) -> int:
     return driver().attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device)

@@ -10,11 +10,12 @@ import struct
 
 from ... import runtime as _rt
 from ...errors import LaunchError
-from ...runtime import current_stream, empty_like_kind, get_kernel, register_dependent_cache, tensor_info
+from ...runtime import current_stream, data_ptr, empty_like_kind, get_kernel, register_dependent_cache, tensor_info
 from ...spec import DType, spec_of_text
 from ...tuned import bucket_bounds, stored_choices
 from ..score_mods import NO_EXTRAS, checked_scale, extras
-from ..split_kv import MAX_SPLITS, check_index, check_rows, choose_splits, ctas_per_sm, sm_count
+from ..split_kv import (cache_lengths, check_index, check_rows, checked_splits, choose_splits,
+                        ctas_per_sm, paged_table, sm_count)
 from .spec import MERGE_THREADS, DecodeSpec, Variant
 
 # DecodeParams in templates/common/decode_fwd.cuh: 12 pointers, 14 strides, 10 ints, 2 floats, 2 floats
@@ -46,10 +47,6 @@ def _tuned_for(base: DecodeSpec, device: int) -> tuple[list, list]:
         choices = stored_choices(base, device)
         got = _tuned[(base, device)] = (bucket_bounds([s for s, _ in choices]), [c for _, c in choices])
     return got
-
-
-def _data_ptr(x, kind: str) -> int:
-    return x.data_ptr() if kind == "torch" else x.data.ptr
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_table=None, num_splits: int = 0,
@@ -111,8 +108,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
         raise LaunchError(f"heads/kv_heads = {group} is not supported; allowed: a GQA group of 1 to {MAX_GROUP}")
     if variant not in VARIANTS:
         raise LaunchError(f"variant={variant!r} is not allowed; allowed: {', '.join(VARIANTS)}")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
-        raise LaunchError(f"num_splits={num_splits!r} must be an int from 0 (automatic) to {MAX_SPLITS}")
+    checked_splits(num_splits)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else checked_scale(sm_scale)
 
     paged = block_table is not None
@@ -120,15 +116,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
         if cache_batch_idx is not None:
             raise LaunchError("cache_batch_idx cannot be combined with block_table (a paged cache names its "
                               "blocks per row already)")
-        bt = check_index(block_table, "block_table", 2, qi.kind, qi.device)
-        if bt.shape[0] != b:
-            raise LaunchError(f"block_table has {bt.shape[0]} rows; q has batch {b}")
         block_size = cache_len
-        if block_size % 16 or not 16 <= block_size <= 256:
-            raise LaunchError(f"block_size={block_size} (k_cache.shape[1]) is not supported; allowed: a multiple "
-                              f"of 16 from 16 to 256")
-        capacity = bt.shape[1] * block_size
-        bt_ptr, bt_sb = bt.ptr, bt.strides[0]
+        capacity, bt_ptr, bt_sb = paged_table(block_table, b, block_size, qi.kind, qi.device, "q", "k_cache")
         bi_ptr = 0
     else:
         block_size, capacity, bt_ptr, bt_sb = 0, cache_len, 0, 0
@@ -140,17 +129,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
             bi_ptr = bix.ptr
         elif pool < b:
             raise LaunchError(f"k_cache has {pool} cache rows for batch {b}; pass cache_batch_idx to map rows")
-    if isinstance(cache_seqlens, bool):
-        raise LaunchError("cache_seqlens must be an int32 tensor [batch] or an int; got a bool")
-    if isinstance(cache_seqlens, int):
-        if cache_seqlens < 0:
-            raise LaunchError(f"cache_seqlens={cache_seqlens} must be >= 0")
-        seq_ptr, seq_fixed = 0, cache_seqlens
-    else:
-        si = check_index(cache_seqlens, "cache_seqlens", 1, qi.kind, qi.device)
-        if si.shape[0] != b:
-            raise LaunchError(f"cache_seqlens has {si.shape[0]} entries; q has batch {b}")
-        seq_ptr, seq_fixed = si.ptr, 0
+    seq_ptr, seq_fixed = cache_lengths(cache_seqlens, b, qi.kind, qi.device, "q")
 
     if out is None:
         out = empty_like_kind(qi.kind, (b, q_len, h, d), qi.dtype, qi.device)
@@ -194,13 +173,13 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     ptrs = [0, 0, 0, 0]
     if any(sizes):
         work = empty_like_kind(kind, (sum(sizes),), "fp32", dev)
-        at = _data_ptr(work, kind)
+        at = data_ptr(work, kind)
         for i, n in enumerate(sizes):
             ptrs[i] = at if n else 0
             at += 4 * n
 
     values = (
-        qi.ptr, ki.ptr, vi.ptr, oi.ptr, _data_ptr(lse, kind) if lse is not None else 0,
+        qi.ptr, ki.ptr, vi.ptr, oi.ptr, data_ptr(lse, kind) if lse is not None else 0,
         seq_ptr, bi_ptr, bt_ptr,
         *ptrs,
         qi.strides[0], qi.strides[1], qi.strides[2],

@@ -8,10 +8,10 @@ import struct
 
 from ... import runtime as _rt
 from ...errors import LaunchError
-from ...runtime import current_stream, empty_like_kind, get_kernel, tensor_info
+from ...runtime import current_stream, data_ptr, empty_like_kind, get_kernel, tensor_info
 from ...spec import DType, spec_of_text
 from ..score_mods import checked_scale
-from ..split_kv import MAX_SPLITS, check_index, check_rows, choose_splits, ctas_per_sm, sm_count
+from ..split_kv import cache_lengths, check_rows, checked_splits, choose_splits, ctas_per_sm, paged_table, sm_count
 from .spec import MERGE_COLS, MERGE_THREADS, MlaDecodeSpec
 
 # MlaParams in templates/common/mla_decode.cuh: 10 pointers, 14 strides, 9 ints, 2 floats.
@@ -25,10 +25,6 @@ MAX_HEADS = 128
 def _spec_for(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, user: MlaDecodeSpec | None):
     fields = dict(kv_lora_rank=rank, rope_dim=rope, dtype=DType(dtype), q_rows=q_rows, paged=paged)
     return MlaDecodeSpec(**fields) if user is None else user.replace(**fields)
-
-
-def _data_ptr(x, kind: str) -> int:
-    return x.data_ptr() if kind == "torch" else x.data.ptr
 
 
 def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: float, block_table=None,
@@ -92,38 +88,20 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
         raise LaunchError(f"q_len={q_len} (q_nope.shape[1]) is not supported; allowed: 1 to {MAX_Q_LEN}")
     if not 1 <= h <= MAX_HEADS:
         raise LaunchError(f"heads={h} (q_nope.shape[2]) is not supported; allowed: 1 to {MAX_HEADS}")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
-        raise LaunchError(f"num_splits={num_splits!r} must be an int from 0 (automatic) to {MAX_SPLITS}")
+    checked_splits(num_splits)
     scale = checked_scale(sm_scale)
     kind, dev = qn.kind, qn.device
 
     pool, cache_len = cv.shape[0], cv.shape[1]
     paged = block_table is not None
     if paged:
-        bt = check_index(block_table, "block_table", 2, kind, dev)
-        if bt.shape[0] != b:
-            raise LaunchError(f"block_table has {bt.shape[0]} rows; q_nope has batch {b}")
         block_size = cache_len
-        if block_size % 16 or not 16 <= block_size <= 256:
-            raise LaunchError(f"block_size={block_size} (ckv_cache.shape[1]) is not supported; allowed: a multiple "
-                              f"of 16 from 16 to 256")
-        capacity = bt.shape[1] * block_size
-        bt_ptr, bt_sb = bt.ptr, bt.strides[0]
+        capacity, bt_ptr, bt_sb = paged_table(block_table, b, block_size, kind, dev, "q_nope", "ckv_cache")
     else:
         if pool < b:
             raise LaunchError(f"ckv_cache has {pool} cache rows for batch {b}")
         block_size, capacity, bt_ptr, bt_sb = 0, cache_len, 0, 0
-    if isinstance(cache_seqlens, bool):
-        raise LaunchError("cache_seqlens must be an int32 tensor [batch] or an int; got a bool")
-    if isinstance(cache_seqlens, int):
-        if cache_seqlens < 0:
-            raise LaunchError(f"cache_seqlens={cache_seqlens} must be >= 0")
-        seq_ptr, seq_fixed = 0, cache_seqlens
-    else:
-        si = check_index(cache_seqlens, "cache_seqlens", 1, kind, dev)
-        if si.shape[0] != b:
-            raise LaunchError(f"cache_seqlens has {si.shape[0]} entries; q_nope has batch {b}")
-        seq_ptr, seq_fixed = si.ptr, 0
+    seq_ptr, seq_fixed = cache_lengths(cache_seqlens, b, kind, dev, "q_nope")
 
     shape = (b, q_len, h, rank)
     if out is None:
@@ -150,11 +128,11 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     if num_splits > 1:
         n_out = num_splits * b * q_len * h
         work = empty_like_kind(kind, (n_out * rank + n_out,), "fp32", dev)
-        part_ptr = _data_ptr(work, kind)
+        part_ptr = data_ptr(work, kind)
         lse_part_ptr = part_ptr + 4 * n_out * rank
 
     values = (
-        qn.ptr, qp.ptr, cv.ptr, pe.ptr, oi.ptr, _data_ptr(lse, kind) if lse is not None else 0,
+        qn.ptr, qp.ptr, cv.ptr, pe.ptr, oi.ptr, data_ptr(lse, kind) if lse is not None else 0,
         seq_ptr, bt_ptr, part_ptr, lse_part_ptr,
         qn.strides[0], qn.strides[1], qn.strides[2],
         qp.strides[0], qp.strides[1], qp.strides[2],

@@ -12,16 +12,12 @@ from __future__ import annotations
 import struct
 
 from ...errors import LaunchError
-from ...runtime import allocator, tensor_info
+from ...runtime import allocator, data_ptr, tensor_info
 
 # PlanParams: 11 pointers, 4 strides, 14 ints.
 PLAN_PARAMS = struct.Struct("<11Q4q14i")
 _MASK_KINDS = {"bool": 0, "fp16": 1, "bf16": 2, "fp32": 3}
 _MASK_DIMS = "[seqlen_q, seqlen_k], [batch, 1, seqlen_q, seqlen_k] or [batch, heads, seqlen_q, seqlen_k]"
-
-
-def ptr_of(x, kind: str) -> int:
-    return x.data_ptr() if kind == "torch" else x.data.ptr
 
 
 def _version(x) -> int:
@@ -64,7 +60,7 @@ class MaskPlan:
 
     def _part(self, name: str, n: int):
         """``n`` int32 of the plan's buffer from where ``name`` starts."""
-        base = self._buf.data_ptr() if self.kind == "torch" else self._buf.data.ptr
+        base = data_ptr(self._buf, self.kind)
         i = (self._at[name] - base) // 4
         return self._buf[i:i + n]
 
@@ -124,7 +120,7 @@ def build(kern, mask, qi, ki, mcode: int, left: int, right: int, stream: int) ->
     sizes = tuple((name, -(-n // 4) * 4) for name, n in sizes)
     mp._buf = allocator(qi.kind, "int32", qi.device)(sum(n for _, n in sizes))
     at = mp._at = {}
-    ptr = ptr_of(mp._buf, qi.kind)
+    ptr = data_ptr(mp._buf, qi.kind)
     for name, n in sizes:
         at[name] = ptr
         ptr += 4 * n

@@ -21,7 +21,7 @@ import struct
 
 from ... import runtime as _rt
 from ...errors import LaunchError
-from ...runtime import allocator, get_kernel, register_dependent_cache, tensor_info, torch_stream_getter
+from ...runtime import allocator, data_ptr, get_kernel, register_dependent_cache, tensor_info, torch_stream_getter
 from ...spec import DType, spec_of_text
 from ...tuned import bucket_bounds, stored_choices
 from ..score_mods import NO_EXTRAS, checked_scale, extras
@@ -237,13 +237,13 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
 
     if out is None:
         out = plan.alloc(b, sq, h, dv)
-        optr = out.data_ptr() if qi.kind == "torch" else out.data.ptr
+        optr = data_ptr(out, qi.kind)
         ostrides = (sq * h * dv, h * dv, dv)  # a fresh contiguous array, aligned by its allocator
     else:
         optr, ostrides = out_of(out, qi, dv)
     if return_lse:
         lse = plan.alloc_lse(b, h, sq)
-        lse_ptr = lse.data_ptr() if qi.kind == "torch" else lse.data.ptr
+        lse_ptr = data_ptr(lse, qi.kind)
     else:
         lse, lse_ptr = None, 0
     if sq == 0 or b == 0 or h == 0:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from ... import runtime as _rt
 from ...errors import LaunchError
-from ...runtime import tensor_info
+from ...runtime import data_ptr, tensor_info
 from ...spec import spec_of_text
 from ..score_mods import NO_EXTRAS, checked_scale, extras
-from .masks import PLAN_PARAMS, ptr_of
+from .masks import PLAN_PARAMS
 from .op import _LOG2E, _NO_WINDOW, PARAMS_EXT, VARLEN, VARLEN_PAGED, check_qkv, mask_and_window, out_of, plan_for
 
 
@@ -102,7 +102,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     scale = plan.default_scale if sm_scale is None else checked_scale(sm_scale)
     if out is None:
         out = plan.alloc(total_q, h, dv)
-        optr, ostrides = ptr_of(out, qi.kind), (h * dv, dv)
+        optr, ostrides = data_ptr(out, qi.kind), (h * dv, dv)
     else:
         optr, ostrides = out_of(out, qi, dv)
     lse = plan.alloc_lse(h, total_q) if return_lse else None
@@ -115,7 +115,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     if h > 65535:
         raise LaunchError(f"heads={h} exceeds 65535 (the grid's y limit)")
     ws = plan.alloc_index(2 * max_items + 1 + batch + 1)  # work items, their count, per-sequence tile offsets
-    wp = ptr_of(ws, qi.kind)
+    wp = data_ptr(ws, qi.kind)
     stream = plan.stream(qi.device)
     kern.launch_struct(PLAN_PARAMS, (1, 1, 1), stream,
                        0, 0, 0, 0, 0, wp, wp + 8 * max_items, 0, cq.ptr, ck.ptr, wp + 8 * max_items + 4,
@@ -124,7 +124,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     qs, ks, vs = qi.strides, ki.strides, vi.strides
     kern.launch_struct(
         PARAMS_EXT, (max_items, h, 1), stream,
-        qi.ptr, ki.ptr, vi.ptr, optr, ptr_of(lse, qi.kind) if return_lse else 0,
+        qi.ptr, ki.ptr, vi.ptr, optr, data_ptr(lse, qi.kind) if return_lse else 0,
         0, qs[0], qs[1],
         ks[0] if paged else 0, ks[-3], ks[-2], vs[0] if paged else 0, vs[-3], vs[-2],
         0, ostrides[0], ostrides[1],
