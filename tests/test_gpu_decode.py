@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_reference")]
 torch = pytest.importorskip("torch")
 
 import attngen  # noqa: E402
-from tests.gpu_reference import reference_decode  # noqa: E402
+from tests.gpu_reference import fresh_generator, reference_decode  # noqa: E402
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}        # relative L2 of out
 MAX_ABS = {torch.bfloat16: 6e-2, torch.float16: 1e-2}    # max |out - ref|; |v| < ~5
@@ -29,11 +29,6 @@ NAN = float("nan")
 RAGGED = [1, 17, 63, 64, 65, 127, 128, 129, 1000, 4097]
 VARIANTS = ["fused", "unfused"]
 
-
-def _gen():
-    g = torch.Generator(device="cuda")
-    g.seed()  # fresh inputs every run
-    return g
 
 
 def _rand(*shape, dtype, gen):
@@ -50,7 +45,7 @@ class Case:
 
     def __init__(self, lengths, *, q_len=1, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16,
                  block_size=None, cache_batch_idx=None, cache_batch=None, pad=5, spare_blocks=3):
-        gen = _gen()
+        gen = fresh_generator()
         self.seed = gen.initial_seed()   # named in failure messages, to replay a case
         self.lengths = [int(n) for n in lengths]
         b = len(self.lengths)

@@ -20,17 +20,12 @@ import attngen  # noqa: E402
 from attngen.arch import arch_for_capability  # noqa: E402
 from attngen.families.mla_decode.spec import MlaDecodeSpec  # noqa: E402
 from attngen.spec import SpecError, validate  # noqa: E402
-from tests.gpu_reference import reference_mla  # noqa: E402
+from tests.gpu_reference import check_output_and_lse, fresh_generator, reference_mla  # noqa: E402
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 SENTINEL = 7.0
 NAN = float("nan")
 
-
-def _gen():
-    g = torch.Generator(device="cuda")
-    g.seed()
-    return g
 
 
 def _randn(shape, dtype, gen):
@@ -71,7 +66,7 @@ def make_cache(seqlens, dim, dtype, gen, block_size=None, table=None):
 
 def run_case(seqlens, heads, q_len, dtype=torch.bfloat16, rank=512, rope=64, block_size=None, spec=None,
              num_splits=0, seqlen_as_int=False):
-    gen = _gen()
+    gen = fresh_generator()
     b = len(seqlens)
     q_nope = _inside_nan((b, q_len, heads, rank), dtype, gen)
     q_pe = _inside_nan((b, q_len, heads, rope), dtype, gen)
@@ -97,16 +92,7 @@ def run_case(seqlens, heads, q_len, dtype=torch.bfloat16, rank=512, rope=64, blo
     assert (border == SENTINEL).all(), "a write landed outside the output"
     assert torch.isfinite(o).all(), "unwritten (NaN) or non-finite output elements: a stray read or no write"
     ref_o, ref_l = reference_mla(q_nope, q_pe, ckv_ref, kpe_ref, seqlens, scale)
-    err = (torch.linalg.vector_norm(o.float() - ref_o) / torch.linalg.vector_norm(ref_o).clamp_min(1e-30)).item()
-    assert err < TOL[dtype], f"rel L2 error {err:.3e}"
-    empty = torch.isinf(ref_l).transpose(1, 2)  # [b, q_len, h]
-    if empty.any():
-        assert (o[empty] == 0).all()
-    fin = torch.isfinite(ref_l)
-    assert torch.equal(torch.isfinite(lse), fin)
-    if fin.any():
-        assert (lse[fin] - ref_l[fin]).abs().max().item() < 2e-2
-    return err
+    return check_output_and_lse(o, lse, ref_o, ref_l, TOL[dtype])
 
 
 def _arch():
@@ -174,7 +160,7 @@ def test_every_config_that_fits():
 
 def test_cuda_graph():
     """Captured once, replayed with new lengths and queries: no host sync in the call."""
-    gen = _gen()
+    gen = fresh_generator()
     b, heads, q_len, cap = 4, 16, 1, 4096
     q_nope = _randn((b, q_len, heads, 512), torch.bfloat16, gen)
     q_pe = _randn((b, q_len, heads, 64), torch.bfloat16, gen)

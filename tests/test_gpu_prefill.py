@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_reference")]
 torch = pytest.importorskip("torch")
 
 import attngen  # noqa: E402
-from tests.gpu_reference import reference_attention  # noqa: E402
+from tests.gpu_reference import fresh_generator, reference_attention  # noqa: E402
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
@@ -23,11 +23,6 @@ def _rand(*shape, dtype, gen):
     return torch.randn(*shape, dtype=torch.float32, device="cuda", generator=gen).to(dtype)
 
 
-def _gen():
-    g = torch.Generator(device="cuda")
-    g.seed()  # fresh inputs every run
-    return g
-
 
 def rel_l2(out, ref):
     out = out.float()
@@ -35,7 +30,7 @@ def rel_l2(out, ref):
 
 
 def run_case(b, sq, sk, h, hk, d, dtype, causal=False, window=(-1, -1), lse=True, sm_scale=None, spec=None):
-    gen = _gen()
+    gen = fresh_generator()
     q = _rand(b, sq, h, d, dtype=dtype, gen=gen)
     k = _rand(b, sk, hk, d, dtype=dtype, gen=gen)
     v = _rand(b, sk, hk, d, dtype=dtype, gen=gen)
@@ -136,7 +131,7 @@ def test_sm_scale_and_no_lse():
 
 
 def test_strided_views_from_packed_qkv():
-    gen = _gen()
+    gen = fresh_generator()
     b, s, h, d = 2, 300, 4, 128
     qkv = _rand(b, s, 3, h, d, dtype=torch.bfloat16, gen=gen)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
@@ -147,7 +142,7 @@ def test_strided_views_from_packed_qkv():
 
 
 def test_deterministic():
-    gen = _gen()
+    gen = fresh_generator()
     q = _rand(2, 1000, 4, 128, dtype=torch.bfloat16, gen=gen)
     k = _rand(2, 1000, 4, 128, dtype=torch.bfloat16, gen=gen)
     v = _rand(2, 1000, 4, 128, dtype=torch.bfloat16, gen=gen)
@@ -157,7 +152,7 @@ def test_deterministic():
 
 
 def test_runs_on_callers_stream():
-    gen = _gen()
+    gen = fresh_generator()
     q = _rand(1, 2048, 8, 128, dtype=torch.float16, gen=gen)
     k = _rand(1, 2048, 8, 128, dtype=torch.float16, gen=gen)
     v = _rand(1, 2048, 8, 128, dtype=torch.float16, gen=gen)

@@ -20,16 +20,12 @@ torch = pytest.importorskip("torch")
 import attngen  # noqa: E402
 from attngen.errors import LaunchError  # noqa: E402
 from attngen.families.prefill.spec import Mma, PrefillSpec  # noqa: E402
+from tests.gpu_reference import fresh_generator  # noqa: E402
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 SENTINEL = 12345.0
 NAN = float("nan")
 
-
-def _gen():
-    g = torch.Generator(device="cuda")
-    g.seed()
-    return g
 
 
 def _padded(shape, dtype, fill, pad=3):
@@ -132,7 +128,7 @@ def block_diag_keep(sq, sk, nseq, gen_py, causal_within=True):
 
 def run_masked(b, sq, sk, h, hk, d, dtype, keep4, *, kind="bool", causal=False, window=(-1, -1), spec=None,
                plan=None, check_plan_reuse=False):
-    gen = _gen()
+    gen = fresh_generator()
     q = guarded(b, sq, h, d, dtype=dtype, gen=gen)
     k = guarded(b, sk, hk, d, dtype=dtype, gen=gen)
     v = guarded(b, sk, hk, d, dtype=dtype, gen=gen)
@@ -167,7 +163,7 @@ def run_masked(b, sq, sk, h, hk, d, dtype, keep4, *, kind="bool", causal=False, 
 @pytest.mark.parametrize("sq,sk", [(1, 1), (77, 300), (300, 77), (513, 1025)])
 def test_random_masks(dtype, shape, density, sq, sk):
     b, h, hk, d = 2, 4, 2, 128
-    gen = _gen()
+    gen = fresh_generator()
     dims = {"2d": (sq, sk), "b1": (b, 1, sq, sk), "bh": (b, h, sq, sk)}[shape]
     keep = torch.rand(dims, device="cuda", generator=gen) < density
     run_masked(b, sq, sk, h, hk, d, dtype, keep)
@@ -177,7 +173,7 @@ def test_random_masks(dtype, shape, density, sq, sk):
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (64, 16)), (True, (100, -1))])
 def test_additive_masks_with_causal_and_window(kind, causal, window):
     b, h, hk, d, sq, sk = 2, 4, 4, 64, 200, 333
-    keep = torch.rand(b, 1, sq, sk, device="cuda", generator=_gen()) < 0.7
+    keep = torch.rand(b, 1, sq, sk, device="cuda", generator=fresh_generator()) < 0.7
     run_masked(b, sq, sk, h, hk, d, torch.bfloat16, keep, kind=kind, causal=causal, window=window)
 
 
@@ -285,7 +281,7 @@ def _cu(lengths):
 
 
 def run_varlen(lens_q, lens_k, h, hk, d, dtype, *, causal=False, window=(-1, -1), block_size=0, spec=None):
-    gen = _gen()
+    gen = fresh_generator()
     tq, tk = sum(lens_q), sum(lens_k)
     q = guarded(tq, h, d, dtype=dtype, gen=gen)
     k = guarded(tk, hk, d, dtype=dtype, gen=gen)
@@ -383,7 +379,7 @@ def test_varlen_bad_inputs_raise():
 
 def test_varlen_clamps_bad_lengths_without_faulting():
     # cu_seqlens past the arrays' ends: rows are clamped to what exists, nothing read or written outside.
-    gen = _gen()
+    gen = fresh_generator()
     q = guarded(50, 2, 64, dtype=torch.bfloat16, gen=gen)
     k = guarded(40, 2, 64, dtype=torch.bfloat16, gen=gen)
     cu_q = torch.tensor([0, 30, 90], dtype=torch.int32, device="cuda")
