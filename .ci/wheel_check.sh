@@ -10,6 +10,7 @@ trap 'rm -rf "$work"' EXIT
 
 python3 -m pip wheel -q --no-deps "$repo" -w "$work/dist"
 python3 -m venv "$work/venv"
-"$work/venv/bin/python" -m pip install -q "$work"/dist/attngen-*.whl
+whl=$(ls "$work"/dist/attngen-*.whl)
+"$work/venv/bin/python" -m pip install -q "$whl[cu13]"
 cd "$work"
 ATTNGEN_CACHE_DIR="$work/cache" PATH="$work/venv/bin:$PATH" "$work/venv/bin/python" "$repo/.ci/wheel_check.py" "$repo"

@@ -55,6 +55,12 @@ class Driver:
             self.lib.cuGetErrorName(rc, ctypes.byref(name))
             raise LaunchError(f"{what} failed: {(name.value or b'CUDA error').decode()} ({rc})")
 
+    def version(self) -> int:
+        """The driver's CUDA version, as 1000 * major + 10 * minor (13000 for 13.0)."""
+        v = ctypes.c_int()
+        self.check(self.lib.cuDriverGetVersion(ctypes.byref(v)), "cuDriverGetVersion")
+        return v.value
+
     def device_count(self) -> int:
         n = ctypes.c_int()
         self.check(self.lib.cuDeviceGetCount(ctypes.byref(n)), "cuDeviceGetCount")

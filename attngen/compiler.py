@@ -1,8 +1,8 @@
 """Compiling: CUDA source + arch -> Binary (cubin bytes and ptxas' resource report), via NVRTC.
 
-Pure: needs no GPU. NVRTC and the CUDA headers come from the pip wheels
-(``nvidia-cuda-nvrtc``, ``nvidia-cuda-runtime``), located through cuda-pathfinder, or from
-``CUDA_PATH`` when set.
+Pure: needs no GPU. NVRTC and the CUDA headers come from the pip wheels of the ``cu13`` or ``cu12``
+extra (``cuda-toolkit[cudart,nvrtc]`` of that major, CuPy for it), located through cuda-pathfinder,
+or from ``CUDA_PATH`` when set.
 """
 
 from __future__ import annotations
@@ -63,8 +63,9 @@ def _nvrtc():
     try:
         from cupy_backends.cuda.libs import nvrtc
     except Exception as e:  # pragma: no cover - depends on the install
-        raise CompileError(f"NVRTC is not available through CuPy ({e}); install cupy-cuda13x and "
-                           "cuda-toolkit[nvrtc]") from e
+        raise CompileError(f"NVRTC is not available through CuPy ({e}); install the CUDA stack for your "
+                           "driver: pip install 'attngen[cu13]' (CUDA 13 drivers) or 'attngen[cu12]' "
+                           "(CUDA 12 drivers)") from e
     return nvrtc
 
 
@@ -118,8 +119,8 @@ def include_dirs() -> list[str]:
         if d:
             dirs.append(str(d))
     if not dirs:
-        raise CompileError("CUDA headers not found: install cuda-toolkit[cudart] (the nvidia-cuda-runtime "
-                           "wheel) or set CUDA_PATH to a toolkit with include/cuda_fp16.h")
+        raise CompileError("CUDA headers not found: pip install 'attngen[cu13]' or 'attngen[cu12]' (they "
+                           "bring cuda-toolkit[cudart]), or set CUDA_PATH to a toolkit with include/cuda_fp16.h")
     return dirs
 
 

@@ -149,11 +149,26 @@ def load(result: BuildResult, device: int) -> Kernel:
     try:
         mod, fns = driver().load_functions(device, result.binary.cubin, names, tuple(smem for _, _, smem in shapes))
     except LaunchError as e:
-        raise LaunchError(f"could not load {main} ({result.binary.arch}) on device {device}: {e}") from None
+        raise LaunchError(f"could not load {main} ({result.binary.arch}) on device {device}: {e}"
+                          f"{_driver_hint(result.binary.nvrtc_version)}") from None
     (_, threads, smem), extra = shapes[0], {s: (fn, th, sm) for (s, th, sm), fn in zip(shapes[1:], fns[1:])}
     return Kernel(spec=spec, binary=result.binary, key=result.key, device=device, module=mod,
                   func_ptr=fns[0], smem_bytes=smem, threads=threads, origin=result.origin, extra=extra,
                   context=driver().primary_context(device))
+
+
+def _driver_hint(nvrtc: str) -> str:
+    """Why a load may fail: a driver older than the NVRTC major that built the cubin."""
+    try:
+        drv = driver().version()
+        major = int(nvrtc.split(".")[0])
+    except (LaunchError, ValueError):
+        return ""
+    if drv // 1000 >= major:
+        return ""
+    extra = f"'attngen[cu{drv // 1000}]'" if drv // 1000 in (12, 13) else "the extra for your driver's CUDA major"
+    return (f"; the CUDA driver is {drv // 1000}.{drv % 1000 // 10} and cannot load cubins from NVRTC {nvrtc}: "
+            f"install {extra} in place of the current CUDA extra, or upgrade the driver")
 
 
 _kernels: dict[tuple, Kernel] = {}

@@ -209,3 +209,16 @@ def test_parse_resources_single_and_empty():
     r = parse_resources(SAMPLE_LOG, "attngen_k10")
     assert Resources.from_dict(r.to_dict()) == r
     assert Resources.from_dict({"registers": "7"}) == Resources(registers=7)
+
+
+def test_load_failure_names_the_cuda_extra_when_the_driver_is_older_than_nvrtc(monkeypatch):
+    from attngen import runtime
+
+    class OldDriver:
+        def version(self):
+            return 12080
+
+    monkeypatch.setattr(runtime, "driver", lambda: OldDriver())
+    hint = runtime._driver_hint("13.0")
+    assert "12.8" in hint and "NVRTC 13.0" in hint and "'attngen[cu12]'" in hint
+    assert runtime._driver_hint("12.9") == ""  # a 12.8 driver loads cubins from NVRTC 12.x

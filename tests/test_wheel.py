@@ -17,14 +17,35 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def wheel_names(tmp_path_factory) -> set[str]:
+def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(ROOT), "-w", str(out)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     (whl,) = out.glob("attngen-*.whl")
-    with zipfile.ZipFile(whl) as z:
+    return whl
+
+
+@pytest.fixture(scope="module")
+def wheel_names(wheel) -> set[str]:
+    with zipfile.ZipFile(wheel) as z:
         return set(z.namelist())
+
+
+def test_wheel_metadata_license_and_one_cuda_extra_per_driver_major(wheel, wheel_names):
+    (meta,) = [n for n in wheel_names if n.endswith(".dist-info/METADATA")]
+    with zipfile.ZipFile(wheel) as z:
+        text = z.read(meta).decode()
+    assert "License-Expression: MIT" in text
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in wheel_names)
+    requires = [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Requires-Dist:")]
+    base = [r for r in requires if "extra ==" not in r]
+    # No CUDA stack without an extra: the cu12 and cu13 ones cannot share an environment.
+    assert not [r for r in base if "cupy" in r or "cuda-toolkit" in r], base
+    for major in (12, 13):
+        extra = [r for r in requires if f'extra == "cu{major}"' in r]
+        assert any(r.startswith(f"cupy-cuda{major}x") for r in extra), extra
+        assert any(r.startswith("cuda-toolkit") and f"=={major}.*" in r for r in extra), extra
 
 
 def _tree(folder: Path, pattern: str = "*") -> set[str]:
