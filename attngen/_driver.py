@@ -45,6 +45,12 @@ class Driver:
         # below 2**31 (grid, block and shared-memory sizes are). Pointer arguments are not checked.
         self.raw_launch = ctypes.CFUNCTYPE(ctypes.c_int)(("cuLaunchKernel", lib))
         self.raw_ctx_get_current = ctypes.CFUNCTYPE(ctypes.c_int)(("cuCtxGetCurrent", lib))
+        # cuLaunchKernelEx (CUDA 11.8+), for launches with attributes (programmatic dependent
+        # launch); None where the driver lacks it.
+        try:
+            self.raw_launch_ex = ctypes.CFUNCTYPE(ctypes.c_int)(("cuLaunchKernelEx", lib))
+        except AttributeError:
+            self.raw_launch_ex = None
         self.check(lib.cuInit(0), "cuInit")
         self._primary: dict[int, int] = {}
         self._lock = threading.Lock()

@@ -7,6 +7,7 @@ bytes, so the runtime stays family-agnostic. Launches go on the caller's current
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 import threading
 from dataclasses import dataclass
@@ -38,15 +39,39 @@ def device_arch(device: int) -> Arch:
 _MAX_PARAM_BYTES = 4096
 _tls = threading.local()
 
+# Programmatic dependent launch: kernels whose family allows it (``Spec.PDL``) are launched on
+# sm_90 and newer through cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+# so that, in a stream or a CUDA graph, each may be scheduled while the kernel before it finishes
+# (the kernel itself waits for that one's writes). ``ATTNGEN_PDL=0`` turns it off.
+_pdl = [os.environ.get("ATTNGEN_PDL", "1").strip() != "0"]
+# CUlaunchConfig up to hStream: grid x/y/z, block x/y/z, dynamic shared memory, padding, stream;
+# then the attribute array's pointer and count, set once per thread.
+_LAUNCH_CONFIG = struct.Struct("<7I4xQ")
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+def set_pdl(enabled: bool) -> bool:
+    """Turn programmatic dependent launch on or off for later launches (benchmarks compare the
+    two); returns the previous setting."""
+    was, _pdl[0] = _pdl[0], bool(enabled)
+    return was
+
 
 def _thread_slot():
-    """This thread's (parameter buffer, argv pointer, current-context out-parameter, its byref)."""
+    """This thread's launch buffers: (parameters, argv pointer, current-context out-parameter, its
+    byref, argv, launch config, its pointer, the PDL attribute)."""
     buf = ctypes.create_string_buffer(_MAX_PARAM_BYTES)
     argv = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
     cur = ctypes.c_void_p()
+    # CUlaunchAttribute: id, padding to 8 bytes, a 64-byte value union (here one int: allowed).
+    attr = ctypes.create_string_buffer(72)
+    struct.pack_into("<i4xi", attr, 0, _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)
+    cfg = ctypes.create_string_buffer(56)
+    struct.pack_into("<QI", cfg, 40, ctypes.addressof(attr), 1)
     # argv as a c_void_p holding its address: the launch binding below takes no argtypes, and a
     # ctypes object converts faster than an array. ``argv`` is kept alive alongside.
-    slot = (buf, ctypes.c_void_p(ctypes.addressof(argv)), cur, ctypes.byref(cur), argv)
+    slot = (buf, ctypes.c_void_p(ctypes.addressof(argv)), cur, ctypes.byref(cur), argv,
+            cfg, ctypes.c_void_p(ctypes.addressof(cfg)), attr)
     _tls.slot = slot
     return slot
 
@@ -79,6 +104,8 @@ class Kernel:
             self._entries[suffix] = (ctypes.c_void_p(fn), threads, smem)
         self._ctx_current = drv.raw_ctx_get_current
         self._cu_launch = drv.raw_launch
+        self._cu_launch_ex = drv.raw_launch_ex
+        self.pdl = bool(self.spec.PDL) and get_arch(self.binary.arch).major >= 9 and drv.raw_launch_ex is not None
 
     def launch(self, grid: tuple[int, int, int], params: bytes, stream: int, entry: str = "") -> None:
         """Enqueue one launch with ``params`` (the packed parameter struct) on ``stream``; ``entry``
@@ -112,8 +139,12 @@ class Kernel:
         if slot[2].value != self.context:
             return self._enqueue(grid, stream, slot, entry)
         func, threads, smem = self._entries[entry]
-        rc = self._cu_launch(func, grid[0], grid[1], grid[2], threads, 1, 1, smem,
-                             ctypes.c_void_p(stream) if stream else None, slot[1], None)
+        if self.pdl and _pdl[0]:
+            _LAUNCH_CONFIG.pack_into(slot[5], 0, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream)
+            rc = self._cu_launch_ex(slot[6], func, slot[1], None)
+        else:
+            rc = self._cu_launch(func, grid[0], grid[1], grid[2], threads, 1, 1, smem,
+                                 ctypes.c_void_p(stream) if stream else None, slot[1], None)
         if rc:
             self._failed(rc, grid, entry)
 
@@ -122,8 +153,12 @@ class Kernel:
         func, threads, smem = self._entries[entry]
         pushed = drv.push(self.device)  # a no-op where the primary context is current already
         try:
-            rc = self._cu_launch(func, grid[0], grid[1], grid[2], threads, 1, 1, smem,
-                                 ctypes.c_void_p(stream) if stream else None, slot[1], None)
+            if self.pdl and _pdl[0]:
+                _LAUNCH_CONFIG.pack_into(slot[5], 0, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream)
+                rc = self._cu_launch_ex(slot[6], func, slot[1], None)
+            else:
+                rc = self._cu_launch(func, grid[0], grid[1], grid[2], threads, 1, 1, smem,
+                                     ctypes.c_void_p(stream) if stream else None, slot[1], None)
         finally:
             if pushed:
                 drv.pop()

@@ -88,6 +88,9 @@ class SpecBase:
     family: ClassVar[str]
     TUNING_FIELDS: ClassVar[tuple[str, ...]]
     ALWAYS_SHOWN: ClassVar[tuple[str, ...]] = ("head_dim", "dtype")
+    # Whether every entry of the family's module starts with ``pdl_enter()`` (common/ptx.cuh), so
+    # that it may be launched with programmatic dependent launch on sm_90 and newer.
+    PDL: ClassVar[bool] = False
 
     @property
     def is_resolved(self) -> bool:

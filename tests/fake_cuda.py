@@ -30,6 +30,7 @@ static long launches, pushes, pops, ctx_queries;
 static unsigned last_grid[3], last_block;
 static unsigned last_smem;
 static void *last_stream, *last_func;
+static int last_pdl;  /* the last launch asked for programmatic stream serialization */
 static unsigned char last_params[512];
 
 CUresult cuInit(unsigned f) { return 0; }
@@ -53,14 +54,25 @@ CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
     launches++; last_func = f; last_grid[0] = gx; last_grid[1] = gy; last_grid[2] = gz; last_block = bx;
     last_smem = smem; last_stream = stream;
     memcpy(last_params, params[0], sizeof last_params);
+    last_pdl = 0;
     return 0;
+}
+/* CUlaunchConfig and CUlaunchAttribute as cuda.h lays them out */
+typedef struct { int id; int pad; int value[16]; } Attr;
+typedef struct { unsigned gx, gy, gz, bx, by, bz, smem; void *stream; Attr *attrs; unsigned n; } Config;
+CUresult cuLaunchKernelEx(const Config *c, void *f, void **params, void **extra) {
+    CUresult rc = cuLaunchKernel(f, c->gx, c->gy, c->gz, c->bx, c->by, c->bz, c->smem, c->stream, params, extra);
+    for (unsigned i = 0; i < c->n; i++)
+        if (c->attrs[i].id == 6) last_pdl = c->attrs[i].value[0];
+    return rc;
 }
 /* for tests */
 void stub_set_current(void *c) { current = c; }
 long stub_count(int what) { return what == 0 ? launches : what == 1 ? pushes : what == 2 ? pops : ctx_queries; }
 const unsigned char *stub_last_params(void) { return last_params; }
 void stub_last_launch(unsigned *out) { out[0] = last_grid[0]; out[1] = last_grid[1]; out[2] = last_grid[2];
-                                       out[3] = last_block; out[4] = last_smem; out[5] = (unsigned)(uintptr_t)last_stream; }
+                                       out[3] = last_block; out[4] = last_smem; out[5] = (unsigned)(uintptr_t)last_stream;
+                                       out[6] = (unsigned)last_pdl; }
 """
 
 _lib = None
@@ -116,9 +128,9 @@ def last_params(n: int) -> bytes:
 
 
 def last_launch() -> dict:
-    out = (ctypes.c_uint * 6)()
+    out = (ctypes.c_uint * 7)()
     _lib.stub_last_launch(out)
-    return {"grid": (out[0], out[1], out[2]), "threads": out[3], "smem": out[4], "stream": out[5]}
+    return {"grid": (out[0], out[1], out[2]), "threads": out[3], "smem": out[4], "stream": out[5], "pdl": out[6]}
 
 
 def counts() -> dict:

@@ -30,6 +30,9 @@ def main():
 
     fake_cuda.prebuild()
     build(PrefillSpec(head_dim=64, dtype="bf16", **TUNED), "sm_90a")
+    from attngen import DecodeSpec
+
+    build(DecodeSpec(head_dim=128, dtype="bf16", q_rows=16), "sm_90a")
     fake_cuda.install()
     wrap = fake_cuda.patch_torch_cuda()
 
@@ -107,7 +110,7 @@ def main():
         ((wrap(q[0]), k, v), {}, "q has shape (100, 8, 64); expected [batch, seqlen, heads, head_dim]"),
         ((q, rand(2, 130, 3, 64), rand(2, 130, 3, 64)), {}, "heads=8 must be a multiple of kv_heads=3"),
         ((q, k, rand(2, 131, 2, 64)), {}, "k (2, 130, 2, 64) and v (2, 131, 2, 64) must have the same shape"),
-        ((q, k, v), {"out": wrap(torch.empty(2, 100, 8, 64))}, "out must match q: torch (2, 100, 8, 64) bf16"),
+        ((q, k, v), {"out": wrap(torch.empty(2, 100, 8, 64))}, "out must match q with v's head dim: torch (2, 100, 8, 64) bf16"),
         ((q, k, v), {"window": (1,)}, "window=(1,) must be a pair"),
         ((q, k, v), {"sm_scale": float("inf")}, "sm_scale=inf must be finite and > 0"),
         ((q, k, v), {"sm_scale": -0.5}, "sm_scale=-0.5 must be finite and > 0"),
@@ -141,7 +144,41 @@ def main():
     os.environ["ATTNGEN_NO_TUNED"] = "1"
     attngen.runtime.clear_loaded()
     assert op.kernel_for(q, k, v).spec == default
+    assert fake_cuda.last_launch()["pdl"] == 0, "prefill's kernels do not wait for the kernel before them"
+    check_decode(torch, wrap)
     print("ok")
+
+
+def check_decode(torch, wrap):
+    """decode on the stub's sm_90 device: the split and merge launches, each with programmatic
+    dependent launch unless it is turned off, and the parameter bytes they carry."""
+    import attngen
+    from attngen import runtime
+    from attngen.families.decode.spec import MERGE_THREADS
+
+    dparams = struct.Struct("<12Q14q10i2f2fQq")
+    dq = wrap(torch.randn(1, 1, 32, 128).to(torch.bfloat16))
+    kc, vc = (wrap(torch.randn(1, 4096, 8, 128).to(torch.bfloat16)) for _ in range(2))
+    lens = wrap(torch.tensor([3000], dtype=torch.int32))
+    n0 = fake_cuda.counts()["launches"]
+    out = attngen.decode(dq, kc, vc, cache_seqlens=lens, num_splits=4)
+    assert fake_cuda.counts()["launches"] == n0 + 2, "a split launch and a merge launch"
+    got = fake_cuda.last_launch()
+    assert got["pdl"] == 1, got
+    vals = dparams.unpack(fake_cuda.last_params(dparams.size))
+    assert vals[:4] == (dq.data_ptr(), kc.data_ptr(), vc.data_ptr(), out.data_ptr()), vals[:4]
+    assert vals[5] == lens.data_ptr() and vals[8] and vals[9], "lengths and the split workspace"
+    assert vals[21:24] == (32 * 128, 32 * 128, 128), "out's strides: a fresh contiguous array"
+    assert vals[26:31] == (1, 1, 32, 4, 4), "batch, q_len, heads, group, splits"
+    assert got["grid"] == (-(-32 // (MERGE_THREADS // 32)), 1, 1), got
+    was = runtime.set_pdl(False)
+    attngen.decode(dq, kc, vc, cache_seqlens=3000, num_splits=1, out=out)
+    got = fake_cuda.last_launch()
+    assert got["pdl"] == 0 and got["grid"] == (1, 8, 1), got
+    assert dparams.unpack(fake_cuda.last_params(dparams.size))[34] == 3000, "the fixed length"
+    runtime.set_pdl(was)
+    attngen.decode(dq, kc, vc, cache_seqlens=3000, num_splits=1, out=out)
+    assert fake_cuda.last_launch()["pdl"] == 1
 
 
 if __name__ == "__main__":

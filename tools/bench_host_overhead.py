@@ -1,10 +1,10 @@
-"""Host time of one ``attngen.prefill`` call without a GPU: the Python path, timed on a stand-in driver.
+"""Host time of one ``attngen.prefill`` and ``attngen.decode`` call without a GPU: the Python path, timed on a stand-in driver.
 
 ``python3 tools/bench_host_overhead.py [--calls 2000] [--batches 15] [--json]``
 
 Loads the stub libcuda of ``tests/fake_cuda.py`` (needs gcc) and CPU torch tensors dressed as
-CUDA tensors, then times ``attngen.prefill`` on B=1, S=128, H=8, D=64 bf16 as ``attngen bench jit``
-does on a GPU. The numbers leave out what only a GPU costs (a CUDA allocation, torch's stream
+CUDA tensors, then times ``attngen.prefill`` on B=1, S=128, H=8, D=64 bf16 and ``attngen.decode`` on B=1,
+H=32/8, D=128 against a 256-cell cache, as ``attngen bench host`` does on a GPU. The numbers leave out what only a GPU costs (a CUDA allocation, torch's stream
 query, the driver's own launch work), so they are a floor of the GPU harness's, for comparing
 versions of the Python path on one machine. The first call compiles through NVRTC into a
 temporary cache root.
@@ -27,6 +27,9 @@ from tests import fake_cuda  # noqa: E402
 
 def measure(calls: int, batches: int) -> dict:
     fake_cuda.prebuild()
+    from attngen import DecodeSpec, build
+
+    build(DecodeSpec(head_dim=128, dtype="bf16", q_rows=16), "sm_90a")
     fake_cuda.install()
     wrap = fake_cuda.patch_torch_cuda()
     import torch
@@ -35,11 +38,16 @@ def measure(calls: int, batches: int) -> dict:
 
     q, k, v = (wrap(torch.randn(1, 128, 8, 64).to(torch.bfloat16)) for _ in range(3))
     out = torch.empty(1, 128, 8, 64, dtype=torch.bfloat16, device="cuda")
+    dq = wrap(torch.randn(1, 1, 32, 128).to(torch.bfloat16))
+    kc, vc = (wrap(torch.randn(1, 256, 8, 128).to(torch.bfloat16)) for _ in range(2))
+    lens = wrap(torch.tensor([200], dtype=torch.int32))
     cases = {
         "prefill(q, k, v)": lambda: attngen.prefill(q, k, v),
         "prefill(q, k, v, out=out)": lambda: attngen.prefill(q, k, v, out=out),
         "prefill(q, k, v, causal=True)": lambda: attngen.prefill(q, k, v, causal=True),
         "prefill(q, k, v, return_lse=True)": lambda: attngen.prefill(q, k, v, return_lse=True),
+        "decode(q, k_cache, v_cache, cache_seqlens=lens)": lambda: attngen.decode(dq, kc, vc, cache_seqlens=lens),
+        "decode(..., cache_seqlens=200)": lambda: attngen.decode(dq, kc, vc, cache_seqlens=200),
         "torch.empty_like(q) (for scale)": lambda: torch.empty(1, 128, 8, 64, dtype=torch.bfloat16, device="cuda"),
     }
     res = {}

@@ -5,6 +5,18 @@ namespace attngen {
 // NVRTC has no <math.h> macros; this is +inf as a float (bit pattern 0x7f800000).
 #define ATTNGEN_INF __int_as_float(0x7f800000)
 
+// Programmatic dependent launch (sm_90 and newer; nothing on older archs). A kernel the host
+// launches with the programmatic-serialization attribute may start while the kernel before it
+// on the stream is still finishing: it waits here, before its first global read, until that
+// kernel has completed and its writes are visible, then lets the kernel after it start
+// launching in turn (that one waits the same way before it reads anything this one writes).
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }

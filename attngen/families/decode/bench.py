@@ -201,6 +201,8 @@ def add_parser(sub) -> None:
     pd.add_argument("--reps", type=int, default=None,
                     help="a fixed number of timed repeats instead of --rep-ms (own CUDA-event loop)")
     pd.add_argument("--no-check", action="store_true", help="skip the correctness spot checks")
+    pd.add_argument("--no-pdl", action="store_true",
+                    help="launch without programmatic dependent launch (sm_90+), to time what it buys")
     pd.add_argument("--seed", type=int, default=0)
     pd.add_argument("--copy-mib", type=int, default=COPY_MIB, help=argparse.SUPPRESS)
     pd.add_argument("--from-json", type=Path, default=None,
@@ -443,6 +445,9 @@ def cmd_decode(args: argparse.Namespace) -> int:
         return done
     import torch
 
+    from ... import runtime
+
+    runtime.set_pdl(not args.no_pdl)
     dtype = args.dtype
     shapes = decode_sweep_from_args(args)
     backends = list(args.backends)
@@ -459,6 +464,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
                    "rep_ms": args.rep_ms, "reps": args.reps, "timer": timer, "seed": args.seed,
                    "check": not args.no_check, "check_tolerance_rel_l2": CHECK_TOL, "sdpa_layout": args.sdpa_layout,
                    "graph": bool(getattr(args, "graph", False) or args.rotate), "rotate": bool(args.rotate),
+                   "pdl": not args.no_pdl,
                    "sdpa_note": DECODE_SDPA_NOTE if args.sdpa_layout == "view" else DECODE_SDPA_CONTIG_NOTE,
                    "bytes": BYTES_NOTE, "ratio": RATIO_NOTE,
                    "targets": {"copy_frac": TARGET_COPY_FRAC, "cudnn_b1_32k": TARGET_B1_CUDNN,

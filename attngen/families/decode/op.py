@@ -10,7 +10,8 @@ import struct
 
 from ... import runtime as _rt
 from ...errors import LaunchError
-from ...runtime import current_stream, data_ptr, empty_like_kind, get_kernel, register_dependent_cache, tensor_info
+from ...runtime import (allocator, current_stream, data_ptr, get_kernel, register_dependent_cache, tensor_info,
+                         torch_stream_getter)
 from ...spec import DType, spec_of_text
 from ...tuned import bucket_bounds, stored_choices
 from ..score_mods import NO_EXTRAS, checked_scale, extras
@@ -36,17 +37,56 @@ def _spec_for(head_dim: int, dtype: str, q_rows: int, paged: bool, variant: str,
     return DecodeSpec(**fields) if user is None else user.replace(**fields)
 
 
-# (spec, device) -> (bucket bounds, specs) of the winners `attngen tune decode` stored for this GPU,
-# by cache capacity; read once per process for each pair.
-_tuned: dict[tuple, tuple[list, list]] = register_dependent_cache({})
+class _Plan:
+    """What a call needs that depends only on its plan key (head_dim, dtype, device, q_rows, paged,
+    variant, the user's spec, array kind, softcap, alibi): the kernel, or the winners ``attngen tune
+    decode`` stored for this GPU by cache capacity (loaded on first use), allocators, the stream
+    getter and the SM count. Made once per key, so a call does its checks, one lookup, the
+    allocations and the launches."""
+
+    __slots__ = ("kernel", "bounds", "specs", "kernels", "device", "alloc", "alloc_f32", "stream", "sms")
+
+    def kernel_for(self, capacity: int):
+        i = bisect.bisect_right(self.bounds, capacity)
+        kern = self.kernels[i]
+        if kern is None:
+            kern = self.kernels[i] = get_kernel(self.specs[i], device=self.device)
+        return kern
 
 
-def _tuned_for(base: DecodeSpec, device: int) -> tuple[list, list]:
-    got = _tuned.get((base, device))
-    if got is None:
-        choices = stored_choices(base, device)
-        got = _tuned[(base, device)] = (bucket_bounds([s for s, _ in choices]), [c for _, c in choices])
-    return got
+_plans: dict[tuple, _Plan] = register_dependent_cache({})
+
+
+def _make_plan(key: tuple) -> _Plan:
+    d, dtype, device, q_rows, paged, variant, spec, kind, softcap, alibi = key
+    base = _spec_for(d, dtype, q_rows, paged, variant, spec, softcap, alibi)
+    plan = _Plan()
+    plan.device = device
+    choices = stored_choices(base, device) if spec is None else []
+    if choices:  # a winner `attngen tune decode` stored for the nearest cache capacity
+        plan.kernel = None
+        plan.bounds = bucket_bounds([s for s, _ in choices])
+        plan.specs = [c for _, c in choices]
+        plan.kernels = [None] * len(choices)
+    else:
+        plan.kernel = get_kernel(base, device=device)
+    plan.alloc = allocator(kind, dtype, device)
+    plan.alloc_f32 = allocator(kind, "fp32", device)
+    plan.stream = torch_stream_getter() if kind == "torch" else functools.partial(current_stream, "cupy")
+    plan.sms = sm_count(device)
+    _plans[key] = plan
+    return plan
+
+
+def _check_operands(qi, ki, vi) -> None:
+    """Ranks, contiguous last dims and 16-byte alignment of q and the caches (``check_rows``'s
+    rules): one arithmetic test for the common case, the named checks for the message."""
+    for t in (qi, ki, vi):
+        st = t.strides
+        if len(st) != 4 or st[3] != 1 or (t.ptr & 15) | ((st[0] | st[1] | st[2]) & 7):
+            check_rows(qi, "q", 4, "[batch, q_len, heads, head_dim]")
+            check_rows(ki, "k_cache", 4, _CACHE_DIMS)
+            check_rows(vi, "v_cache", 4, _CACHE_DIMS)
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_table=None, num_splits: int = 0,
@@ -81,16 +121,15 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     qi = tensor_info(q, "q")
     ki = tensor_info(k_cache, "k_cache")
     vi = tensor_info(v_cache, "v_cache")
-    check_rows(qi, "q", 4, "[batch, q_len, heads, head_dim]")
-    check_rows(ki, "k_cache", 4, _CACHE_DIMS)
-    check_rows(vi, "v_cache", 4, _CACHE_DIMS)
-    if len({qi.kind, ki.kind, vi.kind}) != 1 or len({qi.device, ki.device, vi.device}) != 1:
+    _check_operands(qi, ki, vi)
+    if not (qi.kind == ki.kind == vi.kind and qi.device == ki.device == vi.device):
         raise LaunchError(f"q, k_cache, v_cache must be of one kind on one device; got {qi.kind}:{qi.device}, "
                           f"{ki.kind}:{ki.device}, {vi.kind}:{vi.device}")
-    if qi.dtype not in ("fp16", "bf16"):
-        raise LaunchError(f"q has dtype {qi.dtype}; allowed: fp16, bf16")
-    if ki.dtype != qi.dtype or vi.dtype != qi.dtype:
-        raise LaunchError(f"q, k_cache, v_cache must share a dtype; got {qi.dtype}, {ki.dtype}, {vi.dtype}")
+    dtype = qi.dtype
+    if dtype != "bf16" and dtype != "fp16":
+        raise LaunchError(f"q has dtype {dtype}; allowed: fp16, bf16")
+    if ki.dtype != dtype or vi.dtype != dtype:
+        raise LaunchError(f"q, k_cache, v_cache must share a dtype; got {dtype}, {ki.dtype}, {vi.dtype}")
     if ki.shape != vi.shape:
         raise LaunchError(f"k_cache {ki.shape} and v_cache {vi.shape} must have the same shape")
     b, q_len, h, d = qi.shape
@@ -108,84 +147,86 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
         raise LaunchError(f"heads/kv_heads = {group} is not supported; allowed: a GQA group of 1 to {MAX_GROUP}")
     if variant not in VARIANTS:
         raise LaunchError(f"variant={variant!r} is not allowed; allowed: {', '.join(VARIANTS)}")
-    checked_splits(num_splits)
+    if num_splits.__class__ is not int or num_splits:
+        checked_splits(num_splits)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else checked_scale(sm_scale)
 
+    kind, dev = qi.kind, qi.device
     paged = block_table is not None
     if paged:
         if cache_batch_idx is not None:
             raise LaunchError("cache_batch_idx cannot be combined with block_table (a paged cache names its "
                               "blocks per row already)")
         block_size = cache_len
-        capacity, bt_ptr, bt_sb = paged_table(block_table, b, block_size, qi.kind, qi.device, "q", "k_cache")
+        capacity, bt_ptr, bt_sb = paged_table(block_table, b, block_size, kind, dev, "q", "k_cache")
         bi_ptr = 0
     else:
         block_size, capacity, bt_ptr, bt_sb = 0, cache_len, 0, 0
         bi_ptr = 0
         if cache_batch_idx is not None:
-            bix = check_index(cache_batch_idx, "cache_batch_idx", 1, qi.kind, qi.device)
+            bix = check_index(cache_batch_idx, "cache_batch_idx", 1, kind, dev)
             if bix.shape[0] != b:
                 raise LaunchError(f"cache_batch_idx has {bix.shape[0]} entries; q has batch {b}")
             bi_ptr = bix.ptr
         elif pool < b:
             raise LaunchError(f"k_cache has {pool} cache rows for batch {b}; pass cache_batch_idx to map rows")
-    seq_ptr, seq_fixed = cache_lengths(cache_seqlens, b, qi.kind, qi.device, "q")
+    seq_ptr, seq_fixed = cache_lengths(cache_seqlens, b, kind, dev, "q")
+    cap_u, inv_cap_u, alibi_ptr, alibi_sb = (extras(softcap, alibi_slopes, b, h, qi, sm_scale)
+                                             if softcap or alibi_slopes is not None else NO_EXTRAS)
+    key = (d, dtype, dev, DecodeSpec.rows_for(group, q_len), paged, "fused" if variant == "auto" else variant,
+           spec, kind, bool(softcap), alibi_ptr != 0)
+    plan = _plans.get(key) or _make_plan(key)
 
     if out is None:
-        out = empty_like_kind(qi.kind, (b, q_len, h, d), qi.dtype, qi.device)
-    oi = tensor_info(out, "out")
-    if oi.kind != qi.kind or oi.shape != qi.shape or oi.dtype != qi.dtype or oi.device != qi.device:
-        raise LaunchError(f"out must match q: {qi.kind} {qi.shape} {qi.dtype} on device {qi.device}; got "
-                          f"{oi.kind} {oi.shape} {oi.dtype} on device {oi.device}")
-    check_rows(oi, "out", 4, "[batch, q_len, heads, head_dim]")
-    lse = empty_like_kind(qi.kind, (b, h, q_len), "fp32", qi.device) if return_lse else None
+        out = plan.alloc(b, q_len, h, d)
+        optr, ostrides = data_ptr(out, kind), (q_len * h * d, h * d, d)
+    else:
+        oi = tensor_info(out, "out")
+        if oi.kind != kind or oi.shape != qi.shape or oi.dtype != dtype or oi.device != dev:
+            raise LaunchError(f"out must match q: {kind} {qi.shape} {dtype} on device {dev}; got "
+                              f"{oi.kind} {oi.shape} {oi.dtype} on device {oi.device}")
+        check_rows(oi, "out", 4, "[batch, q_len, heads, head_dim]")
+        optr, ostrides = oi.ptr, oi.strides
+    lse = plan.alloc_f32(b, h, q_len) if return_lse else None
     if b == 0:
         return (out, lse) if return_lse else out
     if b > 65535:
         raise LaunchError(f"batch={b} exceeds 65535 (the grid's z limit)")
 
-    kind, dev = qi.kind, qi.device
-    chosen = "fused" if variant == "auto" else variant
-    cap_u, inv_cap_u, alibi_ptr, alibi_sb = (extras(softcap, alibi_slopes, b, h, qi, sm_scale)
-                                             if softcap or alibi_slopes is not None else NO_EXTRAS)
-    rs_spec = _spec_for(d, qi.dtype, DecodeSpec.rows_for(group, q_len), paged, chosen, spec, bool(softcap),
-                        alibi_ptr != 0)
-    if spec is None:  # a winner `attngen tune decode` stored for the nearest cache capacity, if any
-        bounds, tuned = _tuned.get((rs_spec, dev)) or _tuned_for(rs_spec, dev)
-        if tuned:
-            rs_spec = tuned[bisect.bisect_right(bounds, capacity)]
-    kern = get_kernel(rs_spec, device=qi.device)
+    kern = plan.kernel or plan.kernel_for(capacity)
     rs = kern.spec
     if num_splits == 0:
-        num_splits = choose_splits(b * hk, capacity, rs.cta_tile_kv, sm_count(qi.device), ctas_per_sm(kern),
+        num_splits = choose_splits(b * hk, capacity, rs.cta_tile_kv, plan.sms, ctas_per_sm(kern),
                                    4 * rs.cta_tile_kv * d, 4 * b * q_len * h * d)
     # One fp32 workspace per call: split partials (outputs, then LSE), then the unfused
     # variant's scores and per-split row stats; every piece starts 16-byte aligned.
     scores_ld = 0
-    sizes = [0, 0, 0, 0]
-    if num_splits > 1:
-        sizes[0] = num_splits * b * q_len * h * d
-        sizes[1] = -(-num_splits * b * h * q_len // 4) * 4
-    if rs.variant is Variant.UNFUSED:
-        scores_ld = max(4, -(-capacity // 4) * 4)
-        sizes[2] = b * hk * group * q_len * scores_ld
-        sizes[3] = num_splits * b * hk * rs.q_rows * 2
-    ptrs = [0, 0, 0, 0]
-    if any(sizes):
-        work = empty_like_kind(kind, (sum(sizes),), "fp32", dev)
+    ptrs = (0, 0, 0, 0)
+    unfused = rs.variant is Variant.UNFUSED
+    if num_splits > 1 or unfused:
+        sizes = [0, 0, 0, 0]
+        if num_splits > 1:
+            sizes[0] = num_splits * b * q_len * h * d
+            sizes[1] = -(-num_splits * b * h * q_len // 4) * 4
+        if unfused:
+            scores_ld = max(4, -(-capacity // 4) * 4)
+            sizes[2] = b * hk * group * q_len * scores_ld
+            sizes[3] = num_splits * b * hk * rs.q_rows * 2
+        work = plan.alloc_f32(sum(sizes))
         at = data_ptr(work, kind)
-        for i, n in enumerate(sizes):
-            ptrs[i] = at if n else 0
+        ptrs = []
+        for n in sizes:
+            ptrs.append(at if n else 0)
             at += 4 * n
 
     values = (
-        qi.ptr, ki.ptr, vi.ptr, oi.ptr, data_ptr(lse, kind) if lse is not None else 0,
+        qi.ptr, ki.ptr, vi.ptr, optr, data_ptr(lse, kind) if lse is not None else 0,
         seq_ptr, bi_ptr, bt_ptr,
         *ptrs,
         qi.strides[0], qi.strides[1], qi.strides[2],
         ki.strides[0], ki.strides[1], ki.strides[2],
         vi.strides[0], vi.strides[1], vi.strides[2],
-        oi.strides[0], oi.strides[1], oi.strides[2],
+        ostrides[0], ostrides[1], ostrides[2],
         bt_sb, scores_ld,
         b, q_len, h, group,
         num_splits, block_size, capacity, pool,
@@ -193,10 +234,10 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
         scale, scale * _LOG2E,
         cap_u, inv_cap_u, alibi_ptr, alibi_sb,
     )
-    stream = current_stream(kind, dev)
+    stream = plan.stream(dev)
     grid = (num_splits, hk, b)
     kern.launch_struct(_PARAMS, grid, stream, *values)
-    if rs.variant is Variant.UNFUSED:
+    if unfused:
         kern.launch_struct(_PARAMS, grid, stream, *values, entry="_pv")
     if num_splits > 1:
         warps = MERGE_THREADS // 32

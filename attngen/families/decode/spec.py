@@ -35,6 +35,7 @@ class DecodeSpec(SpecBase):
     """
 
     family: ClassVar[str] = "decode"
+    PDL: ClassVar[bool] = True
 
     HEAD_DIMS: ClassVar[tuple[int, ...]] = (64, 128, 256)
     Q_ROWS: ClassVar[tuple[int, ...]] = (16, 32, 64, 128)
