@@ -39,7 +39,7 @@ def device_arch(device: int) -> Arch:
 _MAX_PARAM_BYTES = 4096
 _tls = threading.local()
 
-# Programmatic dependent launch: kernels whose family allows it (``Spec.PDL``) are launched on
+# Programmatic dependent launch: the entries a family lists (``Spec.PDL_ENTRIES``) are launched on
 # sm_90 and newer through cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
 # so that, in a stream or a CUDA graph, each may be scheduled while the kernel before it finishes
 # (the kernel itself waits for that one's writes). ``ATTNGEN_PDL=0`` turns it off.
@@ -99,13 +99,15 @@ class Kernel:
             self.context = drv.primary_context(self.device)
         self._drv = drv
         self._func = ctypes.c_void_p(self.func_ptr)
-        self._entries = {"": (self._func, self.threads, self.smem_bytes)}
+        pdl = get_arch(self.binary.arch).major >= 9 and drv.raw_launch_ex is not None
+        listed = self.spec.PDL_ENTRIES
+        self._entries = {"": (self._func, self.threads, self.smem_bytes, pdl and "" in listed)}
         for suffix, (fn, threads, smem) in (self.extra or {}).items():
-            self._entries[suffix] = (ctypes.c_void_p(fn), threads, smem)
+            self._entries[suffix] = (ctypes.c_void_p(fn), threads, smem, pdl and suffix in listed)
+        self.pdl = self._entries[""][3]  # whether the main entry launches with it
         self._ctx_current = drv.raw_ctx_get_current
         self._cu_launch = drv.raw_launch
         self._cu_launch_ex = drv.raw_launch_ex
-        self.pdl = bool(self.spec.PDL) and get_arch(self.binary.arch).major >= 9 and drv.raw_launch_ex is not None
 
     def launch(self, grid: tuple[int, int, int], params: bytes, stream: int, entry: str = "") -> None:
         """Enqueue one launch with ``params`` (the packed parameter struct) on ``stream``; ``entry``
@@ -138,8 +140,8 @@ class Kernel:
         self._ctx_current(slot[3])
         if slot[2].value != self.context:
             return self._enqueue(grid, stream, slot, entry)
-        func, threads, smem = self._entries[entry]
-        if self.pdl and _pdl[0]:
+        func, threads, smem, pdl = self._entries[entry]
+        if pdl and _pdl[0]:
             _LAUNCH_CONFIG.pack_into(slot[5], 0, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream)
             rc = self._cu_launch_ex(slot[6], func, slot[1], None)
         else:
@@ -150,10 +152,10 @@ class Kernel:
 
     def _enqueue(self, grid, stream, slot, entry: str = "") -> None:
         drv = self._drv
-        func, threads, smem = self._entries[entry]
+        func, threads, smem, pdl = self._entries[entry]
         pushed = drv.push(self.device)  # a no-op where the primary context is current already
         try:
-            if self.pdl and _pdl[0]:
+            if pdl and _pdl[0]:
                 _LAUNCH_CONFIG.pack_into(slot[5], 0, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream)
                 rc = self._cu_launch_ex(slot[6], func, slot[1], None)
             else:
@@ -166,7 +168,7 @@ class Kernel:
             self._failed(rc, grid, entry)
 
     def _failed(self, rc: int, grid, entry: str = "") -> None:
-        _, threads, smem = self._entries[entry]
+        _, threads, smem, _ = self._entries[entry]
         try:
             self._drv.check(rc, "cuLaunchKernel")
         except LaunchError as e:

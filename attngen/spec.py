@@ -88,9 +88,10 @@ class SpecBase:
     family: ClassVar[str]
     TUNING_FIELDS: ClassVar[tuple[str, ...]]
     ALWAYS_SHOWN: ClassVar[tuple[str, ...]] = ("head_dim", "dtype")
-    # Whether every entry of the family's module starts with ``pdl_enter()`` (common/ptx.cuh), so
-    # that it may be launched with programmatic dependent launch on sm_90 and newer.
-    PDL: ClassVar[bool] = False
+    # The entries of the family's module (by suffix, "" the main one) launched with programmatic
+    # dependent launch on sm_90 and newer. Every entry of such a module starts with ``pdl_enter()``
+    # (common/ptx.cuh), whether or not it is listed: one that is not still lets the next start early.
+    PDL_ENTRIES: ClassVar[tuple[str, ...]] = ()
 
     @property
     def is_resolved(self) -> bool:

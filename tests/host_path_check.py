@@ -150,8 +150,9 @@ def main():
 
 
 def check_decode(torch, wrap):
-    """decode on the stub's sm_90 device: the split and merge launches, each with programmatic
-    dependent launch unless it is turned off, and the parameter bytes they carry."""
+    """decode on the stub's sm_90 device: the split and merge launches (the split kernel with
+    programmatic dependent launch unless it is turned off, the merge without), and the parameter
+    bytes they carry."""
     import attngen
     from attngen import runtime
     from attngen.families.decode.spec import MERGE_THREADS
@@ -164,7 +165,7 @@ def check_decode(torch, wrap):
     out = attngen.decode(dq, kc, vc, cache_seqlens=lens, num_splits=4)
     assert fake_cuda.counts()["launches"] == n0 + 2, "a split launch and a merge launch"
     got = fake_cuda.last_launch()
-    assert got["pdl"] == 1, got
+    assert got["pdl"] == 0, f"the merge launches without programmatic dependent launch: {got}"
     vals = dparams.unpack(fake_cuda.last_params(dparams.size))
     assert vals[:4] == (dq.data_ptr(), kc.data_ptr(), vc.data_ptr(), out.data_ptr()), vals[:4]
     assert vals[5] == lens.data_ptr() and vals[8] and vals[9], "lengths and the split workspace"

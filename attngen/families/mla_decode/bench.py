@@ -56,8 +56,6 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup-ms", type=float, default=25.0)
     p.add_argument("--rep-ms", type=float, default=100.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-pdl", action="store_true",
-                   help="launch without programmatic dependent launch (sm_90+), to time what it buys")
     p.add_argument("--from-json", type=Path, default=None, help="re-render from a saved bench_mla.json (no GPU)")
     p.set_defaults(func=cmd_mla)
 
@@ -238,14 +236,11 @@ def cmd_mla(args: argparse.Namespace) -> int:
         return done
     import torch
 
-    from ... import runtime
-
-    runtime.set_pdl(not args.no_pdl)
     rows = _rows(args)
     env = core.environment(gpu=True)
     data: dict[str, Any] = {
         "benchmark": "mla", "complete": False, "env": env,
-        "config": {"rows": rows, "dtype": args.dtype, "rank": RANK, "rope": ROPE, "q_len": 1, "pdl": not args.no_pdl,
+        "config": {"rows": rows, "dtype": args.dtype, "rank": RANK, "rope": ROPE, "q_len": 1,
                    "variants": VARIANTS, "targets": TARGETS,
                    "timer": "cuda-events, no flush, CUDA-graph replays over rotated cache copies; us per call"},
         "results": [],

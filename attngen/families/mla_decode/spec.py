@@ -55,7 +55,6 @@ class MlaDecodeSpec(SpecBase):
     """
 
     family: ClassVar[str] = "mla_decode"
-    PDL: ClassVar[bool] = True
 
     KV_LORA_RANKS: ClassVar[tuple[int, ...]] = (256, 512)
     ROPE_DIMS: ClassVar[tuple[int, ...]] = (32, 64)
