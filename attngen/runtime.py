@@ -6,6 +6,7 @@ bytes, so the runtime stays family-agnostic. Launches go on the caller's current
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import os
 import struct
@@ -140,6 +141,11 @@ class Kernel:
         self._ctx_current(slot[3])
         if slot[2].value != self.context:
             return self._enqueue(grid, stream, slot, entry)
+        self._go(grid, stream, slot, entry)
+
+    def _go(self, grid, stream, slot, entry: str) -> None:
+        """The driver call: cuLaunchKernelEx with programmatic serialization for an entry the family
+        lists (while PDL is on), else cuLaunchKernel."""
         func, threads, smem, pdl = self._entries[entry]
         if pdl and _pdl[0]:
             _LAUNCH_CONFIG.pack_into(slot[5], 0, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream)
@@ -152,20 +158,12 @@ class Kernel:
 
     def _enqueue(self, grid, stream, slot, entry: str = "") -> None:
         drv = self._drv
-        func, threads, smem, pdl = self._entries[entry]
         pushed = drv.push(self.device)  # a no-op where the primary context is current already
         try:
-            if pdl and _pdl[0]:
-                _LAUNCH_CONFIG.pack_into(slot[5], 0, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream)
-                rc = self._cu_launch_ex(slot[6], func, slot[1], None)
-            else:
-                rc = self._cu_launch(func, grid[0], grid[1], grid[2], threads, 1, 1, smem,
-                                     ctypes.c_void_p(stream) if stream else None, slot[1], None)
+            self._go(grid, stream, slot, entry)
         finally:
             if pushed:
                 drv.pop()
-        if rc:
-            self._failed(rc, grid, entry)
 
     def _failed(self, rc: int, grid, entry: str = "") -> None:
         _, threads, smem, _ = self._entries[entry]
@@ -233,6 +231,21 @@ def get_kernel(spec: Spec, arch: "str | Arch | None" = None, device: int | None 
             _kernels[canonical] = kern
         _kernels[k] = kern
     return kern
+
+
+class TunedKernels:
+    """The base of an op's per-problem plan: its ``kernel``, or (``kernel`` None) the winners
+    ``attngen tune`` stored for this GPU, ``specs[i]`` for sizes (a seqlen, a cache capacity) from
+    ``bounds[i - 1]``, each loaded on first use."""
+
+    __slots__ = ("kernel", "bounds", "specs", "kernels", "device")
+
+    def kernel_for(self, size: int) -> Kernel:
+        i = bisect.bisect_right(self.bounds, size)
+        kern = self.kernels[i]
+        if kern is None:
+            kern = self.kernels[i] = get_kernel(self.specs[i], device=self.device)
+        return kern
 
 
 # Caches of the ops that hold Kernels (their per-problem plans); cleared along with ours.

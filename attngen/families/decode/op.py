@@ -3,15 +3,14 @@
 
 from __future__ import annotations
 
-import bisect
 import functools
 import math
 import struct
 
 from ... import runtime as _rt
 from ...errors import LaunchError
-from ...runtime import (allocator, current_stream, data_ptr, get_kernel, register_dependent_cache, tensor_info,
-                         torch_stream_getter)
+from ...runtime import (TunedKernels, allocator, current_stream, data_ptr, get_kernel, register_dependent_cache,
+                         tensor_info, torch_stream_getter)
 from ...spec import DType, spec_of_text
 from ...tuned import bucket_bounds, stored_choices
 from ..score_mods import NO_EXTRAS, checked_scale, extras
@@ -37,21 +36,14 @@ def _spec_for(head_dim: int, dtype: str, q_rows: int, paged: bool, variant: str,
     return DecodeSpec(**fields) if user is None else user.replace(**fields)
 
 
-class _Plan:
+class _Plan(TunedKernels):
     """What a call needs that depends only on its plan key (head_dim, dtype, device, q_rows, paged,
     variant, the user's spec, array kind, softcap, alibi): the kernel, or the winners ``attngen tune
-    decode`` stored for this GPU by cache capacity (loaded on first use), allocators, the stream
-    getter and the SM count. Made once per key, so a call does its checks, one lookup, the
-    allocations and the launches."""
+    decode`` stored for this GPU by cache capacity (``kernel_for``), allocators, the stream getter
+    and the SM count. Made once per key, so a call does its checks, one lookup, the allocations
+    and the launches."""
 
-    __slots__ = ("kernel", "bounds", "specs", "kernels", "device", "alloc", "alloc_f32", "stream", "sms")
-
-    def kernel_for(self, capacity: int):
-        i = bisect.bisect_right(self.bounds, capacity)
-        kern = self.kernels[i]
-        if kern is None:
-            kern = self.kernels[i] = get_kernel(self.specs[i], device=self.device)
-        return kern
+    __slots__ = ("alloc", "alloc_f32", "stream", "sms")
 
 
 _plans: dict[tuple, _Plan] = register_dependent_cache({})

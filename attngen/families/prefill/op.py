@@ -15,13 +15,13 @@ for its key), not per call.
 
 from __future__ import annotations
 
-import bisect
 import math
 import struct
 
 from ... import runtime as _rt
 from ...errors import LaunchError
-from ...runtime import allocator, data_ptr, get_kernel, register_dependent_cache, tensor_info, torch_stream_getter
+from ...runtime import (TunedKernels, allocator, data_ptr, get_kernel, register_dependent_cache, tensor_info,
+                         torch_stream_getter)
 from ...spec import DType, spec_of_text
 from ...tuned import bucket_bounds, stored_choices
 from ..score_mods import NO_EXTRAS, checked_scale, extras
@@ -101,19 +101,10 @@ def out_of(out, qi, dv: int) -> tuple[int, tuple]:
     return oi.ptr, st
 
 
-class _Plan:
-    """Everything a call needs that does not depend on its shapes."""
+class _Plan(TunedKernels):
+    """Everything a call needs that does not depend on its shapes (``kernel_for``: by seqlen_q)."""
 
-    __slots__ = ("kernel", "bounds", "specs", "kernels", "device", "default_scale", "alloc", "alloc_lse",
-                 "alloc_index", "stream")
-
-    def kernel_for(self, seqlen: int):
-        """The kernel of ``seqlen``'s tuned bucket, loaded on first use."""
-        i = bisect.bisect_right(self.bounds, seqlen)
-        kern = self.kernels[i]
-        if kern is None:
-            kern = self.kernels[i] = get_kernel(self.specs[i], device=self.device)
-        return kern
+    __slots__ = ("default_scale", "alloc", "alloc_lse", "alloc_index", "stream")
 
 
 _plans: dict[tuple, _Plan] = register_dependent_cache({})
