@@ -20,6 +20,7 @@ from .compiler import Binary
 from ._driver import driver
 from .errors import LaunchError
 from .spec import Spec
+from .tuned import bucket_bounds, stored_choices
 
 
 def _cupy():
@@ -105,10 +106,14 @@ class Kernel:
         self._entries = {"": (self._func, self.threads, self.smem_bytes, pdl and "" in listed)}
         for suffix, (fn, threads, smem) in (self.extra or {}).items():
             self._entries[suffix] = (ctypes.c_void_p(fn), threads, smem, pdl and suffix in listed)
-        self.pdl = self._entries[""][3]  # whether the main entry launches with it
         self._ctx_current = drv.raw_ctx_get_current
         self._cu_launch = drv.raw_launch
         self._cu_launch_ex = drv.raw_launch_ex
+
+    @property
+    def pdl(self) -> bool:
+        """Whether the main entry launches with programmatic dependent launch."""
+        return self._entries[""][3]
 
     def launch(self, grid: tuple[int, int, int], params: bytes, stream: int, entry: str = "") -> None:
         """Enqueue one launch with ``params`` (the packed parameter struct) on ``stream``; ``entry``
@@ -239,6 +244,18 @@ class TunedKernels:
     ``bounds[i - 1]``, each loaded on first use."""
 
     __slots__ = ("kernel", "bounds", "specs", "kernels", "device")
+
+    def choose(self, base: Spec, device: int, use_tuned: bool) -> None:
+        """``base``'s kernel on ``device``, or with ``use_tuned`` the winners stored for it, if any."""
+        self.device = device
+        choices = stored_choices(base, device) if use_tuned else []
+        if choices:
+            self.kernel = None
+            self.bounds = bucket_bounds([s for s, _ in choices])
+            self.specs = [c for _, c in choices]
+            self.kernels = [None] * len(choices)
+        else:
+            self.kernel = get_kernel(base, device=device)  # resolves, validates, builds and loads
 
     def kernel_for(self, size: int) -> Kernel:
         i = bisect.bisect_right(self.bounds, size)

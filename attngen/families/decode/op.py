@@ -9,10 +9,9 @@ import struct
 
 from ... import runtime as _rt
 from ...errors import LaunchError
-from ...runtime import (TunedKernels, allocator, current_stream, data_ptr, get_kernel, register_dependent_cache,
+from ...runtime import (TunedKernels, allocator, current_stream, data_ptr, register_dependent_cache,
                          tensor_info, torch_stream_getter)
 from ...spec import DType, spec_of_text
-from ...tuned import bucket_bounds, stored_choices
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from ..split_kv import (cache_lengths, check_index, check_rows, checked_splits, choose_splits,
                         ctas_per_sm, paged_table, sm_count)
@@ -53,15 +52,7 @@ def _make_plan(key: tuple) -> _Plan:
     d, dtype, device, q_rows, paged, variant, spec, kind, softcap, alibi = key
     base = _spec_for(d, dtype, q_rows, paged, variant, spec, softcap, alibi)
     plan = _Plan()
-    plan.device = device
-    choices = stored_choices(base, device) if spec is None else []
-    if choices:  # a winner `attngen tune decode` stored for the nearest cache capacity
-        plan.kernel = None
-        plan.bounds = bucket_bounds([s for s, _ in choices])
-        plan.specs = [c for _, c in choices]
-        plan.kernels = [None] * len(choices)
-    else:
-        plan.kernel = get_kernel(base, device=device)
+    plan.choose(base, device, use_tuned=spec is None)  # winners by cache capacity, if stored
     plan.alloc = allocator(kind, dtype, device)
     plan.alloc_f32 = allocator(kind, "fp32", device)
     plan.stream = torch_stream_getter() if kind == "torch" else functools.partial(current_stream, "cupy")

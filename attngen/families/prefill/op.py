@@ -20,10 +20,9 @@ import struct
 
 from ... import runtime as _rt
 from ...errors import LaunchError
-from ...runtime import (TunedKernels, allocator, data_ptr, get_kernel, register_dependent_cache, tensor_info,
+from ...runtime import (TunedKernels, allocator, data_ptr, register_dependent_cache, tensor_info,
                          torch_stream_getter)
 from ...spec import DType, spec_of_text
-from ...tuned import bucket_bounds, stored_choices
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from .spec import MaskMode, PrefillSpec
 
@@ -117,15 +116,7 @@ def _make_plan(key: tuple) -> _Plan:
                   paged=layout == VARLEN_PAGED)
     base = PrefillSpec(**fields) if spec is None else spec.replace(**fields)
     plan = _Plan()
-    plan.device = device
-    choices = stored_choices(base, device) if spec is None else []
-    if choices:
-        plan.kernel = None
-        plan.bounds = bucket_bounds([s for s, _ in choices])
-        plan.specs = [c for _, c in choices]
-        plan.kernels = [None] * len(choices)
-    else:
-        plan.kernel = get_kernel(base, device=device)  # resolves, validates, builds and loads
+    plan.choose(base, device, use_tuned=spec is None)
     plan.default_scale = 1.0 / math.sqrt(d)
     plan.alloc = allocator(kind, dtype, device)
     plan.alloc_lse = allocator(kind, "fp32", device) if return_lse else None
