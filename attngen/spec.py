@@ -35,6 +35,18 @@ class DType(enum.Enum):
         return 2
 
 
+class Mma(enum.Enum):
+    """Which tensor-core instruction a kernel is built on. ``auto`` (the default) lets
+    ``resolve`` choose for the arch, so it is falsy like the other unresolved tuning fields."""
+
+    AUTO = "auto"
+    SYNC = "mma_sync"  # mma.sync m16n8k16 per warp: every arch from sm_80
+    WGMMA = "wgmma"    # wgmma.mma_async per warpgroup of 4 warps: sm_90a only
+
+    def __bool__(self) -> bool:
+        return self is not Mma.AUTO
+
+
 def allowed_text(values) -> str:
     return ", ".join(str(v.value if isinstance(v, enum.Enum) else v) for v in values)
 

@@ -8,8 +8,6 @@ inside a buffer whose border holds a sentinel (a stray write changes it).
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_reference")]
@@ -19,7 +17,7 @@ torch = pytest.importorskip("torch")
 import attngen  # noqa: E402
 from attngen.arch import arch_for_capability  # noqa: E402
 from attngen.families.mla_decode.spec import MlaDecodeSpec  # noqa: E402
-from attngen.spec import SpecError, validate  # noqa: E402
+from attngen.spec import Mma, tuning_candidates  # noqa: E402
 from tests.gpu_reference import check_output_and_lse, fresh_generator, reference_mla  # noqa: E402
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -136,26 +134,33 @@ def test_rope_32_rank_256(paged, q_rows):
 
 def _fitting_configs():
     arch = _arch()
-    out = []
-    for q_rows, shard, tile, warps, stages in itertools.product((16, 64), ("true", "false"), (16, 32, 64), (4, 8),
-                                                                 (1, 2, 3, 4)):
-        spec = MlaDecodeSpec(q_rows=q_rows, qk_shard=shard, cta_tile_kv=tile, num_warps=warps, num_stages=stages)
-        try:
-            validate(spec, arch)
-        except SpecError:
-            continue
-        out.append(spec)
-    return out
+    return [s for q_rows in (16, 64) for s in tuning_candidates(MlaDecodeSpec(q_rows=q_rows), arch)]
 
 
 def test_every_config_that_fits():
-    """qk_shard on and off, every stage count and tile that fits this GPU, q_rows 16 and 64."""
+    """qk_shard on and off, every stage count and tile that fits this GPU, q_rows 16 and 64; on
+    sm_90a both mma_sync and wgmma."""
     specs = _fitting_configs()
     assert any(s.sharded for s in specs) and any(not s.sharded for s in specs)
+    if _arch().name == "sm_90a":
+        assert {s.mma for s in specs} == {Mma.SYNC, Mma.WGMMA}
     for spec in specs:
         heads = 16 if spec.q_rows == 16 else 128
         for paged in (None, 32):
             run_case([1, 130, 1999], heads, 1, spec=spec, block_size=paged)
+
+
+@pytest.mark.parametrize("mma", ["mma_sync", "wgmma"])
+@pytest.mark.parametrize("heads,q_len", [(64, 1), (128, 4), (40, 2)])
+def test_mma_paths_agree(mma, heads, q_len):
+    """Both instruction paths where the GPU has both (the default takes wgmma at 64 rows on sm_90a):
+    full and partial row blocks, paged and split."""
+    if mma == "wgmma" and _arch().name != "sm_90a":
+        pytest.skip("wgmma needs sm_90a")
+    spec = MlaDecodeSpec(mma=mma)
+    run_case([1, 17, 1000, 3001], heads, q_len, spec=spec)
+    run_case([5000, 64, 129], heads, q_len, spec=spec, block_size=64, num_splits=3)
+    run_case([700, 2], heads, q_len, dtype=torch.float16, rank=256, rope=32, spec=spec)
 
 
 def test_cuda_graph():

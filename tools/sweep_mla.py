@@ -1,4 +1,4 @@
-"""MLA decode configs on this GPU: every (qk_shard, cta_tile_kv, num_warps, num_stages) that fits the
+"""MLA decode configs on this GPU: every (qk_shard, cta_tile_kv, num_warps, num_stages, mma) that fits the
 arch, timed on a few decode steps as ``attngen bench mla`` times them (a CUDA graph over rotated
 cache copies, no L2 flush), against a bare read of the same bytes. ``--prewarm`` first builds every
 fitting config (and the defaults of the other dtypes and dims) in parallel, so the GPU tests and the
@@ -21,23 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import attngen  # noqa: E402
 from attngen.families.mla_decode.spec import MlaDecodeSpec  # noqa: E402
-from attngen.spec import SpecError, validate  # noqa: E402
+from attngen.spec import tuning_candidates  # noqa: E402
 
 # (batch, seqlen, heads), q_len 1, 512 + 64, bf16
 SHAPES = [(64, 8192, 16), (128, 4096, 16), (1, 32768, 16), (64, 8192, 128), (1, 32768, 128), (8, 8192, 128)]
 
 
 def fitting(arch, q_rows: int, paged: bool = False, dtype: str = "bf16") -> list[MlaDecodeSpec]:
-    out = []
-    for shard, tile, warps, stages in itertools.product(("true", "false"), (16, 32, 64), (4, 8), (1, 2, 3, 4)):
-        s = MlaDecodeSpec(q_rows=q_rows, paged=paged, dtype=dtype, qk_shard=shard, cta_tile_kv=tile,
-                          num_warps=warps, num_stages=stages)
-        try:
-            validate(s, arch)
-        except SpecError:
-            continue
-        out.append(s)
-    return out
+    """Every config the tuning space offers that fits the arch (the default first)."""
+    return tuning_candidates(MlaDecodeSpec(q_rows=q_rows, paged=paged, dtype=dtype), arch)
 
 
 def prewarm(arch) -> None:
@@ -99,7 +91,7 @@ def main() -> int:
 
         rec["us"]["read"] = timed(lambda c: (lambda: read(c, c[:0])))
         q_rows = MlaDecodeSpec.rows_for(h, 1)
-        runs = [(None, 0)] + [(spec, 0) for spec in fitting(arch, q_rows)]
+        runs = [(None, 0)] + [(spec, 0) for spec in fitting(arch, q_rows)[1:]]  # [0] is the default
         if b <= 8:  # split counts forced, default config
             runs += [(None, s) for s in (8, 16, 32, 64, 96, 132, 200)]
         for spec, splits in runs:

@@ -17,7 +17,18 @@
 //          keeps its own softmax and feeds P to the PV MMAs from registers: no exchange at all.
 // One split writes O (normalised) and the LSE; several write fp32 partials and their LSE, merged by
 // the module's `_merge` entry (split_merge.cuh).
+//
+// WGMMA (sm_90a, ROWS = 64, 8 warps): warp (rt, cg) is warp rt of warpgroup cg, so a warpgroup holds
+// all 64 rows and column group cg; S and O += P V are wgmma with Q, the cache tile and (sharded) P
+// read from shared memory through descriptors, P from registers when not sharded. The accumulators
+// land in the mma.sync layout per warp, so the mask, the softmax and the epilogue are shared. Q and
+// the tiles are then stored in 128-byte-swizzled 64-column blocks (WgmmaLayout).
 namespace attngen {
+
+template <bool BF16>
+struct WgmmaOps;  // defined in wgmma.cuh.jinja, included only by sm_90a kernels
+template <int N, bool BF16>
+struct Wgmma;
 
 template <class T>
 struct MlaParams {
@@ -44,7 +55,7 @@ struct MlaParams {
 };
 
 template <class T, bool BF16, int DC, int DR, int ROWS, int BLOCK_N, int NUM_WARPS, int NUM_STAGES, bool QK_SHARD,
-          bool PAGED>
+          bool PAGED, bool WGMMA>
 struct MlaDecode {
   static constexpr int THREADS = NUM_WARPS * 32;
   static constexpr int WARPS_M = ROWS / 16;
@@ -54,14 +65,22 @@ struct MlaDecode {
   static constexpr int P_ROW = BLOCK_N + 8;
   static constexpr int ON = DC / WARPS_N;  // output columns per warp
   static constexpr int SN = QK_SHARD ? BLOCK_N / WARPS_N : BLOCK_N;  // keys of S per warp
-  static constexpr int TILE_ELEMS = BLOCK_N * ROW;
+  // wgmma: 64-column blocks, the last one whole even where the row ends inside it (rope 32).
+  static constexpr int BLOCK_COLS = (DQK + 63) / 64 * 64;
+  using LQ = typename Select<WGMMA, WgmmaLayout<BLOCK_COLS, ROWS>, SmemLayout<DQK, ROW, false>>::type;
+  using LT = typename Select<WGMMA, WgmmaLayout<BLOCK_COLS, BLOCK_N>, SmemLayout<DQK, ROW, false>>::type;
+  using LP = typename Select<WGMMA, WgmmaLayout<64, ROWS>, SmemLayout<BLOCK_N, P_ROW, false>>::type;
+  static constexpr int Q_ELEMS = WGMMA ? ROWS * BLOCK_COLS : ROWS * ROW;
+  static constexpr int TILE_ELEMS = WGMMA ? BLOCK_N * BLOCK_COLS : BLOCK_N * ROW;
+  static constexpr int P_ELEMS = !QK_SHARD ? 0 : WGMMA ? ROWS * 64 : ROWS * P_ROW;
+  static constexpr int ALIGN_SLACK = WGMMA ? 1024 : 0;  // wgmma's swizzle atoms start 1024-byte aligned
   static_assert(WARPS_M * WARPS_N == NUM_WARPS, "warp grid");
+  static_assert(!WGMMA || (ROWS == 64 && NUM_WARPS == 8 && SN >= 16 && BLOCK_N <= 64), "wgmma shape");
   static_assert(SN % 8 == 0 && BLOCK_N % 16 == 0 && ON % 16 == 0 && DQK % 32 == 0, "tile shape");
   static_assert(DC % 8 == 0 && DR % 8 == 0 && THREADS % (DC / 8) == 0 && THREADS % (DR / 8) == 0, "copies");
 
   // Shared memory: Q, the ring, P (QK_SHARD), then WARPS_N x ROWS floats for the row exchange.
-  static constexpr int SMEM_BYTES =
-      2 * (ROWS * ROW + NUM_STAGES * TILE_ELEMS + (QK_SHARD ? ROWS * P_ROW : 0)) + 4 * WARPS_N * ROWS;
+  static constexpr int SMEM_BYTES = 2 * (Q_ELEMS + NUM_STAGES * TILE_ELEMS + P_ELEMS) + 4 * WARPS_N * ROWS + ALIGN_SLACK;
 
   // COLS columns of ROWS cache rows from `base` (one row block: element stride s_pos per position,
   // or per paged slot) into the tile's columns [col0, col0 + COLS): each thread keeps one column
@@ -89,16 +108,18 @@ struct MlaDecode {
           src = base + pos * s_pos + c;
         }
       }
-      cp_async_16(smem_addr(tile + r * ROW + col0 + c), src, ok);
+      cp_async_16(smem_addr(tile + LT::offset(r, col0 + c)), src, ok);
     }
   }
 
   static __device__ __forceinline__ void run(const MlaParams<T>& p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    T* sQ = reinterpret_cast<T*>(smem_raw);
-    T* sRing = sQ + ROWS * ROW;
+    unsigned char* smem_base = smem_raw;
+    if constexpr (WGMMA) smem_base += (1024 - (smem_addr(smem_raw) & 1023)) & 1023;
+    T* sQ = reinterpret_cast<T*>(smem_base);
+    T* sRing = sQ + Q_ELEMS;
     T* sP = sRing + NUM_STAGES * TILE_ELEMS;
-    float* sRed = reinterpret_cast<float*>(sP + (QK_SHARD ? ROWS * P_ROW : 0));  // [WARPS_N][ROWS]
+    float* sRed = reinterpret_cast<float*>(sP + P_ELEMS);  // [WARPS_N][ROWS]
 
     const int tid = threadIdx.x;
     const int warp = tid / 32;
@@ -148,7 +169,7 @@ struct MlaDecode {
         src = col < DC ? p.q_nope + batch * p.qn_sb + qi * p.qn_ss + head * p.qn_sh + col
                        : p.q_pe + batch * p.qp_sb + qi * p.qp_ss + head * p.qp_sh + (col - DC);
       }
-      cp_async_16(smem_addr(sQ + r * ROW + col), src, ok);
+      cp_async_16(smem_addr(sQ + LQ::offset(r, col)), src, ok);
     }
 
     auto load_tile = [&](int tile, int slot) {
@@ -190,6 +211,7 @@ struct MlaDecode {
       const int slot = it % NUM_STAGES;
       if constexpr (NUM_STAGES > 1) {
         cp_async_wait<NUM_STAGES - 2>();
+        if constexpr (WGMMA) WgmmaOps<BF16>::fence_proxy();
         __syncthreads();
         // The slot filled here was read in iteration it - 1, which every warp finished before the barrier.
         if (it + NUM_STAGES - 1 < n_tiles) load_tile(tile + NUM_STAGES - 1, (it + NUM_STAGES - 1) % NUM_STAGES);
@@ -199,6 +221,7 @@ struct MlaDecode {
         load_tile(tile, 0);
         cp_async_commit();
         cp_async_wait<0>();
+        if constexpr (WGMMA) WgmmaOps<BF16>::fence_proxy();
         __syncthreads();
       }
       const T* sT = sRing + slot * TILE_ELEMS;
@@ -209,6 +232,21 @@ struct MlaDecode {
       for (int n = 0; n < SN / 8; ++n)
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc_s[n][c] = 0.f;
+      if constexpr (WGMMA) {
+        // This warpgroup's SN keys (rows key0.. of the tile) against all 64 Q rows; k-step kk is 32
+        // bytes into 64-column block kk / 4, and 8-row swizzle atoms are 1024 bytes.
+        using W = WgmmaOps<BF16>;
+        const unsigned q_at = smem_addr(sQ);
+        const unsigned k_at = smem_addr(sT) + key0 * 128;
+        W::fence();
+#pragma unroll
+        for (int kk = 0; kk < DQK / 16; ++kk)
+          Wgmma<SN, BF16>::ss(acc_s, W::desc(q_at + (kk / 4) * LQ::BLOCK_BYTES + (kk % 4) * 32, 16, 1024),
+                              W::desc(k_at + (kk / 4) * LT::BLOCK_BYTES + (kk % 4) * 32, 16, 1024), kk > 0);
+        W::commit();
+        W::template wait<0>();
+        W::hold(acc_s);
+      } else {
 #pragma unroll 1
       for (int kp = 0; kp < DQK / 32; ++kp) {
         unsigned a0[4], a1[4];
@@ -222,6 +260,7 @@ struct MlaDecode {
           mma_16816<BF16>(acc_s[n], a0, b0, b1);
           mma_16816<BF16>(acc_s[n], a1, b2, b3);
         }
+      }
       }
 
       // ---- mask: keys past a row's token (and past the sequence) --------------------------------
@@ -286,10 +325,35 @@ struct MlaDecode {
         for (int n = 0; n < SN / 8; ++n)
 #pragma unroll
           for (int r = 0; r < 2; ++r)
-            *reinterpret_cast<unsigned*>(sP + (row0 + g + 8 * r) * P_ROW + key0 + n * 8 + 2 * t) =
+            *reinterpret_cast<unsigned*>(sP + LP::offset(row0 + g + 8 * r, key0 + n * 8) + 2 * t) =
                 pack2<BF16>(acc_s[n][2 * r], acc_s[n][2 * r + 1]);
+        if constexpr (WGMMA) WgmmaOps<BF16>::fence_proxy();
         __syncthreads();
       }
+      if constexpr (WGMMA) {
+        // V is N-major here: 16 keys = 2048 bytes down a 64-column block; this warpgroup's ON
+        // columns start at block cg * ON / 64, and the blocks are LT::BLOCK_BYTES apart.
+        using W = WgmmaOps<BF16>;
+        const unsigned v_at = smem_addr(sT) + (cg * ON / 64) * LT::BLOCK_BYTES;
+        W::fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+          const unsigned long long dv = W::desc(v_at + kk * 2048, LT::BLOCK_BYTES, 1024);
+          if constexpr (QK_SHARD) {
+            Wgmma<ON, BF16>::template ss<1>(acc_o, W::desc(smem_addr(sP) + kk * 32, 16, 1024), dv, 1);
+          } else {
+            unsigned a[4];
+            a[0] = pack2<BF16>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
+            a[1] = pack2<BF16>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
+            a[2] = pack2<BF16>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
+            a[3] = pack2<BF16>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+            Wgmma<ON, BF16>::rs(acc_o, a, dv);
+          }
+        }
+        W::commit();
+        W::template wait<0>();
+        W::hold(acc_o);
+      } else {
 #pragma unroll
       for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
         unsigned a[4];
@@ -309,6 +373,7 @@ struct MlaDecode {
           mma_16816<BF16>(acc_o[2 * d2], a, b0, b1);
           mma_16816<BF16>(acc_o[2 * d2 + 1], a, b2, b3);
         }
+      }
       }
       // sRed and sP are written again only after the next tile's first barrier.
     }

@@ -5,8 +5,9 @@ heads, q_len 1, kv_lora_rank 512 + rope 64. The cache is stored as FlashMLA stor
 [batch, seqlen, 576] tensor whose first 512 columns are ckv (attngen reads it through two views).
 Rows:
 - attngen: the arch's default config; and pinned variants: ``shard`` (qk_shard=true), ``no shard``
-  (qk_shard=false), ``sm89 fit`` (qk_shard=false, cta_tile_kv=16, num_stages=1: what a 99 KB arch
-  gets, run on this GPU to show its cost);
+  (qk_shard=false), ``mma_sync`` (mma=mma_sync: what sm_90a's 64-row blocks ran before wgmma; the
+  default elsewhere), ``sm89 fit`` (qk_shard=false, cta_tile_kv=16, num_stages=1, mma_sync: what a
+  99 KB arch gets, run on this GPU to show its cost);
 - read: one kernel that streams every byte of the cache once (the ceiling);
 - torch: bmm + softmax + bmm in the cache's dtype (fp32 softmax), as a model's eager code does;
 - sdpa_eff: SDPA's memory-efficient backend on the same problem as MQA (K = the 576 columns,
@@ -35,7 +36,8 @@ HEADS = (16, 128)
 VARIANTS = {  # row -> spec text pinned on top of the call's own fields
     "shard": "mla_decode:qk_shard=true",
     "no shard": "mla_decode:qk_shard=false",
-    "sm89 fit": "mla_decode:qk_shard=false,cta_tile_kv=16,num_stages=1",
+    "mma_sync": "mla_decode:mma=mma_sync",
+    "sm89 fit": "mla_decode:qk_shard=false,cta_tile_kv=16,num_stages=1,mma=mma_sync",
 }
 PEERS = ("read", "torch", "sdpa_eff")
 MEM_MARGIN = 3 << 29

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 
 from ...arch import Arch
+from ...spec import Mma
 from .spec import QkShard
 
 T, F = QkShard.TRUE, QkShard.FALSE
@@ -32,13 +33,23 @@ TUNED = {
 # for the next candidate.
 SPILLS = {(256, 32, False): ((T, 64, 8, 2),)}
 
+# sm_90a, q_rows 64: the wgmma configs (qk_shard, cta_tile_kv, num_stages; always 8 warps), best first.
+# tools/sweep_mla.py on an H100 (bf16, 512 + 64, q_len 1, 2026-11-23; notes/sweep_mla_wgmma_h100_*):
+# sharded 64-key tiles with two stages first on all five shapes (64 and 128 heads, batch 1-256); the
+# unsharded form 4-14% behind, 32-key tiles 12-29% behind (a 16-key-wide S wgmma per warpgroup).
+TUNED_WGMMA = [(T, 64, 2), (F, 64, 2), (T, 64, 1), (T, 32, 4), (T, 32, 3)]
+
 SMALL_SMEM = 128 * 1024  # per block: below this the unsharded form goes first
 
 
 def candidates(spec, arch: Arch):
-    """(qk_shard, cta_tile_kv, num_warps, num_stages): measured configs, then every combination."""
+    """(qk_shard, cta_tile_kv, num_warps, num_stages, mma): on sm_90a the wgmma configs first (they
+    fit only q_rows 64), then the mma_sync ones: measured configs, then every combination."""
+    if arch.arch_specific and arch.major == 9:
+        yield from ((shard, kv, 8, st, Mma.WGMMA) for shard, kv, st in TUNED_WGMMA)
+        yield from ((shard, kv, 8, st, Mma.WGMMA) for shard, kv, st in itertools.product((T, F), (64, 32), (4, 3, 2, 1)))
     shard_order = (F, T) if arch.smem_per_block < SMALL_SMEM else (T, F)
     first = TUNED[spec.q_rows] if arch.smem_per_block >= SMALL_SMEM else []
     spills = SPILLS.get((spec.kv_lora_rank, spec.q_rows, spec.paged), ())
     every = itertools.chain(first, itertools.product(shard_order, (64, 32, 16), (8, 4), (4, 3, 2, 1)))
-    yield from (c for c in every if c not in spills)
+    yield from ((*c, Mma.SYNC) for c in every if c not in spills)

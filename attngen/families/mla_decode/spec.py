@@ -12,7 +12,7 @@ from typing import ClassVar
 
 from ...arch import Arch
 from ...errors import SpecError
-from ...spec import DType, SpecBase, check_smem, coerce_bool, coerce_enum, coerce_int
+from ...spec import DType, Mma, SpecBase, check_smem, coerce_bool, coerce_enum, coerce_int
 
 # The module's `_merge` entry: 4 warps per CTA, each merging MERGE_COLS columns of an output row
 # (a batch-1 step has few rows and many splits: whole 512-wide rows left most of the GPU idle).
@@ -50,8 +50,10 @@ class MlaDecodeSpec(SpecBase):
     wide.
 
     One CTA takes ``q_rows`` packed query rows (token x head) of one sequence over one split of the
-    cache. Tuning fields (``qk_shard``, ``cta_tile_kv``, ``num_warps``, ``num_stages``) take
-    0 / ``auto`` for the arch's default, chosen from its shared memory.
+    cache. Tuning fields (``qk_shard``, ``cta_tile_kv``, ``num_warps``, ``num_stages``, ``mma``)
+    take 0 / ``auto`` for the arch's default, chosen from its shared memory. ``mma=wgmma``
+    (sm_90a, 64 rows, 8 warps: two warpgroups, one per half of the output columns) reads Q and the
+    cache tile from shared memory through descriptors instead of per-warp ``ldmatrix``.
     """
 
     family: ClassVar[str] = "mla_decode"
@@ -62,7 +64,7 @@ class MlaDecodeSpec(SpecBase):
     CTA_TILE_KV: ClassVar[tuple[int, ...]] = (0, 16, 32, 64)
     NUM_WARPS: ClassVar[tuple[int, ...]] = (0, 4, 8)
     NUM_STAGES: ClassVar[tuple[int, ...]] = (0, 1, 2, 3, 4)
-    TUNING_FIELDS: ClassVar[tuple[str, ...]] = ("qk_shard", "cta_tile_kv", "num_warps", "num_stages")
+    TUNING_FIELDS: ClassVar[tuple[str, ...]] = ("qk_shard", "cta_tile_kv", "num_warps", "num_stages", "mma")
     ALWAYS_SHOWN: ClassVar[tuple[str, ...]] = ("kv_lora_rank", "rope_dim", "dtype", "q_rows", "paged")
 
     kv_lora_rank: int = 512
@@ -74,6 +76,7 @@ class MlaDecodeSpec(SpecBase):
     cta_tile_kv: int = 0
     num_warps: int = 0
     num_stages: int = 0
+    mma: Mma = Mma.AUTO
 
     def __post_init__(self):
         s = object.__setattr__
@@ -86,6 +89,7 @@ class MlaDecodeSpec(SpecBase):
         s(self, "cta_tile_kv", coerce_int("cta_tile_kv", self.cta_tile_kv, self.CTA_TILE_KV))
         s(self, "num_warps", coerce_int("num_warps", self.num_warps, self.NUM_WARPS))
         s(self, "num_stages", coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
+        s(self, "mma", coerce_enum(Mma, "mma", self.mma))
 
     @staticmethod
     def rows_for(heads: int, q_len: int) -> int:
@@ -98,6 +102,10 @@ class MlaDecodeSpec(SpecBase):
     @property
     def sharded(self) -> bool:
         return self.qk_shard is QkShard.TRUE
+
+    @property
+    def wgmma(self) -> bool:
+        return self.mma is Mma.WGMMA
 
     @property
     def warps_m(self) -> int:
@@ -115,21 +123,27 @@ class MlaDecodeSpec(SpecBase):
         return 32 * self.num_warps
 
     def smem_bytes(self) -> int:
-        """Q, the ring of cache tiles (ckv and kpe in one row padded by 8 elements), P when
-        sharded, and the row exchange (WARPS_N x q_rows floats)."""
+        """Q, the ring of cache tiles (ckv and kpe in one row), P when sharded, and the row exchange
+        (WARPS_N x q_rows floats). mma_sync pads each row by 8 elements; wgmma stores 64-column
+        blocks of 128-byte rows (the last block whole even when the row ends inside it), P in one
+        such block, and keeps 1024 bytes of slack to align the first tile to a swizzle atom."""
         self._require_resolved("smem_bytes")
-        row = self.kv_lora_rank + self.rope_dim + 8
+        dqk = self.kv_lora_rank + self.rope_dim
+        if self.wgmma:
+            row, p_row, slack = -(-dqk // 64) * 64, 64, 1024
+        else:
+            row, p_row, slack = dqk + 8, self.cta_tile_kv + 8, 0
         elems = self.q_rows * row + self.num_stages * self.cta_tile_kv * row
         if self.sharded:
-            elems += self.q_rows * (self.cta_tile_kv + 8)
-        return 2 * elems + 4 * self.warps_n * self.q_rows
+            elems += self.q_rows * p_row
+        return 2 * elems + 4 * self.warps_n * self.q_rows + slack
 
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
         return (("", self.threads, self.smem_bytes()), ("_merge", MERGE_THREADS, 0))
 
     def template_context(self) -> dict:
         ctx = super().template_context()
-        ctx.update(merge_threads=MERGE_THREADS, merge_cols=MERGE_COLS)
+        ctx.update(merge_threads=MERGE_THREADS, merge_cols=MERGE_COLS, wgmma=self.wgmma)
         return ctx
 
     # --- fit ---------------------------------------------------------------------------------
@@ -149,4 +163,20 @@ class MlaDecodeSpec(SpecBase):
             raise SpecError("num_warps", self.num_warps, "more warps (8), a smaller cta_tile_kv or a smaller q_rows",
                             reason=f"needs about {acc} accumulator registers per thread (limit {MAX_ACC_REGS}): "
                                    f"{out_cols} output columns and {keys} keys of S per warp")
+        if self.wgmma:
+            self._check_wgmma(a)
         check_smem(self, a, "num_stages", "a smaller num_stages or cta_tile_kv, or qk_shard=false")
+
+    def _check_wgmma(self, a: Arch) -> None:
+        if not a.arch_specific or a.major != 9:
+            raise SpecError("mma", self.mma.value, "mma_sync", reason=f"wgmma needs sm_90a; the target is {a.name}")
+        if self.q_rows != 64 or self.num_warps != 8:
+            raise SpecError("mma", self.mma.value, "mma_sync",
+                            reason=f"wgmma takes q_rows=64 on num_warps=8 (two warpgroups of 64 rows, one per half "
+                                   f"of the output columns); the spec has q_rows={self.q_rows}, "
+                                   f"num_warps={self.num_warps}")
+        keys = self.cta_tile_kv // 2 if self.sharded else self.cta_tile_kv
+        if keys < 16:
+            raise SpecError("cta_tile_kv", self.cta_tile_kv, "32, 64" if self.sharded else "16, 32, 64",
+                            reason=f"each warpgroup's part of S is a wgmma at least 16 keys wide (qk_shard="
+                                   f"{self.qk_shard.value})")

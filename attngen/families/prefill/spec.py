@@ -13,19 +13,7 @@ from typing import ClassVar
 
 from ...arch import Arch
 from ...errors import SpecError
-from ...spec import DType, SpecBase, allowed_text, check_smem, coerce_bool, coerce_enum, coerce_int
-
-
-class Mma(enum.Enum):
-    """Which tensor-core instruction the prefill kernel is built on. ``auto`` (the default) lets
-    ``resolve`` choose for the arch, so it is falsy like the other unresolved tuning fields."""
-
-    AUTO = "auto"
-    SYNC = "mma_sync"  # mma.sync m16n8k16 per warp: every arch from sm_80
-    WGMMA = "wgmma"    # wgmma.mma_async per warpgroup of 4 warps: sm_90a only
-
-    def __bool__(self) -> bool:
-        return self is not Mma.AUTO
+from ...spec import DType, Mma, SpecBase, allowed_text, check_smem, coerce_bool, coerce_enum, coerce_int
 
 
 class MaskMode(enum.Enum):
