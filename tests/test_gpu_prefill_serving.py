@@ -280,12 +280,13 @@ def _cu(lengths):
     return torch.tensor(out, dtype=torch.int32, device="cuda")
 
 
-def run_varlen(lens_q, lens_k, h, hk, d, dtype, *, causal=False, window=(-1, -1), block_size=0, spec=None):
+def run_varlen(lens_q, lens_k, h, hk, d, dtype, *, causal=False, window=(-1, -1), block_size=0, spec=None, dv=None):
     gen = fresh_generator()
     tq, tk = sum(lens_q), sum(lens_k)
+    dv = dv or d
     q = guarded(tq, h, d, dtype=dtype, gen=gen)
     k = guarded(tk, hk, d, dtype=dtype, gen=gen)
-    v = guarded(tk, hk, d, dtype=dtype, gen=gen)
+    v = guarded(tk, hk, dv, dtype=dtype, gen=gen)
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     kwargs = {}
     kc, vc = k, v
@@ -309,7 +310,7 @@ def run_varlen(lens_q, lens_k, h, hk, d, dtype, *, causal=False, window=(-1, -1)
                 kc[blk, :rows] = k[k0 + j * block_size: k0 + j * block_size + rows]
                 vc[blk, :rows] = v[k0 + j * block_size: k0 + j * block_size + rows]
         kwargs["block_table"] = table.cuda()
-    out, buf, guards = sentinel_out((tq, h, d), dtype)
+    out, buf, guards = sentinel_out((tq, h, dv), dtype)
     o, lse = attngen.prefill_varlen(q, kc, vc, cu_q, cu_k, max(lens_q + [0]), max(lens_k + [0]), causal=causal,
                                     window=window, return_lse=True, out=out, spec=spec, **kwargs)
     torch.cuda.synchronize()
@@ -342,6 +343,24 @@ def test_varlen_ragged(dtype, causal, window, nseq):
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_varlen_head_dims(d):
     run_varlen([3, 700, 0, 129], [3, 900, 5, 129], 4, 4, d, torch.bfloat16, causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d,dv", [(192, 128), (576, 512), (320, 320), (512, 512), (1024, 1024)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_chunked_kernel(dtype, d, dv, causal):
+    """Head dims past 256 and split QK/V head dims (DeepSeek's 192/128 prefill) go through the
+    chunked kernel: ragged sequences, empty ones, more keys than queries, GQA."""
+    run_varlen([1, 17, 0, 1000, 3001], [1, 50, 7, 1000, 3001], 4, 2, d, dtype, causal=causal, dv=dv)
+
+
+@pytest.mark.parametrize("nseq", [5, 64])
+def test_varlen_chunked_kernel_many_sequences(nseq):
+    rng = random.Random()
+    lens_q = [rng.choice([0, 1, 17, 64, 200, 1000]) if nseq < 64 else rng.randrange(0, 300) for _ in range(nseq)]
+    lens_k = [n + rng.choice([0, 0, 33, 500]) for n in lens_q]
+    run_varlen(lens_q, lens_k, 8, 1, 192, torch.bfloat16, causal=True, dv=128)
+    run_varlen(lens_q, lens_k, 2, 2, 512, torch.float16, window=(100, 37))
 
 
 @pytest.mark.parametrize("block_size", [16, 32, 48, 64, 128, 256])

@@ -57,6 +57,17 @@ def test_split_head_dims(d, dv):
     assert parse_spec(r.to_text()) == r
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a", "sm_120"])
+def test_varlen_reaches_the_chunked_kernel(arch):
+    """head_dim above 256 and split head dims take varlen (not paged): the chunked kernel reads the
+    work list and the sequences' row offsets, and the module carries the _order entry."""
+    for text in ("prefill:head_dim=512,varlen=true,mask=causal", "prefill:head_dim=192,head_dim_v=128,varlen=true"):
+        s = resolve(parse_spec(text), arch)
+        assert s.chunked and s.varlen and s.entries[1].endswith("_order")
+        src = render(s)
+        assert "constexpr bool VARLEN = true;" in src and "prefill_chunked<" in src
+
+
 def test_equal_head_dim_v_is_the_same_spec():
     assert PrefillSpec(head_dim=512, head_dim_v=512) == PrefillSpec(head_dim=512)
     assert "head_dim_v" not in PrefillSpec(head_dim=512, head_dim_v=512).to_text()
@@ -66,7 +77,7 @@ def test_equal_head_dim_v_is_the_same_spec():
     ("prefill:head_dim=512,head_dim_chunk=48", "head_dim_chunk"),
     ("prefill:head_dim=512,head_dim_chunk=256", "head_dim_chunk"),
     ("prefill:head_dim=320,head_dim_v=128,head_dim_chunk=128", "head_dim_chunk"),
-    ("prefill:head_dim=512,varlen=true", "varlen"),
+    ("prefill:head_dim=512,varlen=true,paged=true", "paged"),
     ("prefill:head_dim=576,head_dim_v=512,custom_mask=true", "custom_mask"),
     ("prefill:head_dim=2048", "head_dim"),
     ("prefill:head_dim=512,head_dim_v=100", "head_dim_v"),

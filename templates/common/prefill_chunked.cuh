@@ -54,7 +54,7 @@ __device__ __forceinline__ int padded(int row, int col) {
 }
 
 template <class T, bool BF16, int DQK, int DV, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int NUM_STAGES, int DK,
-          int VK, int VCW, int MASK, bool RETURN_LSE, bool SOFTCAP, bool ALIBI>
+          int VK, int VCW, int MASK, bool RETURN_LSE, bool SOFTCAP, bool ALIBI, bool VARLEN = false>
 __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   constexpr int THREADS = NUM_WARPS * 32;
   constexpr int WARPS_M = BLOCK_M / 32;
@@ -91,11 +91,24 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   const int rg = warp / WARPS_N;  // row group: rows [32 rg, 32 rg + 32)
   const int cg = warp % WARPS_N;  // column group
 
-  const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest query tiles first under a causal mask
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const int seqlen_q = p.seqlen_q;
-  const int seqlen_k = p.seqlen_k;
+  // Dense: heaviest query tiles (the last ones, under a causal mask) first. VARLEN: the work list's
+  // slot order (sequence, query tile), built heaviest first on the GPU, as prefill_fwd takes it.
+  int m_block, head, batch, seqlen_q, seqlen_k;
+  long long q_row0 = 0, k_row0 = 0;  // VARLEN: the sequence's first row in q / k
+  if constexpr (VARLEN) {
+    if (blockIdx.x >= *p.work_count) return;
+    const int2 item = p.work[blockIdx.x];
+    batch = item.x;
+    m_block = item.y;
+    head = blockIdx.y;
+    varlen_rows<false>(p, batch, q_row0, seqlen_q, k_row0, seqlen_k);
+  } else {
+    m_block = gridDim.x - 1 - blockIdx.x;
+    head = blockIdx.y;
+    batch = blockIdx.z;
+    seqlen_q = p.seqlen_q;
+    seqlen_k = p.seqlen_k;
+  }
   const int kv_head = head / p.group;
   const int m0 = m_block * BLOCK_M;
   const int m_last = min(m0 + BLOCK_M, seqlen_q) - 1;
@@ -107,9 +120,10 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   const int n_tiles = n_hi > n_lo ? (n_hi + BLOCK_N - 1) / BLOCK_N - tile_begin : 0;
 
   const float alibi_u = ALIBI ? p.alibi[batch * p.alibi_sb + head] / p.sm_scale : 0.f;
-  const T* gQ = p.q + batch * p.q_sb + head * p.q_sh + (long long)m0 * p.q_ss;
-  const T* gK = p.k + batch * p.k_sb + kv_head * p.k_sh;
-  const T* gV = p.v + batch * p.v_sb + kv_head * p.v_sh;
+  const T* gQ = p.q + (VARLEN ? 0 : batch * p.q_sb) + head * p.q_sh + (q_row0 + m0) * p.q_ss;
+  if constexpr (VARLEN) q_row0 = 0;  // dead until the epilogue reads it again
+  const T* gK = p.k + (VARLEN ? 0 : batch * p.k_sb) + kv_head * p.k_sh + k_row0 * p.k_ss;
+  const T* gV = p.v + (VARLEN ? 0 : batch * p.v_sb) + kv_head * p.v_sh + k_row0 * p.v_ss;
 
   // Step s (0 <= s < STEPS) of KV tile `tile` into ring slot `slot`.
   // The step's column offset is made opaque to the compiler: otherwise, with the step loop
@@ -332,7 +346,9 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
       if (t == 0) sRed[cg * BLOCK_M + row0 + mt * 16 + g + 8 * r] = l;
     }
   __syncthreads();
-  T* gO = p.o + batch * p.o_sb + head * p.o_sh + (long long)m0 * p.o_ss + cg * ON;
+  // VARLEN: the sequence's first row, read again rather than held across the loop (registers).
+  if constexpr (VARLEN) q_row0 = min(max(p.cu_q[batch], 0), p.total_q);
+  T* gO = p.o + (VARLEN ? 0 : batch * p.o_sb) + head * p.o_sh + (q_row0 + m0) * p.o_ss + cg * ON;
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -344,9 +360,14 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const bool live = m0 + row < seqlen_q;
       if constexpr (RETURN_LSE) {
-        if (cg == 0 && t == 0 && live)
-          p.lse[((long long)batch * p.num_heads + head) * p.seqlen_q + m0 + row] =
-              l > 0.f ? row_max[mt][r] * p.sm_scale + logf(l) : -ATTNGEN_INF;
+        if (cg == 0 && t == 0 && live) {
+          const float lse = l > 0.f ? row_max[mt][r] * p.sm_scale + logf(l) : -ATTNGEN_INF;
+          // VARLEN: [heads, total_q], FlashAttention's varlen layout; else [batch, heads, seqlen_q].
+          if constexpr (VARLEN)
+            p.lse[(long long)head * p.total_q + q_row0 + m0 + row] = lse;
+          else
+            p.lse[((long long)batch * p.num_heads + head) * p.seqlen_q + m0 + row] = lse;
+        }
       }
       if (live) {
 #pragma unroll

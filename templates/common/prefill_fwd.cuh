@@ -69,6 +69,23 @@ struct PrefillParams {
   int mask_units_h, mask_units_b;
 };
 
+// VARLEN: sequence s's rows, clamped into the tensors: q rows [q_row0, q_row0 + seqlen_q) and k rows
+// [k_row0, k_row0 + seqlen_k) (PAGED: k_row0 is left alone, keys go through the block table).
+template <bool PAGED, class T>
+__device__ __forceinline__ void varlen_rows(const PrefillParams<T>& p, int s, long long& q_row0, int& seqlen_q,
+                                            long long& k_row0, int& seqlen_k) {
+  const int q_lo = min(max(p.cu_q[s], 0), p.total_q);
+  seqlen_q = min(max(p.cu_q[s + 1], q_lo), p.total_q) - q_lo;
+  q_row0 = q_lo;
+  if constexpr (PAGED) {
+    seqlen_k = min(max(p.cu_k[s + 1] - p.cu_k[s], 0), p.total_k);
+  } else {
+    const int k_lo = min(max(p.cu_k[s], 0), p.total_k);
+    seqlen_k = min(max(p.cu_k[s + 1], k_lo), p.total_k) - k_lo;
+    k_row0 = k_lo;
+  }
+}
+
 template <class T, bool BF16, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int NUM_STAGES,
           int MASK, bool RETURN_LSE, bool Q_IN_REGS, int ROW_ELEMS, bool SWIZZLE, bool WGMMA, bool SOFTCAP = false,
           bool ALIBI = false, bool VARLEN = false, bool PAGED = false, bool MASK_LIST = false>
@@ -120,16 +137,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
     if constexpr (VARLEN) {
       batch = item.x;
       head = hsub;
-      const int q_lo = min(max(p.cu_q[batch], 0), p.total_q);
-      seqlen_q = min(max(p.cu_q[batch + 1], q_lo), p.total_q) - q_lo;
-      q_row0 = q_lo;
-      if constexpr (PAGED) {
-        seqlen_k = min(max(p.cu_k[batch + 1] - p.cu_k[batch], 0), p.total_k);
-      } else {
-        const int k_lo = min(max(p.cu_k[batch], 0), p.total_k);
-        seqlen_k = min(max(p.cu_k[batch + 1], k_lo), p.total_k) - k_lo;
-        k_row0 = k_lo;
-      }
+      varlen_rows<PAGED>(p, batch, q_row0, seqlen_q, k_row0, seqlen_k);
     } else {
       unit = item.x;
       batch = p.mask_units_b > 1 ? unit / p.mask_units_h : blockIdx.z;

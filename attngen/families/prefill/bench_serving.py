@@ -5,7 +5,7 @@ buffer of 65536 cells, each sequence seeing its own cells causally; (2) a block-
 sweep. attngen with its live-tile plan against attngen without a mask (the dense cost the plan
 saves from) and SDPA given the same boolean mask (cuDNN and efficient backends).
 varlen: 16k tokens as one long sequence among many short ones vs the same tokens in equal
-lengths, and paged vs contiguous KV.
+lengths, and paged vs contiguous KV (paged only where the head dims take the whole-row kernel).
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
             p.add_argument("--densities", default="0.05,0.1,0.2,0.3,0.5,0.7,0.9",
                            help="sweep 2: live-block densities")
             p.add_argument("--backends", default="cudnn,efficient", help="SDPA backends (default cudnn,efficient)")
+        else:
+            p.add_argument("--head-dim", default=str(HEAD_DIM),
+                           help=f"D or D/DV (default {HEAD_DIM}; e.g. 192/128 or 512: the chunked kernel, no paged rows)")
         p.add_argument("--out", type=Path, default=None, help=f"folder for bench_{name}.json")
         p.add_argument("--rep-ms", type=float, default=100.0, help="timed repeats per measurement (ms)")
         p.add_argument("--seed", type=int, default=0)
@@ -226,26 +229,31 @@ def cmd_varlen(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     dt, total = torch.bfloat16, 16384
+    try:
+        d, dv = (int(x) for x in (args.head_dim + "/" + args.head_dim).split("/")[:2])
+    except ValueError:
+        raise SystemExit(f"attngen: error: --head-dim={args.head_dim!r}; expected D or D/DV, e.g. 192/128")
+    paged_rows = not attngen.PrefillSpec(head_dim=d, head_dim_v=dv).chunked
     cases = [("long-tailed", long_tail(total, 8192, rng)), ("equal 16x1024", [1024] * 16),
              ("equal 2x8192", [8192] * 2)]
     rows = []
     for name, lens in cases:
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-        q = torch.randn(total, HEADS, HEAD_DIM, device="cuda", dtype=dt)
-        k = torch.randn(total, KV_HEADS, HEAD_DIM, device="cuda", dtype=dt)
-        v = torch.randn_like(k)
-        flops = sum(4 * HEADS * HEAD_DIM * n * (n + 1) / 2 for n in lens)
+        q = torch.randn(total, HEADS, d, device="cuda", dtype=dt)
+        k = torch.randn(total, KV_HEADS, d, device="cuda", dtype=dt)
+        v = torch.randn(total, KV_HEADS, dv, device="cuda", dtype=dt)
+        flops = sum(2 * HEADS * (d + dv) * n * (n + 1) / 2 for n in lens)
         ms = _time(lambda: attngen.prefill_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True), args)
-        row = dict(case=name, seqs=len(lens), ms=ms, tflops=flops / ms / 1e9, layout="contiguous")
+        row = dict(case=name, seqs=len(lens), ms=ms, tflops=flops / ms / 1e9, layout="contiguous", head_dims=[d, dv])
         rows.append(row)
         _say(row)
-        if name == "long-tailed":
+        if name == "long-tailed" and paged_rows:
             for bs in (16, 64, 256):
                 per = [-(-n // bs) for n in lens]
                 nblocks = sum(per)
                 perm = torch.randperm(nblocks)
-                kc = torch.randn(nblocks, bs, KV_HEADS, HEAD_DIM, device="cuda", dtype=dt)
-                vc = torch.randn_like(kc)
+                kc = torch.randn(nblocks, bs, KV_HEADS, d, device="cuda", dtype=dt)
+                vc = torch.randn(nblocks, bs, KV_HEADS, dv, device="cuda", dtype=dt)
                 table = torch.zeros(len(lens), max(per), dtype=torch.int32)
                 at = 0
                 for s, n in enumerate(lens):
@@ -256,7 +264,7 @@ def cmd_varlen(args: argparse.Namespace) -> int:
                 ms_p = _time(lambda: attngen.prefill_varlen(q, kc, vc, cu, cu, max(lens), max(lens), causal=True,
                                                             block_table=table), args)
                 row = dict(case=name, seqs=len(lens), ms=ms_p, tflops=flops / ms_p / 1e9,
-                           layout=f"paged {bs}", paged_vs_contiguous=ms / ms_p)
+                           layout=f"paged {bs}", paged_vs_contiguous=ms / ms_p, head_dims=[d, dv])
                 rows.append(row)
                 _say(row)
     data = dict(env=environment(), rows=rows)
@@ -266,11 +274,12 @@ def cmd_varlen(args: argparse.Namespace) -> int:
 
 
 def _finish_varlen(data: dict, args, print_table: bool = False) -> None:
-    lines = [*env_lines(data["env"]), "", "| case | sequences | KV layout | ms | TFLOP/s | paged ÷ contiguous speed |",
-             "|---|---|---|---|---|---|"]
+    lines = [*env_lines(data["env"]), "", "| case | sequences | head dims | KV layout | ms | TFLOP/s | "
+             "paged ÷ contiguous speed |", "|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         pv = r.get("paged_vs_contiguous")
-        lines.append(f"| {r['case']} | {r['seqs']} | {r['layout']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+        dims = "/".join(map(str, r.get("head_dims", [HEAD_DIM, HEAD_DIM])))
+        lines.append(f"| {r['case']} | {r['seqs']} | {dims} | {r['layout']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
                      f"{'' if pv is None else f'{pv:.2f}'} |")
     print("\n".join(lines))
     if args.out:

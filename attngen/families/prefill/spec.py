@@ -118,11 +118,11 @@ class PrefillSpec(SpecBase):
         s(self, "num_warps", coerce_int("num_warps", self.num_warps, self.NUM_WARPS))
         s(self, "num_stages", coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
         if self.chunked:
-            for name in ("custom_mask", "varlen"):
+            for name in ("custom_mask", "paged"):
                 if getattr(self, name):
                     raise SpecError(name, True, "false with the chunked kernel (head_dim above "
                                     f"{self.WHOLE_MAX}, split head dims or head_dim_chunk < head_dim)",
-                                    reason="the chunked kernel has no custom-mask or varlen form yet")
+                                    reason=f"the chunked kernel has no {name.replace('_', '-')} form yet")
         elif self.cta_tile_q and self.num_warps and self.cta_tile_q % (16 * self.num_warps):
             raise SpecError("num_warps", self.num_warps,
                             f"a divisor of cta_tile_q/16 = {self.cta_tile_q // 16}",
