@@ -335,12 +335,7 @@ struct Decode {
     for (int kk = 0; kk < KW / 16; ++kk) {
       unsigned a[M_TILES][4];
 #pragma unroll
-      for (int mt = 0; mt < M_TILES; ++mt) {
-        a[mt][0] = pack2<BF16>(acc_p[mt][2 * kk][0], acc_p[mt][2 * kk][1]);
-        a[mt][1] = pack2<BF16>(acc_p[mt][2 * kk][2], acc_p[mt][2 * kk][3]);
-        a[mt][2] = pack2<BF16>(acc_p[mt][2 * kk + 1][0], acc_p[mt][2 * kk + 1][1]);
-        a[mt][3] = pack2<BF16>(acc_p[mt][2 * kk + 1][2], acc_p[mt][2 * kk + 1][3]);
-      }
+      for (int mt = 0; mt < M_TILES; ++mt) p_fragment<BF16>(acc_p[mt], kk, a[mt]);
 #pragma unroll
       for (int d2 = 0; d2 < HEAD_DIM / 16; ++d2) {
         unsigned b0, b1, b2, b3;

@@ -17,6 +17,16 @@ struct KeyRange {
   __device__ __forceinline__ int hi(int row_hi) const {
     return right < 0 ? seqlen_k : min(seqlen_k, row_hi + shift + right + 1);
   }
+  // The BLOCK_N-key tiles some row of [row_lo, row_hi] may see: [first, first + count).
+  struct Span {
+    int first, count;
+  };
+  template <int BLOCK_N>
+  __device__ __forceinline__ Span tiles(int row_lo, int row_hi) const {
+    const int n_lo = lo(row_lo), n_hi = hi(row_hi);
+    const int first = n_lo / BLOCK_N;
+    return {first, n_hi > n_lo ? (n_hi + BLOCK_N - 1) / BLOCK_N - first : 0};
+  }
   // True when every row of [row_lo, row_hi] sees every key of [n0, n1): the tile needs no mask.
   __device__ __forceinline__ bool all_visible(int row_lo, int row_hi, int n0, int n1) const {
     return n1 <= seqlen_k && (right < 0 || n1 - 1 <= row_lo + shift + right) &&

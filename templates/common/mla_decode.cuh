@@ -114,8 +114,7 @@ struct MlaDecode {
 
   static __device__ __forceinline__ void run(const MlaParams<T>& p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    unsigned char* smem_base = smem_raw;
-    if constexpr (WGMMA) smem_base += (1024 - (smem_addr(smem_raw) & 1023)) & 1023;
+    unsigned char* smem_base = WGMMA ? aligned_smem<1024>(smem_raw) : smem_raw;
     T* sQ = reinterpret_cast<T*>(smem_base);
     T* sRing = sQ + Q_ELEMS;
     T* sP = sRing + NUM_STAGES * TILE_ELEMS;
@@ -233,16 +232,16 @@ struct MlaDecode {
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc_s[n][c] = 0.f;
       if constexpr (WGMMA) {
-        // This warpgroup's SN keys (rows key0.. of the tile) against all 64 Q rows; k-step kk is 32
-        // bytes into 64-column block kk / 4, and 8-row swizzle atoms are 1024 bytes.
+        // This warpgroup's SN keys (rows key0.. of the tile, whole 1024-byte swizzle atoms) against
+        // all 64 Q rows.
         using W = WgmmaOps<BF16>;
         const unsigned q_at = smem_addr(sQ);
         const unsigned k_at = smem_addr(sT) + key0 * 128;
         W::fence();
 #pragma unroll
         for (int kk = 0; kk < DQK / 16; ++kk)
-          Wgmma<SN, BF16>::ss(acc_s, W::desc(q_at + (kk / 4) * LQ::BLOCK_BYTES + (kk % 4) * 32, 16, 1024),
-                              W::desc(k_at + (kk / 4) * LT::BLOCK_BYTES + (kk % 4) * 32, 16, 1024), kk > 0);
+          Wgmma<SN, BF16>::ss(acc_s, W::desc_k(q_at, kk, LQ::BLOCK_BYTES), W::desc_k(k_at, kk, LT::BLOCK_BYTES),
+                              kk > 0);
         W::commit();
         W::template wait<0>();
         W::hold(acc_s);
@@ -331,22 +330,18 @@ struct MlaDecode {
         __syncthreads();
       }
       if constexpr (WGMMA) {
-        // V is N-major here: 16 keys = 2048 bytes down a 64-column block; this warpgroup's ON
-        // columns start at block cg * ON / 64, and the blocks are LT::BLOCK_BYTES apart.
+        // V is N-major here; this warpgroup's ON columns start at 64-column block cg * ON / 64.
         using W = WgmmaOps<BF16>;
         const unsigned v_at = smem_addr(sT) + (cg * ON / 64) * LT::BLOCK_BYTES;
         W::fence();
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-          const unsigned long long dv = W::desc(v_at + kk * 2048, LT::BLOCK_BYTES, 1024);
+          const unsigned long long dv = W::desc_mn(v_at, kk, LT::BLOCK_BYTES);
           if constexpr (QK_SHARD) {
-            Wgmma<ON, BF16>::template ss<1>(acc_o, W::desc(smem_addr(sP) + kk * 32, 16, 1024), dv, 1);
+            Wgmma<ON, BF16>::template ss<1>(acc_o, W::desc_k(smem_addr(sP), kk, LP::BLOCK_BYTES), dv, 1);
           } else {
             unsigned a[4];
-            a[0] = pack2<BF16>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
-            a[1] = pack2<BF16>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
-            a[2] = pack2<BF16>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
-            a[3] = pack2<BF16>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+            p_fragment<BF16>(acc_s, kk, a);
             Wgmma<ON, BF16>::rs(acc_o, a, dv);
           }
         }
@@ -360,10 +355,7 @@ struct MlaDecode {
         if constexpr (QK_SHARD) {
           ldmatrix_x4(a[0], a[1], a[2], a[3], smem_addr(sP + (row0 + lane % 16) * P_ROW + kk * 16 + (lane / 16) * 8));
         } else {
-          a[0] = pack2<BF16>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
-          a[1] = pack2<BF16>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
-          a[2] = pack2<BF16>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
-          a[3] = pack2<BF16>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+          p_fragment<BF16>(acc_s, kk, a);
         }
         const unsigned va = smem_addr(sT + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * ROW + cg * ON + (lane / 16) * 8);
 #pragma unroll

@@ -91,33 +91,17 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   const int rg = warp / WARPS_N;  // row group: rows [32 rg, 32 rg + 32)
   const int cg = warp % WARPS_N;  // column group
 
-  // Dense: heaviest query tiles (the last ones, under a causal mask) first. VARLEN: the work list's
-  // slot order (sequence, query tile), built heaviest first on the GPU, as prefill_fwd takes it.
   int m_block, head, batch, seqlen_q, seqlen_k;
   long long q_row0 = 0, k_row0 = 0;  // VARLEN: the sequence's first row in q / k
-  if constexpr (VARLEN) {
-    if (blockIdx.x >= *p.work_count) return;
-    const int2 item = p.work[blockIdx.x];
-    batch = item.x;
-    m_block = item.y;
-    head = blockIdx.y;
-    varlen_rows<false>(p, batch, q_row0, seqlen_q, k_row0, seqlen_k);
-  } else {
-    m_block = gridDim.x - 1 - blockIdx.x;
-    head = blockIdx.y;
-    batch = blockIdx.z;
-    seqlen_q = p.seqlen_q;
-    seqlen_k = p.seqlen_k;
-  }
+  if (!cta_tile<VARLEN, false>(p, m_block, head, batch, seqlen_q, seqlen_k, q_row0, k_row0)) return;
   const int kv_head = head / p.group;
   const int m0 = m_block * BLOCK_M;
   const int m_last = min(m0 + BLOCK_M, seqlen_q) - 1;
 
   const KeyRange keys = key_range<MASK>(seqlen_q, seqlen_k, p.win_left, p.win_right);
-  const int n_lo = keys.lo(m0);
-  const int n_hi = keys.hi(m_last);
-  const int tile_begin = n_lo / BLOCK_N;
-  const int n_tiles = n_hi > n_lo ? (n_hi + BLOCK_N - 1) / BLOCK_N - tile_begin : 0;
+  const KeyRange::Span span = keys.tiles<BLOCK_N>(m0, m_last);
+  const int tile_begin = span.first;
+  const int n_tiles = span.count;
 
   const float alibi_u = ALIBI ? p.alibi[batch * p.alibi_sb + head] / p.sm_scale : 0.f;
   const T* gQ = p.q + (VARLEN ? 0 : batch * p.q_sb) + head * p.q_sh + (q_row0 + m0) * p.q_ss;

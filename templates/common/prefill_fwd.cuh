@@ -17,16 +17,6 @@ struct WgmmaOps;  // defined in wgmma.cuh.jinja, included only by sm_90a kernels
 template <int N, bool BF16>
 struct Wgmma;
 
-// The A fragment of P for k-step kk of O += P V (mma.sync and wgmma take the same one): the fp32
-// S accumulators of 8-column tiles 2kk and 2kk+1, packed to 16 bits.
-template <bool BF16, int N_TILES>
-__device__ __forceinline__ void p_fragment(const float (&s)[N_TILES][4], int kk, unsigned (&a)[4]) {
-  a[0] = pack2<BF16>(s[2 * kk][0], s[2 * kk][1]);
-  a[1] = pack2<BF16>(s[2 * kk][2], s[2 * kk][3]);
-  a[2] = pack2<BF16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-  a[3] = pack2<BF16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-}
-
 template <class T>
 struct PrefillParams {
   const T* q;
@@ -69,21 +59,50 @@ struct PrefillParams {
   int mask_units_h, mask_units_b;
 };
 
-// VARLEN: sequence s's rows, clamped into the tensors: q rows [q_row0, q_row0 + seqlen_q) and k rows
-// [k_row0, k_row0 + seqlen_k) (PAGED: k_row0 is left alone, keys go through the block table).
-template <bool PAGED, class T>
-__device__ __forceinline__ void varlen_rows(const PrefillParams<T>& p, int s, long long& q_row0, int& seqlen_q,
-                                            long long& k_row0, int& seqlen_k) {
-  const int q_lo = min(max(p.cu_q[s], 0), p.total_q);
-  seqlen_q = min(max(p.cu_q[s + 1], q_lo), p.total_q) - q_lo;
-  q_row0 = q_lo;
-  if constexpr (PAGED) {
-    seqlen_k = min(max(p.cu_k[s + 1] - p.cu_k[s], 0), p.total_k);
+// Sequence s of a varlen batch, clamped into the tensors: q rows [q_lo, q_lo + sq) and k rows
+// [k_lo, k_lo + sk). Paged, keys go through the block table: k_lo is 0 and sk at most total_k.
+__device__ __forceinline__ void varlen_rows(const int* cu_q, const int* cu_k, int total_q, int total_k, bool paged,
+                                            int s, int& q_lo, int& sq, int& k_lo, int& sk) {
+  q_lo = min(max(cu_q[s], 0), total_q);
+  sq = min(max(cu_q[s + 1], q_lo), total_q) - q_lo;
+  if (paged) {
+    k_lo = 0;
+    sk = min(max(cu_k[s + 1] - cu_k[s], 0), total_k);
   } else {
-    const int k_lo = min(max(p.cu_k[s], 0), p.total_k);
-    seqlen_k = min(max(p.cu_k[s + 1], k_lo), p.total_k) - k_lo;
-    k_row0 = k_lo;
+    k_lo = min(max(cu_k[s], 0), total_k);
+    sk = min(max(cu_k[s + 1], k_lo), total_k) - k_lo;
   }
+}
+
+// Which (query tile, head, batch) this CTA computes, with its sequence's lengths. Dense: off the
+// grid, heaviest query tiles (the last ones, under a causal mask) first. VARLEN: off the work list
+// (sequence, query tile), built heaviest first on the GPU; slots past *work_count have no work
+// (false). The sequence's rows are clamped into the tensors: q rows [q_row0, q_row0 + seqlen_q),
+// k rows [k_row0, k_row0 + seqlen_k) (PAGED: k_row0 is left alone, keys go through the block table).
+// Heads vary slowest in both, so the CTAs running together share one head's K/V in L2 (heads
+// fastest thrashed L2: 2x slower at 16k keys).
+template <bool VARLEN, bool PAGED, class T>
+__device__ __forceinline__ bool cta_tile(const PrefillParams<T>& p, int& m_block, int& head, int& batch,
+                                         int& seqlen_q, int& seqlen_k, long long& q_row0, long long& k_row0) {
+  if constexpr (VARLEN) {
+    const int slot = blockIdx.x;
+    if (slot >= *p.work_count) return false;
+    const int2 item = p.work[slot];
+    batch = item.x;
+    m_block = item.y;
+    head = blockIdx.y;
+    int q_lo, k_lo;
+    varlen_rows(p.cu_q, p.cu_k, p.total_q, p.total_k, PAGED, batch, q_lo, seqlen_q, k_lo, seqlen_k);
+    q_row0 = q_lo;
+    if constexpr (!PAGED) k_row0 = k_lo;
+  } else {
+    m_block = gridDim.x - 1 - blockIdx.x;
+    head = blockIdx.y;
+    batch = blockIdx.z;
+    seqlen_q = p.seqlen_q;
+    seqlen_k = p.seqlen_k;
+  }
+  return true;
 }
 
 template <class T, bool BF16, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int NUM_STAGES,
@@ -104,9 +123,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
   static_assert(WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  // wgmma's swizzle atoms are 1024 bytes: start there (smem_bytes() reserves the slack).
-  unsigned char* smem_base = smem_raw;
-  if constexpr (WGMMA) smem_base += (1024 - (smem_addr(smem_raw) & 1023)) & 1023;
+  unsigned char* smem_base = WGMMA ? aligned_smem<1024>(smem_raw) : smem_raw;
   T* sQ = reinterpret_cast<T*>(smem_base);
   T* sK = sQ + Q_ELEMS;
   T* sV = sK + NUM_STAGES * KV_ELEMS;
@@ -117,53 +134,35 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
   const int g = lane / 4;  // row within an 8-row group of an mma fragment
   const int t = lane % 4;  // column pair within an 8-wide fragment
 
-  // Which (query tile, head, batch) this CTA computes. Dense: heaviest query tiles (the last
-  // ones, under a causal mask) start first. VARLEN / MASK_LIST: the work list's slot order,
-  // built heaviest first on the GPU. Heads vary slowest in both, so the CTAs running together
-  // share one head's K/V in L2 (heads fastest thrashed L2: 2x slower at 16k keys).
+  // Which (query tile, head, batch) this CTA computes: cta_tile, or, MASK_LIST, the work list's
+  // slot order (unit, query tile), built heaviest first on the GPU.
   int m_block, head, batch, seqlen_q, seqlen_k;
   long long q_row0 = 0, k_row0 = 0;  // VARLEN: the sequence's first row in q / k
   long long list_at = 0;             // MASK_LIST: where this tile's live KV tiles start in p.tiles
   int unit = 0;                      // MASK_LIST: the mask's (batch, head) unit
   int n_tiles;
-  if constexpr (VARLEN || MASK_LIST) {
-    const int slot = blockIdx.x;
-    const int hsub = blockIdx.y;
-    if constexpr (VARLEN) {
-      if (slot >= *p.work_count) return;
-    }
-    const int2 item = p.work[slot];
+  if constexpr (MASK_LIST) {
+    const int2 item = p.work[blockIdx.x];
     m_block = item.y;
-    if constexpr (VARLEN) {
-      batch = item.x;
-      head = hsub;
-      varlen_rows<PAGED>(p, batch, q_row0, seqlen_q, k_row0, seqlen_k);
-    } else {
-      unit = item.x;
-      batch = p.mask_units_b > 1 ? unit / p.mask_units_h : blockIdx.z;
-      head = p.mask_units_h > 1 ? unit % p.mask_units_h : hsub;
-      seqlen_q = p.seqlen_q;
-      seqlen_k = p.seqlen_k;
-      const long long at = (long long)unit * p.num_q_tiles + m_block;
-      list_at = at * p.max_tiles;
-      n_tiles = p.tile_count[at];
-    }
-  } else {
-    m_block = gridDim.x - 1 - blockIdx.x;
-    head = blockIdx.y;
-    batch = blockIdx.z;
+    unit = item.x;
+    batch = p.mask_units_b > 1 ? unit / p.mask_units_h : blockIdx.z;
+    head = p.mask_units_h > 1 ? unit % p.mask_units_h : blockIdx.y;
     seqlen_q = p.seqlen_q;
     seqlen_k = p.seqlen_k;
+    const long long at = (long long)unit * p.num_q_tiles + m_block;
+    list_at = at * p.max_tiles;
+    n_tiles = p.tile_count[at];
+  } else if (!cta_tile<VARLEN, PAGED>(p, m_block, head, batch, seqlen_q, seqlen_k, q_row0, k_row0)) {
+    return;
   }
   const int kv_head = head / p.group;
   const int m0 = m_block * BLOCK_M;
   const int m_last = min(m0 + BLOCK_M, seqlen_q) - 1;
 
   const KeyRange keys = key_range<MASK>(seqlen_q, seqlen_k, p.win_left, p.win_right);
-  const int n_lo = keys.lo(m0);
-  const int n_hi = keys.hi(m_last);
-  const int tile_begin = n_lo / BLOCK_N;
-  if constexpr (!MASK_LIST) n_tiles = n_hi > n_lo ? (n_hi + BLOCK_N - 1) / BLOCK_N - tile_begin : 0;
+  const KeyRange::Span span = keys.tiles<BLOCK_N>(m0, m_last);
+  const int tile_begin = span.first;
+  if constexpr (!MASK_LIST) n_tiles = span.count;
   // The it-th KV tile this CTA visits (MASK_LIST: the list's entry, bit 31 = mask all kept).
   auto tile_at = [&](int it) { return MASK_LIST ? (p.tiles[list_at + it] & 0x7fffffff) : tile_begin + it; };
 
@@ -283,15 +282,15 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
         for (int c = 0; c < 4; ++c) acc_s[mt][n][c] = 0.f;
 
     if constexpr (WGMMA) {
-      // Q rows of this warpgroup x the K tile; k-step kk is 32 bytes into 64-column block kk / 4.
+      // Q rows of this warpgroup x the K tile.
       using W = WgmmaOps<BF16>;
       const unsigned q_at = smem_addr(sQ) + (warp / 4) * 64 * 128;
       const unsigned k_at = smem_addr(sKs);
       W::fence();
 #pragma unroll
       for (int kk = 0; kk < K_STEPS; ++kk)
-        Wgmma<BLOCK_N, BF16>::ss(acc_s[0], W::desc(q_at + (kk / 4) * LQ::BLOCK_BYTES + (kk % 4) * 32, 16, 1024),
-                                 W::desc(k_at + (kk / 4) * LKV::BLOCK_BYTES + (kk % 4) * 32, 16, 1024), kk > 0);
+        Wgmma<BLOCK_N, BF16>::ss(acc_s[0], W::desc_k(q_at, kk, LQ::BLOCK_BYTES), W::desc_k(k_at, kk, LKV::BLOCK_BYTES),
+                                 kk > 0);
       W::commit();
       W::template wait<0>();
       W::hold(acc_s[0]);
@@ -423,8 +422,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
 
     // ---- O += P V ---------------------------------------------------------------------------
     if constexpr (WGMMA) {
-      // V is N-major for this product: 16 keys = 2048 bytes down each 64-column block, and the
-      // blocks (64 output columns each) are LKV::BLOCK_BYTES apart.
+      // V is N-major for this product.
       using W = WgmmaOps<BF16>;
       const unsigned v_at = smem_addr(sVs);
       W::fence();
@@ -432,7 +430,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
       for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
         unsigned a[4];
         p_fragment<BF16>(acc_s[0], kk, a);
-        Wgmma<HEAD_DIM, BF16>::rs(acc_o[0], a, W::desc(v_at + kk * 2048, LKV::BLOCK_BYTES, 1024));
+        Wgmma<HEAD_DIM, BF16>::rs(acc_o[0], a, W::desc_mn(v_at, kk, LKV::BLOCK_BYTES));
       }
       W::commit();
       W::template wait<0>();

@@ -256,16 +256,10 @@ __device__ __forceinline__ int block_exclusive_sum(int v, int* s_warp, int* tota
   return before;
 }
 
-// A sequence's clamped query rows [q_lo, q_lo + sq) and key count sk (VARLEN), as the kernel takes them.
+// A sequence's clamped query and key counts (VARLEN), as the kernel takes them.
 __device__ __forceinline__ void varlen_lengths(const PlanParams& p, int s, int& sq, int& sk) {
-  const int q_lo = min(max(p.cu_q[s], 0), p.total_q);
-  sq = min(max(p.cu_q[s + 1], q_lo), p.total_q) - q_lo;
-  if (p.paged) {
-    sk = min(max(p.cu_k[s + 1] - p.cu_k[s], 0), p.total_k);
-  } else {
-    const int k_lo = min(max(p.cu_k[s], 0), p.total_k);
-    sk = min(max(p.cu_k[s + 1], k_lo), p.total_k) - k_lo;
-  }
+  int q_lo, k_lo;
+  varlen_rows(p.cu_q, p.cu_k, p.total_q, p.total_k, p.paged, s, q_lo, sq, k_lo, sk);
 }
 
 // One CTA of ORDER_THREADS threads: every item (unit, query tile) with its work (live KV tiles),
@@ -314,8 +308,7 @@ __device__ __forceinline__ void order_work(const PlanParams& p) {
       varlen_lengths(p, lo, sq, sk);
       const KeyRange keys = key_range<MASK>(sq, sk, p.win_left, p.win_right);
       const int m0 = qt * BLOCK_M;
-      const int n_lo = keys.lo(m0), n_hi = keys.hi(min(m0 + BLOCK_M, sq) - 1);
-      work = n_hi > n_lo ? (n_hi + BLOCK_N - 1) / BLOCK_N - n_lo / BLOCK_N : 0;
+      work = keys.tiles<BLOCK_N>(m0, min(m0 + BLOCK_M, sq) - 1).count;
       return make_int2(lo, qt);
     } else {
       work = p.counts[i];

@@ -106,4 +106,21 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   }
 }
 
+// The A fragment of P for k-step kk of O += P V (mma.sync and wgmma take the same one): the fp32
+// S accumulators of 8-column tiles 2kk and 2kk+1, packed to 16 bits.
+template <bool BF16, int N_TILES>
+__device__ __forceinline__ void p_fragment(const float (&s)[N_TILES][4], int kk, unsigned (&a)[4]) {
+  a[0] = pack2<BF16>(s[2 * kk][0], s[2 * kk][1]);
+  a[1] = pack2<BF16>(s[2 * kk][2], s[2 * kk][3]);
+  a[2] = pack2<BF16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  a[3] = pack2<BF16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
+// Shared memory from `raw` rounded up to an ALIGN-byte boundary (wgmma's swizzle atoms: 1024); the
+// spec's smem_bytes() reserves ALIGN bytes of slack for what this skips.
+template <int ALIGN>
+__device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw) {
+  return raw + ((ALIGN - (smem_addr(raw) & (ALIGN - 1))) & (ALIGN - 1));
+}
+
 }  // namespace attngen
