@@ -34,6 +34,11 @@ class Arch:
     def has_mma_m16n8k16(self) -> bool:
         return self.major >= 8
 
+    @property
+    def has_wgmma(self) -> bool:
+        """wgmma.mma_async: only the arch-specific variant of compute capability 9.0 (sm_90a)."""
+        return self.arch_specific and self.major == 9
+
 
 _K = 1024
 ARCHS: dict[str, Arch] = {

@@ -342,6 +342,12 @@ def validate(spec: Spec, arch: "str | Arch") -> None:
     spec.check(a)
 
 
+def check_wgmma_arch(spec: Spec, a: Arch) -> None:
+    """Reject ``mma=wgmma`` on an arch without it, naming the field."""
+    if not a.has_wgmma:
+        raise SpecError("mma", spec.mma.value, "mma_sync", reason=f"wgmma needs sm_90a; the target is {a.name}")
+
+
 def check_smem(spec: Spec, a: Arch, field: str, allowed: str) -> None:
     """Reject a spec whose shared memory exceeds the arch's per-block limit, naming ``field``."""
     smem = spec.smem_bytes()

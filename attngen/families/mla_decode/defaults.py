@@ -45,7 +45,7 @@ SMALL_SMEM = 128 * 1024  # per block: below this the unsharded form goes first
 def candidates(spec, arch: Arch):
     """(qk_shard, cta_tile_kv, num_warps, num_stages, mma): on sm_90a the wgmma configs first (they
     fit only q_rows 64), then the mma_sync ones: measured configs, then every combination."""
-    if arch.arch_specific and arch.major == 9:
+    if arch.has_wgmma:
         yield from ((shard, kv, 8, st, Mma.WGMMA) for shard, kv, st in TUNED_WGMMA)
         yield from ((shard, kv, 8, st, Mma.WGMMA) for shard, kv, st in itertools.product((T, F), (64, 32), (4, 3, 2, 1)))
     shard_order = (F, T) if arch.smem_per_block < SMALL_SMEM else (T, F)

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 from ...arch import Arch
 from ...errors import SpecError
-from ...spec import DType, Mma, SpecBase, check_smem, coerce_bool, coerce_enum, coerce_int
+from ...spec import DType, Mma, SpecBase, check_smem, check_wgmma_arch, coerce_bool, coerce_enum, coerce_int
 
 # The module's `_merge` entry: 4 warps per CTA, each merging MERGE_COLS columns of an output row
 # (a batch-1 step has few rows and many splits: whole 512-wide rows left most of the GPU idle).
@@ -168,8 +168,7 @@ class MlaDecodeSpec(SpecBase):
         check_smem(self, a, "num_stages", "a smaller num_stages or cta_tile_kv, or qk_shard=false")
 
     def _check_wgmma(self, a: Arch) -> None:
-        if not a.arch_specific or a.major != 9:
-            raise SpecError("mma", self.mma.value, "mma_sync", reason=f"wgmma needs sm_90a; the target is {a.name}")
+        check_wgmma_arch(self, a)
         if self.q_rows != 64 or self.num_warps != 8:
             raise SpecError("mma", self.mma.value, "mma_sync",
                             reason=f"wgmma takes q_rows=64 on num_warps=8 (two warpgroups of 64 rows, one per half "

@@ -33,13 +33,24 @@ def add_parser(sub) -> None:
                            help="sweep 2: live-block densities")
             p.add_argument("--backends", default="cudnn,efficient", help="SDPA backends (default cudnn,efficient)")
         else:
-            p.add_argument("--head-dim", default=str(HEAD_DIM),
+            p.add_argument("--head-dim", type=_head_dims, default=(HEAD_DIM, HEAD_DIM),
                            help=f"D or D/DV (default {HEAD_DIM}; e.g. 192/128 or 512: the chunked kernel, no paged rows)")
         p.add_argument("--out", type=Path, default=None, help=f"folder for bench_{name}.json")
         p.add_argument("--rep-ms", type=float, default=100.0, help="timed repeats per measurement (ms)")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--from-json", type=Path, default=None, help="re-render a saved JSON (no GPU)")
         p.set_defaults(func=fn)
+
+
+def _head_dims(text: str) -> tuple[int, int]:
+    """``D`` or ``D/DV``: the head dims of q/k and of v."""
+    parts = text.split("/")
+    try:
+        if len(parts) > 2:
+            raise ValueError
+        return int(parts[0]), int(parts[-1])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected D or D/DV, e.g. 192/128") from None
 
 
 def _sdpa(torch, q, k, v, mask, backend):
@@ -229,10 +240,7 @@ def cmd_varlen(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     dt, total = torch.bfloat16, 16384
-    try:
-        d, dv = (int(x) for x in (args.head_dim + "/" + args.head_dim).split("/")[:2])
-    except ValueError:
-        raise SystemExit(f"attngen: error: --head-dim={args.head_dim!r}; expected D or D/DV, e.g. 192/128")
+    d, dv = args.head_dim
     paged_rows = not attngen.PrefillSpec(head_dim=d, head_dim_v=dv).chunked
     cases = [("long-tailed", long_tail(total, 8192, rng)), ("equal 16x1024", [1024] * 16),
              ("equal 2x8192", [8192] * 2)]

@@ -117,7 +117,7 @@ def candidates(spec, arch: Arch):
 
 def _candidates(spec, arch: Arch):
     d = spec.head_dim
-    if arch.name == "sm_90a" and d % 64 == 0:
+    if arch.has_wgmma and d % 64 == 0:
         yield from ((*c, Mma.WGMMA) for c in TUNED_WGMMA[(d, spec.mask is not MaskMode.NONE)])
         yield from ((16 * w, kv, w, st, Mma.WGMMA) for w in (8, 4) for kv in (128, 64, 32) for st in (2, 3, 1, 4))
     yield from ((*c, Mma.SYNC) for c in TUNED[d])

@@ -13,7 +13,8 @@ from typing import ClassVar
 
 from ...arch import Arch
 from ...errors import SpecError
-from ...spec import DType, Mma, SpecBase, allowed_text, check_smem, coerce_bool, coerce_enum, coerce_int
+from ...spec import (DType, Mma, SpecBase, allowed_text, check_smem, check_wgmma_arch, coerce_bool, coerce_enum,
+                     coerce_int)
 
 
 class MaskMode(enum.Enum):
@@ -281,8 +282,7 @@ class PrefillSpec(SpecBase):
         check_smem(self, a, "num_stages", "fewer num_stages or a smaller head_dim_chunk or cta_tile_kv")
 
     def _check_wgmma(self, a: Arch) -> None:
-        if not a.arch_specific or a.major != 9:
-            raise SpecError("mma", self.mma.value, "mma_sync", reason=f"wgmma needs sm_90a; the target is {a.name}")
+        check_wgmma_arch(self, a)
         if self.head_dim % 64:
             raise SpecError("head_dim", self.head_dim, "64, 128, 192, 256 (whole 128-byte swizzle rows) with mma=wgmma")
         if self.cta_tile_q != 16 * self.num_warps:
