@@ -25,11 +25,6 @@
 // the tiles are then stored in 128-byte-swizzled 64-column blocks (WgmmaLayout).
 namespace attngen {
 
-template <bool BF16>
-struct WgmmaOps;  // defined in wgmma.cuh.jinja, included only by sm_90a kernels
-template <int N, bool BF16>
-struct Wgmma;
-
 template <class T>
 struct MlaParams {
   const T* q_nope;         // [batch, q_len, heads, DC]

@@ -12,11 +12,6 @@
 // stored 128-byte swizzled (WgmmaLayout); the softmax and epilogue are the same code.
 namespace attngen {
 
-template <bool BF16>
-struct WgmmaOps;  // defined in wgmma.cuh.jinja, included only by sm_90a kernels
-template <int N, bool BF16>
-struct Wgmma;
-
 template <class T>
 struct PrefillParams {
   const T* q;

@@ -20,6 +20,13 @@ struct SmemLayout {
   }
 };
 
+// wgmma's operations (wgmma.cuh.jinja), declared here so that kernels name them through a template
+// argument; defined only in sm_90a kernels.
+template <bool BF16>
+struct WgmmaOps;
+template <int N, bool BF16>
+struct Wgmma;
+
 // The layout wgmma reads through a 128-byte-swizzle descriptor: the tile is stored as HEAD_DIM/64
 // column blocks of ROWS rows x 128 bytes, and within each 8-row (1024-byte) atom chunk c of row r
 // sits at chunk c ^ (r % 8). The tile must start 1024-byte aligned.
