@@ -93,7 +93,8 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
 
   int m_block, head, batch, seqlen_q, seqlen_k;
   long long q_row0 = 0, k_row0 = 0;  // VARLEN: the sequence's first row in q / k
-  if (!cta_tile<VARLEN, false>(p, m_block, head, batch, seqlen_q, seqlen_k, q_row0, k_row0)) return;
+  if (past_work<VARLEN>(p)) return;
+  cta_tile<VARLEN, false>(p, m_block, head, batch, seqlen_q, seqlen_k, q_row0, k_row0);
   const int kv_head = head / p.group;
   const int m0 = m_block * BLOCK_M;
   const int m_last = min(m0 + BLOCK_M, seqlen_q) - 1;

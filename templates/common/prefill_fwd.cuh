@@ -69,20 +69,30 @@ __device__ __forceinline__ void varlen_rows(const int* cu_q, const int* cu_k, in
   }
 }
 
-// Which (query tile, head, batch) this CTA computes, with its sequence's lengths. Dense: off the
-// grid, heaviest query tiles (the last ones, under a causal mask) first. VARLEN: off the work list
-// (sequence, query tile), built heaviest first on the GPU; slots past *work_count have no work
-// (false). The sequence's rows are clamped into the tensors: q rows [q_row0, q_row0 + seqlen_q),
-// k rows [k_row0, k_row0 + seqlen_k) (PAGED: k_row0 is left alone, keys go through the block table).
-// Heads vary slowest in both, so the CTAs running together share one head's K/V in L2 (heads
-// fastest thrashed L2: 2x slower at 16k keys).
-template <bool VARLEN, bool PAGED, class T>
-__device__ __forceinline__ bool cta_tile(const PrefillParams<T>& p, int& m_block, int& head, int& batch,
-                                         int& seqlen_q, int& seqlen_k, long long& q_row0, long long& k_row0) {
+// VARLEN: true for a CTA past the work list's live slots (the grid is sized for the most there can
+// be). Asked by the kernel itself before cta_tile: an early return from inside cta_tile cost the
+// chunked kernel 10 registers and a spill on sm_120 (NVRTC 13.5).
+template <bool VARLEN, class T>
+__device__ __forceinline__ bool past_work(const PrefillParams<T>& p) {
   if constexpr (VARLEN) {
     const int slot = blockIdx.x;
-    if (slot >= *p.work_count) return false;
-    const int2 item = p.work[slot];
+    return slot >= *p.work_count;
+  }
+  return false;
+}
+
+// Which (query tile, head, batch) this CTA computes, with its sequence's lengths. Dense: off the
+// grid, heaviest query tiles (the last ones, under a causal mask) first. VARLEN: off the work list
+// (sequence, query tile), built heaviest first on the GPU (past_work first). The sequence's rows are
+// clamped into the tensors: q rows [q_row0, q_row0 + seqlen_q), k rows [k_row0, k_row0 + seqlen_k)
+// (PAGED: k_row0 is left alone, keys go through the block table). Heads vary slowest in both, so
+// the CTAs running together share one head's K/V in L2 (heads fastest thrashed L2: 2x slower at
+// 16k keys).
+template <bool VARLEN, bool PAGED, class T>
+__device__ __forceinline__ void cta_tile(const PrefillParams<T>& p, int& m_block, int& head, int& batch,
+                                         int& seqlen_q, int& seqlen_k, long long& q_row0, long long& k_row0) {
+  if constexpr (VARLEN) {
+    const int2 item = p.work[blockIdx.x];
     batch = item.x;
     m_block = item.y;
     head = blockIdx.y;
@@ -97,7 +107,6 @@ __device__ __forceinline__ bool cta_tile(const PrefillParams<T>& p, int& m_block
     seqlen_q = p.seqlen_q;
     seqlen_k = p.seqlen_k;
   }
-  return true;
 }
 
 template <class T, bool BF16, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int NUM_STAGES,
@@ -147,8 +156,9 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
     const long long at = (long long)unit * p.num_q_tiles + m_block;
     list_at = at * p.max_tiles;
     n_tiles = p.tile_count[at];
-  } else if (!cta_tile<VARLEN, PAGED>(p, m_block, head, batch, seqlen_q, seqlen_k, q_row0, k_row0)) {
-    return;
+  } else {
+    if (past_work<VARLEN>(p)) return;
+    cta_tile<VARLEN, PAGED>(p, m_block, head, batch, seqlen_q, seqlen_k, q_row0, k_row0);
   }
   const int kv_head = head / p.group;
   const int m0 = m_block * BLOCK_M;
