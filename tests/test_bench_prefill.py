@@ -57,6 +57,17 @@ def test_backends_and_bad_values():
             parse("prefill", *bad)
 
 
+def test_split_head_dims_in_the_sweep():
+    shapes = prefill_bench.sweep_from_args(parse("prefill", "--head-dims", "128,192/128", "--seqlens", "4k",
+                                                 "--dtypes", "bf16", "--causal", "false"))
+    assert [(s.head_dim, s.head_dim_v, s.heads) for s in shapes] == [(128, 0, 16), (192, 128, 10)]
+    assert "d=192/128" in shapes[1].label() and "d=128 " in shapes[0].label()
+    assert prefill_bench.dims_text(shapes[1].__dict__) == "192/128"
+    for bad in ("192/", "a/128", "0/128", "192/128/64"):
+        with pytest.raises(SystemExit):
+            parse("prefill", "--head-dims", bad)
+
+
 # --- FLOPs -----------------------------------------------------------------------------------------
 
 def test_flops_counting():
@@ -68,6 +79,9 @@ def test_flops_counting():
     # Every shape of the sweep does the same work per mask: 4 * tokens * seqlen * hidden.
     for shape in prefill_bench.make_sweep():
         assert shape.flops == 4 * 16384 * shape.seqlen * 2048 / (2 if shape.causal else 1)
+    # Split head dims: Q K^T over D, P V over DV.
+    assert bench.attention_flops(1, 2, 8, 8, 192, False, 128) == 2 * 2 * 8 * 8 * (192 + 128)
+    assert bench.attention_flops(1, 2, 8, 8, 192, False, 0) == bench.attention_flops(1, 2, 8, 8, 192, False)
     assert bench.tflops(1e12, 1000.0) == pytest.approx(1.0)
     assert bench.tflops(1e12, None) is None and bench.tflops(1e12, 0.0) is None
 

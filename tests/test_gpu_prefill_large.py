@@ -1,5 +1,5 @@
-"""The chunked prefill kernel (head dims above 256, split QK/V head dims) on a real GPU against an
-fp32 reference (pytest -m gpu).
+"""Head dims above 256 and split QK/V head dims on a real GPU against an fp32 reference (pytest -m gpu):
+the chunked kernel, and the whole-row kernel for V narrower than Q/K up to head_dim 256.
 
 Fresh random inputs, outputs poisoned with NaN; q, k and v sit inside larger NaN-filled buffers
 (a stray read turns the output NaN) and the output inside a buffer whose border holds a sentinel
@@ -70,6 +70,31 @@ def test_ragged_lengths(sq, sk, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_split_head_dims(d, dv, causal):
     run_case(2, 777, 1000, 4, 2, d, dv, torch.bfloat16, causal=causal)
+
+
+NARROW_V = [(192, 128), (256, 128), (128, 64), (96, 64), (128, 96), (256, 192)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d,dv", NARROW_V)
+@pytest.mark.parametrize("mma", ["mma_sync", "wgmma"])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (100, 37))],
+                         ids=["full", "causal", "window"])
+def test_narrower_v_whole_row_kernel(dtype, d, dv, mma, causal, window):
+    """V narrower than Q/K (DeepSeek's 192/128) through the whole-row kernel, both instructions."""
+    if mma == "wgmma" and (d % 64 or dv % 64 or torch.cuda.get_device_capability() != (9, 0)):
+        pytest.skip("wgmma needs sm_90a and head dims that are multiples of 64")
+    spec = attngen.PrefillSpec(mma=mma)
+    run_case(2, 777, 1000, 4, 2, d, dv, dtype, causal=causal, window=window, spec=spec)
+    q = torch.empty(1, 8, 2, d, device="cuda", dtype=dtype)
+    from attngen.families.prefill.op import kernel_for
+
+    assert not kernel_for(q, q, q[..., :dv].contiguous(), spec=spec).spec.chunked
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 1), (17, 17), (3001, 3001), (17, 1000), (1000, 17)])
+def test_narrower_v_ragged_lengths_and_gqa(sq, sk):
+    run_case(2, sq, sk, 6, 2, 192, 128, torch.bfloat16, causal=True)
 
 
 @pytest.mark.parametrize("h,hk", [(8, 1), (6, 2)])

@@ -127,19 +127,20 @@ def block_diag_keep(sq, sk, nseq, gen_py, causal_within=True):
 
 
 def run_masked(b, sq, sk, h, hk, d, dtype, keep4, *, kind="bool", causal=False, window=(-1, -1), spec=None,
-               plan=None, check_plan_reuse=False):
+               plan=None, check_plan_reuse=False, dv=None):
     gen = fresh_generator()
+    dv = dv or d
     q = guarded(b, sq, h, d, dtype=dtype, gen=gen)
     k = guarded(b, sk, hk, d, dtype=dtype, gen=gen)
-    v = guarded(b, sk, hk, d, dtype=dtype, gen=gen)
+    v = guarded(b, sk, hk, dv, dtype=dtype, gen=gen)
     if kind == "bool":
         mask = keep4
     else:
         mdt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[kind]
         mask = torch.zeros(keep4.shape, dtype=mdt, device="cuda").masked_fill(~keep4, float("-inf"))
-    out, buf, guards = sentinel_out((b, sq, h, d), dtype)
+    out, buf, guards = sentinel_out((b, sq, h, dv), dtype)
     if check_plan_reuse:
-        plan = attngen.mask_plan(mask, q, k, causal=causal, window=window, spec=spec)
+        plan = attngen.mask_plan(mask, q, k, v=v, causal=causal, window=window, spec=spec)
     o, lse = attngen.prefill(q, k, v, mask=mask, mask_plan=plan, causal=causal, window=window, return_lse=True,
                              out=out, spec=spec)
     torch.cuda.synchronize()
@@ -192,6 +193,18 @@ def test_head_dims_and_instruction_paths(d, mma):
         pytest.skip("wgmma needs sm_90a and head_dim a multiple of 64")
     keep = block_diag_keep(300, 1000, 5, random.Random()) | (torch.rand(300, 1000, device="cuda") < 0.02)
     run_masked(2, 300, 1000, 4, 1, d, torch.float16, keep, causal=True, spec=PrefillSpec(mma=mma))
+
+
+@pytest.mark.parametrize("d,dv", [(192, 128), (128, 64)])
+@pytest.mark.parametrize("mma", [None, Mma.SYNC, Mma.WGMMA])
+def test_narrower_v_custom_mask(d, dv, mma):
+    """A plan built with v (mask_plan(..., v=v)) has the tiles of the 192/128 kernel, not 192/192's
+    (they differ on sm_90a by default)."""
+    if mma is Mma.WGMMA and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs sm_90a")
+    keep = block_diag_keep(300, 1000, 5, random.Random()) | (torch.rand(300, 1000, device="cuda") < 0.02)
+    run_masked(2, 300, 1000, 4, 1, d, torch.bfloat16, keep, causal=True, spec=mma and PrefillSpec(mma=mma), dv=dv,
+               check_plan_reuse=True)
 
 
 def test_dead_rows_and_dead_query_tiles():
@@ -297,7 +310,7 @@ def run_varlen(lens_q, lens_k, h, hk, d, dtype, *, causal=False, window=(-1, -1)
         nblocks = sum(per) + 3
         order = torch.randperm(nblocks, generator=torch.Generator().manual_seed(random.randrange(1 << 30)))
         kc = torch.full((nblocks, block_size, hk, d), NAN, dtype=dtype, device="cuda")
-        vc = torch.full_like(kc, NAN)
+        vc = torch.full((nblocks, block_size, hk, dv), NAN, dtype=dtype, device="cuda")
         table = torch.zeros(len(lens_k), max_blocks, dtype=torch.int32)
         at = 0
         for s, n in enumerate(lens_k):
@@ -379,6 +392,22 @@ def test_varlen_paged_paths(d, mma):
         pytest.skip("wgmma needs sm_90a")
     run_varlen([100, 1, 513], [1000, 40, 513], 4, 2, d, torch.float16, causal=True, block_size=64,
                spec=PrefillSpec(mma=mma))
+
+
+@pytest.mark.parametrize("block_size", [16, 48, 64])
+@pytest.mark.parametrize("mma", [Mma.SYNC, Mma.WGMMA])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_narrower_v(block_size, mma, causal):
+    """192/128 (DeepSeek's non-absorbed prefill in a serving batch) through the whole-row kernel,
+    contiguous and paged."""
+    if mma is Mma.WGMMA and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs sm_90a")
+    rng = random.Random()
+    lens_q = [rng.choice([0, 1, 17, 200, 1000]) for _ in range(6)]
+    lens_k = [n + rng.choice([0, 33, 500]) for n in lens_q]
+    for bs in (0, block_size):
+        run_varlen(lens_q, lens_k, 8, 2, 192, torch.bfloat16, causal=causal, block_size=bs, dv=128,
+                   spec=PrefillSpec(mma=mma))
 
 
 def test_varlen_bad_inputs_raise():

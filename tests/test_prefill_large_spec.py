@@ -1,4 +1,4 @@
-"""The chunked prefill kernel's spec side (head dims above 256, split QK/V head dims): routing,
+"""The chunked prefill kernel's spec side (head dims above 256, V wider than Q/K): routing,
 fit rules, errors, flat shared memory, rendering. Compiles for every manifest arch are in
 test_manifest_build (the default manifest lists these head dims)."""
 
@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from attngen import PrefillSpec, SpecError, parse_spec, resolve
+from attngen import PrefillSpec, SpecError, parse_spec, resolve, validate
 from attngen.families.prefill.spec import Mma
 from attngen.render import render
 
@@ -47,7 +47,7 @@ def test_shared_memory_does_not_grow_with_head_dim():
     assert len(set(sizes64.values())) == 1, sizes64
 
 
-@pytest.mark.parametrize("d,dv", [(576, 512), (192, 128), (320, 1024)])
+@pytest.mark.parametrize("d,dv", [(576, 512), (320, 1024), (128, 256)])
 def test_split_head_dims(d, dv):
     s = PrefillSpec(head_dim=d, head_dim_v=dv)
     assert s.dim_v == dv and s.chunked
@@ -57,11 +57,38 @@ def test_split_head_dims(d, dv):
     assert parse_spec(r.to_text()) == r
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("d,dv", [(192, 128), (256, 128), (128, 64), (128, 96), (96, 64), (256, 192)])
+def test_narrower_v_keeps_the_whole_row_kernel(arch, d, dv):
+    """V narrower than Q/K up to head_dim 256 (DeepSeek's 192/128) runs the whole-row kernel: wgmma
+    on sm_90a where both dims are multiples of 64, every form (paged, custom masks) accepted, and V's
+    tiles take less shared memory than a V as wide as K."""
+    r = resolve(PrefillSpec(head_dim=d, head_dim_v=dv, mask="causal"), arch)
+    assert not r.chunked and r.dim_v == dv
+    assert (r.mma is Mma.WGMMA) == (arch == "sm_90a" and d % 64 == 0 and dv % 64 == 0)
+    src = render(r)
+    assert f"constexpr int HEAD_DIM_V = {dv};" in src and "prefill_fwd<" in src and "prefill_chunked<" not in src
+    assert r.smem_bytes() < r.replace(head_dim_v=0).smem_bytes()
+    for extra in (dict(varlen=True, paged=True), dict(custom_mask=True)):
+        assert not resolve(PrefillSpec(head_dim=d, head_dim_v=dv, **extra), arch).chunked
+
+
+def test_narrower_v_with_wgmma_needs_whole_swizzle_rows():
+    s = PrefillSpec(head_dim=128, head_dim_v=96, mma="wgmma", cta_tile_q=128, cta_tile_kv=64, num_warps=8,
+                    num_stages=2)
+    with pytest.raises(SpecError) as e:
+        validate(s, "sm_90a")
+    assert e.value.field == "head_dim_v" and "96" in str(e.value)
+    with pytest.raises(SpecError) as e:  # left to resolve: no wgmma config fits, mma_sync is named
+        resolve(s.replace(cta_tile_q=0), "sm_90a")
+    assert e.value.field == "mma" and "mma_sync" in str(e.value)
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a", "sm_120"])
 def test_varlen_reaches_the_chunked_kernel(arch):
-    """head_dim above 256 and split head dims take varlen (not paged): the chunked kernel reads the
+    """head_dim above 256 and V wider than 256 take varlen (not paged): the chunked kernel reads the
     work list and the sequences' row offsets, and the module carries the _order entry."""
-    for text in ("prefill:head_dim=512,varlen=true,mask=causal", "prefill:head_dim=192,head_dim_v=128,varlen=true"):
+    for text in ("prefill:head_dim=512,varlen=true,mask=causal", "prefill:head_dim=576,head_dim_v=512,varlen=true"):
         s = resolve(parse_spec(text), arch)
         assert s.chunked and s.varlen and s.entries[1].endswith("_order")
         src = render(s)
@@ -77,6 +104,7 @@ def test_equal_head_dim_v_is_the_same_spec():
     ("prefill:head_dim=512,head_dim_chunk=48", "head_dim_chunk"),
     ("prefill:head_dim=512,head_dim_chunk=256", "head_dim_chunk"),
     ("prefill:head_dim=320,head_dim_v=128,head_dim_chunk=128", "head_dim_chunk"),
+    ("prefill:head_dim=128,head_dim_v=256,head_dim_chunk=128", "head_dim_chunk"),
     ("prefill:head_dim=512,varlen=true,paged=true", "paged"),
     ("prefill:head_dim=576,head_dim_v=512,custom_mask=true", "custom_mask"),
     ("prefill:head_dim=2048", "head_dim"),

@@ -1,8 +1,8 @@
 """Time prefill tile configurations side by side, to choose the per-arch defaults.
 
-`PYTHONPATH=. python3 tools/sweep_configs.py [--seqlen 4096] [--head-dims 64,128,256]`
-Prints, per head dim and mask, each valid config's TFLOP/s at batch*seqlen = 16384 tokens,
-heads = 2048 / head_dim, bf16, with registers and spills from ptxas.
+`PYTHONPATH=. python3 tools/sweep_configs.py [--seqlen 4096] [--head-dims 64,128,256,192/128]`
+Prints, per head dim (D, or D/DV for a v of its own head dim) and mask, each valid config's TFLOP/s
+at batch*seqlen = 16384 tokens, heads = 2048 / head_dim, bf16, with registers and spills from ptxas.
 """
 
 import argparse
@@ -32,16 +32,17 @@ def main():
     print("NVRTC", nvrtc.getVersion(), "GPU", torch.cuda.get_device_name())
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
     s = a.seqlen
-    for d in map(int, a.head_dims.split(",")):
+    for dims in a.head_dims.split(","):
+        d, dv = (int(x) for x in dims.split("/")) if "/" in dims else (int(dims),) * 2
         h, b = 2048 // d, 16384 // s
-        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=tdt) for _ in range(3))
+        q, k, v = (torch.randn(b, s, h, w, device="cuda", dtype=tdt) for w in (d, d, dv))
         for causal in {"both": (False, True), "false": (False,), "true": (True,)}[a.causal]:
-            flops = 4 * b * h * s * s * d / (2 if causal else 1)
+            flops = 2 * b * h * s * s * (d + dv) / (2 if causal else 1)
             res = []
             for mma, bm, bn, w, st in itertools.product(a.mma.split(","), (64, 128), (32, 64, 128), (4, 8),
                                                         (1, 2, 3, 4)):
                 try:
-                    spec = attngen.PrefillSpec(head_dim=d, dtype=a.dtype, mask="causal" if causal else "none",
+                    spec = attngen.PrefillSpec(head_dim=d, head_dim_v=dv, dtype=a.dtype, mask="causal" if causal else "none",
                                                cta_tile_q=bm, cta_tile_kv=bn, num_warps=w, num_stages=st, mma=mma)
                     kern = attngen.get_kernel(spec)
                 except SpecError:
@@ -52,7 +53,7 @@ def main():
                 r = kern.binary.resources
                 res.append((flops / ms / 1e9, mma, bm, bn, w, st, r.registers, r.spill_stores, kern.smem_bytes))
             res.sort(reverse=True)
-            print(f"\nD={d} S={s} causal={causal}")
+            print(f"\nD={dims} S={s} causal={causal}")
             for tf, mma, bm, bn, w, st, reg, sp, sm in res[:10]:
                 print(f"  {tf:7.1f} TFLOP/s  {mma} q{bm} kv{bn} w{w} st{st}  regs {reg} spill {sp} smem {sm}")
 

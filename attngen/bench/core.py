@@ -92,9 +92,11 @@ def _nonneg_int(text: str) -> int:
 
 # --- work and rates ------------------------------------------------------------------------------
 
-def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
-    """Forward FLOPs: two GEMMs of 2*Sq*Sk*D each per head; causal does half."""
-    f = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool,
+                    head_dim_v: int = 0) -> float:
+    """Forward FLOPs: two GEMMs per head, 2*Sq*Sk*D for Q K^T and 2*Sq*Sk*DV for P V (DV: head_dim_v,
+    0 for head_dim); causal does half."""
+    f = 2.0 * batch * heads * seqlen_q * seqlen_k * (head_dim + (head_dim_v or head_dim))
     return f / 2 if causal else f
 
 

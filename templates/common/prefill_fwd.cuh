@@ -1,4 +1,6 @@
 // FlashAttention-2-style forward pass for one (query tile, head, batch) per CTA.
+// Q and K rows are HEAD_DIM wide, V and O rows HEAD_DIM_V (at most HEAD_DIM: O is staged in Q's
+// tile for the store).
 //
 // Each warp owns WARP_M = BLOCK_M / NUM_WARPS query rows (M_TILES tiles of 16) and the whole
 // KV tile, so the softmax of a row never leaves its warp. K and V tiles stream through a
@@ -109,28 +111,33 @@ __device__ __forceinline__ void cta_tile(const PrefillParams<T>& p, int& m_block
   }
 }
 
-template <class T, bool BF16, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int NUM_STAGES,
-          int MASK, bool RETURN_LSE, bool Q_IN_REGS, int ROW_ELEMS, bool SWIZZLE, bool WGMMA, bool SOFTCAP = false,
-          bool ALIBI = false, bool VARLEN = false, bool PAGED = false, bool MASK_LIST = false>
+template <class T, bool BF16, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int NUM_STAGES,
+          int MASK, bool RETURN_LSE, bool Q_IN_REGS, int ROW_ELEMS, int ROW_ELEMS_V, bool SWIZZLE, bool SWIZZLE_V,
+          bool WGMMA, bool SOFTCAP = false, bool ALIBI = false, bool VARLEN = false, bool PAGED = false,
+          bool MASK_LIST = false>
 __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
   using L = SmemLayout<HEAD_DIM, ROW_ELEMS, SWIZZLE>;
   using LQ = typename Select<WGMMA, WgmmaLayout<HEAD_DIM, BLOCK_M>, L>::type;
-  using LKV = typename Select<WGMMA, WgmmaLayout<HEAD_DIM, BLOCK_N>, L>::type;
+  using LK = typename Select<WGMMA, WgmmaLayout<HEAD_DIM, BLOCK_N>, L>::type;
+  using LVs = SmemLayout<HEAD_DIM_V, ROW_ELEMS_V, SWIZZLE_V>;
+  using LV = typename Select<WGMMA, WgmmaLayout<HEAD_DIM_V, BLOCK_N>, LVs>::type;
   constexpr int Q_ELEMS = WGMMA ? BLOCK_M * HEAD_DIM : BLOCK_M * ROW_ELEMS;
-  constexpr int KV_ELEMS = WGMMA ? BLOCK_N * HEAD_DIM : BLOCK_N * ROW_ELEMS;
+  constexpr int K_ELEMS = WGMMA ? BLOCK_N * HEAD_DIM : BLOCK_N * ROW_ELEMS;
+  constexpr int V_ELEMS = WGMMA ? BLOCK_N * HEAD_DIM_V : BLOCK_N * ROW_ELEMS_V;
   constexpr int THREADS = NUM_WARPS * 32;
   constexpr int WARP_M = BLOCK_M / NUM_WARPS;
   constexpr int M_TILES = WARP_M / 16;
   constexpr int N_TILES = BLOCK_N / 8;     // 8-wide column tiles of S
-  constexpr int D_TILES = HEAD_DIM / 8;    // 8-wide column tiles of O
+  constexpr int D_TILES = HEAD_DIM_V / 8;  // 8-wide column tiles of O
   constexpr int K_STEPS = HEAD_DIM / 16;   // k-steps of Q K^T
-  static_assert(WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "tile shape");
+  static_assert(WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0 && HEAD_DIM_V % 16 == 0, "tile shape");
+  static_assert(HEAD_DIM_V <= HEAD_DIM, "O is staged in Q's tile");
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem_base = WGMMA ? aligned_smem<1024>(smem_raw) : smem_raw;
   T* sQ = reinterpret_cast<T*>(smem_base);
   T* sK = sQ + Q_ELEMS;
-  T* sV = sK + NUM_STAGES * KV_ELEMS;
+  T* sV = sK + NUM_STAGES * K_ELEMS;
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -204,16 +211,16 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
       const int gbi = block_of(gpos);
       const int g_blk = min(max(__shfl_sync(0xffffffffu, lane_blk, gbi - first), 0), p.num_blocks - 1);
       const int g_row = gpos - gbi * p.block_size;
-      load_pair_rows_async<LKV, BLOCK_N, THREADS>(
-          sK + slot * KV_ELEMS, sV + slot * KV_ELEMS, gK, gV, seqlen_k - n0, tid, [&](int r) {
+      load_pair_rows_async<LK, LV, BLOCK_N, THREADS>(
+          sK + slot * K_ELEMS, sV + slot * V_ELEMS, gK, gV, seqlen_k - n0, tid, [&](int r) {
             const long long blk = __shfl_sync(0xffffffffu, g_blk, r / 16);
             const long long row = __shfl_sync(0xffffffffu, g_row, r / 16) + r % 16;
             return make_longlong2(blk * p.k_sb + row * p.k_ss, blk * p.v_sb + row * p.v_ss);
           });
     } else {
-      load_tile_async<LKV, BLOCK_N, THREADS>(sK + slot * KV_ELEMS, gK + (long long)n0 * p.k_ss, p.k_ss,
+      load_tile_async<LK, BLOCK_N, THREADS>(sK + slot * K_ELEMS, gK + (long long)n0 * p.k_ss, p.k_ss,
                                              seqlen_k - n0, tid);
-      load_tile_async<LKV, BLOCK_N, THREADS>(sV + slot * KV_ELEMS, gV + (long long)n0 * p.v_ss, p.v_ss,
+      load_tile_async<LV, BLOCK_N, THREADS>(sV + slot * V_ELEMS, gV + (long long)n0 * p.v_ss, p.v_ss,
                                              seqlen_k - n0, tid);
     }
   };
@@ -274,8 +281,8 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
                         smem_addr(sQ + L::offset(warp_row0 + mt * 16 + (lane % 16), kk * 16 + (lane / 16) * 8)));
       }
     }
-    const T* sKs = sK + slot * KV_ELEMS;
-    const T* sVs = sV + slot * KV_ELEMS;
+    const T* sKs = sK + slot * K_ELEMS;
+    const T* sVs = sV + slot * V_ELEMS;
 
     // ---- S = Q K^T ------------------------------------------------------------------------
     float acc_s[M_TILES][N_TILES][4];
@@ -294,7 +301,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
       W::fence();
 #pragma unroll
       for (int kk = 0; kk < K_STEPS; ++kk)
-        Wgmma<BLOCK_N, BF16>::ss(acc_s[0], W::desc_k(q_at, kk, LQ::BLOCK_BYTES), W::desc_k(k_at, kk, LKV::BLOCK_BYTES),
+        Wgmma<BLOCK_N, BF16>::ss(acc_s[0], W::desc_k(q_at, kk, LQ::BLOCK_BYTES), W::desc_k(k_at, kk, LK::BLOCK_BYTES),
                                  kk > 0);
       W::commit();
       W::template wait<0>();
@@ -435,7 +442,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
       for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
         unsigned a[4];
         p_fragment<BF16>(acc_s[0], kk, a);
-        Wgmma<HEAD_DIM, BF16>::rs(acc_o[0], a, W::desc_mn(v_at, kk, LKV::BLOCK_BYTES));
+        Wgmma<HEAD_DIM_V, BF16>::rs(acc_o[0], a, W::desc_mn(v_at, kk, LV::BLOCK_BYTES));
       }
       W::commit();
       W::template wait<0>();
@@ -449,10 +456,10 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
           p_fragment<BF16>(acc_s[mt], kk, a[mt]);
         }
 #pragma unroll
-        for (int d2 = 0; d2 < HEAD_DIM / 16; ++d2) {
+        for (int d2 = 0; d2 < HEAD_DIM_V / 16; ++d2) {
           unsigned b0, b1, b2, b3;
           ldmatrix_x4_trans(b0, b1, b2, b3,
-                            smem_addr(sVs + L::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, d2 * 16 + (lane / 16) * 8)));
+                            smem_addr(sVs + LV::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, d2 * 16 + (lane / 16) * 8)));
 #pragma unroll
           for (int mt = 0; mt < M_TILES; ++mt) {
             mma_16816<BF16>(acc_o[mt][2 * d2], a[mt], b0, b1);
@@ -507,11 +514,12 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
       }
   __syncwarp();
   T* gO = p.o + (VARLEN ? 0 : batch * p.o_sb) + head * p.o_sh + (q_row0 + m0) * p.o_ss;
-  constexpr int CHUNKS = WARP_M * L::CHUNKS;
+  constexpr int O_CHUNKS = HEAD_DIM_V / 8;  // 16-byte chunks of an output row
+  constexpr int CHUNKS = WARP_M * O_CHUNKS;
 #pragma unroll
   for (int idx = lane; idx < CHUNKS; idx += 32) {
-    const int r = warp_row0 + idx / L::CHUNKS;
-    const int c = (idx % L::CHUNKS) * 8;
+    const int r = warp_row0 + idx / O_CHUNKS;
+    const int c = (idx % O_CHUNKS) * 8;
     if (m0 + r < seqlen_q)
       *reinterpret_cast<uint4*>(gO + r * p.o_ss + c) = *reinterpret_cast<const uint4*>(sQ + LQ::offset(r, c));
   }

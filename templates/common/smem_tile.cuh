@@ -88,27 +88,30 @@ __device__ __forceinline__ void load_tile_async(T* dst, const T* src, long long 
 }
 
 // Two tiles of ROWS rows whose rows lie anywhere (a paged cache): row_offsets(r) gives the element
-// offsets of row r from `a` and from `b` (a longlong2), asked once per row and thread for both
+// offsets of row r from `a` and from `b` (a longlong2), asked once per row chunk of `a` for both
 // copies, by every lane of a warp together (it may shuffle; ROWS * CHUNKS and THREADS are
-// multiples of 32, so a warp's lanes agree on every branch); rows at or past `valid_rows`
-// (>= 1) are zero-filled and ask for row 0's offsets. Unrolled by two: fully unrolled, every
-// row's offsets were hoisted and held at once (spills at head_dim 128 and 256).
-template <class Layout, int ROWS, int THREADS, class T, class RowOffsets>
+// multiples of 32, so a warp's lanes agree on every branch); rows at or past `valid_rows` (>= 1)
+// are zero-filled and ask for row 0's offsets. `b`'s rows may be narrower (split QK/V head dims):
+// its chunks ride along with `a`'s first ones. Unrolled by two: fully unrolled, every row's offsets
+// were hoisted and held at once (spills at head_dim 128 and 256).
+template <class LayoutA, class LayoutB, int ROWS, int THREADS, class T, class RowOffsets>
 __device__ __forceinline__ void load_pair_rows_async(T* dst_a, T* dst_b, const T* a, const T* b, int valid_rows,
                                                      int tid, RowOffsets row_offsets) {
-  constexpr int TOTAL = ROWS * Layout::CHUNKS;
+  static_assert(LayoutB::CHUNKS <= LayoutA::CHUNKS, "b's rows are at most as wide as a's");
+  constexpr int TOTAL = ROWS * LayoutA::CHUNKS;
   constexpr int ITERS = (TOTAL + THREADS - 1) / THREADS;
 #pragma unroll 2
   for (int it = 0; it < ITERS; ++it) {
     const int idx = it * THREADS + tid;
     if (TOTAL % THREADS == 0 || idx < TOTAL) {
-      const int r = idx / Layout::CHUNKS;
-      const int c = (idx % Layout::CHUNKS) * 8;
+      const int r = idx / LayoutA::CHUNKS;
+      const int c = (idx % LayoutA::CHUNKS) * 8;
       const bool ok = r < valid_rows;
       const longlong2 off = row_offsets(ok ? r : 0);
-      const unsigned at = smem_addr(dst_a + Layout::offset(r, c));
+      const unsigned at = smem_addr(dst_a + LayoutA::offset(r, c));
       cp_async_16(at, a + off.x + c, ok);
-      cp_async_16(smem_addr(dst_b + Layout::offset(r, c)), b + off.y + c, ok);
+      if (LayoutB::CHUNKS == LayoutA::CHUNKS || c < LayoutB::CHUNKS * 8)
+        cp_async_16(smem_addr(dst_b + LayoutB::offset(r, c)), b + off.y + c, ok);
     }
   }
 }

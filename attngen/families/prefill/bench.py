@@ -37,7 +37,8 @@ SDPA_NOTE = ("SDPA is given [B, H, S, D] views made by .transpose(1, 2) of the [
              "takes, which is how FlashAttention-layout users call it.")
 SDPA_CONTIG_NOTE = ("SDPA is given contiguous [B, H, S, D] copies of the inputs (--sdpa-layout contiguous); "
                     "attngen gets [B, S, H, D].")
-FLOP_NOTE = "FLOPs = 4*B*H*Sq*Sk*D, halved for causal (FlashAttention's convention)."
+FLOP_NOTE = ("FLOPs = 4*B*H*Sq*Sk*D (2*B*H*Sq*Sk*(D+DV) for split head dims D/DV), halved for causal "
+             "(FlashAttention's convention).")
 
 
 @dataclass(frozen=True)
@@ -48,32 +49,56 @@ class Shape:
     batch: int
     seqlen: int
     heads: int
+    head_dim_v: int = 0  # of v and the output; 0: head_dim
 
     @property
     def flops(self) -> float:
-        return attention_flops(self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim, self.causal)
+        return attention_flops(self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim, self.causal,
+                               self.head_dim_v)
 
     def label(self) -> str:
-        return (f"{self.dtype} d={self.head_dim} {'causal' if self.causal else 'full'} "
+        return (f"{self.dtype} d={dims_text(asdict(self))} {'causal' if self.causal else 'full'} "
                 f"b={self.batch} s={self.seqlen} h={self.heads}")
 
 
-def make_sweep(head_dims: Iterable[int] = HEAD_DIMS, seqlens: Iterable[int] = SEQLENS,
+def dims_text(r: dict) -> str:
+    """A record's head dims: ``128``, or ``192/128`` when v's differs."""
+    dv = r.get("head_dim_v") or 0
+    return f"{r['head_dim']}/{dv}" if dv and dv != r["head_dim"] else str(r["head_dim"])
+
+
+def _head_dim_list(text: str) -> tuple[tuple[int, int], ...]:
+    """``64,128,192/128`` -> ((64, 64), (128, 128), (192, 128)): the head dims of q/k and of v."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            d, dv = (int(x) for x in part.split("/")) if "/" in part else (int(part),) * 2
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not D or D/DV (e.g. 64,128,192/128)") from None
+        if min(d, dv) < 1:
+            raise argparse.ArgumentTypeError(f"{part!r}: head dims must be >= 1")
+        out.append((d, dv))
+    return tuple(out)
+
+
+def make_sweep(head_dims: Iterable[int | tuple[int, int]] = HEAD_DIMS, seqlens: Iterable[int] = SEQLENS,
                dtypes: Iterable[str] = DTYPES, causal: Iterable[bool] = (False, True),
                tokens: int = TOKENS, hidden: int = HIDDEN,
                shapes: Iterable[tuple[int, int, int]] = ()) -> list[Shape]:
-    """The shapes, in the order they run: dtype, mask, head_dim, seqlen. ``shapes`` (batch, heads,
-    seqlen) triples replace the seqlen sweep where given."""
+    """The shapes, in the order they run: dtype, mask, head_dim, seqlen. A head dim is D or (D, DV).
+    ``shapes`` (batch, heads, seqlen) triples replace the seqlen sweep where given."""
     shapes = tuple(shapes)
     out = []
     for dt in dtypes:
         for c in causal:
-            for d in head_dims:
+            for hd in head_dims:
+                d, dv = (hd, hd) if isinstance(hd, int) else hd
+                dv = 0 if dv == d else dv
                 if shapes:
-                    out.extend(Shape(dt, d, c, b, s, h) for b, h, s in shapes)
+                    out.extend(Shape(dt, d, c, b, s, h, dv) for b, h, s in shapes)
                     continue
                 for s in seqlens:
-                    out.append(Shape(dt, d, c, max(1, tokens // s), s, max(1, hidden // d)))
+                    out.append(Shape(dt, d, c, max(1, tokens // s), s, max(1, hidden // d), dv))
     return out
 
 
@@ -106,7 +131,8 @@ def add_parser(sub) -> None:
     pp = sub.add_parser("prefill", help="attngen.prefill vs SDPA's flash / cudnn / efficient backends",
                         description="attngen.prefill vs torch SDPA backends on FlashAttention's standard sweep "
                                     f"(batch*seqlen={TOKENS}, heads={HIDDEN}/head_dim). {SDPA_NOTE} {FLOP_NOTE}")
-    pp.add_argument("--head-dims", type=_int_list, default=None, help="e.g. 64,128 (default 64,128,256)")
+    pp.add_argument("--head-dims", type=_head_dim_list, default=None,
+                    help="e.g. 64,128 or 192/128 for a v of its own head dim (default 64,128,256)")
     pp.add_argument("--seqlens", type=_int_list, default=None, help="e.g. 512,2k (default 512..16k)")
     pp.add_argument("--dtypes", type=_dtype_list, default=None, help="bf16,fp16 (default both)")
     pp.add_argument("--causal", choices=sorted(_CAUSAL), default="both", help="masks to run (default both)")
@@ -152,8 +178,9 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
 
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[shape.dtype]
     b, s, h, d, causal = shape.batch, shape.seqlen, shape.heads, shape.head_dim, shape.causal
+    dv = shape.head_dim_v or d
     gen = torch.Generator(device=core.DEVICE).manual_seed(seed)
-    q, k, v = (torch.randn(b, s, h, d, device=core.DEVICE, dtype=tdt, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(b, s, h, w, device=core.DEVICE, dtype=tdt, generator=gen) for w in (d, d, dv))
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, S, D] views: FA-layout users' call
     if sdpa_layout == "contiguous":
         qt, kt, vt = (x.contiguous() for x in (qt, kt, vt))
@@ -183,11 +210,12 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
 
     # Correctness: attngen into a NaN-poisoned out, vs the flash backend (else the first peer that ran).
     try:
-        out = torch.full_like(q, float("nan"))
+        out = torch.full((b, s, h, dv), float("nan"), dtype=tdt, device=q.device)
         attngen.prefill(q, k, v, causal=causal, out=out)
         torch.cuda.synchronize()
         mask = attngen.MaskMode.CAUSAL if causal else attngen.MaskMode.NONE
-        kern = attngen.get_kernel(attngen.PrefillSpec(head_dim=d, dtype=attngen.DType(shape.dtype), mask=mask),
+        kern = attngen.get_kernel(attngen.PrefillSpec(head_dim=d, head_dim_v=dv, dtype=attngen.DType(shape.dtype),
+                                                      mask=mask),
                                   device=q.device.index)
         rec["kernel"] = {"spec": kern.spec.to_text(), "origin_first": kern.origin,
                          "resources": kern.binary.resources.to_dict(), "smem_dynamic": kern.smem_bytes,
@@ -290,14 +318,14 @@ def table_columns(backends: list[str]) -> list[str]:
 
 def table_row(r: dict, backends: list[str]) -> list[str]:
     tf, ratio = r.get("tflops", {}), r.get("ratio", {})
-    return ([r["dtype"], str(r["head_dim"]), "yes" if r["causal"] else "no", str(r["batch"]), str(r["seqlen"]),
+    return ([r["dtype"], dims_text(r), "yes" if r["causal"] else "no", str(r["batch"]), str(r["seqlen"]),
              str(r["heads"]), _fmt(tf.get("attngen"))]
             + [_fmt(tf.get(n)) for n in backends]
             + [_fmt(ratio.get(n), ".2f") for n in backends]
             + [_check_cell(r)])
 
 
-_WIDTHS = {"dtype": 5, "D": 4, "causal": 6, "B": 3, "S": 6, "H": 3, "check": 12}
+_WIDTHS = {"dtype": 5, "D": 7, "causal": 6, "B": 3, "S": 6, "H": 3, "check": 12}
 
 
 def _width(col: str) -> int:
@@ -325,7 +353,8 @@ def summarize(records: list[dict], backends: list[str]) -> dict:
         worst, wr = min(pairs, key=lambda p: p[0])
         gmean = math.exp(sum(math.log(p) for p, _ in pairs) / len(pairs))
         out[n] = {"min": worst, "geomean": gmean, "shapes": len(pairs),
-                  "min_at": {k: wr[k] for k in ("dtype", "head_dim", "causal", "batch", "seqlen", "heads")}}
+                  "min_at": {k: wr.get(k, 0) for k in ("dtype", "head_dim", "head_dim_v", "causal", "batch", "seqlen",
+                                                       "heads")}}
     checks = [r["check"] for r in records if r.get("check")]
     out["checks"] = {"run": len(checks), "failed": sum(1 for c in checks if not c.get("ok")),
                      "max_rel_l2": max((c["rel_l2"] for c in checks if isinstance(c.get("rel_l2"), float)),
@@ -341,7 +370,7 @@ def summary_lines(summary: dict, backends: list[str]) -> list[str]:
             lines.append(f"attngen/{n}: no shape where both ran")
             continue
         at = s["min_at"]
-        lines.append(f"attngen/{n}: min {s['min']:.3f} at {at['dtype']} D={at['head_dim']} "
+        lines.append(f"attngen/{n}: min {s['min']:.3f} at {at['dtype']} D={dims_text(at)} "
                      f"{'causal' if at['causal'] else 'full'} S={at['seqlen']}; geomean {s['geomean']:.3f} "
                      f"over {s['shapes']} shapes")
     c = summary.get("checks") or {}
@@ -387,7 +416,7 @@ def plot_prefill(data: dict, path: Path) -> Path | None:
     backends = _impls(records, data.get("config", {}).get("backends"))
     impls = ["attngen"] + backends
     masks = sorted({r["causal"] for r in records})
-    dims = sorted({r["head_dim"] for r in records})
+    dims = sorted({(r["head_dim"], r.get("head_dim_v") or 0) for r in records})
     dtypes = [d for d in DTYPES if any(r["dtype"] == d for r in records)]
     styles = {"bf16": "-", "fp16": "--"}
     colors = {"attngen": "tab:red", "flash": "tab:blue", "cudnn": "tab:green", "efficient": "tab:orange",
@@ -400,7 +429,8 @@ def plot_prefill(data: dict, path: Path) -> Path | None:
             for impl in impls:
                 for dt in dtypes:
                     pts = sorted((r["seqlen"], r["tflops"].get(impl)) for r in records
-                                 if r["causal"] == c and r["head_dim"] == d and r["dtype"] == dt)
+                                 if r["causal"] == c and (r["head_dim"], r.get("head_dim_v") or 0) == d
+                                 and r["dtype"] == dt)
                     pts = [(x, y) for x, y in pts if y]
                     if not pts:
                         continue
@@ -410,7 +440,8 @@ def plot_prefill(data: dict, path: Path) -> Path | None:
             xs = sorted({r["seqlen"] for r in records})
             ax.set_xticks(xs, [f"{x // 1024}k" if x >= 1024 and x % 1024 == 0 else str(x) for x in xs])
             ax.minorticks_off()
-            ax.set_title(f"head_dim {d}, {'causal' if c else 'no mask'}", fontsize=10)
+            ax.set_title(f"head_dim {dims_text(dict(head_dim=d[0], head_dim_v=d[1]))}, "
+                         f"{'causal' if c else 'no mask'}", fontsize=10)
             ax.grid(True, alpha=0.3)
             if i == len(masks) - 1:
                 ax.set_xlabel("seqlen (shapes as listed)" if data.get("config", {}).get("explicit_shapes")

@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
             p.add_argument("--backends", default="cudnn,efficient", help="SDPA backends (default cudnn,efficient)")
         else:
             p.add_argument("--head-dim", type=_head_dims, default=(HEAD_DIM, HEAD_DIM),
-                           help=f"D or D/DV (default {HEAD_DIM}; e.g. 192/128 or 512: the chunked kernel, no paged rows)")
+                           help=f"D or D/DV (default {HEAD_DIM}; e.g. 192/128, or 512: the chunked kernel, no paged rows)")
         p.add_argument("--out", type=Path, default=None, help=f"folder for bench_{name}.json")
         p.add_argument("--rep-ms", type=float, default=100.0, help="timed repeats per measurement (ms)")
         p.add_argument("--seed", type=int, default=0)

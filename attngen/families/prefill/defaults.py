@@ -69,7 +69,7 @@ SPILLS_ON = {
 }
 
 
-# The chunked kernel (head_dim above 256, split head dims): (cta_tile_q, cta_tile_kv, num_warps,
+# The chunked kernel (head_dim above 256, head_dim_v above head_dim): (cta_tile_q, cta_tile_kv, num_warps,
 # num_stages, head_dim_chunk), best first. 64 query rows while O's columns split four ways stay
 # within the registers (head_dim_v up to 576), 32 rows (eight ways) above. Not yet timed: ordered
 # by the loads per mma and the barriers per tile (larger key tiles first), then by stages.
@@ -117,7 +117,7 @@ def candidates(spec, arch: Arch):
 
 def _candidates(spec, arch: Arch):
     d = spec.head_dim
-    if arch.has_wgmma and d % 64 == 0:
+    if arch.has_wgmma and d % 64 == 0 and spec.dim_v % 64 == 0:
         yield from ((*c, Mma.WGMMA) for c in TUNED_WGMMA[(d, spec.mask is not MaskMode.NONE)])
         yield from ((16 * w, kv, w, st, Mma.WGMMA) for w in (8, 4) for kv in (128, 64, 32) for st in (2, 3, 1, 4))
     yield from ((*c, Mma.SYNC) for c in TUNED[d])

@@ -149,8 +149,8 @@ def checked_plan(mp, mask, kern, qi, ki, mcode: int, left: int, right: int, stre
     tiles = (kern.spec.cta_tile_q, kern.spec.cta_tile_kv)
     if mp.tiles != tiles:
         raise LaunchError(f"mask_plan was built for tiles of {mp.tiles[0]}x{mp.tiles[1]} (cta_tile_q x cta_tile_kv); "
-                          f"this call's kernel uses {tiles[0]}x{tiles[1]}: build the plan with the same spec, head_dim, "
-                          f"dtype and masks as the call")
+                          f"this call's kernel uses {tiles[0]}x{tiles[1]}: build the plan with the same spec, head dims "
+                          f"(mask_plan(..., v=v) when v's differs from k's), dtype and masks as the call")
     if (mp.seqlen_q, mp.seqlen_k) != (qi.shape[1], ki.shape[1]):
         raise LaunchError(f"mask_plan was built for seqlen_q={mp.seqlen_q}, seqlen_k={mp.seqlen_k}; this call has "
                           f"seqlen_q={qi.shape[1]}, seqlen_k={ki.shape[1]}")

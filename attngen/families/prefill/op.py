@@ -264,18 +264,19 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     return (out, lse) if return_lse else out
 
 
-def mask_plan(mask, q, k, *, causal: bool = False, window: tuple[int, int] = _NO_WINDOW,
+def mask_plan(mask, q, k, *, v=None, causal: bool = False, window: tuple[int, int] = _NO_WINDOW,
               spec: PrefillSpec | None = None):
     """Build the plan ``attngen.prefill(q, k, v, mask=mask, causal=..., window=..., mask_plan=plan)``
     walks: per query tile, the KV tiles some row sees (``mask`` with ``causal``/``window``), each
     marked when the mask keeps all of it, and the query tiles sorted heaviest first. Built on the
     GPU on the current stream, without a host sync; reuse it for every call (layer) with this mask
     unchanged, the same shapes and masks, and a kernel of the same tile sizes (``spec``), which
-    ``prefill`` checks. q and k give the shapes, dtype and device (their values are not read).
+    ``prefill`` checks. q and k give the shapes, dtype and device (their values are not read); pass
+    ``v`` too when its head dim differs from k's (the kernel, and so its tiles, depend on it).
     """
-    qi, ki, _ = _check_qkv(q, k, k)
+    qi, ki, vi = _check_qkv(q, k, k if v is None else v)
     mcode, left, right = mask_and_window(causal, window)
-    key = (qi.shape[3], qi.dtype, qi.device, mcode, False, spec, qi.kind, False, False, CUSTOM_MASK, qi.shape[3])
+    key = (qi.shape[3], qi.dtype, qi.device, mcode, False, spec, qi.kind, False, False, CUSTOM_MASK, vi.shape[3])
     plan = _plans.get(key) or _make_plan(key)
     kern = plan.kernel or plan.kernel_for(qi.shape[1])
     from .masks import build

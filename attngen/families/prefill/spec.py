@@ -33,6 +33,12 @@ def _row(elems: int) -> int:
     return elems + 8
 
 
+def _smem_row(head_dim: int) -> int:
+    """Elements per shared-memory row of the whole-row kernel's tiles: XOR-swizzled rows (a multiple
+    of 64 elements) are dense; others get one 16-byte pad."""
+    return head_dim if head_dim % 64 == 0 else head_dim + 8
+
+
 # The template's MASK constant per mode.
 MASK_CODES = {MaskMode.NONE: 0, MaskMode.CAUSAL: 1, MaskMode.SLIDING_WINDOW: 2}
 
@@ -47,8 +53,9 @@ class PrefillSpec(SpecBase):
 
     family: ClassVar[str] = "prefill"
 
-    # Up to WHOLE_MAX the FlashAttention-2 kernel holds whole Q, K and V rows in shared memory;
-    # past it (and for split QK/V head dims) the chunked kernel streams them in head_dim chunks.
+    # Up to WHOLE_MAX the FlashAttention-2 kernel holds whole Q, K and V rows in shared memory (V's
+    # rows may be narrower: head_dim_v <= head_dim, e.g. DeepSeek's 192/128); past it (or with V
+    # wider than Q and K) the chunked kernel streams them in head_dim chunks.
     HEAD_DIMS: ClassVar[tuple[int, ...]] = (64, 96, 128, 192, 256, 320, 384, 448, 512, 576, 640, 768, 1024)
     WHOLE_MAX: ClassVar[int] = 256
     HEAD_DIM_V: ClassVar[tuple[int, ...]] = (0, *HEAD_DIMS)
@@ -96,7 +103,7 @@ class PrefillSpec(SpecBase):
         if self.head_dim_chunk == self.head_dim:
             if not self.whole_allowed:
                 raise SpecError("head_dim_chunk", self.head_dim_chunk, f"{allowed_text(self.CHUNKS)} (the chunked kernel)",
-                                reason=f"whole rows need head_dim <= {self.WHOLE_MAX} and head_dim_v equal to it; "
+                                reason=f"whole rows need head_dim <= {self.WHOLE_MAX} and head_dim_v at most head_dim; "
                                        f"head_dim={self.head_dim}, head_dim_v={self.dim_v}")
             s(self, "head_dim_chunk", 0)  # whole rows: one spec (and one cache key) per kernel
         s(self, "dtype", coerce_enum(DType, "dtype", self.dtype))
@@ -122,7 +129,7 @@ class PrefillSpec(SpecBase):
             for name in ("custom_mask", "paged"):
                 if getattr(self, name):
                     raise SpecError(name, True, "false with the chunked kernel (head_dim above "
-                                    f"{self.WHOLE_MAX}, split head dims or head_dim_chunk < head_dim)",
+                                    f"{self.WHOLE_MAX}, head_dim_v above head_dim or head_dim_chunk < head_dim)",
                                     reason=f"the chunked kernel has no {name.replace('_', '-')} form yet")
         elif self.cta_tile_q and self.num_warps and self.cta_tile_q % (16 * self.num_warps):
             raise SpecError("num_warps", self.num_warps,
@@ -137,8 +144,9 @@ class PrefillSpec(SpecBase):
 
     @property
     def whole_allowed(self) -> bool:
-        """Whether the FlashAttention-2 kernel (whole rows in shared memory) can run this spec."""
-        return self.head_dim <= self.WHOLE_MAX and self.dim_v == self.head_dim
+        """Whether the FlashAttention-2 kernel (whole rows in shared memory) can run this spec: it
+        stages O in Q's tile, so V's rows may be narrower than Q's but not wider."""
+        return self.head_dim <= self.WHOLE_MAX and self.dim_v <= self.head_dim
 
     @property
     def chunked(self) -> bool:
@@ -179,8 +187,8 @@ class PrefillSpec(SpecBase):
 
     @property
     def smem_row_elems(self) -> int:
-        """Elements per shared-memory row: XOR-swizzled rows are dense; others get one 16-byte pad."""
-        return self.head_dim if self.head_dim % 64 == 0 else self.head_dim + 8
+        """Elements per shared-memory row of Q and K (of V: ``_smem_row(dim_v)``)."""
+        return _smem_row(self.head_dim)
 
     def smem_bytes(self) -> int:
         self._require_resolved("smem_bytes")
@@ -189,11 +197,11 @@ class PrefillSpec(SpecBase):
             cg = self.chunk_grid
             p = self.cta_tile_q * _row(self.cta_tile_kv)
             return 2 * (self.num_stages * cg["stage_elems"] + p) + 4 * cg["warps_n"] * self.cta_tile_q
-        row = self.smem_row_elems * self.dtype.itemsize
-        # wgmma's tiles are dense (head_dim is a multiple of 64 there): only slack to align the first
+        row, row_v = (_smem_row(d) * self.dtype.itemsize for d in (self.head_dim, self.dim_v))
+        # wgmma's tiles are dense (head dims are multiples of 64 there): only slack to align the first
         # one to the 1024-byte swizzle atom is added
         slack = 1024 if self.mma is Mma.WGMMA else 0
-        return row * (self.cta_tile_q + 2 * self.num_stages * self.cta_tile_kv) + slack
+        return row * (self.cta_tile_q + self.num_stages * self.cta_tile_kv) + row_v * self.num_stages * self.cta_tile_kv + slack
 
     @property
     def threads(self) -> int:
@@ -211,17 +219,18 @@ class PrefillSpec(SpecBase):
 
     def template_context(self) -> dict:
         ctx = super().template_context()
+        ctx.update(dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask])
         if self.chunked:
             cg = self.chunk_grid
-            ctx.update(chunked=True, wgmma=False, dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask],
-                       chunk_vk=cg["vk"], chunk_vcw=cg["vcw"])
+            ctx.update(chunked=True, wgmma=False, chunk_vk=cg["vk"], chunk_vcw=cg["vcw"])
             return ctx
         ctx.update(
             chunked=False,
             q_in_regs=self.q_in_regs,
-            mask_mode=MASK_CODES[self.mask],
             smem_row_elems=self.smem_row_elems,
+            smem_row_elems_v=_smem_row(self.dim_v),
             swizzle=self.head_dim % 64 == 0,
+            swizzle_v=self.dim_v % 64 == 0,
             wgmma=self.mma is Mma.WGMMA,
         )
         return ctx
@@ -237,24 +246,25 @@ class PrefillSpec(SpecBase):
         warp_rows = self.cta_tile_q // self.num_warps
         if warp_rows % 16:
             raise SpecError("num_warps", self.num_warps, f"a divisor of cta_tile_q/16 = {self.cta_tile_q // 16}")
-        # Register budget: fp32 accumulators of O (head_dim/8 tiles) and S (cta_tile_kv/8 tiles) per
+        # Register budget: fp32 accumulators of O (head_dim_v/8 tiles) and S (cta_tile_kv/8 tiles) per
         # 16-row m-tile, 4 floats each. Past ~200 the kernel spills.
         m_tiles = warp_rows // 16
-        acc = m_tiles * 4 * (self.head_dim // 8 + self.cta_tile_kv // 8)
+        acc = m_tiles * 4 * (self.dim_v // 8 + self.cta_tile_kv // 8)
         if self.q_in_regs:
             acc += m_tiles * 4 * (self.head_dim // 16)
         if acc > 200:
             raise SpecError("cta_tile_q", self.cta_tile_q,
                             "a smaller cta_tile_q or cta_tile_kv, or more num_warps",
                             reason=f"needs about {acc} accumulator registers per thread (limit 200) "
-                                   f"with head_dim={self.head_dim}, cta_tile_kv={self.cta_tile_kv}, "
+                                   f"with head_dim={self.head_dim}, head_dim_v={self.dim_v}, cta_tile_kv={self.cta_tile_kv}, "
                                    f"num_warps={self.num_warps}")
         check_smem(self, a, "cta_tile_kv", "a smaller cta_tile_kv, num_stages or cta_tile_q")
 
     def _check_chunked(self, a: Arch) -> None:
         if self.mma is not Mma.SYNC:
             raise SpecError("mma", self.mma.value, "mma_sync",
-                            reason="the chunked kernel (head_dim above 256 or split head dims) is mma.sync only")
+                            reason="the chunked kernel (head_dim above 256, head_dim_v above head_dim or "
+                                   "head_dim_chunk set) is mma.sync only")
         if self.head_dim % self.head_dim_chunk:
             raise SpecError("head_dim_chunk", self.head_dim_chunk, "a divisor of head_dim among "
                             + allowed_text(self.CHUNKS), reason=f"head_dim={self.head_dim}")
@@ -283,16 +293,17 @@ class PrefillSpec(SpecBase):
 
     def _check_wgmma(self, a: Arch) -> None:
         check_wgmma_arch(self, a)
-        if self.head_dim % 64:
-            raise SpecError("head_dim", self.head_dim, "64, 128, 192, 256 (whole 128-byte swizzle rows) with mma=wgmma")
+        for name, d in (("head_dim", self.head_dim), ("head_dim_v", self.dim_v)):
+            if d % 64:
+                raise SpecError(name, d, "64, 128, 192, 256 (whole 128-byte swizzle rows) with mma=wgmma")
         if self.cta_tile_q != 16 * self.num_warps:
             raise SpecError("cta_tile_q", self.cta_tile_q, f"{16 * self.num_warps} with num_warps={self.num_warps}",
                             reason="with mma=wgmma each warpgroup of 4 warps owns 64 query rows")
-        # Per thread: O (head_dim/2 floats), S (cta_tile_kv/2) and P packed to 16 bits (cta_tile_kv/4).
+        # Per thread: O (head_dim_v/2 floats), S (cta_tile_kv/2) and P packed to 16 bits (cta_tile_kv/4).
         # ptxas spilled past ~176 (NVRTC 13.5: head_dim 192 with 128-key tiles, estimate 192).
-        acc = self.head_dim // 2 + self.cta_tile_kv // 2 + self.cta_tile_kv // 4
+        acc = self.dim_v // 2 + self.cta_tile_kv // 2 + self.cta_tile_kv // 4
         if acc > 176:
             raise SpecError("cta_tile_kv", self.cta_tile_kv, "a smaller cta_tile_kv",
                             reason=f"needs about {acc} accumulator registers per thread (limit 176) with "
-                                   f"head_dim={self.head_dim} and mma=wgmma")
+                                   f"head_dim_v={self.dim_v} and mma=wgmma")
         check_smem(self, a, "cta_tile_kv", "a smaller cta_tile_kv or num_stages")
