@@ -2,7 +2,11 @@
 
 `PYTHONPATH=. python3 tools/sweep_configs.py [--seqlen 4096] [--head-dims 64,128,256,192/128]`
 Prints, per head dim (D, or D/DV for a v of its own head dim) and mask, each valid config's TFLOP/s
-at batch*seqlen = 16384 tokens, heads = 2048 / head_dim, bf16, with registers and spills from ptxas.
+at batch*seqlen = 16384 tokens, heads = 2048 / head_dim (or the --shape given), bf16, with registers
+and spills from ptxas. `--chunked` sweeps the chunked kernel's configs (query rows, key tile,
+stages, head_dim chunk) instead of the whole-row kernel's; `--emit-manifest FILE --arch ARCH`
+writes every valid config as a manifest (to compile them in parallel with `attngen prewarm`
+first) and exits.
 """
 
 import argparse
@@ -12,50 +16,91 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch
-from triton.testing import do_bench
+import attngen  # noqa: E402
+from attngen.errors import SpecError  # noqa: E402
 
-import attngen
-from attngen.errors import SpecError
+
+def configs(a, d, dv, causal):
+    """Every (spec, label) the sweep times for one head dim and mask that validates on the arch."""
+    base = dict(head_dim=d, head_dim_v=dv, dtype=a.dtype, mask="causal" if causal else "none")
+    if a.chunked:
+        grid = [dict(cta_tile_q=bm, cta_tile_kv=bn, num_warps=8, num_stages=st, mma="mma_sync", head_dim_chunk=dk)
+                for bm, bn, st, dk in itertools.product((64, 32), (128, 64), (2, 3, 4), (64, 32))]
+    else:
+        grid = [dict(cta_tile_q=bm, cta_tile_kv=bn, num_warps=w, num_stages=st, mma=mma)
+                for mma, bm, bn, w, st in itertools.product(a.mma.split(","), (64, 128), (32, 64, 128), (4, 8),
+                                                            (1, 2, 3, 4))]
+    for g in grid:
+        try:
+            spec = attngen.PrefillSpec(**base, **g)
+            attngen.validate(spec, a.arch)
+        except SpecError:
+            continue
+        label = " ".join(f"{k.replace('cta_tile_', '').replace('num_', '').replace('head_dim_', '')}{v}"
+                         for k, v in g.items() if k != "mma")
+        yield spec, f"{g['mma']} {label}"
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--shape", default=None, help="BxHxS instead of 16k tokens at --seqlen")
     ap.add_argument("--head-dims", default="64,128,256")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--mma", default="mma_sync,wgmma", help="instruction paths to try (wgmma needs sm_90a)")
     ap.add_argument("--causal", default="both", choices=("both", "false", "true"))
+    ap.add_argument("--chunked", action="store_true", help="the chunked kernel's configs")
+    ap.add_argument("--arch", default=None, help="validate for this arch (default: the GPU's)")
+    ap.add_argument("--emit-manifest", type=Path, default=None)
+    ap.add_argument("--top", type=int, default=10)
     a = ap.parse_args()
-    from cupy_backends.cuda.libs import nvrtc
+    dims = [tuple(int(x) for x in t.split("/")) if "/" in t else (int(t),) * 2 for t in a.head_dims.split(",")]
+    masks = {"both": (False, True), "false": (False,), "true": (True,)}[a.causal]
+    if a.emit_manifest:
+        lines = [f'archs = ["{a.arch}"]']
+        for (d, dv), causal in itertools.product(dims, masks):
+            for spec, _ in configs(a, d, dv, causal):
+                fields = {k: v for k, v in spec.to_dict().items() if k != "family"}
+                lines.append('\n[[kernel]]\nfamily = "prefill"\n' + "".join(
+                    f"{k} = {str(v).lower() if isinstance(v, bool) else v if isinstance(v, int) else repr(v)}\n"
+                    .replace("'", '"') for k, v in fields.items()))
+        a.emit_manifest.write_text("\n".join(lines))
+        return
 
+    import torch
+    from cupy_backends.cuda.libs import nvrtc
+    from triton.testing import do_bench
+
+    from attngen.runtime import device_arch
+
+    a.arch = a.arch or device_arch(torch.cuda.current_device()).name
     print("NVRTC", nvrtc.getVersion(), "GPU", torch.cuda.get_device_name())
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
-    s = a.seqlen
-    for dims in a.head_dims.split(","):
-        d, dv = (int(x) for x in dims.split("/")) if "/" in dims else (int(dims),) * 2
-        h, b = 2048 // d, 16384 // s
+    for d, dv in dims:
+        if a.shape:
+            b, h, s = (int(x) for x in a.shape.split("x"))
+        else:
+            s = a.seqlen
+            h, b = 2048 // d, 16384 // s
         q, k, v = (torch.randn(b, s, h, w, device="cuda", dtype=tdt) for w in (d, d, dv))
-        for causal in {"both": (False, True), "false": (False,), "true": (True,)}[a.causal]:
+        for causal in masks:
             flops = 2 * b * h * s * s * (d + dv) / (2 if causal else 1)
             res = []
-            for mma, bm, bn, w, st in itertools.product(a.mma.split(","), (64, 128), (32, 64, 128), (4, 8),
-                                                        (1, 2, 3, 4)):
-                try:
-                    spec = attngen.PrefillSpec(head_dim=d, head_dim_v=dv, dtype=a.dtype, mask="causal" if causal else "none",
-                                               cta_tile_q=bm, cta_tile_kv=bn, num_warps=w, num_stages=st, mma=mma)
-                    kern = attngen.get_kernel(spec)
-                except SpecError:
-                    continue
-                fn = lambda: attngen.prefill(q, k, v, causal=causal, spec=spec)
+            default = attngen.resolve(attngen.PrefillSpec(head_dim=d, head_dim_v=dv, dtype=a.dtype,
+                                                          mask="causal" if causal else "none"), a.arch)
+            for spec, label in configs(a, d, dv, causal):
+                label += " *" if spec == default else ""
+                kern = attngen.get_kernel(spec)
+                fn = lambda: attngen.prefill(q, k, v, causal=causal, spec=spec)  # noqa: E731
                 fn()
                 ms = do_bench(fn, warmup=10, rep=40, return_mode="median")
                 r = kern.binary.resources
-                res.append((flops / ms / 1e9, mma, bm, bn, w, st, r.registers, r.spill_stores, kern.smem_bytes))
+                res.append((flops / ms / 1e9, label, r.registers, r.spill_stores, kern.smem_bytes))
             res.sort(reverse=True)
-            print(f"\nD={dims} S={s} causal={causal}")
-            for tf, mma, bm, bn, w, st, reg, sp, sm in res[:10]:
-                print(f"  {tf:7.1f} TFLOP/s  {mma} q{bm} kv{bn} w{w} st{st}  regs {reg} spill {sp} smem {sm}")
+            print(f"\nD={d}/{dv} B={b} H={h} S={s} causal={causal}", flush=True)
+            shown = res[:a.top] + [r for r in res[a.top:] if r[1].endswith("*")]  # the default (*) always
+            for tf, label, reg, sp, sm in shown:
+                print(f"  {tf:7.1f} TFLOP/s  {label}  regs {reg} spill {sp} smem {sm}", flush=True)
 
 
 if __name__ == "__main__":

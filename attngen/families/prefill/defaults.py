@@ -71,8 +71,12 @@ SPILLS_ON = {
 
 # The chunked kernel (head_dim above 256, head_dim_v above head_dim): (cta_tile_q, cta_tile_kv, num_warps,
 # num_stages, head_dim_chunk), best first. 64 query rows while O's columns split four ways stay
-# within the registers (head_dim_v up to 576), 32 rows (eight ways) above. Not yet timed: ordered
-# by the loads per mma and the barriers per tile (larger key tiles first), then by stages.
+# within the registers (head_dim_v up to 640, with 64-key tiles there), 32 rows (eight ways) above.
+# Timed with tools/sweep_configs.py --chunked on an H200 (NVRTC 13.0, bf16, B=4 H=16 S=2048,
+# 2026-11-23; BENCHMARKS.md): this order's first fitting config was the fastest or within 2% for
+# every head dim from 320 to 1024 but 640, where 64 rows with 64-key tiles ran 1.5x the 32-row
+# tiles taken before.
+CHUNKED_ROWS_64_UP_TO = 640
 CHUNKED = {
     64: [(64, 128, 8, 3, 64), (64, 128, 8, 2, 64), (64, 64, 8, 3, 64), (64, 64, 8, 4, 64), (64, 64, 8, 2, 64),
          (64, 64, 8, 3, 32), (64, 64, 8, 2, 32)],
@@ -84,6 +88,7 @@ CHUNKED = {
 # compiled for every arch, 2026-11-23), per (head_dim, head_dim_v, mask): config -> archs.
 CHUNKED_SPILLS_ON = {
     (192, 128, MaskMode.CAUSAL): {(64, 128, 8, 3, 64): ("sm_80", "sm_86", "sm_89")},
+    (640, 640, MaskMode.SLIDING_WINDOW): {(64, 64, 8, 3, 64): ("sm_90a",)},
 }
 
 
@@ -94,7 +99,7 @@ def candidates(spec, arch: Arch):
     Configs ``SPILLS_ON`` lists for the arch come after all others: a default never takes one
     while another fits, and a spec that pins one still gets it (spills cost speed, not results)."""
     if spec.chunked:
-        rows = (64, 32) if spec.dim_v <= 576 else (32, 64)
+        rows = (64, 32) if spec.dim_v <= CHUNKED_ROWS_64_UP_TO else (32, 64)
         listed = [c for r in rows for c in CHUNKED[r]]
         rest = [(q, kv, 8, st, dk) for q in rows for kv in (128, 64) for dk in (64, 32) for st in (3, 2, 4)]
         every = [(q, kv, w, st, Mma.SYNC, dk) for q, kv, w, st, dk in dict.fromkeys(listed + rest)]
