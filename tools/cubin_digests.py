@@ -1,8 +1,13 @@
-"""Build a manifest into a fresh cache and print one line per kernel: arch, resolved spec, cubin SHA-256.
+"""Build a manifest into a fresh cache and print one line per kernel: arch, resolved spec, and the
+SHA-256 of its machine code.
 
-Used to show that a restructuring leaves every binary byte-identical: run it on two commits and
-diff the outputs (``diff before.txt after.txt``). It reads the entries' ``meta.json`` only, so it
-works across versions whose cache keys differ.
+Used to show that a restructuring leaves every kernel's machine code byte-identical: run it on two
+commits and diff the outputs (``diff before.txt after.txt``). The digest covers the ELF's
+``.text.*`` sections (every entry of the module, in section-name order), not the whole cubin: the
+whole cubin differs whenever the template source does, even where the code does not. This needs
+no disassembler (nvdisasm 13.5 rejects NVRTC 13.5's cubins as invalid ELF, so a comparison of its
+output compares two empty texts). It reads the entries' ``meta.json`` and cubins only, so it works
+across versions whose cache keys differ.
 
     python3 tools/cubin_digests.py --out before.txt [--manifest FILE] [--jobs N]
 """
@@ -10,12 +15,35 @@ works across versions whose cache keys differ.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import struct
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+
+def text_digest(cubin: bytes) -> str:
+    """SHA-256 over the ``.text.*`` sections of an ELF64 cubin, in section-name order."""
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise ValueError("not an ELF64 file")
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    strtab = heads[shstrndx][4]
+
+    def name(off: int) -> str:
+        return cubin[strtab + off:cubin.index(b"\0", strtab + off)].decode()
+
+    h = hashlib.sha256()
+    texts = sorted((name(n), cubin[o:o + size]) for n, _, _, _, o, size in heads if name(n).startswith(".text."))
+    if not texts:
+        raise ValueError("no .text sections")
+    for _, code in texts:  # names carry the kernel name, which the spec already keys
+        h.update(len(code).to_bytes(8, "little") + code)
+    return h.hexdigest()
 
 
 def main(argv=None) -> int:
@@ -34,7 +62,8 @@ def main(argv=None) -> int:
     lines = []
     for meta_path in root.rglob("meta.json"):
         meta = json.loads(meta_path.read_text())
-        lines.append(f"{meta['arch']} {meta['spec_text']} {meta['cubin_sha256']}")
+        code = text_digest((meta_path.parent / "kernel.cubin").read_bytes())
+        lines.append(f"{meta['arch']} {meta['spec_text']} {code}")
     lines.sort()
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"{len(lines)} kernels from {root} -> {args.out} (prewarm rc {rc})")
