@@ -17,6 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import attngen  # noqa: E402
+from attngen.bench.core import _head_dim_list  # noqa: E402
 from attngen.errors import SpecError  # noqa: E402
 
 
@@ -45,7 +46,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--shape", default=None, help="BxHxS instead of 16k tokens at --seqlen")
-    ap.add_argument("--head-dims", default="64,128,256")
+    ap.add_argument("--head-dims", type=_head_dim_list, default="64,128,256", help="D or D/DV, comma-separated")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--mma", default="mma_sync,wgmma", help="instruction paths to try (wgmma needs sm_90a)")
     ap.add_argument("--causal", default="both", choices=("both", "false", "true"))
@@ -54,7 +55,7 @@ def main():
     ap.add_argument("--emit-manifest", type=Path, default=None)
     ap.add_argument("--top", type=int, default=10)
     a = ap.parse_args()
-    dims = [tuple(int(x) for x in t.split("/")) if "/" in t else (int(t),) * 2 for t in a.head_dims.split(",")]
+    dims = a.head_dims
     masks = {"both": (False, True), "false": (False,), "true": (True,)}[a.causal]
     if a.emit_manifest:
         lines = [f'archs = ["{a.arch}"]']

@@ -54,6 +54,28 @@ def _int_list(text: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(vals))
 
 
+def _head_dims(text: str) -> tuple[int, int]:
+    """``D`` or ``D/DV``: the head dims of q/k and of v."""
+    parts = text.split("/")
+    try:
+        if len(parts) > 2:
+            raise ValueError
+        return int(parts[0]), int(parts[-1])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected D or D/DV, e.g. 192/128") from None
+
+
+def _head_dim_list(text: str) -> tuple[tuple[int, int], ...]:
+    """``64,128,192/128`` -> ((64, 64), (128, 128), (192, 128)): ``_head_dims`` of each, all >= 1."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        d, dv = _head_dims(part)
+        if min(d, dv) < 1:
+            raise argparse.ArgumentTypeError(f"{part!r}: head dims must be >= 1")
+        out.append((d, dv))
+    return tuple(out)
+
+
 def _choice_list(allowed: tuple[str, ...], aliases: dict[str, str] | None = None):
     aliases = aliases or {}
 

@@ -22,9 +22,9 @@ from typing import Any, Iterable
 
 import attngen
 from attngen.bench import core
-from attngen.bench.core import (_CAUSAL, BACKENDS, CHECK_TOL, DTYPES, _backend_list, _dtype_list, _fmt, _int_list,
-                                _replay_or_gpu_check, _save_figure, _say, _sdpa_backend, _short_error,
-                                attention_flops, env_lines, pyplot, tflops, write_json)
+from attngen.bench.core import (_CAUSAL, BACKENDS, CHECK_TOL, DTYPES, _backend_list, _dtype_list, _fmt,
+                                _head_dim_list, _int_list, _replay_or_gpu_check, _save_figure, _say, _sdpa_backend,
+                                _short_error, attention_flops, env_lines, pyplot, tflops, write_json)
 
 # --- the sweep ------------------------------------------------------------------------------------
 
@@ -65,20 +65,6 @@ def dims_text(r: dict) -> str:
     """A record's head dims: ``128``, or ``192/128`` when v's differs."""
     dv = r.get("head_dim_v") or 0
     return f"{r['head_dim']}/{dv}" if dv and dv != r["head_dim"] else str(r["head_dim"])
-
-
-def _head_dim_list(text: str) -> tuple[tuple[int, int], ...]:
-    """``64,128,192/128`` -> ((64, 64), (128, 128), (192, 128)): the head dims of q/k and of v."""
-    out = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        try:
-            d, dv = (int(x) for x in part.split("/")) if "/" in part else (int(part),) * 2
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{part!r} is not D or D/DV (e.g. 64,128,192/128)") from None
-        if min(d, dv) < 1:
-            raise argparse.ArgumentTypeError(f"{part!r}: head dims must be >= 1")
-        out.append((d, dv))
-    return tuple(out)
 
 
 def make_sweep(head_dims: Iterable[int | tuple[int, int]] = HEAD_DIMS, seqlens: Iterable[int] = SEQLENS,

@@ -14,8 +14,8 @@ import argparse
 import random
 from pathlib import Path
 
-from ...bench.core import (_graphed, _int_list, _replay_or_gpu_check, _save_figure, _say, bench_ms, env_lines,
-                           environment, measure_copy_bandwidth, pyplot, write_json)
+from ...bench.core import (_graphed, _head_dims, _int_list, _replay_or_gpu_check, _save_figure, _say, bench_ms,
+                           env_lines, environment, measure_copy_bandwidth, pyplot, write_json)
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -40,17 +40,6 @@ def add_parser(sub) -> None:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--from-json", type=Path, default=None, help="re-render a saved JSON (no GPU)")
         p.set_defaults(func=fn)
-
-
-def _head_dims(text: str) -> tuple[int, int]:
-    """``D`` or ``D/DV``: the head dims of q/k and of v."""
-    parts = text.split("/")
-    try:
-        if len(parts) > 2:
-            raise ValueError
-        return int(parts[0]), int(parts[-1])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected D or D/DV, e.g. 192/128") from None
 
 
 def _sdpa(torch, q, k, v, mask, backend):

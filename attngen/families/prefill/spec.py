@@ -201,7 +201,8 @@ class PrefillSpec(SpecBase):
         # wgmma's tiles are dense (head dims are multiples of 64 there): only slack to align the first
         # one to the 1024-byte swizzle atom is added
         slack = 1024 if self.mma is Mma.WGMMA else 0
-        return row * (self.cta_tile_q + self.num_stages * self.cta_tile_kv) + row_v * self.num_stages * self.cta_tile_kv + slack
+        return row * (self.cta_tile_q + self.num_stages * self.cta_tile_kv) + row_v * self.num_stages * self.cta_tile_kv \
+            + slack
 
     @property
     def threads(self) -> int:
@@ -256,8 +257,8 @@ class PrefillSpec(SpecBase):
             raise SpecError("cta_tile_q", self.cta_tile_q,
                             "a smaller cta_tile_q or cta_tile_kv, or more num_warps",
                             reason=f"needs about {acc} accumulator registers per thread (limit 200) "
-                                   f"with head_dim={self.head_dim}, head_dim_v={self.dim_v}, cta_tile_kv={self.cta_tile_kv}, "
-                                   f"num_warps={self.num_warps}")
+                                   f"with head_dim={self.head_dim}, head_dim_v={self.dim_v}, "
+                                   f"cta_tile_kv={self.cta_tile_kv}, num_warps={self.num_warps}")
         check_smem(self, a, "cta_tile_kv", "a smaller cta_tile_kv, num_stages or cta_tile_q")
 
     def _check_chunked(self, a: Arch) -> None:
