@@ -52,6 +52,7 @@ class Driver:
         except AttributeError:
             self.raw_launch_ex = None
         self.check(lib.cuInit(0), "cuInit")
+        self._encode_tiled = None  # cuTensorMapEncodeTiled, bound on first use
         self._primary: dict[int, int] = {}
         self._lock = threading.Lock()
 
@@ -121,6 +122,26 @@ class Driver:
     def pop(self) -> None:
         c = _vp()
         self.check(self.lib.cuCtxPopCurrent_v2(ctypes.byref(c)), "cuCtxPopCurrent")
+
+    def encode_tiled(self, dtype_code: int, addr: int, dims: "tuple[int, ...]", strides: "tuple[int, ...]",
+                     box: "tuple[int, ...]", swizzle: int, l2_promotion: int) -> bytes:
+        """A CUtensorMap (128 bytes) for TMA copies of ``box``-shaped tiles of a tensor at ``addr``
+        (``dims`` innermost first, ``strides`` in bytes for every dim but the first; zero fill past the
+        ends), from cuTensorMapEncodeTiled. Raises LaunchError naming the driver's error."""
+        fn = self._encode_tiled
+        if fn is None:
+            u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+            fn = self.lib.cuTensorMapEncodeTiled  # CUDA 12.0+
+            fn.argtypes = [_vp, ctypes.c_int, u32, _vp, ctypes.POINTER(u64), ctypes.POINTER(u64), ctypes.POINTER(u32),
+                           ctypes.POINTER(u32), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+            self._encode_tiled = fn
+        n = len(dims)
+        buf = ctypes.create_string_buffer(128 + 64)  # the map must be 64-byte aligned
+        at = (ctypes.addressof(buf) + 63) & ~63
+        rc = fn(at, dtype_code, n, addr, (ctypes.c_uint64 * n)(*dims), (ctypes.c_uint64 * (n - 1))(*strides),
+                (ctypes.c_uint32 * n)(*box), (ctypes.c_uint32 * n)(*([1] * n)), 0, swizzle, l2_promotion, 0)
+        self.check(rc, f"cuTensorMapEncodeTiled(dims={tuple(dims)}, byte strides={tuple(strides)}, box={tuple(box)})")
+        return ctypes.string_at(at, 128)
 
     def load_functions(self, device: int, cubin: bytes, names: "tuple[str, ...]",
                        dynamic_smem: "tuple[int, ...]") -> tuple[int, tuple[int, ...]]:

@@ -286,20 +286,22 @@ def default_tuning(spec: Spec, arch: "str | Arch") -> dict[str, Any]:
     if first_error is not None:
         raise first_error
     # Every candidate disagreed with a pinned field: name the first pinned value no config on this
-    # arch has, and the values of that field some config fits.
+    # arch has with the other pinned values, and the values of that field such configs fit.
     fits: dict[str, list] = {k: [] for k in pinned}
     for cfg in get_family(spec.family).candidates(spec, a):
         t = dict(zip(spec.TUNING_FIELDS, cfg))
-        if all(t[k] in fits[k] for k in pinned):
+        new = [k for k in pinned if t[k] not in fits[k] and all(t[j] == pinned[j] for j in pinned if j != k)]
+        if not new:
             continue
         try:
             validate(spec.replace(**t), a)
         except SpecError:
             continue
-        for k in pinned:
-            if t[k] not in fits[k]:
-                fits[k].append(t[k])
-    field = next((k for k in pinned if pinned[k] not in fits[k]), next(iter(pinned)))
+        for k in new:
+            fits[k].append(t[k])
+    # the field whose change alone fits first, else the first that no config with the others fits
+    field = next((k for k in pinned if pinned[k] not in fits[k] and fits[k]),
+                 next((k for k in pinned if pinned[k] not in fits[k]), next(iter(pinned))))
     pins = ", ".join(f"{k}={allowed_text([v])}" for k, v in pinned.items())
     raise SpecError(field, allowed_text([pinned[field]]), allowed_text(fits[field]) or f"none on {a.name}",
                     reason=f"no {spec.family} tile configuration with {pins} fits {a.name}")

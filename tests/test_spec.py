@@ -199,7 +199,7 @@ def test_to_dict_holds_plain_values_only():
     assert d == {"family": "prefill", "head_dim": 64, "dtype": "bf16", "mask": "causal", "return_lse": False,
                  "cta_tile_q": 0, "cta_tile_kv": 0, "num_warps": 0, "num_stages": 0, "mma": "auto", "softcap": False,
                  "alibi": False, "custom_mask": False, "varlen": False, "paged": False, "head_dim_v": 0,
-                 "head_dim_chunk": 0}
+                 "head_dim_chunk": 0, "pipeline": "auto"}
     assert json.loads(json.dumps(d)) == d
 
 
@@ -249,7 +249,7 @@ def test_resolve_fills_tuning_and_fits_every_arch(arch):
         for k in ("head_dim", "dtype", "mask", "return_lse"):
             assert getattr(r, k) == getattr(spec, k)
         assert r.smem_bytes() <= a.smem_per_block, (arch, r.to_text())
-        assert r.threads == 32 * r.num_warps
+        assert r.threads == 32 * r.num_warps + (128 if r.tma else 0)  # TMA: the producer warpgroup
         # the whole-row kernel's warps own 16-row tiles; the chunked one's 32-row groups
         assert (r.cta_tile_q // r.num_warps) % 16 == 0 if not r.chunked else r.cta_tile_q % 32 == 0
         validate(r, arch)

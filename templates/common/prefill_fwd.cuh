@@ -12,6 +12,13 @@
 // shared memory through descriptors, O += P V takes P from registers (the S accumulators packed to
 // 16 bits, the same fragment as mma.sync's A) and V through a transposed descriptor. Tiles are then
 // stored 128-byte swizzled (WgmmaLayout); the softmax and epilogue are the same code.
+//
+// TMA (wgmma, dense layout): one more warpgroup, the producer, whose one elected thread loads Q and
+// then every K and V tile with TMA (a copy per 64-column block, from tensor maps built on the host)
+// into the NUM_STAGES-slot ring. Each slot has three mbarriers: K full and V full (the copies
+// complete them), and empty (each consumer warp arrives once its wgmma on the slot have waited).
+// The consumer warps wait on K before S = Q K^T and on V before O += P V, and no CTA barrier is
+// left in the loop. setmaxnreg moves the producer's registers to the consumers.
 namespace attngen {
 
 template <class T>
@@ -54,6 +61,15 @@ struct PrefillParams {
   long long bt_sb, bits_su;
   int block_size, num_blocks, total_q, total_k, bits_words, max_tiles, num_q_tiles;
   int mask_units_h, mask_units_b;
+};
+
+// The TMA kernel's parameter: tensor maps of q, k and v (4-d: head_dim, seqlen, heads, batch;
+// 64-column boxes of BLOCK_M rows for q, BLOCK_N for k and v, 128-byte swizzled, zero fill past
+// the ends), then the parameters every kernel takes.
+template <class T>
+struct PrefillTmaParams {
+  TmaDesc maps[3];
+  PrefillParams<T> p;
 };
 
 // Sequence s of a varlen batch, clamped into the tensors: q rows [q_lo, q_lo + sq) and k rows
@@ -114,8 +130,8 @@ __device__ __forceinline__ void cta_tile(const PrefillParams<T>& p, int& m_block
 template <class T, bool BF16, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int NUM_STAGES,
           int MASK, bool RETURN_LSE, bool Q_IN_REGS, int ROW_ELEMS, int ROW_ELEMS_V, bool SWIZZLE, bool SWIZZLE_V,
           bool WGMMA, bool SOFTCAP = false, bool ALIBI = false, bool VARLEN = false, bool PAGED = false,
-          bool MASK_LIST = false>
-__device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
+          bool MASK_LIST = false, bool TMA = false>
+__device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const TmaDesc* maps = nullptr) {
   using L = SmemLayout<HEAD_DIM, ROW_ELEMS, SWIZZLE>;
   using LQ = typename Select<WGMMA, WgmmaLayout<HEAD_DIM, BLOCK_M>, L>::type;
   using LK = typename Select<WGMMA, WgmmaLayout<HEAD_DIM, BLOCK_N>, L>::type;
@@ -132,12 +148,28 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
   constexpr int K_STEPS = HEAD_DIM / 16;   // k-steps of Q K^T
   static_assert(WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0 && HEAD_DIM_V % 16 == 0, "tile shape");
   static_assert(HEAD_DIM_V <= HEAD_DIM, "O is staged in Q's tile");
+  static_assert(!TMA || (WGMMA && !VARLEN && !PAGED && !MASK_LIST), "TMA: wgmma on the dense layout");
+  // TMA: registers per thread of the producer warpgroup and of the consumers, after setmaxnreg. Two
+  // consumer warpgroups run one CTA an SM, launched with 168 (384 threads): 40 + 2 x 232. One, up to
+  // head_dim 128, runs two CTAs an SM, launched with 128 (the entry asks for 2 blocks an SM,
+  // prefill.cu.jinja): 24 + 232. Above, ptxas needs more than 128 for the consumers' wgmma: one CTA an
+  // SM of 256 threads has every register it can use, and no setmaxnreg.
+  constexpr bool TWO_CTAS = NUM_WARPS == 4 && HEAD_DIM <= 128;
+  constexpr bool MOVE_REGS = NUM_WARPS == 8 || TWO_CTAS;
+  constexpr int PRODUCER_REGS = NUM_WARPS == 8 ? 40 : 24;
+  constexpr int CONSUMER_REGS = 232;
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem_base = WGMMA ? aligned_smem<1024>(smem_raw) : smem_raw;
   T* sQ = reinterpret_cast<T*>(smem_base);
   T* sK = sQ + Q_ELEMS;
   T* sV = sK + NUM_STAGES * K_ELEMS;
+  // TMA: the ring's mbarriers after the V slots, 8 bytes each: Q's, then per slot K full, V full, empty.
+  const unsigned bars = TMA ? smem_addr(sV + NUM_STAGES * V_ELEMS) : 0u;
+  const unsigned q_bar = bars;
+  auto k_bar = [&](int s) { return bars + 8u * (1 + s); };
+  auto v_bar = [&](int s) { return bars + 8u * (1 + NUM_STAGES + s); };
+  auto e_bar = [&](int s) { return bars + 8u * (1 + 2 * NUM_STAGES + s); };
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -225,13 +257,57 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
     }
   };
 
-  // Prologue: Q with the first K/V tile in one group, then the next NUM_STAGES - 2 tiles.
-  load_tile_async<LQ, BLOCK_M, THREADS>(sQ, gQ, p.q_ss, seqlen_q - m0, tid);
-  if constexpr (NUM_STAGES > 1) {
+  if constexpr (TMA) {
+    using W = WgmmaOps<BF16>;
+    if (tid == 0) {
+      W::mbar_init(q_bar, 1);
 #pragma unroll
-    for (int s = 0; s < NUM_STAGES - 1; ++s) {
-      if (s < n_tiles) load_kv(tile_at(s), s);
-      cp_async_commit();
+      for (int s = 0; s < NUM_STAGES; ++s) {
+        W::mbar_init(k_bar(s), 1);
+        W::mbar_init(v_bar(s), 1);
+        W::mbar_init(e_bar(s), NUM_WARPS);
+      }
+      W::mbar_init_fence();
+    }
+    __syncthreads();
+    if (warp >= NUM_WARPS) {
+      // The producer warpgroup: one thread issues every copy; tile `it` goes to slot it % NUM_STAGES
+      // once the consumers have released the tile that slot held.
+      if constexpr (MOVE_REGS) W::template regs_dec<PRODUCER_REGS>();
+      if (tid == THREADS) {
+        W::mbar_expect(q_bar, Q_ELEMS * sizeof(T));
+#pragma unroll
+        for (int b = 0; b < HEAD_DIM / 64; ++b)
+          W::tma_load(smem_addr(sQ) + b * LQ::BLOCK_BYTES, maps, q_bar, 64 * b, m0, head, batch);
+        for (int it = 0; it < n_tiles; ++it) {
+          const int slot = it % NUM_STAGES;
+          if (it >= NUM_STAGES) W::mbar_wait(e_bar(slot), ((it / NUM_STAGES) + 1) & 1);
+          const int n0 = tile_at(it) * BLOCK_N;
+          W::mbar_expect(k_bar(slot), K_ELEMS * sizeof(T));
+#pragma unroll
+          for (int b = 0; b < HEAD_DIM / 64; ++b)
+            W::tma_load(smem_addr(sK + slot * K_ELEMS) + b * LK::BLOCK_BYTES, maps + 1, k_bar(slot), 64 * b, n0,
+                        kv_head, batch);
+          W::mbar_expect(v_bar(slot), V_ELEMS * sizeof(T));
+#pragma unroll
+          for (int b = 0; b < HEAD_DIM_V / 64; ++b)
+            W::tma_load(smem_addr(sV + slot * V_ELEMS) + b * LV::BLOCK_BYTES, maps + 2, v_bar(slot), 64 * b, n0,
+                        kv_head, batch);
+        }
+      }
+      return;
+    }
+    if constexpr (MOVE_REGS) W::template regs_inc<CONSUMER_REGS>();
+    W::mbar_wait(q_bar, 0);
+  } else {
+    // Prologue: Q with the first K/V tile in one group, then the next NUM_STAGES - 2 tiles.
+    load_tile_async<LQ, BLOCK_M, THREADS>(sQ, gQ, p.q_ss, seqlen_q - m0, tid);
+    if constexpr (NUM_STAGES > 1) {
+#pragma unroll
+      for (int s = 0; s < NUM_STAGES - 1; ++s) {
+        if (s < n_tiles) load_kv(tile_at(s), s);
+        cp_async_commit();
+      }
     }
   }
 
@@ -257,7 +333,9 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
   for (int it = 0; it < n_tiles; ++it) {
     const int tile = tile_at(it);
     const int slot = NUM_STAGES > 1 ? it % NUM_STAGES : 0;
-    if constexpr (NUM_STAGES > 1) {
+    if constexpr (TMA) {
+      WgmmaOps<BF16>::mbar_wait(k_bar(slot), (it / NUM_STAGES) & 1);
+    } else if constexpr (NUM_STAGES > 1) {
       cp_async_wait<NUM_STAGES - 2>();
       if constexpr (WGMMA) WgmmaOps<BF16>::fence_proxy();
       __syncthreads();
@@ -437,6 +515,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
       // V is N-major for this product.
       using W = WgmmaOps<BF16>;
       const unsigned v_at = smem_addr(sVs);
+      if constexpr (TMA) W::mbar_wait(v_bar(slot), (it / NUM_STAGES) & 1);
       W::fence();
 #pragma unroll
       for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
@@ -468,14 +547,22 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p) {
         }
       }
     }
-    if constexpr (NUM_STAGES == 1) __syncthreads();  // the single slot is refilled next
+    if constexpr (TMA) {
+      if (lane == 0) WgmmaOps<BF16>::mbar_arrive(e_bar(slot));  // this warp's wgmma on the slot have waited
+    } else if constexpr (NUM_STAGES == 1) {
+      __syncthreads();  // the single slot is refilled next
+    }
   }
 
   // ---- epilogue: normalise, write LSE, stage O through this warp's rows of sQ ------------------
   // VARLEN: the sequence's first row, read again rather than held across the loop (registers).
   if constexpr (VARLEN) q_row0 = min(max(p.cu_q[batch], 0), p.total_q);
-  cp_async_wait_all();  // with one stage, a CTA with no KV tile never committed Q's copies
-  __syncthreads();
+  if constexpr (TMA) {
+    WgmmaOps<BF16>::sync_threads(THREADS);  // every consumer warp is done with sQ (the producer has left)
+  } else {
+    cp_async_wait_all();  // with one stage, a CTA with no KV tile never committed Q's copies
+    __syncthreads();
+  }
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll

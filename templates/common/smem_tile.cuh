@@ -40,6 +40,12 @@ struct WgmmaLayout {
   }
 };
 
+// A CUDA tensor map (CUtensorMap: 128 opaque bytes, 64-byte aligned) built on the host by
+// cuTensorMapEncodeTiled; TMA copies (sm_90a) read it from a __grid_constant__ kernel parameter.
+struct alignas(64) TmaDesc {
+  unsigned long long opaque[16];
+};
+
 template <bool C, class A, class B>
 struct Select {
   using type = A;

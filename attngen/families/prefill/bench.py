@@ -129,6 +129,9 @@ def add_parser(sub) -> None:
     pp.add_argument("--chunked-too", action="store_true",
                     help="for head dims up to 256, also time the chunked kernel (head_dim_chunk=64) as "
                          "'chunked': where the two kernels cross over")
+    pp.add_argument("--sync-too", action="store_true",
+                    help="also time the cp.async pipeline (pipeline=sync) as 'sync': on sm_90a, what the TMA "
+                         "pipeline of the default buys")
     pp.add_argument("--quick", action="store_true",
                     help="a small subset: seqlens 1k,4k, head_dims 64,128, bf16 (explicit options still win)")
     pp.add_argument("--tokens", type=int, default=TOKENS, help=argparse.SUPPRESS)
@@ -156,7 +159,7 @@ def add_parser(sub) -> None:
 
 def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, warmup_ms: float = 25.0,
               rep_ms: float = 100.0, reps: int | None = None, seed: int = 0, sdpa_layout: str = "view",
-              chunked_too: bool = False) -> dict:
+              chunked_too: bool = False, sync_too: bool = False) -> dict:
     """Check and time one shape: attngen and each SDPA backend on the same inputs."""
     import torch
     import torch.nn.functional as F
@@ -257,18 +260,20 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
         except Exception as e:
             rec["errors"][name] = _short_error(e)
             rec["ms"][name] = rec["tflops"][name] = None
-    if chunked_too and d <= attngen.PrefillSpec.WHOLE_MAX:
-        # The same inputs through the chunked kernel: an attngen row of its own, not a peer.
+    # The same inputs through other attngen kernels: rows of their own, not peers. The chunked kernel
+    # where whole rows also run; the cp.async pipeline (its own default tiles).
+    variants = [("chunked", "prefill:head_dim_chunk=64")] if chunked_too and d <= attngen.PrefillSpec.WHOLE_MAX else []
+    variants += [("sync", "prefill:pipeline=sync")] if sync_too else []
+    for name, spec in variants:
         try:
-            ms, _ = core.bench_ms(lambda: attngen.prefill(q, k, v, causal=causal, spec="prefill:head_dim_chunk=64"),
-                                  warmup_ms, rep_ms, reps)
-            rec["ms"]["chunked"], rec["tflops"]["chunked"] = ms, tflops(shape.flops, ms)
+            ms, _ = core.bench_ms(lambda: attngen.prefill(q, k, v, causal=causal, spec=spec), warmup_ms, rep_ms, reps)
+            rec["ms"][name], rec["tflops"][name] = ms, tflops(shape.flops, ms)
         except Exception as e:
-            rec["errors"]["chunked"] = _short_error(e)
-            rec["ms"]["chunked"] = rec["tflops"]["chunked"] = None
+            rec["errors"][name] = _short_error(e)
+            rec["ms"][name] = rec["tflops"][name] = None
     a = rec["tflops"].get("attngen")
     rec["ratio"] = {n: (a / rec["tflops"][n] if a and rec["tflops"].get(n) else None)
-                    for n in (*backends, *(["chunked"] if "chunked" in rec["tflops"] else []))}
+                    for n in (*backends, *(n for n, _ in variants))}
     return rec
 
 
@@ -406,7 +411,7 @@ def plot_prefill(data: dict, path: Path) -> Path | None:
     dtypes = [d for d in DTYPES if any(r["dtype"] == d for r in records)]
     styles = {"bf16": "-", "fp16": "--"}
     colors = {"attngen": "tab:red", "flash": "tab:blue", "cudnn": "tab:green", "efficient": "tab:orange",
-              "chunked": "tab:purple"}
+              "chunked": "tab:purple", "sync": "tab:brown"}
     fig, axes = plt.subplots(len(masks), len(dims), figsize=(4.2 * len(dims), 3.4 * len(masks)), squeeze=False,
                              sharex=True)
     for i, c in enumerate(masks):
@@ -472,7 +477,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     if done is not None:
         return done
     shapes = sweep_from_args(args)
-    backends = list(args.backends) + (["chunked"] if args.chunked_too else [])  # the columns
+    backends = list(args.backends) + (["chunked"] if args.chunked_too else []) + (["sync"] if args.sync_too else [])
     env = core.environment(gpu=True)
     timer = "cuda-events" if args.reps is not None or core._triton_do_bench() is None else "triton.do_bench"
     data: dict[str, Any] = {
@@ -499,7 +504,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         try:
             rec = run_shape(shape, tuple(args.backends), check=not args.no_check, warmup_ms=args.warmup_ms,
                             rep_ms=args.rep_ms, reps=args.reps, seed=args.seed + i, sdpa_layout=args.sdpa_layout,
-                            chunked_too=args.chunked_too)
+                            chunked_too=args.chunked_too, sync_too=args.sync_too)
         except Exception as e:  # e.g. out of memory: keep the sweep going
             rec = {**asdict(shape), "flops": shape.flops, "ms": {}, "tflops": {}, "ratio": {},
                    "errors": {"shape": _short_error(e)}}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 from ...arch import Arch
-from .spec import MaskMode, Mma
+from .spec import MaskMode, Mma, Pipeline
 
 # Measured on an H200 (sm_90) with NVRTC 13.5, bf16, 16k tokens at seqlen 4096, 2026-11-22
 # (tools/sweep_configs.py; BENCHMARKS.md). Archs with less shared memory take the best
@@ -22,6 +22,19 @@ TUNED = {
     128: [(64, 64, 4, 3), (128, 64, 8, 2)],
     192: [(128, 32, 8, 2), (64, 32, 4, 2)],
     256: [(128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
+}
+
+# sm_90a, the dense layout: the TMA pipeline's wgmma kernels (a producer warpgroup more), per
+# (head_dim, masked). From tools/sweep_configs.py --tma on an H100 (NVRTC 13.5, bf16, 16k tokens at
+# seqlen 4096, 2026-11-23; BENCHMARKS.md): each was the fastest config of either pipeline, 3-39%
+# over the cp.async kernels' best. Head dim 192 not timed: it keeps the cp.async configs below.
+TUNED_TMA = {
+    (64, False): [(128, 128, 8, 4)],
+    (64, True): [(64, 128, 4, 2)],
+    (128, False): [(128, 128, 8, 3)],
+    (128, True): [(128, 128, 8, 3)],
+    (256, False): [(128, 64, 8, 2)],
+    (256, True): [(128, 64, 8, 2)],
 }
 
 # sm_90a: the wgmma kernels, one warpgroup per 64 query rows (cta_tile_q = 16 x num_warps), per
@@ -93,8 +106,9 @@ CHUNKED_SPILLS_ON = {
 
 
 def candidates(spec, arch: Arch):
-    """(cta_tile_q, cta_tile_kv, num_warps, num_stages, mma, head_dim_chunk): tuned configs first, then every
-    allowed combination, larger tiles first; wgmma ones first on sm_90a. A custom mask takes
+    """(cta_tile_q, cta_tile_kv, num_warps, num_stages, mma, head_dim_chunk, pipeline): tuned configs first,
+    then every allowed combination, larger tiles first; wgmma ones first on sm_90a, the TMA pipeline's
+    first where it runs (the dense layout; elsewhere ``check`` refuses them). A custom mask takes
     64-row tiles first: the finer its tiles, the more of a sparse mask its live-tile lists skip.
     Configs ``SPILLS_ON`` lists for the arch come after all others: a default never takes one
     while another fits, and a spec that pins one still gets it (spills cost speed, not results)."""
@@ -102,19 +116,19 @@ def candidates(spec, arch: Arch):
         rows = (64, 32) if spec.dim_v <= CHUNKED_ROWS_64_UP_TO else (32, 64)
         listed = [c for r in rows for c in CHUNKED[r]]
         rest = [(q, kv, 8, st, dk) for q in rows for kv in (128, 64) for dk in (64, 32) for st in (3, 2, 4)]
-        every = [(q, kv, w, st, Mma.SYNC, dk) for q, kv, w, st, dk in dict.fromkeys(listed + rest)]
+        every = [(q, kv, w, st, Mma.SYNC, dk, Pipeline.SYNC) for q, kv, w, st, dk in dict.fromkeys(listed + rest)]
         chunked_spills = CHUNKED_SPILLS_ON.get((spec.head_dim, spec.dim_v, spec.mask), {})
 
         def spilled(c):
             return arch.name in chunked_spills.get((*c[:4], c[5]), ())
     else:
-        every = [(*c, 0) for c in _candidates(spec, arch)]  # head_dim_chunk 0: whole rows
+        every = [(*c[:5], 0, c[5]) for c in _candidates(spec, arch)]  # head_dim_chunk 0: whole rows
         if spec.custom_mask:
             every = [c for c in every if c[0] == 64] + [c for c in every if c[0] != 64]
         spills = SPILLS_ON["mask" if spec.custom_mask else "varlen" if spec.varlen else "dense"]
 
         def spilled(c):
-            key = (spec.head_dim, tuple(c[:4]), c[4])
+            key = (spec.head_dim, tuple(c[:4]), c[4])  # both pipelines of a config alike
             return arch.name in spills.get(key, ()) or arch.name in spills.get((*key, spec.mask), ())
 
     return iter(sorted(every, key=spilled))  # stable: the order within each group is kept
@@ -122,8 +136,14 @@ def candidates(spec, arch: Arch):
 
 def _candidates(spec, arch: Arch):
     d = spec.head_dim
+    W, S, T = Mma.WGMMA, Pipeline.SYNC, Pipeline.TMA
     if arch.has_wgmma and d % 64 == 0 and spec.dim_v % 64 == 0:
-        yield from ((*c, Mma.WGMMA) for c in TUNED_WGMMA[(d, spec.mask is not MaskMode.NONE)])
-        yield from ((16 * w, kv, w, st, Mma.WGMMA) for w in (8, 4) for kv in (128, 64, 32) for st in (2, 3, 1, 4))
-    yield from ((*c, Mma.SYNC) for c in TUNED[d])
-    yield from ((*c, Mma.SYNC) for c in itertools.product((128, 64), (64, 128, 32), (4, 8), (2, 3, 1, 4)))
+        key = (d, spec.mask is not MaskMode.NONE)
+        wgmma_all = [(16 * w, kv, w, st) for w in (8, 4) for kv in (128, 64, 32) for st in (2, 3, 1, 4)]
+        if spec.dim_v == d and not (spec.varlen or spec.custom_mask):
+            yield from ((*c, W, T) for c in TUNED_TMA.get(key, ()))
+        yield from ((*c, W, S) for c in TUNED_WGMMA[key])
+        yield from ((*c, W, T) for c in wgmma_all)
+        yield from ((*c, W, S) for c in wgmma_all)
+    yield from ((*c, Mma.SYNC, S) for c in TUNED[d])
+    yield from ((*c, Mma.SYNC, S) for c in itertools.product((128, 64), (64, 128, 32), (4, 8), (2, 3, 1, 4)))

@@ -20,17 +20,20 @@ import struct
 
 from ... import runtime as _rt
 from ...errors import LaunchError
-from ...runtime import (TunedKernels, allocator, data_ptr, register_dependent_cache, tensor_info,
+from ...runtime import (TunedKernels, allocator, data_ptr, get_kernel, register_dependent_cache, tensor_info,
                          torch_stream_getter)
 from ...spec import DType, spec_of_text
 from ..score_mods import NO_EXTRAS, checked_scale, extras
-from .spec import MaskMode, PrefillSpec
+from .spec import MaskMode, Pipeline, PrefillSpec
+from .tma import tensor_maps
 
 # PrefillParams in templates/common/prefill_fwd.cuh: 5 pointers, 12 strides, 4 ints, 2 floats, 2 ints,
 # 2 floats (softcap), the ALiBi slopes' pointer and batch stride. A dense launch packs only these;
 # the varlen and custom-mask kernels read the rest (PARAMS_EXT): 8 pointers, 2 strides, 9 ints.
 _PARAMS = struct.Struct("<5Q12q4i2f2i2fQq")
 PARAMS_EXT = struct.Struct("<5Q12q4i2f2i2fQq8Q2q9i")
+# PrefillTmaParams (a tma=true kernel): the three 128-byte tensor maps (tma.py), then the dense ones.
+_PARAMS_TMA = struct.Struct("<384s5Q12q4i2f2i2fQq")
 # What a plan's kernel reads its inputs as (the last element of a plan key).
 DENSE, CUSTOM_MASK, VARLEN, VARLEN_PAGED = range(4)
 _LOG2E = 1.4426950408889634
@@ -103,7 +106,15 @@ def out_of(out, qi, dv: int) -> tuple[int, tuple]:
 class _Plan(TunedKernels):
     """Everything a call needs that does not depend on its shapes (``kernel_for``: by seqlen_q)."""
 
-    __slots__ = ("default_scale", "alloc", "alloc_lse", "alloc_index", "stream")
+    __slots__ = ("default_scale", "alloc", "alloc_lse", "alloc_index", "stream", "tma_pinned", "sync_twins")
+
+    def sync_twin(self, kern):
+        """The cp.async kernel of ``kern``'s tiles, for inputs no TMA map can describe (``kern`` runs
+        pipeline=tma and the caller did not ask for it)."""
+        twin = self.sync_twins.get(kern.key)
+        if twin is None:
+            twin = self.sync_twins[kern.key] = get_kernel(kern.spec.replace(pipeline=Pipeline.SYNC), device=self.device)
+        return twin
 
 
 _plans: dict[tuple, _Plan] = register_dependent_cache({})
@@ -118,6 +129,8 @@ def _make_plan(key: tuple) -> _Plan:
     plan = _Plan()
     plan.choose(base, device, use_tuned=spec is None)
     plan.default_scale = 1.0 / math.sqrt(d)
+    plan.tma_pinned = spec is not None and spec.pipeline is Pipeline.TMA
+    plan.sync_twins = {}
     plan.alloc = allocator(kind, dtype, device)
     plan.alloc_lse = allocator(kind, "fp32", device) if return_lse else None
     plan.alloc_index = allocator(kind, "int32", device)
@@ -250,17 +263,27 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
             *ext,
         )
         return (out, lse) if return_lse else out
-    tile_q = kern.spec.cta_tile_q
-    kern.launch_struct(
-        _PARAMS, ((sq + tile_q - 1) // tile_q, h, b), stream,
-        qi.ptr, ki.ptr, vi.ptr, optr, lse_ptr,
-        qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-        ostrides[0], ostrides[1], ostrides[2],
-        sq, sk, h, h // hk,
-        scale, scale * _LOG2E,
-        left, right,
-        cap_u, inv_cap_u, alibi_ptr, alibi_sb,
-    )
+    ks_ = kern.spec
+    tile_q = ks_.cta_tile_q
+    args = (qi.ptr, ki.ptr, vi.ptr, optr, lse_ptr,
+            qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+            ostrides[0], ostrides[1], ostrides[2],
+            sq, sk, h, h // hk,
+            scale, scale * _LOG2E,
+            left, right,
+            cap_u, inv_cap_u, alibi_ptr, alibi_sb)
+    grid = ((sq + tile_q - 1) // tile_q, h, b)
+    if ks_.tma:
+        try:
+            maps = tensor_maps(qi, ki, vi, ks_)
+        except LaunchError:
+            if plan.tma_pinned:
+                raise
+            kern = plan.sync_twin(kern)  # same tiles: same grid
+        else:
+            kern.launch_struct(_PARAMS_TMA, grid, stream, maps, *args)
+            return (out, lse) if return_lse else out
+    kern.launch_struct(_PARAMS, grid, stream, *args)
     return (out, lse) if return_lse else out
 
 

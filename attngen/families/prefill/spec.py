@@ -23,6 +23,18 @@ class MaskMode(enum.Enum):
     SLIDING_WINDOW = "sliding_window"
 
 
+class Pipeline(enum.Enum):
+    """How K and V tiles reach shared memory. ``auto`` (the default) lets ``resolve`` choose for the
+    arch and layout, so it is falsy like the other unresolved tuning fields."""
+
+    AUTO = "auto"
+    SYNC = "sync"  # the math warps issue cp.async; a CTA barrier a tile (every arch, every layout)
+    TMA = "tma"    # a producer warpgroup issues TMA copies into an mbarrier ring (wgmma, dense layout)
+
+    def __bool__(self) -> bool:
+        return self is not Pipeline.AUTO
+
+
 # templates/common/prefill_plan.cuh: threads of the plan builders and of the work-list sort.
 PLAN_THREADS = 256
 ORDER_THREADS = 1024
@@ -68,7 +80,7 @@ class PrefillSpec(SpecBase):
     HEAD_DIM_CHUNK: ClassVar[tuple[int, ...]] = (0, 32, 64, 96, 128, 192, 256)
     CHUNKS: ClassVar[tuple[int, ...]] = (32, 64)
     TUNING_FIELDS: ClassVar[tuple[str, ...]] = ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages", "mma",
-                                                "head_dim_chunk")
+                                                "head_dim_chunk", "pipeline")
     ALWAYS_SHOWN: ClassVar[tuple[str, ...]] = ("head_dim", "dtype", "mask")
 
     head_dim: int = 128     # of q and k (the QK head dim)
@@ -87,6 +99,7 @@ class PrefillSpec(SpecBase):
     varlen: bool = False    # packed sequences of different lengths (cu_seqlens), a work list per call
     paged: bool = False     # (varlen) k/v in a paged cache through a block table
     head_dim_chunk: int = 0  # 32/64: the chunked kernel; 0: whole rows (FlashAttention-2) where they fit
+    pipeline: Pipeline = Pipeline.AUTO  # tma: a producer warpgroup loads the tiles with TMA (wgmma, dense)
 
     def __post_init__(self):
         s = object.__setattr__
@@ -115,6 +128,12 @@ class PrefillSpec(SpecBase):
         s(self, "custom_mask", coerce_bool("custom_mask", self.custom_mask))
         s(self, "varlen", coerce_bool("varlen", self.varlen))
         s(self, "paged", coerce_bool("paged", self.paged))
+        s(self, "pipeline", coerce_enum(Pipeline, "pipeline", self.pipeline))
+        if self.tma:
+            for name in ("varlen", "custom_mask"):
+                if getattr(self, name):
+                    raise SpecError("pipeline", "tma", f"sync with {name}=true",
+                                    reason="the TMA pipeline is built for the dense layout only so far")
         if self.paged and not self.varlen:
             raise SpecError("paged", True, "false, or true with varlen=true",
                             reason="a paged prefill takes its sequences' lengths from cu_seqlens (prefill_varlen)")
@@ -125,12 +144,20 @@ class PrefillSpec(SpecBase):
         s(self, "cta_tile_kv", coerce_int("cta_tile_kv", self.cta_tile_kv, self.CTA_TILE_KV))
         s(self, "num_warps", coerce_int("num_warps", self.num_warps, self.NUM_WARPS))
         s(self, "num_stages", coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
+        if not self.pipeline and all(getattr(self, f) for f in self.TUNING_FIELDS[:5]):
+            # Every tile field pinned and no pipeline: the cp.async one, what such a spec meant before the
+            # field existed (stored tuning winners, users' specs); one spec a kernel.
+            s(self, "pipeline", Pipeline.SYNC)
         if self.chunked:
             for name in ("custom_mask", "paged"):
                 if getattr(self, name):
                     raise SpecError(name, True, "false with the chunked kernel (head_dim above "
                                     f"{self.WHOLE_MAX}, head_dim_v above head_dim or head_dim_chunk < head_dim)",
                                     reason=f"the chunked kernel has no {name.replace('_', '-')} form yet")
+            if self.tma:
+                raise SpecError("pipeline", "tma", "sync with the chunked kernel (head_dim above "
+                                f"{self.WHOLE_MAX}, head_dim_v above head_dim or head_dim_chunk < head_dim)",
+                                reason="the chunked kernel has no TMA form yet")
         elif self.cta_tile_q and self.num_warps and self.cta_tile_q % (16 * self.num_warps):
             raise SpecError("num_warps", self.num_warps,
                             f"a divisor of cta_tile_q/16 = {self.cta_tile_q // 16}",
@@ -141,6 +168,11 @@ class PrefillSpec(SpecBase):
     def dim_v(self) -> int:
         """The head dim of v and the output."""
         return self.head_dim_v or self.head_dim
+
+    @property
+    def tma(self) -> bool:
+        """The TMA pipeline (templates/common/prefill_fwd.cuh, TMA): a producer warpgroup more."""
+        return self.pipeline is Pipeline.TMA
 
     @property
     def whole_allowed(self) -> bool:
@@ -199,15 +231,16 @@ class PrefillSpec(SpecBase):
             return 2 * (self.num_stages * cg["stage_elems"] + p) + 4 * cg["warps_n"] * self.cta_tile_q
         row, row_v = (_smem_row(d) * self.dtype.itemsize for d in (self.head_dim, self.dim_v))
         # wgmma's tiles are dense (head dims are multiples of 64 there): only slack to align the first
-        # one to the 1024-byte swizzle atom is added
+        # one to the 1024-byte swizzle atom is added; TMA's mbarriers follow the tiles (Q's, then three a slot)
         slack = 1024 if self.mma is Mma.WGMMA else 0
+        bars = 8 * (1 + 3 * self.num_stages) if self.tma else 0
         return row * (self.cta_tile_q + self.num_stages * self.cta_tile_kv) + row_v * self.num_stages * self.cta_tile_kv \
-            + slack
+            + slack + bars
 
     @property
     def threads(self) -> int:
         self._require_resolved("threads")
-        return 32 * self.num_warps
+        return 32 * self.num_warps + (128 if self.tma else 0)  # TMA: the producer warpgroup
 
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
         """The main entry; a custom-mask module adds its plan builders (``_mtiles``, ``_mlists``) and
@@ -220,7 +253,7 @@ class PrefillSpec(SpecBase):
 
     def template_context(self) -> dict:
         ctx = super().template_context()
-        ctx.update(dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask])
+        ctx.update(dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask], tma=self.tma)
         if self.chunked:
             cg = self.chunk_grid
             ctx.update(chunked=True, wgmma=False, chunk_vk=cg["vk"], chunk_vcw=cg["vcw"])
@@ -244,6 +277,9 @@ class PrefillSpec(SpecBase):
         if self.mma is Mma.WGMMA:
             self._check_wgmma(a)
             return
+        if self.tma:
+            raise SpecError("pipeline", "tma", "sync with mma=mma_sync",
+                            reason="the TMA pipeline is built on wgmma (sm_90a)")
         warp_rows = self.cta_tile_q // self.num_warps
         if warp_rows % 16:
             raise SpecError("num_warps", self.num_warps, f"a divisor of cta_tile_q/16 = {self.cta_tile_q // 16}")

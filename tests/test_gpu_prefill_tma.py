@@ -1,0 +1,161 @@
+"""The TMA prefill pipeline (``pipeline=tma``: a producer warpgroup, TMA copies into an mbarrier ring) on a
+real sm_90 GPU, against an fp64 reference (pytest -m gpu).
+
+Inputs sit inside NaN-filled buffers and outputs are written into NaN-poisoned views of a
+sentinel-filled buffer (tests/test_gpu_prefill_serving.py's helpers): a copy past a tensor map's
+end that is not zero-filled turns the output NaN, a stray write changes the sentinel. The same
+inputs through the cp.async kernel of the same tiles must give the same bits: the math is shared.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+import attngen  # noqa: E402
+from tests.gpu_reference import fresh_generator  # noqa: E402
+from tests.test_gpu_prefill_serving import (TOL, check_sentinel, compare, guarded, range_keep,  # noqa: E402
+                                            reference, rel_l2, sentinel_out)
+
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+def _spec(**fields):
+    """The resolved wgmma spec with ``fields`` (pipeline=tma unless given), or a skip where it cannot run."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    arch = attngen.runtime.device_arch(torch.cuda.current_device())
+    spec = attngen.PrefillSpec(mma="wgmma", **{"pipeline": "tma", **fields})
+    try:
+        return attngen.resolve(spec, arch)
+    except attngen.SpecError as e:
+        pytest.skip(f"{spec.to_text()} does not run on {arch.name}: {e}")
+
+
+def run(spec, b, sq, sk, h, hk, dtype, causal=False, window=(-1, -1), same_as_cp_async=True, **kw):
+    gen = fresh_generator()
+    d, dv = spec.head_dim, spec.dim_v
+    q = guarded(b, sq, h, d, dtype=dtype, gen=gen)
+    k = guarded(b, sk, hk, d, dtype=dtype, gen=gen)
+    v = guarded(b, sk, hk, dv, dtype=dtype, gen=gen)
+    spec = spec.replace(dtype="bf16" if dtype is BF16 else "fp16")
+    out, buf, guards = sentinel_out((b, sq, h, dv), dtype)
+    o, lse = attngen.prefill(q, k, v, causal=causal, window=window, return_lse=True, out=out, spec=spec, **kw)
+    torch.cuda.synchronize()
+    assert o is out
+    check_sentinel(buf, guards)
+    if not kw:
+        ref_o, ref_l = reference(q, k, v, range_keep(sq, sk, causal, window)[None, None], d ** -0.5)
+        compare(o, lse, ref_o, ref_l, dtype)
+    if same_as_cp_async:
+        o2, lse2 = attngen.prefill(q, k, v, causal=causal, window=window, return_lse=True, spec=spec.replace(pipeline="sync"),
+                                   **kw)
+        assert torch.equal(o, o2) and torch.equal(lse, lse2), "TMA and cp.async kernels of one tile config differ"
+    return o, lse
+
+
+SHAPES = [(1, 1), (17, 1000), (1000, 17), (333, 1031), (3001, 3001)]
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 192), (256, 256), (192, 128), (256, 128), (128, 64)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", SHAPES)
+def test_tma_matches_reference(dtype, d, dv, causal, sq, sk):
+    run(_spec(head_dim=d, head_dim_v=dv), 2, sq, sk, 4, 2, dtype, causal=causal)
+
+
+# (cta_tile_kv, num_warps, num_stages): one and two consumer warpgroups, rings of one to four slots.
+TILES = [(64, 4, 1), (128, 4, 2), (64, 8, 2), (128, 8, 3), (32, 8, 4), (128, 8, 2)]
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("kv,warps,stages", TILES)
+@pytest.mark.parametrize("mask", ["full", "causal", "window"])
+def test_tma_tile_configs(d, kv, warps, stages, mask):
+    spec = _spec(head_dim=d, cta_tile_kv=kv, num_warps=warps, num_stages=stages)
+    window = (100, 7) if mask == "window" else (-1, -1)
+    run(spec, 1, 1111, 1537, 4, 1, BF16, causal=mask == "causal", window=window)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_tma_ctas_without_keys(stages):
+    # Causal with sq >> sk: most CTAs visit no KV tile; they still wait for Q's copy before the epilogue
+    # reuses its tile. Repeated: a missed wait shows only sometimes.
+    spec = _spec(head_dim=128, cta_tile_kv=64, num_warps=8, num_stages=stages)
+    for _ in range(3):
+        run(spec, 2, 4096, 64, 8, 2, BF16, causal=True)
+
+
+def test_tma_empty_keys():
+    spec = _spec(head_dim=128)
+    q = torch.randn(1, 5, 4, 128, device="cuda", dtype=BF16)
+    k = torch.randn(1, 0, 4, 128, device="cuda", dtype=BF16)
+    o, lse = attngen.prefill(q, k, k, return_lse=True, spec=spec)
+    torch.cuda.synchronize()
+    assert (o == 0).all() and (lse == float("-inf")).all()
+
+
+def test_tma_strided_views_from_packed_qkv():
+    gen = fresh_generator()
+    b, s, h, d = 2, 300, 4, 128
+    qkv = torch.randn(b, s, 3, h, d, generator=gen, device="cuda").to(BF16)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    spec = _spec(head_dim=d)
+    o = attngen.prefill(q, k, v, causal=True, spec=spec)
+    ref, _ = reference(q, k, v, range_keep(s, s, True, (-1, -1))[None, None], d ** -0.5)
+    assert torch.isfinite(o).all() and rel_l2(o, ref) < TOL[BF16]
+    assert torch.equal(o, attngen.prefill(q, k, v, causal=True, spec=spec.replace(pipeline="sync")))
+
+
+def test_tma_batch_broadcast_kv():
+    # k and v expanded over the batch (stride 0). A spec that pins pipeline=tma gets the driver's map or
+    # an error naming pipeline=sync; the default (TMA on sm_90a) falls back to the cp.async kernel of
+    # its tiles where no map can be built. Never a wrong result.
+    gen = fresh_generator()
+    q = torch.randn(3, 200, 4, 128, generator=gen, device="cuda").to(BF16)
+    k = torch.randn(1, 300, 2, 128, generator=gen, device="cuda").to(BF16).expand(3, -1, -1, -1)
+    v = torch.randn(1, 300, 2, 128, generator=gen, device="cuda").to(BF16).expand(3, -1, -1, -1)
+    spec = _spec(head_dim=128)
+    want = attngen.prefill(q, k, v, spec=spec.replace(pipeline="sync"))
+    assert torch.equal(attngen.prefill(q, k, v), want)
+    try:
+        o = attngen.prefill(q, k, v, spec=spec)
+    except attngen.LaunchError as e:
+        assert "pipeline=sync" in str(e)
+    else:
+        assert torch.equal(o, want)
+
+
+def test_default_is_tma_on_sm90a_dense_only():
+    _spec(head_dim=128)  # skips off sm_90a
+    q = torch.randn(1, 64, 4, 128, device="cuda", dtype=BF16)
+    from attngen.families.prefill.op import kernel_for
+
+    assert kernel_for(q, q, q).spec.pipeline.value == "tma"
+    assert kernel_for(q, q, q[..., :64]).spec.pipeline.value == "sync"  # v narrower: not tuned for TMA yet
+
+
+def test_tma_softcap_alibi_gqa():
+    spec = _spec(head_dim=128, softcap=True, alibi=True)
+    slopes = torch.rand(8, device="cuda", dtype=torch.float32)
+    run(spec, 2, 700, 900, 8, 2, BF16, causal=True, softcap=30.0, alibi_slopes=slopes)
+
+
+def test_tma_maps_follow_new_buffers():
+    # The host keeps tensor maps by (pointer, shape, strides): a call on other buffers of the same shapes,
+    # or on the same buffers with other values, must read what is there now.
+    spec = _spec(head_dim=64)
+    for _ in range(3):
+        run(spec, 1, 500, 700, 4, 4, FP16, causal=True, same_as_cp_async=False)
+    gen = fresh_generator()
+    q = torch.randn(1, 256, 4, 64, generator=gen, device="cuda").to(FP16)
+    k = torch.randn(1, 256, 4, 64, generator=gen, device="cuda").to(FP16)
+    o1 = attngen.prefill(q, k, k, spec=spec).clone()
+    k.mul_(-1.0)
+    o2 = attngen.prefill(q, k, k, spec=spec)
+    assert torch.equal(o2, attngen.prefill(q, k, k, spec=spec.replace(pipeline="sync")))
+    assert not torch.equal(o1, o2)
