@@ -24,6 +24,15 @@ def test_tma_is_the_sm90a_dense_default():
     assert pinned.pipeline.value == "sync" and pinned.is_resolved
 
 
+@pytest.mark.parametrize("d, warps, ctas", [(64, 4, 2), (128, 4, 2), (256, 4, 1), (128, 8, 1), (256, 8, 1)])
+def test_tma_ctas_an_sm_reach_the_launch_bounds(d, warps, ctas):
+    r = resolve(PrefillSpec(head_dim=d, pipeline="tma", num_warps=warps, cta_tile_kv=64), "sm_90a")
+    assert r.tma_ctas == ctas and r.replace(pipeline="sync").tma_ctas == 0
+    src = render(r)
+    assert f"__launch_bounds__({r.threads}{', 2' if ctas == 2 else ''})" in src
+    assert f"MASK_LIST, {ctas}>(params.p, params.maps)" in src
+
+
 @pytest.mark.parametrize("fields, field", [
     (dict(mma="mma_sync"), "mma"),  # "no configuration with mma=mma_sync, pipeline=tma; allowed: wgmma"
     (dict(varlen=True), "pipeline"),

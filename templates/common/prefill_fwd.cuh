@@ -130,7 +130,7 @@ __device__ __forceinline__ void cta_tile(const PrefillParams<T>& p, int& m_block
 template <class T, bool BF16, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int NUM_STAGES,
           int MASK, bool RETURN_LSE, bool Q_IN_REGS, int ROW_ELEMS, int ROW_ELEMS_V, bool SWIZZLE, bool SWIZZLE_V,
           bool WGMMA, bool SOFTCAP = false, bool ALIBI = false, bool VARLEN = false, bool PAGED = false,
-          bool MASK_LIST = false, bool TMA = false>
+          bool MASK_LIST = false, int TMA_CTAS = 0>
 __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const TmaDesc* maps = nullptr) {
   using L = SmemLayout<HEAD_DIM, ROW_ELEMS, SWIZZLE>;
   using LQ = typename Select<WGMMA, WgmmaLayout<HEAD_DIM, BLOCK_M>, L>::type;
@@ -148,14 +148,15 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
   constexpr int K_STEPS = HEAD_DIM / 16;   // k-steps of Q K^T
   static_assert(WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0 && HEAD_DIM_V % 16 == 0, "tile shape");
   static_assert(HEAD_DIM_V <= HEAD_DIM, "O is staged in Q's tile");
+  // TMA_CTAS: 0, the cp.async pipeline; else the TMA pipeline, its registers split for that many CTAs
+  // an SM (PrefillSpec.tma_ctas, which the entry's launch bounds also take).
+  constexpr bool TMA = TMA_CTAS > 0;
   static_assert(!TMA || (WGMMA && !VARLEN && !PAGED && !MASK_LIST), "TMA: wgmma on the dense layout");
   // TMA: registers per thread of the producer warpgroup and of the consumers, after setmaxnreg. Two
-  // consumer warpgroups run one CTA an SM, launched with 168 (384 threads): 40 + 2 x 232. One, up to
-  // head_dim 128, runs two CTAs an SM, launched with 128 (the entry asks for 2 blocks an SM,
-  // prefill.cu.jinja): 24 + 232. Above, ptxas needs more than 128 for the consumers' wgmma: one CTA an
-  // SM of 256 threads has every register it can use, and no setmaxnreg.
-  constexpr bool TWO_CTAS = NUM_WARPS == 4 && HEAD_DIM <= 128;
-  constexpr bool MOVE_REGS = NUM_WARPS == 8 || TWO_CTAS;
+  // consumer warpgroups run one CTA an SM, launched with 168 (384 threads): 40 + 2 x 232. With two
+  // CTAs an SM (one consumer warpgroup, launched with 128): 24 + 232. One consumer warpgroup alone on
+  // an SM has every register it can use, and no setmaxnreg.
+  constexpr bool MOVE_REGS = NUM_WARPS == 8 || TMA_CTAS == 2;
   constexpr int PRODUCER_REGS = NUM_WARPS == 8 ? 40 : 24;
   constexpr int CONSUMER_REGS = 232;
 

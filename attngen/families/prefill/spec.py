@@ -175,6 +175,15 @@ class PrefillSpec(SpecBase):
         return self.pipeline is Pipeline.TMA
 
     @property
+    def tma_ctas(self) -> int:
+        """The CTAs an SM the TMA kernel splits its registers for (0 without TMA): two with one consumer
+        warpgroup up to head_dim 128 (128 registers a thread at launch); one otherwise (ptxas cannot fit
+        wider heads' wgmma in 128)."""
+        if not self.tma:
+            return 0
+        return 2 if self.num_warps == 4 and self.head_dim <= 128 else 1
+
+    @property
     def whole_allowed(self) -> bool:
         """Whether the FlashAttention-2 kernel (whole rows in shared memory) can run this spec: it
         stages O in Q's tile, so V's rows may be narrower than Q's but not wider."""
@@ -262,6 +271,7 @@ class PrefillSpec(SpecBase):
             chunked=False,
             q_in_regs=self.q_in_regs,
             smem_row_elems=self.smem_row_elems,
+            tma_ctas=self.tma_ctas,
             smem_row_elems_v=_smem_row(self.dim_v),
             swizzle=self.head_dim % 64 == 0,
             swizzle_v=self.dim_v % 64 == 0,
