@@ -71,3 +71,27 @@ def test_tma_kernels_compile_spill_free(text):
     for instr in ("cp.async.bulk.tensor.4d", "setmaxnreg.dec", "setmaxnreg.inc", "mbarrier.try_wait.parity"):
         assert instr in b.ptx, instr
     assert "cp.async.cg.shared.global" not in b.ptx  # every copy is TMA's
+
+
+def test_tensor_maps_keep_the_drivers_refusals(monkeypatch):
+    # A default call falls back to the cp.async kernel where no map can be built; asking the driver again
+    # on every such call would put its failure on the host path.
+    from attngen.errors import LaunchError
+    from attngen.families.prefill import tma
+    from attngen.runtime import TensorInfo
+
+    calls = []
+
+    class Refusing:
+        def encode_tiled(self, *args):
+            calls.append(args)
+            raise LaunchError("cuTensorMapEncodeTiled failed: CUDA_ERROR_INVALID_VALUE (1)")
+
+    monkeypatch.setattr(tma, "driver", lambda: Refusing())
+    monkeypatch.setattr(tma, "_kept", {})
+    t = TensorInfo("torch", 1 << 20, (2, 100, 4, 128), (0, 512, 128, 1), "bf16", 0)
+    for _ in range(3):
+        with pytest.raises(LaunchError, match="pipeline=sync") as e:
+            tma._map(t, 128, t.ptr)
+        assert "CUDA_ERROR_INVALID_VALUE" in str(e.value)
+    assert len(calls) == 1

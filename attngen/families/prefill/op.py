@@ -32,7 +32,7 @@ from .tma import tensor_maps
 # the varlen and custom-mask kernels read the rest (PARAMS_EXT): 8 pointers, 2 strides, 9 ints.
 _PARAMS = struct.Struct("<5Q12q4i2f2i2fQq")
 PARAMS_EXT = struct.Struct("<5Q12q4i2f2i2fQq8Q2q9i")
-# PrefillTmaParams (a tma=true kernel): the three 128-byte tensor maps (tma.py), then the dense ones.
+# PrefillTmaParams (a pipeline=tma kernel): the three 128-byte tensor maps (tma.py), then the dense ones.
 _PARAMS_TMA = struct.Struct("<384s5Q12q4i2f2i2fQq")
 # What a plan's kernel reads its inputs as (the last element of a plan key).
 DENSE, CUSTOM_MASK, VARLEN, VARLEN_PAGED = range(4)

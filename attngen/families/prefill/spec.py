@@ -79,8 +79,8 @@ class PrefillSpec(SpecBase):
     # FlashAttention-2 kernel) where that can run, and means "choose" where it cannot.
     HEAD_DIM_CHUNK: ClassVar[tuple[int, ...]] = (0, 32, 64, 96, 128, 192, 256)
     CHUNKS: ClassVar[tuple[int, ...]] = (32, 64)
-    TUNING_FIELDS: ClassVar[tuple[str, ...]] = ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages", "mma",
-                                                "head_dim_chunk", "pipeline")
+    TILE_FIELDS: ClassVar[tuple[str, ...]] = ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages", "mma")
+    TUNING_FIELDS: ClassVar[tuple[str, ...]] = (*TILE_FIELDS, "head_dim_chunk", "pipeline")
     ALWAYS_SHOWN: ClassVar[tuple[str, ...]] = ("head_dim", "dtype", "mask")
 
     head_dim: int = 128     # of q and k (the QK head dim)
@@ -144,7 +144,7 @@ class PrefillSpec(SpecBase):
         s(self, "cta_tile_kv", coerce_int("cta_tile_kv", self.cta_tile_kv, self.CTA_TILE_KV))
         s(self, "num_warps", coerce_int("num_warps", self.num_warps, self.NUM_WARPS))
         s(self, "num_stages", coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
-        if not self.pipeline and all(getattr(self, f) for f in self.TUNING_FIELDS[:5]):
+        if not self.pipeline and all(getattr(self, f) for f in self.TILE_FIELDS):
             # Every tile field pinned and no pipeline: the cp.async one, what such a spec meant before the
             # field existed (stored tuning winners, users' specs); one spec a kernel.
             s(self, "pipeline", Pipeline.SYNC)

@@ -5,7 +5,8 @@ q, k and v ``[batch, seqlen, heads, head_dim]`` (any strides the op accepts) eac
 ``cta_tile_kv`` rows (k, v), 128-byte swizzled as wgmma reads them (WgmmaLayout), with zeros past
 the ends. The driver builds a map in a few microseconds; the maps of the last few hundred
 (pointer, shape, strides) are kept, so a call on the same buffers (a model's layers, a serving
-loop) looks them up.
+loop) looks them up. So are the driver's refusals: a caller that falls back to the cp.async kernel
+for such inputs does not ask the driver again each call.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ _DTYPE_CODES = {"fp16": 6, "bf16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLO
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 _MAX_KEPT = 512
-_kept: dict[tuple, bytes] = {}
+_kept: dict[tuple, "bytes | LaunchError"] = {}
 
 
 def _map(t, rows: int, fallback_ptr: int) -> bytes:
@@ -34,11 +35,13 @@ def _map(t, rows: int, fallback_ptr: int) -> bytes:
             m = driver().encode_tiled(_DTYPE_CODES[t.dtype], ptr, (d, max(s, 1), h, b), (2 * ss, 2 * sh, 2 * sb),
                                       (64, rows, 1, 1), _SWIZZLE_128B, _L2_PROMOTION_256B)
         except LaunchError as e:
-            raise LaunchError(f"pipeline=tma: no TMA tensor map for shape {tuple(t.shape)} with strides "
-                              f"{tuple(t.strides)}: {e}; use a spec with pipeline=sync") from None
+            m = LaunchError(f"pipeline=tma: no TMA tensor map for shape {tuple(t.shape)} with strides "
+                            f"{tuple(t.strides)}: {e}; use a spec with pipeline=sync")
         if len(_kept) >= _MAX_KEPT:
             _kept.clear()
         _kept[key] = m
+    if m.__class__ is LaunchError:
+        raise m
     return m
 
 
