@@ -27,7 +27,7 @@ from ..score_mods import NO_EXTRAS, checked_scale, extras
 from .spec import MaskMode, Pipeline, PrefillSpec
 from .tma import tensor_maps
 
-# PrefillParams in templates/common/prefill_fwd.cuh: 5 pointers, 12 strides, 4 ints, 2 floats, 2 ints,
+# PrefillParams in templates/common/prefill_params.cuh: 5 pointers, 12 strides, 4 ints, 2 floats, 2 ints,
 # 2 floats (softcap), the ALiBi slopes' pointer and batch stride. A dense launch packs only these;
 # the varlen and custom-mask kernels read the rest (PARAMS_EXT): 8 pointers, 2 strides, 9 ints.
 _PARAMS = struct.Struct("<5Q12q4i2f2i2fQq")
