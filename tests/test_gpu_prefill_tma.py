@@ -1,10 +1,12 @@
 """The TMA prefill pipeline (``pipeline=tma``: a producer warpgroup, TMA copies into an mbarrier ring) on a
-real sm_90 GPU, against an fp64 reference (pytest -m gpu).
+real sm_90 GPU, against an fp64 reference (pytest -m gpu), in each of its schedules (serial, overlap,
+pingpong).
 
 Inputs sit inside NaN-filled buffers and outputs are written into NaN-poisoned views of a
 sentinel-filled buffer (tests/test_gpu_prefill_serving.py's helpers): a copy past a tensor map's
 end that is not zero-filled turns the output NaN, a stray write changes the sentinel. The same
-inputs through the cp.async kernel of the same tiles must give the same bits: the math is shared.
+inputs through the cp.async kernel of the same tiles must give the same bits: the math is shared, and
+the overlapped schedules only reorder when it runs (O is rescaled, then takes P V, in the same order).
 """
 
 from __future__ import annotations
@@ -51,12 +53,17 @@ def run(spec, b, sq, sk, h, hk, dtype, causal=False, window=(-1, -1), same_as_cp
         ref_o, ref_l = reference(q, k, v, range_keep(sq, sk, causal, window)[None, None], d ** -0.5)
         compare(o, lse, ref_o, ref_l, dtype)
     if same_as_cp_async:
-        o2, lse2 = attngen.prefill(q, k, v, causal=causal, window=window, return_lse=True, spec=spec.replace(pipeline="sync"),
-                                   **kw)
+        o2, lse2 = attngen.prefill(q, k, v, causal=causal, window=window, return_lse=True, spec=_sync(spec), **kw)
         assert torch.equal(o, o2) and torch.equal(lse, lse2), "TMA and cp.async kernels of one tile config differ"
     return o, lse
 
 
+def _sync(spec):
+    """The cp.async kernel of ``spec``'s tiles."""
+    return spec.replace(pipeline="sync", schedule="serial")
+
+
+SCHEDULES = ["serial", "overlap", "pingpong"]
 SHAPES = [(1, 1), (17, 1000), (1000, 17), (333, 1031), (3001, 3001)]
 
 
@@ -64,8 +71,9 @@ SHAPES = [(1, 1), (17, 1000), (1000, 17), (333, 1031), (3001, 3001)]
 @pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 192), (256, 256), (192, 128), (256, 128), (128, 64)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq,sk", SHAPES)
-def test_tma_matches_reference(dtype, d, dv, causal, sq, sk):
-    run(_spec(head_dim=d, head_dim_v=dv), 2, sq, sk, 4, 2, dtype, causal=causal)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_tma_matches_reference(dtype, d, dv, causal, sq, sk, schedule):
+    run(_spec(head_dim=d, head_dim_v=dv, schedule=schedule), 2, sq, sk, 4, 2, dtype, causal=causal)
 
 
 # (cta_tile_kv, num_warps, num_stages): one and two consumer warpgroups, rings of one to four slots.
@@ -75,17 +83,19 @@ TILES = [(64, 4, 1), (128, 4, 2), (64, 8, 2), (128, 8, 3), (32, 8, 4), (128, 8, 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("kv,warps,stages", TILES)
 @pytest.mark.parametrize("mask", ["full", "causal", "window"])
-def test_tma_tile_configs(d, kv, warps, stages, mask):
-    spec = _spec(head_dim=d, cta_tile_kv=kv, num_warps=warps, num_stages=stages)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_tma_tile_configs(d, kv, warps, stages, mask, schedule):
+    spec = _spec(head_dim=d, cta_tile_kv=kv, num_warps=warps, num_stages=stages, schedule=schedule)
     window = (100, 7) if mask == "window" else (-1, -1)
     run(spec, 1, 1111, 1537, 4, 1, BF16, causal=mask == "causal", window=window)
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
-def test_tma_ctas_without_keys(stages):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_tma_ctas_without_keys(stages, schedule):
     # Causal with sq >> sk: most CTAs visit no KV tile; they still wait for Q's copy before the epilogue
-    # reuses its tile. Repeated: a missed wait shows only sometimes.
-    spec = _spec(head_dim=128, cta_tile_kv=64, num_warps=8, num_stages=stages)
+    # reuses its tile (pingpong: and take no turn). Repeated: a missed wait shows only sometimes.
+    spec = _spec(head_dim=128, cta_tile_kv=64, num_warps=8, num_stages=stages, schedule=schedule)
     for _ in range(3):
         run(spec, 2, 4096, 64, 8, 2, BF16, causal=True)
 
@@ -108,7 +118,7 @@ def test_tma_strided_views_from_packed_qkv():
     o = attngen.prefill(q, k, v, causal=True, spec=spec)
     ref, _ = reference(q, k, v, range_keep(s, s, True, (-1, -1))[None, None], d ** -0.5)
     assert torch.isfinite(o).all() and rel_l2(o, ref) < TOL[BF16]
-    assert torch.equal(o, attngen.prefill(q, k, v, causal=True, spec=spec.replace(pipeline="sync")))
+    assert torch.equal(o, attngen.prefill(q, k, v, causal=True, spec=_sync(spec)))
 
 
 def test_tma_batch_broadcast_kv():
@@ -120,7 +130,7 @@ def test_tma_batch_broadcast_kv():
     k = torch.randn(1, 300, 2, 128, generator=gen, device="cuda").to(BF16).expand(3, -1, -1, -1)
     v = torch.randn(1, 300, 2, 128, generator=gen, device="cuda").to(BF16).expand(3, -1, -1, -1)
     spec = _spec(head_dim=128)
-    want = attngen.prefill(q, k, v, spec=spec.replace(pipeline="sync"))
+    want = attngen.prefill(q, k, v, spec=_sync(spec))
     assert torch.equal(attngen.prefill(q, k, v), want)
     try:
         o = attngen.prefill(q, k, v, spec=spec)
@@ -139,8 +149,9 @@ def test_default_is_tma_on_sm90a_dense_only():
     assert kernel_for(q, q, q[..., :64]).spec.pipeline.value == "sync"  # v narrower: not tuned for TMA yet
 
 
-def test_tma_softcap_alibi_gqa():
-    spec = _spec(head_dim=128, softcap=True, alibi=True)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_tma_softcap_alibi_gqa(schedule):
+    spec = _spec(head_dim=128, softcap=True, alibi=True, schedule=schedule)
     slopes = torch.rand(8, device="cuda", dtype=torch.float32)
     run(spec, 2, 700, 900, 8, 2, BF16, causal=True, softcap=30.0, alibi_slopes=slopes)
 
@@ -157,5 +168,5 @@ def test_tma_maps_follow_new_buffers():
     o1 = attngen.prefill(q, k, k, spec=spec).clone()
     k.mul_(-1.0)
     o2 = attngen.prefill(q, k, k, spec=spec)
-    assert torch.equal(o2, attngen.prefill(q, k, k, spec=spec.replace(pipeline="sync")))
+    assert torch.equal(o2, attngen.prefill(q, k, k, spec=_sync(spec)))
     assert not torch.equal(o1, o2)

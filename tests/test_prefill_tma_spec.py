@@ -1,4 +1,4 @@
-"""The TMA prefill pipeline's spec (``pipeline=tma``) and its compiles (NVRTC, no GPU)."""
+"""The TMA prefill pipeline's spec (``pipeline=tma``, its ``schedule``) and its compiles (NVRTC, no GPU)."""
 
 import pytest
 
@@ -11,7 +11,10 @@ def test_tma_is_the_sm90a_dense_default():
     r = resolve(PrefillSpec(head_dim=128), "sm_90a")
     assert r.tma and r.mma.value == "wgmma"
     assert r.threads == 32 * r.num_warps + 128  # the producer warpgroup
-    assert r.smem_bytes() == r.replace(pipeline="sync").smem_bytes() + 8 * (1 + 3 * r.num_stages)
+    assert r.schedule.value == "pingpong"  # H100, 2026-11-23: 2-10% over serial at head_dim 64 and 128
+    bars = 8 * (1 + 4 * r.num_stages)  # Q's; per slot K full, V full, K empty, V empty
+    assert r.smem_bytes() == r.replace(pipeline="sync", schedule="serial").smem_bytes() + bars
+    assert r.replace(schedule="serial").smem_bytes() == r.smem_bytes() - 8 * r.num_stages
     # elsewhere, and for the layouts it has no form for, the cp.async pipeline
     for arch in ("sm_80", "sm_90", "sm_120"):
         assert resolve(PrefillSpec(head_dim=128), arch).pipeline.value == "sync"
@@ -30,7 +33,7 @@ def test_tma_ctas_an_sm_reach_the_launch_bounds(d, warps, ctas):
     assert r.tma_ctas == ctas and r.replace(pipeline="sync").tma_ctas == 0
     src = render(r)
     assert f"__launch_bounds__({r.threads}{', 2' if ctas == 2 else ''})" in src
-    assert f"MASK_LIST, {ctas}>(params.p, params.maps)" in src
+    assert f"MASK_LIST, {ctas}, false, false>(params.p, params.maps)" in src
 
 
 @pytest.mark.parametrize("fields, field", [
@@ -51,19 +54,66 @@ def test_tma_text_round_trip():
     assert "pipeline" not in PrefillSpec(head_dim=128).to_text()
 
 
+# ---- schedules: serial, overlap (the softmax under the GEMMs), pingpong (two warpgroups take turns) ----
+
+def test_schedule_resolves_with_the_tma_pipeline():
+    for sched in ("overlap", "pingpong"):
+        r = resolve(PrefillSpec(head_dim=128, schedule=sched), "sm_90a")
+        assert r.tma and r.schedule.value == sched and r.num_stages >= 2
+        assert f"schedule={sched}" in r.to_text()
+    assert resolve(PrefillSpec(head_dim=128, schedule="pingpong"), "sm_90a").num_warps == 8
+    # the cp.async pipeline has the serial schedule only; a spec pinning its tiles and the TMA pipeline
+    # (stored tuning winners) keeps the serial one it meant before the field
+    assert resolve(PrefillSpec(head_dim=128), "sm_80").schedule.value == "serial"
+    assert PrefillSpec(head_dim=128, pipeline="sync").schedule.value == "serial"
+    pinned = PrefillSpec(head_dim=128, cta_tile_q=128, cta_tile_kv=128, num_warps=8, num_stages=3, mma="wgmma",
+                         pipeline="tma")
+    assert pinned.schedule.value == "serial" and pinned.is_resolved
+    assert not PrefillSpec(head_dim=128, pipeline="tma").schedule  # tiles left to resolve: so is the schedule
+
+
+@pytest.mark.parametrize("fields, field", [
+    (dict(pipeline="sync", schedule="overlap"), "schedule"),
+    (dict(schedule="overlap", varlen=True), "schedule"),
+    (dict(schedule="pingpong", custom_mask=True), "schedule"),
+    (dict(schedule="overlap", head_dim=512), "schedule"),
+    (dict(schedule="pingpong", num_warps=4), "schedule"),
+    (dict(schedule="overlap", num_stages=1, cta_tile_kv=64, num_warps=8, cta_tile_q=128, mma="wgmma"), "num_stages"),
+    (dict(schedule="sometimes"), "schedule"),
+])
+def test_schedule_refusals_name_the_field(fields, field):
+    with pytest.raises(SpecError) as e:
+        resolve(PrefillSpec(**{"head_dim": 128, **fields}), "sm_90a")
+    assert e.value.field == field
+
+
+def test_schedule_off_sm90a_is_refused():
+    with pytest.raises(SpecError):
+        resolve(PrefillSpec(head_dim=128, schedule="overlap"), "sm_80")
+
+
 @pytest.mark.parametrize("text", [
-    "prefill:head_dim=64,dtype=fp16,mask=causal,return_lse=true,pipeline=tma",
+    "prefill:head_dim=64,dtype=fp16,mask=causal,return_lse=true,pipeline=tma,schedule=serial",
     "prefill:head_dim=128,dtype=bf16,pipeline=tma",
     "prefill:head_dim=128,dtype=bf16,mask=sliding_window,num_warps=4,cta_tile_q=64,pipeline=tma",
     "prefill:head_dim=192,head_dim_v=128,dtype=bf16,mask=causal,pipeline=tma",
     "prefill:head_dim=256,dtype=bf16,mask=causal,softcap=true,alibi=true,pipeline=tma",
+    "prefill:head_dim=64,dtype=bf16,schedule=overlap,num_warps=4",
+    "prefill:head_dim=64,dtype=fp16,mask=causal,schedule=pingpong",
+    "prefill:head_dim=128,dtype=bf16,schedule=overlap",
+    "prefill:head_dim=128,dtype=bf16,mask=causal,return_lse=true,schedule=pingpong",
+    "prefill:head_dim=256,dtype=bf16,schedule=pingpong",
+    "prefill:head_dim=256,dtype=fp16,mask=sliding_window,softcap=true,alibi=true,schedule=overlap",
 ])
-def test_tma_kernels_compile_spill_free(text):
+def test_tma_kernels_compile_spill_free_and_asynchronous(text):
     from attngen.spec import parse_spec
 
     spec = resolve(parse_spec(text), "sm_90a")
     source = render(spec)
     assert "__grid_constant__" in source
+    overlap, pingpong = spec.overlapped, spec.schedule.value == "pingpong"
+    assert f"MASK_LIST, {spec.tma_ctas}, {str(overlap).lower()}, {str(pingpong).lower()}>(params.p, params.maps)" \
+        in source
     b = compile(source, "sm_90a", kernel_name=spec.kernel_name, want_ptx=True)
     r = b.resources
     assert (r.spill_stores, r.spill_loads, r.stack_frame) == (0, 0, 0), (text, r, b.log)
@@ -71,6 +121,10 @@ def test_tma_kernels_compile_spill_free(text):
     for instr in ("cp.async.bulk.tensor.4d", "setmaxnreg.dec", "setmaxnreg.inc", "mbarrier.try_wait.parity"):
         assert instr in b.ptx, instr
     assert "cp.async.cg.shared.global" not in b.ptx  # every copy is TMA's
+    # ptxas serialises the wgmma of a pipeline stage it cannot prove safe (C7514 and kin): the overlap gone
+    assert "serialized" not in b.log, b.log
+    assert ("bar.arrive" in b.ptx) == pingpong  # the turns
+    assert ("wgmma.wait_group.sync.aligned 1" in b.ptx) == overlap  # S = Q K^T waited for with P V in flight
 
 
 def test_tensor_maps_keep_the_drivers_refusals(monkeypatch):

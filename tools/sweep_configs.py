@@ -29,9 +29,10 @@ def configs(a, d, dv, causal):
                      pipeline="sync")
                 for bm, bn, st, dk in itertools.product((64, 32), (128, 64), (2, 3, 4), (64, 32))]
     else:
-        grid = [dict(cta_tile_q=bm, cta_tile_kv=bn, num_warps=w, num_stages=st, mma=mma, pipeline=pl)
-                for mma, bm, bn, w, st, pl in itertools.product(a.mma.split(","), (64, 128), (32, 64, 128), (4, 8),
-                                                                (1, 2, 3, 4), ("sync", "tma") if a.tma else ("sync",))
+        pipes = [("sync", "serial")] + ([("tma", sc) for sc in ("serial", "overlap", "pingpong")] if a.tma else [])
+        grid = [dict(cta_tile_q=bm, cta_tile_kv=bn, num_warps=w, num_stages=st, mma=mma, pipeline=pl, schedule=sc)
+                for mma, bm, bn, w, st, (pl, sc) in itertools.product(a.mma.split(","), (64, 128), (32, 64, 128),
+                                                                      (4, 8), (1, 2, 3, 4), pipes)
                 if pl == "sync" or mma == "wgmma"]
     for g in grid:
         try:
@@ -40,8 +41,8 @@ def configs(a, d, dv, causal):
         except SpecError:
             continue
         label = " ".join(f"{k.replace('cta_tile_', '').replace('num_', '').replace('head_dim_', '')}{v}"
-                         for k, v in g.items() if k not in ("mma", "pipeline"))
-        label += " tma" if g.get("pipeline") == "tma" else ""
+                         for k, v in g.items() if k not in ("mma", "pipeline", "schedule"))
+        label += f" tma {g['schedule']}" if g.get("pipeline") == "tma" else ""
         yield spec, f"{g['mma']} {label}"
 
 
@@ -54,7 +55,7 @@ def main():
     ap.add_argument("--mma", default="mma_sync,wgmma", help="instruction paths to try (wgmma needs sm_90a)")
     ap.add_argument("--causal", default="both", choices=("both", "false", "true"))
     ap.add_argument("--chunked", action="store_true", help="the chunked kernel's configs")
-    ap.add_argument("--tma", action="store_true", help="each wgmma config also with pipeline=tma")
+    ap.add_argument("--tma", action="store_true", help="each wgmma config also with pipeline=tma, in each schedule")
     ap.add_argument("--arch", default=None, help="validate for this arch (default: the GPU's)")
     ap.add_argument("--emit-manifest", type=Path, default=None)
     ap.add_argument("--top", type=int, default=10)

@@ -24,7 +24,7 @@ namespace attngen {
 template <class T, bool BF16, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int NUM_STAGES,
           int MASK, bool RETURN_LSE, bool Q_IN_REGS, int ROW_ELEMS, int ROW_ELEMS_V, bool SWIZZLE, bool SWIZZLE_V,
           bool WGMMA, bool SOFTCAP = false, bool ALIBI = false, bool VARLEN = false, bool PAGED = false,
-          bool MASK_LIST = false, int TMA_CTAS = 0>
+          bool MASK_LIST = false, int TMA_CTAS = 0, bool OVERLAP = false, bool PINGPONG = false>
 __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const TmaDesc* maps = nullptr) {
   using L = SmemLayout<HEAD_DIM, ROW_ELEMS, SWIZZLE>;
   using LQ = typename Select<WGMMA, WgmmaLayout<HEAD_DIM, BLOCK_M>, L>::type;
@@ -46,6 +46,8 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
   // an SM (PrefillSpec.tma_ctas, which the entry's launch bounds also take).
   constexpr bool TMA = TMA_CTAS > 0;
   static_assert(!TMA || (WGMMA && !VARLEN && !PAGED && !MASK_LIST), "TMA: wgmma on the dense layout");
+  static_assert(!OVERLAP || (TMA && NUM_STAGES >= 2), "OVERLAP: the TMA ring, tile i's V and i+1's K in it");
+  static_assert(!PINGPONG || (OVERLAP && NUM_WARPS == 8), "PINGPONG: two consumer warpgroups take turns");
   // TMA: registers per thread of the producer warpgroup and of the consumers, after setmaxnreg. Two
   // consumer warpgroups run one CTA an SM, launched with 168 (384 threads): 40 + 2 x 232. With two
   // CTAs an SM (one consumer warpgroup, launched with 128): 24 + 232. One consumer warpgroup alone on
@@ -59,12 +61,14 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
   T* sQ = reinterpret_cast<T*>(smem_base);
   T* sK = sQ + Q_ELEMS;
   T* sV = sK + NUM_STAGES * K_ELEMS;
-  // TMA: the ring's mbarriers after the V slots, 8 bytes each: Q's, then per slot K full, V full, empty.
+  // TMA: the ring's mbarriers after the V slots, 8 bytes each: Q's, then per slot K full, V full, empty
+  // (OVERLAP: K's slot empty, then per slot V's: tile i's K is done with a step before its V).
   const unsigned bars = TMA ? smem_addr(sV + NUM_STAGES * V_ELEMS) : 0u;
   const unsigned q_bar = bars;
   auto k_bar = [&](int s) { return bars + 8u * (1 + s); };
   auto v_bar = [&](int s) { return bars + 8u * (1 + NUM_STAGES + s); };
   auto e_bar = [&](int s) { return bars + 8u * (1 + 2 * NUM_STAGES + s); };
+  auto ev_bar = [&](int s) { return bars + 8u * (1 + 3 * NUM_STAGES + s); };
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -161,6 +165,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
         W::mbar_init(k_bar(s), 1);
         W::mbar_init(v_bar(s), 1);
         W::mbar_init(e_bar(s), NUM_WARPS);
+        if constexpr (OVERLAP) W::mbar_init(ev_bar(s), NUM_WARPS);
       }
       W::mbar_init_fence();
     }
@@ -183,6 +188,9 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
           for (int b = 0; b < HEAD_DIM / 64; ++b)
             W::tma_load(smem_addr(sK + slot * K_ELEMS) + b * LK::BLOCK_BYTES, maps + 1, k_bar(slot), 64 * b, n0,
                         kv_head, batch);
+          if constexpr (OVERLAP) {
+            if (it >= NUM_STAGES) W::mbar_wait(ev_bar(slot), ((it / NUM_STAGES) + 1) & 1);
+          }
           W::mbar_expect(v_bar(slot), V_ELEMS * sizeof(T));
 #pragma unroll
           for (int b = 0; b < HEAD_DIM_V / 64; ++b)
@@ -225,11 +233,51 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
   const int warp_hi = max(warp_lo, min(warp_lo + WARP_M, seqlen_q) - 1);
   unsigned q_frag[Q_IN_REGS ? M_TILES : 1][Q_IN_REGS ? K_STEPS : 1][4];
 
+  // OVERLAP (TMA): step `it` issues S = Q K^T of tile it, then rescales O for tile it - 1's softmax
+  // and issues tile it - 1's O += P V; tile it's softmax runs while P V does, and P V is waited for
+  // only after it. The last tile's P V follows the loop. PINGPONG: the two consumer warpgroups take
+  // turns issuing their GEMMs, so that one's softmax runs under the other's GEMMs: warpgroup w waits
+  // on named barrier 2 + w before its GEMMs and arrives on the other's after them. Warpgroup 1 lets
+  // warpgroup 0 go first and skips its last arrival: each barrier sees as many arrivals as waits.
+  const int wg = warp / 4;
+  unsigned p_frag[OVERLAP ? BLOCK_N / 16 : 1][4];  // P of the tile whose P V is issued next
+  float corr_o[M_TILES][2];                        // and its softmax's correction of O, applied first
+  auto turn_begin = [&]() {
+    if constexpr (PINGPONG) WgmmaOps<BF16>::bar_sync(2 + wg, 256);
+  };
+  auto turn_end = [&](bool last) {
+    if constexpr (PINGPONG) {
+      if (!last || wg == 0) WgmmaOps<BF16>::bar_arrive(3 - wg, 256);
+    }
+  };
+  auto rescale_issue_pv = [&](int it) {
+    if constexpr (OVERLAP) {  // compiled only there: WgmmaOps exists on sm_90a alone
+      using W = WgmmaOps<BF16>;
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int d = 0; d < D_TILES; ++d)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc_o[mt][d][c] *= corr_o[mt][c / 2];
+      const int slot = it % NUM_STAGES;
+      W::mbar_wait(v_bar(slot), (it / NUM_STAGES) & 1);
+      const unsigned v_at = smem_addr(sV + slot * V_ELEMS);
+      W::fence();
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+        Wgmma<HEAD_DIM_V, BF16>::rs(acc_o[0], p_frag[kk], W::desc_mn(v_at, kk, LV::BLOCK_BYTES));
+    }
+  };
+  if constexpr (PINGPONG) {
+    if (wg == 1 && n_tiles > 0) WgmmaOps<BF16>::bar_arrive(2, 256);
+  }
+
   for (int it = 0; it < n_tiles; ++it) {
     const int tile = tile_at(it);
     const int slot = NUM_STAGES > 1 ? it % NUM_STAGES : 0;
     if constexpr (TMA) {
       WgmmaOps<BF16>::mbar_wait(k_bar(slot), (it / NUM_STAGES) & 1);
+      turn_begin();
     } else if constexpr (NUM_STAGES > 1) {
       cp_async_wait<NUM_STAGES - 2>();
       if constexpr (WGMMA) WgmmaOps<BF16>::fence_proxy();
@@ -277,7 +325,17 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
         Wgmma<BLOCK_N, BF16>::ss(acc_s[0], W::desc_k(q_at, kk, LQ::BLOCK_BYTES), W::desc_k(k_at, kk, LK::BLOCK_BYTES),
                                  kk > 0);
       W::commit();
-      W::template wait<0>();
+      if constexpr (OVERLAP) {
+        // P V's group (empty in the first step, so that one wait serves every step), then S = Q K^T's
+        // landing, with P V left running
+        if (it > 0) rescale_issue_pv(it - 1);
+        W::commit();
+        turn_end(false);
+        W::template wait<1>();
+        if (lane == 0) W::mbar_arrive(e_bar(slot));  // this warp is done with tile it's K
+      } else {
+        W::template wait<0>();
+      }
       W::hold(acc_s[0]);
     } else {
 #pragma unroll
@@ -397,16 +455,28 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
           }
         }
         row_sum[mt][r] = row_sum[mt][r] * corr + sum;
+        if constexpr (OVERLAP) {
+          corr_o[mt][r] = corr;  // O takes it once the previous P V has landed
+        } else {
 #pragma unroll
-        for (int d = 0; d < D_TILES; ++d) {
-          acc_o[mt][d][2 * r] *= corr;
-          acc_o[mt][d][2 * r + 1] *= corr;
+          for (int d = 0; d < D_TILES; ++d) {
+            acc_o[mt][d][2 * r] *= corr;
+            acc_o[mt][d][2 * r + 1] *= corr;
+          }
         }
       }
     }
 
     // ---- O += P V ---------------------------------------------------------------------------
-    if constexpr (WGMMA) {
+    if constexpr (OVERLAP) {
+      // Tile it - 1's P V has landed: its V slot is released, and P takes this tile's (issued next step).
+      using W = WgmmaOps<BF16>;
+      W::template wait<0>();
+      W::hold(acc_o[0]);
+      if (it > 0 && lane == 0) W::mbar_arrive(ev_bar((it - 1) % NUM_STAGES));  // and with tile it - 1's V
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) p_fragment<BF16>(acc_s[0], kk, p_frag[kk]);
+    } else if constexpr (WGMMA) {
       // V is N-major for this product.
       using W = WgmmaOps<BF16>;
       const unsigned v_at = smem_addr(sVs);
@@ -443,9 +513,20 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
       }
     }
     if constexpr (TMA) {
-      if (lane == 0) WgmmaOps<BF16>::mbar_arrive(e_bar(slot));  // this warp's wgmma on the slot have waited
+      // this warp's wgmma on the slot have waited (OVERLAP: the next step releases it)
+      if (!OVERLAP && lane == 0) WgmmaOps<BF16>::mbar_arrive(e_bar(slot));
     } else if constexpr (NUM_STAGES == 1) {
       __syncthreads();  // the single slot is refilled next
+    }
+  }
+  if constexpr (OVERLAP) {
+    if (n_tiles > 0) {
+      turn_begin();
+      rescale_issue_pv(n_tiles - 1);
+      WgmmaOps<BF16>::commit();
+      WgmmaOps<BF16>::template wait<0>();
+      WgmmaOps<BF16>::hold(acc_o[0]);
+      turn_end(true);
     }
   }
 

@@ -4,7 +4,7 @@ from ...family import Family, register
 from .defaults import candidates
 from .masks import MaskPlan
 from .op import mask_plan, prefill
-from .spec import MaskMode, Mma, Pipeline, PrefillSpec
+from .spec import MaskMode, Mma, Pipeline, PrefillSpec, Schedule
 from .varlen import prefill_varlen
 
 FAMILY = register(Family(
@@ -15,6 +15,7 @@ FAMILY = register(Family(
     summary="attention forward: dense, varlen or paged; causal, sliding window, custom masks (live-tile lists), GQA",
     tuning="attngen.families.prefill.tuning",
     exports={"prefill": prefill, "prefill_varlen": prefill_varlen, "mask_plan": mask_plan, "MaskPlan": MaskPlan,
-             "PrefillSpec": PrefillSpec, "MaskMode": MaskMode, "Mma": Mma, "Pipeline": Pipeline},
+             "PrefillSpec": PrefillSpec, "MaskMode": MaskMode, "Mma": Mma, "Pipeline": Pipeline,
+             "Schedule": Schedule},
     bench="attngen.families.prefill.bench",
 ))

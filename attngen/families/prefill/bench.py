@@ -132,6 +132,9 @@ def add_parser(sub) -> None:
     pp.add_argument("--sync-too", action="store_true",
                     help="also time the cp.async pipeline (pipeline=sync) as 'sync': on sm_90a, what the TMA "
                          "pipeline of the default buys")
+    pp.add_argument("--serial-too", action="store_true",
+                    help="also time the serial schedule (schedule=serial) as 'serial': on sm_90a, what the default's "
+                         "ping-pong or overlap buys at the same tiles")
     pp.add_argument("--quick", action="store_true",
                     help="a small subset: seqlens 1k,4k, head_dims 64,128, bf16 (explicit options still win)")
     pp.add_argument("--tokens", type=int, default=TOKENS, help=argparse.SUPPRESS)
@@ -159,7 +162,7 @@ def add_parser(sub) -> None:
 
 def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, warmup_ms: float = 25.0,
               rep_ms: float = 100.0, reps: int | None = None, seed: int = 0, sdpa_layout: str = "view",
-              chunked_too: bool = False, sync_too: bool = False) -> dict:
+              chunked_too: bool = False, sync_too: bool = False, serial_too: bool = False) -> dict:
     """Check and time one shape: attngen and each SDPA backend on the same inputs."""
     import torch
     import torch.nn.functional as F
@@ -261,9 +264,11 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
             rec["errors"][name] = _short_error(e)
             rec["ms"][name] = rec["tflops"][name] = None
     # The same inputs through other attngen kernels: rows of their own, not peers. The chunked kernel
-    # where whole rows also run; the cp.async pipeline (its own default tiles).
+    # where whole rows also run; the cp.async pipeline (its own default tiles); the serial schedule (the
+    # default's tiles).
     variants = [("chunked", "prefill:head_dim_chunk=64")] if chunked_too and d <= attngen.PrefillSpec.WHOLE_MAX else []
     variants += [("sync", "prefill:pipeline=sync")] if sync_too else []
+    variants += [("serial", "prefill:schedule=serial")] if serial_too else []
     for name, spec in variants:
         try:
             ms, _ = core.bench_ms(lambda: attngen.prefill(q, k, v, causal=causal, spec=spec), warmup_ms, rep_ms, reps)
@@ -477,7 +482,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     if done is not None:
         return done
     shapes = sweep_from_args(args)
-    backends = list(args.backends) + (["chunked"] if args.chunked_too else []) + (["sync"] if args.sync_too else [])
+    backends = list(args.backends) + [name for name, on in (("chunked", args.chunked_too), ("sync", args.sync_too),
+                                                            ("serial", args.serial_too)) if on]
     env = core.environment(gpu=True)
     timer = "cuda-events" if args.reps is not None or core._triton_do_bench() is None else "triton.do_bench"
     data: dict[str, Any] = {
@@ -504,7 +510,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         try:
             rec = run_shape(shape, tuple(args.backends), check=not args.no_check, warmup_ms=args.warmup_ms,
                             rep_ms=args.rep_ms, reps=args.reps, seed=args.seed + i, sdpa_layout=args.sdpa_layout,
-                            chunked_too=args.chunked_too, sync_too=args.sync_too)
+                            chunked_too=args.chunked_too, sync_too=args.sync_too, serial_too=args.serial_too)
         except Exception as e:  # e.g. out of memory: keep the sweep going
             rec = {**asdict(shape), "flops": shape.flops, "ms": {}, "tflops": {}, "ratio": {},
                    "errors": {"shape": _short_error(e)}}

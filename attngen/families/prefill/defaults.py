@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 from ...arch import Arch
-from .spec import MaskMode, Mma, Pipeline
+from .spec import MaskMode, Mma, Pipeline, Schedule
 
 # Measured on an H200 (sm_90) with NVRTC 13.5, bf16, 16k tokens at seqlen 4096, 2026-11-22
 # (tools/sweep_configs.py; BENCHMARKS.md). Archs with less shared memory take the best
@@ -25,14 +25,18 @@ TUNED = {
 }
 
 # sm_90a, the dense layout: the TMA pipeline's wgmma kernels (a producer warpgroup more), per
-# (head_dim, masked). From tools/sweep_configs.py --tma on an H100 (NVRTC 13.5, bf16, 16k tokens at
-# seqlen 4096, 2026-11-23; BENCHMARKS.md): each was the fastest config of either pipeline, 3-39%
-# over the cp.async kernels' best. Head dim 192 not timed: it keeps the cp.async configs below.
+# (head_dim, masked): (cta_tile_q, cta_tile_kv, num_warps, num_stages[, schedule]), serial where no
+# schedule is named. Tiles from tools/sweep_configs.py --tma on an H100 (NVRTC 13.5, bf16, 16k tokens
+# at seqlen 4096, 2026-11-23; BENCHMARKS.md): each was the fastest config of either pipeline, 3-39% over
+# the cp.async kernels' best. Schedules timed on an H100 the same day (3 interleaved repeats, 16k tokens
+# at seqlen 4096 and 16384): ping-pong 2-10% over serial at head_dim 64 and 128 (with two stages, as
+# K's and V's slots are emptied apart); at 256 it was even to 5% slower, so serial stays. Head dim 192
+# not timed: it keeps the cp.async configs below.
 TUNED_TMA = {
-    (64, False): [(128, 128, 8, 4)],
-    (64, True): [(64, 128, 4, 2)],
-    (128, False): [(128, 128, 8, 3)],
-    (128, True): [(128, 128, 8, 3)],
+    (64, False): [(128, 128, 8, 2, Schedule.PINGPONG), (128, 128, 8, 4)],
+    (64, True): [(128, 128, 8, 2, Schedule.PINGPONG), (64, 128, 4, 2)],
+    (128, False): [(128, 128, 8, 2, Schedule.PINGPONG), (128, 128, 8, 3)],
+    (128, True): [(128, 128, 8, 2, Schedule.PINGPONG), (128, 128, 8, 3)],
     (256, False): [(128, 64, 8, 2)],
     (256, True): [(128, 64, 8, 2)],
 }
@@ -106,9 +110,10 @@ CHUNKED_SPILLS_ON = {
 
 
 def candidates(spec, arch: Arch):
-    """(cta_tile_q, cta_tile_kv, num_warps, num_stages, mma, head_dim_chunk, pipeline): tuned configs first,
-    then every allowed combination, larger tiles first; wgmma ones first on sm_90a, the TMA pipeline's
-    first where it runs (the dense layout; elsewhere ``check`` refuses them). A custom mask takes
+    """(cta_tile_q, cta_tile_kv, num_warps, num_stages, mma, head_dim_chunk, pipeline, schedule): tuned configs
+    first, then every allowed combination, larger tiles first; wgmma ones first on sm_90a, the TMA pipeline's
+    first where it runs (the dense layout; elsewhere ``check`` refuses them), each tuned one with its
+    measured schedule first and then the others. A custom mask takes
     64-row tiles first: the finer its tiles, the more of a sparse mask its live-tile lists skip.
     Configs ``SPILLS_ON`` lists for the arch come after all others: a default never takes one
     while another fits, and a spec that pins one still gets it (spills cost speed, not results)."""
@@ -116,13 +121,14 @@ def candidates(spec, arch: Arch):
         rows = (64, 32) if spec.dim_v <= CHUNKED_ROWS_64_UP_TO else (32, 64)
         listed = [c for r in rows for c in CHUNKED[r]]
         rest = [(q, kv, 8, st, dk) for q in rows for kv in (128, 64) for dk in (64, 32) for st in (3, 2, 4)]
-        every = [(q, kv, w, st, Mma.SYNC, dk, Pipeline.SYNC) for q, kv, w, st, dk in dict.fromkeys(listed + rest)]
+        every = [(q, kv, w, st, Mma.SYNC, dk, Pipeline.SYNC, Schedule.SERIAL)
+                 for q, kv, w, st, dk in dict.fromkeys(listed + rest)]
         chunked_spills = CHUNKED_SPILLS_ON.get((spec.head_dim, spec.dim_v, spec.mask), {})
 
         def spilled(c):
             return arch.name in chunked_spills.get((*c[:4], c[5]), ())
     else:
-        every = [(*c[:5], 0, c[5]) for c in _candidates(spec, arch)]  # head_dim_chunk 0: whole rows
+        every = [(*c[:5], 0, *c[5:]) for c in _candidates(spec, arch)]  # head_dim_chunk 0: whole rows
         if spec.custom_mask:
             every = [c for c in every if c[0] == 64] + [c for c in every if c[0] != 64]
         spills = SPILLS_ON["mask" if spec.custom_mask else "varlen" if spec.varlen else "dense"]
@@ -136,14 +142,22 @@ def candidates(spec, arch: Arch):
 
 def _candidates(spec, arch: Arch):
     d = spec.head_dim
-    W, S, T = Mma.WGMMA, Pipeline.SYNC, Pipeline.TMA
+    W, S, T, SER = Mma.WGMMA, Pipeline.SYNC, Pipeline.TMA, Schedule.SERIAL
+
+    def tma(configs):
+        # each TMA config with its measured schedule first (serial where none is listed), then the others
+        for c in configs:
+            first = c[4] if len(c) > 4 else SER
+            yield from ((*c[:4], W, T, sc) for sc in (first, *(x for x in Schedule if x and x is not first)))
+
     if arch.has_wgmma and d % 64 == 0 and spec.dim_v % 64 == 0:
         key = (d, spec.mask is not MaskMode.NONE)
         wgmma_all = [(16 * w, kv, w, st) for w in (8, 4) for kv in (128, 64, 32) for st in (2, 3, 1, 4)]
         if spec.dim_v == d and not (spec.varlen or spec.custom_mask):
-            yield from ((*c, W, T) for c in TUNED_TMA.get(key, ()))
-        yield from ((*c, W, S) for c in TUNED_WGMMA[key])
-        yield from ((*c, W, T) for c in wgmma_all)
-        yield from ((*c, W, S) for c in wgmma_all)
-    yield from ((*c, Mma.SYNC, S) for c in TUNED[d])
-    yield from ((*c, Mma.SYNC, S) for c in itertools.product((128, 64), (64, 128, 32), (4, 8), (2, 3, 1, 4)))
+            yield from tma(TUNED_TMA.get(key, ()))
+        yield from ((*c, W, S, SER) for c in TUNED_WGMMA[key])
+        yield from tma(wgmma_all)
+        yield from ((*c, W, S, SER) for c in wgmma_all)
+    yield from ((*c, Mma.SYNC, S, SER) for c in TUNED[d])
+    yield from ((*c, Mma.SYNC, S, SER)
+                for c in itertools.product((128, 64), (64, 128, 32), (4, 8), (2, 3, 1, 4)))

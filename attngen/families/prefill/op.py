@@ -24,7 +24,7 @@ from ...runtime import (TunedKernels, allocator, data_ptr, get_kernel, register_
                          torch_stream_getter)
 from ...spec import DType, spec_of_text
 from ..score_mods import NO_EXTRAS, checked_scale, extras
-from .spec import MaskMode, Pipeline, PrefillSpec
+from .spec import MaskMode, Pipeline, PrefillSpec, Schedule
 from .tma import tensor_maps
 
 # PrefillParams in templates/common/prefill_params.cuh: 5 pointers, 12 strides, 4 ints, 2 floats, 2 ints,
@@ -113,7 +113,8 @@ class _Plan(TunedKernels):
         pipeline=tma and the caller did not ask for it)."""
         twin = self.sync_twins.get(kern.key)
         if twin is None:
-            twin = self.sync_twins[kern.key] = get_kernel(kern.spec.replace(pipeline=Pipeline.SYNC), device=self.device)
+            spec = kern.spec.replace(pipeline=Pipeline.SYNC, schedule=Schedule.SERIAL)
+            twin = self.sync_twins[kern.key] = get_kernel(spec, device=self.device)
         return twin
 
 

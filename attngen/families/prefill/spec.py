@@ -35,6 +35,19 @@ class Pipeline(enum.Enum):
         return self is not Pipeline.AUTO
 
 
+class Schedule(enum.Enum):
+    """How the TMA kernel's consumer warpgroups order a KV tile's work. ``auto`` lets ``resolve`` choose;
+    the cp.async pipeline has ``serial`` only."""
+
+    AUTO = "auto"
+    SERIAL = "serial"      # S = Q K^T, its softmax, then O += P V, each waited for before the next
+    OVERLAP = "overlap"    # the next tile's S = Q K^T and this tile's P V run under the softmax
+    PINGPONG = "pingpong"  # overlap, and the two consumer warpgroups take turns at the tensor cores
+
+    def __bool__(self) -> bool:
+        return self is not Schedule.AUTO
+
+
 # templates/common/prefill_plan.cuh: threads of the plan builders and of the work-list sort.
 PLAN_THREADS = 256
 ORDER_THREADS = 1024
@@ -80,7 +93,7 @@ class PrefillSpec(SpecBase):
     HEAD_DIM_CHUNK: ClassVar[tuple[int, ...]] = (0, 32, 64, 96, 128, 192, 256)
     CHUNKS: ClassVar[tuple[int, ...]] = (32, 64)
     TILE_FIELDS: ClassVar[tuple[str, ...]] = ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages", "mma")
-    TUNING_FIELDS: ClassVar[tuple[str, ...]] = (*TILE_FIELDS, "head_dim_chunk", "pipeline")
+    TUNING_FIELDS: ClassVar[tuple[str, ...]] = (*TILE_FIELDS, "head_dim_chunk", "pipeline", "schedule")
     ALWAYS_SHOWN: ClassVar[tuple[str, ...]] = ("head_dim", "dtype", "mask")
 
     head_dim: int = 128     # of q and k (the QK head dim)
@@ -100,6 +113,7 @@ class PrefillSpec(SpecBase):
     paged: bool = False     # (varlen) k/v in a paged cache through a block table
     head_dim_chunk: int = 0  # 32/64: the chunked kernel; 0: whole rows (FlashAttention-2) where they fit
     pipeline: Pipeline = Pipeline.AUTO  # tma: a producer warpgroup loads the tiles with TMA (wgmma, dense)
+    schedule: Schedule = Schedule.AUTO  # overlap, pingpong: the TMA kernel's softmax under its GEMMs
 
     def __post_init__(self):
         s = object.__setattr__
@@ -129,10 +143,19 @@ class PrefillSpec(SpecBase):
         s(self, "varlen", coerce_bool("varlen", self.varlen))
         s(self, "paged", coerce_bool("paged", self.paged))
         s(self, "pipeline", coerce_enum(Pipeline, "pipeline", self.pipeline))
+        s(self, "schedule", coerce_enum(Schedule, "schedule", self.schedule))
+        if self.overlapped and self.pipeline is Pipeline.SYNC:
+            raise SpecError("schedule", self.schedule.value, "serial with pipeline=sync",
+                            reason="overlap and ping-pong are built on the TMA pipeline")
+        # The field that asks for the TMA pipeline, named by its refusals: the pipeline, or a schedule only it runs.
+        tma_ask = ("pipeline", "tma", "sync") if self.tma or not self.overlapped else \
+            ("schedule", self.schedule.value, "serial")
+        if self.overlapped:
+            s(self, "pipeline", Pipeline.TMA)  # the only pipeline they run on
         if self.tma:
             for name in ("varlen", "custom_mask"):
                 if getattr(self, name):
-                    raise SpecError("pipeline", "tma", f"sync with {name}=true",
+                    raise SpecError(tma_ask[0], tma_ask[1], f"{tma_ask[2]} with {name}=true",
                                     reason="the TMA pipeline is built for the dense layout only so far")
         if self.paged and not self.varlen:
             raise SpecError("paged", True, "false, or true with varlen=true",
@@ -148,6 +171,11 @@ class PrefillSpec(SpecBase):
             # Every tile field pinned and no pipeline: the cp.async one, what such a spec meant before the
             # field existed (stored tuning winners, users' specs); one spec a kernel.
             s(self, "pipeline", Pipeline.SYNC)
+        if not self.schedule and (self.pipeline is Pipeline.SYNC
+                                  or self.pipeline and all(getattr(self, f) for f in self.TILE_FIELDS)):
+            # The cp.async pipeline has one schedule; a spec pinning every tile field and the pipeline means
+            # what it meant before the field existed (the serial one).
+            s(self, "schedule", Schedule.SERIAL)
         if self.chunked:
             for name in ("custom_mask", "paged"):
                 if getattr(self, name):
@@ -155,7 +183,7 @@ class PrefillSpec(SpecBase):
                                     f"{self.WHOLE_MAX}, head_dim_v above head_dim or head_dim_chunk < head_dim)",
                                     reason=f"the chunked kernel has no {name.replace('_', '-')} form yet")
             if self.tma:
-                raise SpecError("pipeline", "tma", "sync with the chunked kernel (head_dim above "
+                raise SpecError(tma_ask[0], tma_ask[1], f"{tma_ask[2]} with the chunked kernel (head_dim above "
                                 f"{self.WHOLE_MAX}, head_dim_v above head_dim or head_dim_chunk < head_dim)",
                                 reason="the chunked kernel has no TMA form yet")
         elif self.cta_tile_q and self.num_warps and self.cta_tile_q % (16 * self.num_warps):
@@ -173,6 +201,11 @@ class PrefillSpec(SpecBase):
     def tma(self) -> bool:
         """The TMA pipeline (templates/common/prefill_fwd.cuh, TMA): a producer warpgroup more."""
         return self.pipeline is Pipeline.TMA
+
+    @property
+    def overlapped(self) -> bool:
+        """The schedule runs the softmax under the GEMMs (overlap or pingpong; the TMA pipeline only)."""
+        return self.schedule in (Schedule.OVERLAP, Schedule.PINGPONG)
 
     @property
     def tma_ctas(self) -> int:
@@ -240,9 +273,10 @@ class PrefillSpec(SpecBase):
             return 2 * (self.num_stages * cg["stage_elems"] + p) + 4 * cg["warps_n"] * self.cta_tile_q
         row, row_v = (_smem_row(d) * self.dtype.itemsize for d in (self.head_dim, self.dim_v))
         # wgmma's tiles are dense (head dims are multiples of 64 there): only slack to align the first
-        # one to the 1024-byte swizzle atom is added; TMA's mbarriers follow the tiles (Q's, then three a slot)
+        # one to the 1024-byte swizzle atom is added; TMA's mbarriers follow the tiles (Q's, then three a slot,
+        # four with an overlapped schedule: K's and V's slots are emptied apart)
         slack = 1024 if self.mma is Mma.WGMMA else 0
-        bars = 8 * (1 + 3 * self.num_stages) if self.tma else 0
+        bars = 8 * (1 + (4 if self.overlapped else 3) * self.num_stages) if self.tma else 0
         return row * (self.cta_tile_q + self.num_stages * self.cta_tile_kv) + row_v * self.num_stages * self.cta_tile_kv \
             + slack + bars
 
@@ -262,7 +296,8 @@ class PrefillSpec(SpecBase):
 
     def template_context(self) -> dict:
         ctx = super().template_context()
-        ctx.update(dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask], tma=self.tma)
+        ctx.update(dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask], tma=self.tma, overlap=self.overlapped,
+                   pingpong=self.schedule is Schedule.PINGPONG)
         if self.chunked:
             cg = self.chunk_grid
             ctx.update(chunked=True, wgmma=False, chunk_vk=cg["vk"], chunk_vcw=cg["vcw"])
@@ -343,6 +378,12 @@ class PrefillSpec(SpecBase):
         for name, d in (("head_dim", self.head_dim), ("head_dim_v", self.dim_v)):
             if d % 64:
                 raise SpecError(name, d, "64, 128, 192, 256 (whole 128-byte swizzle rows) with mma=wgmma")
+        if self.schedule is Schedule.PINGPONG and self.num_warps != 8:
+            raise SpecError("schedule", "pingpong", "serial, overlap with num_warps=4",
+                            reason="ping-pong takes turns between two consumer warpgroups (num_warps=8)")
+        if self.overlapped and self.num_stages < 2:
+            raise SpecError("num_stages", self.num_stages, "2, 3, 4 with schedule=" + self.schedule.value,
+                            reason="tile i's V and tile i+1's K are in the ring together")
         if self.cta_tile_q != 16 * self.num_warps:
             raise SpecError("cta_tile_q", self.cta_tile_q, f"{16 * self.num_warps} with num_warps={self.num_warps}",
                             reason="with mma=wgmma each warpgroup of 4 warps owns 64 query rows")
