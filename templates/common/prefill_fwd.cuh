@@ -18,7 +18,9 @@
 // into the NUM_STAGES-slot ring. Each slot has three mbarriers: K full and V full (the copies
 // complete them), and empty (each consumer warp arrives once its wgmma on the slot have waited).
 // The consumer warps wait on K before S = Q K^T and on V before O += P V, and no CTA barrier is
-// left in the loop. setmaxnreg moves the producer's registers to the consumers.
+// left in the loop. setmaxnreg moves the producer's registers to the consumers. The overlapped
+// schedules (OVERLAP, PINGPONG; see the KV loop) run the softmax under the GEMMs, with a fourth
+// mbarrier a slot: K's and V's slots are emptied apart.
 namespace attngen {
 
 template <class T, bool BF16, int HEAD_DIM, int HEAD_DIM_V, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int NUM_STAGES,
@@ -513,7 +515,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
       }
     }
     if constexpr (TMA) {
-      // this warp's wgmma on the slot have waited (OVERLAP: the next step releases it)
+      // this warp's wgmma on the slot have waited (OVERLAP: K's and V's slots are released above)
       if (!OVERLAP && lane == 0) WgmmaOps<BF16>::mbar_arrive(e_bar(slot));
     } else if constexpr (NUM_STAGES == 1) {
       __syncthreads();  // the single slot is refilled next
