@@ -29,7 +29,7 @@ def configs(a, d, dv, causal):
                      pipeline="sync")
                 for bm, bn, st, dk in itertools.product((64, 32), (128, 64), (2, 3, 4), (64, 32))]
     else:
-        pipes = [("sync", "serial")] + ([("tma", sc) for sc in ("serial", "overlap", "pingpong")] if a.tma else [])
+        pipes = [("sync", "serial")] + ([("tma", sc.value) for sc in attngen.Schedule if sc] if a.tma else [])
         grid = [dict(cta_tile_q=bm, cta_tile_kv=bn, num_warps=w, num_stages=st, mma=mma, pipeline=pl, schedule=sc)
                 for mma, bm, bn, w, st, (pl, sc) in itertools.product(a.mma.split(","), (64, 128), (32, 64, 128),
                                                                       (4, 8), (1, 2, 3, 4), pipes)

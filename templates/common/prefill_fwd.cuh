@@ -536,7 +536,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
   // VARLEN: the sequence's first row, read again rather than held across the loop (registers).
   if constexpr (VARLEN) q_row0 = min(max(p.cu_q[batch], 0), p.total_q);
   if constexpr (TMA) {
-    WgmmaOps<BF16>::sync_threads(THREADS);  // every consumer warp is done with sQ (the producer has left)
+    WgmmaOps<BF16>::bar_sync(1, THREADS);  // every consumer warp is done with sQ (the producer has left)
   } else {
     cp_async_wait_all();  // with one stage, a CTA with no KV tile never committed Q's copies
     __syncthreads();

@@ -167,12 +167,12 @@ class PrefillSpec(SpecBase):
         s(self, "cta_tile_kv", coerce_int("cta_tile_kv", self.cta_tile_kv, self.CTA_TILE_KV))
         s(self, "num_warps", coerce_int("num_warps", self.num_warps, self.NUM_WARPS))
         s(self, "num_stages", coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
-        if not self.pipeline and all(getattr(self, f) for f in self.TILE_FIELDS):
+        tiles_pinned = all(getattr(self, f) for f in self.TILE_FIELDS)
+        if not self.pipeline and tiles_pinned:
             # Every tile field pinned and no pipeline: the cp.async one, what such a spec meant before the
             # field existed (stored tuning winners, users' specs); one spec a kernel.
             s(self, "pipeline", Pipeline.SYNC)
-        if not self.schedule and (self.pipeline is Pipeline.SYNC
-                                  or self.pipeline and all(getattr(self, f) for f in self.TILE_FIELDS)):
+        if not self.schedule and (self.pipeline is Pipeline.SYNC or self.pipeline and tiles_pinned):
             # The cp.async pipeline has one schedule; a spec pinning every tile field and the pipeline means
             # what it meant before the field existed (the serial one).
             s(self, "schedule", Schedule.SERIAL)
