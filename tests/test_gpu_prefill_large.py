@@ -133,3 +133,67 @@ def test_kernel_is_the_chunked_one():
 
     kern = kernel_for(q, q, q)
     assert kern.spec.chunked and kern.spec.head_dim_chunk in (32, 64)
+    if torch.cuda.get_device_capability() == (9, 0):  # the default at 512 is the wgmma form there
+        q = torch.empty(1, 8, 2, 512, device="cuda", dtype=torch.bfloat16)
+        assert kernel_for(q, q, q).spec.mma.value == "wgmma"
+
+
+# ---- the chunked kernel's wgmma form (sm_90a): head_dim_v up to 640 ---------------------------------------
+
+# (V's columns padded to whole 64-column blocks per warpgroup where head_dim_v is not a multiple of 128)
+WGMMA_DIMS = [(384, 384), (512, 512), (576, 512), (640, 640), (256, 256), (1024, 512), (320, 320), (448, 448),
+              (576, 576), (512, 320)]
+
+
+def _needs_sm90():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma runs on sm_90a (H100/H200)")
+
+
+def _wgmma_spec(d, dv, extra=""):
+    cfg = "head_dim_chunk=64" if d == 256 else ""
+    if dv > 512:
+        cfg += ",cta_tile_kv=64"
+    return f"prefill:mma=wgmma{',' + cfg if cfg else ''}{',' + extra if extra else ''}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d,dv", WGMMA_DIMS)
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (100, 37))],
+                         ids=["full", "causal", "window"])
+def test_chunked_wgmma(dtype, d, dv, causal, window):
+    _needs_sm90()
+    run_case(2, 777, 1000, 4, 2, d, dv, dtype, causal=causal, window=window, spec=_wgmma_spec(d, dv))
+    q = torch.empty(1, 8, 2, d, device="cuda", dtype=dtype)
+    from attngen.families.prefill.op import kernel_for
+
+    kern = kernel_for(q, q, torch.empty(1, 8, 2, dv, device="cuda", dtype=dtype),
+                      spec=attngen.parse_spec(_wgmma_spec(d, dv)))
+    assert kern.spec.chunked and kern.spec.mma.value == "wgmma"
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 1), (17, 17), (3001, 3001), (17, 1000), (1000, 17), (129, 3001)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_chunked_wgmma_ragged_lengths_and_gqa(sq, sk, causal):
+    _needs_sm90()
+    run_case(2, sq, sk, 6, 2, 512, 512, torch.bfloat16, causal=causal, spec=_wgmma_spec(512, 512))
+
+
+@pytest.mark.parametrize("cfg", ["cta_tile_kv=64,num_stages=3", "cta_tile_kv=128,num_stages=4",
+                                 "cta_tile_kv=64,head_dim_chunk=128,num_stages=4",
+                                 "cta_tile_kv=128,head_dim_chunk=128,num_stages=3", "cta_tile_kv=32,num_stages=4"])
+def test_chunked_wgmma_tile_configs(cfg):
+    _needs_sm90()
+    run_case(1, 500, 1300, 2, 2, 512, 512, torch.bfloat16, causal=True, spec=f"prefill:mma=wgmma,{cfg}")
+
+
+def test_chunked_wgmma_sm_scale_softcap_alibi():
+    _needs_sm90()
+    gen = fresh_generator()
+    q, k, v = (torch.randn(1, 400, 4, 512, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
+    slopes = torch.rand(4, device="cuda", generator=gen) * 0.1
+    o = attngen.prefill(q, k, v, causal=True, sm_scale=0.03, softcap=20.0, alibi_slopes=slopes,
+                        spec="prefill:mma=wgmma")
+    ref, _ = reference_attention(q, k, v, causal=True, sm_scale=0.03, softcap=20.0, alibi_slopes=slopes)
+    err = (torch.linalg.vector_norm(o.float() - ref) / torch.linalg.vector_norm(ref)).item()
+    assert err < 2e-2

@@ -20,7 +20,9 @@ LARGE = (320, 384, 448, 512, 576, 640, 768, 1024)
 @pytest.mark.parametrize("d", LARGE)
 def test_large_head_dims_resolve_to_the_chunked_kernel(arch, d):
     s = resolve(PrefillSpec(head_dim=d, mask="causal"), arch)
-    assert s.chunked and s.mma is Mma.SYNC and s.head_dim_chunk in PrefillSpec.CHUNKS
+    # sm_90a: the wgmma form where O's columns (padded to whole 64-column blocks) fit the registers
+    wgmma = arch == "sm_90a" and d <= 640
+    assert s.chunked and s.mma is (Mma.WGMMA if wgmma else Mma.SYNC) and s.head_dim_chunk in PrefillSpec.CHUNKS
     assert s.smem_bytes() <= __import__("attngen").get_arch(arch).smem_per_block
 
 
@@ -117,7 +119,12 @@ def test_bad_specs_name_the_field(text, field):
 
 
 @pytest.mark.parametrize("text,field", [
-    ("prefill:head_dim=512,mma=wgmma", "mma"),
+    ("prefill:head_dim=768,mma=wgmma", "mma"),  # O's 384 columns a warpgroup: past the registers
+    ("prefill:head_dim=640,mma=wgmma,cta_tile_kv=128", "cta_tile_kv"),  # 64 keys fit
+    ("prefill:head_dim=512,mma=wgmma,num_stages=2", "num_stages"),
+    ("prefill:head_dim=512,mma=wgmma,head_dim_chunk=32,cta_tile_q=64,cta_tile_kv=64,num_warps=8,num_stages=4",
+     "head_dim_chunk"),
+    ("prefill:head_dim=512,mma=wgmma,cta_tile_q=32", "cta_tile_q"),
     ("prefill:head_dim=512,cta_tile_q=128", "cta_tile_q"),
     ("prefill:head_dim=1024,cta_tile_q=64", "cta_tile_q"),
     ("prefill:head_dim=512,num_stages=1", "num_stages"),
@@ -134,3 +141,29 @@ def test_small_smem_archs_fit_every_default():
     for arch, d in itertools.product(("sm_86", "sm_89", "sm_120"), LARGE):
         s = resolve(PrefillSpec(head_dim=d, mask="none"), arch)
         assert s.smem_bytes() <= 101376
+
+
+def test_chunked_wgmma_form():
+    """On sm_90a the chunked kernel has a wgmma form (two warpgroups over 64 query rows, dense swizzled
+    tiles); elsewhere mma=wgmma is refused by field. Its shared memory does not grow with head_dim either."""
+    s = resolve(parse_spec("prefill:head_dim=576,head_dim_v=512,mma=wgmma,mask=causal"), "sm_90a")
+    assert s.chunked and s.mma is Mma.WGMMA and s.num_stages >= 3 and s.cta_tile_q == 64
+    src = render(s)
+    assert "constexpr bool WGMMA = true;" in src and "wgmma.mma_async" in src and "prefill_chunked<" in src
+    assert s.smem_bytes() <= __import__("attngen").get_arch("sm_90a").smem_per_block
+    cfg = dict(cta_tile_q=64, cta_tile_kv=64, num_warps=8, num_stages=4, mma="wgmma", head_dim_chunk=64)
+    sizes = {d: PrefillSpec(head_dim=d, head_dim_v=dv, **cfg).smem_bytes()
+             for d, dv in ((384, 384), (512, 512), (576, 512), (640, 640), (1024, 512))}
+    assert len(set(sizes.values())) == 1, sizes
+    # V's columns padded to two warpgroups' whole 64-column blocks: 320 computes 384, 576 computes 640
+    for d, pad in ((320, 384), (448, 512), (576, 640), (512, 512)):
+        r = resolve(PrefillSpec(head_dim=d), "sm_90a")
+        assert r.mma is Mma.WGMMA and r.dim_v_padded == pad and r.chunk_grid["on"] == pad // 2
+        assert f"constexpr int HEAD_DIM_V = {d};" in render(r)
+    for arch in ("sm_80", "sm_89", "sm_100", "sm_120"):
+        with pytest.raises(SpecError) as e:
+            validate(PrefillSpec(head_dim=512, **cfg), arch)
+        assert e.value.field == "mma"
+    # the mma.sync form keeps its padded tiles and its rules
+    m = resolve(parse_spec("prefill:head_dim=512,mma=mma_sync"), "sm_90a")
+    assert "constexpr bool WGMMA = false;" in render(m)

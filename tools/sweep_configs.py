@@ -4,7 +4,7 @@
 Prints, per head dim (D, or D/DV for a v of its own head dim) and mask, each valid config's TFLOP/s
 at batch*seqlen = 16384 tokens, heads = 2048 / head_dim (or the --shape given), bf16, with registers
 and spills from ptxas. `--chunked` sweeps the chunked kernel's configs (query rows, key tile,
-stages, head_dim chunk) instead of the whole-row kernel's; `--emit-manifest FILE --arch ARCH`
+stages, head_dim chunk; both instructions on sm_90a) instead of the whole-row kernel's; `--emit-manifest FILE --arch ARCH`
 writes every valid config as a manifest (to compile them in parallel with `attngen prewarm`
 first) and exits.
 """
@@ -27,7 +27,12 @@ def configs(a, d, dv, causal):
     if a.chunked:
         grid = [dict(cta_tile_q=bm, cta_tile_kv=bn, num_warps=8, num_stages=st, mma="mma_sync", head_dim_chunk=dk,
                      pipeline="sync")
-                for bm, bn, st, dk in itertools.product((64, 32), (128, 64), (2, 3, 4), (64, 32))]
+                for bm, bn, st, dk in itertools.product((64, 32), (128, 64), (2, 3, 4), (64, 32))
+                if "mma_sync" in a.mma.split(",")]
+        # the wgmma form: two warpgroups over 64 rows, chunks of whole 64-column swizzle blocks
+        grid += [dict(cta_tile_q=64, cta_tile_kv=bn, num_warps=8, num_stages=st, mma="wgmma", head_dim_chunk=dk,
+                      pipeline="sync")
+                 for bn, st, dk in itertools.product((128, 64, 32), (3, 4), (64, 128)) if "wgmma" in a.mma.split(",")]
     else:
         pipes = [("sync", "serial")] + ([("tma", sc.value) for sc in attngen.Schedule if sc] if a.tma else [])
         grid = [dict(cta_tile_q=bm, cta_tile_kv=bn, num_warps=w, num_stages=st, mma=mma, pipeline=pl, schedule=sc)

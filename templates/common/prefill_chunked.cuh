@@ -17,33 +17,15 @@
 // a row group computes the same new max from the same partials, so the running max and the
 // rescale agree bit for bit); P goes through shared memory to every warp of its rows; each warp
 // keeps a partial row sum, added up once in the epilogue.
+//
+// WGMMA (sm_90a; 64 query rows, 8 warps): the column groups are the two warpgroups. Warp w of
+// warpgroup cg owns rows [16 w, 16 w + 16) (one m-tile), warpgroup cg all 64 rows of its keys and
+// output columns. The tiles are stored in 128-byte-swizzled 64-column blocks (WgmmaLayout) and every
+// MMA is a wgmma reading shared memory through descriptors: S += Q_c K_c^T and O += P V (P from
+// shared memory, V N-major). A step's wgmma runs while the next step waits for its copies: each step
+// waits only for the step before it, so the ring refills the slot read two steps back
+// (NUM_STAGES - 2 steps run ahead).
 namespace attngen {
-
-// Copy ROWS x COLS 16-bit elements into a padded tile (rows of ROW_ELEMS) with cp.async; smem
-// column c (a multiple of 8) comes from global column col_of(c) of row r (src + r * stride); rows
-// at or past valid_rows are zero-filled. Each thread keeps one column and steps down the rows, so
-// a copy's addresses are one pointer plus immediates.
-template <int ROWS, int COLS, int ROW_ELEMS, int THREADS, class T, class ColOf>
-__device__ __forceinline__ void load_cols_async(T* dst, const T* src, long long stride, int valid_rows, int tid,
-                                                ColOf col_of) {
-  constexpr int CHUNKS = COLS / 8;
-  static_assert(THREADS % CHUNKS == 0, "a thread keeps one column");
-  constexpr int ROW_STEP = THREADS / CHUNKS;
-  constexpr int ITERS = (ROWS + ROW_STEP - 1) / ROW_STEP;
-  const int r0 = tid / CHUNKS;
-  const int c = (tid % CHUNKS) * 8;
-  const T* s = src + r0 * stride + col_of(c);
-  const unsigned d = smem_addr(dst + r0 * ROW_ELEMS + c);
-#pragma unroll
-  for (int it = 0; it < ITERS; ++it) {
-    const int r = r0 + it * ROW_STEP;
-    if (ROWS % ROW_STEP == 0 || r < ROWS) {
-      const bool ok = r < valid_rows;
-      cp_async_16(d + it * ROW_STEP * ROW_ELEMS * 2, ok ? s : src, ok);
-    }
-    s += ROW_STEP * stride;
-  }
-}
 
 // Element offset of (row, col) in a padded tile: rows of ROW_ELEMS = columns + 8, so the 8 rows of
 // an ldmatrix phase start 16 bytes apart in the banks, and offsets of different columns differ by
@@ -53,43 +35,106 @@ __device__ __forceinline__ int padded(int row, int col) {
   return row * ROW_ELEMS + col;
 }
 
+// The chunked kernel's tile layouts: padded rows (mma.sync), or wgmma's swizzled 64-column blocks
+// (WgmmaLayout), where a thread stepping down the rows in steps of 8 stays on the same swizzle phase.
+// ROW_ELEMS: the elements from one row to the next at the same column.
+template <int ROW_ELEMS_>
+struct Padded {
+  static constexpr int ROW_ELEMS = ROW_ELEMS_;
+  static constexpr bool SWIZZLED = false;
+  __device__ __forceinline__ static int offset(int row, int col) { return padded<ROW_ELEMS>(row, col); }
+};
+template <int COLS, int ROWS>
+struct Swizzled : WgmmaLayout<COLS, ROWS> {
+  static constexpr int ROW_ELEMS = 64;
+  static constexpr bool SWIZZLED = true;
+};
+
+// Copy ROWS x COLS 16-bit elements into a tile of layout L with cp.async; tile column c (a multiple
+// of 8) comes from global column col_of(c) of row r (src + r * stride); rows at or past valid_rows
+// are zero-filled, and with CLIP_COLS so are columns at or past valid_cols. Each thread keeps one
+// column and steps down the rows, so a copy's addresses are one pointer plus immediates.
+template <class L, int ROWS, int COLS, int THREADS, bool CLIP_COLS = false, class T, class ColOf>
+__device__ __forceinline__ void load_cols_async(T* dst, const T* src, long long stride, int valid_rows, int tid,
+                                                ColOf col_of, int valid_cols = 0) {
+  constexpr int CHUNKS = COLS / 8;
+  static_assert(THREADS % CHUNKS == 0, "a thread keeps one column");
+  constexpr int ROW_STEP = THREADS / CHUNKS;
+  static_assert(!L::SWIZZLED || ROW_STEP % 8 == 0, "a swizzled tile's rows step by whole 8-row atoms");
+  constexpr int ITERS = (ROWS + ROW_STEP - 1) / ROW_STEP;
+  const int r0 = tid / CHUNKS;
+  const int c = (tid % CHUNKS) * 8;
+  const int gc = col_of(c);
+  const T* s = src + r0 * stride + gc;
+  if constexpr (CLIP_COLS) {
+    if (gc >= valid_cols) valid_rows = 0;  // zeros; nothing is read
+  }
+  // (padded: the sum left to associate as written, which keeps the mma.sync kernels' machine code)
+  const unsigned d = L::SWIZZLED ? smem_addr(dst + L::offset(r0, c)) : smem_addr(dst + r0 * L::ROW_ELEMS + c);
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int r = r0 + it * ROW_STEP;
+    if (ROWS % ROW_STEP == 0 || r < ROWS) {
+      const bool ok = r < valid_rows;
+      cp_async_16(d + it * ROW_STEP * L::ROW_ELEMS * 2, ok ? s : src, ok);
+    }
+    s += ROW_STEP * stride;
+  }
+}
+
 template <class T, bool BF16, int DQK, int DV, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int NUM_STAGES, int DK,
-          int VK, int VCW, int MASK, bool RETURN_LSE, bool SOFTCAP, bool ALIBI, bool VARLEN = false>
+          int VK, int VCW, int MASK, bool RETURN_LSE, bool SOFTCAP, bool ALIBI, bool VARLEN = false, bool WGMMA = false>
 __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   constexpr int THREADS = NUM_WARPS * 32;
-  constexpr int WARPS_M = BLOCK_M / 32;
-  constexpr int WARPS_N = NUM_WARPS / WARPS_M;
+  constexpr int MT = WGMMA ? 1 : 2;  // 16-row m-tiles a warp owns
+  constexpr int WARPS_M = WGMMA ? 1 : BLOCK_M / 32;  // wgmma: the warps of a warpgroup split its 64 rows
+  constexpr int WARPS_N = WGMMA ? NUM_WARPS / 4 : NUM_WARPS / WARPS_M;
   constexpr int SN = BLOCK_N / WARPS_N;  // keys of S per warp
-  constexpr int ON = DV / WARPS_N;       // output columns per warp
+  // wgmma: V's columns padded to whole 64-column blocks per warpgroup (zeros loaded, never stored)
+  constexpr int DV_PAD = WGMMA ? (DV + 127) / 128 * 128 : DV;
+  constexpr int ON = DV_PAD / WARPS_N;   // output columns per warp
   constexpr int VC = VCW * WARPS_N;      // columns of a V step
   constexpr int QK_STEPS = DQK / DK;
   constexpr int V_KEY_STEPS = BLOCK_N / VK;
   constexpr int V_COL_STEPS = ON / VCW;
   constexpr int STEPS = QK_STEPS + V_KEY_STEPS * V_COL_STEPS;
+  // Steps whose ring slots may still be read when a step starts: the one before (mma.sync reads its
+  // slot synchronously) or, with wgmma, the two before (one step's wgmma is left running).
+  constexpr int LAG = WGMMA ? 2 : 1;
+  constexpr int AHEAD = NUM_STAGES - LAG;  // steps loading while one computes
   static_assert(BLOCK_M % 32 == 0 && NUM_WARPS % WARPS_M == 0, "warp grid");
   static_assert(SN % 16 == 0 && ON % VCW == 0 && VCW % 16 == 0 && VK % 16 == 0 && BLOCK_N % VK == 0, "tiles");
-  static_assert(DQK % DK == 0 && DK % 16 == 0 && NUM_STAGES >= 2 && STEPS >= NUM_STAGES - 1, "steps");
+  static_assert(DQK % DK == 0 && DK % 16 == 0 && AHEAD >= 1 && STEPS >= AHEAD, "steps");
+  static_assert(!WGMMA || (BLOCK_M == 64 && NUM_WARPS == 8 && DK % 64 == 0 && VCW % 64 == 0 && QK_STEPS >= 2),
+                "wgmma: 64 rows, two warpgroups, whole 64-column swizzle blocks");
 
-  // Padded tiles: rows of DK (Q, K), VC (V) or BLOCK_N (P) elements plus 8.
+  // Padded tiles (rows of DK, VC or BLOCK_N elements plus 8), or wgmma's dense swizzled blocks.
   constexpr int DK_ROW = DK + 8;
   constexpr int VC_ROW = VC + 8;
   constexpr int P_ROW = BLOCK_N + 8;
-  constexpr int QK_ELEMS = (BLOCK_M + BLOCK_N) * DK_ROW;
-  constexpr int V_ELEMS = VK * VC_ROW;
+  using LQ = typename Select<WGMMA, Swizzled<DK, BLOCK_M>, Padded<DK_ROW>>::type;
+  using LK = typename Select<WGMMA, Swizzled<DK, BLOCK_N>, Padded<DK_ROW>>::type;
+  using LV = typename Select<WGMMA, Swizzled<VC, VK>, Padded<VC_ROW>>::type;
+  using LP = typename Select<WGMMA, Swizzled<BLOCK_N, BLOCK_M>, Padded<P_ROW>>::type;
+  constexpr int QK_ELEMS = (BLOCK_M + BLOCK_N) * (WGMMA ? DK : DK_ROW);
+  constexpr int V_ELEMS = VK * (WGMMA ? VC : VC_ROW);
   constexpr int STAGE_ELEMS = QK_ELEMS > V_ELEMS ? QK_ELEMS : V_ELEMS;
+  // (wgmma: P's 64-column blocks are whole even where the tile has 32 keys)
+  constexpr int P_ELEMS = BLOCK_M * (WGMMA ? (BLOCK_N + 63) / 64 * 64 : P_ROW);
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* sRing = reinterpret_cast<T*>(smem_raw);
+  // wgmma's swizzle atoms start 1024-byte aligned (smem_bytes() reserves the slack).
+  T* sRing = reinterpret_cast<T*>(WGMMA ? aligned_smem<1024>(smem_raw) : smem_raw);
   T* sP = sRing + NUM_STAGES * STAGE_ELEMS;
-  float* sRed = reinterpret_cast<float*>(sP + BLOCK_M * P_ROW);  // [WARPS_N][BLOCK_M]
+  float* sRed = reinterpret_cast<float*>(sP + P_ELEMS);  // [WARPS_N][BLOCK_M]
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int g = lane / 4;
   const int t = lane % 4;
-  const int rg = warp / WARPS_N;  // row group: rows [32 rg, 32 rg + 32)
-  const int cg = warp % WARPS_N;  // column group
+  const int rg = WGMMA ? warp % 4 : warp / WARPS_N;  // row group: rows [16 MT rg, 16 MT (rg + 1))
+  const int cg = WGMMA ? warp / 4 : warp % WARPS_N;  // column group (wgmma: the warpgroup)
 
   int m_block, head, batch, seqlen_q, seqlen_k;
   long long q_row0 = 0, k_row0 = 0;  // VARLEN: the sequence's first row in q / k
@@ -123,31 +168,31 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
     if (s < QK_STEPS) {
       const int c0 = opaque(s * DK);
       auto col = [&](int c) { return c0 + c; };
-      load_cols_async<BLOCK_M, DK, DK_ROW, THREADS>(dst, gQ, p.q_ss, seqlen_q - m0, tid, col);
-      load_cols_async<BLOCK_N, DK, DK_ROW, THREADS>(dst + BLOCK_M * DK_ROW, gK + (long long)n0 * p.k_ss, p.k_ss,
-                                                seqlen_k - n0, tid, col);
+      load_cols_async<LQ, BLOCK_M, DK, THREADS>(dst, gQ, p.q_ss, seqlen_q - m0, tid, col);
+      load_cols_async<LK, BLOCK_N, DK, THREADS>(dst + BLOCK_M * (WGMMA ? DK : DK_ROW), gK + (long long)n0 * p.k_ss,
+                                                p.k_ss, seqlen_k - n0, tid, col);
     } else {
       const int v = s - QK_STEPS;
       const int k0 = n0 + opaque((v / V_COL_STEPS) * VK);
       const int c0 = opaque((v % V_COL_STEPS) * VCW);
       // Step column c belongs to warp column c / VCW: output column (c / VCW) ON + c0 + c % VCW.
-      load_cols_async<VK, VC, VC_ROW, THREADS>(dst, gV + (long long)k0 * p.v_ss, p.v_ss, seqlen_k - k0, tid,
-                                           [&](int c) { return (c / VCW) * ON + c0 + c % VCW; });
+      load_cols_async<LV, VK, VC, THREADS, (DV_PAD > DV)>(dst, gV + (long long)k0 * p.v_ss, p.v_ss, seqlen_k - k0,
+                                                          tid, [&](int c) { return (c / VCW) * ON + c0 + c % VCW; }, DV);
     }
   };
 
   if (n_tiles > 0) {
 #pragma unroll
-    for (int s = 0; s < NUM_STAGES - 1; ++s) {
+    for (int s = 0; s < AHEAD; ++s) {
       load_step(tile_begin, s, s);
       cp_async_commit();
     }
   }
 
-  float acc_o[2][ON / 8][4];
-  float row_max[2][2], row_sum[2][2];
+  float acc_o[MT][ON / 8][4];
+  float row_max[MT][2], row_sum[MT][2];
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int d = 0; d < ON / 8; ++d)
 #pragma unroll
@@ -155,29 +200,39 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
     row_max[mt][0] = row_max[mt][1] = -ATTNGEN_INF;
     row_sum[mt][0] = row_sum[mt][1] = 0.f;
   }
-  const int row0 = rg * 32;  // this warp's first row in the tile
+  const int row0 = rg * 16 * MT;  // this warp's first row in the tile
   const int warp_lo = m0 + row0;
-  const int warp_hi = max(warp_lo, min(warp_lo + 32, seqlen_q) - 1);
+  const int warp_hi = max(warp_lo, min(warp_lo + 16 * MT, seqlen_q) - 1);
 
   int slot = 0;       // the ring slot step (it, s) reads
-  int fill = NUM_STAGES - 1;  // the slot the next load fills
+  int fill = AHEAD;   // the slot the next load fills
   for (int it = 0; it < n_tiles; ++it) {
     const int tile = tile_begin + it;
     const int n0 = tile * BLOCK_N;
-    float acc_s[2][SN / 8][4];
+    if constexpr (WGMMA) {
+      // Where a tile's steps are a multiple of the ring, every step would read a slot known at compile
+      // time: ptxas then hoists each step's wgmma descriptors out of the KV loop and spills.
+      slot = opaque(slot);
+      fill = opaque(fill);
+    }
+    float acc_s[MT][SN / 8][4];
+    if constexpr (!WGMMA) {  // wgmma's first S step overwrites them
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int n = 0; n < SN / 8; ++n)
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc_s[mt][n][c] = 0.f;
+    }
 
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
-      cp_async_wait<NUM_STAGES - 2>();
+      cp_async_wait<AHEAD - 1>();
+      if constexpr (WGMMA) WgmmaOps<BF16>::fence_proxy();  // the copies (and P) before wgmma reads them
       __syncthreads();
-      // The slot filled here was read by step (it, s) - 1, which every warp finished before the barrier.
-      const int ahead = s + NUM_STAGES - 1;
+      // The slot filled here was read by step (it, s) - LAG, which every warp finished before the
+      // barrier (wgmma: each warpgroup waited for it at step (it, s) - 1).
+      const int ahead = s + AHEAD;
       if (ahead < STEPS)
         load_step(tile, ahead, fill);
       else if (it + 1 < n_tiles)
@@ -187,7 +242,44 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
       const T* st = sRing + slot * STAGE_ELEMS;
       slot = slot + 1 == NUM_STAGES ? 0 : slot + 1;
 
-      if (s < QK_STEPS) {
+      if constexpr (WGMMA) {
+        using W = WgmmaOps<BF16>;
+        W::fence();
+        if (s < QK_STEPS) {
+          // S (+)= Q_c K_c^T: all 64 rows against this warpgroup's SN keys (whole 8-row swizzle atoms).
+          const unsigned q_at = smem_addr(st);
+          const unsigned k_at = smem_addr(st + BLOCK_M * DK) + cg * SN * 128;
+#pragma unroll
+          for (int kk = 0; kk < DK / 16; ++kk)
+            Wgmma<SN, BF16>::ss(acc_s[0], W::desc_k(q_at, kk, LQ::BLOCK_BYTES), W::desc_k(k_at, kk, LK::BLOCK_BYTES),
+                                s > 0 || kk > 0);
+        } else {
+          // O[:, this step's VCW columns of the warpgroup] += P[:, VK keys] V (N-major).
+          const int v = s - QK_STEPS;
+          const int kb = v / V_COL_STEPS;
+          const int cs = v % V_COL_STEPS;
+          auto& o = *reinterpret_cast<float(*)[VCW / 8][4]>(&acc_o[0][cs * (VCW / 8)]);
+          const unsigned p_at = smem_addr(sP);
+          const unsigned v_at = smem_addr(st) + (cg * VCW / 64) * LV::BLOCK_BYTES;
+#pragma unroll
+          for (int kk = 0; kk < VK / 16; ++kk)
+            Wgmma<VCW, BF16>::template ss<1>(o, W::desc_k(p_at, kb * (VK / 16) + kk, LP::BLOCK_BYTES),
+                                             W::desc_mn(v_at, kk, LV::BLOCK_BYTES), 1);
+        }
+        W::commit();
+        if (s == QK_STEPS - 1) {
+          W::template wait<0>();  // S is whole, and every P V before it done (the softmax rescales O)
+          W::hold(acc_s[0]);
+          W::hold(acc_o[0]);
+        } else if (s == STEPS - 1) {
+          // The tile's last step is waited for whole: where the loop ends, O's registers are moved
+          // (ptxas serialised every wgmma when a P V could still be running there).
+          W::template wait<0>();
+          W::hold(acc_o[0]);
+        } else {
+          W::template wait<1>();  // the step before: its slot may be refilled after the next barrier
+        }
+      } else if (s < QK_STEPS) {
         // ---- S += Q_c K_c^T over this DK-wide chunk --------------------------------------------
         const T* sQc = st;
         const T* sKc = st + BLOCK_M * DK_ROW;
@@ -243,7 +335,7 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
         const int col0 = n0 + cg * SN + 2 * t;
         if constexpr (SOFTCAP || ALIBI) {
 #pragma unroll
-          for (int mt = 0; mt < 2; ++mt)
+          for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
               const int pos = m0 + row0 + mt * 16 + g + 8 * r + keys.shift;
@@ -257,7 +349,7 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
         }
         if (!keys.all_visible(warp_lo, warp_hi, n0 + cg * SN, n0 + cg * SN + SN)) {
 #pragma unroll
-          for (int mt = 0; mt < 2; ++mt)
+          for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
               const int i = m0 + row0 + mt * 16 + g + 8 * r;
@@ -274,7 +366,7 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
         }
         // ---- row max across the column groups, then P into shared memory -----------------------
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             float mx = -ATTNGEN_INF;
@@ -286,7 +378,7 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
           }
         __syncthreads();
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int row = row0 + mt * 16 + g + 8 * r;
@@ -303,7 +395,7 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
               const float e0 = fast_exp2(fmaf(acc_s[mt][n][2 * r], p.scale_log2, -base));
               const float e1 = fast_exp2(fmaf(acc_s[mt][n][2 * r + 1], p.scale_log2, -base));
               sum += e0 + e1;
-              *reinterpret_cast<unsigned*>(sP + padded<P_ROW>(row, cg * SN + n * 8) + 2 * t) = pack2<BF16>(e0, e1);
+              *reinterpret_cast<unsigned*>(sP + LP::offset(row, cg * SN + n * 8) + 2 * t) = pack2<BF16>(e0, e1);
             }
             row_sum[mt][r] = row_sum[mt][r] * corr + sum;
 #pragma unroll
@@ -313,7 +405,8 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
             }
           }
         // P is read by the V steps after their ring barrier; sRed is written again only after
-        // the next tile's QK steps, several barriers on.
+        // the next tile's QK steps, several barriers on. (wgmma: P's last reader, this tile's last
+        // V step, is waited for at the next tile's first step.)
       }
     }
   }
@@ -322,7 +415,7 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   cp_async_wait_all();
   __syncthreads();  // every warp is past its last read of sRed
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float l = row_sum[mt][r];
@@ -335,7 +428,7 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   if constexpr (VARLEN) q_row0 = min(max(p.cu_q[batch], 0), p.total_q);
   T* gO = p.o + (VARLEN ? 0 : batch * p.o_sb) + head * p.o_sh + (q_row0 + m0) * p.o_ss + cg * ON;
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = row0 + mt * 16 + g + 8 * r;
@@ -357,8 +450,9 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
       if (live) {
 #pragma unroll
         for (int d = 0; d < ON / 8; ++d)
-          *reinterpret_cast<unsigned*>(gO + row * p.o_ss + d * 8 + 2 * t) =
-              pack2<BF16>(acc_o[mt][d][2 * r] * inv, acc_o[mt][d][2 * r + 1] * inv);
+          if (DV_PAD == DV || cg * ON + d * 8 < DV)
+            *reinterpret_cast<unsigned*>(gO + row * p.o_ss + d * 8 + 2 * t) =
+                pack2<BF16>(acc_o[mt][d][2 * r] * inv, acc_o[mt][d][2 * r + 1] * inv);
       }
     }
 }

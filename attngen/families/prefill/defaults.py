@@ -101,6 +101,16 @@ CHUNKED = {
 }
 
 
+# The chunked kernel's wgmma form on sm_90a: (cta_tile_kv, num_stages, head_dim_chunk), 64 query rows and
+# 8 warps, best first. Timed on an H100 (NVRTC 13.0, bf16, B=1 H=48 S=8192 and B=4 H=16 S=2048, 2026-11-24;
+# BENCHMARKS.md): 128-key tiles with four stages of 64-wide chunks ran 1.25-1.50x the 64-key tiles at
+# head_dim 384/512/576-512 and 1.56-1.87x the mma.sync default; four stages ran 1.5-1.85x three at 64-key
+# tiles (a step's wgmma is left running, so three stages prefetch one step only). 640 fits 64-key tiles only
+# (1.50-1.86x the mma.sync default).
+CHUNKED_WGMMA_DV_MAX = 640  # past it O's share per thread leaves no room (PrefillSpec._check_chunked_wgmma)
+CHUNKED_WGMMA = [(128, 4, 64), (64, 4, 64), (64, 4, 128), (128, 3, 128), (64, 3, 64)]
+
+
 # Chunked configs ptxas spills (NVRTC 13.5, every default candidate of every chunked manifest entry
 # compiled for every arch, 2026-11-23), per (head_dim, head_dim_v, mask): config -> archs.
 CHUNKED_SPILLS_ON = {
@@ -123,6 +133,12 @@ def candidates(spec, arch: Arch):
         rest = [(q, kv, 8, st, dk) for q in rows for kv in (128, 64) for dk in (64, 32) for st in (3, 2, 4)]
         every = [(q, kv, w, st, Mma.SYNC, dk, Pipeline.SYNC, Schedule.SERIAL)
                  for q, kv, w, st, dk in dict.fromkeys(listed + rest)]
+        if arch.has_wgmma and spec.dim_v <= CHUNKED_WGMMA_DV_MAX:
+            # the wgmma form first where it fits (O's columns within the registers)
+            wg = [(64, kv, 8, st, Mma.WGMMA, dk, Pipeline.SYNC, Schedule.SERIAL)
+                  for kv, st, dk in dict.fromkeys(CHUNKED_WGMMA + [(kv, st, dk) for kv in (128, 64, 32)
+                                                                   for dk in (64, 128) for st in (4, 3)])]
+            every = wg + every
         chunked_spills = CHUNKED_SPILLS_ON.get((spec.head_dim, spec.dim_v, spec.mask), {})
 
         def spilled(c):

@@ -91,7 +91,7 @@ class PrefillSpec(SpecBase):
     # The chunk width of the chunked kernel; 0 (or the head_dim itself) keeps rows whole (the
     # FlashAttention-2 kernel) where that can run, and means "choose" where it cannot.
     HEAD_DIM_CHUNK: ClassVar[tuple[int, ...]] = (0, 32, 64, 96, 128, 192, 256)
-    CHUNKS: ClassVar[tuple[int, ...]] = (32, 64)
+    CHUNKS: ClassVar[tuple[int, ...]] = (32, 64, 128)
     TILE_FIELDS: ClassVar[tuple[str, ...]] = ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages", "mma")
     TUNING_FIELDS: ClassVar[tuple[str, ...]] = (*TILE_FIELDS, "head_dim_chunk", "pipeline", "schedule")
     ALWAYS_SHOWN: ClassVar[tuple[str, ...]] = ("head_dim", "dtype", "mask")
@@ -133,6 +133,9 @@ class PrefillSpec(SpecBase):
                                 reason=f"whole rows need head_dim <= {self.WHOLE_MAX} and head_dim_v at most head_dim; "
                                        f"head_dim={self.head_dim}, head_dim_v={self.dim_v}")
             s(self, "head_dim_chunk", 0)  # whole rows: one spec (and one cache key) per kernel
+        if self.head_dim_chunk and self.head_dim % self.head_dim_chunk:
+            raise SpecError("head_dim_chunk", self.head_dim_chunk, "a divisor of head_dim among "
+                            + allowed_text(self.CHUNKS), reason=f"head_dim={self.head_dim}")
         s(self, "dtype", coerce_enum(DType, "dtype", self.dtype))
         s(self, "mask", coerce_enum(MaskMode, "mask", self.mask))
         s(self, "mma", coerce_enum(Mma, "mma", self.mma))
@@ -239,15 +242,27 @@ class PrefillSpec(SpecBase):
         """The chunked kernel's warp grid and V steps (see prefill_chunked.cuh): WARPS_N column
         groups, ON output columns per warp, SN keys of S per warp, per V step VK keys x VCW
         columns per warp (the widest VCW, fewest loads per mma, whose step fits the QK step),
-        and the elements of one ring slot (the larger of the two steps)."""
+        and the elements of one ring slot (the larger of the two steps). With wgmma the column
+        groups are the two warpgroups, the tiles dense 64-column blocks, and VCW whole blocks
+        (a V step at most 256 columns wide, so a copying thread steps down whole swizzle atoms)."""
         self._require_resolved("chunk_grid")
-        warps_n = self.num_warps // (self.cta_tile_q // 32)
-        on = self.dim_v // warps_n
-        qk_elems = (self.cta_tile_q + self.cta_tile_kv) * _row(self.head_dim_chunk)
-        vcw = next((w for w in (64, 32, 16) if on % w == 0), 16)  # a power-of-two count of 16-byte chunks
-        vk = next((k for k in (64, 32, 16) if self.cta_tile_kv % k == 0 and k * _row(vcw * warps_n) <= qk_elems), 16)
+        if self.mma is Mma.WGMMA:
+            warps_n, widths, step_keys, row = 2, (128, 64), (128, 64, 32, 16), (lambda e: e)
+        else:
+            warps_n, widths, step_keys, row = self.num_warps // (self.cta_tile_q // 32), (64, 32, 16), (64, 32, 16), _row
+        on = self.dim_v_padded // warps_n
+        qk_elems = (self.cta_tile_q + self.cta_tile_kv) * row(self.head_dim_chunk)
+        vcw = next((w for w in widths if on % w == 0), widths[-1])  # a power-of-two count of 16-byte chunks
+        vk = next((k for k in step_keys if self.cta_tile_kv % k == 0 and k * row(vcw * warps_n) <= qk_elems), 16)
         return dict(warps_n=warps_n, on=on, sn=self.cta_tile_kv // warps_n, vk=vk, vcw=vcw,
-                    stage_elems=max(qk_elems, vk * _row(vcw * warps_n)))
+                    stage_elems=max(qk_elems, vk * row(vcw * warps_n)))
+
+    @property
+    def dim_v_padded(self) -> int:
+        """The head dim of v the chunked kernel computes: with wgmma, V's columns are padded to whole
+        64-column blocks per warpgroup (zeros loaded, never stored); otherwise ``dim_v``."""
+        self._require_resolved("dim_v_padded")
+        return -(-self.dim_v // 128) * 128 if self.chunked and self.mma is Mma.WGMMA else self.dim_v
 
     @property
     def q_in_regs(self) -> bool:
@@ -268,9 +283,13 @@ class PrefillSpec(SpecBase):
         self._require_resolved("smem_bytes")
         if self.chunked:
             # the ring of equal steps, P (16-bit) and the row-max exchange (fp32, a row per warp column)
+            # (wgmma: dense tiles, P in whole 64-key blocks, and slack to align the ring to the 1024-byte
+            # swizzle atom)
             cg = self.chunk_grid
-            p = self.cta_tile_q * _row(self.cta_tile_kv)
-            return 2 * (self.num_stages * cg["stage_elems"] + p) + 4 * cg["warps_n"] * self.cta_tile_q
+            wgmma = self.mma is Mma.WGMMA
+            p = self.cta_tile_q * (-(-self.cta_tile_kv // 64) * 64 if wgmma else _row(self.cta_tile_kv))
+            return 2 * (self.num_stages * cg["stage_elems"] + p) + 4 * cg["warps_n"] * self.cta_tile_q \
+                + (1024 if wgmma else 0)
         row, row_v = (_smem_row(d) * self.dtype.itemsize for d in (self.head_dim, self.dim_v))
         # wgmma's tiles are dense (head dims are multiples of 64 there): only slack to align the first
         # one to the 1024-byte swizzle atom is added; TMA's mbarriers follow the tiles (Q's, then three a slot,
@@ -300,7 +319,7 @@ class PrefillSpec(SpecBase):
                    pingpong=self.schedule is Schedule.PINGPONG)
         if self.chunked:
             cg = self.chunk_grid
-            ctx.update(chunked=True, wgmma=False, chunk_vk=cg["vk"], chunk_vcw=cg["vcw"])
+            ctx.update(chunked=True, wgmma=self.mma is Mma.WGMMA, chunk_vk=cg["vk"], chunk_vcw=cg["vcw"])
             return ctx
         ctx.update(
             chunked=False,
@@ -343,13 +362,9 @@ class PrefillSpec(SpecBase):
         check_smem(self, a, "cta_tile_kv", "a smaller cta_tile_kv, num_stages or cta_tile_q")
 
     def _check_chunked(self, a: Arch) -> None:
-        if self.mma is not Mma.SYNC:
-            raise SpecError("mma", self.mma.value, "mma_sync",
-                            reason="the chunked kernel (head_dim above 256, head_dim_v above head_dim or "
-                                   "head_dim_chunk set) is mma.sync only")
-        if self.head_dim % self.head_dim_chunk:
-            raise SpecError("head_dim_chunk", self.head_dim_chunk, "a divisor of head_dim among "
-                            + allowed_text(self.CHUNKS), reason=f"head_dim={self.head_dim}")
+        if self.mma is Mma.WGMMA:
+            self._check_chunked_wgmma(a)
+            return
         if self.num_stages < 2:
             raise SpecError("num_stages", self.num_stages, "2, 3, 4", reason="the chunked kernel's ring needs two slots")
         if self.cta_tile_q not in (32, 64) or self.num_warps != 8:
@@ -371,6 +386,40 @@ class PrefillSpec(SpecBase):
             raise SpecError("cta_tile_q", self.cta_tile_q, "32" if self.cta_tile_q == 64 else "a smaller head_dim_v",
                             reason=f"needs about {acc} accumulator registers per thread (limit 176) with "
                                    f"head_dim_v={self.dim_v} and cta_tile_kv={self.cta_tile_kv}")
+        check_smem(self, a, "num_stages", "fewer num_stages or a smaller head_dim_chunk or cta_tile_kv")
+
+    def _check_chunked_wgmma(self, a: Arch) -> None:
+        """The chunked kernel's wgmma form (sm_90a): two warpgroups over 64 query rows, each with half of
+        a KV tile's keys in S and half of O's columns, in whole 64-column swizzle blocks."""
+        check_wgmma_arch(self, a)
+        form = "the chunked kernel's wgmma form"
+        if self.num_warps != 8:
+            raise SpecError("num_warps", self.num_warps, "8 with mma=wgmma", reason=f"{form} runs two warpgroups")
+        if self.cta_tile_q != 64:
+            raise SpecError("cta_tile_q", self.cta_tile_q, "64 with mma=wgmma",
+                            reason=f"{form}: both warpgroups own the same 64 query rows")
+        if self.head_dim_chunk % 64:
+            raise SpecError("head_dim_chunk", self.head_dim_chunk, "64, 128 with mma=wgmma",
+                            reason=f"{form} reads whole 128-byte swizzle rows")
+        if self.head_dim // self.head_dim_chunk < 2:
+            raise SpecError("head_dim_chunk", self.head_dim_chunk, f"at most head_dim/2 = {self.head_dim // 2}",
+                            reason=f"{form} needs two S steps a tile (P is rewritten only after both "
+                                   "warpgroups finished the tile before)")
+        if self.num_stages < 3:
+            raise SpecError("num_stages", self.num_stages, "3, 4 with mma=wgmma",
+                            reason=f"{form} leaves a step's wgmma running while the next step's copies land: "
+                                   "two slots are being read")
+        cg = self.chunk_grid
+        # Per thread: O (head_dim_v/4 floats) and S (cta_tile_kv/4); ptxas spilled the whole-row wgmma
+        # kernel past ~176.
+        acc = cg["on"] // 2 + cg["sn"] // 2
+        if acc > 176:
+            fits = [kv for kv in self.CTA_TILE_KV if kv and cg["on"] // 2 + kv // 4 <= 176]
+            why = (f"needs about {acc} accumulator registers per thread (limit 176) with head_dim_v={self.dim_v} "
+                   f"and mma=wgmma" + (f" (padded to {self.dim_v_padded})" if self.dim_v_padded != self.dim_v else ""))
+            if not fits:
+                raise SpecError("mma", "wgmma", "mma_sync", reason=why)
+            raise SpecError("cta_tile_kv", self.cta_tile_kv, allowed_text(fits), reason=why)
         check_smem(self, a, "num_stages", "fewer num_stages or a smaller head_dim_chunk or cta_tile_kv")
 
     def _check_wgmma(self, a: Arch) -> None:
