@@ -141,8 +141,9 @@ def test_kernel_is_the_chunked_one():
 # ---- the chunked kernel's wgmma form (sm_90a): head_dim_v up to 640 ---------------------------------------
 
 # (V's columns padded to whole 64-column blocks per warpgroup where head_dim_v is not a multiple of 128)
+# (and past 640 columns of v split over two CTAs a query tile)
 WGMMA_DIMS = [(384, 384), (512, 512), (576, 512), (640, 640), (256, 256), (1024, 512), (320, 320), (448, 448),
-              (576, 576), (512, 320)]
+              (576, 576), (512, 320), (768, 768), (1024, 1024), (320, 1024)]
 
 
 def _needs_sm90():
@@ -152,7 +153,7 @@ def _needs_sm90():
 
 def _wgmma_spec(d, dv, extra=""):
     cfg = "head_dim_chunk=64" if d == 256 else ""
-    if dv > 512:
+    if 512 < dv <= 640:
         cfg += ",cta_tile_kv=64"
     return f"prefill:mma=wgmma{',' + cfg if cfg else ''}{',' + extra if extra else ''}"
 

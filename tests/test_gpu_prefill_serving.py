@@ -367,7 +367,7 @@ def test_varlen_chunked_kernel(dtype, d, dv, causal):
     run_varlen([1, 17, 0, 1000, 3001], [1, 50, 7, 1000, 3001], 4, 2, d, dtype, causal=causal, dv=dv)
 
 
-@pytest.mark.parametrize("d,dv", [(576, 512), (512, 512), (384, 384), (320, 320)])
+@pytest.mark.parametrize("d,dv", [(576, 512), (512, 512), (384, 384), (320, 320), (1024, 1024)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_chunked_wgmma(d, dv, causal):
     """The chunked kernel's wgmma form (sm_90a) on the varlen work list."""

@@ -20,8 +20,8 @@ LARGE = (320, 384, 448, 512, 576, 640, 768, 1024)
 @pytest.mark.parametrize("d", LARGE)
 def test_large_head_dims_resolve_to_the_chunked_kernel(arch, d):
     s = resolve(PrefillSpec(head_dim=d, mask="causal"), arch)
-    # sm_90a: the wgmma form where O's columns (padded to whole 64-column blocks) fit the registers
-    wgmma = arch == "sm_90a" and d <= 640
+    # sm_90a: the wgmma form (past 640 columns of v split over two CTAs)
+    wgmma = arch == "sm_90a"
     assert s.chunked and s.mma is (Mma.WGMMA if wgmma else Mma.SYNC) and s.head_dim_chunk in PrefillSpec.CHUNKS
     assert s.smem_bytes() <= __import__("attngen").get_arch(arch).smem_per_block
 
@@ -119,14 +119,13 @@ def test_bad_specs_name_the_field(text, field):
 
 
 @pytest.mark.parametrize("text,field", [
-    ("prefill:head_dim=768,mma=wgmma", "mma"),  # O's 384 columns a warpgroup: past the registers
     ("prefill:head_dim=640,mma=wgmma,cta_tile_kv=128", "cta_tile_kv"),  # 64 keys fit
     ("prefill:head_dim=512,mma=wgmma,num_stages=2", "num_stages"),
     ("prefill:head_dim=512,mma=wgmma,head_dim_chunk=32,cta_tile_q=64,cta_tile_kv=64,num_warps=8,num_stages=4",
      "head_dim_chunk"),
     ("prefill:head_dim=512,mma=wgmma,cta_tile_q=32", "cta_tile_q"),
     ("prefill:head_dim=512,cta_tile_q=128", "cta_tile_q"),
-    ("prefill:head_dim=1024,cta_tile_q=64", "cta_tile_q"),
+    ("prefill:head_dim=1024,cta_tile_q=64,mma=mma_sync", "cta_tile_q"),  # (the wgmma form splits O over two CTAs)
     ("prefill:head_dim=512,num_stages=1", "num_stages"),
     ("prefill:head_dim=320,head_dim_chunk=64,cta_tile_q=32,cta_tile_kv=64", "cta_tile_kv"),
     ("prefill:head_dim=512,num_warps=4", "num_warps"),
@@ -155,6 +154,11 @@ def test_chunked_wgmma_form():
     sizes = {d: PrefillSpec(head_dim=d, head_dim_v=dv, **cfg).smem_bytes()
              for d, dv in ((384, 384), (512, 512), (576, 512), (640, 640), (1024, 512))}
     assert len(set(sizes.values())) == 1, sizes
+    # past 640 columns two CTAs split O's columns (each repeating the QK work); the grid's y doubles
+    for d, dv, per in ((768, 768, 384), (1024, 1024, 512), (320, 1024, 512)):
+        r = resolve(PrefillSpec(head_dim=d, head_dim_v=dv, mma="wgmma"), "sm_90a")
+        assert r.v_splits == 2 and r.dim_v_padded == per and "constexpr int V_SPLITS = 2;" in render(r)
+    assert resolve(PrefillSpec(head_dim=640, mma="wgmma"), "sm_90a").v_splits == 1
     # V's columns padded to two warpgroups' whole 64-column blocks: 320 computes 384, 576 computes 640
     for d, pad in ((320, 384), (448, 512), (576, 640), (512, 512)):
         r = resolve(PrefillSpec(head_dim=d), "sm_90a")

@@ -24,7 +24,11 @@
 // MMA is a wgmma reading shared memory through descriptors: S += Q_c K_c^T and O += P V (P from
 // shared memory, V N-major). A step's wgmma runs while the next step waits for its copies: each step
 // waits only for the step before it, so the ring refills the slot read two steps back
-// (NUM_STAGES - 2 steps run ahead).
+// (NUM_STAGES - 2 steps run ahead). V's columns are padded to whole 64-column blocks per warpgroup
+// (zeros loaded, never stored), and past what one CTA's registers hold, V_SPLITS CTAs each take a
+// slice of V's (and O's) columns, repeating the QK work.
+//
+// (The template argument DV is the columns one CTA computes: its split of head_dim_v.)
 namespace attngen {
 
 // Element offset of (row, col) in a padded tile: rows of ROW_ELEMS = columns + 8, so the 8 rows of
@@ -83,7 +87,8 @@ __device__ __forceinline__ void load_cols_async(T* dst, const T* src, long long 
 }
 
 template <class T, bool BF16, int DQK, int DV, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int NUM_STAGES, int DK,
-          int VK, int VCW, int MASK, bool RETURN_LSE, bool SOFTCAP, bool ALIBI, bool VARLEN = false, bool WGMMA = false>
+          int VK, int VCW, int MASK, bool RETURN_LSE, bool SOFTCAP, bool ALIBI, bool VARLEN = false, bool WGMMA = false,
+          int V_SPLITS = 1>
 __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   constexpr int THREADS = NUM_WARPS * 32;
   constexpr int MT = WGMMA ? 1 : 2;  // 16-row m-tiles a warp owns
@@ -140,6 +145,13 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   long long q_row0 = 0, k_row0 = 0;  // VARLEN: the sequence's first row in q / k
   if (past_work<VARLEN>(p)) return;
   cta_tile<VARLEN, false>(p, m_block, head, batch, seqlen_q, seqlen_k, q_row0, k_row0);
+  // V_SPLITS: the grid's y runs over heads x splits; split vs computes V's (and O's) columns
+  // [vs DV, (vs + 1) DV) and repeats the QK work (the splits of a head run side by side: K shared in L2).
+  int vs = 0;
+  if constexpr (V_SPLITS > 1) {
+    vs = head % V_SPLITS;
+    head /= V_SPLITS;
+  }
   const int kv_head = head / p.group;
   const int m0 = m_block * BLOCK_M;
   const int m_last = min(m0 + BLOCK_M, seqlen_q) - 1;
@@ -153,7 +165,7 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   const T* gQ = p.q + (VARLEN ? 0 : batch * p.q_sb) + head * p.q_sh + (q_row0 + m0) * p.q_ss;
   if constexpr (VARLEN) q_row0 = 0;  // dead until the epilogue reads it again
   const T* gK = p.k + (VARLEN ? 0 : batch * p.k_sb) + kv_head * p.k_sh + k_row0 * p.k_ss;
-  const T* gV = p.v + (VARLEN ? 0 : batch * p.v_sb) + kv_head * p.v_sh + k_row0 * p.v_ss;
+  const T* gV = p.v + (VARLEN ? 0 : batch * p.v_sb) + kv_head * p.v_sh + k_row0 * p.v_ss + vs * DV;
 
   // Step s (0 <= s < STEPS) of KV tile `tile` into ring slot `slot`.
   // The step's column offset is made opaque to the compiler: otherwise, with the step loop
@@ -426,7 +438,7 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   __syncthreads();
   // VARLEN: the sequence's first row, read again rather than held across the loop (registers).
   if constexpr (VARLEN) q_row0 = min(max(p.cu_q[batch], 0), p.total_q);
-  T* gO = p.o + (VARLEN ? 0 : batch * p.o_sb) + head * p.o_sh + (q_row0 + m0) * p.o_ss + cg * ON;
+  T* gO = p.o + (VARLEN ? 0 : batch * p.o_sb) + head * p.o_sh + (q_row0 + m0) * p.o_ss + vs * DV + cg * ON;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -438,7 +450,7 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const bool live = m0 + row < seqlen_q;
       if constexpr (RETURN_LSE) {
-        if (cg == 0 && t == 0 && live) {
+        if (cg == 0 && t == 0 && live && vs == 0) {
           const float lse = l > 0.f ? row_max[mt][r] * p.sm_scale + logf(l) : -ATTNGEN_INF;
           // VARLEN: [heads, total_q], FlashAttention's varlen layout; else [batch, heads, seqlen_q].
           if constexpr (VARLEN)

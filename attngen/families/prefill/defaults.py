@@ -106,8 +106,8 @@ CHUNKED = {
 # BENCHMARKS.md): 128-key tiles with four stages of 64-wide chunks ran 1.25-1.50x the 64-key tiles at
 # head_dim 384/512/576-512 and 1.56-1.87x the mma.sync default; four stages ran 1.5-1.85x three at 64-key
 # tiles (a step's wgmma is left running, so three stages prefetch one step only). 640 fits 64-key tiles only
-# (1.50-1.86x the mma.sync default).
-CHUNKED_WGMMA_DV_MAX = 640  # past it O's share per thread leaves no room (PrefillSpec._check_chunked_wgmma)
+# (1.50-1.86x the mma.sync default). Past 640 columns of v two CTAs split O (each repeating the QK work):
+# 1.54-1.73x the mma.sync default at head_dim 768 and 1024, the same day.
 CHUNKED_WGMMA = [(128, 4, 64), (64, 4, 64), (64, 4, 128), (128, 3, 128), (64, 3, 64)]
 
 
@@ -133,12 +133,11 @@ def candidates(spec, arch: Arch):
         rest = [(q, kv, 8, st, dk) for q in rows for kv in (128, 64) for dk in (64, 32) for st in (3, 2, 4)]
         every = [(q, kv, w, st, Mma.SYNC, dk, Pipeline.SYNC, Schedule.SERIAL)
                  for q, kv, w, st, dk in dict.fromkeys(listed + rest)]
-        if arch.has_wgmma and spec.dim_v <= CHUNKED_WGMMA_DV_MAX:
-            # the wgmma form first where it fits (O's columns within the registers)
-            wg = [(64, kv, 8, st, Mma.WGMMA, dk, Pipeline.SYNC, Schedule.SERIAL)
-                  for kv, st, dk in dict.fromkeys(CHUNKED_WGMMA + [(kv, st, dk) for kv in (128, 64, 32)
-                                                                   for dk in (64, 128) for st in (4, 3)])]
-            every = wg + every
+        if arch.has_wgmma:
+            # the wgmma form first (past 640 columns of v, two CTAs a query tile, each repeating the QK work)
+            every = [(64, kv, 8, st, Mma.WGMMA, dk, Pipeline.SYNC, Schedule.SERIAL)
+                     for kv, st, dk in dict.fromkeys(CHUNKED_WGMMA + [(kv, st, dk) for kv in (128, 64, 32)
+                                                                      for dk in (64, 128) for st in (4, 3)])] + every
         chunked_spills = CHUNKED_SPILLS_ON.get((spec.head_dim, spec.dim_v, spec.mask), {})
 
         def spilled(c):

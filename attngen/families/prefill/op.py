@@ -273,7 +273,9 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
             scale, scale * _LOG2E,
             left, right,
             cap_u, inv_cap_u, alibi_ptr, alibi_sb)
-    grid = ((sq + tile_q - 1) // tile_q, h, b)
+    grid = ((sq + tile_q - 1) // tile_q, h * ks_.v_splits, b)  # v_splits: the chunked kernel past 640 columns
+    if grid[1] > 65535:
+        raise LaunchError(f"heads={h} exceed the grid's y limit (65535 / {ks_.v_splits} with this kernel)")
     if ks_.tma:
         try:
             maps = tensor_maps(qi, ki, vi, ks_)

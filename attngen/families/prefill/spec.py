@@ -83,6 +83,8 @@ class PrefillSpec(SpecBase):
     # wider than Q and K) the chunked kernel streams them in head_dim chunks.
     HEAD_DIMS: ClassVar[tuple[int, ...]] = (64, 96, 128, 192, 256, 320, 384, 448, 512, 576, 640, 768, 1024)
     WHOLE_MAX: ClassVar[int] = 256
+    # The chunked kernel's wgmma form: one CTA computes O's columns up to here, two past it.
+    WGMMA_ONE_CTA_MAX: ClassVar[int] = 640
     HEAD_DIM_V: ClassVar[tuple[int, ...]] = (0, *HEAD_DIMS)
     CTA_TILE_Q: ClassVar[tuple[int, ...]] = (0, 32, 64, 128)
     CTA_TILE_KV: ClassVar[tuple[int, ...]] = (0, 32, 64, 128)
@@ -258,11 +260,20 @@ class PrefillSpec(SpecBase):
                     stage_elems=max(qk_elems, vk * row(vcw * warps_n)))
 
     @property
+    def v_splits(self) -> int:
+        """CTAs a query tile's O columns are split over (the chunked kernel's wgmma form past head_dim_v
+        640, where one CTA's registers cannot hold O: each split repeats the QK work); 1 otherwise."""
+        self._require_resolved("v_splits")
+        return 2 if self.chunked and self.mma is Mma.WGMMA and self.dim_v > self.WGMMA_ONE_CTA_MAX else 1
+
+    @property
     def dim_v_padded(self) -> int:
-        """The head dim of v the chunked kernel computes: with wgmma, V's columns are padded to whole
-        64-column blocks per warpgroup (zeros loaded, never stored); otherwise ``dim_v``."""
+        """The head dim of v one CTA of the chunked kernel computes: with wgmma, its split of V's columns
+        padded to whole 64-column blocks per warpgroup (zeros loaded, never stored); otherwise ``dim_v``."""
         self._require_resolved("dim_v_padded")
-        return -(-self.dim_v // 128) * 128 if self.chunked and self.mma is Mma.WGMMA else self.dim_v
+        if not (self.chunked and self.mma is Mma.WGMMA):
+            return self.dim_v
+        return -(-self.dim_v // self.v_splits // 128) * 128
 
     @property
     def q_in_regs(self) -> bool:
@@ -319,7 +330,8 @@ class PrefillSpec(SpecBase):
                    pingpong=self.schedule is Schedule.PINGPONG)
         if self.chunked:
             cg = self.chunk_grid
-            ctx.update(chunked=True, wgmma=self.mma is Mma.WGMMA, chunk_vk=cg["vk"], chunk_vcw=cg["vcw"])
+            ctx.update(chunked=True, wgmma=self.mma is Mma.WGMMA, chunk_vk=cg["vk"], chunk_vcw=cg["vcw"],
+                       v_splits=self.v_splits)
             return ctx
         ctx.update(
             chunked=False,

@@ -112,8 +112,9 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     kern = plan.kernel or plan.kernel_for(max(1, total_q // max(batch, 1)))
     tq = kern.spec.cta_tile_q
     max_items = -(-total_q // tq) + batch  # sum over sequences of ceil(len / tq) is below this
-    if h > 65535:
-        raise LaunchError(f"heads={h} exceeds 65535 (the grid's y limit)")
+    splits = kern.spec.v_splits  # the chunked kernel past 640 columns of v: CTAs a query tile's O is split over
+    if h * splits > 65535:
+        raise LaunchError(f"heads={h} exceed the grid's y limit (65535 / {splits} with this kernel)")
     ws = plan.alloc_index(2 * max_items + 1 + batch + 1)  # work items, their count, per-sequence tile offsets
     wp = data_ptr(ws, qi.kind)
     stream = plan.stream(qi.device)
@@ -123,7 +124,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                        0, 0, 0, 1, 1, 0, 0, 0, left, right, batch, total_q, total_k, int(paged), entry="_order")
     qs, ks, vs = qi.strides, ki.strides, vi.strides
     kern.launch_struct(
-        PARAMS_EXT, (max_items, h, 1), stream,
+        PARAMS_EXT, (max_items, h * splits, 1), stream,
         qi.ptr, ki.ptr, vi.ptr, optr, data_ptr(lse, qi.kind) if return_lse else 0,
         0, qs[0], qs[1],
         ks[0] if paged else 0, ks[-3], ks[-2], vs[0] if paged else 0, vs[-3], vs[-2],
