@@ -112,10 +112,13 @@ CHUNKED_WGMMA = [(128, 4, 64), (64, 4, 64), (64, 4, 128), (128, 3, 128), (64, 3,
 
 
 # Chunked configs ptxas spills (NVRTC 13.5, every default candidate of every chunked manifest entry
-# compiled for every arch, 2026-11-23), per (head_dim, head_dim_v, mask): config -> archs.
+# compiled for every arch, 2026-11-23; the wgmma form's 2026-11-24), per (head_dim, head_dim_v, mask):
+# (cta_tile_q, cta_tile_kv, num_warps, num_stages, head_dim_chunk, mma) -> archs.
 CHUNKED_SPILLS_ON = {
-    (192, 128, MaskMode.CAUSAL): {(64, 128, 8, 3, 64): ("sm_80", "sm_86", "sm_89")},
-    (640, 640, MaskMode.SLIDING_WINDOW): {(64, 64, 8, 3, 64): ("sm_90a",)},
+    (192, 128, MaskMode.CAUSAL): {(64, 128, 8, 3, 64, Mma.SYNC): ("sm_80", "sm_86", "sm_89")},
+    (640, 640, MaskMode.SLIDING_WINDOW): {(64, 64, 8, 3, 64, Mma.SYNC): ("sm_90a",)},
+    # the two-CTA split at 768 with a window: 96-100 bytes at 128-key tiles (64-key tiles are spill-free)
+    (768, 768, MaskMode.SLIDING_WINDOW): {(64, 128, 8, 4, 64, Mma.WGMMA): ("sm_90a",)},
 }
 
 
@@ -141,7 +144,7 @@ def candidates(spec, arch: Arch):
         chunked_spills = CHUNKED_SPILLS_ON.get((spec.head_dim, spec.dim_v, spec.mask), {})
 
         def spilled(c):
-            return arch.name in chunked_spills.get((*c[:4], c[5]), ())
+            return arch.name in chunked_spills.get((*c[:4], c[5], c[4]), ())
     else:
         every = [(*c[:5], 0, *c[5:]) for c in _candidates(spec, arch)]  # head_dim_chunk 0: whole rows
         if spec.custom_mask:
