@@ -47,6 +47,18 @@ class Mma(enum.Enum):
         return self is not Mma.AUTO
 
 
+class Pipeline(enum.Enum):
+    """How a kernel's KV tiles reach shared memory. ``auto`` (the default) lets ``resolve`` choose
+    for the arch and layout, so it is falsy like the other unresolved tuning fields."""
+
+    AUTO = "auto"
+    SYNC = "sync"  # the math warps issue cp.async; a CTA barrier a tile (every arch, every layout)
+    TMA = "tma"    # TMA copies (tensor maps built on the host) into an mbarrier ring: wgmma kernels on sm_90a
+
+    def __bool__(self) -> bool:
+        return self is not Pipeline.AUTO
+
+
 def allowed_text(values) -> str:
     return ", ".join(str(v.value if isinstance(v, enum.Enum) else v) for v in values)
 

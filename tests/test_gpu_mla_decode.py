@@ -213,3 +213,60 @@ def test_bad_inputs():
         attngen.mla_decode(q, qp, c.half(), p, cache_seqlens=10, sm_scale=0.1)
     with pytest.raises(attngen.LaunchError, match="sm_scale"):
         attngen.mla_decode(q, qp, c, p, cache_seqlens=10, sm_scale=-1.0)
+
+
+def _sm90a_only():
+    if _arch().name != "sm_90a":
+        pytest.skip("the TMA pipeline needs sm_90a")
+
+
+@pytest.mark.parametrize("rank,rope", [(512, 64), (256, 32)])
+@pytest.mark.parametrize("block_size", [None, 16, 48, 64, 256], ids=lambda b: f"paged{b}" if b else "contiguous")
+@pytest.mark.parametrize("shard,tile,stages", [("true", 64, 2), ("false", 64, 2), ("true", 32, 4), ("true", 64, 1)])
+def test_tma_and_cp_async_agree_bitwise(rank, rope, block_size, shard, tile, stages):
+    """The TMA ring loads the same tiles as the cp.async one, so the outputs are the same bits: lengths
+    that end inside a tile and inside a box (the rows past them NaN in the cache), splits that get no
+    tile, paged blocks smaller and larger than the tile."""
+    _sm90a_only()
+    gen = fresh_generator()
+    seqlens = [1, 17, 63, 64, 65, 700, 3001, 0]
+    b, heads, q_len = len(seqlens), 128, 2
+    table = None
+    if block_size is not None:
+        per_row = -(-max(seqlens) // block_size)
+        perm = torch.randperm(b * per_row + 4, generator=torch.Generator().manual_seed(7))
+        table = perm[:b * per_row].reshape(b, per_row).to(torch.int32).cuda()
+    ckv, ckv_ref = make_cache(seqlens, rank, torch.bfloat16, gen, block_size, table)
+    kpe, kpe_ref = make_cache(seqlens, rope, torch.bfloat16, gen, block_size, table)
+    q_nope = _inside_nan((b, q_len, heads, rank), torch.bfloat16, gen)
+    q_pe = _inside_nan((b, q_len, heads, rope), torch.bfloat16, gen)
+    lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    got = {}
+    for pipeline in ("tma", "sync"):
+        spec = MlaDecodeSpec(mma="wgmma", pipeline=pipeline, qk_shard=shard, cta_tile_kv=tile, num_stages=stages)
+        for splits in (1, 5):
+            out = torch.full((b, q_len, heads, rank), NAN, dtype=torch.bfloat16, device="cuda")
+            o, lse = attngen.mla_decode(q_nope, q_pe, ckv, kpe, cache_seqlens=lens, block_table=table, sm_scale=0.07,
+                                        num_splits=splits, return_lse=True, out=out, spec=spec)
+            got[pipeline, splits] = (o, lse)
+    torch.cuda.synchronize()
+    for splits in (1, 5):
+        (o_t, l_t), (o_s, l_s) = got["tma", splits], got["sync", splits]
+        assert torch.equal(o_t, o_s) and torch.equal(l_t, l_s), f"splits={splits}"
+    ref_o, ref_l = reference_mla(q_nope, q_pe, ckv_ref, kpe_ref, seqlens, 0.07)
+    check_output_and_lse(*got["tma", 5], ref_o, ref_l, TOL[torch.bfloat16])
+
+
+def test_tma_refused_map_falls_back(monkeypatch):
+    """Where the driver builds no tensor map, a default call runs the cp.async kernel of the same tiles;
+    a spec that pins pipeline=tma gets the driver's refusal."""
+    _sm90a_only()
+    from attngen.families.mla_decode import op
+
+    def refuse(dtype, ptr, dims, strides, box, what):
+        raise attngen.LaunchError(what("CUDA_ERROR_INVALID_VALUE"))
+
+    monkeypatch.setattr(op, "tiled_map", refuse)
+    run_case([1, 700, 3001], 64, 1)
+    with pytest.raises(attngen.LaunchError, match="pipeline=sync"):
+        run_case([1, 700], 64, 1, spec=MlaDecodeSpec(pipeline="tma"))

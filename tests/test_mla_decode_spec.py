@@ -9,7 +9,7 @@ import attngen
 from attngen.arch import ARCHS, get_arch
 from attngen.families.mla_decode.spec import MlaDecodeSpec, QkShard
 from attngen.families.split_kv import choose_splits
-from attngen.spec import Mma, SpecError, parse_spec, resolve, validate
+from attngen.spec import Mma, Pipeline, SpecError, parse_spec, resolve, validate
 
 
 def test_text_form_and_fields():
@@ -58,22 +58,22 @@ def test_large_smem_archs_resolve_and_fit(arch):
 def test_fit_rules_name_the_field():
     # Sharding 32 keys over 8 warps of one row tile leaves 4 keys each: not whole MMA columns.
     with pytest.raises(SpecError) as e:
-        validate(MlaDecodeSpec(q_rows=16, qk_shard=True, cta_tile_kv=32, num_warps=8, num_stages=2, mma="mma_sync"), "sm_90a")
+        validate(MlaDecodeSpec(q_rows=16, qk_shard=True, cta_tile_kv=32, num_warps=8, num_stages=2, mma="mma_sync", pipeline="sync"), "sm_90a")
     assert e.value.field == "qk_shard"
     # 64 rows on 4 warps: each warp would hold all 512 output columns of its 16 rows.
     with pytest.raises(SpecError) as e:
-        validate(MlaDecodeSpec(q_rows=64, qk_shard=False, cta_tile_kv=16, num_warps=4, num_stages=1, mma="mma_sync"), "sm_90a")
+        validate(MlaDecodeSpec(q_rows=64, qk_shard=False, cta_tile_kv=16, num_warps=4, num_stages=1, mma="mma_sync", pipeline="sync"), "sm_90a")
     assert e.value.field == "num_warps"
     with pytest.raises(SpecError) as e:
-        validate(MlaDecodeSpec(q_rows=64, qk_shard=False, cta_tile_kv=64, num_warps=8, num_stages=4, mma="mma_sync"), "sm_90a")
+        validate(MlaDecodeSpec(q_rows=64, qk_shard=False, cta_tile_kv=64, num_warps=8, num_stages=4, mma="mma_sync", pipeline="sync"), "sm_90a")
     assert e.value.field == "num_stages" and "bytes of shared memory" in str(e.value)
 
 
 def test_smem_accounting():
-    s = MlaDecodeSpec(q_rows=64, qk_shard=True, cta_tile_kv=32, num_warps=8, num_stages=3, mma="mma_sync")
+    s = MlaDecodeSpec(q_rows=64, qk_shard=True, cta_tile_kv=32, num_warps=8, num_stages=3, mma="mma_sync", pipeline="sync")
     row = 512 + 64 + 8
     assert s.smem_bytes() == 2 * (64 * row + 3 * 32 * row + 64 * 40) + 4 * 2 * 64
-    assert MlaDecodeSpec(q_rows=64, qk_shard=False, cta_tile_kv=32, num_warps=8, num_stages=3, mma="mma_sync").smem_bytes() == \
+    assert MlaDecodeSpec(q_rows=64, qk_shard=False, cta_tile_kv=32, num_warps=8, num_stages=3, mma="mma_sync", pipeline="sync").smem_bytes() == \
         2 * (64 * row + 3 * 32 * row) + 4 * 2 * 64
 
 
@@ -86,24 +86,46 @@ def test_wgmma_where_it_fits():
         assert resolve(MlaDecodeSpec(q_rows=rows), "sm_90a").mma is Mma.SYNC
     for arch in ("sm_80", "sm_90", "sm_100", "sm_120"):
         assert resolve(MlaDecodeSpec(q_rows=64), arch).mma is Mma.SYNC
-    assert resolve(MlaDecodeSpec(q_rows=64, mma="mma_sync"), "sm_90a").mma is Mma.SYNC
+    assert resolve(MlaDecodeSpec(q_rows=64, mma="mma_sync", pipeline="sync"), "sm_90a").mma is Mma.SYNC
     with pytest.raises(SpecError, match="sm_90a") as e:
-        validate(MlaDecodeSpec(q_rows=64, qk_shard=True, cta_tile_kv=64, num_warps=8, num_stages=2, mma="wgmma"),
-                 "sm_90")
+        validate(MlaDecodeSpec(q_rows=64, qk_shard=True, cta_tile_kv=64, num_warps=8, num_stages=2, mma="wgmma",
+                               pipeline="sync"), "sm_90")
     assert e.value.field == "mma"
     with pytest.raises(SpecError, match="q_rows=16") as e:
         resolve(MlaDecodeSpec(q_rows=16, mma="wgmma"), "sm_90a")
     assert e.value.field == "mma"
     with pytest.raises(SpecError, match="16 keys") as e:
-        validate(MlaDecodeSpec(q_rows=64, qk_shard=True, cta_tile_kv=16, num_warps=8, num_stages=2, mma="wgmma"),
-                 "sm_90a")
+        validate(MlaDecodeSpec(q_rows=64, qk_shard=True, cta_tile_kv=16, num_warps=8, num_stages=2, mma="wgmma",
+                               pipeline="sync"), "sm_90a")
     assert e.value.field == "cta_tile_kv"
     # Q, two 64-key stages and P in 128-byte-row blocks, the row exchange and the alignment slack.
-    s = MlaDecodeSpec(q_rows=64, qk_shard=True, cta_tile_kv=64, num_warps=8, num_stages=2, mma="wgmma")
+    s = MlaDecodeSpec(q_rows=64, qk_shard=True, cta_tile_kv=64, num_warps=8, num_stages=2, mma="wgmma",
+                      pipeline="sync")
     assert s.smem_bytes() == 2 * (64 * 576 + 2 * 64 * 576 + 64 * 64) + 4 * 2 * 64 + 1024
+    # The TMA ring adds one 8-byte mbarrier a stage.
+    assert s.replace(pipeline="tma").smem_bytes() == s.smem_bytes() + 16
     # rope 32: the last 64-column block is kept whole.
     s = s.replace(kv_lora_rank=256, rope_dim=32, qk_shard=False)
     assert s.smem_bytes() == 2 * (64 * 320 + 2 * 64 * 320) + 4 * 2 * 64 + 1024
+
+
+def test_tma_ring_where_wgmma_runs():
+    """sm_90a's wgmma default loads its tiles with TMA, and so does every wgmma candidate's first form;
+    mma.sync kernels keep cp.async, and a pinned TMA there is refused naming pipeline."""
+    for kw in ({}, dict(paged=True), dict(kv_lora_rank=256, rope_dim=32)):
+        assert resolve(MlaDecodeSpec(q_rows=64, **kw), "sm_90a").pipeline is Pipeline.TMA
+    assert resolve(MlaDecodeSpec(q_rows=64, pipeline="sync"), "sm_90a").mma is Mma.WGMMA
+    for rows in (16, 32):
+        assert resolve(MlaDecodeSpec(q_rows=rows), "sm_90a").pipeline is Pipeline.SYNC
+    for arch in ("sm_80", "sm_89", "sm_120"):
+        assert resolve(MlaDecodeSpec(q_rows=64), arch).pipeline is Pipeline.SYNC
+    with pytest.raises(SpecError, match="wgmma") as e:
+        validate(MlaDecodeSpec(q_rows=64, qk_shard=False, cta_tile_kv=32, num_warps=8, num_stages=2, mma="mma_sync",
+                               pipeline="tma"), "sm_90a")
+    assert e.value.field == "pipeline"
+    with pytest.raises(SpecError) as e:
+        resolve(MlaDecodeSpec(q_rows=64, pipeline="tma"), "sm_80")
+    assert e.value.field in ("pipeline", "mma")
 
 
 def test_splits_spread_a_small_batch():

@@ -131,6 +131,7 @@ def test_tensor_maps_keep_the_drivers_refusals(monkeypatch):
     # A default call falls back to the cp.async kernel where no map can be built; asking the driver again
     # on every such call would put its failure on the host path.
     from attngen.errors import LaunchError
+    from attngen.families import tma as maps
     from attngen.families.prefill import tma
     from attngen.runtime import TensorInfo
 
@@ -141,8 +142,8 @@ def test_tensor_maps_keep_the_drivers_refusals(monkeypatch):
             calls.append(args)
             raise LaunchError("cuTensorMapEncodeTiled failed: CUDA_ERROR_INVALID_VALUE (1)")
 
-    monkeypatch.setattr(tma, "driver", lambda: Refusing())
-    monkeypatch.setattr(tma, "_kept", {})
+    monkeypatch.setattr(maps, "driver", lambda: Refusing())
+    monkeypatch.setattr(maps, "_kept", {})
     t = TensorInfo("torch", 1 << 20, (2, 100, 4, 128), (0, 512, 128, 1), "bf16", 0)
     for _ in range(3):
         with pytest.raises(LaunchError, match="pipeline=sync") as e:

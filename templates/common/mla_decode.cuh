@@ -23,6 +23,13 @@
 // read from shared memory through descriptors, P from registers when not sharded. The accumulators
 // land in the mma.sync layout per warp, so the mask, the softmax and the epilogue are shared. Q and
 // the tiles are then stored in 128-byte-swizzled 64-column blocks (WgmmaLayout).
+//
+// TMA (with WGMMA): thread 0 loads each cache tile as TMA boxes (64 columns of BOX rows: the whole
+// tile when contiguous, the largest power of two dividing the block size when paged) into the ring,
+// completing the slot's mbarrier; the other threads never issue a copy. Issued by every thread, the
+// cp.async of a 74 KB tile held the warps until much of it had landed, so loads and MMAs ran one
+// after the other. The cache rows a box reads past the sequence, and the rows no box covers, are
+// zeroed in shared memory before the last tile is read (P is 0 there; V must be finite).
 namespace attngen {
 
 template <class T>
@@ -49,8 +56,16 @@ struct MlaParams {
   float sm_scale, scale_log2;
 };
 
+// The TMA kernel's parameter: tensor maps of ckv and kpe (3-d: columns, positions or paged slots,
+// cache rows or blocks), then the parameters every kernel takes.
+template <class T>
+struct MlaTmaParams {
+  TmaDesc maps[2];
+  MlaParams<T> p;
+};
+
 template <class T, bool BF16, int DC, int DR, int ROWS, int BLOCK_N, int NUM_WARPS, int NUM_STAGES, bool QK_SHARD,
-          bool PAGED, bool WGMMA>
+          bool PAGED, bool WGMMA, bool TMA>
 struct MlaDecode {
   static constexpr int THREADS = NUM_WARPS * 32;
   static constexpr int WARPS_M = ROWS / 16;
@@ -71,11 +86,14 @@ struct MlaDecode {
   static constexpr int ALIGN_SLACK = WGMMA ? 1024 : 0;  // wgmma's swizzle atoms start 1024-byte aligned
   static_assert(WARPS_M * WARPS_N == NUM_WARPS, "warp grid");
   static_assert(!WGMMA || (ROWS == 64 && NUM_WARPS == 8 && SN >= 16 && BLOCK_N <= 64), "wgmma shape");
+  static_assert(!TMA || WGMMA, "the TMA ring feeds the wgmma kernel");
   static_assert(SN % 8 == 0 && BLOCK_N % 16 == 0 && ON % 16 == 0 && DQK % 32 == 0, "tile shape");
   static_assert(DC % 8 == 0 && DR % 8 == 0 && THREADS % (DC / 8) == 0 && THREADS % (DR / 8) == 0, "copies");
 
-  // Shared memory: Q, the ring, P (QK_SHARD), then WARPS_N x ROWS floats for the row exchange.
-  static constexpr int SMEM_BYTES = 2 * (Q_ELEMS + NUM_STAGES * TILE_ELEMS + P_ELEMS) + 4 * WARPS_N * ROWS + ALIGN_SLACK;
+  // Shared memory: Q, the ring, P (QK_SHARD), WARPS_N x ROWS floats for the row exchange, then (TMA)
+  // one mbarrier a slot.
+  static constexpr int SMEM_BYTES =
+      2 * (Q_ELEMS + NUM_STAGES * TILE_ELEMS + P_ELEMS) + 4 * WARPS_N * ROWS + ALIGN_SLACK + (TMA ? 8 * NUM_STAGES : 0);
 
   // COLS columns of ROWS cache rows from `base` (one row block: element stride s_pos per position,
   // or per paged slot) into the tile's columns [col0, col0 + COLS): each thread keeps one column
@@ -107,13 +125,43 @@ struct MlaDecode {
     }
   }
 
-  static __device__ __forceinline__ void run(const MlaParams<T>& p) {
+  // TMA (thread 0): tile `tile`'s rows up to the sequence's end into ring slot `slot`, in boxes of
+  // `box` rows, each box one 64-column block of ckv per 64 columns and one (zero-filled past DR) of
+  // kpe. A template so that only the TMA kernel instantiates it (WgmmaOps exists only there).
+  template <bool ON = TMA>
+  static __device__ __forceinline__ void tma_tile(const MlaParams<T>& p, const TmaDesc* maps, unsigned ring,
+                                                  unsigned bar0, const int* table, int batch, int seqlen, int tile,
+                                                  int slot) {
+    using W = typename Select<ON, WgmmaOps<BF16>, void>::type;
+    const int n0 = tile * BLOCK_N;
+    const int box = PAGED ? min(BLOCK_N, p.block_size & -p.block_size) : BLOCK_N;
+    const int pieces = (min(BLOCK_N, seqlen - n0) + box - 1) / box;
+    const unsigned bar = bar0 + 8 * slot;
+    const unsigned dst = ring + slot * TILE_ELEMS * (int)sizeof(T);
+    W::mbar_expect(bar, pieces * box * BLOCK_COLS * (int)sizeof(T));
+    for (int pc = 0; pc < pieces; ++pc) {
+      const int pos = n0 + pc * box;
+      int c1 = pos, c2 = batch;
+      if constexpr (PAGED) {
+        const int blk = p.block_shift >= 0 ? pos >> p.block_shift : pos / p.block_size;
+        c1 = pos - blk * p.block_size;
+        c2 = min(max(__ldg(table + blk), 0), p.num_blocks - 1);  // clamped as load_cols does
+      }
+      const unsigned at = dst + pc * box * 128;
+#pragma unroll
+      for (int cb = 0; cb < DC / 64; ++cb) W::tma_load3(at + cb * BLOCK_N * 128, maps, bar, cb * 64, c1, c2);
+      W::tma_load3(at + (DC / 64) * BLOCK_N * 128, maps + 1, bar, 0, c1, c2);
+    }
+  }
+
+  static __device__ __forceinline__ void run(const MlaParams<T>& p, const TmaDesc* maps = nullptr) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned char* smem_base = WGMMA ? aligned_smem<1024>(smem_raw) : smem_raw;
     T* sQ = reinterpret_cast<T*>(smem_base);
     T* sRing = sQ + Q_ELEMS;
     T* sP = sRing + NUM_STAGES * TILE_ELEMS;
     float* sRed = reinterpret_cast<float*>(sP + P_ELEMS);  // [WARPS_N][ROWS]
+    const unsigned bar0 = smem_addr(sRed + WARPS_N * ROWS);  // TMA: slot s's mbarrier at bar0 + 8 s
 
     const int tid = threadIdx.x;
     const int warp = tid / 32;
@@ -172,8 +220,21 @@ struct MlaDecode {
       load_cols<DC>(dst, 0, ckv, p.c_sb, p.c_ss, p, table, n0, seqlen, tid);
       load_cols<DR>(dst, DC, kpe, p.p_sb, p.p_ss, p, table, n0, seqlen, tid);
     };
-
-    if constexpr (NUM_STAGES > 1) {
+    if constexpr (TMA) {
+      cp_async_commit();  // Q
+      if (tid == 0) {
+        using W = WgmmaOps<BF16>;
+#pragma unroll
+        for (int s = 0; s < NUM_STAGES; ++s) W::mbar_init(bar0 + 8 * s, 1);
+        W::mbar_init_fence();
+#pragma unroll
+        for (int s = 0; s < NUM_STAGES - 1; ++s)
+          if (s < n_tiles) tma_tile(p, maps, smem_addr(sRing), bar0, table, batch, seqlen, tile_begin + s, s);
+      }
+      cp_async_wait<0>();
+      WgmmaOps<BF16>::fence_proxy();
+      __syncthreads();  // Q in place, the barriers initialised
+    } else if constexpr (NUM_STAGES > 1) {
 #pragma unroll
       for (int s = 0; s < NUM_STAGES - 1; ++s) {
         if (s < n_tiles) load_tile(tile_begin + s, s);
@@ -203,7 +264,24 @@ struct MlaDecode {
       const int tile = tile_begin + it;
       const int n0 = tile * BLOCK_N;
       const int slot = it % NUM_STAGES;
-      if constexpr (NUM_STAGES > 1) {
+      if constexpr (TMA) {
+        // The slot of tile it - 1 is refilled once every warp is done with it (the barrier).
+        if (it > 0) __syncthreads();
+        if (tid == 0 && it + NUM_STAGES - 1 < n_tiles)
+          tma_tile(p, maps, smem_addr(sRing), bar0, table, batch, seqlen, tile + NUM_STAGES - 1,
+                   (it + NUM_STAGES - 1) % NUM_STAGES);
+        WgmmaOps<BF16>::mbar_wait(bar0 + 8 * slot, (it / NUM_STAGES) & 1);
+        if (n0 + BLOCK_N > seqlen) {
+          // Rows [seqlen - n0, BLOCK_N) of V: past the sequence (read by a box, or stale).
+          T* sT = sRing + slot * TILE_ELEMS;
+          const int valid = seqlen - n0;
+          for (int idx = tid; idx < (BLOCK_N - valid) * (DC / 8); idx += THREADS)
+            *reinterpret_cast<uint4*>(sT + LT::offset(valid + idx / (DC / 8), (idx % (DC / 8)) * 8)) =
+                make_uint4(0u, 0u, 0u, 0u);
+          WgmmaOps<BF16>::fence_proxy();
+          __syncthreads();
+        }
+      } else if constexpr (NUM_STAGES > 1) {
         cp_async_wait<NUM_STAGES - 2>();
         if constexpr (WGMMA) WgmmaOps<BF16>::fence_proxy();
         __syncthreads();

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 
 from ...arch import Arch
-from ...spec import Mma
+from ...spec import Mma, Pipeline
 from .spec import QkShard
 
 T, F = QkShard.TRUE, QkShard.FALSE
@@ -43,13 +43,14 @@ SMALL_SMEM = 128 * 1024  # per block: below this the unsharded form goes first
 
 
 def candidates(spec, arch: Arch):
-    """(qk_shard, cta_tile_kv, num_warps, num_stages, mma): on sm_90a the wgmma configs first (they
-    fit only q_rows 64), then the mma_sync ones: measured configs, then every combination."""
+    """(qk_shard, cta_tile_kv, num_warps, num_stages, mma, pipeline): on sm_90a the wgmma configs first
+    (they fit only q_rows 64), each with the TMA ring and then with cp.async, then the mma_sync ones:
+    measured configs, then every combination."""
     if arch.has_wgmma:
-        yield from ((shard, kv, 8, st, Mma.WGMMA) for shard, kv, st in TUNED_WGMMA)
-        yield from ((shard, kv, 8, st, Mma.WGMMA) for shard, kv, st in itertools.product((T, F), (64, 32), (4, 3, 2, 1)))
+        wg = itertools.chain(TUNED_WGMMA, itertools.product((T, F), (64, 32), (4, 3, 2, 1)))
+        yield from ((shard, kv, 8, st, Mma.WGMMA, pipe) for shard, kv, st in wg for pipe in (Pipeline.TMA, Pipeline.SYNC))
     shard_order = (F, T) if arch.smem_per_block < SMALL_SMEM else (T, F)
     first = TUNED[spec.q_rows] if arch.smem_per_block >= SMALL_SMEM else []
     spills = SPILLS.get((spec.kv_lora_rank, spec.q_rows, spec.paged), ())
     every = itertools.chain(first, itertools.product(shard_order, (64, 32, 16), (8, 4), (4, 3, 2, 1)))
-    yield from ((*c, Mma.SYNC) for c in every if c not in spills)
+    yield from ((*c, Mma.SYNC, Pipeline.SYNC) for c in every if c not in spills)

@@ -9,13 +9,16 @@ import struct
 from ... import runtime as _rt
 from ...errors import LaunchError
 from ...runtime import current_stream, data_ptr, empty_like_kind, get_kernel, tensor_info
-from ...spec import DType, spec_of_text
+from ...spec import DType, Pipeline, spec_of_text
 from ..score_mods import checked_scale
 from ..split_kv import cache_lengths, check_rows, checked_splits, choose_splits, ctas_per_sm, paged_table, sm_count
+from ..tma import tiled_map
 from .spec import MERGE_COLS, MERGE_THREADS, MlaDecodeSpec
 
-# MlaParams in templates/common/mla_decode.cuh: 10 pointers, 14 strides, 9 ints, 2 floats.
+# MlaParams in templates/common/mla_decode.cuh: 10 pointers, 14 strides, 9 ints, 2 floats; a
+# pipeline=tma kernel takes MlaTmaParams: the ckv and kpe tensor maps first.
 _PARAMS = struct.Struct("<10Q14q9i2f")
+_PARAMS_TMA = struct.Struct("<256s10Q14q9i2f")
 _LOG2E = 1.4426950408889634
 MAX_Q_LEN = 4
 MAX_HEADS = 128
@@ -25,6 +28,20 @@ MAX_HEADS = 128
 def _spec_for(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, user: MlaDecodeSpec | None):
     fields = dict(kv_lora_rank=rank, rope_dim=rope, dtype=DType(dtype), q_rows=q_rows, paged=paged)
     return MlaDecodeSpec(**fields) if user is None else user.replace(**fields)
+
+
+def _tensor_maps(cv, pe, spec: MlaDecodeSpec, block_size: int, fallback_ptr: int) -> bytes:
+    """The TMA kernel's maps of ckv and kpe: 3-d (columns, positions or paged slots, cache rows or
+    blocks), boxes of 64 columns (kpe's zero-filled past rope_dim) and of the rows the kernel issues
+    at once: the whole tile, or paged the largest power of two dividing the block size."""
+    rows = min(spec.cta_tile_kv, block_size & -block_size) if block_size else spec.cta_tile_kv
+
+    def one(t, name):
+        return tiled_map(t.dtype, t.ptr or fallback_ptr, (t.shape[2], max(t.shape[1], 1), max(t.shape[0], 1)),
+                         (2 * t.strides[1], 2 * t.strides[0]), (64, rows, 1),
+                         lambda e: f"pipeline=tma: no TMA tensor map for {name} of shape {t.shape} with strides "
+                                   f"{t.strides}: {e}; use a spec with pipeline=sync")
+    return one(cv, "ckv_cache") + one(pe, "kpe_cache")
 
 
 def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: float, block_table=None,
@@ -120,6 +137,15 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     rows = MlaDecodeSpec.rows_for(h, q_len)
     kern = get_kernel(_spec_for(rank, rope, qn.dtype, rows, paged, spec), device=dev)
     rs = kern.spec
+    maps = None
+    if rs.tma:
+        try:
+            maps = _tensor_maps(cv, pe, rs, block_size, qn.ptr)
+        except LaunchError:
+            if spec is not None and spec.pipeline is Pipeline.TMA:
+                raise
+            kern = get_kernel(rs.replace(pipeline=Pipeline.SYNC), device=dev)  # the same tiles
+            rs = kern.spec
     row_blocks = -(-h * q_len // rows)
     if num_splits == 0:
         num_splits = choose_splits(b * row_blocks, capacity, rs.cta_tile_kv, sm_count(dev), ctas_per_sm(kern),
@@ -145,7 +171,10 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
         scale, scale * _LOG2E,
     )
     stream = current_stream(kind, dev)
-    kern.launch_struct(_PARAMS, (num_splits, row_blocks, b), stream, *values)
+    if maps is None:
+        kern.launch_struct(_PARAMS, (num_splits, row_blocks, b), stream, *values)
+    else:
+        kern.launch_struct(_PARAMS_TMA, (num_splits, row_blocks, b), stream, maps, *values)
     if num_splits > 1:
         warps = MERGE_THREADS // 32
         kern.launch_struct(_PARAMS, (-(-b * q_len * h * (rank // MERGE_COLS) // warps), 1, 1), stream, *values,

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 from ...arch import Arch
 from ...errors import SpecError
-from ...spec import DType, Mma, SpecBase, check_smem, check_wgmma_arch, coerce_bool, coerce_enum, coerce_int
+from ...spec import DType, Mma, Pipeline, SpecBase, check_smem, check_wgmma_arch, coerce_bool, coerce_enum, coerce_int
 
 # The module's `_merge` entry: 4 warps per CTA, each merging MERGE_COLS columns of an output row
 # (a batch-1 step has few rows and many splits: whole 512-wide rows left most of the GPU idle).
@@ -53,7 +53,9 @@ class MlaDecodeSpec(SpecBase):
     cache. Tuning fields (``qk_shard``, ``cta_tile_kv``, ``num_warps``, ``num_stages``, ``mma``)
     take 0 / ``auto`` for the arch's default, chosen from its shared memory. ``mma=wgmma``
     (sm_90a, 64 rows, 8 warps: two warpgroups, one per half of the output columns) reads Q and the
-    cache tile from shared memory through descriptors instead of per-warp ``ldmatrix``.
+    cache tile from shared memory through descriptors instead of per-warp ``ldmatrix``; with it,
+    ``pipeline=tma`` (the sm_90a default) has one thread load the cache tiles as TMA boxes into an
+    mbarrier ring instead of every thread issuing cp.async.
     """
 
     family: ClassVar[str] = "mla_decode"
@@ -64,7 +66,7 @@ class MlaDecodeSpec(SpecBase):
     CTA_TILE_KV: ClassVar[tuple[int, ...]] = (0, 16, 32, 64)
     NUM_WARPS: ClassVar[tuple[int, ...]] = (0, 4, 8)
     NUM_STAGES: ClassVar[tuple[int, ...]] = (0, 1, 2, 3, 4)
-    TUNING_FIELDS: ClassVar[tuple[str, ...]] = ("qk_shard", "cta_tile_kv", "num_warps", "num_stages", "mma")
+    TUNING_FIELDS: ClassVar[tuple[str, ...]] = ("qk_shard", "cta_tile_kv", "num_warps", "num_stages", "mma", "pipeline")
     ALWAYS_SHOWN: ClassVar[tuple[str, ...]] = ("kv_lora_rank", "rope_dim", "dtype", "q_rows", "paged")
 
     kv_lora_rank: int = 512
@@ -77,6 +79,7 @@ class MlaDecodeSpec(SpecBase):
     num_warps: int = 0
     num_stages: int = 0
     mma: Mma = Mma.AUTO
+    pipeline: Pipeline = Pipeline.AUTO
 
     def __post_init__(self):
         s = object.__setattr__
@@ -90,6 +93,7 @@ class MlaDecodeSpec(SpecBase):
         s(self, "num_warps", coerce_int("num_warps", self.num_warps, self.NUM_WARPS))
         s(self, "num_stages", coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
         s(self, "mma", coerce_enum(Mma, "mma", self.mma))
+        s(self, "pipeline", coerce_enum(Pipeline, "pipeline", self.pipeline))
 
     @staticmethod
     def rows_for(heads: int, q_len: int) -> int:
@@ -106,6 +110,10 @@ class MlaDecodeSpec(SpecBase):
     @property
     def wgmma(self) -> bool:
         return self.mma is Mma.WGMMA
+
+    @property
+    def tma(self) -> bool:
+        return self.pipeline is Pipeline.TMA
 
     @property
     def warps_m(self) -> int:
@@ -126,7 +134,8 @@ class MlaDecodeSpec(SpecBase):
         """Q, the ring of cache tiles (ckv and kpe in one row), P when sharded, and the row exchange
         (WARPS_N x q_rows floats). mma_sync pads each row by 8 elements; wgmma stores 64-column
         blocks of 128-byte rows (the last block whole even when the row ends inside it), P in one
-        such block, and keeps 1024 bytes of slack to align the first tile to a swizzle atom."""
+        such block, and keeps 1024 bytes of slack to align the first tile to a swizzle atom; TMA adds
+        one 8-byte mbarrier a stage."""
         self._require_resolved("smem_bytes")
         dqk = self.kv_lora_rank + self.rope_dim
         if self.wgmma:
@@ -136,14 +145,14 @@ class MlaDecodeSpec(SpecBase):
         elems = self.q_rows * row + self.num_stages * self.cta_tile_kv * row
         if self.sharded:
             elems += self.q_rows * p_row
-        return 2 * elems + 4 * self.warps_n * self.q_rows + slack
+        return 2 * elems + 4 * self.warps_n * self.q_rows + slack + (8 * self.num_stages if self.tma else 0)
 
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
         return (("", self.threads, self.smem_bytes()), ("_merge", MERGE_THREADS, 0))
 
     def template_context(self) -> dict:
         ctx = super().template_context()
-        ctx.update(merge_threads=MERGE_THREADS, merge_cols=MERGE_COLS, wgmma=self.wgmma)
+        ctx.update(merge_threads=MERGE_THREADS, merge_cols=MERGE_COLS, wgmma=self.wgmma, tma=self.tma)
         return ctx
 
     # --- fit ---------------------------------------------------------------------------------
@@ -165,6 +174,10 @@ class MlaDecodeSpec(SpecBase):
                                    f"{out_cols} output columns and {keys} keys of S per warp")
         if self.wgmma:
             self._check_wgmma(a)
+        elif self.tma:
+            raise SpecError("pipeline", "tma", "sync",
+                            reason=f"the TMA ring feeds the wgmma kernel (mma=wgmma, sm_90a); the spec has "
+                                   f"mma={self.mma.value}")
         check_smem(self, a, "num_stages", "a smaller num_stages or cta_tile_kv, or qk_shard=false")
 
     def _check_wgmma(self, a: Arch) -> None:

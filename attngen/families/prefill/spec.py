@@ -13,26 +13,14 @@ from typing import ClassVar
 
 from ...arch import Arch
 from ...errors import SpecError
-from ...spec import (DType, Mma, SpecBase, allowed_text, check_smem, check_wgmma_arch, coerce_bool, coerce_enum,
-                     coerce_int)
+from ...spec import (DType, Mma, Pipeline, SpecBase, allowed_text, check_smem, check_wgmma_arch, coerce_bool,
+                     coerce_enum, coerce_int)
 
 
 class MaskMode(enum.Enum):
     NONE = "none"
     CAUSAL = "causal"
     SLIDING_WINDOW = "sliding_window"
-
-
-class Pipeline(enum.Enum):
-    """How K and V tiles reach shared memory. ``auto`` (the default) lets ``resolve`` choose for the
-    arch and layout, so it is falsy like the other unresolved tuning fields."""
-
-    AUTO = "auto"
-    SYNC = "sync"  # the math warps issue cp.async; a CTA barrier a tile (every arch, every layout)
-    TMA = "tma"    # a producer warpgroup issues TMA copies into an mbarrier ring (wgmma, dense layout)
-
-    def __bool__(self) -> bool:
-        return self is not Pipeline.AUTO
 
 
 class Schedule(enum.Enum):
