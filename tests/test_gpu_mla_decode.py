@@ -270,3 +270,43 @@ def test_tma_refused_map_falls_back(monkeypatch):
     run_case([1, 700, 3001], 64, 1)
     with pytest.raises(attngen.LaunchError, match="pipeline=sync"):
         run_case([1, 700], 64, 1, spec=MlaDecodeSpec(pipeline="tma"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("rank,rope", [(512, 64), (256, 32)])
+@pytest.mark.parametrize("block_size", [None, 16, 48, 256], ids=lambda b: f"paged{b}" if b else "contiguous")
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_alternate_tiles(dtype, rank, rope, block_size, q_len):
+    """qk_shard=alternate: the warpgroups take alternate tiles, so splits with an odd number of tiles
+    (the last pair has one), lengths ending inside a tile and splits with no tile; a token that sees no
+    key; partial row blocks."""
+    _sm90a_only()
+    spec = MlaDecodeSpec(qk_shard="alternate")
+    run_case([1, 17, 63, 64, 65, 129, 700, 3001, 0], 128, q_len, dtype, rank, rope, block_size, spec=spec)
+    run_case([5000, 64, 129, 2], 40, q_len, dtype, rank, rope, block_size, spec=spec, num_splits=7)
+
+
+def test_auto_takes_alternate_tiles_for_many_rows_and_long_runs(monkeypatch):
+    """qk_shard=auto: the alternate-tile kernel where a sequence's rows fill two 64-row blocks and every
+    CTA gets ALTERNATE_MIN_TILES tiles, the sharded one otherwise or when the caller pins qk_shard."""
+    _sm90a_only()
+    from attngen.families.mla_decode import op
+
+    seen = []
+    real = op.get_kernel
+
+    def spy(spec, **kw):
+        k = real(spec, **kw)
+        seen.append(k.spec.qk_shard)
+        return k
+
+    monkeypatch.setattr(op, "get_kernel", spy)
+    monkeypatch.setattr(op, "ALTERNATE_MIN_TILES", 2)
+    run_case([4000, 3000, 129], 128, 1, num_splits=1)
+    assert seen[-1] is op.QkShard.ALTERNATE
+    run_case([4000, 3000, 129], 64, 1, num_splits=1)  # one row block
+    assert seen[-1] is op.QkShard.TRUE
+    run_case([4000, 3000, 129], 128, 1, num_splits=1, spec=MlaDecodeSpec(qk_shard="true"))
+    assert seen[-1] is op.QkShard.TRUE
+    run_case([60, 30], 128, 1, num_splits=1)  # 1 tile a CTA: too few
+    assert seen[-1] is op.QkShard.TRUE

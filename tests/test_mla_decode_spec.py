@@ -128,6 +128,45 @@ def test_tma_ring_where_wgmma_runs():
     assert e.value.field in ("pipeline", "mma")
 
 
+def test_alternate_tiles_fit_rules():
+    """qk_shard=alternate is a form of the sm_90a wgmma kernel with the TMA ring, 64-key tiles and two
+    stages; anything else is refused naming qk_shard. Its shared memory: P of one warpgroup in Q's rope
+    block, the other's in its own block, 4 floats a row, two mbarriers a stage."""
+    r = resolve(MlaDecodeSpec(q_rows=64, qk_shard="alternate"), "sm_90a")
+    assert (r.mma, r.pipeline, r.cta_tile_kv, r.num_stages) == (Mma.WGMMA, Pipeline.TMA, 64, 2)
+    assert r.smem_bytes() == 2 * (64 * 576 + 2 * 64 * 576 + 64 * 64) + 4 * (2 * 64 + 4 * 64) + 1024 + 8 * 4
+    assert r.smem_bytes() <= get_arch("sm_90a").smem_per_block
+    for arch in ("sm_80", "sm_90", "sm_120"):
+        with pytest.raises(SpecError) as e:
+            resolve(MlaDecodeSpec(q_rows=64, qk_shard="alternate"), arch)
+        assert e.value.field == "qk_shard"
+    for bad in (dict(cta_tile_kv=32, num_stages=4), dict(cta_tile_kv=64, num_stages=1)):
+        with pytest.raises(SpecError, match="alternate") as e:
+            validate(MlaDecodeSpec(q_rows=64, qk_shard="alternate", num_warps=8, mma="wgmma", pipeline="tma", **bad),
+                     "sm_90a")
+        assert e.value.field == "qk_shard"
+    with pytest.raises(SpecError) as e:
+        validate(r.replace(pipeline="sync"), "sm_90a")
+    assert e.value.field == "qk_shard"
+
+
+@pytest.mark.parametrize("text", ["mla_decode:q_rows=64,qk_shard=alternate",
+                                  "mla_decode:q_rows=64,qk_shard=alternate,paged=true,dtype=fp16",
+                                  "mla_decode:q_rows=64,qk_shard=alternate,kv_lora_rank=256,rope_dim=32"])
+def test_alternate_tiles_compile_spill_free(text, tmp_path, monkeypatch):
+    """A real NVRTC compile for sm_90a: no spills, and no wgmma serialised by ptxas (the warpgroup branch
+    must look uniform to it)."""
+    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path))
+    from attngen.compiler import compile as nvrtc
+    from attngen.render import render
+
+    s = resolve(parse_spec(text), "sm_90a")
+    b = nvrtc(render(s), "sm_90a", kernel_name=s.kernel_name, entries=s.entries, want_ptx=True)
+    assert b.resources.spill_stores == 0 and b.resources.spill_loads == 0
+    assert "serialized" not in b.log, b.log
+    assert "cp.async.bulk.tensor.3d" in b.ptx and "mbarrier.try_wait.parity" in b.ptx
+
+
 def test_splits_spread_a_small_batch():
     sms, per = 132, 1
     tile = 2 * 32 * 576

@@ -8,7 +8,8 @@ Rows:
   (qk_shard=false), ``mma_sync`` (mma=mma_sync: what sm_90a's 64-row blocks ran before wgmma; the
   default elsewhere), ``sm89 fit`` (qk_shard=false, cta_tile_kv=16, num_stages=1, mma_sync: what a
   99 KB arch gets, run on this GPU to show its cost), ``cp.async`` (pipeline=sync: the wgmma kernel
-  with every thread issuing cp.async, what sm_90a ran before the TMA ring);
+  with every thread issuing cp.async, what sm_90a ran before the TMA ring), ``alternate``
+  (qk_shard=alternate: the warpgroups take alternate tiles whole; sm_90a, 64-row blocks);
 - read: one kernel that streams every byte of the cache once (the ceiling);
 - torch: bmm + softmax + bmm in the cache's dtype (fp32 softmax), as a model's eager code does;
 - sdpa_eff: SDPA's memory-efficient backend on the same problem as MQA (K = the 576 columns,
@@ -40,6 +41,7 @@ VARIANTS = {  # row -> spec text pinned on top of the call's own fields
     "mma_sync": "mla_decode:mma=mma_sync",
     "sm89 fit": "mla_decode:qk_shard=false,cta_tile_kv=16,num_stages=1,mma=mma_sync",
     "cp.async": "mla_decode:pipeline=sync",
+    "alternate": "mla_decode:qk_shard=alternate",
 }
 PEERS = ("read", "torch", "sdpa_eff")
 MEM_MARGIN = 3 << 29

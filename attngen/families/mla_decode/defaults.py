@@ -14,7 +14,7 @@ from ...arch import Arch
 from ...spec import Mma, Pipeline
 from .spec import QkShard
 
-T, F = QkShard.TRUE, QkShard.FALSE
+T, F, A = QkShard.TRUE, QkShard.FALSE, QkShard.ALTERNATE
 
 # Per q_rows: [(qk_shard, cta_tile_kv, num_warps, num_stages), ...] best first. From
 # tools/sweep_mla.py on an H100 (bf16, 512 + 64, q_len 1, 2026-11-23; notes/sweep_mla_h100_*): every
@@ -47,7 +47,7 @@ def candidates(spec, arch: Arch):
     (they fit only q_rows 64), each with the TMA ring and then with cp.async, then the mma_sync ones:
     measured configs, then every combination."""
     if arch.has_wgmma:
-        wg = itertools.chain(TUNED_WGMMA, itertools.product((T, F), (64, 32), (4, 3, 2, 1)))
+        wg = itertools.chain(TUNED_WGMMA, [(A, 64, 2)], itertools.product((T, F), (64, 32), (4, 3, 2, 1)))
         yield from ((shard, kv, 8, st, Mma.WGMMA, pipe) for shard, kv, st in wg for pipe in (Pipeline.TMA, Pipeline.SYNC))
     shard_order = (F, T) if arch.smem_per_block < SMALL_SMEM else (T, F)
     first = TUNED[spec.q_rows] if arch.smem_per_block >= SMALL_SMEM else []

@@ -13,7 +13,7 @@ from ...spec import DType, Pipeline, spec_of_text
 from ..score_mods import checked_scale
 from ..split_kv import cache_lengths, check_rows, checked_splits, choose_splits, ctas_per_sm, paged_table, sm_count
 from ..tma import tiled_map
-from .spec import MERGE_COLS, MERGE_THREADS, MlaDecodeSpec
+from .spec import MERGE_COLS, MERGE_THREADS, MlaDecodeSpec, QkShard
 
 # MlaParams in templates/common/mla_decode.cuh: 10 pointers, 14 strides, 9 ints, 2 floats; a
 # pipeline=tma kernel takes MlaTmaParams: the ckv and kpe tensor maps first.
@@ -22,12 +22,23 @@ _PARAMS_TMA = struct.Struct("<256s10Q14q9i2f")
 _LOG2E = 1.4426950408889634
 MAX_Q_LEN = 4
 MAX_HEADS = 128
+# qk_shard=auto on sm_90a: alternate tiles where a sequence's rows fill two 64-row blocks or more (128 heads)
+# and each CTA gets at least this many 64-key tiles; the sharded form elsewhere. On the lent H100
+# (BENCHMARKS.md, 2026-11-24) alternate tiles ran 1.07-1.16x the sharded form at 128 heads, batch 64-256 and
+# 1.08x at batch 8 with 32k tokens (64 tiles a CTA), but 0.92-0.96x with 8-16 tiles a CTA (batch 1-8,
+# 8k-32k tokens), and 0.90-1.01x at 64 heads.
+ALTERNATE_MIN_TILES = 32
 
 
 @functools.lru_cache(maxsize=None)
 def _spec_for(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, user: MlaDecodeSpec | None):
     fields = dict(kv_lora_rank=rank, rope_dim=rope, dtype=DType(dtype), q_rows=q_rows, paged=paged)
     return MlaDecodeSpec(**fields) if user is None else user.replace(**fields)
+
+
+@functools.lru_cache(maxsize=None)
+def _alternate(rs: MlaDecodeSpec) -> MlaDecodeSpec:
+    return rs.replace(qk_shard=QkShard.ALTERNATE)
 
 
 def _tensor_maps(cv, pe, spec: MlaDecodeSpec, block_size: int, fallback_ptr: int) -> bytes:
@@ -61,7 +72,9 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     Scores are ``(q_nope . ckv + q_pe . kpe) * sm_scale``; the output ``[batch, q_len, heads,
     kv_lora_rank]`` (q's dtype and kind) is their softmax times ckv. ``num_splits`` 0 chooses the
     split-KV count, a positive number forces it. ``spec`` (a spec or its text) pins tuning fields
-    (``qk_shard``, ``cta_tile_kv``, ``num_warps``, ``num_stages``). With ``return_lse`` also the
+    (``qk_shard``, ``cta_tile_kv``, ``num_warps``, ``num_stages``, ``mma``, ``pipeline``); left at
+    ``auto``, ``qk_shard`` becomes ``alternate`` on sm_90a for two 64-row blocks or more with at
+    least ``ALTERNATE_MIN_TILES`` tiles a CTA. With ``return_lse`` also the
     fp32 LSE ``[batch, heads, q_len]``; a token that sees no key gives zeros and LSE -inf.
     """
     if _rt.tracing is not None and _rt.tracing():
@@ -150,6 +163,11 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     if num_splits == 0:
         num_splits = choose_splits(b * row_blocks, capacity, rs.cta_tile_kv, sm_count(dev), ctas_per_sm(kern),
                                    2 * rs.cta_tile_kv * (rank + rope), 4 * b * q_len * h * rank)
+    if (maps is not None and row_blocks >= 2 and rs.qk_shard is QkShard.TRUE and rs.cta_tile_kv == 64
+            and rs.num_stages == 2 and (spec is None or not spec.qk_shard)
+            and -(-capacity // 64) >= ALTERNATE_MIN_TILES * num_splits):
+        kern = get_kernel(_alternate(rs), device=dev)  # same smem footprint and grid: the split stands
+        rs = kern.spec
     part_ptr = lse_part_ptr = 0
     if num_splits > 1:
         n_out = num_splits * b * q_len * h

@@ -30,6 +30,7 @@ class QkShard(enum.Enum):
     AUTO = "auto"
     TRUE = "true"    # the tile's keys split over the warps; P all-gathered through shared memory
     FALSE = "false"  # every warp computes S for the whole tile; no exchange
+    ALTERNATE = "alternate"  # wgmma: the two warpgroups take alternate tiles whole, trading P and the row max
 
     def __bool__(self) -> bool:
         return self is not QkShard.AUTO
@@ -112,6 +113,10 @@ class MlaDecodeSpec(SpecBase):
         return self.mma is Mma.WGMMA
 
     @property
+    def alternate(self) -> bool:
+        return self.qk_shard is QkShard.ALTERNATE
+
+    @property
     def tma(self) -> bool:
         return self.pipeline is Pipeline.TMA
 
@@ -135,7 +140,9 @@ class MlaDecodeSpec(SpecBase):
         (WARPS_N x q_rows floats). mma_sync pads each row by 8 elements; wgmma stores 64-column
         blocks of 128-byte rows (the last block whole even when the row ends inside it), P in one
         such block, and keeps 1024 bytes of slack to align the first tile to a swizzle atom; TMA adds
-        one 8-byte mbarrier a stage."""
+        one 8-byte mbarrier a stage (two with qk_shard=alternate, one per half of the tile). Alternate
+        tiles keep P of one warpgroup where Q's rope block was (that block moves to registers), of the
+        other in its own block, and four floats a row for the row maxima and their rescale factors."""
         self._require_resolved("smem_bytes")
         dqk = self.kv_lora_rank + self.rope_dim
         if self.wgmma:
@@ -143,16 +150,19 @@ class MlaDecodeSpec(SpecBase):
         else:
             row, p_row, slack = dqk + 8, self.cta_tile_kv + 8, 0
         elems = self.q_rows * row + self.num_stages * self.cta_tile_kv * row
-        if self.sharded:
+        if self.sharded or self.alternate:
             elems += self.q_rows * p_row
-        return 2 * elems + 4 * self.warps_n * self.q_rows + slack + (8 * self.num_stages if self.tma else 0)
+        floats = self.warps_n * self.q_rows + (4 * self.q_rows if self.alternate else 0)
+        bars = self.num_stages * (2 if self.alternate else 1) if self.tma else 0
+        return 2 * elems + 4 * floats + slack + 8 * bars
 
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
         return (("", self.threads, self.smem_bytes()), ("_merge", MERGE_THREADS, 0))
 
     def template_context(self) -> dict:
         ctx = super().template_context()
-        ctx.update(merge_threads=MERGE_THREADS, merge_cols=MERGE_COLS, wgmma=self.wgmma, tma=self.tma)
+        ctx.update(merge_threads=MERGE_THREADS, merge_cols=MERGE_COLS, wgmma=self.wgmma, tma=self.tma,
+                   alternate=self.alternate)
         return ctx
 
     # --- fit ---------------------------------------------------------------------------------
@@ -172,6 +182,12 @@ class MlaDecodeSpec(SpecBase):
             raise SpecError("num_warps", self.num_warps, "more warps (8), a smaller cta_tile_kv or a smaller q_rows",
                             reason=f"needs about {acc} accumulator registers per thread (limit {MAX_ACC_REGS}): "
                                    f"{out_cols} output columns and {keys} keys of S per warp")
+        if self.alternate and not (self.wgmma and self.tma and self.cta_tile_kv == 64 and self.num_stages == 2):
+            raise SpecError("qk_shard", "alternate", "true, false",
+                            reason=f"alternate tiles are a form of the wgmma kernel with the TMA ring, 64-key tiles "
+                                   f"and two stages (mma=wgmma, pipeline=tma, cta_tile_kv=64, num_stages=2); the spec "
+                                   f"has mma={self.mma.value}, pipeline={self.pipeline.value}, "
+                                   f"cta_tile_kv={self.cta_tile_kv}, num_stages={self.num_stages}")
         if self.wgmma:
             self._check_wgmma(a)
         elif self.tma:
