@@ -64,9 +64,16 @@ struct MlaTmaParams {
   MlaParams<T> p;
 };
 
+// qk_shard=alternate's loop (mla_alternate.cuh, included only in those kernels).
+template <class K>
+struct MlaAlternate;
+
 template <class T, bool BF16, int DC, int DR, int ROWS, int BLOCK_N, int NUM_WARPS, int NUM_STAGES, bool QK_SHARD,
           bool PAGED, bool WGMMA, bool TMA, bool ALT>
 struct MlaDecode {
+  using Elem = T;
+  static constexpr bool IS_BF16 = BF16;
+  static constexpr int DC_ = DC, DR_ = DR, ROWS_ = ROWS, BLOCK_N_ = BLOCK_N;
   static constexpr int THREADS = NUM_WARPS * 32;
   static constexpr int WARPS_M = ROWS / 16;
   static constexpr int WARPS_N = NUM_WARPS / WARPS_M;
@@ -153,264 +160,6 @@ struct MlaDecode {
 #pragma unroll
       for (int cb = CB_LO; cb < CB_HI; ++cb) W::tma_load3(at + cb * BLOCK_N * 128, maps, bar, cb * 64, c1, c2);
       if constexpr (KPE) W::tma_load3(at + (DC / 64) * BLOCK_N * 128, maps + 1, bar, 0, c1, c2);
-    }
-  }
-
-  // qk_shard=alternate (ALT: wgmma, TMA, 64-key tiles, two slots). Warpgroup 0 takes the even tiles
-  // of the split and warpgroup 1 the odd ones, each computing S for its whole tile (a 64-key wgmma, so
-  // no QK work is repeated and no S wgmma is narrower than 64 keys); warpgroup 0 holds O's left half
-  // of the columns, warpgroup 1 the right. Per pair of tiles (a in slot 0, b in slot 1):
-  //   wg0: S_a, its row max m0 and P_a, O_L = O_L s0 + P_a V_a,L;   -> s0, m0 (BAR_S0)
-  //   wg1: S_b, m1 = max(m0, rowmax S_b), P_b, O_R = O_R s0 s1 + P_b V_b,R;   -> s1, m1 (BAR_S1), P_b (BAR_P1)
-  //   wg0: P_a s1 -> shared (BAR_P0); O_L = O_L s1 + P_b V_b,L;   wg1: O_R += (P_a s1) V_a,R
-  // so one warpgroup's softmax runs while the other's MMAs do. Each half of a slot (ckv's left
-  // columns; its right columns and kpe) has its own mbarrier and is refilled by the warpgroup that
-  // reads it last: warpgroup 0 the left halves, warpgroup 1 the right. Q's rope columns move to
-  // registers, and their shared memory holds P_b.
-  template <bool ON = ALT>
-  static __device__ __forceinline__ void alternate_tiles(const MlaParams<T>& p, const TmaDesc* maps, T* sQ, T* sRing,
-                                                         T* sP0, float* sX, unsigned bar0, const int* table, int batch,
-                                                         int seqlen, int tile_begin, int n_tiles, const int (&lim)[2],
-                                                         float (&acc_o)[ON ? DC / 16 : 1][4], float (&row_max)[2],
-                                                         float (&row_sum)[2]) {
-    using W = typename Select<ON, WgmmaOps<BF16>, void>::type;
-    constexpr int HALF_BLOCKS = DC / 128;  // ckv blocks of one half
-    constexpr int ROPE_KK = DR / 16;
-    constexpr int BAR_S0 = 1, BAR_S1 = 2, BAR_P0 = 3, BAR_P1 = 4;  // named barriers of both warpgroups (256)
-    const int tid = threadIdx.x;
-    const int warp = tid / 32;
-    const int lane = tid % 32;
-    const int g = lane / 4;
-    const int t = lane % 4;
-    const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);  // warp-uniform to the compiler: no wgmma serialised
-    const int wtid = tid % 128;
-    const int row0 = (warp % 4) * 16;
-    T* sP1 = sQ + (DC / 64) * ROWS * 64;
-    float* sM0 = sX;
-    float* sM1 = sX + ROWS;
-    float* sSc0 = sX + 2 * ROWS;
-    float* sSc1 = sX + 3 * ROWS;
-    const float sl2 = p.scale_log2;
-    const unsigned ring = smem_addr(sRing);
-
-    unsigned rq[ROPE_KK][4];
-#pragma unroll
-    for (int kk = 0; kk < ROPE_KK; ++kk)
-      ldmatrix_x4(rq[kk][0], rq[kk][1], rq[kk][2], rq[kk][3],
-                  smem_addr(sQ + LQ::offset(row0 + lane % 16, DC + kk * 16 + (lane / 16) * 8)));
-    __syncthreads();  // the rope block is P_b's from here on
-
-    // This warpgroup's columns of V, in rows past the sequence of tile `tile` (in `slot`): zeroed,
-    // as a box may have read them from the cache (P is 0 there, V must be finite).
-    auto zero_tail = [&](int slot, int tile) {
-      const int valid = seqlen - tile * BLOCK_N;
-      if (valid >= BLOCK_N) return;
-      T* sT = sRing + slot * TILE_ELEMS;
-      for (int idx = wtid; idx < (BLOCK_N - valid) * (DC / 16); idx += 128)
-        *reinterpret_cast<uint4*>(sT + LT::offset(valid + idx / (DC / 16), wg * (DC / 2) + (idx % (DC / 16)) * 8)) =
-            make_uint4(0u, 0u, 0u, 0u);
-      W::fence_proxy();
-      W::bar_sync(5 + wg, 128);
-    };
-    // S = Q K^T of the tile in `slot`, all 64 keys; keys past a row's token masked. Each half of the tile
-    // is waited for just before its k-steps, the half refilled first (`first`) taken first.
-    auto scores = [&](int slot, int tile, int first, unsigned par, float (&sc)[BLOCK_N / 8][4]) {
-#pragma unroll
-      for (int n = 0; n < BLOCK_N / 8; ++n)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) sc[n][c] = 0.f;
-      const unsigned q_at = smem_addr(sQ);
-      const unsigned k_at = ring + slot * TILE_ELEMS * (int)sizeof(T);
-      W::fence();
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int half = h ^ first;
-        W::mbar_wait(bar0 + 16 * slot + 8 * half, par);
-#pragma unroll
-        for (int kk = 0; kk < DC / 32; ++kk) {
-          const int k = half * (DC / 32) + kk;
-          Wgmma<BLOCK_N, BF16>::ss(sc, W::desc_k(q_at, k, LQ::BLOCK_BYTES), W::desc_k(k_at, k, LT::BLOCK_BYTES),
-                                   h > 0 || kk > 0);
-        }
-        if (half == 1)
-#pragma unroll
-          for (int kk = 0; kk < ROPE_KK; ++kk)
-            Wgmma<BLOCK_N, BF16>::template rs<0>(sc, rq[kk], W::desc_k(k_at, DC / 16 + kk, LT::BLOCK_BYTES));
-      }
-      W::commit();
-      W::template wait<0>();
-      W::hold(sc);
-      const int n0 = tile * BLOCK_N;
-      if (n0 + BLOCK_N - 1 > seqlen - p.q_len) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int hi = lim[r] - (n0 + 2 * t);
-#pragma unroll
-          for (int n = 0; n < BLOCK_N / 8; ++n)
-#pragma unroll
-            for (int c = 0; c < 2; ++c)
-              if (n * 8 + c > hi) sc[n][2 * r + c] = -ATTNGEN_INF;
-        }
-      }
-    };
-    auto rowmax = [&](const float (&sc)[BLOCK_N / 8][4], int r) {
-      float m = -ATTNGEN_INF;
-#pragma unroll
-      for (int n = 0; n < BLOCK_N / 8; ++n) m = fmaxf(m, fmaxf(sc[n][2 * r], sc[n][2 * r + 1]));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-    };
-    // P = exp(S - m) in place (base: m in log2 units, 0 for a row with no key yet); returns the row's part of the sum.
-    auto exponentiate = [&](float (&sc)[BLOCK_N / 8][4], int r, float base) {
-      float sum = 0.f;
-#pragma unroll
-      for (int n = 0; n < BLOCK_N / 8; ++n) {
-        sc[n][2 * r] = fast_exp2(fmaf(sc[n][2 * r], sl2, -base));
-        sc[n][2 * r + 1] = fast_exp2(fmaf(sc[n][2 * r + 1], sl2, -base));
-        sum += sc[n][2 * r] + sc[n][2 * r + 1];
-      }
-      return sum;
-    };
-    auto scale_o = [&](const float (&f)[2]) {
-#pragma unroll
-      for (int d = 0; d < DC / 16; ++d) {
-        acc_o[d][0] *= f[0];
-        acc_o[d][1] *= f[0];
-        acc_o[d][2] *= f[1];
-        acc_o[d][3] *= f[1];
-      }
-    };
-    auto store_p = [&](T* dst, const float (&sc)[BLOCK_N / 8][4], const float (&f)[2]) {
-#pragma unroll
-      for (int n = 0; n < BLOCK_N / 8; ++n)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          *reinterpret_cast<unsigned*>(dst + LP::offset(row0 + g + 8 * r, n * 8) + 2 * t) =
-              pack2<BF16>(sc[n][2 * r] * f[r], sc[n][2 * r + 1] * f[r]);
-    };
-    // O += P V over this warpgroup's columns of the tile in `slot`: P from registers, or from shared memory.
-    auto pv_regs = [&](const float (&sc)[BLOCK_N / 8][4], int slot) {
-      const unsigned v_at = ring + slot * TILE_ELEMS * (int)sizeof(T) + wg * HALF_BLOCKS * LT::BLOCK_BYTES;
-      W::fence();
-#pragma unroll
-      for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-        unsigned a[4];
-        p_fragment<BF16>(sc, kk, a);
-        Wgmma<DC / 2, BF16>::rs(acc_o, a, W::desc_mn(v_at, kk, LT::BLOCK_BYTES));
-      }
-      W::commit();
-    };
-    auto pv_smem = [&](const T* sp, int slot) {
-      const unsigned v_at = ring + slot * TILE_ELEMS * (int)sizeof(T) + wg * HALF_BLOCKS * LT::BLOCK_BYTES;
-      W::fence();
-#pragma unroll
-      for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-        Wgmma<DC / 2, BF16>::template ss<1>(acc_o, W::desc_k(smem_addr(sp), kk, LP::BLOCK_BYTES),
-                                            W::desc_mn(v_at, kk, LT::BLOCK_BYTES), 1);
-      W::commit();
-    };
-
-    for (int j = 0; 2 * j < n_tiles; ++j) {
-      const bool has_b = 2 * j + 1 < n_tiles;
-      const int ta = tile_begin + 2 * j;
-      const int tb = ta + 1;
-      const int refill = 2 * j + 2;  // local index of the next tile of slot 0 (slot 1: refill + 1)
-      const unsigned par = j & 1;
-      float sc[BLOCK_N / 8][4];
-      if (wg == 0) {
-        scores(0, ta, 0, par, sc);
-        zero_tail(0, ta);
-        float s0[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float m = fmaxf(row_max[r], rowmax(sc, r));
-          const float base = m == -ATTNGEN_INF ? 0.f : m * sl2;
-          s0[r] = fast_exp2(row_max[r] * sl2 - base);
-          row_max[r] = m;
-          row_sum[r] = row_sum[r] * s0[r] + exponentiate(sc, r, base);
-          if (t == 0) {
-            sM0[row0 + g + 8 * r] = m;
-            sSc0[row0 + g + 8 * r] = s0[r];
-          }
-        }
-        W::bar_arrive(BAR_S0, 256);
-        scale_o(s0);
-        pv_regs(sc, 0);
-        W::bar_sync(BAR_S1, 256);
-        float s1[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          s1[r] = sSc1[row0 + g + 8 * r];
-          row_max[r] = sM1[row0 + g + 8 * r];
-          row_sum[r] *= s1[r];
-        }
-        store_p(sP0, sc, s1);
-        W::fence_proxy();
-        W::bar_arrive(BAR_P0, 256);
-        W::template wait<0>();
-        W::hold(acc_o);
-        // Slot 0's left half is read by this warpgroup only: refilled now, the right half at the pair's end.
-        if (wtid == 0 && refill < n_tiles)
-          tma_tile<0, HALF_BLOCKS, false>(p, maps, ring, bar0, table, batch, seqlen, ta + 2, 0);
-        scale_o(s1);
-        if (has_b) {
-          W::mbar_wait(bar0 + 16, par);
-          zero_tail(1, tb);
-          W::bar_sync(BAR_P1, 256);
-          pv_smem(sP1, 1);
-          W::template wait<0>();
-          W::hold(acc_o);
-        }
-        if (wtid == 0 && refill + 1 < n_tiles)
-          tma_tile<0, HALF_BLOCKS, false>(p, maps, ring, bar0 + 16, table, batch, seqlen, tb + 2, 1);
-      } else {
-        if (has_b) {
-          scores(1, tb, 1, par, sc);
-          zero_tail(1, tb);
-        }
-        W::bar_sync(BAR_S0, 256);
-        float f[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float m0 = sM0[row0 + g + 8 * r];
-          const float s0 = sSc0[row0 + g + 8 * r];
-          float m1 = m0, s1 = 1.f, sum = 0.f;
-          if (has_b) {
-            m1 = fmaxf(m0, rowmax(sc, r));
-            const float base = m1 == -ATTNGEN_INF ? 0.f : m1 * sl2;
-            s1 = fast_exp2(m0 * sl2 - base);
-            sum = exponentiate(sc, r, base);
-          }
-          row_max[r] = m1;
-          row_sum[r] = row_sum[r] * s0 * s1 + sum;
-          f[r] = s0 * s1;
-          if (t == 0) {
-            sM1[row0 + g + 8 * r] = m1;
-            sSc1[row0 + g + 8 * r] = s1;
-          }
-        }
-        W::bar_arrive(BAR_S1, 256);
-        scale_o(f);
-        if (has_b) {
-          pv_regs(sc, 1);
-          const float one[2] = {1.f, 1.f};
-          store_p(sP1, sc, one);
-          W::fence_proxy();
-          W::bar_arrive(BAR_P1, 256);
-        }
-        W::mbar_wait(bar0 + 8, par);
-        zero_tail(0, ta);
-        W::bar_sync(BAR_P0, 256);
-        pv_smem(sP0, 0);
-        // Slot 1's right half is read by this warpgroup only: refilled once P_b V_b,R is done.
-        W::template wait<1>();
-        if (wtid == 0 && refill + 1 < n_tiles)
-          tma_tile<HALF_BLOCKS, DC / 64, true>(p, maps, ring, bar0 + 24, table, batch, seqlen, tb + 2, 1);
-        W::template wait<0>();
-        W::hold(acc_o);
-        if (wtid == 0 && refill < n_tiles)
-          tma_tile<HALF_BLOCKS, DC / 64, true>(p, maps, ring, bar0 + 8, table, batch, seqlen, ta + 2, 0);
-      }
     }
   }
 
@@ -534,8 +283,8 @@ struct MlaDecode {
     float row_sum[2] = {0.f, 0.f};
 
     if constexpr (ALT)
-      alternate_tiles(p, maps, sQ, sRing, sP, sX, bar0, table, batch, seqlen, tile_begin, n_tiles, lim, acc_o, row_max,
-                      row_sum);
+      MlaAlternate<MlaDecode>::run(p, maps, sQ, sRing, sP, sX, bar0, table, batch, seqlen, tile_begin, n_tiles, lim,
+                                   acc_o, row_max, row_sum);
     else
     for (int it = 0; it < n_tiles; ++it) {
       const int tile = tile_begin + it;
