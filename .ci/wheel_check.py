@@ -41,8 +41,13 @@ for fam in families():
 
 lines = ["format = 1", f"archs = {json.dumps(list(archs))}"]
 for group in load_manifest().groups:
-    # every group of the default manifest, each list narrowed to its first value
+    # every group of the default manifest, each list narrowed to its first value, on its own archs if it names them
+    own = None if group.archs is None else [a.name for a in group.archs if a.name in archs]
+    if own == []:
+        continue
     lines.append("[[kernel]]")
+    if own is not None:
+        lines.append(f"archs = {json.dumps(own)}")
     for k, v in group.fields.items():
         v = v[0] if isinstance(v, list) else v
         lines.append(f"{k} = {json.dumps(v)}")
