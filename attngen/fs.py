@@ -82,11 +82,23 @@ def check_dir(path: Path, root_ok: bool = False) -> None:
 
 def make_dirs(root: Path, path: Path) -> None:
     """Create ``path`` (inside ``root``) and the folders between, each 0700; every folder on the way
-    from ``root`` down must be a trusted real folder. ``root`` itself is created 0700 if missing."""
+    from ``root`` down must be a trusted real folder. ``root`` itself is created 0700 if missing, and
+    so are the folders above it that do not exist yet (a fresh machine has no ``~/.cache``)."""
     try:
         os.mkdir(root, 0o700)
     except FileExistsError:
         pass
+    except FileNotFoundError:
+        missing = []
+        p = root
+        while not os.path.lexists(p) and p != p.parent:
+            missing.append(p)
+            p = p.parent
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, 0o700)
+            except FileExistsError:
+                pass
     rel = path.relative_to(root)
     p = root
     for part in rel.parts:

@@ -47,6 +47,23 @@ def test_everything_created_is_private_whatever_the_umask(cache_dir):
     assert {_mode(f) for f in files} == {0o600}, {str(f): oct(_mode(f)) for f in files}
 
 
+def test_a_root_whose_parents_are_missing_is_created_private(cache_dir, monkeypatch, caplog):
+    # A fresh machine has no ~/.cache: the default root's missing parents are made (0700), not a warning
+    # that every process compiles again.
+    root = cache_dir / "home" / ".cache" / "attngen"
+    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(root))
+    old = os.umask(0o022)
+    try:
+        with caplog.at_level(logging.WARNING, logger="attngen"):
+            r = build(SPEC, ARCH)
+    finally:
+        os.umask(old)
+    assert r.stored and not _warnings(caplog)
+    assert [_mode(d) for d in (cache_dir / "home", cache_dir / "home" / ".cache", root)] == [0o700] * 3
+    clear_memory()
+    assert build(SPEC, ARCH).origin == "disk"
+
+
 def test_a_root_writable_by_others_is_neither_read_nor_written(cache_dir, caplog):
     first = build(SPEC, ARCH)
     clear_memory()
