@@ -161,8 +161,11 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
             rs = kern.spec
     row_blocks = -(-h * q_len // rows)
     if num_splits == 0:
+        # Each split reads its rows of Q and writes a partial the merge reads back, both about a tile's
+        # bytes for a 64-row block: weighted twice (fitted on the H100, BENCHMARKS.md 2026-11-24).
         num_splits = choose_splits(b * row_blocks, capacity, rs.cta_tile_kv, sm_count(dev), ctas_per_sm(kern),
-                                   2 * rs.cta_tile_kv * (rank + rope), 4 * b * q_len * h * rank)
+                                   2 * rs.cta_tile_kv * (rank + rope), 4 * b * q_len * h * rank,
+                                   q_bytes=2 * b * row_blocks * rows * (rank + rope), side_weight=2.0, out_passes=2)
     if (maps is not None and row_blocks >= 2 and rs.qk_shard is QkShard.TRUE and rs.cta_tile_kv == 64
             and rs.num_stages == 2 and (spec is None or not spec.qk_shard)
             and -(-capacity // 64) >= ALTERNATE_MIN_TILES * num_splits):
