@@ -24,9 +24,9 @@ MAX_Q_LEN = 4
 MAX_HEADS = 128
 # qk_shard=auto on sm_90a: alternate tiles where a sequence's rows fill two 64-row blocks or more (128 heads)
 # and each CTA gets at least this many 64-key tiles; the sharded form elsewhere. On the lent H100
-# (BENCHMARKS.md, 2026-11-24) alternate tiles ran 1.07-1.16x the sharded form at 128 heads, batch 64-256 and
-# 1.08x at batch 8 with 32k tokens (64 tiles a CTA), but 0.92-0.96x with 8-16 tiles a CTA (batch 1-8,
-# 8k-32k tokens), and 0.90-1.01x at 64 heads.
+# (BENCHMARKS.md, 2026-11-24) alternate tiles ran 1.07-1.30x the sharded form at 128 heads, batch 64-768 with
+# 8k+ tokens, and 1.08x at batch 8 with 32k tokens (64 tiles a CTA), but 0.92-0.96x with 8-16 tiles a CTA
+# (batch 1-8, 8k-32k tokens), and 0.90-1.01x at 64 heads.
 ALTERNATE_MIN_TILES = 32
 
 
