@@ -59,10 +59,7 @@ struct MlaAlternate {
     auto zero_tail = [&](int slot, int tile) {
       const int valid = seqlen - tile * BLOCK_N;
       if (valid >= BLOCK_N) return;
-      T* sT = sRing + slot * TILE_ELEMS;
-      for (int idx = wtid; idx < (BLOCK_N - valid) * (DC / 16); idx += 128)
-        *reinterpret_cast<uint4*>(sT + LT::offset(valid + idx / (DC / 16), wg * (DC / 2) + (idx % (DC / 16)) * 8)) =
-            make_uint4(0u, 0u, 0u, 0u);
+      K::template zero_rows<DC / 2>(sRing + slot * TILE_ELEMS, valid, wg * (DC / 2), wtid, 128);
       W::fence_proxy();
       W::bar_sync(5 + wg, 128);
     };
@@ -94,36 +91,7 @@ struct MlaAlternate {
       W::commit();
       W::template wait<0>();
       W::hold(sc);
-      const int n0 = tile * BLOCK_N;
-      if (n0 + BLOCK_N - 1 > seqlen - p.q_len) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int hi = lim[r] - (n0 + 2 * t);
-#pragma unroll
-          for (int n = 0; n < BLOCK_N / 8; ++n)
-#pragma unroll
-            for (int c = 0; c < 2; ++c)
-              if (n * 8 + c > hi) sc[n][2 * r + c] = -ATTNGEN_INF;
-        }
-      }
-    };
-    auto rowmax = [&](const float (&sc)[BLOCK_N / 8][4], int r) {
-      float m = -ATTNGEN_INF;
-#pragma unroll
-      for (int n = 0; n < BLOCK_N / 8; ++n) m = fmaxf(m, fmaxf(sc[n][2 * r], sc[n][2 * r + 1]));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-    };
-    // P = exp(S - m) in place (base: m in log2 units, 0 for a row with no key yet); returns the row's part of the sum.
-    auto exponentiate = [&](float (&sc)[BLOCK_N / 8][4], int r, float base) {
-      float sum = 0.f;
-#pragma unroll
-      for (int n = 0; n < BLOCK_N / 8; ++n) {
-        sc[n][2 * r] = fast_exp2(fmaf(sc[n][2 * r], sl2, -base));
-        sc[n][2 * r + 1] = fast_exp2(fmaf(sc[n][2 * r + 1], sl2, -base));
-        sum += sc[n][2 * r] + sc[n][2 * r + 1];
-      }
-      return sum;
+      K::template mask_keys<BLOCK_N>(sc, tile * BLOCK_N, 0, seqlen, p.q_len, lim, t);
     };
     auto scale_o = [&](const float (&f)[2]) {
 #pragma unroll
@@ -177,11 +145,11 @@ struct MlaAlternate {
         float s0[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const float m = fmaxf(row_max[r], rowmax(sc, r));
+          const float m = fmaxf(row_max[r], K::template quad_row_max<BLOCK_N>(sc, r));
           const float base = m == -ATTNGEN_INF ? 0.f : m * sl2;
           s0[r] = fast_exp2(row_max[r] * sl2 - base);
           row_max[r] = m;
-          row_sum[r] = row_sum[r] * s0[r] + exponentiate(sc, r, base);
+          row_sum[r] = row_sum[r] * s0[r] + K::template exp_row<BLOCK_N>(sc, r, sl2, base);
           if (t == 0) {
             sM0[row0 + g + 8 * r] = m;
             sSc0[row0 + g + 8 * r] = s0[r];
@@ -230,10 +198,10 @@ struct MlaAlternate {
           const float s0 = sSc0[row0 + g + 8 * r];
           float m1 = m0, s1 = 1.f, sum = 0.f;
           if (has_b) {
-            m1 = fmaxf(m0, rowmax(sc, r));
+            m1 = fmaxf(m0, K::template quad_row_max<BLOCK_N>(sc, r));
             const float base = m1 == -ATTNGEN_INF ? 0.f : m1 * sl2;
             s1 = fast_exp2(m0 * sl2 - base);
-            sum = exponentiate(sc, r, base);
+            sum = K::template exp_row<BLOCK_N>(sc, r, sl2, base);
           }
           row_max[r] = m1;
           row_sum[r] = row_sum[r] * s0 * s1 + sum;

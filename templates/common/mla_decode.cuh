@@ -134,6 +134,55 @@ struct MlaDecode {
     }
   }
 
+  // ---- pieces of a tile step, shared by the loop below and MlaAlternate's ------------------------------
+  // Keys past a row's token (and past the sequence) set to -inf in S of NK keys, the first being key
+  // `first` of the tile at n0; lim holds the last key each of the thread's two rows may see.
+  template <int NK>
+  static __device__ __forceinline__ void mask_keys(float (&s)[NK / 8][4], int n0, int first, int seqlen, int q_len,
+                                                   const int (&lim)[2], int t) {
+    if (n0 + BLOCK_N - 1 > seqlen - q_len) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int hi = lim[r] - (n0 + first + 2 * t);
+#pragma unroll
+        for (int n = 0; n < NK / 8; ++n)
+#pragma unroll
+          for (int c = 0; c < 2; ++c)
+            if (n * 8 + c > hi) s[n][2 * r + c] = -ATTNGEN_INF;
+      }
+    }
+  }
+  // The maximum of the thread's row r (0: g, 1: g + 8) over the NK keys its quad holds.
+  template <int NK>
+  static __device__ __forceinline__ float quad_row_max(const float (&s)[NK / 8][4], int r) {
+    float m = -ATTNGEN_INF;
+#pragma unroll
+    for (int n = 0; n < NK / 8; ++n) m = fmaxf(m, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+  }
+  // P = exp2(S scale_log2 - base) in place for row r (base: the row max in log2 units, 0 for a row that
+  // has seen no key yet); returns the thread's part of the row sum.
+  template <int NK>
+  static __device__ __forceinline__ float exp_row(float (&s)[NK / 8][4], int r, float scale_log2, float base) {
+    float sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < NK / 8; ++n) {
+      s[n][2 * r] = fast_exp2(fmaf(s[n][2 * r], scale_log2, -base));
+      s[n][2 * r + 1] = fast_exp2(fmaf(s[n][2 * r + 1], scale_log2, -base));
+      sum += s[n][2 * r] + s[n][2 * r + 1];
+    }
+    return sum;
+  }
+  // Rows [valid, BLOCK_N) of columns [col0, col0 + COLS) of the (TMA) tile at sT zeroed, 16 bytes per
+  // thread idx0, idx0 + step, ...: rows past the sequence a box read from the cache, or none did.
+  template <int COLS>
+  static __device__ __forceinline__ void zero_rows(T* sT, int valid, int col0, int idx0, int step) {
+    for (int idx = idx0; idx < (BLOCK_N - valid) * (COLS / 8); idx += step)
+      *reinterpret_cast<uint4*>(sT + LT::offset(valid + idx / (COLS / 8), col0 + (idx % (COLS / 8)) * 8)) =
+          make_uint4(0u, 0u, 0u, 0u);
+  }
+
   // TMA (one thread): tile `tile`'s rows up to the sequence's end into ring slot `slot`, in boxes of
   // `box` rows: ckv's 64-column blocks [CB_LO, CB_HI) and, with KPE, one block (zero-filled past DR)
   // of kpe, completing mbarrier `bar`. A template so that only the TMA kernel instantiates it
@@ -299,11 +348,7 @@ struct MlaDecode {
         WgmmaOps<BF16>::mbar_wait(bar0 + 8 * slot, (it / NUM_STAGES) & 1);
         if (n0 + BLOCK_N > seqlen) {
           // Rows [seqlen - n0, BLOCK_N) of V: past the sequence (read by a box, or stale).
-          T* sT = sRing + slot * TILE_ELEMS;
-          const int valid = seqlen - n0;
-          for (int idx = tid; idx < (BLOCK_N - valid) * (DC / 8); idx += THREADS)
-            *reinterpret_cast<uint4*>(sT + LT::offset(valid + idx / (DC / 8), (idx % (DC / 8)) * 8)) =
-                make_uint4(0u, 0u, 0u, 0u);
+          zero_rows<DC>(sRing + slot * TILE_ELEMS, seqlen - n0, 0, tid, THREADS);
           WgmmaOps<BF16>::fence_proxy();
           __syncthreads();
         }
@@ -362,28 +407,12 @@ struct MlaDecode {
       }
 
       // ---- mask: keys past a row's token (and past the sequence) --------------------------------
-      if (n0 + BLOCK_N - 1 > seqlen - p.q_len) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int hi = lim[r] - (n0 + key0 + 2 * t);
-#pragma unroll
-          for (int n = 0; n < SN / 8; ++n)
-#pragma unroll
-            for (int c = 0; c < 2; ++c)
-              if (n * 8 + c > hi) acc_s[n][2 * r + c] = -ATTNGEN_INF;
-        }
-      }
+      mask_keys<SN>(acc_s, n0, key0, seqlen, p.q_len, lim, t);
 
       // ---- online softmax ------------------------------------------------------------------------
       float mx[2];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float m = -ATTNGEN_INF;
-#pragma unroll
-        for (int n = 0; n < SN / 8; ++n) m = fmaxf(m, fmaxf(acc_s[n][2 * r], acc_s[n][2 * r + 1]));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-        mx[r] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      }
+      for (int r = 0; r < 2; ++r) mx[r] = quad_row_max<SN>(acc_s, r);
       if constexpr (QK_SHARD) {
         if (t == 0) {
           sRed[cg * ROWS + row0 + g] = mx[0];
@@ -402,14 +431,7 @@ struct MlaDecode {
         const float base = m == -ATTNGEN_INF ? 0.f : m * p.scale_log2;
         const float corr = fast_exp2(row_max[r] * p.scale_log2 - base);
         row_max[r] = m;
-        float sum = 0.f;
-#pragma unroll
-        for (int n = 0; n < SN / 8; ++n) {
-          acc_s[n][2 * r] = fast_exp2(fmaf(acc_s[n][2 * r], p.scale_log2, -base));
-          acc_s[n][2 * r + 1] = fast_exp2(fmaf(acc_s[n][2 * r + 1], p.scale_log2, -base));
-          sum += acc_s[n][2 * r] + acc_s[n][2 * r + 1];
-        }
-        row_sum[r] = row_sum[r] * corr + sum;
+        row_sum[r] = row_sum[r] * corr + exp_row<SN>(acc_s, r, p.scale_log2, base);
 #pragma unroll
         for (int d = 0; d < ON / 8; ++d) {
           acc_o[d][2 * r] *= corr;

@@ -7,9 +7,9 @@ import functools
 import struct
 
 from ... import runtime as _rt
-from ...errors import LaunchError
+from ...errors import LaunchError, SpecError
 from ...runtime import current_stream, data_ptr, empty_like_kind, get_kernel, tensor_info
-from ...spec import DType, Pipeline, spec_of_text
+from ...spec import DType, Pipeline, spec_of_text, validate
 from ..score_mods import checked_scale
 from ..split_kv import cache_lengths, check_rows, checked_splits, choose_splits, ctas_per_sm, paged_table, sm_count
 from ..tma import tiled_map
@@ -37,8 +37,14 @@ def _spec_for(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, user: 
 
 
 @functools.lru_cache(maxsize=None)
-def _alternate(rs: MlaDecodeSpec) -> MlaDecodeSpec:
-    return rs.replace(qk_shard=QkShard.ALTERNATE)
+def _alternate(rs: MlaDecodeSpec, arch: str) -> "MlaDecodeSpec | None":
+    """``rs`` with qk_shard=alternate where the spec's fit rules allow it on ``arch``, else None."""
+    alt = rs.replace(qk_shard=QkShard.ALTERNATE)
+    try:
+        validate(alt, arch)
+    except SpecError:
+        return None
+    return alt
 
 
 def _tensor_maps(cv, pe, spec: MlaDecodeSpec, block_size: int, fallback_ptr: int) -> bytes:
@@ -166,11 +172,12 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
         num_splits = choose_splits(b * row_blocks, capacity, rs.cta_tile_kv, sm_count(dev), ctas_per_sm(kern),
                                    2 * rs.cta_tile_kv * (rank + rope), 4 * b * q_len * h * rank,
                                    q_bytes=2 * b * row_blocks * rows * (rank + rope), side_weight=2.0, out_passes=2)
-    if (maps is not None and row_blocks >= 2 and rs.qk_shard is QkShard.TRUE and rs.cta_tile_kv == 64
-            and rs.num_stages == 2 and (spec is None or not spec.qk_shard)
-            and -(-capacity // 64) >= ALTERNATE_MIN_TILES * num_splits):
-        kern = get_kernel(_alternate(rs), device=dev)  # same smem footprint and grid: the split stands
-        rs = kern.spec
+    if (row_blocks >= 2 and rs.qk_shard is QkShard.TRUE and (spec is None or not spec.qk_shard)
+            and -(-capacity // rs.cta_tile_kv) >= ALTERNATE_MIN_TILES * num_splits):
+        alt = _alternate(rs, kern.binary.arch)
+        if alt is not None:  # the same shared memory and grid: the split stands
+            kern = get_kernel(alt, device=dev)
+            rs = kern.spec
     part_ptr = lse_part_ptr = 0
     if num_splits > 1:
         n_out = num_splits * b * q_len * h
