@@ -5,7 +5,7 @@ that use this table fail: that is the point (FlashInfer's "every codegen arg fee
 """
 
 from attngen.spec import DType
-from attngen import MaskMode, Mma, Pipeline, PrefillSpec, Schedule
+from attngen import MaskMode, Mma, Persistent, Pipeline, PrefillSpec, Schedule
 
 FIELD_VALUES = {
     "head_dim": PrefillSpec.HEAD_DIMS,
@@ -26,6 +26,7 @@ FIELD_VALUES = {
     "head_dim_chunk": PrefillSpec.HEAD_DIM_CHUNK,
     "pipeline": tuple(Pipeline),
     "schedule": tuple(Schedule),
+    "persistent": tuple(Persistent),
 }
 # A resolved spec from which every field can change alone and still fit sm_90.
 BASE = PrefillSpec(head_dim=64, dtype=DType.BF16, mask=MaskMode.NONE, return_lse=False,
@@ -35,7 +36,8 @@ BASE = PrefillSpec(head_dim=64, dtype=DType.BF16, mask=MaskMode.NONE, return_lse
 # (mma=wgmma needs sm_90a and cta_tile_q = 16 x num_warps, so the second base exists for it).
 # A third, varlen, lets paged (which needs varlen) change alone; a fourth, the chunked kernel
 # (head_dim 512), its chunk width and head_dim_v; a fifth, on wgmma, pipeline (tma runs on wgmma only);
-# a sixth, the TMA pipeline with two consumer warpgroups, schedule (pingpong takes turns between two).
+# a sixth, the TMA pipeline with two consumer warpgroups, schedule (pingpong takes turns between two) and
+# persistent (the TMA pipeline only).
 CHUNKED_BASE = PrefillSpec(head_dim=512, dtype=DType.BF16, cta_tile_q=64, cta_tile_kv=64, num_warps=8, num_stages=2,
                            mma=Mma.SYNC, head_dim_chunk=64, pipeline=Pipeline.SYNC)
 BASES = ((BASE, "sm_90"), (BASE.replace(cta_tile_q=64), "sm_90a"), (BASE.replace(varlen=True), "sm_90"),

@@ -12,9 +12,12 @@ def test_tma_is_the_sm90a_dense_default():
     assert r.tma and r.mma.value == "wgmma"
     assert r.threads == 32 * r.num_warps + 128  # the producer warpgroup
     assert r.schedule.value == "pingpong"  # H100, 2026-11-23: 2-10% over serial at head_dim 64 and 128
-    bars = 8 * (1 + 4 * r.num_stages)  # Q's; per slot K full, V full, K empty, V empty
-    assert r.smem_bytes() == r.replace(pipeline="sync", schedule="serial").smem_bytes() + bars
-    assert r.replace(schedule="serial").smem_bytes() == r.smem_bytes() - 8 * r.num_stages
+    assert r.is_persistent  # H100, 2026-11-24: 1.02-1.11x at seqlen 512-4096, even at 8k-16k
+    one = r.replace(persistent="false")  # one CTA a query tile
+    bars = 8 * (1 + 4 * one.num_stages)  # Q's; per slot K full, V full, K empty, V empty
+    assert one.smem_bytes() == one.replace(pipeline="sync", schedule="serial").smem_bytes() + bars
+    assert one.replace(schedule="serial").smem_bytes() == one.smem_bytes() - 8 * one.num_stages
+    assert not resolve(PrefillSpec(head_dim=256), "sm_90a").is_persistent  # O's own tile does not fit 128x64
     # elsewhere, and for the layouts it has no form for, the cp.async pipeline
     for arch in ("sm_80", "sm_90", "sm_120"):
         assert resolve(PrefillSpec(head_dim=128), arch).pipeline.value == "sync"
@@ -33,7 +36,7 @@ def test_tma_ctas_an_sm_reach_the_launch_bounds(d, warps, ctas):
     assert r.tma_ctas == ctas and r.replace(pipeline="sync").tma_ctas == 0
     src = render(r)
     assert f"__launch_bounds__({r.threads}{', 2' if ctas == 2 else ''})" in src
-    assert f"MASK_LIST, {ctas}, false, false>(params.p, params.maps)" in src
+    assert f"MASK_LIST, {ctas}, false, false, {str(r.is_persistent).lower()}>(params.p, params.maps)" in src
 
 
 @pytest.mark.parametrize("fields, field", [
@@ -104,6 +107,9 @@ def test_schedule_off_sm90a_is_refused():
     "prefill:head_dim=128,dtype=bf16,mask=causal,return_lse=true,schedule=pingpong",
     "prefill:head_dim=256,dtype=bf16,schedule=pingpong",
     "prefill:head_dim=256,dtype=fp16,mask=sliding_window,softcap=true,alibi=true,schedule=overlap",
+    "prefill:head_dim=64,dtype=bf16,mask=causal,persistent=true",
+    "prefill:head_dim=128,dtype=fp16,persistent=true",
+    "prefill:head_dim=128,dtype=bf16,mask=sliding_window,return_lse=true,schedule=serial,persistent=true",
 ])
 def test_tma_kernels_compile_spill_free_and_asynchronous(text):
     from attngen.spec import parse_spec
@@ -112,8 +118,8 @@ def test_tma_kernels_compile_spill_free_and_asynchronous(text):
     source = render(spec)
     assert "__grid_constant__" in source
     overlap, pingpong = spec.overlapped, spec.schedule.value == "pingpong"
-    assert f"MASK_LIST, {spec.tma_ctas}, {str(overlap).lower()}, {str(pingpong).lower()}>(params.p, params.maps)" \
-        in source
+    flags = ", ".join(str(x).lower() for x in (overlap, pingpong, spec.is_persistent))
+    assert f"MASK_LIST, {spec.tma_ctas}, {flags}>(params.p, params.maps)" in source
     b = compile(source, "sm_90a", kernel_name=spec.kernel_name, want_ptx=True)
     r = b.resources
     assert (r.spill_stores, r.spill_loads, r.stack_frame) == (0, 0, 0), (text, r, b.log)
@@ -125,6 +131,44 @@ def test_tma_kernels_compile_spill_free_and_asynchronous(text):
     assert "serialized" not in b.log, b.log
     assert ("bar.arrive" in b.ptx) == pingpong  # the turns
     assert ("wgmma.wait_group.sync.aligned 1" in b.ptx) == overlap  # S = Q K^T waited for with P V in flight
+
+
+# ---- persistent: a grid of at most the CTAs the SMs hold walks the query tiles ----
+
+def test_persistent_resolves_with_the_tma_pipeline_and_stages_o_apart():
+    r = resolve(PrefillSpec(head_dim=128, persistent=True, mask="causal"), "sm_90a")
+    assert r.tma and r.is_persistent and "persistent=true" in r.to_text()
+    assert PrefillSpec(head_dim=128, persistent="true") == PrefillSpec(head_dim=128, persistent=True)
+    plain = r.replace(persistent=False)
+    assert not plain.is_persistent and "persistent=false" in plain.to_text()
+    # O's own staging tile and Q's empty mbarrier
+    assert r.smem_bytes() == plain.smem_bytes() + r.cta_tile_q * r.dim_v * 2 + 8
+    assert "persistent" not in PrefillSpec(head_dim=128).to_text()  # auto
+    # every kernel without the TMA pipeline resolves to false, and so does a spec pinning tiles and pipeline
+    # (stored tuning winners from before the field: what they were measured as)
+    assert resolve(PrefillSpec(head_dim=128), "sm_80").persistent.value == "false"
+    assert resolve(PrefillSpec(head_dim=128, varlen=True), "sm_90a").persistent.value == "false"
+    pinned = PrefillSpec(head_dim=128, cta_tile_q=128, cta_tile_kv=128, num_warps=8, num_stages=2, mma="wgmma",
+                         pipeline="tma", schedule="pingpong")
+    assert pinned.persistent.value == "false" and pinned.is_resolved
+
+
+@pytest.mark.parametrize("fields, field", [
+    (dict(pipeline="sync"), "persistent"),
+    (dict(varlen=True), "persistent"),
+    (dict(custom_mask=True), "persistent"),
+    (dict(head_dim=512), "persistent"),
+    (dict(persistent="often"), "persistent"),
+])
+def test_persistent_refusals_name_the_field(fields, field):
+    with pytest.raises(SpecError) as e:
+        resolve(PrefillSpec(**{"head_dim": 128, "persistent": True, **fields}), "sm_90a")
+    assert e.value.field == field
+
+
+def test_persistent_off_sm90a_is_refused():
+    with pytest.raises(SpecError):
+        resolve(PrefillSpec(head_dim=128, persistent=True), "sm_80")
 
 
 def test_tensor_maps_keep_the_drivers_refusals(monkeypatch):

@@ -34,10 +34,12 @@ def configs(a, d, dv, causal):
                       pipeline="sync")
                  for bn, st, dk in itertools.product((128, 64, 32), (3, 4), (64, 128)) if "wgmma" in a.mma.split(",")]
     else:
-        pipes = [("sync", "serial")] + ([("tma", sc.value) for sc in attngen.Schedule if sc] if a.tma else [])
-        grid = [dict(cta_tile_q=bm, cta_tile_kv=bn, num_warps=w, num_stages=st, mma=mma, pipeline=pl, schedule=sc)
-                for mma, bm, bn, w, st, (pl, sc) in itertools.product(a.mma.split(","), (64, 128), (32, 64, 128),
-                                                                      (4, 8), (1, 2, 3, 4), pipes)
+        pipes = [("sync", "serial", "false")] + ([("tma", sc.value, pe) for sc in attngen.Schedule if sc
+                                                  for pe in ("false", "true")] if a.tma else [])
+        grid = [dict(cta_tile_q=bm, cta_tile_kv=bn, num_warps=w, num_stages=st, mma=mma, pipeline=pl, schedule=sc,
+                     persistent=pe)
+                for mma, bm, bn, w, st, (pl, sc, pe) in itertools.product(a.mma.split(","), (64, 128), (32, 64, 128),
+                                                                          (4, 8), (1, 2, 3, 4), pipes)
                 if pl == "sync" or mma == "wgmma"]
     for g in grid:
         try:
@@ -46,8 +48,9 @@ def configs(a, d, dv, causal):
         except SpecError:
             continue
         label = " ".join(f"{k.replace('cta_tile_', '').replace('num_', '').replace('head_dim_', '')}{v}"
-                         for k, v in g.items() if k not in ("mma", "pipeline", "schedule"))
+                         for k, v in g.items() if k not in ("mma", "pipeline", "schedule", "persistent"))
         label += f" tma {g['schedule']}" if g.get("pipeline") == "tma" else ""
+        label += " persistent" if g.get("persistent") == "true" else ""
         yield spec, f"{g['mma']} {label}"
 
 
@@ -60,7 +63,7 @@ def main():
     ap.add_argument("--mma", default="mma_sync,wgmma", help="instruction paths to try (wgmma needs sm_90a)")
     ap.add_argument("--causal", default="both", choices=("both", "false", "true"))
     ap.add_argument("--chunked", action="store_true", help="the chunked kernel's configs")
-    ap.add_argument("--tma", action="store_true", help="each wgmma config also with pipeline=tma, in each schedule")
+    ap.add_argument("--tma", action="store_true", help="each wgmma config also with pipeline=tma, in each schedule, one CTA a query tile and persistent")
     ap.add_argument("--arch", default=None, help="validate for this arch (default: the GPU's)")
     ap.add_argument("--emit-manifest", type=Path, default=None)
     ap.add_argument("--top", type=int, default=10)

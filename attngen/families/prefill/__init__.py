@@ -4,7 +4,7 @@ from ...family import Family, register
 from .defaults import candidates
 from .masks import MaskPlan
 from .op import mask_plan, prefill
-from .spec import MaskMode, Mma, Pipeline, PrefillSpec, Schedule
+from .spec import MaskMode, Mma, Persistent, Pipeline, PrefillSpec, Schedule
 from .varlen import prefill_varlen
 
 FAMILY = register(Family(
@@ -16,6 +16,6 @@ FAMILY = register(Family(
     tuning="attngen.families.prefill.tuning",
     exports={"prefill": prefill, "prefill_varlen": prefill_varlen, "mask_plan": mask_plan, "MaskPlan": MaskPlan,
              "PrefillSpec": PrefillSpec, "MaskMode": MaskMode, "Mma": Mma, "Pipeline": Pipeline,
-             "Schedule": Schedule},
+             "Schedule": Schedule, "Persistent": Persistent},
     bench="attngen.families.prefill.bench",
 ))

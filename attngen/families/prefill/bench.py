@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import attngen
+from attngen.spec import spec_of_text
 from attngen.bench import core
 from attngen.bench.core import (_CAUSAL, BACKENDS, CHECK_TOL, DTYPES, _backend_list, _dtype_list, _fmt,
                                 _head_dim_list, _int_list, _replay_or_gpu_check, _save_figure, _say, _sdpa_backend,
@@ -102,6 +103,19 @@ def _shape_list(text: str) -> tuple[tuple[int, int, int], ...]:
     return tuple(out)
 
 
+def _variant(text: str) -> tuple[str, str]:
+    """``persist=persistent=true`` -> ("persist", "persistent=true"): a column name and the spec fields it
+    times (checked here, so a typo is argparse's one-line error rather than a column of failures)."""
+    name, sep, fields = text.partition("=")
+    if not sep or not name or not fields:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=FIELDS (e.g. persist=persistent=true)")
+    try:
+        spec_of_text("prefill:" + fields, "prefill")
+    except attngen.SpecError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return name, fields
+
+
 def sweep_from_args(args: argparse.Namespace) -> list[Shape]:
     q = QUICK if args.quick else {}
     return make_sweep(
@@ -135,6 +149,9 @@ def add_parser(sub) -> None:
     pp.add_argument("--serial-too", action="store_true",
                     help="also time the serial schedule (schedule=serial) as 'serial': on sm_90a, what the default's "
                          "ping-pong or overlap buys at the same tiles")
+    pp.add_argument("--also", action="append", type=_variant, default=[], metavar="NAME=FIELDS",
+                    help="also time attngen with these spec fields as column NAME (repeatable), e.g. "
+                         "persist=persistent=true or kv64=cta_tile_kv=64,num_stages=3")
     pp.add_argument("--quick", action="store_true",
                     help="a small subset: seqlens 1k,4k, head_dims 64,128, bf16 (explicit options still win)")
     pp.add_argument("--tokens", type=int, default=TOKENS, help=argparse.SUPPRESS)
@@ -162,7 +179,8 @@ def add_parser(sub) -> None:
 
 def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, warmup_ms: float = 25.0,
               rep_ms: float = 100.0, reps: int | None = None, seed: int = 0, sdpa_layout: str = "view",
-              chunked_too: bool = False, sync_too: bool = False, serial_too: bool = False) -> dict:
+              chunked_too: bool = False, sync_too: bool = False, serial_too: bool = False,
+              also: tuple[tuple[str, str], ...] = ()) -> dict:
     """Check and time one shape: attngen and each SDPA backend on the same inputs."""
     import torch
     import torch.nn.functional as F
@@ -269,6 +287,7 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
     variants = [("chunked", "prefill:head_dim_chunk=64")] if chunked_too and d <= attngen.PrefillSpec.WHOLE_MAX else []
     variants += [("sync", "prefill:pipeline=sync")] if sync_too else []
     variants += [("serial", "prefill:schedule=serial")] if serial_too else []
+    variants += [(name, "prefill:" + fields) for name, fields in also]
     for name, spec in variants:
         try:
             ms, _ = core.bench_ms(lambda: attngen.prefill(q, k, v, causal=causal, spec=spec), warmup_ms, rep_ms, reps)
@@ -484,6 +503,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     shapes = sweep_from_args(args)
     backends = list(args.backends) + [name for name, on in (("chunked", args.chunked_too), ("sync", args.sync_too),
                                                             ("serial", args.serial_too)) if on]
+    backends += [name for name, _ in args.also]
     env = core.environment(gpu=True)
     timer = "cuda-events" if args.reps is not None or core._triton_do_bench() is None else "triton.do_bench"
     data: dict[str, Any] = {
@@ -510,7 +530,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
         try:
             rec = run_shape(shape, tuple(args.backends), check=not args.no_check, warmup_ms=args.warmup_ms,
                             rep_ms=args.rep_ms, reps=args.reps, seed=args.seed + i, sdpa_layout=args.sdpa_layout,
-                            chunked_too=args.chunked_too, sync_too=args.sync_too, serial_too=args.serial_too)
+                            chunked_too=args.chunked_too, sync_too=args.sync_too, serial_too=args.serial_too,
+                            also=tuple(args.also))
         except Exception as e:  # e.g. out of memory: keep the sweep going
             rec = {**asdict(shape), "flops": shape.flops, "ms": {}, "tflops": {}, "ratio": {},
                    "errors": {"shape": _short_error(e)}}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 from ...arch import Arch
-from .spec import MaskMode, Mma, Pipeline, Schedule
+from .spec import MaskMode, Mma, Persistent, Pipeline, Schedule
 
 # Measured on an H200 (sm_90) with NVRTC 13.5, bf16, 16k tokens at seqlen 4096, 2026-11-22
 # (tools/sweep_configs.py; BENCHMARKS.md). Archs with less shared memory take the best
@@ -31,12 +31,16 @@ TUNED = {
 # the cp.async kernels' best. Schedules timed on an H100 the same day (3 interleaved repeats, 16k tokens
 # at seqlen 4096 and 16384): ping-pong 2-10% over serial at head_dim 64 and 128 (with two stages, as
 # K's and V's slots are emptied apart); at 256 it was even to 5% slower, so serial stays. Head dim 192
-# not timed: it keeps the cp.async configs below.
+# not timed: it keeps the cp.async configs below. Persistent (the last element, one CTA a query tile where
+# none is named) timed on an H100 on 2026-11-24 at the ping-pong tiles over the 72-shape sweep: 1.02-1.11x at
+# seqlen 512-4096, 0.96-1.02x at 8k-16k (BENCHMARKS.md); at head_dim 256 it takes smaller tiles (O's own
+# staging tile does not fit beside 128x64 tiles) and ran 0.65-0.75x.
+_P = Persistent.ON
 TUNED_TMA = {
-    (64, False): [(128, 128, 8, 2, Schedule.PINGPONG), (128, 128, 8, 4)],
-    (64, True): [(128, 128, 8, 2, Schedule.PINGPONG), (64, 128, 4, 2)],
-    (128, False): [(128, 128, 8, 2, Schedule.PINGPONG), (128, 128, 8, 3)],
-    (128, True): [(128, 128, 8, 2, Schedule.PINGPONG), (128, 128, 8, 3)],
+    (64, False): [(128, 128, 8, 2, Schedule.PINGPONG, _P), (128, 128, 8, 4)],
+    (64, True): [(128, 128, 8, 2, Schedule.PINGPONG, _P), (64, 128, 4, 2)],
+    (128, False): [(128, 128, 8, 2, Schedule.PINGPONG, _P), (128, 128, 8, 3)],
+    (128, True): [(128, 128, 8, 2, Schedule.PINGPONG, _P), (128, 128, 8, 3)],
     (256, False): [(128, 64, 8, 2)],
     (256, True): [(128, 64, 8, 2)],
 }
@@ -123,10 +127,10 @@ CHUNKED_SPILLS_ON = {
 
 
 def candidates(spec, arch: Arch):
-    """(cta_tile_q, cta_tile_kv, num_warps, num_stages, mma, head_dim_chunk, pipeline, schedule): tuned configs
-    first, then every allowed combination, larger tiles first; wgmma ones first on sm_90a, the TMA pipeline's
-    first where it runs (the dense layout; elsewhere ``check`` refuses them), each tuned one with its
-    measured schedule first and then the others. A custom mask takes
+    """(cta_tile_q, cta_tile_kv, num_warps, num_stages, mma, head_dim_chunk, pipeline, schedule, persistent): tuned
+    configs first, then every allowed combination, larger tiles first; wgmma ones first on sm_90a, the TMA
+    pipeline's first where it runs (the dense layout; elsewhere ``check`` refuses them), each tuned one with its
+    measured schedule and persistence first and then the others. A custom mask takes
     64-row tiles first: the finer its tiles, the more of a sparse mask its live-tile lists skip.
     Configs ``SPILLS_ON`` lists for the arch come after all others: a default never takes one
     while another fits, and a spec that pins one still gets it (spills cost speed, not results)."""
@@ -134,11 +138,11 @@ def candidates(spec, arch: Arch):
         rows = (64, 32) if spec.dim_v <= CHUNKED_ROWS_64_UP_TO else (32, 64)
         listed = [c for r in rows for c in CHUNKED[r]]
         rest = [(q, kv, 8, st, dk) for q in rows for kv in (128, 64) for dk in (64, 32) for st in (3, 2, 4)]
-        every = [(q, kv, w, st, Mma.SYNC, dk, Pipeline.SYNC, Schedule.SERIAL)
+        every = [(q, kv, w, st, Mma.SYNC, dk, Pipeline.SYNC, Schedule.SERIAL, Persistent.OFF)
                  for q, kv, w, st, dk in dict.fromkeys(listed + rest)]
         if arch.has_wgmma:
             # the wgmma form first (past 640 columns of v, two CTAs a query tile, each repeating the QK work)
-            every = [(64, kv, 8, st, Mma.WGMMA, dk, Pipeline.SYNC, Schedule.SERIAL)
+            every = [(64, kv, 8, st, Mma.WGMMA, dk, Pipeline.SYNC, Schedule.SERIAL, Persistent.OFF)
                      for kv, st, dk in dict.fromkeys(CHUNKED_WGMMA + [(kv, st, dk) for kv in (128, 64, 32)
                                                                       for dk in (64, 128) for st in (4, 3)])] + every
         chunked_spills = CHUNKED_SPILLS_ON.get((spec.head_dim, spec.dim_v, spec.mask), {})
@@ -160,22 +164,25 @@ def candidates(spec, arch: Arch):
 
 def _candidates(spec, arch: Arch):
     d = spec.head_dim
-    W, S, T, SER = Mma.WGMMA, Pipeline.SYNC, Pipeline.TMA, Schedule.SERIAL
+    W, S, T, SER, OFF = Mma.WGMMA, Pipeline.SYNC, Pipeline.TMA, Schedule.SERIAL, Persistent.OFF
 
     def tma(configs):
-        # each TMA config with its measured schedule first (serial where none is listed), then the others
+        # each TMA config with its measured schedule and persistence first (serial and one CTA a query tile
+        # where none is listed), then the others
         for c in configs:
             first = c[4] if len(c) > 4 else SER
-            yield from ((*c[:4], W, T, sc) for sc in (first, *(x for x in Schedule if x and x is not first)))
+            per = c[5] if len(c) > 5 else OFF
+            yield from ((*c[:4], W, T, sc, pe) for sc in (first, *(x for x in Schedule if x and x is not first))
+                        for pe in (per, *(x for x in Persistent if x and x is not per)))
 
     if arch.has_wgmma and d % 64 == 0 and spec.dim_v % 64 == 0:
         key = (d, spec.mask is not MaskMode.NONE)
         wgmma_all = [(16 * w, kv, w, st) for w in (8, 4) for kv in (128, 64, 32) for st in (2, 3, 1, 4)]
         if spec.dim_v == d and not (spec.varlen or spec.custom_mask):
             yield from tma(TUNED_TMA.get(key, ()))
-        yield from ((*c, W, S, SER) for c in TUNED_WGMMA[key])
+        yield from ((*c, W, S, SER, OFF) for c in TUNED_WGMMA[key])
         yield from tma(wgmma_all)
-        yield from ((*c, W, S, SER) for c in wgmma_all)
-    yield from ((*c, Mma.SYNC, S, SER) for c in TUNED[d])
-    yield from ((*c, Mma.SYNC, S, SER)
+        yield from ((*c, W, S, SER, OFF) for c in wgmma_all)
+    yield from ((*c, Mma.SYNC, S, SER, OFF) for c in TUNED[d])
+    yield from ((*c, Mma.SYNC, S, SER, OFF)
                 for c in itertools.product((128, 64), (64, 128, 32), (4, 8), (2, 3, 1, 4)))

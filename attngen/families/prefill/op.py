@@ -24,7 +24,8 @@ from ...runtime import (TunedKernels, allocator, data_ptr, get_kernel, register_
                          torch_stream_getter)
 from ...spec import DType, spec_of_text
 from ..score_mods import NO_EXTRAS, checked_scale, extras
-from .spec import MaskMode, Pipeline, PrefillSpec, Schedule
+from ..split_kv import ctas_per_sm, sm_count
+from .spec import MaskMode, Persistent, Pipeline, PrefillSpec, Schedule
 from .tma import tensor_maps
 
 # PrefillParams in templates/common/prefill_params.cuh: 5 pointers, 12 strides, 4 ints, 2 floats, 2 ints,
@@ -32,8 +33,11 @@ from .tma import tensor_maps
 # the varlen and custom-mask kernels read the rest (PARAMS_EXT): 8 pointers, 2 strides, 9 ints.
 _PARAMS = struct.Struct("<5Q12q4i2f2i2fQq")
 PARAMS_EXT = struct.Struct("<5Q12q4i2f2i2fQq8Q2q9i")
-# PrefillTmaParams (a pipeline=tma kernel): the three 128-byte tensor maps (tma.py), then the dense ones.
+# PrefillTmaParams (a pipeline=tma kernel): the three 128-byte tensor maps (tma.py), then the dense ones;
+# persistent, up to batch_count (the extended ones between are not read: zeros).
 _PARAMS_TMA = struct.Struct("<384s5Q12q4i2f2i2fQq")
+_PARAMS_TMA_PERSISTENT = struct.Struct("<384s5Q12q4i2f2i2fQq8Q2q10i")
+_NO_EXT = (0,) * 19
 # What a plan's kernel reads its inputs as (the last element of a plan key).
 DENSE, CUSTOM_MASK, VARLEN, VARLEN_PAGED = range(4)
 _LOG2E = 1.4426950408889634
@@ -113,7 +117,7 @@ class _Plan(TunedKernels):
         pipeline=tma and the caller did not ask for it)."""
         twin = self.sync_twins.get(kern.key)
         if twin is None:
-            spec = kern.spec.replace(pipeline=Pipeline.SYNC, schedule=Schedule.SERIAL)
+            spec = kern.spec.replace(pipeline=Pipeline.SYNC, schedule=Schedule.SERIAL, persistent=Persistent.OFF)
             twin = self.sync_twins[kern.key] = get_kernel(spec, device=self.device)
         return twin
 
@@ -284,7 +288,13 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
                 raise
             kern = plan.sync_twin(kern)  # same tiles: same grid
         else:
-            kern.launch_struct(_PARAMS_TMA, grid, stream, maps, *args)
+            if ks_.is_persistent:
+                # as many CTAs as the SMs hold at once, or one a unit of two query tiles (TileWalk)
+                units = (grid[0] + 1) // 2 * h * b
+                ctas = min(units, sm_count(qi.device) * ctas_per_sm(kern))
+                kern.launch_struct(_PARAMS_TMA_PERSISTENT, (ctas, 1, 1), stream, maps, *args, *_NO_EXT, b)
+            else:
+                kern.launch_struct(_PARAMS_TMA, grid, stream, maps, *args)
             return (out, lse) if return_lse else out
     kern.launch_struct(_PARAMS, grid, stream, *args)
     return (out, lse) if return_lse else out

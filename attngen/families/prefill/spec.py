@@ -36,6 +36,30 @@ class Schedule(enum.Enum):
         return self is not Schedule.AUTO
 
 
+class Persistent(enum.Enum):
+    """Whether the TMA kernel is persistent: a grid of at most the CTAs the SMs hold walks the query tiles
+    (``true``), or one CTA a query tile (``false``). ``auto`` lets ``resolve`` choose; every other kernel is
+    ``false``. In spec text ``true``/``false`` (a Python bool is taken too)."""
+
+    AUTO = "auto"
+    ON = "true"
+    OFF = "false"
+
+    def __bool__(self) -> bool:
+        return self is not Persistent.AUTO
+
+
+def _persistent(value) -> Persistent:
+    if isinstance(value, Persistent):
+        return value
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return Persistent.AUTO
+    try:
+        return Persistent.ON if coerce_bool("persistent", value) else Persistent.OFF
+    except SpecError:
+        raise SpecError("persistent", value, "auto, true, false") from None
+
+
 # templates/common/prefill_plan.cuh: threads of the plan builders and of the work-list sort.
 PLAN_THREADS = 256
 ORDER_THREADS = 1024
@@ -83,7 +107,7 @@ class PrefillSpec(SpecBase):
     HEAD_DIM_CHUNK: ClassVar[tuple[int, ...]] = (0, 32, 64, 96, 128, 192, 256)
     CHUNKS: ClassVar[tuple[int, ...]] = (32, 64, 128)
     TILE_FIELDS: ClassVar[tuple[str, ...]] = ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages", "mma")
-    TUNING_FIELDS: ClassVar[tuple[str, ...]] = (*TILE_FIELDS, "head_dim_chunk", "pipeline", "schedule")
+    TUNING_FIELDS: ClassVar[tuple[str, ...]] = (*TILE_FIELDS, "head_dim_chunk", "pipeline", "schedule", "persistent")
     ALWAYS_SHOWN: ClassVar[tuple[str, ...]] = ("head_dim", "dtype", "mask")
 
     head_dim: int = 128     # of q and k (the QK head dim)
@@ -104,6 +128,7 @@ class PrefillSpec(SpecBase):
     head_dim_chunk: int = 0  # 32/64: the chunked kernel; 0: whole rows (FlashAttention-2) where they fit
     pipeline: Pipeline = Pipeline.AUTO  # tma: a producer warpgroup loads the tiles with TMA (wgmma, dense)
     schedule: Schedule = Schedule.AUTO  # overlap, pingpong: the TMA kernel's softmax under its GEMMs
+    persistent: Persistent = Persistent.AUTO  # the TMA kernel: at most the CTAs the SMs hold walk the query tiles
 
     def __post_init__(self):
         s = object.__setattr__
@@ -137,13 +162,17 @@ class PrefillSpec(SpecBase):
         s(self, "paged", coerce_bool("paged", self.paged))
         s(self, "pipeline", coerce_enum(Pipeline, "pipeline", self.pipeline))
         s(self, "schedule", coerce_enum(Schedule, "schedule", self.schedule))
+        s(self, "persistent", _persistent(self.persistent))
+        if self.is_persistent and self.pipeline is Pipeline.SYNC:
+            raise SpecError("persistent", True, "false with pipeline=sync",
+                            reason="the persistent kernel's producer warpgroup loads each next query tile by TMA")
         if self.overlapped and self.pipeline is Pipeline.SYNC:
             raise SpecError("schedule", self.schedule.value, "serial with pipeline=sync",
                             reason="overlap and ping-pong are built on the TMA pipeline")
         # The field that asks for the TMA pipeline, named by its refusals: the pipeline, or a schedule only it runs.
-        tma_ask = ("pipeline", "tma", "sync") if self.tma or not self.overlapped else \
-            ("schedule", self.schedule.value, "serial")
-        if self.overlapped:
+        tma_ask = (("pipeline", "tma", "sync") if self.tma or not (self.overlapped or self.is_persistent) else
+                   ("schedule", self.schedule.value, "serial") if self.overlapped else ("persistent", "true", "false"))
+        if self.overlapped or self.is_persistent:
             s(self, "pipeline", Pipeline.TMA)  # the only pipeline they run on
         if self.tma:
             for name in ("varlen", "custom_mask"):
@@ -169,6 +198,9 @@ class PrefillSpec(SpecBase):
             # The cp.async pipeline has one schedule; a spec pinning every tile field and the pipeline means
             # what it meant before the field existed (the serial one).
             s(self, "schedule", Schedule.SERIAL)
+        if not self.persistent and (self.pipeline is Pipeline.SYNC or self.pipeline and tiles_pinned):
+            # Likewise: one CTA a query tile, what such a spec meant before the field.
+            s(self, "persistent", Persistent.OFF)
         if self.chunked:
             for name in ("custom_mask", "paged"):
                 if getattr(self, name):
@@ -194,6 +226,11 @@ class PrefillSpec(SpecBase):
     def tma(self) -> bool:
         """The TMA pipeline (templates/common/prefill_fwd.cuh, TMA): a producer warpgroup more."""
         return self.pipeline is Pipeline.TMA
+
+    @property
+    def is_persistent(self) -> bool:
+        """The persistent TMA kernel (persistent=true)."""
+        return self.persistent is Persistent.ON
 
     @property
     def overlapped(self) -> bool:
@@ -294,9 +331,11 @@ class PrefillSpec(SpecBase):
         # one to the 1024-byte swizzle atom is added; TMA's mbarriers follow the tiles (Q's, then three a slot,
         # four with an overlapped schedule: K's and V's slots are emptied apart)
         slack = 1024 if self.mma is Mma.WGMMA else 0
-        bars = 8 * (1 + (4 if self.overlapped else 3) * self.num_stages) if self.tma else 0
+        # (persistent: and Q's empty one, after O's own staging tile)
+        bars = 8 * (1 + (4 if self.overlapped else 3) * self.num_stages + self.is_persistent) if self.tma else 0
+        o_tile = row_v * self.cta_tile_q if self.is_persistent else 0
         return row * (self.cta_tile_q + self.num_stages * self.cta_tile_kv) + row_v * self.num_stages * self.cta_tile_kv \
-            + slack + bars
+            + o_tile + slack + bars
 
     @property
     def threads(self) -> int:
@@ -315,7 +354,7 @@ class PrefillSpec(SpecBase):
     def template_context(self) -> dict:
         ctx = super().template_context()
         ctx.update(dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask], tma=self.tma, overlap=self.overlapped,
-                   pingpong=self.schedule is Schedule.PINGPONG)
+                   pingpong=self.schedule is Schedule.PINGPONG, persistent=self.is_persistent)
         if self.chunked:
             cg = self.chunk_grid
             ctx.update(chunked=True, wgmma=self.mma is Mma.WGMMA, chunk_vk=cg["vk"], chunk_vcw=cg["vcw"],
