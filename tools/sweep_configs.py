@@ -63,7 +63,8 @@ def main():
     ap.add_argument("--mma", default="mma_sync,wgmma", help="instruction paths to try (wgmma needs sm_90a)")
     ap.add_argument("--causal", default="both", choices=("both", "false", "true"))
     ap.add_argument("--chunked", action="store_true", help="the chunked kernel's configs")
-    ap.add_argument("--tma", action="store_true", help="each wgmma config also with pipeline=tma, in each schedule, one CTA a query tile and persistent")
+    ap.add_argument("--tma", action="store_true",
+                    help="each wgmma config also with pipeline=tma, in each schedule, one CTA a query tile and persistent")
     ap.add_argument("--arch", default=None, help="validate for this arch (default: the GPU's)")
     ap.add_argument("--emit-manifest", type=Path, default=None)
     ap.add_argument("--top", type=int, default=10)
