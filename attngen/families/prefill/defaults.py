@@ -25,8 +25,8 @@ TUNED = {
 }
 
 # sm_90a, the dense layout: the TMA pipeline's wgmma kernels (a producer warpgroup more), per
-# (head_dim, masked): (cta_tile_q, cta_tile_kv, num_warps, num_stages[, schedule]), serial where no
-# schedule is named. Tiles from tools/sweep_configs.py --tma on an H100 (NVRTC 13.5, bf16, 16k tokens
+# (head_dim, head_dim_v, masked): (cta_tile_q, cta_tile_kv, num_warps, num_stages[, schedule[, persistent]]),
+# serial where no schedule is named. Tiles from tools/sweep_configs.py --tma on an H100 (NVRTC 13.5, bf16, 16k tokens
 # at seqlen 4096, 2026-11-23; BENCHMARKS.md): each was the fastest config of either pipeline, 3-39% over
 # the cp.async kernels' best. Schedules timed on an H100 the same day (3 interleaved repeats, 16k tokens
 # at seqlen 4096 and 16384): ping-pong 2-10% over serial at head_dim 64 and 128 (with two stages, as
@@ -35,14 +35,19 @@ TUNED = {
 # none is named) timed on an H100 on 2026-11-24 at the ping-pong tiles over the 72-shape sweep: 1.02-1.11x at
 # seqlen 512-4096, 0.96-1.02x at 8k-16k (BENCHMARKS.md); at head_dim 256 it takes smaller tiles (O's own
 # staging tile does not fit beside 128x64 tiles) and ran 0.65-0.75x.
+# DeepSeek's 192/128 (swept on an H100 the same day, seqlen 1024 and 4096, both masks): 128-key tiles with
+# two stages on the TMA pipeline ran 1.28-1.38x the cp.async default (128x64) and led three of the four
+# rows in ping-pong (serial 1.03x in the fourth); no persistent form of those tiles fits (O's own tile).
 _P = Persistent.ON
 TUNED_TMA = {
-    (64, False): [(128, 128, 8, 2, Schedule.PINGPONG, _P), (128, 128, 8, 4)],
-    (64, True): [(128, 128, 8, 2, Schedule.PINGPONG, _P), (64, 128, 4, 2)],
-    (128, False): [(128, 128, 8, 2, Schedule.PINGPONG, _P), (128, 128, 8, 3)],
-    (128, True): [(128, 128, 8, 2, Schedule.PINGPONG, _P), (128, 128, 8, 3)],
-    (256, False): [(128, 64, 8, 2)],
-    (256, True): [(128, 64, 8, 2)],
+    (64, 64, False): [(128, 128, 8, 2, Schedule.PINGPONG, _P), (128, 128, 8, 4)],
+    (64, 64, True): [(128, 128, 8, 2, Schedule.PINGPONG, _P), (64, 128, 4, 2)],
+    (128, 128, False): [(128, 128, 8, 2, Schedule.PINGPONG, _P), (128, 128, 8, 3)],
+    (128, 128, True): [(128, 128, 8, 2, Schedule.PINGPONG, _P), (128, 128, 8, 3)],
+    (192, 128, False): [(128, 128, 8, 2, Schedule.PINGPONG)],
+    (192, 128, True): [(128, 128, 8, 2, Schedule.PINGPONG)],
+    (256, 256, False): [(128, 64, 8, 2)],
+    (256, 256, True): [(128, 64, 8, 2)],
 }
 
 # sm_90a: the wgmma kernels, one warpgroup per 64 query rows (cta_tile_q = 16 x num_warps), per
@@ -178,8 +183,8 @@ def _candidates(spec, arch: Arch):
     if arch.has_wgmma and d % 64 == 0 and spec.dim_v % 64 == 0:
         key = (d, spec.mask is not MaskMode.NONE)
         wgmma_all = [(16 * w, kv, w, st) for w in (8, 4) for kv in (128, 64, 32) for st in (2, 3, 1, 4)]
-        if spec.dim_v == d and not (spec.varlen or spec.custom_mask):
-            yield from tma(TUNED_TMA.get(key, ()))
+        if not (spec.varlen or spec.custom_mask):
+            yield from tma(TUNED_TMA.get((d, spec.dim_v, key[1]), ()))
         yield from ((*c, W, S, SER, OFF) for c in TUNED_WGMMA[key])
         yield from tma(wgmma_all)
         yield from ((*c, W, S, SER, OFF) for c in wgmma_all)
