@@ -36,7 +36,7 @@ TUNED = {
 # seqlen 512-4096, 0.96-1.02x at 8k-16k (BENCHMARKS.md); at head_dim 256 it takes smaller tiles (O's own
 # staging tile does not fit beside 128x64 tiles) and ran 0.65-0.75x.
 # DeepSeek's 192/128 (swept on an H100 the same day, seqlen 1024 and 4096, both masks): 128-key tiles with
-# two stages on the TMA pipeline ran 1.28-1.38x the cp.async default (128x64) and led three of the four
+# two stages on the TMA pipeline ran 1.26-1.38x the cp.async default (128x64) and led three of the four
 # rows in ping-pong (serial 1.03x in the fourth); no persistent form of those tiles fits (O's own tile).
 _P = Persistent.ON
 TUNED_TMA = {
