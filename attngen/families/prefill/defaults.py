@@ -38,6 +38,9 @@ TUNED = {
 # DeepSeek's 192/128 (swept on an H100 the same day, seqlen 1024 and 4096, both masks): 128-key tiles with
 # two stages on the TMA pipeline ran 1.26-1.38x the cp.async default (128x64) and led three of the four
 # rows in ping-pong (serial 1.03x in the fourth); no persistent form of those tiles fits (O's own tile).
+# Head dim 192 (the same sweep): 128-key tiles do not fit the registers; 128x64 on the TMA pipeline, serial,
+# led or came within 3% (1.18-1.30x the cp.async default), persistent under a causal mask (1.06-1.07x one CTA a
+# tile there, 0.97x without a mask).
 _P = Persistent.ON
 TUNED_TMA = {
     (64, 64, False): [(128, 128, 8, 2, Schedule.PINGPONG, _P), (128, 128, 8, 4)],
@@ -46,6 +49,8 @@ TUNED_TMA = {
     (128, 128, True): [(128, 128, 8, 2, Schedule.PINGPONG, _P), (128, 128, 8, 3)],
     (192, 128, False): [(128, 128, 8, 2, Schedule.PINGPONG)],
     (192, 128, True): [(128, 128, 8, 2, Schedule.PINGPONG)],
+    (192, 192, False): [(128, 64, 8, 2)],
+    (192, 192, True): [(128, 64, 8, 2, Schedule.SERIAL, _P)],
     (256, 256, False): [(128, 64, 8, 2)],
     (256, 256, True): [(128, 64, 8, 2)],
 }
