@@ -40,8 +40,12 @@ TUNED = {
 # rows in ping-pong (serial 1.03x in the fourth); no persistent form of those tiles fits (O's own tile).
 # Head dim 192 (the same sweep): 128-key tiles do not fit the registers; 128x64 on the TMA pipeline, serial,
 # led or came within 3% (1.18-1.30x the cp.async default), persistent under a causal mask (1.06-1.07x one CTA a
-# tile there, 0.97x without a mask).
+# tile there, 0.97x without a mask; the window keeps one CTA a tile, see PERSISTENT_MASKS).
 _P = Persistent.ON
+# The masks the persistent kernel is the default for. A sliding window (H100, 2026-11-24, seven shapes at head dims
+# 64-192, windows 128-4096): 0.94-1.08x one CTA a tile, 0.94 at seqlen 16k with a 4k window, where a unit's two
+# query tiles read far-apart keys and the CTAs running together share less of them in L2.
+PERSISTENT_MASKS = (MaskMode.NONE, MaskMode.CAUSAL)
 TUNED_TMA = {
     (64, 64, False): [(128, 128, 8, 2, Schedule.PINGPONG, _P), (128, 128, 8, 4)],
     (64, 64, True): [(128, 128, 8, 2, Schedule.PINGPONG, _P), (64, 128, 4, 2)],
@@ -181,7 +185,7 @@ def _candidates(spec, arch: Arch):
         # where none is listed), then the others
         for c in configs:
             first = c[4] if len(c) > 4 else SER
-            per = c[5] if len(c) > 5 else OFF
+            per = c[5] if len(c) > 5 and spec.mask in PERSISTENT_MASKS else OFF
             yield from ((*c[:4], W, T, sc, pe) for sc in (first, *(x for x in Schedule if x and x is not first))
                         for pe in (per, *(x for x in Persistent if x and x is not per)))
 
