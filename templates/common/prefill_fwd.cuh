@@ -1,4 +1,4 @@
-// FlashAttention-2-style forward pass for one (query tile, head, batch) per CTA.
+// FlashAttention-2-style forward pass for one (query tile, head, batch) per CTA (PERSISTENT: several in turn).
 // Q and K rows are HEAD_DIM wide, V and O rows HEAD_DIM_V (at most HEAD_DIM: O is staged in Q's
 // tile for the store).
 //
