@@ -199,3 +199,20 @@ def test_tensor_maps_keep_the_drivers_refusals(monkeypatch):
             tma._map(t, 128, t.ptr)
         assert "CUDA_ERROR_INVALID_VALUE" in str(e.value)
     assert len(calls) == 1
+
+
+def test_launch_layouts_match_the_kernels_structs():
+    # The host packs PrefillParams / PrefillTmaParams with struct layouts; a field moved on either side would
+    # shift every later one. NVRTC checks the offsets the host writes against the kernel's own structs.
+    from attngen.families.prefill import op
+
+    spec = resolve(PrefillSpec(head_dim=128, persistent=True), "sm_90a")
+    P, TP = "attngen::PrefillParams<attngen::elem_t>", "attngen::PrefillTmaParams<attngen::elem_t>"
+    checks = {
+        f"__builtin_offsetof({TP}, p)": 384,
+        f"__builtin_offsetof({P}, cu_q)": op._PARAMS.size,  # the dense launch's end
+        f"__builtin_offsetof({P}, mask_units_b) + 4": op.PARAMS_EXT.size,
+        f"__builtin_offsetof({TP}, p) + __builtin_offsetof({P}, batch_count) + 4": op._PARAMS_TMA_PERSISTENT.size,
+    }
+    source = render(spec) + "".join(f'\nstatic_assert({k} == {v}, "{k}");' for k, v in checks.items()) + "\n"
+    compile(source, "sm_90a", kernel_name=spec.kernel_name)  # raises with the failed assertion's text
