@@ -164,7 +164,7 @@ class PrefillSpec(SpecBase):
         s(self, "schedule", coerce_enum(Schedule, "schedule", self.schedule))
         s(self, "persistent", _persistent(self.persistent))
         if self.is_persistent and self.pipeline is Pipeline.SYNC:
-            raise SpecError("persistent", True, "false with pipeline=sync",
+            raise SpecError("persistent", "true", "false with pipeline=sync",
                             reason="the persistent kernel's producer warpgroup loads each next query tile by TMA")
         if self.overlapped and self.pipeline is Pipeline.SYNC:
             raise SpecError("schedule", self.schedule.value, "serial with pipeline=sync",
