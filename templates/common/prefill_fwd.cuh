@@ -149,7 +149,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
       if constexpr (MOVE_REGS) WgmmaOps<BF16>::template regs_dec<PRODUCER_REGS>();
       if (tid == THREADS) {
         int ring = 0;
-        TileWalk<PERSISTENT, BLOCK_M> walk;
+        TileWalk<BLOCK_M> walk;
         for (int pass = 0;; ++pass) {
           int m_block, head, batch, seqlen_q, seqlen_k;
           if (!walk.tile(p, m_block, head, batch, seqlen_q, seqlen_k)) break;
@@ -169,7 +169,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
   // One pass per query tile the CTA computes (PERSISTENT; otherwise one pass). ring0: the ring tiles the
   // CTA's earlier query tiles took.
   int ring0 = 0;
-  TileWalk<PERSISTENT, BLOCK_M> walk;
+  TileWalk<BLOCK_M> walk;  // PERSISTENT
   for (int pass = 0;; ++pass) {
     // Which (query tile, head, batch) this CTA computes: cta_tile, or, MASK_LIST, the work list's
     // slot order (unit, query tile), built heaviest first on the GPU; PERSISTENT, the walk's.
@@ -587,7 +587,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
     if constexpr (!PERSISTENT) {
       break;
     } else {
-      if (!walk.next(p)) break;
+      walk.next(p);
       ring0 += n_tiles;
       __syncwarp();  // every lane has read its rows of sO before the next tile's are written
     }

@@ -110,54 +110,44 @@ __device__ __forceinline__ void cta_tile(const PrefillParams<T>& p, int& m_block
   }
 }
 
-// The tiles one CTA computes. Otherwise the one cta_tile gives. PERSISTENT (the TMA kernel, a grid of
-// at most as many CTAs as the SMs run): a static round-robin over units of two query tiles of one
-// (head, batch), the j-th heaviest then the j-th lightest (query tiles M-1-j and j; an odd M's middle
-// tile alone), so that under a causal mask every unit costs the same and the round-robin is balanced
-// without a counter in global memory (which a CUDA graph replayed on two streams would share). Units
-// run j fastest, then heads, then batches: the CTAs running together share a few heads' K/V in L2.
-template <bool PERSISTENT, int BLOCK_M>
+// The query tiles a CTA of the persistent TMA kernel computes in turn (a grid of at most as many CTAs as
+// the SMs run): a static round-robin over units of two query tiles of one (head, batch), the j-th
+// heaviest then the j-th lightest (query tiles M-1-j and j; an odd M's middle tile alone), so that under
+// a causal mask every unit costs the same and the round-robin is balanced without a counter in global
+// memory (which a CUDA graph replayed on two streams would share). Units run j fastest, then heads, then
+// batches: the CTAs running together share a few heads' K/V in L2. (A CTA of the other kernels computes
+// the one tile cta_tile gives.)
+template <int BLOCK_M>
 struct TileWalk {
-  int unit = PERSISTENT ? blockIdx.x : 0;
+  int unit = blockIdx.x;
   bool second = false;  // the unit's light tile
 
-  // This step's tile; false past the CTA's last (PERSISTENT; otherwise the one tile is always there).
+  // This step's tile; false past the CTA's last.
   template <class T>
   __device__ __forceinline__ bool tile(const PrefillParams<T>& p, int& m_block, int& head, int& batch, int& seqlen_q,
                                        int& seqlen_k) const {
     seqlen_q = p.seqlen_q;
     seqlen_k = p.seqlen_k;
-    if constexpr (PERSISTENT) {
-      const int m_blocks = (p.seqlen_q + BLOCK_M - 1) / BLOCK_M;
-      const int pairs = (m_blocks + 1) / 2;
-      const int j = unit % pairs;
-      const int hb = unit / pairs;
-      head = hb % p.num_heads;
-      batch = hb / p.num_heads;
-      m_block = second ? j : m_blocks - 1 - j;
-      return batch < p.batch_count;
-    } else {
-      m_block = gridDim.x - 1 - blockIdx.x;
-      head = blockIdx.y;
-      batch = blockIdx.z;
-      return true;
-    }
+    const int m_blocks = (p.seqlen_q + BLOCK_M - 1) / BLOCK_M;
+    const int pairs = (m_blocks + 1) / 2;
+    const int j = unit % pairs;
+    const int hb = unit / pairs;
+    head = hb % p.num_heads;
+    batch = hb / p.num_heads;
+    m_block = second ? j : m_blocks - 1 - j;
+    return batch < p.batch_count;
   }
-  // To the next tile (PERSISTENT); the non-persistent walk has none after its first.
+  // To the next tile.
   template <class T>
-  __device__ __forceinline__ bool next(const PrefillParams<T>& p) {
-    if constexpr (PERSISTENT) {
-      const int m_blocks = (p.seqlen_q + BLOCK_M - 1) / BLOCK_M;
-      const int pairs = (m_blocks + 1) / 2;
-      if (!second && 2 * (unit % pairs) + 1 != m_blocks) {
-        second = true;
-      } else {
-        second = false;
-        unit += gridDim.x;
-      }
-      return true;
+  __device__ __forceinline__ void next(const PrefillParams<T>& p) {
+    const int m_blocks = (p.seqlen_q + BLOCK_M - 1) / BLOCK_M;
+    const int pairs = (m_blocks + 1) / 2;
+    if (!second && 2 * (unit % pairs) + 1 != m_blocks) {
+      second = true;
+    } else {
+      second = false;
+      unit += gridDim.x;
     }
-    return false;
   }
 };
 
