@@ -90,12 +90,13 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
   const int g = lane / 4;  // row within an 8-row group of an mma fragment
   const int t = lane % 4;  // column pair within an 8-wide fragment
 
-  // TMA: the mbarriers' set-up, and the producer's copies for one query tile (its Q, then its KV tiles
-  // from the ring's ring-th place on). The producer warpgroup's one elected thread issues every copy:
-  // the ring's r-th tile (r counts on across the CTA's query tiles) goes to slot r % NUM_STAGES once the
+  // TMA: split_producer sets up the mbarriers, then the producer warpgroup gives its registers to the consumers
+  // and its one elected thread runs copies(); true in the producer warpgroup, which then leaves the kernel.
+  // produce issues one query tile's copies (its Q, then its KV tiles from the ring's ring-th place on): the
+  // ring's r-th tile (r counts on across the CTA's query tiles) goes to slot r % NUM_STAGES once the
   // consumers have released the tile that slot held; PERSISTENT, a query tile's Q once they have released
   // the previous one's.
-  auto init_barriers = [&]() {
+  auto split_producer = [&](auto&& copies) {
     if constexpr (TMA) {  // compiled only there: WgmmaOps exists on sm_90a alone
       using W = WgmmaOps<BF16>;
       if (tid == 0) {
@@ -111,7 +112,14 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
         W::mbar_init_fence();
       }
       __syncthreads();
+      if (warp >= NUM_WARPS) {
+        if constexpr (MOVE_REGS) W::template regs_dec<PRODUCER_REGS>();
+        if (tid == THREADS) copies();
+        return true;
+      }
+      if constexpr (MOVE_REGS) W::template regs_inc<CONSUMER_REGS>();
     }
+    return false;
   };
   auto produce = [&](int pass, int ring, int m0, int head, int kv_head, int batch, int tile_begin, int n_tiles) {
     if constexpr (TMA) {  // compiled only there: WgmmaOps exists on sm_90a alone
@@ -144,26 +152,21 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
   };
   if constexpr (PERSISTENT) {
     // The producer walks the same query tiles as the consumers, ahead of them.
-    init_barriers();
-    if (warp >= NUM_WARPS) {
-      if constexpr (MOVE_REGS) WgmmaOps<BF16>::template regs_dec<PRODUCER_REGS>();
-      if (tid == THREADS) {
-        int ring = 0;
-        TileWalk<BLOCK_M> walk;
-        for (int pass = 0;; ++pass) {
-          int m_block, head, batch, seqlen_q, seqlen_k;
-          if (!walk.tile(p, m_block, head, batch, seqlen_q, seqlen_k)) break;
-          const int m0 = m_block * BLOCK_M;
-          const KeyRange keys = key_range<MASK>(seqlen_q, seqlen_k, p.win_left, p.win_right);
-          const KeyRange::Span span = keys.tiles<BLOCK_N>(m0, min(m0 + BLOCK_M, seqlen_q) - 1);
-          produce(pass, ring, m0, head, head / p.group, batch, span.first, span.count);
-          ring += span.count;
-          walk.next(p);
-        }
-      }
+    if (split_producer([&]() {
+          int ring = 0;
+          TileWalk<BLOCK_M> walk;
+          for (int pass = 0;; ++pass) {
+            int m_block, head, batch, seqlen_q, seqlen_k;
+            if (!walk.tile(p, m_block, head, batch, seqlen_q, seqlen_k)) break;
+            const int m0 = m_block * BLOCK_M;
+            const KeyRange keys = key_range<MASK>(seqlen_q, seqlen_k, p.win_left, p.win_right);
+            const KeyRange::Span span = keys.tiles<BLOCK_N>(m0, min(m0 + BLOCK_M, seqlen_q) - 1);
+            produce(pass, ring, m0, head, head / p.group, batch, span.first, span.count);
+            ring += span.count;
+            walk.next(p);
+          }
+        }))
       return;
-    }
-    if constexpr (MOVE_REGS) WgmmaOps<BF16>::template regs_inc<CONSUMER_REGS>();
   }
 
   // One pass per query tile the CTA computes (PERSISTENT; otherwise one pass). ring0: the ring tiles the
@@ -255,13 +258,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
 
     if constexpr (TMA) {
       if constexpr (!PERSISTENT) {
-        init_barriers();
-        if (warp >= NUM_WARPS) {
-          if constexpr (MOVE_REGS) WgmmaOps<BF16>::template regs_dec<PRODUCER_REGS>();
-          if (tid == THREADS) produce(0, 0, m0, head, kv_head, batch, tile_begin, n_tiles);
-          return;
-        }
-        if constexpr (MOVE_REGS) WgmmaOps<BF16>::template regs_inc<CONSUMER_REGS>();
+        if (split_producer([&]() { produce(0, 0, m0, head, kv_head, batch, tile_begin, n_tiles); })) return;
       }
       WgmmaOps<BF16>::mbar_wait(q_bar, pass & 1);
     } else {
