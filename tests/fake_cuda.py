@@ -31,7 +31,7 @@ static unsigned last_grid[3], last_block;
 static unsigned last_smem;
 static void *last_stream, *last_func;
 static int last_pdl;  /* the last launch asked for programmatic stream serialization */
-static unsigned char last_params[512];
+static unsigned char last_params[1024];
 
 CUresult cuInit(unsigned f) { return 0; }
 CUresult cuGetErrorName(CUresult rc, const char **s) { *s = rc == 201 ? "CUDA_ERROR_INVALID_CONTEXT" : "CUDA_ERROR_STUB"; return 0; }
@@ -65,6 +65,15 @@ CUresult cuLaunchKernelEx(const Config *c, void *f, void **params, void **extra)
     for (unsigned i = 0; i < c->n; i++)
         if (c->attrs[i].id == 6) last_pdl = c->attrs[i].value[0];
     return rc;
+}
+/* A tensor map: 128 bytes naming what it was built from (the address and the first two dims), so that a
+   test can tell maps apart; never read by a kernel here. */
+CUresult cuTensorMapEncodeTiled(void *map, int dtype, unsigned rank, void *addr, const uint64_t *dims,
+                                const uint64_t *strides, const unsigned *box, const unsigned *elem_strides,
+                                int interleave, int swizzle, int l2, int oob) {
+    uint64_t words[16] = {(uint64_t)(uintptr_t)addr, dims[0], rank > 1 ? dims[1] : 0, (uint64_t)dtype};
+    memcpy(map, words, 128);
+    return 0;
 }
 /* for tests */
 void stub_set_current(void *c) { current = c; }
@@ -118,7 +127,7 @@ def install() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so), mode=ctypes.RTLD_GLOBAL)
     lib.stub_set_current.argtypes = [ctypes.c_void_p]
     lib.stub_count.restype = ctypes.c_long
-    lib.stub_last_params.restype = ctypes.POINTER(ctypes.c_ubyte * 512)
+    lib.stub_last_params.restype = ctypes.POINTER(ctypes.c_ubyte * 1024)
     _lib = lib
     return lib
 

@@ -57,10 +57,23 @@ def main():
         want = P.pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
                       *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
                       sq, sk, h, h // hk, s, s * 1.4426950408889634, left, right)
-        assert fake_cuda.last_params(P.size) == want, "parameter bytes differ"
+        spec = kern.spec
+        if spec.tma:  # the TMA kernel's three maps first (the stub's: address, head dim, length, dtype code)
+            code = {torch.bfloat16: 9, torch.float16: 6}[q.dtype]
+            want = b"".join(struct.pack("<4Q", t.data_ptr(), t.shape[3], max(t.shape[1], 1), code) + bytes(96)
+                            for t in (q, k, v)) + want
+        assert fake_cuda.last_params(len(want)) == want, "parameter bytes differ"
         got = fake_cuda.last_launch()
-        tq = kern.spec.cta_tile_q
-        assert got["grid"] == ((sq + tq - 1) // tq, h, b), got
+        tq = spec.cta_tile_q
+        tiles = (sq + tq - 1) // tq
+        if spec.tma and spec.is_persistent:  # units of two query tiles of a head over the CTAs the SMs hold
+            from attngen.families.split_kv import ctas_per_sm
+
+            assert got["grid"] == (min((tiles + 1) // 2 * h * b, 132 * ctas_per_sm(kern)), 1, 1), got
+            tail = fake_cuda.last_params(len(want) + 24 + 116 + 4)[len(want) + 24:]
+            assert tail == bytes(116) + struct.pack("<i", b), "zero padding, then batch_count"
+        else:
+            assert got["grid"] == (tiles, h, b), got
         assert got["threads"] == kern.threads and got["smem"] == kern.smem_bytes, got
         return kern
 
