@@ -233,6 +233,12 @@ def spec_of_text(text: str, family: str) -> Spec:
     spec = parse_spec(text)
     if spec.family != family:
         raise SpecError("family", spec.family, family, reason=f"spec={text!r} is given to attngen.{family}")
+    # The op replaces head_dim with its tensors'. Read at the default head_dim (128), a pinned
+    # head_dim_chunk of 128 would be taken for "whole rows" and dropped first: such text is read at
+    # the largest head dim instead (what the chunk divides is checked again at the tensors' head dim).
+    names = {item.partition("=")[0].strip() for item in text.partition(":")[2].split(",")}
+    if "head_dim_chunk" in names and "head_dim" not in names:
+        spec = parse_spec(f"{text},head_dim={max(type(spec).HEAD_DIMS)}")
     return spec
 
 

@@ -182,10 +182,21 @@ def test_chunked_wgmma_ragged_lengths_and_gqa(sq, sk, causal):
 
 @pytest.mark.parametrize("cfg", ["cta_tile_kv=64,num_stages=3", "cta_tile_kv=128,num_stages=4",
                                  "cta_tile_kv=64,head_dim_chunk=128,num_stages=4",
-                                 "cta_tile_kv=128,head_dim_chunk=128,num_stages=3", "cta_tile_kv=32,num_stages=4"])
+                                 "cta_tile_kv=128,head_dim_chunk=128,num_stages=3", "cta_tile_kv=32,num_stages=4",
+                                 "cta_tile_kv=128,num_stages=8", "cta_tile_kv=64,num_stages=7",
+                                 "cta_tile_kv=64,head_dim_chunk=128,num_stages=6",
+                                 "cta_tile_kv=128,head_dim_chunk=128,num_stages=4"])
 def test_chunked_wgmma_tile_configs(cfg):
     _needs_sm90()
-    run_case(1, 500, 1300, 2, 2, 512, 512, torch.bfloat16, causal=True, spec=f"prefill:mma=wgmma,{cfg}")
+    spec = f"prefill:mma=wgmma,{cfg}"
+    run_case(1, 500, 1300, 2, 2, 512, 512, torch.bfloat16, causal=True, spec=spec)
+    # the kernel is the one the text pins (a 128-wide chunk is not read as whole rows at the default head_dim)
+    from attngen.families.prefill.op import kernel_for
+
+    q = torch.empty(1, 8, 2, 512, device="cuda", dtype=torch.bfloat16)
+    ks = kernel_for(q, q, q, causal=True, spec=spec).spec
+    want = dict(item.split("=") for item in cfg.split(","))
+    assert all(str(getattr(ks, f)) == v for f, v in want.items()), (ks, want)
 
 
 def test_chunked_wgmma_sm_scale_softcap_alibi():

@@ -171,3 +171,58 @@ def test_chunked_wgmma_form():
     # the mma.sync form keeps its padded tiles and its rules
     m = resolve(parse_spec("prefill:head_dim=512,mma=mma_sync"), "sm_90a")
     assert "constexpr bool WGMMA = false;" in render(m)
+
+
+def test_op_spec_text_keeps_a_128_wide_chunk():
+    """An op's spec text names no head_dim (the op takes its tensors'): a pinned head_dim_chunk of 128 is
+    kept for the tensors' head dim, not read as "whole rows" at the default head_dim 128 and dropped."""
+    from attngen.spec import spec_of_text
+
+    s = spec_of_text("prefill:cta_tile_kv=128,head_dim_chunk=128,num_stages=4", "prefill")
+    assert s.head_dim_chunk == 128
+    assert s.replace(head_dim=512).head_dim_chunk == 128
+    assert s.replace(head_dim=128).head_dim_chunk == 0  # whole rows there, as before
+    with pytest.raises(SpecError) as e:
+        s.replace(head_dim=320)
+    assert e.value.field == "head_dim_chunk"
+    r = resolve(s.replace(head_dim=512), "sm_90a")
+    assert (r.cta_tile_kv, r.num_stages, r.head_dim_chunk) == (128, 4, 128)
+
+
+def test_deeper_rings_are_the_chunked_wgmma_forms_only():
+    r = resolve(parse_spec("prefill:head_dim=512,num_stages=8,head_dim_chunk=64"), "sm_90a")
+    assert r.chunked and r.mma is Mma.WGMMA and r.num_stages == 8
+    assert r.smem_bytes() <= __import__("attngen").get_arch("sm_90a").smem_per_block
+    assert "constexpr int NUM_STAGES = 8;" in render(r)
+    for text, arch in (("prefill:head_dim=128,num_stages=6", "sm_90a"),
+                       ("prefill:head_dim=512,num_stages=6", "sm_80"),
+                       ("prefill:head_dim=512,num_stages=6,mma=mma_sync", "sm_90a")):
+        with pytest.raises(SpecError) as e:
+            resolve(parse_spec(text), arch)
+        assert e.value.field == "num_stages", str(e.value)
+    whole = PrefillSpec(head_dim=128, cta_tile_q=128, cta_tile_kv=64, num_warps=8, num_stages=6, mma="wgmma",
+                        pipeline="tma", schedule="serial", persistent="false")
+    with pytest.raises(SpecError) as e:
+        validate(whole, "sm_90a")
+    assert e.value.field == "num_stages" and "1, 2, 3, 4" in str(e.value)
+
+
+@pytest.mark.parametrize("d, dv, want", [
+    (320, 320, (128, 4, 64)), (384, 384, (128, 4, 128)), (448, 448, (128, 5, 64)), (512, 512, (128, 4, 128)),
+    (576, 512, (128, 6, 64)), (576, 576, (64, 6, 64)), (640, 640, (64, 6, 128)), (768, 768, (128, 5, 64)),
+    (1024, 1024, (128, 5, 64)), (1024, 512, (128, 4, 64)),
+])
+def test_chunked_wgmma_defaults_per_head_dims(d, dv, want):
+    """The sm_90a defaults the H100 sweep chose per head dims (the generic first config elsewhere)."""
+    for mask in ("none", "causal"):
+        r = resolve(PrefillSpec(head_dim=d, head_dim_v=dv, mask=mask), "sm_90a")
+        assert (r.cta_tile_kv, r.num_stages, r.head_dim_chunk) == want
+
+
+def test_chunked_varlen_defaults_step_around_their_spills():
+    """512 causal and 640 windowed take their dense defaults' configs but for varlen, where ptxas spills them."""
+    dense = resolve(PrefillSpec(head_dim=512, mask="causal"), "sm_90a")
+    varlen = resolve(PrefillSpec(head_dim=512, mask="causal", varlen=True), "sm_90a")
+    assert dense.head_dim_chunk == 128 and varlen.head_dim_chunk == 64
+    assert resolve(PrefillSpec(head_dim=640, mask="sliding_window", varlen=True), "sm_90a").head_dim_chunk == 64
+    assert resolve(PrefillSpec(head_dim=640, mask="causal", varlen=True), "sm_90a").head_dim_chunk == 128

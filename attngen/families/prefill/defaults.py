@@ -127,6 +127,21 @@ CHUNKED = {
 # (1.50-1.86x the mma.sync default). Past 640 columns of v two CTAs split O (each repeating the QK work):
 # 1.54-1.73x the mma.sync default at head_dim 768 and 1024, the same day.
 CHUNKED_WGMMA = [(128, 4, 64), (64, 4, 64), (64, 4, 128), (128, 3, 128), (64, 3, 64)]
+# Per (head_dim, head_dim_v), what ran fastest there, ahead of the list above. Timed on an H100 (NVRTC 13.0,
+# bf16, B=1 H=48 S=8192 and B=4 H=16 S=2048, causal and not, 2026-11-25; BENCHMARKS.md): a deeper ring
+# (five to six stages, which the list above never took) or 128-wide chunks, halving the steps a tile and
+# so the CTA barriers, ran 1.07-1.29x the list's first config; 320 kept it (more stages lost at B=4), and
+# 768 and 1024 at 128-wide chunks spill.
+CHUNKED_WGMMA_BY_DIMS = {
+    (384, 384): [(128, 4, 128)],
+    (448, 448): [(128, 5, 64)],
+    (512, 512): [(128, 4, 128)],
+    (576, 512): [(128, 6, 64)],
+    (576, 576): [(64, 6, 64)],
+    (640, 640): [(64, 6, 128)],
+    (768, 768): [(128, 5, 64)],
+    (1024, 1024): [(128, 5, 64)],
+}
 
 
 # Chunked configs ptxas spills (NVRTC 13.5, every default candidate of every chunked manifest entry
@@ -135,8 +150,14 @@ CHUNKED_WGMMA = [(128, 4, 64), (64, 4, 64), (64, 4, 128), (128, 3, 128), (64, 3,
 CHUNKED_SPILLS_ON = {
     (192, 128, MaskMode.CAUSAL): {(64, 128, 8, 3, 64, Mma.SYNC): ("sm_80", "sm_86", "sm_89")},
     (640, 640, MaskMode.SLIDING_WINDOW): {(64, 64, 8, 3, 64, Mma.SYNC): ("sm_90a",)},
-    # the two-CTA split at 768 with a window: 96-100 bytes at 128-key tiles (64-key tiles are spill-free)
-    (768, 768, MaskMode.SLIDING_WINDOW): {(64, 128, 8, 4, 64, Mma.WGMMA): ("sm_90a",)},
+    # the two-CTA split at 768 with a window: 72-100 bytes at 128-key tiles, whatever the ring's depth (64-key
+    # tiles are spill-free)
+    (768, 768, MaskMode.SLIDING_WINDOW): {(64, 128, 8, st, 64, Mma.WGMMA): ("sm_90a",) for st in range(3, 9)},
+}
+# The same for varlen kernels (NVRTC 13.5, 2026-11-25): 4 and 40 bytes.
+CHUNKED_VARLEN_SPILLS_ON = {
+    (512, 512, MaskMode.CAUSAL): {(64, 128, 8, 4, 128, Mma.WGMMA): ("sm_90a",)},
+    (640, 640, MaskMode.SLIDING_WINDOW): {(64, 64, 8, 6, 128, Mma.WGMMA): ("sm_90a",)},
 }
 
 
@@ -157,9 +178,12 @@ def candidates(spec, arch: Arch):
         if arch.has_wgmma:
             # the wgmma form first (past 640 columns of v, two CTAs a query tile, each repeating the QK work)
             every = [(64, kv, 8, st, Mma.WGMMA, dk, Pipeline.SYNC, Schedule.SERIAL, Persistent.OFF)
-                     for kv, st, dk in dict.fromkeys(CHUNKED_WGMMA + [(kv, st, dk) for kv in (128, 64, 32)
-                                                                      for dk in (64, 128) for st in (4, 3)])] + every
-        chunked_spills = CHUNKED_SPILLS_ON.get((spec.head_dim, spec.dim_v, spec.mask), {})
+                     for kv, st, dk in dict.fromkeys(CHUNKED_WGMMA_BY_DIMS.get((spec.head_dim, spec.dim_v), [])
+                                                     + CHUNKED_WGMMA + [(kv, st, dk) for kv in (128, 64, 32)
+                                                                      for dk in (64, 128) for st in (4, 3, 5, 6, 7, 8)])] + every
+        where = (spec.head_dim, spec.dim_v, spec.mask)
+        chunked_spills = {**CHUNKED_SPILLS_ON.get(where, {}),
+                          **(CHUNKED_VARLEN_SPILLS_ON.get(where, {}) if spec.varlen else {})}
 
         def spilled(c):
             return arch.name in chunked_spills.get((*c[:4], c[5], c[4]), ())

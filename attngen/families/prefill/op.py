@@ -185,7 +185,9 @@ def mask_and_window(causal, window) -> tuple[int, int, int]:
 def kernel_for(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WINDOW, return_lse: bool = False,
                spec: PrefillSpec | None = None):
     """The loaded ``Kernel`` that ``prefill`` launches for these arguments (``kernel.spec`` is the
-    spec it runs). Loads or compiles it if needed; enqueues nothing."""
+    spec it runs; ``spec`` as ``prefill`` takes it). Loads or compiles it if needed; enqueues nothing."""
+    if spec.__class__ is str:
+        spec = spec_of_text(spec, "prefill")
     qi, _, vi = _check_qkv(q, k, v)
     mask, _, _ = mask_and_window(causal, window)
     key = (qi.shape[3], qi.dtype, qi.device, mask, bool(return_lse), spec, qi.kind, False, False, DENSE, vi.shape[3])

@@ -101,7 +101,7 @@ class PrefillSpec(SpecBase):
     CTA_TILE_Q: ClassVar[tuple[int, ...]] = (0, 32, 64, 128)
     CTA_TILE_KV: ClassVar[tuple[int, ...]] = (0, 32, 64, 128)
     NUM_WARPS: ClassVar[tuple[int, ...]] = (0, 4, 8)
-    NUM_STAGES: ClassVar[tuple[int, ...]] = (0, 1, 2, 3, 4)
+    NUM_STAGES: ClassVar[tuple[int, ...]] = (0, 1, 2, 3, 4, 5, 6, 7, 8)
     # The chunk width of the chunked kernel; 0 (or the head_dim itself) keeps rows whole (the
     # FlashAttention-2 kernel) where that can run, and means "choose" where it cannot.
     HEAD_DIM_CHUNK: ClassVar[tuple[int, ...]] = (0, 32, 64, 96, 128, 192, 256)
@@ -374,6 +374,9 @@ class PrefillSpec(SpecBase):
 
     # --- fit ---------------------------------------------------------------------------------
     def check(self, a: Arch) -> None:
+        if self.num_stages > 4 and not (self.chunked and self.mma is Mma.WGMMA):
+            raise SpecError("num_stages", self.num_stages, "1, 2, 3, 4",
+                            reason="deeper rings (up to 8 stages) are the chunked kernel's wgmma form's only")
         if self.chunked:
             self._check_chunked(a)
             return
@@ -445,7 +448,7 @@ class PrefillSpec(SpecBase):
                             reason=f"{form} needs two S steps a tile (P is rewritten only after both "
                                    "warpgroups finished the tile before)")
         if self.num_stages < 3:
-            raise SpecError("num_stages", self.num_stages, "3, 4 with mma=wgmma",
+            raise SpecError("num_stages", self.num_stages, "3 to 8 with mma=wgmma",
                             reason=f"{form} leaves a step's wgmma running while the next step's copies land: "
                                    "two slots are being read")
         cg = self.chunk_grid
