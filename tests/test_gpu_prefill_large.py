@@ -143,7 +143,7 @@ def test_kernel_is_the_chunked_one():
 # (V's columns padded to whole 64-column blocks per warpgroup where head_dim_v is not a multiple of 128)
 # (and past 640 columns of v split over two CTAs a query tile)
 WGMMA_DIMS = [(384, 384), (512, 512), (576, 512), (640, 640), (256, 256), (1024, 512), (320, 320), (448, 448),
-              (576, 576), (512, 320), (768, 768), (1024, 1024), (320, 1024)]
+              (576, 576), (512, 320), (768, 768), (1024, 1024), (320, 1024), (512, 1024)]
 
 
 def _needs_sm90():
@@ -206,6 +206,34 @@ def test_chunked_wgmma_sm_scale_softcap_alibi():
     slopes = torch.rand(4, device="cuda", generator=gen) * 0.1
     o = attngen.prefill(q, k, v, causal=True, sm_scale=0.03, softcap=20.0, alibi_slopes=slopes,
                         spec="prefill:mma=wgmma")
+    ref, _ = reference_attention(q, k, v, causal=True, sm_scale=0.03, softcap=20.0, alibi_slopes=slopes)
+    err = (torch.linalg.vector_norm(o.float() - ref) / torch.linalg.vector_norm(ref)).item()
+    assert err < 2e-2
+
+
+# Past 640 columns of v the two CTAs of a query tile form a cluster that splits the QK work (qk_pair)
+# where each half of head_dim is whole chunks and QK's work exceeds a CTA's PV (768, 1024); 512/1024 and
+# 320/1024 repeat it in each CTA.
+@pytest.mark.parametrize("d,dv,pair", [(1024, 1024, True), (768, 768, True), (512, 1024, False), (320, 1024, False)])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (17, 1000), (1000, 17), (129, 3001)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_chunked_wgmma_split_pairs_ragged_and_gqa(d, dv, pair, sq, sk, causal):
+    _needs_sm90()
+    run_case(2, sq, sk, 6, 2, d, dv, torch.bfloat16, causal=causal)
+    from attngen.families.prefill.op import kernel_for
+
+    q = torch.empty(1, 8, 2, d, device="cuda", dtype=torch.bfloat16)
+    ks = kernel_for(q, q, torch.empty(1, 8, 2, dv, device="cuda", dtype=torch.bfloat16), causal=causal).spec
+    assert ks.v_splits == 2 and ks.qk_pair is pair
+
+
+def test_chunked_wgmma_split_pair_window_lse_softcap():
+    _needs_sm90()
+    run_case(1, 700, 900, 4, 4, 1024, 1024, torch.float16, window=(100, 37))
+    gen = fresh_generator()
+    q, k, v = (torch.randn(1, 300, 2, 768, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
+    slopes = torch.rand(2, device="cuda", generator=gen) * 0.1
+    o = attngen.prefill(q, k, v, causal=True, sm_scale=0.03, softcap=20.0, alibi_slopes=slopes)
     ref, _ = reference_attention(q, k, v, causal=True, sm_scale=0.03, softcap=20.0, alibi_slopes=slopes)
     err = (torch.linalg.vector_norm(o.float() - ref) / torch.linalg.vector_norm(ref)).item()
     assert err < 2e-2

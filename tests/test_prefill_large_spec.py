@@ -226,3 +226,18 @@ def test_chunked_varlen_defaults_step_around_their_spills():
     assert dense.head_dim_chunk == 128 and varlen.head_dim_chunk == 64
     assert resolve(PrefillSpec(head_dim=640, mask="sliding_window", varlen=True), "sm_90a").head_dim_chunk == 64
     assert resolve(PrefillSpec(head_dim=640, mask="causal", varlen=True), "sm_90a").head_dim_chunk == 128
+
+
+def test_split_pairs_share_the_qk_work():
+    """Past 640 columns of v, where each half of head_dim is two whole chunks or more and head_dim exceeds a
+    CTA's columns of v, the two CTAs of a query tile are a cluster splitting the QK work (its exchange in
+    shared memory); else they repeat it."""
+    for d, dv, pair in ((768, 768, True), (1024, 1024, True), (512, 1024, False), (320, 1024, False),
+                        (640, 640, False), (512, 512, False)):
+        r = resolve(PrefillSpec(head_dim=d, head_dim_v=dv), "sm_90a")
+        assert r.qk_pair is pair, (d, dv)
+        src = render(r)
+        assert ("__cluster_dims__(1, 2, 1)" in src) is pair and f"{str(pair).lower()}>(params);" in src
+        if pair:
+            alone = r.smem_bytes() - 2 * 4 * r.cta_tile_q * r.cta_tile_kv
+            assert alone > 0 and r.smem_bytes() <= __import__("attngen").get_arch("sm_90a").smem_per_block

@@ -26,7 +26,12 @@
 // waits only for the step before it, so the ring refills the slot read two steps back
 // (NUM_STAGES - 2 steps run ahead). V's columns are padded to whole 64-column blocks per warpgroup
 // (zeros loaded, never stored), and past what one CTA's registers hold, V_SPLITS CTAs each take a
-// slice of V's (and O's) columns, repeating the QK work.
+// slice of V's (and O's) columns. They repeat the QK work, or with QK_PAIR (two splits whose halves
+// of head_dim are whole chunks) form a cluster that splits it: each CTA computes S over its half of
+// the QK columns, writes it to shared memory, and adds the other CTA's half, read across the cluster
+// (thread by thread, the same fragment; a + b == b + a, so both hold the same S bit for bit and run
+// the same softmax). A slot of that exchange is written again two tiles on, after the cluster
+// barrier of the tile between, which the other CTA reaches only after reading it.
 //
 // (The template argument DV is the columns one CTA computes: its split of head_dim_v.)
 namespace attngen {
@@ -88,7 +93,7 @@ __device__ __forceinline__ void load_cols_async(T* dst, const T* src, long long 
 
 template <class T, bool BF16, int DQK, int DV, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int NUM_STAGES, int DK,
           int VK, int VCW, int MASK, bool RETURN_LSE, bool SOFTCAP, bool ALIBI, bool VARLEN = false, bool WGMMA = false,
-          int V_SPLITS = 1>
+          int V_SPLITS = 1, bool QK_PAIR = false>
 __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   constexpr int THREADS = NUM_WARPS * 32;
   constexpr int MT = WGMMA ? 1 : 2;  // 16-row m-tiles a warp owns
@@ -99,7 +104,9 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   constexpr int DV_PAD = WGMMA ? (DV + 127) / 128 * 128 : DV;
   constexpr int ON = DV_PAD / WARPS_N;   // output columns per warp
   constexpr int VC = VCW * WARPS_N;      // columns of a V step
-  constexpr int QK_STEPS = DQK / DK;
+  static_assert(!QK_PAIR || (V_SPLITS == 2 && WGMMA && (DQK / 2) % DK == 0), "a pair splits QK in whole chunks");
+  constexpr int QK_COLS = QK_PAIR ? DQK / 2 : DQK;  // the QK columns this CTA computes S over
+  constexpr int QK_STEPS = QK_COLS / DK;
   constexpr int V_KEY_STEPS = BLOCK_N / VK;
   constexpr int V_COL_STEPS = ON / VCW;
   constexpr int STEPS = QK_STEPS + V_KEY_STEPS * V_COL_STEPS;
@@ -132,6 +139,8 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   T* sRing = reinterpret_cast<T*>(WGMMA ? aligned_smem<1024>(smem_raw) : smem_raw);
   T* sP = sRing + NUM_STAGES * STAGE_ELEMS;
   float* sRed = reinterpret_cast<float*>(sP + P_ELEMS);  // [WARPS_N][BLOCK_M]
+  // QK_PAIR: two slots of this CTA's partial S, each [SN / 8][THREADS] float4s (a thread's fragment)
+  float4* sX = reinterpret_cast<float4*>(sRed + WARPS_N * BLOCK_M);
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -162,9 +171,10 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   const int n_tiles = span.count;
 
   const float alibi_u = ALIBI ? p.alibi[batch * p.alibi_sb + head] / p.sm_scale : 0.f;
-  const T* gQ = p.q + (VARLEN ? 0 : batch * p.q_sb) + head * p.q_sh + (q_row0 + m0) * p.q_ss;
+  // (QK_PAIR: this CTA's half of the QK columns, vs being its rank in the cluster)
+  const T* gQ = p.q + (VARLEN ? 0 : batch * p.q_sb) + head * p.q_sh + (q_row0 + m0) * p.q_ss + (QK_PAIR ? vs * QK_COLS : 0);
   if constexpr (VARLEN) q_row0 = 0;  // dead until the epilogue reads it again
-  const T* gK = p.k + (VARLEN ? 0 : batch * p.k_sb) + kv_head * p.k_sh + k_row0 * p.k_ss;
+  const T* gK = p.k + (VARLEN ? 0 : batch * p.k_sb) + kv_head * p.k_sh + k_row0 * p.k_ss + (QK_PAIR ? vs * QK_COLS : 0);
   const T* gV = p.v + (VARLEN ? 0 : batch * p.v_sb) + kv_head * p.v_sh + k_row0 * p.v_ss + vs * DV;
 
   // Step s (0 <= s < STEPS) of KV tile `tile` into ring slot `slot`.
@@ -343,6 +353,23 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
       }
 
       if (s == QK_STEPS - 1) {
+        if constexpr (QK_PAIR) {
+          // ---- S over this CTA's QK columns, plus the other CTA's ---------------------------------
+          float4* mine = sX + (it & 1) * (SN / 8) * THREADS + tid;
+#pragma unroll
+          for (int n = 0; n < SN / 8; ++n)
+            mine[n * THREADS] = make_float4(acc_s[0][n][0], acc_s[0][n][1], acc_s[0][n][2], acc_s[0][n][3]);
+          cluster_sync();
+          const unsigned theirs = cluster_map(smem_addr(mine), cluster_rank() ^ 1);
+#pragma unroll
+          for (int n = 0; n < SN / 8; ++n) {
+            const float4 o = cluster_load_f4(theirs + n * THREADS * 16);
+            acc_s[0][n][0] += o.x;
+            acc_s[0][n][1] += o.y;
+            acc_s[0][n][2] += o.z;
+            acc_s[0][n][3] += o.w;
+          }
+        }
         // ---- score transforms and mask on this warp's S block ---------------------------------
         const int col0 = n0 + cg * SN + 2 * t;
         if constexpr (SOFTCAP || ALIBI) {
@@ -424,6 +451,9 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   }
 
   // ---- epilogue: the row sums of all column groups, normalise, LSE, O ---------------------------
+  if constexpr (QK_PAIR) {
+    if (n_tiles > 0) cluster_sync();  // the other CTA has read this one's last partial S (both ran n_tiles)
+  }
   cp_async_wait_all();
   __syncthreads();  // every warp is past its last read of sRed
 #pragma unroll

@@ -17,6 +17,42 @@ __device__ __forceinline__ void pdl_enter() {
 #endif
 }
 
+// Thread-block clusters (sm_90 and newer; nothing on older archs, where no kernel calls them): a
+// barrier across the cluster's CTAs that orders their shared-memory writes before each other's
+// reads, the CTA's rank in the cluster, and 16-byte reads of another CTA's shared memory.
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+#endif
+  return r;
+}
+
+// The address of shared-memory address `addr` (this CTA's) in CTA `rank` of the cluster.
+__device__ __forceinline__ unsigned cluster_map(unsigned addr, unsigned rank) {
+  unsigned out = addr;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(addr), "r"(rank));
+#endif
+  return out;
+}
+
+__device__ __forceinline__ float4 cluster_load_f4(unsigned addr) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
+#endif
+  return v;
+}
+
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }

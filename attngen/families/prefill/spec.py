@@ -292,6 +292,18 @@ class PrefillSpec(SpecBase):
         return 2 if self.chunked and self.mma is Mma.WGMMA and self.dim_v > self.WGMMA_ONE_CTA_MAX else 1
 
     @property
+    def qk_pair(self) -> bool:
+        """The two V splits of a query tile form a cluster that splits the QK work (each CTA computes S
+        over half of head_dim and adds the other's; see prefill_chunked.cuh) rather than repeating it:
+        where each half is at least two whole chunks and the repeated QK work would exceed a CTA's PV
+        work (head_dim above its V columns). Measured on the H100 (2026-11-25): 768 gains 3-16%, 1024
+        14-26%; 512/1024 (QK work equal to PV's) lost up to 9% (0.95x geomean) to the barrier a tile."""
+        self._require_resolved("qk_pair")
+        half = self.head_dim // 2
+        return (self.v_splits == 2 and half % self.head_dim_chunk == 0 and half // self.head_dim_chunk >= 2
+                and self.head_dim > self.dim_v_padded)
+
+    @property
     def dim_v_padded(self) -> int:
         """The head dim of v one CTA of the chunked kernel computes: with wgmma, its split of V's columns
         padded to whole 64-column blocks per warpgroup (zeros loaded, never stored); otherwise ``dim_v``."""
@@ -324,8 +336,10 @@ class PrefillSpec(SpecBase):
             cg = self.chunk_grid
             wgmma = self.mma is Mma.WGMMA
             p = self.cta_tile_q * (-(-self.cta_tile_kv // 64) * 64 if wgmma else _row(self.cta_tile_kv))
+            # (qk_pair: two slots of the fp32 partial S exchanged across the cluster)
+            exchange = 2 * 4 * self.cta_tile_q * self.cta_tile_kv if self.qk_pair else 0
             return 2 * (self.num_stages * cg["stage_elems"] + p) + 4 * cg["warps_n"] * self.cta_tile_q \
-                + (1024 if wgmma else 0)
+                + (1024 if wgmma else 0) + exchange
         row, row_v = (_smem_row(d) * self.dtype.itemsize for d in (self.head_dim, self.dim_v))
         # wgmma's tiles are dense (head dims are multiples of 64 there): only slack to align the first
         # one to the 1024-byte swizzle atom is added; TMA's mbarriers follow the tiles (Q's, then three a slot,
@@ -354,7 +368,8 @@ class PrefillSpec(SpecBase):
     def template_context(self) -> dict:
         ctx = super().template_context()
         ctx.update(dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask], tma=self.tma, overlap=self.overlapped,
-                   pingpong=self.schedule is Schedule.PINGPONG, persistent=self.is_persistent)
+                   pingpong=self.schedule is Schedule.PINGPONG, persistent=self.is_persistent,
+                   qk_pair=self.chunked and self.qk_pair)
         if self.chunked:
             cg = self.chunk_grid
             ctx.update(chunked=True, wgmma=self.mma is Mma.WGMMA, chunk_vk=cg["vk"], chunk_vcw=cg["vcw"],
