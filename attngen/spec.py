@@ -230,16 +230,17 @@ Spec = SpecBase  # any family's spec
 @functools.lru_cache(maxsize=256)
 def spec_of_text(text: str, family: str) -> Spec:
     """The spec an op's ``spec=`` text names (parsed once per text), checked to be of ``family``."""
-    spec = parse_spec(text)
+    spec = parse_spec(text.partition(":")[0])  # the family alone: its defaults
     if spec.family != family:
         raise SpecError("family", spec.family, family, reason=f"spec={text!r} is given to attngen.{family}")
     # The op replaces head_dim with its tensors'. Read at the default head_dim (128), a pinned
-    # head_dim_chunk of 128 would be taken for "whole rows" and dropped first: such text is read at
-    # the largest head dim instead (what the chunk divides is checked again at the tensors' head dim).
+    # head_dim_chunk of 128 would be taken for "whole rows" (and the fields that only the chunked
+    # kernel takes refused): such text is read at the largest head dim instead (what the chunk
+    # divides is checked again at the tensors' head dim).
     names = {item.partition("=")[0].strip() for item in text.partition(":")[2].split(",")}
     if "head_dim_chunk" in names and "head_dim" not in names:
-        spec = parse_spec(f"{text},head_dim={max(type(spec).HEAD_DIMS)}")
-    return spec
+        return parse_spec(f"{text},head_dim={max(type(spec).HEAD_DIMS)}")
+    return parse_spec(text)
 
 
 def parse_spec(text: "str | Spec | dict") -> Spec:

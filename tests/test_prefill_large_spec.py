@@ -187,6 +187,12 @@ def test_op_spec_text_keeps_a_128_wide_chunk():
     assert e.value.field == "head_dim_chunk"
     r = resolve(s.replace(head_dim=512), "sm_90a")
     assert (r.cta_tile_kv, r.num_stages, r.head_dim_chunk) == (128, 4, 128)
+    # fields only the chunked kernel takes (eight warps over 64 rows) are not checked at head_dim 128 first
+    t = spec_of_text("prefill:cta_tile_q=64,num_warps=8,mma=wgmma,cta_tile_kv=64,head_dim_chunk=128", "prefill")
+    assert (t.num_warps, t.head_dim_chunk) == (8, 128)
+    with pytest.raises(SpecError) as e:
+        spec_of_text("decode:head_dim=64", "prefill")
+    assert e.value.field == "family"
 
 
 def test_deeper_rings_are_the_chunked_wgmma_forms_only():

@@ -28,10 +28,12 @@
 // (zeros loaded, never stored), and past what one CTA's registers hold, V_SPLITS CTAs each take a
 // slice of V's (and O's) columns. They repeat the QK work, or with QK_PAIR (two splits whose halves
 // of head_dim are whole chunks) form a cluster that splits it: each CTA computes S over its half of
-// the QK columns, writes it to shared memory, and adds the other CTA's half, read across the cluster
-// (thread by thread, the same fragment; a + b == b + a, so both hold the same S bit for bit and run
-// the same softmax). A slot of that exchange is written again two tiles on, after the cluster
-// barrier of the tile between, which the other CTA reaches only after reading it.
+// the QK columns, writes it into the other CTA's shared memory (thread by thread, the same fragment)
+// and after a cluster barrier adds the half written into its own (a + b == b + a, so both hold the
+// same S bit for bit and run the same softmax). A slot of that exchange is written again two tiles
+// on, after the cluster barrier of the tile between, which its owner reaches only after reading it;
+// every write into a CTA's shared memory precedes a barrier that CTA waits on, so either may exit
+// after its last tile.
 //
 // (The template argument DV is the columns one CTA computes: its split of head_dim_v.)
 namespace attngen {
@@ -139,7 +141,7 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   T* sRing = reinterpret_cast<T*>(WGMMA ? aligned_smem<1024>(smem_raw) : smem_raw);
   T* sP = sRing + NUM_STAGES * STAGE_ELEMS;
   float* sRed = reinterpret_cast<float*>(sP + P_ELEMS);  // [WARPS_N][BLOCK_M]
-  // QK_PAIR: two slots of this CTA's partial S, each [SN / 8][THREADS] float4s (a thread's fragment)
+  // QK_PAIR: two slots of the other CTA's partial S, each [SN / 8][THREADS] float4s (a thread's fragment)
   float4* sX = reinterpret_cast<float4*>(sRed + WARPS_N * BLOCK_M);
 
   const int tid = threadIdx.x;
@@ -210,6 +212,8 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
       cp_async_commit();
     }
   }
+  // QK_PAIR: both CTAs have started before either writes into the other's shared memory
+  if constexpr (QK_PAIR) cluster_sync();
 
   float acc_o[MT][ON / 8][4];
   float row_max[MT][2], row_sum[MT][2];
@@ -355,15 +359,16 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
       if (s == QK_STEPS - 1) {
         if constexpr (QK_PAIR) {
           // ---- S over this CTA's QK columns, plus the other CTA's ---------------------------------
-          float4* mine = sX + (it & 1) * (SN / 8) * THREADS + tid;
+          const float4* slot = sX + (it & 1) * (SN / 8) * THREADS + tid;
+          const unsigned theirs = cluster_map(smem_addr(slot), cluster_rank() ^ 1);
 #pragma unroll
           for (int n = 0; n < SN / 8; ++n)
-            mine[n * THREADS] = make_float4(acc_s[0][n][0], acc_s[0][n][1], acc_s[0][n][2], acc_s[0][n][3]);
+            cluster_store_f4(theirs + n * THREADS * 16,
+                             make_float4(acc_s[0][n][0], acc_s[0][n][1], acc_s[0][n][2], acc_s[0][n][3]));
           cluster_sync();
-          const unsigned theirs = cluster_map(smem_addr(mine), cluster_rank() ^ 1);
 #pragma unroll
           for (int n = 0; n < SN / 8; ++n) {
-            const float4 o = cluster_load_f4(theirs + n * THREADS * 16);
+            const float4 o = slot[n * THREADS];
             acc_s[0][n][0] += o.x;
             acc_s[0][n][1] += o.y;
             acc_s[0][n][2] += o.z;
@@ -451,9 +456,6 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   }
 
   // ---- epilogue: the row sums of all column groups, normalise, LSE, O ---------------------------
-  if constexpr (QK_PAIR) {
-    if (n_tiles > 0) cluster_sync();  // the other CTA has read this one's last partial S (both ran n_tiles)
-  }
   cp_async_wait_all();
   __syncthreads();  // every warp is past its last read of sRed
 #pragma unroll

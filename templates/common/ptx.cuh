@@ -19,7 +19,7 @@ __device__ __forceinline__ void pdl_enter() {
 
 // Thread-block clusters (sm_90 and newer; nothing on older archs, where no kernel calls them): a
 // barrier across the cluster's CTAs that orders their shared-memory writes before each other's
-// reads, the CTA's rank in the cluster, and 16-byte reads of another CTA's shared memory.
+// reads, the CTA's rank in the cluster, and 16-byte writes to another CTA's shared memory.
 __device__ __forceinline__ void cluster_sync() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.release.aligned;\n"
@@ -44,13 +44,11 @@ __device__ __forceinline__ unsigned cluster_map(unsigned addr, unsigned rank) {
   return out;
 }
 
-__device__ __forceinline__ float4 cluster_load_f4(unsigned addr) {
-  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+__device__ __forceinline__ void cluster_store_f4(unsigned addr, float4 v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
+  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n"
+               :: "r"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
 #endif
-  return v;
 }
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
