@@ -117,8 +117,10 @@ class SpecBase:
     # (common/ptx.cuh), whether or not it is listed: one that is not still lets the next start early.
     PDL_ENTRIES: ClassVar[tuple[str, ...]] = ()
 
-    @property
+    @functools.cached_property
     def is_resolved(self) -> bool:
+        # (kept on the instance: a spec's fields never change once built, and the ops' launch path
+        # reads properties that check it on every call)
         return all(getattr(self, f) for f in self.TUNING_FIELDS)
 
     def _require_resolved(self, what: str):

@@ -118,8 +118,10 @@ def main():
         t.join()
     assert not errors, errors
     expect_launch(q, k, v, out)
-    # Errors keep their wording; shapes print as tuples.
-    for args, kw, text in [
+    # Errors keep their wording; shapes print as tuples. (Twice: operands that passed the checks are
+    # remembered, and no failing triple among them may slip through the second time.)
+    odd = wrap(torch.randn(2 * 100 * 8 * 64 + 1).to(torch.bfloat16)[1:].view(2, 100, 8, 64))
+    for args, kw, text in 2 * [
         ((wrap(q[0]), k, v), {}, "q has shape (100, 8, 64); expected [batch, seqlen, heads, head_dim]"),
         ((q, rand(2, 130, 3, 64), rand(2, 130, 3, 64)), {}, "heads=8 must be a multiple of kv_heads=3"),
         ((q, k, rand(2, 131, 2, 64)), {}, "k (2, 130, 2, 64) and v (2, 131, 2, 64) must have the same shape"),
@@ -128,6 +130,8 @@ def main():
         ((q, k, v), {"sm_scale": float("inf")}, "sm_scale=inf must be finite and > 0"),
         ((q, k, v), {"sm_scale": -0.5}, "sm_scale=-0.5 must be finite and > 0"),
         ((q.float(), k, v), {}, "q is on cpu"),
+        ((odd, k, v), {}, "q must be 16-byte aligned"),
+        ((q, k, wrap(v[:, :, :, :32])), {}, "v's head dim=32 is not supported"),
     ]:
         try:
             attngen.prefill(*args, **kw)

@@ -8,6 +8,7 @@ resolved spec.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -258,7 +259,7 @@ class PrefillSpec(SpecBase):
         prefill_chunked.cuh). Chosen where whole rows cannot run or a chunk width is given."""
         return not self.whole_allowed or bool(self.head_dim_chunk)
 
-    @property
+    @functools.cached_property
     def is_resolved(self) -> bool:
         # head_dim_chunk 0 is a value (whole rows) where the FlashAttention-2 kernel runs
         return all(getattr(self, f) for f in self.TUNING_FIELDS if f != "head_dim_chunk") and (
