@@ -140,10 +140,11 @@ def test_kernel_is_the_chunked_one():
 
 # ---- the chunked kernel's wgmma form (sm_90a): head_dim_v up to 640 ---------------------------------------
 
-# (V's columns padded to whole 64-column blocks per warpgroup where head_dim_v is not a multiple of 128)
+# (a warpgroup's V columns end in a 32-column tail step at 320, 448, 576 and 192; padded to whole 64-column
+# blocks at 96)
 # (and past 640 columns of v split over two CTAs a query tile)
 WGMMA_DIMS = [(384, 384), (512, 512), (576, 512), (640, 640), (256, 256), (1024, 512), (320, 320), (448, 448),
-              (576, 576), (512, 320), (768, 768), (1024, 1024), (320, 1024), (512, 1024)]
+              (576, 576), (512, 320), (768, 768), (1024, 1024), (320, 1024), (512, 1024), (512, 96), (640, 192)]
 
 
 def _needs_sm90():
@@ -237,3 +238,23 @@ def test_chunked_wgmma_split_pair_window_lse_softcap():
     ref, _ = reference_attention(q, k, v, causal=True, sm_scale=0.03, softcap=20.0, alibi_slopes=slopes)
     err = (torch.linalg.vector_norm(o.float() - ref) / torch.linalg.vector_norm(ref)).item()
     assert err < 2e-2
+
+
+# A warpgroup's V columns ending 32 columns into a block take a tail step (no padding), at the default tiles
+# and at 64-key tiles; 96 columns of v are padded to 128 as before.
+@pytest.mark.parametrize("d,dv,tail", [(320, 320, True), (448, 448, True), (576, 576, True), (640, 192, True),
+                                       (192, 192, True), (512, 96, False)])
+@pytest.mark.parametrize("kv", [0, 64])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_chunked_wgmma_v_tail(d, dv, tail, kv, causal):
+    _needs_sm90()
+    spec = "prefill:mma=wgmma" + (",head_dim_chunk=64" if d <= 256 else "") + (f",cta_tile_kv={kv}" if kv else "")
+    for sq, sk in ((1, 1), (17, 1000), (1000, 17), (129, 3001)):
+        run_case(2, sq, sk, 6, 2, d, dv, torch.bfloat16, causal=causal, spec=spec)
+    from attngen.families.prefill.op import kernel_for
+
+    q = torch.empty(1, 8, 2, d, device="cuda", dtype=torch.bfloat16)
+    ks = kernel_for(q, q, torch.empty(1, 8, 2, dv, device="cuda", dtype=torch.bfloat16), causal=causal,
+                    spec=attngen.parse_spec(spec)).spec
+    assert ks.v_tail is tail and ks.dim_v_padded == (dv if tail else 128)
+    assert ks.cta_tile_kv == (kv or ks.cta_tile_kv)

@@ -159,11 +159,15 @@ def test_chunked_wgmma_form():
         r = resolve(PrefillSpec(head_dim=d, head_dim_v=dv, mma="wgmma"), "sm_90a")
         assert r.v_splits == 2 and r.dim_v_padded == per and "constexpr int V_SPLITS = 2;" in render(r)
     assert resolve(PrefillSpec(head_dim=640, mma="wgmma"), "sm_90a").v_splits == 1
-    # V's columns padded to two warpgroups' whole 64-column blocks: 320 computes 384, 576 computes 640
-    for d, pad in ((320, 384), (448, 512), (576, 640), (512, 512)):
-        r = resolve(PrefillSpec(head_dim=d), "sm_90a")
-        assert r.mma is Mma.WGMMA and r.dim_v_padded == pad and r.chunk_grid["on"] == pad // 2
-        assert f"constexpr int HEAD_DIM_V = {d};" in render(r)
+    # V's columns: each warpgroup's whole 64-column blocks plus, where its half ends 32 columns into one,
+    # a 32-column tail step (320, 448, 576; not padded); 96 columns are padded to two warpgroups' blocks
+    for d, dv, pad, tail in ((320, 0, 320, True), (448, 0, 448, True), (576, 0, 576, True), (512, 0, 512, False),
+                             (640, 192, 192, True), (512, 96, 128, False), (384, 0, 384, False)):
+        r = resolve(PrefillSpec(head_dim=d, head_dim_v=dv), "sm_90a")
+        assert r.mma is Mma.WGMMA and r.dim_v_padded == pad and r.chunk_grid["on"] == pad // 2 and r.v_tail is tail
+        # the whole-width steps' columns divide the warpgroup's, the tail aside
+        assert (pad // 2 - (32 if tail else 0)) % r.chunk_grid["vcw"] == 0
+        assert f"constexpr int HEAD_DIM_V = {dv or d};" in render(r)
     for arch in ("sm_80", "sm_89", "sm_100", "sm_120"):
         with pytest.raises(SpecError) as e:
             validate(PrefillSpec(head_dim=512, **cfg), arch)
@@ -214,8 +218,8 @@ def test_deeper_rings_are_the_chunked_wgmma_forms_only():
 
 
 @pytest.mark.parametrize("d, dv, want", [
-    (320, 320, (128, 4, 64)), (384, 384, (128, 4, 128)), (448, 448, (128, 5, 64)), (512, 512, (128, 4, 128)),
-    (576, 512, (128, 6, 64)), (576, 576, (64, 6, 64)), (640, 640, (64, 6, 128)), (768, 768, (128, 5, 64)),
+    (320, 320, (128, 6, 64)), (384, 384, (128, 4, 128)), (448, 448, (128, 5, 64)), (512, 512, (128, 4, 128)),
+    (576, 512, (128, 6, 64)), (576, 576, (128, 6, 64)), (640, 640, (64, 6, 128)), (768, 768, (128, 5, 64)),
     (1024, 1024, (128, 5, 64)), (1024, 512, (128, 4, 64)),
 ])
 def test_chunked_wgmma_defaults_per_head_dims(d, dv, want):

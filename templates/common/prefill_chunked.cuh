@@ -24,8 +24,10 @@
 // MMA is a wgmma reading shared memory through descriptors: S += Q_c K_c^T and O += P V (P from
 // shared memory, V N-major). A step's wgmma runs while the next step waits for its copies: each step
 // waits only for the step before it, so the ring refills the slot read two steps back
-// (NUM_STAGES - 2 steps run ahead). V's columns are padded to whole 64-column blocks per warpgroup
-// (zeros loaded, never stored), and past what one CTA's registers hold, V_SPLITS CTAs each take a
+// (NUM_STAGES - 2 steps run ahead). Each warpgroup's V (and O) columns are whole 64-column blocks,
+// plus a 32-column tail where its half ends mid-block (320, 448, 576: the last V step's one block
+// holds both tails, each warpgroup's wgmma starting at its own); other widths are padded to whole
+// blocks (zeros loaded, never stored), and past what one CTA's registers hold, V_SPLITS CTAs each take a
 // slice of V's (and O's) columns. They repeat the QK work, or with QK_PAIR (two splits whose halves
 // of head_dim are whole chunks) form a cluster that splits it: each CTA computes S over its half of
 // the QK columns, writes it into the other CTA's shared memory (thread by thread, the same fragment)
@@ -102,22 +104,26 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   constexpr int WARPS_M = WGMMA ? 1 : BLOCK_M / 32;  // wgmma: the warps of a warpgroup split its 64 rows
   constexpr int WARPS_N = WGMMA ? NUM_WARPS / 4 : NUM_WARPS / WARPS_M;
   constexpr int SN = BLOCK_N / WARPS_N;  // keys of S per warp
-  // wgmma: V's columns padded to whole 64-column blocks per warpgroup (zeros loaded, never stored)
-  constexpr int DV_PAD = WGMMA ? (DV + 127) / 128 * 128 : DV;
+  // wgmma: each warpgroup's columns are whole 64-column blocks and, where its half of DV ends 32
+  // columns into one (320, 448, 576), a 32-column tail step that takes half of one block (V_TAIL);
+  // else V's columns are padded to whole blocks (zeros loaded, never stored).
+  constexpr bool V_TAIL = WGMMA && DV >= 192 && DV % 64 == 0 && (DV / 2) % 64 == 32;
+  constexpr int DV_PAD = WGMMA && !V_TAIL ? (DV + 127) / 128 * 128 : DV;
   constexpr int ON = DV_PAD / WARPS_N;   // output columns per warp
-  constexpr int VC = VCW * WARPS_N;      // columns of a V step
+  constexpr int VC = VCW * WARPS_N;      // columns of a V step (the tail step's: 64)
+  constexpr int TAIL = V_TAIL ? 32 : 0;
   static_assert(!QK_PAIR || (V_SPLITS == 2 && WGMMA && (DQK / 2) % DK == 0), "a pair splits QK in whole chunks");
   constexpr int QK_COLS = QK_PAIR ? DQK / 2 : DQK;  // the QK columns this CTA computes S over
   constexpr int QK_STEPS = QK_COLS / DK;
   constexpr int V_KEY_STEPS = BLOCK_N / VK;
-  constexpr int V_COL_STEPS = ON / VCW;
+  constexpr int V_COL_STEPS = (ON - TAIL) / VCW + (V_TAIL ? 1 : 0);
   constexpr int STEPS = QK_STEPS + V_KEY_STEPS * V_COL_STEPS;
   // Steps whose ring slots may still be read when a step starts: the one before (mma.sync reads its
   // slot synchronously) or, with wgmma, the two before (one step's wgmma is left running).
   constexpr int LAG = WGMMA ? 2 : 1;
   constexpr int AHEAD = NUM_STAGES - LAG;  // steps loading while one computes
   static_assert(BLOCK_M % 32 == 0 && NUM_WARPS % WARPS_M == 0, "warp grid");
-  static_assert(SN % 16 == 0 && ON % VCW == 0 && VCW % 16 == 0 && VK % 16 == 0 && BLOCK_N % VK == 0, "tiles");
+  static_assert(SN % 16 == 0 && (ON - TAIL) % VCW == 0 && VCW % 16 == 0 && VK % 16 == 0 && BLOCK_N % VK == 0, "tiles");
   static_assert(DQK % DK == 0 && DK % 16 == 0 && AHEAD >= 1 && STEPS >= AHEAD, "steps");
   static_assert(!WGMMA || (BLOCK_M == 64 && NUM_WARPS == 8 && DK % 64 == 0 && VCW % 64 == 0 && QK_STEPS >= 2),
                 "wgmma: 64 rows, two warpgroups, whole 64-column swizzle blocks");
@@ -129,6 +135,7 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   using LQ = typename Select<WGMMA, Swizzled<DK, BLOCK_M>, Padded<DK_ROW>>::type;
   using LK = typename Select<WGMMA, Swizzled<DK, BLOCK_N>, Padded<DK_ROW>>::type;
   using LV = typename Select<WGMMA, Swizzled<VC, VK>, Padded<VC_ROW>>::type;
+  using LVT = Swizzled<64, VK>;  // V_TAIL: the tail step's one block, each warpgroup's 32 columns side by side
   using LP = typename Select<WGMMA, Swizzled<BLOCK_N, BLOCK_M>, Padded<P_ROW>>::type;
   constexpr int QK_ELEMS = (BLOCK_M + BLOCK_N) * (WGMMA ? DK : DK_ROW);
   constexpr int V_ELEMS = VK * (WGMMA ? VC : VC_ROW);
@@ -199,9 +206,15 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
       const int v = s - QK_STEPS;
       const int k0 = n0 + opaque((v / V_COL_STEPS) * VK);
       const int c0 = opaque((v % V_COL_STEPS) * VCW);
-      // Step column c belongs to warp column c / VCW: output column (c / VCW) ON + c0 + c % VCW.
-      load_cols_async<LV, VK, VC, THREADS, (DV_PAD > DV)>(dst, gV + (long long)k0 * p.v_ss, p.v_ss, seqlen_k - k0,
-                                                          tid, [&](int c) { return (c / VCW) * ON + c0 + c % VCW; }, DV);
+      if (V_TAIL && v % V_COL_STEPS == V_COL_STEPS - 1) {
+        // The tail: column c of the block belongs to warpgroup c / 32, its column ON - 32 + c % 32.
+        load_cols_async<LVT, VK, 64, THREADS>(dst, gV + (long long)k0 * p.v_ss, p.v_ss, seqlen_k - k0, tid,
+                                              [&](int c) { return (c / 32) * ON + c0 + c % 32; });
+      } else {
+        // Step column c belongs to warp column c / VCW: output column (c / VCW) ON + c0 + c % VCW.
+        load_cols_async<LV, VK, VC, THREADS, (DV_PAD > DV)>(dst, gV + (long long)k0 * p.v_ss, p.v_ss, seqlen_k - k0,
+                                                            tid, [&](int c) { return (c / VCW) * ON + c0 + c % VCW; }, DV);
+      }
     }
   };
 
@@ -284,13 +297,24 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
           const int v = s - QK_STEPS;
           const int kb = v / V_COL_STEPS;
           const int cs = v % V_COL_STEPS;
-          auto& o = *reinterpret_cast<float(*)[VCW / 8][4]>(&acc_o[0][cs * (VCW / 8)]);
           const unsigned p_at = smem_addr(sP);
-          const unsigned v_at = smem_addr(st) + (cg * VCW / 64) * LV::BLOCK_BYTES;
+          if (V_TAIL && cs == V_COL_STEPS - 1) {
+            // The tail: this warpgroup's 32 columns start 64 bytes into each row of the block for the
+            // second one (the swizzle is a function of the address: the atom stays 1024-byte aligned).
+            auto& o = *reinterpret_cast<float(*)[4][4]>(&acc_o[0][(ON - 32) / 8]);
+            const unsigned v_at = smem_addr(st) + cg * 64;
 #pragma unroll
-          for (int kk = 0; kk < VK / 16; ++kk)
-            Wgmma<VCW, BF16>::template ss<1>(o, W::desc_k(p_at, kb * (VK / 16) + kk, LP::BLOCK_BYTES),
-                                             W::desc_mn(v_at, kk, LV::BLOCK_BYTES), 1);
+            for (int kk = 0; kk < VK / 16; ++kk)
+              Wgmma<32, BF16>::template ss<1>(o, W::desc_k(p_at, kb * (VK / 16) + kk, LP::BLOCK_BYTES),
+                                              W::desc_mn(v_at, kk, LVT::BLOCK_BYTES), 1);
+          } else {
+            auto& o = *reinterpret_cast<float(*)[VCW / 8][4]>(&acc_o[0][cs * (VCW / 8)]);
+            const unsigned v_at = smem_addr(st) + (cg * VCW / 64) * LV::BLOCK_BYTES;
+#pragma unroll
+            for (int kk = 0; kk < VK / 16; ++kk)
+              Wgmma<VCW, BF16>::template ss<1>(o, W::desc_k(p_at, kb * (VK / 16) + kk, LP::BLOCK_BYTES),
+                                               W::desc_mn(v_at, kk, LV::BLOCK_BYTES), 1);
+          }
         }
         W::commit();
         if (s == QK_STEPS - 1) {

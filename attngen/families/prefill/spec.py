@@ -280,7 +280,8 @@ class PrefillSpec(SpecBase):
             warps_n, widths, step_keys, row = self.num_warps // (self.cta_tile_q // 32), (64, 32, 16), (64, 32, 16), _row
         on = self.dim_v_padded // warps_n
         qk_elems = (self.cta_tile_q + self.cta_tile_kv) * row(self.head_dim_chunk)
-        vcw = next((w for w in widths if on % w == 0), widths[-1])  # a power-of-two count of 16-byte chunks
+        full = on - (32 if self.v_tail else 0)  # the columns of the whole-width V steps
+        vcw = next((w for w in widths if full % w == 0), widths[-1])  # a power-of-two count of 16-byte chunks
         vk = next((k for k in step_keys if self.cta_tile_kv % k == 0 and k * row(vcw * warps_n) <= qk_elems), 16)
         return dict(warps_n=warps_n, on=on, sn=self.cta_tile_kv // warps_n, vk=vk, vcw=vcw,
                     stage_elems=max(qk_elems, vk * row(vcw * warps_n)))
@@ -305,12 +306,25 @@ class PrefillSpec(SpecBase):
                 and self.head_dim > self.dim_v_padded)
 
     @property
+    def v_tail(self) -> bool:
+        """The chunked wgmma kernel's V columns a warpgroup end 32 columns into a 64-column block (a CTA's
+        split of head_dim_v is 320, 448, 576, ...): a last, 32-column V step takes them, no padding."""
+        self._require_resolved("v_tail")
+        if not (self.chunked and self.mma is Mma.WGMMA):
+            return False
+        per_cta = self.dim_v // self.v_splits
+        return per_cta >= 192 and per_cta % 64 == 0 and (per_cta // 2) % 64 == 32
+
+    @property
     def dim_v_padded(self) -> int:
-        """The head dim of v one CTA of the chunked kernel computes: with wgmma, its split of V's columns
-        padded to whole 64-column blocks per warpgroup (zeros loaded, never stored); otherwise ``dim_v``."""
+        """The head dim of v one CTA of the chunked kernel computes: with wgmma, its split of V's columns,
+        padded to whole 64-column blocks per warpgroup (zeros loaded, never stored) unless each
+        warpgroup's ends in a 32-column tail (``v_tail``); otherwise ``dim_v``."""
         self._require_resolved("dim_v_padded")
         if not (self.chunked and self.mma is Mma.WGMMA):
             return self.dim_v
+        if self.v_tail:
+            return self.dim_v // self.v_splits
         return -(-self.dim_v // self.v_splits // 128) * 128
 
     @property
