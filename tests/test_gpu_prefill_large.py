@@ -117,14 +117,19 @@ def test_head_dim_256_through_the_chunked_kernel():
     run_case(1, 1000, 1000, 4, 4, 256, 256, torch.bfloat16, causal=True, spec="prefill:head_dim_chunk=64")
 
 
-def test_sm_scale_softcap_alibi():
+def _scale_softcap_alibi(s, h, d, spec=None):
+    """A custom scale, softcap and ALiBi slopes together, causal, against the fp32 reference."""
     gen = fresh_generator()
-    q, k, v = (torch.randn(1, 400, 4, 512, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
-    slopes = torch.rand(4, device="cuda", generator=gen) * 0.1
-    o = attngen.prefill(q, k, v, causal=True, sm_scale=0.03, softcap=20.0, alibi_slopes=slopes)
+    q, k, v = (torch.randn(1, s, h, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
+    slopes = torch.rand(h, device="cuda", generator=gen) * 0.1
+    o = attngen.prefill(q, k, v, causal=True, sm_scale=0.03, softcap=20.0, alibi_slopes=slopes, spec=spec)
     ref, _ = reference_attention(q, k, v, causal=True, sm_scale=0.03, softcap=20.0, alibi_slopes=slopes)
     err = (torch.linalg.vector_norm(o.float() - ref) / torch.linalg.vector_norm(ref)).item()
     assert err < 2e-2
+
+
+def test_sm_scale_softcap_alibi():
+    _scale_softcap_alibi(400, 4, 512)
 
 
 def test_kernel_is_the_chunked_one():
@@ -202,14 +207,7 @@ def test_chunked_wgmma_tile_configs(cfg):
 
 def test_chunked_wgmma_sm_scale_softcap_alibi():
     _needs_sm90()
-    gen = fresh_generator()
-    q, k, v = (torch.randn(1, 400, 4, 512, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
-    slopes = torch.rand(4, device="cuda", generator=gen) * 0.1
-    o = attngen.prefill(q, k, v, causal=True, sm_scale=0.03, softcap=20.0, alibi_slopes=slopes,
-                        spec="prefill:mma=wgmma")
-    ref, _ = reference_attention(q, k, v, causal=True, sm_scale=0.03, softcap=20.0, alibi_slopes=slopes)
-    err = (torch.linalg.vector_norm(o.float() - ref) / torch.linalg.vector_norm(ref)).item()
-    assert err < 2e-2
+    _scale_softcap_alibi(400, 4, 512, spec="prefill:mma=wgmma")
 
 
 # Past 640 columns of v the two CTAs of a query tile form a cluster that splits the QK work (qk_pair)
@@ -231,13 +229,7 @@ def test_chunked_wgmma_split_pairs_ragged_and_gqa(d, dv, pair, sq, sk, causal):
 def test_chunked_wgmma_split_pair_window_lse_softcap():
     _needs_sm90()
     run_case(1, 700, 900, 4, 4, 1024, 1024, torch.float16, window=(100, 37))
-    gen = fresh_generator()
-    q, k, v = (torch.randn(1, 300, 2, 768, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
-    slopes = torch.rand(2, device="cuda", generator=gen) * 0.1
-    o = attngen.prefill(q, k, v, causal=True, sm_scale=0.03, softcap=20.0, alibi_slopes=slopes)
-    ref, _ = reference_attention(q, k, v, causal=True, sm_scale=0.03, softcap=20.0, alibi_slopes=slopes)
-    err = (torch.linalg.vector_norm(o.float() - ref) / torch.linalg.vector_norm(ref)).item()
-    assert err < 2e-2
+    _scale_softcap_alibi(300, 2, 768)
 
 
 # A warpgroup's V columns ending 32 columns into a block take a tail step (no padding), at the default tiles
