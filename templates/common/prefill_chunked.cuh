@@ -30,12 +30,13 @@
 // blocks (zeros loaded, never stored), and past what one CTA's registers hold, V_SPLITS CTAs each take a
 // slice of V's (and O's) columns. They repeat the QK work, or with QK_PAIR (two splits whose halves
 // of head_dim are whole chunks) form a cluster that splits it: each CTA computes S over its half of
-// the QK columns, writes it into the other CTA's shared memory (thread by thread, the same fragment)
-// and after a cluster barrier adds the half written into its own (a + b == b + a, so both hold the
-// same S bit for bit and run the same softmax). A slot of that exchange is written again two tiles
-// on, after the cluster barrier of the tile between, which its owner reaches only after reading it;
-// every write into a CTA's shared memory precedes a barrier that CTA waits on, so either may exit
-// after its last tile.
+// the QK columns, writes it into the other CTA's shared memory (thread by thread, the same fragment;
+// st.async, counted on that CTA's mbarrier of the slot) and, once the other's has landed in its own,
+// adds it (a + b == b + a, so both hold the same S bit for bit and run the same softmax). No cluster
+// barrier a tile: a CTA waits only for the data it needs. A slot is written again two tiles on, by a
+// CTA that has received this CTA's fragment of the tile between, sent only after this CTA read the
+// slot; every write into a CTA lands before that CTA's wait for it, so either may exit after its
+// last tile.
 //
 // (The template argument DV is the columns one CTA computes: its split of head_dim_v.)
 namespace attngen {
@@ -148,8 +149,11 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   T* sRing = reinterpret_cast<T*>(WGMMA ? aligned_smem<1024>(smem_raw) : smem_raw);
   T* sP = sRing + NUM_STAGES * STAGE_ELEMS;
   float* sRed = reinterpret_cast<float*>(sP + P_ELEMS);  // [WARPS_N][BLOCK_M]
-  // QK_PAIR: two slots of the other CTA's partial S, each [SN / 8][THREADS] float4s (a thread's fragment)
+  // QK_PAIR: two slots of the other CTA's partial S, each [SN / 8][THREADS] float4s (a thread's fragment),
+  // and a barrier a slot whose phase completes when the other CTA's fragments have landed in it
   float4* sX = reinterpret_cast<float4*>(sRed + WARPS_N * BLOCK_M);
+  unsigned long long* sXbar = reinterpret_cast<unsigned long long*>(sX + 2 * (SN / 8) * THREADS);
+  constexpr unsigned X_THREAD_BYTES = (SN / 8) * 16;
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -225,8 +229,14 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
       cp_async_commit();
     }
   }
-  // QK_PAIR: both CTAs have started before either writes into the other's shared memory
-  if constexpr (QK_PAIR) cluster_sync();
+  if constexpr (QK_PAIR) {
+    if (tid == 0) {
+      WgmmaOps<BF16>::mbar_init(smem_addr(sXbar), THREADS);
+      WgmmaOps<BF16>::mbar_init(smem_addr(sXbar + 1), THREADS);
+      WgmmaOps<BF16>::mbar_init_fence();
+    }
+    cluster_sync();  // both CTAs have started, their barriers set, before either writes into the other
+  }
 
   float acc_o[MT][ON / 8][4];
   float row_max[MT][2], row_sum[MT][2];
@@ -383,13 +393,20 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
       if (s == QK_STEPS - 1) {
         if constexpr (QK_PAIR) {
           // ---- S over this CTA's QK columns, plus the other CTA's ---------------------------------
-          const float4* slot = sX + (it & 1) * (SN / 8) * THREADS + tid;
-          const unsigned theirs = cluster_map(smem_addr(slot), cluster_rank() ^ 1);
+          const int xs = it & 1;
+          const float4* slot = sX + xs * (SN / 8) * THREADS + tid;
+          const unsigned bar = smem_addr(sXbar) + 8 * xs;
+          // every thread's arrival, with the bytes of its fragment to come (no branch: one by thread 0 alone
+          // cost ptxas 12 registers and a spill at 1024)
+          WgmmaOps<BF16>::mbar_expect(bar, X_THREAD_BYTES);
+          // (the other CTA's slot and barrier: the same offsets from its shared memory's base)
+          const unsigned their_base = cluster_map(smem_addr(smem_raw), cluster_rank() ^ 1) - smem_addr(smem_raw);
 #pragma unroll
           for (int n = 0; n < SN / 8; ++n)
-            cluster_store_f4(theirs + n * THREADS * 16,
-                             make_float4(acc_s[0][n][0], acc_s[0][n][1], acc_s[0][n][2], acc_s[0][n][3]));
-          cluster_sync();
+            cluster_store_async_f4(their_base + smem_addr(slot + n * THREADS),
+                                   make_float4(acc_s[0][n][0], acc_s[0][n][1], acc_s[0][n][2], acc_s[0][n][3]),
+                                   their_base + bar);
+          cluster_mbar_wait(bar, (it >> 1) & 1);  // the slot's uses alternate the barrier's phases
 #pragma unroll
           for (int n = 0; n < SN / 8; ++n) {
             const float4 o = slot[n * THREADS];

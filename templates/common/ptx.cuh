@@ -19,7 +19,8 @@ __device__ __forceinline__ void pdl_enter() {
 
 // Thread-block clusters (sm_90 and newer; nothing on older archs, where no kernel calls them): a
 // barrier across the cluster's CTAs that orders their shared-memory writes before each other's
-// reads, the CTA's rank in the cluster, and 16-byte writes to another CTA's shared memory.
+// reads, the CTA's rank in the cluster, and 16-byte writes to another CTA's shared memory that
+// its mbarrier counts.
 __device__ __forceinline__ void cluster_sync() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.release.aligned;\n"
@@ -44,10 +45,24 @@ __device__ __forceinline__ unsigned cluster_map(unsigned addr, unsigned rank) {
   return out;
 }
 
-__device__ __forceinline__ void cluster_store_f4(unsigned addr, float4 v) {
+// 16 bytes into another CTA's shared memory at `addr`, counted (16 bytes of its expected transfer)
+// on that CTA's mbarrier at `bar` (both cluster addresses, from cluster_map).
+__device__ __forceinline__ void cluster_store_async_f4(unsigned addr, float4 v, unsigned bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n"
-               :: "r"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n"
+               :: "r"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar) : "memory");
+#endif
+}
+
+// Until the phase of this parity of this CTA's mbarrier `bar` has completed, acquiring at cluster
+// scope what other CTAs of the cluster wrote before completing it.
+__device__ __forceinline__ void cluster_mbar_wait(unsigned bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // (the loop in PTX, its labels local to the braces' scope)
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT;\n}\n" ::"r"(bar), "r"(parity)
+      : "memory");
 #endif
 }
 

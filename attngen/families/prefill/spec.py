@@ -299,7 +299,8 @@ class PrefillSpec(SpecBase):
         over half of head_dim and adds the other's; see prefill_chunked.cuh) rather than repeating it:
         where each half is at least two whole chunks and the repeated QK work would exceed a CTA's PV
         work (head_dim above its V columns). Measured on the H100 (2026-11-25): 768 gains 3-16%, 1024
-        14-26%; 512/1024 (QK work equal to PV's) lost up to 9% (0.95x geomean) to the barrier a tile."""
+        14-26%; 512/1024 (QK work equal to PV's) lost up to 9% (0.95x geomean) to the exchange, and 640 split
+        into a pair 18% (BENCHMARKS.md)."""
         self._require_resolved("qk_pair")
         half = self.head_dim // 2
         return (self.v_splits == 2 and half % self.head_dim_chunk == 0 and half // self.head_dim_chunk >= 2
@@ -351,8 +352,8 @@ class PrefillSpec(SpecBase):
             cg = self.chunk_grid
             wgmma = self.mma is Mma.WGMMA
             p = self.cta_tile_q * (-(-self.cta_tile_kv // 64) * 64 if wgmma else _row(self.cta_tile_kv))
-            # (qk_pair: two slots of the fp32 partial S exchanged across the cluster)
-            exchange = 2 * 4 * self.cta_tile_q * self.cta_tile_kv if self.qk_pair else 0
+            # (qk_pair: two slots of the fp32 partial S exchanged across the cluster, and their mbarriers)
+            exchange = 2 * 4 * self.cta_tile_q * self.cta_tile_kv + 16 if self.qk_pair else 0  # (+ a barrier a slot)
             return 2 * (self.num_stages * cg["stage_elems"] + p) + 4 * cg["warps_n"] * self.cta_tile_q \
                 + (1024 if wgmma else 0) + exchange
         row, row_v = (_smem_row(d) * self.dtype.itemsize for d in (self.head_dim, self.dim_v))
