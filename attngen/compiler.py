@@ -81,6 +81,24 @@ def _nvrtc_library_candidates() -> list[str]:
     return out + ["libnvrtc.so.13", "libnvrtc.so.12"]
 
 
+def _load_builtins_beside(library: str, major: int, minor: int) -> None:
+    """Load the NVRTC builtins library that sits beside ``library`` (a path), if there is one.
+
+    CuPy's loader loads it with NVRTC; once NVRTC is loaded here first, it does not, and the 13.0
+    wheel's NVRTC then fails every compile with "failed to open libnvrtc-builtins.so.13.0" (found
+    with torch 2.14.1's pin, nvidia-cuda-nvrtc 13.0.88). Loaded, it is found by its name."""
+    import ctypes
+
+    if "/" not in library:
+        return
+    builtins = Path(library).with_name(f"libnvrtc-builtins.so.{major}.{minor}")
+    if builtins.is_file():
+        try:
+            ctypes.CDLL(str(builtins))
+        except OSError:
+            pass
+
+
 @functools.lru_cache(maxsize=1)
 def nvrtc_version() -> str:
     """The NVRTC version, part of every cache key.
@@ -98,6 +116,7 @@ def nvrtc_version() -> str:
             continue
         major, minor = ctypes.c_int(), ctypes.c_int()
         if lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) == 0:
+            _load_builtins_beside(cand, major.value, minor.value)
             return f"{major.value}.{minor.value}"
     major, minor = _nvrtc().getVersion()
     return f"{major}.{minor}"

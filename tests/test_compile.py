@@ -222,3 +222,33 @@ def test_load_failure_names_the_cuda_extra_when_the_driver_is_older_than_nvrtc(m
     hint = runtime._driver_hint("13.0")
     assert "12.8" in hint and "NVRTC 13.0" in hint and "'attngen[cu12]'" in hint
     assert runtime._driver_hint("12.9") == ""  # a 12.8 driver loads cubins from NVRTC 12.x
+
+
+def test_nvrtc_builtins_are_loaded_beside_the_library_read_for_the_version():
+    """Reading NVRTC's version loads the library before CuPy's loader does, which then leaves its
+    builtins library unloaded; NVRTC 13.0's wheel could not find it after that (every compile failed).
+    The builtins beside the library read are loaded with it. (A fresh process: the order matters.)"""
+    import subprocess
+    import sys
+
+    code = (
+        "from pathlib import Path\n"
+        "from attngen.compiler import _nvrtc_library_candidates, nvrtc_version\n"
+        "v = nvrtc_version()\n"
+        "libs = [c for c in _nvrtc_library_candidates() if '/' in c]\n"
+        "b = Path(libs[0]).with_name(f'libnvrtc-builtins.so.{v}') if libs else None\n"
+        "if b is None or not b.is_file():\n"
+        "    print('skip')\n"
+        "else:\n"
+        "    maps = open('/proc/self/maps').read()\n"
+        "    print('loaded' if str(b.resolve()) in maps or str(b) in maps else 'missing')\n"
+        "    from cupy_backends.cuda.libs import nvrtc\n"
+        "    p = nvrtc.createProgram('extern \"C\" __global__ void k() {}', 'k.cu', [], [])\n"
+        "    nvrtc.compileProgram(p, ['--gpu-architecture=sm_80'])\n"
+        "    print('compiled')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    if out.stdout.split()[0] == "skip":
+        pytest.skip("NVRTC is not a wheel's library with its builtins beside it here")
+    assert out.stdout.split() == ["loaded", "compiled"], out.stdout
