@@ -152,6 +152,15 @@ WGMMA_DIMS = [(384, 384), (512, 512), (576, 512), (640, 640), (256, 256), (1024,
               (576, 576), (512, 320), (768, 768), (1024, 1024), (320, 1024), (512, 1024), (512, 96), (640, 192)]
 
 
+def _spec_that_runs(d, dv, dtype=torch.bfloat16, causal=False, spec=None):
+    """The spec of the kernel ``attngen.prefill`` runs for q and k of head dim d and v of dv (``spec`` as
+    prefill takes it: a spec or its text)."""
+    from attngen.families.prefill.op import kernel_for
+
+    q = torch.empty(1, 8, 2, d, device="cuda", dtype=dtype)
+    return kernel_for(q, q, torch.empty(1, 8, 2, dv, device="cuda", dtype=dtype), causal=causal, spec=spec).spec
+
+
 def _needs_sm90():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma runs on sm_90a (H100/H200)")
@@ -171,12 +180,8 @@ def _wgmma_spec(d, dv, extra=""):
 def test_chunked_wgmma(dtype, d, dv, causal, window):
     _needs_sm90()
     run_case(2, 777, 1000, 4, 2, d, dv, dtype, causal=causal, window=window, spec=_wgmma_spec(d, dv))
-    q = torch.empty(1, 8, 2, d, device="cuda", dtype=dtype)
-    from attngen.families.prefill.op import kernel_for
-
-    kern = kernel_for(q, q, torch.empty(1, 8, 2, dv, device="cuda", dtype=dtype),
-                      spec=attngen.parse_spec(_wgmma_spec(d, dv)))
-    assert kern.spec.chunked and kern.spec.mma.value == "wgmma"
+    ks = _spec_that_runs(d, dv, dtype, spec=attngen.parse_spec(_wgmma_spec(d, dv)))
+    assert ks.chunked and ks.mma.value == "wgmma"
 
 
 @pytest.mark.parametrize("sq,sk", [(1, 1), (17, 17), (3001, 3001), (17, 1000), (1000, 17), (129, 3001)])
@@ -197,10 +202,7 @@ def test_chunked_wgmma_tile_configs(cfg):
     spec = f"prefill:mma=wgmma,{cfg}"
     run_case(1, 500, 1300, 2, 2, 512, 512, torch.bfloat16, causal=True, spec=spec)
     # the kernel is the one the text pins (a 128-wide chunk is not read as whole rows at the default head_dim)
-    from attngen.families.prefill.op import kernel_for
-
-    q = torch.empty(1, 8, 2, 512, device="cuda", dtype=torch.bfloat16)
-    ks = kernel_for(q, q, q, causal=True, spec=spec).spec
+    ks = _spec_that_runs(512, 512, causal=True, spec=spec)
     want = dict(item.split("=") for item in cfg.split(","))
     assert all(str(getattr(ks, f)) == v for f, v in want.items()), (ks, want)
 
@@ -219,10 +221,7 @@ def test_chunked_wgmma_sm_scale_softcap_alibi():
 def test_chunked_wgmma_split_pairs_ragged_and_gqa(d, dv, pair, sq, sk, causal):
     _needs_sm90()
     run_case(2, sq, sk, 6, 2, d, dv, torch.bfloat16, causal=causal)
-    from attngen.families.prefill.op import kernel_for
-
-    q = torch.empty(1, 8, 2, d, device="cuda", dtype=torch.bfloat16)
-    ks = kernel_for(q, q, torch.empty(1, 8, 2, dv, device="cuda", dtype=torch.bfloat16), causal=causal).spec
+    ks = _spec_that_runs(d, dv, causal=causal)
     assert ks.v_splits == 2 and ks.qk_pair is pair
 
 
@@ -243,10 +242,7 @@ def test_chunked_wgmma_v_tail(d, dv, tail, kv, causal):
     spec = "prefill:mma=wgmma" + (",head_dim_chunk=64" if d <= 256 else "") + (f",cta_tile_kv={kv}" if kv else "")
     for sq, sk in ((1, 1), (17, 1000), (1000, 17), (129, 3001)):
         run_case(2, sq, sk, 6, 2, d, dv, torch.bfloat16, causal=causal, spec=spec)
-    from attngen.families.prefill.op import kernel_for
-
-    q = torch.empty(1, 8, 2, d, device="cuda", dtype=torch.bfloat16)
-    ks = kernel_for(q, q, torch.empty(1, 8, 2, dv, device="cuda", dtype=torch.bfloat16), causal=causal,
-                    spec=attngen.parse_spec(spec)).spec
+    ks = _spec_that_runs(d, dv, causal=causal, spec=attngen.parse_spec(spec))
     assert ks.v_tail is tail and ks.dim_v_padded == (dv if tail else 128)
-    assert ks.cta_tile_kv == (kv or ks.cta_tile_kv)
+    if kv:
+        assert ks.cta_tile_kv == kv

@@ -384,8 +384,7 @@ class PrefillSpec(SpecBase):
     def template_context(self) -> dict:
         ctx = super().template_context()
         ctx.update(dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask], tma=self.tma, overlap=self.overlapped,
-                   pingpong=self.schedule is Schedule.PINGPONG, persistent=self.is_persistent,
-                   qk_pair=self.chunked and self.qk_pair)
+                   pingpong=self.schedule is Schedule.PINGPONG, persistent=self.is_persistent, qk_pair=self.qk_pair)
         if self.chunked:
             cg = self.chunk_grid
             ctx.update(chunked=True, wgmma=self.mma is Mma.WGMMA, chunk_vk=cg["vk"], chunk_vcw=cg["vcw"],
