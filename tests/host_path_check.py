@@ -84,6 +84,12 @@ def main():
     assert fake_cuda.counts()["launches"] == n0 + 1
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     expect_launch(q, k, v, out)
+    # A call's launch is worked out once per key (the infos and the other arguments): repeats carry
+    # their own output, and every argument that differs reaches the kernel.
+    for causal, scale in ((False, None), (True, None), (True, 0.5), (False, None), (True, 0.5)):
+        o = attngen.prefill(q, k, v, causal=causal, sm_scale=scale)
+        assert o.data_ptr() != out.data_ptr()
+        expect_launch(q, k, v, o, causal=causal, scale=scale)
     # LSE, causal, window, sm_scale, a strided q from a packed qkv tensor, out=.
     qkv = rand(1, 77, 3, 4, 64, dtype=torch.float16)
     q2, k2, v2 = (wrap(qkv[:, :, i]) for i in range(3))  # slices of the stand-in come back plain
@@ -127,6 +133,7 @@ def main():
         ((q, k, rand(2, 131, 2, 64)), {}, "k (2, 130, 2, 64) and v (2, 131, 2, 64) must have the same shape"),
         ((q, k, v), {"out": wrap(torch.empty(2, 100, 8, 64))}, "out must match q with v's head dim: torch (2, 100, 8, 64) bf16"),
         ((q, k, v), {"window": (1,)}, "window=(1,) must be a pair"),
+        ((q, k, v), {"mask_plan": object()}, "mask_plan needs the mask it was built from (mask=)"),
         ((q, k, v), {"sm_scale": float("inf")}, "sm_scale=inf must be finite and > 0"),
         ((q, k, v), {"sm_scale": -0.5}, "sm_scale=-0.5 must be finite and > 0"),
         ((q.float(), k, v), {}, "q is on cpu"),
@@ -197,6 +204,45 @@ def check_decode(torch, wrap):
     runtime.set_pdl(was)
     attngen.decode(dq, kc, vc, cache_seqlens=3000, num_splits=1, out=out)
     assert fake_cuda.last_launch()["pdl"] == 1
+
+    # A call's launch is worked out once per key (the infos and the other arguments): a repeat
+    # carries its own allocations, and every argument that differs reaches the kernel.
+    from attngen.families.decode import op
+
+    def split_params():  # the split launch's parameters: the one before the merge's
+        return dparams.unpack(fake_cuda.last_params(dparams.size))
+
+    outs = []
+    for i in range(3):
+        o, lse = attngen.decode(dq, kc, vc, cache_seqlens=lens, num_splits=4, return_lse=True)
+        outs.append((o, lse))
+        vals = split_params()
+        assert vals[3:5] == (o.data_ptr(), lse.data_ptr()), (i, vals[3:5])
+    assert len({o.data_ptr() for o, _ in outs}) == 3, "three outputs"
+    for n in (3000, 2000, 3000):
+        attngen.decode(dq, kc, vc, cache_seqlens=n, num_splits=1, out=out)
+        assert split_params()[34] == n
+    attngen.decode(dq, kc, vc, cache_seqlens=3000, num_splits=1, out=out, sm_scale=0.5)
+    assert split_params()[36] == 0.5
+    other = torch.empty(1, 1, 32, 128, dtype=torch.bfloat16, device="cuda")
+    attngen.decode(dq, kc, vc, cache_seqlens=3000, num_splits=1, out=other)
+    assert split_params()[3] == other.data_ptr()
+    # Failing calls are refused every time, also beside a remembered key of the same tensors.
+    bad = [dict(num_splits=True), dict(sm_scale=-1.0), dict(variant=["fused"]), dict(cache_seqlens=True),
+           dict(out=wrap(torch.empty(1, 1, 32, 64).to(torch.bfloat16))), dict(softcap=-1.0),
+           dict(cache_seqlens=wrap(torch.tensor([3000], dtype=torch.int64)))]
+    for kw in bad:
+        args = dict(cache_seqlens=3000, num_splits=1) | kw
+        for _ in range(2):
+            try:
+                attngen.decode(dq, kc, vc, **args)
+            except attngen.LaunchError:
+                pass
+            else:
+                raise AssertionError(f"decode accepted {kw}")
+    for n in range(1, 300):
+        attngen.decode(dq, kc, vc, cache_seqlens=n, num_splits=1, out=out)
+    assert 0 < len(op._calls) <= op._MAX_CALLS
 
 
 if __name__ == "__main__":

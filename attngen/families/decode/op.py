@@ -99,11 +99,79 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
             q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
             block_table=block_table, num_splits=num_splits, sm_scale=sm_scale, return_lse=return_lse, out=out,
             variant=variant, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes)
-    if spec.__class__ is str:
-        spec = spec_of_text(spec, "decode")
     qi = tensor_info(q, "q")
     ki = tensor_info(k_cache, "k_cache")
     vi = tensor_info(v_cache, "v_cache")
+    # The call's key: the operands' infos and every other argument as a value. Scalars of other
+    # classes (a bool, a 0-dim tensor whose value may change) are never remembered; arguments that
+    # are no array, or unhashable, go to the checks, which say what is wrong.
+    try:
+        key = (qi, ki, vi,
+               cache_seqlens if cache_seqlens.__class__ is int else tensor_info(cache_seqlens, "cache_seqlens"),
+               None if cache_batch_idx is None else tensor_info(cache_batch_idx, "cache_batch_idx"),
+               None if block_table is None else tensor_info(block_table, "block_table"),
+               None if alibi_slopes is None else tensor_info(alibi_slopes, "alibi_slopes"),
+               None if out is None else tensor_info(out, "out"),
+               num_splits, sm_scale, softcap, return_lse, variant, spec)
+        call = _calls.get(key)
+    except (LaunchError, TypeError):
+        key = call = None
+    if call is None:
+        call = _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse,
+                        out, variant, spec, softcap, alibi_slopes)
+        if (key is not None and num_splits.__class__ is int and softcap.__class__ in _NUMBERS
+                and return_lse.__class__ is bool and (sm_scale is None or sm_scale.__class__ in _NUMBERS)):
+            if len(_calls) >= _MAX_CALLS:
+                _calls.clear()
+            _calls[key] = call
+    plan, kind = call.plan, qi.kind
+    if out is None:
+        out = plan.alloc(*call.out_shape)
+        optr = data_ptr(out, kind)
+    else:
+        optr = call.out_ptr
+    lse = plan.alloc_f32(*call.lse_shape) if return_lse else None
+    if call.grid is None:  # an empty batch
+        return (out, lse) if return_lse else out
+    w0 = w1 = w2 = w3 = 0
+    if call.work:
+        at = data_ptr(plan.alloc_f32(call.work), kind)
+        o0, o1, o2, o3 = call.offsets
+        w0 = at if o0 >= 0 else 0
+        w1 = at + o1 if o1 >= 0 else 0
+        w2 = at + o2 if o2 >= 0 else 0
+        w3 = at + o3 if o3 >= 0 else 0
+    values = (qi.ptr, ki.ptr, vi.ptr, optr, 0 if lse is None else data_ptr(lse, kind), *call.indices,
+              w0, w1, w2, w3, *call.tail)
+    kern, grid = call.kern, call.grid
+    stream = plan.stream(qi.device)
+    kern.launch_struct(_PARAMS, grid, stream, *values)
+    if call.unfused:
+        kern.launch_struct(_PARAMS, grid, stream, *values, entry="_pv")
+    if call.merge_grid is not None:
+        kern.launch_struct(_PARAMS, call.merge_grid, stream, *values, entry="_merge")
+    return (out, lse) if return_lse else out
+
+
+class _Call:
+    """What a decode call with a given key launches, worked out once: its plan and kernel, the
+    shapes it allocates (or the caller's ``out``), the workspace's size and the offsets of its pieces (bytes; -1 where a piece
+    is not used), the parameters that are not pointers of this call's own allocations, the grids."""
+
+    __slots__ = ("plan", "kern", "out_shape", "out_ptr", "lse_shape", "work", "offsets", "indices", "tail", "grid",
+                 "merge_grid", "unfused")
+
+
+_NUMBERS = frozenset((int, float))
+_MAX_CALLS = 256
+_calls: dict[tuple, _Call] = register_dependent_cache({})  # key -> _Call: the last few hundred keys
+
+
+def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse, out, variant,
+             spec, softcap, alibi_slopes) -> _Call:
+    """Check a call's arguments and work out its ``_Call``."""
+    if spec.__class__ is str:
+        spec = spec_of_text(spec, "decode")
     _check_operands(qi, ki, vi)
     if not (qi.kind == ki.kind == vi.kind and qi.device == ki.device == vi.device):
         raise LaunchError(f"q, k_cache, v_cache must be of one kind on one device; got {qi.kind}:{qi.device}, "
@@ -156,56 +224,51 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     seq_ptr, seq_fixed = cache_lengths(cache_seqlens, b, kind, dev, "q")
     cap_u, inv_cap_u, alibi_ptr, alibi_sb = (extras(softcap, alibi_slopes, b, h, qi, sm_scale)
                                              if softcap or alibi_slopes is not None else NO_EXTRAS)
-    key = (d, dtype, dev, DecodeSpec.rows_for(group, q_len), paged, "fused" if variant == "auto" else variant,
-           spec, kind, bool(softcap), alibi_ptr != 0)
-    plan = _plans.get(key) or _make_plan(key)
-
+    pkey = (d, dtype, dev, DecodeSpec.rows_for(group, q_len), paged, "fused" if variant == "auto" else variant,
+            spec, kind, bool(softcap), alibi_ptr != 0)
+    call = _Call()
+    call.plan = plan = _plans.get(pkey) or _make_plan(pkey)
+    call.out_shape, call.lse_shape = (b, q_len, h, d), (b, h, q_len)
     if out is None:
-        out = plan.alloc(b, q_len, h, d)
-        optr, ostrides = data_ptr(out, kind), (q_len * h * d, h * d, d)
+        ostrides = (q_len * h * d, h * d, d)
     else:
         oi = tensor_info(out, "out")
         if oi.kind != kind or oi.shape != qi.shape or oi.dtype != dtype or oi.device != dev:
             raise LaunchError(f"out must match q: {kind} {qi.shape} {dtype} on device {dev}; got "
                               f"{oi.kind} {oi.shape} {oi.dtype} on device {oi.device}")
         check_rows(oi, "out", 4, "[batch, q_len, heads, head_dim]")
-        optr, ostrides = oi.ptr, oi.strides
-    lse = plan.alloc_f32(b, h, q_len) if return_lse else None
+        ostrides, call.out_ptr = oi.strides, oi.ptr
+    call.grid = None
     if b == 0:
-        return (out, lse) if return_lse else out
+        return call
     if b > 65535:
         raise LaunchError(f"batch={b} exceeds 65535 (the grid's z limit)")
 
-    kern = plan.kernel or plan.kernel_for(capacity)
+    call.kern = kern = plan.kernel or plan.kernel_for(capacity)
     rs = kern.spec
     if num_splits == 0:
         num_splits = choose_splits(b * hk, capacity, rs.cta_tile_kv, plan.sms, ctas_per_sm(kern),
                                    4 * rs.cta_tile_kv * d, 4 * b * q_len * h * d)
-    # One fp32 workspace per call: split partials (outputs, then LSE), then the unfused
-    # variant's scores and per-split row stats; every piece starts 16-byte aligned.
+    # One fp32 workspace a call: split partials (outputs, then LSE), then the unfused variant's
+    # scores and per-split row stats; every piece starts 16-byte aligned.
     scores_ld = 0
-    ptrs = (0, 0, 0, 0)
-    unfused = rs.variant is Variant.UNFUSED
-    if num_splits > 1 or unfused:
-        sizes = [0, 0, 0, 0]
-        if num_splits > 1:
-            sizes[0] = num_splits * b * q_len * h * d
-            sizes[1] = -(-num_splits * b * h * q_len // 4) * 4
-        if unfused:
-            scores_ld = max(4, -(-capacity // 4) * 4)
-            sizes[2] = b * hk * group * q_len * scores_ld
-            sizes[3] = num_splits * b * hk * rs.q_rows * 2
-        work = plan.alloc_f32(sum(sizes))
-        at = data_ptr(work, kind)
-        ptrs = []
-        for n in sizes:
-            ptrs.append(at if n else 0)
-            at += 4 * n
-
-    values = (
-        qi.ptr, ki.ptr, vi.ptr, optr, data_ptr(lse, kind) if lse is not None else 0,
-        seq_ptr, bi_ptr, bt_ptr,
-        *ptrs,
+    call.unfused = unfused = rs.variant is Variant.UNFUSED
+    sizes = [0, 0, 0, 0]
+    if num_splits > 1:
+        sizes[0] = num_splits * b * q_len * h * d
+        sizes[1] = -(-num_splits * b * h * q_len // 4) * 4
+    if unfused:
+        scores_ld = max(4, -(-capacity // 4) * 4)
+        sizes[2] = b * hk * group * q_len * scores_ld
+        sizes[3] = num_splits * b * hk * rs.q_rows * 2
+    call.work = sum(sizes)
+    offsets, at = [], 0
+    for n in sizes:
+        offsets.append(at if n else -1)
+        at += 4 * n
+    call.offsets = tuple(offsets)
+    call.indices = (seq_ptr, bi_ptr, bt_ptr)
+    call.tail = (
         qi.strides[0], qi.strides[1], qi.strides[2],
         ki.strides[0], ki.strides[1], ki.strides[2],
         vi.strides[0], vi.strides[1], vi.strides[2],
@@ -217,12 +280,6 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
         scale, scale * _LOG2E,
         cap_u, inv_cap_u, alibi_ptr, alibi_sb,
     )
-    stream = plan.stream(dev)
-    grid = (num_splits, hk, b)
-    kern.launch_struct(_PARAMS, grid, stream, *values)
-    if unfused:
-        kern.launch_struct(_PARAMS, grid, stream, *values, entry="_pv")
-    if num_splits > 1:
-        warps = MERGE_THREADS // 32
-        kern.launch_struct(_PARAMS, (-(-b * q_len * h // warps), 1, 1), stream, *values, entry="_merge")
-    return (out, lse) if return_lse else out
+    call.grid = (num_splits, hk, b)
+    call.merge_grid = (-(-b * q_len * h // (MERGE_THREADS // 32)), 1, 1) if num_splits > 1 else None
+    return call

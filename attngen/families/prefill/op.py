@@ -1,10 +1,12 @@
 """``attngen.prefill``: FlashAttention-layout attention forward on torch tensors or CuPy arrays.
 
-The host path of one call is kept short (the issue's target: within SDPA's ~15 us on tiny
-inputs): everything that depends only on (head_dim, dtype, device, mask, return_lse, the user's
-spec, array kind) is worked out once per process into a ``_Plan`` (resolved spec, loaded
-kernel(s), allocators, stream getter, default scale), so a call does the argument checks, one
-dictionary lookup, an allocation, the parameter packing and the launch.
+The host path of one call is kept short (the issue's target: 10 us on tiny inputs). What depends
+only on (head_dim, dtype, device, mask, return_lse, the user's spec, array kind) is worked out once
+per process into a ``_Plan`` (resolved spec, loaded kernel(s), allocators, stream getter, default
+scale); what depends on the call's operands and arguments (the checks, the kernel for its length,
+the grid, the TMA maps, the parameters but the output's pointers) once per distinct call into a
+``_Call``, kept for the last few hundred. A repeated call (a model's layers, a serving loop) reads
+its operands' infos, looks up its ``_Call``, allocates the output and launches.
 
 Which tuning a plan uses: the user's ``spec`` when given (its 0 fields resolved for the arch);
 else the winners ``attngen tune`` stored for this GPU (bucketed by seqlen_q, nearest by log
@@ -98,25 +100,17 @@ def check_infos(qi, ki, vi, dims: str = "[batch, seqlen, heads, head_dim]", kv_d
         raise LaunchError(f"heads={h} must be a multiple of kv_heads={hk} (GQA/MQA)")
 
 
-_MAX_PASSED = 256
-_passed: set[tuple] = set()  # (qi, ki, vi) that passed _check_qkv: the last few hundred
-
-
 def _check_qkv(q, k, v):
-    """The dense layout's TensorInfos, checked. The checks are a function of the infos alone
-    (pointers, shapes, strides, dtypes, devices), so a triple that passed once is not checked again
-    (a model's layers and a serving loop call on the same buffers)."""
+    """The dense layout's TensorInfos, checked."""
     qi, ki, vi = tensor_info(q, "q"), tensor_info(k, "k"), tensor_info(v, "v")
-    key = (qi, ki, vi)
-    if key in _passed:
-        return qi, ki, vi
+    _check_dense(qi, ki, vi)
+    return qi, ki, vi
+
+
+def _check_dense(qi, ki, vi) -> None:
     check_infos(qi, ki, vi)
     if ki.shape[0] != qi.shape[0]:
         raise LaunchError(f"batch mismatch: q has {qi.shape[0]}, k/v have {ki.shape[0]}")
-    if len(_passed) >= _MAX_PASSED:
-        _passed.clear()
-    _passed.add(key)
-    return qi, ki, vi
 
 
 def out_of(out, qi, dv: int) -> tuple[int, tuple]:
@@ -243,89 +237,134 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
         return _rt.traced_ops["prefill"](
             q, k, v, causal=causal, window=window, sm_scale=sm_scale, return_lse=return_lse, out=out, spec=spec,
             softcap=softcap, alibi_slopes=alibi_slopes, mask=mask, mask_plan=mask_plan)
+    qi, ki, vi = tensor_info(q, "q"), tensor_info(k, "k"), tensor_info(v, "v")
+    # A dense call's key: the operands' infos and every other argument as a value (the checks and
+    # the launch's parameters are a function of them). Arguments of other classes (a 0-dim tensor
+    # whose value may change) are never remembered; those that are no array, or unhashable, go to
+    # the checks, which say what is wrong.
+    call = key = None
+    if mask is None and mask_plan is None:
+        try:
+            key = (qi, ki, vi, causal, window, sm_scale, return_lse, spec, softcap,
+                   None if out is None else tensor_info(out, "out"),
+                   None if alibi_slopes is None else tensor_info(alibi_slopes, "alibi_slopes"))
+            call = _calls.get(key)
+        except (LaunchError, TypeError):
+            key = None
+    elif mask is None:
+        raise LaunchError("mask_plan needs the mask it was built from (mask=)")
+    if call is None:
+        call = _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softcap, alibi_slopes,
+                        mask is not None)
+        if (key is not None and causal.__class__ is bool and return_lse.__class__ is bool
+                and softcap.__class__ in _NUMBERS and (sm_scale is None or sm_scale.__class__ in _NUMBERS)):
+            if len(_calls) >= _MAX_CALLS:
+                _calls.clear()
+            _calls[key] = call
+    plan, kind = call.plan, qi.kind
+    if out is None:
+        out = plan.alloc(*call.out_shape)
+        optr = data_ptr(out, kind)
+    else:
+        optr = call.out_ptr
+    if return_lse:
+        lse = plan.alloc_lse(*call.lse_shape)
+        lse_ptr = data_ptr(lse, kind)
+    else:
+        lse, lse_ptr = None, 0
+    if call.grid is None:  # nothing to compute
+        return (out, lse) if return_lse else out
+    stream = plan.stream(qi.device)
+    if mask is None:
+        call.kern.launch_struct(call.layout, call.grid, stream, *call.head, optr, lse_ptr, *call.tail)
+    else:
+        from .masks import checked_plan
+
+        mp = checked_plan(mask_plan, mask, call.kern, qi, ki, call.mcode, call.left, call.right, stream)
+        grid, ext = mp.launch_args(qi.shape[2], qi.shape[0])
+        call.kern.launch_struct(PARAMS_EXT, grid, stream, *call.head, optr, lse_ptr, *call.tail, *ext)
+    return (out, lse) if return_lse else out
+
+
+class _Call:
+    """What a call with a given key launches, worked out once: its plan, the kernel and the layout of
+    its parameters, the shapes it allocates (or the caller's ``out``), the grid (None: nothing to
+    compute), and the parameters before and after out's and the LSE's pointers (``head``: the TMA
+    maps and q, k, v; ``tail``: strides, sizes, scales, window, score mods, and the persistent
+    kernel's batch). A custom mask's call keeps its mask code and window for the mask plan."""
+
+    __slots__ = ("plan", "kern", "layout", "out_shape", "out_ptr", "lse_shape", "grid", "head", "tail", "mcode",
+                 "left", "right")
+
+
+_NUMBERS = frozenset((int, float))
+_MAX_CALLS = 256
+_calls: dict[tuple, _Call] = register_dependent_cache({})  # key -> _Call: the last few hundred keys
+
+
+def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softcap, alibi_slopes, masked) -> _Call:
+    """Check a call's arguments and work out its ``_Call``."""
     if spec.__class__ is str:
         spec = spec_of_text(spec, "prefill")
-    qi, ki, vi = _check_qkv(q, k, v)
+    _check_dense(qi, ki, vi)
     b, sq, h, d = qi.shape
     _, sk, hk, _ = ki.shape
     dv = vi.shape[3]
-    if window is _NO_WINDOW:  # the common case, without a call
-        mcode, left, right = (1, -1, 0) if causal else (0, -1, -1)
-    else:
-        mcode, left, right = mask_and_window(causal, window)
+    call = _Call()
+    call.mcode, call.left, call.right = mcode, left, right = mask_and_window(causal, window)
     return_lse = bool(return_lse)
     cap_u, inv_cap_u, alibi_ptr, alibi_sb = (extras(softcap, alibi_slopes, b, h, qi, sm_scale)
                                              if softcap or alibi_slopes is not None else NO_EXTRAS)
-    if mask_plan is not None and mask is None:
-        raise LaunchError("mask_plan needs the mask it was built from (mask=)")
     key = (d, qi.dtype, qi.device, mcode, return_lse, spec, qi.kind, bool(softcap), alibi_ptr != 0,
-           DENSE if mask is None else CUSTOM_MASK, dv)
-    plan = _plans.get(key) or _make_plan(key)
+           CUSTOM_MASK if masked else DENSE, dv)
+    call.plan = plan = _plans.get(key) or _make_plan(key)
     scale = plan.default_scale if sm_scale is None else checked_scale(sm_scale)
-
+    call.out_shape, call.lse_shape = (b, sq, h, dv), (b, h, sq)
     if out is None:
-        out = plan.alloc(b, sq, h, dv)
-        optr = data_ptr(out, qi.kind)
         ostrides = (sq * h * dv, h * dv, dv)  # a fresh contiguous array, aligned by its allocator
     else:
-        optr, ostrides = out_of(out, qi, dv)
-    if return_lse:
-        lse = plan.alloc_lse(b, h, sq)
-        lse_ptr = data_ptr(lse, qi.kind)
-    else:
-        lse, lse_ptr = None, 0
+        call.out_ptr, ostrides = out_of(out, qi, dv)
+    call.grid = None
     if sq == 0 or b == 0 or h == 0:
-        return (out, lse) if return_lse else out
+        return call
     if b > 65535:
         raise LaunchError(f"batch={b} exceeds 65535 (the grid's z limit)")
 
-    kern = plan.kernel or plan.kernel_for(sq)
+    call.kern = kern = plan.kernel or plan.kernel_for(sq)
     qs, ks, vs = qi.strides, ki.strides, vi.strides
-    stream = plan.stream(qi.device)
-    if mask is not None:
-        from .masks import checked_plan
-
-        mp = checked_plan(mask_plan, mask, kern, qi, ki, mcode, left, right, stream)
-        grid, ext = mp.launch_args(h, b)
-        kern.launch_struct(
-            PARAMS_EXT, grid, stream,
-            qi.ptr, ki.ptr, vi.ptr, optr, lse_ptr,
-            qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-            ostrides[0], ostrides[1], ostrides[2],
-            sq, sk, h, h // hk, scale, scale * _LOG2E, left, right, cap_u, inv_cap_u, alibi_ptr, alibi_sb,
-            *ext,
-        )
-        return (out, lse) if return_lse else out
+    call.head = (qi.ptr, ki.ptr, vi.ptr)
+    call.tail = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+                 ostrides[0], ostrides[1], ostrides[2],
+                 sq, sk, h, h // hk,
+                 scale, scale * _LOG2E,
+                 left, right,
+                 cap_u, inv_cap_u, alibi_ptr, alibi_sb)
+    if masked:  # the mask plan gives the grid, per call
+        call.grid, call.layout = (), PARAMS_EXT
+        return call
     ks_ = kern.spec
     tile_q = ks_.cta_tile_q
-    args = (qi.ptr, ki.ptr, vi.ptr, optr, lse_ptr,
-            qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-            ostrides[0], ostrides[1], ostrides[2],
-            sq, sk, h, h // hk,
-            scale, scale * _LOG2E,
-            left, right,
-            cap_u, inv_cap_u, alibi_ptr, alibi_sb)
-    grid = ((sq + tile_q - 1) // tile_q, h * ks_.v_splits, b)  # v_splits: the chunked kernel past 640 columns
+    call.grid = grid = ((sq + tile_q - 1) // tile_q, h * ks_.v_splits, b)  # v_splits: the chunked kernel past 640 columns
     if grid[1] > 65535:
         raise LaunchError(f"heads={h} exceed the grid's y limit (65535 / {ks_.v_splits} with this kernel)")
+    call.layout = _PARAMS
     if ks_.tma:
         try:
             maps = tensor_maps(qi, ki, vi, ks_)
         except LaunchError:
             if plan.tma_pinned:
                 raise
-            kern = plan.sync_twin(kern)  # same tiles: same grid
+            call.kern = plan.sync_twin(kern)  # same tiles: same grid
         else:
+            call.head = (maps, *call.head)
             if ks_.is_persistent:
                 # as many CTAs as the SMs hold at once, or one a unit of two query tiles (TileWalk)
                 units = (grid[0] + 1) // 2 * h * b
-                kern.launch_struct(_PARAMS_TMA_PERSISTENT, (min(units, _resident(kern, qi.device)), 1, 1), stream,
-                                   maps, *args, b)
+                call.grid = (min(units, _resident(kern, qi.device)), 1, 1)
+                call.layout, call.tail = _PARAMS_TMA_PERSISTENT, (*call.tail, b)
             else:
-                kern.launch_struct(_PARAMS_TMA, grid, stream, maps, *args)
-            return (out, lse) if return_lse else out
-    kern.launch_struct(_PARAMS, grid, stream, *args)
-    return (out, lse) if return_lse else out
+                call.layout = _PARAMS_TMA
+    return call
 
 
 def mask_plan(mask, q, k, *, v=None, causal: bool = False, window: tuple[int, int] = _NO_WINDOW,

@@ -22,19 +22,7 @@ def _map(t, rows: int, fallback_ptr: int) -> bytes:
                                f"{tuple(t.strides)}: {e}; use a spec with pipeline=sync")
 
 
-_MAX_KEPT = 256
-_kept: dict[tuple, bytes] = {}
-
-
 def tensor_maps(qi, ki, vi, spec) -> bytes:
-    """The kernel's three maps (q, k, v), as PrefillTmaParams holds them; the last few hundred sets are
-    kept by their TensorInfos and tiles (one lookup for a call on the same buffers as an earlier one)."""
-    key = (qi, ki, vi, spec.cta_tile_q, spec.cta_tile_kv)
-    maps = _kept.get(key)
-    if maps is None:
-        maps = (_map(qi, spec.cta_tile_q, qi.ptr) + _map(ki, spec.cta_tile_kv, qi.ptr)
-                + _map(vi, spec.cta_tile_kv, qi.ptr))
-        if len(_kept) >= _MAX_KEPT:
-            _kept.clear()
-        _kept[key] = maps
-    return maps
+    """The kernel's three maps (q, k, v), as PrefillTmaParams holds them."""
+    return (_map(qi, spec.cta_tile_q, qi.ptr) + _map(ki, spec.cta_tile_kv, qi.ptr)
+            + _map(vi, spec.cta_tile_kv, qi.ptr))
