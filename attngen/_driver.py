@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 import threading
 
 from .errors import LaunchError
@@ -51,6 +52,11 @@ class Driver:
             self.raw_launch_ex = ctypes.CFUNCTYPE(ctypes.c_int)(("cuLaunchKernelEx", lib))
         except AttributeError:
             self.raw_launch_ex = None
+        try:
+            lib.cuOccupancyMaxActiveClusters.argtypes = [ctypes.POINTER(ctypes.c_int), _vp, _vp]
+            self._max_clusters = lib.cuOccupancyMaxActiveClusters
+        except AttributeError:
+            self._max_clusters = None
         self.check(lib.cuInit(0), "cuInit")
         self._encode_tiled = None  # cuTensorMapEncodeTiled, bound on first use
         self._primary: dict[int, int] = {}
@@ -110,6 +116,24 @@ class Driver:
                     self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(c), device), "cuDevicePrimaryCtxRetain")
                     ctx = self._primary[device] = c.value
         return ctx
+
+    def max_active_clusters(self, func: int, device: int, cluster_x: int, threads: int, smem: int) -> int:
+        """How many clusters of ``cluster_x`` CTAs (``threads`` each, ``smem`` bytes of dynamic shared
+        memory) of ``func`` the device holds at once; 0 where none fits or the driver cannot say."""
+        if self._max_clusters is None:
+            return 0
+        attr = ctypes.create_string_buffer(72)  # CUlaunchAttribute: the cluster's dimensions
+        struct.pack_into("<i4x3I", attr, 0, 4, cluster_x, 1, 1)
+        cfg = ctypes.create_string_buffer(56)  # CUlaunchConfig: a grid of one cluster, no stream
+        struct.pack_into("<7I4xQQI", cfg, 0, cluster_x, 1, 1, threads, 1, 1, smem, 0, ctypes.addressof(attr), 1)
+        n = ctypes.c_int(0)
+        pushed = self.push(device)
+        try:
+            rc = self._max_clusters(ctypes.byref(n), _vp(func), cfg)
+        finally:
+            if pushed:
+                self.pop()
+        return n.value if rc == 0 else 0
 
     def push(self, device: int) -> bool:
         """Make ``device``'s primary context current if it is not; True if it was pushed."""

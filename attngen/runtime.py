@@ -49,7 +49,9 @@ _pdl = [os.environ.get("ATTNGEN_PDL", "1").strip() != "0"]
 # CUlaunchConfig up to hStream: grid x/y/z, block x/y/z, dynamic shared memory, padding, stream;
 # then the attribute array's pointer and count, set once per thread.
 _LAUNCH_CONFIG = struct.Struct("<7I4xQ")
+_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_ATTR_BYTES = 72  # CUlaunchAttribute: id, padding to 8 bytes, a 64-byte value union
 
 
 def set_pdl(enabled: bool) -> bool:
@@ -61,19 +63,24 @@ def set_pdl(enabled: bool) -> bool:
 
 def _thread_slot():
     """This thread's launch buffers: (parameters, argv pointer, current-context out-parameter, its
-    byref, argv, launch config, its pointer, the PDL attribute)."""
+    byref, argv, launch config, its pointer, the PDL attribute, a cluster launch's config, its
+    pointer, its attributes (the cluster's dimensions, then PDL))."""
     buf = ctypes.create_string_buffer(_MAX_PARAM_BYTES)
     argv = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
     cur = ctypes.c_void_p()
-    # CUlaunchAttribute: id, padding to 8 bytes, a 64-byte value union (here one int: allowed).
-    attr = ctypes.create_string_buffer(72)
+    attr = ctypes.create_string_buffer(_ATTR_BYTES)
     struct.pack_into("<i4xi", attr, 0, _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)
     cfg = ctypes.create_string_buffer(56)
     struct.pack_into("<QI", cfg, 40, ctypes.addressof(attr), 1)
+    cattrs = ctypes.create_string_buffer(2 * _ATTR_BYTES)
+    struct.pack_into("<i4x3I", cattrs, 0, _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, 1, 1, 1)
+    struct.pack_into("<i4xi", cattrs, _ATTR_BYTES, _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)
+    ccfg = ctypes.create_string_buffer(56)
+    struct.pack_into("<Q", ccfg, 40, ctypes.addressof(cattrs))
     # argv as a c_void_p holding its address: the launch binding below takes no argtypes, and a
     # ctypes object converts faster than an array. ``argv`` is kept alive alongside.
     slot = (buf, ctypes.c_void_p(ctypes.addressof(argv)), cur, ctypes.byref(cur), argv,
-            cfg, ctypes.c_void_p(ctypes.addressof(cfg)), attr)
+            cfg, ctypes.c_void_p(ctypes.addressof(cfg)), attr, ccfg, ctypes.c_void_p(ctypes.addressof(ccfg)), cattrs)
     _tls.slot = slot
     return slot
 
@@ -102,6 +109,8 @@ class Kernel:
         self._drv = drv
         self._func = ctypes.c_void_p(self.func_ptr)
         pdl = get_arch(self.binary.arch).major >= 9 and drv.raw_launch_ex is not None
+        self._clusters = pdl and get_arch(self.binary.arch).major == 9  # decode's cluster merge: measured on sm_90
+        self._cluster_fit: dict[int, bool] = {}
         listed = self.spec.PDL_ENTRIES
         self._entries = {"": (self._func, self.threads, self.smem_bytes, pdl and "" in listed)}
         for suffix, (fn, threads, smem) in (self.extra or {}).items():
@@ -127,6 +136,42 @@ class Kernel:
             slot = _thread_slot()
         ctypes.memmove(slot[0], params, n)
         self._enqueue(grid, stream, slot, entry)
+
+    def cluster_fits(self, cluster_x: int) -> bool:
+        """Whether the main entry may be launched in clusters of ``cluster_x`` CTAs (``launch_cluster``):
+        sm_90 (the only arch where that is measured) with cuLaunchKernelEx, and the device holds at
+        least one such cluster at once."""
+        if not self._clusters:
+            return False
+        fits = self._cluster_fit.get(cluster_x)
+        if fits is None:
+            func, threads, smem, _ = self._entries[""]
+            fits = self._cluster_fit[cluster_x] = self._drv.max_active_clusters(
+                func.value, self.device, cluster_x, threads, smem) > 0
+        return fits
+
+    def launch_cluster(self, layout: struct.Struct, grid: tuple[int, int, int], cluster_x: int, stream: int,
+                       *values) -> None:
+        """``launch_struct`` of the main entry with the grid's x in clusters of ``cluster_x`` CTAs
+        (which divides it), and programmatic dependent launch as ``launch_struct`` gives it."""
+        try:
+            slot = _tls.slot
+        except AttributeError:
+            slot = _thread_slot()
+        layout.pack_into(slot[0], 0, *values)
+        func, threads, smem, pdl = self._entries[""]
+        _LAUNCH_CONFIG.pack_into(slot[8], 0, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream)
+        struct.pack_into("<I", slot[10], 8, cluster_x)
+        struct.pack_into("<I", slot[8], 48, 2 if pdl and _pdl[0] else 1)
+        drv = self._drv
+        pushed = drv.push(self.device)  # a no-op where the primary context is current already
+        try:
+            rc = self._cu_launch_ex(slot[9], func, slot[1], None)
+        finally:
+            if pushed:
+                drv.pop()
+        if rc:
+            self._failed(rc, grid)
 
     def launch_struct(self, layout: struct.Struct, grid: tuple[int, int, int], stream: int, *values,
                       entry: str = "") -> None:

@@ -31,6 +31,7 @@ static unsigned last_grid[3], last_block;
 static unsigned last_smem;
 static void *last_stream, *last_func;
 static int last_pdl;  /* the last launch asked for programmatic stream serialization */
+static int last_cluster;  /* the last launch's cluster size along x (0: no cluster) */
 static unsigned char last_params[1024];
 
 CUresult cuInit(unsigned f) { return 0; }
@@ -54,7 +55,7 @@ CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
     launches++; last_func = f; last_grid[0] = gx; last_grid[1] = gy; last_grid[2] = gz; last_block = bx;
     last_smem = smem; last_stream = stream;
     memcpy(last_params, params[0], sizeof last_params);
-    last_pdl = 0;
+    last_pdl = 0; last_cluster = 0;
     return 0;
 }
 /* CUlaunchConfig and CUlaunchAttribute as cuda.h lays them out */
@@ -64,7 +65,16 @@ CUresult cuLaunchKernelEx(const Config *c, void *f, void **params, void **extra)
     CUresult rc = cuLaunchKernel(f, c->gx, c->gy, c->gz, c->bx, c->by, c->bz, c->smem, c->stream, params, extra);
     for (unsigned i = 0; i < c->n; i++)
         if (c->attrs[i].id == 6) last_pdl = c->attrs[i].value[0];
+        else if (c->attrs[i].id == 4) last_cluster = c->attrs[i].value[0];  /* the cluster's x */
     return rc;
+}
+/* Any cluster up to 8 CTAs fits, twice. */
+CUresult cuOccupancyMaxActiveClusters(int *n, void *f, const Config *c) {
+    unsigned x = 1;
+    for (unsigned i = 0; i < c->n; i++)
+        if (c->attrs[i].id == 4) x = (unsigned)c->attrs[i].value[0];
+    *n = x <= 8 ? 2 : 0;
+    return 0;
 }
 /* A tensor map: 128 bytes naming what it was built from (the address and the first two dims), so that a
    test can tell maps apart; never read by a kernel here. */
@@ -81,7 +91,7 @@ long stub_count(int what) { return what == 0 ? launches : what == 1 ? pushes : w
 const unsigned char *stub_last_params(void) { return last_params; }
 void stub_last_launch(unsigned *out) { out[0] = last_grid[0]; out[1] = last_grid[1]; out[2] = last_grid[2];
                                        out[3] = last_block; out[4] = last_smem; out[5] = (unsigned)(uintptr_t)last_stream;
-                                       out[6] = (unsigned)last_pdl; }
+                                       out[6] = (unsigned)last_pdl; out[7] = (unsigned)last_cluster; }
 """
 
 _lib = None
@@ -137,9 +147,10 @@ def last_params(n: int) -> bytes:
 
 
 def last_launch() -> dict:
-    out = (ctypes.c_uint * 7)()
+    out = (ctypes.c_uint * 8)()
     _lib.stub_last_launch(out)
-    return {"grid": (out[0], out[1], out[2]), "threads": out[3], "smem": out[4], "stream": out[5], "pdl": out[6]}
+    return {"grid": (out[0], out[1], out[2]), "threads": out[3], "smem": out[4], "stream": out[5], "pdl": out[6],
+            "cluster": out[7]}
 
 
 def counts() -> dict:

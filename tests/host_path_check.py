@@ -185,10 +185,27 @@ def check_decode(torch, wrap):
     dq = wrap(torch.randn(1, 1, 32, 128).to(torch.bfloat16))
     kc, vc = (wrap(torch.randn(1, 4096, 8, 128).to(torch.bfloat16)) for _ in range(2))
     lens = wrap(torch.tensor([3000], dtype=torch.int32))
+    from attngen.families.decode import op
+
+    # sm_90: the splits of a row are one cluster, which merges them: one launch, no workspace.
+    n0 = fake_cuda.counts()["launches"]
+    out = attngen.decode(dq, kc, vc, cache_seqlens=lens, num_splits=4)
+    assert fake_cuda.counts()["launches"] == n0 + 1, "one launch"
+    got = fake_cuda.last_launch()
+    assert got["cluster"] == 4 and got["grid"] == (4, 8, 1) and got["pdl"] == 1, got
+    vals = dparams.unpack(fake_cuda.last_params(dparams.size))
+    assert vals[3] == out.data_ptr() and vals[8:10] == (0, 0), "no workspace: o_part null asks for the cluster merge"
+    attngen.decode(dq, kc, vc, cache_seqlens=lens, num_splits=9)  # past the portable size
+    assert fake_cuda.last_launch()["cluster"] == 0
+    attngen.decode(dq, kc, vc, cache_seqlens=lens)
+    assert fake_cuda.last_launch()["cluster"] in range(2, op.CLUSTER_MAX + 1), "the automatic count fits a cluster"
+    # The workspace and the merge launch, as on the other archs.
+    op.set_cluster_merge(0)
     n0 = fake_cuda.counts()["launches"]
     out = attngen.decode(dq, kc, vc, cache_seqlens=lens, num_splits=4)
     assert fake_cuda.counts()["launches"] == n0 + 2, "a split launch and a merge launch"
     got = fake_cuda.last_launch()
+    assert got["cluster"] == 0, got
     assert got["pdl"] == 0, f"the merge launches without programmatic dependent launch: {got}"
     vals = dparams.unpack(fake_cuda.last_params(dparams.size))
     assert vals[:4] == (dq.data_ptr(), kc.data_ptr(), vc.data_ptr(), out.data_ptr()), vals[:4]
@@ -207,8 +224,6 @@ def check_decode(torch, wrap):
 
     # A call's launch is worked out once per key (the infos and the other arguments): a repeat
     # carries its own allocations, and every argument that differs reaches the kernel.
-    from attngen.families.decode import op
-
     def split_params():  # the split launch's parameters: the one before the merge's
         return dparams.unpack(fake_cuda.last_params(dparams.size))
 
@@ -243,6 +258,7 @@ def check_decode(torch, wrap):
     for n in range(1, 300):
         attngen.decode(dq, kc, vc, cache_seqlens=n, num_splits=1, out=out)
     assert 0 < len(op._calls) <= op._MAX_CALLS
+    op.set_cluster_merge(op.CLUSTER_MAX)
 
 
 if __name__ == "__main__":

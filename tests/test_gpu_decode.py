@@ -196,6 +196,55 @@ def test_many_splits_every_head_dim(d):
     run(Case([5, 300, 2049], q_len=3, heads=4, kv_heads=4, head_dim=d, dtype=torch.float16), num_splits=7)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("group,q_len", [(1, 1), (4, 2), (16, 8)], ids=["g1q1", "g4q2", "g16q8"])
+def test_cluster_merge(d, paged, group, q_len):
+    # sm_90: the splits of a row run as one cluster and merge in shared memory (no workspace, no merge
+    # launch). Both ways against the reference and against each other, with rows of no key and rows
+    # whose late splits get no tile.
+    from attngen.families.decode import op
+
+    # 6 rows x 8 KV heads: enough CTAs that the clusters are taken (cluster_limit) with every kernel here
+    case = Case([0, 1, 17, 129, 1000, 4097], q_len=q_len, heads=group * 8, kv_heads=8, head_dim=d,
+                dtype=torch.bfloat16, block_size=64 if paged else None)
+    got = {}
+    for cluster in (True, False):
+        was = op.set_cluster_merge(op.CLUSTER_MAX if cluster else 0)
+        try:
+            for splits in (2, 5, 8, 9):
+                out = torch.full_like(case.q, NAN)
+                o, lse = attngen.decode(case.q, case.k_cache, case.v_cache, **case.kwargs(), num_splits=splits,
+                                        out=out, return_lse=True)
+                torch.cuda.synchronize()
+                check(case, o, lse)
+                got[cluster, splits] = (o.float(), lse)
+            calls = list(op._calls.values())
+        finally:
+            op.set_cluster_merge(was)
+        if torch.cuda.get_device_capability() == (9, 0):
+            for c in calls:
+                fits = c.grid[0] <= op.cluster_limit(c.kern, c.grid[1] * c.grid[2])
+                assert bool(c.cluster) == (cluster and fits), (cluster, fits, c.cluster)
+    for splits in (2, 5, 8, 9):
+        (o1, l1), (o2, l2) = got[True, splits], got[False, splits]
+        assert (o1 - o2).abs().max().item() < 2e-2, splits  # the same partials, merged in another order
+        fin = torch.isfinite(l2)
+        assert torch.equal(torch.isfinite(l1), fin) and (l1[fin] - l2[fin]).abs().max().item() < 1e-4
+
+
+def test_cluster_merge_is_taken():
+    # The default kernel at head_dim 128 (one CTA an SM) at batch 1 with 8 KV heads and an 8k cache:
+    # the splits merge in clusters on sm_90, through the workspace elsewhere; right either way.
+    from attngen.families.decode import op
+
+    case = Case([8192], heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    op.set_cluster_merge(op.CLUSTER_MAX)  # calls worked out afresh
+    run(case)
+    (c,) = [c for c in op._calls.values() if c.grid and c.grid[1:] == (8, 1)]
+    assert 1 < c.grid[0] and bool(c.cluster) == (torch.cuda.get_device_capability() == (9, 0)), (c.grid, c.cluster)
+
+
 # --- tile configs: every ring depth, tile and warp grid, not only the defaults ------------------------
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -93,7 +93,8 @@ def ctas_per_sm(kern) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def choose_splits(ctas: int, capacity: int, block_n: int, sm_count: int, per_sm: int, tile_bytes: int,
-                  out_bytes: int, *, q_bytes: int = 0, side_weight: float = 1.0, out_passes: int = 1) -> int:
+                  out_bytes: int, *, q_bytes: int = 0, side_weight: float = 1.0, out_passes: int = 1,
+                  max_splits: int = MAX_SPLITS) -> int:
     """Split count from a cost model over SM count, the unsplit grid and sequence capacity.
 
     ``ctas`` is the grid without splitting, ``tile_bytes`` what one CTA reads per KV tile and
@@ -101,7 +102,8 @@ def choose_splits(ctas: int, capacity: int, block_n: int, sm_count: int, per_sm:
     steps": one step is every resident CTA reading one tile. A split count s runs ctas * s CTAs
     in ceil(CTAs / slots) waves of ceil(tiles / s) + 2 steps (2 for the pipeline's fill), plus,
     when s > 1, one step for the merge launch and the merge's traffic (s partials, ``out_passes``
-    times) in steps of the same bandwidth. ``q_bytes`` is what every split reads besides its tiles
+    times) in steps of the same bandwidth (``out_bytes`` 0 where the splits merge on chip), at
+    most ``max_splits`` splits. ``q_bytes`` is what every split reads besides its tiles
     (the queries of the whole grid); ``side_weight`` scales that and the partials' traffic (MLA
     decode: its 64-row partials and Q are as large as a tile, and cost about twice their bytes).
     """
@@ -110,7 +112,7 @@ def choose_splits(ctas: int, capacity: int, block_n: int, sm_count: int, per_sm:
     slots = max(1, sm_count * per_sm)
     step = slots * tile_bytes
     best, best_cost = 1, None
-    for s in range(1, min(MAX_SPLITS, tiles) + 1):
+    for s in range(1, min(max_splits, tiles) + 1):
         waves = -(-base * s // slots)
         cost = waves * (-(-tiles // s) + 2) + side_weight * s * q_bytes / step
         if s > 1:

@@ -392,7 +392,60 @@ struct Decode {
       }
   }
 
-  // Normalise and write: the output (one split) or fp32 partials and their LSE (several).
+  // After the KV loop the shared memory holds, from its start: the per-row max and sum of every warp
+  // [2][WARPS_N][ROWS], the fp32 partial outputs of the warps past the first along the keys
+  // [WARPS_N - 1][ROWS][HEAD_DIM + 4], and (a cluster merge) the CTA's normalised output [ROWS][HEAD_DIM]
+  // and its LSE [ROWS] at PART_AT floats (DecodeSpec.cluster_merge_bytes counts the same).
+  static constexpr int PART_AT = (2 * WARPS_N * ROWS + (WARPS_N - 1) * ROWS * (HEAD_DIM + 4) + 3) / 4 * 4;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1000  // measured on sm_90 only (Kernel.clusters)
+  static constexpr bool CAN_CLUSTER = true;
+#else
+  static constexpr bool CAN_CLUSTER = false;
+#endif
+
+  // The splits of one (batch, kv head) launched as one cluster (sm_90, o_part null): each CTA left
+  // its normalised output and LSE in its shared memory; CTA `split` merges every split's rows for
+  // the float4 columns split, split + splits, ... of the rows, reading the others' shared memory,
+  // and writes the output. The second barrier keeps every CTA's shared memory until all have read.
+  static __device__ __forceinline__ void cluster_merge(const DecodeParams<T>& p, const Cta& c, const float* sPart,
+                                                       const float* sLse, int tid) {
+    constexpr int C4 = HEAD_DIM / 4;
+    cluster_sync();
+    const unsigned part = smem_addr(sPart), lse_at = smem_addr(sLse);
+    const int splits = p.num_splits;
+    for (int i = c.split * THREADS + tid; i < c.rows_valid * C4; i += splits * THREADS) {
+      const int row = i / C4;
+      const int col = (i - row * C4) * 4;
+      float mx = -ATTNGEN_INF;
+      for (int s = 0; s < splits; ++s) mx = fmaxf(mx, cluster_load_f32(cluster_map(lse_at + 4 * row, s)));
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      float wsum = 0.f;
+      if (mx != -ATTNGEN_INF) {
+        for (int s = 0; s < splits; ++s) {
+          const float ls = cluster_load_f32(cluster_map(lse_at + 4 * row, s));
+          // every split's row is written (zeros for a split that saw no key): a weight of 0 multiplies finite values
+          const float w = ls == -ATTNGEN_INF ? 0.f : __expf(ls - mx);
+          const float4 x = cluster_load_f4(cluster_map(part + 4 * (row * HEAD_DIM + col), s));
+          acc.x = fmaf(w, x.x, acc.x);
+          acc.y = fmaf(w, x.y, acc.y);
+          acc.z = fmaf(w, x.z, acc.z);
+          acc.w = fmaf(w, x.w, acc.w);
+          wsum += w;
+        }
+      }
+      const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+      const int qi = row / p.group;
+      const int head = c.kv_head * p.group + (row - qi * p.group);
+      T* dst = p.o + c.batch * p.o_sb + qi * p.o_ss + head * p.o_sh + col;
+      *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<BF16>(acc.x * inv, acc.y * inv), pack2<BF16>(acc.z * inv, acc.w * inv));
+      if (col == 0 && p.lse)
+        p.lse[((long long)c.batch * p.num_heads + head) * p.q_len + qi] = wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
+    }
+    cluster_sync();
+  }
+
+  // Normalise and write: the output (one split), fp32 partials and their LSE (several), or, with the
+  // splits a cluster, the CTA's share of the merged output (cluster_merge).
   static __device__ __forceinline__ void epilogue(const DecodeParams<T>& p, const Cta& c, unsigned char* smem,
                                                   float (&acc_o)[M_TILES][D_TILES][4], float (&row_max)[M_TILES][2],
                                                   float (&row_sum)[M_TILES][2], const Lane& l) {
@@ -400,6 +453,9 @@ struct Decode {
     __syncthreads();
     float* sStat = reinterpret_cast<float*>(smem);  // [2][WARPS_N][ROWS]
     float* sO = sStat + 2 * WARPS_N * ROWS;         // [WARPS_N - 1][ROWS][HEAD_DIM + 4]
+    float* sPart = sStat + PART_AT;                 // cluster merge: [ROWS][HEAD_DIM], then the LSE [ROWS]
+    float* sLse = sPart + ROWS * HEAD_DIM;
+    const bool cl = CAN_CLUSTER && p.num_splits > 1 && p.o_part == nullptr;
     float factor[M_TILES][2];
     merge_stats(sStat, row_max, row_sum, factor, p.scale_log2, l);
     if constexpr (WARPS_N > 1) {
@@ -416,7 +472,10 @@ struct Decode {
             }
       }
       __syncthreads();
-      if (l.wn > 0) return;
+      if (l.wn > 0) {
+        if (cl) cluster_merge(p, c, sPart, sLse, l.tid);
+        return;
+      }
     }
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
@@ -446,6 +505,8 @@ struct Decode {
           }
           if (one) {
             *reinterpret_cast<unsigned*>(gO + col) = pack2<BF16>(x0 * inv, x1 * inv);
+          } else if (cl) {
+            *reinterpret_cast<float2*>(sPart + row * HEAD_DIM + col) = make_float2(x0 * inv, x1 * inv);
           } else {
             *reinterpret_cast<float2*>(gP + col) = make_float2(x0 * inv, x1 * inv);
           }
@@ -453,11 +514,14 @@ struct Decode {
         if (l.t == 0) {
           if (one) {
             if (p.lse) p.lse[((long long)c.batch * p.num_heads + head) * p.q_len + qi] = lse;
+          } else if (cl) {
+            sLse[row] = lse;
           } else {
             p.lse_part[(((long long)c.split * p.batch + c.batch) * p.num_heads + head) * p.q_len + qi] = lse;
           }
         }
       }
+    if (cl) cluster_merge(p, c, sPart, sLse, l.tid);
   }
 
   // The CTA's tiles through a NUM_STAGES-slot cp.async ring: load(tile, slot) issues one tile's

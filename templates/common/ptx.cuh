@@ -54,6 +54,24 @@ __device__ __forceinline__ void cluster_store_async_f4(unsigned addr, float4 v, 
 #endif
 }
 
+// Reads of another CTA's shared memory at a cluster address (from cluster_map).
+__device__ __forceinline__ float cluster_load_f32(unsigned addr) {
+  float v = 0.f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+#endif
+  return v;
+}
+
+__device__ __forceinline__ float4 cluster_load_f4(unsigned addr) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
+#endif
+  return v;
+}
+
 // Until the phase of this parity of this CTA's mbarrier `bar` has completed, acquiring at cluster
 // scope what other CTAs of the cluster wrote before completing it.
 __device__ __forceinline__ void cluster_mbar_wait(unsigned bar, unsigned parity) {
