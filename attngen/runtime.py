@@ -320,6 +320,28 @@ def register_dependent_cache(d: dict) -> dict:
     return d
 
 
+_NUMBERS = frozenset((int, float))
+_MAX_CALLS = 256
+
+
+def keep_call(memo: dict, key, call, flags: tuple = (), numbers: tuple = ()) -> None:
+    """Remember ``call`` (what an op worked out for a call: checks passed, kernel, grid, parameters)
+    under ``key`` in the op's memo (``register_dependent_cache``), which keeps the last few hundred.
+    Only where the key was made (not None), every flag is a bool and every number None, an int or a
+    float: an argument of another class (a 0-dim tensor whose value may change) is never keyed by."""
+    if key is None:
+        return
+    for f in flags:
+        if f.__class__ is not bool:
+            return
+    for x in numbers:
+        if x is not None and x.__class__ not in _NUMBERS:
+            return
+    if len(memo) >= _MAX_CALLS:
+        memo.clear()
+    memo[key] = call
+
+
 def clear_loaded() -> None:
     with _kernels_lock:
         _kernels.clear()

@@ -10,7 +10,7 @@ import struct
 
 from ... import runtime as _rt
 from ...errors import LaunchError
-from ...runtime import (TunedKernels, allocator, current_stream, data_ptr, register_dependent_cache,
+from ...runtime import (TunedKernels, allocator, current_stream, data_ptr, keep_call, register_dependent_cache,
                          tensor_info, torch_stream_getter)
 from ...spec import DType, spec_of_text
 from ..score_mods import NO_EXTRAS, checked_scale, extras
@@ -120,11 +120,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     if call is None:
         call = _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse,
                         out, variant, spec, softcap, alibi_slopes)
-        if (key is not None and num_splits.__class__ is int and softcap.__class__ in _NUMBERS
-                and return_lse.__class__ is bool and (sm_scale is None or sm_scale.__class__ in _NUMBERS)):
-            if len(_calls) >= _MAX_CALLS:
-                _calls.clear()
-            _calls[key] = call
+        keep_call(_calls, key, call, flags=(return_lse,), numbers=(num_splits, sm_scale, softcap))
     plan, kind = call.plan, qi.kind
     if out is None:
         out = plan.alloc(*call.out_shape)
@@ -166,8 +162,6 @@ class _Call:
                  "merge_grid", "unfused")
 
 
-_NUMBERS = frozenset((int, float))
-_MAX_CALLS = 256
 CLUSTER_MAX = 8  # the portable cluster size (16, where an H100 allows it, ran 1.3-1.5x slower at batch 1)
 _cluster_merge = [CLUSTER_MAX]
 try:
@@ -184,7 +178,7 @@ def set_cluster_merge(max_splits: int) -> int:
     was, _cluster_merge[0] = _cluster_merge[0], max(0, min(CLUSTER_MAX, int(max_splits)))
     _calls.clear()
     return was
-_calls: dict[tuple, _Call] = register_dependent_cache({})  # key -> _Call: the last few hundred keys
+_calls: dict[tuple, _Call] = register_dependent_cache({})  # key -> _Call (runtime.keep_call)
 
 
 def cluster_limit(kern, ctas: int) -> int:

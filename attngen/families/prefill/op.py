@@ -23,8 +23,8 @@ import struct
 
 from ... import runtime as _rt
 from ...errors import LaunchError
-from ...runtime import (TunedKernels, allocator, data_ptr, get_kernel, register_dependent_cache, tensor_info,
-                         torch_stream_getter)
+from ...runtime import (TunedKernels, allocator, data_ptr, get_kernel, keep_call, register_dependent_cache,
+                         tensor_info, torch_stream_getter)
 from ...spec import DType, spec_of_text
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from ..split_kv import ctas_per_sm, sm_count
@@ -256,11 +256,7 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     if call is None:
         call = _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softcap, alibi_slopes,
                         mask is not None)
-        if (key is not None and causal.__class__ is bool and return_lse.__class__ is bool
-                and softcap.__class__ in _NUMBERS and (sm_scale is None or sm_scale.__class__ in _NUMBERS)):
-            if len(_calls) >= _MAX_CALLS:
-                _calls.clear()
-            _calls[key] = call
+        keep_call(_calls, key, call, flags=(causal, return_lse), numbers=(sm_scale, softcap))
     plan, kind = call.plan, qi.kind
     if out is None:
         out = plan.alloc(*call.out_shape)
@@ -297,9 +293,7 @@ class _Call:
                  "left", "right")
 
 
-_NUMBERS = frozenset((int, float))
-_MAX_CALLS = 256
-_calls: dict[tuple, _Call] = register_dependent_cache({})  # key -> _Call: the last few hundred keys
+_calls: dict[tuple, _Call] = register_dependent_cache({})  # key -> _Call (runtime.keep_call)
 
 
 def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softcap, alibi_slopes, masked) -> _Call:
