@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import struct
 import threading
 
 from .errors import LaunchError
@@ -117,19 +116,16 @@ class Driver:
                     ctx = self._primary[device] = c.value
         return ctx
 
-    def max_active_clusters(self, func: int, device: int, cluster_x: int, threads: int, smem: int) -> int:
-        """How many clusters of ``cluster_x`` CTAs (``threads`` each, ``smem`` bytes of dynamic shared
-        memory) of ``func`` the device holds at once; 0 where none fits or the driver cannot say."""
+    def max_active_clusters(self, func, device: int, config) -> int:
+        """How many clusters of ``func`` (a c_void_p) the device holds at once, launched as ``config``
+        (a CUlaunchConfig with the cluster's dimensions, by pointer) gives them; 0 where none fits or
+        the driver cannot say."""
         if self._max_clusters is None:
             return 0
-        attr = ctypes.create_string_buffer(72)  # CUlaunchAttribute: the cluster's dimensions
-        struct.pack_into("<i4x3I", attr, 0, 4, cluster_x, 1, 1)
-        cfg = ctypes.create_string_buffer(56)  # CUlaunchConfig: a grid of one cluster, no stream
-        struct.pack_into("<7I4xQQI", cfg, 0, cluster_x, 1, 1, threads, 1, 1, smem, 0, ctypes.addressof(attr), 1)
         n = ctypes.c_int(0)
         pushed = self.push(device)
         try:
-            rc = self._max_clusters(ctypes.byref(n), _vp(func), cfg)
+            rc = self._max_clusters(ctypes.byref(n), func, config)
         finally:
             if pushed:
                 self.pop()

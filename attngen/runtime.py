@@ -85,6 +85,14 @@ def _thread_slot():
     return slot
 
 
+def _cluster_config(slot, grid, threads: int, smem: int, stream: int, cluster_x: int, pdl: bool) -> None:
+    """Fill this thread's cluster launch config (``slot[8]``, its attributes ``slot[10]``): the grid,
+    clusters of ``cluster_x`` CTAs along x, and with ``pdl`` programmatic serialization too."""
+    _LAUNCH_CONFIG.pack_into(slot[8], 0, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream)
+    struct.pack_into("<I", slot[10], 8, cluster_x)
+    struct.pack_into("<I", slot[8], 48, 2 if pdl else 1)
+
+
 @dataclass(eq=False)
 class Kernel:
     """A binary loaded on one device."""
@@ -138,44 +146,24 @@ class Kernel:
         self._enqueue(grid, stream, slot, entry)
 
     def cluster_fits(self, cluster_x: int) -> bool:
-        """Whether the main entry may be launched in clusters of ``cluster_x`` CTAs (``launch_cluster``):
-        sm_90 (the only arch where that is measured) with cuLaunchKernelEx, and the device holds at
-        least one such cluster at once."""
+        """Whether the main entry may be launched in clusters of ``cluster_x`` CTAs (``launch_struct``'s
+        ``cluster_x``): sm_90 (the only arch where that is measured) with cuLaunchKernelEx, and the
+        device holds at least one such cluster at once."""
         if not self._clusters:
             return False
         fits = self._cluster_fit.get(cluster_x)
         if fits is None:
+            slot = getattr(_tls, "slot", None) or _thread_slot()
             func, threads, smem, _ = self._entries[""]
-            fits = self._cluster_fit[cluster_x] = self._drv.max_active_clusters(
-                func.value, self.device, cluster_x, threads, smem) > 0
+            _cluster_config(slot, (cluster_x, 1, 1), threads, smem, 0, cluster_x, False)
+            fits = self._cluster_fit[cluster_x] = self._drv.max_active_clusters(func, self.device, slot[9]) > 0
         return fits
 
-    def launch_cluster(self, layout: struct.Struct, grid: tuple[int, int, int], cluster_x: int, stream: int,
-                       *values) -> None:
-        """``launch_struct`` of the main entry with the grid's x in clusters of ``cluster_x`` CTAs
-        (which divides it), and programmatic dependent launch as ``launch_struct`` gives it."""
-        try:
-            slot = _tls.slot
-        except AttributeError:
-            slot = _thread_slot()
-        layout.pack_into(slot[0], 0, *values)
-        func, threads, smem, pdl = self._entries[""]
-        _LAUNCH_CONFIG.pack_into(slot[8], 0, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream)
-        struct.pack_into("<I", slot[10], 8, cluster_x)
-        struct.pack_into("<I", slot[8], 48, 2 if pdl and _pdl[0] else 1)
-        drv = self._drv
-        pushed = drv.push(self.device)  # a no-op where the primary context is current already
-        try:
-            rc = self._cu_launch_ex(slot[9], func, slot[1], None)
-        finally:
-            if pushed:
-                drv.pop()
-        if rc:
-            self._failed(rc, grid)
-
     def launch_struct(self, layout: struct.Struct, grid: tuple[int, int, int], stream: int, *values,
-                      entry: str = "") -> None:
-        """``launch`` with the parameters packed by ``layout`` straight into this thread's buffer.
+                      entry: str = "", cluster_x: int = 0) -> None:
+        """``launch`` with the parameters packed by ``layout`` straight into this thread's buffer;
+        ``cluster_x`` > 0 launches the grid's x in clusters of that many CTAs (which divides it;
+        ``cluster_fits`` says where that may be asked).
 
         The ops' hot path: no bytes object and no ctypes buffer per call, one context query, and
         the launch through a binding without argtypes (see ``_driver``).
@@ -190,14 +178,18 @@ class Kernel:
         # per launch, rather than a per-thread memo that a device switch would make stale.
         self._ctx_current(slot[3])
         if slot[2].value != self.context:
-            return self._enqueue(grid, stream, slot, entry)
-        self._go(grid, stream, slot, entry)
+            return self._enqueue(grid, stream, slot, entry, cluster_x)
+        self._go(grid, stream, slot, entry, cluster_x)
 
-    def _go(self, grid, stream, slot, entry: str) -> None:
-        """The driver call: cuLaunchKernelEx with programmatic serialization for an entry the family
-        lists (while PDL is on), else cuLaunchKernel."""
+    def _go(self, grid, stream, slot, entry: str, cluster_x: int = 0) -> None:
+        """The driver call: cuLaunchKernelEx with the cluster's dimensions (and programmatic
+        serialization as below) for a cluster launch, or with programmatic serialization alone for an
+        entry the family lists (while PDL is on), else cuLaunchKernel."""
         func, threads, smem, pdl = self._entries[entry]
-        if pdl and _pdl[0]:
+        if cluster_x:
+            _cluster_config(slot, grid, threads, smem, stream, cluster_x, pdl and _pdl[0])
+            rc = self._cu_launch_ex(slot[9], func, slot[1], None)
+        elif pdl and _pdl[0]:
             _LAUNCH_CONFIG.pack_into(slot[5], 0, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream)
             rc = self._cu_launch_ex(slot[6], func, slot[1], None)
         else:
@@ -206,11 +198,11 @@ class Kernel:
         if rc:
             self._failed(rc, grid, entry)
 
-    def _enqueue(self, grid, stream, slot, entry: str = "") -> None:
+    def _enqueue(self, grid, stream, slot, entry: str = "", cluster_x: int = 0) -> None:
         drv = self._drv
         pushed = drv.push(self.device)  # a no-op where the primary context is current already
         try:
-            self._go(grid, stream, slot, entry)
+            self._go(grid, stream, slot, entry, cluster_x)
         finally:
             if pushed:
                 drv.pop()

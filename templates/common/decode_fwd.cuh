@@ -397,7 +397,7 @@ struct Decode {
   // [WARPS_N - 1][ROWS][HEAD_DIM + 4], and (a cluster merge) the CTA's normalised output [ROWS][HEAD_DIM]
   // and its LSE [ROWS] at PART_AT floats (DecodeSpec.cluster_merge_bytes counts the same).
   static constexpr int PART_AT = (2 * WARPS_N * ROWS + (WARPS_N - 1) * ROWS * (HEAD_DIM + 4) + 3) / 4 * 4;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1000  // measured on sm_90 only (Kernel.clusters)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1000  // measured on sm_90 only (Kernel.cluster_fits)
   static constexpr bool CAN_CLUSTER = true;
 #else
   static constexpr bool CAN_CLUSTER = false;
@@ -437,7 +437,8 @@ struct Decode {
       const int qi = row / p.group;
       const int head = c.kv_head * p.group + (row - qi * p.group);
       T* dst = p.o + c.batch * p.o_sb + qi * p.o_ss + head * p.o_sh + col;
-      *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<BF16>(acc.x * inv, acc.y * inv), pack2<BF16>(acc.z * inv, acc.w * inv));
+      *reinterpret_cast<uint2*>(dst) =
+          make_uint2(pack2<BF16>(acc.x * inv, acc.y * inv), pack2<BF16>(acc.z * inv, acc.w * inv));
       if (col == 0 && p.lse)
         p.lse[((long long)c.batch * p.num_heads + head) * p.q_len + qi] = wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
     }

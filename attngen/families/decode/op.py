@@ -142,10 +142,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
               w0, w1, w2, w3, *call.tail)
     kern, grid = call.kern, call.grid
     stream = plan.stream(qi.device)
-    if call.cluster:
-        kern.launch_cluster(_PARAMS, grid, call.cluster, stream, *values)
-        return (out, lse) if return_lse else out
-    kern.launch_struct(_PARAMS, grid, stream, *values)
+    kern.launch_struct(_PARAMS, grid, stream, *values, cluster_x=call.cluster)  # a cluster: no _pv, no merge
     if call.unfused:
         kern.launch_struct(_PARAMS, grid, stream, *values, entry="_pv")
     if call.merge_grid is not None:
@@ -155,13 +152,15 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
 
 class _Call:
     """What a decode call with a given key launches, worked out once: its plan and kernel, the
-    shapes it allocates (or the caller's ``out``), the workspace's size and the offsets of its pieces (bytes; -1 where a piece
-    is not used), the parameters that are not pointers of this call's own allocations, the grids."""
+    shapes it allocates (or the caller's ``out``), the workspace's size and the offsets of its
+    pieces (bytes; -1 where a piece is not used), the parameters that are not pointers of this
+    call's own allocations, the grids and the cluster size (0: none)."""
 
-    __slots__ = ("plan", "kern", "cluster", "out_shape", "out_ptr", "lse_shape", "work", "offsets", "indices", "tail", "grid",
-                 "merge_grid", "unfused")
+    __slots__ = ("plan", "kern", "cluster", "out_shape", "out_ptr", "lse_shape", "work", "offsets", "indices",
+                 "tail", "grid", "merge_grid", "unfused")
 
 
+_calls: dict[tuple, _Call] = register_dependent_cache({})  # key -> _Call (runtime.keep_call)
 CLUSTER_MAX = 8  # the portable cluster size (16, where an H100 allows it, ran 1.3-1.5x slower at batch 1)
 _cluster_merge = [CLUSTER_MAX]
 try:
@@ -178,7 +177,6 @@ def set_cluster_merge(max_splits: int) -> int:
     was, _cluster_merge[0] = _cluster_merge[0], max(0, min(CLUSTER_MAX, int(max_splits)))
     _calls.clear()
     return was
-_calls: dict[tuple, _Call] = register_dependent_cache({})  # key -> _Call (runtime.keep_call)
 
 
 def cluster_limit(kern, ctas: int) -> int:
@@ -289,11 +287,12 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
             num_splits = choose_splits(b * hk, capacity, rs.cta_tile_kv, plan.sms, per_sm, 4 * rs.cta_tile_kv * d,
                                        0, max_splits=cmax)
     call.cluster = num_splits if 1 < num_splits <= cmax else 0
+    merged = num_splits > 1 and not call.cluster  # by the merge launch
     # Else one fp32 workspace a call: split partials (outputs, then LSE), then the unfused variant's
     # scores and per-split row stats; every piece starts 16-byte aligned.
     scores_ld = 0
     sizes = [0, 0, 0, 0]
-    if num_splits > 1 and not call.cluster:
+    if merged:
         sizes[0] = num_splits * b * q_len * h * d
         sizes[1] = -(-num_splits * b * h * q_len // 4) * 4
     if unfused:
@@ -320,5 +319,5 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         cap_u, inv_cap_u, alibi_ptr, alibi_sb,
     )
     call.grid = (num_splits, hk, b)
-    call.merge_grid = (-(-b * q_len * h // (MERGE_THREADS // 32)), 1, 1) if num_splits > 1 and not call.cluster else None
+    call.merge_grid = (-(-b * q_len * h // (MERGE_THREADS // 32)), 1, 1) if merged else None
     return call

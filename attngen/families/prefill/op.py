@@ -338,7 +338,8 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
         return call
     ks_ = kern.spec
     tile_q = ks_.cta_tile_q
-    call.grid = grid = ((sq + tile_q - 1) // tile_q, h * ks_.v_splits, b)  # v_splits: the chunked kernel past 640 columns
+    # v_splits: the chunked kernel past 640 columns
+    call.grid = grid = ((sq + tile_q - 1) // tile_q, h * ks_.v_splits, b)
     if grid[1] > 65535:
         raise LaunchError(f"heads={h} exceed the grid's y limit (65535 / {ks_.v_splits} with this kernel)")
     call.layout = _PARAMS
