@@ -181,7 +181,7 @@ def check_decode(torch, wrap):
     from attngen import runtime
     from attngen.families.decode.spec import MERGE_THREADS
 
-    dparams = struct.Struct("<12Q14q10i2f2fQq")
+    dparams = struct.Struct("<12Q14q9iI2f2fQq")
     dq = wrap(torch.randn(1, 1, 32, 128).to(torch.bfloat16))
     kc, vc = (wrap(torch.randn(1, 4096, 8, 128).to(torch.bfloat16)) for _ in range(2))
     lens = wrap(torch.tensor([3000], dtype=torch.int32))
@@ -199,6 +199,13 @@ def check_decode(torch, wrap):
     assert fake_cuda.last_launch()["cluster"] == 0
     attngen.decode(dq, kc, vc, cache_seqlens=lens)
     assert fake_cuda.last_launch()["cluster"] in range(2, op.CLUSTER_MAX + 1), "the automatic count fits a cluster"
+    # A paged cache never clusters (1.5x slower, H100), and its 48-position blocks come with the
+    # multiplier of the kernel's division-free block lookup: ceil(2^(31 + 6) / 48).
+    kp, vp = (wrap(torch.randn(70, 48, 8, 128).to(torch.bfloat16)) for _ in range(2))
+    table = wrap(torch.randperm(70)[:64].to(torch.int32).reshape(1, 64))
+    attngen.decode(dq, kp, vp, cache_seqlens=lens, block_table=table, num_splits=4)
+    vals = dparams.unpack(fake_cuda.last_params(dparams.size))
+    assert fake_cuda.last_launch()["cluster"] == 0 and vals[31:36] == (48, 64 * 48, 70, 0, -(-2 ** 37 // 48)), vals
     # The workspace and the merge launch, as on the other archs.
     op.set_cluster_merge(0)
     n0 = fake_cuda.counts()["launches"]

@@ -6,7 +6,10 @@ back-to-back calls over their own K/V copies, no L2 flush).
 The streaming read is one kernel that loads every byte of K and V once with 16-byte loads over
 the whole GPU: about what any decode of one launch could do on these bytes.
 
-    PYTHONPATH=. python3 tools/probe_decode.py --out OUT/probe.json [--configs] [--label new]
+    PYTHONPATH=. python3 tools/probe_decode.py --out OUT/probe.json [--configs] [--label new] [--paged 64]
+
+``--paged BS`` times attngen on a paged copy of each cache (blocks of BS positions in a shuffled
+table); the bare read and cuDNN still read the contiguous bytes, the same count.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from attngen.bench import _event_bench, _graphed, _rel_check, environment  # noq
 from attngen.bench.core import measure_copy_bandwidth, stream_reader  # noqa: E402
 from attngen.families.decode.bench import decode_reference, rotate_copies  # noqa: E402
 
-# (batch, kv_len, heads, kv_heads), head_dim 128, bf16, q_len 1
+# (batch, kv_len, heads, kv_heads), bf16, q_len 1 (head_dim 128 unless --head-dim)
 SHAPES = [(1, 32768, 32, 8), (1, 32768, 32, 4), (1, 32768, 64, 8), (1, 8192, 32, 8), (16, 4096, 32, 4),
           (16, 4096, 32, 8), (16, 1024, 32, 8), (64, 8192, 32, 8)]
 # (cta_tile_kv, num_warps, num_stages) tried with --configs
-CONFIGS = [(128, 4, 2), (128, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 8, 2), (128, 8, 3), (128, 4, 1)]
+CONFIGS = [(128, 4, 2), (128, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 8, 2), (128, 8, 3), (128, 4, 1),
+           (32, 8, 2), (32, 4, 3)]
 
 
 def main() -> int:
@@ -37,6 +41,8 @@ def main() -> int:
     ap.add_argument("--label", default="", help="names this tree in the output")
     ap.add_argument("--configs", action="store_true", help="also time every config in CONFIGS")
     ap.add_argument("--rep-ms", type=float, default=100.0)
+    ap.add_argument("--head-dim", type=int, default=128, choices=attngen.DecodeSpec.HEAD_DIMS)
+    ap.add_argument("--paged", type=int, default=0, metavar="BS", help="attngen reads a paged cache of BS-position blocks")
     args = ap.parse_args()
 
     import torch
@@ -47,7 +53,7 @@ def main() -> int:
     copy = measure_copy_bandwidth()
     rows = []
     for b, n, h, hk in SHAPES:
-        d = 128
+        d = args.head_dim
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
         kc = torch.randn(b, n, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -55,25 +61,42 @@ def main() -> int:
         nbytes = kc.numel() * 2 * 2
         copies = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(rotate_copies(nbytes) - 1)]
         ref = decode_reference(q, kc, vc)
+        kw = {}
+        if args.paged:
+            bs = args.paged
+            per_row = -(-n // bs)
+            table = torch.randperm(b * per_row, device="cuda", generator=g).to(torch.int32).reshape(b, per_row)
+
+            def paged(t):
+                pool = torch.zeros(b * per_row * bs, hk, d, device="cuda", dtype=t.dtype)
+                dst = (table.long()[:, :, None] * bs + torch.arange(bs, device="cuda")).reshape(b, -1)[:, :n]
+                pool[dst.reshape(-1)] = t.reshape(b * n, hk, d)
+                return pool.view(b * per_row, bs, hk, d)
+            attn_copies = [(paged(kk), paged(vv)) for kk, vv in copies]
+            kw["block_table"] = table
+        else:
+            attn_copies = copies
         rec = {"batch": b, "kv_len": n, "heads": h, "kv_heads": hk, "bytes": nbytes, "copies": len(copies),
                "us": {}, "checks": {}}
 
-        def timed(name, make):
-            replay = _graphed(*(make(kk, vv) for kk, vv in copies))
+        def timed(name, make, pairs=copies):
+            replay = _graphed(*(make(kk, vv) for kk, vv in pairs))
             rec["us"][name] = 1e3 * _event_bench(replay, 25.0, args.rep_ms, None, flush=False) / len(copies)
 
         for cfg in [None] + (CONFIGS if args.configs else []):
-            spec = None if cfg is None else attngen.DecodeSpec(cta_tile_kv=cfg[0], num_warps=cfg[1], num_stages=cfg[2])
+            spec = None if cfg is None else attngen.DecodeSpec(cta_tile_kv=cfg[0], num_warps=cfg[1], num_stages=cfg[2],
+                                                               paged=bool(args.paged))
             name = "default" if cfg is None else "kv%d w%d st%d" % cfg
             out = torch.full_like(q, float("nan"))
             try:
-                attngen.decode(q, kc, vc, cache_seqlens=n, out=out, spec=spec)
+                attngen.decode(q, *attn_copies[0], cache_seqlens=n, out=out, spec=spec, **kw)
             except attngen.AttngenError as e:
                 rec["checks"][name] = str(e)[:200]
                 continue
             torch.cuda.synchronize()
             rec["checks"][name] = _rel_check(out, ref)["rel_l2"]
-            timed(name, lambda kk, vv, spec=spec: (lambda: attngen.decode(q, kk, vv, cache_seqlens=n, spec=spec)))
+            timed(name, lambda kk, vv, spec=spec: (lambda: attngen.decode(q, kk, vv, cache_seqlens=n, spec=spec, **kw)),
+                  attn_copies)
         timed("stream_read", lambda kk, vv: (lambda: stream_read(kk, vv)))
         qt = q.transpose(1, 2)
 
@@ -91,10 +114,10 @@ def main() -> int:
         bad = {k: v for k, v in rec["checks"].items() if not isinstance(v, float) or v > 1e-2}
         if bad:
             print("    FAILED or refused:", bad, flush=True)
-        copies = kc = vc = None
+        copies = attn_copies = kc = vc = None
         torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"label": args.label, "env": environment(True), "copy": copy, "rows": rows},
+    args.out.write_text(json.dumps({"label": args.label, "paged": args.paged, "head_dim": args.head_dim, "env": environment(True), "copy": copy, "rows": rows},
                                    indent=1, default=str))
     print(f"[{args.label}] copy {copy['gbps']:.0f} GB/s; median rel L2 "
           f"{statistics.median(v for r in rows for v in r['checks'].values() if isinstance(v, float)):.1e}")

@@ -34,7 +34,8 @@ struct DecodeParams {
   long long scores_ld;
   int batch, q_len, num_heads, group;
   int num_splits, block_size, capacity, num_blocks;  // num_blocks: paged blocks, or cache rows
-  int seqlen_fixed, block_shift;  // block_shift: log2(block_size) when a power of two, else -1
+  int seqlen_fixed;
+  unsigned block_mul;  // paged: ceil(2^(31 + ceil(log2(block_size))) / block_size), for Decode::block_of
   float sm_scale, scale_log2;
   float softcap_u, inv_softcap_u;  // cap / sm_scale and its inverse (SOFTCAP)
   const float* alibi;              // fp32 slopes [batch, heads] or [heads] (ALIBI)
@@ -56,12 +57,18 @@ struct Decode {
   // Copying a K or V tile: each thread keeps one 16-byte column chunk and steps down the rows.
   static constexpr int ROW_STEP = THREADS / L::CHUNKS;
   static constexpr int ROW_ITERS = (BLOCK_N + ROW_STEP - 1) / ROW_STEP;
+  // Paged: blocks are whole multiples of 16 positions and tiles start at one, so each 16-row group
+  // of a tile lies in one block. A thread's rows (ROW_STEP apart) take ROWS_PER_ENTRY to a group
+  // and PAGE_ENTRIES table entries a tile.
+  static constexpr int ROWS_PER_ENTRY = ROW_STEP < 16 ? 16 / ROW_STEP : 1;
+  static constexpr int PAGE_ENTRIES = ROW_ITERS / ROWS_PER_ENTRY;
   static_assert(THREADS % L::CHUNKS == 0, "threads must cover whole rows");
   static_assert(WARPS_M * WARPS_N == NUM_WARPS && M_TILES * 16 * WARPS_M == ROWS, "warp grid");
   static_assert(KW % 16 == 0 && HEAD_DIM % 64 == 0, "tile shape");
 
   struct Cta {
     int split, kv_head, batch, seqlen, rows_valid, tile_begin, tile_end;
+    int block_shift;  // paged: 31 + ceil(log2(block_size)), for block_of
     const T* k;  // this head of this row's cache (paged: of block 0)
     const T* v;
     const int* table;
@@ -101,14 +108,24 @@ struct Decode {
       c.k = p.k + c.kv_head * p.k_sh;
       c.v = p.v + c.kv_head * p.v_sh;
       c.table = p.block_table + c.batch * p.bt_sb;
+      c.block_shift = 63 - __clz(p.block_size - 1);
     } else {
       // Clamped to the cache's rows, like paged blocks: a bad index reads a wrong row, never faults.
       const int row = p.batch_idx ? min(max(p.batch_idx[c.batch], 0), p.num_blocks - 1) : c.batch;
       c.k = p.k + row * p.k_sb + c.kv_head * p.k_sh;
       c.v = p.v + row * p.v_sb + c.kv_head * p.v_sh;
       c.table = nullptr;
+      c.block_shift = 0;
     }
     return c;
+  }
+
+  // A key position's paged block, pos / block_size for 0 <= pos < 2^31, as a multiply and a shift.
+  // A division (or a choice of a shift or a division) compiled to a branch around every row's copy,
+  // which kept ptxas from batching a tile's copies. Exact: block_mul exceeds 2^shift / block_size
+  // by less than 1, which moves pos * block_mul / 2^shift by less than 2^31 / 2^shift <= 1 / block_size.
+  static __device__ __forceinline__ int block_of(int pos, const DecodeParams<T>& p, const Cta& c) {
+    return (int)(((unsigned long long)(unsigned)pos * p.block_mul) >> c.block_shift);
   }
 
   static __device__ __forceinline__ void load_q(T* sQ, const DecodeParams<T>& p, const Cta& c, int tid) {
@@ -126,62 +143,58 @@ struct Decode {
     }
   }
 
-  // Paged caches: the block of each row this thread copies for one tile, looked up one tile
-  // ahead so the table read never stalls the copies (-1: past the sequence, zero-filled).
+  // Paged caches: the table entry of each 16-row group this thread copies from in one tile, read
+  // one tile ahead and kept as loaded (0 past the sequence); load_tile clamps it. Clamping here
+  // would wait for the read at once, every tile.
   struct Pages {
-    int block[PAGED ? ROW_ITERS : 1];
+    int block[PAGED ? PAGE_ENTRIES : 1];
   };
 
   static __device__ __forceinline__ void lookup(Pages& pg, const DecodeParams<T>& p, const Cta& c, int tile, int tid) {
     if constexpr (PAGED) {
       const int r0 = tid / L::CHUNKS;
 #pragma unroll
-      for (int it = 0; it < ROW_ITERS; ++it) {
-        const int pos = tile * BLOCK_N + r0 + it * ROW_STEP;
-        // Clamped to the pool: a bad table entry reads a wrong block instead of faulting.
-        const int blk = p.block_shift >= 0 ? pos >> p.block_shift : pos / p.block_size;
-        pg.block[it] = pos < c.seqlen ? min(max(c.table[blk], 0), p.num_blocks - 1) : -1;
+      for (int e = 0; e < PAGE_ENTRIES; ++e) {
+        const int pos = tile * BLOCK_N + r0 + e * ROWS_PER_ENTRY * ROW_STEP;  // the group's first row here
+        pg.block[e] = pos < c.seqlen ? c.table[block_of(pos, p, c)] : 0;
       }
     }
   }
 
-  // Rows [tile * BLOCK_N, + BLOCK_N) of one head of the cache into a swizzled tile; rows at or
-  // past the sequence are zero-filled and never read.
-  static __device__ __forceinline__ void load_tile(T* dst, const T* base, long long s_blk, long long s_pos,
-                                                   const Pages& pg, const DecodeParams<T>& p, const Cta& c, int tile,
-                                                   int tid) {
+  // Rows [tile * BLOCK_N, + BLOCK_N) of one head of the K (LOAD_K) and V (LOAD_V) caches into
+  // swizzled tiles; rows at or past the sequence are zero-filled and never read. A one-stage ring
+  // copies each row's K and V together, deeper rings all of K first: the order that keeps head_dim
+  // 256 (255 registers a thread) from spilling on each (ptxas 13.5; the other order spilled 40 bytes
+  // on sm_80/sm_86 at one stage, 8 on sm_90a at two).
+  template <bool LOAD_K, bool LOAD_V>
+  static __device__ __forceinline__ void load_rows(T* dst_k, T* dst_v, const DecodeParams<T>& p, const Cta& c,
+                                                   const Pages& pg, int tile, int tid) {
+    constexpr int PASSES = NUM_STAGES == 1 ? 1 : 2;
     const int r0 = tid / L::CHUNKS;
     const int col = (tid % L::CHUNKS) * 8;
 #pragma unroll
-    for (int it = 0; it < ROW_ITERS; ++it) {
-      const int r = r0 + it * ROW_STEP;
-      if (BLOCK_N % ROW_STEP == 0 || r < BLOCK_N) {
-        const int pos = tile * BLOCK_N + r;
-        bool ok;
-        const T* src = base;
-        if constexpr (PAGED) {
-          ok = pg.block[it] >= 0;
-          // Power-of-two blocks (the usual case) take a mask, not a division: with few warps per
-          // SM, every instruction's latency shows.
-          const int slot = p.block_shift >= 0 ? pos & (p.block_size - 1) : pos % p.block_size;
-          if (ok) src = base + pg.block[it] * s_blk + slot * s_pos + col;
-        } else {
-          ok = pos < c.seqlen;
-          if (ok) src = base + pos * s_pos + col;
+    for (int pass = 0; pass < PASSES; ++pass) {
+#pragma unroll
+      for (int it = 0; it < ROW_ITERS; ++it) {
+        const int r = r0 + it * ROW_STEP;
+        if (BLOCK_N % ROW_STEP == 0 || r < BLOCK_N) {
+          const int pos = tile * BLOCK_N + r;
+          const bool ok = pos < c.seqlen;
+          const int at = L::offset(r, col);
+          int blk = 0, slot = pos;
+          if constexpr (PAGED) {
+            // The rows of a 16-row group lie in one block, found from the group's first row here.
+            // Clamped to the pool: a bad table entry reads a wrong block instead of faulting.
+            slot = pos - block_of(pos - (it % ROWS_PER_ENTRY) * ROW_STEP, p, c) * p.block_size;
+            blk = min(max(pg.block[it / ROWS_PER_ENTRY], 0), p.num_blocks - 1);
+          }
+          if (LOAD_K && (PASSES == 1 || pass == 0))
+            cp_async_16(smem_addr(dst_k + at), ok ? c.k + blk * p.k_sb + slot * p.k_ss + col : c.k, ok);
+          if (LOAD_V && (PASSES == 1 || pass == 1))
+            cp_async_16(smem_addr(dst_v + at), ok ? c.v + blk * p.v_sb + slot * p.v_ss + col : c.v, ok);
         }
-        cp_async_16(smem_addr(dst + L::offset(r, col)), src, ok);
       }
     }
-  }
-
-  static __device__ __forceinline__ void load_k(T* dst, const DecodeParams<T>& p, const Cta& c, const Pages& pg,
-                                                int tile, int tid) {
-    load_tile(dst, c.k, p.k_sb, p.k_ss, pg, p, c, tile, tid);
-  }
-
-  static __device__ __forceinline__ void load_v(T* dst, const DecodeParams<T>& p, const Cta& c, const Pages& pg,
-                                                int tile, int tid) {
-    load_tile(dst, c.v, p.v_sb, p.v_ss, pg, p, c, tile, tid);
   }
 
   // The last key each of this thread's rows may see: token qi sits at seqlen - q_len + qi.
@@ -575,8 +588,7 @@ struct Decode {
     lookup(pg, p, c, c.tile_begin, l.tid);
     load_q(sQ, p, c, l.tid);
     const auto load = [&](int tile, int slot) {
-      load_k(sK + slot * BLOCK_N * HEAD_DIM, p, c, pg, tile, l.tid);
-      load_v(sV + slot * BLOCK_N * HEAD_DIM, p, c, pg, tile, l.tid);
+      load_rows<true, true>(sK + slot * BLOCK_N * HEAD_DIM, sV + slot * BLOCK_N * HEAD_DIM, p, c, pg, tile, l.tid);
       lookup(pg, p, c, tile + 1, l.tid);
     };
     ring_fill(c, load);
@@ -626,7 +638,7 @@ struct Decode {
     lookup(pg, p, c, c.tile_begin, l.tid);
     load_q(sQ, p, c, l.tid);
     const auto load = [&](int tile, int slot) {
-      load_k(sK + slot * BLOCK_N * HEAD_DIM, p, c, pg, tile, l.tid);
+      load_rows<true, false>(sK + slot * BLOCK_N * HEAD_DIM, nullptr, p, c, pg, tile, l.tid);
       lookup(pg, p, c, tile + 1, l.tid);
     };
     ring_fill(c, load);
@@ -710,7 +722,7 @@ struct Decode {
     Pages pg;
     lookup(pg, p, c, c.tile_begin, l.tid);
     const auto load = [&](int tile, int slot) {
-      load_v(sV + slot * BLOCK_N * HEAD_DIM, p, c, pg, tile, l.tid);
+      load_rows<false, true>(nullptr, sV + slot * BLOCK_N * HEAD_DIM, p, c, pg, tile, l.tid);
       load_scores(sS + slot * ROWS * S_LD, gS, p, c, tile, l.tid);
       lookup(pg, p, c, tile + 1, l.tid);
     };

@@ -20,7 +20,7 @@ from .spec import MERGE_THREADS, DecodeSpec, Variant
 
 # DecodeParams in templates/common/decode_fwd.cuh: 12 pointers, 14 strides, 10 ints, 2 floats, 2 floats
 # (softcap), the ALiBi slopes' pointer and batch stride.
-_PARAMS = struct.Struct("<12Q14q10i2f2fQq")
+_PARAMS = struct.Struct("<12Q14q9iI2f2fQq")
 _LOG2E = 1.4426950408889634
 MAX_Q_LEN = 8
 MAX_GROUP = 16
@@ -182,13 +182,16 @@ def set_cluster_merge(max_splits: int) -> int:
 def cluster_limit(kern, ctas: int) -> int:
     """The most splits of a row that a grid of ``ctas`` (batch x KV heads) CTAs of ``kern`` merges in
     one cluster of them; 0 where it merges through the workspace and a merge launch. Clusters need
-    sm_90 (``Kernel.cluster_fits``), the fused kernel, room for the output rows in its shared memory
-    and one CTA an SM, and are taken where their CTAs reach a third of the SMs or more. Measured on an
-    H100 against the merge launch: 1.00-1.04x faster with one CTA an SM and 64 CTAs or more (b=1, 8
-    KV heads, 8 splits against 33); 1.6x slower with 32 CTAs (4 KV heads); a paged kernel three to an
-    SM 1.5x slower at b=1 and 1.06x slower at b=64 (clusters of 2, several waves)."""
+    sm_90 (``Kernel.cluster_fits``), the fused kernel on a contiguous cache, room for the output rows in
+    its shared memory, one CTA an SM with a ring of 4 stages or more, and are taken where their CTAs
+    reach a third of the SMs or more. Measured on an H100 (b=1, 32k keys) against the merge launch:
+    1.00-1.04x faster with 64 CTAs of head_dim 128, 4 stages (8 KV heads, 8 splits against 33); 1.6x
+    slower with 32 CTAs (4 KV heads); 1.4x slower with head_dim 256's 2- and 3-stage rings (137 against
+    99 us), whose CTAs read too slowly for half the SMs to keep up; a paged kernel 1.5x slower (80
+    against 54 us)."""
     rs = kern.spec
-    if rs.variant is Variant.UNFUSED or rs.cluster_merge_bytes() > rs.smem_bytes() or ctas_per_sm(kern) != 1:
+    if (rs.paged or rs.variant is Variant.UNFUSED or rs.num_stages < 4
+            or rs.cluster_merge_bytes() > rs.smem_bytes() or ctas_per_sm(kern) != 1):
         return 0
     cmax = _cluster_merge[0]
     while cmax > 1 and not kern.cluster_fits(cmax):
@@ -314,7 +317,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         bt_sb, scores_ld,
         b, q_len, h, group,
         num_splits, block_size, capacity, pool,
-        seq_fixed, (block_size.bit_length() - 1) if block_size and not block_size & (block_size - 1) else -1,
+        seq_fixed, -(-(1 << (31 + (block_size - 1).bit_length())) // block_size) if block_size else 0,
         scale, scale * _LOG2E,
         cap_u, inv_cap_u, alibi_ptr, alibi_sb,
     )
