@@ -107,10 +107,10 @@ struct MlaDecode {
   // COLS columns of ROWS cache rows from `base` (one row block: element stride s_pos per position,
   // or per paged slot) into the tile's columns [col0, col0 + COLS): each thread keeps one column
   // chunk and steps down the rows. Rows at or past the sequence are zero-filled and never read.
+  // Paged: lane j of each warp holds `pages` of the tile's 16-row group j (pages_of).
   template <int COLS>
   static __device__ __forceinline__ void load_cols(T* tile, int col0, const T* base, long long s_blk, long long s_pos,
-                                                   const MlaParams<T>& p, const int* table, int n0, int seqlen,
-                                                   int tid) {
+                                                   const MlaParams<T>& p, int2 pages, int n0, int seqlen, int tid) {
     constexpr int CHUNKS = COLS / 8;
     constexpr int ROW_STEP = THREADS / CHUNKS;
     const int c = (tid % CHUNKS) * 8;
@@ -119,16 +119,13 @@ struct MlaDecode {
       const int pos = n0 + r;
       const bool ok = pos < seqlen;
       const T* src = base;
-      if (ok) {
-        if constexpr (PAGED) {
-          const int blk = p.block_shift >= 0 ? pos >> p.block_shift : pos / p.block_size;
-          const int slot = p.block_shift >= 0 ? pos & (p.block_size - 1) : pos - blk * p.block_size;
-          // Clamped to the pool: a bad table entry reads a wrong block instead of faulting.
-          const int b = min(max(__ldg(table + blk), 0), p.num_blocks - 1);
-          src = base + b * s_blk + slot * s_pos + c;
-        } else {
-          src = base + pos * s_pos + c;
-        }
+      if constexpr (PAGED) {
+        // Clamped to the pool: a bad table entry reads a wrong block instead of faulting.
+        const int b = min(max(__shfl_sync(0xffffffffu, pages.x, r / 16), 0), p.num_blocks - 1);
+        const int slot = __shfl_sync(0xffffffffu, pages.y, r / 16) + r % 16;
+        if (ok) src = base + b * s_blk + slot * s_pos + c;
+      } else {
+        if (ok) src = base + pos * s_pos + c;
       }
       cp_async_16(smem_addr(tile + LT::offset(r, col0 + c)), src, ok);
     }
@@ -273,11 +270,24 @@ struct MlaDecode {
       cp_async_16(smem_addr(sQ + LQ::offset(r, col)), src, ok);
     }
 
+    // Paged, cp.async: lane j holds the table entry of the 16-row group j % (BLOCK_N / 16) of the tile
+    // load_tile fills next, and that group's first slot in its block (blocks are whole multiples of
+    // 16 positions, tiles start at one). Read a tile ahead and kept as read (load_cols clamps it):
+    // a lookup where the copies are issued made every thread wait for it, every tile.
+    auto pages_of = [&](int tile) {
+      const int gpos = tile * BLOCK_N + 16 * (lane % (BLOCK_N / 16));
+      const int blk = p.block_shift >= 0 ? gpos >> p.block_shift : gpos / p.block_size;
+      return make_int2(gpos < seqlen ? __ldg(table + blk) : 0, gpos - blk * p.block_size);
+    };
+    int2 next_pages = make_int2(0, 0);
+    if constexpr (PAGED && !TMA) next_pages = pages_of(tile_begin);
     auto load_tile = [&](int tile, int slot) {
       T* dst = sRing + slot * TILE_ELEMS;
       const int n0 = tile * BLOCK_N;
-      load_cols<DC>(dst, 0, ckv, p.c_sb, p.c_ss, p, table, n0, seqlen, tid);
-      load_cols<DR>(dst, DC, kpe, p.p_sb, p.p_ss, p, table, n0, seqlen, tid);
+      const int2 pages = next_pages;
+      if constexpr (PAGED) next_pages = pages_of(tile + 1);
+      load_cols<DC>(dst, 0, ckv, p.c_sb, p.c_ss, p, pages, n0, seqlen, tid);
+      load_cols<DR>(dst, DC, kpe, p.p_sb, p.p_ss, p, pages, n0, seqlen, tid);
     };
     if constexpr (TMA) {
       cp_async_commit();  // Q
