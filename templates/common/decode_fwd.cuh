@@ -144,7 +144,7 @@ struct Decode {
   }
 
   // Paged caches: the table entry of each 16-row group this thread copies from in one tile, read
-  // one tile ahead and kept as loaded (0 past the sequence); load_tile clamps it. Clamping here
+  // one tile ahead and kept as loaded (0 past the sequence); load_rows clamps it. Clamping here
   // would wait for the read at once, every tile.
   struct Pages {
     int block[PAGED ? PAGE_ENTRIES : 1];

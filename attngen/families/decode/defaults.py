@@ -8,8 +8,7 @@ from ...arch import Arch
 
 # Per (head_dim, paged): [(cta_tile_kv, num_warps, num_stages), ...] best first. From
 # tools/sweep_decode.py on an H100 (NVRTC 13.5, bf16, 2026-11-22, timed with an L2 flush): two
-# stages of large tiles matched or beat deeper rings; paged caches want more CTAs per SM to hide
-# the table reads.
+# stages of large tiles matched or beat deeper rings (head_dim 256 still comes from it).
 # head_dim 128 contiguous from tools/probe_decode.py --configs (timed as a decode step) on an H200
 # and an H100: four stages of 64-key tiles keep the H200's faster memory busy, where the 128-key
 # two-stage ring was 8-11% slower than cuDNN, and are within 1% of the best config on the H100.
