@@ -272,6 +272,26 @@ def test_decode_summary_and_targets():
     assert t == {"copy": "met", "cudnn_b1_32k": "not measured", "flash": "met"}
 
 
+def test_decode_paged_target():
+    # A paged row is held to its contiguous row's time on every shape where both ran (>= 0.95).
+    recs = [fake_decode_record(a=1.0, flash=1.2, cudnn=1.1, impls=("attngen-fused", "attngen-fused-paged")),
+            fake_decode_record(batch=1, kv_len=32768, a=1.0, flash=1.2, cudnn=1.1,
+                               impls=("attngen-fused", "attngen-fused-paged"))]
+    recs[0]["ms"]["attngen-fused-paged"] = 1.0 / 0.97
+    recs[1]["ms"]["attngen-fused-paged"] = 1.0 / 0.90
+    summ = decode_report.decode_summary(recs, ["flash", "cudnn"])
+    assert "paged" not in {x["target"] for x in summ["impls"]["attngen-fused"]["targets"]}
+    t = {x["target"]: x for x in summ["impls"]["attngen-fused-paged"]["targets"]}["paged"]
+    assert t["verdict"] == "MISSED" and t["worst"] == pytest.approx(0.90) and t["shapes"] == 2
+    assert t["worst_at"].startswith("b=1 L=32k")
+    lines = decode_report.decode_summary_lines(summ)
+    assert any("target attngen-fused-paged: within 0.95x of attngen-fused" in ln and "MISSED (worst 0.90x at b=1 L=32k"
+               in ln for ln in lines), lines
+    recs[1]["ms"]["attngen-fused-paged"] = 1.0 / 0.96
+    t = decode_report.decode_summary(recs, ["flash", "cudnn"])["impls"]["attngen-fused-paged"]["targets"][-1]
+    assert t["target"] == "paged" and t["verdict"] == "met"
+
+
 def test_decode_markdown():
     md = decode_report.decode_markdown(fake_decode_data(complete=False))
     lines = md.splitlines()

@@ -18,6 +18,7 @@ ITEMSIZE = {"bf16": 2, "fp16": 2}
 TARGET_COPY_FRAC = 0.90          # of the copy bandwidth, for batch >= 16 and kv_len >= 4k
 TARGET_B1_CUDNN = 1.3            # batch 1 at kv_len 32k: cuDNN's time / attngen's
 TARGET_FLASH = 1.0               # every shape: flash's time / attngen's
+TARGET_PAGED = 0.95              # a paged row, every shape: its contiguous row's time / its own
 # --rotate: K/V copies walked per graph replay add up to at least this, four H100 L2s (50 MB each), so that
 # when a copy comes round again the copies read since have pushed it out of L2: every call reads from DRAM.
 ROTATE_BYTES = 4 * 50 * 2**20
@@ -164,7 +165,8 @@ def _target(name: str, values: list[tuple[float, dict]], target: float, what: st
 
 
 def decode_summary(records: list[dict], backends: list[str]) -> dict:
-    """Per attngen row: ratios to each peer (min, geomean) and the three targets; the checks."""
+    """Per attngen row: ratios to each peer (min, geomean) and the three targets (a paged row: four,
+    the fourth against its contiguous row); the checks."""
     ran = [r for r in records if not r.get("skipped")]
     out: dict[str, Any] = {"impls": {}}
     for name in _decode_impls(ran):
@@ -188,6 +190,12 @@ def decode_summary(records: list[dict], backends: list[str]) -> dict:
             _target("cudnn_b1_32k", b1, TARGET_B1_CUDNN, f">= {TARGET_B1_CUDNN}x SDPA cuDNN at batch 1, kv_len 32k"),
             _target("flash", fl, TARGET_FLASH, "never slower than SDPA flash (flash time / attngen time >= 1)"),
         ]
+        if name.endswith("-paged"):
+            base = name[:-len("-paged")]
+            pg = [(r["ms"][base] / r["ms"][name], r) for r in ran if (r.get("ms") or {}).get(name)
+                  and (r.get("ms") or {}).get(base)]
+            s["targets"].append(_target("paged", pg, TARGET_PAGED, f"within {TARGET_PAGED}x of {base} ({base} time "
+                                                                    f"/ paged time >= {TARGET_PAGED})"))
         out["impls"][name] = s
     checks = [(n, c) for r in ran for n, c in (r.get("checks") or {}).items()]
     mine = [c for n, c in checks if n.startswith("attngen")]
