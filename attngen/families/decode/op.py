@@ -18,8 +18,8 @@ from ..split_kv import (cache_lengths, check_index, check_rows, checked_splits, 
                         ctas_per_sm, paged_table, sm_count)
 from .spec import MERGE_THREADS, DecodeSpec, Variant
 
-# DecodeParams in templates/common/decode_fwd.cuh: 12 pointers, 14 strides, 10 ints, 2 floats, 2 floats
-# (softcap), the ALiBi slopes' pointer and batch stride.
+# DecodeParams in templates/common/decode_fwd.cuh: 12 pointers, 14 strides, 9 ints, an unsigned
+# (block_mul), 2 floats, 2 floats (softcap), the ALiBi slopes' pointer and batch stride.
 _PARAMS = struct.Struct("<12Q14q9iI2f2fQq")
 _LOG2E = 1.4426950408889634
 MAX_Q_LEN = 8
