@@ -14,7 +14,7 @@ from ...arch import Arch
 # two-stage ring was 8-11% slower than cuDNN, and are within 1% of the best config on the H100.
 # head_dim 128 paged and head_dim 64 from the same probe (--paged 64, H100, 2026-11-25, after the
 # paged loads lost their branches): paged at 128 as contiguous; at 64, 8 warps on 128-key tiles
-# 1.00-1.09x faster than 4 on either layout.
+# faster than 4: contiguous 1.02-1.10x on 7 of 8 decode steps (0.99x at b=1 8k), paged 1.00-1.07x.
 TUNED = {
     (64, False): [(128, 8, 2), (128, 4, 2), (64, 4, 2)],
     (64, True): [(128, 8, 2), (128, 4, 2), (64, 4, 3)],
