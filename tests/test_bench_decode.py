@@ -189,6 +189,18 @@ def test_paged_copy_scatters_blocks_and_keeps_the_data():
         assert torch.allclose(dense, paged, atol=1e-5)
 
 
+def test_scatter_blocks_takes_any_trailing_shape():
+    # MLA's cache is [B, L, 576]: the same scatter, one table for every call with one seed.
+    torch = pytest.importorskip("torch")
+    x = torch.randn(2, 40, 24, generator=torch.Generator().manual_seed(1))
+    pages, table = decode_bench.scatter_blocks(x, 16, seed=5)
+    assert pages.shape == (6, 16, 24) and table.shape == (2, 3)
+    for i in range(2):
+        got = pages[table[i].long()].reshape(-1, 24)
+        assert torch.equal(got[:40], x[i]) and torch.isnan(got[40:]).all()
+    assert torch.equal(decode_bench.scatter_blocks(x.clone(), 16, seed=5)[1], table)
+
+
 # --- the report on fake records --------------------------------------------------------------------
 
 COPY = {"buffer_bytes": 2**30, "bytes_moved": 2**31, "ms": 0.6, "gbps": 3579.1, "timer": "triton.do_bench"}

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import attngen  # noqa: E402
 from attngen.bench import _event_bench, _graphed, _rel_check, environment  # noqa: E402
 from attngen.bench.core import measure_copy_bandwidth, stream_reader  # noqa: E402
-from attngen.families.decode.bench import decode_reference, rotate_copies  # noqa: E402
+from attngen.families.decode.bench import decode_reference, paged_copy, rotate_copies  # noqa: E402
 
 # (batch, kv_len, heads, kv_heads), bf16, q_len 1 (head_dim 128 unless --head-dim)
 SHAPES = [(1, 32768, 32, 8), (1, 32768, 32, 4), (1, 32768, 64, 8), (1, 8192, 32, 8), (16, 4096, 32, 4),
@@ -62,18 +62,10 @@ def main() -> int:
         copies = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(rotate_copies(nbytes) - 1)]
         ref = decode_reference(q, kc, vc)
         kw = {}
-        if args.paged:
-            bs = args.paged
-            per_row = -(-n // bs)
-            table = torch.randperm(b * per_row, device="cuda", generator=g).to(torch.int32).reshape(b, per_row)
-
-            def paged(t):
-                pool = torch.zeros(b * per_row * bs, hk, d, device="cuda", dtype=t.dtype)
-                dst = (table.long()[:, :, None] * bs + torch.arange(bs, device="cuda")).reshape(b, -1)[:, :n]
-                pool[dst.reshape(-1)] = t.reshape(b * n, hk, d)
-                return pool.view(b * per_row, bs, hk, d)
-            attn_copies = [(paged(kk), paged(vv)) for kk, vv in copies]
-            kw["block_table"] = table
+        if args.paged:  # one seed: every copy scattered by the same table
+            pages = [paged_copy(kk, vv, args.paged) for kk, vv in copies]
+            attn_copies = [(kp, vp) for kp, vp, _ in pages]
+            kw["block_table"] = pages[0][2]
         else:
             attn_copies = copies
         rec = {"batch": b, "kv_len": n, "heads": h, "kv_heads": hk, "bytes": nbytes, "copies": len(copies),
@@ -114,7 +106,7 @@ def main() -> int:
         bad = {k: v for k, v in rec["checks"].items() if not isinstance(v, float) or v > 1e-2}
         if bad:
             print("    FAILED or refused:", bad, flush=True)
-        copies = attn_copies = kc = vc = None
+        copies = attn_copies = pages = kc = vc = None
         torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"label": args.label, "paged": args.paged, "head_dim": args.head_dim, "env": environment(True), "copy": copy, "rows": rows},

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 import attngen  # noqa: E402
 from attngen.bench import core  # noqa: E402
 from attngen.bench.core import stream_reader  # noqa: E402
-from attngen.families.decode.bench import rotate_copies  # noqa: E402
+from attngen.families.decode.bench import rotate_copies, scatter_blocks  # noqa: E402
 
 read = stream_reader()
 R, P = 512, 64
@@ -22,19 +22,12 @@ for b, L, h in [(1, 8192, 16), (1, 32768, 16), (1, 32768, 128), (8, 8192, 128), 
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(b, 1, h, R + P, device="cuda", dtype=torch.bfloat16, generator=g)
     kv = torch.randn(b, L, R + P, device="cuda", dtype=torch.bfloat16, generator=g)
-    bs = 64
-    per = -(-L // bs)
-    table = torch.randperm(b * per, device="cuda", generator=g).to(torch.int32).reshape(b, per)
-    def paged(t):
-        pool = torch.zeros(b * per * bs, R + P, device="cuda", dtype=t.dtype)
-        dst = (table.long()[:, :, None] * bs + torch.arange(bs, device="cuda")).reshape(b, -1)[:, :L]
-        pool[dst.reshape(-1)] = t.reshape(b * L, R + P)
-        return pool.view(b * per, bs, R + P)
     scale = 1 / math.sqrt(192)
     nbytes = kv.numel() * 2
     n = rotate_copies(nbytes, torch.cuda.mem_get_info()[0] // 3)
     copies = [kv] + [kv.clone() for _ in range(n - 1)]
-    pcopies = [paged(c) for c in copies]
+    pages = [scatter_blocks(c, 64) for c in copies]  # one seed: every copy scattered by the same table
+    pcopies, table = [pool for pool, _ in pages], pages[0][1]
     qn, qp = q[..., :R], q[..., R:]
     o1 = attngen.mla_decode(qn, qp, kv[..., :R], kv[..., R:], cache_seqlens=L, sm_scale=scale)
     o2 = attngen.mla_decode(qn, qp, pcopies[0][..., :R], pcopies[0][..., R:], cache_seqlens=L, sm_scale=scale, block_table=table)
@@ -49,5 +42,5 @@ for b, L, h in [(1, 8192, 16), (1, 32768, 16), (1, 32768, 128), (8, 8192, 128), 
     print(f"b={b} L={L} h={h} ({nbytes/1e6:.0f} MB): read {us['read']:.1f} contig {us['contig']:.1f} paged {us['paged']:.1f} "
           f"paged/contig {us['contig']/us['paged']:.2f} read/contig {us['read']/us['contig']:.2f}  diff {err:.1e}", flush=True)
     rows.append(dict(b=b, L=L, h=h, us=us, err=err))
-    copies = pcopies = kv = None
+    copies = pcopies = pages = kv = None
     torch.cuda.empty_cache()

@@ -247,35 +247,41 @@ def decode_reference(q, k, v, sm_scale: float | None = None, chunk_bytes: int = 
     return out
 
 
+def scatter_blocks(x, block_size: int, seed: int = 0):
+    """A dense cache ``[B, L, ...]`` as blocks of ``block_size`` positions scattered over a pool, with
+    its block table: (pages ``[B * ceil(L / bs), bs, ...]``, block_table int32 ``[B, ceil(L / bs)]``).
+    The order depends on the shapes and ``seed`` only; positions past L in a row's last block hold NaN.
+    """
+    import torch
+
+    b, n, rest = x.shape[0], x.shape[1], tuple(x.shape[2:])
+    bs = block_size
+    nb = (n + bs - 1) // bs
+    perm = torch.randperm(b * nb, generator=torch.Generator().manual_seed(seed))
+    table = perm.view(b, nb).to(torch.int32).to(x.device)
+    perm = perm.to(x.device)
+    dst = torch.empty(b * nb, bs, *rest, dtype=x.dtype, device=x.device)
+    for i in range(b):
+        idx = perm[i * nb:(i + 1) * nb]
+        if n % bs == 0:
+            dst[idx] = x[i].reshape(nb, bs, *rest)
+        else:
+            tmp = torch.full((nb * bs, *rest), float("nan"), dtype=x.dtype, device=x.device)
+            tmp[:n] = x[i]
+            dst[idx] = tmp.view(nb, bs, *rest)
+            del tmp
+    return dst, table
+
+
 def paged_copy(k, v, block_size: int, seed: int = 0):
     """The dense cache ``[B, L, Hkv, D]`` as blocks scattered over a pool, with its block table.
 
     Returns (k_pages, v_pages ``[B * ceil(L / bs), bs, Hkv, D]``, block_table int32 ``[B, ceil(L / bs)]``);
-    positions past L in a row's last block hold NaN.
+    K and V share the table; positions past L in a row's last block hold NaN (``scatter_blocks``).
     """
-    import torch
-
-    b, n, hk, d = k.shape
-    bs = block_size
-    nb = (n + bs - 1) // bs
-    gen = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(b * nb, generator=gen)
-    table = perm.view(b, nb).to(torch.int32).to(k.device)
-    perm = perm.to(k.device)
-    pages = []
-    for src in (k, v):
-        dst = torch.empty(b * nb, bs, hk, d, dtype=src.dtype, device=src.device)
-        for i in range(b):
-            idx = perm[i * nb:(i + 1) * nb]
-            if n % bs == 0:
-                dst[idx] = src[i].reshape(nb, bs, hk, d)
-            else:
-                tmp = torch.full((nb * bs, hk, d), float("nan"), dtype=src.dtype, device=src.device)
-                tmp[:n] = src[i]
-                dst[idx] = tmp.view(nb, bs, hk, d)
-                del tmp
-        pages.append(dst)
-    return pages[0], pages[1], table
+    k_pages, table = scatter_blocks(k, block_size, seed)
+    v_pages, _ = scatter_blocks(v, block_size, seed)
+    return k_pages, v_pages, table
 
 
 def run_decode_shape(shape: DecodeShape, backends: tuple[str, ...], *, impls: list[tuple[str, str, bool]],
