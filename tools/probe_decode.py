@@ -9,7 +9,9 @@ the whole GPU: about what any decode of one launch could do on these bytes.
     PYTHONPATH=. python3 tools/probe_decode.py --out OUT/probe.json [--configs] [--label new] [--paged 64]
 
 ``--paged BS`` times attngen on a paged copy of each cache (blocks of BS positions in a shuffled
-table); the bare read and cuDNN still read the contiguous bytes, the same count.
+table); the bare read and cuDNN still read the contiguous bytes, the same count. ``rows_read`` is a bare
+read in decode's shape (each CTA one kv head's rows of a range of positions), ``rows_read_paged`` the same
+through the paged copy's table: their ratio is what paging costs the memory system itself.
 """
 
 from __future__ import annotations
@@ -27,12 +29,69 @@ from attngen.bench import _event_bench, _graphed, _rel_check, environment  # noq
 from attngen.bench.core import measure_copy_bandwidth, stream_reader  # noqa: E402
 from attngen.families.decode.bench import decode_reference, paged_copy, rotate_copies  # noqa: E402
 
+# A bare read in decode's shape: CTA (split, batch x kv head) loads its positions' K and V rows of one head,
+# rows of ROW_CHUNKS 16-byte pieces, 32 rows a pass of 512 threads; through a block table where one is given
+# (position p of row b in physical row table[b, p / block_size] * block_size + p % block_size), else in place.
+# What reading a paged cache costs the memory system alone, apart from any decode kernel.
+_ROWS_SRC = r"""
+extern "C" __global__ void rows_read(const uint4* k, const uint4* v, const int* table, int table_stride,
+                                     int block_size, int seqlen, int kv_heads, int row_chunks, int splits,
+                                     unsigned* sink) {
+  const int bh = blockIdx.y, b = bh / kv_heads, h = bh % kv_heads;
+  const int per = (seqlen + splits - 1) / splits;
+  const int p0 = blockIdx.x * per, p1 = min(seqlen, p0 + per);
+  const int rows = blockDim.x / row_chunks, c = threadIdx.x % row_chunks;
+  unsigned x = 0;
+#pragma unroll 4
+  for (int p = p0 + threadIdx.x / row_chunks; p < p1; p += rows) {
+    const long long at = table ? (long long)table[(long long)b * table_stride + p / block_size] * block_size
+                                     + p % block_size
+                               : (long long)b * seqlen + p;
+    const long long off = (at * kv_heads + h) * row_chunks + c;
+    const uint4 a = __ldcs(k + off), e = __ldcs(v + off);
+    x ^= a.x ^ a.y ^ a.z ^ a.w ^ e.x ^ e.y ^ e.z ^ e.w;
+  }
+  if (x == 0x9e3779b9u) sink[0] = x;  // keeps the loads; practically never true
+}
+"""
+
+
+def rows_reader():
+    """``read(k, v, seqlen, table=None)``: the rows read above on torch's current stream, k and v
+    ``[batch, seqlen, kv_heads, head_dim]`` or paged ``[blocks, block_size, kv_heads, head_dim]``, with
+    about 4 CTAs an SM."""
+    import cupy as cp
+    import torch
+
+    kern = cp.RawKernel(_ROWS_SRC, "rows_read")
+    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+    sms = torch.cuda.get_device_properties(sink.device).multi_processor_count
+
+    def read(k, v, batch, seqlen, table=None):
+        hk, d = k.shape[2], k.shape[3]
+        splits = max(1, min(-(-4 * sms // (batch * hk)), -(-seqlen // 32)))
+        args = (k.data_ptr(), v.data_ptr(), 0 if table is None else table.data_ptr(),
+                0 if table is None else table.stride(0), k.shape[1] if table is not None else 1, seqlen, hk,
+                d * k.element_size() // 16, splits, sink.data_ptr())
+        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            kern((splits, batch * hk), (512,), tuple(cp.int64(a) if i < 3 else cp.int32(a) if i < 9 else cp.int64(a)
+                                                      for i, a in enumerate(args)))
+    return read
+
+
 # (batch, kv_len, heads, kv_heads), bf16, q_len 1 (head_dim 128 unless --head-dim)
 SHAPES = [(1, 32768, 32, 8), (1, 32768, 32, 4), (1, 32768, 64, 8), (1, 8192, 32, 8), (16, 4096, 32, 4),
           (16, 4096, 32, 8), (16, 1024, 32, 8), (64, 8192, 32, 8)]
 # (cta_tile_kv, num_warps, num_stages) tried with --configs
 CONFIGS = [(128, 4, 2), (128, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 8, 2), (128, 8, 3), (128, 4, 1),
-           (32, 8, 2), (32, 4, 3)]
+           (32, 8, 2), (32, 4, 3), (64, 4, 1)]
+
+
+def _shapes(text):
+    try:
+        return [tuple(int(x) for x in s.split("x")) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not BxLxHxHK[,...] (e.g. 1x4096x32x8)") from None
 
 
 def main() -> int:
@@ -43,16 +102,18 @@ def main() -> int:
     ap.add_argument("--rep-ms", type=float, default=100.0)
     ap.add_argument("--head-dim", type=int, default=128, choices=attngen.DecodeSpec.HEAD_DIMS)
     ap.add_argument("--paged", type=int, default=0, metavar="BS", help="attngen reads a paged cache of BS-position blocks")
+    ap.add_argument("--shapes", type=_shapes, default=SHAPES, help="BxLxHxHK,... (default: the eight above)")
     args = ap.parse_args()
 
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     stream_read = stream_reader()
+    rows_read = rows_reader()
 
     copy = measure_copy_bandwidth()
     rows = []
-    for b, n, h, hk in SHAPES:
+    for b, n, h, hk in args.shapes:
         d = args.head_dim
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -90,6 +151,9 @@ def main() -> int:
             timed(name, lambda kk, vv, spec=spec: (lambda: attngen.decode(q, kk, vv, cache_seqlens=n, spec=spec, **kw)),
                   attn_copies)
         timed("stream_read", lambda kk, vv: (lambda: stream_read(kk, vv)))
+        timed("rows_read", lambda kk, vv: (lambda: rows_read(kk, vv, b, n)))
+        if args.paged:
+            timed("rows_read_paged", lambda kk, vv: (lambda: rows_read(kk, vv, b, n, kw["block_table"])), attn_copies)
         qt = q.transpose(1, 2)
 
         def cudnn(kk, vv):
