@@ -312,6 +312,23 @@ def test_paged_head_dims(d, dtype):
     run(Case([3, 64, 65, 700, 2000], q_len=2, heads=16, kv_heads=2, head_dim=d, dtype=dtype, block_size=64))
 
 
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("block_size", [16, 48, 64, 256])
+def test_paged_head_dim_256_stepped_copies(stages, block_size):
+    # Four warps at head_dim 256: each thread copies four rows of a 16-row group, stepping from the group's
+    # first row (load_rows); every ring depth that fits, blocks of one group and of many, rows ending inside
+    # a group, splits with no tile.
+    spec = attngen.DecodeSpec(cta_tile_kv=64, num_warps=4, num_stages=stages, paged=True)
+    case = Case([1, 17, 64, 65, 700, 2001], q_len=2, heads=16, kv_heads=2, head_dim=256, dtype=torch.bfloat16,
+                block_size=block_size)
+    for splits in (1, 5):
+        out = torch.full_like(case.q, NAN)
+        o, lse = attngen.decode(case.q, case.k_cache, case.v_cache, **case.kwargs(), num_splits=splits, spec=spec,
+                                out=out, return_lse=True)
+        torch.cuda.synchronize()
+        check(case, o, lse)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 64])
 def test_paged_splits_and_short_rows(num_splits):
     run(Case([0, 1, 2, 16, 17, 255, 257, 3000], q_len=4, heads=32, kv_heads=4, head_dim=128,

@@ -172,26 +172,65 @@ struct Decode {
     constexpr int PASSES = NUM_STAGES == 1 ? 1 : 2;
     const int r0 = tid / L::CHUNKS;
     const int col = (tid % L::CHUNKS) * 8;
+    if constexpr (PAGED && ROWS_PER_ENTRY >= 4) {
+      // Four rows or more of a thread to a 16-row group (head_dim 256 at 4 warps): the group's first row
+      // here finds the block (clamped to the pool: a bad table entry reads a wrong block instead of
+      // faulting), the others step from its address. That address is in the pool whether or not the
+      // row is in the sequence, so it is not chosen on `ok`: at head_dim 256 that choice compiled to a
+      // branch around each row's copy (117 branch regions against the contiguous kernel's 58, ptxas
+      // 13.5) and the paged kernel ran 0.82-0.92x the contiguous one; stepping, 0.98-1.01x (H100). At
+      // two rows a group (head_dim 128) stepping ran 1-3% slower at batch 1, so those keep the form below.
+      // (Two loops rather than one with the choice inside: the shared loop changed the contiguous kernels'
+      // machine code on sm_100.)
 #pragma unroll
-    for (int pass = 0; pass < PASSES; ++pass) {
+      for (int pass = 0; pass < PASSES; ++pass) {
+        const bool load_k = LOAD_K && (PASSES == 1 || pass == 0);
+        const bool load_v = LOAD_V && (PASSES == 1 || pass == 1);
+        const T* gk = c.k;
+        const T* gv = c.v;
 #pragma unroll
-      for (int it = 0; it < ROW_ITERS; ++it) {
-        const int r = r0 + it * ROW_STEP;
-        if (BLOCK_N % ROW_STEP == 0 || r < BLOCK_N) {
-          const int pos = tile * BLOCK_N + r;
-          const bool ok = pos < c.seqlen;
-          const int at = L::offset(r, col);
-          int blk = 0, slot = pos;
-          if constexpr (PAGED) {
-            // The rows of a 16-row group lie in one block, found from the group's first row here.
-            // Clamped to the pool: a bad table entry reads a wrong block instead of faulting.
-            slot = pos - block_of(pos - (it % ROWS_PER_ENTRY) * ROW_STEP, p, c) * p.block_size;
-            blk = min(max(pg.block[it / ROWS_PER_ENTRY], 0), p.num_blocks - 1);
+        for (int it = 0; it < ROW_ITERS; ++it) {
+          const int r = r0 + it * ROW_STEP;
+          if (BLOCK_N % ROW_STEP == 0 || r < BLOCK_N) {
+            const int pos = tile * BLOCK_N + r;
+            const bool ok = pos < c.seqlen;
+            const int at = L::offset(r, col);
+            if (it % ROWS_PER_ENTRY == 0) {
+              const long long slot = pos - block_of(pos, p, c) * p.block_size;
+              const long long blk = min(max(pg.block[it / ROWS_PER_ENTRY], 0), p.num_blocks - 1);
+              if (load_k) gk = c.k + blk * p.k_sb + slot * p.k_ss + col;
+              if (load_v) gv = c.v + blk * p.v_sb + slot * p.v_ss + col;
+            } else {
+              if (load_k) gk += ROW_STEP * p.k_ss;
+              if (load_v) gv += ROW_STEP * p.v_ss;
+            }
+            if (load_k) cp_async_16(smem_addr(dst_k + at), gk, ok);
+            if (load_v) cp_async_16(smem_addr(dst_v + at), gv, ok);
           }
-          if (LOAD_K && (PASSES == 1 || pass == 0))
-            cp_async_16(smem_addr(dst_k + at), ok ? c.k + blk * p.k_sb + slot * p.k_ss + col : c.k, ok);
-          if (LOAD_V && (PASSES == 1 || pass == 1))
-            cp_async_16(smem_addr(dst_v + at), ok ? c.v + blk * p.v_sb + slot * p.v_ss + col : c.v, ok);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int pass = 0; pass < PASSES; ++pass) {
+#pragma unroll
+        for (int it = 0; it < ROW_ITERS; ++it) {
+          const int r = r0 + it * ROW_STEP;
+          if (BLOCK_N % ROW_STEP == 0 || r < BLOCK_N) {
+            const int pos = tile * BLOCK_N + r;
+            const bool ok = pos < c.seqlen;
+            const int at = L::offset(r, col);
+            int blk = 0, slot = pos;
+            if constexpr (PAGED) {
+              // The rows of a 16-row group lie in one block, found from the group's first row here.
+              // Clamped to the pool: a bad table entry reads a wrong block instead of faulting.
+              slot = pos - block_of(pos - (it % ROWS_PER_ENTRY) * ROW_STEP, p, c) * p.block_size;
+              blk = min(max(pg.block[it / ROWS_PER_ENTRY], 0), p.num_blocks - 1);
+            }
+            if (LOAD_K && (PASSES == 1 || pass == 0))
+              cp_async_16(smem_addr(dst_k + at), ok ? c.k + blk * p.k_sb + slot * p.k_ss + col : c.k, ok);
+            if (LOAD_V && (PASSES == 1 || pass == 1))
+              cp_async_16(smem_addr(dst_v + at), ok ? c.v + blk * p.v_sb + slot * p.v_ss + col : c.v, ok);
+          }
         }
       }
     }

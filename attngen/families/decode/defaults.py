@@ -15,6 +15,8 @@ from ...arch import Arch
 # head_dim 128 paged and head_dim 64 from the same probe (--paged 64, H100, 2026-11-25, after the
 # paged loads lost their branches): paged at 128 as contiguous; at 64, 8 warps on 128-key tiles
 # faster than 4: contiguous 1.02-1.10x on 7 of 8 decode steps (0.99x at b=1 8k), paged 1.00-1.07x.
+# head_dim 256 paged (same probe, 2026-11-25, after its copies stepped from each group's first row):
+# 64x4x2 0.98-1.01x contiguous, 64x4x3 0.96-0.99x, 64x4x1 0.92-0.99x; 64x4x2 spills where SPILLS_ON says.
 TUNED = {
     (64, False): [(128, 8, 2), (128, 4, 2), (64, 4, 2)],
     (64, True): [(128, 8, 2), (128, 4, 2), (64, 4, 3)],
@@ -27,6 +29,8 @@ TUNED = {
 # Configs ptxas spills on some archs (NVRTC 13.5), per (head_dim, paged, q_rows, variant).
 SPILLS_ON = {
     ((64, False, 64, "unfused"), (64, 4, 2)): ("sm_86", "sm_89"),
+    # (paged copies stepping from each 16-row group's first row: one register more than ptxas has)
+    ((256, True, 16, "fused"), (64, 4, 2)): ("sm_80", "sm_90a"),
 }
 
 
