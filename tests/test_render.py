@@ -214,7 +214,7 @@ def test_included_pieces_are_bracketed_and_verbatim(family):
 
 
 def test_every_common_piece_is_included_by_some_family():
-    specs = ("prefill:", "decode:", "prefill:custom_mask=true", "prefill:varlen=true,paged=true", "prefill:head_dim=512",
+    specs = ("prefill:", "decode:", "decode:variant=unfused", "prefill:custom_mask=true", "prefill:varlen=true,paged=true", "prefill:head_dim=512",
              "mla_decode:")
     sources = [render(resolve(parse_spec(text), "sm_90")) for text in specs]
     sources.append(render(resolve(parse_spec("mla_decode:qk_shard=alternate"), "sm_90a")))

@@ -1,0 +1,183 @@
+// The unfused decode variant, built on Decode (decode_fwd.cuh): two kernels a split, the first storing
+// raw scores to the workspace with each row's max and sum, the second forming P from them and O = P V.
+// Its functions are the Decode members they were; the using-declarations name what they take from it.
+namespace attngen {
+
+template <class T, bool BF16, int HEAD_DIM, int ROWS, int BLOCK_N, int NUM_WARPS, int WARPS_M, int NUM_STAGES,
+          bool PAGED, bool Q_IN_REGS, bool SOFTCAP = false, bool ALIBI = false>
+struct DecodeUnfused : Decode<T, BF16, HEAD_DIM, ROWS, BLOCK_N, NUM_WARPS, WARPS_M, NUM_STAGES, PAGED, Q_IN_REGS,
+                              SOFTCAP, ALIBI> {
+  using D = Decode<T, BF16, HEAD_DIM, ROWS, BLOCK_N, NUM_WARPS, WARPS_M, NUM_STAGES, PAGED, Q_IN_REGS, SOFTCAP, ALIBI>;
+  using typename D::Cta;
+  using typename D::Lane;
+  using typename D::Pages;
+  using D::THREADS;
+  using D::M_TILES;
+  using D::KW_TILES;
+  using D::D_TILES;
+  using D::K_STEPS;
+  using D::S_LD;
+  using D::cta_of;
+  using D::lane_of;
+  using D::lookup;
+  using D::load_q;
+  using D::load_rows;
+  using D::ring_fill;
+  using D::ring;
+  using D::row_limits;
+  using D::tile_scores;
+  using D::softmax_step;
+  using D::merge_stats;
+  using D::accumulate_pv;
+  using D::epilogue;
+
+  // ---- unfused, first kernel: raw scores to the workspace, per-row max and sum per split ---------
+  static __device__ __forceinline__ void unfused_qk(const DecodeParams<T>& p) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sK = sQ + ROWS * HEAD_DIM;
+    const Cta c = cta_of(p);
+    const Lane l = lane_of();
+
+    Pages pg;
+    lookup(pg, p, c, c.tile_begin, l.tid);
+    load_q(sQ, p, c, l.tid);
+    const auto load = [&](int tile, int slot) {
+      D::template load_rows<true, false>(sK + slot * BLOCK_N * HEAD_DIM, nullptr, p, c, pg, tile, l.tid);
+      lookup(pg, p, c, tile + 1, l.tid);
+    };
+    ring_fill(c, load);
+    float row_max[M_TILES][2], row_sum[M_TILES][2];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      row_max[mt][0] = row_max[mt][1] = -ATTNGEN_INF;
+      row_sum[mt][0] = row_sum[mt][1] = 0.f;
+    }
+    int lim[M_TILES][2];
+    row_limits(lim, p, c, l);
+    unsigned q_frag[Q_IN_REGS ? M_TILES : 1][Q_IN_REGS ? K_STEPS : 1][4];
+    float* gS = p.scores + ((long long)c.batch * gridDim.y + c.kv_head) * c.rows_valid * p.scores_ld;
+
+    ring(
+        c, load,
+        [&](int tile, int it, int slot) {
+          const int n0 = tile * BLOCK_N;
+          float acc_s[M_TILES][KW_TILES][4];
+          tile_scores(acc_s, q_frag, sQ, sK + slot * BLOCK_N * HEAD_DIM, lim, it, n0, p, c, l);
+          // Masked scores are stored as -inf; keys past the sequence are not stored.
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const int row = l.row0 + mt * 16 + l.g + 8 * r;
+              if (row >= c.rows_valid) continue;
+#pragma unroll
+              for (int n = 0; n < KW_TILES; ++n) {
+                const int col = n0 + l.key0 + n * 8 + 2 * l.t;
+                float* dst = gS + row * p.scores_ld + col;
+                if (col + 1 < c.seqlen) {
+                  *reinterpret_cast<float2*>(dst) = make_float2(acc_s[mt][n][2 * r], acc_s[mt][n][2 * r + 1]);
+                } else if (col < c.seqlen) {
+                  dst[0] = acc_s[mt][n][2 * r];
+                }
+              }
+            }
+          float corr[M_TILES][2];
+          softmax_step(acc_s, row_max, row_sum, corr, p.scale_log2);
+        });
+    cp_async_wait_all();  // with one stage, a CTA with no tile never committed Q's copies
+    __syncthreads();
+    float factor[M_TILES][2];
+    merge_stats(reinterpret_cast<float*>(smem_raw), row_max, row_sum, factor, p.scale_log2, l);
+    if (l.wn == 0 && l.t == 0) {
+      float* gStat = p.stats + (((long long)c.split * p.batch + c.batch) * gridDim.y + c.kv_head) * ROWS * 2;
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = l.row0 + mt * 16 + l.g + 8 * r;
+          *reinterpret_cast<float2*>(gStat + 2 * row) = make_float2(row_max[mt][r], row_sum[mt][r]);
+        }
+    }
+  }
+
+  // ---- unfused, second kernel: P = exp(S - max) from the stored scores, O = P V / sum ------------
+  static __device__ __forceinline__ void load_scores(float* dst, const float* gS, const DecodeParams<T>& p,
+                                                     const Cta& c, int tile, int tid) {
+    constexpr int CHUNKS = BLOCK_N / 4;
+    const int n0 = tile * BLOCK_N;
+#pragma unroll
+    for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
+      const int r = idx / CHUNKS;
+      const int col = (idx % CHUNKS) * 4;
+      // A chunk that starts inside the sequence may run past it (scores_ld is padded to 4);
+      // those values are never used: P is selected to 0 past each row's limit.
+      const bool ok = r < c.rows_valid && n0 + col < c.seqlen;
+      cp_async_16(smem_addr(dst + r * S_LD + col), ok ? gS + r * p.scores_ld + n0 + col : gS, ok);
+    }
+  }
+
+  static __device__ __forceinline__ void unfused_pv(const DecodeParams<T>& p) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* sV = reinterpret_cast<T*>(smem_raw) + ROWS * HEAD_DIM;
+    float* sS = reinterpret_cast<float*>(sV + NUM_STAGES * BLOCK_N * HEAD_DIM);
+    const Cta c = cta_of(p);
+    const Lane l = lane_of();
+    const float* gS = p.scores + ((long long)c.batch * gridDim.y + c.kv_head) * c.rows_valid * p.scores_ld;
+    Pages pg;
+    lookup(pg, p, c, c.tile_begin, l.tid);
+    const auto load = [&](int tile, int slot) {
+      D::template load_rows<false, true>(nullptr, sV + slot * BLOCK_N * HEAD_DIM, p, c, pg, tile, l.tid);
+      load_scores(sS + slot * ROWS * S_LD, gS, p, c, tile, l.tid);
+      lookup(pg, p, c, tile + 1, l.tid);
+    };
+    ring_fill(c, load);
+    const float* gStat = p.stats + (((long long)c.split * p.batch + c.batch) * gridDim.y + c.kv_head) * ROWS * 2;
+    float row_max[M_TILES][2], row_sum[M_TILES][2], base[M_TILES][2];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = l.row0 + mt * 16 + l.g + 8 * r;
+        const float2 st = *reinterpret_cast<const float2*>(gStat + 2 * row);
+        row_max[mt][r] = st.x;
+        // The sum enters the merge once per row: from the first key warp's first lane.
+        row_sum[mt][r] = l.wn == 0 && l.t == 0 ? st.y : 0.f;
+        base[mt][r] = st.x == -ATTNGEN_INF ? 0.f : st.x * p.scale_log2;
+      }
+    float acc_o[M_TILES][D_TILES][4];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int d = 0; d < D_TILES; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[mt][d][e] = 0.f;
+    int lim[M_TILES][2];
+    row_limits(lim, p, c, l);
+
+    ring(
+        c, load,
+        [&](int tile, int, int slot) {
+          const float* sSs = sS + slot * ROWS * S_LD;
+          const int n0 = tile * BLOCK_N;
+          float acc_p[M_TILES][KW_TILES][4];
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const int row = l.row0 + mt * 16 + l.g + 8 * r;
+              const int hi = lim[mt][r] - (n0 + l.key0 + 2 * l.t);
+#pragma unroll
+              for (int n = 0; n < KW_TILES; ++n) {
+                const float2 s = *reinterpret_cast<const float2*>(sSs + row * S_LD + l.key0 + n * 8 + 2 * l.t);
+                acc_p[mt][n][2 * r] = n * 8 <= hi ? fast_exp2(fmaf(s.x, p.scale_log2, -base[mt][r])) : 0.f;
+                acc_p[mt][n][2 * r + 1] = n * 8 + 1 <= hi ? fast_exp2(fmaf(s.y, p.scale_log2, -base[mt][r])) : 0.f;
+              }
+            }
+          accumulate_pv(acc_o, acc_p, sV + slot * BLOCK_N * HEAD_DIM, l);
+        });
+    epilogue(p, c, smem_raw, acc_o, row_max, row_sum, l);
+  }
+};
+
+}  // namespace attngen
