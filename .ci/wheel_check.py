@@ -51,6 +51,8 @@ for group in load_manifest().groups:
     for k, v in group.fields.items():
         v = v[0] if isinstance(v, list) else v
         lines.append(f"{k} = {json.dumps(v)}")
+# Pieces only a variant outside the default manifest includes: the unfused decode kernels (decode_unfused.cuh).
+lines += ["[[kernel]]", 'family = "decode"', 'variant = "unfused"']
 with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
     f.write("\n".join(lines) + "\n")
 rc = subprocess.call(["attngen", "prewarm", "--manifest", f.name, "--quiet"])
