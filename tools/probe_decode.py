@@ -70,12 +70,13 @@ def rows_reader():
     def read(k, v, batch, seqlen, table=None):
         hk, d = k.shape[2], k.shape[3]
         splits = max(1, min(-(-4 * sms // (batch * hk)), -(-seqlen // 32)))
-        args = (k.data_ptr(), v.data_ptr(), 0 if table is None else table.data_ptr(),
-                0 if table is None else table.stride(0), k.shape[1] if table is not None else 1, seqlen, hk,
-                d * k.element_size() // 16, splits, sink.data_ptr())
+        paged = table is not None
+        # (pointers as Python ints, as stream_reader passes them; the int parameters as int32)
+        ints = (table.stride(0) if paged else 0, k.shape[1] if paged else 1, seqlen, hk, d * k.element_size() // 16,
+                splits)
         with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-            kern((splits, batch * hk), (512,), tuple(cp.int64(a) if i < 3 else cp.int32(a) if i < 9 else cp.int64(a)
-                                                      for i, a in enumerate(args)))
+            kern((splits, batch * hk), (512,), (k.data_ptr(), v.data_ptr(), table.data_ptr() if paged else 0,
+                                                *map(cp.int32, ints), sink.data_ptr()))
     return read
 
 

@@ -21,7 +21,6 @@ struct DecodeUnfused : Decode<T, BF16, HEAD_DIM, ROWS, BLOCK_N, NUM_WARPS, WARPS
   using D::lane_of;
   using D::lookup;
   using D::load_q;
-  using D::load_rows;
   using D::ring_fill;
   using D::ring;
   using D::row_limits;
