@@ -118,7 +118,7 @@ class Kernel:
         self._func = ctypes.c_void_p(self.func_ptr)
         pdl = get_arch(self.binary.arch).major >= 9 and drv.raw_launch_ex is not None
         self._clusters = pdl and get_arch(self.binary.arch).major == 9  # decode's cluster merge: measured on sm_90
-        self._cluster_fit: dict[int, bool] = {}
+        self._cluster_fit: dict[int, int] = {}  # cluster size -> clusters held at once
         listed = self.spec.PDL_ENTRIES
         self._entries = {"": (self._func, self.threads, self.smem_bytes, pdl and "" in listed)}
         for suffix, (fn, threads, smem) in (self.extra or {}).items():
@@ -145,25 +145,25 @@ class Kernel:
         ctypes.memmove(slot[0], params, n)
         self._enqueue(grid, stream, slot, entry)
 
-    def cluster_fits(self, cluster_x: int) -> bool:
-        """Whether the main entry may be launched in clusters of ``cluster_x`` CTAs (``launch_struct``'s
-        ``cluster_x``): sm_90 (the only arch where that is measured) with cuLaunchKernelEx, and the
-        device holds at least one such cluster at once."""
+    def max_clusters(self, cluster_x: int) -> int:
+        """How many clusters of ``cluster_x`` CTAs of the main entry the device holds at once (the
+        driver's count, which knows how SMs group into GPCs: fewer than SMs / ``cluster_x`` where a
+        GPC's SMs do not divide into whole clusters); 0 where clusters may not be launched."""
         if not self._clusters:
-            return False
-        fits = self._cluster_fit.get(cluster_x)
-        if fits is None:
+            return 0
+        n = self._cluster_fit.get(cluster_x)
+        if n is None:
             slot = getattr(_tls, "slot", None) or _thread_slot()
             func, threads, smem, _ = self._entries[""]
             _cluster_config(slot, (cluster_x, 1, 1), threads, smem, 0, cluster_x, False)
-            fits = self._cluster_fit[cluster_x] = self._drv.max_active_clusters(func, self.device, slot[9]) > 0
-        return fits
+            n = self._cluster_fit[cluster_x] = self._drv.max_active_clusters(func, self.device, slot[9])
+        return n
 
     def launch_struct(self, layout: struct.Struct, grid: tuple[int, int, int], stream: int, *values,
                       entry: str = "", cluster_x: int = 0) -> None:
         """``launch`` with the parameters packed by ``layout`` straight into this thread's buffer;
         ``cluster_x`` > 0 launches the grid's x in clusters of that many CTAs (which divides it;
-        ``cluster_fits`` says where that may be asked).
+        ``max_clusters`` says where that may be asked).
 
         The ops' hot path: no bytes object and no ctypes buffer per call, one context query, and
         the launch through a binding without argtypes (see ``_driver``).

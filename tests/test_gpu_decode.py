@@ -247,6 +247,24 @@ def test_cluster_merge_is_taken():
     assert 1 < c.grid[0] and bool(c.cluster) == (torch.cuda.get_device_capability() == (9, 0)), (c.grid, c.cluster)
 
 
+@pytest.mark.parametrize("batch,kv_heads,q_len", [(4, 8, 1), (8, 4, 4), (2, 8, 4), (20, 8, 1)])
+def test_cluster_grid_in_one_wave(batch, kv_heads, q_len):
+    # A cluster merge is taken only with a size whose clusters (one a row and KV head) are all resident at
+    # once: 32 clusters of 4 (an H100 holds 30) ran the last ones as a second wave, 1.3-1.45x slower than
+    # the merge launch. Whatever size is taken, the output is right.
+    from attngen.families.decode import op
+
+    op.set_cluster_merge(op.CLUSTER_MAX)
+    case = Case([8192 - 37 * i for i in range(batch)], q_len=q_len, heads=32, kv_heads=kv_heads, head_dim=128,
+                dtype=torch.bfloat16)
+    run(case)
+    (c,) = [c for c in op._calls.values() if c.grid and c.grid[1:] == (kv_heads, batch)]
+    if c.cluster:
+        assert c.kern.max_clusters(c.cluster) >= batch * kv_heads, (c.grid, c.cluster)
+    elif torch.cuda.get_device_capability() == (9, 0):
+        assert c.kern.max_clusters(2) < batch * kv_heads or c.grid[0] == 1, (c.grid, c.cluster)
+
+
 # --- tile configs: every ring depth, tile and warp grid, not only the defaults ------------------------
 
 @pytest.mark.parametrize("variant", VARIANTS)
