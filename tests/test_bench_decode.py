@@ -549,3 +549,25 @@ def test_decode_bench_rotate_on_gpu(tmp_path):
             assert not name.startswith("attngen"), r["errors"]
             continue
         assert r["ms"][name] > 0 and r["checks"][name]["ok"], (name, r)
+
+
+def test_decode_read_column_and_target():
+    # A rotated run times the bare read of each shape's bytes: %read is its time over the row's, and every
+    # shape's attngen row is held to 90% of it; runs without the read show "—" and no such target.
+    recs = [fake_decode_record(a=1.0, flash=1.2, cudnn=1.1), fake_decode_record(batch=1, kv_len=8192, a=0.02,
+                                                                               flash=0.03, cudnn=0.021)]
+    recs[0]["read_ms"], recs[1]["read_ms"] = 0.97, 0.0144
+    rows = decode_report.decode_text_rows(recs[0], ["flash", "cudnn"])
+    assert " 97.0 " in rows[0] and " 80.8 " in rows[1]          # attngen 0.97 / 1.0; flash 0.97 / 1.2
+    summ = decode_report.decode_summary(recs, ["flash", "cudnn"])
+    t = {x["target"]: x for x in summ["impls"]["attngen"]["targets"]}["read"]
+    assert t["verdict"] == "MISSED" and t["worst"] == pytest.approx(0.72) and t["worst_at"].startswith("b=1 L=8k")
+    assert any("90% of the bare read's speed on every shape" in ln and "MISSED (worst 72.0% at b=1 L=8k" in ln
+               for ln in decode_report.decode_summary_lines(summ))
+    del recs[1]["read_ms"]
+    assert {x["target"]: x for x in decode_report.decode_summary(recs[1:], ["flash"])["impls"]["attngen"]["targets"]
+            }.keys() == {"copy", "cudnn_b1_32k", "flash"}
+    assert decode_report.decode_text_rows(recs[1], ["flash"])[0].split()[10] == "—"
+    md = decode_report.decode_markdown({**fake_decode_data(), "config": {"rotate": True, "backends": ["flash"]},
+                                        "results": recs})
+    assert "- %read (rotated runs only) = the bare read's time" in md and "| %read |" in md

@@ -12,6 +12,8 @@ the whole GPU: about what any decode of one launch could do on these bytes.
 table); the bare read and cuDNN still read the contiguous bytes, the same count. ``rows_read`` is a bare
 read in decode's shape (each CTA one kv head's rows of a range of positions), ``rows_read_paged`` the same
 through the paged copy's table: their ratio is what paging costs the memory system itself.
+``rows_cluster`` and ``rows_last`` (contiguous caches) add to that read the cheapest combine of a row's
+splits, through a cluster's shared memory or the last CTA of the row: the floor of any split decode.
 """
 
 from __future__ import annotations
@@ -80,6 +82,114 @@ def rows_reader():
     return read
 
 
+# The floor of a split-KV decode: the rows read above, then the splits of each (batch, kv head) combined
+# into one value written to global memory, with no queries, no math and no output rows. rows_cluster:
+# 8 splits a row, one cluster of 8 CTAs, combined through distributed shared memory after a cluster
+# barrier (decode's cluster merge). rows_last: any split count, each CTA writes its value and counts
+# itself on an atomic counter; the last CTA of a row combines the row's values and resets the counter
+# (the cheapest combine through global memory, one launch). What any decode of that grid must at least
+# take beyond a bare read.
+_FLOOR_SRC = r"""
+__device__ __forceinline__ unsigned rows_part(const uint4* k, const uint4* v, int seqlen, int kv_heads,
+                                              int row_chunks, int b, int h, int split, int splits) {
+  const int per = (seqlen + splits - 1) / splits;
+  const int p0 = split * per, p1 = min(seqlen, p0 + per);
+  const int rows = blockDim.x / row_chunks, c = threadIdx.x % row_chunks;
+  unsigned x = 0;
+#pragma unroll 4
+  for (int p = p0 + threadIdx.x / row_chunks; p < p1; p += rows) {
+    const long long off = (((long long)b * seqlen + p) * kv_heads + h) * row_chunks + c;
+    const uint4 a = __ldcs(k + off), e = __ldcs(v + off);
+    x ^= a.x ^ a.y ^ a.z ^ a.w ^ e.x ^ e.y ^ e.z ^ e.w;
+  }
+  for (int o = 16; o; o >>= 1) x ^= __shfl_xor_sync(0xffffffffu, x, o);
+  __shared__ unsigned warp_x[32];
+  if (threadIdx.x % 32 == 0) warp_x[threadIdx.x / 32] = x;
+  __syncthreads();
+  x = 0;
+  for (int w = 0; w < blockDim.x / 32; ++w) x ^= warp_x[w];
+  return x;  // every thread holds the CTA's value
+}
+
+extern "C" __global__ void __cluster_dims__(8, 1, 1)
+rows_cluster(const uint4* k, const uint4* v, int seqlen, int kv_heads, int row_chunks, unsigned* out) {
+  const int bh = blockIdx.y, b = bh / kv_heads, h = bh % kv_heads;
+  __shared__ unsigned mine;
+  const unsigned x = rows_part(k, v, seqlen, kv_heads, row_chunks, b, h, blockIdx.x, 8);
+  if (threadIdx.x == 0) mine = x;
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+  if (blockIdx.x == 0 && threadIdx.x < 8) {
+    unsigned local = (unsigned)__cvta_generic_to_shared(&mine), remote, y;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"((int)threadIdx.x));
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(y) : "r"(remote) : "memory");
+    for (int o = 4; o; o >>= 1) y ^= __shfl_xor_sync(0xffu, y, o);
+    if (threadIdx.x == 0) out[bh] = y;
+  }
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+extern "C" __global__ void rows_last(const uint4* k, const uint4* v, int seqlen, int kv_heads, int row_chunks,
+                                     unsigned* part, unsigned* count, unsigned* out) {
+  const int bh = blockIdx.y, b = bh / kv_heads, h = bh % kv_heads, splits = gridDim.x;
+  const unsigned x = rows_part(k, v, seqlen, kv_heads, row_chunks, b, h, blockIdx.x, splits);
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    part[(long long)bh * splits + blockIdx.x] = x;
+    __threadfence();
+    last = atomicAdd(count + bh, 1u) == (unsigned)splits - 1;
+  }
+  __syncthreads();
+  if (last) {
+    __threadfence();
+    unsigned y = 0;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) y ^= __ldcg(part + (long long)bh * splits + s);
+    for (int o = 16; o; o >>= 1) y ^= __shfl_xor_sync(0xffffffffu, y, o);
+    if (threadIdx.x == 0) count[bh] = 0;
+    if (threadIdx.x % 32 == 0) atomicXor(out + bh, y);
+  }
+}
+"""
+
+
+def floor_readers():
+    """``(cluster(k, v, batch, seqlen), last(k, v, batch, seqlen, splits=0))``: the rows read of a
+    contiguous cache with the two combines above on torch's current stream (``splits`` 0: rows_read's
+    count, about 4 CTAs an SM; 1024 threads a CTA in clusters of 8, 512 otherwise)."""
+    import cupy as cp
+    import torch
+
+    mod = cp.RawModule(code=_FLOOR_SRC, options=("-std=c++17",))
+    k_cluster, k_last = mod.get_function("rows_cluster"), mod.get_function("rows_last")
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    scratch = {}
+
+    def buffers(rows, splits):
+        if scratch.get("shape", (0, 0))[0] < rows or scratch["shape"][1] < splits:
+            scratch["shape"] = (rows, splits)
+            scratch["part"] = torch.zeros(rows * splits, dtype=torch.int32, device="cuda")
+            scratch["count"] = torch.zeros(rows, dtype=torch.int32, device="cuda")
+            scratch["out"] = torch.zeros(rows, dtype=torch.int32, device="cuda")
+        return scratch["part"].data_ptr(), scratch["count"].data_ptr(), scratch["out"].data_ptr()
+
+    def shape_args(k, seqlen):
+        hk, d = k.shape[2], k.shape[3]
+        return hk, (cp.int32(seqlen), cp.int32(hk), cp.int32(d * k.element_size() // 16))
+
+    def cluster(k, v, batch, seqlen):
+        hk, ints = shape_args(k, seqlen)
+        _, _, out = buffers(batch * hk, 1)
+        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            k_cluster((8, batch * hk), (1024,), (k.data_ptr(), v.data_ptr(), *ints, out))
+
+    def last(k, v, batch, seqlen, splits=0):
+        hk, ints = shape_args(k, seqlen)
+        splits = splits or max(1, min(-(-4 * sms // (batch * hk)), -(-seqlen // 32)))
+        part, count, out = buffers(batch * hk, splits)
+        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            k_last((splits, batch * hk), (512,), (k.data_ptr(), v.data_ptr(), *ints, part, count, out))
+    return cluster, last
+
+
 # (batch, kv_len, heads, kv_heads), bf16, q_len 1 (head_dim 128 unless --head-dim)
 SHAPES = [(1, 32768, 32, 8), (1, 32768, 32, 4), (1, 32768, 64, 8), (1, 8192, 32, 8), (16, 4096, 32, 4),
           (16, 4096, 32, 8), (16, 1024, 32, 8), (64, 8192, 32, 8)]
@@ -111,6 +221,7 @@ def main() -> int:
 
     stream_read = stream_reader()
     rows_read = rows_reader()
+    rows_cluster, rows_last = floor_readers()
 
     copy = measure_copy_bandwidth()
     rows = []
@@ -153,6 +264,9 @@ def main() -> int:
                   attn_copies)
         timed("stream_read", lambda kk, vv: (lambda: stream_read(kk, vv)))
         timed("rows_read", lambda kk, vv: (lambda: rows_read(kk, vv, b, n)))
+        if not args.paged:
+            timed("rows_cluster", lambda kk, vv: (lambda: rows_cluster(kk, vv, b, n)))
+            timed("rows_last", lambda kk, vv: (lambda: rows_last(kk, vv, b, n)))
         if args.paged:
             timed("rows_read_paged", lambda kk, vv: (lambda: rows_read(kk, vv, b, n, kw["block_table"])), attn_copies)
         qt = q.transpose(1, 2)

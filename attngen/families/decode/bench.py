@@ -25,8 +25,8 @@ from typing import Any, Callable, Iterable
 import attngen
 from attngen.bench import core
 from .bench_report import (BYTES_NOTE, DECODE_SDPA_CONTIG_NOTE, DECODE_SDPA_NOTE, ITEMSIZE, RATIO_NOTE,  # noqa: F401
-                           ROTATE_BYTES, TARGET_B1_CUDNN, TARGET_COPY_FRAC, TARGET_FLASH, DecodeShape, _copy_line,
-                           _finish_decode, decode_summary, decode_text_header,
+                           ROTATE_BYTES, TARGET_B1_CUDNN, TARGET_COPY_FRAC, TARGET_FLASH, TARGET_READ, DecodeShape,
+                           _copy_line, _finish_decode, decode_summary, decode_text_header,
                            decode_text_rows, rotate_note)
 from attngen.bench.core import (CHECK_TOL, COPY_MIB, _backend_list, _dtype_list, _int_list, _no_tf32, _nonneg_int,
                                 _rel_check, _replay_or_gpu_check, _say, _sdpa_backend, _short_error, env_lines, gbps,
@@ -431,10 +431,22 @@ def run_decode_shape(shape: DecodeShape, backends: tuple[str, ...], *, impls: li
         rec["ms"][name] = ms
         rec["gbps"][name] = gbps(shape.kv_bytes, ms)
         rec["frac_copy"][name] = rec["gbps"][name] / copy_gbps if (copy_gbps and rec["gbps"][name]) else None
+    if rotate:  # the bare read of each copy's K/V, in a graph of its own over the same copies (%read)
+        try:
+            read = _stream_read()
+            replay = core._graphed(*(functools.partial(read, c[0], c[1]) for c in copies))
+            rec["read_ms"] = core._event_bench(replay, warmup_ms, rep_ms, reps, flush=False) / len(copies)
+        except Exception as e:
+            rec["errors"]["read"] = _short_error(e)
     for name, _, _ in impls:
         a = rec["ms"].get(name)
         rec["ratio"][name] = {p: (rec["ms"][p] / a if a and rec["ms"].get(p) else None) for p in backends}
     return rec
+
+
+@functools.lru_cache(maxsize=None)
+def _stream_read():
+    return core.stream_reader()
 
 
 # --- the command ----------------------------------------------------------------------------------
@@ -474,7 +486,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
                    "sdpa_note": DECODE_SDPA_NOTE if args.sdpa_layout == "view" else DECODE_SDPA_CONTIG_NOTE,
                    "bytes": BYTES_NOTE, "ratio": RATIO_NOTE,
                    "targets": {"copy_frac": TARGET_COPY_FRAC, "cudnn_b1_32k": TARGET_B1_CUDNN,
-                               "flash": TARGET_FLASH}},
+                               "flash": TARGET_FLASH, **({"read_frac": TARGET_READ} if args.rotate else {})}},
         "copy": None, "results": [],
     }
     json_paths = _decode_json_paths(args)

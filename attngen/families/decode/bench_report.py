@@ -19,6 +19,7 @@ TARGET_COPY_FRAC = 0.90          # of the copy bandwidth, for batch >= 16 and kv
 TARGET_B1_CUDNN = 1.3            # batch 1 at kv_len 32k: cuDNN's time / attngen's
 TARGET_FLASH = 1.0               # every shape: flash's time / attngen's
 TARGET_PAGED = 0.95              # a paged row, every shape: its contiguous row's time / its own
+TARGET_READ = 0.90               # --rotate, every shape: the bare read's time / attngen's (%read)
 # --rotate: K/V copies walked per graph replay add up to at least this, four H100 L2s (50 MB each), so that
 # when a copy comes round again the copies read since have pushed it out of L2: every call reads from DRAM.
 ROTATE_BYTES = 4 * 50 * 2**20
@@ -26,6 +27,8 @@ BYTES_NOTE = ("GB/s = K + V bytes read (sum over the batch of L x kv_heads x hea
               "GB = 1e9 bytes; %copy = that over the device-to-device copy bandwidth measured in the same run "
               "(dst.copy_(src) of a 1 GiB buffer, bytes read + written / median time)")
 RATIO_NOTE = "vs <peer> = peer time / attngen time (> 1: attngen faster)"
+READ_NOTE = ("%read (rotated runs only) = the bare read's time / the row's time: one kernel loading the same K/V bytes once "
+             "with 16-byte loads over the whole GPU, timed in the same rotated graph")
 DECODE_SDPA_NOTE = ("SDPA gets q as [B, H, q_len, D] and K/V as [B, Hkv, L, D] .transpose(1, 2) views of the "
                     "dense cache attngen reads, with enable_gqa=True; q_len > 1 uses a bottom-right causal mask "
                     "(the first call form the backend accepts that matches the reference)")
@@ -112,29 +115,37 @@ def _fmt_gbps(x: float | None) -> str:
 
 
 def decode_columns(backends: list[str]) -> list[str]:
-    return ["shape", "impl", "ms", "GB/s", "%copy"] + [f"vs {p}" for p in backends] + ["check"]
+    return ["shape", "impl", "ms", "GB/s", "%copy", "%read"] + [f"vs {p}" for p in backends] + ["check"]
 
 
 def decode_rows(r: dict, backends: list[str]) -> list[list[str]]:
     """The table rows of one shape: attngen's rows, then each peer's; the shape named on the first."""
     label = _decode_shape_of(r).label()
     if r.get("skipped"):
-        return [[label, "(skipped)", "—", "—", "—"] + ["—"] * len(backends) + [r["skipped"][:60]]]
+        return [[label, "(skipped)", "—", "—", "—", "—"] + ["—"] * len(backends) + [r["skipped"][:60]]]
     rows = []
     for name in list(r.get("impls", [])) + list(backends):
         ms = r.get("ms", {}).get(name)
         frac = r.get("frac_copy", {}).get(name)
+        read = _frac_read(r, name)
         ratio = r.get("ratio", {}).get(name) or {}
         cells = [label if not rows else "", name if name in r.get("impls", []) else f"sdpa-{name}",
                  _fmt(ms, ".4f"), _fmt_gbps(r.get("gbps", {}).get(name)),
-                 _fmt(frac * 100 if frac is not None else None, ".1f")]
+                 _fmt(frac * 100 if frac is not None else None, ".1f"),
+                 _fmt(read * 100 if read is not None else None, ".1f")]
         cells += [_fmt(ratio.get(p), ".2f") for p in backends]
         cells.append(_decode_check_cell(r, name))
         rows.append(cells)
     return rows
 
 
-_DECODE_WIDTHS = {"shape": 36, "impl": 22, "ms": 8, "GB/s": 6, "%copy": 6, "check": 12}
+_DECODE_WIDTHS = {"shape": 36, "impl": 22, "ms": 8, "GB/s": 6, "%copy": 6, "%read": 6, "check": 12}
+
+
+def _frac_read(r: dict, name: str) -> float | None:
+    """The bare read's time over ``name``'s on this shape (--rotate runs time the read), else None."""
+    read, ms = r.get("read_ms"), (r.get("ms") or {}).get(name)
+    return read / ms if read and ms else None
 
 
 def _dw(col: str) -> int:
@@ -184,12 +195,16 @@ def decode_summary(records: list[dict], backends: list[str]) -> dict:
         b1 = [(r["ratio"][name]["cudnn"], r) for r in ran if r["batch"] == 1 and r["kv_len"] == 32768
               and (r.get("ratio", {}).get(name) or {}).get("cudnn")]
         fl = [(r["ratio"][name]["flash"], r) for r in ran if (r.get("ratio", {}).get(name) or {}).get("flash")]
+        rd = [(x, r) for r in ran for x in (_frac_read(r, name),) if x is not None]
         s["targets"] = [
             _target("copy", fr, TARGET_COPY_FRAC, f">= {TARGET_COPY_FRAC:.0%} of copy bandwidth at batch >= 16, "
                                                   "kv_len >= 4k"),
             _target("cudnn_b1_32k", b1, TARGET_B1_CUDNN, f">= {TARGET_B1_CUDNN}x SDPA cuDNN at batch 1, kv_len 32k"),
             _target("flash", fl, TARGET_FLASH, "never slower than SDPA flash (flash time / attngen time >= 1)"),
         ]
+        if rd:
+            s["targets"].append(_target("read", rd, TARGET_READ, f">= {TARGET_READ:.0%} of the bare read's speed "
+                                                                 "on every shape (read time / attngen time)"))
         if name.endswith("-paged"):
             base = name[:-len("-paged")]
             pg = [(r["ms"][base] / r["ms"][name], r) for r in ran if (r.get("ms") or {}).get(name)
@@ -220,7 +235,7 @@ def decode_summary_lines(summary: dict) -> list[str]:
         for t in s.get("targets", []):
             worst = ""
             if t["worst"] is not None:
-                w = f"{t['worst']:.1%}" if t["target"] == "copy" else f"{t['worst']:.2f}x"
+                w = f"{t['worst']:.1%}" if t["target"] in ("copy", "read") else f"{t['worst']:.2f}x"
                 worst = f" (worst {w} at {t['worst_at']}, {t['shapes']} shapes)"
             lines.append(f"target {name}: {t['what']}: {t['verdict']}{worst}")
     c = summary.get("checks") or {}
@@ -270,6 +285,7 @@ def decode_markdown(data: dict) -> str:
               + "; cache_seqlens = L for every row",
               f"- {BYTES_NOTE}",
               f"- {RATIO_NOTE}",
+              *([f"- {READ_NOTE}"] if cfg.get("rotate") else []),
               f"- {cfg.get('sdpa_note') or DECODE_SDPA_NOTE}",
               *([f"- {rotate_note(records)}"] if cfg.get("rotate") else
                 ["- timed on CUDA-graph replays (each call captured once, attngen and SDPA alike): GPU time, "
