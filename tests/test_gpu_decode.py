@@ -265,6 +265,30 @@ def test_cluster_grid_in_one_wave(batch, kv_heads, q_len):
         assert c.kern.max_clusters(2) < batch * kv_heads or c.grid[0] == 1, (c.grid, c.cluster)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("cfg", [None, (64, 8, 3)], ids=["default", "kv64-w8-st3"])
+def test_many_packed_rows(paged, cfg):
+    # 64 packed rows a KV head (GQA 16 x q_len 4): the fused default takes 64x8x3 where it fits (TUNED_ROWS; two
+    # warps across each tile's keys); ragged rows, some shorter than q_len or a tile, fused and unfused.
+    from attngen.families.decode import op
+
+    spec = None if cfg is None else attngen.DecodeSpec(cta_tile_kv=cfg[0], num_warps=cfg[1], num_stages=cfg[2])
+    case = Case([1, 17, 700, 5000], q_len=4, heads=32, kv_heads=2, head_dim=128, dtype=torch.bfloat16,
+                block_size=64 if paged else None)
+    op._calls.clear()
+    for variant in ("fused", "unfused"):
+        out = torch.full_like(case.q, NAN)
+        o, lse = attngen.decode(case.q, case.k_cache, case.v_cache, **case.kwargs(), out=out, return_lse=True,
+                                spec=spec, variant=variant)
+        torch.cuda.synchronize()
+        check(case, o, lse)
+    c = [c for c in op._calls.values() if c.grid and not c.unfused][0]
+    rs = c.kern.spec
+    assert rs.q_rows == 64
+    if cfg is None and torch.cuda.get_device_capability() in ((9, 0), (8, 0), (10, 0)):
+        assert (rs.cta_tile_kv, rs.num_warps, rs.num_stages) == (64, 8, 3), rs
+
+
 # --- tile configs: every ring depth, tile and warp grid, not only the defaults ------------------------
 
 @pytest.mark.parametrize("variant", VARIANTS)
