@@ -182,26 +182,30 @@ def set_cluster_merge(max_splits: int) -> int:
 def cluster_limit(kern, ctas: int) -> int:
     """The most splits of a row that a grid of ``ctas`` (batch x KV heads) CTAs of ``kern`` merges in
     one cluster of them; 0 where it merges through the workspace and a merge launch. Clusters need
-    sm_90 (``Kernel.max_clusters``), the fused kernel on a contiguous cache, room for the output rows in
-    its shared memory, one CTA an SM with a ring of 4 stages or more, and are taken where their CTAs
-    reach a third of the SMs or more. Measured on an H100 (b=1, 32k keys) against the merge launch:
+    sm_90 (``Kernel.max_clusters``), the fused kernel, room for the output rows in its shared memory,
+    one CTA an SM with a ring of 4 stages or more, and are taken where their CTAs reach a third of the
+    SMs or more (a paged cache: 90%). Measured on an H100 (b=1, 32k keys) against the merge launch:
     1.00-1.04x faster with 64 CTAs of head_dim 128, 4 stages (8 KV heads, 8 splits against 33); 1.6x
     slower with 32 CTAs (4 KV heads); 1.4x slower with head_dim 256's 2- and 3-stage rings (137 against
-    99 us), whose CTAs read too slowly for half the SMs to keep up; a paged kernel 1.5x slower (80
-    against 54 us).
+    99 us), whose CTAs read too slowly for half the SMs to keep up. Paged (blocks of 64, head_dim 128):
+    64 CTAs at b=1 with 8 KV heads 1.02-1.09x slower from 4k keys (58.2 against 53.4 us at 32k), 128
+    at b=16 with 4 KV heads 1.03-1.06x faster.
 
     Every one of the ``ctas`` clusters must be resident at once (``Kernel.max_clusters``, which counts
     the SMs of each GPC: 30 clusters of 4 and 15 of 8 on an H100, not 33 and 16): a cluster size with
     fewer runs the last clusters as a second wave, 1.3-1.45x slower than the merge launch (b=4-8 with
     4-8 KV heads), so the size is the largest whose clusters all fit."""
     rs = kern.spec
-    if (rs.paged or rs.variant is Variant.UNFUSED or rs.num_stages < 4
+    if (rs.variant is Variant.UNFUSED or rs.num_stages < 4
             or rs.cluster_merge_bytes() > rs.smem_bytes() or ctas_per_sm(kern) != 1):
         return 0
     cmax = _cluster_merge[0]
     while cmax > 1 and kern.max_clusters(cmax) < ctas:
         cmax -= 1
-    return cmax if cmax > 1 and 3 * ctas * cmax >= sm_count(kern.device) else 0
+    # A paged CTA reads more slowly (its table lookups): a paged grid clusters only where its clusters fill 90% of
+    # the SMs or more.
+    need = 0.9 if rs.paged else 1 / 3
+    return cmax if cmax > 1 and ctas * cmax >= need * sm_count(kern.device) else 0
 
 
 def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse, out, variant,
