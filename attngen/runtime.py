@@ -118,7 +118,7 @@ class Kernel:
         self._func = ctypes.c_void_p(self.func_ptr)
         pdl = get_arch(self.binary.arch).major >= 9 and drv.raw_launch_ex is not None
         self._clusters = pdl and get_arch(self.binary.arch).major == 9  # decode's cluster merge: measured on sm_90
-        self._cluster_fit: dict[int, int] = {}  # cluster size -> clusters held at once
+        self._cluster_count: dict[int, int] = {}  # cluster size -> clusters held at once
         listed = self.spec.PDL_ENTRIES
         self._entries = {"": (self._func, self.threads, self.smem_bytes, pdl and "" in listed)}
         for suffix, (fn, threads, smem) in (self.extra or {}).items():
@@ -151,12 +151,12 @@ class Kernel:
         GPC's SMs do not divide into whole clusters); 0 where clusters may not be launched."""
         if not self._clusters:
             return 0
-        n = self._cluster_fit.get(cluster_x)
+        n = self._cluster_count.get(cluster_x)
         if n is None:
             slot = getattr(_tls, "slot", None) or _thread_slot()
             func, threads, smem, _ = self._entries[""]
             _cluster_config(slot, (cluster_x, 1, 1), threads, smem, 0, cluster_x, False)
-            n = self._cluster_fit[cluster_x] = self._drv.max_active_clusters(func, self.device, slot[9])
+            n = self._cluster_count[cluster_x] = self._drv.max_active_clusters(func, self.device, slot[9])
         return n
 
     def launch_struct(self, layout: struct.Struct, grid: tuple[int, int, int], stream: int, *values,

@@ -19,6 +19,7 @@ splits, through a cluster's shared memory or the last CTA of the row: the floor 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -35,13 +36,20 @@ from attngen.families.decode.bench import decode_reference, paged_copy, rotate_c
 # rows of ROW_CHUNKS 16-byte pieces, 32 rows a pass of 512 threads; through a block table where one is given
 # (position p of row b in physical row table[b, p / block_size] * block_size + p % block_size), else in place.
 # What reading a paged cache costs the memory system alone, apart from any decode kernel.
+#
+# The floor of a split-KV decode: the same read of a contiguous cache, then the splits of each (batch, kv head)
+# combined into one value written to global memory, with no queries, no math and no output rows. rows_cluster:
+# 8 splits a row, one cluster of 8 CTAs, combined through distributed shared memory after a cluster barrier
+# (decode's cluster merge). rows_last: any split count, each CTA writes its value and counts itself on an atomic
+# counter; the last CTA of a row combines the row's values and resets the counter (the cheapest combine through
+# global memory, one launch). What any decode of that grid must at least take beyond a bare read.
 _ROWS_SRC = r"""
-extern "C" __global__ void rows_read(const uint4* k, const uint4* v, const int* table, int table_stride,
-                                     int block_size, int seqlen, int kv_heads, int row_chunks, int splits,
-                                     unsigned* sink) {
-  const int bh = blockIdx.y, b = bh / kv_heads, h = bh % kv_heads;
+// This thread's share of the read of split `split` of (b, h)'s positions, folded into one word.
+__device__ __forceinline__ unsigned rows_xor(const uint4* k, const uint4* v, const int* table, int table_stride,
+                                             int block_size, int seqlen, int kv_heads, int row_chunks, int b,
+                                             int h, int split, int splits) {
   const int per = (seqlen + splits - 1) / splits;
-  const int p0 = blockIdx.x * per, p1 = min(seqlen, p0 + per);
+  const int p0 = split * per, p1 = min(seqlen, p0 + per);
   const int rows = blockDim.x / row_chunks, c = threadIdx.x % row_chunks;
   unsigned x = 0;
 #pragma unroll 4
@@ -53,69 +61,34 @@ extern "C" __global__ void rows_read(const uint4* k, const uint4* v, const int* 
     const uint4 a = __ldcs(k + off), e = __ldcs(v + off);
     x ^= a.x ^ a.y ^ a.z ^ a.w ^ e.x ^ e.y ^ e.z ^ e.w;
   }
+  return x;
+}
+
+extern "C" __global__ void rows_read(const uint4* k, const uint4* v, const int* table, int table_stride,
+                                     int block_size, int seqlen, int kv_heads, int row_chunks, int splits,
+                                     unsigned* sink) {
+  const int bh = blockIdx.y, b = bh / kv_heads, h = bh % kv_heads;
+  const unsigned x = rows_xor(k, v, table, table_stride, block_size, seqlen, kv_heads, row_chunks, b, h,
+                              blockIdx.x, splits);
   if (x == 0x9e3779b9u) sink[0] = x;  // keeps the loads; practically never true
 }
-"""
 
-
-def rows_reader():
-    """``read(k, v, seqlen, table=None)``: the rows read above on torch's current stream, k and v
-    ``[batch, seqlen, kv_heads, head_dim]`` or paged ``[blocks, block_size, kv_heads, head_dim]``, with
-    about 4 CTAs an SM."""
-    import cupy as cp
-    import torch
-
-    kern = cp.RawKernel(_ROWS_SRC, "rows_read")
-    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
-    sms = torch.cuda.get_device_properties(sink.device).multi_processor_count
-
-    def read(k, v, batch, seqlen, table=None):
-        hk, d = k.shape[2], k.shape[3]
-        splits = max(1, min(-(-4 * sms // (batch * hk)), -(-seqlen // 32)))
-        paged = table is not None
-        # (pointers as Python ints, as stream_reader passes them; the int parameters as int32)
-        ints = (table.stride(0) if paged else 0, k.shape[1] if paged else 1, seqlen, hk, d * k.element_size() // 16,
-                splits)
-        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-            kern((splits, batch * hk), (512,), (k.data_ptr(), v.data_ptr(), table.data_ptr() if paged else 0,
-                                                *map(cp.int32, ints), sink.data_ptr()))
-    return read
-
-
-# The floor of a split-KV decode: the rows read above, then the splits of each (batch, kv head) combined
-# into one value written to global memory, with no queries, no math and no output rows. rows_cluster:
-# 8 splits a row, one cluster of 8 CTAs, combined through distributed shared memory after a cluster
-# barrier (decode's cluster merge). rows_last: any split count, each CTA writes its value and counts
-# itself on an atomic counter; the last CTA of a row combines the row's values and resets the counter
-# (the cheapest combine through global memory, one launch). What any decode of that grid must at least
-# take beyond a bare read.
-_FLOOR_SRC = r"""
-__device__ __forceinline__ unsigned rows_part(const uint4* k, const uint4* v, int seqlen, int kv_heads,
-                                              int row_chunks, int b, int h, int split, int splits) {
-  const int per = (seqlen + splits - 1) / splits;
-  const int p0 = split * per, p1 = min(seqlen, p0 + per);
-  const int rows = blockDim.x / row_chunks, c = threadIdx.x % row_chunks;
-  unsigned x = 0;
-#pragma unroll 4
-  for (int p = p0 + threadIdx.x / row_chunks; p < p1; p += rows) {
-    const long long off = (((long long)b * seqlen + p) * kv_heads + h) * row_chunks + c;
-    const uint4 a = __ldcs(k + off), e = __ldcs(v + off);
-    x ^= a.x ^ a.y ^ a.z ^ a.w ^ e.x ^ e.y ^ e.z ^ e.w;
-  }
+// The CTA's words folded into one, which every thread returns.
+__device__ __forceinline__ unsigned cta_xor(unsigned x) {
   for (int o = 16; o; o >>= 1) x ^= __shfl_xor_sync(0xffffffffu, x, o);
   __shared__ unsigned warp_x[32];
   if (threadIdx.x % 32 == 0) warp_x[threadIdx.x / 32] = x;
   __syncthreads();
   x = 0;
   for (int w = 0; w < blockDim.x / 32; ++w) x ^= warp_x[w];
-  return x;  // every thread holds the CTA's value
+  return x;
 }
 
 extern "C" __global__ void __cluster_dims__(8, 1, 1)
 rows_cluster(const uint4* k, const uint4* v, int seqlen, int kv_heads, int row_chunks, unsigned* out) {
   const int bh = blockIdx.y, b = bh / kv_heads, h = bh % kv_heads;
   __shared__ unsigned mine;
-  const unsigned x = rows_part(k, v, seqlen, kv_heads, row_chunks, b, h, blockIdx.x, 8);
+  const unsigned x = cta_xor(rows_xor(k, v, nullptr, 0, 1, seqlen, kv_heads, row_chunks, b, h, blockIdx.x, 8));
   if (threadIdx.x == 0) mine = x;
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
   if (blockIdx.x == 0 && threadIdx.x < 8) {
@@ -131,7 +104,8 @@ rows_cluster(const uint4* k, const uint4* v, int seqlen, int kv_heads, int row_c
 extern "C" __global__ void rows_last(const uint4* k, const uint4* v, int seqlen, int kv_heads, int row_chunks,
                                      unsigned* part, unsigned* count, unsigned* out) {
   const int bh = blockIdx.y, b = bh / kv_heads, h = bh % kv_heads, splits = gridDim.x;
-  const unsigned x = rows_part(k, v, seqlen, kv_heads, row_chunks, b, h, blockIdx.x, splits);
+  const unsigned x = cta_xor(rows_xor(k, v, nullptr, 0, 1, seqlen, kv_heads, row_chunks, b, h, blockIdx.x,
+                                      splits));
   __shared__ bool last;
   if (threadIdx.x == 0) {
     part[(long long)bh * splits + blockIdx.x] = x;
@@ -151,6 +125,45 @@ extern "C" __global__ void rows_last(const uint4* k, const uint4* v, int seqlen,
 """
 
 
+@functools.lru_cache(maxsize=None)
+def _rows_module():
+    """The three kernels above, compiled once; with the SM count."""
+    import cupy as cp
+    import torch
+
+    mod = cp.RawModule(code=_ROWS_SRC, options=("-std=c++17",))
+    return mod, torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def _rows_splits(sms: int, batch: int, kv_heads: int, seqlen: int) -> int:
+    """The split count of the rows reads: about 4 CTAs an SM, 32 positions a CTA at least."""
+    return max(1, min(-(-4 * sms // (batch * kv_heads)), -(-seqlen // 32)))
+
+
+def rows_reader():
+    """``read(k, v, seqlen, table=None)``: the rows read above on torch's current stream, k and v
+    ``[batch, seqlen, kv_heads, head_dim]`` or paged ``[blocks, block_size, kv_heads, head_dim]``, with
+    about 4 CTAs an SM."""
+    import cupy as cp
+    import torch
+
+    mod, sms = _rows_module()
+    kern = mod.get_function("rows_read")
+    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def read(k, v, batch, seqlen, table=None):
+        hk, d = k.shape[2], k.shape[3]
+        splits = _rows_splits(sms, batch, hk, seqlen)
+        paged = table is not None
+        # (pointers as Python ints, as stream_reader passes them; the int parameters as int32)
+        ints = (table.stride(0) if paged else 0, k.shape[1] if paged else 1, seqlen, hk, d * k.element_size() // 16,
+                splits)
+        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            kern((splits, batch * hk), (512,), (k.data_ptr(), v.data_ptr(), table.data_ptr() if paged else 0,
+                                                *map(cp.int32, ints), sink.data_ptr()))
+    return read
+
+
 def floor_readers():
     """``(cluster(k, v, batch, seqlen), last(k, v, batch, seqlen, splits=0))``: the rows read of a
     contiguous cache with the two combines above on torch's current stream (``splits`` 0: rows_read's
@@ -158,9 +171,8 @@ def floor_readers():
     import cupy as cp
     import torch
 
-    mod = cp.RawModule(code=_FLOOR_SRC, options=("-std=c++17",))
+    mod, sms = _rows_module()
     k_cluster, k_last = mod.get_function("rows_cluster"), mod.get_function("rows_last")
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     scratch = {}
 
     def buffers(rows, splits):
@@ -183,7 +195,7 @@ def floor_readers():
 
     def last(k, v, batch, seqlen, splits=0):
         hk, ints = shape_args(k, seqlen)
-        splits = splits or max(1, min(-(-4 * sms // (batch * hk)), -(-seqlen // 32)))
+        splits = splits or _rows_splits(sms, batch, hk, seqlen)
         part, count, out = buffers(batch * hk, splits)
         with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
             k_last((splits, batch * hk), (512,), (k.data_ptr(), v.data_ptr(), *ints, part, count, out))
