@@ -324,7 +324,8 @@ def default_tuning(spec: Spec, arch: "str | Arch") -> dict[str, Any]:
     field = next((k for k in pinned if pinned[k] not in fits[k] and fits[k]),
                  next((k for k in pinned if pinned[k] not in fits[k]), next(iter(pinned))))
     pins = ", ".join(f"{k}={allowed_text([v])}" for k, v in pinned.items())
-    raise SpecError(field, allowed_text([pinned[field]]), allowed_text(fits[field]) or f"none on {a.name}",
+    value = getattr(pinned[field], "value", pinned[field])  # an enum member as its text
+    raise SpecError(field, value, allowed_text(fits[field]) or f"none on {a.name}",
                     reason=f"no {spec.family} tile configuration with {pins} fits {a.name}")
 
 

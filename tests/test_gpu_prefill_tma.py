@@ -90,6 +90,30 @@ def test_tma_tile_configs(d, kv, warps, stages, mask, schedule):
     run(spec, 1, 1111, 1537, 4, 1, BF16, causal=mask == "causal", window=window)
 
 
+# Key tiles that are not a power of two (wgmma's N is any multiple of 8 up to 256): the widths FlashAttention-3
+# takes at head dims 64 (192 keys), 128 (176) and 256 (80), and others between. Where a schedule or the
+# persistent kernel does not fit the shared memory, it is skipped.
+WIDE = [(64, 160), (64, 176), (64, 192), (128, 96), (128, 144), (128, 160), (128, 176), (256, 80)]
+
+
+@pytest.mark.parametrize("d,kv", WIDE)
+@pytest.mark.parametrize("mask", ["full", "causal", "window"])
+@pytest.mark.parametrize("schedule,persistent", [(s, False) for s in SCHEDULES] + [("pingpong", True)])
+def test_tma_wide_kv_tiles(d, kv, mask, schedule, persistent):
+    spec = _spec(head_dim=d, cta_tile_q=128, cta_tile_kv=kv, num_warps=8, num_stages=2, schedule=schedule,
+                 persistent=persistent)
+    window = (100, 7) if mask == "window" else (-1, -1)
+    try:  # the cp.async kernel of the same tiles, where its register estimate lets it (limit 176, TMA's 200)
+        attngen.validate(_sync(spec), attngen.runtime.device_arch(torch.cuda.current_device()))
+        twin = True
+    except attngen.SpecError:
+        twin = False
+    run(spec, 2, 1111, 1537, 4, 2, BF16, causal=mask == "causal", window=window, same_as_cp_async=twin)
+    run(spec, 1, 17, 3001, 2, 1, FP16, causal=mask == "causal", window=window, same_as_cp_async=False)
+    if persistent:  # several query tiles a CTA (864 tiles)
+        run(spec, 6, 1111, 1537, 16, 4, BF16, causal=mask == "causal", window=window, same_as_cp_async=twin)
+
+
 @pytest.mark.parametrize("stages", [1, 2, 3])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_tma_ctas_without_keys(stages, schedule):

@@ -115,6 +115,12 @@ def test_schedule_off_sm90a_is_refused():
     "prefill:head_dim=64,dtype=bf16,mask=causal,persistent=true",
     "prefill:head_dim=128,dtype=fp16,persistent=true",
     "prefill:head_dim=128,dtype=bf16,mask=sliding_window,return_lse=true,schedule=serial,persistent=true",
+    # key tiles between the powers of two (FlashAttention-3's widths at head dims 256, 128 and 64)
+    "prefill:head_dim=256,dtype=bf16,mask=causal,cta_tile_q=128,cta_tile_kv=80,num_warps=8,num_stages=2,"
+    "schedule=pingpong",
+    "prefill:head_dim=128,dtype=fp16,cta_tile_q=128,cta_tile_kv=176,num_warps=8,num_stages=2,schedule=overlap",
+    "prefill:head_dim=64,dtype=bf16,mask=causal,cta_tile_q=128,cta_tile_kv=192,num_warps=8,num_stages=2,"
+    "schedule=pingpong,persistent=true",
 ])
 def test_tma_kernels_compile_spill_free_and_asynchronous(text):
     from attngen.spec import parse_spec
@@ -216,3 +222,51 @@ def test_launch_layouts_match_the_kernels_structs():
     }
     source = render(spec) + "".join(f'\nstatic_assert({k} == {v}, "{k}");' for k, v in checks.items()) + "\n"
     compile(source, "sm_90a", kernel_name=spec.kernel_name)  # raises with the failed assertion's text
+
+
+# ---- key tiles between the powers of two (80-192): the wgmma whole-row kernel on the dense layout ----
+
+def test_wide_kv_tiles_resolve_for_the_wgmma_kernel_and_no_default_takes_one():
+    wide = PrefillSpec.CTA_TILE_KV_WIDE
+    for d, kv, pipelines in ((256, 80, ("tma",)), (128, 176, ("tma",)), (64, 192, ("tma", "sync")),
+                             (128, 96, ("tma", "sync"))):
+        for pipeline in pipelines:
+            r = resolve(PrefillSpec(head_dim=d, cta_tile_q=128, cta_tile_kv=kv, num_warps=8, pipeline=pipeline,
+                                    mma="wgmma"), "sm_90a")
+            assert r.cta_tile_kv == kv and r.tma == (pipeline == "tma")
+    # the cp.async kernel keeps its register estimate's limit of 176 (it spilled at 180), TMA's is 200
+    with pytest.raises(SpecError) as e:
+        resolve(PrefillSpec(head_dim=256, cta_tile_q=128, cta_tile_kv=80, num_warps=8, pipeline="sync",
+                            mma="wgmma", num_stages=2), "sm_90a")
+    assert e.value.field == "cta_tile_kv" and "limit 176" in str(e.value)
+    for d in (64, 128, 192, 256):
+        for mask in ("none", "causal", "sliding_window"):
+            assert resolve(PrefillSpec(head_dim=d, mask=mask), "sm_90a").cta_tile_kv not in wide
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(mma="mma_sync"), "mma=mma_sync"),
+    (dict(mma="wgmma", custom_mask=True), "custom_mask=true"),
+    (dict(mma="wgmma", varlen=True), "varlen=true"),
+    (dict(mma="wgmma", head_dim=512, head_dim_chunk=64, cta_tile_q=64, num_stages=3), "head_dim_chunk=64"),
+])
+def test_wide_kv_tiles_elsewhere_are_refused_naming_the_field(fields, named):
+    tiles = dict(head_dim=128, cta_tile_q=128, cta_tile_kv=96, num_warps=8, num_stages=2, pipeline="sync")
+    with pytest.raises(SpecError) as e:  # every tile field pinned: the spec's own check
+        resolve(PrefillSpec(**{**tiles, **fields}), "sm_90a")
+    assert e.value.field == "cta_tile_kv" and e.value.value == 96 and e.value.allowed == "32, 64, 128"
+    assert named in str(e.value), str(e.value)
+    with pytest.raises(SpecError) as e:  # some pinned: no default candidate has such a tile there
+        resolve(PrefillSpec(**{"head_dim": 128, "cta_tile_kv": 96, **fields}), "sm_90a")
+    assert e.value.field == "cta_tile_kv" and e.value.value == 96, str(e.value)
+    assert {int(x) for x in e.value.allowed.split(", ")} <= {32, 64, 128}, str(e.value)
+
+
+def test_tuning_tries_wide_kv_tiles_on_sm90a_only():
+    from attngen.spec import tuning_candidates
+
+    spec = PrefillSpec(head_dim=256, cta_tile_q=128, num_warps=8, num_stages=2)
+    kvs = {c.cta_tile_kv for c in tuning_candidates(spec, "sm_90a")}
+    assert 80 in kvs and kvs <= {32, 64, 80, 96}
+    assert tuning_candidates(spec, "sm_90a")[0].cta_tile_kv == 64  # the default first
+    assert {c.cta_tile_kv for c in tuning_candidates(spec.replace(mma="mma_sync"), "sm_80")} <= {32, 64, 128}

@@ -38,7 +38,7 @@ def configs(a, d, dv, causal):
                                                   for pe in ("false", "true")] if a.tma else [])
         grid = [dict(cta_tile_q=bm, cta_tile_kv=bn, num_warps=w, num_stages=st, mma=mma, pipeline=pl, schedule=sc,
                      persistent=pe)
-                for mma, bm, bn, w, st, (pl, sc, pe) in itertools.product(a.mma.split(","), (64, 128), (32, 64, 128),
+                for mma, bm, bn, w, st, (pl, sc, pe) in itertools.product(a.mma.split(","), (64, 128), a.kv_tiles,
                                                                           (4, 8), (1, 2, 3, 4), pipes)
                 if pl == "sync" or mma == "wgmma"]
     for g in grid:
@@ -65,6 +65,9 @@ def main():
     ap.add_argument("--chunked", action="store_true", help="the chunked kernel's configs")
     ap.add_argument("--tma", action="store_true",
                     help="each wgmma config also with pipeline=tma, in each schedule, one CTA a query tile and persistent")
+    ap.add_argument("--kv-tiles", type=lambda t: tuple(int(x) for x in t.split(",")), default=(32, 64, 128),
+                    help="key tiles of the whole-row kernel's grid (default 32,64,128; the wgmma kernel also takes "
+                         "80-192 in steps of 16)")
     ap.add_argument("--arch", default=None, help="validate for this arch (default: the GPU's)")
     ap.add_argument("--emit-manifest", type=Path, default=None)
     ap.add_argument("--top", type=int, default=10)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 from ...arch import Arch
-from .spec import MaskMode, Mma, Persistent, Pipeline, Schedule
+from .spec import MaskMode, Mma, Persistent, Pipeline, PrefillSpec, Schedule
 
 # Measured on an H200 (sm_90) with NVRTC 13.5, bf16, 16k tokens at seqlen 4096, 2026-11-22
 # (tools/sweep_configs.py; BENCHMARKS.md). Archs with less shared memory take the best
@@ -228,3 +228,14 @@ def _candidates(spec, arch: Arch):
     yield from ((*c, Mma.SYNC, S, SER, OFF) for c in TUNED[d])
     yield from ((*c, Mma.SYNC, S, SER, OFF)
                 for c in itertools.product((128, 64), (64, 128, 32), (4, 8), (2, 3, 1, 4)))
+    if arch.has_wgmma and d % 64 == 0 and spec.dim_v % 64 == 0 and not (spec.varlen or spec.custom_mask):
+        # Key tiles between the powers of two, last: no default takes one. H100, 2026-11-25, bf16, the 12 shapes of
+        # the sweep a head dim (BENCHMARKS.md): at 256, 128x80 (serial or ping-pong) ran 0.93-1.15x the default
+        # 128x64 by shape, 0.99-1.01x by geomean (faster at 2k and 16k, slower at 512-1k and 8k); at 64, 128x160-192
+        # persistent 0.93-0.95x the default persistent 128x128; at 128, 128x144-176 one CTA a tile no faster than
+        # 128x128 one CTA a tile (0.96x the persistent default; persistent, they spill or do not fit). `attngen
+        # tune` tries them (it took 128x80 ping-pong at 256 for 2k and 16k tokens, 1.01-1.07x) and a spec may pin
+        # them.
+        wide = [(16 * w, kv, w, st) for w in (8, 4) for kv in PrefillSpec.CTA_TILE_KV_WIDE for st in (2, 3)]
+        yield from tma(wide)
+        yield from ((*c, W, S, SER, OFF) for c in wide)
