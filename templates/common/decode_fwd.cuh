@@ -5,10 +5,10 @@
 // Grid: (num_splits, kv_heads, batch). A CTA takes its split's run of BLOCK_N-key tiles
 // through a NUM_STAGES-deep cp.async ring. Its warps form a WARPS_M x WARPS_N grid: WARPS_M
 // along the packed rows (M_TILES tiles of 16 each), WARPS_N along the keys of each tile
-// (KW keys each). Each warp keeps its own online softmax; at the end the WARPS_N partial
-// results of a row are merged in shared memory. With one split the CTA writes the output;
-// with several it writes fp32 partial outputs and their LSE, and the `_merge` entry combines
-// them. The unfused variant (decode_unfused.cuh, built on this struct) runs QK^T + per-row
+// (KW keys each). Each warp keeps its own online softmax; at the end (DecodeEnd, decode_end.cuh)
+// the WARPS_N partial results of a row are merged in shared memory. With one split the CTA writes
+// the output; with several it writes fp32 partial outputs and their LSE, and the `_merge` entry
+// combines them (or, in a cluster, the CTAs of a row do). The unfused variant (decode_unfused.cuh, built on this struct) runs QK^T + per-row
 // max/sum (`unfused_qk`, K only) and then P V (`unfused_pv`, V and the stored scores) as two
 // kernels with the same grid.
 namespace attngen {
@@ -43,10 +43,17 @@ struct DecodeParams {
   long long alibi_sb;              // batch stride of alibi: heads, or 0
 };
 
+// The end of a CTA (decode_end.cuh): its warps' row statistics merged, then the output or the split's partial written.
+template <class D>
+struct DecodeEnd;
+
 template <class T, bool BF16, int HEAD_DIM, int ROWS, int BLOCK_N, int NUM_WARPS, int WARPS_M, int NUM_STAGES,
           bool PAGED, bool Q_IN_REGS, bool SOFTCAP = false, bool ALIBI = false>
 struct Decode {
   using L = SmemLayout<HEAD_DIM, HEAD_DIM, true>;
+  using Elem = T;  // (what DecodeEnd, decode_end.cuh, reads of this struct)
+  static constexpr bool IS_BF16 = BF16;
+  static constexpr int HEAD_DIM_ = HEAD_DIM, ROWS_ = ROWS;
   static constexpr int THREADS = NUM_WARPS * 32;
   static constexpr int WARPS_N = NUM_WARPS / WARPS_M;
   static constexpr int M_TILES = ROWS / 16 / WARPS_M;
@@ -409,180 +416,6 @@ struct Decode {
     }
   }
 
-  // Merge the WARPS_N per-warp (max, sum) of each row through shared memory (the ring's bytes,
-  // free once every cp.async has landed). Returns per row the CTA's max, its sum, and this
-  // warp's factor exp2((own max - CTA max) * scale_log2). row_sum is this thread's partial sum.
-  static __device__ __forceinline__ void merge_stats(float* sStat, float (&row_max)[M_TILES][2],
-                                                     float (&row_sum)[M_TILES][2], float (&factor)[M_TILES][2],
-                                                     float scale_log2, const Lane& l) {
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float s = row_sum[mt][r];
-        s += __shfl_xor_sync(0xffffffffu, s, 1);
-        s += __shfl_xor_sync(0xffffffffu, s, 2);
-        row_sum[mt][r] = s;
-        if (l.t == 0) {
-          const int row = l.row0 + mt * 16 + l.g + 8 * r;
-          sStat[l.wn * ROWS + row] = row_max[mt][r];
-          sStat[(WARPS_N + l.wn) * ROWS + row] = s;
-        }
-      }
-    __syncthreads();
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = l.row0 + mt * 16 + l.g + 8 * r;
-        float mg = -ATTNGEN_INF;
-#pragma unroll
-        for (int w = 0; w < WARPS_N; ++w) mg = fmaxf(mg, sStat[w * ROWS + row]);
-        float sum = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS_N; ++w) {
-          const float m = sStat[w * ROWS + row];
-          if (m != -ATTNGEN_INF) sum += sStat[(WARPS_N + w) * ROWS + row] * fast_exp2((m - mg) * scale_log2);
-        }
-        factor[mt][r] = row_max[mt][r] == -ATTNGEN_INF ? 0.f : fast_exp2((row_max[mt][r] - mg) * scale_log2);
-        row_max[mt][r] = mg;
-        row_sum[mt][r] = sum;
-      }
-  }
-
-  // After the KV loop the shared memory holds, from its start: the per-row max and sum of every warp
-  // [2][WARPS_N][ROWS], the fp32 partial outputs of the warps past the first along the keys
-  // [WARPS_N - 1][ROWS][HEAD_DIM + 4], and (a cluster merge) the CTA's normalised output [ROWS][HEAD_DIM]
-  // and its LSE [ROWS] at PART_AT floats (DecodeSpec.cluster_merge_bytes counts the same).
-  static constexpr int PART_AT = (2 * WARPS_N * ROWS + (WARPS_N - 1) * ROWS * (HEAD_DIM + 4) + 3) / 4 * 4;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1000  // measured on sm_90 only (Kernel.cluster_fits)
-  static constexpr bool CAN_CLUSTER = true;
-#else
-  static constexpr bool CAN_CLUSTER = false;
-#endif
-
-  // The splits of one (batch, kv head) launched as one cluster (sm_90, o_part null): each CTA left
-  // its normalised output and LSE in its shared memory; CTA `split` merges every split's rows for
-  // the float4 columns split, split + splits, ... of the rows, reading the others' shared memory,
-  // and writes the output. The second barrier keeps every CTA's shared memory until all have read.
-  static __device__ __forceinline__ void cluster_merge(const DecodeParams<T>& p, const Cta& c, const float* sPart,
-                                                       const float* sLse, int tid) {
-    constexpr int C4 = HEAD_DIM / 4;
-    cluster_sync();
-    const unsigned part = smem_addr(sPart), lse_at = smem_addr(sLse);
-    const int splits = p.num_splits;
-    for (int i = c.split * THREADS + tid; i < c.rows_valid * C4; i += splits * THREADS) {
-      const int row = i / C4;
-      const int col = (i - row * C4) * 4;
-      float mx = -ATTNGEN_INF;
-      for (int s = 0; s < splits; ++s) mx = fmaxf(mx, cluster_load_f32(cluster_map(lse_at + 4 * row, s)));
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      float wsum = 0.f;
-      if (mx != -ATTNGEN_INF) {
-        for (int s = 0; s < splits; ++s) {
-          const float ls = cluster_load_f32(cluster_map(lse_at + 4 * row, s));
-          // every split's row is written (zeros for a split that saw no key): a weight of 0 multiplies finite values
-          const float w = ls == -ATTNGEN_INF ? 0.f : __expf(ls - mx);
-          const float4 x = cluster_load_f4(cluster_map(part + 4 * (row * HEAD_DIM + col), s));
-          acc.x = fmaf(w, x.x, acc.x);
-          acc.y = fmaf(w, x.y, acc.y);
-          acc.z = fmaf(w, x.z, acc.z);
-          acc.w = fmaf(w, x.w, acc.w);
-          wsum += w;
-        }
-      }
-      const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-      const int qi = row / p.group;
-      const int head = c.kv_head * p.group + (row - qi * p.group);
-      T* dst = p.o + c.batch * p.o_sb + qi * p.o_ss + head * p.o_sh + col;
-      *reinterpret_cast<uint2*>(dst) =
-          make_uint2(pack2<BF16>(acc.x * inv, acc.y * inv), pack2<BF16>(acc.z * inv, acc.w * inv));
-      if (col == 0 && p.lse)
-        p.lse[((long long)c.batch * p.num_heads + head) * p.q_len + qi] = wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
-    }
-    cluster_sync();
-  }
-
-  // Normalise and write: the output (one split), fp32 partials and their LSE (several), or, with the
-  // splits a cluster, the CTA's share of the merged output (cluster_merge).
-  static __device__ __forceinline__ void epilogue(const DecodeParams<T>& p, const Cta& c, unsigned char* smem,
-                                                  float (&acc_o)[M_TILES][D_TILES][4], float (&row_max)[M_TILES][2],
-                                                  float (&row_sum)[M_TILES][2], const Lane& l) {
-    cp_async_wait_all();  // with one stage, a CTA with no tile never committed Q's copies
-    __syncthreads();
-    float* sStat = reinterpret_cast<float*>(smem);  // [2][WARPS_N][ROWS]
-    float* sO = sStat + 2 * WARPS_N * ROWS;         // [WARPS_N - 1][ROWS][HEAD_DIM + 4]
-    float* sPart = sStat + PART_AT;                 // cluster merge: [ROWS][HEAD_DIM], then the LSE [ROWS]
-    float* sLse = sPart + ROWS * HEAD_DIM;
-    const bool cl = CAN_CLUSTER && p.num_splits > 1 && p.o_part == nullptr;
-    float factor[M_TILES][2];
-    merge_stats(sStat, row_max, row_sum, factor, p.scale_log2, l);
-    if constexpr (WARPS_N > 1) {
-      if (l.wn > 0) {
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-          for (int d = 0; d < D_TILES; ++d)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const int row = l.row0 + mt * 16 + l.g + 8 * r;
-              *reinterpret_cast<float2*>(sO + ((l.wn - 1) * ROWS + row) * (HEAD_DIM + 4) + d * 8 + 2 * l.t) =
-                  make_float2(acc_o[mt][d][2 * r] * factor[mt][r], acc_o[mt][d][2 * r + 1] * factor[mt][r]);
-            }
-      }
-      __syncthreads();
-      if (l.wn > 0) {
-        if (cl) cluster_merge(p, c, sPart, sLse, l.tid);
-        return;
-      }
-    }
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = l.row0 + mt * 16 + l.g + 8 * r;
-        if (row >= c.rows_valid) continue;
-        const int qi = row / p.group;
-        const int head = c.kv_head * p.group + (row - qi * p.group);
-        const float sum = row_sum[mt][r];
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        const float lse = sum > 0.f ? row_max[mt][r] * p.sm_scale + logf(sum) : -ATTNGEN_INF;
-        const bool one = p.num_splits == 1;
-        T* gO = p.o + c.batch * p.o_sb + qi * p.o_ss + head * p.o_sh;
-        float* gP = p.o_part + (((long long)c.split * p.batch + c.batch) * p.q_len + qi) * p.num_heads * HEAD_DIM +
-                    (long long)head * HEAD_DIM;
-#pragma unroll
-        for (int d = 0; d < D_TILES; ++d) {
-          float x0 = acc_o[mt][d][2 * r] * factor[mt][r];
-          float x1 = acc_o[mt][d][2 * r + 1] * factor[mt][r];
-          const int col = d * 8 + 2 * l.t;
-#pragma unroll
-          for (int w = 1; w < WARPS_N; ++w) {
-            const float2 y = *reinterpret_cast<const float2*>(sO + ((w - 1) * ROWS + row) * (HEAD_DIM + 4) + col);
-            x0 += y.x;
-            x1 += y.y;
-          }
-          if (one) {
-            *reinterpret_cast<unsigned*>(gO + col) = pack2<BF16>(x0 * inv, x1 * inv);
-          } else if (cl) {
-            *reinterpret_cast<float2*>(sPart + row * HEAD_DIM + col) = make_float2(x0 * inv, x1 * inv);
-          } else {
-            *reinterpret_cast<float2*>(gP + col) = make_float2(x0 * inv, x1 * inv);
-          }
-        }
-        if (l.t == 0) {
-          if (one) {
-            if (p.lse) p.lse[((long long)c.batch * p.num_heads + head) * p.q_len + qi] = lse;
-          } else if (cl) {
-            sLse[row] = lse;
-          } else {
-            p.lse_part[(((long long)c.split * p.batch + c.batch) * p.num_heads + head) * p.q_len + qi] = lse;
-          }
-        }
-      }
-    if (cl) cluster_merge(p, c, sPart, sLse, l.tid);
-  }
-
   // The CTA's tiles through a NUM_STAGES-slot cp.async ring: load(tile, slot) issues one tile's
   // copies, body(tile, it, slot) consumes it (it counts from 0). ring_fill issues the first
   // NUM_STAGES - 1 tiles; callers set up their accumulators between the two, where the loops had
@@ -668,7 +501,7 @@ struct Decode {
               for (int e = 0; e < 4; ++e) acc_o[mt][d][e] *= corr[mt][e / 2];
           accumulate_pv(acc_o, acc_s, sV + slot * BLOCK_N * HEAD_DIM, l);
         });
-    epilogue(p, c, smem_raw, acc_o, row_max, row_sum, l);
+    DecodeEnd<Decode>::epilogue(p, c, smem_raw, acc_o, row_max, row_sum, l);
   }
 };
 

@@ -26,9 +26,8 @@ struct DecodeUnfused : Decode<T, BF16, HEAD_DIM, ROWS, BLOCK_N, NUM_WARPS, WARPS
   using D::row_limits;
   using D::tile_scores;
   using D::softmax_step;
-  using D::merge_stats;
   using D::accumulate_pv;
-  using D::epilogue;
+  using End = DecodeEnd<D>;
 
   // ---- unfused, first kernel: raw scores to the workspace, per-row max and sum per split ---------
   static __device__ __forceinline__ void unfused_qk(const DecodeParams<T>& p) {
@@ -87,7 +86,7 @@ struct DecodeUnfused : Decode<T, BF16, HEAD_DIM, ROWS, BLOCK_N, NUM_WARPS, WARPS
     cp_async_wait_all();  // with one stage, a CTA with no tile never committed Q's copies
     __syncthreads();
     float factor[M_TILES][2];
-    merge_stats(reinterpret_cast<float*>(smem_raw), row_max, row_sum, factor, p.scale_log2, l);
+    End::merge_stats(reinterpret_cast<float*>(smem_raw), row_max, row_sum, factor, p.scale_log2, l);
     if (l.wn == 0 && l.t == 0) {
       float* gStat = p.stats + (((long long)c.split * p.batch + c.batch) * gridDim.y + c.kv_head) * ROWS * 2;
 #pragma unroll
@@ -175,7 +174,7 @@ struct DecodeUnfused : Decode<T, BF16, HEAD_DIM, ROWS, BLOCK_N, NUM_WARPS, WARPS
             }
           accumulate_pv(acc_o, acc_p, sV + slot * BLOCK_N * HEAD_DIM, l);
         });
-    epilogue(p, c, smem_raw, acc_o, row_max, row_sum, l);
+    End::epilogue(p, c, smem_raw, acc_o, row_max, row_sum, l);
   }
 };
 
