@@ -114,6 +114,17 @@ def test_tma_wide_kv_tiles(d, kv, mask, schedule, persistent):
         run(spec, 6, 1111, 1537, 16, 4, BF16, causal=mask == "causal", window=window, same_as_cp_async=twin)
 
 
+# The same widths with one consumer warpgroup (64-row tiles, two CTAs an SM where they fit), as `attngen tune` tries them.
+@pytest.mark.parametrize("d,kv", [(64, 192), (128, 96), (128, 160), (256, 80)])
+@pytest.mark.parametrize("mask", ["full", "causal"])
+@pytest.mark.parametrize("schedule,persistent", [("serial", False), ("overlap", False), ("serial", True)])
+def test_tma_wide_kv_tiles_one_warpgroup(d, kv, mask, schedule, persistent):
+    spec = _spec(head_dim=d, cta_tile_q=64, cta_tile_kv=kv, num_warps=4, num_stages=2, schedule=schedule,
+                 persistent=persistent)
+    run(spec, 2, 1111, 1537, 4, 2, BF16, causal=mask == "causal", same_as_cp_async=False)
+    run(spec, 3, 17, 3001, 8, 1, FP16, causal=mask == "causal", same_as_cp_async=False)
+
+
 @pytest.mark.parametrize("stages", [1, 2, 3])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_tma_ctas_without_keys(stages, schedule):
