@@ -188,6 +188,11 @@ struct MlaDecode {
           make_uint4(0u, 0u, 0u, 0u);
   }
 
+  // A paged position's block: a shift where block_size is a power of two (block_shift >= 0), else a division.
+  static __device__ __forceinline__ int block_of(int pos, const MlaParams<T>& p) {
+    return p.block_shift >= 0 ? pos >> p.block_shift : pos / p.block_size;
+  }
+
   // TMA (one thread): tile `tile`'s rows up to the sequence's end into ring slot `slot`, in boxes of
   // `box` rows: ckv's 64-column blocks [CB_LO, CB_HI) and, with KPE, one block (zero-filled past DR)
   // of kpe, completing mbarrier `bar`. A template so that only the TMA kernel instantiates it
@@ -206,7 +211,7 @@ struct MlaDecode {
       const int pos = n0 + pc * box;
       int c1 = pos, c2 = batch;
       if constexpr (PAGED) {
-        const int blk = p.block_shift >= 0 ? pos >> p.block_shift : pos / p.block_size;
+        const int blk = block_of(pos, p);
         c1 = pos - blk * p.block_size;
         c2 = min(max(__ldg(table + blk), 0), p.num_blocks - 1);  // clamped as load_cols does
       }
@@ -284,7 +289,7 @@ struct MlaDecode {
     // a lookup where the copies are issued made every thread wait for it, every tile.
     auto pages_of = [&](int tile) {
       const int gpos = tile * BLOCK_N + 16 * (lane % (BLOCK_N / 16));
-      const int blk = p.block_shift >= 0 ? gpos >> p.block_shift : gpos / p.block_size;
+      const int blk = block_of(gpos, p);
       return make_int2(gpos < seqlen ? __ldg(table + blk) : 0, gpos - blk * p.block_size);
     };
     int2 next_pages = make_int2(0, 0);
