@@ -29,10 +29,12 @@ def configs(a, d, dv, causal):
                      pipeline="sync")
                 for bm, bn, st, dk in itertools.product((64, 32), (128, 64), (2, 3, 4), (64, 32))
                 if "mma_sync" in a.mma.split(",")]
-        # the wgmma form: two warpgroups over 64 rows, chunks of whole 64-column swizzle blocks
+        # the wgmma form: two warpgroups over 64 rows, chunks of whole 64-column swizzle blocks, rings of up to 8
+        # stages (its defaults take 4-6)
         grid += [dict(cta_tile_q=64, cta_tile_kv=bn, num_warps=8, num_stages=st, mma="wgmma", head_dim_chunk=dk,
                       pipeline="sync")
-                 for bn, st, dk in itertools.product((128, 64, 32), (3, 4), (64, 128)) if "wgmma" in a.mma.split(",")]
+                 for bn, st, dk in itertools.product((128, 64, 32), (3, 4, 5, 6, 8), (64, 128))
+                 if "wgmma" in a.mma.split(",")]
     else:
         pipes = [("sync", "serial", "false")] + ([("tma", sc.value, pe) for sc in attngen.Schedule if sc
                                                   for pe in ("false", "true")] if a.tma else [])
