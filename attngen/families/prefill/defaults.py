@@ -217,10 +217,12 @@ def _candidates(spec, arch: Arch):
             yield from ((*c[:4], W, T, sc, pe) for sc in (first, *(x for x in Schedule if x and x is not first))
                         for pe in (per, *(x for x in Persistent if x and x is not per)))
 
-    if arch.has_wgmma and d % 64 == 0 and spec.dim_v % 64 == 0:
+    wgmma = arch.has_wgmma and d % 64 == 0 and spec.dim_v % 64 == 0
+    dense = not (spec.varlen or spec.custom_mask)
+    if wgmma:
         key = (d, spec.mask is not MaskMode.NONE)
         wgmma_all = [(16 * w, kv, w, st) for w in (8, 4) for kv in (128, 64, 32) for st in (2, 3, 1, 4)]
-        if not (spec.varlen or spec.custom_mask):
+        if dense:
             yield from tma(TUNED_TMA.get((d, spec.dim_v, key[1]), ()))
         yield from ((*c, W, S, SER, OFF) for c in TUNED_WGMMA[key])
         yield from tma(wgmma_all)
@@ -228,7 +230,7 @@ def _candidates(spec, arch: Arch):
     yield from ((*c, Mma.SYNC, S, SER, OFF) for c in TUNED[d])
     yield from ((*c, Mma.SYNC, S, SER, OFF)
                 for c in itertools.product((128, 64), (64, 128, 32), (4, 8), (2, 3, 1, 4)))
-    if arch.has_wgmma and d % 64 == 0 and spec.dim_v % 64 == 0 and not (spec.varlen or spec.custom_mask):
+    if wgmma and dense:
         # Key tiles between the powers of two, last: no default takes one. H100, 2026-11-25, bf16, the 12 shapes of
         # the sweep a head dim (BENCHMARKS.md): at 256, 128x80 (serial or ping-pong) ran 0.93-1.15x the default
         # 128x64 by shape, 0.99-1.01x by geomean (faster at 2k and 16k, slower at 512-1k and 8k); at 64, 128x160-192

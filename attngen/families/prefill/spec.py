@@ -409,13 +409,15 @@ class PrefillSpec(SpecBase):
     # --- fit ---------------------------------------------------------------------------------
     def check(self, a: Arch) -> None:
         if self.cta_tile_kv in self.CTA_TILE_KV_WIDE:
-            where = ("mma", self.mma.value) if self.mma is not Mma.WGMMA else \
-                next(((n, "true") for n in ("custom_mask", "varlen") if getattr(self, n)), None) or \
-                (("head_dim_chunk", self.head_dim_chunk) if self.chunked else None)
-            if where:
+            # the fields that rule the widths out, the first one named
+            ruled_out = [("mma", self.mma.value)] if self.mma is not Mma.WGMMA else []
+            ruled_out += [(n, "true") for n in ("custom_mask", "varlen") if getattr(self, n)]
+            ruled_out += [("head_dim_chunk", self.head_dim_chunk)] if self.chunked else []
+            if ruled_out:
+                name, value = ruled_out[0]
                 raise SpecError("cta_tile_kv", self.cta_tile_kv, allowed_text(self.CTA_TILE_KV_POW2),
                                 reason=f"key tiles of {allowed_text(self.CTA_TILE_KV_WIDE)} are the wgmma whole-row "
-                                       f"kernel's on the dense layout (sm_90a); this spec has {where[0]}={where[1]}")
+                                       f"kernel's on the dense layout (sm_90a); this spec has {name}={value}")
         if self.num_stages > 4 and not (self.chunked and self.mma is Mma.WGMMA):
             raise SpecError("num_stages", self.num_stages, "1, 2, 3, 4",
                             reason="deeper rings (up to 8 stages) are the chunked kernel's wgmma form's only")
