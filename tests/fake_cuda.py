@@ -4,7 +4,8 @@
 the soname ``libcuda.so.1``, and loads it globally: ``ctypes.CDLL("libcuda.so.1")`` in
 ``attngen._driver`` then finds it by soname. Each call costs what a real ctypes call costs, so
 the Python side of ``attngen.prefill`` can be timed; the launch itself is a no-op that records
-its arguments. Device 0 reports compute capability 9.0 and its primary context is current.
+its arguments. Device 0 reports compute capability 9.0, 132 SMs and an H200's memory, and its primary context
+is current.
 
 Use it only in a process of its own (a subprocess or a tool): once loaded, CUDA libraries that
 look for libcuda in the same process (CuPy, torch) would find the stub.
@@ -38,7 +39,9 @@ CUresult cuInit(unsigned f) { return 0; }
 CUresult cuGetErrorName(CUresult rc, const char **s) { *s = rc == 201 ? "CUDA_ERROR_INVALID_CONTEXT" : "CUDA_ERROR_STUB"; return 0; }
 CUresult cuDeviceGetCount(int *n) { *n = 1; return 0; }
 CUresult cuDeviceGetAttribute(int *v, int attr, int dev) {
-    *v = attr == 75 ? 9 : attr == 76 ? 0 : attr == 16 ? 132 : 0; return dev == 0 ? 0 : 101;
+    /* sm_90 with 132 SMs; an H200's memory (3.2 GHz, 6144 bits: 4.9 TB/s) */
+    *v = attr == 75 ? 9 : attr == 76 ? 0 : attr == 16 ? 132 : attr == 36 ? 3200000 : attr == 37 ? 6144 : 0;
+    return dev == 0 ? 0 : 101;
 }
 CUresult cuDeviceGetName(char *name, int len, int dev) { strncpy(name, "Fake GPU (attngen stub)", len); return 0; }
 CUresult cuCtxGetDevice(int *d) { *d = 0; return current ? 0 : 201; }

@@ -197,8 +197,15 @@ def check_decode(torch, wrap):
     assert vals[3] == out.data_ptr() and vals[8:10] == (0, 0), "no workspace: o_part null asks for the cluster merge"
     attngen.decode(dq, kc, vc, cache_seqlens=lens, num_splits=9)  # past the portable size
     assert fake_cuda.last_launch()["cluster"] == 0
+    # An automatic count: a cluster at 4k positions; at 8k the merge launch, whose 16 splits read faster than a
+    # cluster's 8 by more than the launch costs on the stub's H200 (op.grid_steps).
     attngen.decode(dq, kc, vc, cache_seqlens=lens)
     assert fake_cuda.last_launch()["cluster"] in range(2, op.CLUSTER_MAX + 1), "the automatic count fits a cluster"
+    k8, v8 = (wrap(torch.randn(1, 8192, 8, 128).to(torch.bfloat16)) for _ in range(2))
+    n0 = fake_cuda.counts()["launches"]
+    attngen.decode(dq, k8, v8, cache_seqlens=8000)
+    split_grid = list(op._calls.values())[-1].grid
+    assert fake_cuda.counts()["launches"] == n0 + 2 and split_grid[0] > op.CLUSTER_MAX, split_grid
     # A paged cache never clusters (1.5x slower, H100), and its 48-position blocks come with the
     # multiplier of the kernel's division-free block lookup: ceil(2^(31 + 6) / 48).
     kp, vp = (wrap(torch.randn(70, 48, 8, 128).to(torch.bfloat16)) for _ in range(2))

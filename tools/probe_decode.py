@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import attngen  # noqa: E402
 from attngen.bench import _event_bench, _graphed, _rel_check, environment  # noqa: E402
 from attngen.bench.core import measure_copy_bandwidth, stream_reader  # noqa: E402
+from attngen.families.decode import op as decode_op  # noqa: E402
 from attngen.families.decode.bench import decode_reference, paged_copy, rotate_copies  # noqa: E402
 
 # A bare read in decode's shape: CTA (split, batch x kv head) loads its positions' K and V rows of one head,
@@ -205,6 +206,9 @@ def floor_readers():
 # (batch, kv_len, heads, kv_heads), bf16, q_len 1 (head_dim 128 unless --head-dim)
 SHAPES = [(1, 32768, 32, 8), (1, 32768, 32, 4), (1, 32768, 64, 8), (1, 8192, 32, 8), (16, 4096, 32, 4),
           (16, 4096, 32, 8), (16, 1024, 32, 8), (64, 8192, 32, 8)]
+# --merges: the default kernel with each merge of a split decode forced, as attngen.families.decode.op's
+# set_cluster_merge: the merge launch; a cluster on sm_90 wherever one fits (else the launch)
+MERGES = {"launch": 0, "cluster": 8}
 # (cta_tile_kv, num_warps, num_stages) tried with --configs
 CONFIGS = [(128, 4, 2), (128, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 8, 2), (128, 8, 3), (128, 4, 1),
            (32, 8, 2), (32, 4, 3), (64, 4, 1)]
@@ -222,6 +226,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--label", default="", help="names this tree in the output")
     ap.add_argument("--configs", action="store_true", help="also time every config in CONFIGS")
+    ap.add_argument("--merges", action="store_true", help="also time the default kernel with each merge in MERGES")
     ap.add_argument("--rep-ms", type=float, default=100.0)
     ap.add_argument("--head-dim", type=int, default=128, choices=attngen.DecodeSpec.HEAD_DIMS)
     ap.add_argument("--paged", type=int, default=0, metavar="BS", help="attngen reads a paged cache of BS-position blocks")
@@ -260,10 +265,16 @@ def main() -> int:
             replay = _graphed(*(make(kk, vv) for kk, vv in pairs))
             rec["us"][name] = 1e3 * _event_bench(replay, 25.0, args.rep_ms, None, flush=False) / len(copies)
 
-        for cfg in [None] + (CONFIGS if args.configs else []):
+        runs = [("default", None, None)]
+        if args.merges:
+            runs += [("merge " + m, None, m) for m in MERGES]
+        if args.configs:
+            runs += [("kv%d w%d st%d" % cfg, cfg, None) for cfg in CONFIGS]
+        for name, cfg, merge in runs:
             spec = None if cfg is None else attngen.DecodeSpec(cta_tile_kv=cfg[0], num_warps=cfg[1], num_stages=cfg[2],
                                                                paged=bool(args.paged))
-            name = "default" if cfg is None else "kv%d w%d st%d" % cfg
+            if args.merges:
+                decode_op.set_cluster_merge(MERGES[merge] if merge else decode_op.CLUSTER_MAX)
             out = torch.full_like(q, float("nan"))
             try:
                 attngen.decode(q, *attn_copies[0], cache_seqlens=n, out=out, spec=spec, **kw)

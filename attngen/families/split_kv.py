@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import functools
 
-from .._driver import CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, driver
+from .._driver import (CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH, CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE,
+                       CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, driver)
 from ..arch import get_arch
 from ..errors import LaunchError
 from ..runtime import tensor_info
@@ -77,6 +78,24 @@ def cache_lengths(cache_seqlens, batch: int, kind: str, device: int, q_name: str
 @functools.lru_cache(maxsize=None)
 def sm_count(device: int) -> int:
     return driver().attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device)
+
+
+SM_STREAM_BYTES_PER_S = 52e9  # what one SM's CTA streams at most (fitted: H100 and H200 decode, below)
+
+
+@functools.lru_cache(maxsize=None)
+def saturating_share(device: int) -> float:
+    """The share of the device's SMs whose streaming reads reach its memory's peak bandwidth (the
+    driver's memory clock and bus width), at SM_STREAM_BYTES_PER_S an SM; 0.5 where the driver
+    does not say. About 0.49 on an H100 SXM (3.35 TB/s) and 0.7 on an H200 (4.8 TB/s)."""
+    drv = driver()
+    try:
+        khz = drv.attribute(CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE, device)
+        bits = drv.attribute(CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH, device)
+    except LaunchError:
+        khz = bits = 0
+    peak = 2 * khz * 1e3 * bits / 8
+    return min(1.0, peak / (SM_STREAM_BYTES_PER_S * sm_count(device))) if peak > 0 else 0.5
 
 
 @functools.lru_cache(maxsize=None)

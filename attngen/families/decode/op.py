@@ -15,7 +15,7 @@ from ...runtime import (TunedKernels, allocator, current_stream, data_ptr, keep_
 from ...spec import DType, spec_of_text
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from ..split_kv import (cache_lengths, check_index, check_rows, checked_splits, choose_splits,
-                        ctas_per_sm, paged_table, sm_count)
+                        ctas_per_sm, paged_table, saturating_share, sm_count)
 from .spec import MERGE_THREADS, DecodeSpec, Variant
 
 # DecodeParams in templates/common/decode_fwd.cuh: 12 pointers, 14 strides, 9 ints, an unsigned
@@ -161,6 +161,20 @@ class _Call:
 
 
 _calls: dict[tuple, _Call] = register_dependent_cache({})  # key -> _Call (runtime.keep_call)
+# The merge launch in a CUDA graph, in the tile steps of choose_splits (a step: every resident CTA reading one K and V
+# tile): about three (choose_splits counts one).
+MERGE_LAUNCH_STEPS = 3.0
+
+
+def grid_steps(ctas: int, tiles: int, splits: int, slots: int, share: float) -> float:
+    """Tile steps of a grid of ``ctas`` x ``splits`` CTAs over ``tiles`` tiles a row, with ``slots``
+    resident at once: its waves of ceil(tiles / splits) steps, or, where more CTAs read at once than
+    the memory serves at full rate (``share``, split_kv.saturating_share, of the SMs), the tiles over
+    that many; plus 2 for the ring's fill."""
+    waves = -(-ctas * splits // slots)
+    return max(waves * -(-tiles // splits), ctas * tiles / (share * slots)) + 2
+
+
 CLUSTER_MAX = 8  # the portable cluster size (16, where an H100 allows it, ran 1.3-1.5x slower at batch 1)
 _cluster_merge = [CLUSTER_MAX]
 try:
@@ -189,7 +203,8 @@ def cluster_limit(kern, ctas: int) -> int:
     slower with 32 CTAs (4 KV heads); 1.4x slower with head_dim 256's 2- and 3-stage rings (137 against
     99 us), whose CTAs read too slowly for half the SMs to keep up. Paged (blocks of 64, head_dim 128):
     64 CTAs at b=1 with 8 KV heads 1.02-1.09x slower from 4k keys (58.2 against 53.4 us at 32k), 128
-    at b=16 with 4 KV heads 1.03-1.06x faster.
+    at b=16 with 4 KV heads 1.03-1.06x faster. Where the call's split count is automatic, a cluster is
+    also weighed against the merge launch's uncapped count (``grid_steps``).
 
     Every one of the ``ctas`` clusters must be resident at once (``Kernel.max_clusters``, which counts
     the SMs of each GPC: 30 clusters of 4 and 15 of 8 on an H100, not 33 and 16): a cluster size with
@@ -296,8 +311,17 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         num_splits = choose_splits(b * hk, capacity, rs.cta_tile_kv, plan.sms, per_sm, 4 * rs.cta_tile_kv * d,
                                    4 * b * q_len * h * d)
         if num_splits > 1 and cmax:
-            num_splits = choose_splits(b * hk, capacity, rs.cta_tile_kv, plan.sms, per_sm, 4 * rs.cta_tile_kv * d,
-                                       0, max_splits=cmax)
+            # A cluster caps the split count. It is taken where its fewer CTAs read about as fast as the merge
+            # launch's more, counting what the launch costs (grid_steps); a long cache at batch 1 needs the SMs a
+            # cluster leaves idle (H200: 1.3x slower at 32k keys with 8 KV heads).
+            capped = choose_splits(b * hk, capacity, rs.cta_tile_kv, plan.sms, per_sm, 4 * rs.cta_tile_kv * d, 0,
+                                   max_splits=cmax)
+            tiles, slots, share = -(-capacity // rs.cta_tile_kv), plan.sms * per_sm, saturating_share(qi.device)
+            if (grid_steps(b * hk, tiles, capped, slots, share)
+                    <= grid_steps(b * hk, tiles, num_splits, slots, share) + MERGE_LAUNCH_STEPS):
+                num_splits = capped
+            else:
+                cmax = 0
     call.cluster = num_splits if 1 < num_splits <= cmax else 0
     merged = num_splits > 1 and not call.cluster  # by the merge launch
     # Else one fp32 workspace a call: split partials (outputs, then LSE), then the unfused variant's
