@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 import attngen  # noqa: E402
 from attngen.arch import arch_for_capability  # noqa: E402
 from attngen.families.mla_decode.spec import MlaDecodeSpec  # noqa: E402
-from attngen.spec import Mma, tuning_candidates  # noqa: E402
+from attngen.spec import Mma, Pipeline, tuning_candidates  # noqa: E402
 from tests.gpu_reference import check_output_and_lse, fresh_generator, reference_mla  # noqa: E402
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -220,17 +220,19 @@ def _sm90a_only():
         pytest.skip("the TMA pipeline needs sm_90a")
 
 
+@pytest.mark.parametrize("mma,heads,q_len", [("wgmma", 128, 2), ("mma_sync", 16, 1), ("mma_sync", 16, 2)])
 @pytest.mark.parametrize("rank,rope", [(512, 64), (256, 32)])
 @pytest.mark.parametrize("block_size", [None, 16, 48, 64, 256], ids=lambda b: f"paged{b}" if b else "contiguous")
 @pytest.mark.parametrize("shard,tile,stages", [("true", 64, 2), ("false", 64, 2), ("true", 32, 4), ("true", 64, 1)])
-def test_tma_and_cp_async_agree_bitwise(rank, rope, block_size, shard, tile, stages):
+def test_tma_and_cp_async_agree_bitwise(mma, heads, q_len, rank, rope, block_size, shard, tile, stages):
     """The TMA ring loads the same tiles as the cp.async one, so the outputs are the same bits: lengths
     that end inside a tile and inside a box (the rows past them NaN in the cache), splits that get no
-    tile, paged blocks smaller and larger than the tile."""
+    tile, paged blocks smaller and larger than the tile. The wgmma kernel at 128 heads, and mma.sync's at
+    16 and 32 rows (whose ldmatrix reads the ring's swizzled tiles)."""
     _sm90a_only()
     gen = fresh_generator()
     seqlens = [1, 17, 63, 64, 65, 700, 3001, 0]
-    b, heads, q_len = len(seqlens), 128, 2
+    b = len(seqlens)
     table = None
     if block_size is not None:
         per_row = -(-max(seqlens) // block_size)
@@ -242,8 +244,11 @@ def test_tma_and_cp_async_agree_bitwise(rank, rope, block_size, shard, tile, sta
     q_pe = _inside_nan((b, q_len, heads, rope), torch.bfloat16, gen)
     lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
     got = {}
-    for pipeline in ("tma", "sync"):
-        spec = MlaDecodeSpec(mma="wgmma", pipeline=pipeline, qk_shard=shard, cta_tile_kv=tile, num_stages=stages)
+    # The TMA form as the arch resolves it, and the cp.async form of the same tiles and warps.
+    tspec = attngen.resolve(MlaDecodeSpec(q_rows=MlaDecodeSpec.rows_for(heads, q_len), paged=block_size is not None,
+                                          kv_lora_rank=rank, rope_dim=rope, mma=mma, pipeline="tma", qk_shard=shard,
+                                          cta_tile_kv=tile, num_stages=stages), _arch())
+    for pipeline, spec in (("tma", tspec), ("sync", tspec.replace(pipeline=Pipeline.SYNC))):
         for splits in (1, 5):
             out = torch.full((b, q_len, heads, rank), NAN, dtype=torch.bfloat16, device="cuda")
             o, lse = attngen.mla_decode(q_nope, q_pe, ckv, kpe, cache_seqlens=lens, block_table=table, sm_scale=0.07,

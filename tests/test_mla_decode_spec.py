@@ -109,19 +109,29 @@ def test_wgmma_where_it_fits():
     assert s.smem_bytes() == 2 * (64 * 320 + 2 * 64 * 320) + 4 * 2 * 64 + 1024
 
 
-def test_tma_ring_where_wgmma_runs():
-    """sm_90a's wgmma default loads its tiles with TMA, and so does every wgmma candidate's first form;
-    mma.sync kernels keep cp.async, and a pinned TMA there is refused naming pipeline."""
-    for kw in ({}, dict(paged=True), dict(kv_lora_rank=256, rope_dim=32)):
-        assert resolve(MlaDecodeSpec(q_rows=64, **kw), "sm_90a").pipeline is Pipeline.TMA
+def test_tma_ring_on_sm90a():
+    """sm_90a's defaults load their tiles with TMA, wgmma at 64 rows and mma.sync at 16 and 32 (every candidate's
+    first form), but where that form spills; other archs keep cp.async, and a pinned TMA there is refused naming
+    pipeline."""
+    for rows in (16, 32, 64):
+        for kw in ({}, dict(paged=True), dict(kv_lora_rank=256, rope_dim=32)):
+            assert resolve(MlaDecodeSpec(q_rows=rows, **kw), "sm_90a").pipeline is Pipeline.TMA, (rows, kw)
     assert resolve(MlaDecodeSpec(q_rows=64, pipeline="sync"), "sm_90a").mma is Mma.WGMMA
-    for rows in (16, 32):
-        assert resolve(MlaDecodeSpec(q_rows=rows), "sm_90a").pipeline is Pipeline.SYNC
+    assert resolve(MlaDecodeSpec(q_rows=16), "sm_90a").mma is Mma.SYNC
+    # 256 + 32, 16 rows, paged: the TMA form of the first config spills; its cp.async form is taken.
+    r = resolve(MlaDecodeSpec(q_rows=16, paged=True, kv_lora_rank=256, rope_dim=32, cta_tile_kv=64, num_warps=8,
+                              num_stages=2, qk_shard=True), "sm_90a")
+    assert r.pipeline is Pipeline.SYNC
     for arch in ("sm_80", "sm_89", "sm_120"):
-        assert resolve(MlaDecodeSpec(q_rows=64), arch).pipeline is Pipeline.SYNC
-    with pytest.raises(SpecError, match="wgmma") as e:
-        validate(MlaDecodeSpec(q_rows=64, qk_shard=False, cta_tile_kv=32, num_warps=8, num_stages=2, mma="mma_sync",
-                               pipeline="tma"), "sm_90a")
+        for rows in (16, 64):
+            assert resolve(MlaDecodeSpec(q_rows=rows), arch).pipeline is Pipeline.SYNC
+    # mma.sync on the TMA ring: Q padded to a whole 1024-byte atom, the tiles in 64-column blocks, the slack.
+    s = MlaDecodeSpec(q_rows=16, qk_shard=True, cta_tile_kv=64, num_warps=8, num_stages=2, mma="mma_sync",
+                      pipeline="tma")
+    validate(s, "sm_90a")
+    assert s.smem_bytes() == 2 * (9728 + 2 * 64 * 576 + 16 * 72) + 4 * 8 * 16 + 1024 + 16
+    with pytest.raises(SpecError, match="sm_90a") as e:
+        validate(s, "sm_80")
     assert e.value.field == "pipeline"
     with pytest.raises(SpecError) as e:
         resolve(MlaDecodeSpec(q_rows=64, pipeline="tma"), "sm_80")

@@ -82,18 +82,20 @@ struct MlaDecode {
   static constexpr int P_ROW = BLOCK_N + 8;
   static constexpr int ON = DC / WARPS_N;  // output columns per warp
   static constexpr int SN = QK_SHARD ? BLOCK_N / WARPS_N : BLOCK_N;  // keys of S per warp
-  // wgmma: 64-column blocks, the last one whole even where the row ends inside it (rope 32).
+  // wgmma: 64-column blocks, the last one whole even where the row ends inside it (rope 32). The TMA
+  // ring's tiles are such blocks too (its boxes write them, 128-byte swizzled), also under mma.sync,
+  // whose Q and P keep padded rows (Q then padded to a whole 1024-byte atom, so the ring starts on one).
   static constexpr int BLOCK_COLS = (DQK + 63) / 64 * 64;
+  static constexpr bool SWIZZLED_TILES = WGMMA || TMA;
   using LQ = typename Select<WGMMA, WgmmaLayout<BLOCK_COLS, ROWS>, SmemLayout<DQK, ROW, false>>::type;
-  using LT = typename Select<WGMMA, WgmmaLayout<BLOCK_COLS, BLOCK_N>, SmemLayout<DQK, ROW, false>>::type;
+  using LT = typename Select<SWIZZLED_TILES, WgmmaLayout<BLOCK_COLS, BLOCK_N>, SmemLayout<DQK, ROW, false>>::type;
   using LP = typename Select<WGMMA, WgmmaLayout<64, ROWS>, SmemLayout<BLOCK_N, P_ROW, false>>::type;
-  static constexpr int Q_ELEMS = WGMMA ? ROWS * BLOCK_COLS : ROWS * ROW;
-  static constexpr int TILE_ELEMS = WGMMA ? BLOCK_N * BLOCK_COLS : BLOCK_N * ROW;
+  static constexpr int Q_ELEMS = WGMMA ? ROWS * BLOCK_COLS : TMA ? (ROWS * ROW + 511) / 512 * 512 : ROWS * ROW;
+  static constexpr int TILE_ELEMS = SWIZZLED_TILES ? BLOCK_N * BLOCK_COLS : BLOCK_N * ROW;
   static constexpr int P_ELEMS = !(QK_SHARD || ALT) ? 0 : WGMMA ? ROWS * 64 : ROWS * P_ROW;
-  static constexpr int ALIGN_SLACK = WGMMA ? 1024 : 0;  // wgmma's swizzle atoms start 1024-byte aligned
+  static constexpr int ALIGN_SLACK = SWIZZLED_TILES ? 1024 : 0;  // swizzle atoms start 1024-byte aligned
   static_assert(WARPS_M * WARPS_N == NUM_WARPS, "warp grid");
   static_assert(!WGMMA || (ROWS == 64 && NUM_WARPS == 8 && SN >= 16 && BLOCK_N <= 64), "wgmma shape");
-  static_assert(!TMA || WGMMA, "the TMA ring feeds the wgmma kernel");
   static_assert(!ALT || (TMA && !QK_SHARD && BLOCK_N == 64 && NUM_STAGES == 2 && DR <= 64), "alternate tiles");
   static constexpr int BARS = TMA ? NUM_STAGES * (ALT ? 2 : 1) : 0;  // mbarriers: a slot's, or each half's
   static_assert(SN % 8 == 0 && BLOCK_N % 16 == 0 && ON % 16 == 0 && DQK % 32 == 0, "tile shape");
@@ -224,7 +226,7 @@ struct MlaDecode {
 
   static __device__ __forceinline__ void run(const MlaParams<T>& p, const TmaDesc* maps = nullptr) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    unsigned char* smem_base = WGMMA ? aligned_smem<1024>(smem_raw) : smem_raw;
+    unsigned char* smem_base = SWIZZLED_TILES ? aligned_smem<1024>(smem_raw) : smem_raw;
     T* sQ = reinterpret_cast<T*>(smem_base);
     T* sRing = sQ + Q_ELEMS;
     T* sP = sRing + NUM_STAGES * TILE_ELEMS;
@@ -422,7 +424,8 @@ struct MlaDecode {
 #pragma unroll
         for (int n = 0; n < SN / 8; ++n) {
           unsigned b0, b1, b2, b3;
-          ldmatrix_x4(b0, b1, b2, b3, smem_addr(sT + (key0 + n * 8 + lane % 8) * ROW + kp * 32 + (lane / 8) * 8));
+          const int key = key0 + n * 8 + lane % 8, col = kp * 32 + (lane / 8) * 8;
+          ldmatrix_x4(b0, b1, b2, b3, smem_addr(sT + (TMA ? LT::offset(key, col) : key * ROW + col)));
           mma_16816<BF16>(acc_s[n], a0, b0, b1);
           mma_16816<BF16>(acc_s[n], a1, b2, b3);
         }
@@ -501,11 +504,12 @@ struct MlaDecode {
         } else {
           p_fragment<BF16>(acc_s, kk, a);
         }
-        const unsigned va = smem_addr(sT + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * ROW + cg * ON + (lane / 16) * 8);
+        const int vrow = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, vcol = cg * ON + (lane / 16) * 8;
+        const unsigned va = smem_addr(sT + vrow * ROW + vcol);
 #pragma unroll
         for (int d2 = 0; d2 < ON / 16; ++d2) {
           unsigned b0, b1, b2, b3;
-          ldmatrix_x4_trans(b0, b1, b2, b3, va + d2 * 32);
+          ldmatrix_x4_trans(b0, b1, b2, b3, TMA ? smem_addr(sT + LT::offset(vrow, vcol + d2 * 16)) : va + d2 * 32);
           mma_16816<BF16>(acc_o[2 * d2], a, b0, b1);
           mma_16816<BF16>(acc_o[2 * d2 + 1], a, b2, b3);
         }

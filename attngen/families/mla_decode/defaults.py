@@ -3,7 +3,7 @@
 ``resolve`` takes the first candidate that agrees with the pinned fields and fits the arch, so the
 order below is the choice: on the 99-100 KB arches (sm_86, sm_89, sm_120) a 64-row block leaves room
 for one stage of 16 keys, and there the unsharded form (no P exchange, one barrier per tile) comes
-first; elsewhere sharding does.
+first; elsewhere sharding does. On sm_90a every config comes first with the TMA ring.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ TUNED = {
     16: [(T, 64, 8, 2), (T, 32, 4, 2)],
 }
 
-# Configs ptxas spills (4 bytes, NVRTC 13.0 and 13.5), per (kv_lora_rank, q_rows, paged): skipped
-# for the next candidate.
-SPILLS = {(256, 32, False): ((T, 64, 8, 2),)}
+# mma_sync configs ptxas spills (NVRTC 13.0 and 13.5), per (kv_lora_rank, q_rows, paged), with the pipeline:
+# skipped for the next candidate (cp.async: 4 bytes; the TMA ring at 256 + 32, 16 rows, paged, H100 prewarm).
+SPILLS = {(256, 32, False): ((T, 64, 8, 2, Pipeline.SYNC),), (256, 16, True): ((T, 64, 8, 2, Pipeline.TMA),)}
 
 # sm_90a, q_rows 64: the wgmma configs (qk_shard, cta_tile_kv, num_stages; always 8 warps), best first.
 # tools/sweep_mla.py on an H100 (bf16, 512 + 64, q_len 1, 2026-11-23; notes/sweep_mla_wgmma_h100_*):
@@ -53,4 +53,7 @@ def candidates(spec, arch: Arch):
     first = TUNED[spec.q_rows] if arch.smem_per_block >= SMALL_SMEM else []
     spills = SPILLS.get((spec.kv_lora_rank, spec.q_rows, spec.paged), ())
     every = itertools.chain(first, itertools.product(shard_order, (64, 32, 16), (8, 4), (4, 3, 2, 1)))
-    yield from ((*c, Mma.SYNC, Pipeline.SYNC) for c in every if c not in spills)
+    # On sm_90a each mma_sync config with the TMA ring first (1.03-1.11x its cp.async form at 16 and 32 rows,
+    # H100: the loads no longer wait on the threads that issue them), then with cp.async.
+    pipes = (Pipeline.TMA, Pipeline.SYNC) if arch.has_wgmma else (Pipeline.SYNC,)
+    yield from ((*c, Mma.SYNC, pipe) for c in every for pipe in pipes if (*c, pipe) not in spills)

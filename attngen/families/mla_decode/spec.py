@@ -54,9 +54,9 @@ class MlaDecodeSpec(SpecBase):
     cache. Tuning fields (``qk_shard``, ``cta_tile_kv``, ``num_warps``, ``num_stages``, ``mma``)
     take 0 / ``auto`` for the arch's default, chosen from its shared memory. ``mma=wgmma``
     (sm_90a, 64 rows, 8 warps: two warpgroups, one per half of the output columns) reads Q and the
-    cache tile from shared memory through descriptors instead of per-warp ``ldmatrix``; with it,
-    ``pipeline=tma`` (the sm_90a default) has one thread load the cache tiles as TMA boxes into an
-    mbarrier ring instead of every thread issuing cp.async.
+    cache tile from shared memory through descriptors instead of per-warp ``ldmatrix``.
+    ``pipeline=tma`` (sm_90a, the default there with either ``mma``) has one thread load the cache
+    tiles as TMA boxes into an mbarrier ring instead of every thread issuing cp.async.
     """
 
     family: ClassVar[str] = "mla_decode"
@@ -139,17 +139,21 @@ class MlaDecodeSpec(SpecBase):
         """Q, the ring of cache tiles (ckv and kpe in one row), P when sharded, and the row exchange
         (WARPS_N x q_rows floats). mma_sync pads each row by 8 elements; wgmma stores 64-column
         blocks of 128-byte rows (the last block whole even when the row ends inside it), P in one
-        such block, and keeps 1024 bytes of slack to align the first tile to a swizzle atom; TMA adds
+        such block, and keeps 1024 bytes of slack to align the first tile to a swizzle atom (mma_sync on the
+        TMA ring: its tiles as wgmma's, Q and P padded, Q to a whole 1024-byte atom); TMA adds
         one 8-byte mbarrier a stage (two with qk_shard=alternate, one per half of the tile). Alternate
         tiles keep P of one warpgroup where Q's rope block was (that block moves to registers), of the
         other in its own block, and four floats a row for the row maxima and their rescale factors."""
         self._require_resolved("smem_bytes")
         dqk = self.kv_lora_rank + self.rope_dim
+        blocks = -(-dqk // 64) * 64
         if self.wgmma:
-            row, p_row, slack = -(-dqk // 64) * 64, 64, 1024
+            q_elems, row, p_row, slack = self.q_rows * blocks, blocks, 64, 1024
+        elif self.tma:  # mma.sync on the TMA ring: swizzled tiles, Q padded to a whole 1024-byte atom
+            q_elems, row, p_row, slack = -(-self.q_rows * (dqk + 8) // 512) * 512, blocks, self.cta_tile_kv + 8, 1024
         else:
-            row, p_row, slack = dqk + 8, self.cta_tile_kv + 8, 0
-        elems = self.q_rows * row + self.num_stages * self.cta_tile_kv * row
+            q_elems, row, p_row, slack = self.q_rows * (dqk + 8), dqk + 8, self.cta_tile_kv + 8, 0
+        elems = q_elems + self.num_stages * self.cta_tile_kv * row
         if self.sharded or self.alternate:
             elems += self.q_rows * p_row
         floats = self.warps_n * self.q_rows + (4 * self.q_rows if self.alternate else 0)
@@ -190,10 +194,8 @@ class MlaDecodeSpec(SpecBase):
                                    f"cta_tile_kv={self.cta_tile_kv}, num_stages={self.num_stages}")
         if self.wgmma:
             self._check_wgmma(a)
-        elif self.tma:
-            raise SpecError("pipeline", "tma", "sync",
-                            reason=f"the TMA ring feeds the wgmma kernel (mma=wgmma, sm_90a); the spec has "
-                                   f"mma={self.mma.value}")
+        elif self.tma and not a.has_wgmma:
+            raise SpecError("pipeline", "tma", "sync", reason=f"the TMA ring needs sm_90a; the target is {a.name}")
         check_smem(self, a, "num_stages", "a smaller num_stages or cta_tile_kv, or qk_shard=false")
 
     def _check_wgmma(self, a: Arch) -> None:
