@@ -7,13 +7,12 @@
 namespace attngen {
 
 // Lanes first hold the LSE of splits lane, lane + 32, ...; the max and the weight sum come from
-// shuffles, then the partial rows are read eight splits at a time so their loads overlap.
-template <class T, bool BF16, int HEAD_DIM, int WARP_COLS, class Params>
+// shuffles, then the partial rows are read UNROLL splits at a time so their loads overlap.
+template <class T, bool BF16, int HEAD_DIM, int WARP_COLS, int UNROLL = 8, class Params>
 __device__ __forceinline__ void split_merge(const Params& p) {
   static_assert(HEAD_DIM % WARP_COLS == 0 && WARP_COLS % 64 == 0, "a warp's columns");
   constexpr int PER = WARP_COLS / 32;  // elements per lane, contiguous
   constexpr int CHUNKS = HEAD_DIM / WARP_COLS;
-  constexpr int UNROLL = 8;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const long long rows = (long long)p.batch * p.q_len * p.num_heads;
