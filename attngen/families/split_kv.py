@@ -80,7 +80,7 @@ def sm_count(device: int) -> int:
     return driver().attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device)
 
 
-SM_STREAM_BYTES_PER_S = 52e9  # what one SM's CTA streams at most (fitted: H100 and H200 decode, below)
+SM_STREAM_BYTES_PER_S = 52e9  # what one SM streams at most (fitted to decode on an H100 and an H200, 2026-11-26)
 
 
 @functools.lru_cache(maxsize=None)
