@@ -109,3 +109,38 @@ def test_split_heuristic():
     assert choose_splits(1 * 1, 1 << 22, 16, 10000, 4, 4 * 16 * 128, 4 * 1 * 1 * 8 * 128) <= MAX_SPLITS
     # More SMs never mean fewer splits for the same problem.
     assert choose_splits(1 * 8, 32768, 128, 264, per, 4 * 128 * 128, 4 * 1 * 1 * 32 * 128) >= s
+
+
+def test_saturating_share_from_the_drivers_memory(monkeypatch):
+    """The share of SMs whose reads saturate the memory: peak bandwidth (2 x memory clock x bus width)
+    over SM_STREAM_BYTES_PER_S an SM; 0.5 where the driver reports no memory clock."""
+    from attngen.families import split_kv
+
+    class Drv:
+        def __init__(self, khz, bits):
+            self.values = {split_kv.CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE: khz,
+                           split_kv.CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH: bits}
+
+        def attribute(self, attr, device):
+            return self.values[attr]
+
+    share = split_kv.saturating_share.__wrapped__
+    monkeypatch.setattr(split_kv, "sm_count", lambda device: 132)
+    for (khz, bits), want in (((2619000, 5120), 0.488), ((3200000, 6144), 0.716), ((0, 0), 0.5)):
+        monkeypatch.setattr(split_kv, "driver", lambda: Drv(khz, bits))
+        assert share(0) == pytest.approx(want, abs=2e-3), (khz, bits)
+
+
+def test_cluster_weighed_against_the_merge_launch():
+    """grid_steps decides where a cluster's capped split count pays (head_dim 128's 64-key tiles, 132 SMs, one
+    CTA an SM), as measured: at batch 1 with 8 KV heads, a cluster of 8 at 1k keys on both GPUs; the merge launch's
+    16 splits from 8k keys on an H200 (share 0.70), the cluster still at 32k on an H100 (0.49)."""
+    from attngen.families.decode.op import MERGE_LAUNCH_STEPS, grid_steps
+
+    def cluster(keys, share):
+        tiles = keys // 64
+        return grid_steps(8, tiles, 8, 132, share) <= grid_steps(8, tiles, 16, 132, share) + MERGE_LAUNCH_STEPS
+
+    assert cluster(1024, 0.70) and cluster(1024, 0.49)
+    assert not cluster(8192, 0.70) and not cluster(32768, 0.70)
+    assert cluster(32768, 0.49)
