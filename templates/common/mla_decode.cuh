@@ -424,6 +424,8 @@ struct MlaDecode {
 #pragma unroll
         for (int n = 0; n < SN / 8; ++n) {
           unsigned b0, b1, b2, b3;
+          // (LT::offset is key * ROW + col without the ring; written out there, ptxas keeps the cp.async kernels'
+          // machine code as it was: with LT::offset the sm_86 8-warp kernels compiled differently)
           const int key = key0 + n * 8 + lane % 8, col = kp * 32 + (lane / 8) * 8;
           ldmatrix_x4(b0, b1, b2, b3, smem_addr(sT + (TMA ? LT::offset(key, col) : key * ROW + col)));
           mma_16816<BF16>(acc_s[n], a0, b0, b1);
