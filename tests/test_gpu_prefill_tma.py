@@ -261,3 +261,72 @@ def test_persistent_softcap_alibi_and_strided():
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     o = attngen.prefill(q, k, v, causal=True, spec=spec)
     assert torch.equal(o, attngen.prefill(q, k, v, causal=True, spec=_sync(spec)))
+
+
+# ---- the chunked kernel's TMA form (head dims above 256; each CTA's V columns whole 64-column boxes) ----
+
+CHUNKED_DIMS = [(384, 384), (512, 512), (576, 512), (1024, 512), (768, 768), (1024, 1024), (512, 1024), (320, 1024)]
+CHUNKED_SHAPES = [(1, 1), (17, 1000), (1000, 17), (333, 1031)]
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d,dv", CHUNKED_DIMS)
+@pytest.mark.parametrize("mask", ["full", "causal", "window"])
+def test_chunked_tma_matches_reference(dtype, d, dv, mask):
+    spec = _spec(head_dim=d, head_dim_v=dv)
+    assert spec.chunked and spec.tma
+    window = (100, 37) if mask == "window" else (-1, -1)
+    for sq, sk in CHUNKED_SHAPES:
+        run(spec, 2, sq, sk, 6, 2, dtype, causal=mask == "causal", window=window)
+
+
+# (cta_tile_kv, num_stages, head_dim_chunk): rings of 3-8 slots, 32- to 128-key tiles, 64- and 128-wide chunks
+CHUNKED_TILES = [(64, 3, 64), (128, 8, 64), (32, 4, 64), (128, 3, 128), (64, 6, 128), (128, 5, 64)]
+
+
+@pytest.mark.parametrize("kv,stages,chunk", CHUNKED_TILES)
+@pytest.mark.parametrize("mask", ["full", "causal"])
+def test_chunked_tma_tile_configs(kv, stages, chunk, mask):
+    spec = _spec(head_dim=512, cta_tile_kv=kv, num_stages=stages, head_dim_chunk=chunk)
+    assert (spec.cta_tile_kv, spec.num_stages, spec.head_dim_chunk) == (kv, stages, chunk) and spec.tma
+    run(spec, 1, 1111, 1537, 4, 1, BF16, causal=mask == "causal")
+
+
+def test_chunked_tma_ctas_without_keys_and_empty_keys():
+    # causal with sq >> sk: most query tiles see no key; the producer issues nothing for them
+    spec = _spec(head_dim=512)
+    for _ in range(3):
+        run(spec, 2, 2048, 64, 4, 2, BF16, causal=True)
+    q = torch.randn(1, 5, 4, 512, device="cuda", dtype=BF16)
+    k = torch.randn(1, 0, 4, 512, device="cuda", dtype=BF16)
+    o, lse = attngen.prefill(q, k, k, return_lse=True, spec=spec)
+    torch.cuda.synchronize()
+    assert (o == 0).all() and (lse == float("-inf")).all()
+
+
+@pytest.mark.parametrize("d", [512, 1024])
+def test_chunked_tma_softcap_alibi_gqa(d):
+    spec = _spec(head_dim=d, softcap=True, alibi=True)
+    slopes = torch.rand(8, device="cuda", dtype=torch.float32)
+    run(spec, 2, 700, 900, 8, 2, BF16, causal=True, softcap=30.0, alibi_slopes=slopes)
+
+
+def test_chunked_tma_strided_and_broadcast_inputs():
+    gen = fresh_generator()
+    b, s, h, d = 2, 300, 4, 512
+    qkv = torch.randn(b, s, 3, h, d, generator=gen, device="cuda").to(BF16)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    spec = _spec(head_dim=d)
+    o = attngen.prefill(q, k, v, causal=True, spec=spec)
+    ref, _ = reference(q, k, v, range_keep(s, s, True, (-1, -1))[None, None], d ** -0.5)
+    assert torch.isfinite(o).all() and rel_l2(o, ref) < TOL[BF16]
+    assert torch.equal(o, attngen.prefill(q, k, v, causal=True, spec=_sync(spec)))
+    # k and v expanded over the batch: no map (an error naming pipeline=sync) or the same result
+    k1 = k[:1].expand(b, -1, -1, -1)
+    want = attngen.prefill(q, k1, k1, spec=_sync(spec))
+    try:
+        got = attngen.prefill(q, k1, k1, spec=spec)
+    except attngen.LaunchError as e:
+        assert "pipeline=sync" in str(e)
+    else:
+        assert torch.equal(got, want)

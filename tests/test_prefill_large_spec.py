@@ -217,16 +217,19 @@ def test_deeper_rings_are_the_chunked_wgmma_forms_only():
     assert e.value.field == "num_stages" and "1, 2, 3, 4" in str(e.value)
 
 
-@pytest.mark.parametrize("d, dv, want", [
-    (320, 320, (128, 6, 64)), (384, 384, (128, 4, 128)), (448, 448, (128, 5, 64)), (512, 512, (128, 4, 128)),
-    (576, 512, (128, 6, 64)), (576, 576, (128, 6, 64)), (640, 640, (64, 6, 128)), (768, 768, (128, 5, 64)),
-    (1024, 1024, (128, 5, 64)), (1024, 512, (128, 4, 64)),
+@pytest.mark.parametrize("d, dv, want, tma", [
+    (320, 320, (128, 6, 64), False), (384, 384, (128, 4, 128), True), (448, 448, (128, 5, 64), False),
+    (512, 512, (128, 4, 128), True), (576, 512, (128, 5, 64), True), (576, 576, (128, 6, 64), False),
+    (640, 640, (64, 6, 64), True), (768, 768, (128, 6, 64), True), (1024, 1024, (128, 6, 64), True),
+    (1024, 512, (128, 4, 64), True),
 ])
-def test_chunked_wgmma_defaults_per_head_dims(d, dv, want):
-    """The sm_90a defaults the H100 sweep chose per head dims (the generic first config elsewhere)."""
+def test_chunked_wgmma_defaults_per_head_dims(d, dv, want, tma):
+    """The sm_90a defaults the H100 sweeps chose per head dims (the generic first config elsewhere): on the TMA
+    ring where a warpgroup's V columns are whole boxes, else on the cp.async ring; varlen on the cp.async ring."""
     for mask in ("none", "causal"):
         r = resolve(PrefillSpec(head_dim=d, head_dim_v=dv, mask=mask), "sm_90a")
-        assert (r.cta_tile_kv, r.num_stages, r.head_dim_chunk) == want
+        assert (r.cta_tile_kv, r.num_stages, r.head_dim_chunk, r.tma) == (*want, tma)
+        assert not resolve(PrefillSpec(head_dim=d, head_dim_v=dv, mask=mask, varlen=True), "sm_90a").tma
 
 
 def test_chunked_varlen_defaults_step_around_their_spills():
@@ -247,7 +250,8 @@ def test_split_pairs_share_the_qk_work():
         r = resolve(PrefillSpec(head_dim=d, head_dim_v=dv), "sm_90a")
         assert r.qk_pair is pair, (d, dv)
         src = render(r)
-        assert ("__cluster_dims__(1, 2, 1)" in src) is pair and f"{str(pair).lower()}>(params);" in src
+        # (the kernel's QK_PAIR argument; then its TMA one, the default on sm_90a, and the tensor maps)
+        assert ("__cluster_dims__(1, 2, 1)" in src) is pair and f"{str(pair).lower()}, true>(params.p, params.maps);" in src
         if pair:
             alone = r.smem_bytes() - 2 * 4 * r.cta_tile_q * r.cta_tile_kv
             assert alone > 0 and r.smem_bytes() <= __import__("attngen").get_arch("sm_90a").smem_per_block

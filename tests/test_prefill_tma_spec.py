@@ -1,5 +1,7 @@
 """The TMA prefill pipeline's spec (``pipeline=tma``, its ``schedule``) and its compiles (NVRTC, no GPU)."""
 
+import types
+
 import pytest
 
 from attngen import PrefillSpec, SpecError, resolve
@@ -28,7 +30,8 @@ def test_tma_is_the_sm90a_dense_default():
         assert resolve(PrefillSpec(head_dim=128), arch).pipeline.value == "sync"
         with pytest.raises(SpecError):
             resolve(PrefillSpec(head_dim=128, pipeline="tma"), arch)
-    for fields in (dict(varlen=True), dict(custom_mask=True), dict(head_dim=512), dict(head_dim=96)):
+    for fields in (dict(varlen=True), dict(custom_mask=True), dict(head_dim=320), dict(head_dim=512, varlen=True),
+                   dict(head_dim=96)):
         assert not resolve(PrefillSpec(**{"head_dim": 128, **fields}), "sm_90a").tma
     # tiles pinned without a pipeline: the cp.async one (what such specs meant before the field)
     pinned = PrefillSpec(head_dim=128, cta_tile_q=128, cta_tile_kv=128, num_warps=8, num_stages=3, mma="wgmma")
@@ -48,7 +51,11 @@ def test_tma_ctas_an_sm_reach_the_launch_bounds(d, warps, ctas):
     (dict(mma="mma_sync"), "mma"),  # "no configuration with mma=mma_sync, pipeline=tma; allowed: wgmma"
     (dict(varlen=True), "pipeline"),
     (dict(custom_mask=True), "pipeline"),
-    (dict(head_dim=512), "pipeline"),
+    (dict(head_dim=320), "pipeline"),  # the chunked kernel: each warpgroup's 160 columns of v end mid-box
+    (dict(head_dim=576), "pipeline"),
+    (dict(head_dim=512, schedule="pingpong"), "schedule"),  # its TMA form is serial, one CTA a tile
+    (dict(head_dim=512, persistent=True), "persistent"),
+    (dict(head_dim=512, varlen=True), "pipeline"),
 ])
 def test_tma_refusals_name_the_field(fields, field):
     with pytest.raises(SpecError) as e:
@@ -270,3 +277,36 @@ def test_tuning_tries_wide_kv_tiles_on_sm90a_only():
     assert 80 in kvs and kvs <= {32, 64, 80, 96}
     assert tuning_candidates(spec, "sm_90a")[0].cta_tile_kv == 64  # the default first
     assert {c.cta_tile_kv for c in tuning_candidates(spec.replace(mma="mma_sync"), "sm_80")} <= {32, 64, 128}
+
+
+# ---- the chunked kernel's TMA form (head dims above 256 whose V columns a warpgroup are whole boxes) ----
+
+@pytest.mark.parametrize("d, dv", [(384, 384), (512, 512), (576, 512), (640, 640), (768, 768), (1024, 1024),
+                                   (512, 1024), (320, 1024)])
+def test_chunked_defaults_take_the_tma_ring_on_sm90a(d, dv):
+    for mask in ("none", "causal", "sliding_window"):
+        r = resolve(PrefillSpec(head_dim=d, head_dim_v=dv, mask=mask), "sm_90a")
+        assert r.chunked and r.tma and r.threads == 384 and r.schedule.value == "serial" and not r.is_persistent
+        src = render(r)
+        assert f"__launch_bounds__(384, 1){' __cluster_dims__(1, 2, 1)' if r.qk_pair else ''}" in src
+        assert "true>(params.p, params.maps)" in src and "prefill_chunked<" in src
+        # the cp.async kernel of the same tiles: its smem less the ring's mbarriers (a full and an empty a slot)
+        sync = r.replace(pipeline="sync")
+        assert r.smem_bytes() == sync.smem_bytes() + 16 * r.num_stages
+    # elsewhere, varlen, and where a warpgroup's columns end mid-box: the cp.async ring
+    for fields in (dict(head_dim=d, head_dim_v=dv, varlen=True), dict(head_dim=448), dict(head_dim=576)):
+        assert not resolve(PrefillSpec(**fields), "sm_90a").tma
+    for arch in ("sm_80", "sm_89", "sm_100"):
+        assert not resolve(PrefillSpec(head_dim=d, head_dim_v=dv), arch).tma
+
+
+def test_chunked_tma_maps_box_a_v_step(monkeypatch):
+    """The chunked kernel's v map boxes a V step's keys (chunk_grid's vk), q's the query tile, k's the key tile."""
+    from attngen.families.prefill import tma
+
+    r = resolve(PrefillSpec(head_dim=512), "sm_90a")
+    seen = []
+    monkeypatch.setattr(tma, "_map", lambda t, rows, fallback: seen.append(rows) or b"")
+    info = types.SimpleNamespace(ptr=1 << 20)
+    tma.tensor_maps(info, info, info, r)
+    assert seen == [r.cta_tile_q, r.cta_tile_kv, r.chunk_grid["vk"]] and r.chunk_grid["vk"] < r.cta_tile_kv

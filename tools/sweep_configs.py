@@ -31,9 +31,11 @@ def configs(a, d, dv, causal):
                 if "mma_sync" in a.mma.split(",")]
         # the wgmma form: two warpgroups over 64 rows, chunks of whole 64-column swizzle blocks, rings of up to 8
         # stages (its defaults take 4-6)
+        # (--tma: on the TMA ring instead, where its V columns are whole boxes; the default is timed beside them)
         grid += [dict(cta_tile_q=64, cta_tile_kv=bn, num_warps=8, num_stages=st, mma="wgmma", head_dim_chunk=dk,
-                      pipeline="sync")
-                 for bn, st, dk in itertools.product((128, 64, 32), (3, 4, 5, 6, 8), (64, 128))
+                      pipeline=pl)
+                 for pl, bn, st, dk in itertools.product(("tma",) if a.tma else ("sync",), (128, 64, 32),
+                                                         (3, 4, 5, 6, 8), (64, 128))
                  if "wgmma" in a.mma.split(",")]
     else:
         pipes = [("sync", "serial", "false")] + ([("tma", sc.value, pe) for sc in attngen.Schedule if sc
@@ -51,7 +53,7 @@ def configs(a, d, dv, causal):
             continue
         label = " ".join(f"{k.replace('cta_tile_', '').replace('num_', '').replace('head_dim_', '')}{v}"
                          for k, v in g.items() if k not in ("mma", "pipeline", "schedule", "persistent"))
-        label += f" tma {g['schedule']}" if g.get("pipeline") == "tma" else ""
+        label += f" tma {g.get('schedule', '')}" if g.get("pipeline") == "tma" else ""
         label += " persistent" if g.get("persistent") == "true" else ""
         yield spec, f"{g['mma']} {label}"
 
@@ -66,7 +68,8 @@ def main():
     ap.add_argument("--causal", default="both", choices=("both", "false", "true"))
     ap.add_argument("--chunked", action="store_true", help="the chunked kernel's configs")
     ap.add_argument("--tma", action="store_true",
-                    help="each wgmma config also with pipeline=tma, in each schedule, one CTA a query tile and persistent")
+                    help="each wgmma config also with pipeline=tma, in each schedule, one CTA a query tile and persistent "
+                         "(--chunked: the configs on the TMA ring instead, and the default)")
     ap.add_argument("--kv-tiles", type=lambda t: tuple(int(x) for x in t.split(",")), default=(32, 64, 128),
                     help="key tiles of the whole-row kernel's grid (default 32,64,128; the wgmma kernel also takes "
                          "80-192 in steps of 16)")
@@ -108,7 +111,10 @@ def main():
             res = []
             default = attngen.resolve(attngen.PrefillSpec(head_dim=d, head_dim_v=dv, dtype=a.dtype,
                                                           mask="causal" if causal else "none"), a.arch)
-            for spec, label in configs(a, d, dv, causal):
+            listed = list(configs(a, d, dv, causal))
+            if all(spec != default for spec, _ in listed):
+                listed.append((default, "default"))
+            for spec, label in listed:
                 label += " *" if spec == default else ""
                 kern = attngen.get_kernel(spec)
                 fn = lambda: attngen.prefill(q, k, v, causal=causal, spec=spec)  # noqa: E731

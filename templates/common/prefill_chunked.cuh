@@ -38,6 +38,14 @@
 // slot; every write into a CTA lands before that CTA's wait for it, so either may exit after its
 // last tile.
 //
+// TMA (wgmma, dense layout, each warpgroup's V columns whole 64-column blocks): a producer warpgroup more,
+// whose one elected thread issues every step's copies as TMA boxes into the ring, each slot once the
+// consumers have released it (a full and an empty mbarrier a slot; the empty one counts a warp's arrival
+// once the wgmma that read the slot has completed), so the ring runs NUM_STAGES steps ahead and no CTA
+// barrier is left in the steps. The two warpgroups meet twice a tile: for the row max, and once both
+// halves of P are written. setmaxnreg gives the producer's registers to them (240 a thread; the kernel is
+// declared one CTA an SM, without which ptxas ignores setmaxnreg).
+//
 // (The template argument DV is the columns one CTA computes: its split of head_dim_v.)
 namespace attngen {
 
@@ -98,9 +106,9 @@ __device__ __forceinline__ void load_cols_async(T* dst, const T* src, long long 
 
 template <class T, bool BF16, int DQK, int DV, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int NUM_STAGES, int DK,
           int VK, int VCW, int MASK, bool RETURN_LSE, bool SOFTCAP, bool ALIBI, bool VARLEN = false, bool WGMMA = false,
-          int V_SPLITS = 1, bool QK_PAIR = false>
-__device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
-  constexpr int THREADS = NUM_WARPS * 32;
+          int V_SPLITS = 1, bool QK_PAIR = false, bool TMA = false>
+__device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p, const TmaDesc* maps = nullptr) {
+  constexpr int THREADS = NUM_WARPS * 32;  // the warps that compute (TMA: and a producer warpgroup more)
   constexpr int MT = WGMMA ? 1 : 2;  // 16-row m-tiles a warp owns
   constexpr int WARPS_M = WGMMA ? 1 : BLOCK_M / 32;  // wgmma: the warps of a warpgroup split its 64 rows
   constexpr int WARPS_N = WGMMA ? NUM_WARPS / 4 : NUM_WARPS / WARPS_M;
@@ -128,6 +136,12 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   static_assert(DQK % DK == 0 && DK % 16 == 0 && AHEAD >= 1 && STEPS >= AHEAD, "steps");
   static_assert(!WGMMA || (BLOCK_M == 64 && NUM_WARPS == 8 && DK % 64 == 0 && VCW % 64 == 0 && QK_STEPS >= 2),
                 "wgmma: 64 rows, two warpgroups, whole 64-column swizzle blocks");
+  static_assert(!TMA || (WGMMA && !VARLEN && !V_TAIL && DV_PAD == DV),
+                "TMA: wgmma on the dense layout, every copy a whole 64-column box of the tensor");
+  // TMA: registers per thread after setmaxnreg, the producer warpgroup's and the two consumers' (launched
+  // with 168 a thread: 384 threads)
+  constexpr int PRODUCER_REGS = 24;
+  constexpr int CONSUMER_REGS = 240;
 
   // Padded tiles (rows of DK, VC or BLOCK_N elements plus 8), or wgmma's dense swizzled blocks.
   constexpr int DK_ROW = DK + 8;
@@ -152,8 +166,13 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   // QK_PAIR: two slots of the other CTA's partial S, each [SN / 8][THREADS] float4s (a thread's fragment),
   // and a barrier a slot whose phase completes when the other CTA's fragments have landed in it
   float4* sX = reinterpret_cast<float4*>(sRed + WARPS_N * BLOCK_M);
-  unsigned long long* sXbar = reinterpret_cast<unsigned long long*>(sX + 2 * (SN / 8) * THREADS);
+  unsigned long long* sXbar = reinterpret_cast<unsigned long long*>(sX + (QK_PAIR ? 2 * (SN / 8) * THREADS : 0));
   constexpr unsigned X_THREAD_BYTES = (SN / 8) * 16;
+  // TMA: per ring slot a full barrier (the producer's arrival with the slot's bytes) and an empty one (each
+  // consumer warp's arrival once the wgmma that read the slot has completed), after the exchange's
+  const unsigned tbars = smem_addr(sXbar + (QK_PAIR ? 2 : 0));
+  auto full_bar = [&](int s) { return tbars + 8u * s; };
+  auto empty_bar = [&](int s) { return tbars + 8u * (NUM_STAGES + s); };
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -162,6 +181,13 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
   const int t = lane % 4;
   const int rg = WGMMA ? warp % 4 : warp / WARPS_N;  // row group: rows [16 MT rg, 16 MT (rg + 1))
   const int cg = WGMMA ? warp / 4 : warp % WARPS_N;  // column group (wgmma: the warpgroup)
+  // The computing warps meet (TMA: a named barrier, the producer warpgroup having left).
+  auto consumers_sync = [&]() {
+    if constexpr (TMA)
+      WgmmaOps<BF16>::bar_sync(1, THREADS);
+    else
+      __syncthreads();
+  };
 
   int m_block, head, batch, seqlen_q, seqlen_k;
   long long q_row0 = 0, k_row0 = 0;  // VARLEN: the sequence's first row in q / k
@@ -222,20 +248,79 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
     }
   };
 
-  if (n_tiles > 0) {
+  if constexpr (!TMA) {
+    if (n_tiles > 0) {
 #pragma unroll
-    for (int s = 0; s < AHEAD; ++s) {
-      load_step(tile_begin, s, s);
-      cp_async_commit();
+      for (int s = 0; s < AHEAD; ++s) {
+        load_step(tile_begin, s, s);
+        cp_async_commit();
+      }
     }
   }
-  if constexpr (QK_PAIR) {
+  if constexpr (QK_PAIR || TMA) {
     if (tid == 0) {
-      WgmmaOps<BF16>::mbar_init(smem_addr(sXbar), THREADS);
-      WgmmaOps<BF16>::mbar_init(smem_addr(sXbar + 1), THREADS);
+      if constexpr (QK_PAIR) {
+        WgmmaOps<BF16>::mbar_init(smem_addr(sXbar), THREADS);
+        WgmmaOps<BF16>::mbar_init(smem_addr(sXbar + 1), THREADS);
+      }
+      if constexpr (TMA) {
+#pragma unroll
+        for (int s = 0; s < NUM_STAGES; ++s) {
+          WgmmaOps<BF16>::mbar_init(full_bar(s), 1);
+          WgmmaOps<BF16>::mbar_init(empty_bar(s), NUM_WARPS);
+        }
+      }
       WgmmaOps<BF16>::mbar_init_fence();
     }
-    cluster_sync();  // both CTAs have started, their barriers set, before either writes into the other
+    if constexpr (QK_PAIR)
+      cluster_sync();  // both CTAs have started, their barriers set, before either writes into the other
+    else
+      __syncthreads();
+  }
+  if constexpr (TMA) {
+    // The producer warpgroup gives its registers to the consumers; its one elected thread issues every
+    // step's copies, each into the next ring slot once the consumers have released it.
+    using W = WgmmaOps<BF16>;
+    if (warp >= NUM_WARPS) {
+      W::template regs_dec<PRODUCER_REGS>();
+      if (tid == THREADS) {
+        int slot = 0, phase = 0;  // phase: the parity of the slot's current use, from the ring's first pass
+        for (int it = 0; it < n_tiles; ++it) {
+          const int n0 = (tile_begin + it) * BLOCK_N;
+          for (int s = 0; s < STEPS; ++s) {
+            if (it * STEPS + s >= NUM_STAGES) W::mbar_wait(empty_bar(slot), phase ^ 1);
+            const unsigned dst = smem_addr(sRing + slot * STAGE_ELEMS);
+            const unsigned bar = full_bar(slot);
+            if (s < QK_STEPS) {
+              W::mbar_expect(bar, (BLOCK_M + BLOCK_N) * DK * sizeof(T));
+              const int c0 = (QK_PAIR ? vs * QK_COLS : 0) + s * DK;
+#pragma unroll
+              for (int b = 0; b < DK / 64; ++b) {
+                W::tma_load(dst + b * LQ::BLOCK_BYTES, maps, bar, c0 + 64 * b, m0, head, batch);
+                W::tma_load(dst + BLOCK_M * DK * sizeof(T) + b * LK::BLOCK_BYTES, maps + 1, bar, c0 + 64 * b, n0,
+                            kv_head, batch);
+              }
+            } else {
+              const int v = s - QK_STEPS;
+              const int k0 = n0 + (v / V_COL_STEPS) * VK;
+              const int c0 = vs * DV + (v % V_COL_STEPS) * VCW;
+              W::mbar_expect(bar, VK * VC * sizeof(T));
+              // block b of the step: warp column (64 b) / VCW's columns, (64 b) % VCW into them
+#pragma unroll
+              for (int b = 0; b < VC / 64; ++b)
+                W::tma_load(dst + b * LV::BLOCK_BYTES, maps + 2, bar, c0 + (64 * b / VCW) * ON + (64 * b) % VCW, k0,
+                            kv_head, batch);
+            }
+            if (++slot == NUM_STAGES) {
+              slot = 0;
+              phase ^= 1;
+            }
+          }
+        }
+      }
+      return;
+    }
+    W::template regs_inc<CONSUMER_REGS>();
   }
 
   float acc_o[MT][ON / 8][4];
@@ -255,6 +340,8 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
 
   int slot = 0;       // the ring slot step (it, s) reads
   int fill = AHEAD;   // the slot the next load fills
+  int phase = 0;      // TMA: the parity of that slot's current use
+  int last = 0;       // TMA: the slot the step before read
   for (int it = 0; it < n_tiles; ++it) {
     const int tile = tile_begin + it;
     const int n0 = tile * BLOCK_N;
@@ -276,20 +363,26 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
 
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
-      cp_async_wait<AHEAD - 1>();
-      if constexpr (WGMMA) WgmmaOps<BF16>::fence_proxy();  // the copies (and P) before wgmma reads them
-      __syncthreads();
-      // The slot filled here was read by step (it, s) - LAG, which every warp finished before the
-      // barrier (wgmma: each warpgroup waited for it at step (it, s) - 1).
-      const int ahead = s + AHEAD;
-      if (ahead < STEPS)
-        load_step(tile, ahead, fill);
-      else if (it + 1 < n_tiles)
-        load_step(tile + 1, ahead - STEPS, fill);
-      cp_async_commit();
-      fill = fill + 1 == NUM_STAGES ? 0 : fill + 1;
-      const T* st = sRing + slot * STAGE_ELEMS;
+      const int cur = slot;
+      if constexpr (TMA) {
+        WgmmaOps<BF16>::mbar_wait(full_bar(cur), phase);
+      } else {
+        cp_async_wait<AHEAD - 1>();
+        if constexpr (WGMMA) WgmmaOps<BF16>::fence_proxy();  // the copies (and P) before wgmma reads them
+        __syncthreads();
+        // The slot filled here was read by step (it, s) - LAG, which every warp finished before the
+        // barrier (wgmma: each warpgroup waited for it at step (it, s) - 1).
+        const int ahead = s + AHEAD;
+        if (ahead < STEPS)
+          load_step(tile, ahead, fill);
+        else if (it + 1 < n_tiles)
+          load_step(tile + 1, ahead - STEPS, fill);
+        cp_async_commit();
+        fill = fill + 1 == NUM_STAGES ? 0 : fill + 1;
+      }
+      const T* st = sRing + cur * STAGE_ELEMS;
       slot = slot + 1 == NUM_STAGES ? 0 : slot + 1;
+      if (TMA && slot == 0) phase ^= 1;
 
       if constexpr (WGMMA) {
         using W = WgmmaOps<BF16>;
@@ -338,6 +431,15 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
           W::hold(acc_o[0]);
         } else {
           W::template wait<1>();  // the step before: its slot may be refilled after the next barrier
+        }
+        if constexpr (TMA) {
+          // The slots whose wgmma has now completed go back to the producer: the step before's (unless
+          // its own wait already gave it back) and, after a whole wait, this one's.
+          if (lane == 0) {
+            if (s > 0 && s - 1 != QK_STEPS - 1) W::mbar_arrive(empty_bar(last));
+            if (s == QK_STEPS - 1 || s == STEPS - 1) W::mbar_arrive(empty_bar(cur));
+          }
+          last = cur;
         }
       } else if (s < QK_STEPS) {
         // ---- S += Q_c K_c^T over this DK-wide chunk --------------------------------------------
@@ -461,7 +563,7 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             if (t == 0) sRed[cg * BLOCK_M + row0 + mt * 16 + g + 8 * r] = mx;
           }
-        __syncthreads();
+        consumers_sync();
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -492,13 +594,20 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
         // P is read by the V steps after their ring barrier; sRed is written again only after
         // the next tile's QK steps, several barriers on. (wgmma: P's last reader, this tile's last
         // V step, is waited for at the next tile's first step.)
+        // TMA: no ring barrier; the warpgroups meet here once both halves of P are written. A warpgroup
+        // writes P and sRed again only past the next tile's first meeting, which the other reaches
+        // after its last P V of this tile has completed.
+        if constexpr (TMA) {
+          WgmmaOps<BF16>::fence_proxy();  // P before wgmma reads it
+          consumers_sync();
+        }
       }
     }
   }
 
   // ---- epilogue: the row sums of all column groups, normalise, LSE, O ---------------------------
-  cp_async_wait_all();
-  __syncthreads();  // every warp is past its last read of sRed
+  if constexpr (!TMA) cp_async_wait_all();
+  consumers_sync();  // every warp is past its last read of sRed
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -508,7 +617,7 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p) {
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       if (t == 0) sRed[cg * BLOCK_M + row0 + mt * 16 + g + 8 * r] = l;
     }
-  __syncthreads();
+  consumers_sync();
   // VARLEN: the sequence's first row, read again rather than held across the loop (registers).
   if constexpr (VARLEN) q_row0 = min(max(p.cu_q[batch], 0), p.total_q);
   T* gO = p.o + (VARLEN ? 0 : batch * p.o_sb) + head * p.o_sh + (q_row0 + m0) * p.o_ss + vs * DV + cg * ON;

@@ -135,6 +135,17 @@ CHUNKED_WGMMA = [(128, 4, 64), (64, 4, 64), (64, 4, 128), (128, 3, 128), (64, 3,
 # padding: 320, 448, 576; the same day), 320 and 576 were timed again: 320 at six stages ran 1.03-1.11x its
 # padded default, and 576, whose 128-key tiles no longer spill, 1.24-1.60x its 64-key padded default; 448
 # kept its config (within the run-to-run spread of the padded kernel).
+# The same on the TMA ring (a producer warpgroup; head dims whose CTA's V columns are whole 64-column boxes),
+# timed with tools/sweep_configs.py --chunked --tma on an H100 (NVRTC 13.0, bf16, both shapes and masks,
+# 2026-11-26; BENCHMARKS.md): the best config ran 1.01-1.30x the cp.async default above in the same run.
+CHUNKED_TMA_BY_DIMS = {
+    (384, 384): [(128, 4, 128)],
+    (512, 512): [(128, 4, 128)],
+    (576, 512): [(128, 5, 64)],
+    (640, 640): [(64, 6, 64)],
+    (768, 768): [(128, 6, 64)],
+    (1024, 1024): [(128, 6, 64)],
+}
 CHUNKED_WGMMA_BY_DIMS = {
     (320, 320): [(128, 6, 64)],
     (384, 384): [(128, 4, 128)],
@@ -150,7 +161,8 @@ CHUNKED_WGMMA_BY_DIMS = {
 
 # Chunked configs ptxas spills (NVRTC 13.5, every default candidate of every chunked manifest entry
 # compiled for every arch, 2026-11-23; the wgmma form's 2026-11-24), per (head_dim, head_dim_v, mask):
-# (cta_tile_q, cta_tile_kv, num_warps, num_stages, head_dim_chunk, mma) -> archs.
+# (cta_tile_q, cta_tile_kv, num_warps, num_stages, head_dim_chunk, mma) -> archs. Those of the cp.async ring:
+# the TMA ring's consumers hold 240 registers a thread (setmaxnreg) and compiled these spill-free (2026-11-26).
 CHUNKED_SPILLS_ON = {
     (192, 128, MaskMode.CAUSAL): {(64, 128, 8, 3, 64, Mma.SYNC): ("sm_80", "sm_86", "sm_89")},
     (640, 640, MaskMode.SLIDING_WINDOW): {(64, 64, 8, 3, 64, Mma.SYNC): ("sm_90a",)},
@@ -180,17 +192,22 @@ def candidates(spec, arch: Arch):
         every = [(q, kv, w, st, Mma.SYNC, dk, Pipeline.SYNC, Schedule.SERIAL, Persistent.OFF)
                  for q, kv, w, st, dk in dict.fromkeys(listed + rest)]
         if arch.has_wgmma:
-            # the wgmma form first (past 640 columns of v, two CTAs a query tile, each repeating the QK work)
-            every = [(64, kv, 8, st, Mma.WGMMA, dk, Pipeline.SYNC, Schedule.SERIAL, Persistent.OFF)
-                     for kv, st, dk in dict.fromkeys(CHUNKED_WGMMA_BY_DIMS.get((spec.head_dim, spec.dim_v), [])
-                                                     + CHUNKED_WGMMA + [(kv, st, dk) for kv in (128, 64, 32)
-                                                                      for dk in (64, 128) for st in (4, 3, 5, 6, 7, 8)])] + every
+            # the wgmma form first (past 640 columns of v, two CTAs a query tile, each repeating the QK work):
+            # on the dense layout its TMA ring first (``check`` refuses it where a CTA's V columns are not whole
+            # 64-column boxes: 320, 448, 576), then the cp.async ring
+            where = (spec.head_dim, spec.dim_v)
+            rest = CHUNKED_WGMMA + [(kv, st, dk) for kv in (128, 64, 32) for dk in (64, 128) for st in (4, 3, 5, 6, 7, 8)]
+            rings = [(Pipeline.SYNC, dict.fromkeys(CHUNKED_WGMMA_BY_DIMS.get(where, []) + rest))]
+            if not spec.varlen:
+                rings.insert(0, (Pipeline.TMA, dict.fromkeys(CHUNKED_TMA_BY_DIMS.get(where, []) + rest)))
+            every = [(64, kv, 8, st, Mma.WGMMA, dk, pipe, Schedule.SERIAL, Persistent.OFF)
+                     for pipe, configs in rings for kv, st, dk in configs] + every
         where = (spec.head_dim, spec.dim_v, spec.mask)
         chunked_spills = {**CHUNKED_SPILLS_ON.get(where, {}),
                           **(CHUNKED_VARLEN_SPILLS_ON.get(where, {}) if spec.varlen else {})}
 
         def spilled(c):
-            return arch.name in chunked_spills.get((*c[:4], c[5], c[4]), ())
+            return c[6] is Pipeline.SYNC and arch.name in chunked_spills.get((*c[:4], c[5], c[4]), ())
     else:
         every = [(*c[:5], 0, *c[5:]) for c in _candidates(spec, arch)]  # head_dim_chunk 0: whole rows
         if spec.custom_mask:

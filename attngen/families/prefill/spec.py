@@ -212,10 +212,12 @@ class PrefillSpec(SpecBase):
                     raise SpecError(name, True, "false with the chunked kernel (head_dim above "
                                     f"{self.WHOLE_MAX}, head_dim_v above head_dim or head_dim_chunk < head_dim)",
                                     reason=f"the chunked kernel has no {name.replace('_', '-')} form yet")
-            if self.tma:
-                raise SpecError(tma_ask[0], tma_ask[1], f"{tma_ask[2]} with the chunked kernel (head_dim above "
-                                f"{self.WHOLE_MAX}, head_dim_v above head_dim or head_dim_chunk < head_dim)",
-                                reason="the chunked kernel has no TMA form yet")
+            if self.overlapped or self.is_persistent:
+                name, value, allowed = (("schedule", self.schedule.value, "serial") if self.overlapped
+                                        else ("persistent", "true", "false"))
+                raise SpecError(name, value, f"{allowed} with the chunked kernel (head_dim above {self.WHOLE_MAX}, "
+                                "head_dim_v above head_dim or head_dim_chunk < head_dim)",
+                                reason="the chunked kernel's TMA form has the serial schedule, one CTA a query tile")
         elif self.cta_tile_q and self.num_warps and self.cta_tile_q % (16 * self.num_warps):
             raise SpecError("num_warps", self.num_warps,
                             f"a divisor of cta_tile_q/16 = {self.cta_tile_q // 16}",
@@ -358,8 +360,9 @@ class PrefillSpec(SpecBase):
             p = self.cta_tile_q * (-(-self.cta_tile_kv // 64) * 64 if wgmma else _row(self.cta_tile_kv))
             # (qk_pair: two slots of the fp32 partial S exchanged across the cluster, and their mbarriers)
             exchange = 2 * 4 * self.cta_tile_q * self.cta_tile_kv + 16 if self.qk_pair else 0  # (+ a barrier a slot)
+            bars = 16 * self.num_stages if self.tma else 0  # (TMA: a full and an empty barrier a slot)
             return 2 * (self.num_stages * cg["stage_elems"] + p) + 4 * cg["warps_n"] * self.cta_tile_q \
-                + (1024 if wgmma else 0) + exchange
+                + (1024 if wgmma else 0) + exchange + bars
         row, row_v = (_smem_row(d) * self.dtype.itemsize for d in (self.head_dim, self.dim_v))
         # wgmma's tiles are dense (head dims are multiples of 64 there): only slack to align the first
         # one to the 1024-byte swizzle atom is added; TMA's mbarriers follow the tiles (Q's, then three a slot,
@@ -392,7 +395,7 @@ class PrefillSpec(SpecBase):
         if self.chunked:
             cg = self.chunk_grid
             ctx.update(chunked=True, wgmma=self.mma is Mma.WGMMA, chunk_vk=cg["vk"], chunk_vcw=cg["vcw"],
-                       v_splits=self.v_splits)
+                       v_splits=self.v_splits, tma_ctas=self.tma_ctas)
             return ctx
         ctx.update(
             chunked=False,
@@ -451,6 +454,9 @@ class PrefillSpec(SpecBase):
         if self.mma is Mma.WGMMA:
             self._check_chunked_wgmma(a)
             return
+        if self.tma:
+            raise SpecError("pipeline", "tma", "sync with mma=mma_sync",
+                            reason="the chunked kernel's TMA form is built on wgmma (sm_90a)")
         if self.num_stages < 2:
             raise SpecError("num_stages", self.num_stages, "2, 3, 4", reason="the chunked kernel's ring needs two slots")
         if self.cta_tile_q not in (32, 64) or self.num_warps != 8:
@@ -491,6 +497,11 @@ class PrefillSpec(SpecBase):
             raise SpecError("head_dim_chunk", self.head_dim_chunk, f"at most head_dim/2 = {self.head_dim // 2}",
                             reason=f"{form} needs two S steps a tile (P is rewritten only after both "
                                    "warpgroups finished the tile before)")
+        if self.tma and (self.v_tail or self.dim_v_padded * self.v_splits != self.dim_v):
+            raise SpecError("pipeline", "tma", "sync",
+                            reason=f"{form}'s TMA copies are whole 64-column boxes of v, and with head_dim_v="
+                                   f"{self.dim_v} each warpgroup's {self.dim_v // self.v_splits // 2} columns end "
+                                   + ("32 columns into one" if self.v_tail else "short of a whole block"))
         if self.num_stages < 3:
             raise SpecError("num_stages", self.num_stages, "3 to 8 with mma=wgmma",
                             reason=f"{form} leaves a step's wgmma running while the next step's copies land: "

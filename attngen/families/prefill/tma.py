@@ -2,8 +2,8 @@
 
 q, k and v ``[batch, seqlen, heads, head_dim]`` (any strides the op accepts) each become a 4-d map
 (head_dim, seqlen, heads, batch) whose boxes are one 64-column block of ``cta_tile_q`` rows (q) or
-``cta_tile_kv`` rows (k, v), 128-byte swizzled as wgmma reads them (WgmmaLayout), with zeros past
-the ends (``attngen/families/tma.py`` builds and keeps them).
+``cta_tile_kv`` rows (k, v; the chunked kernel's v: a V step's keys), 128-byte swizzled as wgmma reads
+them (WgmmaLayout), with zeros past the ends (``attngen/families/tma.py`` builds and keeps them).
 """
 
 from __future__ import annotations
@@ -24,5 +24,7 @@ def _map(t, rows: int, fallback_ptr: int) -> bytes:
 
 def tensor_maps(qi, ki, vi, spec) -> bytes:
     """The kernel's three maps (q, k, v), as PrefillTmaParams holds them."""
+    # (the chunked kernel copies v a V step at a time: its keys)
+    v_rows = spec.chunk_grid["vk"] if spec.chunked else spec.cta_tile_kv
     return (_map(qi, spec.cta_tile_q, qi.ptr) + _map(ki, spec.cta_tile_kv, qi.ptr)
-            + _map(vi, spec.cta_tile_kv, qi.ptr))
+            + _map(vi, v_rows, qi.ptr))
