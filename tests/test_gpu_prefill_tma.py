@@ -265,7 +265,9 @@ def test_persistent_softcap_alibi_and_strided():
 
 # ---- the chunked kernel's TMA form (head dims above 256; each CTA's V columns whole 64-column boxes) ----
 
-CHUNKED_DIMS = [(384, 384), (512, 512), (576, 512), (1024, 512), (768, 768), (1024, 1024), (512, 1024), (320, 1024)]
+# (320, 448, 576, 640/192: each warpgroup's V columns end in a 32-column tail, one box of a 5-d map)
+CHUNKED_DIMS = [(384, 384), (512, 512), (576, 512), (1024, 512), (768, 768), (1024, 1024), (512, 1024), (320, 1024),
+                (320, 320), (448, 448), (576, 576), (640, 192)]
 CHUNKED_SHAPES = [(1, 1), (17, 1000), (1000, 17), (333, 1031)]
 
 

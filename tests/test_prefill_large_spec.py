@@ -218,14 +218,14 @@ def test_deeper_rings_are_the_chunked_wgmma_forms_only():
 
 
 @pytest.mark.parametrize("d, dv, want, tma", [
-    (320, 320, (128, 6, 64), False), (384, 384, (128, 4, 128), True), (448, 448, (128, 5, 64), False),
-    (512, 512, (128, 4, 128), True), (576, 512, (128, 5, 64), True), (576, 576, (128, 6, 64), False),
+    (320, 320, (128, 6, 64), True), (384, 384, (128, 4, 128), True), (448, 448, (128, 6, 64), True),
+    (512, 512, (128, 4, 128), True), (576, 512, (128, 5, 64), True), (576, 576, (128, 5, 64), True),
     (640, 640, (64, 6, 64), True), (768, 768, (128, 6, 64), True), (1024, 1024, (128, 6, 64), True),
     (1024, 512, (128, 4, 64), True),
 ])
 def test_chunked_wgmma_defaults_per_head_dims(d, dv, want, tma):
-    """The sm_90a defaults the H100 sweeps chose per head dims (the generic first config elsewhere): on the TMA
-    ring where a warpgroup's V columns are whole boxes, else on the cp.async ring; varlen on the cp.async ring."""
+    """The sm_90a defaults the H100 sweeps chose per head dims (the generic first config elsewhere), on the TMA
+    ring; varlen on the cp.async ring."""
     for mask in ("none", "causal"):
         r = resolve(PrefillSpec(head_dim=d, head_dim_v=dv, mask=mask), "sm_90a")
         assert (r.cta_tile_kv, r.num_stages, r.head_dim_chunk, r.tma) == (*want, tma)

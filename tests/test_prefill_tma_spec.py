@@ -30,8 +30,8 @@ def test_tma_is_the_sm90a_dense_default():
         assert resolve(PrefillSpec(head_dim=128), arch).pipeline.value == "sync"
         with pytest.raises(SpecError):
             resolve(PrefillSpec(head_dim=128, pipeline="tma"), arch)
-    for fields in (dict(varlen=True), dict(custom_mask=True), dict(head_dim=320), dict(head_dim=512, varlen=True),
-                   dict(head_dim=96)):
+    for fields in (dict(varlen=True), dict(custom_mask=True), dict(head_dim=512, head_dim_v=96),
+                   dict(head_dim=512, varlen=True), dict(head_dim=96)):
         assert not resolve(PrefillSpec(**{"head_dim": 128, **fields}), "sm_90a").tma
     # tiles pinned without a pipeline: the cp.async one (what such specs meant before the field)
     pinned = PrefillSpec(head_dim=128, cta_tile_q=128, cta_tile_kv=128, num_warps=8, num_stages=3, mma="wgmma")
@@ -51,8 +51,7 @@ def test_tma_ctas_an_sm_reach_the_launch_bounds(d, warps, ctas):
     (dict(mma="mma_sync"), "mma"),  # "no configuration with mma=mma_sync, pipeline=tma; allowed: wgmma"
     (dict(varlen=True), "pipeline"),
     (dict(custom_mask=True), "pipeline"),
-    (dict(head_dim=320), "pipeline"),  # the chunked kernel: each warpgroup's 160 columns of v end mid-box
-    (dict(head_dim=576), "pipeline"),
+    (dict(head_dim=512, head_dim_v=96), "pipeline"),  # the chunked kernel: v's 96 columns padded to 128
     (dict(head_dim=512, schedule="pingpong"), "schedule"),  # its TMA form is serial, one CTA a tile
     (dict(head_dim=512, persistent=True), "persistent"),
     (dict(head_dim=512, varlen=True), "pipeline"),
@@ -282,7 +281,7 @@ def test_tuning_tries_wide_kv_tiles_on_sm90a_only():
 # ---- the chunked kernel's TMA form (head dims above 256 whose V columns a warpgroup are whole boxes) ----
 
 @pytest.mark.parametrize("d, dv", [(384, 384), (512, 512), (576, 512), (640, 640), (768, 768), (1024, 1024),
-                                   (512, 1024), (320, 1024)])
+                                   (512, 1024), (320, 1024), (320, 320), (448, 448), (576, 576), (640, 192)])
 def test_chunked_defaults_take_the_tma_ring_on_sm90a(d, dv):
     for mask in ("none", "causal", "sliding_window"):
         r = resolve(PrefillSpec(head_dim=d, head_dim_v=dv, mask=mask), "sm_90a")
@@ -290,11 +289,13 @@ def test_chunked_defaults_take_the_tma_ring_on_sm90a(d, dv):
         src = render(r)
         assert f"__launch_bounds__(384, 1){' __cluster_dims__(1, 2, 1)' if r.qk_pair else ''}" in src
         assert "true>(params.p, params.maps)" in src and "prefill_chunked<" in src
+        # a warpgroup's V columns ending 32 into a box: a fourth map, of the tails
+        assert f"PrefillTmaParams<attngen::elem_t, {4 if r.v_tail else 3}> params" in src
         # the cp.async kernel of the same tiles: its smem less the ring's mbarriers (a full and an empty a slot)
         sync = r.replace(pipeline="sync")
         assert r.smem_bytes() == sync.smem_bytes() + 16 * r.num_stages
-    # elsewhere, varlen, and where a warpgroup's columns end mid-box: the cp.async ring
-    for fields in (dict(head_dim=d, head_dim_v=dv, varlen=True), dict(head_dim=448), dict(head_dim=576)):
+    # elsewhere, varlen, and where a warpgroup's columns would be padded: the cp.async ring
+    for fields in (dict(head_dim=d, head_dim_v=dv, varlen=True), dict(head_dim=512, head_dim_v=96)):
         assert not resolve(PrefillSpec(**fields), "sm_90a").tma
     for arch in ("sm_80", "sm_89", "sm_100"):
         assert not resolve(PrefillSpec(head_dim=d, head_dim_v=dv), arch).tma
@@ -310,3 +311,22 @@ def test_chunked_tma_maps_box_a_v_step(monkeypatch):
     info = types.SimpleNamespace(ptr=1 << 20)
     tma.tensor_maps(info, info, info, r)
     assert seen == [r.cta_tile_q, r.cta_tile_kv, r.chunk_grid["vk"]] and r.chunk_grid["vk"] < r.cta_tile_kv
+
+
+def test_chunked_tma_tail_map(monkeypatch):
+    """Where a warpgroup's V columns end 32 into a box (320: 160 a warpgroup), a fourth map boxes the tails:
+    5-d (32 columns, keys, the two halves, heads, batch) from 32 columns before the first half's end."""
+    from attngen.families.prefill import tma
+
+    r = resolve(PrefillSpec(head_dim=320), "sm_90a")
+    assert r.tma and r.v_tail
+    calls = []
+    monkeypatch.setattr(tma, "_map", lambda t, rows, fallback: b"m" * 128)
+    monkeypatch.setattr(tma, "tiled_map", lambda *a: calls.append(a) or b"t" * 128)
+    info = types.SimpleNamespace(ptr=1 << 20, shape=(2, 100, 4, 320), strides=(100 * 4 * 328, 4 * 328, 328, 1),
+                                 dtype="bf16")
+    maps = tma.tensor_maps(info, info, info, r)
+    assert len(maps) == 512 and maps.endswith(b"t" * 128)
+    dtype, ptr, dims, strides, box = calls[0][:5]
+    assert ptr == (1 << 20) + 2 * (160 - 32) and dims == (32, 100, 2, 4, 2)
+    assert strides == (2 * 4 * 328, 2 * 160, 2 * 328, 2 * 100 * 4 * 328) and box == (32, r.chunk_grid["vk"], 2, 1, 1)

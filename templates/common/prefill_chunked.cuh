@@ -38,11 +38,12 @@
 // slot; every write into a CTA lands before that CTA's wait for it, so either may exit after its
 // last tile.
 //
-// TMA (wgmma, dense layout, each warpgroup's V columns whole 64-column blocks): a producer warpgroup more,
+// TMA (wgmma, dense layout, V's columns unpadded): a producer warpgroup more,
 // whose one elected thread issues every step's copies as TMA boxes into the ring, each slot once the
 // consumers have released it (a full and an empty mbarrier a slot; the empty one counts a warp's arrival
 // once the wgmma that read the slot has completed), so the ring runs NUM_STAGES steps ahead and no CTA
-// barrier is left in the steps. The two warpgroups meet twice a tile: for the row max, and once both
+// barrier is left in the steps (V_TAIL: the tail step is one box of a 5-d map, each warpgroup's 32
+// columns in a 64-column block of its own). The two warpgroups meet twice a tile: for the row max, and once both
 // halves of P are written. setmaxnreg gives the producer's registers to them (240 a thread; the kernel is
 // declared one CTA an SM, without which ptxas ignores setmaxnreg).
 //
@@ -136,8 +137,8 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p, const
   static_assert(DQK % DK == 0 && DK % 16 == 0 && AHEAD >= 1 && STEPS >= AHEAD, "steps");
   static_assert(!WGMMA || (BLOCK_M == 64 && NUM_WARPS == 8 && DK % 64 == 0 && VCW % 64 == 0 && QK_STEPS >= 2),
                 "wgmma: 64 rows, two warpgroups, whole 64-column swizzle blocks");
-  static_assert(!TMA || (WGMMA && !VARLEN && !V_TAIL && DV_PAD == DV),
-                "TMA: wgmma on the dense layout, every copy a whole 64-column box of the tensor");
+  static_assert(!TMA || (WGMMA && !VARLEN && DV_PAD == DV),
+                "TMA: wgmma on the dense layout, every copy a 64-column box of the tensor (or the two tails)");
   // TMA: registers per thread after setmaxnreg, the producer warpgroup's and the two consumers' (launched
   // with 168 a thread: 384 threads)
   constexpr int PRODUCER_REGS = 24;
@@ -155,6 +156,7 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p, const
   constexpr int QK_ELEMS = (BLOCK_M + BLOCK_N) * (WGMMA ? DK : DK_ROW);
   constexpr int V_ELEMS = VK * (WGMMA ? VC : VC_ROW);
   constexpr int STAGE_ELEMS = QK_ELEMS > V_ELEMS ? QK_ELEMS : V_ELEMS;
+  static_assert(!(TMA && V_TAIL) || 2 * VK * 64 <= STAGE_ELEMS, "TMA: the tail step's two blocks fit a slot");
   // (wgmma: P's 64-column blocks are whole even where the tile has 32 keys)
   constexpr int P_ELEMS = BLOCK_M * (WGMMA ? (BLOCK_N + 63) / 64 * 64 : P_ROW);
 
@@ -300,6 +302,12 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p, const
                 W::tma_load(dst + BLOCK_M * DK * sizeof(T) + b * LK::BLOCK_BYTES, maps + 1, bar, c0 + 64 * b, n0,
                             kv_head, batch);
               }
+            } else if (V_TAIL && (s - QK_STEPS) % V_COL_STEPS == V_COL_STEPS - 1) {
+              // The tail step: one box of the 5-d map (32 columns, keys, the two warpgroups' tails, heads,
+              // batch); TMA pads each 32-column row to the swizzle's 128 bytes, so each warpgroup's tail lands
+              // in the first 32 columns of a block of its own (VK rows of 128 bytes).
+              W::mbar_expect(bar, VK * 64 * sizeof(T));
+              W::tma_load5(dst, maps + 3, bar, 0, n0 + ((s - QK_STEPS) / V_COL_STEPS) * VK, 2 * vs, kv_head, batch);
             } else {
               const int v = s - QK_STEPS;
               const int k0 = n0 + (v / V_COL_STEPS) * VK;
@@ -405,7 +413,8 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p, const
             // The tail: this warpgroup's 32 columns start 64 bytes into each row of the block for the
             // second one (the swizzle is a function of the address: the atom stays 1024-byte aligned).
             auto& o = *reinterpret_cast<float(*)[4][4]>(&acc_o[0][(ON - 32) / 8]);
-            const unsigned v_at = smem_addr(st) + cg * 64;
+            // (TMA: each warpgroup's tail in a block of its own, VK rows of 128 bytes)
+            const unsigned v_at = smem_addr(st) + cg * (TMA ? VK * 128 : 64);
 #pragma unroll
             for (int kk = 0; kk < VK / 16; ++kk)
               Wgmma<32, BF16>::template ss<1>(o, W::desc_k(p_at, kb * (VK / 16) + kk, LP::BLOCK_BYTES),

@@ -135,10 +135,13 @@ CHUNKED_WGMMA = [(128, 4, 64), (64, 4, 64), (64, 4, 128), (128, 3, 128), (64, 3,
 # padding: 320, 448, 576; the same day), 320 and 576 were timed again: 320 at six stages ran 1.03-1.11x its
 # padded default, and 576, whose 128-key tiles no longer spill, 1.24-1.60x its 64-key padded default; 448
 # kept its config (within the run-to-run spread of the padded kernel).
-# The same on the TMA ring (a producer warpgroup; head dims whose CTA's V columns are whole 64-column boxes),
-# timed with tools/sweep_configs.py --chunked --tma on an H100 (NVRTC 13.0, bf16, both shapes and masks,
-# 2026-11-26; BENCHMARKS.md): the best config ran 1.01-1.30x the cp.async default above in the same run.
+# The same on the TMA ring (a producer warpgroup; every head dim whose V columns need no padding), timed with
+# tools/sweep_configs.py --chunked --tma on an H100 (NVRTC 13.0, bf16, both shapes and masks, 2026-11-26;
+# BENCHMARKS.md): the best config ran 1.00-1.30x the cp.async default above in the same run.
 CHUNKED_TMA_BY_DIMS = {
+    (320, 320): [(128, 6, 64)],
+    (448, 448): [(128, 6, 64)],
+    (576, 576): [(128, 5, 64)],
     (384, 384): [(128, 4, 128)],
     (512, 512): [(128, 4, 128)],
     (576, 512): [(128, 5, 64)],
@@ -193,8 +196,8 @@ def candidates(spec, arch: Arch):
                  for q, kv, w, st, dk in dict.fromkeys(listed + rest)]
         if arch.has_wgmma:
             # the wgmma form first (past 640 columns of v, two CTAs a query tile, each repeating the QK work):
-            # on the dense layout its TMA ring first (``check`` refuses it where a CTA's V columns are not whole
-            # 64-column boxes: 320, 448, 576), then the cp.async ring
+            # on the dense layout its TMA ring first (``check`` refuses it where a warpgroup's V columns would be
+            # padded, e.g. head_dim_v 96), then the cp.async ring
             where = (spec.head_dim, spec.dim_v)
             rest = CHUNKED_WGMMA + [(kv, st, dk) for kv in (128, 64, 32) for dk in (64, 128) for st in (4, 3, 5, 6, 7, 8)]
             rings = [(Pipeline.SYNC, dict.fromkeys(CHUNKED_WGMMA_BY_DIMS.get(where, []) + rest))]

@@ -40,6 +40,7 @@ PARAMS_EXT = struct.Struct("<5Q12q4i2f2i2fQq8Q2q9i")
 # persistent, and batch_count after the extended ones (8 pointers, 2 strides, 9 ints), which it does not read:
 # zero-filled padding, which packs in half the time of 19 zeros.
 _PARAMS_TMA = struct.Struct("<384s5Q12q4i2f2i2fQq")
+_PARAMS_TMA4 = struct.Struct("<512s5Q12q4i2f2i2fQq")  # (the chunked kernel with a V tail: four maps)
 _PARAMS_TMA_PERSISTENT = struct.Struct("<384s5Q12q4i2f2i2fQq116xi")
 # What a plan's kernel reads its inputs as (the last element of a plan key).
 DENSE, CUSTOM_MASK, VARLEN, VARLEN_PAGED = range(4)
@@ -358,7 +359,7 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
                 call.grid = (min(units, _resident(kern, qi.device)), 1, 1)
                 call.layout, call.tail = _PARAMS_TMA_PERSISTENT, (*call.tail, b)
             else:
-                call.layout = _PARAMS_TMA
+                call.layout = _PARAMS_TMA if len(maps) == 384 else _PARAMS_TMA4
     return call
 
 

@@ -395,7 +395,7 @@ class PrefillSpec(SpecBase):
         if self.chunked:
             cg = self.chunk_grid
             ctx.update(chunked=True, wgmma=self.mma is Mma.WGMMA, chunk_vk=cg["vk"], chunk_vcw=cg["vcw"],
-                       v_splits=self.v_splits, tma_ctas=self.tma_ctas)
+                       v_splits=self.v_splits, tma_ctas=self.tma_ctas, v_tail=self.v_tail)
             return ctx
         ctx.update(
             chunked=False,
@@ -497,11 +497,11 @@ class PrefillSpec(SpecBase):
             raise SpecError("head_dim_chunk", self.head_dim_chunk, f"at most head_dim/2 = {self.head_dim // 2}",
                             reason=f"{form} needs two S steps a tile (P is rewritten only after both "
                                    "warpgroups finished the tile before)")
-        if self.tma and (self.v_tail or self.dim_v_padded * self.v_splits != self.dim_v):
+        if self.tma and self.dim_v_padded * self.v_splits != self.dim_v:
             raise SpecError("pipeline", "tma", "sync",
-                            reason=f"{form}'s TMA copies are whole 64-column boxes of v, and with head_dim_v="
-                                   f"{self.dim_v} each warpgroup's {self.dim_v // self.v_splits // 2} columns end "
-                                   + ("32 columns into one" if self.v_tail else "short of a whole block"))
+                            reason=f"{form}'s TMA copies are whole 64-column boxes of v or 32-column tails, and with "
+                                   f"head_dim_v={self.dim_v} each warpgroup's {self.dim_v // self.v_splits / 2:g} "
+                                   "columns would be padded")
         if self.num_stages < 3:
             raise SpecError("num_stages", self.num_stages, "3 to 8 with mma=wgmma",
                             reason=f"{form} leaves a step's wgmma running while the next step's copies land: "

@@ -22,9 +22,26 @@ def _map(t, rows: int, fallback_ptr: int) -> bytes:
                                f"{tuple(t.strides)}: {e}; use a spec with pipeline=sync")
 
 
+def _tail_map(t, spec, rows: int, fallback_ptr: int) -> bytes:
+    """The chunked kernel's V tail (``spec.v_tail``): a 5-d map (32 columns, seqlen, the 2 x v_splits warpgroup
+    halves of v's columns, heads, batch) starting 32 columns before the end of the first half. TMA gives each
+    32-column row of a box a 128-byte row of its own (the swizzle's span), so a box (32, rows, 2) lands each
+    warpgroup's tail in the first 32 columns of a 64-column block of its own."""
+    b, s, h, d = t.shape
+    sb, ss, sh, _ = t.strides
+    half = spec.dim_v_padded // 2  # a warpgroup's columns
+    return tiled_map(t.dtype, (t.ptr or fallback_ptr) + 2 * (half - 32), (32, max(s, 1), 2 * spec.v_splits, h, b),
+                     (2 * ss, 2 * half, 2 * sh, 2 * sb), (32, rows, 2, 1, 1),
+                     lambda e: f"pipeline=tma: no TMA tensor map for v's column tails, shape {tuple(t.shape)} with "
+                               f"strides {tuple(t.strides)}: {e}; use a spec with pipeline=sync")
+
+
 def tensor_maps(qi, ki, vi, spec) -> bytes:
-    """The kernel's three maps (q, k, v), as PrefillTmaParams holds them."""
+    """The kernel's maps (q, k, v, and the chunked kernel's V tail where it has one), as PrefillTmaParams
+    holds them."""
     # (the chunked kernel copies v a V step at a time: its keys)
     v_rows = spec.chunk_grid["vk"] if spec.chunked else spec.cta_tile_kv
-    return (_map(qi, spec.cta_tile_q, qi.ptr) + _map(ki, spec.cta_tile_kv, qi.ptr)
-            + _map(vi, v_rows, qi.ptr))
+    maps = _map(qi, spec.cta_tile_q, qi.ptr) + _map(ki, spec.cta_tile_kv, qi.ptr) + _map(vi, v_rows, qi.ptr)
+    if spec.chunked and spec.v_tail:
+        maps += _tail_map(vi, spec, v_rows, qi.ptr)
+    return maps
