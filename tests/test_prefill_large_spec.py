@@ -219,8 +219,8 @@ def test_deeper_rings_are_the_chunked_wgmma_forms_only():
 
 @pytest.mark.parametrize("d, dv, want, tma", [
     (320, 320, (128, 6, 64), True), (384, 384, (128, 4, 128), True), (448, 448, (128, 6, 64), True),
-    (512, 512, (128, 4, 128), True), (576, 512, (128, 5, 64), True), (576, 576, (128, 5, 64), True),
-    (640, 640, (64, 6, 64), True), (768, 768, (128, 6, 64), True), (1024, 1024, (128, 6, 64), True),
+    (512, 512, (128, 4, 128), True), (576, 512, (128, 6, 64), True), (576, 576, (128, 5, 64), True),
+    (640, 640, (64, 8, 128), True), (768, 768, (128, 6, 64), True), (1024, 1024, (128, 5, 64), True),
     (1024, 512, (128, 4, 64), True),
 ])
 def test_chunked_wgmma_defaults_per_head_dims(d, dv, want, tma):

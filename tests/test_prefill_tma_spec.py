@@ -291,9 +291,15 @@ def test_chunked_defaults_take_the_tma_ring_on_sm90a(d, dv):
         assert "true>(params.p, params.maps)" in src and "prefill_chunked<" in src
         # a warpgroup's V columns ending 32 into a box: a fourth map, of the tails
         assert f"PrefillTmaParams<attngen::elem_t, {4 if r.v_tail else 3}> params" in src
-        # the cp.async kernel of the same tiles: its smem less the ring's mbarriers (a full and an empty a slot)
+        # against the cp.async kernel of the same tiles: Q's tile of its own (the CTA's QK columns), a QK slot
+        # without Q's chunk, and the mbarriers (a full and an empty a slot, and Q's)
         sync = r.replace(pipeline="sync")
-        assert r.smem_bytes() == sync.smem_bytes() + 16 * r.num_stages
+        cg = r.chunk_grid
+        q_cols = r.head_dim // (2 if r.qk_pair else 1)
+        tma_slot = max(r.cta_tile_kv * r.head_dim_chunk, cg["vk"] * 2 * cg["vcw"])
+        assert r.smem_bytes() - sync.smem_bytes() == 2 * (r.num_stages * (tma_slot - cg["stage_elems"])
+                                                          + r.cta_tile_q * q_cols) + 16 * r.num_stages + 8
+        assert r.smem_bytes() <= 232448
     # elsewhere, varlen, and where a warpgroup's columns would be padded: the cp.async ring
     for fields in (dict(head_dim=d, head_dim_v=dv, varlen=True), dict(head_dim=512, head_dim_v=96)):
         assert not resolve(PrefillSpec(**fields), "sm_90a").tma

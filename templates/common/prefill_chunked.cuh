@@ -38,8 +38,9 @@
 // slot; every write into a CTA lands before that CTA's wait for it, so either may exit after its
 // last tile.
 //
-// TMA (wgmma, dense layout, V's columns unpadded): a producer warpgroup more,
-// whose one elected thread issues every step's copies as TMA boxes into the ring, each slot once the
+// TMA (wgmma, dense layout, V's columns unpadded): a producer warpgroup more, whose one elected thread
+// loads Q's tile once, whole (a QK step's slot holds K's chunk alone: Q is not copied again each key
+// tile), and issues every step's copies as TMA boxes into the ring, each slot once the
 // consumers have released it (a full and an empty mbarrier a slot; the empty one counts a warp's arrival
 // once the wgmma that read the slot has completed), so the ring runs NUM_STAGES steps ahead and no CTA
 // barrier is left in the steps (V_TAIL: the tail step is one box of a 5-d map, each warpgroup's 32
@@ -153,7 +154,9 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p, const
   using LV = typename Select<WGMMA, Swizzled<VC, VK>, Padded<VC_ROW>>::type;
   using LVT = Swizzled<64, VK>;  // V_TAIL: the tail step's one block, each warpgroup's 32 columns side by side
   using LP = typename Select<WGMMA, Swizzled<BLOCK_N, BLOCK_M>, Padded<P_ROW>>::type;
-  constexpr int QK_ELEMS = (BLOCK_M + BLOCK_N) * (WGMMA ? DK : DK_ROW);
+  // TMA: Q is loaded once, whole, into a tile of its own (Q_ELEMS); a QK step's slot holds K's chunk alone
+  constexpr int Q_ELEMS = TMA ? BLOCK_M * QK_COLS : 0;
+  constexpr int QK_ELEMS = (TMA ? BLOCK_N : BLOCK_M + BLOCK_N) * (WGMMA ? DK : DK_ROW);
   constexpr int V_ELEMS = VK * (WGMMA ? VC : VC_ROW);
   constexpr int STAGE_ELEMS = QK_ELEMS > V_ELEMS ? QK_ELEMS : V_ELEMS;
   static_assert(!(TMA && V_TAIL) || 2 * VK * 64 <= STAGE_ELEMS, "TMA: the tail step's two blocks fit a slot");
@@ -163,7 +166,8 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p, const
   extern __shared__ __align__(128) unsigned char smem_raw[];
   // wgmma's swizzle atoms start 1024-byte aligned (smem_bytes() reserves the slack).
   T* sRing = reinterpret_cast<T*>(WGMMA ? aligned_smem<1024>(smem_raw) : smem_raw);
-  T* sP = sRing + NUM_STAGES * STAGE_ELEMS;
+  T* sQ = sRing + NUM_STAGES * STAGE_ELEMS;  // (TMA)
+  T* sP = sQ + Q_ELEMS;
   float* sRed = reinterpret_cast<float*>(sP + P_ELEMS);  // [WARPS_N][BLOCK_M]
   // QK_PAIR: two slots of the other CTA's partial S, each [SN / 8][THREADS] float4s (a thread's fragment),
   // and a barrier a slot whose phase completes when the other CTA's fragments have landed in it
@@ -175,6 +179,7 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p, const
   const unsigned tbars = smem_addr(sXbar + (QK_PAIR ? 2 : 0));
   auto full_bar = [&](int s) { return tbars + 8u * s; };
   auto empty_bar = [&](int s) { return tbars + 8u * (NUM_STAGES + s); };
+  const unsigned q_bar = tbars + 16u * NUM_STAGES;  // Q's tile landed
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -271,6 +276,7 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p, const
           WgmmaOps<BF16>::mbar_init(full_bar(s), 1);
           WgmmaOps<BF16>::mbar_init(empty_bar(s), NUM_WARPS);
         }
+        WgmmaOps<BF16>::mbar_init(q_bar, 1);
       }
       WgmmaOps<BF16>::mbar_init_fence();
     }
@@ -287,6 +293,14 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p, const
       W::template regs_dec<PRODUCER_REGS>();
       if (tid == THREADS) {
         int slot = 0, phase = 0;  // phase: the parity of the slot's current use, from the ring's first pass
+        if (n_tiles > 0) {
+          // Q's tile once (QK_PAIR: this CTA's half of its columns), in 64-column blocks
+          W::mbar_expect(q_bar, Q_ELEMS * sizeof(T));
+#pragma unroll
+          for (int b = 0; b < QK_COLS / 64; ++b)
+            W::tma_load(smem_addr(sQ) + b * LQ::BLOCK_BYTES, maps, q_bar, (QK_PAIR ? vs * QK_COLS : 0) + 64 * b, m0,
+                        head, batch);
+        }
         for (int it = 0; it < n_tiles; ++it) {
           const int n0 = (tile_begin + it) * BLOCK_N;
           for (int s = 0; s < STEPS; ++s) {
@@ -294,14 +308,11 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p, const
             const unsigned dst = smem_addr(sRing + slot * STAGE_ELEMS);
             const unsigned bar = full_bar(slot);
             if (s < QK_STEPS) {
-              W::mbar_expect(bar, (BLOCK_M + BLOCK_N) * DK * sizeof(T));
+              W::mbar_expect(bar, BLOCK_N * DK * sizeof(T));
               const int c0 = (QK_PAIR ? vs * QK_COLS : 0) + s * DK;
 #pragma unroll
-              for (int b = 0; b < DK / 64; ++b) {
-                W::tma_load(dst + b * LQ::BLOCK_BYTES, maps, bar, c0 + 64 * b, m0, head, batch);
-                W::tma_load(dst + BLOCK_M * DK * sizeof(T) + b * LK::BLOCK_BYTES, maps + 1, bar, c0 + 64 * b, n0,
-                            kv_head, batch);
-              }
+              for (int b = 0; b < DK / 64; ++b)
+                W::tma_load(dst + b * LK::BLOCK_BYTES, maps + 1, bar, c0 + 64 * b, n0, kv_head, batch);
             } else if (V_TAIL && (s - QK_STEPS) % V_COL_STEPS == V_COL_STEPS - 1) {
               // The tail step: one box of the 5-d map (32 columns, keys, the two warpgroups' tails, heads,
               // batch); TMA pads each 32-column row to the swizzle's 128 bytes, so each warpgroup's tail lands
@@ -346,6 +357,9 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p, const
   const int warp_lo = m0 + row0;
   const int warp_hi = max(warp_lo, min(warp_lo + 16 * MT, seqlen_q) - 1);
 
+  if constexpr (TMA) {
+    if (n_tiles > 0) WgmmaOps<BF16>::mbar_wait(q_bar, 0);
+  }
   int slot = 0;       // the ring slot step (it, s) reads
   int fill = AHEAD;   // the slot the next load fills
   int phase = 0;      // TMA: the parity of that slot's current use
@@ -397,8 +411,9 @@ __device__ __forceinline__ void prefill_chunked(const PrefillParams<T>& p, const
         W::fence();
         if (s < QK_STEPS) {
           // S (+)= Q_c K_c^T: all 64 rows against this warpgroup's SN keys (whole 8-row swizzle atoms).
-          const unsigned q_at = smem_addr(st);
-          const unsigned k_at = smem_addr(st + BLOCK_M * DK) + cg * SN * 128;
+          // (TMA: Q's chunk s of its own tile, the slot K's chunk alone)
+          const unsigned q_at = TMA ? smem_addr(sQ) + s * (DK / 64) * LQ::BLOCK_BYTES : smem_addr(st);
+          const unsigned k_at = smem_addr(st + (TMA ? 0 : BLOCK_M * DK)) + cg * SN * 128;
 #pragma unroll
           for (int kk = 0; kk < DK / 16; ++kk)
             Wgmma<SN, BF16>::ss(acc_s[0], W::desc_k(q_at, kk, LQ::BLOCK_BYTES), W::desc_k(k_at, kk, LK::BLOCK_BYTES),

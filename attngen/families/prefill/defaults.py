@@ -135,19 +135,19 @@ CHUNKED_WGMMA = [(128, 4, 64), (64, 4, 64), (64, 4, 128), (128, 3, 128), (64, 3,
 # padding: 320, 448, 576; the same day), 320 and 576 were timed again: 320 at six stages ran 1.03-1.11x its
 # padded default, and 576, whose 128-key tiles no longer spill, 1.24-1.60x its 64-key padded default; 448
 # kept its config (within the run-to-run spread of the padded kernel).
-# The same on the TMA ring (a producer warpgroup; every head dim whose V columns need no padding), timed with
-# tools/sweep_configs.py --chunked --tma on an H100 (NVRTC 13.0, bf16, both shapes and masks, 2026-11-26;
-# BENCHMARKS.md): the best config ran 1.00-1.30x the cp.async default above in the same run.
+# The same on the TMA ring (a producer warpgroup, Q's tile loaded once; every head dim whose V columns need no
+# padding), timed with tools/sweep_configs.py --chunked --tma on an H100 (NVRTC 13.0, bf16, both shapes and
+# masks, 2026-11-26; BENCHMARKS.md): the best config or within 2% of it by geomean over the four rows.
 CHUNKED_TMA_BY_DIMS = {
     (320, 320): [(128, 6, 64)],
-    (448, 448): [(128, 6, 64)],
-    (576, 576): [(128, 5, 64)],
     (384, 384): [(128, 4, 128)],
+    (448, 448): [(128, 6, 64)],
     (512, 512): [(128, 4, 128)],
-    (576, 512): [(128, 5, 64)],
-    (640, 640): [(64, 6, 64)],
+    (576, 512): [(128, 6, 64)],
+    (576, 576): [(128, 5, 64)],
+    (640, 640): [(64, 8, 128)],
     (768, 768): [(128, 6, 64)],
-    (1024, 1024): [(128, 6, 64)],
+    (1024, 1024): [(128, 5, 64)],
 }
 CHUNKED_WGMMA_BY_DIMS = {
     (320, 320): [(128, 6, 64)],

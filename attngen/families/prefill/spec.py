@@ -360,9 +360,14 @@ class PrefillSpec(SpecBase):
             p = self.cta_tile_q * (-(-self.cta_tile_kv // 64) * 64 if wgmma else _row(self.cta_tile_kv))
             # (qk_pair: two slots of the fp32 partial S exchanged across the cluster, and their mbarriers)
             exchange = 2 * 4 * self.cta_tile_q * self.cta_tile_kv + 16 if self.qk_pair else 0  # (+ a barrier a slot)
-            bars = 16 * self.num_stages if self.tma else 0  # (TMA: a full and an empty barrier a slot)
-            return 2 * (self.num_stages * cg["stage_elems"] + p) + 4 * cg["warps_n"] * self.cta_tile_q \
-                + (1024 if wgmma else 0) + exchange + bars
+            ring = self.num_stages * cg["stage_elems"]
+            if self.tma:
+                # (TMA: Q's tile of its own, the CTA's QK columns; a QK slot holds K's chunk alone; a full and an
+                # empty barrier a slot and Q's)
+                ring = self.num_stages * max(self.cta_tile_kv * self.head_dim_chunk, cg["vk"] * 2 * cg["vcw"])
+                ring += self.cta_tile_q * self.head_dim // (2 if self.qk_pair else 1)
+            bars = 16 * self.num_stages + 8 if self.tma else 0
+            return 2 * (ring + p) + 4 * cg["warps_n"] * self.cta_tile_q + (1024 if wgmma else 0) + exchange + bars
         row, row_v = (_smem_row(d) * self.dtype.itemsize for d in (self.head_dim, self.dim_v))
         # wgmma's tiles are dense (head dims are multiples of 64 there): only slack to align the first
         # one to the 1024-byte swizzle atom is added; TMA's mbarriers follow the tiles (Q's, then three a slot,
