@@ -154,6 +154,10 @@ def test_chunked_wgmma_form():
     sizes = {d: PrefillSpec(head_dim=d, head_dim_v=dv, **cfg).smem_bytes()
              for d, dv in ((384, 384), (512, 512), (576, 512), (640, 640), (1024, 512))}
     assert len(set(sizes.values())) == 1, sizes
+    # the TMA form holds Q's tile whole (64 rows of head_dim, loaded once): all else stays flat
+    tma = {d: PrefillSpec(head_dim=d, head_dim_v=dv, pipeline="tma", **cfg).smem_bytes() - 2 * 64 * d
+           for d, dv in ((384, 384), (512, 512), (576, 512), (640, 640), (1024, 512))}
+    assert len(set(tma.values())) == 1, tma
     # past 640 columns two CTAs split O's columns (each repeating the QK work); the grid's y doubles
     for d, dv, per in ((768, 768, 384), (1024, 1024, 512), (320, 1024, 512)):
         r = resolve(PrefillSpec(head_dim=d, head_dim_v=dv, mma="wgmma"), "sm_90a")
