@@ -1,5 +1,5 @@
 // Prefill for large head dims (and split QK / V head dims): the tiling lowered to the MMA level,
-// so shared memory does not grow with the head dim.
+// so shared memory does not grow with the head dim (but for the TMA form's Q tile, below).
 //
 // A CTA owns BLOCK_M query rows and walks the KV tiles. Per tile it runs a fixed sequence of
 // steps, each one stage of a cp.async ring of NUM_STAGES equal slots:
@@ -7,7 +7,8 @@
 //   V steps (BLOCK_N / VK x ON / VCW): VK keys of the V tile, VCW columns for each warp column.
 // The ring runs ahead across steps and tiles alike, so the next tile's Q/K chunks load while this
 // tile's V steps compute. Nothing is held whole in shared memory: per CTA it is the ring, P
-// (BLOCK_M x BLOCK_N, 16-bit) and a row-max exchange, whatever the head dims.
+// (BLOCK_M x BLOCK_N, 16-bit) and a row-max exchange, whatever the head dims (TMA: and Q's tile,
+// BLOCK_M rows of the CTA's QK columns, loaded once).
 //
 // Warps form WARPS_M row groups of 32 query rows (two 16-row m-tiles) x WARPS_N column groups.
 // In the QK steps warp (rg, cg) computes S for its 32 rows and keys [cg SN, (cg+1) SN) of the
