@@ -294,10 +294,11 @@ def test_chunked_defaults_take_the_tma_ring_on_sm90a(d, dv):
         # against the cp.async kernel of the same tiles: Q's tile of its own (the CTA's QK columns), a QK slot
         # without Q's chunk, and the mbarriers (a full and an empty a slot, and Q's)
         sync = r.replace(pipeline="sync")
-        cg = r.chunk_grid
+        cg, sync_cg = r.chunk_grid, sync.chunk_grid
         q_cols = r.head_dim // (2 if r.qk_pair else 1)
         tma_slot = max(r.cta_tile_kv * r.head_dim_chunk, cg["vk"] * 2 * cg["vcw"])
-        assert r.smem_bytes() - sync.smem_bytes() == 2 * (r.num_stages * (tma_slot - cg["stage_elems"])
+        assert cg["stage_elems"] == tma_slot and cg["vk"] == sync_cg["vk"]  # the same V steps on both rings
+        assert r.smem_bytes() - sync.smem_bytes() == 2 * (r.num_stages * (tma_slot - sync_cg["stage_elems"])
                                                           + r.cta_tile_q * q_cols) + 16 * r.num_stages + 8
         assert r.smem_bytes() <= 232448
     # elsewhere, varlen, and where a warpgroup's columns would be padded: the cp.async ring

@@ -53,7 +53,7 @@ def configs(a, d, dv, causal):
             continue
         label = " ".join(f"{k.replace('cta_tile_', '').replace('num_', '').replace('head_dim_', '')}{v}"
                          for k, v in g.items() if k not in ("mma", "pipeline", "schedule", "persistent"))
-        label += f" tma {g.get('schedule', '')}" if g.get("pipeline") == "tma" else ""
+        label += (" tma" + (f" {g['schedule']}" if "schedule" in g else "")) if g.get("pipeline") == "tma" else ""
         label += " persistent" if g.get("persistent") == "true" else ""
         yield spec, f"{g['mma']} {label}"
 

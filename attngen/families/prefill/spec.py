@@ -276,9 +276,11 @@ class PrefillSpec(SpecBase):
         """The chunked kernel's warp grid and V steps (see prefill_chunked.cuh): WARPS_N column
         groups, ON output columns per warp, SN keys of S per warp, per V step VK keys x VCW
         columns per warp (the widest VCW, fewest loads per mma, whose step fits the QK step),
-        and the elements of one ring slot (the larger of the two steps). With wgmma the column
-        groups are the two warpgroups, the tiles dense 64-column blocks, and VCW whole blocks
-        (a V step at most 256 columns wide, so a copying thread steps down whole swizzle atoms)."""
+        and the elements of one ring slot (the larger of the two steps; TMA: a QK step's slot holds K's
+        chunk alone, Q having a tile of its own, while VK is chosen as for the cp.async ring, so both
+        rings take the same V steps). With wgmma the column groups are the two warpgroups, the tiles
+        dense 64-column blocks, and VCW whole blocks (a V step at most 256 columns wide, so a copying
+        thread steps down whole swizzle atoms)."""
         self._require_resolved("chunk_grid")
         if self.mma is Mma.WGMMA:
             warps_n, widths, step_keys, row = 2, (128, 64), (128, 64, 32, 16), (lambda e: e)
@@ -289,6 +291,8 @@ class PrefillSpec(SpecBase):
         full = on - (32 if self.v_tail else 0)  # the columns of the whole-width V steps
         vcw = next((w for w in widths if full % w == 0), widths[-1])  # a power-of-two count of 16-byte chunks
         vk = next((k for k in step_keys if self.cta_tile_kv % k == 0 and k * row(vcw * warps_n) <= qk_elems), 16)
+        if self.tma:
+            qk_elems = self.cta_tile_kv * row(self.head_dim_chunk)
         return dict(warps_n=warps_n, on=on, sn=self.cta_tile_kv // warps_n, vk=vk, vcw=vcw,
                     stage_elems=max(qk_elems, vk * row(vcw * warps_n)))
 
@@ -360,14 +364,11 @@ class PrefillSpec(SpecBase):
             p = self.cta_tile_q * (-(-self.cta_tile_kv // 64) * 64 if wgmma else _row(self.cta_tile_kv))
             # (qk_pair: two slots of the fp32 partial S exchanged across the cluster, and their mbarriers)
             exchange = 2 * 4 * self.cta_tile_q * self.cta_tile_kv + 16 if self.qk_pair else 0  # (+ a barrier a slot)
-            ring = self.num_stages * cg["stage_elems"]
-            if self.tma:
-                # (TMA: Q's tile of its own, the CTA's QK columns; a QK slot holds K's chunk alone; a full and an
-                # empty barrier a slot and Q's)
-                ring = self.num_stages * max(self.cta_tile_kv * self.head_dim_chunk, cg["vk"] * 2 * cg["vcw"])
-                ring += self.cta_tile_q * self.head_dim // (2 if self.qk_pair else 1)
+            # (TMA: Q's tile of its own, the CTA's QK columns; a full and an empty barrier a slot, and Q's)
+            q_tile = self.cta_tile_q * self.head_dim // (2 if self.qk_pair else 1) if self.tma else 0
             bars = 16 * self.num_stages + 8 if self.tma else 0
-            return 2 * (ring + p) + 4 * cg["warps_n"] * self.cta_tile_q + (1024 if wgmma else 0) + exchange + bars
+            return 2 * (self.num_stages * cg["stage_elems"] + q_tile + p) + 4 * cg["warps_n"] * self.cta_tile_q \
+                + (1024 if wgmma else 0) + exchange + bars
         row, row_v = (_smem_row(d) * self.dtype.itemsize for d in (self.head_dim, self.dim_v))
         # wgmma's tiles are dense (head dims are multiples of 64 there): only slack to align the first
         # one to the 1024-byte swizzle atom is added; TMA's mbarriers follow the tiles (Q's, then three a slot,
@@ -400,7 +401,7 @@ class PrefillSpec(SpecBase):
         if self.chunked:
             cg = self.chunk_grid
             ctx.update(chunked=True, wgmma=self.mma is Mma.WGMMA, chunk_vk=cg["vk"], chunk_vcw=cg["vcw"],
-                       v_splits=self.v_splits, tma_ctas=self.tma_ctas, v_tail=self.v_tail)
+                       v_splits=self.v_splits, v_tail=self.v_tail)
             return ctx
         ctx.update(
             chunked=False,
@@ -429,15 +430,15 @@ class PrefillSpec(SpecBase):
         if self.num_stages > 4 and not (self.chunked and self.mma is Mma.WGMMA):
             raise SpecError("num_stages", self.num_stages, "1, 2, 3, 4",
                             reason="deeper rings (up to 8 stages) are the chunked kernel's wgmma form's only")
+        if self.tma and self.mma is not Mma.WGMMA:
+            raise SpecError("pipeline", "tma", "sync with mma=mma_sync",
+                            reason="the TMA pipeline is built on wgmma (sm_90a)")
         if self.chunked:
             self._check_chunked(a)
             return
         if self.mma is Mma.WGMMA:
             self._check_wgmma(a)
             return
-        if self.tma:
-            raise SpecError("pipeline", "tma", "sync with mma=mma_sync",
-                            reason="the TMA pipeline is built on wgmma (sm_90a)")
         warp_rows = self.cta_tile_q // self.num_warps
         if warp_rows % 16:
             raise SpecError("num_warps", self.num_warps, f"a divisor of cta_tile_q/16 = {self.cta_tile_q // 16}")
@@ -459,9 +460,6 @@ class PrefillSpec(SpecBase):
         if self.mma is Mma.WGMMA:
             self._check_chunked_wgmma(a)
             return
-        if self.tma:
-            raise SpecError("pipeline", "tma", "sync with mma=mma_sync",
-                            reason="the chunked kernel's TMA form is built on wgmma (sm_90a)")
         if self.num_stages < 2:
             raise SpecError("num_stages", self.num_stages, "2, 3, 4", reason="the chunked kernel's ring needs two slots")
         if self.cta_tile_q not in (32, 64) or self.num_warps != 8:

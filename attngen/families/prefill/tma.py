@@ -11,6 +11,12 @@ from __future__ import annotations
 from ..tma import tiled_map
 
 
+def _refusal(t, what: str = ""):
+    """The text of a refusal by the driver for TensorInfo ``t`` (``what``: which map of it, if not the whole)."""
+    return lambda e: (f"pipeline=tma: no TMA tensor map for {what}shape {tuple(t.shape)} with strides "
+                      f"{tuple(t.strides)}: {e}; use a spec with pipeline=sync")
+
+
 def _map(t, rows: int, fallback_ptr: int) -> bytes:
     """The map of TensorInfo ``t`` with boxes of ``rows`` rows."""
     b, s, h, d = t.shape
@@ -18,8 +24,7 @@ def _map(t, rows: int, fallback_ptr: int) -> bytes:
     # An empty sequence is never read (its CTAs visit no tile), but a map's dims must be >= 1 and its
     # address not null.
     return tiled_map(t.dtype, t.ptr or fallback_ptr, (d, max(s, 1), h, b), (2 * ss, 2 * sh, 2 * sb), (64, rows, 1, 1),
-                     lambda e: f"pipeline=tma: no TMA tensor map for shape {tuple(t.shape)} with strides "
-                               f"{tuple(t.strides)}: {e}; use a spec with pipeline=sync")
+                     _refusal(t))
 
 
 def _tail_map(t, spec, rows: int, fallback_ptr: int) -> bytes:
@@ -31,9 +36,7 @@ def _tail_map(t, spec, rows: int, fallback_ptr: int) -> bytes:
     sb, ss, sh, _ = t.strides
     half = spec.dim_v_padded // 2  # a warpgroup's columns
     return tiled_map(t.dtype, (t.ptr or fallback_ptr) + 2 * (half - 32), (32, max(s, 1), 2 * spec.v_splits, h, b),
-                     (2 * ss, 2 * half, 2 * sh, 2 * sb), (32, rows, 2, 1, 1),
-                     lambda e: f"pipeline=tma: no TMA tensor map for v's column tails, shape {tuple(t.shape)} with "
-                               f"strides {tuple(t.strides)}: {e}; use a spec with pipeline=sync")
+                     (2 * ss, 2 * half, 2 * sh, 2 * sb), (32, rows, 2, 1, 1), _refusal(t, "v's column tails, "))
 
 
 def tensor_maps(qi, ki, vi, spec) -> bytes:
