@@ -133,6 +133,20 @@ class Driver:
                 self.pop()
         return n.value if rc == 0 else 0
 
+    def blocks_per_sm(self, func, device: int, threads: int, smem: int) -> int:
+        """How many CTAs of ``func`` (a c_void_p) of ``threads`` threads and ``smem`` bytes of dynamic
+        shared memory one SM of ``device`` holds at once (registers, threads, shared memory)."""
+        fn = self.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor  # bound on first use
+        fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+        n = ctypes.c_int(0)
+        pushed = self.push(device)
+        try:
+            self.check(fn(ctypes.byref(n), func, threads, smem), "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        finally:
+            if pushed:
+                self.pop()
+        return n.value
+
     def push(self, device: int) -> bool:
         """Make ``device``'s primary context current if it is not; True if it was pushed."""
         ctx = self.primary_context(device)

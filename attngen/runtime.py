@@ -119,6 +119,7 @@ class Kernel:
         pdl = get_arch(self.binary.arch).major >= 9 and drv.raw_launch_ex is not None
         self._clusters = pdl and get_arch(self.binary.arch).major == 9  # decode's cluster merge: measured on sm_90
         self._cluster_count: dict[int, int] = {}  # cluster size -> clusters held at once
+        self._per_sm: dict[str, int] = {}  # entry -> CTAs an SM holds at once
         listed = self.spec.PDL_ENTRIES
         self._entries = {"": (self._func, self.threads, self.smem_bytes, pdl and "" in listed)}
         for suffix, (fn, threads, smem) in (self.extra or {}).items():
@@ -144,6 +145,15 @@ class Kernel:
             slot = _thread_slot()
         ctypes.memmove(slot[0], params, n)
         self._enqueue(grid, stream, slot, entry)
+
+    def occupancy(self, entry: str = "") -> int:
+        """How many CTAs of an entry (by suffix, "" the main one) one SM holds at once: the driver's
+        count, from the entry's registers, threads and shared memory."""
+        n = self._per_sm.get(entry)
+        if n is None:
+            func, threads, smem, _ = self._entries[entry]
+            n = self._per_sm[entry] = self._drv.blocks_per_sm(func, self.device, threads, smem)
+        return n
 
     def max_clusters(self, cluster_x: int) -> int:
         """How many clusters of ``cluster_x`` CTAs of the main entry the device holds at once (the

@@ -120,6 +120,32 @@ def test_forced_splits(splits):
     run_case([100, 1500, 3], 32, 1, num_splits=splits)
 
 
+@pytest.mark.parametrize("heads,q_len,seqlens,splits,wide", [
+    (16, 1, [32768], 128, True),        # batch 1, 16 heads: 16 splits a warp of the wide merge
+    (8, 4, [5000], 33, True),           # 33 splits over 8 warps: shares of 5, 3 and none
+    (32, 1, [3000], 40, True),
+    (8, 1, [3, 4000, 0], 256, True),    # most splits see no key; a row sees none
+    (16, 1, [1000] * 48, 16, False),    # few splits: the warp-a-chunk merge
+    (32, 2, [700, 9000], 8, False),
+])
+def test_merge_entries(heads, q_len, seqlens, splits, wide, monkeypatch):
+    """Both merge entries against the fp32 reference; on a GPU of 132 SMs or more (the lent H100 and
+    H200) each case takes the entry named."""
+    from attngen import runtime
+
+    launched = []
+    launch = runtime.Kernel.launch_struct
+
+    def spy(self, layout, grid, stream, *values, entry="", cluster_x=0):
+        launched.append(entry)
+        return launch(self, layout, grid, stream, *values, entry=entry, cluster_x=cluster_x)
+
+    monkeypatch.setattr(runtime.Kernel, "launch_struct", spy)
+    run_case(seqlens, heads, q_len, num_splits=splits)
+    if torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count >= 132:
+        assert launched == ["", "_merge_wide" if wide else "_merge"]
+
+
 def test_fixed_length_and_empty_rows():
     run_case([777, 777], 16, 2, seqlen_as_int=True)
     run_case([0, 1, 2, 3], 16, 4)  # tokens that see no key give zeros and LSE -inf

@@ -1,4 +1,4 @@
-// The merge of split-KV partial results, shared by the decode families: one warp per WARP_COLS
+// The merge of split-KV partial results, shared by the decode families: WARPS warps per WARP_COLS
 // columns of a (batch, token, head) output row of HEAD_DIM columns (wide rows are cut so that a
 // few rows with many splits still spread over many warps). Params names o_part [splits, batch, q_len, heads,
 // HEAD_DIM] (fp32, each split's normalised partial output; zeros for a split that saw no key),
@@ -7,8 +7,11 @@
 namespace attngen {
 
 // Lanes first hold the LSE of splits lane, lane + 32, ...; the max and the weight sum come from
-// shuffles, then the partial rows are read UNROLL splits at a time so their loads overlap.
-template <class T, bool BF16, int HEAD_DIM, int WARP_COLS, int UNROLL = 8, class Params>
+// shuffles, then the partial rows are read UNROLL splits at a time so their loads overlap. With
+// WARPS > 1 the warps of a CTA share one row's columns (a few rows with many splits: one warp walking
+// every split UNROLL at a time waits on memory once a group): each takes a contiguous share of the
+// splits, and their sums meet in shared memory.
+template <class T, bool BF16, int HEAD_DIM, int WARP_COLS, int UNROLL = 8, int WARPS = 1, class Params>
 __device__ __forceinline__ void split_merge(const Params& p) {
   static_assert(HEAD_DIM % WARP_COLS == 0 && WARP_COLS % 64 == 0, "a warp's columns");
   constexpr int PER = WARP_COLS / 32;  // elements per lane, contiguous
@@ -16,7 +19,7 @@ __device__ __forceinline__ void split_merge(const Params& p) {
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const long long rows = (long long)p.batch * p.q_len * p.num_heads;
-  const long long gw = (long long)blockIdx.x * (blockDim.x / 32) + warp;
+  const long long gw = (long long)blockIdx.x * (blockDim.x / 32 / WARPS) + warp / WARPS;
   const long long idx = gw / CHUNKS;
   const int col0 = (gw % CHUNKS) * WARP_COLS;
   if (idx >= rows) return;
@@ -36,12 +39,18 @@ __device__ __forceinline__ void split_merge(const Params& p) {
 #pragma unroll
   for (int i = 0; i < PER; ++i) acc[i] = 0.f;
   float wsum = 0.f;
+  int s_lo = 0, s_hi = p.num_splits;  // this warp's splits: all of them, or (WARPS > 1) its share
+  if constexpr (WARPS > 1) {
+    const int share = (p.num_splits + WARPS - 1) / WARPS;
+    s_lo = min(p.num_splits, warp % WARPS * share);
+    s_hi = min(p.num_splits, s_lo + share);
+  }
   if (mx != -ATTNGEN_INF) {
     const float* src = p.o_part + idx * HEAD_DIM + col0 + lane * PER;
-    for (int s0 = 0; s0 < p.num_splits; s0 += 32) {
+    for (int s0 = s_lo; s0 < s_hi; s0 += 32) {
       // Every split's partial row is written (zeros for a split with no keys), so weights of 0
       // multiply finite values.
-      const int n = min(32, p.num_splits - s0);
+      const int n = min(32, s_hi - s0);
       const float ls = lane < n ? lse_row[(s0 + lane) * lse_stride] : -ATTNGEN_INF;
       const float my_w = ls == -ATTNGEN_INF ? 0.f : __expf(ls - mx);
       wsum += my_w;
@@ -81,6 +90,20 @@ __device__ __forceinline__ void split_merge(const Params& p) {
     }
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) wsum += __shfl_xor_sync(0xffffffffu, wsum, o);
+  }
+  if constexpr (WARPS > 1) {  // the warps' sums, added up by the CTA's first warp
+    __shared__ float part[WARPS][WARP_COLS + 1];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) part[warp][lane * PER + i] = acc[i];
+    if (lane == 0) part[warp][WARP_COLS] = wsum;
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int w = 1; w < WARPS; ++w) {
+#pragma unroll
+      for (int i = 0; i < PER; ++i) acc[i] += part[w][lane * PER + i];
+      wsum += part[w][WARP_COLS];
+    }
   }
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
   T* dst = p.o + b * p.o_sb + qi * p.o_ss + head * p.o_sh + col0 + lane * PER;

@@ -28,6 +28,11 @@ MAX_HEADS = 128
 # 8k+ tokens, and 1.08x at batch 8 with 32k tokens (64 tiles a CTA), but 0.92-0.96x with 8-16 tiles a CTA
 # (batch 1-8, 8k-32k tokens), and 0.90-1.01x at 64 heads.
 ALTERNATE_MIN_TILES = 32
+# The merge takes its wide entry (MERGE_WIDE_WARPS warps a chunk of a row) from this many splits, four
+# groups of the partial rows a warp of the narrow entry loads at once, where the GPU holds the wide grid
+# at once (H200, 2026-11-26: 1.15-1.20x a batch-1 step at 16 heads with 64 and 128 splits; with its grid
+# three waves deep, 0.86-0.87x at 16 heads x 8 rows and at 128 heads x 1 row).
+MERGE_WIDE_SPLITS = 32
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,6 +50,16 @@ def _alternate(rs: MlaDecodeSpec, arch: str) -> "MlaDecodeSpec | None":
     except SpecError:
         return None
     return alt
+
+
+def merge_entry(kern, chunks: int, num_splits: int) -> str:
+    """The merge entry of ``kern``'s module for ``chunks`` (rows x MERGE_COLS-column chunks) of
+    ``num_splits`` partials: ``_merge_wide`` (a CTA a chunk, its warps over the splits) from
+    MERGE_WIDE_SPLITS splits where the device holds all its CTAs at once, else ``_merge`` (a warp a
+    chunk)."""
+    if num_splits >= MERGE_WIDE_SPLITS and chunks <= kern.occupancy("_merge_wide") * sm_count(kern.device):
+        return "_merge_wide"
+    return "_merge"
 
 
 def _tensor_maps(cv, pe, spec: MlaDecodeSpec, block_size: int, fallback_ptr: int) -> bytes:
@@ -204,7 +219,8 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     else:
         kern.launch_struct(_PARAMS_TMA, (num_splits, row_blocks, b), stream, maps, *values)
     if num_splits > 1:
-        warps = MERGE_THREADS // 32
-        kern.launch_struct(_PARAMS, (-(-b * q_len * h * (rank // MERGE_COLS) // warps), 1, 1), stream, *values,
-                           entry="_merge")
+        chunks = b * q_len * h * (rank // MERGE_COLS)
+        entry = merge_entry(kern, chunks, num_splits)
+        grid = chunks if entry == "_merge_wide" else -(-chunks // (MERGE_THREADS // 32))
+        kern.launch_struct(_PARAMS, (grid, 1, 1), stream, *values, entry=entry)
     return (out, lse) if return_lse else out

@@ -18,6 +18,10 @@ from ...spec import DType, Mma, Pipeline, SpecBase, check_smem, check_wgmma_arch
 # (a batch-1 step has few rows and many splits: whole 512-wide rows left most of the GPU idle).
 MERGE_THREADS = 128
 MERGE_COLS = 64
+# Its `_merge_wide` entry: the MERGE_WIDE_WARPS warps of a CTA share one row's MERGE_COLS columns, each
+# taking a share of the splits, with registers for four CTAs an SM (a batch-1 step of 16 heads has 128 such
+# chunks and 64-132 splits; one warp a chunk waited on memory once every 8 splits).
+MERGE_WIDE_WARPS = 8
 # Accumulator registers per thread (O slice + S) past which ptxas spilled in the chunked prefill
 # kernel of the same shape of loop (NVRTC 13.5); the MLA kernel keeps less besides.
 MAX_ACC_REGS = 176
@@ -161,12 +165,13 @@ class MlaDecodeSpec(SpecBase):
         return 2 * elems + 4 * floats + slack + 8 * bars
 
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
-        return (("", self.threads, self.smem_bytes()), ("_merge", MERGE_THREADS, 0))
+        return (("", self.threads, self.smem_bytes()), ("_merge", MERGE_THREADS, 0),
+                ("_merge_wide", 32 * MERGE_WIDE_WARPS, 0))
 
     def template_context(self) -> dict:
         ctx = super().template_context()
-        ctx.update(merge_threads=MERGE_THREADS, merge_cols=MERGE_COLS, wgmma=self.wgmma, tma=self.tma,
-                   alternate=self.alternate)
+        ctx.update(merge_threads=MERGE_THREADS, merge_cols=MERGE_COLS, merge_wide_warps=MERGE_WIDE_WARPS,
+                   wgmma=self.wgmma, tma=self.tma, alternate=self.alternate)
         return ctx
 
     # --- fit ---------------------------------------------------------------------------------
