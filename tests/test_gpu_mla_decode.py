@@ -341,3 +341,41 @@ def test_auto_takes_alternate_tiles_for_many_rows_and_long_runs(monkeypatch):
     assert seen[-1] is op.QkShard.TRUE
     run_case([60, 30], 128, 1, num_splits=1)  # 1 tile a CTA: too few
     assert seen[-1] is op.QkShard.TRUE
+
+
+def test_auto_takes_one_stage_for_many_tiles_an_sm(monkeypatch):
+    """16 rows on sm_90a's TMA ring: the one-stage kernel on four warps (two CTAs an SM) where the grid
+    holds ONE_STAGE_MIN_TILES 64-key tiles an SM (and the memory's share of SMs allows, here on any
+    GPU), the two-stage default otherwise, when the caller pins num_stages or num_warps, and for paged
+    caches."""
+    _sm90a_only()
+    from attngen.families.mla_decode import op
+
+    seen = []
+    real = op.get_kernel
+
+    def spy(spec, **kw):
+        k = real(spec, **kw)
+        seen.append(k.spec.num_stages)
+        return k
+
+    monkeypatch.setattr(op, "get_kernel", spy)
+    monkeypatch.setattr(op, "ONE_STAGE_MIN_TILES", 1)
+    monkeypatch.setattr(op, "ONE_STAGE_MIN_SHARE", 0.0)
+    run_case([4000, 3000, 129, 0], 16, 1)  # 63 tiles x 4 rows >= 132 SMs x 1
+    assert seen[-1] == 1
+    run_case([4000, 3000, 129, 0], 16, 1, num_splits=7)
+    assert seen[-1] == 1
+    run_case([4000, 3000, 129, 0], 16, 1, rank=256, rope=32, dtype=torch.float16)
+    assert seen[-1] == 1
+    run_case([4000, 3000, 129, 0], 16, 1, spec=MlaDecodeSpec(num_stages=2))
+    assert seen[-1] == 2
+    run_case([4000, 3000, 129, 0], 16, 1, spec=MlaDecodeSpec(num_warps=8))
+    assert seen[-1] == 2
+    run_case([4000, 3000, 129, 0], 16, 1, block_size=64)
+    assert seen[-1] == 2
+    run_case([60, 30], 16, 1)  # 1 tile x 2 rows: too few
+    assert seen[-1] == 2
+    run_case([4000, 3000], 64, 1)  # 64 rows: the wgmma kernel
+    assert seen[-1] == 2
+

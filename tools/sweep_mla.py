@@ -56,6 +56,7 @@ def main() -> int:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--rep-ms", type=float, default=60.0)
     ap.add_argument("--shapes", default=None, help="BxLxH,... (default: SHAPES)")
+    ap.add_argument("--only", default="", help="time only the configs whose spec text holds this (e.g. pipeline=tma)")
     args = ap.parse_args()
 
     import torch
@@ -91,7 +92,8 @@ def main() -> int:
 
         rec["us"]["read"] = timed(lambda c: (lambda: read(c, c[:0])))
         q_rows = MlaDecodeSpec.rows_for(h, 1)
-        runs = [(None, 0)] + [(spec, 0) for spec in fitting(arch, q_rows)[1:]]  # [0] is the default
+        runs = [(None, 0)] + [(spec, 0) for spec in fitting(arch, q_rows)[1:]  # [0] is the default
+                              if args.only in spec.to_text()]
         if b <= 8:  # split counts forced, default config
             runs += [(None, s) for s in (8, 16, 32, 64, 96, 132, 200)]
         for spec, splits in runs:

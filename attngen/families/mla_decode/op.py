@@ -11,7 +11,8 @@ from ...errors import LaunchError, SpecError
 from ...runtime import current_stream, data_ptr, empty_like_kind, get_kernel, tensor_info
 from ...spec import DType, Pipeline, spec_of_text, validate
 from ..score_mods import checked_scale
-from ..split_kv import cache_lengths, check_rows, checked_splits, choose_splits, ctas_per_sm, paged_table, sm_count
+from ..split_kv import (cache_lengths, check_rows, checked_splits, choose_splits, ctas_per_sm, paged_table,
+                        saturating_share, sm_count)
 from ..tma import tiled_map
 from .spec import MERGE_COLS, MERGE_THREADS, MlaDecodeSpec, QkShard
 
@@ -28,6 +29,13 @@ MAX_HEADS = 128
 # 8k+ tokens, and 1.08x at batch 8 with 32k tokens (64 tiles a CTA), but 0.92-0.96x with 8-16 tiles a CTA
 # (batch 1-8, 8k-32k tokens), and 0.90-1.01x at 64 heads.
 ALTERNATE_MIN_TILES = 32
+# 16 rows on the TMA ring, 64-key tiles, contiguous cache (what was measured): one stage on four warps where
+# the grid holds at least ONE_STAGE_MIN_TILES tiles an SM and the device's memory needs more of its SMs than
+# ONE_STAGE_MIN_SHARE to reach its bandwidth (split_kv.saturating_share). One stage leaves room for two CTAs
+# an SM, whose loads and math then overlap each other's. BENCHMARKS.md, 2026-11-26: on an H200 (0.7) 1.05-1.19x
+# the two-stage default from 31 tiles an SM, 0.86-0.90x at 4-8; on an H100 (0.49) 0.98-1.01x.
+ONE_STAGE_MIN_TILES = 16
+ONE_STAGE_MIN_SHARE = 0.6
 # The merge takes its wide entry (MERGE_WIDE_WARPS warps a chunk of a row) from this many splits, four
 # groups of the partial rows a warp of the narrow entry loads at once, where the GPU holds the wide grid
 # at once (H200, 2026-11-26: 1.15-1.20x a batch-1 step at 16 heads with 64 and 128 splits; with its grid
@@ -39,6 +47,17 @@ MERGE_WIDE_SPLITS = 32
 def _spec_for(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, user: MlaDecodeSpec | None):
     fields = dict(kv_lora_rank=rank, rope_dim=rope, dtype=DType(dtype), q_rows=q_rows, paged=paged)
     return MlaDecodeSpec(**fields) if user is None else user.replace(**fields)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_stage(rs: MlaDecodeSpec, arch: str) -> "MlaDecodeSpec | None":
+    """``rs`` with one stage on four warps where that fits ``arch``, else None."""
+    one = rs.replace(num_stages=1, num_warps=4)
+    try:
+        validate(one, arch)
+    except SpecError:
+        return None
+    return one
 
 
 @functools.lru_cache(maxsize=None)
@@ -181,6 +200,14 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
             kern = get_kernel(rs.replace(pipeline=Pipeline.SYNC), device=dev)  # the same tiles
             rs = kern.spec
     row_blocks = -(-h * q_len // rows)
+    if (rows == 16 and rs.tma and not paged and rs.cta_tile_kv == 64 and rs.num_stages == 2
+            and (spec is None or not (spec.num_stages or spec.num_warps))
+            and b * row_blocks * -(-capacity // rs.cta_tile_kv) >= ONE_STAGE_MIN_TILES * sm_count(dev)
+            and saturating_share(dev) >= ONE_STAGE_MIN_SHARE):
+        one = _one_stage(rs, kern.binary.arch)
+        if one is not None:  # before the split count, which counts the CTAs an SM holds
+            kern = get_kernel(one, device=dev)
+            rs = kern.spec
     if num_splits == 0:
         # Each split reads its rows of Q and writes a partial the merge reads back, both about a tile's
         # bytes for a 64-row block: weighted twice (fitted on the H100, BENCHMARKS.md 2026-11-24).
