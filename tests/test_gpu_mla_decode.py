@@ -126,7 +126,7 @@ def test_forced_splits(splits):
     (32, 1, [3000], 40, True),
     (8, 1, [3, 4000, 0], 256, True),    # most splits see no key; a row sees none
     (16, 1, [1000] * 48, 16, False),    # few splits: the warp-a-chunk merge
-    (32, 2, [700, 9000], 8, False),
+    (32, 2, [700, 9000], 12, False),    # past a cluster, under the wide merge
 ])
 def test_merge_entries(heads, q_len, seqlens, splits, wide, monkeypatch):
     """Both merge entries against the fp32 reference; on a GPU of 132 SMs or more (the lent H100 and
@@ -250,12 +250,15 @@ def _sm90a_only():
 @pytest.mark.parametrize("rank,rope", [(512, 64), (256, 32)])
 @pytest.mark.parametrize("block_size", [None, 16, 48, 64, 256], ids=lambda b: f"paged{b}" if b else "contiguous")
 @pytest.mark.parametrize("shard,tile,stages", [("true", 64, 2), ("false", 64, 2), ("true", 32, 4), ("true", 64, 1)])
-def test_tma_and_cp_async_agree_bitwise(mma, heads, q_len, rank, rope, block_size, shard, tile, stages):
+def test_tma_and_cp_async_agree_bitwise(mma, heads, q_len, rank, rope, block_size, shard, tile, stages, monkeypatch):
     """The TMA ring loads the same tiles as the cp.async one, so the outputs are the same bits: lengths
     that end inside a tile and inside a box (the rows past them NaN in the cache), splits that get no
     tile, paged blocks smaller and larger than the tile. The wgmma kernel at 128 heads, and mma.sync's at
     16 and 32 rows (whose ldmatrix reads the ring's swizzled tiles)."""
     _sm90a_only()
+    from attngen.families.mla_decode import op
+
+    monkeypatch.setattr(op, "MERGE_CLUSTER_MAX", 0)  # the same merge for both forms
     gen = fresh_generator()
     seqlens = [1, 17, 63, 64, 65, 700, 3001, 0]
     b = len(seqlens)
@@ -378,4 +381,60 @@ def test_auto_takes_one_stage_for_many_tiles_an_sm(monkeypatch):
     assert seen[-1] == 2
     run_case([4000, 3000], 64, 1)  # 64 rows: the wgmma kernel
     assert seen[-1] == 2
+
+
+@pytest.mark.parametrize("heads,q_len,seqlens,splits,block_size", [
+    (16, 1, [1000, 3000, 17, 0], 2, None),   # a row with no key, splits that see none
+    (8, 3, [5000, 40], 5, None),             # 24 of 32 rows
+    (32, 1, [2000, 1], 8, 64),               # paged
+    (16, 2, [3000, 2500], 3, None),          # 32 rows
+    (16, 4, [4100], 4, None),                # 64 rows: the wgmma kernel, which keeps the merge launch
+    (16, 1, [700] * 4, 2, 48),               # paged, a block size not a power of two
+])
+def test_cluster_merge(heads, q_len, seqlens, splits, block_size, monkeypatch):
+    """sm_90a: the splits of a row block as one cluster merging in shared memory (no workspace, no merge
+    launch; mma.sync kernels), against fp32, and the merge launch with clusters off."""
+    _sm90a_only()
+    from attngen import runtime
+    from attngen.families.mla_decode import op
+
+    launched = []
+    launch = runtime.Kernel.launch_struct
+
+    def spy(self, layout, grid, stream, *values, entry="", cluster_x=0):
+        launched.append((entry, cluster_x))
+        return launch(self, layout, grid, stream, *values, entry=entry, cluster_x=cluster_x)
+
+    monkeypatch.setattr(runtime.Kernel, "launch_struct", spy)
+    monkeypatch.setattr(op, "CLUSTER_MIN_FILL", 0.0)  # these few row blocks merge in clusters too
+    run_case(seqlens, heads, q_len, block_size=block_size, num_splits=splits)
+    wgmma = MlaDecodeSpec.rows_for(heads, q_len) == 64  # the wgmma kernel keeps the merge launch
+    assert launched == ([("", 0), ("_merge", 0)] if wgmma else [("", splits)])
+    del launched[:]
+    monkeypatch.setattr(op, "MERGE_CLUSTER_MAX", 0)
+    run_case(seqlens, heads, q_len, block_size=block_size, num_splits=splits)
+    assert launched == [("", 0), ("_merge", 0)]
+
+
+def test_cluster_merge_by_default_where_row_blocks_fill_the_sms(monkeypatch):
+    """Without pins: a cluster where the row blocks fill CLUSTER_MIN_FILL of the SMs (64 rows of 16
+    heads, 2 splits: 64 clusters of 2, which an H100 holds at once), the merge launch where they do
+    not (8 rows)."""
+    _sm90a_only()
+    from attngen import runtime
+
+    launched = []
+    launch = runtime.Kernel.launch_struct
+
+    def spy(self, layout, grid, stream, *values, entry="", cluster_x=0):
+        launched.append((entry, cluster_x))
+        return launch(self, layout, grid, stream, *values, entry=entry, cluster_x=cluster_x)
+
+    monkeypatch.setattr(runtime.Kernel, "launch_struct", spy)
+    run_case([300, 1500, 0, 64] * 16, 16, 1, num_splits=2)
+    if torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count == 132:  # H100, H200
+        assert launched == [("", 2)]
+    del launched[:]
+    run_case([300, 1500, 0, 64] * 2, 16, 1, num_splits=2)
+    assert launched == [("", 0), ("_merge", 0)]
 

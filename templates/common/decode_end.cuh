@@ -65,45 +65,19 @@ struct DecodeEnd {
 #endif
 
   // The splits of one (batch, kv head) launched as one cluster (sm_90, o_part null): each CTA left
-  // its normalised output and LSE in its shared memory; CTA `split` merges every split's rows for
-  // the float4 columns split, split + splits, ... of the rows, reading the others' shared memory,
-  // and writes the output. The second barrier keeps every CTA's shared memory until all have read.
+  // its normalised output and LSE in its shared memory; cluster_merge_rows (split_merge.cuh) merges
+  // them, CTA `split` writing its share of the output.
   static __device__ __forceinline__ void cluster_merge(const DecodeParams<T>& p, const Cta& c, const float* sPart,
                                                        const float* sLse, int tid) {
-    constexpr int C4 = HEAD_DIM / 4;
-    cluster_sync();
-    const unsigned part = smem_addr(sPart), lse_at = smem_addr(sLse);
-    const int splits = p.num_splits;
-    for (int i = c.split * THREADS + tid; i < c.rows_valid * C4; i += splits * THREADS) {
-      const int row = i / C4;
-      const int col = (i - row * C4) * 4;
-      float mx = -ATTNGEN_INF;
-      for (int s = 0; s < splits; ++s) mx = fmaxf(mx, cluster_load_f32(cluster_map(lse_at + 4 * row, s)));
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      float wsum = 0.f;
-      if (mx != -ATTNGEN_INF) {
-        for (int s = 0; s < splits; ++s) {
-          const float ls = cluster_load_f32(cluster_map(lse_at + 4 * row, s));
-          // every split's row is written (zeros for a split that saw no key): a weight of 0 multiplies finite values
-          const float w = ls == -ATTNGEN_INF ? 0.f : __expf(ls - mx);
-          const float4 x = cluster_load_f4(cluster_map(part + 4 * (row * HEAD_DIM + col), s));
-          acc.x = fmaf(w, x.x, acc.x);
-          acc.y = fmaf(w, x.y, acc.y);
-          acc.z = fmaf(w, x.z, acc.z);
-          acc.w = fmaf(w, x.w, acc.w);
-          wsum += w;
-        }
-      }
-      const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    cluster_merge_rows<HEAD_DIM, THREADS>(sPart, sLse, c.rows_valid, c.split, p.num_splits, tid,
+                                          [&](int row, int col, float4 x, float mx, float wsum) {
       const int qi = row / p.group;
       const int head = c.kv_head * p.group + (row - qi * p.group);
       T* dst = p.o + c.batch * p.o_sb + qi * p.o_ss + head * p.o_sh + col;
-      *reinterpret_cast<uint2*>(dst) =
-          make_uint2(pack2<BF16>(acc.x * inv, acc.y * inv), pack2<BF16>(acc.z * inv, acc.w * inv));
+      *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<BF16>(x.x, x.y), pack2<BF16>(x.z, x.w));
       if (col == 0 && p.lse)
         p.lse[((long long)c.batch * p.num_heads + head) * p.q_len + qi] = wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
-    }
-    cluster_sync();
+    });
   }
 
   // Normalise and write: the output (one split), fp32 partials and their LSE (several), or, with the

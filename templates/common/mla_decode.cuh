@@ -16,7 +16,8 @@
 //   false: every warp computes S for all BLOCK_N keys of its rows (the QK work done WARPS_N times),
 //          keeps its own softmax and feeds P to the PV MMAs from registers: no exchange at all.
 // One split writes O (normalised) and the LSE; several write fp32 partials and their LSE, merged by
-// the module's `_merge` entry (split_merge.cuh).
+// the module's `_merge` entries (split_merge.cuh), or, on sm_90 with the splits of a row block one
+// cluster, in the cluster's shared memory (cluster_merge_rows).
 //
 // WGMMA (sm_90a, ROWS = 64, 8 warps): warp (rt, cg) is warp rt of warpgroup cg, so a warpgroup holds
 // all 64 rows and column group cg; S and O += P V are wgmma with Q, the cache tile and (sharded) P
@@ -105,6 +106,16 @@ struct MlaDecode {
   // exchange, (ALT) 4 x ROWS floats of row maxima and rescale factors, then the mbarriers.
   static constexpr int SMEM_BYTES =
       2 * (Q_ELEMS + NUM_STAGES * TILE_ELEMS + P_ELEMS) + 4 * WARPS_N * ROWS + (ALT ? 16 * ROWS : 0) + ALIGN_SLACK + 8 * BARS;
+  // The splits of a row block as one cluster (sm_90, o_part null; mma.sync only): after the loop each CTA
+  // leaves its normalised fp32 rows [ROWS][DC] and their LSE [ROWS] over Q and the ring, where they fit
+  // (MlaDecodeSpec.cluster_merge_fits counts the same), and cluster_merge_rows merges them. Compiled into
+  // the wgmma kernels, the path cost them registers and, with alternate tiles, time (H100, 2026-11-26).
+  static constexpr bool CLUSTER_FITS = !WGMMA && 4 * ROWS * (DC + 1) <= 2 * (Q_ELEMS + NUM_STAGES * TILE_ELEMS);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1000  // measured on sm_90 only
+  static constexpr bool CAN_CLUSTER = CLUSTER_FITS;
+#else
+  static constexpr bool CAN_CLUSTER = false;
+#endif
 
   // COLS columns of ROWS cache rows from `base` (one row block: element stride s_pos per position,
   // or per paged slot) into the tile's columns [col0, col0 + COLS): each thread keeps one column
@@ -544,6 +555,10 @@ struct MlaDecode {
       }
     }
     const long long out_rows = (long long)p.batch * rows_total;
+    const bool cl = CAN_CLUSTER && p.num_splits > 1 && p.o_part == nullptr;
+    float* sPart = reinterpret_cast<float*>(smem_base);  // cluster merge: [ROWS][DC], then the LSE [ROWS]
+    float* sLse = sPart + ROWS * DC;
+    if (cl) __syncthreads();  // every warp is past its last read of Q and the ring
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int gr = r_begin + row0 + g + 8 * r;
@@ -558,6 +573,12 @@ struct MlaDecode {
         for (int d = 0; d < ON / 8; ++d)
           *reinterpret_cast<unsigned*>(dst + d * 8) = pack2<BF16>(acc_o[d][2 * r] * inv, acc_o[d][2 * r + 1] * inv);
         if (p.lse && cg == 0 && t == 0) p.lse[((long long)batch * p.num_heads + head) * p.q_len + qi] = lse;
+      } else if (cl) {
+        float* dst = sPart + (row0 + g + 8 * r) * DC + cg * ON + 2 * t;
+#pragma unroll
+        for (int d = 0; d < ON / 8; ++d)
+          *reinterpret_cast<float2*>(dst + d * 8) = make_float2(acc_o[d][2 * r] * inv, acc_o[d][2 * r + 1] * inv);
+        if (cg == 0 && t == 0) sLse[row0 + g + 8 * r] = lse;
       } else {
         // Row (batch, qi, head) of split `split`, in the merge's layout.
         const long long orow = ((long long)batch * p.q_len + qi) * p.num_heads + head;
@@ -569,6 +590,16 @@ struct MlaDecode {
           p.lse_part[(long long)split * out_rows + ((long long)batch * p.num_heads + head) * p.q_len + qi] = lse;
       }
     }
+    if (cl)
+      cluster_merge_rows<DC, THREADS>(sPart, sLse, min(ROWS, rows_total - r_begin), split, p.num_splits, tid,
+                                      [&](int row, int col, float4 x, float mx, float wsum) {
+        const int qi = (r_begin + row) / p.num_heads;
+        const int head = r_begin + row - qi * p.num_heads;
+        T* dst = p.o + batch * p.o_sb + qi * p.o_ss + head * p.o_sh + col;
+        *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<BF16>(x.x, x.y), pack2<BF16>(x.z, x.w));
+        if (col == 0 && p.lse)
+          p.lse[((long long)batch * p.num_heads + head) * p.q_len + qi] = wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
+      });
   }
 };
 

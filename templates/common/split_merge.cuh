@@ -113,4 +113,42 @@ __device__ __forceinline__ void split_merge(const Params& p) {
     p.lse[((long long)b * p.num_heads + head) * p.q_len + qi] = wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
 }
 
+// The splits of one row block launched as one cluster (sm_90): each CTA left its normalised fp32
+// output rows [rows][COLS] at sPart and their LSE at sLse in its shared memory. CTA `rank` merges
+// every split's rows for the float4 columns rank, rank + splits, ... of the rows, reading the others'
+// shared memory, and hands each to out(row, col, merged float4, the splits' largest LSE, the sum of
+// their weights; the row's LSE is the first plus log of the second where the sum is positive). The
+// second barrier keeps every CTA's shared memory until all have read.
+template <int COLS, int THREADS, class Out>
+__device__ __forceinline__ void cluster_merge_rows(const float* sPart, const float* sLse, int rows, int rank,
+                                                   int splits, int tid, Out&& out) {
+  constexpr int C4 = COLS / 4;
+  cluster_sync();
+  const unsigned part = smem_addr(sPart), lse_at = smem_addr(sLse);
+  for (int i = rank * THREADS + tid; i < rows * C4; i += splits * THREADS) {
+    const int row = i / C4;
+    const int col = (i - row * C4) * 4;
+    float mx = -ATTNGEN_INF;
+    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, cluster_load_f32(cluster_map(lse_at + 4 * row, s)));
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float wsum = 0.f;
+    if (mx != -ATTNGEN_INF) {
+      for (int s = 0; s < splits; ++s) {
+        const float ls = cluster_load_f32(cluster_map(lse_at + 4 * row, s));
+        // every split's row is written (zeros for a split that saw no key): a weight of 0 multiplies finite values
+        const float w = ls == -ATTNGEN_INF ? 0.f : __expf(ls - mx);
+        const float4 x = cluster_load_f4(cluster_map(part + 4 * (row * COLS + col), s));
+        acc.x = fmaf(w, x.x, acc.x);
+        acc.y = fmaf(w, x.y, acc.y);
+        acc.z = fmaf(w, x.z, acc.z);
+        acc.w = fmaf(w, x.w, acc.w);
+        wsum += w;
+      }
+    }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    out(row, col, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv), mx, wsum);
+  }
+  cluster_sync();
+}
+
 }  // namespace attngen

@@ -14,7 +14,7 @@ from ...runtime import (TunedKernels, allocator, current_stream, data_ptr, keep_
                          tensor_info, torch_stream_getter)
 from ...spec import DType, spec_of_text
 from ..score_mods import NO_EXTRAS, checked_scale, extras
-from ..split_kv import (cache_lengths, check_index, check_rows, checked_splits, choose_splits,
+from ..split_kv import (CLUSTER_MAX, cache_lengths, check_index, check_rows, checked_splits, choose_splits,
                         ctas_per_sm, paged_table, saturating_share, sm_count)
 from .spec import MERGE_THREADS, DecodeSpec, Variant
 
@@ -175,7 +175,6 @@ def grid_steps(ctas: int, tiles: int, splits: int, slots: int, share: float) -> 
     return max(waves * -(-tiles // splits), ctas * tiles / (share * slots)) + 2
 
 
-CLUSTER_MAX = 8  # the portable cluster size (16, where an H100 allows it, ran 1.3-1.5x slower at batch 1)
 _cluster_merge = [CLUSTER_MAX]
 try:
     _cluster_merge[0] = max(0, min(CLUSTER_MAX, int(os.environ.get("ATTNGEN_DECODE_CLUSTER", CLUSTER_MAX))))

@@ -11,8 +11,8 @@ from ...errors import LaunchError, SpecError
 from ...runtime import current_stream, data_ptr, empty_like_kind, get_kernel, tensor_info
 from ...spec import DType, Pipeline, spec_of_text, validate
 from ..score_mods import checked_scale
-from ..split_kv import (cache_lengths, check_rows, checked_splits, choose_splits, ctas_per_sm, paged_table,
-                        saturating_share, sm_count)
+from ..split_kv import (CLUSTER_MAX, cache_lengths, check_rows, checked_splits, choose_splits, ctas_per_sm,
+                        paged_table, saturating_share, sm_count)
 from ..tma import tiled_map
 from .spec import MERGE_COLS, MERGE_THREADS, MlaDecodeSpec, QkShard
 
@@ -36,6 +36,11 @@ ALTERNATE_MIN_TILES = 32
 # the two-stage default from 31 tiles an SM, 0.86-0.90x at 4-8; on an H100 (0.49) 0.98-1.01x.
 ONE_STAGE_MIN_TILES = 16
 ONE_STAGE_MIN_SHARE = 0.6
+# The most splits of a row block merged in a cluster on sm_90 (0 or 1: every split count through the
+# workspace and a merge launch), and the share of the SMs the row blocks must fill for a cluster (batch
+# 64 at 16 heads on 132 SMs; batch 32 was not measured).
+MERGE_CLUSTER_MAX = CLUSTER_MAX
+CLUSTER_MIN_FILL = 0.4
 # The merge takes its wide entry (MERGE_WIDE_WARPS warps a chunk of a row) from this many splits, four
 # groups of the partial rows a warp of the narrow entry loads at once, where the GPU holds the wide grid
 # at once (H200, 2026-11-26: 1.15-1.20x a batch-1 step at 16 heads with 64 and 128 splits; with its grid
@@ -220,8 +225,17 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
         if alt is not None:  # the same shared memory and grid: the split stands
             kern = get_kernel(alt, device=dev)
             rs = kern.spec
+    # sm_90: the splits of each row block as one cluster that merges them in shared memory (no workspace,
+    # no merge launch), where the row blocks alone fill CLUSTER_MIN_FILL of the SMs and every cluster is
+    # resident at once. H100 (2026-11-26): 1.01-1.09x at batch 64 and 16 heads; at batch 1-8 (1k keys)
+    # 0.77-0.96x, the few CTAs of each cluster merging many rows, one DSMEM load after another.
+    cluster = 0
+    if (1 < num_splits <= MERGE_CLUSTER_MAX and b * row_blocks >= CLUSTER_MIN_FILL * sm_count(dev)
+            and rs.cluster_merge_fits()
+            and kern.max_clusters(num_splits) >= b * row_blocks):
+        cluster = num_splits
     part_ptr = lse_part_ptr = 0
-    if num_splits > 1:
+    if num_splits > 1 and not cluster:
         n_out = num_splits * b * q_len * h
         work = empty_like_kind(kind, (n_out * rank + n_out,), "fp32", dev)
         part_ptr = data_ptr(work, kind)
@@ -242,10 +256,10 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     )
     stream = current_stream(kind, dev)
     if maps is None:
-        kern.launch_struct(_PARAMS, (num_splits, row_blocks, b), stream, *values)
+        kern.launch_struct(_PARAMS, (num_splits, row_blocks, b), stream, *values, cluster_x=cluster)
     else:
-        kern.launch_struct(_PARAMS_TMA, (num_splits, row_blocks, b), stream, maps, *values)
-    if num_splits > 1:
+        kern.launch_struct(_PARAMS_TMA, (num_splits, row_blocks, b), stream, maps, *values, cluster_x=cluster)
+    if num_splits > 1 and not cluster:
         chunks = b * q_len * h * (rank // MERGE_COLS)
         entry = merge_entry(kern, chunks, num_splits)
         grid = chunks if entry == "_merge_wide" else -(-chunks // (MERGE_THREADS // 32))

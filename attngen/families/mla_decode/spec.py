@@ -149,20 +149,32 @@ class MlaDecodeSpec(SpecBase):
         tiles keep P of one warpgroup where Q's rope block was (that block moves to registers), of the
         other in its own block, and four floats a row for the row maxima and their rescale factors."""
         self._require_resolved("smem_bytes")
-        dqk = self.kv_lora_rank + self.rope_dim
-        blocks = -(-dqk // 64) * 64
-        if self.wgmma:
-            q_elems, row, p_row, slack = self.q_rows * blocks, blocks, 64, 1024
-        elif self.tma:  # mma.sync on the TMA ring: swizzled tiles, Q padded to a whole 1024-byte atom
-            q_elems, row, p_row, slack = -(-self.q_rows * (dqk + 8) // 512) * 512, blocks, self.cta_tile_kv + 8, 1024
-        else:
-            q_elems, row, p_row, slack = self.q_rows * (dqk + 8), dqk + 8, self.cta_tile_kv + 8, 0
+        q_elems, row, p_row, slack = self._layout()
         elems = q_elems + self.num_stages * self.cta_tile_kv * row
         if self.sharded or self.alternate:
             elems += self.q_rows * p_row
         floats = self.warps_n * self.q_rows + (4 * self.q_rows if self.alternate else 0)
         bars = self.num_stages * (2 if self.alternate else 1) if self.tma else 0
         return 2 * elems + 4 * floats + slack + 8 * bars
+
+    def _layout(self) -> tuple[int, int, int, int]:
+        """(Q's elements, a ring row's elements, a P row's elements, alignment slack in bytes)."""
+        dqk = self.kv_lora_rank + self.rope_dim
+        blocks = -(-dqk // 64) * 64
+        if self.wgmma:
+            return self.q_rows * blocks, blocks, 64, 1024
+        if self.tma:  # mma.sync on the TMA ring: swizzled tiles, Q padded to a whole 1024-byte atom
+            return -(-self.q_rows * (dqk + 8) // 512) * 512, blocks, self.cta_tile_kv + 8, 1024
+        return self.q_rows * (dqk + 8), dqk + 8, self.cta_tile_kv + 8, 0
+
+    def cluster_merge_fits(self) -> bool:
+        """Whether the splits of a row block may merge in one cluster (sm_90): an mma_sync kernel whose
+        CTAs' normalised fp32 rows and their LSE fit over Q and the ring (``CLUSTER_FITS`` in
+        mla_decode.cuh)."""
+        self._require_resolved("cluster_merge_fits")
+        q_elems, row, _, _ = self._layout()
+        return not self.wgmma and (4 * self.q_rows * (self.kv_lora_rank + 1)
+                                   <= 2 * (q_elems + self.num_stages * self.cta_tile_kv * row))
 
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
         return (("", self.threads, self.smem_bytes()), ("_merge", MERGE_THREADS, 0),
