@@ -97,6 +97,38 @@ def _arch():
     return arch_for_capability(*torch.cuda.get_device_capability())
 
 
+@pytest.fixture
+def launches(monkeypatch):
+    """Every launch of a kernel module's entries from here on, as (entry suffix, cluster size)."""
+    from attngen import runtime
+
+    seen = []
+    launch = runtime.Kernel.launch_struct
+
+    def spy(self, layout, grid, stream, *values, entry="", cluster_x=0):
+        seen.append((entry, cluster_x))
+        return launch(self, layout, grid, stream, *values, entry=entry, cluster_x=cluster_x)
+
+    monkeypatch.setattr(runtime.Kernel, "launch_struct", spy)
+    return seen
+
+
+def _chosen(monkeypatch, field):
+    """The list to which every kernel mla_decode loads from here on adds its spec's ``field``."""
+    from attngen.families.mla_decode import op
+
+    seen = []
+    real = op.get_kernel
+
+    def spy(spec, **kw):
+        k = real(spec, **kw)
+        seen.append(getattr(k.spec, field))
+        return k
+
+    monkeypatch.setattr(op, "get_kernel", spy)
+    return seen
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("heads", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("q_len", [1, 2, 4])
@@ -128,22 +160,12 @@ def test_forced_splits(splits):
     (16, 1, [1000] * 48, 16, False),    # few splits: the warp-a-chunk merge
     (32, 2, [700, 9000], 12, False),    # past a cluster, under the wide merge
 ])
-def test_merge_entries(heads, q_len, seqlens, splits, wide, monkeypatch):
+def test_merge_entries(heads, q_len, seqlens, splits, wide, launches):
     """Both merge entries against the fp32 reference; on a GPU of 132 SMs or more (the lent H100 and
     H200) each case takes the entry named."""
-    from attngen import runtime
-
-    launched = []
-    launch = runtime.Kernel.launch_struct
-
-    def spy(self, layout, grid, stream, *values, entry="", cluster_x=0):
-        launched.append(entry)
-        return launch(self, layout, grid, stream, *values, entry=entry, cluster_x=cluster_x)
-
-    monkeypatch.setattr(runtime.Kernel, "launch_struct", spy)
     run_case(seqlens, heads, q_len, num_splits=splits)
     if torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count >= 132:
-        assert launched == ["", "_merge_wide" if wide else "_merge"]
+        assert launches == [("", 0), ("_merge_wide" if wide else "_merge", 0)]
 
 
 def test_fixed_length_and_empty_rows():
@@ -326,15 +348,7 @@ def test_auto_takes_alternate_tiles_for_many_rows_and_long_runs(monkeypatch):
     _sm90a_only()
     from attngen.families.mla_decode import op
 
-    seen = []
-    real = op.get_kernel
-
-    def spy(spec, **kw):
-        k = real(spec, **kw)
-        seen.append(k.spec.qk_shard)
-        return k
-
-    monkeypatch.setattr(op, "get_kernel", spy)
+    seen = _chosen(monkeypatch, "qk_shard")
     monkeypatch.setattr(op, "ALTERNATE_MIN_TILES", 2)
     run_case([4000, 3000, 129], 128, 1, num_splits=1)
     assert seen[-1] is op.QkShard.ALTERNATE
@@ -354,15 +368,7 @@ def test_auto_takes_one_stage_for_many_tiles_an_sm(monkeypatch):
     _sm90a_only()
     from attngen.families.mla_decode import op
 
-    seen = []
-    real = op.get_kernel
-
-    def spy(spec, **kw):
-        k = real(spec, **kw)
-        seen.append(k.spec.num_stages)
-        return k
-
-    monkeypatch.setattr(op, "get_kernel", spy)
+    seen = _chosen(monkeypatch, "num_stages")
     monkeypatch.setattr(op, "ONE_STAGE_MIN_TILES", 1)
     monkeypatch.setattr(op, "ONE_STAGE_MIN_SHARE", 0.0)
     run_case([4000, 3000, 129, 0], 16, 1)  # 63 tiles x 4 rows >= 132 SMs x 1
@@ -391,50 +397,31 @@ def test_auto_takes_one_stage_for_many_tiles_an_sm(monkeypatch):
     (16, 4, [4100], 4, None),                # 64 rows: the wgmma kernel, which keeps the merge launch
     (16, 1, [700] * 4, 2, 48),               # paged, a block size not a power of two
 ])
-def test_cluster_merge(heads, q_len, seqlens, splits, block_size, monkeypatch):
+def test_cluster_merge(heads, q_len, seqlens, splits, block_size, monkeypatch, launches):
     """sm_90a: the splits of a row block as one cluster merging in shared memory (no workspace, no merge
     launch; mma.sync kernels), against fp32, and the merge launch with clusters off."""
     _sm90a_only()
-    from attngen import runtime
     from attngen.families.mla_decode import op
 
-    launched = []
-    launch = runtime.Kernel.launch_struct
-
-    def spy(self, layout, grid, stream, *values, entry="", cluster_x=0):
-        launched.append((entry, cluster_x))
-        return launch(self, layout, grid, stream, *values, entry=entry, cluster_x=cluster_x)
-
-    monkeypatch.setattr(runtime.Kernel, "launch_struct", spy)
     monkeypatch.setattr(op, "CLUSTER_MIN_FILL", 0.0)  # these few row blocks merge in clusters too
     run_case(seqlens, heads, q_len, block_size=block_size, num_splits=splits)
     wgmma = MlaDecodeSpec.rows_for(heads, q_len) == 64  # the wgmma kernel keeps the merge launch
-    assert launched == ([("", 0), ("_merge", 0)] if wgmma else [("", splits)])
-    del launched[:]
+    assert launches == ([("", 0), ("_merge", 0)] if wgmma else [("", splits)])
+    del launches[:]
     monkeypatch.setattr(op, "MERGE_CLUSTER_MAX", 0)
     run_case(seqlens, heads, q_len, block_size=block_size, num_splits=splits)
-    assert launched == [("", 0), ("_merge", 0)]
+    assert launches == [("", 0), ("_merge", 0)]
 
 
-def test_cluster_merge_by_default_where_row_blocks_fill_the_sms(monkeypatch):
+def test_cluster_merge_by_default_where_row_blocks_fill_the_sms(launches):
     """Without pins: a cluster where the row blocks fill CLUSTER_MIN_FILL of the SMs (64 rows of 16
     heads, 2 splits: 64 clusters of 2, which an H100 holds at once), the merge launch where they do
     not (8 rows)."""
     _sm90a_only()
-    from attngen import runtime
-
-    launched = []
-    launch = runtime.Kernel.launch_struct
-
-    def spy(self, layout, grid, stream, *values, entry="", cluster_x=0):
-        launched.append((entry, cluster_x))
-        return launch(self, layout, grid, stream, *values, entry=entry, cluster_x=cluster_x)
-
-    monkeypatch.setattr(runtime.Kernel, "launch_struct", spy)
     run_case([300, 1500, 0, 64] * 16, 16, 1, num_splits=2)
     if torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count == 132:  # H100, H200
-        assert launched == [("", 2)]
-    del launched[:]
+        assert launches == [("", 2)]
+    del launches[:]
     run_case([300, 1500, 0, 64] * 2, 16, 1, num_splits=2)
-    assert launched == [("", 0), ("_merge", 0)]
+    assert launches == [("", 0), ("_merge", 0)]
 
