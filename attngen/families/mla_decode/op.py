@@ -55,25 +55,14 @@ def _spec_for(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, user: 
 
 
 @functools.lru_cache(maxsize=None)
-def _one_stage(rs: MlaDecodeSpec, arch: str) -> "MlaDecodeSpec | None":
-    """``rs`` with one stage on four warps where that fits ``arch``, else None."""
-    one = rs.replace(num_stages=1, num_warps=4)
+def _if_it_fits(rs: MlaDecodeSpec, arch: str, **fields) -> "MlaDecodeSpec | None":
+    """``rs`` with ``fields`` replaced where the spec's fit rules allow that on ``arch``, else None."""
+    other = rs.replace(**fields)
     try:
-        validate(one, arch)
+        validate(other, arch)
     except SpecError:
         return None
-    return one
-
-
-@functools.lru_cache(maxsize=None)
-def _alternate(rs: MlaDecodeSpec, arch: str) -> "MlaDecodeSpec | None":
-    """``rs`` with qk_shard=alternate where the spec's fit rules allow it on ``arch``, else None."""
-    alt = rs.replace(qk_shard=QkShard.ALTERNATE)
-    try:
-        validate(alt, arch)
-    except SpecError:
-        return None
-    return alt
+    return other
 
 
 def merge_entry(kern, chunks: int, num_splits: int) -> str:
@@ -209,7 +198,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
             and (spec is None or not (spec.num_stages or spec.num_warps))
             and b * row_blocks * -(-capacity // rs.cta_tile_kv) >= ONE_STAGE_MIN_TILES * sm_count(dev)
             and saturating_share(dev) >= ONE_STAGE_MIN_SHARE):
-        one = _one_stage(rs, kern.binary.arch)
+        one = _if_it_fits(rs, kern.binary.arch, num_stages=1, num_warps=4)  # two CTAs an SM
         if one is not None:  # before the split count, which counts the CTAs an SM holds
             kern = get_kernel(one, device=dev)
             rs = kern.spec
@@ -221,7 +210,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
                                    q_bytes=2 * b * row_blocks * rows * (rank + rope), side_weight=2.0, out_passes=2)
     if (row_blocks >= 2 and rs.qk_shard is QkShard.TRUE and (spec is None or not spec.qk_shard)
             and -(-capacity // rs.cta_tile_kv) >= ALTERNATE_MIN_TILES * num_splits):
-        alt = _alternate(rs, kern.binary.arch)
+        alt = _if_it_fits(rs, kern.binary.arch, qk_shard=QkShard.ALTERNATE)
         if alt is not None:  # the same shared memory and grid: the split stands
             kern = get_kernel(alt, device=dev)
             rs = kern.spec
