@@ -304,6 +304,13 @@ class TunedKernels:
         else:
             self.kernel = get_kernel(base, device=device)  # resolves, validates, builds and loads
 
+    def split_at(self, size: int, spec: Spec) -> None:
+        """Calls of ``size`` and up run ``spec`` (loaded on first use), smaller ones the kernel chosen."""
+        self.bounds = [size - 0.5]
+        self.specs = [self.kernel.spec, spec]
+        self.kernels = [self.kernel, None]
+        self.kernel = None
+
     def kernel_for(self, size: int) -> Kernel:
         i = bisect.bisect_right(self.bounds, size)
         kern = self.kernels[i]

@@ -215,6 +215,10 @@ def cpu_sim(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(attngen, "prefill", fake_prefill)
     monkeypatch.setattr(attngen, "get_kernel", fake_get_kernel)
+    dtypes = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    monkeypatch.setattr(prefill_bench, "kernel_for", lambda q, k, v, causal=False: fake_get_kernel(
+        attngen.PrefillSpec(head_dim=q.shape[-1], head_dim_v=v.shape[-1], dtype=dtypes[q.dtype],
+                            mask="causal" if causal else "none")))
     monkeypatch.setattr(core, "bench_ms", lambda fn, *a, **k: (fn(), 1.0)[1:] + ("sim",))
     monkeypatch.setattr(core, "environment", lambda gpu=None: dict(FAKE_ENV, gpu="SIM"))
     return calls

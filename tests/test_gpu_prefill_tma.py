@@ -125,6 +125,30 @@ def test_tma_wide_kv_tiles_one_warpgroup(d, kv, mask, schedule, persistent):
     run(spec, 3, 17, 3001, 8, 1, FP16, causal=mask == "causal", same_as_cp_async=False)
 
 
+# Three consumer warpgroups (192-row tiles on 12 warps, FlashAttention-3's form at head_dim 64; ping-pong takes turns
+# among the three): one CTA a tile and persistent (several query tiles a CTA), ragged lengths, query tiles with no
+# key. No cp.async twin exists (its kernel has no 12-warp form); each is checked against the fp64 reference.
+THREE = [(64, 128, 2), (64, 96, 3), (64, 80, 2), (128, 64, 2)]
+
+
+@pytest.mark.parametrize("d,kv,stages", THREE)
+@pytest.mark.parametrize("mask", ["full", "causal", "window"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("persistent", [False, True], ids=["one", "persistent"])
+def test_tma_three_warpgroups(d, kv, stages, mask, schedule, persistent):
+    spec = _spec(head_dim=d, cta_tile_q=192, cta_tile_kv=kv, num_warps=12, num_stages=stages, schedule=schedule,
+                 persistent=persistent)
+    causal, window = mask == "causal", (100, 7) if mask == "window" else (-1, -1)
+    run(spec, 2, 1111, 1537, 4, 2, BF16, causal=causal, window=window, same_as_cp_async=False)
+    run(spec, 1, 17, 3001, 2, 1, FP16, causal=causal, window=window, same_as_cp_async=False)
+    run(spec, 2, 1000, 17, 4, 4, BF16, causal=causal, window=window, same_as_cp_async=False)
+    if causal:  # most query tiles see no key (ping-pong: their warpgroups take no turn)
+        run(spec, 2, 4096, 64, 8, 2, BF16, causal=True, same_as_cp_async=False)
+    if persistent:  # several query tiles a CTA (6 x 16 x 6 = 576 tiles)
+        for _ in range(2):
+            run(spec, 6, 1111, 1537, 16, 4, BF16, causal=causal, window=window, same_as_cp_async=False)
+
+
 @pytest.mark.parametrize("stages", [1, 2, 3])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_tma_ctas_without_keys(stages, schedule):
@@ -186,6 +210,43 @@ def test_default_is_tma_on_sm90a_dense_only():
 
     assert kernel_for(q, q, q).spec.pipeline.value == "tma"
     assert kernel_for(q, q, q[..., :64]).spec.pipeline.value == "sync"  # v narrower: not tuned for TMA yet
+
+
+@pytest.mark.parametrize("causal,sq,sk,h", [(False, 2048, 2048, 4), (False, 3001, 1537, 4), (True, 16384, 16384, 2)])
+def test_default_long_rows_take_three_warpgroups(causal, sq, sk, h):
+    # head_dim 64 without a spec: from 2048 query rows (causal: 16384) the call runs 192-row tiles on three
+    # consumer warpgroups, below it the 128-row default; a call whose inputs no TMA map describes falls back to
+    # the cp.async kernel of the same key tiles on two warpgroups (its own grid).
+    _spec(head_dim=64)  # skips off sm_90a
+    from attngen.families.prefill.op import kernel_for
+
+    gen = fresh_generator()
+    q = guarded(1, sq, h, 64, dtype=BF16, gen=gen)
+    k = guarded(1, sk, 1, 64, dtype=BF16, gen=gen)
+    v = guarded(1, sk, 1, 64, dtype=BF16, gen=gen)
+    long = kernel_for(q, k, v, causal=causal).spec
+    assert (long.cta_tile_q, long.num_warps, long.schedule.value, long.is_persistent) == (192, 12, "pingpong", False)
+    assert kernel_for(q[:, : sq // 2 - 1], k, v, causal=causal).spec.cta_tile_q == 128
+    out, buf, guards = sentinel_out((1, sq, h, 64), BF16)
+    o, lse = attngen.prefill(q, k, v, causal=causal, return_lse=True, out=out)
+    torch.cuda.synchronize()
+    check_sentinel(buf, guards)
+    ref_o, ref_l = reference(q, k, v, range_keep(sq, sk, causal, (-1, -1))[None, None], 64 ** -0.5)
+    compare(o, lse, ref_o, ref_l, BF16)
+    assert torch.equal(o, attngen.prefill(q, k, v, causal=causal, spec=long))
+    # k and v broadcast over a batch of 2 (stride 0)
+    q2 = torch.cat([q, q.flip(1)])
+    k2, v2 = k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1)
+    twin = long.replace(cta_tile_q=128, num_warps=8, pipeline="sync", schedule="serial")
+    o2 = attngen.prefill(q2, k2, v2, causal=causal)
+    try:
+        tma_o2 = attngen.prefill(q2, k2, v2, causal=causal, spec=long)
+    except attngen.LaunchError as e:  # no map: the default ran the cp.async twin
+        assert "pipeline=sync" in str(e)
+        assert torch.equal(o2, attngen.prefill(q2, k2, v2, causal=causal, spec=twin))
+    else:
+        assert torch.equal(o2, tma_o2)
+    assert rel_l2(o2[:1], ref_o) < TOL[BF16]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

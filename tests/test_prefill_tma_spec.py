@@ -127,6 +127,13 @@ def test_schedule_off_sm90a_is_refused():
     "prefill:head_dim=128,dtype=fp16,cta_tile_q=128,cta_tile_kv=176,num_warps=8,num_stages=2,schedule=overlap",
     "prefill:head_dim=64,dtype=bf16,mask=causal,cta_tile_q=128,cta_tile_kv=192,num_warps=8,num_stages=2,"
     "schedule=pingpong,persistent=true",
+    # three consumer warpgroups (192-row tiles on 12 warps), turns among three
+    "prefill:head_dim=64,dtype=bf16,mask=causal,cta_tile_q=192,cta_tile_kv=128,num_warps=12,num_stages=2,"
+    "schedule=pingpong,persistent=false",
+    "prefill:head_dim=64,dtype=fp16,cta_tile_q=192,cta_tile_kv=96,num_warps=12,num_stages=2,schedule=pingpong,"
+    "persistent=true",
+    "prefill:head_dim=128,dtype=bf16,cta_tile_q=192,cta_tile_kv=64,num_warps=12,num_stages=2,schedule=overlap,"
+    "persistent=false",
 ])
 def test_tma_kernels_compile_spill_free_and_asynchronous(text):
     from attngen.spec import parse_spec
@@ -276,6 +283,86 @@ def test_tuning_tries_wide_kv_tiles_on_sm90a_only():
     assert 80 in kvs and kvs <= {32, 64, 80, 96}
     assert tuning_candidates(spec, "sm_90a")[0].cta_tile_kv == 64  # the default first
     assert {c.cta_tile_kv for c in tuning_candidates(spec.replace(mma="mma_sync"), "sm_80")} <= {32, 64, 128}
+
+
+# ---- three consumer warpgroups: 192-row tiles on 12 warps, the TMA kernel's only ----
+
+def test_three_warpgroups_resolve_for_the_tma_kernel():
+    from attngen.spec import tuning_candidates
+
+    r = resolve(PrefillSpec(head_dim=64, cta_tile_q=192, num_warps=12, cta_tile_kv=128), "sm_90a")
+    assert r.tma and r.threads == 512 and r.tma_ctas == 1 and r.is_resolved
+    src = render(r.replace(schedule="pingpong"))
+    assert "__launch_bounds__(512)" in src
+    # 160 registers a thread: the estimate's limit is 128 (head_dim 64 with 128-key tiles, 128 with 80)
+    with pytest.raises(SpecError) as e:
+        resolve(r.replace(cta_tile_kv=144), "sm_90a")
+    assert e.value.field == "cta_tile_kv" and "limit 128" in str(e.value)
+    resolve(PrefillSpec(head_dim=128, cta_tile_q=192, num_warps=12, cta_tile_kv=80, num_stages=2), "sm_90a")
+    with pytest.raises(SpecError) as e:
+        resolve(PrefillSpec(head_dim=128, cta_tile_q=192, num_warps=12, cta_tile_kv=96, num_stages=2,
+                            pipeline="tma"), "sm_90a")
+    assert e.value.field == "cta_tile_kv"
+    # `attngen tune` tries them (and only on sm_90a); no default takes one elsewhere
+    spec = PrefillSpec(head_dim=64, mask="causal")
+    assert any(c.num_warps == 12 and c.tma for c in tuning_candidates(spec, "sm_90a"))
+    assert all(c.num_warps != 12 for c in tuning_candidates(spec, "sm_80"))
+    for arch in ("sm_80", "sm_90", "sm_120"):
+        assert resolve(PrefillSpec(head_dim=64), arch).num_warps != 12
+
+
+def test_long_rows_at_head_dim_64_take_three_warpgroups_by_default():
+    from attngen.families.prefill.defaults import LONG_ROWS, long_rows
+
+    for mask, rows in LONG_ROWS.items():
+        for dtype in ("bf16", "fp16"):
+            for extra in ({}, dict(return_lse=True, softcap=True, alibi=True)):
+                r = resolve(PrefillSpec(head_dim=64, mask=mask, dtype=dtype, **extra), "sm_90a")
+                at, spec = long_rows(r, "sm_90a")
+                assert at == rows and spec.is_resolved
+                assert (spec.cta_tile_q, spec.cta_tile_kv, spec.num_warps, spec.schedule.value) == (192, 128, 12,
+                                                                                                    "pingpong")
+                assert (spec.dtype, spec.mask, spec.return_lse, spec.softcap) == (r.dtype, r.mask, r.return_lse,
+                                                                                  r.softcap)
+                assert not spec.is_persistent  # its persistent form spills at 128-key tiles
+    # other head dims, masks, layouts and archs keep the one default
+    for fields, arch in ((dict(head_dim=128), "sm_90a"), (dict(head_dim=64, mask="sliding_window"), "sm_90a"),
+                         (dict(head_dim=64, varlen=True), "sm_90a"), (dict(head_dim=64, custom_mask=True), "sm_90a"),
+                         (dict(head_dim=64), "sm_80"), (dict(head_dim=64), "sm_90"), (dict(head_dim=64), "sm_120")):
+        assert long_rows(resolve(PrefillSpec(**fields), arch), arch) is None, (fields, arch)
+
+
+def test_long_row_kernels_are_in_the_default_manifest():
+    from attngen.families.prefill.defaults import long_rows
+    from attngen.manifest import expand, load_manifest
+
+    specs = {s.to_text() for s, arch in expand(load_manifest()) if arch.name == "sm_90a"}
+    for mask in ("none", "causal"):
+        for dtype in ("bf16", "fp16"):
+            _, spec = long_rows(resolve(PrefillSpec(head_dim=64, mask=mask, dtype=dtype), "sm_90a"), "sm_90a")
+            assert spec.to_text() in specs
+
+
+@pytest.mark.parametrize("fields, field, named", [
+    (dict(pipeline="sync", mma="wgmma"), "cta_tile_q", "pipeline=sync"),
+    (dict(pipeline="sync", mma="mma_sync"), "cta_tile_q", "pipeline=sync"),
+    (dict(mma="mma_sync", cta_tile_q=0), "num_warps", "mma=mma_sync"),
+])
+def test_three_warpgroups_elsewhere_are_refused_naming_the_field(fields, field, named):
+    spec = PrefillSpec(**{"head_dim": 64, "cta_tile_q": 192, "num_warps": 12, "cta_tile_kv": 128,
+                          "num_stages": 2, **fields})
+    with pytest.raises(SpecError) as e:
+        resolve(spec, "sm_90a")
+    assert e.value.field == field, str(e.value)
+    assert named in str(e.value) or field == "num_warps", str(e.value)
+    with pytest.raises(SpecError):  # no wgmma there at all
+        resolve(PrefillSpec(head_dim=64, cta_tile_q=192, num_warps=12), "sm_80")
+
+
+def test_pingpong_with_one_warpgroup_is_refused():
+    with pytest.raises(SpecError) as e:
+        resolve(PrefillSpec(head_dim=64, cta_tile_q=64, num_warps=4, schedule="pingpong"), "sm_90a")
+    assert e.value.field in ("schedule", "num_warps"), str(e.value)
 
 
 # ---- the chunked kernel's TMA form (head dims above 256 whose V columns a warpgroup are whole boxes) ----

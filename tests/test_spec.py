@@ -50,9 +50,9 @@ def test_bad_mask_from_text_form_names_the_allowed_masks():
 
 
 @pytest.mark.parametrize("field, value, allowed", [
-    ("cta_tile_q", 96, "0, 32, 64, 128"),
+    ("cta_tile_q", 96, "0, 32, 64, 128, 192"),
     ("cta_tile_kv", 16, "0, 32, 64, 80, 96, 112, 128, 144, 160, 176, 192"),
-    ("num_warps", 2, "0, 4, 8"),
+    ("num_warps", 2, "0, 4, 8, 12"),
     ("num_stages", 9, "0, 1, 2, 3, 4, 5, 6, 7, 8"),
 ])
 def test_every_int_field_is_checked_against_its_allowed_set(field, value, allowed):

@@ -55,15 +55,18 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
   constexpr bool TMA = TMA_CTAS > 0;
   static_assert(!TMA || (WGMMA && !VARLEN && !PAGED && !MASK_LIST), "TMA: wgmma on the dense layout");
   static_assert(!OVERLAP || (TMA && NUM_STAGES >= 2), "OVERLAP: the TMA ring, tile i's V and i+1's K in it");
-  static_assert(!PINGPONG || (OVERLAP && NUM_WARPS == 8), "PINGPONG: two consumer warpgroups take turns");
+  static_assert(!PINGPONG || (OVERLAP && NUM_WARPS >= 8), "PINGPONG: two or three consumer warpgroups take turns");
+  static_assert(NUM_WARPS != 12 || TMA, "three consumer warpgroups: the TMA pipeline's (setmaxnreg)");
   static_assert(!PERSISTENT || TMA, "PERSISTENT: the TMA pipeline's producer loads the next tile's Q");
   // TMA: registers per thread of the producer warpgroup and of the consumers, after setmaxnreg. Two
-  // consumer warpgroups run one CTA an SM, launched with 168 (384 threads): 40 + 2 x 232. With two
-  // CTAs an SM (one consumer warpgroup, launched with 128): 24 + 232. One consumer warpgroup alone on
-  // an SM has every register it can use, and no setmaxnreg.
-  constexpr bool MOVE_REGS = NUM_WARPS == 8 || TMA_CTAS == 2;
-  constexpr int PRODUCER_REGS = NUM_WARPS == 8 ? 40 : 24;
-  constexpr int CONSUMER_REGS = 232;
+  // consumer warpgroups run one CTA an SM, launched with 168 (384 threads): 40 + 2 x 232. Three (192-row
+  // tiles, launched with 128 for 512 threads): 32 + 3 x 160. With two CTAs an SM (one consumer warpgroup,
+  // launched with 128): 24 + 232. One consumer warpgroup alone on an SM has every register it can use, and
+  // no setmaxnreg.
+  constexpr int GROUPS = NUM_WARPS / 4;  // consumer warpgroups (wgmma)
+  constexpr bool MOVE_REGS = NUM_WARPS >= 8 || TMA_CTAS == 2;
+  constexpr int PRODUCER_REGS = NUM_WARPS == 12 ? 32 : NUM_WARPS == 8 ? 40 : 24;
+  constexpr int CONSUMER_REGS = NUM_WARPS == 12 ? 160 : 232;
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem_base = WGMMA ? aligned_smem<1024>(smem_raw) : smem_raw;
@@ -294,10 +297,10 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
 
     // OVERLAP (TMA): step `it` issues S = Q K^T of tile it, then rescales O for tile it - 1's softmax
     // and issues tile it - 1's O += P V; tile it's softmax runs while P V does, and P V is waited for
-    // only after it. The last tile's P V follows the loop. PINGPONG: the two consumer warpgroups take
-    // turns issuing their GEMMs, so that one's softmax runs under the other's GEMMs: warpgroup w waits
-    // on named barrier 2 + w before its GEMMs and arrives on the other's after them. Warpgroup 1 lets
-    // warpgroup 0 go first and skips its last arrival: each barrier sees as many arrivals as waits.
+    // only after it. The last tile's P V follows the loop. PINGPONG: the consumer warpgroups take turns
+    // issuing their GEMMs, in order, so that one's softmax runs under the others' GEMMs: warpgroup w waits
+    // on named barrier 2 + w before its GEMMs and arrives on the next one's after them. The last warpgroup
+    // lets warpgroup 0 go first and skips its last arrival: each barrier sees as many arrivals as waits.
     const int wg = warp / 4;
     unsigned p_frag[OVERLAP ? BLOCK_N / 16 : 1][4];  // P of the tile whose P V is issued next
     float corr_o[M_TILES][2];                        // and its softmax's correction of O, applied first
@@ -306,7 +309,9 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
     };
     auto turn_end = [&](bool last) {
       if constexpr (PINGPONG) {
-        if (!last || wg == 0) WgmmaOps<BF16>::bar_arrive(3 - wg, 256);
+        // (two warpgroups: spelled as before three existed, which keeps their machine code)
+        if (!last || (GROUPS == 2 ? wg == 0 : wg != GROUPS - 1))
+          WgmmaOps<BF16>::bar_arrive(GROUPS == 2 ? 3 - wg : 2 + (wg + 1) % GROUPS, 256);
       }
     };
     auto rescale_issue_pv = [&](int r) {  // r: the tile's place in the ring
@@ -328,13 +333,13 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
       }
     };
     if constexpr (PINGPONG && PERSISTENT) {
-      // The same, without a branch on the warpgroup: warpgroup 0 arrives alone on barrier 4, which nothing
-      // waits on. Between one query tile's wgmma and the next, a branch taken by one warpgroup made ptxas
-      // serialise them (C7519, NVRTC 13.5).
-      const bool lead = wg == 1 && n_tiles > 0;
-      WgmmaOps<BF16>::bar_arrive(lead ? 2 : 4, lead ? 256 : 128);
+      // The same, without a branch on the warpgroup: the others arrive on barrier 2 + GROUPS, which nothing
+      // waits on (4 warps complete it). Between one query tile's wgmma and the next, a branch taken by one
+      // warpgroup made ptxas serialise them (C7519, NVRTC 13.5).
+      const bool lead = wg == GROUPS - 1 && n_tiles > 0;
+      WgmmaOps<BF16>::bar_arrive(lead ? 2 : 2 + GROUPS, lead ? 256 : 128);
     } else if constexpr (PINGPONG) {
-      if (wg == 1 && n_tiles > 0) WgmmaOps<BF16>::bar_arrive(2, 256);
+      if (wg == GROUPS - 1 && n_tiles > 0) WgmmaOps<BF16>::bar_arrive(2, 256);
     }
 
     for (int it = 0; it < n_tiles; ++it) {

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import attngen
+from attngen.families.prefill.op import kernel_for
 from attngen.spec import spec_of_text
 from attngen.bench import core
 from attngen.bench.core import (_CAUSAL, BACKENDS, CHECK_TOL, DTYPES, _backend_list, _dtype_list, _fmt,
@@ -223,10 +224,8 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
         out = torch.full((b, s, h, dv), float("nan"), dtype=tdt, device=q.device)
         attngen.prefill(q, k, v, causal=causal, out=out)
         torch.cuda.synchronize()
-        mask = attngen.MaskMode.CAUSAL if causal else attngen.MaskMode.NONE
-        kern = attngen.get_kernel(attngen.PrefillSpec(head_dim=d, head_dim_v=dv, dtype=attngen.DType(shape.dtype),
-                                                      mask=mask),
-                                  device=q.device.index)
+        # the kernel the call ran (a tuned winner, or the default for its length)
+        kern = kernel_for(q, k, v, causal=causal)
         rec["kernel"] = {"spec": kern.spec.to_text(), "origin_first": kern.origin,
                          "resources": kern.binary.resources.to_dict(), "smem_dynamic": kern.smem_bytes,
                          "threads": kern.threads}

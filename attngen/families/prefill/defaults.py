@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 
 from ...arch import Arch
+from ...errors import SpecError
+from ...spec import validate
 from .spec import MaskMode, Mma, Persistent, Pipeline, PrefillSpec, Schedule
 
 # Measured on an H200 (sm_90) with NVRTC 13.5, bf16, 16k tokens at seqlen 4096, 2026-11-22
@@ -180,6 +182,33 @@ CHUNKED_VARLEN_SPILLS_ON = {
 }
 
 
+# sm_90a, head_dim 64, the dense layout: long rows take three consumer warpgroups (192x128 tiles on 12 warps,
+# ping-pong among the three, one CTA a query tile), from this many query rows, per mask. H100, 2026-11-26, the
+# 12 shapes of the sweep a mask and dtype, two runs each (BENCHMARKS.md): no mask 1.01-1.05x the default at
+# 2k-4k rows and 1.11-1.16x at 8k-16k, 0.90-0.92x at 512-1k (a 192-row tile wastes more of a short row, and one
+# CTA a tile has no persistent walk); causal 1.02-1.07x at 16k, 0.99-1.03x at 8k, 0.80-0.98x below. Their
+# persistent form spills at 128-key tiles (160 registers a thread) and ran 0.91x by geomean.
+THREE_GROUPS = (192, 128, 12, 2)
+LONG_ROWS = {MaskMode.NONE: 2048, MaskMode.CAUSAL: 16384}
+
+
+def long_rows(resolved, arch) -> tuple[int, PrefillSpec] | None:
+    """(query rows, spec): where a call of the default ``resolved`` (no spec of the caller's, no tuned winner)
+    with that many query rows or more runs three consumer warpgroups instead; None where none does."""
+    rows = LONG_ROWS.get(resolved.mask)
+    if (rows is None or not resolved.tma or resolved.head_dim != 64 or resolved.dim_v != 64 or resolved.chunked
+            or resolved.num_warps == 12):
+        return None
+    q, kv, w, st = THREE_GROUPS
+    spec = resolved.replace(cta_tile_q=q, cta_tile_kv=kv, num_warps=w, num_stages=st, schedule=Schedule.PINGPONG,
+                            persistent=Persistent.OFF)
+    try:
+        validate(spec, arch)
+    except SpecError:
+        return None
+    return rows, spec
+
+
 def candidates(spec, arch: Arch):
     """(cta_tile_q, cta_tile_kv, num_warps, num_stages, mma, head_dim_chunk, pipeline, schedule, persistent): tuned
     configs first, then every allowed combination, larger tiles first; wgmma ones first on sm_90a, the TMA
@@ -261,3 +290,6 @@ def _candidates(spec, arch: Arch):
         wide = [(16 * w, kv, w, st) for w in (8, 4) for kv in PrefillSpec.CTA_TILE_KV_WIDE for st in (2, 3)]
         yield from tma(wide)
         yield from ((*c, W, S, SER, OFF) for c in wide)
+        # Three consumer warpgroups (192-row tiles on 12 warps, the TMA kernel's only): 160 registers a thread
+        # fit head_dim 64 up to 128-key tiles, 128 up to 80 (``check`` refuses the rest).
+        yield from tma([(192, kv, 12, st) for kv in (128, 112, 96, 80, 64) for st in (2, 3)])

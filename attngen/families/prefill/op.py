@@ -28,6 +28,7 @@ from ...runtime import (TunedKernels, allocator, data_ptr, get_kernel, keep_call
 from ...spec import DType, spec_of_text
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from ..split_kv import ctas_per_sm, sm_count
+from .defaults import long_rows
 from .spec import MaskMode, Persistent, Pipeline, PrefillSpec, Schedule
 from .tma import tensor_maps
 
@@ -135,10 +136,13 @@ class _Plan(TunedKernels):
 
     def sync_twin(self, kern):
         """The cp.async kernel of ``kern``'s tiles, for inputs no TMA map can describe (``kern`` runs
-        pipeline=tma and the caller did not ask for it)."""
+        pipeline=tma and the caller did not ask for it); of its KV tiles on two warpgroups where ``kern`` has
+        three (the cp.async kernel has no 12-warp form)."""
         twin = self.sync_twins.get(kern.key)
         if twin is None:
             spec = kern.spec.replace(pipeline=Pipeline.SYNC, schedule=Schedule.SERIAL, persistent=Persistent.OFF)
+            if spec.num_warps == 12:
+                spec = spec.replace(cta_tile_q=128, num_warps=8)
             twin = self.sync_twins[kern.key] = get_kernel(spec, device=self.device)
         return twin
 
@@ -154,6 +158,10 @@ def _make_plan(key: tuple) -> _Plan:
     base = PrefillSpec(**fields) if spec is None else spec.replace(**fields)
     plan = _Plan()
     plan.choose(base, device, use_tuned=spec is None)
+    if spec is None and plan.kernel is not None:  # the default: long rows may take tiles of their own
+        rows = long_rows(plan.kernel.spec, plan.kernel.binary.arch)
+        if rows is not None:
+            plan.split_at(*rows)
     plan.default_scale = 1.0 / math.sqrt(d)
     plan.tma_pinned = spec is not None and spec.pipeline is Pipeline.TMA
     plan.sync_twins = {}
@@ -350,7 +358,9 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
         except LaunchError:
             if plan.tma_pinned:
                 raise
-            call.kern = plan.sync_twin(kern)  # same tiles: same grid
+            call.kern = twin = plan.sync_twin(kern)
+            tile_q = twin.spec.cta_tile_q
+            call.grid = ((sq + tile_q - 1) // tile_q, *grid[1:])
         else:
             call.head = (maps, *call.head)
             if ks_.is_persistent:

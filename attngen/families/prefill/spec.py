@@ -99,13 +99,14 @@ class PrefillSpec(SpecBase):
     # The chunked kernel's wgmma form: one CTA computes O's columns up to here, two past it.
     WGMMA_ONE_CTA_MAX: ClassVar[int] = 640
     HEAD_DIM_V: ClassVar[tuple[int, ...]] = (0, *HEAD_DIMS)
-    CTA_TILE_Q: ClassVar[tuple[int, ...]] = (0, 32, 64, 128)
+    # 192-row tiles on 12 warps: the TMA kernel's three consumer warpgroups (FlashAttention-3's form at head_dim 64)
+    CTA_TILE_Q: ClassVar[tuple[int, ...]] = (0, 32, 64, 128, 192)
     # Key tiles between the powers of two (multiples of 16 up to 192, as FlashAttention-3 takes 80 at head_dim
     # 256 and 176 at 128) are the wgmma whole-row kernel's on the dense layout: wgmma's N is any multiple of 8.
     CTA_TILE_KV_POW2: ClassVar[tuple[int, ...]] = (32, 64, 128)
     CTA_TILE_KV_WIDE: ClassVar[tuple[int, ...]] = (80, 96, 112, 144, 160, 176, 192)
     CTA_TILE_KV: ClassVar[tuple[int, ...]] = (0, *sorted(CTA_TILE_KV_POW2 + CTA_TILE_KV_WIDE))
-    NUM_WARPS: ClassVar[tuple[int, ...]] = (0, 4, 8)
+    NUM_WARPS: ClassVar[tuple[int, ...]] = (0, 4, 8, 12)
     NUM_STAGES: ClassVar[tuple[int, ...]] = (0, 1, 2, 3, 4, 5, 6, 7, 8)
     # The chunk width of the chunked kernel; 0 (or the head_dim itself) keeps rows whole (the
     # FlashAttention-2 kernel) where that can run, and means "choose" where it cannot.
@@ -417,6 +418,17 @@ class PrefillSpec(SpecBase):
 
     # --- fit ---------------------------------------------------------------------------------
     def check(self, a: Arch) -> None:
+        if self.cta_tile_q == 192 or self.num_warps == 12:
+            # the fields that rule three consumer warpgroups out, the first one named
+            ruled_out = [("pipeline", self.pipeline.value)] if not self.tma else []
+            ruled_out += [("mma", self.mma.value)] if self.mma is not Mma.WGMMA else []
+            ruled_out += [("head_dim_chunk", self.head_dim_chunk)] if self.chunked else []
+            if ruled_out:
+                name, value = ("cta_tile_q", 192) if self.cta_tile_q == 192 else ("num_warps", 12)
+                raise SpecError(name, value, allowed_text((32, 64, 128) if name == "cta_tile_q" else (4, 8)),
+                                reason="192-row tiles on 12 warps are the TMA kernel's three consumer warpgroups "
+                                       f"(pipeline=tma, mma=wgmma, whole rows); this spec has "
+                                       f"{ruled_out[0][0]}={ruled_out[0][1]}")
         if self.cta_tile_kv in self.CTA_TILE_KV_WIDE:
             # the fields that rule the widths out, the first one named
             ruled_out = [("mma", self.mma.value)] if self.mma is not Mma.WGMMA else []
@@ -527,9 +539,9 @@ class PrefillSpec(SpecBase):
         for name, d in (("head_dim", self.head_dim), ("head_dim_v", self.dim_v)):
             if d % 64:
                 raise SpecError(name, d, "64, 128, 192, 256 (whole 128-byte swizzle rows) with mma=wgmma")
-        if self.schedule is Schedule.PINGPONG and self.num_warps != 8:
+        if self.schedule is Schedule.PINGPONG and self.num_warps == 4:
             raise SpecError("schedule", "pingpong", "serial, overlap with num_warps=4",
-                            reason="ping-pong takes turns between two consumer warpgroups (num_warps=8)")
+                            reason="ping-pong takes turns between two or three consumer warpgroups (num_warps=8, 12)")
         if self.overlapped and self.num_stages < 2:
             raise SpecError("num_stages", self.num_stages, "2, 3, 4 with schedule=" + self.schedule.value,
                             reason="tile i's V and tile i+1's K are in the ring together")
@@ -542,8 +554,11 @@ class PrefillSpec(SpecBase):
         # spill-free up to 196 (128/176, 256/80) and its overlapped schedules spill at 208 (128/192). Its persistent
         # form holds more (128/144, estimate 172, spills 24 bytes): a spec that pins a spilling config still runs
         # it, and defaults skip those (SPILLS_ON).
+        # Three consumer warpgroups (12 warps) have 160 registers a thread: one CTA a tile compiled spill-free up to
+        # 128 (64/128 in every schedule, 128/80; 64/144 overlapped spills 64 bytes); persistent, the overlapped
+        # schedules spill 28-84 bytes at 64/64, 64/112-128 and 128/64-80 (none at 64/80-96).
         acc = self.dim_v // 2 + self.cta_tile_kv // 2 + self.cta_tile_kv // 4
-        limit = 200 if self.tma else 176
+        limit = (128 if self.num_warps == 12 else 200) if self.tma else 176
         if acc > limit:
             raise SpecError("cta_tile_kv", self.cta_tile_kv, "a smaller cta_tile_kv",
                             reason=f"needs about {acc} accumulator registers per thread (limit {limit} with "
