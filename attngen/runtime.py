@@ -304,11 +304,12 @@ class TunedKernels:
         else:
             self.kernel = get_kernel(base, device=device)  # resolves, validates, builds and loads
 
-    def split_at(self, size: int, spec: Spec) -> None:
-        """Calls of ``size`` and up run ``spec`` (loaded on first use), smaller ones the kernel chosen."""
-        self.bounds = [size - 0.5]
-        self.specs = [self.kernel.spec, spec]
-        self.kernels = [self.kernel, None]
+    def split(self, bounds: list[int], specs: list[Spec]) -> None:
+        """Calls of a size from ``bounds[i - 1]`` (and below ``bounds[i]``) run ``specs[i]``, each loaded on first
+        use (the kernel chosen where it is that one's spec)."""
+        self.bounds = [b - 0.5 for b in bounds]
+        self.specs = list(specs)
+        self.kernels = [self.kernel if s == self.kernel.spec else None for s in specs]
         self.kernel = None
 
     def kernel_for(self, size: int) -> Kernel:

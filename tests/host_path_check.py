@@ -164,7 +164,10 @@ def main():
     expect_launch(q, k, v, out)
     assert op.kernel_for(q, k, v, spec=PrefillSpec()).spec == default
     causal = attngen.resolve(PrefillSpec(head_dim=64, dtype="bf16", mask="causal"), "sm_90a")
-    assert op.kernel_for(q, k, v, causal=True).spec == causal  # other untuned fields: no entry
+    # other untuned fields: no entry, the default for the call's rows (100: short causal rows' 64-row tiles)
+    from attngen.families.prefill.defaults import by_rows
+
+    assert op.kernel_for(q, k, v, causal=True).spec == by_rows(causal, "sm_90a")[1][0]
     os.environ["ATTNGEN_NO_TUNED"] = "1"
     attngen.runtime.clear_loaded()
     assert op.kernel_for(q, k, v).spec == default

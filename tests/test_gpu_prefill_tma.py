@@ -249,6 +249,31 @@ def test_default_long_rows_take_three_warpgroups(causal, sq, sk, h):
     assert rel_l2(o2[:1], ref_o) < TOL[BF16]
 
 
+@pytest.mark.parametrize("sq,sk", [(512, 512), (1023, 700), (1, 3001)])
+def test_default_short_causal_rows_take_64_row_tiles(sq, sk):
+    # head_dim 64, causal, without a spec: below 1024 query rows the call runs 64x64 tiles on one warpgroup
+    # (the cp.async ring), from 1024 the 128-row default.
+    _spec(head_dim=64)  # skips off sm_90a
+    from attngen.families.prefill.op import kernel_for
+
+    gen = fresh_generator()
+    q = guarded(3, sq, 4, 64, dtype=FP16, gen=gen)
+    k = guarded(3, sk, 2, 64, dtype=FP16, gen=gen)
+    v = guarded(3, sk, 2, 64, dtype=FP16, gen=gen)
+    short = kernel_for(q, k, v, causal=True).spec
+    assert (short.cta_tile_q, short.cta_tile_kv, short.num_warps, short.pipeline.value) == (64, 64, 4, "sync")
+    assert kernel_for(q, k, v).spec.cta_tile_q == 128  # no mask: the default at every length below 2048
+    long_q = torch.empty(3, 1024, 4, 64, device="cuda", dtype=FP16)
+    assert kernel_for(long_q, k, v, causal=True).spec.cta_tile_q == 128
+    out, buf, guards = sentinel_out((3, sq, 4, 64), FP16)
+    o, lse = attngen.prefill(q, k, v, causal=True, return_lse=True, out=out)
+    torch.cuda.synchronize()
+    check_sentinel(buf, guards)
+    ref_o, ref_l = reference(q, k, v, range_keep(sq, sk, True, (-1, -1))[None, None], 64 ** -0.5)
+    compare(o, lse, ref_o, ref_l, FP16)
+    assert torch.equal(o, attngen.prefill(q, k, v, causal=True, spec=short))
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_tma_softcap_alibi_gqa(schedule):
     spec = _spec(head_dim=128, softcap=True, alibi=True, schedule=schedule)

@@ -311,36 +311,44 @@ def test_three_warpgroups_resolve_for_the_tma_kernel():
         assert resolve(PrefillSpec(head_dim=64), arch).num_warps != 12
 
 
-def test_long_rows_at_head_dim_64_take_three_warpgroups_by_default():
-    from attngen.families.prefill.defaults import LONG_ROWS, long_rows
+def test_head_dim_64_defaults_by_rows():
+    from attngen.families.prefill.defaults import by_rows
 
-    for mask, rows in LONG_ROWS.items():
-        for dtype in ("bf16", "fp16"):
-            for extra in ({}, dict(return_lse=True, softcap=True, alibi=True)):
+    for dtype in ("bf16", "fp16"):
+        for extra in ({}, dict(return_lse=True, softcap=True, alibi=True)):
+            for mask, bounds in (("none", [2048]), ("causal", [1024, 16384])):
                 r = resolve(PrefillSpec(head_dim=64, mask=mask, dtype=dtype, **extra), "sm_90a")
-                at, spec = long_rows(r, "sm_90a")
-                assert at == rows and spec.is_resolved
-                assert (spec.cta_tile_q, spec.cta_tile_kv, spec.num_warps, spec.schedule.value) == (192, 128, 12,
-                                                                                                    "pingpong")
-                assert (spec.dtype, spec.mask, spec.return_lse, spec.softcap) == (r.dtype, r.mask, r.return_lse,
-                                                                                  r.softcap)
-                assert not spec.is_persistent  # its persistent form spills at 128-key tiles
+                at, specs = by_rows(r, "sm_90a")
+                assert at == bounds and len(specs) == len(bounds) + 1 and all(s.is_resolved for s in specs)
+                long = specs[-1]  # three consumer warpgroups, one CTA a tile (its persistent form spills)
+                assert (long.cta_tile_q, long.cta_tile_kv, long.num_warps, long.schedule.value,
+                        long.is_persistent) == (192, 128, 12, "pingpong", False)
+                assert specs[-2] == r  # the 128-row default between
+                if mask == "causal":  # short causal rows: 64x64 tiles on the cp.async ring
+                    short = specs[0]
+                    assert (short.cta_tile_q, short.cta_tile_kv, short.num_warps, short.num_stages,
+                            short.pipeline.value) == (64, 64, 4, 4, "sync")
+                for s in specs:
+                    assert (s.dtype, s.mask, s.return_lse, s.softcap, s.alibi) == (r.dtype, r.mask, r.return_lse,
+                                                                                   r.softcap, r.alibi)
     # other head dims, masks, layouts and archs keep the one default
     for fields, arch in ((dict(head_dim=128), "sm_90a"), (dict(head_dim=64, mask="sliding_window"), "sm_90a"),
                          (dict(head_dim=64, varlen=True), "sm_90a"), (dict(head_dim=64, custom_mask=True), "sm_90a"),
                          (dict(head_dim=64), "sm_80"), (dict(head_dim=64), "sm_90"), (dict(head_dim=64), "sm_120")):
-        assert long_rows(resolve(PrefillSpec(**fields), arch), arch) is None, (fields, arch)
+        assert by_rows(resolve(PrefillSpec(**fields), arch), arch) is None, (fields, arch)
 
 
-def test_long_row_kernels_are_in_the_default_manifest():
-    from attngen.families.prefill.defaults import long_rows
+def test_kernels_by_rows_are_in_the_default_manifest():
+    from attngen.families.prefill.defaults import by_rows
     from attngen.manifest import expand, load_manifest
 
-    specs = {s.to_text() for s, arch in expand(load_manifest()) if arch.name == "sm_90a"}
+    specs = {resolve(s, arch).to_text() for s, arch in expand(load_manifest())
+             if arch.name == "sm_90a" and s.family == "prefill" and s.head_dim == 64}
     for mask in ("none", "causal"):
         for dtype in ("bf16", "fp16"):
-            _, spec = long_rows(resolve(PrefillSpec(head_dim=64, mask=mask, dtype=dtype), "sm_90a"), "sm_90a")
-            assert spec.to_text() in specs
+            _, by = by_rows(resolve(PrefillSpec(head_dim=64, mask=mask, dtype=dtype), "sm_90a"), "sm_90a")
+            for spec in by:
+                assert spec.to_text() in specs, spec.to_text()
 
 
 @pytest.mark.parametrize("fields, field, named", [

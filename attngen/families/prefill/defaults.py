@@ -182,31 +182,43 @@ CHUNKED_VARLEN_SPILLS_ON = {
 }
 
 
-# sm_90a, head_dim 64, the dense layout: long rows take three consumer warpgroups (192x128 tiles on 12 warps,
-# ping-pong among the three, one CTA a query tile), from this many query rows, per mask. H100, 2026-11-26, the
-# 12 shapes of the sweep a mask and dtype, two runs each (BENCHMARKS.md): no mask 1.01-1.05x the default at
-# 2k-4k rows and 1.11-1.16x at 8k-16k, 0.90-0.92x at 512-1k (a 192-row tile wastes more of a short row, and one
-# CTA a tile has no persistent walk); causal 1.02-1.07x at 16k, 0.99-1.03x at 8k, 0.80-0.98x below. Their
-# persistent form spills at 128-key tiles (160 registers a thread) and ran 0.91x by geomean.
-THREE_GROUPS = (192, 128, 12, 2)
-LONG_ROWS = {MaskMode.NONE: 2048, MaskMode.CAUSAL: 16384}
+# sm_90a, head_dim 64, the dense layout: the default depends on the call's query rows (``by_rows``). Per mask, from
+# how many rows on each config runs; None: the resolved default (the 128-row ping-pong persistent kernel).
+# Long rows take three consumer warpgroups (192x128 tiles on 12 warps, ping-pong among the three, one CTA a query
+# tile). H100, 2026-11-26, the 12 shapes of the sweep a mask and dtype, two runs each (BENCHMARKS.md): no mask
+# 1.01-1.05x the default at 2k-4k rows and 1.11-1.16x at 8k-16k, 0.90-0.92x at 512-1k (a 192-row tile wastes more
+# of a short row, and one CTA a tile has no persistent walk); causal 1.02-1.07x at 16k, 0.99-1.03x at 8k,
+# 0.80-0.98x below. Their persistent form spills at 128-key tiles (160 registers a thread) and ran 0.91x by geomean.
+# Short causal rows take 64x64 tiles on one warpgroup (the cp.async ring, 4 stages): less of the diagonal tile is
+# masked work. H100, the same day, both dtypes, two runs: 1.12x at 512 rows, 1.05x at 768, 0.96-1.00x at 1024;
+# without a mask no 64-row config gained more than 1.01-1.05x at 512 (not taken).
+THREE_GROUPS = dict(cta_tile_q=192, cta_tile_kv=128, num_warps=12, num_stages=2, mma=Mma.WGMMA, pipeline=Pipeline.TMA,
+                    schedule=Schedule.PINGPONG, persistent=Persistent.OFF)
+SHORT_CAUSAL = dict(cta_tile_q=64, cta_tile_kv=64, num_warps=4, num_stages=4, mma=Mma.WGMMA, pipeline=Pipeline.SYNC,
+                    schedule=Schedule.SERIAL, persistent=Persistent.OFF)
+BY_ROWS = {
+    MaskMode.NONE: ((0, None), (2048, THREE_GROUPS)),
+    MaskMode.CAUSAL: ((0, SHORT_CAUSAL), (1024, None), (16384, THREE_GROUPS)),
+}
 
 
-def long_rows(resolved, arch) -> tuple[int, PrefillSpec] | None:
-    """(query rows, spec): where a call of the default ``resolved`` (no spec of the caller's, no tuned winner)
-    with that many query rows or more runs three consumer warpgroups instead; None where none does."""
-    rows = LONG_ROWS.get(resolved.mask)
-    if (rows is None or not resolved.tma or resolved.head_dim != 64 or resolved.dim_v != 64 or resolved.chunked
+def by_rows(resolved, arch) -> tuple[list[int], list[PrefillSpec]] | None:
+    """(bounds, specs): what a call of the default ``resolved`` (no spec of the caller's, no tuned winner) runs by
+    its query rows, ``specs[i]`` from ``bounds[i - 1]`` rows on (``TunedKernels.split``); None where one kernel runs
+    every length. A config that does not validate on ``arch`` leaves the default in its place."""
+    table = BY_ROWS.get(resolved.mask)
+    if (table is None or not resolved.tma or resolved.head_dim != 64 or resolved.dim_v != 64 or resolved.chunked
             or resolved.num_warps == 12):
         return None
-    q, kv, w, st = THREE_GROUPS
-    spec = resolved.replace(cta_tile_q=q, cta_tile_kv=kv, num_warps=w, num_stages=st, schedule=Schedule.PINGPONG,
-                            persistent=Persistent.OFF)
-    try:
-        validate(spec, arch)
-    except SpecError:
-        return None
-    return rows, spec
+    specs = []
+    for _, fields in table:
+        spec = resolved if fields is None else resolved.replace(**fields)
+        try:
+            validate(spec, arch)
+        except SpecError:
+            spec = resolved
+        specs.append(spec)
+    return [rows for rows, _ in table[1:]], specs
 
 
 def candidates(spec, arch: Arch):

@@ -28,7 +28,7 @@ from ...runtime import (TunedKernels, allocator, data_ptr, get_kernel, keep_call
 from ...spec import DType, spec_of_text
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from ..split_kv import ctas_per_sm, sm_count
-from .defaults import long_rows
+from .defaults import by_rows
 from .spec import MaskMode, Persistent, Pipeline, PrefillSpec, Schedule
 from .tma import tensor_maps
 
@@ -158,10 +158,10 @@ def _make_plan(key: tuple) -> _Plan:
     base = PrefillSpec(**fields) if spec is None else spec.replace(**fields)
     plan = _Plan()
     plan.choose(base, device, use_tuned=spec is None)
-    if spec is None and plan.kernel is not None:  # the default: long rows may take tiles of their own
-        rows = long_rows(plan.kernel.spec, plan.kernel.binary.arch)
+    if spec is None and plan.kernel is not None:  # the default: short or long rows may take tiles of their own
+        rows = by_rows(plan.kernel.spec, plan.kernel.binary.arch)
         if rows is not None:
-            plan.split_at(*rows)
+            plan.split(*rows)
     plan.default_scale = 1.0 / math.sqrt(d)
     plan.tma_pinned = spec is not None and spec.pipeline is Pipeline.TMA
     plan.sync_twins = {}
