@@ -14,7 +14,9 @@ A family's tuning module (``Family.tuning``) provides:
 - ``add_arguments(parser)``: its own problem options (e.g. ``--window``; ``positive_int`` is
   an argparse type for counts);
 - ``problem_size(spec, size, batch, heads) -> (batch, heads)``: the defaults a search uses;
-- ``problem(spec, size, batch, heads, seed, **options) -> Problem``.
+- ``problem(spec, size, batch, heads, seed, **options) -> Problem``;
+- optionally ``default_for(default, arch, size) -> Spec``: where the op's built-in default depends on the
+  size, the one it runs at ``size`` (``default`` is the resolved, size-independent one).
 
 ``plan`` is pure (no GPU): it lists the candidates; ``run`` needs torch and a CUDA GPU.
 """
@@ -91,10 +93,16 @@ def problem_size(spec: Spec, size: int, batch: int | None = None, heads: int | N
     return tuning_module(spec).problem_size(spec, size, batch, heads)
 
 
-def plan(spec: Spec, arch: "str | Arch", max_candidates: int | None = None) -> list[Spec]:
-    """The configs a search tries, the default first; at most ``max_candidates`` of them."""
-    tuning_module(spec)  # refuses a family without a tuning space
+def plan(spec: Spec, arch: "str | Arch", max_candidates: int | None = None, size: int | None = None) -> list[Spec]:
+    """The configs a search tries, the default first; at most ``max_candidates`` of them. With ``size``, and a
+    spec that pins no tuning field, the default is what the family's op runs at that size without a stored
+    winner (the module's ``default_for``, where its built-in default depends on the size)."""
+    mod = tuning_module(spec)  # refuses a family without a tuning space
     cands = tuning_candidates(spec, get_arch(arch))
+    default_for = getattr(mod, "default_for", None)
+    if size is not None and default_for is not None and cands and not any(getattr(spec, f) for f in spec.TUNING_FIELDS):
+        first = default_for(cands[0], get_arch(arch), size)
+        cands = [first, *(c for c in cands if c != first)]
     return cands[:max_candidates] if max_candidates else cands
 
 
@@ -191,7 +199,7 @@ def run(spec: Spec, size: int, *, batch: int | None = None, heads: int | None = 
     device = torch.cuda.current_device()
     ident = device_identity(device)
     arch = get_arch(ident["arch"])
-    specs = plan(spec, arch, max_candidates)
+    specs = plan(spec, arch, max_candidates, size)
     b, h = mod.problem_size(spec, size, batch, heads)
     prob: Problem = mod.problem(spec, size, b, h, seed, **options)
 

@@ -248,6 +248,23 @@ def test_plan_puts_the_default_first_and_respects_pins_and_the_cap():
     assert tuning_candidates(spec, "sm_90") == full
 
 
+def test_plan_at_a_size_puts_the_default_for_that_size_first():
+    # sm_90a, head_dim 64: attngen.prefill's built-in default depends on the query rows (BY_ROWS); a search at a
+    # size compares against what the op would run there
+    from attngen.families.prefill.defaults import by_rows
+
+    for mask, size, rows_first in (("none", 512, 128), ("none", 4096, 192), ("causal", 512, 64), ("causal", 4096, 128),
+                                   ("causal", 20000, 192)):
+        spec = PrefillSpec(head_dim=64, dtype="bf16", mask=mask)
+        at = tune.plan(spec, "sm_90a", size=size)
+        assert at[0].cta_tile_q == rows_first and sorted(map(str, at)) == sorted(map(str, tune.plan(spec, "sm_90a")))
+        assert at[0] in by_rows(resolve(spec, "sm_90a"), "sm_90a")[1]
+    # elsewhere, or with a tuning field pinned, the size changes nothing
+    assert tune.plan(PrefillSpec(head_dim=64), "sm_90", size=4096) == tune.plan(PrefillSpec(head_dim=64), "sm_90")
+    pinned = PrefillSpec(head_dim=64, num_stages=2)
+    assert tune.plan(pinned, "sm_90a", size=4096) == tune.plan(pinned, "sm_90a")
+
+
 def test_problem_size_and_flops():
     spec = PrefillSpec(head_dim=128)
     assert tune.problem_size(spec, 512) == (32, 16)

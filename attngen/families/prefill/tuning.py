@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ...tune import Problem
+from .defaults import by_rows
 from .spec import MaskMode, PrefillSpec
 
 SIZE = "q and kv sequence length"
@@ -27,6 +28,16 @@ def _window(text: str) -> tuple[int, int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=_window, metavar="L,R", help="window of a sliding_window spec (default 256,0)")
+
+
+def default_for(default: PrefillSpec, arch, seqlen: int) -> PrefillSpec:
+    """The spec ``attngen.prefill`` runs for ``seqlen`` query rows without a spec or a stored winner: on sm_90a at
+    head_dim 64 it depends on the rows (``defaults.BY_ROWS``)."""
+    rows = by_rows(default, arch)
+    if rows is None:
+        return default
+    bounds, specs = rows
+    return specs[sum(seqlen >= b for b in bounds)]
 
 
 def problem_size(spec: PrefillSpec, seqlen: int, batch: int | None = None, heads: int | None = None) -> tuple[int, int]:
