@@ -187,6 +187,22 @@ def test_inspect_bad_spec_exits_2_naming_the_field(text, field, capsys):
     assert err.startswith("attngen: error: ") and f"{field}=" in err
 
 
+def test_inspect_says_where_the_default_depends_on_the_size(capsys):
+    # sm_90a, head_dim 64: attngen.prefill runs other tiles by query rows (BY_ROWS); inspect says so on stderr
+    # and in the JSON, and shows the spec it was asked for
+    assert main(["inspect", "prefill:head_dim=64,mask=causal", "--arch", "sm_90a", "--json"]) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    by = out["defaults_by_size"]
+    assert [b["from"] for b in by] == [0, 1024, 16384] and "cta_tile_q=192" in by[-1]["spec"]
+    assert "by size (query rows)" in cap.err and "from 16384: prefill:" in cap.err
+    for text, arch in (("prefill:head_dim=128", "sm_90a"), ("prefill:head_dim=64", "sm_80"),
+                       ("prefill:head_dim=64,num_stages=2", "sm_90a"), ("decode:head_dim=128", "sm_90a")):
+        assert main(["inspect", text, "--arch", arch, "--json"]) == 0
+        cap = capsys.readouterr()
+        assert "defaults_by_size" not in json.loads(cap.out) and "by size" not in cap.err, text
+
+
 def test_inspect_spec_that_does_not_fit_the_arch_exits_2(capsys):
     text = "prefill:head_dim=256,cta_tile_q=64,num_warps=4,cta_tile_kv=128,num_stages=4"
     assert main(["inspect", text, "--arch", "sm_86"]) == 2

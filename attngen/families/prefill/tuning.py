@@ -11,6 +11,7 @@ from .defaults import by_rows
 from .spec import MaskMode, PrefillSpec
 
 SIZE = "q and kv sequence length"
+BY_SIZE = "query rows"  # what by_size's bounds count
 TOKENS = 16384   # default batch * seqlen
 HIDDEN = 2048    # default heads * head_dim
 DEFAULT_WINDOW = (256, 0)  # for sliding_window specs when no --window is given
@@ -30,9 +31,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=_window, metavar="L,R", help="window of a sliding_window spec (default 256,0)")
 
 
+def by_size(default: PrefillSpec, arch) -> tuple[list[int], list[PrefillSpec]] | None:
+    """(bounds, specs): what ``attngen.prefill`` runs by its query rows without a spec or a stored winner,
+    ``specs[i]`` from ``bounds[i - 1]`` rows on; None where ``default`` runs every length (``defaults.BY_ROWS``:
+    head_dim 64 on sm_90a)."""
+    return by_rows(default, arch)
+
+
 def default_for(default: PrefillSpec, arch, seqlen: int) -> PrefillSpec:
-    """The spec ``attngen.prefill`` runs for ``seqlen`` query rows without a spec or a stored winner: on sm_90a at
-    head_dim 64 it depends on the rows (``defaults.BY_ROWS``)."""
+    """The spec ``attngen.prefill`` runs for ``seqlen`` query rows without a spec or a stored winner."""
     rows = by_rows(default, arch)
     if rows is None:
         return default
