@@ -274,6 +274,30 @@ def test_default_short_causal_rows_take_64_row_tiles(sq, sk):
     assert torch.equal(o, attngen.prefill(q, k, v, causal=True, spec=short))
 
 
+@pytest.mark.parametrize("causal,sq,sk", [(False, 2048, 2100), (True, 512, 777), (True, 16384, 16384)])
+def test_defaults_by_rows_with_softcap_alibi_gqa(causal, sq, sk):
+    # head_dim 64's defaults by rows (three warpgroups, 64-row tiles) with the score mods, GQA and the LSE,
+    # against the fp32 reference that applies them
+    _spec(head_dim=64)  # skips off sm_90a
+    from attngen.families.prefill.op import kernel_for
+    from tests.gpu_reference import reference_attention
+
+    gen = fresh_generator()
+    h, hk = (4, 2) if sq < 16384 else (2, 1)
+    q = guarded(1, sq, h, 64, dtype=BF16, gen=gen)
+    k = guarded(1, sk, hk, 64, dtype=BF16, gen=gen)
+    v = guarded(1, sk, hk, 64, dtype=BF16, gen=gen)
+    slopes = torch.rand(h, device="cuda", dtype=torch.float32, generator=gen)
+    spec = kernel_for(q, k, v, causal=causal).spec
+    assert spec.cta_tile_q == (64 if sq < 1024 else 192)
+    out, buf, guards = sentinel_out((1, sq, h, 64), BF16)
+    o, lse = attngen.prefill(q, k, v, causal=causal, return_lse=True, out=out, softcap=30.0, alibi_slopes=slopes)
+    torch.cuda.synchronize()
+    check_sentinel(buf, guards)
+    ref_o, ref_l = reference_attention(q, k, v, causal=causal, softcap=30.0, alibi_slopes=slopes)
+    compare(o, lse, ref_o, ref_l, BF16)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_tma_softcap_alibi_gqa(schedule):
     spec = _spec(head_dim=128, softcap=True, alibi=True, schedule=schedule)
