@@ -212,6 +212,25 @@ def test_default_is_tma_on_sm90a_dense_only():
     assert kernel_for(q, q, q[..., :64]).spec.pipeline.value == "sync"  # v narrower: not tuned for TMA yet
 
 
+def _default_call_checked(q, k, v, causal, dtype, **mods):
+    """attngen.prefill without a spec (the default for the call's rows) into a NaN-poisoned view of a sentinel
+    buffer, with the LSE: the sentinel intact, out and LSE against the fp32 reference (with ``mods``, softcap and
+    ALiBi). Returns (out, the reference's out)."""
+    from tests.gpu_reference import reference_attention
+
+    out, buf, guards = sentinel_out((*q.shape[:3], v.shape[3]), dtype)
+    o, lse = attngen.prefill(q, k, v, causal=causal, return_lse=True, out=out, **mods)
+    torch.cuda.synchronize()
+    check_sentinel(buf, guards)
+    if mods:
+        ref_o, ref_l = reference_attention(q, k, v, causal=causal, **mods)
+    else:
+        ref_o, ref_l = reference(q, k, v, range_keep(q.shape[1], k.shape[1], causal, (-1, -1))[None, None],
+                                 q.shape[3] ** -0.5)
+    compare(o, lse, ref_o, ref_l, dtype)
+    return o, ref_o
+
+
 @pytest.mark.parametrize("causal,sq,sk,h", [(False, 2048, 2048, 4), (False, 3001, 1537, 4), (True, 16384, 16384, 2)])
 def test_default_long_rows_take_three_warpgroups(causal, sq, sk, h):
     # head_dim 64 without a spec: from 2048 query rows (causal: 16384) the call runs 192-row tiles on three
@@ -227,12 +246,7 @@ def test_default_long_rows_take_three_warpgroups(causal, sq, sk, h):
     long = kernel_for(q, k, v, causal=causal).spec
     assert (long.cta_tile_q, long.num_warps, long.schedule.value, long.is_persistent) == (192, 12, "pingpong", False)
     assert kernel_for(q[:, : sq // 2 - 1], k, v, causal=causal).spec.cta_tile_q == 128
-    out, buf, guards = sentinel_out((1, sq, h, 64), BF16)
-    o, lse = attngen.prefill(q, k, v, causal=causal, return_lse=True, out=out)
-    torch.cuda.synchronize()
-    check_sentinel(buf, guards)
-    ref_o, ref_l = reference(q, k, v, range_keep(sq, sk, causal, (-1, -1))[None, None], 64 ** -0.5)
-    compare(o, lse, ref_o, ref_l, BF16)
+    o, ref_o = _default_call_checked(q, k, v, causal, BF16)
     assert torch.equal(o, attngen.prefill(q, k, v, causal=causal, spec=long))
     # k and v broadcast over a batch of 2 (stride 0)
     q2 = torch.cat([q, q.flip(1)])
@@ -265,12 +279,7 @@ def test_default_short_causal_rows_take_64_row_tiles(sq, sk):
     assert kernel_for(q, k, v).spec.cta_tile_q == 128  # no mask: the default at every length below 2048
     long_q = torch.empty(3, 1024, 4, 64, device="cuda", dtype=FP16)
     assert kernel_for(long_q, k, v, causal=True).spec.cta_tile_q == 128
-    out, buf, guards = sentinel_out((3, sq, 4, 64), FP16)
-    o, lse = attngen.prefill(q, k, v, causal=True, return_lse=True, out=out)
-    torch.cuda.synchronize()
-    check_sentinel(buf, guards)
-    ref_o, ref_l = reference(q, k, v, range_keep(sq, sk, True, (-1, -1))[None, None], 64 ** -0.5)
-    compare(o, lse, ref_o, ref_l, FP16)
+    o, _ = _default_call_checked(q, k, v, True, FP16)
     assert torch.equal(o, attngen.prefill(q, k, v, causal=True, spec=short))
 
 
@@ -280,7 +289,6 @@ def test_defaults_by_rows_with_softcap_alibi_gqa(causal, sq, sk):
     # against the fp32 reference that applies them
     _spec(head_dim=64)  # skips off sm_90a
     from attngen.families.prefill.op import kernel_for
-    from tests.gpu_reference import reference_attention
 
     gen = fresh_generator()
     h, hk = (4, 2) if sq < 16384 else (2, 1)
@@ -290,12 +298,7 @@ def test_defaults_by_rows_with_softcap_alibi_gqa(causal, sq, sk):
     slopes = torch.rand(h, device="cuda", dtype=torch.float32, generator=gen)
     spec = kernel_for(q, k, v, causal=causal).spec
     assert spec.cta_tile_q == (64 if sq < 1024 else 192)
-    out, buf, guards = sentinel_out((1, sq, h, 64), BF16)
-    o, lse = attngen.prefill(q, k, v, causal=causal, return_lse=True, out=out, softcap=30.0, alibi_slopes=slopes)
-    torch.cuda.synchronize()
-    check_sentinel(buf, guards)
-    ref_o, ref_l = reference_attention(q, k, v, causal=causal, softcap=30.0, alibi_slopes=slopes)
-    compare(o, lse, ref_o, ref_l, BF16)
+    _default_call_checked(q, k, v, causal, BF16, softcap=30.0, alibi_slopes=slopes)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
