@@ -283,21 +283,23 @@ def test_default_short_causal_rows_take_64_row_tiles(sq, sk):
     assert torch.equal(o, attngen.prefill(q, k, v, causal=True, spec=short))
 
 
-@pytest.mark.parametrize("causal,sq,sk", [(False, 2048, 2100), (True, 512, 777), (True, 16384, 16384)])
-def test_defaults_by_rows_with_softcap_alibi_gqa(causal, sq, sk):
-    # head_dim 64's defaults by rows (three warpgroups, 64-row tiles) with the score mods, GQA and the LSE,
-    # against the fp32 reference that applies them
-    _spec(head_dim=64)  # skips off sm_90a
+@pytest.mark.parametrize("d,causal,sq,sk,tiles", [(64, False, 2048, 2100, (192, 128)), (64, True, 512, 777, (64, 64)),
+                                                  (64, True, 16384, 16384, (192, 128)), (256, False, 1100, 1500, (128, 80)),
+                                                  (256, True, 3001, 3001, (128, 80)), (256, False, 16384, 16384, (128, 64))])
+def test_defaults_by_rows_with_softcap_alibi_gqa(d, causal, sq, sk, tiles):
+    # the defaults by rows (head_dim 64: three warpgroups, 64-row tiles; 256: 128x80 ping-pong) with the score
+    # mods, GQA and the LSE, against the fp32 reference that applies them
+    _spec(head_dim=d)  # skips off sm_90a
     from attngen.families.prefill.op import kernel_for
 
     gen = fresh_generator()
     h, hk = (4, 2) if sq < 16384 else (2, 1)
-    q = guarded(1, sq, h, 64, dtype=BF16, gen=gen)
-    k = guarded(1, sk, hk, 64, dtype=BF16, gen=gen)
-    v = guarded(1, sk, hk, 64, dtype=BF16, gen=gen)
+    q = guarded(1, sq, h, d, dtype=BF16, gen=gen)
+    k = guarded(1, sk, hk, d, dtype=BF16, gen=gen)
+    v = guarded(1, sk, hk, d, dtype=BF16, gen=gen)
     slopes = torch.rand(h, device="cuda", dtype=torch.float32, generator=gen)
     spec = kernel_for(q, k, v, causal=causal).spec
-    assert spec.cta_tile_q == (64 if sq < 1024 else 192)
+    assert (spec.cta_tile_q, spec.cta_tile_kv) == tiles
     _default_call_checked(q, k, v, causal, BF16, softcap=30.0, alibi_slopes=slopes)
 
 

@@ -1,5 +1,6 @@
 """The TMA prefill pipeline's spec (``pipeline=tma``, its ``schedule``) and its compiles (NVRTC, no GPU)."""
 
+import itertools
 import types
 
 import pytest
@@ -311,7 +312,7 @@ def test_three_warpgroups_resolve_for_the_tma_kernel():
         assert resolve(PrefillSpec(head_dim=64), arch).num_warps != 12
 
 
-def test_head_dim_64_defaults_by_rows():
+def test_head_dims_64_and_256_defaults_by_rows():
     from attngen.families.prefill.defaults import by_rows
 
     for dtype in ("bf16", "fp16"):
@@ -331,8 +332,16 @@ def test_head_dim_64_defaults_by_rows():
                 for s in specs:
                     assert (s.dtype, s.mask, s.return_lse, s.softcap, s.alibi) == (r.dtype, r.mask, r.return_lse,
                                                                                    r.softcap, r.alibi)
+    # head_dim 256: 128x80 tiles in ping-pong (no mask 1024-16383 rows, causal from 2048)
+    for mask, bounds in (("none", [1024, 16384]), ("causal", [2048])):
+        r = resolve(PrefillSpec(head_dim=256, mask=mask, softcap=True), "sm_90a")
+        at, specs = by_rows(r, "sm_90a")
+        assert at == bounds and specs[0] == r and (mask == "causal" or specs[2] == r)
+        assert (specs[1].cta_tile_kv, specs[1].schedule.value, specs[1].softcap) == (80, "pingpong", True)
     # other head dims, masks, layouts and archs keep the one default
     for fields, arch in ((dict(head_dim=128), "sm_90a"), (dict(head_dim=64, mask="sliding_window"), "sm_90a"),
+                         (dict(head_dim=192), "sm_90a"), (dict(head_dim=256, mask="sliding_window"), "sm_90a"),
+                         (dict(head_dim=256), "sm_80"),
                          (dict(head_dim=64, varlen=True), "sm_90a"), (dict(head_dim=64, custom_mask=True), "sm_90a"),
                          (dict(head_dim=64), "sm_80"), (dict(head_dim=64), "sm_90"), (dict(head_dim=64), "sm_120")):
         assert by_rows(resolve(PrefillSpec(**fields), arch), arch) is None, (fields, arch)
@@ -343,12 +352,11 @@ def test_kernels_by_rows_are_in_the_default_manifest():
     from attngen.manifest import expand, load_manifest
 
     specs = {resolve(s, arch).to_text() for s, arch in expand(load_manifest())
-             if arch.name == "sm_90a" and s.family == "prefill" and s.head_dim == 64}
-    for mask in ("none", "causal"):
-        for dtype in ("bf16", "fp16"):
-            _, by = by_rows(resolve(PrefillSpec(head_dim=64, mask=mask, dtype=dtype), "sm_90a"), "sm_90a")
-            for spec in by:
-                assert spec.to_text() in specs, spec.to_text()
+             if arch.name == "sm_90a" and s.family == "prefill" and s.head_dim in (64, 256)}
+    for d, mask, dtype in itertools.product((64, 256), ("none", "causal"), ("bf16", "fp16")):
+        _, by = by_rows(resolve(PrefillSpec(head_dim=d, mask=mask, dtype=dtype), "sm_90a"), "sm_90a")
+        for spec in by:
+            assert spec.to_text() in specs, spec.to_text()
 
 
 @pytest.mark.parametrize("fields, field, named", [

@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def by_size(default: PrefillSpec, arch) -> tuple[list[int], list[PrefillSpec]] | None:
     """(bounds, specs): what ``attngen.prefill`` runs by its query rows without a spec or a stored winner,
     ``specs[i]`` from ``bounds[i - 1]`` rows on; None where ``default`` runs every length (``defaults.BY_ROWS``:
-    head_dim 64 on sm_90a)."""
+    head dims 64 and 256 on sm_90a)."""
     return by_rows(default, arch)
 
 
