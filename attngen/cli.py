@@ -213,34 +213,6 @@ def cmd_prewarm(args: argparse.Namespace) -> int:
 
 # --- inspect ---------------------------------------------------------------------------------
 
-def _defaults_by_size(spec, resolved, arch) -> list[tuple[int, Any]]:
-    """[(from size, spec)] where the family's op picks its default by size (its tuning module's ``by_size``) and
-    ``spec`` pins no tuning field; else []."""
-    from .family import get_family
-
-    fam = get_family(spec.family)
-    if not fam.tuning or any(getattr(spec, f) for f in spec.TUNING_FIELDS):
-        return []
-    import importlib
-
-    by_size = getattr(importlib.import_module(fam.tuning), "by_size", None)
-    rows = by_size(resolved, arch) if by_size else None
-    if not rows:
-        return []
-    bounds, specs = rows
-    return list(zip([0, *bounds], specs))
-
-
-def _size_word(spec) -> str:
-    """What the family's ``by_size`` goes by (its tuning module's ``BY_SIZE``, else its ``SIZE``)."""
-    import importlib
-
-    from .family import get_family
-
-    mod = importlib.import_module(get_family(spec.family).tuning)
-    return getattr(mod, "BY_SIZE", getattr(mod, "SIZE", "size"))
-
-
 def cmd_inspect(args: argparse.Namespace) -> int:
     arch: Arch = args.arch
     spec = parse_spec(args.spec)
@@ -252,11 +224,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {"ok": True, "spec": spec.to_text(), "spec_resolved": resolved.to_text(full=True),
                            "arch": arch.name, "kernel_name": resolved.kernel_name}
     sections: list[tuple[str, str]] = []
-    by_size = _defaults_by_size(spec, resolved, arch)
+    from . import tune
+
+    by_size = tune.defaults_by_size(spec, arch)
     if by_size:
         # the op runs other kernels at other sizes for a spec that pins no tuning field: said, not hidden
         out["defaults_by_size"] = [{"from": lo, "spec": s.to_text()} for lo, s in by_size]
-        sys.stderr.write(f"note: {spec.family}'s op runs this spec by size ({_size_word(spec)}) without a spec of "
+        counts = getattr(tune.tuning_module(spec), "BY_SIZE", "size")
+        sys.stderr.write(f"note: {spec.family}'s op runs this spec by size ({counts}) without a spec of "
                          f"the caller's or a tuned winner:\n"
                          + "".join(f"  from {lo}: {s.to_text()}\n" for lo, s in by_size))
     if want_source:

@@ -366,6 +366,17 @@ def validate(spec: Spec, arch: "str | Arch") -> None:
     spec.check(a)
 
 
+def replaced_if_valid(spec: Spec, arch: "str | Arch", **fields) -> "Spec | None":
+    """``spec`` with ``fields`` replaced where that validates on ``arch``, else None (an op's own choice beside
+    the resolved default: taken only where it fits)."""
+    other = spec.replace(**fields)
+    try:
+        validate(other, arch)
+    except SpecError:
+        return None
+    return other
+
+
 def check_wgmma_arch(spec: Spec, a: Arch) -> None:
     """Reject ``mma=wgmma`` on an arch without it, naming the field."""
     if not a.has_wgmma:

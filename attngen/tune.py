@@ -15,8 +15,9 @@ A family's tuning module (``Family.tuning``) provides:
   an argparse type for counts);
 - ``problem_size(spec, size, batch, heads) -> (batch, heads)``: the defaults a search uses;
 - ``problem(spec, size, batch, heads, seed, **options) -> Problem``;
-- optionally ``default_for(default, arch, size) -> Spec``: where the op's built-in default depends on the
-  size, the one it runs at ``size`` (``default`` is the resolved, size-independent one).
+- optionally ``by_size(default, arch) -> (bounds, specs) | None``: where the op's built-in default depends on
+  the size, ``specs[i]`` from ``bounds[i - 1]`` on (``default`` is the resolved, size-independent one), and
+  ``BY_SIZE``, what those bounds count.
 
 ``plan`` is pure (no GPU): it lists the candidates; ``run`` needs torch and a CUDA GPU.
 """
@@ -37,7 +38,7 @@ from .arch import Arch, get_arch
 from .cli_cache import aligned
 from .errors import AttngenError, LaunchError, SpecError
 from .family import get_family
-from .spec import Spec, tuning_candidates
+from .spec import Spec, resolve, tuning_candidates
 from .tuned import TunedStore
 
 CHECK_TOL = 1e-2  # relative L2 vs the default config; two correct configs differ by ~1e-3 (bf16 rounding)
@@ -93,15 +94,28 @@ def problem_size(spec: Spec, size: int, batch: int | None = None, heads: int | N
     return tuning_module(spec).problem_size(spec, size, batch, heads)
 
 
+def defaults_by_size(spec: Spec, arch: "str | Arch") -> list[tuple[int, Spec]]:
+    """[(from size, spec)]: what the family's op runs for ``spec`` at each size without a stored winner, where its
+    built-in default depends on the size (the tuning module's ``by_size``) and ``spec`` pins no tuning field;
+    else []."""
+    if not get_family(spec.family).tuning or any(getattr(spec, f) for f in spec.TUNING_FIELDS):
+        return []
+    by_size = getattr(tuning_module(spec), "by_size", None)
+    rows = by_size(resolve(spec, arch), get_arch(arch)) if by_size else None
+    if not rows:
+        return []
+    bounds, specs = rows
+    return list(zip([0, *bounds], specs))
+
+
 def plan(spec: Spec, arch: "str | Arch", max_candidates: int | None = None, size: int | None = None) -> list[Spec]:
-    """The configs a search tries, the default first; at most ``max_candidates`` of them. With ``size``, and a
-    spec that pins no tuning field, the default is what the family's op runs at that size without a stored
-    winner (the module's ``default_for``, where its built-in default depends on the size)."""
-    mod = tuning_module(spec)  # refuses a family without a tuning space
+    """The configs a search tries, the default first; at most ``max_candidates`` of them. With ``size``, the
+    default is what the family's op runs at that size without a stored winner (``defaults_by_size``)."""
+    tuning_module(spec)  # refuses a family without a tuning space
     cands = tuning_candidates(spec, get_arch(arch))
-    default_for = getattr(mod, "default_for", None)
-    if size is not None and default_for is not None and cands and not any(getattr(spec, f) for f in spec.TUNING_FIELDS):
-        first = default_for(cands[0], get_arch(arch), size)
+    by_size = defaults_by_size(spec, arch) if size is not None else []
+    if by_size:
+        first = [s for lo, s in by_size if size >= lo][-1]
         cands = [first, *(c for c in cands if c != first)]
     return cands[:max_candidates] if max_candidates else cands
 

@@ -7,9 +7,9 @@ import functools
 import struct
 
 from ... import runtime as _rt
-from ...errors import LaunchError, SpecError
+from ...errors import LaunchError
 from ...runtime import current_stream, data_ptr, empty_like_kind, get_kernel, tensor_info
-from ...spec import DType, Pipeline, spec_of_text, validate
+from ...spec import DType, Pipeline, replaced_if_valid, spec_of_text
 from ..score_mods import checked_scale
 from ..split_kv import (CLUSTER_MAX, cache_lengths, check_rows, checked_splits, choose_splits, ctas_per_sm,
                         paged_table, saturating_share, sm_count)
@@ -54,15 +54,8 @@ def _spec_for(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, user: 
     return MlaDecodeSpec(**fields) if user is None else user.replace(**fields)
 
 
-@functools.lru_cache(maxsize=None)
-def _if_it_fits(rs: MlaDecodeSpec, arch: str, **fields) -> "MlaDecodeSpec | None":
-    """``rs`` with ``fields`` replaced where the spec's fit rules allow that on ``arch``, else None."""
-    other = rs.replace(**fields)
-    try:
-        validate(other, arch)
-    except SpecError:
-        return None
-    return other
+# ``rs`` with fields replaced where that fits ``arch``, else None; remembered (the host path asks per call)
+_if_it_fits = functools.lru_cache(maxsize=None)(replaced_if_valid)
 
 
 def merge_entry(kern, chunks: int, num_splits: int) -> str:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import itertools
 
 from ...arch import Arch
-from ...errors import SpecError
-from ...spec import validate
+from ...spec import replaced_if_valid
 from .spec import MaskMode, Mma, Persistent, Pipeline, PrefillSpec, Schedule
 
 # Measured on an H200 (sm_90) with NVRTC 13.5, bf16, 16k tokens at seqlen 4096, 2026-11-22
@@ -218,14 +217,8 @@ def by_rows(resolved, arch) -> tuple[list[int], list[PrefillSpec]] | None:
     table = BY_ROWS.get((resolved.head_dim, resolved.dim_v, resolved.mask))
     if table is None or not resolved.tma or resolved.chunked:
         return None
-    specs = []
-    for _, fields in table:
-        spec = resolved if fields is None else resolved.replace(**fields)
-        try:
-            validate(spec, arch)
-        except SpecError:
-            spec = resolved
-        specs.append(spec)
+    specs = [resolved if fields is None else replaced_if_valid(resolved, arch, **fields) or resolved
+             for _, fields in table]
     return [rows for rows, _ in table[1:]], specs
 
 

@@ -31,20 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=_window, metavar="L,R", help="window of a sliding_window spec (default 256,0)")
 
 
-def by_size(default: PrefillSpec, arch) -> tuple[list[int], list[PrefillSpec]] | None:
-    """(bounds, specs): what ``attngen.prefill`` runs by its query rows without a spec or a stored winner,
-    ``specs[i]`` from ``bounds[i - 1]`` rows on; None where ``default`` runs every length (``defaults.BY_ROWS``:
-    head dims 64 and 256 on sm_90a)."""
-    return by_rows(default, arch)
-
-
-def default_for(default: PrefillSpec, arch, seqlen: int) -> PrefillSpec:
-    """The spec ``attngen.prefill`` runs for ``seqlen`` query rows without a spec or a stored winner."""
-    rows = by_rows(default, arch)
-    if rows is None:
-        return default
-    bounds, specs = rows
-    return specs[sum(seqlen >= b for b in bounds)]
+# What attngen.prefill runs by its query rows without a spec or a stored winner (``tune.defaults_by_size``):
+# ``defaults.BY_ROWS``, head dims 64 and 256 on sm_90a.
+by_size = by_rows
 
 
 def problem_size(spec: PrefillSpec, seqlen: int, batch: int | None = None, heads: int | None = None) -> tuple[int, int]:
