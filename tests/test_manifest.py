@@ -178,7 +178,7 @@ def test_default_manifest_validates_for_every_arch_it_lists():
         partial = (getattr(s, "custom_mask", False) and s.head_dim in (192, 256)) or (
             getattr(s, "varlen", False) and s.head_dim == 256 and s.mask.value == "sliding_window") or (
             s.family == "mla_decode" and (s.alternate or s.num_stages == 1)) or (  # sm_90a only: what its op swaps in
-            s.family == "prefill" and s.mma.value == "wgmma")  # (prefill's configs by rows at head_dim 64)
+            s.family == "prefill" and s.mma.value == "wgmma")  # (prefill's configs by rows at head dims 64, 128, 256)
         if not getattr(s, "return_lse", False) and not partial:
             assert {a.name for sp, a in items if sp == s} == archs
     assert {s.varlen for s in prefill} == {False, True} and {s.custom_mask for s in prefill} == {False, True}

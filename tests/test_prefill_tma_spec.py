@@ -312,7 +312,7 @@ def test_three_warpgroups_resolve_for_the_tma_kernel():
         assert resolve(PrefillSpec(head_dim=64), arch).num_warps != 12
 
 
-def test_head_dims_64_and_256_defaults_by_rows():
+def test_head_dims_64_128_and_256_defaults_by_rows():
     from attngen.families.prefill.defaults import by_rows
 
     for dtype in ("bf16", "fp16"):
@@ -338,8 +338,19 @@ def test_head_dims_64_and_256_defaults_by_rows():
         at, specs = by_rows(r, "sm_90a")
         assert at == bounds and specs[0] == r and (mask == "causal" or specs[2] == r)
         assert (specs[1].cta_tile_kv, specs[1].schedule.value, specs[1].softcap) == (80, "pingpong", True)
+    # head_dim 128, causal: below 768 rows 64x64 tiles on one warpgroup of the TMA ring, persistent
+    for extra in ({}, dict(return_lse=True, softcap=True, alibi=True, dtype="fp16")):
+        r = resolve(PrefillSpec(head_dim=128, mask="causal", **extra), "sm_90a")
+        at, specs = by_rows(r, "sm_90a")
+        assert at == [768] and specs[1] == r
+        short = specs[0]
+        assert (short.cta_tile_q, short.cta_tile_kv, short.num_warps, short.num_stages, short.pipeline.value,
+                short.schedule.value, short.is_persistent) == (64, 64, 4, 2, "tma", "serial", True)
+        assert (short.dtype, short.return_lse, short.softcap, short.alibi) == (r.dtype, r.return_lse, r.softcap,
+                                                                               r.alibi)
     # other head dims, masks, layouts and archs keep the one default
-    for fields, arch in ((dict(head_dim=128), "sm_90a"), (dict(head_dim=64, mask="sliding_window"), "sm_90a"),
+    for fields, arch in ((dict(head_dim=128), "sm_90a"), (dict(head_dim=128, mask="causal"), "sm_90"),
+                         (dict(head_dim=128, mask="causal", varlen=True), "sm_90a"), (dict(head_dim=64, mask="sliding_window"), "sm_90a"),
                          (dict(head_dim=192), "sm_90a"), (dict(head_dim=256, mask="sliding_window"), "sm_90a"),
                          (dict(head_dim=256), "sm_80"),
                          (dict(head_dim=64, varlen=True), "sm_90a"), (dict(head_dim=64, custom_mask=True), "sm_90a"),
@@ -352,9 +363,9 @@ def test_kernels_by_rows_are_in_the_default_manifest():
     from attngen.manifest import expand, load_manifest
 
     specs = {resolve(s, arch).to_text() for s, arch in expand(load_manifest())
-             if arch.name == "sm_90a" and s.family == "prefill" and s.head_dim in (64, 256)}
-    for d, mask, dtype in itertools.product((64, 256), ("none", "causal"), ("bf16", "fp16")):
-        _, by = by_rows(resolve(PrefillSpec(head_dim=d, mask=mask, dtype=dtype), "sm_90a"), "sm_90a")
+             if arch.name == "sm_90a" and s.family == "prefill" and s.head_dim in (64, 128, 256)}
+    for d, mask, dtype in itertools.product((64, 128, 256), ("none", "causal"), ("bf16", "fp16")):
+        _, by = by_rows(resolve(PrefillSpec(head_dim=d, mask=mask, dtype=dtype), "sm_90a"), "sm_90a") or ([], [])
         for spec in by:
             assert spec.to_text() in specs, spec.to_text()
 

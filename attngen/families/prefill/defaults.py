@@ -181,9 +181,9 @@ CHUNKED_VARLEN_SPILLS_ON = {
 }
 
 
-# sm_90a, the dense layout, head dims 64 and 256: the default depends on the call's query rows (``by_rows``). Per
-# (head_dim, head_dim_v, mask), from how many rows on each config runs; None: the resolved default (at 64 the 128-row
-# ping-pong persistent kernel, at 256 128x64 serial one CTA a tile).
+# sm_90a, the dense layout, head dims 64, 128 and 256: the default depends on the call's query rows (``by_rows``). Per
+# (head_dim, head_dim_v, mask), from how many rows on each config runs; None: the resolved default (at 64 and 128 the
+# 128-row ping-pong persistent kernel, at 256 128x64 serial one CTA a tile).
 # Head dim 64's long rows take three consumer warpgroups (192x128 tiles on 12 warps, ping-pong among the three, one
 # CTA a query tile). H100, 2026-11-26, the 12 shapes of the sweep a mask and dtype, two runs each (BENCHMARKS.md): no
 # mask 1.01-1.05x the default at 2k-4k rows and 1.11-1.16x at 8k-16k, 0.90-0.92x at 512-1k (a 192-row tile wastes
@@ -196,15 +196,21 @@ CHUNKED_VARLEN_SPILLS_ON = {
 # column of the default in the same position of each run (H100, the same day, both dtypes, two runs): no mask
 # 1.05-1.08x at 1k-4k, 1.01-1.06x at 8k, 0.97-1.00x at 16k (the default again from there), 0.98-0.99x at 512;
 # causal 1.02-1.03x at 2k, 1.04-1.05x at 4k-8k, 1.06-1.08x at 16k, 0.96-0.99x at 512-1k.
+# Head dim 128's short causal rows take 64x64 tiles on one consumer warpgroup of the TMA ring (serial, persistent:
+# two CTAs an SM walk the tiles). H100, the same day, both dtypes, interleaved: 1.04-1.05x the default at 256 rows,
+# 1.03x at 512, 0.96x at 768, 0.90-0.92x at 1024.
 THREE_GROUPS = dict(cta_tile_q=192, cta_tile_kv=128, num_warps=12, num_stages=2, mma=Mma.WGMMA, pipeline=Pipeline.TMA,
                     schedule=Schedule.PINGPONG, persistent=Persistent.OFF)
 SHORT_CAUSAL = dict(cta_tile_q=64, cta_tile_kv=64, num_warps=4, num_stages=4, mma=Mma.WGMMA, pipeline=Pipeline.SYNC,
                     schedule=Schedule.SERIAL, persistent=Persistent.OFF)
 KV80_PINGPONG = dict(cta_tile_q=128, cta_tile_kv=80, num_warps=8, num_stages=2, mma=Mma.WGMMA, pipeline=Pipeline.TMA,
                      schedule=Schedule.PINGPONG, persistent=Persistent.OFF)
+SHORT_CAUSAL_TMA = dict(cta_tile_q=64, cta_tile_kv=64, num_warps=4, num_stages=2, mma=Mma.WGMMA, pipeline=Pipeline.TMA,
+                        schedule=Schedule.SERIAL, persistent=Persistent.ON)
 BY_ROWS = {
     (64, 64, MaskMode.NONE): ((0, None), (2048, THREE_GROUPS)),
     (64, 64, MaskMode.CAUSAL): ((0, SHORT_CAUSAL), (1024, None), (16384, THREE_GROUPS)),
+    (128, 128, MaskMode.CAUSAL): ((0, SHORT_CAUSAL_TMA), (768, None)),
     (256, 256, MaskMode.NONE): ((0, None), (1024, KV80_PINGPONG), (16384, None)),
     (256, 256, MaskMode.CAUSAL): ((0, None), (2048, KV80_PINGPONG)),
 }

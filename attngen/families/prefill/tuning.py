@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # What attngen.prefill runs by its query rows without a spec or a stored winner (``tune.defaults_by_size``):
-# ``defaults.BY_ROWS``, head dims 64 and 256 on sm_90a.
+# ``defaults.BY_ROWS``, head dims 64, 128 and 256 on sm_90a.
 by_size = by_rows
 
 
