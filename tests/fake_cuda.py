@@ -79,6 +79,13 @@ CUresult cuOccupancyMaxActiveClusters(int *n, void *f, const Config *c) {
     *n = x <= 8 ? 120 / x : 0;
     return 0;
 }
+/* The CTAs an SM holds, by threads (2048) and shared memory (228 KB, 1 KB of it a CTA's) alone: the stub
+   does not know a kernel's registers. */
+CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *n, void *f, int threads, size_t smem) {
+    int by_threads = 2048 / threads, by_smem = (int)(233472 / (smem + 1024));
+    *n = by_threads < by_smem ? by_threads : by_smem;
+    return 0;
+}
 /* A tensor map: 128 bytes naming what it was built from (the address and the first two dims), so that a
    test can tell maps apart; never read by a kernel here. */
 CUresult cuTensorMapEncodeTiled(void *map, int dtype, unsigned rank, void *addr, const uint64_t *dims,

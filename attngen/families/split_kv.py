@@ -8,7 +8,6 @@ import functools
 
 from .._driver import (CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH, CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE,
                        CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, driver)
-from ..arch import get_arch
 from ..errors import LaunchError
 from ..runtime import tensor_info
 
@@ -103,14 +102,11 @@ def saturating_share(device: int) -> float:
 
 @functools.lru_cache(maxsize=None)
 def ctas_per_sm(kern) -> int:
-    """How many CTAs of a loaded kernel one SM holds at once (shared memory, threads, registers)."""
-    spec = kern.spec
-    a = get_arch(kern.binary.arch)
-    regs = kern.binary.resources.registers if kern.binary.resources.known else 255
-    by_smem = a.smem_per_sm // (spec.smem_bytes() + 1024)
-    by_threads = 2048 // spec.threads
-    by_regs = a.regs_per_sm // (max(regs, 1) * spec.threads)
-    return max(1, min(by_smem, by_threads, by_regs))
+    """How many CTAs of a loaded kernel's main entry one SM holds at once: the driver's count (registers,
+    threads, shared memory). (Worked out here from the compile's register report before 2026-11-26: NVRTC
+    leaves that report out of some logs, and a kernel without one counted as 255 registers a thread, which
+    halved the persistent grid of a kernel that runs two CTAs an SM.)"""
+    return max(1, kern.occupancy())
 
 
 @functools.lru_cache(maxsize=4096)
