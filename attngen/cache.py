@@ -561,8 +561,9 @@ def _log_compile(spec: Spec, a: Arch, b: Binary) -> None:
     """One INFO record per compile; the first compile of a process that took over a second also
     says how to avoid it."""
     r = b.resources
-    res = (f"{r.registers} registers, {r.spill_stores}/{r.spill_loads} bytes spilled (stores/loads)"
-           if r.known else "resources not reported")
+    res = (f"{r.registers} registers, {r.spill_stores}/{r.spill_loads} bytes spilled (stores/loads)" if r.known else
+           f"{r.registers} registers and a {r.stack_frame}-byte stack frame (from the cubin; NVRTC's log held no "
+           f"spill report)")
     log.info("compiled %s for %s in %.2f s: %s", spec.to_text(), a.name, b.compile_seconds, res)
     if b.compile_seconds > 1.0 and not _slow_compile_told[0]:
         _slow_compile_told[0] = True

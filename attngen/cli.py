@@ -256,8 +256,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"kernel      {resolved.kernel_name}",
             f"registers   {res.registers} per thread ({resolved.threads} threads per block)",
             f"smem        {resolved.smem_bytes()} B dynamic + {res.smem_static} B static "
-            f"(limit {arch.smem_per_block} B per block)",
-            f"spills      {res.spill_stores} B stores, {res.spill_loads} B loads",
+            f"(limit {arch.smem_per_block} B per block)" if res.known else
+            f"smem        {resolved.smem_bytes()} B dynamic (limit {arch.smem_per_block} B per block)",
+            f"spills      {res.spill_stores} B stores, {res.spill_loads} B loads" if res.known else
+            "spills      not reported (NVRTC's log held no report; registers and stack frame are the cubin's, "
+            "and a 0-byte frame means none)",
             f"stack frame {res.stack_frame} B",
             f"cache       {r.origin} ({r.key})",
         ]) + "\n"))

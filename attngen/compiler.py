@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,9 @@ BASE_OPTIONS: tuple[str, ...] = ("--std=c++17", "-Xptxas", "-v", "--device-as-de
 
 @dataclass(frozen=True)
 class Resources:
-    """ptxas' report for the entry function; ``known`` is False where NVRTC gave no report."""
+    """ptxas' report for the entry function. ``known`` is False where NVRTC's log held no report: registers
+    and stack frame are then read from the cubin (``cubin_resources``); static shared memory and the spill
+    counts are not known (a spill needs a stack frame, so a frame of 0 still rules them out)."""
 
     registers: int = 0
     smem_static: int = 0
@@ -174,6 +177,46 @@ def parse_resources(log: str, kernel_name: str = "") -> Resources:
     return Resources(**vals)
 
 
+# EIATTR codes of the cubin's .nv.info section: per function symbol, its registers and its stack frame.
+_EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE, _EIFMT_SVAL = 0x2F, 0x11, 4
+
+
+def cubin_resources(cubin: bytes, kernel_name: str) -> Resources:
+    """What the cubin itself says of entry ``kernel_name``: registers and stack frame (``.nv.info``'s
+    attributes for its symbol); static shared memory and the spill counts are not there (``known`` False).
+    Zeros where the cubin does not say."""
+    try:
+        shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+        shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+        heads = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+
+        def cstr(at: int) -> bytes:
+            return cubin[at:cubin.index(b"\0", at)]
+
+        names = [cstr(heads[shstrndx][4] + h[0]) for h in heads]
+        sec = dict(zip(names, heads))
+        symtab = sec[b".symtab"]
+        strtab_off = heads[symtab[6]][4]  # sh_link: the symbols' names
+        sym = next(i for i in range(symtab[5] // 24)
+                   if cstr(strtab_off + struct.unpack_from("<I", cubin, symtab[4] + 24 * i)[0])
+                   == kernel_name.encode())
+        vals = {}
+        info = sec.get(b".nv.info")
+        p, end = (info[4], info[4] + info[5]) if info else (0, 0)
+        while p + 4 <= end:
+            fmt, attr, size = cubin[p], cubin[p + 1], struct.unpack_from("<H", cubin, p + 2)[0]
+            if fmt != _EIFMT_SVAL:
+                p += 4
+                continue
+            if size >= 8 and struct.unpack_from("<I", cubin, p + 4)[0] == sym:
+                vals[attr] = struct.unpack_from("<I", cubin, p + 8)[0]
+            p += 4 + size
+    except (struct.error, ValueError, KeyError, IndexError, StopIteration):
+        return Resources(known=False)
+    return Resources(registers=vals.get(_EIATTR_REGCOUNT, 0), stack_frame=vals.get(_EIATTR_FRAME_SIZE, 0),
+                     known=False)
+
+
 def compile(source: str, arch: "str | Arch", *, kernel_name: str, extra_options: tuple[str, ...] = (),
             want_ptx: bool = False, filename: str = "attngen_kernel.cu", entries: tuple[str, ...] = ()) -> Binary:
     """Compile ``source`` to a cubin for exactly ``arch``; raise CompileError with the log on failure.
@@ -204,7 +247,8 @@ def compile(source: str, arch: "str | Arch", *, kernel_name: str, extra_options:
                                name=kernel_name, options=options)
     known = f"'{kernel_name}'" in log
     return Binary(cubin=cubin, kernel_name=kernel_name, arch=a.name, options=options,
-                  nvrtc_version=used, resources=parse_resources(log, kernel_name) if known else Resources(known=False),
+                  nvrtc_version=used,
+                  resources=parse_resources(log, kernel_name) if known else cubin_resources(cubin, kernel_name),
                   log=log, compile_seconds=secs, ptx=ptx)
 
 

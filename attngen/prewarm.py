@@ -85,10 +85,12 @@ def build_item(index: int, spec_dict: dict, arch: str) -> dict:
         "kernel_name": r.binary.kernel_name,
         "origin": r.origin,
         "registers": res.registers,
-        "smem_static": res.smem_static,
+        # (None: NVRTC's log held no report; registers then come from the cubin)
+        "smem_static": res.smem_static if res.known else None,
         "smem_dynamic": r.spec.smem_bytes(),
-        "spill_stores": res.spill_stores,
-        "spill_loads": res.spill_loads,
+        "spill_stores": res.spill_stores if res.known else None,
+        "spill_loads": res.spill_loads if res.known else None,
+        "stack_frame": res.stack_frame,
         # For a hit this is the time the original compile took, as recorded in the entry.
         "compile_seconds": round(r.binary.compile_seconds, 4),
         "seconds": round(time.perf_counter() - t0, 4),
@@ -105,8 +107,8 @@ def _failed_item(index: int, spec_dict: dict, arch: str, error: str, seconds: fl
         text = json.dumps(spec_dict, sort_keys=True)
     return {"index": index, "spec": text, "spec_resolved": None, "arch": arch, "key": None,
             "kernel_name": None, "origin": "failed", "registers": None, "smem_static": None,
-            "smem_dynamic": None, "spill_stores": None, "spill_loads": None, "compile_seconds": None,
-            "seconds": round(seconds, 4), "error": error, "error_type": error_type}
+            "smem_dynamic": None, "spill_stores": None, "spill_loads": None, "stack_frame": None,
+            "compile_seconds": None, "seconds": round(seconds, 4), "error": error, "error_type": error_type}
 
 
 def summarize(results: list[dict], wall_seconds: float) -> dict:

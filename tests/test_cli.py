@@ -219,6 +219,25 @@ def test_inspect_key_without_compiling(cache_dir, capsys):
     assert not (cache_dir / "v1").exists()
 
 
+def test_inspect_and_cache_ls_say_when_nvrtc_gave_no_spill_report(cache_dir, capsys, monkeypatch):
+    # NVRTC leaves ptxas' report out of some logs: inspect and cache ls then show the cubin's registers and say the
+    # spills are not reported, rather than 0 bytes
+    import attngen.compiler as compiler
+
+    real = compiler._run_nvrtc
+    monkeypatch.setattr(compiler, "_run_nvrtc", lambda *a: (lambda c, log, p: (c, "", p))(*real(*a)))
+    assert main(["inspect", SPEC, "--resources"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"registers\s+[1-9]\d* per thread", out) and "spills      not reported" in out
+    rc, js = run_json(capsys, "inspect", SPEC, "--resources")
+    assert rc == 0 and js["resources"]["known"] is False and js["resources"]["registers"] > 0
+    rc, ls = run_json(capsys, "cache", "ls")
+    entry = ls["entries"][0]
+    assert entry["registers"] == js["resources"]["registers"] and entry["spill_stores"] is None
+    assert main(["cache", "ls"]) == 0
+    assert "?" in capsys.readouterr().out.splitlines()[1].split()[3]  # the SPILLS column
+
+
 def test_inspect_resources_builds_through_the_cache_with_the_key_it_shows(cache_dir, capsys):
     assert main(["inspect", SPEC, "--resources"]) == 0
     out = capsys.readouterr().out

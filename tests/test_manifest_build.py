@@ -24,6 +24,7 @@ def test_default_manifest_builds_for_every_arch_without_spills(cache_dir):
     assert not failed, failed[:5]
     assert {r["origin"] for r in results} <= {"compiled", "disk", "memory"}
     spilled = [(r["spec_resolved"], r["arch"], r["spill_stores"], r["spill_loads"]) for r in results
-               if r["spill_stores"] or r["spill_loads"]]
+               if r["spill_stores"] or r["spill_loads"]
+               or r["spill_stores"] is None and r["stack_frame"]]  # no report from NVRTC: a spill needs a frame
     assert not spilled, spilled
     assert len({r["key"] for r in results}) == len(items)
