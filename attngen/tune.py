@@ -172,7 +172,9 @@ def _compile(row: Row, arch: Arch) -> bool:
         row.status, row.error = "failed", _first_line(e)
         return False
     res = r.binary.resources
-    row.registers, row.spill_stores, row.spill_loads = res.registers, res.spill_stores, res.spill_loads
+    row.registers = res.registers
+    if res.known:  # (else NVRTC's log held no report: the spills are not known)
+        row.spill_stores, row.spill_loads = res.spill_stores, res.spill_loads
     row.smem, row.origin = row.spec.smem_bytes(), r.origin
     return True
 

@@ -110,7 +110,8 @@ def measure_cold(specs: list, arch: str, reps: int = 1) -> list[dict]:
                 nvrtcs.append(r.binary.compile_seconds)
                 res = r.binary.resources
         _cache.clear_memory()
-        note = f"NVRTC {statistics.median(nvrtcs):.3f} s; {res.registers} regs, {res.spill_stores} B spill"
+        spill = f"{res.spill_stores} B spill" if res.known else "spills not reported"
+        note = f"NVRTC {statistics.median(nvrtcs):.3f} s; {res.registers} regs, {spill}"
         rows.append(_row(f"cold compile ({arch})", spec.to_text(), statistics.median(totals), "s",
                          TARGET_COLD_S, note))
     return rows
