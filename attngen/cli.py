@@ -255,9 +255,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"arch        {arch.name}",
             f"kernel      {resolved.kernel_name}",
             f"registers   {res.registers} per thread ({resolved.threads} threads per block)",
-            f"smem        {resolved.smem_bytes()} B dynamic + {res.smem_static} B static "
-            f"(limit {arch.smem_per_block} B per block)" if res.known else
-            f"smem        {resolved.smem_bytes()} B dynamic (limit {arch.smem_per_block} B per block)",
+            f"smem        {resolved.smem_bytes()} B dynamic{f' + {res.smem_static} B static' if res.known else ''} "
+            f"(limit {arch.smem_per_block} B per block)",
             f"spills      {res.spill_stores} B stores, {res.spill_loads} B loads" if res.known else
             "spills      not reported (NVRTC's log held no report; registers and stack frame are the cubin's, "
             "and a 0-byte frame means none)",

@@ -9,6 +9,7 @@ import sys
 from . import cache as _cache
 from . import tuned as _tuned
 from .bundle import export_bundle, import_bundle, verify
+from .compiler import REPORT_ONLY
 from .errors import AttngenError, CacheError
 from .spec import parse_spec
 
@@ -59,6 +60,8 @@ def _entry_row(disk: "_cache.DiskCache", e: "_cache.Entry") -> dict:
     # invalid rather than taking the whole listing down.
     meta = e.meta if isinstance(e.meta, dict) else {}
     res = meta.get("resources") if isinstance(meta.get("resources"), dict) else {}
+    if res.get("known", True) is False:  # NVRTC's log held no report: registers are the cubin's, the rest not known
+        res = {**res, **dict.fromkeys(REPORT_ONLY)}
     try:
         valid = disk.get(e.key) is not None
     except Exception:
@@ -78,11 +81,10 @@ def _entry_row(disk: "_cache.DiskCache", e: "_cache.Entry") -> dict:
         "arch": meta.get("arch"),
         "kernel_name": meta.get("kernel_name"),
         "registers": res.get("registers"),
-        # (None: NVRTC's log held no report for it; its registers then came from the cubin)
-        "smem_static": res.get("smem_static") if res.get("known", True) else None,
+        "smem_static": res.get("smem_static"),
         "smem_dynamic": meta.get("smem_dynamic"),
-        "spill_stores": res.get("spill_stores") if res.get("known", True) else None,
-        "spill_loads": res.get("spill_loads") if res.get("known", True) else None,
+        "spill_stores": res.get("spill_stores"),
+        "spill_loads": res.get("spill_loads"),
         "bytes": size,
         "compile_seconds": meta.get("compile_seconds"),
         "created": meta.get("created"),

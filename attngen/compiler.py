@@ -23,6 +23,9 @@ from .errors import CompileError
 BASE_OPTIONS: tuple[str, ...] = ("--std=c++17", "-Xptxas", "-v", "--device-as-default-execution-space")
 
 
+REPORT_ONLY = ("smem_static", "spill_stores", "spill_loads")  # what only ptxas' report gives
+
+
 @dataclass(frozen=True)
 class Resources:
     """ptxas' report for the entry function. ``known`` is False where NVRTC's log held no report: registers
@@ -39,6 +42,10 @@ class Resources:
     def to_dict(self) -> dict:
         return dict(registers=self.registers, smem_static=self.smem_static, stack_frame=self.stack_frame,
                     spill_stores=self.spill_stores, spill_loads=self.spill_loads, known=self.known)
+
+    def reported(self) -> dict:
+        """``to_dict`` as a report shows it: static shared memory and the spill counts None where not known."""
+        return self.to_dict() if self.known else {**self.to_dict(), **dict.fromkeys(REPORT_ONLY)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Resources":

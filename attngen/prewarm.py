@@ -71,7 +71,7 @@ def build_item(index: int, spec_dict: dict, arch: str) -> dict:
     except Exception as e:  # a bug in one stage must not take the other items down with it
         return _failed_item(index, spec_dict, arch, f"{type(e).__name__}: {e}", time.perf_counter() - t0,
                             type(e).__name__)
-    res = r.binary.resources
+    res = r.binary.resources.reported()  # (None where NVRTC's log held no report; registers: the cubin's)
     error = None
     if not r.stored:
         # The point of prewarm is the disk copy: a kernel that only lives in this worker's memory is lost.
@@ -84,13 +84,12 @@ def build_item(index: int, spec_dict: dict, arch: str) -> dict:
         "key": r.key,
         "kernel_name": r.binary.kernel_name,
         "origin": r.origin,
-        "registers": res.registers,
-        # (None: NVRTC's log held no report; registers then come from the cubin)
-        "smem_static": res.smem_static if res.known else None,
+        "registers": res["registers"],
+        "smem_static": res["smem_static"],
         "smem_dynamic": r.spec.smem_bytes(),
-        "spill_stores": res.spill_stores if res.known else None,
-        "spill_loads": res.spill_loads if res.known else None,
-        "stack_frame": res.stack_frame,
+        "spill_stores": res["spill_stores"],
+        "spill_loads": res["spill_loads"],
+        "stack_frame": res["stack_frame"],
         # For a hit this is the time the original compile took, as recorded in the entry.
         "compile_seconds": round(r.binary.compile_seconds, 4),
         "seconds": round(time.perf_counter() - t0, 4),

@@ -171,10 +171,8 @@ def _compile(row: Row, arch: Arch) -> bool:
     except AttngenError as e:
         row.status, row.error = "failed", _first_line(e)
         return False
-    res = r.binary.resources
-    row.registers = res.registers
-    if res.known:  # (else NVRTC's log held no report: the spills are not known)
-        row.spill_stores, row.spill_loads = res.spill_stores, res.spill_loads
+    res = r.binary.resources.reported()  # (spills None where NVRTC's log held no report)
+    row.registers, row.spill_stores, row.spill_loads = res["registers"], res["spill_stores"], res["spill_loads"]
     row.smem, row.origin = row.spec.smem_bytes(), r.origin
     return True
 

@@ -100,7 +100,6 @@ def saturating_share(device: int) -> float:
     return min(1.0, peak / (SM_STREAM_BYTES_PER_S * sm_count(device))) if peak > 0 else 0.5
 
 
-@functools.lru_cache(maxsize=None)
 def ctas_per_sm(kern) -> int:
     """How many CTAs of a loaded kernel's main entry one SM holds at once: the driver's count (registers,
     threads, shared memory). (Worked out here from the compile's register report before 2026-11-26: NVRTC

@@ -60,8 +60,8 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
   static_assert(!PERSISTENT || TMA, "PERSISTENT: the TMA pipeline's producer loads the next tile's Q");
   // TMA: registers per thread of the producer warpgroup and of the consumers, after setmaxnreg. Two
   // consumer warpgroups run one CTA an SM, launched with 168 (384 threads): 24 + 2 x 240 (40 + 2 x 232 read
-  // 0.2% slower over the 72-shape sweep, 2.7% at head_dim 64 without a mask below 2048 rows; H100, 2026-11-26). Three (192-row
-  // tiles, launched with 128 for 512 threads): 32 + 3 x 160. With two CTAs an SM (one consumer warpgroup,
+  // 0.2% slower over the 72-shape sweep, 2.7% at head_dim 64 without a mask below 2048 rows; H100,
+  // 2026-11-26). Three (192-row tiles, launched with 128 for 512 threads): 32 + 3 x 160. With two CTAs an SM (one consumer warpgroup,
   // launched with 128): 24 + 232. One consumer warpgroup alone on an SM has every register it can use, and
   // no setmaxnreg.
   constexpr int GROUPS = NUM_WARPS / 4;  // consumer warpgroups (wgmma)
