@@ -224,6 +224,19 @@ def cubin_resources(cubin: bytes, kernel_name: str) -> Resources:
                      known=False)
 
 
+def whole_elf(cubin: bytes) -> bytes:
+    """``cubin`` as long as its ELF header says: CuPy's ``getCUBIN`` drops the image's last byte (it strips a
+    C string's NUL), the last of the program header table, which is zero. A loader given the short image read
+    the byte past its end (CPython's NUL after a bytes object), and disassemblers refused the stored file."""
+    try:
+        phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
+    except struct.error:
+        return cubin
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    return cubin + bytes(end - len(cubin)) if cubin[:4] == b"\x7fELF" and 0 < end - len(cubin) <= 8 else cubin
+
+
 def compile(source: str, arch: "str | Arch", *, kernel_name: str, extra_options: tuple[str, ...] = (),
             want_ptx: bool = False, filename: str = "attngen_kernel.cu", entries: tuple[str, ...] = ()) -> Binary:
     """Compile ``source`` to a cubin for exactly ``arch``; raise CompileError with the log on failure.
@@ -269,7 +282,7 @@ def _run_nvrtc(nvrtc, source, filename, full, want_ptx, kernel_name, a, options)
             raise CompileError(f"NVRTC failed to compile {kernel_name} for {a.name}: {e}", log=log,
                                source=source, name=kernel_name, options=options) from None
         log = _log(nvrtc, prog)
-        cubin = bytes(nvrtc.getCUBIN(prog))
+        cubin = whole_elf(bytes(nvrtc.getCUBIN(prog)))
         ptx = nvrtc.getPTX(prog).decode(errors="replace").rstrip("\x00") if want_ptx else ""
     finally:
         nvrtc.destroyProgram(prog)

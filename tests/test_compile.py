@@ -8,7 +8,7 @@ import pytest
 
 from attngen.arch import get_arch
 from attngen.compiler import (Binary, Resources, compile, compile_options, cubin_resources, nvrtc_version,
-                               parse_resources)
+                               parse_resources, whole_elf)
 from attngen.errors import AttngenError, CompileError
 from attngen.render import render
 from attngen.spec import parse_spec, resolve
@@ -66,6 +66,20 @@ def test_compiles_a_cubin_for_the_exact_arch(arch, text):
     assert r.registers * spec.threads <= a.regs_per_sm, "a block could never be resident"
     assert r.smem_static + spec.smem_bytes() <= a.smem_per_block
     assert pickle.loads(pickle.dumps(b)) == b
+    # the whole image: the program and section header tables end inside it, the former at its last byte
+    phoff, shoff = struct.unpack_from("<QQ", b.cubin, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", b.cubin, 0x36)
+    assert len(b.cubin) == max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+
+
+def test_whole_elf_restores_only_a_short_image():
+    # CuPy's getCUBIN drops the image's last byte; whole_elf puts the zero back, and leaves whole images
+    # and what is not an ELF as they are
+    _, _, b = built(COMMON, "sm_90a")
+    assert whole_elf(b.cubin[:-1]) == b.cubin and b.cubin[-1] == 0
+    assert whole_elf(b.cubin) == b.cubin
+    assert whole_elf(b"not an elf") == b"not an elf"
+    assert whole_elf(b.cubin[:-100]) == b.cubin[:-100]  # too short to be CuPy's byte: left for the loader to refuse
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
