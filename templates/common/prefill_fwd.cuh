@@ -304,7 +304,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
     // lets warpgroup 0 go first and skips its last arrival: each barrier sees as many arrivals as waits.
     const int wg = warp / 4;
     unsigned p_frag[OVERLAP ? BLOCK_N / 16 : 1][4];  // P of the tile whose P V is issued next
-    float corr_o[M_TILES][2];                        // and its softmax's correction of O, applied first
+    float corr_o[M_TILES][2];                        // and its softmax's correction of O
     auto turn_begin = [&]() {
       if constexpr (PINGPONG) WgmmaOps<BF16>::bar_sync(2 + wg, 256);
     };
@@ -315,15 +315,26 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
           WgmmaOps<BF16>::bar_arrive(GROUPS == 2 ? 3 - wg : 2 + (wg + 1) % GROUPS, 256);
       }
     };
-    auto rescale_issue_pv = [&](int r) {  // r: the tile's place in the ring
+    // O takes the correction once the P V before has landed, not between S = Q K^T's issue and P V's: an
+    // access to an accumulator register there makes ptxas wait for S = Q K^T to land before P V can issue
+    // (C7517, NVRTC 13.0), which puts the rescale and P V's issue between the two GEMMs of every turn. Head_dim
+    // 64 keeps it there (RESCALE_IN_TURN): its softmax, not its GEMMs, is what a step waits on, and the rescale
+    // rides the wait for S. H100, 2026-11-26: 1.03-1.06x at head_dim 128 and 1.02-1.04x at 256 (ping-pong) from
+    // 1k keys; 0.98-0.99x at 64. (At the start of the turn, before S = Q K^T's issue, ptxas serialised every
+    // wgmma instead: C7515.)
+    constexpr bool RESCALE_IN_TURN = HEAD_DIM <= 64;
+    auto rescale_o = [&]() {
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int d = 0; d < D_TILES; ++d)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc_o[mt][d][c] *= corr_o[mt][c / 2];
+    };
+    auto issue_pv = [&](int r) {  // r: the tile's place in the ring
       if constexpr (OVERLAP) {  // compiled only there: WgmmaOps exists on sm_90a alone
         using W = WgmmaOps<BF16>;
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-          for (int d = 0; d < D_TILES; ++d)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc_o[mt][d][c] *= corr_o[mt][c / 2];
+        if constexpr (RESCALE_IN_TURN) rescale_o();
         const int slot = r % NUM_STAGES;
         W::mbar_wait(v_bar(slot), (r / NUM_STAGES) & 1);
         const unsigned v_at = smem_addr(sV + slot * V_ELEMS);
@@ -400,7 +411,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
         if constexpr (OVERLAP) {
           // P V's group (empty in the first step, so that one wait serves every step), then S = Q K^T's
           // landing, with P V left running
-          if (it > 0) rescale_issue_pv(r - 1);
+          if (it > 0) issue_pv(r - 1);
           W::commit();
           turn_end(false);
           W::template wait<1>();
@@ -512,6 +523,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
         W::template wait<0>();
         W::hold(acc_o[0]);
         if (it > 0 && lane == 0) W::mbar_arrive(ev_bar((r - 1) % NUM_STAGES));  // and with tile it - 1's V
+        if constexpr (!RESCALE_IN_TURN) rescale_o();
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) p_fragment<BF16>(acc_s[0], kk, p_frag[kk]);
       } else if constexpr (WGMMA) {
@@ -565,7 +577,7 @@ __device__ __forceinline__ void prefill_fwd(const PrefillParams<T>& p, const Tma
     if constexpr (OVERLAP) {
       if (n_tiles > 0) {
         turn_begin();
-        rescale_issue_pv(ring0 + n_tiles - 1);
+        issue_pv(ring0 + n_tiles - 1);
         WgmmaOps<BF16>::commit();
         WgmmaOps<BF16>::template wait<0>();
         WgmmaOps<BF16>::hold(acc_o[0]);
