@@ -286,7 +286,7 @@ def test_default_short_causal_rows_take_64_row_tiles(sq, sk):
 @pytest.mark.parametrize("d,causal,sq,sk,tiles", [(64, False, 2048, 2100, (192, 128)), (64, True, 512, 777, (64, 64)),
                                                   (64, True, 16384, 16384, (192, 128)), (256, False, 1100, 1500, (128, 80)),
                                                   (128, True, 700, 900, (64, 64)), (128, True, 768, 768, (128, 128)),
-                                                  (256, True, 3001, 3001, (128, 80)), (256, False, 16384, 16384, (128, 64))])
+                                                  (256, True, 3001, 3001, (128, 80)), (256, False, 16384, 16384, (128, 80))])
 def test_defaults_by_rows_with_softcap_alibi_gqa(d, causal, sq, sk, tiles):
     # the defaults by rows (head_dim 64: three warpgroups, 64-row tiles; 128: 64-row tiles; 256: 128x80 ping-pong) with the score
     # mods, GQA and the LSE, against the fp32 reference that applies them
