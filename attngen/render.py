@@ -48,8 +48,9 @@ def environment(path: "str | tuple[str, ...] | None" = None):
         def get_source(self, environment, template):
             source, filename, uptodate = super().get_source(environment, template)
             if "/" in template and template.endswith(".jinja"):
-                # A piece that writes out long PTX operand lists with loops (wgmma); still no spec
-                # values in it, only the instruction shapes.
+                # A piece Jinja renders for text it repeats: wgmma's PTX operand lists written out with
+                # loops, prefill_fwd's step of a KV tile in each loop that runs it. Still no spec values
+                # in it.
                 source = f"// attngen:begin {template}\n{source.rstrip()}\n// attngen:end {template}\n"
             elif "/" in template:
                 # Included pieces are plain CUDA headers (PTX operand lists like "{%0, %1}" would

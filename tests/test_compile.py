@@ -190,7 +190,7 @@ def test_errors_in_two_pieces_each_get_their_origin():
 def test_error_in_the_family_template_names_no_piece():
     spec = resolve(parse_spec("prefill:head_dim=64"), "sm_80")
     lines = render(spec).splitlines()
-    i = lines.index("namespace attngen {", lines.index("// attngen:end common/prefill_fwd.cuh"))
+    i = lines.index("namespace attngen {", lines.index("// attngen:end common/prefill_fwd.cuh.jinja"))
     lines.insert(i + 1, "constexpr int BAD = ;")
     with pytest.raises(CompileError) as ei:
         compile("\n".join(lines) + "\n", "sm_80", kernel_name=spec.kernel_name)

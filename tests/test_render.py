@@ -206,9 +206,14 @@ def test_included_pieces_are_bracketed_and_verbatim(family):
         body = "\n".join(lines[i + 1:j])
         text = (templates_dir() / "common" / piece).read_text().rstrip()
         assert body == text, f"{name} is not pasted verbatim"
+    # Pieces rendered by Jinja (*.cuh.jinja: text they repeat, no spec values) are bracketed too.
+    rendered = [p.name for p in (templates_dir() / "common").glob("*.cuh.jinja")
+                if f"// attngen:begin common/{p.name}" in lines]
+    for piece in rendered:
+        assert lines.count(f"// attngen:begin common/{piece}") == lines.count(f"// attngen:end common/{piece}") == 1
     # Pieces do not nest: each one ends before the next begins.
     marks = [ln for ln in lines if ln.startswith("// attngen:")]
-    assert len(marks) == 2 * len(pieces)
+    assert len(marks) == 2 * (len(pieces) + len(rendered))
     for k in range(0, len(marks), 2):
         assert marks[k].replace("begin", "end") == marks[k + 1]
 

@@ -232,7 +232,7 @@ class PrefillSpec(SpecBase):
 
     @property
     def tma(self) -> bool:
-        """The TMA pipeline (templates/common/prefill_fwd.cuh, TMA): a producer warpgroup more."""
+        """The TMA pipeline (templates/common/prefill_fwd.cuh.jinja, TMA): a producer warpgroup more."""
         return self.pipeline is Pipeline.TMA
 
     @property
