@@ -82,6 +82,27 @@ def test_whole_elf_restores_only_a_short_image():
     assert whole_elf(b.cubin[:-100]) == b.cubin[:-100]  # too short to be CuPy's byte: left for the loader to refuse
 
 
+@pytest.mark.parametrize("text", [
+    "prefill:head_dim=64", "prefill:head_dim=128,mask=causal,return_lse=true",
+    "prefill:head_dim=256,cta_tile_q=128,cta_tile_kv=80,num_warps=8,num_stages=2,mma=wgmma,pipeline=tma,"
+    "schedule=pingpong,persistent=false",
+    "prefill:head_dim=64,cta_tile_q=192,cta_tile_kv=128,num_warps=12,num_stages=2,mma=wgmma,pipeline=tma,"
+    "schedule=pingpong,persistent=false",
+    "prefill:head_dim=128,cta_tile_q=128,cta_tile_kv=128,num_warps=8,num_stages=2,mma=wgmma,pipeline=tma,"
+    "schedule=overlap,persistent=false",
+])
+def test_overlapped_kernels_keep_their_wgmma_pipelined(text):
+    # ptxas says so when it waits for or serialises wgmma to protect accumulator registers (C7514-C7517): O's
+    # rescale between S = Q K^T's issue and P V's once made it wait for S in every turn (C7517), and branches
+    # around the commits serialised every wgmma (C7514)
+    spec, _, b = built(text, "sm_90a")
+    assert spec.overlapped
+    if not b.resources.known:
+        pytest.skip("NVRTC's log held no ptxas report")
+    notes = [ln for ln in b.log.splitlines() if "(C751" in ln]
+    assert not notes, notes
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_default_tunings_do_not_spill(arch, head_dim):
