@@ -389,6 +389,35 @@ def test_auto_takes_one_stage_for_many_tiles_an_sm(monkeypatch):
     assert seen[-1] == 2
 
 
+def test_auto_takes_the_wgmma_kernel_for_32_rows_on_fast_memory(monkeypatch):
+    """32 packed rows on sm_90a: one 64-row block of the wgmma kernel (half its rows empty) where the
+    device's memory needs WIDE_ROWS_MIN_SHARE of its SMs (here any GPU), checked against fp32 for 32
+    heads, 16 heads x 2 tokens, 24 heads and rank 256; the 32-row kernel for paged caches, a spec that
+    pins a tuning field (mma, num_warps, pipeline), and where the share is below the bar."""
+    _sm90a_only()
+    from attngen.families.mla_decode import op
+
+    seen = _chosen(monkeypatch, "q_rows")
+    monkeypatch.setattr(op, "WIDE_ROWS_MIN_SHARE", 0.0)
+    run_case([4000, 3000, 129, 0], 32, 1)
+    assert seen[-1] == 64
+    run_case([4000, 700, 1], 16, 2, num_splits=5)
+    assert seen[-1] == 64
+    run_case([3001, 64, 65], 24, 1, rank=256, rope=32, dtype=torch.float16)
+    assert seen[-1] == 64
+    run_case([4000, 3000, 129, 0], 32, 1, block_size=64)
+    assert seen[-1] == 32
+    run_case([4000, 3000], 32, 1, spec=MlaDecodeSpec(mma="mma_sync"))
+    assert seen[-1] == 32
+    run_case([4000, 3000], 32, 1, spec=MlaDecodeSpec(num_warps=4))
+    assert seen[-1] == 32
+    run_case([4000, 3000], 32, 1, spec=MlaDecodeSpec(pipeline="tma"))
+    assert seen[-1] == 32
+    monkeypatch.setattr(op, "WIDE_ROWS_MIN_SHARE", 1.01)
+    run_case([4000, 3000], 32, 1)
+    assert seen[-1] == 32
+
+
 @pytest.mark.parametrize("heads,q_len,seqlens,splits,block_size", [
     (16, 1, [1000, 3000, 17, 0], 2, None),   # a row with no key, splits that see none
     (8, 3, [5000, 40], 5, None),             # 24 of 32 rows
@@ -404,6 +433,7 @@ def test_cluster_merge(heads, q_len, seqlens, splits, block_size, monkeypatch, l
     from attngen.families.mla_decode import op
 
     monkeypatch.setattr(op, "CLUSTER_MIN_FILL", 0.0)  # these few row blocks merge in clusters too
+    monkeypatch.setattr(op, "WIDE_ROWS_MIN_SHARE", 1.01)  # 32 rows on the mma.sync kernel on any GPU
     run_case(seqlens, heads, q_len, block_size=block_size, num_splits=splits)
     wgmma = MlaDecodeSpec.rows_for(heads, q_len) == 64  # the wgmma kernel keeps the merge launch
     assert launches == ([("", 0), ("_merge", 0)] if wgmma else [("", splits)])
@@ -424,4 +454,5 @@ def test_cluster_merge_by_default_where_row_blocks_fill_the_sms(launches):
     del launches[:]
     run_case([300, 1500, 0, 64] * 2, 16, 1, num_splits=2)
     assert launches == [("", 0), ("_merge", 0)]
+
 

@@ -36,6 +36,13 @@ ALTERNATE_MIN_TILES = 32
 # the two-stage default from 31 tiles an SM, 0.86-0.90x at 4-8; on an H100 (0.49) 0.98-1.01x.
 ONE_STAGE_MIN_TILES = 16
 ONE_STAGE_MIN_SHARE = 0.6
+# 32 rows (32 heads, or 16 x 2 tokens) as one 64-row block of the wgmma kernel, half its rows empty, where the
+# device's memory needs WIDE_ROWS_MIN_SHARE of its SMs or more (split_kv.saturating_share) and the cache is
+# contiguous (what was measured). The 32-row mma.sync kernel cannot keep up with such memory: on an H200 (0.7) it
+# reached 0.64-0.67 of the bare read at batch 64-768 with 8k-32k keys, and the wgmma kernel ran 1.11-1.31x it at
+# batch 8-768 from 8k keys and at batch 256-768 with 1k, 1.02x at batch 8 and 0.975x at batch 64 with 1k; on an
+# H100 (0.49), 0.87-1.04x (BENCHMARKS.md, 2026-11-26).
+WIDE_ROWS_MIN_SHARE = 0.6
 # The most splits of a row block merged in a cluster on sm_90 (0 or 1: every split count through the
 # workspace and a merge launch), and the share of the SMs the row blocks must fill for a cluster (batch
 # 64 at 16 heads on 132 SMs; batch 32 was not measured).
@@ -101,8 +108,11 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     split-KV count, a positive number forces it. ``spec`` (a spec or its text) pins tuning fields
     (``qk_shard``, ``cta_tile_kv``, ``num_warps``, ``num_stages``, ``mma``, ``pipeline``); left at
     ``auto``, ``qk_shard`` becomes ``alternate`` on sm_90a for two 64-row blocks or more with at
-    least ``ALTERNATE_MIN_TILES`` tiles a CTA. With ``return_lse`` also the
-    fp32 LSE ``[batch, heads, q_len]``; a token that sees no key gives zeros and LSE -inf.
+    least ``ALTERNATE_MIN_TILES`` tiles a CTA. A call with 32 packed query rows (32 heads, or 16 heads x 2
+    tokens), a contiguous cache and no pinned tuning field runs them as one 64-row block of sm_90a's wgmma
+    kernel on a GPU whose memory needs ``WIDE_ROWS_MIN_SHARE`` of its SMs to reach its bandwidth (an H200,
+    not an H100). With ``return_lse`` also the fp32 LSE ``[batch, heads, q_len]``; a token that sees no key gives zeros
+    and LSE -inf.
     """
     if _rt.tracing is not None and _rt.tracing():
         return _rt.traced_ops["mla_decode"](
@@ -177,6 +187,11 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     rows = MlaDecodeSpec.rows_for(h, q_len)
     kern = get_kernel(_spec_for(rank, rope, qn.dtype, rows, paged, spec), device=dev)
     rs = kern.spec
+    if (rows == 32 and not paged and rs.tma and saturating_share(dev) >= WIDE_ROWS_MIN_SHARE
+            and (spec is None or not any(getattr(spec, f) for f in spec.TUNING_FIELDS))):
+        wide = get_kernel(_spec_for(rank, rope, qn.dtype, 64, paged, spec), device=dev)
+        if wide.spec.wgmma:
+            rows, kern, rs = 64, wide, wide.spec
     maps = None
     if rs.tma:
         try:
