@@ -456,3 +456,18 @@ def test_cluster_merge_by_default_where_row_blocks_fill_the_sms(launches):
     assert launches == [("", 0), ("_merge", 0)]
 
 
+
+def test_bench_records_the_kernel_that_ran(monkeypatch):
+    """``attngen bench mla`` records the spec of the kernel a call launched, after the op's per-call
+    choices (here the 32-row rule), not the spec the call started from."""
+    _sm90a_only()
+    from attngen.bench.core import stream_reader
+    from attngen.families.mla_decode import bench, op
+
+    monkeypatch.setattr(op, "WIDE_ROWS_MIN_SHARE", 0.0)
+    rec = bench.run_shape(8, 2048, 32, "bf16", ["attngen"], stream_reader(), warmup_ms=1, rep_ms=2, seed=0)
+    assert rec["checks"]["attngen"]["ok"]
+    assert "q_rows=64" in rec["specs"]["attngen"] and "mma=wgmma" in rec["specs"]["attngen"]
+    monkeypatch.setattr(op, "WIDE_ROWS_MIN_SHARE", 1.01)
+    rec = bench.run_shape(8, 2048, 32, "bf16", ["attngen"], stream_reader(), warmup_ms=1, rep_ms=2, seed=0)
+    assert "q_rows=32" in rec["specs"]["attngen"]
