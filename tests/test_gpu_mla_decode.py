@@ -363,8 +363,8 @@ def test_auto_takes_alternate_tiles_for_many_rows_and_long_runs(monkeypatch):
 def test_auto_takes_one_stage_for_many_tiles_an_sm(monkeypatch):
     """16 rows on sm_90a's TMA ring: the one-stage kernel on four warps (two CTAs an SM) where the grid
     holds ONE_STAGE_MIN_TILES 64-key tiles an SM (and the memory's share of SMs allows, here on any
-    GPU), the two-stage default otherwise, when the caller pins num_stages or num_warps, and for paged
-    caches."""
+    GPU), contiguous or paged in blocks of whole tiles; the two-stage default otherwise, when the caller
+    pins num_stages or num_warps, and for paged blocks that are not whole tiles."""
     _sm90a_only()
     from attngen.families.mla_decode import op
 
@@ -382,6 +382,10 @@ def test_auto_takes_one_stage_for_many_tiles_an_sm(monkeypatch):
     run_case([4000, 3000, 129, 0], 16, 1, spec=MlaDecodeSpec(num_warps=8))
     assert seen[-1] == 2
     run_case([4000, 3000, 129, 0], 16, 1, block_size=64)
+    assert seen[-1] == 1
+    run_case([4000, 3000, 129, 0], 16, 1, block_size=256, num_splits=5)
+    assert seen[-1] == 1
+    run_case([4000, 3000, 129, 0], 16, 1, block_size=48)
     assert seen[-1] == 2
     run_case([60, 30], 16, 1)  # 1 tile x 2 rows: too few
     assert seen[-1] == 2
@@ -392,8 +396,9 @@ def test_auto_takes_one_stage_for_many_tiles_an_sm(monkeypatch):
 def test_auto_takes_the_wgmma_kernel_for_32_rows_on_fast_memory(monkeypatch):
     """32 packed rows on sm_90a: one 64-row block of the wgmma kernel (half its rows empty) where the
     device's memory needs WIDE_ROWS_MIN_SHARE of its SMs (here any GPU), checked against fp32 for 32
-    heads, 16 heads x 2 tokens, 24 heads and rank 256; the 32-row kernel for paged caches, a spec that
-    pins a tuning field (mma, num_warps, pipeline), and where the share is below the bar."""
+    heads, 16 heads x 2 tokens, 24 heads, rank 256 and paged blocks of 64 and 128; the 32-row kernel for
+    paged blocks that are not whole tiles, a spec that pins a tuning field (mma, num_warps, pipeline), and
+    where the share is below the bar."""
     _sm90a_only()
     from attngen.families.mla_decode import op
 
@@ -406,6 +411,10 @@ def test_auto_takes_the_wgmma_kernel_for_32_rows_on_fast_memory(monkeypatch):
     run_case([3001, 64, 65], 24, 1, rank=256, rope=32, dtype=torch.float16)
     assert seen[-1] == 64
     run_case([4000, 3000, 129, 0], 32, 1, block_size=64)
+    assert seen[-1] == 64
+    run_case([4000, 700, 1], 16, 2, block_size=128, num_splits=3)
+    assert seen[-1] == 64
+    run_case([4000, 3000, 129, 0], 32, 1, block_size=48)
     assert seen[-1] == 32
     run_case([4000, 3000], 32, 1, spec=MlaDecodeSpec(mma="mma_sync"))
     assert seen[-1] == 32

@@ -29,19 +29,21 @@ MAX_HEADS = 128
 # 8k+ tokens, and 1.08x at batch 8 with 32k tokens (64 tiles a CTA), but 0.92-0.96x with 8-16 tiles a CTA
 # (batch 1-8, 8k-32k tokens), and 0.90-1.01x at 64 heads.
 ALTERNATE_MIN_TILES = 32
-# 16 rows on the TMA ring, 64-key tiles, contiguous cache (what was measured): one stage on four warps where
-# the grid holds at least ONE_STAGE_MIN_TILES tiles an SM and the device's memory needs more of its SMs than
-# ONE_STAGE_MIN_SHARE to reach its bandwidth (split_kv.saturating_share). One stage leaves room for two CTAs
-# an SM, whose loads and math then overlap each other's. BENCHMARKS.md, 2026-11-26: on an H200 (0.7) 1.05-1.19x
-# the two-stage default from 31 tiles an SM, 0.86-0.90x at 4-8; on an H100 (0.49) 0.98-1.01x.
+# 16 rows on the TMA ring, 64-key tiles, a contiguous cache or paged blocks of whole tiles (measured: blocks of 64):
+# one stage on four warps where the grid holds at least ONE_STAGE_MIN_TILES tiles an SM and the device's memory needs
+# more of its SMs than ONE_STAGE_MIN_SHARE to reach its bandwidth (split_kv.saturating_share). One stage leaves room
+# for two CTAs an SM, whose loads and math then overlap each other's. BENCHMARKS.md, 2026-11-26: on an H200 (0.7)
+# 1.05-1.19x the two-stage default from 31 tiles an SM, 0.86-0.90x at 4-8; on an H100 (0.49) 0.98-1.01x. Paged (blocks
+# of 64, H200, the same day): 1.08-1.20x at batch 8-768 with 8k-32k keys.
 ONE_STAGE_MIN_TILES = 16
 ONE_STAGE_MIN_SHARE = 0.6
 # 32 rows (32 heads, or 16 x 2 tokens) as one 64-row block of the wgmma kernel, half its rows empty, where the
-# device's memory needs WIDE_ROWS_MIN_SHARE of its SMs or more (split_kv.saturating_share) and the cache is
-# contiguous (what was measured). The 32-row mma.sync kernel cannot keep up with such memory: on an H200 (0.7) it
-# reached 0.64-0.67 of the bare read at batch 64-768 with 8k-32k keys, and the wgmma kernel ran 1.11-1.31x it at
-# batch 8-768 from 8k keys and at batch 256-768 with 1k, 1.02x at batch 8 and 0.975x at batch 64 with 1k; on an
-# H100 (0.49), 0.87-1.04x (BENCHMARKS.md, 2026-11-26).
+# device's memory needs WIDE_ROWS_MIN_SHARE of its SMs or more (split_kv.saturating_share), on a contiguous cache or
+# paged blocks of whole 64-key tiles (measured: blocks of 64). The 32-row mma.sync kernel cannot keep up with such
+# memory: on an H200 (0.7) it reached 0.64-0.67 of the bare read at batch 64-768 with 8k-32k keys, and the wgmma
+# kernel ran 1.11-1.31x it at batch 8-768 from 8k keys and at batch 256-768 with 1k, 1.02x at batch 8 and 0.975x at
+# batch 64 with 1k; on an H100 (0.49), 0.87-1.04x (BENCHMARKS.md, 2026-11-26). Paged (blocks of 64, H200): 1.08-1.19x,
+# 0.97x at b=64 1k.
 WIDE_ROWS_MIN_SHARE = 0.6
 # The most splits of a row block merged in a cluster on sm_90 (0 or 1: every split count through the
 # workspace and a merge launch), and the share of the SMs the row blocks must fill for a cluster (batch
@@ -109,10 +111,10 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     (``qk_shard``, ``cta_tile_kv``, ``num_warps``, ``num_stages``, ``mma``, ``pipeline``); left at
     ``auto``, ``qk_shard`` becomes ``alternate`` on sm_90a for two 64-row blocks or more with at
     least ``ALTERNATE_MIN_TILES`` tiles a CTA. A call with 32 packed query rows (32 heads, or 16 heads x 2
-    tokens), a contiguous cache and no pinned tuning field runs them as one 64-row block of sm_90a's wgmma
-    kernel on a GPU whose memory needs ``WIDE_ROWS_MIN_SHARE`` of its SMs to reach its bandwidth (an H200,
-    not an H100). With ``return_lse`` also the fp32 LSE ``[batch, heads, q_len]``; a token that sees no key gives zeros
-    and LSE -inf.
+    tokens), a contiguous cache (or paged blocks of a multiple of 64) and no pinned tuning field runs them
+    as one 64-row block of sm_90a's wgmma kernel on a GPU whose memory needs ``WIDE_ROWS_MIN_SHARE`` of its
+    SMs to reach its bandwidth (an H200, not an H100). With ``return_lse`` also the fp32 LSE ``[batch, heads,
+    q_len]``; a token that sees no key gives zeros and LSE -inf.
     """
     if _rt.tracing is not None and _rt.tracing():
         return _rt.traced_ops["mla_decode"](
@@ -187,7 +189,8 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     rows = MlaDecodeSpec.rows_for(h, q_len)
     kern = get_kernel(_spec_for(rank, rope, qn.dtype, rows, paged, spec), device=dev)
     rs = kern.spec
-    if (rows == 32 and not paged and rs.tma and saturating_share(dev) >= WIDE_ROWS_MIN_SHARE
+    whole_tiles = not paged or block_size % 64 == 0  # TMA boxes of whole 64-key tiles (what the rules measured)
+    if (rows == 32 and whole_tiles and rs.tma and saturating_share(dev) >= WIDE_ROWS_MIN_SHARE
             and (spec is None or not any(getattr(spec, f) for f in spec.TUNING_FIELDS))):
         wide = get_kernel(_spec_for(rank, rope, qn.dtype, 64, paged, spec), device=dev)
         if wide.spec.wgmma:
@@ -202,7 +205,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
             kern = get_kernel(rs.replace(pipeline=Pipeline.SYNC), device=dev)  # the same tiles
             rs = kern.spec
     row_blocks = -(-h * q_len // rows)
-    if (rows == 16 and rs.tma and not paged and rs.cta_tile_kv == 64 and rs.num_stages == 2
+    if (rows == 16 and rs.tma and whole_tiles and rs.cta_tile_kv == 64 and rs.num_stages == 2
             and (spec is None or not (spec.num_stages or spec.num_warps))
             and b * row_blocks * -(-capacity // rs.cta_tile_kv) >= ONE_STAGE_MIN_TILES * sm_count(dev)
             and saturating_share(dev) >= ONE_STAGE_MIN_SHARE):
