@@ -343,8 +343,9 @@ def test_alternate_tiles(dtype, rank, rope, block_size, q_len):
 
 
 def test_auto_takes_alternate_tiles_for_many_rows_and_long_runs(monkeypatch):
-    """qk_shard=auto: the alternate-tile kernel where a sequence's rows fill two 64-row blocks and every
-    CTA gets ALTERNATE_MIN_TILES tiles, the sharded one otherwise or when the caller pins qk_shard."""
+    """qk_shard=auto: the alternate-tile kernel where a sequence's rows fill two 64-row blocks (or one, on
+    fast memory, with ALTERNATE_ONE_BLOCK_MIN_BATCH blocks in the batch) and every CTA gets
+    ALTERNATE_MIN_TILES tiles, the sharded one otherwise or when the caller pins qk_shard."""
     _sm90a_only()
     from attngen.families.mla_decode import op
 
@@ -357,6 +358,15 @@ def test_auto_takes_alternate_tiles_for_many_rows_and_long_runs(monkeypatch):
     run_case([4000, 3000, 129], 128, 1, num_splits=1, spec=MlaDecodeSpec(qk_shard="true"))
     assert seen[-1] is op.QkShard.TRUE
     run_case([60, 30], 128, 1, num_splits=1)  # 1 tile a CTA: too few
+    assert seen[-1] is op.QkShard.TRUE
+    # One 64-row block where the memory's share of SMs allows (here on any GPU) and the batch fills enough blocks.
+    monkeypatch.setattr(op, "WIDE_ROWS_MIN_SHARE", 0.0)
+    monkeypatch.setattr(op, "ALTERNATE_ONE_BLOCK_MIN_BATCH", 3)
+    run_case([4000, 3000, 129], 64, 1, num_splits=1)
+    assert seen[-1] is op.QkShard.ALTERNATE
+    run_case([4000, 3000, 129, 0], 32, 1, num_splits=2, block_size=64)  # 32 rows on the 64-row kernel, paged
+    assert seen[-1] is op.QkShard.ALTERNATE
+    run_case([4000, 3000], 64, 1, num_splits=1)  # two sequences: too few blocks
     assert seen[-1] is op.QkShard.TRUE
 
 

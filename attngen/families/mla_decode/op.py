@@ -29,6 +29,11 @@ MAX_HEADS = 128
 # 8k+ tokens, and 1.08x at batch 8 with 32k tokens (64 tiles a CTA), but 0.92-0.96x with 8-16 tiles a CTA
 # (batch 1-8, 8k-32k tokens), and 0.90-1.01x at 64 heads.
 ALTERNATE_MIN_TILES = 32
+# One 64-row block (64 heads) takes alternate tiles too where the device's memory needs WIDE_ROWS_MIN_SHARE of its
+# SMs and the batch fills ALTERNATE_ONE_BLOCK_MIN_BATCH row blocks. On an H200 (2026-11-26, best of three rounds) at
+# 64 heads: 1.01-1.15x the sharded form at batch 64-768 with 8k-32k keys, paged (blocks of 64) 1.09-1.26x; at batch 8
+# 0.84-1.00x.
+ALTERNATE_ONE_BLOCK_MIN_BATCH = 64
 # 16 rows on the TMA ring, 64-key tiles, a contiguous cache or paged blocks of whole tiles (measured: blocks of 64):
 # one stage on four warps where the grid holds at least ONE_STAGE_MIN_TILES tiles an SM and the device's memory needs
 # more of its SMs than ONE_STAGE_MIN_SHARE to reach its bandwidth (split_kv.saturating_share). One stage leaves room
@@ -105,16 +110,16 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     position L - q_len + i and sees keys 0..L - q_len + i. Lengths past the capacity are clamped
     to it; out-of-range blocks are clamped to the pool on the device.
 
-    Scores are ``(q_nope . ckv + q_pe . kpe) * sm_scale``; the output ``[batch, q_len, heads,
-    kv_lora_rank]`` (q's dtype and kind) is their softmax times ckv. ``num_splits`` 0 chooses the
-    split-KV count, a positive number forces it. ``spec`` (a spec or its text) pins tuning fields
-    (``qk_shard``, ``cta_tile_kv``, ``num_warps``, ``num_stages``, ``mma``, ``pipeline``); left at
-    ``auto``, ``qk_shard`` becomes ``alternate`` on sm_90a for two 64-row blocks or more with at
-    least ``ALTERNATE_MIN_TILES`` tiles a CTA. A call with 32 packed query rows (32 heads, or 16 heads x 2
-    tokens), a contiguous cache (or paged blocks of a multiple of 64) and no pinned tuning field runs them
-    as one 64-row block of sm_90a's wgmma kernel on a GPU whose memory needs ``WIDE_ROWS_MIN_SHARE`` of its
-    SMs to reach its bandwidth (an H200, not an H100). With ``return_lse`` also the fp32 LSE ``[batch, heads,
-    q_len]``; a token that sees no key gives zeros and LSE -inf.
+    Scores are ``(q_nope . ckv + q_pe . kpe) * sm_scale``; the output ``[batch, q_len, heads, kv_lora_rank]`` (q's
+    dtype and kind) is their softmax times ckv. ``num_splits`` 0 chooses the split-KV count, a positive number
+    forces it. ``spec`` (a spec or its text) pins tuning fields (``qk_shard``, ``cta_tile_kv``, ``num_warps``,
+    ``num_stages``, ``mma``, ``pipeline``); left at ``auto``, ``qk_shard`` becomes ``alternate`` on sm_90a for two
+    64-row blocks or more (or one, where the memory needs ``WIDE_ROWS_MIN_SHARE`` of the SMs and the batch holds
+    ``ALTERNATE_ONE_BLOCK_MIN_BATCH`` such blocks) with at least ``ALTERNATE_MIN_TILES`` tiles a CTA. A call with 32
+    packed query rows (32 heads, or 16 heads x 2 tokens), a contiguous cache (or paged blocks of a multiple of 64)
+    and no pinned tuning field runs them as one 64-row block of sm_90a's wgmma kernel on a GPU whose memory needs
+    ``WIDE_ROWS_MIN_SHARE`` of its SMs to reach its bandwidth (an H200, not an H100). With ``return_lse`` also the
+    fp32 LSE ``[batch, heads, q_len]``; a token that sees no key gives zeros and LSE -inf.
     """
     if _rt.tracing is not None and _rt.tracing():
         return _rt.traced_ops["mla_decode"](
@@ -219,7 +224,9 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
         num_splits = choose_splits(b * row_blocks, capacity, rs.cta_tile_kv, sm_count(dev), ctas_per_sm(kern),
                                    2 * rs.cta_tile_kv * (rank + rope), 4 * b * q_len * h * rank,
                                    q_bytes=2 * b * row_blocks * rows * (rank + rope), side_weight=2.0, out_passes=2)
-    if (row_blocks >= 2 and rs.qk_shard is QkShard.TRUE and (spec is None or not spec.qk_shard)
+    many_rows = row_blocks >= 2 or (b * row_blocks >= ALTERNATE_ONE_BLOCK_MIN_BATCH
+                                     and saturating_share(dev) >= WIDE_ROWS_MIN_SHARE)
+    if (many_rows and rs.qk_shard is QkShard.TRUE and (spec is None or not spec.qk_shard)
             and -(-capacity // rs.cta_tile_kv) >= ALTERNATE_MIN_TILES * num_splits):
         alt = _if_it_fits(rs, kern.binary.arch, qk_shard=QkShard.ALTERNATE)
         if alt is not None:  # the same shared memory and grid: the split stands
