@@ -360,7 +360,7 @@ def test_auto_takes_alternate_tiles_for_many_rows_and_long_runs(monkeypatch):
     run_case([60, 30], 128, 1, num_splits=1)  # 1 tile a CTA: too few
     assert seen[-1] is op.QkShard.TRUE
     # One 64-row block where the memory's share of SMs allows (here on any GPU) and the batch fills enough blocks.
-    monkeypatch.setattr(op, "WIDE_ROWS_MIN_SHARE", 0.0)
+    monkeypatch.setattr(op, "FAST_MEMORY_SHARE", 0.0)
     monkeypatch.setattr(op, "ALTERNATE_ONE_BLOCK_MIN_BATCH", 3)
     run_case([4000, 3000, 129], 64, 1, num_splits=1)
     assert seen[-1] is op.QkShard.ALTERNATE
@@ -380,7 +380,7 @@ def test_auto_takes_one_stage_for_many_tiles_an_sm(monkeypatch):
 
     seen = _chosen(monkeypatch, "num_stages")
     monkeypatch.setattr(op, "ONE_STAGE_MIN_TILES", 1)
-    monkeypatch.setattr(op, "ONE_STAGE_MIN_SHARE", 0.0)
+    monkeypatch.setattr(op, "FAST_MEMORY_SHARE", 0.0)
     run_case([4000, 3000, 129, 0], 16, 1)  # 63 tiles x 4 rows >= 132 SMs x 1
     assert seen[-1] == 1
     run_case([4000, 3000, 129, 0], 16, 1, num_splits=7)
@@ -405,7 +405,7 @@ def test_auto_takes_one_stage_for_many_tiles_an_sm(monkeypatch):
 
 def test_auto_takes_the_wgmma_kernel_for_32_rows_on_fast_memory(monkeypatch):
     """32 packed rows on sm_90a: one 64-row block of the wgmma kernel (half its rows empty) where the
-    device's memory needs WIDE_ROWS_MIN_SHARE of its SMs (here any GPU), checked against fp32 for 32
+    device's memory needs FAST_MEMORY_SHARE of its SMs (here any GPU), checked against fp32 for 32
     heads, 16 heads x 2 tokens, 24 heads, rank 256 and paged blocks of 64 and 128; the 32-row kernel for
     paged blocks that are not whole tiles, a spec that pins a tuning field (mma, num_warps, pipeline), and
     where the share is below the bar."""
@@ -413,7 +413,7 @@ def test_auto_takes_the_wgmma_kernel_for_32_rows_on_fast_memory(monkeypatch):
     from attngen.families.mla_decode import op
 
     seen = _chosen(monkeypatch, "q_rows")
-    monkeypatch.setattr(op, "WIDE_ROWS_MIN_SHARE", 0.0)
+    monkeypatch.setattr(op, "FAST_MEMORY_SHARE", 0.0)
     run_case([4000, 3000, 129, 0], 32, 1)
     assert seen[-1] == 64
     run_case([4000, 700, 1], 16, 2, num_splits=5)
@@ -432,7 +432,7 @@ def test_auto_takes_the_wgmma_kernel_for_32_rows_on_fast_memory(monkeypatch):
     assert seen[-1] == 32
     run_case([4000, 3000], 32, 1, spec=MlaDecodeSpec(pipeline="tma"))
     assert seen[-1] == 32
-    monkeypatch.setattr(op, "WIDE_ROWS_MIN_SHARE", 1.01)
+    monkeypatch.setattr(op, "FAST_MEMORY_SHARE", 1.01)
     run_case([4000, 3000], 32, 1)
     assert seen[-1] == 32
 
@@ -452,7 +452,7 @@ def test_cluster_merge(heads, q_len, seqlens, splits, block_size, monkeypatch, l
     from attngen.families.mla_decode import op
 
     monkeypatch.setattr(op, "CLUSTER_MIN_FILL", 0.0)  # these few row blocks merge in clusters too
-    monkeypatch.setattr(op, "WIDE_ROWS_MIN_SHARE", 1.01)  # 32 rows on the mma.sync kernel on any GPU
+    monkeypatch.setattr(op, "FAST_MEMORY_SHARE", 1.01)  # 32 rows on the mma.sync kernel on any GPU
     run_case(seqlens, heads, q_len, block_size=block_size, num_splits=splits)
     wgmma = MlaDecodeSpec.rows_for(heads, q_len) == 64  # the wgmma kernel keeps the merge launch
     assert launches == ([("", 0), ("_merge", 0)] if wgmma else [("", splits)])
@@ -483,10 +483,10 @@ def test_bench_records_the_kernel_that_ran(monkeypatch):
     from attngen.bench.core import stream_reader
     from attngen.families.mla_decode import bench, op
 
-    monkeypatch.setattr(op, "WIDE_ROWS_MIN_SHARE", 0.0)
+    monkeypatch.setattr(op, "FAST_MEMORY_SHARE", 0.0)
     rec = bench.run_shape(8, 2048, 32, "bf16", ["attngen"], stream_reader(), warmup_ms=1, rep_ms=2, seed=0)
     assert rec["checks"]["attngen"]["ok"]
     assert "q_rows=64" in rec["specs"]["attngen"] and "mma=wgmma" in rec["specs"]["attngen"]
-    monkeypatch.setattr(op, "WIDE_ROWS_MIN_SHARE", 1.01)
+    monkeypatch.setattr(op, "FAST_MEMORY_SHARE", 1.01)
     rec = bench.run_shape(8, 2048, 32, "bf16", ["attngen"], stream_reader(), warmup_ms=1, rep_ms=2, seed=0)
     assert "q_rows=32" in rec["specs"]["attngen"]

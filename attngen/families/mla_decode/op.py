@@ -29,27 +29,21 @@ MAX_HEADS = 128
 # 8k+ tokens, and 1.08x at batch 8 with 32k tokens (64 tiles a CTA), but 0.92-0.96x with 8-16 tiles a CTA
 # (batch 1-8, 8k-32k tokens), and 0.90-1.01x at 64 heads.
 ALTERNATE_MIN_TILES = 32
-# One 64-row block (64 heads) takes alternate tiles too where the device's memory needs WIDE_ROWS_MIN_SHARE of its
-# SMs and the batch fills ALTERNATE_ONE_BLOCK_MIN_BATCH row blocks. On an H200 (2026-11-26, best of three rounds) at
-# 64 heads: 1.01-1.15x the sharded form at batch 64-768 with 8k-32k keys, paged (blocks of 64) 1.09-1.26x; at batch 8
-# 0.84-1.00x.
+# The three rules below take effect only on a device whose memory needs FAST_MEMORY_SHARE of its SMs or more to reach
+# its bandwidth (split_kv.saturating_share: about 0.70 on an H200, 0.49 on an H100). There the default kernels cannot
+# keep up with the memory; on the H100 each rule's kernel read 0.87-1.06x the default (BENCHMARKS.md, 2026-11-26).
+FAST_MEMORY_SHARE = 0.6
+# One 64-row block (64 heads) takes alternate tiles too on fast memory (FAST_MEMORY_SHARE) and where the batch fills
+# ALTERNATE_ONE_BLOCK_MIN_BATCH row blocks. On an H200 (2026-11-26, best of three rounds) at 64 heads: 1.01-1.15x the
+# sharded form at batch 64-768 with 8k-32k keys, paged (blocks of 64) 1.09-1.26x; at batch 8 0.84-1.00x.
 ALTERNATE_ONE_BLOCK_MIN_BATCH = 64
 # 16 rows on the TMA ring, 64-key tiles, a contiguous cache or paged blocks of whole tiles (measured: blocks of 64):
 # one stage on four warps where the grid holds at least ONE_STAGE_MIN_TILES tiles an SM and the device's memory needs
-# more of its SMs than ONE_STAGE_MIN_SHARE to reach its bandwidth (split_kv.saturating_share). One stage leaves room
-# for two CTAs an SM, whose loads and math then overlap each other's. BENCHMARKS.md, 2026-11-26: on an H200 (0.7)
-# 1.05-1.19x the two-stage default from 31 tiles an SM, 0.86-0.90x at 4-8; on an H100 (0.49) 0.98-1.01x. Paged (blocks
-# of 64, H200, the same day): 1.08-1.20x at batch 8-768 with 8k-32k keys.
+# FAST_MEMORY_SHARE of its SMs or more to reach its bandwidth. One stage leaves room for two CTAs an SM, whose loads
+# and math then overlap each other's. BENCHMARKS.md, 2026-11-26: on an H200 (0.7) 1.05-1.19x the two-stage default
+# from 31 tiles an SM, 0.86-0.90x at 4-8; on an H100 (0.49) 0.98-1.01x. Paged (blocks of 64, H200, the same day):
+# 1.08-1.20x at batch 8-768 with 8k-32k keys.
 ONE_STAGE_MIN_TILES = 16
-ONE_STAGE_MIN_SHARE = 0.6
-# 32 rows (32 heads, or 16 x 2 tokens) as one 64-row block of the wgmma kernel, half its rows empty, where the
-# device's memory needs WIDE_ROWS_MIN_SHARE of its SMs or more (split_kv.saturating_share), on a contiguous cache or
-# paged blocks of whole 64-key tiles (measured: blocks of 64). The 32-row mma.sync kernel cannot keep up with such
-# memory: on an H200 (0.7) it reached 0.64-0.67 of the bare read at batch 64-768 with 8k-32k keys, and the wgmma
-# kernel ran 1.11-1.31x it at batch 8-768 from 8k keys and at batch 256-768 with 1k, 1.02x at batch 8 and 0.975x at
-# batch 64 with 1k; on an H100 (0.49), 0.87-1.04x (BENCHMARKS.md, 2026-11-26). Paged (blocks of 64, H200): 1.08-1.19x,
-# 0.97x at b=64 1k.
-WIDE_ROWS_MIN_SHARE = 0.6
 # The most splits of a row block merged in a cluster on sm_90 (0 or 1: every split count through the
 # workspace and a merge launch), and the share of the SMs the row blocks must fill for a cluster (batch
 # 64 at 16 heads on 132 SMs; batch 32 was not measured).
@@ -114,11 +108,11 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     dtype and kind) is their softmax times ckv. ``num_splits`` 0 chooses the split-KV count, a positive number
     forces it. ``spec`` (a spec or its text) pins tuning fields (``qk_shard``, ``cta_tile_kv``, ``num_warps``,
     ``num_stages``, ``mma``, ``pipeline``); left at ``auto``, ``qk_shard`` becomes ``alternate`` on sm_90a for two
-    64-row blocks or more (or one, where the memory needs ``WIDE_ROWS_MIN_SHARE`` of the SMs and the batch holds
+    64-row blocks or more (or one, where the memory needs ``FAST_MEMORY_SHARE`` of the SMs and the batch holds
     ``ALTERNATE_ONE_BLOCK_MIN_BATCH`` such blocks) with at least ``ALTERNATE_MIN_TILES`` tiles a CTA. A call with 32
     packed query rows (32 heads, or 16 heads x 2 tokens), a contiguous cache (or paged blocks of a multiple of 64)
     and no pinned tuning field runs them as one 64-row block of sm_90a's wgmma kernel on a GPU whose memory needs
-    ``WIDE_ROWS_MIN_SHARE`` of its SMs to reach its bandwidth (an H200, not an H100). With ``return_lse`` also the
+    ``FAST_MEMORY_SHARE`` of its SMs to reach its bandwidth (an H200, not an H100). With ``return_lse`` also the
     fp32 LSE ``[batch, heads, q_len]``; a token that sees no key gives zeros and LSE -inf.
     """
     if _rt.tracing is not None and _rt.tracing():
@@ -192,10 +186,18 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
         raise LaunchError(f"batch={b} exceeds 65535 (the grid's z limit)")
 
     rows = MlaDecodeSpec.rows_for(h, q_len)
+    fast_memory = saturating_share(dev) >= FAST_MEMORY_SHARE
     kern = get_kernel(_spec_for(rank, rope, qn.dtype, rows, paged, spec), device=dev)
     rs = kern.spec
     whole_tiles = not paged or block_size % 64 == 0  # TMA boxes of whole 64-key tiles (what the rules measured)
-    if (rows == 32 and whole_tiles and rs.tma and saturating_share(dev) >= WIDE_ROWS_MIN_SHARE
+    # 32 rows (32 heads, or 16 x 2 tokens) as one 64-row block of the wgmma kernel, half its rows empty, where the
+    # device's memory needs FAST_MEMORY_SHARE of its SMs or more, on a contiguous cache or paged blocks of whole
+    # 64-key tiles (measured: blocks of 64). The 32-row mma.sync kernel cannot keep up with such memory: on an H200
+    # (0.7) it reached 0.64-0.67 of the bare read at batch 64-768 with 8k-32k keys, and the wgmma kernel ran
+    # 1.11-1.31x it at batch 8-768 from 8k keys and at batch 256-768 with 1k, 1.02x at batch 8 and 0.975x at batch 64
+    # with 1k; on an H100 (0.49), 0.87-1.04x (BENCHMARKS.md, 2026-11-26). Paged (blocks of 64, H200): 1.08-1.19x,
+    # 0.97x at b=64 1k.
+    if (rows == 32 and whole_tiles and rs.tma and fast_memory
             and (spec is None or not any(getattr(spec, f) for f in spec.TUNING_FIELDS))):
         wide = get_kernel(_spec_for(rank, rope, qn.dtype, 64, paged, spec), device=dev)
         if wide.spec.wgmma:
@@ -213,7 +215,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     if (rows == 16 and rs.tma and whole_tiles and rs.cta_tile_kv == 64 and rs.num_stages == 2
             and (spec is None or not (spec.num_stages or spec.num_warps))
             and b * row_blocks * -(-capacity // rs.cta_tile_kv) >= ONE_STAGE_MIN_TILES * sm_count(dev)
-            and saturating_share(dev) >= ONE_STAGE_MIN_SHARE):
+            and fast_memory):
         one = _if_it_fits(rs, kern.binary.arch, num_stages=1, num_warps=4)  # two CTAs an SM
         if one is not None:  # before the split count, which counts the CTAs an SM holds
             kern = get_kernel(one, device=dev)
@@ -224,8 +226,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
         num_splits = choose_splits(b * row_blocks, capacity, rs.cta_tile_kv, sm_count(dev), ctas_per_sm(kern),
                                    2 * rs.cta_tile_kv * (rank + rope), 4 * b * q_len * h * rank,
                                    q_bytes=2 * b * row_blocks * rows * (rank + rope), side_weight=2.0, out_passes=2)
-    many_rows = row_blocks >= 2 or (b * row_blocks >= ALTERNATE_ONE_BLOCK_MIN_BATCH
-                                     and saturating_share(dev) >= WIDE_ROWS_MIN_SHARE)
+    many_rows = row_blocks >= 2 or (b * row_blocks >= ALTERNATE_ONE_BLOCK_MIN_BATCH and fast_memory)
     if (many_rows and rs.qk_shard is QkShard.TRUE and (spec is None or not spec.qk_shard)
             and -(-capacity // rs.cta_tile_kv) >= ALTERNATE_MIN_TILES * num_splits):
         alt = _if_it_fits(rs, kern.binary.arch, qk_shard=QkShard.ALTERNATE)
