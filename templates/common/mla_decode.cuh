@@ -394,7 +394,15 @@ struct MlaDecode {
         W::template wait<0>();
         W::hold(acc_s);
       } else {
-#pragma unroll 1
+      // A warp with few keys (SN <= 16) sums its two 16-column steps in two accumulators, added at the end, and
+      // unrolls by two: one chain of 36 dependent MMAs a tile was what a CTA's tile waited on at batch 1.
+      constexpr int CHAINS = SN <= 16 ? 2 : 1;
+      float acc_s2[SN / 8][4];
+#pragma unroll
+      for (int n = 0; n < SN / 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc_s2[n][c] = 0.f;
+#pragma unroll CHAINS
       for (int kp = 0; kp < DQK / 32; ++kp) {
         unsigned a0[4], a1[4];
         const unsigned qa = smem_addr(sQ + (row0 + lane % 16) * ROW + kp * 32 + (lane / 16) * 8);
@@ -408,9 +416,14 @@ struct MlaDecode {
           const int key = key0 + n * 8 + lane % 8, col = kp * 32 + (lane / 8) * 8;
           ldmatrix_x4(b0, b1, b2, b3, smem_addr(sT + (TMA ? LT::offset(key, col) : key * ROW + col)));
           mma_16816<BF16>(acc_s[n], a0, b0, b1);
-          mma_16816<BF16>(acc_s[n], a1, b2, b3);
+          mma_16816<BF16>(CHAINS == 2 ? acc_s2[n] : acc_s[n], a1, b2, b3);
         }
       }
+      if constexpr (CHAINS == 2)
+#pragma unroll
+        for (int n = 0; n < SN / 8; ++n)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc_s[n][c] += acc_s2[n][c];
       }
 
       // ---- mask: keys past a row's token (and past the sequence) --------------------------------
