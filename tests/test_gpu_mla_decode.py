@@ -476,6 +476,55 @@ def test_cluster_merge_by_default_where_row_blocks_fill_the_sms(launches):
 
 
 
+@pytest.mark.parametrize("heads,seqlens,splits,block_size,hinted", [
+    (16, [8192], 64, None, True),       # one row block, the merge launch
+    (64, [3000, 700], 8, 64, True),     # paged
+    (32, [5000, 1, 0], 6, None, True),  # rows that end inside a tile or see no key
+    (128, [8192], 16, None, False),     # two row blocks read each tile
+    (16, [8192], 1, None, False),       # no split
+    (64, [4000, 4000], 2, None, False),  # fewer splits than EVICT_FIRST_MIN_SPLITS
+])
+def test_kv_lines_first_out_of_l2(heads, seqlens, splits, block_size, hinted, monkeypatch):
+    """sm_90a: the TMA kernels load ckv and kpe as the first lines out of L2 where one row block reads each
+    tile and the merge launch reads back the partials of enough splits (``op.kv_evict_first``), and nowhere
+    else; the call matches fp32, and the hinted loads give the same bits as plain ones."""
+    _sm90a_only()
+    from attngen import runtime
+    from attngen.families.mla_decode import op
+
+    monkeypatch.setattr(op, "MERGE_CLUSTER_MAX", 0)  # the merge launch at any batch
+    flags = []
+    launch = runtime.Kernel.launch_struct
+
+    def spy(self, layout, grid, stream, *values, entry="", cluster_x=0):
+        if entry == "":
+            flags.append(values[-1])  # MlaParams' last field, kv_evict_first
+        return launch(self, layout, grid, stream, *values, entry=entry, cluster_x=cluster_x)
+
+    monkeypatch.setattr(runtime.Kernel, "launch_struct", spy)
+    run_case(seqlens, heads, 1, block_size=block_size, num_splits=splits)
+    assert flags == [int(hinted)]
+
+    gen = fresh_generator()
+    b, rank, rope = len(seqlens), 512, 64
+    table = None
+    if block_size is not None:
+        per_row = -(-max(seqlens) // block_size)
+        table = torch.randperm(b * per_row, device="cuda").to(torch.int32).reshape(b, per_row)
+    ckv, _ = make_cache(seqlens, rank, torch.bfloat16, gen, block_size, table)
+    kpe, _ = make_cache(seqlens, rope, torch.bfloat16, gen, block_size, table)
+    q_nope = _randn((b, 1, heads, rank), torch.bfloat16, gen)
+    q_pe = _randn((b, 1, heads, rope), torch.bfloat16, gen)
+    lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    outs = []
+    for on in (True, False):
+        monkeypatch.setattr(op, "kv_evict_first", lambda *a, on=on: on)
+        outs.append(attngen.mla_decode(q_nope, q_pe, ckv, kpe, cache_seqlens=lens, block_table=table, sm_scale=0.1,
+                                       num_splits=splits, return_lse=True))
+    assert flags[1:] == [1, 0]
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def test_bench_records_the_kernel_that_ran(monkeypatch):
     """``attngen bench mla`` records the spec of the kernel a call launched, after the op's per-call
     choices (here the 32-row rule), not the spec the call started from."""

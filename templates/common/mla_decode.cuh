@@ -188,6 +188,10 @@ struct MlaDecode {
     const int pieces = (min(BLOCK_N, seqlen - n0) + box - 1) / box;
     const unsigned dst = ring + slot * TILE_ELEMS * (int)sizeof(T);
     W::mbar_expect(bar, pieces * box * ((CB_HI - CB_LO) * 64 + (KPE ? 64 : 0)) * (int)sizeof(T));
+    // ckv and kpe first out of L2 where the host asks (op.kv_evict_first; never for alternate tiles, whose
+    // kernels keep the plain loads' code)
+    const bool evict_first = !ALT && p.kv_evict_first != 0;
+    const unsigned long long policy = W::l2_evict_first();
     for (int pc = 0; pc < pieces; ++pc) {
       const int pos = n0 + pc * box;
       int c1 = pos, c2 = batch;
@@ -197,9 +201,13 @@ struct MlaDecode {
         c2 = min(max(__ldg(table + blk), 0), p.num_blocks - 1);  // clamped as load_cols does
       }
       const unsigned at = dst + pc * box * 128;
+      auto load_box = [&](unsigned to, const TmaDesc* map, int c0) {
+        if (!ALT && evict_first) W::tma_load3(to, map, bar, c0, c1, c2, policy);
+        else W::tma_load3(to, map, bar, c0, c1, c2);
+      };
 #pragma unroll
-      for (int cb = CB_LO; cb < CB_HI; ++cb) W::tma_load3(at + cb * BLOCK_N * 128, maps, bar, cb * 64, c1, c2);
-      if constexpr (KPE) W::tma_load3(at + (DC / 64) * BLOCK_N * 128, maps + 1, bar, 0, c1, c2);
+      for (int cb = CB_LO; cb < CB_HI; ++cb) load_box(at + cb * BLOCK_N * 128, maps, cb * 64);
+      if constexpr (KPE) load_box(at + (DC / 64) * BLOCK_N * 128, maps + 1, 0);
     }
   }
 

@@ -24,6 +24,7 @@ struct MlaParams {
   int block_size, capacity, num_blocks;  // num_blocks: paged blocks, or cache rows
   int seqlen_fixed, block_shift;         // block_shift: log2(block_size) when a power of two, else -1
   float sm_scale, scale_log2;
+  int kv_evict_first;  // TMA: ckv and kpe first out of L2 (op.kv_evict_first); last, so that no other field moves
 };
 
 // The TMA kernel's parameter: tensor maps of ckv and kpe (3-d: columns, positions or paged slots,

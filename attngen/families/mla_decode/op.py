@@ -16,10 +16,10 @@ from ..split_kv import (CLUSTER_MAX, cache_lengths, check_rows, checked_splits, 
 from ..tma import tiled_map
 from .spec import MERGE_COLS, MERGE_THREADS, MlaDecodeSpec, QkShard
 
-# MlaParams in templates/common/mla_params.cuh: 10 pointers, 14 strides, 9 ints, 2 floats; a
+# MlaParams in templates/common/mla_params.cuh: 10 pointers, 14 strides, 9 ints, 2 floats, 1 int; a
 # pipeline=tma kernel takes MlaTmaParams: the ckv and kpe tensor maps first.
-_PARAMS = struct.Struct("<10Q14q9i2f")
-_PARAMS_TMA = struct.Struct("<256s10Q14q9i2f")
+_PARAMS = struct.Struct("<10Q14q9i2fi")
+_PARAMS_TMA = struct.Struct("<256s10Q14q9i2fi")
 _LOG2E = 1.4426950408889634
 MAX_Q_LEN = 4
 MAX_HEADS = 128
@@ -54,6 +54,19 @@ CLUSTER_MIN_FILL = 0.4
 # at once (H200, 2026-11-26: 1.15-1.20x a batch-1 step at 16 heads with 64 and 128 splits; with its grid
 # three waves deep, 0.86-0.87x at 16 heads x 8 rows and at 128 heads x 1 row).
 MERGE_WIDE_SPLITS = 32
+# The TMA kernels load ckv and kpe as first out of L2 (kv_evict_first) from this many splits. H100, 2026-11-26
+# (BENCHMARKS.md), against plain loads: 1.01-1.12x at batch 1-8 with 4-128 splits at 16, 32 and 64 heads,
+# contiguous and paged; 0.98x at batch 64 with 64 heads and 2 splits. Not with two row blocks (128 heads), whose
+# second reads of a tile hit L2.
+EVICT_FIRST_MIN_SPLITS = 4
+
+
+def kv_evict_first(tma: bool, alternate: bool, row_blocks: int, num_splits: int, cluster: int) -> bool:
+    """Whether a TMA kernel loads ckv and kpe as the first lines out of L2: where each tile has one reader
+    (one row block) and at least EVICT_FIRST_MIN_SPLITS splits' partials go through the merge launch, which
+    then finds more of them in L2. Alternate tiles keep plain loads (their kernels' code is unchanged)."""
+    return (tma and not alternate and row_blocks == 1 and num_splits >= EVICT_FIRST_MIN_SPLITS
+            and not cluster)
 
 
 @functools.lru_cache(maxsize=None)
@@ -243,6 +256,8 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
             and kern.max_clusters(num_splits) >= b * row_blocks):
         cluster = num_splits
     part_ptr = lse_part_ptr = 0
+    evict_first = kv_evict_first(maps is not None, rs.qk_shard is QkShard.ALTERNATE, row_blocks, num_splits,
+                                 cluster)
     if num_splits > 1 and not cluster:
         n_out = num_splits * b * q_len * h
         work = empty_like_kind(kind, (n_out * rank + n_out,), "fp32", dev)
@@ -260,7 +275,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
         b, q_len, h, num_splits,
         block_size, capacity, pool,
         seq_fixed, (block_size.bit_length() - 1) if block_size and not block_size & (block_size - 1) else -1,
-        scale, scale * _LOG2E,
+        scale, scale * _LOG2E, int(evict_first),
     )
     stream = current_stream(kind, dev)
     if maps is None:
