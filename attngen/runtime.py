@@ -7,6 +7,7 @@ bytes, so the runtime stays family-agnostic. Launches go on the caller's current
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import os
 import struct
@@ -224,6 +225,40 @@ class Kernel:
         except LaunchError as e:
             raise LaunchError(f"launch of {self.binary.kernel_name}{entry} (grid {tuple(grid)}, {threads} threads, "
                               f"{smem} bytes shared memory) failed: {e}") from None
+
+
+class Launch(NamedTuple):
+    """One ``Kernel.launch_struct`` call, as ``recorded_launches`` sees it."""
+    kernel: Kernel
+    entry: str  # "" for the module's main entry
+    grid: tuple[int, int, int]
+    cluster_x: int
+    values: tuple  # the parameters, in the order the layout packs them
+
+
+@contextlib.contextmanager
+def recorded_launches(record: Callable[[Launch], Any] | None = None, *,
+                      launch_if: Callable[[Launch], bool] | None = None):
+    """Within it, every ``Kernel.launch_struct`` (the ops' launches, any thread) appends to the yielded list
+    ``record(launch)`` where given and not None, else the ``Launch`` itself; where ``launch_if(launch)`` is
+    false the launch is left out (a probe timing part of a call). For benchmarks, tests and probes, which need
+    what a call launched after its per-call choices. Outside it the host path is untouched."""
+    seen: list = []
+    launch = Kernel.launch_struct
+
+    def recording(self, layout, grid, stream, *values, entry="", cluster_x=0):
+        one = Launch(self, entry, tuple(grid), cluster_x, values)
+        item = one if record is None else record(one)
+        if item is not None:
+            seen.append(item)
+        if launch_if is None or launch_if(one):
+            launch(self, layout, grid, stream, *values, entry=entry, cluster_x=cluster_x)
+
+    Kernel.launch_struct = recording
+    try:
+        yield seen
+    finally:
+        Kernel.launch_struct = launch
 
 
 def load(result: BuildResult, device: int) -> Kernel:

@@ -98,19 +98,12 @@ def _arch():
 
 
 @pytest.fixture
-def launches(monkeypatch):
+def launches():
     """Every launch of a kernel module's entries from here on, as (entry suffix, cluster size)."""
     from attngen import runtime
 
-    seen = []
-    launch = runtime.Kernel.launch_struct
-
-    def spy(self, layout, grid, stream, *values, entry="", cluster_x=0):
-        seen.append((entry, cluster_x))
-        return launch(self, layout, grid, stream, *values, entry=entry, cluster_x=cluster_x)
-
-    monkeypatch.setattr(runtime.Kernel, "launch_struct", spy)
-    return seen
+    with runtime.recorded_launches(lambda one: (one.entry, one.cluster_x)) as seen:
+        yield seen
 
 
 def _chosen(monkeypatch, field):
@@ -493,16 +486,9 @@ def test_kv_lines_first_out_of_l2(heads, seqlens, splits, block_size, hinted, mo
     from attngen.families.mla_decode import op
 
     monkeypatch.setattr(op, "MERGE_CLUSTER_MAX", 0)  # the merge launch at any batch
-    flags = []
-    launch = runtime.Kernel.launch_struct
-
-    def spy(self, layout, grid, stream, *values, entry="", cluster_x=0):
-        if entry == "":
-            flags.append(values[-1])  # MlaParams' last field, kv_evict_first
-        return launch(self, layout, grid, stream, *values, entry=entry, cluster_x=cluster_x)
-
-    monkeypatch.setattr(runtime.Kernel, "launch_struct", spy)
-    run_case(seqlens, heads, 1, block_size=block_size, num_splits=splits)
+    # MlaParams' last field, kv_evict_first, of each main-entry launch
+    with runtime.recorded_launches(lambda one: None if one.entry else one.values[-1]) as flags:
+        run_case(seqlens, heads, 1, block_size=block_size, num_splits=splits)
     assert flags == [int(hinted)]
 
     gen = fresh_generator()
@@ -517,11 +503,12 @@ def test_kv_lines_first_out_of_l2(heads, seqlens, splits, block_size, hinted, mo
     q_pe = _randn((b, 1, heads, rope), torch.bfloat16, gen)
     lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
     outs = []
-    for on in (True, False):
-        monkeypatch.setattr(op, "kv_evict_first", lambda *a, on=on: on)
-        outs.append(attngen.mla_decode(q_nope, q_pe, ckv, kpe, cache_seqlens=lens, block_table=table, sm_scale=0.1,
-                                       num_splits=splits, return_lse=True))
-    assert flags[1:] == [1, 0]
+    with runtime.recorded_launches(lambda one: None if one.entry else one.values[-1]) as flags:
+        for on in (True, False):
+            monkeypatch.setattr(op, "kv_evict_first", lambda *a, on=on: on)
+            outs.append(attngen.mla_decode(q_nope, q_pe, ckv, kpe, cache_seqlens=lens, block_table=table,
+                                           sm_scale=0.1, num_splits=splits, return_lse=True))
+    assert flags == [1, 0]
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 

@@ -21,7 +21,6 @@ Timing: one CUDA graph of back-to-back calls over rotated copies of the cache (n
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import time
@@ -71,24 +70,10 @@ def _rows(args) -> list[str]:
     return ["attngen"] + ([] if args.no_variants else list(VARIANTS)) + (["read"] if args.no_peers else list(PEERS))
 
 
-@contextlib.contextmanager
-def _main_launches(ran: list):
-    """Within it, ``ran`` gets the spec text of every main-entry kernel launch (the merge entries left out):
-    what a call ran after the op's per-call choices, which the spec alone does not say."""
-    from ... import runtime
-
-    launch = runtime.Kernel.launch_struct
-
-    def spy(self, *args, entry="", **kw):
-        if not entry:
-            ran.append(self.spec.to_text())
-        return launch(self, *args, entry=entry, **kw)
-
-    runtime.Kernel.launch_struct = spy
-    try:
-        yield ran
-    finally:
-        runtime.Kernel.launch_struct = launch
+def _main_spec(launch) -> str | None:
+    """The spec text of a main-entry launch (merge entries: None): what a call ran after the op's per-call
+    choices, which the spec it started from does not say."""
+    return None if launch.entry else launch.kernel.spec.to_text()
 
 
 def run_shape(batch: int, seqlen: int, heads: int, dtype: str, rows: list[str], read, *, warmup_ms: float,
@@ -98,6 +83,7 @@ def run_shape(batch: int, seqlen: int, heads: int, dtype: str, rows: list[str], 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import attngen
+    from ... import runtime
     from ..decode.bench import rotate_copies
 
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -153,8 +139,8 @@ def run_shape(batch: int, seqlen: int, heads: int, dtype: str, rows: list[str], 
         if name == "read":
             continue
         try:
-            ran = []
-            with warnings.catch_warnings(), _main_launches(ran):
+            ran: list = []
+            with warnings.catch_warnings(), runtime.recorded_launches(_main_spec) as ran:
                 warnings.simplefilter("ignore")
                 o = make(kv)()
             torch.cuda.synchronize()
