@@ -202,7 +202,7 @@ struct MlaDecode {
       }
       const unsigned at = dst + pc * box * 128;
       auto load_box = [&](unsigned to, const TmaDesc* map, int c0) {
-        if (!ALT && evict_first) W::tma_load3(to, map, bar, c0, c1, c2, policy);
+        if (evict_first) W::tma_load3(to, map, bar, c0, c1, c2, policy);
         else W::tma_load3(to, map, bar, c0, c1, c2);
       };
 #pragma unroll

@@ -139,7 +139,6 @@ def run_shape(batch: int, seqlen: int, heads: int, dtype: str, rows: list[str], 
         if name == "read":
             continue
         try:
-            ran: list = []
             with warnings.catch_warnings(), runtime.recorded_launches(_main_spec) as ran:
                 warnings.simplefilter("ignore")
                 o = make(kv)()
