@@ -473,14 +473,15 @@ def test_cluster_merge_by_default_where_row_blocks_fill_the_sms(launches):
     (16, [8192], 64, None, True),       # one row block, the merge launch
     (64, [3000, 700], 8, 64, True),     # paged
     (32, [5000, 1, 0], 6, None, True),  # rows that end inside a tile or see no key
-    (128, [8192], 16, None, False),     # two row blocks read each tile
+    (128, [8192], 16, None, True),      # two row blocks, 8 tiles a CTA: the sharded kernel
+    (128, [8192], 4, None, False),      # 32 tiles a CTA: alternate tiles, plain loads
     (16, [8192], 1, None, False),       # no split
     (64, [4000, 4000], 2, None, False),  # fewer splits than EVICT_FIRST_MIN_SPLITS
 ])
 def test_kv_lines_first_out_of_l2(heads, seqlens, splits, block_size, hinted, monkeypatch):
-    """sm_90a: the TMA kernels load ckv and kpe as the first lines out of L2 where one row block reads each
-    tile and the merge launch reads back the partials of enough splits (``op.kv_evict_first``), and nowhere
-    else; the call matches fp32, and the hinted loads give the same bits as plain ones."""
+    """sm_90a: the TMA kernels other than alternate tiles load ckv and kpe as the first lines out of L2 where
+    the merge launch reads back the partials of enough splits (``op.kv_evict_first``), and nowhere else; the
+    call matches fp32, and the hinted loads give the same bits as plain ones."""
     _sm90a_only()
     from attngen import runtime
     from attngen.families.mla_decode import op

@@ -55,18 +55,17 @@ CLUSTER_MIN_FILL = 0.4
 # three waves deep, 0.86-0.87x at 16 heads x 8 rows and at 128 heads x 1 row).
 MERGE_WIDE_SPLITS = 32
 # The TMA kernels load ckv and kpe as first out of L2 (kv_evict_first) from this many splits. H100, 2026-11-26
-# (BENCHMARKS.md), against plain loads: 1.01-1.12x at batch 1-8 with 4-128 splits at 16, 32 and 64 heads,
-# contiguous and paged; 0.98x at batch 64 with 64 heads and 2 splits. Not with two row blocks (128 heads), whose
-# second reads of a tile hit L2.
+# (BENCHMARKS.md), against plain loads: 1.01-1.12x at batch 1-8 with 4-128 splits at 16-64 heads, contiguous and
+# paged, 1.00-1.06x at 128 heads; 0.98x at batch 64 with 64 heads and 2 splits.
 EVICT_FIRST_MIN_SPLITS = 4
 
 
-def kv_evict_first(tma: bool, alternate: bool, row_blocks: int, num_splits: int, cluster: int) -> bool:
-    """Whether a TMA kernel loads ckv and kpe as the first lines out of L2: where each tile has one reader
-    (one row block) and at least EVICT_FIRST_MIN_SPLITS splits' partials go through the merge launch, which
-    then finds more of them in L2. Alternate tiles keep plain loads (their kernels' code is unchanged)."""
-    return (tma and not alternate and row_blocks == 1 and num_splits >= EVICT_FIRST_MIN_SPLITS
-            and not cluster)
+def kv_evict_first(tma: bool, alternate: bool, num_splits: int, cluster: int) -> bool:
+    """Whether a TMA kernel loads ckv and kpe as the first lines out of L2: where at least EVICT_FIRST_MIN_SPLITS
+    splits' partials go through the merge launch, which then finds more of them in L2. Not for alternate tiles
+    (long runs a CTA, where two row blocks' second reads of a tile hit L2: 0.97x at 128 heads, batch 8, 32k keys);
+    their kernels keep the plain loads' code."""
+    return tma and not alternate and num_splits >= EVICT_FIRST_MIN_SPLITS and not cluster
 
 
 @functools.lru_cache(maxsize=None)
@@ -256,8 +255,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
             and kern.max_clusters(num_splits) >= b * row_blocks):
         cluster = num_splits
     part_ptr = lse_part_ptr = 0
-    evict_first = kv_evict_first(maps is not None, rs.qk_shard is QkShard.ALTERNATE, row_blocks, num_splits,
-                                 cluster)
+    evict_first = kv_evict_first(maps is not None, rs.qk_shard is QkShard.ALTERNATE, num_splits, cluster)
     if num_splits > 1 and not cluster:
         n_out = num_splits * b * q_len * h
         work = empty_like_kind(kind, (n_out * rank + n_out,), "fp32", dev)
