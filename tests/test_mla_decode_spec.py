@@ -111,17 +111,16 @@ def test_wgmma_where_it_fits():
 
 def test_tma_ring_on_sm90a():
     """sm_90a's defaults load their tiles with TMA, wgmma at 64 rows and mma.sync at 16 and 32 (every candidate's
-    first form), but where that form spills; other archs keep cp.async, and a pinned TMA there is refused naming
-    pipeline."""
+    first form); other archs keep cp.async, and a pinned TMA there is refused naming pipeline."""
     for rows in (16, 32, 64):
         for kw in ({}, dict(paged=True), dict(kv_lora_rank=256, rope_dim=32)):
             assert resolve(MlaDecodeSpec(q_rows=rows, **kw), "sm_90a").pipeline is Pipeline.TMA, (rows, kw)
     assert resolve(MlaDecodeSpec(q_rows=64, pipeline="sync"), "sm_90a").mma is Mma.WGMMA
     assert resolve(MlaDecodeSpec(q_rows=16), "sm_90a").mma is Mma.SYNC
-    # 256 + 32, 16 rows, paged: the TMA form of the first config spills; its cp.async form is taken.
+    # 256 + 32, 16 rows, paged: its first config's TMA form spilled until 2026-11-26 (cp.async was taken); not now.
     r = resolve(MlaDecodeSpec(q_rows=16, paged=True, kv_lora_rank=256, rope_dim=32, cta_tile_kv=64, num_warps=8,
                               num_stages=2, qk_shard=True), "sm_90a")
-    assert r.pipeline is Pipeline.SYNC
+    assert r.pipeline is Pipeline.TMA
     for arch in ("sm_80", "sm_89", "sm_120"):
         for rows in (16, 64):
             assert resolve(MlaDecodeSpec(q_rows=rows), arch).pipeline is Pipeline.SYNC
@@ -176,6 +175,47 @@ def test_alternate_tiles_compile_spill_free(text, tmp_path, monkeypatch):
     assert "serialized" not in b.log, b.log
     assert "cp.async.bulk.tensor.3d" in b.ptx and "mbarrier.try_wait.parity" in b.ptx
 
+
+
+def _config(r):
+    return (r.qk_shard, r.cta_tile_kv, r.num_warps, r.num_stages, r.pipeline)
+
+
+def test_spilling_configs_come_last():
+    """A config SPILLS_ON lists for an arch is not a default there while another fits; a spec that pins it whole
+    still gets it; elsewhere it keeps its place."""
+    from attngen.families.mla_decode.defaults import SPILLS_ON
+
+    listed = SPILLS_ON[(512, 16, False)]
+    r = resolve(MlaDecodeSpec(q_rows=16, qk_shard=False), "sm_90a")
+    assert r.qk_shard is QkShard.FALSE and _config(r) not in listed
+    whole = MlaDecodeSpec(q_rows=16, qk_shard=False, cta_tile_kv=64, num_warps=8, num_stages=2, mma="mma_sync",
+                          pipeline="tma")
+    assert _config(resolve(whole, "sm_90a")) in listed
+    # sm_120, 256 + 32, 32 rows, paged: the default (unsharded first on 99 KB arches) skips its spilling first
+    # candidate there; sm_89 keeps it.
+    spec = MlaDecodeSpec(q_rows=32, paged=True, kv_lora_rank=256, rope_dim=32)
+    first = (QkShard.FALSE, 64, 8, 2, Pipeline.SYNC)
+    assert _config(resolve(spec, "sm_120")) != first and _config(resolve(spec, "sm_89")) == first
+
+
+# Single-field pins whose first candidate spills on the arch (SPILLS_ON): what each resolves to now compiles
+# spill-free. (Every single-field pin of every rank, row count and layout was compiled for every manifest arch
+# when the list was made; these are the ones the list changed.)
+PINNED = [("sm_90a", "mla_decode:q_rows=16,qk_shard=false"),
+          ("sm_90a", "mla_decode:q_rows=16,paged=true,kv_lora_rank=256,rope_dim=32,qk_shard=false"),
+          ("sm_90a", "mla_decode:q_rows=32,paged=true,kv_lora_rank=256,rope_dim=32,qk_shard=false"),
+          ("sm_90a", "mla_decode:q_rows=64,kv_lora_rank=256,rope_dim=32,num_warps=4"),
+          ("sm_120", "mla_decode:q_rows=32,paged=true,kv_lora_rank=256,rope_dim=32"),
+          ("sm_120", "mla_decode:q_rows=16,cta_tile_kv=16"),
+          ("sm_100", "mla_decode:q_rows=16,paged=true,qk_shard=false")]
+
+
+@pytest.mark.parametrize("arch,text", PINNED)
+def test_pins_past_a_spilling_config_compile_spill_free(arch, text, tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path))
+    r = attngen.build(resolve(parse_spec(text), arch), arch).binary.resources
+    assert r.known and (r.spill_stores, r.spill_loads) == (0, 0), text
 
 def test_splits_spread_a_small_batch():
     sms, per = 132, 1

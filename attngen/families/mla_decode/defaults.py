@@ -29,9 +29,21 @@ TUNED = {
     16: [(T, 64, 8, 2), (T, 32, 4, 2)],
 }
 
-# mma_sync configs ptxas spills (NVRTC 13.0 and 13.5), per (kv_lora_rank, q_rows, paged), with the pipeline:
-# skipped for the next candidate (cp.async: 4 bytes; the TMA ring at 256 + 32, 16 rows, paged, H100 prewarm).
-SPILLS = {(256, 32, False): ((T, 64, 8, 2, Pipeline.SYNC),), (256, 16, True): ((T, 64, 8, 2, Pipeline.TMA),)}
+# mma_sync configs ptxas spills on some archs (NVRTC 13.5; every single-field pin of every rank, row count and
+# layout compiled for every manifest arch, 2026-11-26), per (kv_lora_rank, q_rows, paged) and
+# (qk_shard, cta_tile_kv, num_warps, num_stages, pipeline): they come after every other candidate, so a default
+# never takes one while another fits, and a spec that pins one still gets it (spills cost speed, not results).
+SPILLS_ON = {
+    (512, 16, False): {(F, 64, 8, 2, Pipeline.TMA): ("sm_90a",), (F, 16, 8, 4, Pipeline.SYNC): ("sm_120",)},
+    (512, 16, True): {(F, 64, 8, 2, Pipeline.SYNC): ("sm_100",)},
+    (256, 16, True): {(F, 64, 8, 4, Pipeline.TMA): ("sm_90a",)},
+    (256, 32, False): {(F, 64, 8, 4, Pipeline.TMA): ("sm_90a",)},
+    (256, 32, True): {(F, 64, 8, 4, Pipeline.TMA): ("sm_90a",), (F, 64, 8, 4, Pipeline.SYNC): ("sm_90a",),
+                      (F, 64, 8, 3, Pipeline.TMA): ("sm_90a",),
+                      (F, 64, 8, 2, Pipeline.SYNC): ("sm_120",)},
+    (256, 64, False): {(T, 64, 4, 4, Pipeline.TMA): ("sm_90a",)},
+    (256, 64, True): {(T, 64, 4, 4, Pipeline.TMA): ("sm_90a",)},
+}
 
 # sm_90a, q_rows 64: the wgmma configs (qk_shard, cta_tile_kv, num_stages; always 8 warps), best first.
 # tools/sweep_mla.py on an H100 (bf16, 512 + 64, q_len 1, 2026-11-23; notes/sweep_mla_wgmma_h100_*):
@@ -45,15 +57,16 @@ SMALL_SMEM = 128 * 1024  # per block: below this the unsharded form goes first
 def candidates(spec, arch: Arch):
     """(qk_shard, cta_tile_kv, num_warps, num_stages, mma, pipeline): on sm_90a the wgmma configs first
     (they fit only q_rows 64), each with the TMA ring and then with cp.async, then the mma_sync ones:
-    measured configs, then every combination."""
+    measured configs, then every combination; those SPILLS_ON lists for the arch last."""
     if arch.has_wgmma:
         wg = itertools.chain(TUNED_WGMMA, [(A, 64, 2)], itertools.product((T, F), (64, 32), (4, 3, 2, 1)))
         yield from ((shard, kv, 8, st, Mma.WGMMA, pipe) for shard, kv, st in wg for pipe in (Pipeline.TMA, Pipeline.SYNC))
     shard_order = (F, T) if arch.smem_per_block < SMALL_SMEM else (T, F)
     first = TUNED[spec.q_rows] if arch.smem_per_block >= SMALL_SMEM else []
-    spills = SPILLS.get((spec.kv_lora_rank, spec.q_rows, spec.paged), ())
+    spills = SPILLS_ON.get((spec.kv_lora_rank, spec.q_rows, spec.paged), {})
     every = itertools.chain(first, itertools.product(shard_order, (64, 32, 16), (8, 4), (4, 3, 2, 1)))
     # On sm_90a each mma_sync config with the TMA ring first (1.03-1.11x its cp.async form at 16 and 32 rows,
     # H100: the loads no longer wait on the threads that issue them), then with cp.async.
     pipes = (Pipeline.TMA, Pipeline.SYNC) if arch.has_wgmma else (Pipeline.SYNC,)
-    yield from ((*c, Mma.SYNC, pipe) for c in every for pipe in pipes if (*c, pipe) not in spills)
+    sync = [(*c, pipe) for c in every for pipe in pipes]
+    yield from ((*c[:4], Mma.SYNC, c[4]) for c in sorted(sync, key=lambda c: arch.name in spills.get(c, ())))
