@@ -204,8 +204,10 @@ def test_spilling_configs_come_last():
 # when the list was made; these are the ones the list changed.)
 PINNED = [("sm_90a", "mla_decode:q_rows=16,qk_shard=false"),
           ("sm_90a", "mla_decode:q_rows=16,paged=true,kv_lora_rank=256,rope_dim=32,qk_shard=false"),
+          ("sm_90a", "mla_decode:q_rows=32,kv_lora_rank=256,rope_dim=32,qk_shard=false"),
           ("sm_90a", "mla_decode:q_rows=32,paged=true,kv_lora_rank=256,rope_dim=32,qk_shard=false"),
           ("sm_90a", "mla_decode:q_rows=64,kv_lora_rank=256,rope_dim=32,num_warps=4"),
+          ("sm_90a", "mla_decode:q_rows=64,paged=true,kv_lora_rank=256,rope_dim=32,num_warps=4"),
           ("sm_120", "mla_decode:q_rows=32,paged=true,kv_lora_rank=256,rope_dim=32"),
           ("sm_120", "mla_decode:q_rows=16,cta_tile_kv=16"),
           ("sm_100", "mla_decode:q_rows=16,paged=true,qk_shard=false")]
