@@ -37,18 +37,49 @@ TUNED_ROWS = {
     (128, True, 64, "fused"): [(64, 8, 3)],
 }
 
-# Configs ptxas spills on some archs (NVRTC 13.5), per (head_dim, paged, q_rows, variant).
+# Configs ptxas spills on some archs (NVRTC 13.5), per (head_dim, paged, q_rows, variant[, "softcap" or "alibi"])
+# and (cta_tile_kv, num_warps, num_stages). Every single-field pin (or none) of every head_dim, row count, layout and
+# variant (bf16, no softcap or ALiBi) was compiled for every manifest arch, 2026-11-26. (Paged head_dim 256 at 16
+# rows, 64x4x2: the copies stepping from each 16-row group's first row hold one register more than ptxas has.)
 SPILLS_ON = {
-    ((64, False, 64, "unfused"), (64, 4, 2)): ("sm_86", "sm_89"),
-    # (paged copies stepping from each 16-row group's first row: one register more than ptxas has)
-    ((256, True, 16, "fused"), (64, 4, 2)): ("sm_80", "sm_90a"),
+    ((64, False, 32, 'fused'), (64, 4, 1)): ('sm_80', 'sm_86', 'sm_89', 'sm_120'),
+    ((64, False, 32, 'fused'), (64, 4, 2)): ('sm_90a',),
+    ((64, False, 32, 'fused'), (64, 4, 3)): ('sm_80', 'sm_86', 'sm_89'),
+    ((64, False, 64, 'fused'), (32, 4, 3)): ('sm_90a',),
+    ((64, False, 64, 'fused'), (32, 4, 4)): ('sm_90a',),
+    ((64, False, 64, 'unfused'), (64, 4, 2)): ('sm_80', 'sm_86', 'sm_89'),
+    ((64, True, 16, 'fused'), (64, 4, 1)): ('sm_90a',),
+    ((64, True, 16, 'fused'), (64, 4, 3)): ('sm_80', 'sm_86', 'sm_89'),
+    ((64, True, 16, 'fused'), (64, 4, 4)): ('sm_80', 'sm_86', 'sm_89'),
+    ((64, True, 16, 'fused'), (128, 4, 2)): ('sm_90a',),
+    ((64, True, 16, 'fused'), (128, 4, 3)): ('sm_80', 'sm_86', 'sm_89'),
+    ((64, True, 16, 'fused'), (128, 4, 4)): ('sm_80',),
+    ((64, True, 32, 'fused'), (64, 4, 1)): ('sm_80', 'sm_86', 'sm_89', 'sm_90a'),
+    ((64, True, 32, 'fused'), (64, 4, 3)): ('sm_90a',),
+    ((64, True, 32, 'fused'), (64, 4, 4)): ('sm_90a',),
+    ((64, True, 64, 'fused'), (128, 8, 2)): ('sm_90a',),
+    ((128, True, 16, 'fused'), (64, 4, 2)): ('sm_90a',),
+    ((128, True, 16, 'fused'), (128, 4, 2)): ('sm_80', 'sm_90a'),
+    ((128, True, 16, 'fused'), (128, 4, 3)): ('sm_90a',),
+    ((256, False, 16, 'fused'), (64, 4, 3)): ('sm_90a',),
+    ((256, False, 32, 'fused'), (32, 4, 3)): ('sm_80', 'sm_90a'),
+    ((256, False, 32, 'fused'), (32, 4, 4)): ('sm_80', 'sm_90a'),
+    ((256, True, 16, 'fused'), (64, 4, 2)): ('sm_80', 'sm_90a'),
+    # with softcap or ALiBi (every default of every head_dim, row count, layout, variant, modifier and dtype compiled
+    # for every manifest arch, 2026-11-26)
+    ((64, False, 64, 'fused', 'softcap'), (128, 8, 2)): ('sm_90a',),
+    ((128, False, 64, 'unfused', 'softcap'), (64, 4, 4)): ('sm_80',),
+    ((256, True, 16, 'fused', 'alibi'), (64, 4, 3)): ('sm_90a',),
 }
 
 
 def candidates(spec, arch: Arch):
-    """(cta_tile_kv, num_warps, num_stages): tuned configs first, then every allowed combination."""
+    """(cta_tile_kv, num_warps, num_stages): tuned configs first, then every allowed combination; those SPILLS_ON
+    lists for the arch last, so a default never takes one while another fits and a spec that pins one still gets
+    it (spills cost speed, not results)."""
     where = (spec.head_dim, spec.paged, spec.q_rows, spec.variant.value)
     every = itertools.chain(TUNED_ROWS.get(where, ()),
                             TUNED[(spec.head_dim, spec.paged)],
                             itertools.product((64, 128, 32, 16), (4, 8), (4, 3, 2, 1)))
-    yield from (c for c in every if arch.name not in SPILLS_ON.get((where, c), ()))
+    keys = [where] + [(*where, mod) for mod in ("softcap", "alibi") if getattr(spec, mod)]
+    return iter(sorted(every, key=lambda c: any(arch.name in SPILLS_ON.get((k, c), ()) for k in keys)))
