@@ -157,24 +157,3 @@ def test_spilling_configs_come_last():
     assert (r.cta_tile_kv, r.num_warps, r.num_stages) == (128, 8, 2)
     r = resolve(spec.replace(cta_tile_kv=128, num_warps=8, num_stages=2), "sm_90a")
     assert (r.cta_tile_kv, r.num_warps, r.num_stages) == (128, 8, 2)
-
-
-# Single-field pins and defaults that resolved to a spilling kernel before SPILLS_ON listed their configs.
-PINNED = [("sm_90a", "decode:head_dim=64,q_rows=64,paged=true"),
-          ("sm_90a", "decode:head_dim=64,q_rows=64,softcap=true"),
-          ("sm_90a", "decode:head_dim=256,q_rows=16,paged=true,alibi=true"),
-          ("sm_80", "decode:head_dim=128,q_rows=64,variant=unfused,softcap=true"),
-          ("sm_90a", "decode:head_dim=128,q_rows=16,paged=true,cta_tile_kv=128"),
-          ("sm_90a", "decode:head_dim=64,q_rows=32,cta_tile_kv=64"),
-          ("sm_80", "decode:head_dim=128,q_rows=16,paged=true,cta_tile_kv=128"),
-          ("sm_80", "decode:head_dim=64,q_rows=32,num_stages=3"),
-          ("sm_89", "decode:head_dim=64,q_rows=16,paged=true,cta_tile_kv=64"),
-          ("sm_120", "decode:head_dim=64,q_rows=32,num_stages=1")]
-
-
-@pytest.mark.parametrize("arch,text", PINNED)
-def test_pins_past_a_spilling_config_compile_spill_free(arch, text, tmp_path, monkeypatch):
-    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path))
-    s = resolve(parse_spec(text), arch)
-    r = compile(render(s), arch, kernel_name=s.kernel_name, entries=s.entries).resources
-    assert r.known and (r.spill_stores, r.spill_loads) == (0, 0), (text, s.to_text())

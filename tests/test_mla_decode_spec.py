@@ -199,26 +199,6 @@ def test_spilling_configs_come_last():
     assert _config(resolve(spec, "sm_120")) != first and _config(resolve(spec, "sm_89")) == first
 
 
-# Single-field pins whose first candidate spills on the arch (SPILLS_ON): what each resolves to now compiles
-# spill-free. (Every single-field pin of every rank, row count and layout was compiled for every manifest arch
-# when the list was made; these are the ones the list changed.)
-PINNED = [("sm_90a", "mla_decode:q_rows=16,qk_shard=false"),
-          ("sm_90a", "mla_decode:q_rows=16,paged=true,kv_lora_rank=256,rope_dim=32,qk_shard=false"),
-          ("sm_90a", "mla_decode:q_rows=32,kv_lora_rank=256,rope_dim=32,qk_shard=false"),
-          ("sm_90a", "mla_decode:q_rows=32,paged=true,kv_lora_rank=256,rope_dim=32,qk_shard=false"),
-          ("sm_90a", "mla_decode:q_rows=64,kv_lora_rank=256,rope_dim=32,num_warps=4"),
-          ("sm_90a", "mla_decode:q_rows=64,paged=true,kv_lora_rank=256,rope_dim=32,num_warps=4"),
-          ("sm_120", "mla_decode:q_rows=32,paged=true,kv_lora_rank=256,rope_dim=32"),
-          ("sm_120", "mla_decode:q_rows=16,cta_tile_kv=16"),
-          ("sm_100", "mla_decode:q_rows=16,paged=true,qk_shard=false")]
-
-
-@pytest.mark.parametrize("arch,text", PINNED)
-def test_pins_past_a_spilling_config_compile_spill_free(arch, text, tmp_path, monkeypatch):
-    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path))
-    r = attngen.build(resolve(parse_spec(text), arch), arch).binary.resources
-    assert r.known and (r.spill_stores, r.spill_loads) == (0, 0), text
-
 def test_splits_spread_a_small_batch():
     sms, per = 132, 1
     tile = 2 * 32 * 576

@@ -1,0 +1,42 @@
+"""Specs that once resolved to a spilling kernel, before their family's SPILLS_ON listed the configs (the decode
+and MLA families, 2026-11-26: every default, and every single-field pin, compiled for every manifest arch): what
+each resolves to now compiles spill-free, a real NVRTC compile."""
+
+from __future__ import annotations
+
+import pytest
+
+from attngen.compiler import compile
+from attngen.render import render
+from attngen.spec import parse_spec, resolve
+
+# decode: defaults (the first four) and single-field pins
+DECODE = [("sm_90a", "decode:head_dim=64,q_rows=64,paged=true"),
+          ("sm_90a", "decode:head_dim=64,q_rows=64,softcap=true"),
+          ("sm_90a", "decode:head_dim=256,q_rows=16,paged=true,alibi=true"),
+          ("sm_80", "decode:head_dim=128,q_rows=64,variant=unfused,softcap=true"),
+          ("sm_90a", "decode:head_dim=128,q_rows=16,paged=true,cta_tile_kv=128"),
+          ("sm_90a", "decode:head_dim=64,q_rows=32,cta_tile_kv=64"),
+          ("sm_80", "decode:head_dim=128,q_rows=16,paged=true,cta_tile_kv=128"),
+          ("sm_80", "decode:head_dim=64,q_rows=32,num_stages=3"),
+          ("sm_89", "decode:head_dim=64,q_rows=16,paged=true,cta_tile_kv=64"),
+          ("sm_120", "decode:head_dim=64,q_rows=32,num_stages=1")]
+
+# MLA decode: single-field pins, and one default (sm_120, 256 + 32, 32 rows, paged)
+MLA = [("sm_90a", "mla_decode:q_rows=16,qk_shard=false"),
+       ("sm_90a", "mla_decode:q_rows=16,paged=true,kv_lora_rank=256,rope_dim=32,qk_shard=false"),
+       ("sm_90a", "mla_decode:q_rows=32,kv_lora_rank=256,rope_dim=32,qk_shard=false"),
+       ("sm_90a", "mla_decode:q_rows=32,paged=true,kv_lora_rank=256,rope_dim=32,qk_shard=false"),
+       ("sm_90a", "mla_decode:q_rows=64,kv_lora_rank=256,rope_dim=32,num_warps=4"),
+       ("sm_90a", "mla_decode:q_rows=64,paged=true,kv_lora_rank=256,rope_dim=32,num_warps=4"),
+       ("sm_120", "mla_decode:q_rows=32,paged=true,kv_lora_rank=256,rope_dim=32"),
+       ("sm_120", "mla_decode:q_rows=16,cta_tile_kv=16"),
+       ("sm_100", "mla_decode:q_rows=16,paged=true,qk_shard=false")]
+
+
+@pytest.mark.parametrize("arch,text", DECODE + MLA)
+def test_resolves_past_a_spilling_config_to_a_spill_free_kernel(arch, text, tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path))
+    s = resolve(parse_spec(text), arch)
+    r = compile(render(s), arch, kernel_name=s.kernel_name, entries=s.entries).resources
+    assert r.known and (r.spill_stores, r.spill_loads) == (0, 0), (text, s.to_text())
