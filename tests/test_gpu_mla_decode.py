@@ -40,13 +40,17 @@ def _inside_nan(shape, dtype, gen):
     return view
 
 
-def make_cache(seqlens, dim, dtype, gen, block_size=None, table=None):
+def make_cache(seqlens, dim, dtype, gen, block_size=None, table=None, row_scale=None):
     """Contiguous: a [b, cap, dim] view (rows padded by 8 NaN elements) with NaN past each length.
     Paged: the pool [num_blocks, block_size, dim] filled through ``table``; unnamed blocks and
-    slots past a length hold NaN. Returns (cache, dense [b, cap, dim] fp32 copy of the live part)."""
+    slots past a length hold NaN. ``row_scale(cap)``: a factor for each position. Returns (cache,
+    dense [b, cap, dim] fp32 copy of the live part)."""
     b = len(seqlens)
     cap = max(max(seqlens), 1)
-    dense = torch.randn((b, cap, dim), device="cuda", generator=gen).to(dtype)
+    dense = torch.randn((b, cap, dim), device="cuda", generator=gen)
+    if row_scale is not None:
+        dense *= row_scale(cap).view(1, cap, 1)
+    dense = dense.to(dtype)
     for i, n in enumerate(seqlens):
         dense[i, n:] = NAN
     if block_size is None:
@@ -63,7 +67,7 @@ def make_cache(seqlens, dim, dtype, gen, block_size=None, table=None):
 
 
 def run_case(seqlens, heads, q_len, dtype=torch.bfloat16, rank=512, rope=64, block_size=None, spec=None,
-             num_splits=0, seqlen_as_int=False):
+             num_splits=0, seqlen_as_int=False, kpe_scale=None):
     gen = fresh_generator()
     b = len(seqlens)
     q_nope = _inside_nan((b, q_len, heads, rank), dtype, gen)
@@ -75,7 +79,7 @@ def run_case(seqlens, heads, q_len, dtype=torch.bfloat16, rank=512, rope=64, blo
         perm = torch.randperm(b * per_row + 4, generator=torch.Generator().manual_seed(int(gen.initial_seed() % 2**31)))
         table = perm[:b * per_row].reshape(b, per_row).to(torch.int32).cuda()
     ckv, ckv_ref = make_cache(seqlens, rank, dtype, gen, block_size, table)
-    kpe, kpe_ref = make_cache(seqlens, rope, dtype, gen, block_size, table)
+    kpe, kpe_ref = make_cache(seqlens, rope, dtype, gen, block_size, table, kpe_scale)
     scale = 1.0 / (rank // 4 + rope) ** 0.5
     obuf = torch.full((b, q_len + 2, heads, rank + 8), SENTINEL, dtype=dtype, device="cuda")
     out = obuf[:, 1:1 + q_len, :, :rank]
@@ -333,6 +337,21 @@ def test_alternate_tiles(dtype, rank, rope, block_size, q_len):
     spec = MlaDecodeSpec(qk_shard="alternate")
     run_case([1, 17, 63, 64, 65, 129, 700, 3001, 0], 128, q_len, dtype, rank, rope, block_size, spec=spec)
     run_case([5000, 64, 129, 2], 40, q_len, dtype, rank, rope, block_size, spec=spec, num_splits=7)
+
+
+@pytest.mark.parametrize("q_len,splits", [(1, 1), (2, 3)])
+def test_alternate_tiles_with_far_apart_maxima(q_len, splits):
+    """qk_shard=alternate: each warpgroup's softmax runs against its own tile's maximum and is moved to the
+    pair's after, so scores whose maxima jump up and down by many units from one 64-key tile to the next
+    (kpe scaled by a factor a tile) must still match fp32."""
+    _sm90a_only()
+
+    def jumps(cap):
+        f = torch.tensor([1.0, 9.0, 0.3, 14.0, 4.0, 0.1, 11.0, 2.0], device="cuda")
+        return f[(torch.arange(cap, device="cuda") // 64) % len(f)]
+
+    run_case([1024, 700, 3001, 130], 128, q_len, spec=MlaDecodeSpec(qk_shard="alternate"), num_splits=splits,
+             kpe_scale=jumps)
 
 
 def test_auto_takes_alternate_tiles_for_many_rows_and_long_runs(monkeypatch):
