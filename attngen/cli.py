@@ -25,7 +25,7 @@ from . import cache as _cache
 from . import tuned as _tuned
 from .__version__ import __version__
 from .arch import ARCHS, Arch, get_arch, parse_arch_list
-from .compiler import compile as nvrtc_compile, compile_options
+from .compiler import compile as nvrtc_compile, compile_options, performance_notes
 from .errors import AttngenError, CompileError, SpecError
 from .family import families, get_family
 from .manifest import ManifestError, default_manifest_path, expand, load_manifest
@@ -208,6 +208,11 @@ def cmd_prewarm(args: argparse.Namespace) -> int:
         print(f"  wall {summary['wall_seconds']:.1f} s with {summary['jobs']} jobs; "
               f"compile time summed {summary['compile_seconds']:.1f} s")
         print(f"  cache: {summary['cache_root']}")
+        noted = [r for r in results if r.get("ptxas_notes")]
+        if noted:
+            print(f"  ptxas notes on {len(noted)} kernels (wgmma serialised or waited for; --json lists them):")
+            for r in noted[:5]:
+                print(f"    {r['arch']} {r['spec']}: {', '.join(n.split(':')[0] for n in r['ptxas_notes'])}")
     return 1 if failures else 0
 
 
@@ -247,9 +252,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.resources:
         r = _cache.build(resolved, arch)
         res = r.binary.resources
+        notes = performance_notes(r.binary.log)
         out["resources"] = {**res.to_dict(), "smem_dynamic": resolved.smem_bytes(), "threads": resolved.threads,
                             "key": r.key, "origin": r.origin, "stored": r.stored,
-                            "compile_seconds": round(r.binary.compile_seconds, 4)}
+                            "compile_seconds": round(r.binary.compile_seconds, 4), "ptxas_notes": list(notes)}
         sections.append(("resources", "\n".join([
             f"spec        {resolved.to_text(full=True)}",
             f"arch        {arch.name}",
@@ -261,6 +267,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "spills      not reported (NVRTC's log held no report; registers and stack frame are the cubin's, "
             "and a 0-byte frame means none)",
             f"stack frame {res.stack_frame} B",
+            *(f"ptxas note  {n}" for n in notes),
             f"cache       {r.origin} ({r.key})",
         ]) + "\n"))
     if args.key:

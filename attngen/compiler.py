@@ -184,6 +184,17 @@ def parse_resources(log: str, kernel_name: str = "") -> Resources:
     return Resources(**vals)
 
 
+_NOTE = re.compile(r"^ptxas[^(\n]*\((C\d{4})\)\s*(.*)$", re.M)
+
+
+def performance_notes(log: str) -> tuple[str, ...]:
+    """ptxas' coded notes in a build log, one line each (``C7514: ...``), in order and without repeats. On sm_90a they
+    say where ptxas serialised wgmma or waited for it to protect accumulator registers (C7508-C7520): the kernel
+    still runs correctly, with its MMAs no longer overlapped, and the log is the only sign."""
+    seen = dict.fromkeys(f"{code}: {text.strip()}" for code, text in _NOTE.findall(log))
+    return tuple(seen)
+
+
 # EIATTR codes of the cubin's .nv.info section: per function symbol, its registers and its stack frame.
 _EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE, _EIFMT_SVAL = 0x2F, 0x11, 4
 

@@ -17,6 +17,7 @@ from typing import Callable, TextIO
 
 from . import cache as _cache
 from .arch import Arch, get_arch
+from .compiler import performance_notes
 from .errors import AttngenError
 from .spec import Spec, parse_spec
 
@@ -90,6 +91,8 @@ def build_item(index: int, spec_dict: dict, arch: str) -> dict:
         "spill_stores": res["spill_stores"],
         "spill_loads": res["spill_loads"],
         "stack_frame": res["stack_frame"],
+        # ptxas' coded notes (wgmma serialised or waited for on sm_90a): correct code, its MMAs not overlapped
+        "ptxas_notes": list(performance_notes(r.binary.log)),
         # For a hit this is the time the original compile took, as recorded in the entry.
         "compile_seconds": round(r.binary.compile_seconds, 4),
         "seconds": round(time.perf_counter() - t0, 4),
@@ -106,7 +109,7 @@ def _failed_item(index: int, spec_dict: dict, arch: str, error: str, seconds: fl
         text = json.dumps(spec_dict, sort_keys=True)
     return {"index": index, "spec": text, "spec_resolved": None, "arch": arch, "key": None,
             "kernel_name": None, "origin": "failed", "registers": None, "smem_static": None,
-            "smem_dynamic": None, "spill_stores": None, "spill_loads": None, "stack_frame": None,
+            "smem_dynamic": None, "spill_stores": None, "spill_loads": None, "stack_frame": None, "ptxas_notes": None,
             "compile_seconds": None, "seconds": round(seconds, 4), "error": error, "error_type": error_type}
 
 
@@ -118,6 +121,7 @@ def summarize(results: list[dict], wall_seconds: float) -> dict:
         "compiled": len(compiled),
         "cache_hits": sum(1 for r in results if r["origin"] in ("disk", "memory")),
         "failed": sum(1 for r in results if r["error"]),
+        "with_ptxas_notes": sum(1 for r in results if r.get("ptxas_notes")),
         "wall_seconds": round(wall_seconds, 3),
         # Only what this run compiled: with N jobs, wall is about this sum / N.
         "compile_seconds": round(sum(r["compile_seconds"] or 0 for r in compiled), 3),
@@ -154,7 +158,9 @@ class Progress:
             self._open = True
         else:
             secs = r.get("seconds") or 0.0
-            self.stream.write(f"{counter} {status:8} {r['arch']:7} {r['spec']} ({secs:.2f} s)\n")
+            notes = ", ".join(n.split(":")[0] for n in r.get("ptxas_notes") or ())
+            self.stream.write(f"{counter} {status:8} {r['arch']:7} {r['spec']} ({secs:.2f} s)"
+                              f"{f' ptxas notes {notes}' if notes else ''}\n")
         self.stream.flush()
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ CPU only: compiles go through NVRTC (a few tiny manifests), nothing is loaded on
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -72,7 +73,7 @@ def test_prewarm_compiles_in_worker_processes_then_everything_is_a_hit(cache_dir
     assert "[4/4]" in p.stderr  # progress, plain lines when stderr is not a terminal
     for item in first["items"]:
         assert HEX64.fullmatch(item["key"]) and item["error"] is None
-        assert item["registers"] > 0 and item["compile_seconds"] > 0
+        assert item["registers"] > 0 and item["compile_seconds"] > 0 and item["ptxas_notes"] == []
         assert (cache_dir / "v1" / item["key"][:2] / item["key"] / "kernel.cubin").is_file()
 
     # Second run, in-process, one job: every item comes from disk with the same keys.
@@ -119,6 +120,31 @@ def test_prewarm_counts_a_binary_the_cache_could_not_store_as_failed(cache_dir, 
     rc, out = run_json(capsys, "prewarm", "--manifest", str(one_kernel_manifest(tmp_path)), "--jobs", "1")
     assert rc == 1 and out["failed"] == 1
     assert "not stored" in out["items"][0]["error"]
+
+
+def test_prewarm_and_inspect_report_ptxas_notes(cache_dir, tmp_path, monkeypatch, capsys):
+    # A note as ptxas writes it, added to a real build's log: the log is all that shows such a kernel
+    note = ("ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+            "non wgmma instructions reading accumulator registers of  a wgmma between start and end of the pipeline "
+            "stage in the function 'k' in line 0")
+    real_build = cache.build
+
+    def noted(spec, arch, **kw):
+        r = real_build(spec, arch, **kw)
+        return dataclasses.replace(r, binary=dataclasses.replace(r.binary, log=f"{r.binary.log}\n{note}"))
+
+    monkeypatch.setattr(cache, "build", noted)
+    manifest = str(one_kernel_manifest(tmp_path))
+    rc, out = run_json(capsys, "prewarm", "--manifest", manifest, "--jobs", "1")
+    assert rc == 0 and out["with_ptxas_notes"] == 1  # a note is not a failure
+    assert [n.split(":")[0] for n in out["items"][0]["ptxas_notes"]] == ["C7514"]
+    assert main(["prewarm", "--manifest", manifest, "--jobs", "1", "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "ptxas notes on 1 kernels" in text and "sm_80 prefill:head_dim=64" in text and "C7514" in text
+    rc, js = run_json(capsys, "inspect", SPEC, "--resources")
+    assert rc == 0 and js["resources"]["ptxas_notes"][0].startswith("C7514: Potential Performance Loss")
+    assert main(["inspect", SPEC, "--resources"]) == 0
+    assert re.search(r"ptxas note\s+C7514: Potential Performance Loss", capsys.readouterr().out)
 
 
 def test_prewarm_manifest_errors_exit_2(cache_dir, tmp_path, capsys):

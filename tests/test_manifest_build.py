@@ -1,4 +1,5 @@
-"""Every kernel of the shipped manifest compiles with NVRTC for every arch it names, spill-free.
+"""Every kernel of the shipped manifest compiles with NVRTC for every arch it names, spill-free and without
+ptxas performance notes.
 
 This is the pre-warm a CI job runs for production, done for real: no GPU, real compiles into a
 temporary cache (about 8-10 minutes on 2 cores). Marked ``slow``: the README's test command leaves it
@@ -31,4 +32,8 @@ def test_default_manifest_builds_for_every_arch_without_spills(cache_dir):
     assert {r["origin"] for r in results} <= {"compiled", "disk", "memory"}
     spilled = [(r["spec_resolved"], r["arch"], r["spill_stores"], r["spill_loads"]) for r in results if spills(r)]
     assert not spilled, spilled
+    # nor does ptxas serialise or wait for any sm_90a kernel's wgmma (C7508-C7520: the MMAs no longer overlapped;
+    # seen where NVRTC's log holds ptxas' report, as the cu13 wheels' does)
+    noted = [(r["spec_resolved"], r["arch"], r["ptxas_notes"]) for r in results if r["ptxas_notes"]]
+    assert not noted, noted
     assert len({r["key"] for r in results}) == len(items)
