@@ -2,7 +2,7 @@
 default manifest, for every arch the group names, compiles with NVRTC 12 into a cubin keyed by it.
 
 The defaults are chosen spill-free against NVRTC 13; NVRTC 12.9's ptxas spills on some of them
-(README, "CUDA 12 drivers"), so spills are reported here, not failed on.
+(README, "CUDA 12 drivers"), so spills are reported here, not failed on; so are ptxas' coded notes.
 
 Runs only where the installed NVRTC is 12.x; ``.ci/run`` makes a venv with the cu12 extra for it.
 Under the cu13 install it skips (the slow manifest test covers NVRTC 13).
@@ -46,3 +46,7 @@ def test_manifest_slice_compiles_with_nvrtc12(cache_dir):
     print(f"NVRTC {nvrtc_version()}: {len(spilled)} of {len(results)} kernels spill")
     for s in spilled:
         print("  spills:", *s)
+    noted = [(r["spec_resolved"], r["arch"], r["ptxas_notes"]) for r in results if r["ptxas_notes"]]
+    print(f"NVRTC {nvrtc_version()}: {len(noted)} of {len(results)} kernels with ptxas notes (wgmma serialised or waited for)")
+    for s in noted:
+        print("  ptxas notes:", *s)
