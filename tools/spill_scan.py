@@ -1,8 +1,8 @@
-"""Which decode and MLA decode kernels ptxas spills: every default (each shape field's values, no tuning field
-pinned) and, with ``--pins``, every single-field pin of a tuning field, resolved for each arch and compiled with
-NVRTC (the cache makes a rerun cheap). Prints one line a spilling kernel with the spec texts that reach it, and
-exits 1 if any default spills: the check behind each family's SPILLS_ON list (``defaults.py``), to rerun when a
-template or NVRTC changes.
+"""Which decode and MLA decode kernels ptxas spills, or serialises the wgmma of (its coded notes, C7508-C7520):
+every default (each shape field's values, no tuning field pinned) and, with ``--pins``, every single-field pin of
+a tuning field, resolved for each arch and compiled with NVRTC (the cache makes a rerun cheap). Prints one line a
+spilling or noted kernel with the spec texts that reach it, and exits 1 if any default spills or has a note: the
+check behind each family's SPILLS_ON list (``defaults.py``), to rerun when a template or NVRTC changes.
 
     python3 tools/spill_scan.py decode,mla_decode [--archs sm_80,sm_90a] [--pins] [--dtypes bf16,fp16] [--jobs N]
 """
@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from attngen.arch import ARCHS  # noqa: E402
 from attngen.cache import build  # noqa: E402
+from attngen.compiler import performance_notes  # noqa: E402
 from attngen.errors import AttngenError  # noqa: E402
 from attngen.spec import parse_spec, resolve  # noqa: E402
 
@@ -72,16 +73,19 @@ def main() -> int:
 
     def spills(key):
         arch, text = key
-        return key, build(parse_spec(text), arch).binary.resources.spill_stores
+        b = build(parse_spec(text), arch).binary
+        return key, b.resources.spill_stores, performance_notes(b.log)
 
     bad_default = False
     with ThreadPoolExecutor(args.jobs) as ex:
-        for (arch, text), n in ex.map(spills, kernels):
-            if n:
+        for (arch, text), n, notes in ex.map(spills, kernels):
+            if n or notes:
                 reached = kernels[(arch, text)]
                 bad_default |= any(d for _, d in reached)
                 kind = "DEFAULT" if any(d for _, d in reached) else "pin"
-                print(f"{kind} {arch} {text} spills {n} bytes <- {', '.join(t for t, _ in reached[:4])}", flush=True)
+                what = ", ".join(([f"spills {n} bytes"] if n else []) +
+                                 ([f"ptxas notes {' '.join(x.split(':')[0] for x in notes)}"] if notes else []))
+                print(f"{kind} {arch} {text} {what} <- {', '.join(t for t, _ in reached[:4])}", flush=True)
     return 1 if bad_default else 0
 
 
