@@ -185,14 +185,19 @@ def parse_resources(log: str, kernel_name: str = "") -> Resources:
 
 
 _NOTE = re.compile(r"^ptxas[^(\n]*\((C\d{4})\)\s*(.*)$", re.M)
+_NOTE_LINE = re.compile(r"\bline \d+")
 
 
 def performance_notes(log: str) -> tuple[str, ...]:
-    """ptxas' coded notes in a build log, one line each (``C7514: ...``), in order and without repeats. On sm_90a they
-    say where ptxas serialised wgmma or waited for it to protect accumulator registers (C7508-C7520): the kernel
-    still runs correctly, with its MMAs no longer overlapped, and the log is the only sign."""
-    seen = dict.fromkeys(f"{code}: {text.strip()}" for code, text in _NOTE.findall(log))
-    return tuple(seen)
+    """ptxas' coded notes in a build log, one line each (``C7514: ...``), in order; notes that differ only in the
+    source line they name are one, with the number of places (``(3 places)``). On sm_90a they say where ptxas
+    serialised wgmma or waited for it to protect accumulator registers (C7508-C7520): the kernel still runs
+    correctly, with its MMAs no longer overlapped, and the log is the only sign."""
+    places: dict[str, int] = {}
+    for code, text in _NOTE.findall(log):
+        note = f"{code}: {_NOTE_LINE.sub('line N', text.strip())}"
+        places[note] = places.get(note, 0) + 1
+    return tuple(n if k == 1 else f"{n} ({k} places)" for n, k in places.items())
 
 
 # EIATTR codes of the cubin's .nv.info section: per function symbol, its registers and its stack frame.
