@@ -1,10 +1,10 @@
-"""Which decode and MLA decode kernels ptxas spills, or serialises the wgmma of (its coded notes, C7508-C7520):
+"""Which decode, MLA decode and dense prefill kernels ptxas spills, or serialises the wgmma of (its coded notes, C7508-C7520):
 every default (each shape field's values, no tuning field pinned) and, with ``--pins``, every single-field pin of
 a tuning field, resolved for each arch and compiled with NVRTC (the cache makes a rerun cheap). Prints one line a
 spilling or noted kernel with the spec texts that reach it, and exits 1 if any default spills or has a note: the
 check behind each family's SPILLS_ON list (``defaults.py``), to rerun when a template or NVRTC changes.
 
-    python3 tools/spill_scan.py decode,mla_decode [--archs sm_80,sm_90a] [--pins] [--dtypes bf16,fp16] [--jobs N]
+    python3 tools/spill_scan.py decode,mla_decode,prefill [--archs sm_80,sm_90a] [--pins] [--dtypes bf16,fp16] [--jobs N]
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ SHAPES = {
                    variant=("fused", "unfused"), mod=("", "softcap=true", "alibi=true")),
     "mla_decode": dict(kv_lora_rank=("512,rope_dim=64", "256,rope_dim=32"), q_rows=(16, 32, 64),
                        paged=("false", "true")),
+    # dense prefill only (the masked, varlen and paged forms are the manifest's, compiled by its slow test)
+    "prefill": dict(head_dim=(64, 128, 256), mask=("none", "causal")),
 }
 PINS = {
     "decode": [f"cta_tile_kv={v}" for v in (16, 32, 64, 128)] + [f"num_warps={v}" for v in (4, 8)]
@@ -37,6 +39,10 @@ PINS = {
     "mla_decode": [f"qk_shard={v}" for v in ("true", "false", "alternate")] + [f"cta_tile_kv={v}" for v in (16, 32, 64)]
     + [f"num_warps={v}" for v in (4, 8)] + [f"num_stages={v}" for v in (1, 2, 3, 4)]
     + ["mma=mma_sync", "mma=wgmma", "pipeline=sync", "pipeline=tma"],
+    "prefill": [f"cta_tile_q={v}" for v in (64, 128, 192)] + [f"cta_tile_kv={v}" for v in (64, 80, 128, 176)]
+    + [f"num_warps={v}" for v in (4, 8, 12)] + [f"num_stages={v}" for v in (1, 2, 3, 4)]
+    + ["mma=mma_sync", "mma=wgmma", "pipeline=sync", "pipeline=tma"]
+    + [f"schedule={v}" for v in ("serial", "overlap", "pingpong")] + [f"persistent={v}" for v in ("true", "false")],
 }
 
 
@@ -54,7 +60,7 @@ def texts(family: str, dtype: str, pins: bool):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("families", help="comma-separated: decode, mla_decode")
+    ap.add_argument("families", help="comma-separated: decode, mla_decode, prefill")
     ap.add_argument("--archs", default=",".join(sorted(ARCHS)))
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--pins", action="store_true", help="also every single-field pin of a tuning field")
