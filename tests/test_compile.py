@@ -139,6 +139,18 @@ def test_mla_wgmma_kernels_keep_their_wgmma_pipelined(text):
     assert not performance_notes(b.log)
 
 
+@pytest.mark.parametrize("kv,schedule", [(80, "serial"), (64, "serial"), (96, "pingpong")])
+def test_one_cta_tma_kernels_keep_setmaxnreg(kv, schedule):
+    # The whole-row TMA kernel says how many CTAs an SM holds (launch bounds): without it ptxas could not tell the
+    # register count at entry for these head_dim 64 tiles, ignored setmaxnreg (C7508) and serialised every wgmma of
+    # the serial schedule (C7519); they ran 1.11-1.22x faster once it could (H100, 2026-11-27)
+    _, _, b = built(f"prefill:head_dim=64,cta_tile_q=128,cta_tile_kv={kv},num_warps=8,num_stages=2,mma=wgmma,"
+                    f"pipeline=tma,schedule={schedule},persistent=false", "sm_90a")
+    if not b.resources.known:
+        pytest.skip("NVRTC's log held no ptxas report")
+    assert not performance_notes(b.log)
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_default_tunings_do_not_spill(arch, head_dim):

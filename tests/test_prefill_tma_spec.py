@@ -44,7 +44,7 @@ def test_tma_ctas_an_sm_reach_the_launch_bounds(d, warps, ctas):
     r = resolve(PrefillSpec(head_dim=d, pipeline="tma", num_warps=warps, cta_tile_kv=64), "sm_90a")
     assert r.tma_ctas == ctas and r.replace(pipeline="sync").tma_ctas == 0
     src = render(r)
-    assert f"__launch_bounds__({r.threads}{', 2' if ctas == 2 else ''})" in src
+    assert f"__launch_bounds__({r.threads}, {ctas})" in src  # one said too: ptxas then honours setmaxnreg
     assert f"MASK_LIST, {ctas}, false, false, {str(r.is_persistent).lower()}>(params.p, params.maps)" in src
 
 
@@ -294,7 +294,7 @@ def test_three_warpgroups_resolve_for_the_tma_kernel():
     r = resolve(PrefillSpec(head_dim=64, cta_tile_q=192, num_warps=12, cta_tile_kv=128), "sm_90a")
     assert r.tma and r.threads == 512 and r.tma_ctas == 1 and r.is_resolved
     src = render(r.replace(schedule="pingpong"))
-    assert "__launch_bounds__(512)" in src
+    assert "__launch_bounds__(512, 1)" in src
     # 160 registers a thread: the estimate's limit is 128 (head_dim 64 with 128-key tiles, 128 with 80)
     with pytest.raises(SpecError) as e:
         resolve(r.replace(cta_tile_kv=144), "sm_90a")
