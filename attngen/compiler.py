@@ -191,8 +191,8 @@ _NOTE_LINE = re.compile(r"\bline \d+")
 def performance_notes(log: str) -> tuple[str, ...]:
     """ptxas' coded notes in a build log, one line each (``C7514: ...``), in order; notes that differ only in the
     source line they name are one, with the number of places (``(3 places)``). On sm_90a they say where ptxas
-    serialised wgmma or waited for it to protect accumulator registers (C7508-C7520): the kernel still runs
-    correctly, with its MMAs no longer overlapped, and the log is the only sign."""
+    ignored setmaxnreg (C7508), or serialised wgmma or waited for it to protect accumulator registers (C7514-C7520):
+    the kernel still runs correctly, with its MMAs no longer overlapped, and the log is the only sign."""
     places: dict[str, int] = {}
     for code, text in _NOTE.findall(log):
         note = f"{code}: {_NOTE_LINE.sub('line N', text.strip())}"
