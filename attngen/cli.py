@@ -25,7 +25,7 @@ from . import cache as _cache
 from . import tuned as _tuned
 from .__version__ import __version__
 from .arch import ARCHS, Arch, get_arch, parse_arch_list
-from .compiler import compile as nvrtc_compile, compile_options, performance_notes
+from .compiler import compile as nvrtc_compile, compile_options, note_codes, performance_notes
 from .errors import AttngenError, CompileError, SpecError
 from .family import families, get_family
 from .manifest import ManifestError, default_manifest_path, expand, load_manifest
@@ -210,9 +210,9 @@ def cmd_prewarm(args: argparse.Namespace) -> int:
         print(f"  cache: {summary['cache_root']}")
         noted = [r for r in results if r.get("ptxas_notes")]
         if noted:
-            print(f"  ptxas notes on {len(noted)} kernels (wgmma serialised or waited for; --json lists them):")
+            print(f"  ptxas notes on {len(noted)} kernels (setmaxnreg ignored or wgmma serialised; --json lists them):")
             for r in noted[:5]:
-                print(f"    {r['arch']} {r['spec']}: {', '.join(n.split(':')[0] for n in r['ptxas_notes'])}")
+                print(f"    {r['arch']} {r['spec']}: {note_codes(r['ptxas_notes'])}")
     return 1 if failures else 0
 
 

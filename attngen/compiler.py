@@ -200,6 +200,11 @@ def performance_notes(log: str) -> tuple[str, ...]:
     return tuple(n if k == 1 else f"{n} ({k} places)" for n, k in places.items())
 
 
+def note_codes(notes) -> str:
+    """The codes of ``performance_notes``' lines, comma-separated (``C7508, C7519``): for one-line reports."""
+    return ", ".join(n.split(":", 1)[0] for n in notes)
+
+
 # EIATTR codes of the cubin's .nv.info section: per function symbol, its registers and its stack frame.
 _EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE, _EIFMT_SVAL = 0x2F, 0x11, 4
 

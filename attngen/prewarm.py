@@ -17,7 +17,7 @@ from typing import Callable, TextIO
 
 from . import cache as _cache
 from .arch import Arch, get_arch
-from .compiler import performance_notes
+from .compiler import note_codes, performance_notes
 from .errors import AttngenError
 from .spec import Spec, parse_spec
 
@@ -91,7 +91,7 @@ def build_item(index: int, spec_dict: dict, arch: str) -> dict:
         "spill_stores": res["spill_stores"],
         "spill_loads": res["spill_loads"],
         "stack_frame": res["stack_frame"],
-        # ptxas' coded notes (wgmma serialised or waited for on sm_90a): correct code, its MMAs not overlapped
+        # ptxas' coded notes (on sm_90a setmaxnreg ignored, wgmma serialised or waited for): correct code, slower
         "ptxas_notes": list(performance_notes(r.binary.log)),
         # For a hit this is the time the original compile took, as recorded in the entry.
         "compile_seconds": round(r.binary.compile_seconds, 4),
@@ -158,7 +158,7 @@ class Progress:
             self._open = True
         else:
             secs = r.get("seconds") or 0.0
-            notes = ", ".join(n.split(":")[0] for n in r.get("ptxas_notes") or ())
+            notes = note_codes(r.get("ptxas_notes") or ())
             self.stream.write(f"{counter} {status:8} {r['arch']:7} {r['spec']} ({secs:.2f} s)"
                               f"{f' ptxas notes {notes}' if notes else ''}\n")
         self.stream.flush()

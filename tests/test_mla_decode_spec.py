@@ -176,7 +176,6 @@ def test_alternate_tiles_compile_spill_free(text, tmp_path, monkeypatch):
     assert "cp.async.bulk.tensor.3d" in b.ptx and "mbarrier.try_wait.parity" in b.ptx
 
 
-
 def _config(r):
     return (r.qk_shard, r.cta_tile_kv, r.num_warps, r.num_stages, r.pipeline)
 

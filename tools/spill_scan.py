@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from attngen.arch import ARCHS  # noqa: E402
 from attngen.cache import build  # noqa: E402
-from attngen.compiler import performance_notes  # noqa: E402
+from attngen.compiler import note_codes, performance_notes  # noqa: E402
 from attngen.errors import AttngenError  # noqa: E402
 from attngen.spec import parse_spec, resolve  # noqa: E402
 
@@ -77,20 +77,20 @@ def main() -> int:
             kernels.setdefault((arch, str(spec)), []).append((text, default))
     print(f"{len(kernels)} distinct kernels", file=sys.stderr, flush=True)
 
-    def spills(key):
+    def scan(key):
         arch, text = key
         b = build(parse_spec(text), arch).binary
         return key, b.resources.spill_stores, performance_notes(b.log)
 
     bad_default = False
     with ThreadPoolExecutor(args.jobs) as ex:
-        for (arch, text), n, notes in ex.map(spills, kernels):
+        for (arch, text), n, notes in ex.map(scan, kernels):
             if n or notes:
                 reached = kernels[(arch, text)]
                 bad_default |= any(d for _, d in reached)
                 kind = "DEFAULT" if any(d for _, d in reached) else "pin"
                 what = ", ".join(([f"spills {n} bytes"] if n else []) +
-                                 ([f"ptxas notes {' '.join(x.split(':')[0] for x in notes)}"] if notes else []))
+                                 ([f"ptxas notes {note_codes(notes)}"] if notes else []))
                 print(f"{kind} {arch} {text} {what} <- {', '.join(t for t, _ in reached[:4])}", flush=True)
     return 1 if bad_default else 0
 
