@@ -256,6 +256,21 @@ def test_errors_in_two_pieces_each_get_their_origin():
     assert f">>{l1:6d} | " in text and f">>{l2:6d} | " in text
 
 
+def test_errors_in_a_nested_piece_and_after_it_name_the_innermost():
+    # prefill_fwd's step of a KV tile is a piece of its own, rendered inside prefill_fwd once a loop: an error in
+    # it names it, and one just after it names prefill_fwd again.
+    spec = resolve(parse_spec("prefill:head_dim=64"), "sm_80")
+    source, l1 = _inject(render(spec), "common/prefill_step.cuh.jinja", 2, "int attngen_broken = undefined_one;")
+    lines = source.splitlines()
+    after = lines.index("// attngen:end common/prefill_step.cuh.jinja") + 1
+    lines.insert(after, "int attngen_broken_too = undefined_two;")
+    with pytest.raises(CompileError) as ei:
+        compile("\n".join(lines) + "\n", "sm_80", kernel_name=spec.kernel_name)
+    text = str(ei.value)
+    assert f"--- around line {l1} (from common/prefill_step.cuh.jinja) ---" in text
+    assert f"--- around line {after + 1} (from common/prefill_fwd.cuh.jinja) ---" in text
+
+
 def test_error_in_the_family_template_names_no_piece():
     spec = resolve(parse_spec("prefill:head_dim=64"), "sm_80")
     lines = render(spec).splitlines()

@@ -263,7 +263,7 @@ class PrefillSpec(SpecBase):
     @property
     def chunked(self) -> bool:
         """The chunked kernel: head_dim chunks stream through shared memory (templates/common/
-        prefill_chunked.cuh). Chosen where whole rows cannot run or a chunk width is given."""
+        prefill_chunked.cuh.jinja). Chosen where whole rows cannot run or a chunk width is given."""
         return not self.whole_allowed or bool(self.head_dim_chunk)
 
     @functools.cached_property
@@ -274,7 +274,7 @@ class PrefillSpec(SpecBase):
 
     @property
     def chunk_grid(self) -> dict:
-        """The chunked kernel's warp grid and V steps (see prefill_chunked.cuh): WARPS_N column
+        """The chunked kernel's warp grid and V steps (see prefill_chunked.cuh.jinja): WARPS_N column
         groups, ON output columns per warp, SN keys of S per warp, per V step VK keys x VCW
         columns per warp (the widest VCW, fewest loads per mma, whose step fits the QK step),
         and the elements of one ring slot (the larger of the two steps; TMA: a QK step's slot holds K's
@@ -307,7 +307,7 @@ class PrefillSpec(SpecBase):
     @property
     def qk_pair(self) -> bool:
         """The two V splits of a query tile form a cluster that splits the QK work (each CTA computes S
-        over half of head_dim and adds the other's; see prefill_chunked.cuh) rather than repeating it:
+        over half of head_dim and adds the other's; see prefill_chunked.cuh.jinja) rather than repeating it:
         where each half is at least two whole chunks and the repeated QK work would exceed a CTA's PV
         work (head_dim above its V columns). Measured on the H100 (2026-11-25): 768 gains 3-16%, 1024
         14-26%; 512/1024 (QK work equal to PV's) lost up to 9% (0.95x geomean) to the exchange, and 640 split
