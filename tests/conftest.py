@@ -51,3 +51,36 @@ def exact_fp32_reference():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32 = old
+
+
+# ---- the cache tests' (test_cache*.py) --------------------------------------------------------------
+
+@pytest.fixture
+def compiles(monkeypatch):
+    """Counts real NVRTC compiles made by build() (a spy: the real compiler still runs)."""
+    import attngen.cache as cache_mod
+
+    calls = []
+    real = cache_mod.nvrtc_compile
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("kernel_name"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cache_mod, "nvrtc_compile", counting)
+    return calls
+
+
+@pytest.fixture(scope="session")
+def golden(tmp_path_factory):
+    """A populated cache root built once: cache_support.SPEC for sm_80 and sm_86. Tests copy it."""
+    from attngen.cache import DiskCache, build, clear_memory
+    from cache_support import SPEC
+
+    root = tmp_path_factory.mktemp("golden") / "cache"
+    disk = DiskCache(root)
+    clear_memory()
+    results = {arch: build(SPEC, arch, cache=disk) for arch in ("sm_80", "sm_86")}
+    clear_memory()
+    assert all(r.origin == "compiled" and r.stored for r in results.values())
+    return root, results

@@ -1,18 +1,14 @@
-"""The cubin cache: hits and misses, entry layout, concurrent processes, crashes mid-write,
-corrupt entries, unwritable roots, lock timeouts, listing and clearing.
+"""The cubin cache: hits and misses, entry layout, unwritable roots, lock timeouts, listing and clearing,
+logging (concurrent processes, crashes mid-write and corrupt entries: test_cache_crashes.py).
 
 Real NVRTC compiles and a real disk throughout; compiles are kept few (head_dim=64 on sm_80
 is the cheapest kernel) so the file runs in well under a minute on two cores.
 """
 
 import datetime as dt
-import hashlib
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,80 +19,14 @@ import pytest
 import attngen.cache as cache_mod
 from attngen.__version__ import __version__
 from attngen.arch import get_arch
-from attngen.cache import BuildResult, DiskCache, build, cache_root, clear_memory, key_material, key_of
+from attngen.cache import DiskCache, build, cache_root, clear_memory, key_material, key_of
 from attngen.compiler import Binary, Resources, compile_options, nvrtc_version
 from attngen.errors import AttngenError, CacheError
 from attngen.render import render
 from attngen.spec import DType, parse_spec, resolve
 from attngen import MaskMode, PrefillSpec
 
-ROOT = Path(__file__).resolve().parent.parent
-SPEC = PrefillSpec(head_dim=64)
-SPEC_TEXT = "prefill:head_dim=64"
-ARCH = "sm_80"
-
-
-def key_for(spec=SPEC, arch=ARCH) -> str:
-    a = get_arch(arch)
-    r = resolve(spec, a)
-    return key_of(key_material(r, a, compile_options(a)))
-
-
-def sha(b: bytes) -> str:
-    return hashlib.sha256(b).hexdigest()
-
-
-@pytest.fixture
-def compiles(monkeypatch):
-    """Counts real NVRTC compiles made by build() (a spy: the real compiler still runs)."""
-    calls = []
-    real = cache_mod.nvrtc_compile
-
-    def counting(*args, **kwargs):
-        calls.append(kwargs.get("kernel_name"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(cache_mod, "nvrtc_compile", counting)
-    return calls
-
-
-@pytest.fixture(scope="session")
-def golden(tmp_path_factory):
-    """A populated cache root built once: SPEC for sm_80 and sm_86. Tests copy it."""
-    root = tmp_path_factory.mktemp("golden") / "cache"
-    disk = DiskCache(root)
-    clear_memory()
-    results = {arch: build(SPEC, arch, cache=disk) for arch in ("sm_80", "sm_86")}
-    clear_memory()
-    assert all(r.origin == "compiled" and r.stored for r in results.values())
-    return root, results
-
-
-def populate(golden, dest: Path) -> BuildResult:
-    root, results = golden
-    shutil.copytree(root, dest)
-    return results[ARCH]
-
-
-def child_env(cache_dir: Path, **extra) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), ATTNGEN_CACHE_DIR=str(cache_dir))
-    env.update(extra)
-    return env
-
-
-def run_child(code: str, cache_dir: Path, *args: str, timeout: float = 180, **extra) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=str(ROOT), env=child_env(cache_dir, **extra),
-                          capture_output=True, text=True, timeout=timeout)
-
-
-BUILD_AND_REPORT = f"""
-import hashlib, json
-from attngen.cache import build
-from attngen.spec import parse_spec
-r = build(parse_spec({SPEC_TEXT!r}), {ARCH!r})
-print(json.dumps({{"origin": r.origin, "stored": r.stored, "key": r.key,
-                  "sha": hashlib.sha256(r.binary.cubin).hexdigest()}}))
-"""
+from cache_support import ARCH, SPEC, flip_cubin, key_for, populate, sha
 
 
 # --- hits and misses -------------------------------------------------------------------------------
@@ -224,180 +154,6 @@ def test_threads_racing_on_a_cold_key_compile_once(cache_dir, compiles):
     assert len(compiles) == 1
     assert sorted(r.origin for r in results).count("compiled") == 1
     assert len({sha(r.binary.cubin) for r in results}) == 1
-
-
-# --- concurrent processes ----------------------------------------------------------------------------
-
-RACER = f"""
-import hashlib, json, sys, time
-from pathlib import Path
-from attngen.cache import build
-from attngen.compiler import include_dirs, nvrtc_version
-from attngen.spec import parse_spec
-go, ready = Path(sys.argv[1]), Path(sys.argv[2])
-nvrtc_version(); include_dirs()  # load NVRTC first, so the processes reach the cache together
-ready.touch()
-while not go.exists():
-    time.sleep(0.001)
-r = build(parse_spec({SPEC_TEXT!r}), {ARCH!r})
-print(json.dumps({{"origin": r.origin, "stored": r.stored, "key": r.key,
-                  "sha": hashlib.sha256(r.binary.cubin).hexdigest()}}))
-"""
-
-
-def test_eight_processes_racing_on_a_cold_key_compile_once(cache_dir, tmp_path):
-    n = 8
-    go = tmp_path / "go"
-    readies = [tmp_path / f"ready.{i}" for i in range(n)]
-    procs = [subprocess.Popen([sys.executable, "-c", RACER, str(go), str(readies[i])], cwd=str(ROOT),
-                              env=child_env(cache_dir, ATTNGEN_LOCK_TIMEOUT="120"),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
-    try:
-        deadline = time.monotonic() + 120
-        while not all(r.exists() for r in readies):
-            assert time.monotonic() < deadline, "racers never got ready"
-            assert all(p.poll() is None for p in procs), [p.communicate() for p in procs if p.poll() is not None]
-            time.sleep(0.01)
-        go.touch()
-        outs = [p.communicate(timeout=180) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0] * n, [o[1] for o in outs]
-    reports = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
-    origins = sorted(r["origin"] for r in reports)
-    assert origins == ["compiled"] + ["disk"] * (n - 1), origins
-    assert all(r["stored"] for r in reports)
-    assert len({r["key"] for r in reports}) == 1 and reports[0]["key"] == key_for()
-    assert len({r["sha"] for r in reports}) == 1
-    disk = DiskCache()
-    assert [e.key for e in disk.entries()] == [reports[0]["key"]]
-    assert sha(disk.get(reports[0]["key"]).cubin) == reports[0]["sha"]
-    assert not any((cache_dir / "v1" / "tmp").iterdir())
-
-
-DIES_WHILE_WRITING = f"""
-import os, sys
-import attngen.cache as c
-from attngen import fs
-from attngen.spec import parse_spec
-target = sys.argv[1]
-real_write = fs.write_private
-
-def dying_write(path, data):
-    if path.name == target:
-        with open(path, "wb") as f:
-            f.write(data[: len(data) // 2])
-            f.flush()
-            os.fsync(f.fileno())
-        os.kill(os.getpid(), 9)
-    real_write(path, data)
-
-fs.write_private = dying_write
-c.build(parse_spec({SPEC_TEXT!r}), {ARCH!r})
-print("survived")
-"""
-
-
-@pytest.mark.parametrize("target", ["kernel.cubin", "meta.json"])
-def test_process_killed_mid_write_leaves_nothing_served(cache_dir, target):
-    dead = run_child(DIES_WHILE_WRITING, cache_dir, target)
-    assert dead.returncode == -signal.SIGKILL, (dead.returncode, dead.stdout, dead.stderr)
-    assert "survived" not in dead.stdout
-    # The half-written file is there, in a temporary entry, never in the entry's place.
-    partial = list((cache_dir / "v1" / "tmp").glob(f"*/{target}"))
-    assert len(partial) == 1
-    key = key_for()
-    disk = DiskCache()
-    assert disk.get(key) is None
-    assert not disk.entry_path(key).exists()
-    assert disk.entries() == []
-    assert disk.stats()["entries"] == 0
-
-    # A later process compiles (the dead one's lock died with it) and stores a whole entry.
-    later = run_child(BUILD_AND_REPORT, cache_dir, ATTNGEN_LOCK_TIMEOUT="60")
-    assert later.returncode == 0, later.stderr
-    rep = json.loads(later.stdout.strip().splitlines()[-1])
-    assert (rep["origin"], rep["stored"], rep["key"]) == ("compiled", True, key)
-    got = disk.get(key)
-    assert got is not None and sha(got.cubin) == rep["sha"]
-    # clear() sweeps the dead process's temporary.
-    assert disk.clear() == 1
-    assert not (cache_dir / "v1" / "tmp").exists()
-
-
-# --- corrupt entries -------------------------------------------------------------------------------
-
-def _flip_cubin(entry: Path):
-    p = entry / "kernel.cubin"
-    b = bytearray(p.read_bytes())
-    mid = len(b) // 2
-    b[mid:mid + 16] = bytes(x ^ 0xFF for x in b[mid:mid + 16])
-    p.write_bytes(bytes(b))
-
-
-def _truncate_cubin(entry: Path):
-    p = entry / "kernel.cubin"
-    p.write_bytes(p.read_bytes()[:100])
-
-
-def _delete_cubin(entry: Path):
-    (entry / "kernel.cubin").unlink()
-
-
-def _truncate_meta(entry: Path):
-    p = entry / "meta.json"
-    p.write_text(p.read_text()[: len(p.read_text()) // 2])
-
-
-def _garble_meta(entry: Path):
-    (entry / "meta.json").write_bytes(b"\x00\xff\xfe{garbage")
-
-
-def _empty_meta(entry: Path):
-    (entry / "meta.json").write_bytes(b"")
-
-
-def _meta_of_another_key(entry: Path):
-    p = entry / "meta.json"
-    meta = json.loads(p.read_text())
-    meta["key"] = "0" * 64
-    p.write_text(json.dumps(meta))
-
-
-def _meta_not_an_object(entry: Path):
-    (entry / "meta.json").write_text("null")
-
-
-def _meta_resources_wrong_type(entry: Path):
-    p = entry / "meta.json"
-    meta = json.loads(p.read_text())
-    meta["resources"] = [1, 2, 3]
-    p.write_text(json.dumps(meta))
-
-
-CORRUPTIONS = [_flip_cubin, _truncate_cubin, _delete_cubin, _truncate_meta, _garble_meta, _empty_meta,
-               _meta_of_another_key, _meta_not_an_object, _meta_resources_wrong_type]
-
-
-@pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=[c.__name__.lstrip("_") for c in CORRUPTIONS])
-def test_corrupt_entry_is_a_miss_then_recompiled_and_replaced(golden, cache_dir, corrupt):
-    res = populate(golden, cache_dir)
-    disk = DiskCache()
-    entry = disk.entry_path(res.key)
-    corrupt(entry)
-    assert disk.get(res.key) is None
-    r = build(SPEC, ARCH)
-    assert (r.origin, r.stored, r.key) == ("compiled", True, res.key)
-    assert r.binary.cubin == res.binary.cubin  # NVRTC is deterministic
-    fixed = disk.get(res.key)
-    assert fixed is not None and fixed.cubin == res.binary.cubin
-    meta = json.loads((entry / "meta.json").read_text())
-    assert meta["key"] == res.key and meta["cubin_sha256"] == sha((entry / "kernel.cubin").read_bytes())
-    assert not any((cache_dir / "v1" / "tmp").iterdir()), "the corrupt entry was not cleaned away"
-    clear_memory()
-    assert build(SPEC, ARCH).origin == "disk"
 
 
 # --- unwritable roots -------------------------------------------------------------------------------
@@ -553,7 +309,7 @@ def test_entries_stats_clear(golden, cache_dir):
     assert st["bytes"] == sum(e.size for e in ents)
     assert st["compile_seconds"] > 0
 
-    _flip_cubin(disk.entry_path(results["sm_86"].key))
+    flip_cubin(disk.entry_path(results["sm_86"].key))
     st = disk.stats()
     assert (st["entries"], st["invalid"]) == (1, 1)
     assert st["by_arch"] == {"sm_80": 1}

@@ -1,0 +1,67 @@
+"""What the cache tests share: the cheapest kernel (head_dim 64 on sm_80), its key, a populated root to copy,
+and a child process that builds it with a cache root of its own. The fixtures (``compiles``, ``golden``) are
+conftest's."""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from attngen.arch import get_arch
+from attngen.cache import BuildResult, key_material, key_of
+from attngen.compiler import compile_options
+from attngen.spec import resolve
+from attngen import PrefillSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = PrefillSpec(head_dim=64)
+SPEC_TEXT = "prefill:head_dim=64"
+ARCH = "sm_80"
+
+
+def key_for(spec=SPEC, arch=ARCH) -> str:
+    a = get_arch(arch)
+    r = resolve(spec, a)
+    return key_of(key_material(r, a, compile_options(a)))
+
+
+def sha(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def populate(golden, dest: Path) -> BuildResult:
+    root, results = golden
+    shutil.copytree(root, dest)
+    return results[ARCH]
+
+
+def child_env(cache_dir: Path, **extra) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), ATTNGEN_CACHE_DIR=str(cache_dir))
+    env.update(extra)
+    return env
+
+
+def run_child(code: str, cache_dir: Path, *args: str, timeout: float = 180, **extra) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=str(ROOT), env=child_env(cache_dir, **extra),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+BUILD_AND_REPORT = f"""
+import hashlib, json
+from attngen.cache import build
+from attngen.spec import parse_spec
+r = build(parse_spec({SPEC_TEXT!r}), {ARCH!r})
+print(json.dumps({{"origin": r.origin, "stored": r.stored, "key": r.key,
+                  "sha": hashlib.sha256(r.binary.cubin).hexdigest()}}))
+"""
+
+
+def flip_cubin(entry: Path):
+    """Corrupts a cache entry's cubin in place (16 bytes flipped in its middle)."""
+    p = entry / "kernel.cubin"
+    b = bytearray(p.read_bytes())
+    mid = len(b) // 2
+    b[mid:mid + 16] = bytes(x ^ 0xFF for x in b[mid:mid + 16])
+    p.write_bytes(bytes(b))
