@@ -47,6 +47,7 @@ def test_manifest_slice_compiles_with_nvrtc12(cache_dir):
     for s in spilled:
         print("  spills:", *s)
     noted = [(r["spec_resolved"], r["arch"], r["ptxas_notes"]) for r in results if r["ptxas_notes"]]
-    print(f"NVRTC {nvrtc_version()}: {len(noted)} of {len(results)} kernels with ptxas notes (wgmma serialised or waited for)")
+    print(f"NVRTC {nvrtc_version()}: {len(noted)} of {len(results)} kernels with ptxas notes "
+          "(setmaxnreg ignored, wgmma serialised or waited for)")
     for s in noted:
         print("  ptxas notes:", *s)

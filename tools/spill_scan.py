@@ -1,8 +1,9 @@
-"""Which decode, MLA decode and dense prefill kernels ptxas spills, or serialises the wgmma of (its coded notes, C7508-C7520):
-every default (each shape field's values, no tuning field pinned) and, with ``--pins``, every single-field pin of
-a tuning field, resolved for each arch and compiled with NVRTC (the cache makes a rerun cheap). Prints one line a
-spilling or noted kernel with the spec texts that reach it, and exits 1 if any default spills or has a note: the
-check behind each family's SPILLS_ON list (``defaults.py``), to rerun when a template or NVRTC changes.
+"""Which decode, MLA decode and dense prefill kernels ptxas spills, or leaves a coded note on (C7508-C7520: setmaxnreg
+ignored, wgmma serialised or waited for): every default (each shape field's values, no tuning field pinned) and,
+with ``--pins``, every single-field pin of a tuning field, resolved for each arch and compiled with NVRTC (the cache
+makes a rerun cheap). Prints one line a spilling or noted kernel with the spec texts that reach it, and exits 1 if
+any default spills or has a note: the check behind each family's SPILLS_ON list (``defaults.py``), to rerun when a
+template or NVRTC changes.
 
     python3 tools/spill_scan.py decode,mla_decode,prefill [--archs sm_80,sm_90a] [--pins] [--dtypes bf16,fp16] [--jobs N]
 """
