@@ -330,7 +330,7 @@ def test_tma_maps_follow_new_buffers():
 # ---- persistent: a grid of at most the CTAs the SMs hold walks the query tiles (pairs, heavy first) ----
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 128), (128, 64)])
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 128), (128, 64), (256, 256), (256, 128)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq,sk", SHAPES)
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -353,6 +353,20 @@ def test_persistent_many_tiles_a_cta(b, sq, sk, h, hk, mask, schedule):
     window = (200, 31) if mask == "window" else (-1, -1)
     for _ in range(2):
         run(spec, b, sq, sk, h, hk, BF16, causal=mask == "causal", window=window)
+
+
+@pytest.mark.parametrize("kv,schedule", [(64, "serial"), (64, "pingpong"), (80, "pingpong"), (80, "overlap")])
+@pytest.mark.parametrize("b,sq,sk,h,hk", [(4, 1000, 1000, 16, 4), (2, 1500, 2049, 8, 8), (16, 129, 300, 8, 2)])
+@pytest.mark.parametrize("mask", ["full", "causal", "window"])
+def test_persistent_o_in_q_many_tiles(kv, schedule, b, sq, sk, h, hk, mask):
+    # Head dim 256: O is staged in Q's tile (o_in_q), so each next Q waits for the epilogue to read O out, and the
+    # producer issues that tile's first key tiles before it. Several query tiles a CTA, repeated as above. (The
+    # cp.async kernel has no 128x80 form at 256: its registers.)
+    spec = _spec(head_dim=256, cta_tile_kv=kv, num_warps=8, num_stages=2, schedule=schedule, persistent=True)
+    assert spec.o_in_q
+    window = (300, 0) if mask == "window" else (-1, -1)
+    for _ in range(2):
+        run(spec, b, sq, sk, h, hk, BF16, causal=mask == "causal", window=window, same_as_cp_async=kv == 64)
 
 
 @pytest.mark.parametrize("kv,warps,stages", TILES)

@@ -20,7 +20,13 @@ def test_tma_is_the_sm90a_dense_default():
     bars = 8 * (1 + 4 * one.num_stages)  # Q's; per slot K full, V full, K empty, V empty
     assert one.smem_bytes() == one.replace(pipeline="sync", schedule="serial").smem_bytes() + bars
     assert one.replace(schedule="serial").smem_bytes() == one.smem_bytes() - 8 * one.num_stages
-    assert not resolve(PrefillSpec(head_dim=256), "sm_90a").is_persistent  # O's own tile does not fit 128x64
+    # head_dim 256: one CTA a tile by default; persistent, O is staged in Q's tile (its own does not fit 128x64)
+    r256 = resolve(PrefillSpec(head_dim=256), "sm_90a")
+    assert not r256.is_persistent and not r256.o_in_q
+    p256 = r256.replace(persistent=True)
+    assert p256.o_in_q and p256.smem_bytes() == r256.smem_bytes() + 8  # Q's empty barrier, no O tile
+    assert p256.smem_bytes(own_o=True) > 227 * 1024
+    assert not r.o_in_q and r.smem_bytes() == r.smem_bytes(own_o=True)  # where O's own tile fits, it has one
     # a sliding window keeps one CTA a tile (measured even to 0.94x); causal and no mask are persistent
     for d in (64, 128, 192):
         assert resolve(PrefillSpec(head_dim=d, mask="causal"), "sm_90a").is_persistent
@@ -39,13 +45,23 @@ def test_tma_is_the_sm90a_dense_default():
     assert pinned.pipeline.value == "sync" and pinned.is_resolved
 
 
+def _flat(src):
+    """The source with each run of whitespace one space (the entry's arguments wrap)."""
+    return " ".join(src.split())
+
+
+def _entry_args(ctas, *flags):
+    """The TMA entry's last template arguments: MASK_LIST, the CTAs an SM, OVERLAP, PINGPONG, PERSISTENT, O_IN_Q."""
+    return f"MASK_LIST, {ctas}, {', '.join(str(f).lower() for f in flags)}>(params.p, params.maps)"
+
+
 @pytest.mark.parametrize("d, warps, ctas", [(64, 4, 2), (128, 4, 2), (256, 4, 1), (128, 8, 1), (256, 8, 1)])
 def test_tma_ctas_an_sm_reach_the_launch_bounds(d, warps, ctas):
     r = resolve(PrefillSpec(head_dim=d, pipeline="tma", num_warps=warps, cta_tile_kv=64), "sm_90a")
     assert r.tma_ctas == ctas and r.replace(pipeline="sync").tma_ctas == 0
     src = render(r)
     assert f"__launch_bounds__({r.threads}, {ctas})" in src  # one said too: ptxas then honours setmaxnreg
-    assert f"MASK_LIST, {ctas}, false, false, {str(r.is_persistent).lower()}>(params.p, params.maps)" in src
+    assert _entry_args(ctas, False, False, r.is_persistent, r.o_in_q) in _flat(src)
 
 
 @pytest.mark.parametrize("fields, field", [
@@ -143,8 +159,7 @@ def test_tma_kernels_compile_spill_free_and_asynchronous(text):
     source = render(spec)
     assert "__grid_constant__" in source
     overlap, pingpong = spec.overlapped, spec.schedule.value == "pingpong"
-    flags = ", ".join(str(x).lower() for x in (overlap, pingpong, spec.is_persistent))
-    assert f"MASK_LIST, {spec.tma_ctas}, {flags}>(params.p, params.maps)" in source
+    assert _entry_args(spec.tma_ctas, overlap, pingpong, spec.is_persistent, spec.o_in_q) in _flat(source)
     b = compile(source, "sm_90a", kernel_name=spec.kernel_name, want_ptx=True)
     r = b.resources
     assert (r.spill_stores, r.spill_loads, r.stack_frame) == (0, 0, 0), (text, r, b.log)

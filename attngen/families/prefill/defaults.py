@@ -197,6 +197,10 @@ CHUNKED_VARLEN_SPILLS_ON = {
 # 1.05-1.08x at 1k-4k, 1.01-1.06x at 8k, 0.98-0.99x at 512; causal 1.02-1.03x at 2k, 1.04-1.05x at 4k-8k,
 # 1.06-1.08x at 16k, 0.96-0.99x at 512-1k. Without a mask at 16k it read 0.97-1.00x until O's rescale left the
 # window between S = Q K^T's issue and P V's (e46d3c3); since, 1.06-1.08x (interleaved, both dtypes).
+# Under a causal mask those tiles run persistent from 2k rows, O staged in Q's tile (o_in_q; H200, 2026-11-27, both
+# dtypes): against this rule's tree before, each default twice, alternated, 1.04-1.12x at 2k-8k, 0.95-1.00x at
+# 16k, 0.99-1.03x at 512-1k; as two columns of one interleaved run, 1.05-1.14x at 2k-8k, 1.01x at 16k. Without a
+# mask, 0.98-1.04x (not taken).
 # Head dim 128's short causal rows take 64x64 tiles on one consumer warpgroup of the TMA ring (serial, persistent:
 # two CTAs an SM walk the tiles). H100, the same day, both dtypes, interleaved: 1.04-1.05x the default at 256 rows,
 # 1.03x at 512, 0.96x at 768, 0.90-0.92x at 1024.
@@ -206,6 +210,7 @@ SHORT_CAUSAL = dict(cta_tile_q=64, cta_tile_kv=64, num_warps=4, num_stages=4, mm
                     schedule=Schedule.SERIAL, persistent=Persistent.OFF)
 KV80_PINGPONG = dict(cta_tile_q=128, cta_tile_kv=80, num_warps=8, num_stages=2, mma=Mma.WGMMA, pipeline=Pipeline.TMA,
                      schedule=Schedule.PINGPONG, persistent=Persistent.OFF)
+KV80_PINGPONG_PERSISTENT = {**KV80_PINGPONG, "persistent": Persistent.ON}
 SHORT_CAUSAL_TMA = dict(cta_tile_q=64, cta_tile_kv=64, num_warps=4, num_stages=2, mma=Mma.WGMMA, pipeline=Pipeline.TMA,
                         schedule=Schedule.SERIAL, persistent=Persistent.ON)
 BY_ROWS = {
@@ -213,7 +218,7 @@ BY_ROWS = {
     (64, 64, MaskMode.CAUSAL): ((0, SHORT_CAUSAL), (1024, None), (16384, THREE_GROUPS)),
     (128, 128, MaskMode.CAUSAL): ((0, SHORT_CAUSAL_TMA), (768, None)),
     (256, 256, MaskMode.NONE): ((0, None), (1024, KV80_PINGPONG)),
-    (256, 256, MaskMode.CAUSAL): ((0, None), (2048, KV80_PINGPONG)),
+    (256, 256, MaskMode.CAUSAL): ((0, None), (2048, KV80_PINGPONG_PERSISTENT)),
 }
 
 

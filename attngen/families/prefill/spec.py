@@ -12,10 +12,13 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ...arch import Arch
+from ...arch import Arch, get_arch
 from ...errors import SpecError
 from ...spec import (DType, Mma, Pipeline, SpecBase, allowed_text, check_smem, check_wgmma_arch, coerce_bool,
                      coerce_enum, coerce_int)
+
+# The TMA kernels' arch: where a persistent kernel's O tile of its own does not fit, O goes into Q's (o_in_q).
+_SM90A_SMEM = get_arch("sm_90a").smem_per_block
 
 
 class MaskMode(enum.Enum):
@@ -354,7 +357,9 @@ class PrefillSpec(SpecBase):
         """Elements per shared-memory row of Q and K (of V: ``_smem_row(dim_v)``)."""
         return _smem_row(self.head_dim)
 
-    def smem_bytes(self) -> int:
+    def smem_bytes(self, own_o: bool | None = None) -> int:
+        """Shared memory of the main entry. ``own_o``: the whole-row persistent kernel's O in a tile of its own
+        (True) or in Q's (False); None, as ``o_in_q`` chooses."""
         self._require_resolved("smem_bytes")
         if self.chunked:
             # the ring of equal steps, P (16-bit) and the row-max exchange (fp32, a row per warp column)
@@ -375,11 +380,20 @@ class PrefillSpec(SpecBase):
         # one to the 1024-byte swizzle atom is added; TMA's mbarriers follow the tiles (Q's, then three a slot,
         # four with an overlapped schedule: K's and V's slots are emptied apart)
         slack = 1024 if self.mma is Mma.WGMMA else 0
-        # (persistent: and Q's empty one, after O's own staging tile)
+        # (persistent: and Q's empty one, after O's own staging tile where it has one)
         bars = 8 * (1 + (4 if self.overlapped else 3) * self.num_stages + self.is_persistent) if self.tma else 0
-        o_tile = row_v * self.cta_tile_q if self.is_persistent else 0
-        return row * (self.cta_tile_q + self.num_stages * self.cta_tile_kv) + row_v * self.num_stages * self.cta_tile_kv \
-            + o_tile + slack + bars
+        base = row * (self.cta_tile_q + self.num_stages * self.cta_tile_kv) \
+            + row_v * self.num_stages * self.cta_tile_kv + slack + bars
+        if own_o is None:
+            own_o = self.is_persistent and not self.o_in_q
+        return base + (row_v * self.cta_tile_q if own_o else 0)
+
+    @property
+    def o_in_q(self) -> bool:
+        """The persistent TMA kernel stages O in Q's tile, not a tile of its own, where the latter does not
+        fit sm_90a's shared memory (head_dim 256's 128x64-80 tiles): the next query tile's Q then loads once
+        the epilogue has read O out, after the first key tiles of that query tile."""
+        return self.is_persistent and self.smem_bytes(own_o=True) > _SM90A_SMEM
 
     @property
     def threads(self) -> int:
@@ -398,7 +412,8 @@ class PrefillSpec(SpecBase):
     def template_context(self) -> dict:
         ctx = super().template_context()
         ctx.update(dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask], tma=self.tma, overlap=self.overlapped,
-                   pingpong=self.schedule is Schedule.PINGPONG, persistent=self.is_persistent, qk_pair=self.qk_pair)
+                   pingpong=self.schedule is Schedule.PINGPONG, persistent=self.is_persistent, qk_pair=self.qk_pair,
+                   o_in_q=self.o_in_q)
         if self.chunked:
             cg = self.chunk_grid
             ctx.update(chunked=True, wgmma=self.mma is Mma.WGMMA, chunk_vk=cg["vk"], chunk_vcw=cg["vcw"],
