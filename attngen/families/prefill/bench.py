@@ -32,6 +32,11 @@ from attngen.bench.core import (_CAUSAL, BACKENDS, CHECK_TOL, DTYPES, _backend_l
 
 TOKENS = 16384          # batch * seqlen
 HIDDEN = 2048           # heads * head_dim
+# Warm-up per column (ms). With 25, the column timed first after a shape's check read 4-8% faster than the same
+# kernel timed as a later column (H200, 2026-11-27, head_dim 128 without a mask, interleaved); the GPU's clocks fall
+# under a sustained load. With 300 every column is timed at that load's clocks: the same kernel in two columns read
+# 1.000-1.010.
+WARMUP_MS = 300.0
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128, 256)
 QUICK = dict(seqlens=(1024, 4096), head_dims=(64, 128), dtypes=("bf16",))
@@ -162,7 +167,9 @@ def add_parser(sub) -> None:
     pp.add_argument("--hidden", type=int, default=HIDDEN, help=argparse.SUPPRESS)
     pp.add_argument("--out", type=Path, default=None, help="folder for bench_prefill.json and bench_prefill.png")
     pp.add_argument("--markdown", type=Path, default=None, help="write the table as Markdown to FILE")
-    pp.add_argument("--warmup-ms", type=float, default=25.0, help="warm-up per measurement (ms, default 25)")
+    pp.add_argument("--warmup-ms", type=float, default=WARMUP_MS,
+                    help=f"warm-up per measurement (ms, default {WARMUP_MS:g}: long enough that every column is timed "
+                         "at the clocks a sustained load runs at)")
     pp.add_argument("--rep-ms", type=float, default=100.0, help="timed repeats per measurement (ms, default 100)")
     pp.add_argument("--reps", type=int, default=None,
                     help="a fixed number of timed repeats instead of --rep-ms (own CUDA-event loop)")
@@ -181,7 +188,7 @@ def add_parser(sub) -> None:
 
 # --- measuring ------------------------------------------------------------------------------------
 
-def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, warmup_ms: float = 25.0,
+def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, warmup_ms: float = WARMUP_MS,
               rep_ms: float = 100.0, reps: int | None = None, seed: int = 0, sdpa_layout: str = "view",
               chunked_too: bool = False, sync_too: bool = False, serial_too: bool = False,
               also: tuple[tuple[str, str], ...] = (), interleave: bool = False) -> dict:
