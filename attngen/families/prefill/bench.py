@@ -159,8 +159,8 @@ def add_parser(sub) -> None:
                     help="also time attngen with these spec fields as column NAME (repeatable), e.g. "
                          "persist=persistent=true or kv64=cta_tile_kv=64,num_stages=3")
     pp.add_argument("--interleave", action="store_true",
-                    help="time every column twice, in one order and then the reverse, keeping the faster: no column "
-                         "gains from its place in each shape's sequence (clocks drift over it; twice the time)")
+                    help="time every column twice, in one order and then the reverse, keeping the mean: every column's "
+                         "mean place in each shape's sequence is the same (clocks drift over it; twice the time)")
     pp.add_argument("--quick", action="store_true",
                     help="a small subset: seqlens 1k,4k, head_dims 64,128, bf16 (explicit options still win)")
     pp.add_argument("--tokens", type=int, default=TOKENS, help=argparse.SUPPRESS)
@@ -193,7 +193,7 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
               chunked_too: bool = False, sync_too: bool = False, serial_too: bool = False,
               also: tuple[tuple[str, str], ...] = (), interleave: bool = False) -> dict:
     """Check and time one shape: attngen and each SDPA backend on the same inputs (``interleave``: each column
-    twice, in one order and then the other, the faster kept)."""
+    twice, in one order and then the other, the mean kept)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
@@ -290,9 +290,11 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
     columns += [(name, sdpa_timed(name)) for name in backends]
     columns += [(name, lambda spec=spec: core.bench_ms(lambda: attngen.prefill(q, k, v, causal=causal, spec=spec),
                                                         warmup_ms, rep_ms, reps)) for name, spec in variants]
-    # interleave: each column timed again in the reverse order, its faster time kept, so that no column gains from
-    # its place (a column timed first read 0-7% faster than the same kernel timed later, H100, 2026-11-26)
+    # interleave: each column timed again in the reverse order and the mean of its two kept, so that every column's
+    # mean place is the same (a column timed first read 0-7% faster than the same kernel timed later, H100,
+    # 2026-11-26; keeping the faster of the two, as this did until 2026-11-27, still gave the first column its place)
     order = columns + columns[::-1] if interleave else columns
+    times: dict[str, list[float]] = {}
     for name, timed in order:
         if name in rec["errors"] and rec["ms"].get(name) is None:
             continue
@@ -301,10 +303,13 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
         except Exception as e:
             rec["errors"][name] = _short_error(e)
             rec["ms"][name] = rec["tflops"][name] = None
+            times.pop(name, None)
             continue
-        if rec["ms"].get(name) is None or ms < rec["ms"][name]:
-            rec["ms"][name], rec["tflops"][name] = ms, tflops(shape.flops, ms)
+        times.setdefault(name, []).append(ms)
         rec["timer"] = rec["timer"] or timer
+    for name, ms_list in times.items():
+        ms = sum(ms_list) / len(ms_list)
+        rec["ms"][name], rec["tflops"][name] = ms, tflops(shape.flops, ms)
     a = rec["tflops"].get("attngen")
     rec["ratio"] = {n: (a / rec["tflops"][n] if a and rec["tflops"].get(n) else None)
                     for n in (*backends, *(n for n, _ in variants))}
