@@ -208,10 +208,10 @@ def cmd_prewarm(args: argparse.Namespace) -> int:
         print(f"  wall {summary['wall_seconds']:.1f} s with {summary['jobs']} jobs; "
               f"compile time summed {summary['compile_seconds']:.1f} s")
         print(f"  cache: {summary['cache_root']}")
-        noted = [r for r in results if r.get("ptxas_notes")]
-        if noted:
-            print(f"  ptxas notes on {len(noted)} kernels (setmaxnreg ignored or wgmma serialised; --json lists them):")
-            for r in noted[:5]:
+        if summary["with_ptxas_notes"]:
+            print(f"  ptxas notes on {summary['with_ptxas_notes']} kernels (setmaxnreg ignored or wgmma serialised; "
+                  "--json lists them):")
+            for r in [r for r in results if r.get("ptxas_notes")][:5]:
                 print(f"    {r['arch']} {r['spec']}: {note_codes(r['ptxas_notes'])}")
     return 1 if failures else 0
 
