@@ -1,11 +1,13 @@
-"""CUDA 12 installs (``attngen[cu12]``): the first kernel of every ``[[kernel]]`` group of the
-default manifest, for every arch the group names, compiles with NVRTC 12 into a cubin keyed by it.
+"""Older NVRTCs: CUDA 12 installs (``attngen[cu12]``) and NVRTC 13.0 (what torch's cu130 wheels install). The first
+kernel of every ``[[kernel]]`` group of the default manifest, for every arch the group names, compiles with that
+NVRTC into a cubin keyed by it.
 
-The defaults are chosen spill-free against NVRTC 13; NVRTC 12.9's ptxas spills on some of them
-(README, "CUDA 12 drivers"), so spills are reported here, not failed on; so are ptxas' coded notes.
+The defaults are chosen spill-free against CI's NVRTC 13 (13.5); older ptxas spills on some of them and leaves
+coded notes on others (README, "CUDA 12 drivers" and "NVRTC 13.0"), so spills and notes are reported here, not
+failed on.
 
-Runs only where the installed NVRTC is 12.x; ``.ci/run`` makes a venv with the cu12 extra for it.
-Under the cu13 install it skips (the slow manifest test covers NVRTC 13).
+Runs only where the installed NVRTC is 12.x or 13.0; ``.ci/run`` makes a venv for each. Under a newer NVRTC it skips
+(the slow manifest test covers that one).
 """
 
 from __future__ import annotations
@@ -20,15 +22,19 @@ from attngen.prewarm import run_prewarm
 from tests.test_manifest_build import spills
 
 
-def _major() -> int:
+def _version() -> str:
     try:
-        return int(nvrtc_version().split(".")[0])
+        return nvrtc_version()
     except Exception:
-        return 0
+        return ""
 
 
-@pytest.mark.skipif(_major() != 12, reason="needs NVRTC 12 (pip install -e '.[cu12,test]')")
-def test_manifest_slice_compiles_with_nvrtc12(cache_dir):
+OLDER = _version().startswith("12.") or _version() == "13.0"
+
+
+@pytest.mark.skipif(not OLDER, reason="needs NVRTC 12 or 13.0 (pip install -e '.[cu12,test]', or '.[cu13,test]' "
+                                      "with 'cuda-toolkit[cudart,nvrtc]==13.0.*')")
+def test_manifest_slice_compiles_with_an_older_nvrtc(cache_dir):
     manifest = load_manifest()
     items = []
     for group in manifest.groups:
@@ -41,7 +47,7 @@ def test_manifest_slice_compiles_with_nvrtc12(cache_dir):
     assert {r["origin"] for r in results} == {"compiled"}
     metas = [json.loads(p.read_text()) for p in cache_dir.rglob("meta.json")]
     assert len(metas) == len({r["key"] for r in results})
-    assert all(m["nvrtc"].startswith("12.") for m in metas), {m["nvrtc"] for m in metas}
+    assert all(m["nvrtc"] == _version() for m in metas), {m["nvrtc"] for m in metas}
     spilled = [(r["spec_resolved"], r["arch"], r["spill_stores"]) for r in results if spills(r)]
     print(f"NVRTC {nvrtc_version()}: {len(spilled)} of {len(results)} kernels spill")
     for s in spilled:
