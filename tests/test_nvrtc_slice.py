@@ -2,9 +2,10 @@
 kernel of every ``[[kernel]]`` group of the default manifest, for every arch the group names, compiles with that
 NVRTC into a cubin keyed by it.
 
-The defaults are chosen spill-free against CI's NVRTC 13 (13.5); older ptxas spills on some of them and leaves
-coded notes on others (README, "CUDA 12 drivers" and "NVRTC 13.0"), so spills and notes are reported here, not
-failed on.
+The defaults are chosen spill-free against CI's NVRTC 13 (13.5); older ptxas spills on some mma.sync kernels (README,
+"CUDA 12 drivers" and "NVRTC 13.0"), so spills are reported here, not failed on. Its coded notes (C7519: wgmma
+serialised by an injected ``warpgroup.arrive``; setmaxnreg ignored) are failed on: every kernel of the manifest
+builds without them under 12.9 and 13.0 too, and a template change that brings one back costs speed there.
 
 Runs only where the installed NVRTC is 12.x or 13.0; ``.ci/run`` makes a venv for each. Under a newer NVRTC it skips
 (the slow manifest test covers that one).
@@ -57,3 +58,4 @@ def test_manifest_slice_compiles_with_an_older_nvrtc(cache_dir):
           "(setmaxnreg ignored, wgmma serialised or waited for)")
     for s in noted:
         print("  ptxas notes:", *s)
+    assert not noted, noted[:3]

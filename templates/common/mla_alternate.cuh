@@ -70,13 +70,14 @@ struct MlaAlternate {
       for (int n = 0; n < BLOCK_N / 8; ++n)
 #pragma unroll
         for (int c = 0; c < 4; ++c) sc[n][c] = 0.f;
+      W::hold(sc);  // zeroed before the fence (operand copies after it: C7519, NVRTC 13.0)
       const unsigned q_at = smem_addr(sQ);
       const unsigned k_at = ring + slot * TILE_ELEMS * (int)sizeof(T);
-      W::fence();
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int half = h ^ first;
         W::mbar_wait(bar0 + 16 * slot + 8 * half, par);
+        W::fence();  // after the wait's loop (before it: C7519, NVRTC 13.0)
 #pragma unroll
         for (int kk = 0; kk < DC / 32; ++kk) {
           const int k = half * (DC / 32) + kk;
@@ -113,13 +114,16 @@ struct MlaAlternate {
     // O += P V over this warpgroup's columns of the tile in `slot`: P from registers, or from shared memory.
     auto pv_regs = [&](const float (&sc)[BLOCK_N / 8][4], int slot) {
       const unsigned v_at = ring + slot * TILE_ELEMS * (int)sizeof(T) + wg * HALF_BLOCKS * LT::BLOCK_BYTES;
-      W::fence();
+      // every P fragment packed, and held there, before the fence (packing between the wgmma: C7519, NVRTC 13.0)
+      unsigned a[BLOCK_N / 16][4];
 #pragma unroll
       for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-        unsigned a[4];
-        p_fragment<BF16>(sc, kk, a);
-        Wgmma<DC / 2, BF16>::rs(acc_o, a, W::desc_mn(v_at, kk, LT::BLOCK_BYTES));
+        p_fragment<BF16>(sc, kk, a[kk]);
+        asm volatile("" : "+r"(a[kk][0]), "+r"(a[kk][1]), "+r"(a[kk][2]), "+r"(a[kk][3]));
       }
+      W::fence();
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) Wgmma<DC / 2, BF16>::rs(acc_o, a[kk], W::desc_mn(v_at, kk, LT::BLOCK_BYTES));
       W::commit();
     };
     auto pv_smem = [&](const T* sp, int slot) {
