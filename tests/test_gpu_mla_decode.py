@@ -354,6 +354,25 @@ def test_alternate_tiles_with_far_apart_maxima(q_len, splits):
              kpe_scale=jumps)
 
 
+@pytest.mark.parametrize("shard", ["true", "false", "alternate"])
+@pytest.mark.parametrize("pattern", ["climb", "fall"])
+@pytest.mark.parametrize("q_len,splits", [(1, 1), (3, 4)])
+def test_lazy_rescale_climbing_scores(shard, pattern, q_len, splits):
+    """The wgmma kernels keep a row's running max while a tile raises it by at most 2^8 (exp2 domain; P then runs
+    above 1): kpe scaled up (or down) steadily along the keys, so the maxima climb a little every tile, or never
+    move after the first, against fp32."""
+    _sm90a_only()
+
+    def ramp(cap):
+        x = torch.linspace(0.05, 40.0, cap, device="cuda")
+        return x if pattern == "climb" else x.flip(0)
+
+    run_case([8192, 3001, 700, 1], 128, q_len, spec=MlaDecodeSpec(mma="wgmma", qk_shard=shard), num_splits=splits,
+             kpe_scale=ramp)
+    run_case([5000, 129], 64, q_len, spec=MlaDecodeSpec(mma="wgmma", qk_shard=shard), num_splits=splits,
+             kpe_scale=ramp)
+
+
 def test_auto_takes_alternate_tiles_for_many_rows_and_long_runs(monkeypatch):
     """qk_shard=auto: the alternate-tile kernel where a sequence's rows fill two 64-row blocks (or one, on
     fast memory, with ALTERNATE_ONE_BLOCK_MIN_BATCH blocks in the batch) and every CTA gets

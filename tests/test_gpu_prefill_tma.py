@@ -76,6 +76,43 @@ def test_tma_matches_reference(dtype, d, dv, causal, sq, sk, schedule):
     run(_spec(head_dim=d, head_dim_v=dv, schedule=schedule), 2, sq, sk, 4, 2, dtype, causal=causal)
 
 
+def _ramped(b, s, h, d, dtype, gen, unit, heights, noise=0.1):
+    """A guarded tensor whose rows are ``heights[row] * unit`` plus noise: scores against it follow the heights."""
+    x = guarded(b, s, h, d, dtype=dtype, gen=gen)
+    rows = heights[None, :, None, None] * unit + noise * torch.randn(b, s, h, d, generator=gen, device="cuda")
+    x.copy_(rows.to(dtype))
+    return x
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("pattern", ["rise", "fall", "steps"])
+@pytest.mark.parametrize("kernel", ["serial", "overlap", "pingpong", "sync"])
+def test_lazy_rescale_scores_that_climb(dtype, d, causal, pattern, kernel):
+    """A row keeps its running max while a tile raises it by at most 2^8 (exp2 domain), so its P runs above 1: scores
+    that climb along the keys (a little every tile, or in jumps past the bound at a few keys), or fall, against
+    fp64, with the LSE."""
+    fields = {"pipeline": "sync", "schedule": "serial"} if kernel == "sync" else {"schedule": kernel}
+    spec = _spec(head_dim=d, **fields).replace(dtype="bf16" if dtype is BF16 else "fp16")
+    b, sq, sk, h, hk = 2, 700, 3001, 4, 2
+    gen = fresh_generator()
+    unit = torch.randn(d, generator=gen, device="cuda")
+    unit /= unit.norm()
+    # scores q.k * d^-0.5 of about 60 across a row's keys: 87 in the exp2 domain, 1-3 a key tile
+    pos = torch.arange(sk, device="cuda", dtype=torch.float32) / (sk - 1)
+    ramp = {"rise": pos, "fall": 1 - pos, "steps": (pos * 5).floor() / 5}[pattern] * 60 * d ** 0.5
+    q = _ramped(b, sq, h, d, dtype, gen, unit, torch.ones(sq, device="cuda"))
+    k = _ramped(b, sk, hk, d, dtype, gen, unit, ramp)
+    v = guarded(b, sk, hk, d, dtype=dtype, gen=gen)
+    out, buf, guards = sentinel_out((b, sq, h, d), dtype)
+    o, lse = attngen.prefill(q, k, v, causal=causal, return_lse=True, out=out, spec=spec)
+    torch.cuda.synchronize()
+    check_sentinel(buf, guards)
+    ref_o, ref_l = reference(q, k, v, range_keep(sq, sk, causal, (-1, -1))[None, None], d ** -0.5)
+    compare(o, lse, ref_o, ref_l, dtype)
+
+
 # (cta_tile_kv, num_warps, num_stages): one and two consumer warpgroups, rings of one to four slots.
 TILES = [(64, 4, 1), (128, 4, 2), (64, 8, 2), (128, 8, 3), (32, 8, 4), (128, 8, 2)]
 

@@ -452,18 +452,38 @@ struct MlaDecode {
 #pragma unroll
           for (int c = 0; c < WARPS_N; ++c) mx[r] = fmaxf(mx[r], sRed[c * ROWS + row0 + g + 8 * r]);
       }
+      if constexpr (WGMMA) {
+        // lazy rescaling (lazy_max, ptx.cuh)
+        float corr[2];
+        bool moved = false;
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float m = fmaxf(row_max[r], mx[r]);
-        // A row that has seen only masked keys keeps max -inf; subtracting 0 keeps exp2 at 0.
-        const float base = m == -ATTNGEN_INF ? 0.f : m * p.scale_log2;
-        const float corr = fast_exp2(row_max[r] * p.scale_log2 - base);
-        row_max[r] = m;
-        row_sum[r] = row_sum[r] * corr + exp_row<SN>(acc_s, r, p.scale_log2, base);
+        for (int r = 0; r < 2; ++r) {
+          const float m = lazy_max(row_max[r], fmaxf(row_max[r], mx[r]), p.scale_log2);
+          const float base = m == -ATTNGEN_INF ? 0.f : m * p.scale_log2;
+          corr[r] = m != row_max[r] ? fast_exp2(row_max[r] * p.scale_log2 - base) : 1.f;
+          moved |= m != row_max[r];
+          row_max[r] = m;
+          row_sum[r] = row_sum[r] * corr[r] + exp_row<SN>(acc_s, r, p.scale_log2, base);
+        }
+        if (__any_sync(0xffffffffu, moved))
 #pragma unroll
-        for (int d = 0; d < ON / 8; ++d) {
-          acc_o[d][2 * r] *= corr;
-          acc_o[d][2 * r + 1] *= corr;
+          for (int d = 0; d < ON / 8; ++d)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc_o[d][c] *= corr[c / 2];
+      } else {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float m = fmaxf(row_max[r], mx[r]);
+          // A row that has seen only masked keys keeps max -inf; subtracting 0 keeps exp2 at 0.
+          const float base = m == -ATTNGEN_INF ? 0.f : m * p.scale_log2;
+          const float corr = fast_exp2(row_max[r] * p.scale_log2 - base);
+          row_max[r] = m;
+          row_sum[r] = row_sum[r] * corr + exp_row<SN>(acc_s, r, p.scale_log2, base);
+#pragma unroll
+          for (int d = 0; d < ON / 8; ++d) {
+            acc_o[d][2 * r] *= corr;
+            acc_o[d][2 * r + 1] *= corr;
+          }
         }
       }
 
