@@ -94,7 +94,22 @@ def test_lazy_rescale_scores_that_climb(dtype, d, causal, pattern, kernel):
     that climb along the keys (a little every tile, or in jumps past the bound at a few keys), or fall, against
     fp64, with the LSE."""
     fields = {"pipeline": "sync", "schedule": "serial"} if kernel == "sync" else {"schedule": kernel}
-    spec = _spec(head_dim=d, **fields).replace(dtype="bf16" if dtype is BF16 else "fp16")
+    _climbing_case(_spec(head_dim=d, **fields), d, dtype, causal, pattern)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d,dv", [(512, 512), (576, 512), (320, 320)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("pattern", ["rise", "fall", "steps"])
+@pytest.mark.parametrize("pipeline", ["tma", "sync"])
+def test_lazy_rescale_chunked(dtype, d, dv, causal, pattern, pipeline):
+    """The same scores through the chunked wgmma kernel (head dims above 256)."""
+    _climbing_case(_spec(head_dim=d, head_dim_v=dv, pipeline=pipeline), d, dtype, causal, pattern, dv)
+
+
+def _climbing_case(spec, d, dtype, causal, pattern, dv=None):
+    dv = dv or d
+    spec = spec.replace(dtype="bf16" if dtype is BF16 else "fp16")
     b, sq, sk, h, hk = 2, 700, 3001, 4, 2
     gen = fresh_generator()
     unit = torch.randn(d, generator=gen, device="cuda")
@@ -104,8 +119,8 @@ def test_lazy_rescale_scores_that_climb(dtype, d, causal, pattern, kernel):
     ramp = {"rise": pos, "fall": 1 - pos, "steps": (pos * 5).floor() / 5}[pattern] * 60 * d ** 0.5
     q = _ramped(b, sq, h, d, dtype, gen, unit, torch.ones(sq, device="cuda"))
     k = _ramped(b, sk, hk, d, dtype, gen, unit, ramp)
-    v = guarded(b, sk, hk, d, dtype=dtype, gen=gen)
-    out, buf, guards = sentinel_out((b, sq, h, d), dtype)
+    v = guarded(b, sk, hk, dv, dtype=dtype, gen=gen)
+    out, buf, guards = sentinel_out((b, sq, h, dv), dtype)
     o, lse = attngen.prefill(q, k, v, causal=causal, return_lse=True, out=out, spec=spec)
     torch.cuda.synchronize()
     check_sentinel(buf, guards)
