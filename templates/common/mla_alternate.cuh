@@ -94,8 +94,8 @@ struct MlaAlternate {
       W::hold(sc);
       K::template mask_keys<BLOCK_N>(sc, tile * BLOCK_N, 0, seqlen, p.q_len, lim, t);
     };
-    // Lazy rescaling (lazy_max, ptx.cuh): a factor is exactly 1 where a row kept its max, and a warp whose rows all
-    // did skips the multiplies.
+    // Lazy rescaling (lazy_max, online_softmax.cuh): a factor is exactly 1 where a row kept its max, and a warp
+    // whose rows all did skips the multiplies.
     auto scale_o = [&](const float (&f)[2]) {
       if (!__any_sync(0xffffffffu, f[0] != 1.f || f[1] != 1.f)) return;
 #pragma unroll
@@ -126,7 +126,8 @@ struct MlaAlternate {
       }
       W::fence();
 #pragma unroll
-      for (int kk = 0; kk < BLOCK_N / 16; ++kk) Wgmma<DC / 2, BF16>::rs(acc_o, a[kk], W::desc_mn(v_at, kk, LT::BLOCK_BYTES));
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+        Wgmma<DC / 2, BF16>::rs(acc_o, a[kk], W::desc_mn(v_at, kk, LT::BLOCK_BYTES));
       W::commit();
     };
     auto pv_smem = [&](const T* sp, int slot) {
@@ -152,11 +153,11 @@ struct MlaAlternate {
         float s0[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const float m = lazy_max(row_max[r], fmaxf(row_max[r], K::template quad_row_max<BLOCK_N>(sc, r)), sl2);
+          const float m = lazy_max(row_max[r], fmaxf(row_max[r], frag_row_max<BLOCK_N>(sc, r)), sl2);
           const float base = m == -ATTNGEN_INF ? 0.f : m * sl2;
           s0[r] = m != row_max[r] ? fast_exp2(row_max[r] * sl2 - base) : 1.f;
           row_max[r] = m;
-          row_sum[r] = row_sum[r] * s0[r] + K::template exp_row<BLOCK_N>(sc, r, sl2, base);
+          row_sum[r] = row_sum[r] * s0[r] + frag_exp_row<BLOCK_N>(sc, r, sl2, base);
           if (t == 0) {
             sM0[row0 + g + 8 * r] = m;
             sSc0[row0 + g + 8 * r] = s0[r];
@@ -205,10 +206,10 @@ struct MlaAlternate {
           const float s0 = sSc0[row0 + g + 8 * r];
           float m1 = m0, s1 = 1.f, sum = 0.f;
           if (has_b) {
-            m1 = lazy_max(m0, fmaxf(m0, K::template quad_row_max<BLOCK_N>(sc, r)), sl2);
+            m1 = lazy_max(m0, fmaxf(m0, frag_row_max<BLOCK_N>(sc, r)), sl2);
             const float base = m1 == -ATTNGEN_INF ? 0.f : m1 * sl2;
             s1 = m1 != m0 ? fast_exp2(m0 * sl2 - base) : 1.f;
-            sum = K::template exp_row<BLOCK_N>(sc, r, sl2, base);
+            sum = frag_exp_row<BLOCK_N>(sc, r, sl2, base);
           }
           row_max[r] = m1;
           row_sum[r] = row_sum[r] * s0 * s1 + sum;

@@ -138,28 +138,6 @@ struct MlaDecode {
       }
     }
   }
-  // The maximum of the thread's row r (0: g, 1: g + 8) over the NK keys its quad holds.
-  template <int NK>
-  static __device__ __forceinline__ float quad_row_max(const float (&s)[NK / 8][4], int r) {
-    float m = -ATTNGEN_INF;
-#pragma unroll
-    for (int n = 0; n < NK / 8; ++n) m = fmaxf(m, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-    return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-  }
-  // P = exp2(S scale_log2 - base) in place for row r (base: the row max in log2 units, 0 for a row that
-  // has seen no key yet); returns the thread's part of the row sum.
-  template <int NK>
-  static __device__ __forceinline__ float exp_row(float (&s)[NK / 8][4], int r, float scale_log2, float base) {
-    float sum = 0.f;
-#pragma unroll
-    for (int n = 0; n < NK / 8; ++n) {
-      s[n][2 * r] = fast_exp2(fmaf(s[n][2 * r], scale_log2, -base));
-      s[n][2 * r + 1] = fast_exp2(fmaf(s[n][2 * r + 1], scale_log2, -base));
-      sum += s[n][2 * r] + s[n][2 * r + 1];
-    }
-    return sum;
-  }
   // Rows [valid, BLOCK_N) of columns [col0, col0 + COLS) of the (TMA) tile at sT zeroed, 16 bytes per
   // thread idx0, idx0 + step, ...: rows past the sequence a box read from the cache, or none did.
   template <int COLS>
@@ -440,7 +418,7 @@ struct MlaDecode {
       // ---- online softmax ------------------------------------------------------------------------
       float mx[2];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) mx[r] = quad_row_max<SN>(acc_s, r);
+      for (int r = 0; r < 2; ++r) mx[r] = frag_row_max<SN>(acc_s, r);
       if constexpr (QK_SHARD) {
         if (t == 0) {
           sRed[cg * ROWS + row0 + g] = mx[0];
@@ -453,7 +431,7 @@ struct MlaDecode {
           for (int c = 0; c < WARPS_N; ++c) mx[r] = fmaxf(mx[r], sRed[c * ROWS + row0 + g + 8 * r]);
       }
       if constexpr (WGMMA) {
-        // lazy rescaling (lazy_max, ptx.cuh)
+        // lazy rescaling (lazy_max, online_softmax.cuh)
         float corr[2];
         bool moved = false;
 #pragma unroll
@@ -463,7 +441,7 @@ struct MlaDecode {
           corr[r] = m != row_max[r] ? fast_exp2(row_max[r] * p.scale_log2 - base) : 1.f;
           moved |= m != row_max[r];
           row_max[r] = m;
-          row_sum[r] = row_sum[r] * corr[r] + exp_row<SN>(acc_s, r, p.scale_log2, base);
+          row_sum[r] = row_sum[r] * corr[r] + frag_exp_row<SN>(acc_s, r, p.scale_log2, base);
         }
         if (__any_sync(0xffffffffu, moved))
 #pragma unroll
@@ -478,7 +456,7 @@ struct MlaDecode {
           const float base = m == -ATTNGEN_INF ? 0.f : m * p.scale_log2;
           const float corr = fast_exp2(row_max[r] * p.scale_log2 - base);
           row_max[r] = m;
-          row_sum[r] = row_sum[r] * corr + exp_row<SN>(acc_s, r, p.scale_log2, base);
+          row_sum[r] = row_sum[r] * corr + frag_exp_row<SN>(acc_s, r, p.scale_log2, base);
 #pragma unroll
           for (int d = 0; d < ON / 8; ++d) {
             acc_o[d][2 * r] *= corr;

@@ -161,18 +161,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// Lazy rescaling of an online softmax (the wgmma kernels of prefill and MLA decode): a row keeps its running max
-// while a tile raises it by at most LAZY_LOG2 in the exp2 domain. Its P then reaches at most 2^LAZY_LOG2 (in range
-// for bf16 and fp16; the fp32 sum, O and the LSE all use the same max), and after a row's first tiles its max rarely
-// moves that far, so O's correction (a multiply per accumulator, each tile) is mostly skipped: a warp multiplies
-// only where one of its rows moved, and a row that did not takes a correction of exactly 1.
-constexpr float LAZY_LOG2 = 8.f;
-// The max a row goes on with: `seen` (the running max and the tile's, unscaled) or, within the bound, `running`.
-// From -inf, a first finite max is taken (inf above the bound); -inf twice compares as NaN and gives -inf.
-__device__ __forceinline__ float lazy_max(float running, float seen, float scale_log2) {
-  return (seen - running) * scale_log2 <= LAZY_LOG2 ? running : seen;
-}
-
 // Two floats -> one register of two 16-bit values, the lower column in the low half.
 template <bool BF16>
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {

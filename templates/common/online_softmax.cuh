@@ -1,0 +1,41 @@
+// Online-softmax pieces on the mma.sync / wgmma accumulator layout (a thread holds two rows, g and g + 8, of
+// each 16-row tile, in pairs of columns; a quad of four threads holds a row): shared by prefill and MLA decode.
+namespace attngen {
+
+// Lazy rescaling of an online softmax (the wgmma kernels of prefill and MLA decode): a row keeps its running max
+// while a tile raises it by at most LAZY_LOG2 in the exp2 domain. Its P then reaches at most 2^LAZY_LOG2 (in range
+// for bf16 and fp16; the fp32 sum, O and the LSE all use the same max), and after a row's first tiles its max rarely
+// moves that far, so O's correction (a multiply per accumulator, each tile) is mostly skipped: a warp multiplies
+// only where one of its rows moved, and a row that did not takes a correction of exactly 1.
+constexpr float LAZY_LOG2 = 8.f;
+// The max a row goes on with: `seen` (the running max and the tile's, unscaled) or, within the bound, `running`.
+// From -inf, a first finite max is taken (inf above the bound); -inf twice compares as NaN and gives -inf.
+__device__ __forceinline__ float lazy_max(float running, float seen, float scale_log2) {
+  return (seen - running) * scale_log2 <= LAZY_LOG2 ? running : seen;
+}
+
+// The maximum of the thread's row r (0: g, 1: g + 8) over the NK columns its quad holds.
+template <int NK>
+__device__ __forceinline__ float frag_row_max(const float (&s)[NK / 8][4], int r) {
+  float m = -ATTNGEN_INF;
+#pragma unroll
+  for (int n = 0; n < NK / 8; ++n) m = fmaxf(m, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+}
+
+// P = exp2(S scale_log2 - base) in place for row r (base: the row max in log2 units, 0 for a row that has seen no
+// key yet); returns the thread's part of the row sum.
+template <int NK>
+__device__ __forceinline__ float frag_exp_row(float (&s)[NK / 8][4], int r, float scale_log2, float base) {
+  float sum = 0.f;
+#pragma unroll
+  for (int n = 0; n < NK / 8; ++n) {
+    s[n][2 * r] = fast_exp2(fmaf(s[n][2 * r], scale_log2, -base));
+    s[n][2 * r + 1] = fast_exp2(fmaf(s[n][2 * r + 1], scale_log2, -base));
+    sum += s[n][2 * r] + s[n][2 * r + 1];
+  }
+  return sum;
+}
+
+}  // namespace attngen
