@@ -97,14 +97,7 @@ struct MlaAlternate {
     // Lazy rescaling (lazy_max, online_softmax.cuh): a factor is exactly 1 where a row kept its max, and a warp
     // whose rows all did skips the multiplies.
     auto scale_o = [&](const float (&f)[2]) {
-      if (!__any_sync(0xffffffffu, f[0] != 1.f || f[1] != 1.f)) return;
-#pragma unroll
-      for (int d = 0; d < DC / 16; ++d) {
-        acc_o[d][0] *= f[0];
-        acc_o[d][1] *= f[0];
-        acc_o[d][2] *= f[1];
-        acc_o[d][3] *= f[1];
-      }
+      if (__any_sync(0xffffffffu, f[0] != 1.f || f[1] != 1.f)) scale_rows(acc_o, f);
     };
     auto store_p = [&](T* dst, const float (&sc)[BLOCK_N / 8][4], const float (&f)[2]) {
 #pragma unroll

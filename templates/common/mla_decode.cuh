@@ -443,11 +443,7 @@ struct MlaDecode {
           row_max[r] = m;
           row_sum[r] = row_sum[r] * corr[r] + frag_exp_row<SN>(acc_s, r, p.scale_log2, base);
         }
-        if (__any_sync(0xffffffffu, moved))
-#pragma unroll
-          for (int d = 0; d < ON / 8; ++d)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc_o[d][c] *= corr[c / 2];
+        if (__any_sync(0xffffffffu, moved)) scale_rows(acc_o, corr);
       } else {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {

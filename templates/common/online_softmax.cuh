@@ -38,4 +38,23 @@ __device__ __forceinline__ float frag_exp_row(float (&s)[NK / 8][4], int r, floa
   return sum;
 }
 
+// An accumulator's rows times their corrections: corr[mt][0] for row g of 16-row tile mt, corr[mt][1] for row g + 8
+// (the one-tile form: corr[0], corr[1]).
+template <int MT, int DT>
+__device__ __forceinline__ void scale_rows(float (&acc)[MT][DT][4], const float (&corr)[MT][2]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int d = 0; d < DT; ++d)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[mt][d][c] *= corr[mt][c / 2];
+}
+template <int DT>
+__device__ __forceinline__ void scale_rows(float (&acc)[DT][4], const float (&corr)[2]) {
+#pragma unroll
+  for (int d = 0; d < DT; ++d)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[d][c] *= corr[c / 2];
+}
+
 }  // namespace attngen
