@@ -146,13 +146,9 @@ struct MlaAlternate {
         float s0[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const float m = lazy_max(row_max[r], fmaxf(row_max[r], frag_row_max<BLOCK_N>(sc, r)), sl2);
-          const float base = m == -ATTNGEN_INF ? 0.f : m * sl2;
-          s0[r] = m != row_max[r] ? fast_exp2(row_max[r] * sl2 - base) : 1.f;
-          row_max[r] = m;
-          row_sum[r] = row_sum[r] * s0[r] + frag_exp_row<BLOCK_N>(sc, r, sl2, base);
+          s0[r] = lazy_softmax_row<BLOCK_N>(sc, r, frag_row_max<BLOCK_N>(sc, r), row_max[r], row_sum[r], sl2);
           if (t == 0) {
-            sM0[row0 + g + 8 * r] = m;
+            sM0[row0 + g + 8 * r] = row_max[r];
             sSc0[row0 + g + 8 * r] = s0[r];
           }
         }

@@ -436,12 +436,9 @@ struct MlaDecode {
         bool moved = false;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const float m = lazy_max(row_max[r], fmaxf(row_max[r], mx[r]), p.scale_log2);
-          const float base = m == -ATTNGEN_INF ? 0.f : m * p.scale_log2;
-          corr[r] = m != row_max[r] ? fast_exp2(row_max[r] * p.scale_log2 - base) : 1.f;
-          moved |= m != row_max[r];
-          row_max[r] = m;
-          row_sum[r] = row_sum[r] * corr[r] + frag_exp_row<SN>(acc_s, r, p.scale_log2, base);
+          const float before = row_max[r];
+          corr[r] = lazy_softmax_row<SN>(acc_s, r, mx[r], row_max[r], row_sum[r], p.scale_log2);
+          moved |= row_max[r] != before;
         }
         if (__any_sync(0xffffffffu, moved)) scale_rows(acc_o, corr);
       } else {

@@ -38,6 +38,20 @@ __device__ __forceinline__ float frag_exp_row(float (&s)[NK / 8][4], int r, floa
   return sum;
 }
 
+// One row's online-softmax step with lazy rescaling, its max over this tile's columns given (tile_max): the row goes
+// on with lazy_max's max, S becomes P in place and the row sum takes it; returns O's correction, exactly 1 where the
+// row kept its max.
+template <int NK>
+__device__ __forceinline__ float lazy_softmax_row(float (&s)[NK / 8][4], int r, float tile_max, float& row_max,
+                                                  float& row_sum, float scale_log2) {
+  const float m = lazy_max(row_max, fmaxf(row_max, tile_max), scale_log2);
+  const float base = m == -ATTNGEN_INF ? 0.f : m * scale_log2;
+  const float corr = m != row_max ? fast_exp2(row_max * scale_log2 - base) : 1.f;
+  row_max = m;
+  row_sum = row_sum * corr + frag_exp_row<NK>(s, r, scale_log2, base);
+  return corr;
+}
+
 // An accumulator's rows times their corrections: corr[mt][0] for row g of 16-row tile mt, corr[mt][1] for row g + 8
 // (the one-tile form: corr[0], corr[1]).
 template <int MT, int DT>
