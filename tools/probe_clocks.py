@@ -54,6 +54,12 @@ class Sampler:
     def between(self, t0, t1):
         return [x for x in self.samples if t0 <= x[0] <= t1]
 
+    def summary(self, t0, t1) -> dict:
+        """The median SM clock and power, the highest temperature and the reasons seen between t0 and t1."""
+        sm = self.between(t0, t1)
+        return dict(clock=st.median(x[1] for x in sm) if sm else None, power=st.median(x[2] for x in sm) if sm else None,
+                    temp=max(x[3] for x in sm) if sm else None, reasons=sorted({x[4] for x in sm}), n_samples=len(sm))
+
 
 def sustain(sampler: Sampler, fn, warm_s: float = 1.0, timed_s: float = 1.5) -> dict:
     """``fn`` back-to-back: warm_s untimed, then timed_s between two events. Seconds a call, and what the
@@ -77,10 +83,7 @@ def sustain(sampler: Sampler, fn, warm_s: float = 1.0, timed_s: float = 1.5) -> 
         torch.cuda.synchronize()
     e1.record()
     torch.cuda.synchronize()
-    sm = sampler.between(w0 + 0.1, time.time())
-    return dict(s_per_call=e0.elapsed_time(e1) / n / 1e3,
-                clock=st.median(x[1] for x in sm) if sm else None, power=st.median(x[2] for x in sm) if sm else None,
-                temp=max(x[3] for x in sm) if sm else None, reasons=sorted({x[4] for x in sm}), n_samples=len(sm))
+    return dict(s_per_call=e0.elapsed_time(e1) / n / 1e3, **sampler.summary(w0 + 0.1, time.time()))
 
 
 def _report(label: str, r: dict) -> None:
@@ -133,24 +136,10 @@ def corun(sampler: Sampler, a, b, read, g, warm_s: float = 1.0, timed_s: float =
     work = [lambda: torch.matmul(a, b), lambda: read(kv, kv[:0])]
     per_batch = [8, 16]  # about 13 ms of each alone
     counts = [0, 0]
-
-    def batch(count: bool):
-        for i, s in enumerate(streams):
-            with torch.cuda.stream(s):
-                for _ in range(per_batch[i]):
-                    work[i]()
-            if count:
-                counts[i] += per_batch[i]
-        torch.cuda.synchronize()
-
-    t0 = time.time()
-    while time.time() - t0 < warm_s:
-        batch(False)
     ev = [[torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in streams]
-    for i, s in enumerate(streams):
-        ev[i][0].record(s)
-    w0 = time.time()
-    while time.time() - w0 < timed_s:
+
+    def batch():
+        """A batch of each on its stream, counted, each stream's end event recorded after it; then both done."""
         for i, s in enumerate(streams):
             with torch.cuda.stream(s):
                 for _ in range(per_batch[i]):
@@ -159,12 +148,20 @@ def corun(sampler: Sampler, a, b, read, g, warm_s: float = 1.0, timed_s: float =
         for i, s in enumerate(streams):
             ev[i][1].record(s)
         torch.cuda.synchronize()
-    sm = sampler.between(w0 + 0.1, time.time())
+
+    t0 = time.time()
+    while time.time() - t0 < warm_s:
+        batch()
+    counts[:] = [0, 0]
+    for i, s in enumerate(streams):
+        ev[i][0].record(s)
+    w0 = time.time()
+    while time.time() - w0 < timed_s:
+        batch()
     secs = [ev[i][0].elapsed_time(ev[i][1]) / 1e3 for i in range(2)]
     r = dict(impl="corun", n=n, tflops=2 * n ** 3 * counts[0] / secs[0] / 1e12,
              gbps=kv.numel() * kv.element_size() * counts[1] / secs[1] / 1e9, secs=secs,
-             clock=st.median(x[1] for x in sm) if sm else None, power=st.median(x[2] for x in sm) if sm else None,
-             temp=max(x[3] for x in sm) if sm else None, reasons=sorted({x[4] for x in sm}), n_samples=len(sm), rep=0)
+             **sampler.summary(w0 + 0.1, time.time()), rep=0)
     _report(f"cublas {n}^3 || read 2.4 GB", r)
     del kv
     return [r]
