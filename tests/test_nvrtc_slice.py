@@ -30,7 +30,8 @@ def _version() -> str:
         return ""
 
 
-OLDER = _version().startswith("12.") or _version() == "13.0"
+_VERSION = _version()
+OLDER = _VERSION.startswith("12.") or _VERSION == "13.0"
 
 
 @pytest.mark.skipif(not OLDER, reason="needs NVRTC 12 or 13.0 (pip install -e '.[cu12,test]', or '.[cu13,test]' "
