@@ -475,6 +475,7 @@ def test_auto_takes_the_wgmma_kernel_for_32_rows_on_fast_memory(monkeypatch):
     (16, 2, [3000, 2500], 3, None),          # 32 rows
     (16, 4, [4100], 4, None),                # 64 rows: the wgmma kernel, which keeps the merge launch
     (16, 1, [700] * 4, 2, 48),               # paged, a block size not a power of two
+    (32, 1, [3000, 2000, 5], 7, None),       # 32 rows pushed over 7 splits: 5 a CTA, the last merging 2
 ])
 def test_cluster_merge(heads, q_len, seqlens, splits, block_size, monkeypatch, launches):
     """sm_90a: the splits of a row block as one cluster merging in shared memory (no workspace, no merge

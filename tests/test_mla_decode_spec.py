@@ -244,3 +244,17 @@ def test_default_compiles_spill_free(arch, tmp_path, monkeypatch):
     assert r.known and (r.spill_stores, r.spill_loads) == (0, 0)
     for entry in spec.entries:
         assert b".text." + entry.encode() + b"\x00" in b.cubin
+
+
+def test_cluster_merge_fits_counts_the_pushed_rows():
+    """sm_90a, mma.sync: 32 rows push the rows each CTA merges over its Q and ring, up to 7 more than the block
+    holds where the split count does not divide it; 16 rows leave their own rows there. A one-stage ring of
+    32-key tiles holds 16 rows' partials but not 32 pushed ones; 64-key tiles hold both (the compiled kernel
+    asserts the same, CLUSTER_FITS)."""
+    def fits(rows, tile):
+        return resolve(MlaDecodeSpec(q_rows=rows, cta_tile_kv=tile, num_stages=1, num_warps=4, mma="mma_sync"),
+                       "sm_90a").cluster_merge_fits()
+    assert fits(16, 32) and not fits(32, 32)
+    assert fits(16, 64) and fits(32, 64)
+    assert not resolve(MlaDecodeSpec(q_rows=64), "sm_90a").cluster_merge_fits()  # wgmma: the merge launch
+

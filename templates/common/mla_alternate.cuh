@@ -21,6 +21,7 @@ struct MlaAlternate {
   using LT = typename K::LT;
   using LP = typename K::LP;
   using W = WgmmaOps<K::IS_BF16>;
+  using Tiles = MlaTiles<K>;
   static constexpr bool BF16 = K::IS_BF16;
   static constexpr int DC = K::DC_, DR = K::DR_, ROWS = K::ROWS_, BLOCK_N = K::BLOCK_N_, TILE_ELEMS = K::TILE_ELEMS;
 
@@ -59,7 +60,7 @@ struct MlaAlternate {
     auto zero_tail = [&](int slot, int tile) {
       const int valid = seqlen - tile * BLOCK_N;
       if (valid >= BLOCK_N) return;
-      K::template zero_rows<DC / 2>(sRing + slot * TILE_ELEMS, valid, wg * (DC / 2), wtid, 128);
+      Tiles::template zero_rows<DC / 2>(sRing + slot * TILE_ELEMS, valid, wg * (DC / 2), wtid, 128);
       W::fence_proxy();
       W::bar_sync(5 + wg, 128);
     };
@@ -92,7 +93,7 @@ struct MlaAlternate {
       W::commit();
       W::template wait<0>();
       W::hold(sc);
-      K::template mask_keys<BLOCK_N>(sc, tile * BLOCK_N, 0, seqlen, p.q_len, lim, t);
+      Tiles::template mask_keys<BLOCK_N>(sc, tile * BLOCK_N, 0, seqlen, p.q_len, lim, t);
     };
     // Lazy rescaling (lazy_max, online_softmax.cuh): a factor is exactly 1 where a row kept its max, and a warp
     // whose rows all did skips the multiplies.
@@ -170,7 +171,7 @@ struct MlaAlternate {
         W::hold(acc_o);
         // Slot 0's left half is read by this warpgroup only: refilled now, the right half at the pair's end.
         if (wtid == 0 && refill < n_tiles)
-          K::template tma_tile<0, HALF_BLOCKS, false>(p, maps, ring, bar0, table, batch, seqlen, ta + 2, 0);
+          Tiles::template tma_tile<0, HALF_BLOCKS, false>(p, maps, ring, bar0, table, batch, seqlen, ta + 2, 0);
         scale_o(s1);
         if (has_b) {
           W::mbar_wait(bar0 + 16, par);
@@ -181,7 +182,7 @@ struct MlaAlternate {
           W::hold(acc_o);
         }
         if (wtid == 0 && refill + 1 < n_tiles)
-          K::template tma_tile<0, HALF_BLOCKS, false>(p, maps, ring, bar0 + 16, table, batch, seqlen, tb + 2, 1);
+          Tiles::template tma_tile<0, HALF_BLOCKS, false>(p, maps, ring, bar0 + 16, table, batch, seqlen, tb + 2, 1);
       } else {
         if (has_b) {
           scores(1, tb, 1, par, sc);
@@ -224,11 +225,13 @@ struct MlaAlternate {
         // Slot 1's right half is read by this warpgroup only: refilled once P_b V_b,R is done.
         W::template wait<1>();
         if (wtid == 0 && refill + 1 < n_tiles)
-          K::template tma_tile<HALF_BLOCKS, DC / 64, true>(p, maps, ring, bar0 + 24, table, batch, seqlen, tb + 2, 1);
+          Tiles::template tma_tile<HALF_BLOCKS, DC / 64, true>(p, maps, ring, bar0 + 24,
+                                                               table, batch, seqlen, tb + 2, 1);
         W::template wait<0>();
         W::hold(acc_o);
         if (wtid == 0 && refill < n_tiles)
-          K::template tma_tile<HALF_BLOCKS, DC / 64, true>(p, maps, ring, bar0 + 8, table, batch, seqlen, ta + 2, 0);
+          Tiles::template tma_tile<HALF_BLOCKS, DC / 64, true>(p, maps, ring, bar0 + 8,
+                                                               table, batch, seqlen, ta + 2, 0);
       }
     }
   }

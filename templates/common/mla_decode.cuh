@@ -17,7 +17,7 @@
 //          keeps its own softmax and feeds P to the PV MMAs from registers: no exchange at all.
 // One split writes O (normalised) and the LSE; several write fp32 partials and their LSE, merged by
 // the module's `_merge` entries (split_merge.cuh), or, on sm_90 with the splits of a row block one
-// cluster, in the cluster's shared memory (cluster_merge_rows).
+// cluster, in the cluster's shared memory (cluster_merge_rows at 16 rows, merge_pushed_row at 32).
 //
 // WGMMA (sm_90a, ROWS = 64, 8 warps): warp (rt, cg) is warp rt of warpgroup cg, so a warpgroup holds
 // all 64 rows and column group cg; S and O += P V are wgmma with Q, the cache tile and (sharded) P
@@ -36,6 +36,9 @@ namespace attngen {
 // qk_shard=alternate's loop (mla_alternate.cuh, included only in those kernels).
 template <class K>
 struct MlaAlternate;
+// The pieces of a tile step that MlaDecode's loop and MlaAlternate's share (mla_tiles.cuh).
+template <class K>
+struct MlaTiles;
 
 template <class T, bool BF16, int DC, int DR, int ROWS, int BLOCK_N, int NUM_WARPS, int NUM_STAGES, bool QK_SHARD,
           bool PAGED, bool WGMMA, bool TMA, bool ALT>
@@ -43,6 +46,8 @@ struct MlaDecode {
   using Elem = T;
   static constexpr bool IS_BF16 = BF16;
   static constexpr int DC_ = DC, DR_ = DR, ROWS_ = ROWS, BLOCK_N_ = BLOCK_N;
+  static constexpr bool PAGED_ = PAGED, TMA_ = TMA, ALT_ = ALT;
+  using Tiles = MlaTiles<MlaDecode>;  // its tile pieces (mla_tiles.cuh)
   static constexpr int THREADS = NUM_WARPS * 32;
   static constexpr int WARPS_M = ROWS / 16;
   static constexpr int WARPS_N = NUM_WARPS / WARPS_M;
@@ -75,119 +80,18 @@ struct MlaDecode {
   static constexpr int SMEM_BYTES =
       2 * (Q_ELEMS + NUM_STAGES * TILE_ELEMS + P_ELEMS) + 4 * WARPS_N * ROWS + (ALT ? 16 * ROWS : 0) + ALIGN_SLACK + 8 * BARS;
   // The splits of a row block as one cluster (sm_90, o_part null; mma.sync only): after the loop each CTA
-  // leaves its normalised fp32 rows [ROWS][DC] and their LSE [ROWS] over Q and the ring, where they fit
-  // (MlaDecodeSpec.cluster_merge_fits counts the same), and cluster_merge_rows merges them. Compiled into
-  // the wgmma kernels, the path cost them registers and, with alternate tiles, time (H100, 2026-11-26).
-  static constexpr bool CLUSTER_FITS = !WGMMA && 4 * ROWS * (DC + 1) <= 2 * (Q_ELEMS + NUM_STAGES * TILE_ELEMS);
+  // leaves its normalised fp32 rows and their LSE over its Q and ring (16 rows: [ROWS][DC], for cluster_merge_rows)
+  // or pushes them over those of the CTA that merges them (32 rows, PUSH_MERGE: at most ROWS + 7 rows of every
+  // split together, up to 8 splits). MlaDecodeSpec.cluster_merge_fits counts the same. Compiled into the wgmma
+  // kernels, the path cost them registers and, with alternate tiles, time (H100, 2026-11-26).
+  static constexpr bool PUSH_MERGE = ROWS >= 32;
+  static constexpr bool CLUSTER_FITS =
+      !WGMMA && 4 * (ROWS + (PUSH_MERGE ? 7 : 0)) * (DC + 1) <= 2 * (Q_ELEMS + NUM_STAGES * TILE_ELEMS);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1000  // measured on sm_90 only
   static constexpr bool CAN_CLUSTER = CLUSTER_FITS;
 #else
   static constexpr bool CAN_CLUSTER = false;
 #endif
-
-  // COLS columns of ROWS cache rows from `base` (one row block: element stride s_pos per position,
-  // or per paged slot) into the tile's columns [col0, col0 + COLS): each thread keeps one column
-  // chunk and steps down the rows. Rows at or past the sequence are zero-filled and never read.
-  // Paged: lane j of each warp holds `pages` of the tile's 16-row group j (pages_of).
-  template <int COLS>
-  static __device__ __forceinline__ void load_cols(T* tile, int col0, const T* base, long long s_blk, long long s_pos,
-                                                   const MlaParams<T>& p, int2 pages, int n0, int seqlen, int tid) {
-    constexpr int CHUNKS = COLS / 8;
-    constexpr int ROW_STEP = THREADS / CHUNKS;
-    const int c = (tid % CHUNKS) * 8;
-    if constexpr (PAGED) {
-      // Clamped to the pool: a bad table entry reads a wrong block instead of faulting. The address is in
-      // the pool whether or not the row is in the sequence (the slot lies in the block), so it is not
-      // chosen on ok: that choice compiled to a branch around each row's copy (16 heads at batch 64-128 ran
-      // 0.80-0.87x the contiguous cache; 0.98-1.00x without it, H100). Two rows a step at 16 rows a CTA
-      // (one a step there ran 3-5% slower at batch 64-128); one at more rows (two spilled on sm_90a).
-      constexpr int UNROLL = ROWS <= 16 ? 2 : 1;
-#pragma unroll UNROLL
-      for (int r = tid / CHUNKS; r < BLOCK_N; r += ROW_STEP) {
-        const int b = min(max(__shfl_sync(0xffffffffu, pages.x, r / 16), 0), p.num_blocks - 1);
-        const int slot = __shfl_sync(0xffffffffu, pages.y, r / 16) + r % 16;
-        cp_async_16(smem_addr(tile + LT::offset(r, col0 + c)), base + b * s_blk + slot * s_pos + c, n0 + r < seqlen);
-      }
-    } else {
-#pragma unroll 2
-      for (int r = tid / CHUNKS; r < BLOCK_N; r += ROW_STEP) {
-        const int pos = n0 + r;
-        const bool ok = pos < seqlen;
-        const T* src = base;
-        if (ok) src = base + pos * s_pos + c;
-        cp_async_16(smem_addr(tile + LT::offset(r, col0 + c)), src, ok);
-      }
-    }
-  }
-
-  // ---- pieces of a tile step, shared by the loop below and MlaAlternate's ------------------------------
-  // Keys past a row's token (and past the sequence) set to -inf in S of NK keys, the first being key
-  // `first` of the tile at n0; lim holds the last key each of the thread's two rows may see.
-  template <int NK>
-  static __device__ __forceinline__ void mask_keys(float (&s)[NK / 8][4], int n0, int first, int seqlen, int q_len,
-                                                   const int (&lim)[2], int t) {
-    if (n0 + BLOCK_N - 1 > seqlen - q_len) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int hi = lim[r] - (n0 + first + 2 * t);
-#pragma unroll
-        for (int n = 0; n < NK / 8; ++n)
-#pragma unroll
-          for (int c = 0; c < 2; ++c)
-            if (n * 8 + c > hi) s[n][2 * r + c] = -ATTNGEN_INF;
-      }
-    }
-  }
-  // Rows [valid, BLOCK_N) of columns [col0, col0 + COLS) of the (TMA) tile at sT zeroed, 16 bytes per
-  // thread idx0, idx0 + step, ...: rows past the sequence a box read from the cache, or none did.
-  template <int COLS>
-  static __device__ __forceinline__ void zero_rows(T* sT, int valid, int col0, int idx0, int step) {
-    for (int idx = idx0; idx < (BLOCK_N - valid) * (COLS / 8); idx += step)
-      *reinterpret_cast<uint4*>(sT + LT::offset(valid + idx / (COLS / 8), col0 + (idx % (COLS / 8)) * 8)) =
-          make_uint4(0u, 0u, 0u, 0u);
-  }
-
-  // A paged position's block: a shift where block_size is a power of two (block_shift >= 0), else a division.
-  static __device__ __forceinline__ int block_of(int pos, const MlaParams<T>& p) {
-    return p.block_shift >= 0 ? pos >> p.block_shift : pos / p.block_size;
-  }
-
-  // TMA (one thread): tile `tile`'s rows up to the sequence's end into ring slot `slot`, in boxes of
-  // `box` rows: ckv's 64-column blocks [CB_LO, CB_HI) and, with KPE, one block (zero-filled past DR)
-  // of kpe, completing mbarrier `bar`. A template so that only the TMA kernel instantiates it
-  // (WgmmaOps exists only there).
-  template <int CB_LO, int CB_HI, bool KPE, bool ON = TMA>
-  static __device__ __forceinline__ void tma_tile(const MlaParams<T>& p, const TmaDesc* maps, unsigned ring,
-                                                  unsigned bar, const int* table, int batch, int seqlen, int tile,
-                                                  int slot) {
-    using W = typename Select<ON, WgmmaOps<BF16>, void>::type;
-    const int n0 = tile * BLOCK_N;
-    const int box = PAGED ? min(BLOCK_N, p.block_size & -p.block_size) : BLOCK_N;
-    const int pieces = (min(BLOCK_N, seqlen - n0) + box - 1) / box;
-    const unsigned dst = ring + slot * TILE_ELEMS * (int)sizeof(T);
-    W::mbar_expect(bar, pieces * box * ((CB_HI - CB_LO) * 64 + (KPE ? 64 : 0)) * (int)sizeof(T));
-    // ckv and kpe first out of L2 where the host asks (op.kv_evict_first; never for alternate tiles, whose
-    // kernels keep the plain loads' code)
-    const bool evict_first = !ALT && p.kv_evict_first != 0;
-    const unsigned long long policy = W::l2_evict_first();
-    for (int pc = 0; pc < pieces; ++pc) {
-      const int pos = n0 + pc * box;
-      int c1 = pos, c2 = batch;
-      if constexpr (PAGED) {
-        const int blk = block_of(pos, p);
-        c1 = pos - blk * p.block_size;
-        c2 = min(max(__ldg(table + blk), 0), p.num_blocks - 1);  // clamped as load_cols does
-      }
-      const unsigned at = dst + pc * box * 128;
-      auto load_box = [&](unsigned to, const TmaDesc* map, int c0) {
-        if (evict_first) W::tma_load3(to, map, bar, c0, c1, c2, policy);
-        else W::tma_load3(to, map, bar, c0, c1, c2);
-      };
-#pragma unroll
-      for (int cb = CB_LO; cb < CB_HI; ++cb) load_box(at + cb * BLOCK_N * 128, maps, cb * 64);
-      if constexpr (KPE) load_box(at + (DC / 64) * BLOCK_N * 128, maps + 1, 0);
-    }
-  }
 
   static __device__ __forceinline__ void run(const MlaParams<T>& p, const TmaDesc* maps = nullptr) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -256,7 +160,7 @@ struct MlaDecode {
     // a lookup where the copies are issued made every thread wait for it, every tile.
     auto pages_of = [&](int tile) {
       const int gpos = tile * BLOCK_N + 16 * (lane % (BLOCK_N / 16));
-      const int blk = block_of(gpos, p);
+      const int blk = Tiles::block_of(gpos, p);
       return make_int2(gpos < seqlen ? __ldg(table + blk) : 0, gpos - blk * p.block_size);
     };
     int2 next_pages = make_int2(0, 0);
@@ -266,8 +170,8 @@ struct MlaDecode {
       const int n0 = tile * BLOCK_N;
       const int2 pages = next_pages;
       if constexpr (PAGED) next_pages = pages_of(tile + 1);
-      load_cols<DC>(dst, 0, ckv, p.c_sb, p.c_ss, p, pages, n0, seqlen, tid);
-      load_cols<DR>(dst, DC, kpe, p.p_sb, p.p_ss, p, pages, n0, seqlen, tid);
+      Tiles::template load_cols<DC>(dst, 0, ckv, p.c_sb, p.c_ss, p, pages, n0, seqlen, tid);
+      Tiles::template load_cols<DR>(dst, DC, kpe, p.p_sb, p.p_ss, p, pages, n0, seqlen, tid);
     };
     if constexpr (TMA) {
       cp_async_commit();  // Q
@@ -280,16 +184,17 @@ struct MlaDecode {
 #pragma unroll
           for (int s = 0; s < 2; ++s)
             if (s < n_tiles) {
-              tma_tile<0, DC / 128, false>(p, maps, smem_addr(sRing), bar0 + 16 * s, table, batch, seqlen,
-                                           tile_begin + s, s);
-              tma_tile<DC / 128, DC / 64, true>(p, maps, smem_addr(sRing), bar0 + 16 * s + 8, table, batch, seqlen,
-                                                tile_begin + s, s);
+              Tiles::template tma_tile<0, DC / 128, false>(p, maps, smem_addr(sRing), bar0 + 16 * s, table, batch,
+                                                           seqlen, tile_begin + s, s);
+              Tiles::template tma_tile<DC / 128, DC / 64, true>(p, maps, smem_addr(sRing), bar0 + 16 * s + 8, table,
+                                                                batch, seqlen, tile_begin + s, s);
             }
         } else {
 #pragma unroll
           for (int s = 0; s < NUM_STAGES - 1; ++s)
             if (s < n_tiles)
-              tma_tile<0, DC / 64, true>(p, maps, smem_addr(sRing), bar0 + 8 * s, table, batch, seqlen, tile_begin + s, s);
+              Tiles::template tma_tile<0, DC / 64, true>(p, maps, smem_addr(sRing), bar0 + 8 * s, table, batch, seqlen,
+                                                         tile_begin + s, s);
         }
       }
       cp_async_wait<0>();
@@ -333,12 +238,13 @@ struct MlaDecode {
         // The slot of tile it - 1 is refilled once every warp is done with it (the barrier).
         if (it > 0) __syncthreads();
         if (tid == 0 && it + NUM_STAGES - 1 < n_tiles)
-          tma_tile<0, DC / 64, true>(p, maps, smem_addr(sRing), bar0 + 8 * ((it + NUM_STAGES - 1) % NUM_STAGES), table,
-                                     batch, seqlen, tile + NUM_STAGES - 1, (it + NUM_STAGES - 1) % NUM_STAGES);
+          Tiles::template tma_tile<0, DC / 64, true>(p, maps, smem_addr(sRing),
+                                                     bar0 + 8 * ((it + NUM_STAGES - 1) % NUM_STAGES), table, batch,
+                                                     seqlen, tile + NUM_STAGES - 1, (it + NUM_STAGES - 1) % NUM_STAGES);
         WgmmaOps<BF16>::mbar_wait(bar0 + 8 * slot, (it / NUM_STAGES) & 1);
         if (n0 + BLOCK_N > seqlen) {
           // Rows [seqlen - n0, BLOCK_N) of V: past the sequence (read by a box, or stale).
-          zero_rows<DC>(sRing + slot * TILE_ELEMS, seqlen - n0, 0, tid, THREADS);
+          Tiles::template zero_rows<DC>(sRing + slot * TILE_ELEMS, seqlen - n0, 0, tid, THREADS);
           WgmmaOps<BF16>::fence_proxy();
           __syncthreads();
         }
@@ -413,7 +319,7 @@ struct MlaDecode {
       }
 
       // ---- mask: keys past a row's token (and past the sequence) --------------------------------
-      mask_keys<SN>(acc_s, n0, key0, seqlen, p.q_len, lim, t);
+      Tiles::template mask_keys<SN>(acc_s, n0, key0, seqlen, p.q_len, lim, t);
 
       // ---- online softmax ------------------------------------------------------------------------
       float mx[2];
@@ -536,29 +442,62 @@ struct MlaDecode {
     }
     const long long out_rows = (long long)p.batch * rows_total;
     const bool cl = CAN_CLUSTER && p.num_splits > 1 && p.o_part == nullptr;
-    float* sPart = reinterpret_cast<float*>(smem_base);  // cluster merge: [ROWS][DC], then the LSE [ROWS]
-    float* sLse = sPart + ROWS * DC;
-    if (cl) __syncthreads();  // every warp is past its last read of Q and the ring
+    // The splits a cluster: 16 rows merged by cluster_merge_rows (each CTA leaves its rows [ROWS][DC] and their LSE
+    // over its Q and ring; the cluster reads them), 32 by merge_pushed_row (CTA `split` merges rows [split mrows,
+    // split mrows + mrows), its own from registers, the other splits' pushed over its Q and ring: [splits x mrows]
+    // [DC], then their LSE). H100 (BENCHMARKS.md, 2026-11-27): pushed, 32 rows ran 1.02-1.06x at batch 64 with
+    // 1k-4k keys and 1.00x elsewhere; 16 rows 1.00-1.01x there and 0.98-0.99x at batch 8-256 without clusters.
+    constexpr bool PUSH = PUSH_MERGE;
+    const int valid = min(ROWS, rows_total - r_begin);
+    const int mrows = (valid + p.num_splits - 1) / p.num_splits;
+    float* sPart = reinterpret_cast<float*>(smem_base);
+    float* sLse = sPart + (PUSH ? p.num_splits * mrows : ROWS) * DC;
+    auto inv_of = [&](int r) { return l[r] > 0.f ? 1.f / l[r] : 0.f; };
+    auto lse_of = [&](int r) { return l[r] > 0.f ? row_max[r] * p.sm_scale + logf(l[r]) : -ATTNGEN_INF; };
+    if (cl && !PUSH) __syncthreads();  // every warp is past its last read of Q and the ring
+    if (cl && PUSH) {
+      cluster_sync();  // every CTA of the cluster is past its last read of Q and the ring
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row0 + g + 8 * r;
+        const int owner = row / mrows;
+        if (row >= valid || owner == split) continue;
+        const int at = split * mrows + row - owner * mrows;
+        const unsigned dst = cluster_map(smem_addr(sPart + at * DC + cg * ON + 2 * t), owner);
+        const float inv = inv_of(r);
+#pragma unroll
+        for (int d = 0; d < ON / 8; ++d)
+          cluster_store_f2(dst + 32 * d, make_float2(acc_o[d][2 * r] * inv, acc_o[d][2 * r + 1] * inv));
+        if (cg == 0 && t == 0) cluster_store_f32(cluster_map(smem_addr(sLse + at), owner), lse_of(r));
+      }
+      cluster_sync();  // the rows pushed
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int gr = r_begin + row0 + g + 8 * r;
+      const int row = row0 + g + 8 * r;
+      const int gr = r_begin + row;
       if (gr >= rows_total) continue;
       const int qi = gr / p.num_heads;
       const int head = gr - qi * p.num_heads;
-      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-      const float lse = l[r] > 0.f ? row_max[r] * p.sm_scale + logf(l[r]) : -ATTNGEN_INF;
-      if (p.num_splits == 1) {
+      float inv = inv_of(r);
+      float lse = lse_of(r);
+      if (cl && PUSH) {
+        if (row / mrows != split) continue;  // its owner writes it
+        merge_pushed_row<DC>(acc_o, r, inv, lse, sPart, sLse, split, p.num_splits, mrows, row - split * mrows,
+                             cg * ON + 2 * t);
+      }
+      if (p.num_splits == 1 || (cl && PUSH)) {
         T* dst = p.o + batch * p.o_sb + qi * p.o_ss + head * p.o_sh + cg * ON + 2 * t;
 #pragma unroll
         for (int d = 0; d < ON / 8; ++d)
           *reinterpret_cast<unsigned*>(dst + d * 8) = pack2<BF16>(acc_o[d][2 * r] * inv, acc_o[d][2 * r + 1] * inv);
         if (p.lse && cg == 0 && t == 0) p.lse[((long long)batch * p.num_heads + head) * p.q_len + qi] = lse;
       } else if (cl) {
-        float* dst = sPart + (row0 + g + 8 * r) * DC + cg * ON + 2 * t;
+        float* dst = sPart + row * DC + cg * ON + 2 * t;
 #pragma unroll
         for (int d = 0; d < ON / 8; ++d)
           *reinterpret_cast<float2*>(dst + d * 8) = make_float2(acc_o[d][2 * r] * inv, acc_o[d][2 * r + 1] * inv);
-        if (cg == 0 && t == 0) sLse[row0 + g + 8 * r] = lse;
+        if (cg == 0 && t == 0) sLse[row] = lse;
       } else {
         // Row (batch, qi, head) of split `split`, in the merge's layout.
         const long long orow = ((long long)batch * p.q_len + qi) * p.num_heads + head;
@@ -570,8 +509,8 @@ struct MlaDecode {
           p.lse_part[(long long)split * out_rows + ((long long)batch * p.num_heads + head) * p.q_len + qi] = lse;
       }
     }
-    if (cl)
-      cluster_merge_rows<DC, THREADS>(sPart, sLse, min(ROWS, rows_total - r_begin), split, p.num_splits, tid,
+    if (cl && !PUSH)
+      cluster_merge_rows<DC, THREADS>(sPart, sLse, valid, split, p.num_splits, tid,
                                       [&](int row, int col, float4 x, float mx, float wsum) {
         const int qi = (r_begin + row) / p.num_heads;
         const int head = r_begin + row - qi * p.num_heads;

@@ -54,6 +54,20 @@ __device__ __forceinline__ void cluster_store_async_f4(unsigned addr, float4 v, 
 #endif
 }
 
+// Writes into another CTA's shared memory at a cluster address (from cluster_map), visible to it
+// after a cluster barrier (cluster_sync).
+__device__ __forceinline__ void cluster_store_f2(unsigned addr, float2 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};\n" :: "r"(addr), "f"(v.x), "f"(v.y) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_store_f32(unsigned addr, float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.shared::cluster.f32 [%0], %1;\n" :: "r"(addr), "f"(v) : "memory");
+#endif
+}
+
 // Reads of another CTA's shared memory at a cluster address (from cluster_map).
 __device__ __forceinline__ float cluster_load_f32(unsigned addr) {
   float v = 0.f;

@@ -151,4 +151,43 @@ __device__ __forceinline__ void cluster_merge_rows(const float* sPart, const flo
   cluster_sync();
 }
 
+// Row r of an mma.sync accumulator (acc [N][4], columns col + 8 d; this split's, normalised by inv, its LSE lse)
+// merged with the other splits' normalised rows pushed into this CTA's shared memory: sPart [splits x mrows]
+// [COLS] and their LSE sLse, row `local` of each split's mrows. On return acc times inv is the merged row and lse
+// its LSE. A split that saw no key has LSE -inf and weight 0 (its row is finite: zeros).
+template <int COLS, int N>
+__device__ __forceinline__ void merge_pushed_row(float (&acc)[N][4], int r, float& inv, float& lse, const float* sPart,
+                                                 const float* sLse, int split, int splits, int mrows, int local,
+                                                 int col) {
+  float mx = lse;
+  for (int s = 0; s < splits; ++s)
+    if (s != split) mx = fmaxf(mx, sLse[s * mrows + local]);
+  float wsum = 0.f;
+  if (mx != -ATTNGEN_INF) {
+    wsum = lse == -ATTNGEN_INF ? 0.f : __expf(lse - mx);
+    const float own = wsum * inv;
+#pragma unroll
+    for (int d = 0; d < N; ++d) {
+      acc[d][2 * r] *= own;
+      acc[d][2 * r + 1] *= own;
+    }
+    for (int s = 0; s < splits; ++s) {
+      if (s == split) continue;
+      const float ls = sLse[s * mrows + local];
+      const float w = ls == -ATTNGEN_INF ? 0.f : __expf(ls - mx);
+      const float* x = sPart + (s * mrows + local) * COLS + col;
+#pragma unroll
+      for (int d = 0; d < N; ++d) {
+        const float2 v = *reinterpret_cast<const float2*>(x + 8 * d);
+        acc[d][2 * r] = fmaf(w, v.x, acc[d][2 * r]);
+        acc[d][2 * r + 1] = fmaf(w, v.y, acc[d][2 * r + 1]);
+      }
+      wsum += w;
+    }
+  }
+  inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  lse = wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
+}
+
 }  // namespace attngen
+

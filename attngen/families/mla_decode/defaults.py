@@ -30,7 +30,8 @@ TUNED = {
 }
 
 # mma_sync configs ptxas spills on some archs (NVRTC 13.5; every single-field pin of every rank, row count and
-# layout compiled for every manifest arch, 2026-11-26), per (kv_lora_rank, q_rows, paged) and
+# layout compiled for every manifest arch, 2026-11-26; sm_90a's 32-row pins again after the pushed cluster merge,
+# 2026-11-27), per (kv_lora_rank, q_rows, paged) and
 # (qk_shard, cta_tile_kv, num_warps, num_stages, pipeline): they come after every other candidate, so a default
 # never takes one while another fits, and a spec that pins one still gets it (spills cost speed, not results).
 SPILLS_ON = {
@@ -39,7 +40,7 @@ SPILLS_ON = {
     (256, 16, True): {(F, 64, 8, 4, Pipeline.TMA): ("sm_90a",)},
     (256, 32, False): {(F, 64, 8, 4, Pipeline.TMA): ("sm_90a",)},
     (256, 32, True): {(F, 64, 8, 4, Pipeline.TMA): ("sm_90a",), (F, 64, 8, 4, Pipeline.SYNC): ("sm_90a",),
-                      (F, 64, 8, 3, Pipeline.TMA): ("sm_90a",),
+                      (F, 64, 8, 3, Pipeline.TMA): ("sm_90a",), (F, 64, 8, 3, Pipeline.SYNC): ("sm_90a",),
                       (F, 64, 8, 2, Pipeline.SYNC): ("sm_120",)},
     (256, 64, False): {(T, 64, 4, 4, Pipeline.TMA): ("sm_90a",)},
     (256, 64, True): {(T, 64, 4, 4, Pipeline.TMA): ("sm_90a",)},

@@ -168,12 +168,13 @@ class MlaDecodeSpec(SpecBase):
         return self.q_rows * (dqk + 8), dqk + 8, self.cta_tile_kv + 8, 0
 
     def cluster_merge_fits(self) -> bool:
-        """Whether the splits of a row block may merge in one cluster (sm_90): an mma_sync kernel whose
-        CTAs' normalised fp32 rows and their LSE fit over Q and the ring (``CLUSTER_FITS`` in
-        mla_decode.cuh)."""
+        """Whether the splits of a row block may merge in one cluster (sm_90): an mma_sync kernel over whose
+        Q and ring its normalised fp32 rows fit with their LSE (32 rows: the rows a CTA merges, from up to 8
+        splits; ``CLUSTER_FITS`` in mla_decode.cuh)."""
         self._require_resolved("cluster_merge_fits")
         q_elems, row, _, _ = self._layout()
-        return not self.wgmma and (4 * self.q_rows * (self.kv_lora_rank + 1)
+        rows = self.q_rows + (7 if self.q_rows >= 32 else 0)
+        return not self.wgmma and (4 * rows * (self.kv_lora_rank + 1)
                                    <= 2 * (q_elems + self.num_stages * self.cta_tile_kv * row))
 
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
@@ -183,7 +184,8 @@ class MlaDecodeSpec(SpecBase):
     def template_context(self) -> dict:
         ctx = super().template_context()
         ctx.update(merge_threads=MERGE_THREADS, merge_cols=MERGE_COLS, merge_wide_warps=MERGE_WIDE_WARPS,
-                   wgmma=self.wgmma, tma=self.tma, alternate=self.alternate)
+                   wgmma=self.wgmma, tma=self.tma, alternate=self.alternate,
+                   cluster_fits=self.cluster_merge_fits())
         return ctx
 
     # --- fit ---------------------------------------------------------------------------------

@@ -1,0 +1,118 @@
+// MLA decode: the pieces of a tile step of MlaDecode (mla_decode.cuh) that its loop and MlaAlternate's
+// (mla_alternate.cuh) share: a cache tile's loads (cp.async by every thread, or TMA boxes by one), the rows
+// zeroed past the sequence, and the keys masked past a row's token.
+namespace attngen {
+
+template <class K>
+struct MlaTiles {
+  using T = typename K::Elem;
+  using LT = typename K::LT;
+  static constexpr bool BF16 = K::IS_BF16, PAGED = K::PAGED_, TMA = K::TMA_, ALT = K::ALT_;
+  static constexpr int DC = K::DC_, DR = K::DR_, ROWS = K::ROWS_, BLOCK_N = K::BLOCK_N_, THREADS = K::THREADS;
+  static constexpr int TILE_ELEMS = K::TILE_ELEMS;
+
+  // COLS columns of ROWS cache rows from `base` (one row block: element stride s_pos per position,
+  // or per paged slot) into the tile's columns [col0, col0 + COLS): each thread keeps one column
+  // chunk and steps down the rows. Rows at or past the sequence are zero-filled and never read.
+  // Paged: lane j of each warp holds `pages` of the tile's 16-row group j (pages_of in MlaDecode::run).
+  template <int COLS>
+  static __device__ __forceinline__ void load_cols(T* tile, int col0, const T* base, long long s_blk, long long s_pos,
+                                                   const MlaParams<T>& p, int2 pages, int n0, int seqlen, int tid) {
+    constexpr int CHUNKS = COLS / 8;
+    constexpr int ROW_STEP = THREADS / CHUNKS;
+    const int c = (tid % CHUNKS) * 8;
+    if constexpr (PAGED) {
+      // Clamped to the pool: a bad table entry reads a wrong block instead of faulting. The address is in
+      // the pool whether or not the row is in the sequence (the slot lies in the block), so it is not
+      // chosen on ok: that choice compiled to a branch around each row's copy (16 heads at batch 64-128 ran
+      // 0.80-0.87x the contiguous cache; 0.98-1.00x without it, H100). Two rows a step at 16 rows a CTA
+      // (one a step there ran 3-5% slower at batch 64-128); one at more rows (two spilled on sm_90a).
+      constexpr int UNROLL = ROWS <= 16 ? 2 : 1;
+#pragma unroll UNROLL
+      for (int r = tid / CHUNKS; r < BLOCK_N; r += ROW_STEP) {
+        const int b = min(max(__shfl_sync(0xffffffffu, pages.x, r / 16), 0), p.num_blocks - 1);
+        const int slot = __shfl_sync(0xffffffffu, pages.y, r / 16) + r % 16;
+        cp_async_16(smem_addr(tile + LT::offset(r, col0 + c)), base + b * s_blk + slot * s_pos + c, n0 + r < seqlen);
+      }
+    } else {
+#pragma unroll 2
+      for (int r = tid / CHUNKS; r < BLOCK_N; r += ROW_STEP) {
+        const int pos = n0 + r;
+        const bool ok = pos < seqlen;
+        const T* src = base;
+        if (ok) src = base + pos * s_pos + c;
+        cp_async_16(smem_addr(tile + LT::offset(r, col0 + c)), src, ok);
+      }
+    }
+  }
+
+  // Keys past a row's token (and past the sequence) set to -inf in S of NK keys, the first being key
+  // `first` of the tile at n0; lim holds the last key each of the thread's two rows may see.
+  template <int NK>
+  static __device__ __forceinline__ void mask_keys(float (&s)[NK / 8][4], int n0, int first, int seqlen, int q_len,
+                                                   const int (&lim)[2], int t) {
+    if (n0 + BLOCK_N - 1 > seqlen - q_len) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int hi = lim[r] - (n0 + first + 2 * t);
+#pragma unroll
+        for (int n = 0; n < NK / 8; ++n)
+#pragma unroll
+          for (int c = 0; c < 2; ++c)
+            if (n * 8 + c > hi) s[n][2 * r + c] = -ATTNGEN_INF;
+      }
+    }
+  }
+  // Rows [valid, BLOCK_N) of columns [col0, col0 + COLS) of the (TMA) tile at sT zeroed, 16 bytes per
+  // thread idx0, idx0 + step, ...: rows past the sequence a box read from the cache, or none did.
+  template <int COLS>
+  static __device__ __forceinline__ void zero_rows(T* sT, int valid, int col0, int idx0, int step) {
+    for (int idx = idx0; idx < (BLOCK_N - valid) * (COLS / 8); idx += step)
+      *reinterpret_cast<uint4*>(sT + LT::offset(valid + idx / (COLS / 8), col0 + (idx % (COLS / 8)) * 8)) =
+          make_uint4(0u, 0u, 0u, 0u);
+  }
+
+  // A paged position's block: a shift where block_size is a power of two (block_shift >= 0), else a division.
+  static __device__ __forceinline__ int block_of(int pos, const MlaParams<T>& p) {
+    return p.block_shift >= 0 ? pos >> p.block_shift : pos / p.block_size;
+  }
+
+  // TMA (one thread): tile `tile`'s rows up to the sequence's end into ring slot `slot`, in boxes of
+  // `box` rows: ckv's 64-column blocks [CB_LO, CB_HI) and, with KPE, one block (zero-filled past DR)
+  // of kpe, completing mbarrier `bar`. A template so that only the TMA kernel instantiates it
+  // (WgmmaOps exists only there).
+  template <int CB_LO, int CB_HI, bool KPE, bool ON = TMA>
+  static __device__ __forceinline__ void tma_tile(const MlaParams<T>& p, const TmaDesc* maps, unsigned ring,
+                                                  unsigned bar, const int* table, int batch, int seqlen, int tile,
+                                                  int slot) {
+    using W = typename Select<ON, WgmmaOps<BF16>, void>::type;
+    const int n0 = tile * BLOCK_N;
+    const int box = PAGED ? min(BLOCK_N, p.block_size & -p.block_size) : BLOCK_N;
+    const int pieces = (min(BLOCK_N, seqlen - n0) + box - 1) / box;
+    const unsigned dst = ring + slot * TILE_ELEMS * (int)sizeof(T);
+    W::mbar_expect(bar, pieces * box * ((CB_HI - CB_LO) * 64 + (KPE ? 64 : 0)) * (int)sizeof(T));
+    // ckv and kpe first out of L2 where the host asks (op.kv_evict_first; never for alternate tiles, whose
+    // kernels keep the plain loads' code)
+    const bool evict_first = !ALT && p.kv_evict_first != 0;
+    const unsigned long long policy = W::l2_evict_first();
+    for (int pc = 0; pc < pieces; ++pc) {
+      const int pos = n0 + pc * box;
+      int c1 = pos, c2 = batch;
+      if constexpr (PAGED) {
+        const int blk = block_of(pos, p);
+        c1 = pos - blk * p.block_size;
+        c2 = min(max(__ldg(table + blk), 0), p.num_blocks - 1);  // clamped as load_cols does
+      }
+      const unsigned at = dst + pc * box * 128;
+      auto load_box = [&](unsigned to, const TmaDesc* map, int c0) {
+        if (evict_first) W::tma_load3(to, map, bar, c0, c1, c2, policy);
+        else W::tma_load3(to, map, bar, c0, c1, c2);
+      };
+#pragma unroll
+      for (int cb = CB_LO; cb < CB_HI; ++cb) load_box(at + cb * BLOCK_N * 128, maps, cb * 64);
+      if constexpr (KPE) load_box(at + (DC / 64) * BLOCK_N * 128, maps + 1, 0);
+    }
+  }
+};
+
+}  // namespace attngen
