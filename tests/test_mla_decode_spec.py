@@ -257,4 +257,3 @@ def test_cluster_merge_fits_counts_the_pushed_rows():
     assert fits(16, 32) and not fits(32, 32)
     assert fits(16, 64) and fits(32, 64)
     assert not resolve(MlaDecodeSpec(q_rows=64), "sm_90a").cluster_merge_fits()  # wgmma: the merge launch
-

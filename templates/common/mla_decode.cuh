@@ -446,16 +446,15 @@ struct MlaDecode {
     // over its Q and ring; the cluster reads them), 32 by merge_pushed_row (CTA `split` merges rows [split mrows,
     // split mrows + mrows), its own from registers, the other splits' pushed over its Q and ring: [splits x mrows]
     // [DC], then their LSE). H100 (BENCHMARKS.md, 2026-11-27): pushed, 32 rows ran 1.02-1.06x at batch 64 with
-    // 1k-4k keys and 1.00x elsewhere; 16 rows 1.00-1.01x there and 0.98-0.99x at batch 8-256 without clusters.
-    constexpr bool PUSH = PUSH_MERGE;
+    // 1k-4k keys and 0.99-1.00x elsewhere; 16 rows 1.00-1.01x there and 0.98-0.99x at batch 8-256 without clusters.
     const int valid = min(ROWS, rows_total - r_begin);
     const int mrows = (valid + p.num_splits - 1) / p.num_splits;
     float* sPart = reinterpret_cast<float*>(smem_base);
-    float* sLse = sPart + (PUSH ? p.num_splits * mrows : ROWS) * DC;
+    float* sLse = sPart + (PUSH_MERGE ? p.num_splits * mrows : ROWS) * DC;
     auto inv_of = [&](int r) { return l[r] > 0.f ? 1.f / l[r] : 0.f; };
     auto lse_of = [&](int r) { return l[r] > 0.f ? row_max[r] * p.sm_scale + logf(l[r]) : -ATTNGEN_INF; };
-    if (cl && !PUSH) __syncthreads();  // every warp is past its last read of Q and the ring
-    if (cl && PUSH) {
+    if (cl && !PUSH_MERGE) __syncthreads();  // every warp is past its last read of Q and the ring
+    if (cl && PUSH_MERGE) {
       cluster_sync();  // every CTA of the cluster is past its last read of Q and the ring
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -481,12 +480,12 @@ struct MlaDecode {
       const int head = gr - qi * p.num_heads;
       float inv = inv_of(r);
       float lse = lse_of(r);
-      if (cl && PUSH) {
+      if (cl && PUSH_MERGE) {
         if (row / mrows != split) continue;  // its owner writes it
         merge_pushed_row<DC>(acc_o, r, inv, lse, sPart, sLse, split, p.num_splits, mrows, row - split * mrows,
                              cg * ON + 2 * t);
       }
-      if (p.num_splits == 1 || (cl && PUSH)) {
+      if (p.num_splits == 1 || (cl && PUSH_MERGE)) {
         T* dst = p.o + batch * p.o_sb + qi * p.o_ss + head * p.o_sh + cg * ON + 2 * t;
 #pragma unroll
         for (int d = 0; d < ON / 8; ++d)
@@ -509,7 +508,7 @@ struct MlaDecode {
           p.lse_part[(long long)split * out_rows + ((long long)batch * p.num_heads + head) * p.q_len + qi] = lse;
       }
     }
-    if (cl && !PUSH)
+    if (cl && !PUSH_MERGE)
       cluster_merge_rows<DC, THREADS>(sPart, sLse, valid, split, p.num_splits, tid,
                                       [&](int row, int col, float4 x, float mx, float wsum) {
         const int qi = (r_begin + row) / p.num_heads;

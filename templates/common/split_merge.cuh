@@ -190,4 +190,3 @@ __device__ __forceinline__ void merge_pushed_row(float (&acc)[N][4], int r, floa
 }
 
 }  // namespace attngen
-
