@@ -8,7 +8,7 @@ struct MlaTiles {
   using T = typename K::Elem;
   using LT = typename K::LT;
   static constexpr bool BF16 = K::IS_BF16, PAGED = K::PAGED_, TMA = K::TMA_, ALT = K::ALT_;
-  static constexpr int DC = K::DC_, DR = K::DR_, ROWS = K::ROWS_, BLOCK_N = K::BLOCK_N_, THREADS = K::THREADS;
+  static constexpr int DC = K::DC_, ROWS = K::ROWS_, BLOCK_N = K::BLOCK_N_, THREADS = K::THREADS;
   static constexpr int TILE_ELEMS = K::TILE_ELEMS;
 
   // COLS columns of ROWS cache rows from `base` (one row block: element stride s_pos per position,
