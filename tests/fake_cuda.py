@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -116,16 +118,21 @@ PREBUILD = (("bf16", "none", False), ("bf16", "causal", False), ("bf16", "none",
             ("fp16", "sliding_window", True))
 
 
-def prebuild(variants=PREBUILD, head_dim: int = 64, arch: str = "sm_90a") -> None:
+def prebuild(variants=PREBUILD, head_dim: int = 64, arch: str = "sm_90a", extra=()) -> None:
     """Compile (into the cache root in use) the default kernels the stub's device will be asked for.
 
-    Must run before ``install``: NVRTC goes through CuPy, which would find the stub as its driver.
+    ``extra``: more specs, as (class name in ``attngen``, keyword arguments). The builds run in a
+    child process: on a machine with a GPU a compile (CuPy) loads the real libcuda, and once that is
+    in this process the stub cannot stand in for it. Misses after ``install`` compile in a child too.
     """
-    from attngen import build
-    from attngen import PrefillSpec
-
-    for dt, mask, lse in variants:
-        build(PrefillSpec(head_dim=head_dim, dtype=dt, mask=mask, return_lse=lse), arch)
+    specs = [("PrefillSpec", dict(head_dim=head_dim, dtype=dt, mask=mask, return_lse=lse))
+             for dt, mask, lse in variants]
+    specs += [(name, dict(kw)) for name, kw in extra]
+    code = ("import json, sys\nimport attngen\n"
+            "for name, kw in json.loads(sys.argv[1]):\n    attngen.build(getattr(attngen, name)(**kw), sys.argv[2])\n")
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    subprocess.run([sys.executable, "-c", code, json.dumps(specs), arch], check=True, env=env)
 
 
 def install() -> ctypes.CDLL:
@@ -145,11 +152,42 @@ def install() -> ctypes.CDLL:
                        check=True, capture_output=True)
         os.replace(tmp, so)
     lib = ctypes.CDLL(str(so), mode=ctypes.RTLD_GLOBAL)
+    if not hasattr(ctypes.CDLL("libcuda.so.1"), "stub_count"):  # found by soname: the first one loaded wins
+        raise RuntimeError("a real libcuda.so.1 was loaded in this process before the stub, so the stub cannot "
+                           "stand in for it: install the stub before anything that loads the driver (CuPy, torch)")
+    _compile_out_of_process()
     lib.stub_set_current.argtypes = [ctypes.c_void_p]
     lib.stub_count.restype = ctypes.c_long
     lib.stub_last_params.restype = ctypes.POINTER(ctypes.c_ubyte * 1024)
     _lib = lib
     return lib
+
+
+_COMPILE_CHILD = """
+import pickle, sys
+from attngen.compiler import compile
+args, kw = pickle.load(sys.stdin.buffer)
+sys.stdout.buffer.write(pickle.dumps(compile(*args, **kw)))
+"""
+
+
+def _compile_out_of_process() -> None:
+    """Compile a cache miss in a child process: NVRTC, run beside the stub in this one, crashes
+    where the real driver is installed too (a GPU machine)."""
+    import pickle
+
+    from attngen import cache
+
+    def compile_in_child(*args, **kw):
+        root = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        p = subprocess.run([sys.executable, "-c", _COMPILE_CHILD], input=pickle.dumps((args, kw)), env=env,
+                           capture_output=True, check=False)
+        if p.returncode != 0:
+            raise RuntimeError(f"the compile child failed: {p.stderr.decode()[-2000:]}")
+        return pickle.loads(p.stdout)
+
+    cache.nvrtc_compile = compile_in_child
 
 
 def last_params(n: int) -> bytes:

@@ -25,21 +25,15 @@ def main():
     root = tempfile.mkdtemp(prefix="attngen-host-")
     os.environ["ATTNGEN_CACHE_DIR"] = root
     os.environ.pop("ATTNGEN_NO_TUNED", None)
-    from attngen import build
-    from attngen import PrefillSpec
-
-    fake_cuda.prebuild()
-    build(PrefillSpec(head_dim=64, dtype="bf16", **TUNED), "sm_90a")
-    from attngen import DecodeSpec
-
-    build(DecodeSpec(head_dim=128, dtype="bf16", q_rows=16), "sm_90a")
+    fake_cuda.prebuild(extra=[("PrefillSpec", dict(head_dim=64, dtype="bf16", **TUNED)),
+                              ("DecodeSpec", dict(head_dim=128, dtype="bf16", q_rows=16))])
     fake_cuda.install()
     wrap = fake_cuda.patch_torch_cuda()
 
     import torch
 
     import attngen
-    from attngen import cache
+    from attngen import PrefillSpec, cache
     from attngen.compiler import nvrtc_version
     from attngen.families.prefill import op
 

@@ -26,10 +26,7 @@ from tests import fake_cuda  # noqa: E402
 
 
 def measure(calls: int, batches: int) -> dict:
-    fake_cuda.prebuild()
-    from attngen import DecodeSpec, build
-
-    build(DecodeSpec(head_dim=128, dtype="bf16", q_rows=16), "sm_90a")
+    fake_cuda.prebuild(extra=[("DecodeSpec", dict(head_dim=128, dtype="bf16", q_rows=16))])
     fake_cuda.install()
     wrap = fake_cuda.patch_torch_cuda()
     import torch
