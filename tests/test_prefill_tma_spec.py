@@ -6,7 +6,9 @@ import types
 import pytest
 
 from attngen import PrefillSpec, SpecError, resolve
+from attngen.arch import get_arch
 from attngen.compiler import compile
+from attngen.families.prefill.defaults import by_rows
 from attngen.render import render
 
 
@@ -37,8 +39,8 @@ def test_tma_is_the_sm90a_dense_default():
         assert resolve(PrefillSpec(head_dim=128), arch).pipeline.value == "sync"
         with pytest.raises(SpecError):
             resolve(PrefillSpec(head_dim=128, pipeline="tma"), arch)
-    for fields in (dict(varlen=True), dict(custom_mask=True), dict(head_dim=512, head_dim_v=96),
-                   dict(head_dim=512, varlen=True), dict(head_dim=96)):
+    for fields in (dict(varlen=True, paged=True), dict(custom_mask=True), dict(head_dim=512, head_dim_v=96),
+                   dict(head_dim=512, varlen=True), dict(head_dim=96), dict(head_dim=64, mask="causal", varlen=True)):
         assert not resolve(PrefillSpec(**{"head_dim": 128, **fields}), "sm_90a").tma
     # tiles pinned without a pipeline: the cp.async one (what such specs meant before the field)
     pinned = PrefillSpec(head_dim=128, cta_tile_q=128, cta_tile_kv=128, num_warps=8, num_stages=3, mma="wgmma")
@@ -66,7 +68,7 @@ def test_tma_ctas_an_sm_reach_the_launch_bounds(d, warps, ctas):
 
 @pytest.mark.parametrize("fields, field", [
     (dict(mma="mma_sync"), "mma"),  # "no configuration with mma=mma_sync, pipeline=tma; allowed: wgmma"
-    (dict(varlen=True), "pipeline"),
+    (dict(varlen=True, paged=True), "pipeline"),
     (dict(custom_mask=True), "pipeline"),
     (dict(head_dim=512, head_dim_v=96), "pipeline"),  # the chunked kernel: v's 96 columns padded to 128
     (dict(head_dim=512, schedule="pingpong"), "schedule"),  # its TMA form is serial, one CTA a tile
@@ -77,6 +79,20 @@ def test_tma_refusals_name_the_field(fields, field):
     with pytest.raises(SpecError) as e:
         resolve(PrefillSpec(**{"head_dim": 128, "pipeline": "tma", **fields}), "sm_90a")
     assert e.value.field == field
+
+
+def test_contiguous_varlen_runs_on_the_tma_pipeline_when_asked():
+    for sched in ("serial", "overlap", "pingpong"):
+        r = resolve(PrefillSpec(head_dim=128, varlen=True, pipeline="tma", schedule=sched), "sm_90a")
+        assert r.tma and r.varlen and not r.is_persistent and r.schedule.value == sched
+        src = render(r)
+        assert "constexpr bool VARLEN = true;" in src and "PrefillTmaParams" in src and f"{r.kernel_name}_order(" in src
+    # the default where measured faster (TUNED_TMA_VARLEN): one CTA a work-list slot, never by rows
+    for d, dv, mask, sched in ((64, 0, "none", "overlap"), (128, 0, "causal", "pingpong"), (192, 0, "none", "serial"),
+                               (192, 128, "causal", "pingpong"), (256, 0, "sliding_window", "serial")):
+        r = resolve(PrefillSpec(head_dim=d, head_dim_v=dv, mask=mask, varlen=True), "sm_90a")
+        assert r.tma and not r.is_persistent and r.schedule.value == sched, r.to_text()
+        assert by_rows(r, get_arch("sm_90a")) is None
 
 
 def test_tma_text_round_trip():
@@ -105,7 +121,7 @@ def test_schedule_resolves_with_the_tma_pipeline():
 
 @pytest.mark.parametrize("fields, field", [
     (dict(pipeline="sync", schedule="overlap"), "schedule"),
-    (dict(schedule="overlap", varlen=True), "schedule"),
+    (dict(schedule="overlap", varlen=True, paged=True), "schedule"),
     (dict(schedule="pingpong", custom_mask=True), "schedule"),
     (dict(schedule="overlap", head_dim=512), "schedule"),
     (dict(schedule="pingpong", num_warps=4), "schedule"),

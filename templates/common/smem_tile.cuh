@@ -40,6 +40,24 @@ struct WgmmaLayout {
   }
 };
 
+// Zero rows [first, ROWS) of a tile in WgmmaLayout of BLOCKS 64-column blocks, with THREADS threads (tid among them).
+// A row of a block is 128 contiguous bytes (the swizzle moves 16-byte chunks only within them), so whole rows are
+// cleared whatever the swizzle.
+template <class Layout, int ROWS, int BLOCKS, int THREADS, class T>
+__device__ __forceinline__ void zero_rows_from(T* tile, int first, int tid) {
+  constexpr int CHUNKS = BLOCKS * ROWS * 8;  // 16-byte chunks
+  static_assert(CHUNKS % THREADS == 0, "whole chunks a thread");
+  unsigned char* base = reinterpret_cast<unsigned char*>(tile);
+#pragma unroll 1
+  for (int j = 0; j < CHUNKS / THREADS; ++j) {
+    const int i = tid + j * THREADS;
+    const int row = (i / 8) % ROWS;
+    if (row >= first)
+      *reinterpret_cast<uint4*>(base + (i / (ROWS * 8)) * Layout::BLOCK_BYTES + row * 128 + (i % 8) * 16) =
+          make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
 // A CUDA tensor map (CUtensorMap: 128 opaque bytes, 64-byte aligned) built on the host by
 // cuTensorMapEncodeTiled; TMA copies (sm_90a) read it from a __grid_constant__ kernel parameter.
 struct alignas(64) TmaDesc {

@@ -60,6 +60,26 @@ TUNED_TMA = {
     (256, 256, True): [(128, 64, 8, 2)],
 }
 
+# sm_90a, contiguous varlen batches (prefill_varlen without a block table): the TMA pipeline's kernels, one CTA a
+# work-list slot, per (head_dim, head_dim_v, masked) as TUNED_TMA. Chosen on an H100, 2026-11-27, bf16, 16k tokens as a
+# long-tailed batch, 16 x 1024, 2 x 8192 and 32 x 512, causal and not, against the cp.async kernels (TUNED_WGMMA), two
+# rounds (BENCHMARKS.md): 128 ping-pong 1.08-1.32x; 256 128x64 serial 1.07-1.23x; 192 128x64 serial 1.09-1.31x
+# (ping-pong alike); 192/128 ping-pong 1.05-1.43x. Head dim 64 without a mask: 64-row tiles on one consumer warpgroup
+# (two CTAs an SM, overlap) 1.04-1.20x; under a mask the cp.async kernel stays (every TMA config 0.73-0.94x at 512-1k
+# rows and long-tailed batches; 1.16x at 8k). The kept kernels against the old defaults (H200, the same day, three
+# rounds): 1.10-1.47x at 128-256, 0.98-1.17x at 64. Paged batches and the other head dims keep the cp.async kernels.
+TUNED_TMA_VARLEN = {
+    (64, 64, False): [(64, 128, 4, 2, Schedule.OVERLAP)],
+    (128, 128, False): [(128, 128, 8, 2, Schedule.PINGPONG)],
+    (128, 128, True): [(128, 128, 8, 2, Schedule.PINGPONG)],
+    (192, 128, False): [(128, 128, 8, 2, Schedule.PINGPONG)],
+    (192, 128, True): [(128, 128, 8, 2, Schedule.PINGPONG)],
+    (192, 192, False): [(128, 64, 8, 2)],
+    (192, 192, True): [(128, 64, 8, 2)],
+    (256, 256, False): [(128, 64, 8, 2)],
+    (256, 256, True): [(128, 64, 8, 2)],
+}
+
 # sm_90a: the wgmma kernels, one warpgroup per 64 query rows (cta_tile_q = 16 x num_warps), per
 # (head_dim, masked). From tools/sweep_configs.py on an H100 (NVRTC 13.5, bf16, 16k tokens at
 # seqlen 4096, 2026-11-22; BENCHMARKS.md); head_dim 192 not timed yet.
@@ -227,7 +247,7 @@ def by_rows(resolved, arch) -> tuple[list[int], list[PrefillSpec]] | None:
     its query rows, ``specs[i]`` from ``bounds[i - 1]`` rows on (``TunedKernels.split``); None where one kernel runs
     every length. A config that does not validate on ``arch`` leaves the default in its place."""
     table = BY_ROWS.get((resolved.head_dim, resolved.dim_v, resolved.mask))
-    if table is None or not resolved.tma or resolved.chunked:
+    if table is None or not resolved.tma or resolved.chunked or resolved.varlen:
         return None
     specs = [resolved if fields is None else replaced_if_valid(resolved, arch, **fields) or resolved
              for _, fields in table]
@@ -298,6 +318,8 @@ def _candidates(spec, arch: Arch):
         wgmma_all = [(16 * w, kv, w, st) for w in (8, 4) for kv in (128, 64, 32) for st in (2, 3, 1, 4)]
         if dense:
             yield from tma(TUNED_TMA.get((d, spec.dim_v, key[1]), ()))
+        elif spec.varlen and not spec.paged:
+            yield from tma(TUNED_TMA_VARLEN.get((d, spec.dim_v, key[1]), ()))
         yield from ((*c, W, S, SER, OFF) for c in TUNED_WGMMA[key])
         yield from tma(wgmma_all)
         yield from ((*c, W, S, SER, OFF) for c in wgmma_all)

@@ -43,6 +43,7 @@ PARAMS_EXT = struct.Struct("<5Q12q4i2f2i2fQq8Q2q9i")
 _PARAMS_TMA = struct.Struct("<384s5Q12q4i2f2i2fQq")
 _PARAMS_TMA4 = struct.Struct("<512s5Q12q4i2f2i2fQq")  # (the chunked kernel with a V tail: four maps)
 _PARAMS_TMA_PERSISTENT = struct.Struct("<384s5Q12q4i2f2i2fQq116xi")
+PARAMS_EXT_TMA = struct.Struct("<384s" + PARAMS_EXT.format[1:])  # the varlen kernel's on the TMA pipeline
 # What a plan's kernel reads its inputs as (the last element of a plan key).
 DENSE, CUSTOM_MASK, VARLEN, VARLEN_PAGED = range(4)
 _LOG2E = 1.4426950408889634

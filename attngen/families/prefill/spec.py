@@ -184,10 +184,13 @@ class PrefillSpec(SpecBase):
         if self.overlapped or self.is_persistent:
             s(self, "pipeline", Pipeline.TMA)  # the only pipeline they run on
         if self.tma:
-            for name in ("varlen", "custom_mask"):
+            for name in ("paged", "custom_mask"):
                 if getattr(self, name):
                     raise SpecError(tma_ask[0], tma_ask[1], f"{tma_ask[2]} with {name}=true",
-                                    reason="the TMA pipeline is built for the dense layout only so far")
+                                    reason="the TMA pipeline reads the dense layout and contiguous varlen batches")
+            if self.varlen and self.is_persistent:
+                raise SpecError("persistent", "true", "false with varlen=true",
+                                reason="a varlen batch's work list gives each CTA one query tile")
         if self.paged and not self.varlen:
             raise SpecError("paged", True, "false, or true with varlen=true",
                             reason="a paged prefill takes its sequences' lengths from cu_seqlens (prefill_varlen)")
@@ -211,6 +214,10 @@ class PrefillSpec(SpecBase):
             # Likewise: one CTA a query tile, what such a spec meant before the field.
             s(self, "persistent", Persistent.OFF)
         if self.chunked:
+            if self.tma and self.varlen:
+                raise SpecError(tma_ask[0], tma_ask[1], f"{tma_ask[2]} with varlen=true and the chunked kernel "
+                                f"(head_dim above {self.WHOLE_MAX}, head_dim_v above head_dim or head_dim_chunk < "
+                                "head_dim)", reason="the chunked kernel's TMA form reads the dense layout only")
             for name in ("custom_mask", "paged"):
                 if getattr(self, name):
                     raise SpecError(name, True, "false with the chunked kernel (head_dim above "

@@ -3,7 +3,9 @@
 q, k and v ``[batch, seqlen, heads, head_dim]`` (any strides the op accepts) each become a 4-d map
 (head_dim, seqlen, heads, batch) whose boxes are one 64-column block of ``cta_tile_q`` rows (q) or
 ``cta_tile_kv`` rows (k, v; the chunked kernel's v: a V step's keys), 128-byte swizzled as wgmma reads
-them (WgmmaLayout), with zeros past the ends (``attngen/families/tma.py`` builds and keeps them).
+them (WgmmaLayout), with zeros past the ends (``attngen/families/tma.py`` builds and keeps them). A varlen
+batch's packed ``[total, heads, head_dim]`` tensors are one batch of ``total`` rows: its kernel offsets a tile's
+rows by its sequence's first.
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ def _refusal(t, what: str = ""):
 
 
 def _map(t, rows: int, fallback_ptr: int) -> bytes:
-    """The map of TensorInfo ``t`` with boxes of ``rows`` rows."""
-    b, s, h, d = t.shape
-    sb, ss, sh, _ = t.strides
+    """The map of TensorInfo ``t`` (4-d, or 3-d: packed varlen rows, one batch) with boxes of ``rows`` rows."""
+    if len(t.shape) == 3:
+        (s, h, d), (ss, sh, _) = t.shape, t.strides
+        b, sb = 1, ss  # (a dim of one: its stride is never used, and any multiple of 16 bytes is valid)
+    else:
+        b, s, h, d = t.shape
+        sb, ss, sh, _ = t.strides
     # An empty sequence is never read (its CTAs visit no tile), but a map's dims must be >= 1 and its
     # address not null.
     return tiled_map(t.dtype, t.ptr or fallback_ptr, (d, max(s, 1), h, b), (2 * ss, 2 * sh, 2 * sb), (64, rows, 1, 1),

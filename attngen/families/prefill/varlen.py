@@ -14,7 +14,9 @@ from ...runtime import data_ptr, tensor_info
 from ...spec import spec_of_text
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from .masks import PLAN_PARAMS
-from .op import _LOG2E, _NO_WINDOW, PARAMS_EXT, VARLEN, VARLEN_PAGED, check_qkv, mask_and_window, out_of, plan_for
+from .op import (_LOG2E, _NO_WINDOW, PARAMS_EXT, PARAMS_EXT_TMA, VARLEN, VARLEN_PAGED, check_qkv, mask_and_window,
+                 out_of, plan_for)
+from .tma import tensor_maps
 
 
 def _index(x, name: str, rank: int, qi):
@@ -110,6 +112,14 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         return (out, lse) if return_lse else out
 
     kern = plan.kernel or plan.kernel_for(max(1, total_q // max(batch, 1)))
+    layout, maps = PARAMS_EXT, ()
+    if kern.spec.tma:  # the packed tensors as TMA maps, or where the driver refuses one, the cp.async kernel
+        try:
+            layout, maps = PARAMS_EXT_TMA, (tensor_maps(qi, ki, vi, kern.spec),)
+        except LaunchError:
+            if plan.tma_pinned:
+                raise
+            kern = plan.sync_twin(kern)
     tq = kern.spec.cta_tile_q
     max_items = -(-total_q // tq) + batch  # sum over sequences of ceil(len / tq) is below this
     splits = kern.spec.v_splits  # the chunked kernel past 640 columns of v: CTAs a query tile's O is split over
@@ -124,7 +134,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                        0, 0, 0, 1, 1, 0, 0, 0, left, right, batch, total_q, total_k, int(paged), entry="_order")
     qs, ks, vs = qi.strides, ki.strides, vi.strides
     kern.launch_struct(
-        PARAMS_EXT, (max_items, h * splits, 1), stream,
+        layout, (max_items, h * splits, 1), stream, *maps,
         qi.ptr, ki.ptr, vi.ptr, optr, data_ptr(lse, qi.kind) if return_lse else 0,
         0, qs[0], qs[1],
         ks[0] if paged else 0, ks[-3], ks[-2], vs[0] if paged else 0, vs[-3], vs[-2],
