@@ -39,7 +39,7 @@ def test_tma_is_the_sm90a_dense_default():
         assert resolve(PrefillSpec(head_dim=128), arch).pipeline.value == "sync"
         with pytest.raises(SpecError):
             resolve(PrefillSpec(head_dim=128, pipeline="tma"), arch)
-    for fields in (dict(varlen=True, paged=True), dict(custom_mask=True), dict(head_dim=512, head_dim_v=96),
+    for fields in (dict(varlen=True, paged=True), dict(head_dim=64, custom_mask=True), dict(head_dim=512, head_dim_v=96),
                    dict(head_dim=512, varlen=True), dict(head_dim=96), dict(head_dim=64, mask="causal", varlen=True)):
         assert not resolve(PrefillSpec(**{"head_dim": 128, **fields}), "sm_90a").tma
     # tiles pinned without a pipeline: the cp.async one (what such specs meant before the field)
@@ -69,7 +69,6 @@ def test_tma_ctas_an_sm_reach_the_launch_bounds(d, warps, ctas):
 @pytest.mark.parametrize("fields, field", [
     (dict(mma="mma_sync"), "mma"),  # "no configuration with mma=mma_sync, pipeline=tma; allowed: wgmma"
     (dict(varlen=True, paged=True), "pipeline"),
-    (dict(custom_mask=True), "pipeline"),
     (dict(head_dim=512, head_dim_v=96), "pipeline"),  # the chunked kernel: v's 96 columns padded to 128
     (dict(head_dim=512, schedule="pingpong"), "schedule"),  # its TMA form is serial, one CTA a tile
     (dict(head_dim=512, persistent=True), "persistent"),
@@ -79,6 +78,22 @@ def test_tma_refusals_name_the_field(fields, field):
     with pytest.raises(SpecError) as e:
         resolve(PrefillSpec(**{"head_dim": 128, "pipeline": "tma", **fields}), "sm_90a")
     assert e.value.field == field
+
+
+def test_custom_masks_run_on_the_tma_pipeline_when_asked():
+    for sched in ("serial", "pingpong"):
+        r = resolve(PrefillSpec(head_dim=128, custom_mask=True, pipeline="tma", schedule=sched), "sm_90a")
+        assert r.tma and r.custom_mask and not r.is_persistent and r.schedule.value == sched
+        src = render(r)
+        assert "constexpr bool MASK_LIST = true;" in src and "PrefillTmaParams" in src
+        assert all(f"{r.kernel_name}{e}(" in src for e in ("_mtiles", "_mlists", "_order"))
+    # the default at head_dim 128 (TUNED_TMA_MASK); elsewhere the cp.async kernels' 64-row tiles stay first
+    r = resolve(PrefillSpec(head_dim=128, custom_mask=True, mask="causal"), "sm_90a")
+    assert r.tma and r.schedule.value == "pingpong" and r.cta_tile_q == 128 and not r.is_persistent
+    assert by_rows(r, get_arch("sm_90a")) is None  # (the dense default's rule by rows is not a mask's)
+    for d in (64, 256):
+        r = resolve(PrefillSpec(head_dim=d, custom_mask=True), "sm_90a")
+        assert not r.tma and r.cta_tile_q == 64
 
 
 def test_contiguous_varlen_runs_on_the_tma_pipeline_when_asked():
@@ -122,7 +137,6 @@ def test_schedule_resolves_with_the_tma_pipeline():
 @pytest.mark.parametrize("fields, field", [
     (dict(pipeline="sync", schedule="overlap"), "schedule"),
     (dict(schedule="overlap", varlen=True, paged=True), "schedule"),
-    (dict(schedule="pingpong", custom_mask=True), "schedule"),
     (dict(schedule="overlap", head_dim=512), "schedule"),
     (dict(schedule="pingpong", num_warps=4), "schedule"),
     (dict(schedule="overlap", num_stages=1, cta_tile_kv=64, num_warps=8, cta_tile_q=128, mma="wgmma"), "num_stages"),

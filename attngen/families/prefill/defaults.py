@@ -80,6 +80,16 @@ TUNED_TMA_VARLEN = {
     (256, 256, True): [(128, 64, 8, 2)],
 }
 
+# sm_90a, custom masks (a plan's tile lists): the TMA pipeline's kernels where measured faster, one CTA a work-list slot.
+# H200, 2026-11-27, bf16, 8k x 8k, a plan reused, against the cp.async default (64-row tiles; BENCHMARKS.md): at head_dim
+# 128, 128x128 ping-pong 1.35-1.46x on block-diagonal (4 sequences) and random 128-block masks (10%, 50% live), 1.06x
+# block-diagonal with 16 sequences (3% live). At 64 the cp.async kernel stays (the best TMA config, 64x128 overlap,
+# 1.12-1.19x there but 0.84x at 3% live); other head dims not measured.
+TUNED_TMA_MASK = {
+    (128, 128, False): [(128, 128, 8, 2, Schedule.PINGPONG)],
+    (128, 128, True): [(128, 128, 8, 2, Schedule.PINGPONG)],
+}
+
 # sm_90a: the wgmma kernels, one warpgroup per 64 query rows (cta_tile_q = 16 x num_warps), per
 # (head_dim, masked). From tools/sweep_configs.py on an H100 (NVRTC 13.5, bf16, 16k tokens at
 # seqlen 4096, 2026-11-22; BENCHMARKS.md); head_dim 192 not timed yet.
@@ -247,7 +257,7 @@ def by_rows(resolved, arch) -> tuple[list[int], list[PrefillSpec]] | None:
     its query rows, ``specs[i]`` from ``bounds[i - 1]`` rows on (``TunedKernels.split``); None where one kernel runs
     every length. A config that does not validate on ``arch`` leaves the default in its place."""
     table = BY_ROWS.get((resolved.head_dim, resolved.dim_v, resolved.mask))
-    if table is None or not resolved.tma or resolved.chunked or resolved.varlen:
+    if table is None or not resolved.tma or resolved.chunked or resolved.varlen or resolved.custom_mask:
         return None
     specs = [resolved if fields is None else replaced_if_valid(resolved, arch, **fields) or resolved
              for _, fields in table]
@@ -259,7 +269,8 @@ def candidates(spec, arch: Arch):
     configs first, then every allowed combination, larger tiles first; wgmma ones first on sm_90a, the TMA
     pipeline's first where it runs (the dense layout; elsewhere ``check`` refuses them), each tuned one with its
     measured schedule and persistence first and then the others. A custom mask takes
-    64-row tiles first: the finer its tiles, the more of a sparse mask its live-tile lists skip.
+    64-row tiles first (after TUNED_TMA_MASK's): the finer its tiles, the more of a sparse mask its live-tile lists
+    skip.
     Configs ``SPILLS_ON`` lists for the arch come after all others: a default never takes one
     while another fits, and a spec that pins one still gets it (spills cost speed, not results)."""
     if spec.chunked:
@@ -287,8 +298,9 @@ def candidates(spec, arch: Arch):
             return c[6] is Pipeline.SYNC and arch.name in chunked_spills.get((*c[:4], c[5], c[4]), ())
     else:
         every = [(*c[:5], 0, *c[5:]) for c in _candidates(spec, arch)]  # head_dim_chunk 0: whole rows
-        if spec.custom_mask:
-            every = [c for c in every if c[0] == 64] + [c for c in every if c[0] != 64]
+        if spec.custom_mask:  # (after the measured TMA configs, which lead: every other TMA one comes last)
+            n = next((i for i, c in enumerate(every) if c[6] is not Pipeline.TMA), len(every))
+            every = every[:n] + [c for c in every[n:] if c[0] == 64] + [c for c in every[n:] if c[0] != 64]
         spills = SPILLS_ON["mask" if spec.custom_mask else "varlen" if spec.varlen else "dense"]
 
         def spilled(c):
@@ -320,9 +332,14 @@ def _candidates(spec, arch: Arch):
             yield from tma(TUNED_TMA.get((d, spec.dim_v, key[1]), ()))
         elif spec.varlen and not spec.paged:
             yield from tma(TUNED_TMA_VARLEN.get((d, spec.dim_v, key[1]), ()))
+        elif spec.custom_mask:
+            yield from tma(TUNED_TMA_MASK.get((d, spec.dim_v, key[1]), ()))
         yield from ((*c, W, S, SER, OFF) for c in TUNED_WGMMA[key])
-        yield from tma(wgmma_all)
+        if not spec.custom_mask:
+            yield from tma(wgmma_all)
         yield from ((*c, W, S, SER, OFF) for c in wgmma_all)
+        if spec.custom_mask:  # the other TMA configs of a mask's tile lists: where asked for
+            yield from tma(wgmma_all)
     yield from ((*c, Mma.SYNC, S, SER, OFF) for c in TUNED[d])
     yield from ((*c, Mma.SYNC, S, SER, OFF)
                 for c in itertools.product((128, 64), (64, 128, 32), (4, 8), (2, 3, 1, 4)))

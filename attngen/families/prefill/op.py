@@ -43,7 +43,7 @@ PARAMS_EXT = struct.Struct("<5Q12q4i2f2i2fQq8Q2q9i")
 _PARAMS_TMA = struct.Struct("<384s5Q12q4i2f2i2fQq")
 _PARAMS_TMA4 = struct.Struct("<512s5Q12q4i2f2i2fQq")  # (the chunked kernel with a V tail: four maps)
 _PARAMS_TMA_PERSISTENT = struct.Struct("<384s5Q12q4i2f2i2fQq116xi")
-PARAMS_EXT_TMA = struct.Struct("<384s" + PARAMS_EXT.format[1:])  # the varlen kernel's on the TMA pipeline
+PARAMS_EXT_TMA = struct.Struct("<384s" + PARAMS_EXT.format[1:])  # the varlen and custom-mask kernels' on TMA
 # What a plan's kernel reads its inputs as (the last element of a plan key).
 DENSE, CUSTOM_MASK, VARLEN, VARLEN_PAGED = range(4)
 _LOG2E = 1.4426950408889634
@@ -288,7 +288,7 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
 
         mp = checked_plan(mask_plan, mask, call.kern, qi, ki, call.mcode, call.left, call.right, stream)
         grid, ext = mp.launch_args(qi.shape[2], qi.shape[0])
-        call.kern.launch_struct(PARAMS_EXT, grid, stream, *call.head, optr, lse_ptr, *call.tail, *ext)
+        call.kern.launch_struct(call.layout, grid, stream, *call.head, optr, lse_ptr, *call.tail, *ext)
     return (out, lse) if return_lse else out
 
 
@@ -343,10 +343,17 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
                  scale, scale * _LOG2E,
                  left, right,
                  cap_u, inv_cap_u, alibi_ptr, alibi_sb)
+    ks_ = kern.spec
     if masked:  # the mask plan gives the grid, per call
         call.grid, call.layout = (), PARAMS_EXT
+        if ks_.tma:
+            try:
+                call.head, call.layout = (tensor_maps(qi, ki, vi, ks_), *call.head), PARAMS_EXT_TMA
+            except LaunchError:
+                if plan.tma_pinned:
+                    raise
+                call.kern = plan.sync_twin(kern)
         return call
-    ks_ = kern.spec
     tile_q = ks_.cta_tile_q
     # v_splits: the chunked kernel past 640 columns
     call.grid = grid = ((sq + tile_q - 1) // tile_q, h * ks_.v_splits, b)
@@ -375,15 +382,18 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
 
 
 def mask_plan(mask, q, k, *, v=None, causal: bool = False, window: tuple[int, int] = _NO_WINDOW,
-              spec: PrefillSpec | None = None):
+              spec: PrefillSpec | str | None = None):
     """Build the plan ``attngen.prefill(q, k, v, mask=mask, causal=..., window=..., mask_plan=plan)``
     walks: per query tile, the KV tiles some row sees (``mask`` with ``causal``/``window``), each
     marked when the mask keeps all of it, and the query tiles sorted heaviest first. Built on the
     GPU on the current stream, without a host sync; reuse it for every call (layer) with this mask
     unchanged, the same shapes and masks, and a kernel of the same tile sizes (``spec``), which
     ``prefill`` checks. q and k give the shapes, dtype and device (their values are not read); pass
-    ``v`` too when its head dim differs from k's (the kernel, and so its tiles, depend on it).
+    ``v`` too when its head dim differs from k's (the kernel, and so its tiles, depend on it). ``spec``
+    may be given as its text, as to ``prefill``.
     """
+    if spec.__class__ is str:
+        spec = spec_of_text(spec, "prefill")
     qi, ki, vi = _check_qkv(q, k, k if v is None else v)
     mcode, left, right = mask_and_window(causal, window)
     key = (qi.shape[3], qi.dtype, qi.device, mcode, False, spec, qi.kind, False, False, CUSTOM_MASK, vi.shape[3])

@@ -184,13 +184,15 @@ class PrefillSpec(SpecBase):
         if self.overlapped or self.is_persistent:
             s(self, "pipeline", Pipeline.TMA)  # the only pipeline they run on
         if self.tma:
-            for name in ("paged", "custom_mask"):
-                if getattr(self, name):
-                    raise SpecError(tma_ask[0], tma_ask[1], f"{tma_ask[2]} with {name}=true",
-                                    reason="the TMA pipeline reads the dense layout and contiguous varlen batches")
-            if self.varlen and self.is_persistent:
-                raise SpecError("persistent", "true", "false with varlen=true",
-                                reason="a varlen batch's work list gives each CTA one query tile")
+            if self.paged:
+                raise SpecError(tma_ask[0], tma_ask[1], f"{tma_ask[2]} with paged=true",
+                                reason="the TMA pipeline reads the dense layout, a mask's tile lists and contiguous "
+                                       "varlen batches")
+            for name in ("varlen", "custom_mask"):
+                if getattr(self, name) and self.is_persistent:
+                    raise SpecError("persistent", "true", f"false with {name}=true",
+                                    reason="a work list (the sequences' or the mask plan's) gives each CTA one query "
+                                           "tile")
         if self.paged and not self.varlen:
             raise SpecError("paged", True, "false, or true with varlen=true",
                             reason="a paged prefill takes its sequences' lengths from cu_seqlens (prefill_varlen)")
