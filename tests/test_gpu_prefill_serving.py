@@ -126,6 +126,14 @@ def block_diag_keep(sq, sk, nseq, gen_py, causal_within=True):
     return keep.cuda()
 
 
+def mask_of(keep, kind="bool"):
+    """The mask a caller passes for ``keep``: bool itself, or additive (0 / -inf) of dtype ``kind``."""
+    if kind == "bool":
+        return keep
+    mdt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[kind]
+    return torch.zeros(keep.shape, dtype=mdt, device="cuda").masked_fill(~keep, float("-inf"))
+
+
 def run_masked(b, sq, sk, h, hk, d, dtype, keep4, *, kind="bool", causal=False, window=(-1, -1), spec=None,
                plan=None, check_plan_reuse=False, dv=None):
     gen = fresh_generator()
@@ -133,11 +141,7 @@ def run_masked(b, sq, sk, h, hk, d, dtype, keep4, *, kind="bool", causal=False, 
     q = guarded(b, sq, h, d, dtype=dtype, gen=gen)
     k = guarded(b, sk, hk, d, dtype=dtype, gen=gen)
     v = guarded(b, sk, hk, dv, dtype=dtype, gen=gen)
-    if kind == "bool":
-        mask = keep4
-    else:
-        mdt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[kind]
-        mask = torch.zeros(keep4.shape, dtype=mdt, device="cuda").masked_fill(~keep4, float("-inf"))
+    mask = mask_of(keep4, kind)
     out, buf, guards = sentinel_out((b, sq, h, dv), dtype)
     if check_plan_reuse:
         plan = attngen.mask_plan(mask, q, k, v=v, causal=causal, window=window, spec=spec)

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 import attngen  # noqa: E402
 from tests.gpu_reference import fresh_generator  # noqa: E402
 from tests.test_gpu_prefill_serving import (block_diag_keep, check_sentinel, compare, guarded,  # noqa: E402
-                                            range_keep, reference, sentinel_out)
+                                            mask_of, range_keep, reference, sentinel_out)
 from tests.test_gpu_prefill_tma import BF16, FP16, SCHEDULES, _spec, _sync  # noqa: E402
 
 
@@ -110,11 +110,7 @@ def run_masked_tma(spec, b, sq, sk, h, hk, keep, dtype, causal=False, window=(-1
     q = guarded(b, sq, h, d, dtype=dtype, gen=gen)
     k = guarded(b, sk, hk, d, dtype=dtype, gen=gen)
     v = guarded(b, sk, hk, dv, dtype=dtype, gen=gen)
-    if kind == "bool":
-        mask = keep
-    else:
-        mdt = {"fp16": FP16, "bf16": BF16, "fp32": torch.float32}[kind]
-        mask = torch.zeros(keep.shape, dtype=mdt, device="cuda").masked_fill(~keep, float("-inf"))
+    mask = mask_of(keep, kind)
     out, buf, guards = sentinel_out((b, sq, h, dv), dtype)
     kw = dict(mask=mask, causal=causal, window=window, return_lse=True)
     o, lse = attngen.prefill(q, k, v, out=out, spec=spec, **kw)
