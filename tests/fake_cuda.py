@@ -130,9 +130,13 @@ def prebuild(variants=PREBUILD, head_dim: int = 64, arch: str = "sm_90a", extra=
     specs += [(name, dict(kw)) for name, kw in extra]
     code = ("import json, sys\nimport attngen\n"
             "for name, kw in json.loads(sys.argv[1]):\n    attngen.build(getattr(attngen, name)(**kw), sys.argv[2])\n")
+    subprocess.run([sys.executable, "-c", code, json.dumps(specs), arch], check=True, env=_child_env())
+
+
+def _child_env() -> dict:
+    """This process's environment, with the checkout first on PYTHONPATH: a child imports the same attngen."""
     root = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    subprocess.run([sys.executable, "-c", code, json.dumps(specs), arch], check=True, env=env)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
 
 
 def install() -> ctypes.CDLL:
@@ -179,9 +183,7 @@ def _compile_out_of_process() -> None:
     from attngen import cache
 
     def compile_in_child(*args, **kw):
-        root = str(Path(__file__).resolve().parent.parent)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-        p = subprocess.run([sys.executable, "-c", _COMPILE_CHILD], input=pickle.dumps((args, kw)), env=env,
+        p = subprocess.run([sys.executable, "-c", _COMPILE_CHILD], input=pickle.dumps((args, kw)), env=_child_env(),
                            capture_output=True, check=False)
         if p.returncode != 0:
             raise RuntimeError(f"the compile child failed: {p.stderr.decode()[-2000:]}")

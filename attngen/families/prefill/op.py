@@ -147,6 +147,19 @@ class _Plan(TunedKernels):
             twin = self.sync_twins[kern.key] = get_kernel(spec, device=self.device)
         return twin
 
+    def tma_maps(self, kern, qi, ki, vi):
+        """(the kernel to launch, its tensor maps or None): ``kern`` and the maps of q, k, v where ``kern`` runs
+        pipeline=tma and the driver can describe them; where it cannot, the cp.async twin (a refusal is raised
+        only to a caller who asked for TMA); ``kern`` itself without the TMA pipeline."""
+        if not kern.spec.tma:
+            return kern, None
+        try:
+            return kern, tensor_maps(qi, ki, vi, kern.spec)
+        except LaunchError:
+            if self.tma_pinned:
+                raise
+            return self.sync_twin(kern), None
+
 
 _plans: dict[tuple, _Plan] = register_dependent_cache({})
 
@@ -343,17 +356,13 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
                  scale, scale * _LOG2E,
                  left, right,
                  cap_u, inv_cap_u, alibi_ptr, alibi_sb)
-    ks_ = kern.spec
     if masked:  # the mask plan gives the grid, per call
         call.grid, call.layout = (), PARAMS_EXT
-        if ks_.tma:
-            try:
-                call.head, call.layout = (tensor_maps(qi, ki, vi, ks_), *call.head), PARAMS_EXT_TMA
-            except LaunchError:
-                if plan.tma_pinned:
-                    raise
-                call.kern = plan.sync_twin(kern)
+        call.kern, maps = plan.tma_maps(kern, qi, ki, vi)
+        if maps is not None:
+            call.head, call.layout = (maps, *call.head), PARAMS_EXT_TMA
         return call
+    ks_ = kern.spec
     tile_q = ks_.cta_tile_q
     # v_splits: the chunked kernel past 640 columns
     call.grid = grid = ((sq + tile_q - 1) // tile_q, h * ks_.v_splits, b)
@@ -361,13 +370,9 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
         raise LaunchError(f"heads={h} exceed the grid's y limit (65535 / {ks_.v_splits} with this kernel)")
     call.layout = _PARAMS
     if ks_.tma:
-        try:
-            maps = tensor_maps(qi, ki, vi, ks_)
-        except LaunchError:
-            if plan.tma_pinned:
-                raise
-            call.kern = twin = plan.sync_twin(kern)
-            tile_q = twin.spec.cta_tile_q
+        call.kern, maps = plan.tma_maps(kern, qi, ki, vi)
+        if maps is None:  # the cp.async twin
+            tile_q = call.kern.spec.cta_tile_q
             call.grid = ((sq + tile_q - 1) // tile_q, *grid[1:])
         else:
             call.head = (maps, *call.head)

@@ -16,7 +16,6 @@ from ..score_mods import NO_EXTRAS, checked_scale, extras
 from .masks import PLAN_PARAMS
 from .op import (_LOG2E, _NO_WINDOW, PARAMS_EXT, PARAMS_EXT_TMA, VARLEN, VARLEN_PAGED, check_qkv, mask_and_window,
                  out_of, plan_for)
-from .tma import tensor_maps
 
 
 def _index(x, name: str, rank: int, qi):
@@ -112,14 +111,8 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         return (out, lse) if return_lse else out
 
     kern = plan.kernel or plan.kernel_for(max(1, total_q // max(batch, 1)))
-    layout, maps = PARAMS_EXT, ()
-    if kern.spec.tma:  # the packed tensors as TMA maps, or where the driver refuses one, the cp.async kernel
-        try:
-            layout, maps = PARAMS_EXT_TMA, (tensor_maps(qi, ki, vi, kern.spec),)
-        except LaunchError:
-            if plan.tma_pinned:
-                raise
-            kern = plan.sync_twin(kern)
+    kern, maps = plan.tma_maps(kern, qi, ki, vi)  # the packed tensors as TMA maps, or the cp.async kernel
+    layout, maps = (PARAMS_EXT, ()) if maps is None else (PARAMS_EXT_TMA, (maps,))
     tq = kern.spec.cta_tile_q
     max_items = -(-total_q // tq) + batch  # sum over sequences of ceil(len / tq) is below this
     splits = kern.spec.v_splits  # the chunked kernel past 640 columns of v: CTAs a query tile's O is split over
