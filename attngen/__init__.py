@@ -10,7 +10,8 @@ from .cache import DiskCache, build, cache_root
 from .compiler import Binary, compile
 from .errors import AttngenError, CacheError, CompileError, LaunchError, ManifestError, SpecError
 from .family import Family, get_family, register
-from .flash_api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from .flash_api import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
+                        flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
 from .family import families as _families
 from .render import render
 from .runtime import Kernel, get_kernel
@@ -21,6 +22,8 @@ __all__ = [
     "AttngenError", "CacheError", "CompileError", "LaunchError", "ManifestError", "SpecError",
     "render", "Kernel", "get_kernel", "DType", "parse_spec", "resolve", "validate",
     "Family", "get_family", "register", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+    "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
 ]
 
 for _family in _families():

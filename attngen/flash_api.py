@@ -1,11 +1,10 @@
 """FlashAttention 2's entry points over attngen's ops, so that a user swaps one import.
 
-``flash_attn_func``, ``flash_attn_varlen_func`` and ``flash_attn_with_kvcache`` take FlashAttention 2's
-arguments and return
-what it returns: ``softmax_scale``, ``window_size=(left, right)``, ``softcap``, ``alibi_slopes``,
-``return_softmax_lse``, the LSE as fp32 ``[batch, heads, seqlen_q]`` (natural log). What attngen
-cannot do is refused with a ``LaunchError`` that says so (dropout, attention probabilities,
-rotary embedding inside the call), never ignored.
+``flash_attn_func``, ``flash_attn_varlen_func``, their qkv- and kv-packed forms and
+``flash_attn_with_kvcache`` take FlashAttention 2's arguments and return what it returns:
+``softmax_scale``, ``window_size=(left, right)``, ``softcap``, ``alibi_slopes``, ``return_softmax_lse``,
+the LSE as fp32 ``[batch, heads, seqlen_q]`` (natural log). What attngen cannot do is refused with a
+``LaunchError`` that says so (dropout, attention probabilities, rotary embedding inside the call), never ignored.
 """
 
 from __future__ import annotations
@@ -63,6 +62,57 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     return prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=bool(causal),
                           window=(left, right), sm_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes,
                           block_table=block_table)
+
+
+def _unpack(t, n: int, name: str, dims: str):
+    """The ``n`` tensors packed along dim -3 of ``t`` (FlashAttention's qkv / kv layouts), as views."""
+    shape = tuple(getattr(t, "shape", ()))
+    if len(shape) < 3 or shape[-3] != n:
+        raise LaunchError(f"{name} has shape {shape}; expected {dims}")
+    return tuple(t[(slice(None),) * (len(shape) - 3) + (i,)] for i in range(n))
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+                              window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                              deterministic: bool = False, return_attn_probs: bool = False):
+    """FlashAttention 2's ``flash_attn_qkvpacked_func``: qkv ``[batch, seqlen, 3, heads, head_dim]``
+    (q, k and v with the same heads), read in place; otherwise as ``flash_attn_func``."""
+    q, k, v = _unpack(qkv, 3, "qkv", "[batch, seqlen, 3, heads, head_dim]")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+                             window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                             deterministic: bool = False, return_attn_probs: bool = False):
+    """FlashAttention 2's ``flash_attn_kvpacked_func``: kv ``[batch, seqlen_k, 2, kv_heads, head_dim]``,
+    read in place; otherwise as ``flash_attn_func``."""
+    k, v = _unpack(kv, 2, "kv", "[batch, seqlen_k, 2, kv_heads, head_dim]")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen: int, dropout_p: float = 0.0,
+                                     softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
+                                     softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
+                                     return_attn_probs: bool = False):
+    """FlashAttention 2's ``flash_attn_varlen_qkvpacked_func``: qkv ``[total, 3, heads, head_dim]``
+    and one ``cu_seqlens`` for queries and keys; otherwise as ``flash_attn_varlen_func``."""
+    q, k, v = _unpack(qkv, 3, "qkv", "[total, 3, heads, head_dim]")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                                    dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+                                    window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                                    deterministic: bool = False, return_attn_probs: bool = False):
+    """FlashAttention 2's ``flash_attn_varlen_kvpacked_func``: kv ``[total_k, 2, kv_heads, head_dim]``;
+    otherwise as ``flash_attn_varlen_func``."""
+    k, v = _unpack(kv, 2, "kv", "[total_k, 2, kv_heads, head_dim]")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,

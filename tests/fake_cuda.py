@@ -211,7 +211,7 @@ def make_current(ctx: int | None) -> None:
     _lib.stub_set_current(ctx)
 
 
-def patch_torch_cuda():
+def patch_torch_cuda(propagate: bool = False):
     """Make CPU torch tensors pass for CUDA tensors of device 0 (a torch without CUDA is fine).
 
     Returns ``cuda_tensor(t)``, which wraps a CPU tensor. ``torch.empty(..., device=cuda...)``
@@ -219,6 +219,8 @@ def patch_torch_cuda():
     torch-function dispatch off, so attribute access costs what it costs on a plain tensor
     (``as_subclass`` in ``torch.empty`` adds ~0.3 us that a real CUDA allocation does not pay,
     and a real ``torch.empty`` on CUDA and stream queries cost more than these stand-ins).
+    ``propagate``: dispatch on, so that what torch computes from a wrapped tensor is wrapped too
+    (host code that does arithmetic on device tensors, as the KV-cache call's append does).
     """
     import types
 
@@ -226,26 +228,40 @@ def patch_torch_cuda():
 
     cuda0 = torch.device("cuda", 0)
 
+    def wrapping(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            r = func(*args, **(kwargs or {}))
+        if isinstance(r, torch.Tensor) and type(r) is torch.Tensor:
+            return r.as_subclass(cls)
+        return r
+
     class CudaLike(torch.Tensor):
-        __torch_function__ = torch._C._disabled_torch_function_impl
+        __torch_function__ = classmethod(wrapping) if propagate else torch._C._disabled_torch_function_impl
         is_cuda = True
 
         def get_device(self):
             return 0
+
+        def __getitem__(self, index):  # a view of a device tensor is one too (FlashAttention's packed qkv)
+            return torch.Tensor.__getitem__(self, index).as_subclass(CudaLike)
 
         @property
         def device(self):
             return cuda0
 
     CudaLike.__module__ = "torch"  # what attngen's kind dispatch looks at
-    real_empty = torch.empty
 
-    def empty(*size, dtype=None, device=None, **kw):
-        t = real_empty(*size, dtype=dtype, **kw)
-        return t.as_subclass(CudaLike) if device is not None else t
+    def on_device(make):
+        """``make`` (a torch factory) with ``device=`` honoured by a CPU tensor dressed as a device one."""
+        def made(*args, device=None, **kw):
+            t = make(*args, **kw)
+            return t.as_subclass(CudaLike) if device is not None else t
+        return made
 
     stream = types.SimpleNamespace(cuda_stream=0)
-    torch.empty = empty
+    torch.empty = on_device(torch.empty)
+    torch.full = on_device(torch.full)  # the KV-cache call's append builds its positions with these
+    torch.arange = on_device(torch.arange)
     torch.cuda.current_stream = lambda device=None: stream
     torch._C._cuda_getCurrentRawStream = lambda device: 0
     return lambda t: t.as_subclass(CudaLike)

@@ -25,8 +25,10 @@ def checked_scale(sm_scale) -> float:
 
 def extras(softcap, alibi_slopes, batch: int, heads: int, qi, sm_scale) -> tuple[float, float, int, int]:
     """(cap / scale, scale / cap, slopes pointer, slopes batch stride) for the kernel, after checking
-    ``softcap`` and ``alibi_slopes`` against the call (shared by prefill and decode)."""
-    scale = 1.0 / math.sqrt(qi.shape[3]) if sm_scale is None else float(sm_scale)
+    ``softcap`` and ``alibi_slopes`` against the call (shared by prefill and decode). ``qi`` is q's
+    info in any layout whose last dimension is the head dim: dense and decode ``[batch, seqlen, heads,
+    head_dim]``, varlen ``[total, heads, head_dim]``; the default scale is 1 / sqrt(head_dim)."""
+    scale = 1.0 / math.sqrt(qi.shape[-1]) if sm_scale is None else float(sm_scale)
     try:
         cap = float(softcap)
     except (TypeError, ValueError):

@@ -68,6 +68,10 @@ def _check_operands(qi, ki, vi) -> None:
     for t in (qi, ki, vi):
         st = t.strides
         if len(st) != 4 or st[3] != 1 or (t.ptr & 15) | ((st[0] | st[1] | st[2]) & 7):
+            d = qi.shape[-1] if qi.shape else 0
+            if d not in DecodeSpec.HEAD_DIMS:  # named before the strides it makes misaligned
+                raise LaunchError(f"head_dim={d} is not supported; allowed: "
+                                  f"{', '.join(map(str, DecodeSpec.HEAD_DIMS))}")
             check_rows(qi, "q", 4, "[batch, q_len, heads, head_dim]")
             check_rows(ki, "k_cache", 4, _CACHE_DIMS)
             check_rows(vi, "v_cache", 4, _CACHE_DIMS)

@@ -72,10 +72,16 @@ def check_qkv(q, k, v, dims: str = "[batch, seqlen, heads, head_dim]", kv_dims: 
 
 def check_infos(qi, ki, vi, dims: str = "[batch, seqlen, heads, head_dim]", kv_dims: str = "") -> None:
     """``check_qkv``'s checks on the TensorInfos."""
-    for name, t, want in (("q", qi, dims), ("k", ki, kv_dims or dims), ("v", vi, kv_dims or dims)):
-        st = t.strides
-        if len(st) != want.count(",") + 1:
+    operands = (("q", qi, dims), ("k", ki, kv_dims or dims), ("v", vi, kv_dims or dims))
+    for name, t, want in operands:
+        if len(t.strides) != want.count(",") + 1:
             raise LaunchError(f"{name} has shape {_shape(t.shape)}; expected {want}")
+    # An unsupported head dim is named as such before the strides it makes misaligned (59 -> stride 59).
+    for name, x in (("head_dim", qi.shape[-1]), ("v's head dim", vi.shape[-1])):
+        if x not in PrefillSpec.HEAD_DIMS:
+            raise LaunchError(f"{name}={x} is not supported; allowed: {', '.join(map(str, PrefillSpec.HEAD_DIMS))}")
+    for name, t, want in operands:
+        st = t.strides
         if st[-1] != 1:
             raise LaunchError(f"{name} has stride {st[-1]} in its last dim; head_dim must be contiguous")
         if t.ptr & 15 or (st[-2] | st[-3] | (st[-4] if len(st) > 3 else 0)) & 7:  # ranks are 3 or 4
@@ -96,9 +102,6 @@ def check_infos(qi, ki, vi, dims: str = "[batch, seqlen, heads, head_dim]", kv_d
     hk, dk, dv = ki.shape[-2], ki.shape[-1], vi.shape[-1]
     if dk != d:
         raise LaunchError(f"head_dim mismatch: q has {d}, k has {dk}")
-    for name, x in (("head_dim", d), ("v's head dim", dv)):
-        if x not in PrefillSpec.HEAD_DIMS:
-            raise LaunchError(f"{name}={x} is not supported; allowed: {', '.join(map(str, PrefillSpec.HEAD_DIMS))}")
     if hk == 0 or h % hk:
         raise LaunchError(f"heads={h} must be a multiple of kv_heads={hk} (GQA/MQA)")
 
