@@ -61,6 +61,9 @@ def main():
     kernels = {op.kernel_for(q, k, v, spec=s).spec for s in prefill_forms}
     assert len(kernels) == 1, kernels
     (ks,) = kernels
+    kern = op.kernel_for(q, k, v, spec=prefill_forms[0])
+    shown = repr(kern)
+    assert len(shown) < 500 and f"cubin={len(kern.binary.cubin)} bytes" in shown and "\\x" not in shown, shown
     assert all(getattr(ks, f) == getattr(attngen.PrefillSpec(**PREFILL), f) for f in PREFILL), ks
     runs = [launched(lambda: attngen.prefill(q, k, v, spec=s)) for s in prefill_forms]
     assert runs[0][0][0] == ks and runs[0] == runs[1] == runs[2], runs
