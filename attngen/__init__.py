@@ -6,8 +6,8 @@ and enums) through its registration (``Family.exports``), so a new family needs 
 
 from .__version__ import __version__
 from .arch import ARCHS, get_arch
-from .cache import DiskCache, build, cache_root
-from .compiler import Binary, compile
+from .cache import BuildResult, DiskCache, build, cache_root
+from .compiler import Binary, Resources, compile
 from .errors import AttngenError, CacheError, CompileError, LaunchError, ManifestError, SpecError
 from .family import Family, get_family, register
 from .flash_api import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
@@ -18,7 +18,8 @@ from .runtime import Kernel, get_kernel
 from .spec import DType, parse_spec, resolve, validate
 
 __all__ = [
-    "__version__", "ARCHS", "get_arch", "DiskCache", "build", "cache_root", "Binary", "compile",
+    "__version__", "ARCHS", "get_arch", "DiskCache", "build", "BuildResult", "cache_root", "Binary", "Resources",
+    "compile",
     "AttngenError", "CacheError", "CompileError", "LaunchError", "ManifestError", "SpecError",
     "render", "Kernel", "get_kernel", "DType", "parse_spec", "resolve", "validate",
     "Family", "get_family", "register", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",

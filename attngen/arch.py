@@ -70,6 +70,18 @@ def get_arch(name: "str | Arch") -> Arch:
     return ARCHS[s]
 
 
+# The arch a spec is rendered for when the caller names none (``attngen.render`` and ``attngen
+# inspect``): the H100/H200's, whose wgmma kernels are the ones a tuning default on sm_90 would miss.
+DEFAULT_ARCH = "sm_90a"
+
+
+def target_arch(arch: "str | Arch | None" = None) -> Arch:
+    """``arch``'s facts, or those of the default target (``DEFAULT_ARCH``, sm_90a: what an
+    H100/H200 runs) when it is None. The one rule for every "no arch given" path that has no device
+    to ask."""
+    return get_arch(DEFAULT_ARCH if arch is None else arch)
+
+
 def arch_for_capability(major: int, minor: int) -> Arch:
     """The arch attngen builds for on a device of this compute capability: the exact arch's "a"
     variant where there is one (sm_90a: its wgmma kernels run only on cc 9.0, which this device

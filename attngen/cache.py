@@ -40,6 +40,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +52,7 @@ from .arch import Arch, get_arch
 from .compiler import Binary, Resources, compile as nvrtc_compile, compile_options, nvrtc_version
 from .errors import CacheError
 from .family import family_of
-from .spec import Spec, resolve
+from .spec import Spec, as_spec, resolve
 
 LAYOUT_VERSION = "v1"
 # 2: the template files and template-context code are hashed instead of the rendered source.
@@ -142,11 +143,26 @@ class Entry:
 
 @dataclass(frozen=True)
 class BuildResult:
+    """What ``attngen.build`` returns: a compiled kernel and where it came from.
+
+    - ``binary``: the ``Binary`` (cubin bytes, kernel name, arch, ptxas' ``Resources``);
+    - ``key``: the cache key (SHA-256 hex) the binary is stored under;
+    - ``spec``: the resolved spec it was built from (its tuning fields filled for the arch);
+    - ``origin``: ``"memory"``, ``"disk"`` or ``"compiled"``;
+    - ``stored``: whether the cache root in use now holds it (False on a read-only root);
+    - ``source`` (property): the CUDA source, rendered on request.
+    """
+
     binary: Binary
     key: str
     spec: Spec
     origin: str  # "memory", "disk" or "compiled"
     stored: bool  # whether the disk now holds it (False on a read-only root)
+
+    def __repr__(self) -> str:
+        # Short, never the cubin's bytes: a result printed at a REPL says what it is.
+        return (f"BuildResult(spec='{self.spec}', {self.binary.summary()}, origin='{self.origin}', "
+                f"stored={self.stored}, key='{self.key[:12]}...')")
 
     @property
     def source(self) -> str:
@@ -471,13 +487,15 @@ def clear_memory() -> None:
     clear_digests()
 
 
-def build(spec: Spec, arch: "str | Arch", *, cache: DiskCache | None = None) -> BuildResult:
-    """spec + arch -> a Binary: from memory, from disk, or compiled once and stored.
+def build(spec: Spec | str | Mapping, arch: "str | Arch", *, cache: DiskCache | None = None) -> BuildResult:
+    """spec + arch -> a ``BuildResult`` (its ``binary``): from memory, from disk, or compiled once and stored.
 
-    Never needs a GPU. Concurrent callers (threads or processes) that miss on the same key
-    compile once. ``stored`` says whether the root in use (``cache``, else the environment's)
-    holds the entry.
+    ``spec``: a spec object, its text or a dict of its fields (as ``parse_spec`` takes); unresolved
+    tuning fields are filled for ``arch``. Never needs a GPU. Concurrent callers (threads or
+    processes) that miss on the same key compile once. ``stored`` says whether the root in use
+    (``cache``, else the environment's) holds the entry.
     """
+    spec = as_spec(spec)
     a = get_arch(arch)
     cache = cache or DiskCache()
     fast_key = (spec, a.name, str(cache.root), os.environ.get("ATTNGEN_CACHE_LAYERS", ""))

@@ -24,7 +24,7 @@ from typing import Any
 from . import cache as _cache
 from . import tuned as _tuned
 from .__version__ import __version__
-from .arch import ARCHS, Arch, get_arch, parse_arch_list
+from .arch import ARCHS, DEFAULT_ARCH, Arch, get_arch, parse_arch_list, target_arch
 from .compiler import compile as nvrtc_compile, compile_options, note_codes, performance_notes
 from .errors import AttngenError, CompileError, SpecError
 from .family import families, get_family
@@ -99,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Show what attngen builds for SPEC on ARCH. Without a flag: the rendered "
                                      "CUDA source. Flags combine.")
     ins.add_argument("spec", metavar="SPEC", help="e.g. prefill:head_dim=128,dtype=bf16,mask=causal")
-    ins.add_argument("--arch", type=_one_arch, default="sm_90a", metavar="ARCH",
-                     help="target arch (default: sm_90a, what an H100/H200 runs)")
+    ins.add_argument("--arch", type=_one_arch, metavar="ARCH",
+                     help=f"target arch (default: {DEFAULT_ARCH}, what an H100/H200 runs; as attngen.render's)")
     ins.add_argument("--source", action="store_true", help="the rendered CUDA source (the default)")
     ins.add_argument("--ptx", action="store_true", help="the PTX NVRTC generates (not cached)")
     ins.add_argument("--resources", action="store_true",
@@ -219,7 +219,7 @@ def cmd_prewarm(args: argparse.Namespace) -> int:
 # --- inspect ---------------------------------------------------------------------------------
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    arch: Arch = args.arch
+    arch = target_arch(args.arch)  # the one default, attngen.render's
     spec = parse_spec(args.spec)
     resolved = resolve(spec, arch)
     from .render import render

@@ -28,9 +28,16 @@ REPORT_ONLY = ("smem_static", "spill_stores", "spill_loads")  # what only ptxas'
 
 @dataclass(frozen=True)
 class Resources:
-    """ptxas' report for the entry function. ``known`` is False where NVRTC's log held no report: registers
-    and stack frame are then read from the cubin (``cubin_resources``); static shared memory and the spill
-    counts are not known (a spill needs a stack frame, so a frame of 0 still rules them out)."""
+    """ptxas' report for a kernel's main entry function (``Binary.resources``).
+
+    - ``registers``: registers per thread;
+    - ``smem_static``: static shared memory in bytes (the dynamic part is the spec's ``smem_bytes()``);
+    - ``stack_frame``: bytes of local-memory stack frame per thread;
+    - ``spill_stores`` / ``spill_loads``: bytes spilled to and reloaded from local memory;
+    - ``known``: False where NVRTC's log held no report: registers and stack frame are then read from
+      the cubin; static shared memory and the spill counts are not known (a spill needs a stack frame,
+      so a frame of 0 still rules them out).
+    """
 
     registers: int = 0
     smem_static: int = 0
@@ -55,7 +62,19 @@ class Resources:
 
 @dataclass(frozen=True)
 class Binary:
-    """Plain, picklable object code: what the cache stores and the runtime loads."""
+    """Plain, picklable object code: what ``attngen.compile`` returns, the cache stores and the runtime loads.
+
+    - ``cubin``: the ELF object code for exactly ``arch``;
+    - ``kernel_name``: the main entry function's name (``extern "C"``);
+    - ``arch``: the target, e.g. ``"sm_90a"``;
+    - ``options``: the NVRTC options it was compiled with (part of the cache key);
+    - ``nvrtc_version``: the NVRTC that compiled it, e.g. ``"13.0"``;
+    - ``resources``: ptxas' report for the main entry (``Resources``);
+    - ``log``: NVRTC's log; ``compile_seconds``: how long the compile took;
+    - ``ptx``: the PTX, when asked for (``compile(..., want_ptx=True)``), else empty.
+
+    Its ``repr`` names the kernel, arch, cubin size and resources, never the bytes.
+    """
 
     cubin: bytes
     kernel_name: str
@@ -66,6 +85,17 @@ class Binary:
     log: str = ""
     compile_seconds: float = 0.0
     ptx: str = field(default="", repr=False)
+
+    def summary(self) -> str:
+        """One line for a repr: kernel name, arch, cubin size, resources (never the bytes or the log)."""
+        r = self.resources
+        res = f"registers={r.registers}, stack_frame={r.stack_frame}"
+        if r.known:
+            res += f", smem_static={r.smem_static}, spills={r.spill_stores}/{r.spill_loads}"
+        return f"kernel_name='{self.kernel_name}', arch='{self.arch}', cubin={len(self.cubin)} bytes, {res}"
+
+    def __repr__(self) -> str:
+        return f"Binary({self.summary()})"
 
 
 @functools.lru_cache(maxsize=1)

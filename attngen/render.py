@@ -17,11 +17,12 @@ import hashlib
 import inspect
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
-from .arch import Arch, get_arch
+from .arch import Arch, target_arch
 from .family import Family, family_of
-from .spec import Spec, resolve
+from .spec import Spec, as_spec, resolve
 
 
 def templates_dir() -> Path:
@@ -69,14 +70,16 @@ def environment(path: "str | tuple[str, ...] | None" = None):
     )
 
 
-def render(spec: Spec, arch: "str | Arch | None" = None) -> str:
-    """Render the CUDA source for ``spec``.
+def render(spec: Spec | str | Mapping, arch: "str | Arch | None" = None) -> str:
+    """Render the CUDA source for ``spec`` (a spec object, its text or a dict of its fields).
 
-    Unresolved tuning fields are filled for ``arch`` (default sm_90). The result is
-    deterministic: the same spec gives the same bytes in any process. Nothing is written anywhere.
+    Unresolved tuning fields are filled for ``arch`` (default sm_90a, as ``attngen inspect``'s;
+    a resolved spec renders the same for any arch). The result is deterministic: the same spec
+    gives the same bytes in any process. Nothing is written anywhere.
     """
+    spec = as_spec(spec)
     if not spec.is_resolved:
-        spec = resolve(spec, get_arch(arch or "sm_90"))
+        spec = resolve(spec, target_arch(arch))
     fam = family_of(spec)
     tmpl = environment(search_path(fam)).get_template(fam.template)
     return tmpl.render(**spec.template_context())

@@ -12,6 +12,7 @@ import ctypes
 import os
 import struct
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -20,7 +21,7 @@ from .cache import BuildResult, build
 from .compiler import Binary
 from ._driver import driver
 from .errors import LaunchError
-from .spec import Spec
+from .spec import Spec, SpecBase, as_spec
 from .tuned import bucket_bounds, stored_choices
 
 
@@ -94,9 +95,11 @@ def _cluster_config(slot, grid, threads: int, smem: int, stream: int, cluster_x:
     struct.pack_into("<I", slot[8], 48, 2 if pdl else 1)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class Kernel:
-    """A binary loaded on one device."""
+    """A binary loaded on one device (what ``attngen.get_kernel`` returns): its resolved ``spec``, the
+    ``binary``, the cache ``key``, the ``device``, the driver's module and function handles, the main
+    entry's launch shape (``threads``, dynamic ``smem_bytes``) and the build's ``origin``."""
 
     spec: Spec
     binary: Binary
@@ -128,6 +131,10 @@ class Kernel:
         self._ctx_current = drv.raw_ctx_get_current
         self._cu_launch = drv.raw_launch
         self._cu_launch_ex = drv.raw_launch_ex
+
+    def __repr__(self) -> str:
+        return (f"Kernel(spec='{self.spec}', {self.binary.summary()}, device={self.device}, threads={self.threads}, "
+                f"smem_bytes={self.smem_bytes}, origin='{self.origin}')")
 
     @property
     def pdl(self) -> bool:
@@ -297,12 +304,15 @@ _kernels: dict[tuple, Kernel] = {}
 _kernels_lock = threading.Lock()
 
 
-def get_kernel(spec: Spec, arch: "str | Arch | None" = None, device: int | None = None) -> Kernel:
-    """A loaded kernel for ``spec`` on ``device`` (default: the current one).
+def get_kernel(spec: Spec | str | Mapping, arch: "str | Arch | None" = None, device: int | None = None) -> Kernel:
+    """A loaded kernel for ``spec`` (a spec object, its text or a dict of its fields) on ``device``
+    (default: the current one).
 
     Repeated requests are one dictionary lookup; the first goes through the memory and disk
     caches and compiles only on a miss. ``arch`` defaults to the device's own.
     """
+    if not isinstance(spec, SpecBase):
+        spec = as_spec(spec)
     if device is None:
         device = driver().current_device()
     k = (spec, arch, device)

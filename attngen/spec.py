@@ -19,11 +19,12 @@ import functools
 import hashlib
 import json
 from dataclasses import fields
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from .arch import Arch, get_arch
 from .errors import SpecError
-from .family import get_family
+from .family import families, get_family
 
 
 class DType(enum.Enum):
@@ -229,31 +230,129 @@ class SpecBase:
 Spec = SpecBase  # any family's spec
 
 
+SPEC_FORMS = ("a spec object (e.g. attngen.PrefillSpec(head_dim=128)), its text "
+              "(e.g. 'prefill:head_dim=128,mask=causal') or a dict of its fields with its family "
+              "(e.g. {'family': 'prefill', 'head_dim': 128})")
+
+
+class _Shown(str):
+    """A value shown as it is in a SpecError's message (not quoted like a string)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _not_a_spec(spec, name: str) -> SpecError:
+    return SpecError(name, _Shown(_brief(spec)), SPEC_FORMS, reason=f"got type {type(spec).__name__}")
+
+
 @functools.lru_cache(maxsize=256)
-def spec_of_text(text: str, family: str) -> Spec:
+def _parsed(text: str) -> Spec:
+    # A spec is immutable, so a text's parse is kept: a hot call site that passes text parses it once.
+    return _parse_text(text)
+
+
+def as_spec(spec: Spec | str | Mapping, name: str = "spec") -> Spec:
+    """The spec object ``spec`` names: a spec object as it is, its text (``parse_spec``'s form) or a
+    dict of its fields with ``"family"``. Anything else is refused with a ``SpecError`` naming
+    ``name``, the type received and the forms allowed. What every public function that takes a
+    spec calls first."""
+    if isinstance(spec, SpecBase):
+        return spec
+    if isinstance(spec, str):
+        return _parsed(spec)
+    if isinstance(spec, Mapping):
+        d = dict(spec)
+        if "family" not in d:
+            raise SpecError("family", None, ", ".join(sorted(f.name for f in families())),
+                            reason=f"{name}={_Shown(_brief(spec))} names no family; a spec's dict names it, "
+                                   "e.g. {'family': 'prefill', 'head_dim': 128}")
+        return get_family(d["family"]).spec.from_dict(d)
+    raise _not_a_spec(spec, name)
+
+
+def _brief(value) -> str:
+    # a message names what it was given, without printing a whole tensor or a long spec
+    shown = repr(value)
+    return shown if len(shown) <= 100 else shown[:97] + "..."
+
+
+def op_spec(spec: Spec | str | Mapping | None, family: str, op: str) -> "Spec | None":
+    """The spec an op's ``spec=`` argument names (None: none), checked to be of ``family``; ``op``
+    is the op's public name for the messages (``attngen.mask_plan``). Text and dicts are read as
+    ``spec_of_text`` reads text: the op puts its tensors' head dims in."""
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        return spec_of_text(spec, family, op)
+    if isinstance(spec, Mapping):
+        try:
+            items = tuple(sorted(spec.items()))
+            hash(items)
+        except TypeError:  # unhashable values or keys of mixed types: read it each time
+            return _op_spec_of_dict(dict(spec), family, op)
+        return _op_spec_of_items(items, family, op)
+    spec = as_spec(spec)
+    _check_op_family(spec.family, family, op, spec)
+    return spec
+
+
+@functools.lru_cache(maxsize=256)
+def _op_spec_of_items(items: tuple, family: str, op: str) -> Spec:
+    # a dict passed on every call (a layer's config) is read once, like text
+    return _op_spec_of_dict(dict(items), family, op)
+
+
+def _op_spec_of_dict(d: dict, family: str, op: str) -> Spec:
+    _check_op_family(d.get("family"), family, op, d)
+    wide = _chunk_head_dim(get_family(family).spec, set(d))
+    if wide:
+        d["head_dim"] = wide
+    return as_spec(d)
+
+
+def _check_op_family(got, family: str, op: str, spec) -> None:
+    if got is not None and str(got).strip().lower() == family:
+        return
+    shown = _Shown(_brief(str(spec) if isinstance(spec, SpecBase) else spec))
+    what = f"is a {got} spec" if got is not None else "names no family"
+    raise SpecError("family", got, family, reason=f"{op} takes a {family} spec; spec={shown} {what}")
+
+
+@functools.lru_cache(maxsize=256)
+def spec_of_text(text: str, family: str, op: str = "") -> Spec:
     """The spec an op's ``spec=`` text names (parsed once per text), checked to be of ``family``."""
     spec = parse_spec(text.partition(":")[0])  # the family alone: its defaults
     if spec.family != family:
-        raise SpecError("family", spec.family, family, reason=f"spec={text!r} is given to attngen.{family}")
-    # The op replaces head_dim with its tensors'. Read at the default head_dim (128), a pinned
-    # head_dim_chunk of 128 would be taken for "whole rows" (and the fields that only the chunked
-    # kernel takes refused): such text is read at the largest head dim instead (what the chunk
-    # divides is checked again at the tensors' head dim).
+        _check_op_family(spec.family, family, op or f"attngen.{family}", text)
     names = {item.partition("=")[0].strip() for item in text.partition(":")[2].split(",")}
-    if "head_dim_chunk" in names and "head_dim" not in names:
-        return parse_spec(f"{text},head_dim={max(type(spec).HEAD_DIMS)}")
-    return parse_spec(text)
+    wide = _chunk_head_dim(type(spec), names)
+    return parse_spec(f"{text},head_dim={wide}" if wide else text)
 
 
-def parse_spec(text: "str | Spec | dict") -> Spec:
+def _chunk_head_dim(cls, names: set) -> int:
+    """The head_dim an op's spec naming ``names`` is read at, 0 for as given. The op replaces head_dim
+    with its tensors'. Read at the default head_dim (128), a pinned head_dim_chunk of 128 would be
+    taken for "whole rows" (and the fields that only the chunked kernel takes refused): such a spec
+    is read at the largest head dim instead (what the chunk divides is checked again at the tensors'
+    head dim)."""
+    if "head_dim_chunk" in names and "head_dim" not in names and "head_dim_chunk" in cls.__dataclass_fields__:
+        return max(cls.HEAD_DIMS)
+    return 0
+
+
+def parse_spec(text: Spec | str | Mapping) -> Spec:
     """``prefill:head_dim=128,dtype=bf16,mask=causal`` -> PrefillSpec; fields left out take defaults.
 
-    A dict (``{"family": "prefill", ...}``) or a spec object is accepted too."""
-    if isinstance(text, SpecBase):
-        return text
-    if isinstance(text, dict):
-        return get_family(text.get("family")).spec.from_dict(text)
-    s = str(text).strip()
+    A dict (``{"family": "prefill", "head_dim": 128}``, what ``spec.to_dict()`` gives) or a spec
+    object is accepted too; anything else is refused with a ``SpecError``."""
+    return as_spec(text)
+
+
+def _parse_text(text: str) -> Spec:
+    s = text.strip()
     fam, colon, rest = s.partition(":")
     try:
         cls = get_family(fam.strip()).spec
@@ -348,8 +447,10 @@ def tuning_candidates(spec: Spec, arch: "str | Arch") -> list[Spec]:
     return out
 
 
-def resolve(spec: Spec, arch: "str | Arch") -> Spec:
-    """Fill the tuning fields left at 0 for ``arch``, then validate."""
+def resolve(spec: Spec | str | Mapping, arch: "str | Arch") -> Spec:
+    """Fill the tuning fields left at 0 for ``arch``, then validate. ``spec``: a spec object, its
+    text or a dict of its fields (as ``parse_spec`` takes)."""
+    spec = as_spec(spec)
     a = get_arch(arch)
     if not spec.is_resolved:
         spec = spec.replace(**default_tuning(spec, a))
@@ -357,8 +458,10 @@ def resolve(spec: Spec, arch: "str | Arch") -> Spec:
     return spec
 
 
-def validate(spec: Spec, arch: "str | Arch") -> None:
-    """Reject what cannot compile or cannot fit on ``arch``, naming the field to change."""
+def validate(spec: Spec | str | Mapping, arch: "str | Arch") -> None:
+    """Reject what cannot compile or cannot fit on ``arch``, naming the field to change. ``spec``
+    (a spec object, its text or a dict of its fields) must be resolved (``resolve``)."""
+    spec = as_spec(spec)
     a = get_arch(arch)
     if not a.has_mma_m16n8k16:
         raise SpecError("arch", a.name, "sm_80 or newer", reason="the kernels use mma.sync m16n8k16 and cp.async")

@@ -7,12 +7,13 @@ import functools
 import math
 import os
 import struct
+from collections.abc import Mapping
 
 from ... import runtime as _rt
 from ...errors import LaunchError
 from ...runtime import (TunedKernels, allocator, current_stream, data_ptr, keep_call, register_dependent_cache,
                          tensor_info, torch_stream_getter)
-from ...spec import DType, spec_of_text
+from ...spec import DType, op_spec
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from ..split_kv import (CLUSTER_MAX, cache_lengths, check_index, check_rows, checked_splits, choose_splits,
                         ctas_per_sm, paged_table, saturating_share, sm_count)
@@ -79,7 +80,7 @@ def _check_operands(qi, ki, vi) -> None:
 
 def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_table=None, num_splits: int = 0,
            sm_scale: float | None = None, return_lse: bool = False, out=None, variant: str = "auto",
-           spec: DecodeSpec | None = None, softcap: float = 0.0, alibi_slopes=None):
+           spec: DecodeSpec | str | Mapping | None = None, softcap: float = 0.0, alibi_slopes=None):
     """Attention of q_len new tokens per sequence against a KV cache.
 
     q ``[batch, q_len, heads, head_dim]`` (q_len 1..8). Contiguous cache: k_cache, v_cache
@@ -92,9 +93,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     keys 0..L - q_len + i. Lengths past the cache's capacity are clamped to it; out-of-range
     cache rows or blocks are clamped to the pool (they are read on the device, never checked on
     the host). ``num_splits`` 0 chooses the split-KV count, a positive number forces it.
-    ``variant``: "auto", "fused" or "unfused". ``spec`` (a spec or its text) overrides the tuning fields; without it, a
-    configuration ``attngen tune decode`` stored for this GPU (nearest tuned cache capacity) is
-    used where there is one, else the arch's default. Returns ``out`` (q's dtype and kind), with
+    ``variant``: "auto", "fused" or "unfused". ``spec`` (a spec, its text or a dict of its fields) overrides
+    the tuning fields; without it, a configuration ``attngen tune decode`` stored for this GPU (nearest tuned
+    cache capacity) is used where there is one, else the arch's default. Returns ``out`` (q's dtype and kind), with
     ``return_lse`` also the fp32 LSE ``[batch, heads, q_len]``; a token that sees no key gives
     zeros and LSE -inf. ``softcap`` and ``alibi_slopes`` (fp32 ``[heads]`` or ``[batch, heads]``)
     act as in ``attngen.prefill``.
@@ -104,6 +105,10 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
             q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
             block_table=block_table, num_splits=num_splits, sm_scale=sm_scale, return_lse=return_lse, out=out,
             variant=variant, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes)
+    if spec is not None and spec.__class__ is not DecodeSpec and spec.__class__ is not str:
+        # a dict, another family's spec, a wrong type: read or refused before the tensors (text is
+        # kept as given, part of the call's key, and read once in _prepare)
+        spec = op_spec(spec, "decode", "attngen.decode")
     qi = tensor_info(q, "q")
     ki = tensor_info(k_cache, "k_cache")
     vi = tensor_info(v_cache, "v_cache")
@@ -229,8 +234,8 @@ def cluster_limit(kern, ctas: int) -> int:
 def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse, out, variant,
              spec, softcap, alibi_slopes) -> _Call:
     """Check a call's arguments and work out its ``_Call``."""
-    if spec.__class__ is str:
-        spec = spec_of_text(spec, "decode")
+    if spec is not None and spec.__class__ is not DecodeSpec:
+        spec = op_spec(spec, "decode", "attngen.decode")
     _check_operands(qi, ki, vi)
     if not (qi.kind == ki.kind == vi.kind and qi.device == ki.device == vi.device):
         raise LaunchError(f"q, k_cache, v_cache must be of one kind on one device; got {qi.kind}:{qi.device}, "

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import functools
 import struct
+from collections.abc import Mapping
 
 from ... import runtime as _rt
 from ...errors import LaunchError
 from ...runtime import current_stream, data_ptr, empty_like_kind, get_kernel, tensor_info
-from ...spec import DType, Pipeline, replaced_if_valid, spec_of_text
+from ...spec import DType, Pipeline, op_spec, replaced_if_valid
 from ..score_mods import checked_scale
 from ..split_kv import (CLUSTER_MAX, cache_lengths, check_rows, checked_splits, choose_splits, ctas_per_sm,
                         paged_table, saturating_share, sm_count)
@@ -103,7 +104,8 @@ def _tensor_maps(cv, pe, spec: MlaDecodeSpec, block_size: int, fallback_ptr: int
 
 
 def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: float, block_table=None,
-               num_splits: int = 0, return_lse: bool = False, out=None, spec: MlaDecodeSpec | str | None = None):
+               num_splits: int = 0, return_lse: bool = False, out=None,
+               spec: MlaDecodeSpec | str | Mapping | None = None):
     """MLA decode: q_len new tokens per sequence, every head against one shared compressed cache.
 
     q_nope ``[batch, q_len, heads, kv_lora_rank]`` and q_pe ``[batch, q_len, heads, rope_dim]``
@@ -118,21 +120,24 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
 
     Scores are ``(q_nope . ckv + q_pe . kpe) * sm_scale``; the output ``[batch, q_len, heads, kv_lora_rank]`` (q's
     dtype and kind) is their softmax times ckv. ``num_splits`` 0 chooses the split-KV count, a positive number
-    forces it. ``spec`` (a spec or its text) pins tuning fields (``qk_shard``, ``cta_tile_kv``, ``num_warps``,
-    ``num_stages``, ``mma``, ``pipeline``); left at ``auto``, ``qk_shard`` becomes ``alternate`` on sm_90a for two
-    64-row blocks or more (or one, where the memory needs ``FAST_MEMORY_SHARE`` of the SMs and the batch holds
-    ``ALTERNATE_ONE_BLOCK_MIN_BATCH`` such blocks) with at least ``ALTERNATE_MIN_TILES`` tiles a CTA. A call with 32
-    packed query rows (32 heads, or 16 heads x 2 tokens), a contiguous cache (or paged blocks of a multiple of 64)
-    and no pinned tuning field runs them as one 64-row block of sm_90a's wgmma kernel on a GPU whose memory needs
-    ``FAST_MEMORY_SHARE`` of its SMs to reach its bandwidth (an H200, not an H100). With ``return_lse`` also the
-    fp32 LSE ``[batch, heads, q_len]``; a token that sees no key gives zeros and LSE -inf.
+    forces it. ``spec`` (a spec, its text or a dict of its fields) pins tuning fields (``qk_shard``,
+    ``cta_tile_kv``, ``num_warps``, ``num_stages``, ``mma``, ``pipeline``).
+
+    Some choices depend on whether the GPU has *fast memory*: memory whose peak bandwidth takes 60% or more
+    of the SMs streaming to reach (an H200, about 70%; not an H100, about 49%). Left at ``auto``,
+    ``qk_shard`` becomes ``alternate`` on sm_90a where each CTA gets at least 32 tiles of 64 keys and the
+    packed query rows (heads x q_len) fill two 64-row blocks or more, or one such block on fast memory with
+    a batch of 64 or more. A call with 32 packed query rows (32 heads, or 16 heads x 2 tokens), a contiguous
+    cache (or paged blocks of a multiple of 64) and no pinned tuning field runs them as one 64-row block of
+    sm_90a's wgmma kernel on fast memory. With ``return_lse`` also the fp32 LSE ``[batch, heads, q_len]``;
+    a token that sees no key gives zeros and LSE -inf.
     """
     if _rt.tracing is not None and _rt.tracing():
         return _rt.traced_ops["mla_decode"](
             q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens=cache_seqlens, sm_scale=sm_scale,
             block_table=block_table, num_splits=num_splits, return_lse=return_lse, out=out, spec=spec)
-    if spec.__class__ is str:
-        spec = spec_of_text(spec, "mla_decode")
+    if spec is not None and spec.__class__ is not MlaDecodeSpec:
+        spec = op_spec(spec, "mla_decode", "attngen.mla_decode")
     qn = tensor_info(q_nope, "q_nope")
     qp = tensor_info(q_pe, "q_pe")
     cv = tensor_info(ckv_cache, "ckv_cache")

@@ -26,14 +26,23 @@ def _version(x) -> int:
 
 
 class MaskPlan:
-    """The live-tile lists of one mask for one tile size (``attngen.mask_plan``). Reusable for
-    every call with the same mask (unchanged), shapes, ``causal``/``window`` and tile sizes."""
+    """The live-tile lists of one mask for one tile size, on the GPU: what ``attngen.mask_plan``
+    returns (it is not built directly). Reusable for every call with the same mask (unchanged),
+    shapes, ``causal``/``window`` and tile sizes; ``live_counts()`` and ``live_fraction()`` read it."""
 
     __slots__ = ("kind", "device", "tiles", "seqlen_q", "seqlen_k", "units_b", "units_h", "mask_mode",
                  "mask_ptr", "mask_shape", "mask_strides", "version", "num_q_tiles", "num_kv_tiles",
                  "bits_words", "_buf", "_at")
 
+    def __init__(self, *args, **kwargs):
+        # A plan is only as good as the GPU buffers build() fills in: an empty one would reach a
+        # launch with no tile lists, so it cannot be made by hand.
+        raise TypeError("attngen.MaskPlan is not built directly: attngen.mask_plan(mask, q, k, causal=..., "
+                        "window=..., spec=...) builds one on the GPU and returns it")
+
     def __repr__(self) -> str:
+        if not all(hasattr(self, n) for n in ("tiles", "seqlen_q", "seqlen_k", "units_b", "units_h", "device")):
+            return "MaskPlan(<not built>)"  # e.g. made through object.__new__: say so rather than raise
         return (f"MaskPlan(tiles={self.tiles[0]}x{self.tiles[1]}, seqlen_q={self.seqlen_q}, "
                 f"seqlen_k={self.seqlen_k}, units={self.units_b}x{self.units_h}, device={self.device})")
 
@@ -104,7 +113,7 @@ def build(kern, mask, qi, ki, mcode: int, left: int, right: int, stream: int) ->
     if nqt > 65535 or units > 65535 or (ub == 1 and b > 65535):
         raise LaunchError(f"mask of {units} batch x head units and {nqt} query tiles of {tq} (batch {b}): "
                           f"at most 65535 of each")
-    mp = MaskPlan()
+    mp = object.__new__(MaskPlan)  # MaskPlan() refuses: only this function fills one in
     mp.kind, mp.device, mp.tiles = qi.kind, qi.device, (tq, tk)
     mp.seqlen_q, mp.seqlen_k, mp.units_b, mp.units_h = sq, sk, ub, uh
     mp.mask_mode = (mcode, left, right)

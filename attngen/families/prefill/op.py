@@ -20,12 +20,13 @@ from __future__ import annotations
 import functools
 import math
 import struct
+from collections.abc import Mapping
 
 from ... import runtime as _rt
 from ...errors import LaunchError
 from ...runtime import (TunedKernels, allocator, data_ptr, get_kernel, keep_call, register_dependent_cache,
                          tensor_info, torch_stream_getter)
-from ...spec import DType, spec_of_text
+from ...spec import DType, op_spec
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from ..split_kv import ctas_per_sm, sm_count
 from .defaults import by_rows
@@ -222,11 +223,11 @@ def mask_and_window(causal, window) -> tuple[int, int, int]:
 
 
 def kernel_for(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WINDOW, return_lse: bool = False,
-               spec: PrefillSpec | None = None):
+               spec: PrefillSpec | str | Mapping | None = None):
     """The loaded ``Kernel`` that ``prefill`` launches for these arguments (``kernel.spec`` is the
     spec it runs; ``spec`` as ``prefill`` takes it). Loads or compiles it if needed; enqueues nothing."""
-    if spec.__class__ is str:
-        spec = spec_of_text(spec, "prefill")
+    if spec is not None and spec.__class__ is not PrefillSpec:
+        spec = op_spec(spec, "prefill", "attngen.prefill")
     qi, _, vi = _check_qkv(q, k, v)
     mask, _, _ = mask_and_window(causal, window)
     key = (qi.shape[3], qi.dtype, qi.device, mask, bool(return_lse), spec, qi.kind, False, False, DENSE, vi.shape[3])
@@ -235,7 +236,7 @@ def kernel_for(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_W
 
 
 def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WINDOW, sm_scale: float | None = None,
-            return_lse: bool = False, out=None, spec: PrefillSpec | None = None, softcap: float = 0.0,
+            return_lse: bool = False, out=None, spec: PrefillSpec | str | Mapping | None = None, softcap: float = 0.0,
             alibi_slopes=None, mask=None, mask_plan=None):
     """Attention forward: softmax(q k^T * sm_scale) v, per head, with the FlashAttention layout.
 
@@ -245,9 +246,9 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     keys either side of its aligned position, -1 meaning unbounded. Returns ``out`` (same kind
     as q), and with ``return_lse`` also the fp32 natural-log LSE ``[batch, heads, seqlen_q]``.
     ``sm_scale`` (default 1/sqrt(head_dim)) must be finite and > 0, as in ``attngen.decode``.
-    Rows that see no key give zeros and LSE -inf. ``spec`` (a spec or its text) overrides the
-    tuning fields; without it, a configuration stored by ``attngen tune`` for this GPU is used
-    where there is one.
+    Rows that see no key give zeros and LSE -inf. ``spec`` (a spec, its text or a dict of its
+    fields) overrides the tuning fields; without it, a configuration stored by ``attngen tune``
+    for this GPU is used where there is one.
     ``softcap`` > 0 caps the scaled logits at ``softcap * tanh(s / softcap)`` (Gemma 2, Grok);
     ``alibi_slopes`` (fp32 ``[heads]`` or ``[batch, heads]``) adds ``-slope * |i' - j|`` to them,
     i' the query's aligned key position (FlashAttention's conventions for both).
@@ -263,6 +264,10 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
         return _rt.traced_ops["prefill"](
             q, k, v, causal=causal, window=window, sm_scale=sm_scale, return_lse=return_lse, out=out, spec=spec,
             softcap=softcap, alibi_slopes=alibi_slopes, mask=mask, mask_plan=mask_plan)
+    if spec is not None and spec.__class__ is not PrefillSpec and spec.__class__ is not str:
+        # a dict, another family's spec, a wrong type: read or refused before the tensors (text is
+        # kept as given, part of the call's key, and read once in _prepare)
+        spec = op_spec(spec, "prefill", "attngen.prefill")
     qi, ki, vi = tensor_info(q, "q"), tensor_info(k, "k"), tensor_info(v, "v")
     # A dense call's key: the operands' infos and every other argument as a value (the checks and
     # the launch's parameters are a function of them). Arguments of other classes (a 0-dim tensor
@@ -324,8 +329,8 @@ _calls: dict[tuple, _Call] = register_dependent_cache({})  # key -> _Call (runti
 
 def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softcap, alibi_slopes, masked) -> _Call:
     """Check a call's arguments and work out its ``_Call``."""
-    if spec.__class__ is str:
-        spec = spec_of_text(spec, "prefill")
+    if spec is not None and spec.__class__ is not PrefillSpec:
+        spec = op_spec(spec, "prefill", "attngen.prefill")
     _check_dense(qi, ki, vi)
     b, sq, h, d = qi.shape
     _, sk, hk, _ = ki.shape
@@ -390,7 +395,7 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
 
 
 def mask_plan(mask, q, k, *, v=None, causal: bool = False, window: tuple[int, int] = _NO_WINDOW,
-              spec: PrefillSpec | str | None = None):
+              spec: PrefillSpec | str | Mapping | None = None):
     """Build the plan ``attngen.prefill(q, k, v, mask=mask, causal=..., window=..., mask_plan=plan)``
     walks: per query tile, the KV tiles some row sees (``mask`` with ``causal``/``window``), each
     marked when the mask keeps all of it, and the query tiles sorted heaviest first. Built on the
@@ -398,10 +403,10 @@ def mask_plan(mask, q, k, *, v=None, causal: bool = False, window: tuple[int, in
     unchanged, the same shapes and masks, and a kernel of the same tile sizes (``spec``), which
     ``prefill`` checks. q and k give the shapes, dtype and device (their values are not read); pass
     ``v`` too when its head dim differs from k's (the kernel, and so its tiles, depend on it). ``spec``
-    may be given as its text, as to ``prefill``.
+    may be given as its text or a dict of its fields, as to ``prefill``. Returns a ``MaskPlan``.
     """
-    if spec.__class__ is str:
-        spec = spec_of_text(spec, "prefill")
+    if spec is not None and spec.__class__ is not PrefillSpec:
+        spec = op_spec(spec, "prefill", "attngen.mask_plan")
     qi, ki, vi = _check_qkv(q, k, k if v is None else v)
     mcode, left, right = mask_and_window(causal, window)
     key = (qi.shape[3], qi.dtype, qi.device, mcode, False, spec, qi.kind, False, False, CUSTOM_MASK, vi.shape[3])

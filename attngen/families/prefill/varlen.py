@@ -8,14 +8,17 @@ first; CTAs past the list's length return at once.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from ... import runtime as _rt
 from ...errors import LaunchError
 from ...runtime import data_ptr, tensor_info
-from ...spec import spec_of_text
+from ...spec import op_spec
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from .masks import PLAN_PARAMS
 from .op import (_LOG2E, _NO_WINDOW, PARAMS_EXT, PARAMS_EXT_TMA, VARLEN, VARLEN_PAGED, check_qkv, mask_and_window,
                  out_of, plan_for)
+from .spec import PrefillSpec
 
 
 def _index(x, name: str, rank: int, qi):
@@ -41,7 +44,8 @@ def _max_seqlen(x, name: str) -> int:
 
 def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                    causal: bool = False, window: tuple[int, int] = _NO_WINDOW, sm_scale: float | None = None,
-                   return_lse: bool = False, out=None, block_table=None, spec=None, softcap: float = 0.0,
+                   return_lse: bool = False, out=None, block_table=None,
+                   spec: PrefillSpec | str | Mapping | None = None, softcap: float = 0.0,
                    alibi_slopes=None):
     """Attention forward over packed sequences of different lengths (FlashAttention's varlen API).
 
@@ -56,14 +60,15 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     ``[batch, heads]``) too. ``max_seqlen_q``/``max_seqlen_k`` are accepted for FlashAttention's
     signature and checked as ints >= 0; the lengths are never read on the host. Returns ``out``
     ``[total_q, heads, head_dim]`` and with ``return_lse`` the LSE ``[heads, total_q]`` (fp32).
+    ``spec`` (a spec, its text or a dict of its fields) overrides the tuning fields, as in ``prefill``.
     """
     if _rt.tracing is not None and _rt.tracing():
         return _rt.traced_ops["prefill_varlen"](
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
             sm_scale=sm_scale, return_lse=return_lse, out=out, block_table=block_table, spec=spec, softcap=softcap,
             alibi_slopes=alibi_slopes)
-    if spec.__class__ is str:
-        spec = spec_of_text(spec, "prefill")
+    if spec is not None and spec.__class__ is not PrefillSpec:
+        spec = op_spec(spec, "prefill", "attngen.prefill_varlen")
     paged = block_table is not None
     qi, ki, vi = check_qkv(q, k, v, "[total_q, heads, head_dim]",
                            "[num_blocks, block_size, kv_heads, head_dim]" if paged else "[total_k, kv_heads, head_dim]")
