@@ -305,8 +305,7 @@ def compile(source: str, arch: "str | Arch", *, kernel_name: str, extra_options:
     t0 = time.perf_counter()
     cubin, log, ptx = _run_nvrtc(nvrtc, source, filename, full, want_ptx, kernel_name, a, options)
     if f"'{kernel_name}'" not in log:
-        # Seen once on the lent H200 (NVRTC 13.5 wheel): an empty program log for one kernel that
-        # compiled fine. The report is only informational, so ask once more before going without.
+        # NVRTC has been seen to return an empty program log for a kernel that compiled fine. The report is only informational, so ask once more before going without.
         cubin2, log2, _ = _run_nvrtc(nvrtc, source, filename, full, False, kernel_name, a, options)
         if f"'{kernel_name}'" in log2:
             cubin, log = cubin2, log2

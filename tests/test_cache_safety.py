@@ -1,5 +1,5 @@
 """A cache root cannot be turned against its user: private modes, owner and mode checks, no links
-followed, nothing left behind by killed writes (DESIGN.md, "Cache key and layout")."""
+followed, nothing left behind by killed writes (docs/cache.md, "On disk")."""
 
 from __future__ import annotations
 

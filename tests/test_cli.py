@@ -434,7 +434,7 @@ def test_bench_without_torch_says_how_to_install_and_json_stays_json(capsys):
     cap = capsys.readouterr()
     assert json.loads(cap.out) == {"ok": False, "exit": 2}
     assert cap.err.startswith("attngen: error: attngen bench prefill needs torch") and \
-        "pip install 'attngen[torch]'" in cap.err
+        "python3 -m pip install torch" in cap.err
 
 
 # --- every error path: one line, non-zero, no traceback ---------------------------------------------

@@ -3,10 +3,11 @@
 Each kernel family that has a benchmark names its module in the registry (``Family.bench``);
 that module adds its subcommand with ``add_parser(subparsers)``. ``core`` is the harness they
 share (timing, environment, JSON, formatting, the ``--from-json`` start); ``jit`` measures the
-latency of the JIT pipeline; ``host`` the host path of one eager call.
+latency of the JIT pipeline; ``host`` the host path of one eager call; ``report`` renders
+BENCHMARKS.md from the results files under benchmarks/, and ``record`` adds a run's JSON to them.
 
-All write Markdown (``--markdown FILE``) for BENCHMARKS.md, and re-render from a saved JSON
-with ``--from-json FILE`` (no GPU needed for that).
+The benchmarks write their JSON (``--out DIR``) and a Markdown table (``--markdown FILE``), and
+re-render from a saved JSON with ``--from-json FILE`` (no GPU needed for that).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .core import (_event_bench, _finite, _graphed, _rel_check, attention_flops,
 
 def build_parser() -> argparse.ArgumentParser:
     from ..family import families
-    from . import host, jit
+    from . import host, jit, report
 
     p = argparse.ArgumentParser(prog="attngen bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command")
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
             importlib.import_module(fam.bench).add_parser(sub)
     jit.add_parser(sub)
     host.add_parser(sub)
+    report.add_parser(sub)
     for sp in sub.choices.values():  # one --json for every benchmark, as for every attngen command
         sp.add_argument("--json", action="store_true",
                         help="print the results as one JSON object on stdout; the table and progress go to stderr")

@@ -558,8 +558,8 @@ def _replay_or_gpu_check(family: str, args: argparse.Namespace, finish: Callable
     try:
         import torch
     except Exception as e:
-        _say(f"attngen: error: attngen bench {family} needs torch ({e}); pip install 'attngen[torch]'",
-             file=sys.stderr)
+        _say(f"attngen: error: attngen bench {family} needs torch ({e}); install it into this environment: "
+             "python3 -m pip install torch", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         _say(f"attngen: error: attngen bench {family} needs a CUDA GPU (torch.cuda.is_available() is False); "

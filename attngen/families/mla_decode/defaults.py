@@ -16,13 +16,11 @@ from .spec import QkShard
 
 T, F, A = QkShard.TRUE, QkShard.FALSE, QkShard.ALTERNATE
 
-# Per q_rows: [(qk_shard, cta_tile_kv, num_warps, num_stages), ...] best first. From
-# tools/sweep_mla.py on an H100 (bf16, 512 + 64, q_len 1, 2026-11-23; notes/sweep_mla_h100_*): every
-# fitting config timed as a decode step. q_rows 16 (16 heads): 64-key tiles, two stages, sharded,
-# first or within 1% on b=64 L=8k, b=128 L=4k and b=1 L=32k. q_rows 32 (32 heads): the same config
-# 1.28x faster than the 32-key three-stage guess at b=64 L=8k, 32-key tiles on 4 warps second (best
-# at b=256 L=1k by 2%). q_rows 64 (64-128 heads, compute-bound on mma.sync): 32-key tiles, three
-# stages, sharded, first or within 1% on every shape; the unsharded 64-key config within 2-3%.
+# Per q_rows: [(qk_shard, cta_tile_kv, num_warps, num_stages), ...] best first, as tools/sweep_mla.py
+# ranked every fitting config timed as a decode step (bf16, 512 + 64, q_len 1). 16 and 32 rows: 64-key
+# tiles, two stages, sharded (32 rows: deep enough a ring to keep the memory busy, where 32-key tiles in
+# three stages were not); 32-key tiles on 4 warps next. 64 rows (64-128 heads, compute-bound on mma.sync):
+# 32-key tiles, three stages, sharded; the unsharded 64-key config close behind.
 TUNED = {
     64: [(T, 32, 8, 3), (F, 64, 8, 2), (F, 32, 8, 2)],
     32: [(T, 64, 8, 2), (T, 32, 4, 2)],
@@ -30,8 +28,8 @@ TUNED = {
 }
 
 # mma_sync configs ptxas spills on some archs (NVRTC 13.5; every single-field pin of every rank, row count and
-# layout compiled for every manifest arch, 2026-11-26; sm_90a's 32-row pins again after the pushed cluster merge,
-# 2026-11-27), per (kv_lora_rank, q_rows, paged) and
+# layout compiled for every manifest arch, sm_90a's 32-row pins again after the pushed cluster merge),
+# per (kv_lora_rank, q_rows, paged) and
 # (qk_shard, cta_tile_kv, num_warps, num_stages, pipeline): they come after every other candidate, so a default
 # never takes one while another fits, and a spec that pins one still gets it (spills cost speed, not results).
 SPILLS_ON = {
@@ -46,10 +44,9 @@ SPILLS_ON = {
     (256, 64, True): {(T, 64, 4, 4, Pipeline.TMA): ("sm_90a",)},
 }
 
-# sm_90a, q_rows 64: the wgmma configs (qk_shard, cta_tile_kv, num_stages; always 8 warps), best first.
-# tools/sweep_mla.py on an H100 (bf16, 512 + 64, q_len 1, 2026-11-23; notes/sweep_mla_wgmma_h100_*):
-# sharded 64-key tiles with two stages first on all five shapes (64 and 128 heads, batch 1-256); the
-# unsharded form 4-14% behind, 32-key tiles 12-29% behind (a 16-key-wide S wgmma per warpgroup).
+# sm_90a, q_rows 64: the wgmma configs (qk_shard, cta_tile_kv, num_stages; always 8 warps), best first as
+# tools/sweep_mla.py ranked them: sharded 64-key tiles with two stages first at 64 and 128 heads, the
+# unsharded form next (it repeats QK work), 32-key tiles last (a 16-key-wide S wgmma per warpgroup).
 TUNED_WGMMA = [(T, 64, 2), (F, 64, 2), (T, 64, 1), (T, 32, 4), (T, 32, 3)]
 
 SMALL_SMEM = 128 * 1024  # per block: below this the unsharded form goes first
@@ -66,8 +63,8 @@ def candidates(spec, arch: Arch):
     first = TUNED[spec.q_rows] if arch.smem_per_block >= SMALL_SMEM else []
     spills = SPILLS_ON.get((spec.kv_lora_rank, spec.q_rows, spec.paged), {})
     every = itertools.chain(first, itertools.product(shard_order, (64, 32, 16), (8, 4), (4, 3, 2, 1)))
-    # On sm_90a each mma_sync config with the TMA ring first (1.03-1.11x its cp.async form at 16 and 32 rows,
-    # H100: the loads no longer wait on the threads that issue them), then with cp.async.
+    # On sm_90a each mma_sync config with the TMA ring first (the loads no longer wait on the threads that
+    # issue them), then with cp.async.
     pipes = (Pipeline.TMA, Pipeline.SYNC) if arch.has_wgmma else (Pipeline.SYNC,)
     sync = [(*c, pipe) for c in every for pipe in pipes]
     yield from ((*c[:4], Mma.SYNC, c[4]) for c in sorted(sync, key=lambda c: arch.name in spills.get(c, ())))

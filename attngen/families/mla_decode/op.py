@@ -25,25 +25,21 @@ _LOG2E = 1.4426950408889634
 MAX_Q_LEN = 4
 MAX_HEADS = 128
 # qk_shard=auto on sm_90a: alternate tiles where a sequence's rows fill two 64-row blocks or more (128 heads)
-# and each CTA gets at least this many 64-key tiles; the sharded form elsewhere. On the lent H100
-# (BENCHMARKS.md, 2026-11-24) alternate tiles ran 1.07-1.30x the sharded form at 128 heads, batch 64-768 with
-# 8k+ tokens, and 1.08x at batch 8 with 32k tokens (64 tiles a CTA), but 0.92-0.96x with 8-16 tiles a CTA
-# (batch 1-8, 8k-32k tokens), and 0.90-1.01x at 64 heads.
+# and each CTA gets at least this many 64-key tiles; the sharded form elsewhere. With few tiles a CTA (small
+# batches split the cache finely) the pairs' fixed cost outweighs one warpgroup's softmax running under the
+# other's MMAs, and at 64 heads the sharded form repeats little QK work anyway.
 ALTERNATE_MIN_TILES = 32
 # The three rules below take effect only on a device whose memory needs FAST_MEMORY_SHARE of its SMs or more to reach
-# its bandwidth (split_kv.saturating_share: about 0.70 on an H200, 0.49 on an H100). There the default kernels cannot
-# keep up with the memory; on the H100 each rule's kernel read 0.87-1.06x the default (BENCHMARKS.md, 2026-11-26).
+# its bandwidth (split_kv.saturating_share). There the default kernels cannot keep up with the memory; where the
+# memory is slower than the SMs, the defaults already keep it busy and the rules' kernels gained nothing.
 FAST_MEMORY_SHARE = 0.6
 # One 64-row block (64 heads) takes alternate tiles too on fast memory (FAST_MEMORY_SHARE) and where the batch fills
-# ALTERNATE_ONE_BLOCK_MIN_BATCH row blocks. On an H200 (2026-11-26, best of three rounds) at 64 heads: 1.01-1.15x the
-# sharded form at batch 64-768 with 8k-32k keys, paged (blocks of 64) 1.09-1.26x; at batch 8 0.84-1.00x.
+# ALTERNATE_ONE_BLOCK_MIN_BATCH row blocks; at small batches the sharded form stays.
 ALTERNATE_ONE_BLOCK_MIN_BATCH = 64
 # 16 rows on the TMA ring, 64-key tiles, a contiguous cache or paged blocks of whole tiles (measured: blocks of 64):
 # one stage on four warps where the grid holds at least ONE_STAGE_MIN_TILES tiles an SM and the device's memory needs
 # FAST_MEMORY_SHARE of its SMs or more to reach its bandwidth. One stage leaves room for two CTAs an SM, whose loads
-# and math then overlap each other's. BENCHMARKS.md, 2026-11-26: on an H200 (0.7) 1.05-1.19x the two-stage default
-# from 31 tiles an SM, 0.86-0.90x at 4-8; on an H100 (0.49) 0.98-1.01x. Paged (blocks of 64, H200, the same day):
-# 1.08-1.20x at batch 8-768 with 8k-32k keys.
+# and math then overlap each other's; with a shallow grid the single stage's exposed latency costs more.
 ONE_STAGE_MIN_TILES = 16
 # The most splits of a row block merged in a cluster on sm_90 (0 or 1: every split count through the
 # workspace and a merge launch), and the share of the SMs the row blocks must fill for a cluster (batch
@@ -52,19 +48,17 @@ MERGE_CLUSTER_MAX = CLUSTER_MAX
 CLUSTER_MIN_FILL = 0.4
 # The merge takes its wide entry (MERGE_WIDE_WARPS warps a chunk of a row) from this many splits, four
 # groups of the partial rows a warp of the narrow entry loads at once, where the GPU holds the wide grid
-# at once (H200, 2026-11-26: 1.15-1.20x a batch-1 step at 16 heads with 64 and 128 splits; with its grid
-# three waves deep, 0.86-0.87x at 16 heads x 8 rows and at 128 heads x 1 row).
+# at once; a wide grid several waves deep loses to the narrow entry.
 MERGE_WIDE_SPLITS = 32
-# The TMA kernels load ckv and kpe as first out of L2 (kv_evict_first) from this many splits. H100, 2026-11-26
-# (BENCHMARKS.md), against plain loads: 1.01-1.12x at batch 1-8 with 4-128 splits at 16-64 heads, contiguous and
-# paged, 1.00-1.06x at 128 heads; 0.98x at batch 64 with 64 heads and 2 splits.
+# The TMA kernels load ckv and kpe as first out of L2 (kv_evict_first) from this many splits, so that the
+# merge launch finds more of the partials in L2; with two splits the merge reads little and the hint only costs.
 EVICT_FIRST_MIN_SPLITS = 4
 
 
 def kv_evict_first(tma: bool, alternate: bool, num_splits: int, cluster: int) -> bool:
     """Whether a TMA kernel loads ckv and kpe as the first lines out of L2: where at least EVICT_FIRST_MIN_SPLITS
     splits' partials go through the merge launch, which then finds more of them in L2. Not for alternate tiles
-    (long runs a CTA, where two row blocks' second reads of a tile hit L2: 0.97x at 128 heads, batch 8, 32k keys);
+    (long runs a CTA, where two row blocks' second reads of a tile hit L2, which evicting first would lose);
     their kernels keep the plain loads' code."""
     return tma and not alternate and num_splits >= EVICT_FIRST_MIN_SPLITS and not cluster
 
@@ -209,11 +203,8 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     whole_tiles = not paged or block_size % 64 == 0  # TMA boxes of whole 64-key tiles (what the rules measured)
     # 32 rows (32 heads, or 16 x 2 tokens) as one 64-row block of the wgmma kernel, half its rows empty, where the
     # device's memory needs FAST_MEMORY_SHARE of its SMs or more, on a contiguous cache or paged blocks of whole
-    # 64-key tiles (measured: blocks of 64). The 32-row mma.sync kernel cannot keep up with such memory: on an H200
-    # (0.7) it reached 0.64-0.67 of the bare read at batch 64-768 with 8k-32k keys, and the wgmma kernel ran
-    # 1.11-1.31x it at batch 8-768 from 8k keys and at batch 256-768 with 1k, 1.02x at batch 8 and 0.975x at batch 64
-    # with 1k; on an H100 (0.49), 0.87-1.04x (BENCHMARKS.md, 2026-11-26). Paged (blocks of 64, H200): 1.08-1.19x,
-    # 0.97x at b=64 1k.
+    # 64-key tiles (measured: blocks of 64). The 32-row mma.sync kernel cannot keep up with such memory; on slower
+    # memory it can, and the wasted half block costs more than it gains.
     if (rows == 32 and whole_tiles and rs.tma and fast_memory
             and (spec is None or not any(getattr(spec, f) for f in spec.TUNING_FIELDS))):
         wide = get_kernel(_spec_for(rank, rope, qn.dtype, 64, paged, spec), device=dev)
@@ -239,7 +230,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
             rs = kern.spec
     if num_splits == 0:
         # Each split reads its rows of Q and writes a partial the merge reads back, both about a tile's
-        # bytes for a 64-row block: weighted twice (fitted on the H100, BENCHMARKS.md 2026-11-24).
+        # bytes for a 64-row block: weighted twice (fitted to timed split counts).
         num_splits = choose_splits(b * row_blocks, capacity, rs.cta_tile_kv, sm_count(dev), ctas_per_sm(kern),
                                    2 * rs.cta_tile_kv * (rank + rope), 4 * b * q_len * h * rank,
                                    q_bytes=2 * b * row_blocks * rows * (rank + rope), side_weight=2.0, out_passes=2)
@@ -252,8 +243,8 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
             rs = kern.spec
     # sm_90: the splits of each row block as one cluster that merges them in shared memory (no workspace,
     # no merge launch), where the row blocks alone fill CLUSTER_MIN_FILL of the SMs and every cluster is
-    # resident at once. H100 (2026-11-26): 1.01-1.09x at batch 64 and 16 heads; at batch 1-8 (1k keys)
-    # 0.77-0.96x, the few CTAs of each cluster merging many rows, one DSMEM load after another.
+    # resident at once. Not at small batches: there the few CTAs of each cluster merge many rows, one DSMEM
+    # load after another, slower than the merge launch.
     cluster = 0
     if (1 < num_splits <= MERGE_CLUSTER_MAX and b * row_blocks >= CLUSTER_MIN_FILL * sm_count(dev)
             and rs.cluster_merge_fits()

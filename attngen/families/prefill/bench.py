@@ -32,10 +32,9 @@ from attngen.bench.core import (_CAUSAL, BACKENDS, CHECK_TOL, DTYPES, _backend_l
 
 TOKENS = 16384          # batch * seqlen
 HIDDEN = 2048           # heads * head_dim
-# Warm-up per column (ms). With 25, the column timed first after a shape's check read 4-8% faster than the same
-# kernel timed as a later column (H200, 2026-11-27, head_dim 128 without a mask, interleaved); the GPU's clocks fall
-# under a sustained load. With 300 every column is timed at that load's clocks: the same kernel in two columns read
-# 1.000-1.010.
+# Warm-up per column (ms). With a short warm-up the column timed first after a shape's check read faster than the
+# same kernel timed as a later column: the GPU's clocks fall under a sustained load. With 300 every column is timed
+# at that load's clocks, and the same kernel in two columns reads the same.
 WARMUP_MS = 300.0
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128, 256)
@@ -291,8 +290,8 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
     columns += [(name, lambda spec=spec: core.bench_ms(lambda: attngen.prefill(q, k, v, causal=causal, spec=spec),
                                                         warmup_ms, rep_ms, reps)) for name, spec in variants]
     # interleave: each column timed again in the reverse order and the mean of its two kept, so that every column's
-    # mean place is the same (a column timed first read 0-7% faster than the same kernel timed later, H100,
-    # 2026-11-26; keeping the faster of the two, as this did until 2026-11-27, still gave the first column its place)
+    # mean place is the same (a column timed first reads faster than the same kernel timed later; keeping the
+    # faster of the two would still give the first column its place)
     order = columns + columns[::-1] if interleave else columns
     times: dict[str, list[float]] = {}
     for name, timed in order:

@@ -321,9 +321,9 @@ class PrefillSpec(SpecBase):
         """The two V splits of a query tile form a cluster that splits the QK work (each CTA computes S
         over half of head_dim and adds the other's; see prefill_chunked.cuh.jinja) rather than repeating it:
         where each half is at least two whole chunks and the repeated QK work would exceed a CTA's PV
-        work (head_dim above its V columns). Measured on the H100 (2026-11-25): 768 gains 3-16%, 1024
-        14-26%; 512/1024 (QK work equal to PV's) lost up to 9% (0.95x geomean) to the exchange, and 640 split
-        into a pair 18% (BENCHMARKS.md)."""
+        work (head_dim above its V columns): at 768 and 1024 the halved QK work outweighs the exchange of S;
+        where the QK work only equals the PV work (512/1024), or at 640 split into a pair, the exchange costs
+        more than it saves."""
         self._require_resolved("qk_pair")
         half = self.head_dim // 2
         return (self.v_splits == 2 and half % self.head_dim_chunk == 0 and half // self.head_dim_chunk >= 2
@@ -573,7 +573,7 @@ class PrefillSpec(SpecBase):
             raise SpecError("cta_tile_q", self.cta_tile_q, f"{16 * self.num_warps} with num_warps={self.num_warps}",
                             reason="with mma=wgmma each warpgroup of 4 warps owns 64 query rows")
         # Per thread: O (head_dim_v/2 floats), S (cta_tile_kv/2) and P packed to 16 bits (cta_tile_kv/4).
-        # NVRTC 13.5, sm_90a, causal, two stages, 128-row tiles (2026-11-25): the cp.async kernel spilled past
+        # NVRTC 13.5, sm_90a, causal, two stages, 128-row tiles: the cp.async kernel spilled past
         # ~176 (head_dim 192 with 112-key tiles, estimate 180, 64 bytes); the TMA kernel one CTA a tile compiled
         # spill-free up to 196 (128/176, 256/80) and its overlapped schedules spill at 208 (128/192). Its persistent
         # form holds more (128/144, estimate 172, spills 24 bytes): a spec that pins a spilling config still runs
