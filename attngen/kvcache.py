@@ -15,8 +15,8 @@ _PAGE_SIZES = (256, 128, 64, 32, 16)
 def _torch(what: str, *xs):
     """The torch module, where every one of ``xs`` (None skipped) is a torch tensor."""
     if not all(x is None or type(x).__module__.startswith("torch") for x in xs):
-        raise LaunchError(f"{what} needs torch tensors (with CuPy arrays call attngen.decode and attngen.prefill_varlen "
-                          f"directly)")
+        raise LaunchError(f"{what} needs torch tensors (with CuPy arrays call attngen.decode and "
+                          f"attngen.prefill_varlen directly)")
     import torch
 
     return torch

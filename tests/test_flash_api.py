@@ -168,3 +168,82 @@ def test_score_modifiers_are_spec_fields_in_the_key():
     assert a.kernel_name != attngen.PrefillSpec(head_dim=128).kernel_name
     src = attngen.render(attngen.resolve(a, "sm_90a"))
     assert "constexpr bool SOFTCAP = true;" in src and "constexpr bool ALIBI = false;" in src
+
+
+def _reference_kernels(monkeypatch, seen):
+    """attngen.decode and attngen.prefill_varlen as the kv-cache call uses them, replaced by the fp32
+    references on CPU tensors (the paged prefill read through its block table and cu_seqlens only), so
+    that the routes, the page view, the chunking and the reshapes run here. ``seen`` records the calls."""
+    from attngen import flash_api, kvcache
+    from tests.gpu_reference import reference_attention, reference_decode
+
+    def decode(q, kc, vc, *, cache_seqlens, cache_batch_idx=None, block_table=None, num_splits=0, return_lse=False,
+               causal=True, window=(-1, -1), cache_leftpad=None, sm_scale=None, softcap=0.0, alibi_slopes=None):
+        seen.append(("decode", q.shape[1]))
+        o, lse = reference_decode(q, kc, vc, cache_seqlens, cache_batch_idx, block_table, sm_scale, softcap,
+                                  alibi_slopes, causal, window, cache_leftpad)
+        return (o.to(q.dtype), lse) if return_lse else o.to(q.dtype)
+
+    def prefill_varlen(q, kp, vp, cu_q, cu_k, max_q, max_k, *, causal, window, return_lse, block_table, sm_scale,
+                       softcap, alibi_slopes):
+        seen.append(("prefill", kp.shape[1]))
+        bs, out = kp.shape[1], torch.zeros(q.shape[0], q.shape[1], vp.shape[-1])
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"))
+        for s in range(len(cu_q) - 1):
+            q0, q1, n = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s + 1] - cu_k[s])
+            blocks = block_table[s].long()[torch.arange(n) // bs]
+            k, v = kp[blocks, torch.arange(n) % bs], vp[blocks, torch.arange(n) % bs]
+            o, l = reference_attention(q[None, q0:q1], k[None], v[None], causal=causal, window=window,
+                                       sm_scale=sm_scale, softcap=softcap, alibi_slopes=alibi_slopes)
+            out[q0:q1], lse[:, q0:q1] = o[0], l[0]
+        return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
+
+    monkeypatch.setattr(flash_api, "decode", decode)
+    monkeypatch.setattr(kvcache, "decode", decode)
+    monkeypatch.setattr(kvcache, "prefill_varlen", prefill_varlen)
+
+
+@pytest.mark.parametrize("layout,cap,route", [("paged", 256, "prefill"), ("contiguous", 256, "prefill"),
+                                              ("contiguous", 200, "decode"), ("leftpad", 256, "decode")])
+@pytest.mark.parametrize("n_new,q_len", [(11, 11), (3, 13), (20, 20)])
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (True, (9, 0)), (False, (-1, -1)), (False, (6, 2))])
+def test_many_new_tokens_routes_match_the_reference(monkeypatch, layout, cap, route, n_new, q_len, causal, window):
+    from tests.gpu_reference import reference_decode
+
+    seen = []
+    _reference_kernels(monkeypatch, seen)
+    gen = torch.Generator().manual_seed(11)
+    b, hk, g, d, bs = 3, 2, 2, 16, 32
+    old, pads = [0, 90, 200 - n_new - 4], ([0, 40, 7] if layout == "leftpad" else None)
+    if layout == "paged":
+        kc = torch.full((b * cap // bs + 2, bs, hk, d), float("nan"))
+        table = torch.randperm(b * cap // bs + 2, generator=gen)[: b * cap // bs].to(torch.int32).reshape(b, -1)
+    else:
+        kc, table = torch.full((b, cap, hk, d), float("nan")), None
+    vc = kc.clone()
+    for i, n in enumerate(old):
+        for p in range(0 if pads is None else pads[i], n):
+            at = (int(table[i, p // bs]), p % bs) if table is not None else (i, p)
+            kc[at], vc[at] = torch.randn(hk, d, generator=gen), torch.randn(hk, d, generator=gen)
+    q = torch.randn(b, q_len, hk * g, d, generator=gen)
+    k, v = torch.randn(b, n_new, hk, d, generator=gen), torch.randn(b, n_new, hk, d, generator=gen)
+    lens = torch.tensor(old, dtype=torch.int32)
+    lp = None if pads is None else torch.tensor(pads, dtype=torch.int32)
+    call = dict(cache_seqlens=lens, block_table=table, cache_leftpad=lp, causal=causal, window_size=window,
+                return_softmax_lse=True, softmax_scale=0.3)
+    if route == "decode" and not causal:
+        with pytest.raises(LaunchError, match=f"seqlen_q={q_len} with causal=False"):
+            attngen.flash_attn_with_kvcache(q, kc, vc, k, v, **call)
+        assert not seen
+        return
+    out, lse = attngen.flash_attn_with_kvcache(q, kc, vc, k, v, **call)
+    assert {name for name, _ in seen} == {route}
+    if route == "decode":
+        assert [n for _, n in seen] == [8] * (q_len // 8) + ([q_len % 8] if q_len % 8 else [])
+    ref, ref_lse = reference_decode(q, kc, vc, [o + n_new for o in old], block_table=table, sm_scale=0.3,
+                                    causal=causal, window=window, cache_leftpad=pads)
+    assert out.shape == q.shape and lse.shape == (b, hk * g, q_len)
+    assert (out - ref).abs().max().item() < 1e-5
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    assert (lse[fin] - ref_lse[fin]).abs().max().item() < 1e-4

@@ -37,10 +37,11 @@ TUNED_ROWS = {
     (128, True, 64, "fused"): [(64, 8, 3)],
 }
 
-# Configs ptxas spills on some archs (NVRTC 13.5), per (head_dim, paged, q_rows, variant[, "softcap", "alibi" or "local"])
-# and (cta_tile_kv, num_warps, num_stages). Every single-field pin (or none) of every head_dim, row count, layout and
-# variant (bf16, no softcap or ALiBi) was compiled for every manifest arch, 2026-11-26. (Paged head_dim 256 at 16
-# rows, 64x4x2: the copies stepping from each 16-row group's first row hold one register more than ptxas has.)
+# Configs ptxas spills on some archs (NVRTC 13.5), per (head_dim, paged, q_rows, variant[, a modifier: "softcap",
+# "alibi" or "local"]) and (cta_tile_kv, num_warps, num_stages). Every single-field pin (or none) of every head_dim,
+# row count, layout and variant (bf16, no softcap or ALiBi) was compiled for every manifest arch, 2026-11-26. (Paged
+# head_dim 256 at 16 rows, 64x4x2: the copies stepping from each 16-row group's first row hold one register more
+# than ptxas has.)
 SPILLS_ON = {
     ((64, False, 32, 'fused'), (64, 4, 1)): ('sm_80', 'sm_86', 'sm_89', 'sm_120'),
     ((64, False, 32, 'fused'), (64, 4, 2)): ('sm_90a',),
