@@ -12,11 +12,10 @@ from .families.prefill.varlen import prefill_varlen
 _PAGE_SIZES = (256, 128, 64, 32, 16)
 
 
-def _torch(what: str, *xs):
+def _torch(what: str, *xs, instead: str = "call attngen.decode and attngen.prefill_varlen directly"):
     """The torch module, where every one of ``xs`` (None skipped) is a torch tensor."""
     if not all(x is None or type(x).__module__.startswith("torch") for x in xs):
-        raise LaunchError(f"{what} needs torch tensors (with CuPy arrays call attngen.decode and "
-                          f"attngen.prefill_varlen directly)")
+        raise LaunchError(f"{what} needs torch tensors (with CuPy arrays {instead})")
     import torch
 
     return torch
@@ -97,8 +96,8 @@ def rotary_qk(q, k, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad, interl
 def append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
     """Write k, v ``[batch, seqlen_new, kv_heads, head_dim]`` into the cache at each row's length;
     returns the new lengths (int32 ``[batch]`` on the device)."""
-    torch = _torch("appending k/v to the cache (CuPy arrays: write the new tokens into the cache yourself and "
-                   "pass cache_seqlens including them)", k_cache, v_cache, k, v)
+    torch = _torch("appending k/v to the cache", k_cache, v_cache, k, v,
+                   instead="write the new tokens into the cache yourself and pass cache_seqlens including them")
     b, n_new = k.shape[0], k.shape[1]
     if tuple(k.shape) != tuple(v.shape) or k.dim() != 4 or tuple(k.shape[2:]) != tuple(k_cache.shape[2:]):
         raise LaunchError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [batch, seqlen_new, kv_heads, "
