@@ -3,16 +3,18 @@
 ``flash_attn_func``, ``flash_attn_varlen_func``, their qkv- and kv-packed forms and
 ``flash_attn_with_kvcache`` take FlashAttention 2's arguments and return what it returns:
 ``softmax_scale``, ``window_size=(left, right)``, ``softcap``, ``alibi_slopes``, ``return_softmax_lse``,
-the LSE as fp32 ``[batch, heads, seqlen_q]`` (natural log). What attngen cannot do is refused with a
-``LaunchError`` that says so (dropout, attention probabilities, rotary embedding inside the call), never ignored.
+the LSE as fp32 ``[batch, heads, seqlen_q]`` (natural log); with a KV cache also ``rotary_cos``/``rotary_sin``
+(applied by torch before the kernel), ``cache_leftpad`` and any number of new tokens. What attngen cannot do
+is refused with a ``LaunchError`` that says so (dropout, attention probabilities), never ignored.
 """
 
 from __future__ import annotations
 
 from .errors import LaunchError
-from .families.decode.op import decode
+from .families.decode.op import MAX_Q_LEN, decode
 from .families.prefill.op import prefill
 from .families.prefill.varlen import prefill_varlen
+from .kvcache import append, capacity_of, check_leftpad, chunked_prefill, prefill_route, rotary_qk
 
 
 def _window(window_size) -> tuple[int, int]:
@@ -120,75 +122,64 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
                             softcap: float = 0.0, rotary_interleaved: bool = True, alibi_slopes=None,
                             num_splits: int = 0, return_softmax_lse: bool = False):
-    """FlashAttention 2's ``flash_attn_with_kvcache`` on ``attngen.decode``.
+    """FlashAttention 2's ``flash_attn_with_kvcache`` on ``attngen.decode`` (and, past 8 new tokens,
+    ``attngen.prefill_varlen`` over the cache).
 
-    q ``[batch, seqlen_new, heads, head_dim]`` (seqlen_new 1..8); the cache contiguous
-    ``[cache_batch, max_seqlen, kv_heads, head_dim]`` (rows by ``cache_batch_idx``) or paged
-    ``[num_blocks, block_size, kv_heads, head_dim]`` through ``block_table``. ``cache_seqlens``
-    (int or int32 ``[batch]``) is each row's length before this call. With ``k``/``v``
-    (``[batch, seqlen_new, kv_heads, head_dim]``) they are written into the cache at
-    ``cache_seqlens`` first (torch tensors; on the device, no host sync), and the query attends
-    to ``cache_seqlens + seqlen_new`` keys; without them, to ``cache_seqlens`` keys. Queries
-    align bottom-right; with seqlen_new > 1 only ``causal=True`` is supported (each new token
-    sees itself and what precedes it). Returns out, or ``(out, lse)`` with ``return_softmax_lse``.
-    Rotary embedding inside the call, ``cache_leftpad`` and a sliding window are refused.
+    q ``[batch, seqlen_q, heads, head_dim]``; the cache contiguous ``[cache_batch, max_seqlen,
+    kv_heads, head_dim]`` (rows by ``cache_batch_idx``) or paged ``[num_blocks, block_size, kv_heads,
+    head_dim]`` through ``block_table``. ``cache_seqlens`` (int or int32 ``[batch]``) is where each
+    row ends before this call. With ``k``/``v`` (``[batch, seqlen_new, kv_heads, head_dim]``) they are
+    written into the cache at ``cache_seqlens`` first (torch tensors; on the device, no host sync),
+    and the queries attend to ``cache_seqlens + seqlen_new`` keys; without them, to ``cache_seqlens``.
+    Queries align bottom-right. ``causal`` lets each new token see itself and what precedes it;
+    ``window_size=(left, right)`` (-1 unbounded) keeps keys left before to right after the token's
+    position (``causal`` sets right to 0). ``cache_leftpad`` (int32 ``[batch]``) is each row's first
+    cache position: keys before it are not attended, and the append still starts at
+    ``cache_seqlens``.
+
+    ``rotary_cos``/``rotary_sin`` ``[seqlen_ro, rotary_dim / 2]`` (seqlen_ro at least the cache's
+    capacity) rotate the first rotary_dim features of q and of the new k (GPT-J pairs with
+    ``rotary_interleaved``, else GPT-NeoX halves) before the append: k at positions
+    ``cache_seqlens + i`` (less ``cache_leftpad``), q likewise where the call is causal or has a
+    window, else every query at ``cache_seqlens``. attngen applies it with torch operations before
+    the kernel (not fused into it); q is not modified, the cache receives the rotated k.
+
+    Up to 8 new tokens take the decode kernels (``num_splits`` 0 chooses the split-KV count). More
+    take the prefill kernel over the cache (paged, or a contiguous cache presented as pages where its
+    rows are whole multiples of 16 positions apart); where that cannot serve (``cache_leftpad``, or a
+    contiguous cache of other rows), a causal call runs the decode kernels on 8 tokens at a time and
+    any other call is refused. Returns out, or ``(out, lse)`` with ``return_softmax_lse`` (fp32
+    ``[batch, heads, seqlen_q]``; a token that sees no key gives zeros and LSE -inf).
     """
-    for name, val in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_leftpad", cache_leftpad)):
-        if val is not None:
-            raise LaunchError(f"{name} is not supported by attngen's flash_attn_with_kvcache; apply rotary "
-                              f"embedding (and left padding) before the call")
-    if tuple(_window(window_size)) != (-1, -1):
-        raise LaunchError(f"window_size={tuple(window_size)!r} is not supported with a KV cache; allowed: (-1, -1)")
+    left, right = _window(window_size)
+    if left < -1 or right < -1:
+        raise LaunchError(f"window_size={tuple(window_size)!r}: each side must be >= 0, or -1 for unbounded")
     if cache_seqlens is None:
         raise LaunchError("cache_seqlens is required: an int or an int32 tensor [batch] of each row's length")
     if (k is None) != (v is None):
         raise LaunchError("k and v go together: pass both (to append them to the cache) or neither")
-    q_len = q.shape[1]
-    if q_len > 1 and not causal:
-        raise LaunchError(f"seqlen_new={q_len} with causal=False is not supported; attngen's decode lets each new "
-                          f"token see itself and the tokens before it: pass causal=True")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise LaunchError("rotary_cos and rotary_sin go together: pass both or neither")
+    if rotary_cos is not None and k is None:
+        raise LaunchError("rotary_cos/rotary_sin rotate the new k before the append: pass k and v with them "
+                          "(without new tokens, rotate q yourself and call without rotary_cos)")
+    check_leftpad(cache_leftpad, q)
+    causal = bool(causal)
+    local = causal or (left, right) != (-1, -1)
+    many = q.shape[1] > MAX_Q_LEN
+    # The route of many new tokens is settled (or refused) before the cache is written.
+    paged = prefill_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_table, causal, right) \
+        if many else None
+    if rotary_cos is not None:
+        q, k = rotary_qk(q, k, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad, bool(rotary_interleaved),
+                         local, capacity_of(k_cache, block_table))
     lengths = cache_seqlens
     if k is not None:
-        lengths = _append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
-    return decode(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=cache_batch_idx,
-                  block_table=block_table, num_splits=num_splits, sm_scale=softmax_scale,
-                  return_lse=return_softmax_lse, softcap=softcap, alibi_slopes=alibi_slopes)
-
-
-def _append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
-    """Write k, v ``[batch, seqlen_new, kv_heads, head_dim]`` into the cache at each row's length;
-    returns the new lengths (int32 ``[batch]`` on the device)."""
-    if not all(type(x).__module__.startswith("torch") for x in (k_cache, v_cache, k, v)):
-        raise LaunchError("appending k/v to the cache needs torch tensors (CuPy arrays: write the new tokens "
-                          "into the cache yourself and pass cache_seqlens including them)")
-    import torch
-
-    b, n_new = k.shape[0], k.shape[1]
-    if tuple(k.shape) != tuple(v.shape) or k.dim() != 4 or tuple(k.shape[2:]) != tuple(k_cache.shape[2:]):
-        raise LaunchError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [batch, seqlen_new, kv_heads, "
-                          f"head_dim] with the cache's kv_heads and head_dim {tuple(k_cache.shape[2:])}")
-    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
-        raise LaunchError(f"k/v have dtype {k.dtype}; the cache has {k_cache.dtype}")
-    dev = k_cache.device
-    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        old = torch.full((b,), cache_seqlens, dtype=torch.int32, device=dev)
-    elif isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dtype == torch.int32 and \
-            tuple(cache_seqlens.shape) == (b,):
-        old = cache_seqlens
-    else:
-        raise LaunchError(f"cache_seqlens must be an int or an int32 tensor [{b}]")
-    pos = old.long()[:, None] + torch.arange(n_new, device=dev)  # [batch, seqlen_new]
-    if block_table is not None:
-        bs = k_cache.shape[1]
-        # Positions past the table's capacity are clamped, as the kernels clamp lengths.
-        cap = block_table.shape[1] * bs
-        pos = pos.clamp(max=cap - 1)
-        blocks = block_table.long().gather(1, torch.div(pos, bs, rounding_mode="floor"))
-        k_cache[blocks, pos % bs] = k
-        v_cache[blocks, pos % bs] = v
-    else:
-        pos = pos.clamp(max=k_cache.shape[1] - 1)
-        rows = (cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(b, device=dev))[:, None]
-        k_cache[rows, pos] = k
-        v_cache[rows, pos] = v
-    return (old + n_new).to(torch.int32)
+        lengths = append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+    common = dict(sm_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes)
+    if not many:
+        return decode(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=cache_batch_idx,
+                      block_table=block_table, num_splits=num_splits, return_lse=return_softmax_lse, causal=causal,
+                      window=(left, right), cache_leftpad=cache_leftpad, **common)
+    return chunked_prefill(q, k_cache, v_cache, lengths, paged, cache_batch_idx, cache_leftpad, block_table,
+                           (left, right), num_splits, causal, bool(return_softmax_lse), common)

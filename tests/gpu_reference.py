@@ -66,7 +66,7 @@ def _lengths(cache_seqlens, batch):
 
 
 def reference_decode(q, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, block_table=None, sm_scale=None,
-                     softcap=0.0, alibi_slopes=None):
+                     softcap=0.0, alibi_slopes=None, causal=True, window=(-1, -1), cache_leftpad=None):
     """fp32 reference for attngen.decode (torch tensors on any device).
 
     q ``[B, q_len, H, D]``. Contiguous cache: k/v ``[cache_batch, max_seqlen, Hkv, D]``, row b reads
@@ -77,6 +77,11 @@ def reference_decode(q, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, b
     read, so a cache poisoned past L leaves the reference finite. Query head h uses KV head
     ``h // (H // Hkv)``. Returns (out fp32 ``[B, q_len, H, D]``, lse fp32 ``[B, H, q_len]``);
     a query that sees no key gives zeros and LSE -inf.
+
+    FlashAttention's bounds: ``window=(left, right)`` keeps keys ``i' - left .. i' + right`` of the
+    query at position i' (-1: that side unbounded); ``causal`` (the default) sets right to 0, and
+    ``causal=False`` with right -1 lets every query see every key below L. ``cache_leftpad`` (a list or
+    int tensor [B]) is each row's first key: keys before it are neither read nor seen.
     """
     import torch
 
@@ -85,41 +90,69 @@ def reference_decode(q, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, b
     g = h // hk
     scale = d ** -0.5 if sm_scale is None else sm_scale
     lengths = _lengths(cache_seqlens, b)
+    pads = _lengths(cache_leftpad, b) if cache_leftpad is not None else [0] * b
+    left, right = window
+    if causal:
+        right = 0
     rows = _lengths(cache_batch_idx, b) if cache_batch_idx is not None else list(range(b))
     table = block_table.tolist() if block_table is not None else None
     out = torch.zeros(b, ql, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, ql), float("-inf"), dtype=torch.float32, device=q.device)
     for i in range(b):
-        n = lengths[i]
-        if n <= 0:
+        n, lo = lengths[i], max(pads[i], 0)
+        if n - lo <= 0:
             continue
         if table is not None:
             bs = k_cache.shape[1]
             blocks = torch.tensor(table[i][: (n + bs - 1) // bs], dtype=torch.long, device=k_cache.device)
-            kk = k_cache[blocks].reshape(-1, hk, d)[:n]
-            vv = v_cache[blocks].reshape(-1, hk, d)[:n]
+            kk = k_cache[blocks].reshape(-1, hk, d)[lo:n]
+            vv = v_cache[blocks].reshape(-1, hk, d)[lo:n]
         else:
-            kk = k_cache[rows[i], :n]
-            vv = v_cache[rows[i], :n]
+            kk = k_cache[rows[i], lo:n]
+            vv = v_cache[rows[i], lo:n]
+        key = torch.arange(lo, n, device=q.device)[None, :]                # the keys' positions
+        n_keys = n - lo
         kf = kk.float().permute(1, 0, 2)                                     # [Hkv, L, D]
         vf = vv.float().permute(1, 0, 2)
         # [q_len, H, D] -> [Hkv, g * q_len, D]: the g query heads of one KV head share its keys.
         qf = q[i].float().reshape(ql, hk, g, d).permute(1, 2, 0, 3).reshape(hk, g * ql, d)
-        s = torch.matmul(qf, kf.transpose(-1, -2)).reshape(hk, g, ql, n) * scale
+        s = torch.matmul(qf, kf.transpose(-1, -2)).reshape(hk, g, ql, n_keys) * scale
         pos = torch.arange(ql, device=q.device)[:, None] + (n - ql)
         if softcap or alibi_slopes is not None:
             sl = None
             if alibi_slopes is not None:
                 sl = (alibi_slopes[i] if alibi_slopes.dim() == 2 else alibi_slopes).reshape(hk, g)
-            s = _score_mods(s, softcap, sl, pos - torch.arange(n, device=q.device)[None, :])
-        keep = torch.arange(n, device=q.device)[None, :] <= pos             # [q_len, L]
+            s = _score_mods(s, softcap, sl, pos - key)
+        keep = torch.ones(ql, n_keys, dtype=torch.bool, device=q.device)    # [q_len, keys]
+        if right >= 0:
+            keep &= key <= pos + right
+        if left >= 0:
+            keep &= key >= pos - left
         s = s.masked_fill(~keep, float("-inf"))
         row_lse = torch.logsumexp(s, dim=-1)                                 # [Hkv, g, q_len]
         p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-        o = torch.matmul(p.reshape(hk, g * ql, n), vf).reshape(hk, g, ql, d)
+        o = torch.matmul(p.reshape(hk, g * ql, n_keys), vf).reshape(hk, g, ql, d)
         out[i] = o.permute(2, 0, 1, 3).reshape(ql, h, d)
         lse[i] = row_lse.reshape(h, ql)
     return out, lse
+
+
+def reference_rotary(x, cos, sin, pos, interleaved: bool):
+    """x [B, S, H, D] with its first rotary_dim = 2 * cos.shape[1] features rotated in fp32 by the angles
+    of positions ``pos`` [B, S] (GPT-J pairs (0, 1), (2, 3)... when ``interleaved``, else GPT-NeoX
+    halves); returns fp32."""
+    import torch
+
+    half = cos.shape[1]
+    xf = x.float()
+    c, s = cos.float()[pos.long()][:, :, None, :], sin.float()[pos.long()][:, :, None, :]
+    if interleaved:
+        a, b = xf[..., 0:2 * half:2], xf[..., 1:2 * half:2]
+        rot = torch.stack((a * c - b * s, a * s + b * c), dim=-1).reshape(*x.shape[:3], 2 * half)
+    else:
+        a, b = xf[..., :half], xf[..., half:2 * half]
+        rot = torch.cat((a * c - b * s, a * s + b * c), dim=-1)
+    return torch.cat((rot, xf[..., 2 * half:]), dim=-1)
 
 
 def fresh_generator():

@@ -26,7 +26,8 @@ def main():
     os.environ["ATTNGEN_CACHE_DIR"] = root
     os.environ.pop("ATTNGEN_NO_TUNED", None)
     fake_cuda.prebuild(extra=[("PrefillSpec", dict(head_dim=64, dtype="bf16", **TUNED)),
-                              ("DecodeSpec", dict(head_dim=128, dtype="bf16", q_rows=16))])
+                              ("DecodeSpec", dict(head_dim=128, dtype="bf16", q_rows=16)),
+                              ("DecodeSpec", dict(head_dim=128, dtype="bf16", q_rows=16, local=True))])
     fake_cuda.install()
     wrap = fake_cuda.patch_torch_cuda()
 
@@ -178,7 +179,7 @@ def check_decode(torch, wrap):
     from attngen import runtime
     from attngen.families.decode.spec import MERGE_THREADS
 
-    dparams = struct.Struct("<12Q14q9iI2f2fQq")
+    dparams = struct.Struct("<12Q14q9iI2f2fQqQii")
     dq = wrap(torch.randn(1, 1, 32, 128).to(torch.bfloat16))
     kc, vc = (wrap(torch.randn(1, 4096, 8, 128).to(torch.bfloat16)) for _ in range(2))
     lens = wrap(torch.tensor([3000], dtype=torch.int32))
@@ -269,7 +270,39 @@ def check_decode(torch, wrap):
     for n in range(1, 300):
         attngen.decode(dq, kc, vc, cache_seqlens=n, num_splits=1, out=out)
     assert 0 < len(op._calls) <= runtime._MAX_CALLS
+    check_window_decode(torch, wrap, dq, kc, vc, lens, out, dparams)
     op.set_cluster_merge(op.CLUSTER_MAX)
+
+
+def check_window_decode(torch, wrap, dq, kc, vc, lens, out, dparams):
+    """A sliding window with left pads takes the `local` kernel, whose parameters end with the pads'
+    pointer and the window's sides (a plain call's: null, the unbounded left side, right 0 for causal);
+    its automatic split count is chosen for the window's keys, not the cache's."""
+    import attngen
+    from attngen.families.decode import op
+
+    def launched():
+        return [c for c in op._calls.values() if c.grid is not None]
+
+    attngen.decode(dq, kc, vc, cache_seqlens=lens, num_splits=1, out=out)
+    assert dparams.unpack(fake_cuda.last_params(dparams.size))[-3:] == (0, 1 << 30, 0)
+    assert not any(c.kern.spec.local for c in launched()), "no call so far needed the local kernel"
+    pads = wrap(torch.tensor([100], dtype=torch.int32))
+    attngen.decode(dq, kc, vc, cache_seqlens=lens, num_splits=2, out=out, window=(255, 0), cache_leftpad=pads)
+    vals = dparams.unpack(fake_cuda.last_params(dparams.size))
+    assert vals[-3:] == (pads.data_ptr(), 255, 0) and vals[5] == lens.data_ptr(), vals[-3:]
+    assert [c.kern.spec.local for c in launched()].count(True) == 1
+    n0 = len(launched())
+    attngen.decode(dq, kc, vc, cache_seqlens=lens, window=(255, 0))
+    (call,) = launched()[n0:]
+    assert call.kern.spec.local and 1 <= call.grid[0] <= -(-(255 + 1 + call.kern.spec.cta_tile_kv) //
+                                                          call.kern.spec.cta_tile_kv), call.grid
+    try:
+        attngen.decode(dq, kc, vc, cache_seqlens=lens, window=(-3, 0))
+    except attngen.LaunchError as e:
+        assert "window=(-3, 0) must be a pair" in str(e), e
+    else:
+        raise AssertionError("decode accepted window=(-3, 0)")
 
 
 if __name__ == "__main__":

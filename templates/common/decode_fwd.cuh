@@ -41,6 +41,10 @@ struct DecodeParams {
   float softcap_u, inv_softcap_u;  // cap / sm_scale and its inverse (SOFTCAP)
   const float* alibi;              // fp32 slopes [batch, heads] or [heads] (ALIBI)
   long long alibi_sb;              // batch stride of alibi: heads, or 0
+  // LOCAL: key j is seen by the token at position i where leftpad <= j, i - window_left <= j <= i + window_right
+  // (and j < seqlen); the host passes an unbounded side as 2^30, past any cache.
+  const int* leftpad;              // [batch] each row's first cache position, or null (0)
+  int window_left, window_right;
 };
 
 // The end of a CTA (decode_end.cuh): its warps' row statistics merged, then the output or the split's partial written.
@@ -48,7 +52,7 @@ template <class D>
 struct DecodeEnd;
 
 template <class T, bool BF16, int HEAD_DIM, int ROWS, int BLOCK_N, int NUM_WARPS, int WARPS_M, int NUM_STAGES,
-          bool PAGED, bool Q_IN_REGS, bool SOFTCAP = false, bool ALIBI = false>
+          bool PAGED, bool Q_IN_REGS, bool SOFTCAP = false, bool ALIBI = false, bool LOCAL = false>
 struct Decode {
   using L = SmemLayout<HEAD_DIM, HEAD_DIM, true>;
   using Elem = T;  // (what DecodeEnd, decode_end.cuh, reads of this struct)
@@ -76,6 +80,7 @@ struct Decode {
 
   struct Cta {
     int split, kv_head, batch, seqlen, rows_valid, tile_begin, tile_end;
+    int pad, key_lo;  // LOCAL: the row's left pad and the first key any of its tokens sees (else 0)
     int block_shift;  // paged: 31 + ceil(log2(block_size)), for block_of
     const T* k;  // this head of this row's cache (paged: of block 0)
     const T* v;
@@ -107,11 +112,22 @@ struct Decode {
     const int len = p.seqlens ? p.seqlens[c.batch] : p.seqlen_fixed;
     c.seqlen = min(max(len, 0), p.capacity);
     c.rows_valid = p.group * p.q_len;
-    // The row's tiles dealt out in equal runs; late splits of a short row may get none.
-    const int tiles = (c.seqlen + BLOCK_N - 1) / BLOCK_N;
-    const int per = (tiles + p.num_splits - 1) / p.num_splits;
-    c.tile_begin = min(tiles, c.split * per);
-    c.tile_end = min(tiles, c.tile_begin + per);
+    c.pad = c.key_lo = 0;
+    if constexpr (LOCAL) {
+      // Only the live keys are split: from the first token's first key (leftpad or its window's left edge).
+      c.pad = p.leftpad ? max(p.leftpad[c.batch], 0) : 0;
+      c.key_lo = min(max(c.pad, c.seqlen - p.q_len - p.window_left), c.seqlen);
+      const int first = c.key_lo / BLOCK_N, tiles = (c.seqlen + BLOCK_N - 1) / BLOCK_N - first;
+      const int per = (tiles + p.num_splits - 1) / p.num_splits;
+      c.tile_begin = first + min(tiles, c.split * per);
+      c.tile_end = first + min(tiles, c.split * per + per);
+    } else {
+      // The row's tiles dealt out in equal runs; late splits of a short row may get none.
+      const int tiles = (c.seqlen + BLOCK_N - 1) / BLOCK_N;
+      const int per = (tiles + p.num_splits - 1) / p.num_splits;
+      c.tile_begin = min(tiles, c.split * per);
+      c.tile_end = min(tiles, c.tile_begin + per);
+    }
     if constexpr (PAGED) {
       c.k = p.k + c.kv_head * p.k_sh;
       c.v = p.v + c.kv_head * p.v_sh;
@@ -170,7 +186,8 @@ struct Decode {
   }
 
   // Rows [tile * BLOCK_N, + BLOCK_N) of one head of the K (LOAD_K) and V (LOAD_V) caches into
-  // swizzled tiles; rows at or past the sequence are zero-filled and never read. A one-stage ring
+  // swizzled tiles; rows at or past the sequence (LOCAL: or before key_lo, where a left pad may hold
+  // anything, NaN included, that P V would carry) are zero-filled and never read. A one-stage ring
   // copies each row's K and V together, deeper rings all of K first: the order that keeps head_dim
   // 256 (255 registers a thread) from spilling on each (ptxas 13.5; the other order spilled 40 bytes
   // on sm_80/sm_86 at one stage, 8 on sm_90a at two).
@@ -201,7 +218,7 @@ struct Decode {
           const int r = r0 + it * ROW_STEP;
           if (BLOCK_N % ROW_STEP == 0 || r < BLOCK_N) {
             const int pos = tile * BLOCK_N + r;
-            const bool ok = pos < c.seqlen;
+            const bool ok = pos < c.seqlen && (!LOCAL || pos >= c.key_lo);
             const int at = L::offset(r, col);
             if (it % ROWS_PER_ENTRY == 0) {
               const long long slot = pos - block_of(pos, p, c) * p.block_size;
@@ -230,7 +247,7 @@ struct Decode {
           const int r = r0 + it * ROW_STEP;
           if (BLOCK_N % ROW_STEP == 0 || r < BLOCK_N) {
             const int pos = tile * BLOCK_N + r;
-            const bool ok = pos < c.seqlen;
+            const bool ok = pos < c.seqlen && (!LOCAL || pos >= c.key_lo);
             const int at = L::offset(r, col);
             int blk = 0, slot = pos;
             if constexpr (PAGED) {
@@ -249,8 +266,9 @@ struct Decode {
     }
   }
 
-  // The last key each of this thread's rows may see: token qi sits at seqlen - q_len + qi.
-  // Rows past the packed ones (zero queries, never written) see the whole sequence.
+  // Each of this thread's rows' position: token qi sits at seqlen - q_len + qi, which is also the last
+  // key it sees unless LOCAL (where key_bounds gives both ends). Rows past the packed ones (zero
+  // queries, never written) are placed at the sequence's end.
   static __device__ __forceinline__ void row_limits(int (&lim)[M_TILES][2], const DecodeParams<T>& p, const Cta& c,
                                                     const Lane& l) {
 #pragma unroll
@@ -262,9 +280,23 @@ struct Decode {
       }
   }
 
-  // Some key of this warp's slice of the tile lies past the first token's last key.
+  // Some key of this warp's slice of the tile lies past the first token's last key (LOCAL: or before
+  // the last token's first).
   static __device__ __forceinline__ bool needs_mask(const DecodeParams<T>& p, const Cta& c, int n0, const Lane& l) {
-    return n0 + l.key0 + KW - 1 > c.seqlen - p.q_len;
+    if constexpr (LOCAL) {
+      const int pos0 = c.seqlen - p.q_len;
+      return n0 + l.key0 + KW - 1 > min(pos0 + p.window_right, c.seqlen - 1) ||
+             n0 + l.key0 < max(c.pad, pos0 + p.q_len - 1 - p.window_left);
+    } else {
+      return n0 + l.key0 + KW - 1 > c.seqlen - p.q_len;
+    }
+  }
+
+  // LOCAL: the first and last key (relative to col0) the token at position `pos` sees.
+  static __device__ __forceinline__ void key_bounds(int& lo, int& hi, int pos, int col0, const DecodeParams<T>& p,
+                                                    const Cta& c) {
+    lo = max(c.pad, pos - p.window_left) - col0;
+    hi = min(pos + p.window_right, c.seqlen - 1) - col0;
   }
 
   static __device__ __forceinline__ void load_q_frags(unsigned (&q_frag)[Q_IN_REGS ? M_TILES : 1][Q_IN_REGS ? K_STEPS : 1][4],
@@ -342,12 +374,13 @@ struct Decode {
       for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int hi = lim[mt][r] - col0;
+          int lo = 0, hi = lim[mt][r] - col0;
+          if constexpr (LOCAL) key_bounds(lo, hi, lim[mt][r], col0, p, c);
 #pragma unroll
           for (int n = 0; n < KW_TILES; ++n)
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-              if (n * 8 + e > hi) acc_s[mt][n][2 * r + e] = -ATTNGEN_INF;
+              if (n * 8 + e > hi || (LOCAL && n * 8 + e < lo)) acc_s[mt][n][2 * r + e] = -ATTNGEN_INF;
         }
     }
   }

@@ -4,10 +4,11 @@
 namespace attngen {
 
 template <class T, bool BF16, int HEAD_DIM, int ROWS, int BLOCK_N, int NUM_WARPS, int WARPS_M, int NUM_STAGES,
-          bool PAGED, bool Q_IN_REGS, bool SOFTCAP = false, bool ALIBI = false>
+          bool PAGED, bool Q_IN_REGS, bool SOFTCAP = false, bool ALIBI = false, bool LOCAL = false>
 struct DecodeUnfused : Decode<T, BF16, HEAD_DIM, ROWS, BLOCK_N, NUM_WARPS, WARPS_M, NUM_STAGES, PAGED, Q_IN_REGS,
-                              SOFTCAP, ALIBI> {
-  using D = Decode<T, BF16, HEAD_DIM, ROWS, BLOCK_N, NUM_WARPS, WARPS_M, NUM_STAGES, PAGED, Q_IN_REGS, SOFTCAP, ALIBI>;
+                              SOFTCAP, ALIBI, LOCAL> {
+  using D = Decode<T, BF16, HEAD_DIM, ROWS, BLOCK_N, NUM_WARPS, WARPS_M, NUM_STAGES, PAGED, Q_IN_REGS, SOFTCAP, ALIBI,
+                   LOCAL>;
   using typename D::Cta;
   using typename D::Lane;
   using typename D::Pages;
@@ -164,12 +165,15 @@ struct DecodeUnfused : Decode<T, BF16, HEAD_DIM, ROWS, BLOCK_N, NUM_WARPS, WARPS
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
               const int row = l.row0 + mt * 16 + l.g + 8 * r;
-              const int hi = lim[mt][r] - (n0 + l.key0 + 2 * l.t);
+              int lo = 0, hi = lim[mt][r] - (n0 + l.key0 + 2 * l.t);
+              if constexpr (LOCAL) D::key_bounds(lo, hi, lim[mt][r], n0 + l.key0 + 2 * l.t, p, c);
 #pragma unroll
               for (int n = 0; n < KW_TILES; ++n) {
                 const float2 s = *reinterpret_cast<const float2*>(sSs + row * S_LD + l.key0 + n * 8 + 2 * l.t);
-                acc_p[mt][n][2 * r] = n * 8 <= hi ? fast_exp2(fmaf(s.x, p.scale_log2, -base[mt][r])) : 0.f;
-                acc_p[mt][n][2 * r + 1] = n * 8 + 1 <= hi ? fast_exp2(fmaf(s.y, p.scale_log2, -base[mt][r])) : 0.f;
+                const bool in0 = n * 8 <= hi && (!LOCAL || n * 8 >= lo);
+                const bool in1 = n * 8 + 1 <= hi && (!LOCAL || n * 8 + 1 >= lo);
+                acc_p[mt][n][2 * r] = in0 ? fast_exp2(fmaf(s.x, p.scale_log2, -base[mt][r])) : 0.f;
+                acc_p[mt][n][2 * r + 1] = in1 ? fast_exp2(fmaf(s.y, p.scale_log2, -base[mt][r])) : 0.f;
               }
             }
           accumulate_pv(acc_o, acc_p, sV + slot * BLOCK_N * HEAD_DIM, l);

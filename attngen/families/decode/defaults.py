@@ -33,10 +33,11 @@ TUNED_ROWS = {
     (128, True, 64, "fused"): [(64, 8, 3)],
 }
 
-# Configs ptxas spills on some archs (NVRTC 13.5), per (head_dim, paged, q_rows, variant[, "softcap" or "alibi"])
-# and (cta_tile_kv, num_warps, num_stages). Every single-field pin (or none) of every head_dim, row count, layout and
-# variant (bf16, no softcap or ALiBi) was compiled for every manifest arch. (Paged head_dim 256 at 16
-# rows, 64x4x2: the copies stepping from each 16-row group's first row hold one register more than ptxas has.)
+# Configs ptxas spills on some archs (NVRTC 13.5), per (head_dim, paged, q_rows, variant[, a modifier: "softcap",
+# "alibi" or "local"]) and (cta_tile_kv, num_warps, num_stages). Every single-field pin (or none) of every head_dim,
+# row count, layout and variant (bf16, no softcap or ALiBi) was compiled for every manifest arch. (Paged
+# head_dim 256 at 16 rows, 64x4x2: the copies stepping from each 16-row group's first row hold one register more
+# than ptxas has.)
 SPILLS_ON = {
     ((64, False, 32, 'fused'), (64, 4, 1)): ('sm_80', 'sm_86', 'sm_89', 'sm_120'),
     ((64, False, 32, 'fused'), (64, 4, 2)): ('sm_90a',),
@@ -66,6 +67,11 @@ SPILLS_ON = {
     ((64, False, 64, 'fused', 'softcap'), (128, 8, 2)): ('sm_90a',),
     ((128, False, 64, 'unfused', 'softcap'), (64, 4, 4)): ('sm_80',),
     ((256, True, 16, 'fused', 'alibi'), (64, 4, 3)): ('sm_90a',),
+    # with the local switch (window, left pad): the fused defaults of every head_dim, layout and q_rows 16 and 32,
+    # bf16, compiled for sm_80 and sm_90a, 2026-11-29
+    ((64, False, 32, 'fused', 'local'), (128, 8, 2)): ('sm_80', 'sm_90a'),
+    ((64, True, 32, 'fused', 'local'), (128, 8, 2)): ('sm_80',),
+    ((256, False, 16, 'fused', 'local'), (64, 4, 2)): ('sm_80', 'sm_90a'),
 }
 
 
@@ -77,5 +83,5 @@ def candidates(spec, arch: Arch):
     every = itertools.chain(TUNED_ROWS.get(where, ()),
                             TUNED[(spec.head_dim, spec.paged)],
                             itertools.product((64, 128, 32, 16), (4, 8), (4, 3, 2, 1)))
-    keys = [where] + [(*where, mod) for mod in ("softcap", "alibi") if getattr(spec, mod)]
+    keys = [where] + [(*where, mod) for mod in ("softcap", "alibi", "local") if getattr(spec, mod)]
     return iter(sorted(every, key=lambda c: any(arch.name in SPILLS_ON.get((k, c), ()) for k in keys)))

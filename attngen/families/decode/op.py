@@ -20,26 +20,30 @@ from ..split_kv import (CLUSTER_MAX, cache_lengths, check_index, check_rows, che
 from .spec import MERGE_THREADS, DecodeSpec, Variant
 
 # DecodeParams in templates/common/decode_fwd.cuh: 12 pointers, 14 strides, 9 ints, an unsigned
-# (block_mul), 2 floats, 2 floats (softcap), the ALiBi slopes' pointer and batch stride.
-_PARAMS = struct.Struct("<12Q14q9iI2f2fQq")
+# (block_mul), 2 floats, 2 floats (softcap), the ALiBi slopes' pointer and batch stride, the left pads'
+# pointer and the window's two sides (read by the `local` kernels only).
+_PARAMS = struct.Struct("<12Q14q9iI2f2fQqQii")
 _LOG2E = 1.4426950408889634
 MAX_Q_LEN = 8
 MAX_GROUP = 16
 VARIANTS = ("auto", "fused", "unfused")
 _CACHE_DIMS = "[cache_batch, max_seqlen, kv_heads, head_dim] or, paged, [num_blocks, block_size, kv_heads, head_dim]"
+# An unbounded side of the window, as the local kernels take it: past any cache they accept (LOCAL_MAX_KEYS).
+_UNBOUNDED = 1 << 30
+LOCAL_MAX_KEYS = 1 << 30
 
 
 @functools.lru_cache(maxsize=None)
 def _spec_for(head_dim: int, dtype: str, q_rows: int, paged: bool, variant: str, user: DecodeSpec | None,
-              softcap: bool = False, alibi: bool = False):
+              softcap: bool = False, alibi: bool = False, local: bool = False):
     fields = dict(head_dim=head_dim, dtype=DType(dtype), q_rows=q_rows, paged=paged, variant=Variant(variant),
-                  softcap=softcap, alibi=alibi)
+                  softcap=softcap, alibi=alibi, local=local)
     return DecodeSpec(**fields) if user is None else user.replace(**fields)
 
 
 class _Plan(TunedKernels):
     """What a call needs that depends only on its plan key (head_dim, dtype, device, q_rows, paged,
-    variant, the user's spec, array kind, softcap, alibi): the kernel, or the winners ``attngen tune
+    variant, the user's spec, array kind, softcap, alibi, local): the kernel, or the winners ``attngen tune
     decode`` stored for this GPU by cache capacity (``kernel_for``), allocators, the stream getter
     and the SM count. Made once per key, so a call does its checks, one lookup, the allocations
     and the launches."""
@@ -51,8 +55,8 @@ _plans: dict[tuple, _Plan] = register_dependent_cache({})
 
 
 def _make_plan(key: tuple) -> _Plan:
-    d, dtype, device, q_rows, paged, variant, spec, kind, softcap, alibi = key
-    base = _spec_for(d, dtype, q_rows, paged, variant, spec, softcap, alibi)
+    d, dtype, device, q_rows, paged, variant, spec, kind, softcap, alibi, local = key
+    base = _spec_for(d, dtype, q_rows, paged, variant, spec, softcap, alibi, local)
     plan = _Plan()
     plan.choose(base, device, use_tuned=spec is None)  # winners by cache capacity, if stored
     plan.alloc = allocator(kind, dtype, device)
@@ -80,7 +84,8 @@ def _check_operands(qi, ki, vi) -> None:
 
 def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_table=None, num_splits: int = 0,
            sm_scale: float | None = None, return_lse: bool = False, out=None, variant: str = "auto",
-           spec: DecodeSpec | str | Mapping | None = None, softcap: float = 0.0, alibi_slopes=None):
+           spec: DecodeSpec | str | Mapping | None = None, softcap: float = 0.0, alibi_slopes=None,
+           causal: bool = True, window: tuple[int, int] = (-1, -1), cache_leftpad=None):
     """Attention of q_len new tokens per sequence against a KV cache.
 
     q ``[batch, q_len, heads, head_dim]`` (q_len 1..8). Contiguous cache: k_cache, v_cache
@@ -99,12 +104,21 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     ``return_lse`` also the fp32 LSE ``[batch, heads, q_len]``; a token that sees no key gives
     zeros and LSE -inf. ``softcap`` and ``alibi_slopes`` (fp32 ``[heads]`` or ``[batch, heads]``)
     act as in ``attngen.prefill``.
+
+    FlashAttention's key bounds, queries at the bottom right: ``window=(left, right)`` lets the token
+    at position i see keys i - left .. i + right (-1: unbounded on that side; a sliding window of
+    Mistral or Gemma is ``(w - 1, 0)``); ``causal`` (default True) sets right to 0, and with
+    ``causal=False`` and no right bound every new token sees every key of its row. ``cache_leftpad``
+    (int32 ``[batch]``) is each row's first cache position: keys before it are never seen (nor read),
+    and ``cache_seqlens`` stays the row's end. Split-KV divides only the keys some token sees. These
+    take the spec's ``local`` kernels; calls without them run the kernels without that switch.
     """
     if _rt.tracing is not None and _rt.tracing():
         return _rt.traced_ops["decode"](
             q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
             block_table=block_table, num_splits=num_splits, sm_scale=sm_scale, return_lse=return_lse, out=out,
-            variant=variant, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes)
+            variant=variant, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes, causal=causal, window=window,
+            cache_leftpad=cache_leftpad)
     if spec is not None and spec.__class__ is not DecodeSpec and spec.__class__ is not str:
         # a dict, another family's spec, a wrong type: read or refused before the tensors (text is
         # kept as given, part of the call's key, and read once in _prepare)
@@ -122,14 +136,15 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
                None if block_table is None else tensor_info(block_table, "block_table"),
                None if alibi_slopes is None else tensor_info(alibi_slopes, "alibi_slopes"),
                None if out is None else tensor_info(out, "out"),
-               num_splits, sm_scale, softcap, return_lse, variant, spec)
+               None if cache_leftpad is None else tensor_info(cache_leftpad, "cache_leftpad"),
+               num_splits, sm_scale, softcap, return_lse, variant, spec, causal, window)
         call = _calls.get(key)
     except (LaunchError, TypeError):
         key = call = None
     if call is None:
         call = _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse,
-                        out, variant, spec, softcap, alibi_slopes)
-        keep_call(_calls, key, call, flags=(return_lse,), numbers=(num_splits, sm_scale, softcap))
+                        out, variant, spec, softcap, alibi_slopes, causal, window, cache_leftpad)
+        keep_call(_calls, key, call, flags=(return_lse, causal), numbers=(num_splits, sm_scale, softcap))
     plan, kind = call.plan, qi.kind
     if out is None:
         out = plan.alloc(*call.out_shape)
@@ -229,8 +244,27 @@ def cluster_limit(kern, ctas: int) -> int:
     return cmax if cmax > 1 and ctas * cmax >= need * sm_count(kern.device) else 0
 
 
+def window_bounds(causal, window, q_len: int) -> tuple[bool, int, int]:
+    """(local, left, right) of a decode call: whether it needs the ``local`` kernels (a window, or
+    keys after a token's own position for several new tokens) and the window's sides as they take
+    them, an unbounded side as _UNBOUNDED. Raises LaunchError for a malformed window."""
+    if causal.__class__ is not bool:
+        raise LaunchError(f"causal={causal!r} must be a bool")
+    try:
+        left, right = window
+        ok = all(x.__class__ is int and x >= -1 for x in (left, right))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise LaunchError(f"window={window!r} must be a pair (left, right) of ints >= -1, -1 for unbounded")
+    right = 0 if causal else right
+    local = left >= 0 or (q_len > 1 and right != 0)
+    return local, (_UNBOUNDED if left < 0 else min(left, _UNBOUNDED)), (_UNBOUNDED if right < 0
+                                                                         else min(right, _UNBOUNDED))
+
+
 def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse, out, variant,
-             spec, softcap, alibi_slopes) -> _Call:
+             spec, softcap, alibi_slopes, causal=True, window=(-1, -1), cache_leftpad=None) -> _Call:
     """Check a call's arguments and work out its ``_Call``."""
     if spec is not None and spec.__class__ is not DecodeSpec:
         spec = op_spec(spec, "decode", "attngen.decode")
@@ -284,10 +318,20 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         elif pool < b:
             raise LaunchError(f"k_cache has {pool} cache rows for batch {b}; pass cache_batch_idx to map rows")
     seq_ptr, seq_fixed = cache_lengths(cache_seqlens, b, kind, dev, "q")
+    local, left, right = window_bounds(causal, window, q_len)
+    pad_ptr = 0
+    if cache_leftpad is not None:
+        pad = check_index(cache_leftpad, "cache_leftpad", 1, kind, dev)
+        if pad.shape[0] != b:
+            raise LaunchError(f"cache_leftpad has {pad.shape[0]} entries; q has batch {b}")
+        local, pad_ptr = True, pad.ptr
+    if local and capacity > LOCAL_MAX_KEYS:
+        raise LaunchError(f"a cache of {capacity} positions with a window or cache_leftpad; allowed: at most "
+                          f"{LOCAL_MAX_KEYS}")
     cap_u, inv_cap_u, alibi_ptr, alibi_sb = (extras(softcap, alibi_slopes, b, h, qi, sm_scale)
                                              if softcap or alibi_slopes is not None else NO_EXTRAS)
     pkey = (d, dtype, dev, DecodeSpec.rows_for(group, q_len), paged, "fused" if variant == "auto" else variant,
-            spec, kind, bool(softcap), alibi_ptr != 0)
+            spec, kind, bool(softcap), alibi_ptr != 0, local)
     call = _Call()
     call.plan = plan = _plans.get(pkey) or _make_plan(pkey)
     call.out_shape, call.lse_shape = (b, q_len, h, d), (b, h, q_len)
@@ -313,8 +357,11 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     # its epilogue's shared memory holds the output rows: no workspace and no merge launch.
     per_sm = ctas_per_sm(kern)
     cmax = cluster_limit(kern, b * hk)
+    # A window's row sees at most left + q_len keys (and one tile more where they start mid-tile): the split
+    # count is chosen for those, as the kernel splits only them.
+    live = min(capacity, left + q_len + rs.cta_tile_kv) if local and left < _UNBOUNDED else capacity
     if num_splits == 0:
-        num_splits = choose_splits(b * hk, capacity, rs.cta_tile_kv, plan.sms, per_sm, 4 * rs.cta_tile_kv * d,
+        num_splits = choose_splits(b * hk, live, rs.cta_tile_kv, plan.sms, per_sm, 4 * rs.cta_tile_kv * d,
                                    4 * b * q_len * h * d)
         if num_splits > 1 and cmax:
             # A cluster caps the split count. It is taken where its fewer CTAs read about as fast as the merge
@@ -359,6 +406,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         seq_fixed, -(-(1 << (31 + (block_size - 1).bit_length())) // block_size) if block_size else 0,
         scale, scale * _LOG2E,
         cap_u, inv_cap_u, alibi_ptr, alibi_sb,
+        pad_ptr, left, right,
     )
     call.grid = (num_splits, hk, b)
     call.merge_grid = (-(-b * q_len * h // (MERGE_THREADS // 32)), 1, 1) if merged else None

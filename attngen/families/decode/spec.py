@@ -54,6 +54,9 @@ class DecodeSpec(SpecBase):
     variant: Variant = Variant.FUSED
     softcap: bool = False   # logit capping cap * tanh(s / cap); the cap is a call argument
     alibi: bool = False     # ALiBi bias -slope * |i - j|; the per-head slopes are a call argument
+    # per-row key bounds: a sliding window (left, right) about each query's position and a left pad
+    # (the row's first cache position); both are call arguments
+    local: bool = False
     cta_tile_kv: int = 0
     num_warps: int = 0
     num_stages: int = 0
@@ -67,6 +70,7 @@ class DecodeSpec(SpecBase):
         s(self, "variant", coerce_enum(Variant, "variant", self.variant))
         s(self, "softcap", coerce_bool("softcap", self.softcap))
         s(self, "alibi", coerce_bool("alibi", self.alibi))
+        s(self, "local", coerce_bool("local", self.local))
         s(self, "cta_tile_kv", coerce_int("cta_tile_kv", self.cta_tile_kv, self.CTA_TILE_KV))
         s(self, "num_warps", coerce_int("num_warps", self.num_warps, self.NUM_WARPS))
         s(self, "num_stages", coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
