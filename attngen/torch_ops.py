@@ -78,8 +78,10 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, w
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: Optional[torch.Tensor],
             cache_seqlen: int, cache_batch_idx: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
             num_splits: int, sm_scale: Optional[float], return_lse: bool, variant: str, spec: Optional[str],
-            softcap: float, alibi_slopes: Optional[torch.Tensor], causal: bool, window_left: int, window_right: int,
-            cache_leftpad: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            softcap: float, alibi_slopes: Optional[torch.Tensor], causal: bool = True, window_left: int = -1,
+            window_right: int = -1, cache_leftpad: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    # The window and left-pad arguments came after the op's first release: defaults keep calls
+    # through torch.ops.attngen.decode that predate them working.
     from .families.decode.op import decode
 
     r = decode(q, k_cache, v_cache, cache_seqlens=cache_seqlen if cache_seqlens is None else cache_seqlens,
@@ -92,7 +94,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache
 
 @_decode.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, cache_seqlen, cache_batch_idx, block_table, num_splits, sm_scale,
-      return_lse, variant, spec, softcap, alibi_slopes, causal, window_left, window_right, cache_leftpad):
+      return_lse, variant, spec, softcap, alibi_slopes, causal=True, window_left=-1, window_right=-1,
+      cache_leftpad=None):
     b, n, h, _ = q.shape
     lse = q.new_empty((b, h, n), dtype=torch.float32) if return_lse else _no_lse(q)
     return torch.empty_like(q, memory_format=torch.contiguous_format), lse
