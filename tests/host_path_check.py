@@ -159,7 +159,7 @@ def main():
     assert op.kernel_for(q, k, v, spec=PrefillSpec()).spec == default
     causal = attngen.resolve(PrefillSpec(head_dim=64, dtype="bf16", mask="causal"), "sm_90a")
     # other untuned fields: no entry, the default for the call's rows (100: short causal rows' 64-row tiles)
-    from attngen.families.prefill.defaults import by_rows
+    from attngen.families.prefill.choose import by_rows
 
     assert op.kernel_for(q, k, v, causal=True).spec == by_rows(causal, "sm_90a")[1][0]
     os.environ["ATTNGEN_NO_TUNED"] = "1"
@@ -195,7 +195,7 @@ def check_decode(torch, wrap):
     attngen.decode(dq, kc, vc, cache_seqlens=lens, num_splits=9)  # past the portable size
     assert fake_cuda.last_launch()["cluster"] == 0
     # An automatic count: a cluster at 4k positions; at 8k the merge launch, whose 16 splits read faster than a
-    # cluster's 8 by more than the launch costs on the stub's H200 (op.grid_steps).
+    # cluster's 8 by more than the launch costs on the stub's H200 (choose.grid_steps).
     attngen.decode(dq, kc, vc, cache_seqlens=lens)
     assert fake_cuda.last_launch()["cluster"] in range(2, op.CLUSTER_MAX + 1), "the automatic count fits a cluster"
     k8, v8 = (wrap(torch.randn(1, 8192, 8, 128).to(torch.bfloat16)) for _ in range(2))

@@ -12,11 +12,14 @@ from ... import runtime as _rt
 from ...errors import LaunchError
 from ...runtime import (TunedKernels, allocator, current_stream, data_ptr, keep_call, register_dependent_cache,
                          tensor_info, torch_stream_getter)
-from ...spec import DType, spec_of_text
+from ...spec import spec_of_text
+from ...tuned import stored_choices
+from ..choice import device_facts
 from ..score_mods import NO_EXTRAS, checked_scale, extras
-from ..split_kv import (CLUSTER_MAX, cache_lengths, check_index, check_rows, checked_splits, choose_splits,
-                        ctas_per_sm, paged_table, saturating_share, sm_count)
-from .spec import MERGE_THREADS, DecodeSpec, Variant
+from ..split_kv import CLUSTER_MAX, cache_lengths, check_index, check_rows, checked_splits, paged_table
+from . import choose as _choose
+from .choose import Problem, base_spec, launch, table
+from .spec import DecodeSpec, Variant
 
 # DecodeParams in templates/common/decode_fwd.cuh: 12 pointers, 14 strides, 9 ints, an unsigned
 # (block_mul), 2 floats, 2 floats (softcap), the ALiBi slopes' pointer and batch stride.
@@ -28,22 +31,14 @@ VARIANTS = ("auto", "fused", "unfused")
 _CACHE_DIMS = "[cache_batch, max_seqlen, kv_heads, head_dim] or, paged, [num_blocks, block_size, kv_heads, head_dim]"
 
 
-@functools.lru_cache(maxsize=None)
-def _spec_for(head_dim: int, dtype: str, q_rows: int, paged: bool, variant: str, user: DecodeSpec | None,
-              softcap: bool = False, alibi: bool = False):
-    fields = dict(head_dim=head_dim, dtype=DType(dtype), q_rows=q_rows, paged=paged, variant=Variant(variant),
-                  softcap=softcap, alibi=alibi)
-    return DecodeSpec(**fields) if user is None else user.replace(**fields)
-
-
 class _Plan(TunedKernels):
     """What a call needs that depends only on its plan key (head_dim, dtype, device, q_rows, paged,
     variant, the user's spec, array kind, softcap, alibi): the kernel, or the winners ``attngen tune
     decode`` stored for this GPU by cache capacity (``kernel_for``), allocators, the stream getter
-    and the SM count. Made once per key, so a call does its checks, one lookup, the allocations
-    and the launches."""
+    and the device's facts (``choice.DeviceFacts``). Made once per key, so a call does its checks, one
+    lookup, the allocations and the launches."""
 
-    __slots__ = ("alloc", "alloc_f32", "stream", "sms")
+    __slots__ = ("alloc", "alloc_f32", "stream", "facts")
 
 
 _plans: dict[tuple, _Plan] = register_dependent_cache({})
@@ -51,13 +46,15 @@ _plans: dict[tuple, _Plan] = register_dependent_cache({})
 
 def _make_plan(key: tuple) -> _Plan:
     d, dtype, device, q_rows, paged, variant, spec, kind, softcap, alibi = key
-    base = _spec_for(d, dtype, q_rows, paged, variant, spec, softcap, alibi)
+    base = base_spec(d, dtype, q_rows, paged, variant, spec, softcap, alibi)
     plan = _Plan()
-    plan.choose(base, device, use_tuned=spec is None)  # winners by cache capacity, if stored
+    plan.facts = facts = device_facts(device)
+    # the choice's specs by cache capacity (choose.choose, whose size-independent part a plan keeps)
+    plan.take(table(base, facts.arch, spec is None, tuple(stored_choices(base, device)) if spec is None else ()),
+              device)
     plan.alloc = allocator(kind, dtype, device)
     plan.alloc_f32 = allocator(kind, "fp32", device)
     plan.stream = torch_stream_getter() if kind == "torch" else functools.partial(current_stream, "cupy")
-    plan.sms = sm_count(device)
     _plans[key] = plan
     return plan
 
@@ -161,18 +158,6 @@ class _Call:
 
 
 _calls: dict[tuple, _Call] = register_dependent_cache({})  # key -> _Call (runtime.keep_call)
-# The merge launch in a CUDA graph, in the tile steps of choose_splits (a step: every resident CTA reading one K and V
-# tile): about three (choose_splits counts one).
-MERGE_LAUNCH_STEPS = 3.0
-
-
-def grid_steps(ctas: int, tiles: int, splits: int, slots: int, share: float) -> float:
-    """Tile steps of a grid of ``ctas`` x ``splits`` CTAs over ``tiles`` tiles a row, with ``slots``
-    resident at once: its waves of ceil(tiles / splits) steps, or, where more CTAs read at once than
-    the memory serves at full rate (``share``, split_kv.saturating_share, of the SMs), the tiles over
-    that many; plus 2 for the ring's fill."""
-    waves = -(-ctas * splits // slots)
-    return max(waves * -(-tiles // splits), ctas * tiles / (share * slots)) + 2
 
 
 _cluster_merge = [CLUSTER_MAX]
@@ -193,33 +178,10 @@ def set_cluster_merge(max_splits: int) -> int:
 
 
 def cluster_limit(kern, ctas: int) -> int:
-    """The most splits of a row that a grid of ``ctas`` (batch x KV heads) CTAs of ``kern`` merges in
-    one cluster of them; 0 where it merges through the workspace and a merge launch. Clusters need
-    sm_90 (``Kernel.max_clusters``), the fused kernel, room for the output rows in its shared memory,
-    one CTA an SM with a ring of 4 stages or more, and are taken where their CTAs reach a third of the
-    SMs or more (a paged cache: 90%). Measured on an H100 (b=1, 32k keys) against the merge launch:
-    1.00-1.04x faster with 64 CTAs of head_dim 128, 4 stages (8 KV heads, 8 splits against 33); 1.6x
-    slower with 32 CTAs (4 KV heads); 1.4x slower with head_dim 256's 2- and 3-stage rings (137 against
-    99 us), whose CTAs read too slowly for half the SMs to keep up. Paged (blocks of 64, head_dim 128):
-    64 CTAs at b=1 with 8 KV heads 1.02-1.09x slower from 4k keys (58.2 against 53.4 us at 32k), 128
-    at b=16 with 4 KV heads 1.03-1.06x faster. Where the call's split count is automatic, a cluster is
-    also weighed against the merge launch's uncapped count (``grid_steps``).
-
-    Every one of the ``ctas`` clusters must be resident at once (``Kernel.max_clusters``, which counts
-    the SMs of each GPC: 30 clusters of 4 and 15 of 8 on an H100, not 33 and 16): a cluster size with
-    fewer runs the last clusters as a second wave, 1.3-1.45x slower than the merge launch (b=4-8 with
-    4-8 KV heads), so the size is the largest whose clusters all fit."""
-    rs = kern.spec
-    if (rs.variant is Variant.UNFUSED or rs.num_stages < 4
-            or rs.cluster_merge_bytes() > rs.smem_bytes() or ctas_per_sm(kern) != 1):
-        return 0
-    cmax = _cluster_merge[0]
-    while cmax > 1 and kern.max_clusters(cmax) < ctas:
-        cmax -= 1
-    # A paged CTA reads more slowly (its table lookups): a paged grid clusters only where its clusters fill 90% of
-    # the SMs or more.
-    need = 0.9 if rs.paged else 1 / 3
-    return cmax if cmax > 1 and ctas * cmax >= need * sm_count(kern.device) else 0
+    """The most splits of a row that a grid of ``ctas`` (batch x KV heads) CTAs of the loaded ``kern`` merges
+    in one cluster of them; 0 where it merges through the workspace and a merge launch (``choose.cluster_limit``
+    with this process's setting, ``set_cluster_merge``)."""
+    return _choose.cluster_limit(kern.spec, ctas, device_facts(kern.device), _cluster_merge[0])
 
 
 def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse, out, variant,
@@ -299,30 +261,16 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     if b > 65535:
         raise LaunchError(f"batch={b} exceeds 65535 (the grid's z limit)")
 
-    call.kern = kern = plan.kernel or plan.kernel_for(capacity)
+    call.kern = kern = plan.kernel or plan.kernel_for(capacity)  # (choose.choose's spec)
     rs = kern.spec
     call.unfused = unfused = rs.variant is Variant.UNFUSED
-    # The fused kernel on sm_90 merges the splits of a row in a cluster of them (cluster_limit), where
+    # The split count; the fused kernel on sm_90 merges the splits of a row in a cluster of them, where
     # its epilogue's shared memory holds the output rows: no workspace and no merge launch.
-    per_sm = ctas_per_sm(kern)
-    cmax = cluster_limit(kern, b * hk)
-    if num_splits == 0:
-        num_splits = choose_splits(b * hk, capacity, rs.cta_tile_kv, plan.sms, per_sm, 4 * rs.cta_tile_kv * d,
-                                   4 * b * q_len * h * d)
-        if num_splits > 1 and cmax:
-            # A cluster caps the split count. It is taken where its fewer CTAs read about as fast as the merge
-            # launch's more, counting what the launch costs (grid_steps); a long cache at batch 1 needs the SMs a
-            # cluster leaves idle (H200: 1.3x slower at 32k keys with 8 KV heads).
-            capped = choose_splits(b * hk, capacity, rs.cta_tile_kv, plan.sms, per_sm, 4 * rs.cta_tile_kv * d, 0,
-                                   max_splits=cmax)
-            tiles, slots, share = -(-capacity // rs.cta_tile_kv), plan.sms * per_sm, saturating_share(qi.device)
-            if (grid_steps(b * hk, tiles, capped, slots, share)
-                    <= grid_steps(b * hk, tiles, num_splits, slots, share) + MERGE_LAUNCH_STEPS):
-                num_splits = capped
-            else:
-                cmax = 0
-    call.cluster = num_splits if 1 < num_splits <= cmax else 0
-    merged = num_splits > 1 and not call.cluster  # by the merge launch
+    problem = Problem(d, dtype, q_len, h, hk, b, capacity, paged, variant, spec, bool(softcap), alibi_ptr != 0,
+                      num_splits, _cluster_merge[0])
+    lc = launch(problem, rs, plan.facts)
+    num_splits, call.cluster = lc.num_splits, lc.cluster
+    merged = lc.merge_grid is not None  # by the merge launch
     # Else one fp32 workspace a call: split partials (outputs, then LSE), then the unfused variant's
     # scores and per-split row stats; every piece starts 16-byte aligned.
     scores_ld = 0
@@ -353,6 +301,5 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         scale, scale * _LOG2E,
         cap_u, inv_cap_u, alibi_ptr, alibi_sb,
     )
-    call.grid = (num_splits, hk, b)
-    call.merge_grid = (-(-b * q_len * h // (MERGE_THREADS // 32)), 1, 1) if merged else None
+    call.grid, call.merge_grid = lc.grid, lc.merge_grid
     return call
