@@ -33,7 +33,8 @@ def facts(arch: str, share: float = 0.7, per_sm: int = 1) -> DeviceFacts:
 
 
 def ptiles(s):
-    t = f"{s.cta_tile_q}x{s.cta_tile_kv} w{s.num_warps} s{s.num_stages} {s.mma.value} {s.pipeline.value} {s.schedule.value}"
+    t = f"{s.cta_tile_q}x{s.cta_tile_kv} w{s.num_warps} s{s.num_stages}"
+    t += f" {s.mma.value} {s.pipeline.value} {s.schedule.value}"
     return t + (" persistent" if s.is_persistent else "")
 
 
@@ -42,7 +43,8 @@ def dtiles(s):
 
 
 def mtiles(s):
-    return f"q{s.q_rows} {s.qk_shard.value} kv{s.cta_tile_kv} w{s.num_warps} s{s.num_stages} {s.mma.value} {s.pipeline.value}"
+    return (f"q{s.q_rows} {s.qk_shard.value} kv{s.cta_tile_kv} w{s.num_warps} s{s.num_stages} {s.mma.value} "
+            f"{s.pipeline.value}")
 
 
 PREFILL = [

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from ..arch import Arch
 from ..spec import Spec
@@ -45,14 +45,24 @@ class DeviceFacts:
 def device_facts(device: int) -> DeviceFacts:
     """The facts of ``device`` as the ops read them: from the driver, a kernel's through its loaded form
     (``runtime.get_kernel``, which loads each spec once per device)."""
-    from ..runtime import device_arch, get_kernel
+    from ..runtime import device_arch, get_kernel, register_dependent_cache
     from .split_kv import saturating_share, sm_count
 
+    # id of a spec -> (the spec, its loaded kernel): by identity, as a choice asks of the specs it keeps
+    # (hashing a spec per call costs more); cleared with the loaded kernels
+    kernels: dict = register_dependent_cache({})
+
+    def kernel(spec):
+        got = kernels.get(id(spec))
+        if got is None or got[0] is not spec:
+            got = kernels[id(spec)] = (spec, get_kernel(spec, device=device))
+        return got[1]
+
     def occupancy(spec, entry: str = "") -> int:
-        return get_kernel(spec, device=device).occupancy(entry)
+        return kernel(spec).occupancy(entry)
 
     def max_clusters(spec, n: int) -> int:
-        return get_kernel(spec, device=device).max_clusters(n)
+        return kernel(spec).max_clusters(n)
 
     return DeviceFacts(device_arch(device), sm_count(device), saturating_share(device), occupancy, max_clusters)
 
@@ -86,8 +96,7 @@ class SizeTable:
         return cls(tuple(b - 0.5 for b in bounds), tuple(specs), default)
 
 
-@dataclass(frozen=True)
-class Choice:
+class Choice(NamedTuple):
     """What a choice function returns: the resolved spec to launch and the family's launch plan."""
 
     spec: Spec

@@ -11,7 +11,7 @@ through the merge launch.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ...arch import Arch, get_arch
 from ...spec import DType, resolve
@@ -24,8 +24,7 @@ from .spec import MERGE_THREADS, DecodeSpec, Variant
 MERGE_LAUNCH_STEPS = 3.0
 
 
-@dataclass(frozen=True)
-class Problem:
+class Problem(NamedTuple):
     """A decode call as the choice sees it. ``capacity``: the cache's positions a row (paged: its table's blocks
     times the block size); ``variant``: "auto" (the fused kernel), "fused" or "unfused"; ``num_splits``: 0
     (chosen) or the caller's; ``cluster_max``: the most splits merged in one cluster (``op.set_cluster_merge``)."""
@@ -50,8 +49,7 @@ class Problem:
         return DecodeSpec.rows_for(self.heads // self.kv_heads, self.q_len)
 
 
-@dataclass(frozen=True)
-class Launch:
+class Launch(NamedTuple):
     """``num_splits`` CTAs a (KV head, batch row): grid (num_splits, kv_heads, batch); ``cluster``: the splits
     merged in one cluster of them (0: none); ``merge_grid``: the merge launch's grid, None where there is none."""
 

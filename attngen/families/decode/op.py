@@ -3,18 +3,17 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import struct
 
 from ... import runtime as _rt
 from ...errors import LaunchError
-from ...runtime import (TunedKernels, allocator, current_stream, data_ptr, keep_call, register_dependent_cache,
-                         tensor_info, torch_stream_getter)
+from ...runtime import data_ptr, tensor_info
 from ...spec import spec_of_text
 from ...tuned import stored_choices
 from ..choice import device_facts
+from ..host import OpMemo, Plan
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from ..split_kv import CLUSTER_MAX, cache_lengths, check_index, check_rows, checked_splits, paged_table
 from . import choose as _choose
@@ -31,32 +30,22 @@ VARIANTS = ("auto", "fused", "unfused")
 _CACHE_DIMS = "[cache_batch, max_seqlen, kv_heads, head_dim] or, paged, [num_blocks, block_size, kv_heads, head_dim]"
 
 
-class _Plan(TunedKernels):
-    """What a call needs that depends only on its plan key (head_dim, dtype, device, q_rows, paged,
-    variant, the user's spec, array kind, softcap, alibi): the kernel, or the winners ``attngen tune
-    decode`` stored for this GPU by cache capacity (``kernel_for``), allocators, the stream getter
-    and the device's facts (``choice.DeviceFacts``). Made once per key, so a call does its checks, one
-    lookup, the allocations and the launches."""
-
-    __slots__ = ("alloc", "alloc_f32", "stream", "facts")
-
-
-_plans: dict[tuple, _Plan] = register_dependent_cache({})
-
-
-def _make_plan(key: tuple) -> _Plan:
+def _make_plan(key: tuple) -> Plan:
+    """The plan (``host.Plan``) of a key (head_dim, dtype, device, q_rows, paged, variant, the user's spec, array
+    kind, softcap, alibi): the kernel, or the winners ``attngen tune decode`` stored for this GPU by cache
+    capacity (``kernel_for``), allocators, the stream getter and the device's facts. Made once per key, so a
+    call does its checks, one lookup, the allocations and the launches."""
     d, dtype, device, q_rows, paged, variant, spec, kind, softcap, alibi = key
     base = base_spec(d, dtype, q_rows, paged, variant, spec, softcap, alibi)
-    plan = _Plan()
-    plan.facts = facts = device_facts(device)
+    plan = Plan()
     # the choice's specs by cache capacity (choose.choose, whose size-independent part a plan keeps)
-    plan.take(table(base, facts.arch, spec is None, tuple(stored_choices(base, device)) if spec is None else ()),
-              device)
-    plan.alloc = allocator(kind, dtype, device)
-    plan.alloc_f32 = allocator(kind, "fp32", device)
-    plan.stream = torch_stream_getter() if kind == "torch" else functools.partial(current_stream, "cupy")
-    _plans[key] = plan
+    tuned = tuple(stored_choices(base, device)) if spec is None else ()
+    plan.setup(table(base, device_facts(device).arch, spec is None, tuned), device, kind, dtype)
     return plan
+
+
+_memo = OpMemo(_make_plan)
+_plans, _calls = _memo.plans, _memo.calls  # key -> Plan; key -> _Call (runtime.keep_call)
 
 
 def _check_operands(qi, ki, vi) -> None:
@@ -117,7 +106,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     if call is None:
         call = _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse,
                         out, variant, spec, softcap, alibi_slopes)
-        keep_call(_calls, key, call, flags=(return_lse,), numbers=(num_splits, sm_scale, softcap))
+        _memo.keep(key, call, flags=(return_lse,), numbers=(num_splits, sm_scale, softcap))
     plan, kind = call.plan, qi.kind
     if out is None:
         out = plan.alloc(*call.out_shape)
@@ -156,8 +145,6 @@ class _Call:
     __slots__ = ("plan", "kern", "cluster", "out_shape", "out_ptr", "lse_shape", "work", "offsets", "indices",
                  "tail", "grid", "merge_grid", "unfused")
 
-
-_calls: dict[tuple, _Call] = register_dependent_cache({})  # key -> _Call (runtime.keep_call)
 
 
 _cluster_merge = [CLUSTER_MAX]
@@ -244,7 +231,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     pkey = (d, dtype, dev, DecodeSpec.rows_for(group, q_len), paged, "fused" if variant == "auto" else variant,
             spec, kind, bool(softcap), alibi_ptr != 0)
     call = _Call()
-    call.plan = plan = _plans.get(pkey) or _make_plan(pkey)
+    call.plan = plan = _plans.get(pkey) or _memo.plan(pkey)
     call.out_shape, call.lse_shape = (b, q_len, h, d), (b, h, q_len)
     if out is None:
         ostrides = (q_len * h * d, h * d, d)

@@ -12,9 +12,8 @@ measured against the default it replaces (BENCHMARKS.md); the constants say wher
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ...arch import get_arch
 from ...spec import DType, Pipeline, replaced_if_valid, resolve
@@ -58,8 +57,7 @@ def kv_evict_first(tma: bool, alternate: bool, num_splits: int, cluster: int) ->
     return tma and not alternate and num_splits >= EVICT_FIRST_MIN_SPLITS and not cluster
 
 
-@dataclass(frozen=True)
-class Problem:
+class Problem(NamedTuple):
     """An MLA decode call as the choice sees it. ``capacity``: the cache's positions a row (paged: its table's
     blocks times ``block_size``; 0 contiguous); ``num_splits``: 0 (chosen) or the caller's; ``tma_refused``: the
     driver could not describe the cache as TMA maps (the TMA kernel's cp.async form runs)."""
@@ -78,8 +76,7 @@ class Problem:
     tma_refused: bool = False
 
 
-@dataclass(frozen=True)
-class Launch:
+class Launch(NamedTuple):
     """Grid (num_splits, row_blocks, batch) of ``spec.q_rows``-row blocks; ``cluster``: the splits merged in one
     cluster of them (0: none); ``evict_first``: the kernel's kv_evict_first parameter; ``merge_entry`` and
     ``merge_grid``: the merge launch, None where there is none."""
@@ -102,9 +99,25 @@ def base_spec(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, user: 
     return MlaDecodeSpec(**fields) if user is None else user.replace(**fields)
 
 
-_resolved = functools.lru_cache(maxsize=1024)(resolve)
-# ``rs`` with fields replaced where that fits ``arch``, else None; remembered (the host path asks per call)
-_if_it_fits = functools.lru_cache(maxsize=None)(replaced_if_valid)
+@functools.lru_cache(maxsize=1024)
+def resolved_spec(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, user, arch: str) -> MlaDecodeSpec:
+    """``base_spec`` resolved for ``arch`` (remembered by these plain values: the host path asks per call)."""
+    return resolve(base_spec(rank, rope, dtype, q_rows, paged, user), arch)
+
+
+# (id of a spec, arch, rule) -> (the spec, its variant or None); by identity, as the specs asked for are the
+# remembered ones above and their variants (held here), and hashing a spec per call costs more.
+_variants: dict = {}
+_VARIANTS = {"one_stage": dict(num_stages=1, num_warps=4), "alternate": dict(qk_shard=QkShard.ALTERNATE)}
+
+
+def _variant(rs: MlaDecodeSpec, arch, rule: str):
+    """``rs`` with ``rule``'s fields replaced where that fits ``arch``, else None."""
+    k = (id(rs), arch.name, rule)
+    got = _variants.get(k)
+    if got is None or got[0] is not rs:
+        got = _variants[k] = (rs, replaced_if_valid(rs, arch, **_VARIANTS[rule]))
+    return got[1]
 
 
 def merge_entry(rs: MlaDecodeSpec, chunks: int, num_splits: int, device: DeviceFacts) -> str:
@@ -121,13 +134,13 @@ def choose_spec(p: Problem, device: DeviceFacts) -> MlaDecodeSpec:
     a, user = device.arch, p.spec
     rows = MlaDecodeSpec.rows_for(p.heads, p.q_len)
     fast_memory = device.memory_share >= FAST_MEMORY_SHARE
-    rs = _resolved(base_spec(p.kv_lora_rank, p.rope_dim, p.dtype, rows, p.paged, user), a)
+    rs = resolved_spec(p.kv_lora_rank, p.rope_dim, p.dtype, rows, p.paged, user, a.name)
     whole_tiles = not p.paged or p.block_size % 64 == 0  # TMA boxes of whole 64-key tiles (what the rules measured)
     # 32 rows (32 heads, or 16 x 2 tokens) as one 64-row block of the wgmma kernel, half its rows empty, where the
     # memory is fast: the 32-row mma.sync kernel cannot keep up with such memory.
     if (rows == 32 and whole_tiles and rs.tma and fast_memory
             and (user is None or not any(getattr(user, f) for f in user.TUNING_FIELDS))):
-        wide = _resolved(base_spec(p.kv_lora_rank, p.rope_dim, p.dtype, 64, p.paged, user), a)
+        wide = resolved_spec(p.kv_lora_rank, p.rope_dim, p.dtype, 64, p.paged, user, a.name)
         if wide.wgmma:
             rows, rs = 64, wide
     if rs.tma and p.tma_refused:
@@ -137,7 +150,7 @@ def choose_spec(p: Problem, device: DeviceFacts) -> MlaDecodeSpec:
             and (user is None or not (user.num_stages or user.num_warps))
             and p.batch * row_blocks * -(-p.capacity // rs.cta_tile_kv) >= ONE_STAGE_MIN_TILES * device.sm_count
             and fast_memory):
-        one = _if_it_fits(rs, a, num_stages=1, num_warps=4)  # two CTAs an SM
+        one = _variant(rs, a, "one_stage")  # two CTAs an SM
         if one is not None:  # before the split count, which counts the CTAs an SM holds
             rs = one
     return rs
@@ -161,7 +174,7 @@ def choose(p: Problem, device: DeviceFacts, tuned=()) -> Choice:
                                     and device.memory_share >= FAST_MEMORY_SHARE)
     if (many_rows and rs.qk_shard is QkShard.TRUE and (p.spec is None or not p.spec.qk_shard)
             and -(-p.capacity // rs.cta_tile_kv) >= ALTERNATE_MIN_TILES * num_splits):
-        alt = _if_it_fits(rs, device.arch, qk_shard=QkShard.ALTERNATE)
+        alt = _variant(rs, device.arch, "alternate")
         if alt is not None:  # the same shared memory and grid: the split stands
             rs = alt
     # sm_90: the splits of each row block as one cluster that merges them in shared memory (no workspace,
@@ -182,7 +195,7 @@ def choose(p: Problem, device: DeviceFacts, tuned=()) -> Choice:
 
 def refused(p: Problem) -> Problem:
     """``p`` where the driver refused the TMA maps."""
-    return dataclasses.replace(p, tma_refused=True)
+    return p._replace(tma_refused=True)
 
 
 def reachable(spec: MlaDecodeSpec, arch) -> set:

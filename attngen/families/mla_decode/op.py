@@ -7,9 +7,9 @@ import struct
 
 from ... import runtime as _rt
 from ...errors import LaunchError
-from ...runtime import current_stream, data_ptr, empty_like_kind, get_kernel, tensor_info
+from ...runtime import data_ptr, get_kernel, tensor_info
 from ...spec import Pipeline, spec_of_text
-from ..choice import device_facts
+from ..host import OpMemo, Plan
 from ..score_mods import checked_scale
 from ..split_kv import cache_lengths, check_rows, checked_splits, paged_table
 from ..tma import tiled_map
@@ -24,6 +24,18 @@ _LOG2E = 1.4426950408889634
 MAX_Q_LEN = 4
 MAX_HEADS = 128
 # The choice of kernel and launch (and the constants of its rules) lives in choose.py.
+
+
+def _make_plan(key: tuple) -> Plan:
+    """The plan of (dtype, device, array kind): the device's facts, allocators and the stream getter. The
+    kernel is chosen per call (its rules read the call's sizes)."""
+    dtype, device, kind = key
+    plan = Plan()
+    plan.setup(None, device, kind, dtype)
+    return plan
+
+
+_memo = OpMemo(_make_plan)
 
 
 def _tensor_maps(cv, pe, spec: MlaDecodeSpec, block_size: int, fallback_ptr: int) -> bytes:
@@ -121,22 +133,23 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
         block_size, capacity, bt_ptr, bt_sb = 0, cache_len, 0, 0
     seq_ptr, seq_fixed = cache_lengths(cache_seqlens, b, kind, dev, "q_nope")
 
+    plan = _memo.plan((qn.dtype, dev, kind))
     shape = (b, q_len, h, rank)
     if out is None:
-        out = empty_like_kind(kind, shape, qn.dtype, dev)
+        out = plan.alloc(*shape)
     oi = tensor_info(out, "out")
     if oi.kind != kind or oi.shape != shape or oi.dtype != qn.dtype or oi.device != dev:
         raise LaunchError(f"out must be {kind} {shape} {qn.dtype} on device {dev}; got "
                           f"{oi.kind} {oi.shape} {oi.dtype} on device {oi.device}")
     check_rows(oi, "out", 4, "[batch, q_len, heads, kv_lora_rank]")
-    lse = empty_like_kind(kind, (b, h, q_len), "fp32", dev) if return_lse else None
+    lse = plan.alloc_f32(b, h, q_len) if return_lse else None
     if b == 0:
         return (out, lse) if return_lse else out
     if b > 65535:
         raise LaunchError(f"batch={b} exceeds 65535 (the grid's z limit)")
 
     problem = _choose.Problem(rank, rope, qn.dtype, q_len, h, b, capacity, paged, block_size, spec, num_splits)
-    facts = device_facts(dev)
+    facts = plan.facts
     choice = _choose.choose(problem, facts)
     rs = choice.spec
     maps = None
@@ -154,7 +167,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     part_ptr = lse_part_ptr = 0
     if lc.merge_grid is not None:
         n_out = num_splits * b * q_len * h
-        work = empty_like_kind(kind, (n_out * rank + n_out,), "fp32", dev)
+        work = plan.alloc_f32(n_out * rank + n_out)
         part_ptr = data_ptr(work, kind)
         lse_part_ptr = part_ptr + 4 * n_out * rank
 
@@ -171,7 +184,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
         seq_fixed, (block_size.bit_length() - 1) if block_size and not block_size & (block_size - 1) else -1,
         scale, scale * _LOG2E, int(lc.evict_first),
     )
-    stream = current_stream(kind, dev)
+    stream = plan.stream(dev)
     if maps is None:
         kern.launch_struct(_PARAMS, lc.grid(b), stream, *values, cluster_x=cluster)
     else:

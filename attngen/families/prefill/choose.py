@@ -12,7 +12,7 @@ manifest line, so that prewarming it covers what the op runs.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ...arch import Arch, get_arch
 from ...spec import DType, replaced_if_valid, resolve
@@ -65,8 +65,7 @@ def by_rows(resolved, arch) -> tuple[list[int], list[PrefillSpec]] | None:
     return [rows for rows, _ in table[1:]], specs
 
 
-@dataclass(frozen=True)
-class Problem:
+class Problem(NamedTuple):
     """A prefill call as the choice sees it. ``rows``: the query rows of a sequence (dense, custom mask) or of
     the whole packed batch (varlen, whose choice reads ``rows // batch``); ``spec``: the caller's, if any."""
 
@@ -89,8 +88,7 @@ class Problem:
         return max(1, self.rows // max(self.batch, 1)) if self.layout >= VARLEN else self.rows
 
 
-@dataclass(frozen=True)
-class Launch:
+class Launch(NamedTuple):
     """The grid: dense, (query tiles, heads x v_splits, batch), or where ``persistent`` the CTAs the SMs hold
     (each walking units of two query tiles); varlen, (work-list slots, heads x v_splits, 1); a custom mask's
     comes from its plan, ``()``."""

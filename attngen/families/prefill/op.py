@@ -22,11 +22,11 @@ import struct
 
 from ... import runtime as _rt
 from ...errors import LaunchError
-from ...runtime import (TunedKernels, allocator, data_ptr, get_kernel, keep_call, register_dependent_cache,
-                         tensor_info, torch_stream_getter)
+from ...runtime import allocator, data_ptr, get_kernel, tensor_info
 from ...spec import spec_of_text
 from ...tuned import stored_choices
 from ..choice import device_facts
+from ..host import OpMemo, Plan
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from .choose import CUSTOM_MASK, DENSE, base_spec, dense_grid, persistent_grid, sync_twin, table
 from .spec import MaskMode, Pipeline, PrefillSpec
@@ -124,10 +124,11 @@ def out_of(out, qi, dv: int) -> tuple[int, tuple]:
     return oi.ptr, st
 
 
-class _Plan(TunedKernels):
-    """Everything a call needs that does not depend on its shapes (``kernel_for``: by seqlen_q)."""
+class _Plan(Plan):
+    """Everything a call needs that does not depend on its shapes (``kernel_for``: by seqlen_q): ``host.Plan``'s,
+    the default scale, an int32 allocator (varlen work lists) and the TMA kernels' cp.async twins."""
 
-    __slots__ = ("default_scale", "alloc", "alloc_lse", "alloc_index", "stream", "tma_pinned", "sync_twins", "facts")
+    __slots__ = ("default_scale", "alloc_index", "tma_pinned", "sync_twins")
 
     def sync_twin(self, kern):
         """The cp.async kernel of ``kern``'s tiles, for inputs no TMA map can describe (``kern`` runs
@@ -152,31 +153,22 @@ class _Plan(TunedKernels):
             return self.sync_twin(kern), None
 
 
-_plans: dict[tuple, _Plan] = register_dependent_cache({})
-
-
 def _make_plan(key: tuple) -> _Plan:
     d, dtype, device, mask, return_lse, spec, kind, softcap, alibi, layout, dv = key
     base = base_spec(d, dtype, _MASKS[mask], return_lse, spec, softcap, alibi, layout, dv)
     plan = _Plan()
-    plan.facts = facts = device_facts(device)
     # the choice's specs by query rows (choose.choose, whose size-independent part a plan keeps)
-    plan.take(table(base, facts.arch, spec is None, tuple(stored_choices(base, device)) if spec is None else ()),
-              device)
+    tuned = tuple(stored_choices(base, device)) if spec is None else ()
+    plan.setup(table(base, device_facts(device).arch, spec is None, tuned), device, kind, dtype)
     plan.default_scale = 1.0 / math.sqrt(d)
     plan.tma_pinned = spec is not None and spec.pipeline is Pipeline.TMA
     plan.sync_twins = {}
-    plan.alloc = allocator(kind, dtype, device)
-    plan.alloc_lse = allocator(kind, "fp32", device) if return_lse else None
     plan.alloc_index = allocator(kind, "int32", device)
-    if kind == "torch":
-        plan.stream = torch_stream_getter()
-    else:
-        from ...runtime import current_stream
-
-        plan.stream = lambda dev: current_stream("cupy", dev)
-    _plans[key] = plan
     return plan
+
+
+_memo = OpMemo(_make_plan)
+_plans, _calls = _memo.plans, _memo.calls  # key -> _Plan; key -> _Call (runtime.keep_call)
 
 
 def clear_plans() -> None:
@@ -186,7 +178,7 @@ def clear_plans() -> None:
 def plan_for(key: tuple) -> _Plan:
     """The ``_Plan`` of ``key`` (d, dtype, device, mask code, return_lse, spec, kind, softcap, alibi,
     layout, v's head dim), made on first use."""
-    return _plans.get(key) or _make_plan(key)
+    return _plans.get(key) or _memo.plan(key)
 
 
 def mask_and_window(causal, window) -> tuple[int, int, int]:
@@ -214,7 +206,7 @@ def kernel_for(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_W
     qi, _, vi = _check_qkv(q, k, v)
     mask, _, _ = mask_and_window(causal, window)
     key = (qi.shape[3], qi.dtype, qi.device, mask, bool(return_lse), spec, qi.kind, False, False, DENSE, vi.shape[3])
-    plan = _plans.get(key) or _make_plan(key)
+    plan = _plans.get(key) or _memo.plan(key)
     return plan.kernel or plan.kernel_for(qi.shape[1])
 
 
@@ -266,7 +258,7 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     if call is None:
         call = _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softcap, alibi_slopes,
                         mask is not None)
-        keep_call(_calls, key, call, flags=(causal, return_lse), numbers=(sm_scale, softcap))
+        _memo.keep(key, call, flags=(causal, return_lse), numbers=(sm_scale, softcap))
     plan, kind = call.plan, qi.kind
     if out is None:
         out = plan.alloc(*call.out_shape)
@@ -274,7 +266,7 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     else:
         optr = call.out_ptr
     if return_lse:
-        lse = plan.alloc_lse(*call.lse_shape)
+        lse = plan.alloc_f32(*call.lse_shape)
         lse_ptr = data_ptr(lse, kind)
     else:
         lse, lse_ptr = None, 0
@@ -303,8 +295,6 @@ class _Call:
                  "left", "right")
 
 
-_calls: dict[tuple, _Call] = register_dependent_cache({})  # key -> _Call (runtime.keep_call)
-
 
 def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softcap, alibi_slopes, masked) -> _Call:
     """Check a call's arguments and work out its ``_Call``."""
@@ -321,7 +311,7 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
                                              if softcap or alibi_slopes is not None else NO_EXTRAS)
     key = (d, qi.dtype, qi.device, mcode, return_lse, spec, qi.kind, bool(softcap), alibi_ptr != 0,
            CUSTOM_MASK if masked else DENSE, dv)
-    call.plan = plan = _plans.get(key) or _make_plan(key)
+    call.plan = plan = _plans.get(key) or _memo.plan(key)
     scale = plan.default_scale if sm_scale is None else checked_scale(sm_scale)
     call.out_shape, call.lse_shape = (b, sq, h, dv), (b, h, sq)
     if out is None:
@@ -386,7 +376,7 @@ def mask_plan(mask, q, k, *, v=None, causal: bool = False, window: tuple[int, in
     qi, ki, vi = _check_qkv(q, k, k if v is None else v)
     mcode, left, right = mask_and_window(causal, window)
     key = (qi.shape[3], qi.dtype, qi.device, mcode, False, spec, qi.kind, False, False, CUSTOM_MASK, vi.shape[3])
-    plan = _plans.get(key) or _make_plan(key)
+    plan = _plans.get(key) or _memo.plan(key)
     kern = plan.kernel or plan.kernel_for(qi.shape[1])
     from .masks import build
 

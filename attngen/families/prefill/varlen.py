@@ -106,7 +106,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         optr, ostrides = data_ptr(out, qi.kind), (h * dv, dv)
     else:
         optr, ostrides = out_of(out, qi, dv)
-    lse = plan.alloc_lse(h, total_q) if return_lse else None
+    lse = plan.alloc_f32(h, total_q) if return_lse else None
     if total_q == 0 or batch == 0 or h == 0:
         return (out, lse) if return_lse else out
 
