@@ -49,6 +49,10 @@ class Family:
     context_modules: tuple[str, ...] = field(default=())
     # Public names the family adds to the ``attngen`` namespace (its op, spec class, enums).
     exports: dict = field(default_factory=dict, compare=False, repr=False)
+    # (spec, arch) -> every resolved spec the family's op can run for a call of ``spec``'s fields on ``arch``,
+    # whatever the call's sizes (its choice function's ``reachable``): what prewarming a manifest line builds.
+    # None: the spec resolved, alone.
+    reachable: Callable[..., set] | None = None
 
     def __post_init__(self):
         if getattr(self.spec, "family", None) != self.name:

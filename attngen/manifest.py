@@ -31,6 +31,7 @@ except ModuleNotFoundError:  # Python < 3.11
 
 from .arch import ARCHS, Arch, get_arch
 from .errors import ManifestError, SpecError
+from .family import family_of
 from .spec import Spec, parse_spec, resolve
 
 # Bump when the manifest layout changes incompatibly; files that name another format are refused.
@@ -131,16 +132,20 @@ def manifest_from_dict(data: dict, *, path: "Path | None" = None) -> Manifest:
 
 
 def expand(manifest: Manifest, archs: "list[str | Arch] | tuple | None" = None) -> list[tuple[Spec, Arch]]:
-    """Every (spec, arch) the manifest asks for, in file order, without repeats.
+    """Every (spec, arch) the manifest asks for, in file order, without repeats, then every other kernel the
+    family's op can run for a call of those specs' fields (its ``reachable``: e.g. tiles chosen by the call's
+    sizes), so that a prewarmed manifest covers what the ops pick.
 
     ``archs`` replaces the manifest's top-level archs; a group with its own archs keeps only
     those that ``archs`` also names (so ``--arch sm_90`` builds what the manifest wants for
     sm_90 and nothing for other archs). Each spec is checked against each arch here; the
-    specs returned are as written (unresolved), ``attngen.cache.build`` resolves them.
+    specs listed are as written (unresolved), those reachable from them resolved;
+    ``attngen.cache.build`` resolves them.
     """
     override = tuple(get_arch(a) for a in archs) if archs is not None else None
     out: list[tuple[Spec, Arch]] = []
     seen: set[tuple[Spec, str]] = set()
+    more: list[tuple[Spec, Arch]] = []
     for g in manifest.groups:
         if g.archs is None:
             targets = override if override is not None else manifest.archs
@@ -159,6 +164,13 @@ def expand(manifest: Manifest, archs: "list[str | Arch] | tuple | None" = None) 
                 if ident not in seen:
                     seen.add(ident)
                     out.append((spec, a))
+                    reach = family_of(spec).reachable
+                    if reach is not None:
+                        more += [(r, a) for r in sorted(reach(spec, a) - {resolved}, key=lambda r: r.to_text())]
+    for r, a in more:
+        if (r, a.name) not in seen:
+            seen.add((r, a.name))
+            out.append((r, a))
     return out
 
 

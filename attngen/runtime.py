@@ -22,7 +22,6 @@ from .compiler import Binary
 from ._driver import driver
 from .errors import LaunchError
 from .spec import Spec, SpecBase, as_spec
-from .tuned import bucket_bounds, stored_choices
 
 
 def _cupy():
@@ -331,31 +330,24 @@ def get_kernel(spec: Spec | str | Mapping, arch: "str | Arch | None" = None, dev
 
 
 class TunedKernels:
-    """The base of an op's per-problem plan: its ``kernel``, or (``kernel`` None) the winners
-    ``attngen tune`` stored for this GPU, ``specs[i]`` for sizes (a seqlen, a cache capacity) from
-    ``bounds[i - 1]``, each loaded on first use."""
+    """The base of an op's per-problem plan: its ``kernel``, or (``kernel`` None) ``specs[i]`` for sizes (a
+    seqlen, a cache capacity) from ``bounds[i - 1]``, each loaded on first use: a family's ``SizeTable``
+    (``attngen/families/choice.py``), which its choice function made."""
 
     __slots__ = ("kernel", "bounds", "specs", "kernels", "device")
 
-    def choose(self, base: Spec, device: int, use_tuned: bool) -> None:
-        """``base``'s kernel on ``device``, or with ``use_tuned`` the winners stored for it, if any."""
+    def take(self, table, device: int) -> None:
+        """Run ``table`` on ``device``: its default (the arch's, where it holds one) loaded now, the others on
+        first use."""
         self.device = device
-        choices = stored_choices(base, device) if use_tuned else []
-        if choices:
-            self.kernel = None
-            self.bounds = bucket_bounds([s for s, _ in choices])
-            self.specs = [c for _, c in choices]
-            self.kernels = [None] * len(choices)
-        else:
-            self.kernel = get_kernel(base, device=device)  # resolves, validates, builds and loads
-
-    def split(self, bounds: list[int], specs: list[Spec]) -> None:
-        """Calls of a size from ``bounds[i - 1]`` (and below ``bounds[i]``) run ``specs[i]``, each loaded on first
-        use (the kernel chosen where it is that one's spec)."""
-        self.bounds = [b - 0.5 for b in bounds]
-        self.specs = list(specs)
-        self.kernels = [self.kernel if s == self.kernel.spec else None for s in specs]
+        default = None if table.default is None else get_kernel(table.default, device=device)
+        if default is not None and len(table.specs) == 1:
+            self.kernel = default
+            return
         self.kernel = None
+        self.bounds = list(table.bounds)
+        self.specs = list(table.specs)
+        self.kernels = [default if default is not None and s == table.default else None for s in table.specs]
 
     def kernel_for(self, size: int) -> Kernel:
         i = bisect.bisect_right(self.bounds, size)

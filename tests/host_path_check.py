@@ -160,12 +160,24 @@ def main():
     assert op.kernel_for(q, k, v, spec=PrefillSpec()).spec == default
     causal = attngen.resolve(PrefillSpec(head_dim=64, dtype="bf16", mask="causal"), "sm_90a")
     # other untuned fields: no entry, the default for the call's rows (100: short causal rows' 64-row tiles)
-    from attngen.families.prefill.defaults import by_rows
+    from attngen.families.prefill.choose import by_rows
 
     assert op.kernel_for(q, k, v, causal=True).spec == by_rows(causal, "sm_90a")[1][0]
     os.environ["ATTNGEN_NO_TUNED"] = "1"
     attngen.runtime.clear_loaded()
     assert op.kernel_for(q, k, v).spec == default
+    # What the op launches is what the family's choice function returns for the call.
+    from attngen import MaskMode
+    from attngen.families.choice import device_facts
+    from attngen.families.prefill import choose
+
+    for causal in (False, True):
+        o = attngen.prefill(q, k, v, causal=causal)
+        c = choose.choose(choose.Problem(64, "bf16", MaskMode.CAUSAL if causal else MaskMode.NONE, rows=100, heads=8,
+                                         batch=2), device_facts(0))
+        assert op.kernel_for(q, k, v, causal=causal).spec == c.spec, (causal, c.spec)
+        expect_launch(q, k, v, o, causal=causal)
+        assert fake_cuda.last_launch()["grid"] == c.launch.grid, (causal, c.launch)
     assert fake_cuda.last_launch()["pdl"] == 0, "prefill's kernels do not wait for the kernel before them"
     check_decode(torch, wrap)
     print("ok")
@@ -196,9 +208,14 @@ def check_decode(torch, wrap):
     attngen.decode(dq, kc, vc, cache_seqlens=lens, num_splits=9)  # past the portable size
     assert fake_cuda.last_launch()["cluster"] == 0
     # An automatic count: a cluster at 4k positions; at 8k the merge launch, whose 16 splits read faster than a
-    # cluster's 8 by more than the launch costs on the stub's H200 (op.grid_steps).
+    # cluster's 8 by more than the launch costs on the stub's H200 (choose.grid_steps).
     attngen.decode(dq, kc, vc, cache_seqlens=lens)
     assert fake_cuda.last_launch()["cluster"] in range(2, op.CLUSTER_MAX + 1), "the automatic count fits a cluster"
+    from attngen.families.choice import device_facts
+    from attngen.families.decode import choose
+
+    c = choose.choose(choose.Problem(128, "bf16", 1, 32, 8, 1, 4096), device_facts(0))
+    assert (fake_cuda.last_launch()["grid"], fake_cuda.last_launch()["cluster"]) == (c.launch.grid, c.launch.cluster)
     k8, v8 = (wrap(torch.randn(1, 8192, 8, 128).to(torch.bfloat16)) for _ in range(2))
     n0 = fake_cuda.counts()["launches"]
     attngen.decode(dq, k8, v8, cache_seqlens=8000)

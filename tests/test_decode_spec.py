@@ -135,7 +135,7 @@ def test_cluster_weighed_against_the_merge_launch():
     """grid_steps decides where a cluster's capped split count pays (head_dim 128's 64-key tiles, 132 SMs, one
     CTA an SM), as measured: at batch 1 with 8 KV heads, a cluster of 8 at 1k keys on both GPUs; the merge launch's
     16 splits from 8k keys on an H200 (share 0.70), the cluster still at 32k on an H100 (0.49)."""
-    from attngen.families.decode.op import MERGE_LAUNCH_STEPS, grid_steps
+    from attngen.families.decode.choose import MERGE_LAUNCH_STEPS, grid_steps
 
     def cluster(keys, share):
         tiles = keys // 64

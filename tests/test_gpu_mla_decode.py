@@ -112,7 +112,7 @@ def launches():
 
 def _chosen(monkeypatch, field):
     """The list to which every kernel mla_decode loads from here on adds its spec's ``field``."""
-    from attngen.families.mla_decode import op
+    from attngen.families.mla_decode import choose, op
 
     seen = []
     real = op.get_kernel
@@ -275,9 +275,9 @@ def test_tma_and_cp_async_agree_bitwise(mma, heads, q_len, rank, rope, block_siz
     tile, paged blocks smaller and larger than the tile. The wgmma kernel at 128 heads, and mma.sync's at
     16 and 32 rows (whose ldmatrix reads the ring's swizzled tiles)."""
     _sm90a_only()
-    from attngen.families.mla_decode import op
+    from attngen.families.mla_decode import choose, op
 
-    monkeypatch.setattr(op, "MERGE_CLUSTER_MAX", 0)  # the same merge for both forms
+    monkeypatch.setattr(choose, "MERGE_CLUSTER_MAX", 0)  # the same merge for both forms
     gen = fresh_generator()
     seqlens = [1, 17, 63, 64, 65, 700, 3001, 0]
     b = len(seqlens)
@@ -314,7 +314,7 @@ def test_tma_refused_map_falls_back(monkeypatch):
     """Where the driver builds no tensor map, a default call runs the cp.async kernel of the same tiles;
     a spec that pins pipeline=tma gets the driver's refusal."""
     _sm90a_only()
-    from attngen.families.mla_decode import op
+    from attngen.families.mla_decode import choose, op
 
     def refuse(dtype, ptr, dims, strides, box, what):
         raise attngen.LaunchError(what("CUDA_ERROR_INVALID_VALUE"))
@@ -378,27 +378,27 @@ def test_auto_takes_alternate_tiles_for_many_rows_and_long_runs(monkeypatch):
     fast memory, with ALTERNATE_ONE_BLOCK_MIN_BATCH blocks in the batch) and every CTA gets
     ALTERNATE_MIN_TILES tiles, the sharded one otherwise or when the caller pins qk_shard."""
     _sm90a_only()
-    from attngen.families.mla_decode import op
+    from attngen.families.mla_decode import choose, op
 
     seen = _chosen(monkeypatch, "qk_shard")
-    monkeypatch.setattr(op, "ALTERNATE_MIN_TILES", 2)
+    monkeypatch.setattr(choose, "ALTERNATE_MIN_TILES", 2)
     run_case([4000, 3000, 129], 128, 1, num_splits=1)
-    assert seen[-1] is op.QkShard.ALTERNATE
+    assert seen[-1] is choose.QkShard.ALTERNATE
     run_case([4000, 3000, 129], 64, 1, num_splits=1)  # one row block
-    assert seen[-1] is op.QkShard.TRUE
+    assert seen[-1] is choose.QkShard.TRUE
     run_case([4000, 3000, 129], 128, 1, num_splits=1, spec=MlaDecodeSpec(qk_shard="true"))
-    assert seen[-1] is op.QkShard.TRUE
+    assert seen[-1] is choose.QkShard.TRUE
     run_case([60, 30], 128, 1, num_splits=1)  # 1 tile a CTA: too few
-    assert seen[-1] is op.QkShard.TRUE
+    assert seen[-1] is choose.QkShard.TRUE
     # One 64-row block where the memory's share of SMs allows (here on any GPU) and the batch fills enough blocks.
-    monkeypatch.setattr(op, "FAST_MEMORY_SHARE", 0.0)
-    monkeypatch.setattr(op, "ALTERNATE_ONE_BLOCK_MIN_BATCH", 3)
+    monkeypatch.setattr(choose, "FAST_MEMORY_SHARE", 0.0)
+    monkeypatch.setattr(choose, "ALTERNATE_ONE_BLOCK_MIN_BATCH", 3)
     run_case([4000, 3000, 129], 64, 1, num_splits=1)
-    assert seen[-1] is op.QkShard.ALTERNATE
+    assert seen[-1] is choose.QkShard.ALTERNATE
     run_case([4000, 3000, 129, 0], 32, 1, num_splits=2, block_size=64)  # 32 rows on the 64-row kernel, paged
-    assert seen[-1] is op.QkShard.ALTERNATE
+    assert seen[-1] is choose.QkShard.ALTERNATE
     run_case([4000, 3000], 64, 1, num_splits=1)  # two sequences: too few blocks
-    assert seen[-1] is op.QkShard.TRUE
+    assert seen[-1] is choose.QkShard.TRUE
 
 
 def test_auto_takes_one_stage_for_many_tiles_an_sm(monkeypatch):
@@ -407,11 +407,11 @@ def test_auto_takes_one_stage_for_many_tiles_an_sm(monkeypatch):
     GPU), contiguous or paged in blocks of whole tiles; the two-stage default otherwise, when the caller
     pins num_stages or num_warps, and for paged blocks that are not whole tiles."""
     _sm90a_only()
-    from attngen.families.mla_decode import op
+    from attngen.families.mla_decode import choose, op
 
     seen = _chosen(monkeypatch, "num_stages")
-    monkeypatch.setattr(op, "ONE_STAGE_MIN_TILES", 1)
-    monkeypatch.setattr(op, "FAST_MEMORY_SHARE", 0.0)
+    monkeypatch.setattr(choose, "ONE_STAGE_MIN_TILES", 1)
+    monkeypatch.setattr(choose, "FAST_MEMORY_SHARE", 0.0)
     run_case([4000, 3000, 129, 0], 16, 1)  # 63 tiles x 4 rows >= 132 SMs x 1
     assert seen[-1] == 1
     run_case([4000, 3000, 129, 0], 16, 1, num_splits=7)
@@ -441,10 +441,10 @@ def test_auto_takes_the_wgmma_kernel_for_32_rows_on_fast_memory(monkeypatch):
     paged blocks that are not whole tiles, a spec that pins a tuning field (mma, num_warps, pipeline), and
     where the share is below the bar."""
     _sm90a_only()
-    from attngen.families.mla_decode import op
+    from attngen.families.mla_decode import choose, op
 
     seen = _chosen(monkeypatch, "q_rows")
-    monkeypatch.setattr(op, "FAST_MEMORY_SHARE", 0.0)
+    monkeypatch.setattr(choose, "FAST_MEMORY_SHARE", 0.0)
     run_case([4000, 3000, 129, 0], 32, 1)
     assert seen[-1] == 64
     run_case([4000, 700, 1], 16, 2, num_splits=5)
@@ -463,7 +463,7 @@ def test_auto_takes_the_wgmma_kernel_for_32_rows_on_fast_memory(monkeypatch):
     assert seen[-1] == 32
     run_case([4000, 3000], 32, 1, spec=MlaDecodeSpec(pipeline="tma"))
     assert seen[-1] == 32
-    monkeypatch.setattr(op, "FAST_MEMORY_SHARE", 1.01)
+    monkeypatch.setattr(choose, "FAST_MEMORY_SHARE", 1.01)
     run_case([4000, 3000], 32, 1)
     assert seen[-1] == 32
 
@@ -481,15 +481,15 @@ def test_cluster_merge(heads, q_len, seqlens, splits, block_size, monkeypatch, l
     """sm_90a: the splits of a row block as one cluster merging in shared memory (no workspace, no merge
     launch; mma.sync kernels), against fp32, and the merge launch with clusters off."""
     _sm90a_only()
-    from attngen.families.mla_decode import op
+    from attngen.families.mla_decode import choose, op
 
-    monkeypatch.setattr(op, "CLUSTER_MIN_FILL", 0.0)  # these few row blocks merge in clusters too
-    monkeypatch.setattr(op, "FAST_MEMORY_SHARE", 1.01)  # 32 rows on the mma.sync kernel on any GPU
+    monkeypatch.setattr(choose, "CLUSTER_MIN_FILL", 0.0)  # these few row blocks merge in clusters too
+    monkeypatch.setattr(choose, "FAST_MEMORY_SHARE", 1.01)  # 32 rows on the mma.sync kernel on any GPU
     run_case(seqlens, heads, q_len, block_size=block_size, num_splits=splits)
     wgmma = MlaDecodeSpec.rows_for(heads, q_len) == 64  # the wgmma kernel keeps the merge launch
     assert launches == ([("", 0), ("_merge", 0)] if wgmma else [("", splits)])
     del launches[:]
-    monkeypatch.setattr(op, "MERGE_CLUSTER_MAX", 0)
+    monkeypatch.setattr(choose, "MERGE_CLUSTER_MAX", 0)
     run_case(seqlens, heads, q_len, block_size=block_size, num_splits=splits)
     assert launches == [("", 0), ("_merge", 0)]
 
@@ -519,13 +519,13 @@ def test_cluster_merge_by_default_where_row_blocks_fill_the_sms(launches):
 ])
 def test_kv_lines_first_out_of_l2(heads, seqlens, splits, block_size, hinted, monkeypatch):
     """sm_90a: the TMA kernels other than alternate tiles load ckv and kpe as the first lines out of L2 where
-    the merge launch reads back the partials of enough splits (``op.kv_evict_first``), and nowhere else; the
+    the merge launch reads back the partials of enough splits (``choose.kv_evict_first``), and nowhere else; the
     call matches fp32, and the hinted loads give the same bits as plain ones."""
     _sm90a_only()
     from attngen import runtime
-    from attngen.families.mla_decode import op
+    from attngen.families.mla_decode import choose, op
 
-    monkeypatch.setattr(op, "MERGE_CLUSTER_MAX", 0)  # the merge launch at any batch
+    monkeypatch.setattr(choose, "MERGE_CLUSTER_MAX", 0)  # the merge launch at any batch
     # MlaParams' last field, kv_evict_first, of each main-entry launch
     with runtime.recorded_launches(lambda one: None if one.entry else one.values[-1]) as flags:
         run_case(seqlens, heads, 1, block_size=block_size, num_splits=splits)
@@ -545,7 +545,7 @@ def test_kv_lines_first_out_of_l2(heads, seqlens, splits, block_size, hinted, mo
     outs = []
     with runtime.recorded_launches(lambda one: None if one.entry else one.values[-1]) as flags:
         for on in (True, False):
-            monkeypatch.setattr(op, "kv_evict_first", lambda *a, on=on: on)
+            monkeypatch.setattr(choose, "kv_evict_first", lambda *a, on=on: on)
             outs.append(attngen.mla_decode(q_nope, q_pe, ckv, kpe, cache_seqlens=lens, block_table=table,
                                            sm_scale=0.1, num_splits=splits, return_lse=True))
     assert flags == [1, 0]
@@ -557,12 +557,12 @@ def test_bench_records_the_kernel_that_ran(monkeypatch):
     choices (here the 32-row rule), not the spec the call started from."""
     _sm90a_only()
     from attngen.bench.core import stream_reader
-    from attngen.families.mla_decode import bench, op
+    from attngen.families.mla_decode import bench, choose
 
-    monkeypatch.setattr(op, "FAST_MEMORY_SHARE", 0.0)
+    monkeypatch.setattr(choose, "FAST_MEMORY_SHARE", 0.0)
     rec = bench.run_shape(8, 2048, 32, "bf16", ["attngen"], stream_reader(), warmup_ms=1, rep_ms=2, seed=0)
     assert rec["checks"]["attngen"]["ok"]
     assert "q_rows=64" in rec["specs"]["attngen"] and "mma=wgmma" in rec["specs"]["attngen"]
-    monkeypatch.setattr(op, "FAST_MEMORY_SHARE", 1.01)
+    monkeypatch.setattr(choose, "FAST_MEMORY_SHARE", 1.01)
     rec = bench.run_shape(8, 2048, 32, "bf16", ["attngen"], stream_reader(), warmup_ms=1, rep_ms=2, seed=0)
     assert "q_rows=32" in rec["specs"]["attngen"]

@@ -114,7 +114,7 @@ def test_a_stored_non_default_config_is_used_and_correct(cache_dir):
     assert _tuning(_use(cache_dir, 300)["spec"]) == _tuning(small.to_dict())
     assert _tuning(_use(cache_dir, 3000)["spec"]) == _tuning(large.to_dict())
     # without the stored winners: the built-in default for 3000 rows (on sm_90a it depends on the rows)
-    from attngen.families.prefill.defaults import by_rows
+    from attngen.families.prefill.choose import by_rows
 
     bounds, by = by_rows(cands[0], ident["arch"]) or ([], [cands[0]])
     builtin = by[sum(3000 >= b for b in bounds)]

@@ -8,7 +8,7 @@ import pytest
 from attngen import PrefillSpec, SpecError, resolve
 from attngen.arch import get_arch
 from attngen.compiler import compile
-from attngen.families.prefill.defaults import by_rows
+from attngen.families.prefill.choose import by_rows
 from attngen.render import render
 
 
@@ -358,7 +358,7 @@ def test_three_warpgroups_resolve_for_the_tma_kernel():
 
 
 def test_head_dims_64_128_and_256_defaults_by_rows():
-    from attngen.families.prefill.defaults import by_rows
+    from attngen.families.prefill.choose import by_rows
 
     for dtype in ("bf16", "fp16"):
         for extra in ({}, dict(return_lse=True, softcap=True, alibi=True)):
@@ -404,7 +404,7 @@ def test_head_dims_64_128_and_256_defaults_by_rows():
 
 
 def test_kernels_by_rows_are_in_the_default_manifest():
-    from attngen.families.prefill.defaults import by_rows
+    from attngen.families.prefill.choose import by_rows
     from attngen.manifest import expand, load_manifest
 
     specs = {resolve(s, arch).to_text() for s, arch in expand(load_manifest())

@@ -251,7 +251,7 @@ def test_plan_puts_the_default_first_and_respects_pins_and_the_cap():
 def test_plan_at_a_size_puts_the_default_for_that_size_first():
     # sm_90a, head_dim 64: attngen.prefill's built-in default depends on the query rows (BY_ROWS); a search at a
     # size compares against what the op would run there
-    from attngen.families.prefill.defaults import by_rows
+    from attngen.families.prefill.choose import by_rows
 
     for mask, size, rows_first in (("none", 512, 128), ("none", 4096, 192), ("causal", 512, 64), ("causal", 4096, 128),
                                    ("causal", 20000, 192)):

@@ -1,6 +1,7 @@
 """The decode family: a few new tokens against a KV cache, GQA-packed, split-KV, contiguous or paged."""
 
 from ...family import Family, register
+from .choose import reachable
 from .defaults import candidates
 from .op import decode
 from .spec import DecodeSpec, Variant
@@ -9,6 +10,7 @@ FAMILY = register(Family(
     name="decode",
     spec=DecodeSpec,
     candidates=candidates,
+    reachable=reachable,
     template="decode.cu.jinja",
     summary="q_len 1..8 against a KV cache (contiguous or paged), GQA-packed, split-KV with an LSE merge",
     tuning="attngen.families.decode.tuning",

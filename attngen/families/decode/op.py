@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import struct
@@ -11,13 +10,16 @@ from collections.abc import Mapping
 
 from ... import runtime as _rt
 from ...errors import LaunchError
-from ...runtime import (TunedKernels, allocator, current_stream, data_ptr, keep_call, register_dependent_cache,
-                         tensor_info, torch_stream_getter)
-from ...spec import DType, op_spec
+from ...runtime import data_ptr, tensor_info
+from ...spec import op_spec
+from ...tuned import stored_choices
+from ..choice import device_facts
+from ..host import OpMemo, Plan
 from ..score_mods import NO_EXTRAS, checked_scale, extras
-from ..split_kv import (CLUSTER_MAX, cache_lengths, check_index, check_rows, checked_splits, choose_splits,
-                        ctas_per_sm, paged_table, saturating_share, sm_count)
-from .spec import MERGE_THREADS, DecodeSpec, Variant
+from ..split_kv import CLUSTER_MAX, cache_lengths, check_index, check_rows, checked_splits, paged_table
+from . import choose as _choose
+from .choose import Problem, base_spec, launch, table
+from .spec import DecodeSpec, Variant
 
 # DecodeParams in templates/common/decode_fwd.cuh: 12 pointers, 14 strides, 9 ints, an unsigned
 # (block_mul), 2 floats, 2 floats (softcap), the ALiBi slopes' pointer and batch stride, the left pads'
@@ -33,38 +35,22 @@ _UNBOUNDED = 1 << 30
 LOCAL_MAX_KEYS = 1 << 30
 
 
-@functools.lru_cache(maxsize=None)
-def _spec_for(head_dim: int, dtype: str, q_rows: int, paged: bool, variant: str, user: DecodeSpec | None,
-              softcap: bool = False, alibi: bool = False, local: bool = False):
-    fields = dict(head_dim=head_dim, dtype=DType(dtype), q_rows=q_rows, paged=paged, variant=Variant(variant),
-                  softcap=softcap, alibi=alibi, local=local)
-    return DecodeSpec(**fields) if user is None else user.replace(**fields)
-
-
-class _Plan(TunedKernels):
-    """What a call needs that depends only on its plan key (head_dim, dtype, device, q_rows, paged,
-    variant, the user's spec, array kind, softcap, alibi, local): the kernel, or the winners ``attngen tune
-    decode`` stored for this GPU by cache capacity (``kernel_for``), allocators, the stream getter
-    and the SM count. Made once per key, so a call does its checks, one lookup, the allocations
-    and the launches."""
-
-    __slots__ = ("alloc", "alloc_f32", "stream", "sms")
-
-
-_plans: dict[tuple, _Plan] = register_dependent_cache({})
-
-
-def _make_plan(key: tuple) -> _Plan:
+def _make_plan(key: tuple) -> Plan:
+    """The plan (``host.Plan``) of a key (head_dim, dtype, device, q_rows, paged, variant, the user's spec, array
+    kind, softcap, alibi, local): the kernel, or the winners ``attngen tune decode`` stored for this GPU by cache
+    capacity (``kernel_for``), allocators, the stream getter and the device's facts. Made once per key, so a
+    call does its checks, one lookup, the allocations and the launches."""
     d, dtype, device, q_rows, paged, variant, spec, kind, softcap, alibi, local = key
-    base = _spec_for(d, dtype, q_rows, paged, variant, spec, softcap, alibi, local)
-    plan = _Plan()
-    plan.choose(base, device, use_tuned=spec is None)  # winners by cache capacity, if stored
-    plan.alloc = allocator(kind, dtype, device)
-    plan.alloc_f32 = allocator(kind, "fp32", device)
-    plan.stream = torch_stream_getter() if kind == "torch" else functools.partial(current_stream, "cupy")
-    plan.sms = sm_count(device)
-    _plans[key] = plan
+    base = base_spec(d, dtype, q_rows, paged, variant, spec, softcap, alibi, local)
+    plan = Plan()
+    # the choice's specs by cache capacity (choose.choose, whose size-independent part a plan keeps)
+    tuned = tuple(stored_choices(base, device)) if spec is None else ()
+    plan.setup(table(base, device_facts(device).arch, spec is None, tuned), device, kind, dtype)
     return plan
+
+
+_memo = OpMemo(_make_plan)
+_plans, _calls = _memo.plans, _memo.calls  # key -> Plan; key -> _Call (runtime.keep_call)
 
 
 def _check_operands(qi, ki, vi) -> None:
@@ -144,7 +130,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     if call is None:
         call = _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse,
                         out, variant, spec, softcap, alibi_slopes, causal, window, cache_leftpad)
-        keep_call(_calls, key, call, flags=(return_lse, causal), numbers=(num_splits, sm_scale, softcap))
+        _memo.keep(key, call, flags=(return_lse, causal), numbers=(num_splits, sm_scale, softcap))
     plan, kind = call.plan, qi.kind
     if out is None:
         out = plan.alloc(*call.out_shape)
@@ -184,20 +170,6 @@ class _Call:
                  "tail", "grid", "merge_grid", "unfused")
 
 
-_calls: dict[tuple, _Call] = register_dependent_cache({})  # key -> _Call (runtime.keep_call)
-# The merge launch in a CUDA graph, in the tile steps of choose_splits (a step: every resident CTA reading one K and V
-# tile): about three (choose_splits counts one).
-MERGE_LAUNCH_STEPS = 3.0
-
-
-def grid_steps(ctas: int, tiles: int, splits: int, slots: int, share: float) -> float:
-    """Tile steps of a grid of ``ctas`` x ``splits`` CTAs over ``tiles`` tiles a row, with ``slots``
-    resident at once: its waves of ceil(tiles / splits) steps, or, where more CTAs read at once than
-    the memory serves at full rate (``share``, split_kv.saturating_share, of the SMs), the tiles over
-    that many; plus 2 for the ring's fill."""
-    waves = -(-ctas * splits // slots)
-    return max(waves * -(-tiles // splits), ctas * tiles / (share * slots)) + 2
-
 
 _cluster_merge = [CLUSTER_MAX]
 try:
@@ -217,31 +189,10 @@ def set_cluster_merge(max_splits: int) -> int:
 
 
 def cluster_limit(kern, ctas: int) -> int:
-    """The most splits of a row that a grid of ``ctas`` (batch x KV heads) CTAs of ``kern`` merges in
-    one cluster of them; 0 where it merges through the workspace and a merge launch. Clusters need
-    sm_90 (``Kernel.max_clusters``), the fused kernel, room for the output rows in its shared memory,
-    one CTA an SM with a ring of 4 stages or more, and are taken where their CTAs reach a third of the
-    SMs or more (a paged cache: 90%). Against the merge launch a cluster wins where its CTAs fill that
-    share with a deep ring; fewer CTAs, or head_dim 256's 2- and 3-stage rings, read too slowly for the SMs
-    they hold to keep up with the memory, and a paged cache's lookups need more of them. Where the call's
-    split count is automatic, a cluster is also weighed against the merge launch's uncapped count
-    (``grid_steps``).
-
-    Every one of the ``ctas`` clusters must be resident at once (``Kernel.max_clusters``, which counts
-    the SMs of each GPC, so fewer than the SM count divided by the size): a cluster size with fewer runs
-    the last clusters as a second wave, slower than the merge launch, so the size is the largest whose
-    clusters all fit."""
-    rs = kern.spec
-    if (rs.variant is Variant.UNFUSED or rs.num_stages < 4
-            or rs.cluster_merge_bytes() > rs.smem_bytes() or ctas_per_sm(kern) != 1):
-        return 0
-    cmax = _cluster_merge[0]
-    while cmax > 1 and kern.max_clusters(cmax) < ctas:
-        cmax -= 1
-    # A paged CTA reads more slowly (its table lookups): a paged grid clusters only where its clusters fill 90% of
-    # the SMs or more.
-    need = 0.9 if rs.paged else 1 / 3
-    return cmax if cmax > 1 and ctas * cmax >= need * sm_count(kern.device) else 0
+    """The most splits of a row that a grid of ``ctas`` (batch x KV heads) CTAs of the loaded ``kern`` merges
+    in one cluster of them; 0 where it merges through the workspace and a merge launch (``choose.cluster_limit``
+    with this process's setting, ``set_cluster_merge``)."""
+    return _choose.cluster_limit(kern.spec, ctas, device_facts(kern.device), _cluster_merge[0])
 
 
 def window_bounds(causal, window, q_len: int) -> tuple[bool, int, int]:
@@ -333,7 +284,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     pkey = (d, dtype, dev, DecodeSpec.rows_for(group, q_len), paged, "fused" if variant == "auto" else variant,
             spec, kind, bool(softcap), alibi_ptr != 0, local)
     call = _Call()
-    call.plan = plan = _plans.get(pkey) or _make_plan(pkey)
+    call.plan = plan = _plans.get(pkey) or _memo.plan(pkey)
     call.out_shape, call.lse_shape = (b, q_len, h, d), (b, h, q_len)
     if out is None:
         ostrides = (q_len * h * d, h * d, d)
@@ -350,33 +301,19 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     if b > 65535:
         raise LaunchError(f"batch={b} exceeds 65535 (the grid's z limit)")
 
-    call.kern = kern = plan.kernel or plan.kernel_for(capacity)
+    call.kern = kern = plan.kernel or plan.kernel_for(capacity)  # (choose.choose's spec)
     rs = kern.spec
     call.unfused = unfused = rs.variant is Variant.UNFUSED
-    # The fused kernel on sm_90 merges the splits of a row in a cluster of them (cluster_limit), where
+    # The split count; the fused kernel on sm_90 merges the splits of a row in a cluster of them, where
     # its epilogue's shared memory holds the output rows: no workspace and no merge launch.
-    per_sm = ctas_per_sm(kern)
-    cmax = cluster_limit(kern, b * hk)
     # A window's row sees at most left + q_len keys (and one tile more where they start mid-tile): the split
     # count is chosen for those, as the kernel splits only them.
     live = min(capacity, left + q_len + rs.cta_tile_kv) if local and left < _UNBOUNDED else capacity
-    if num_splits == 0:
-        num_splits = choose_splits(b * hk, live, rs.cta_tile_kv, plan.sms, per_sm, 4 * rs.cta_tile_kv * d,
-                                   4 * b * q_len * h * d)
-        if num_splits > 1 and cmax:
-            # A cluster caps the split count. It is taken where its fewer CTAs read about as fast as the merge
-            # launch's more, counting what the launch costs (grid_steps); a long cache at batch 1 needs the SMs a
-            # cluster leaves idle where the memory is fast.
-            capped = choose_splits(b * hk, capacity, rs.cta_tile_kv, plan.sms, per_sm, 4 * rs.cta_tile_kv * d, 0,
-                                   max_splits=cmax)
-            tiles, slots, share = -(-capacity // rs.cta_tile_kv), plan.sms * per_sm, saturating_share(qi.device)
-            if (grid_steps(b * hk, tiles, capped, slots, share)
-                    <= grid_steps(b * hk, tiles, num_splits, slots, share) + MERGE_LAUNCH_STEPS):
-                num_splits = capped
-            else:
-                cmax = 0
-    call.cluster = num_splits if 1 < num_splits <= cmax else 0
-    merged = num_splits > 1 and not call.cluster  # by the merge launch
+    problem = Problem(d, dtype, q_len, h, hk, b, capacity, paged, variant, spec, bool(softcap), alibi_ptr != 0,
+                      num_splits, _cluster_merge[0], local, live)
+    lc = launch(problem, rs, plan.facts)
+    num_splits, call.cluster = lc.num_splits, lc.cluster
+    merged = lc.merge_grid is not None  # by the merge launch
     # Else one fp32 workspace a call: split partials (outputs, then LSE), then the unfused variant's
     # scores and per-split row stats; every piece starts 16-byte aligned.
     scores_ld = 0
@@ -408,6 +345,5 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         cap_u, inv_cap_u, alibi_ptr, alibi_sb,
         pad_ptr, left, right,
     )
-    call.grid = (num_splits, hk, b)
-    call.merge_grid = (-(-b * q_len * h // (MERGE_THREADS // 32)), 1, 1) if merged else None
+    call.grid, call.merge_grid = lc.grid, lc.merge_grid
     return call

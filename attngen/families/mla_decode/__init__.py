@@ -2,6 +2,7 @@
 compressed cache, contiguous or paged, split-KV with an LSE merge."""
 
 from ...family import Family, register
+from .choose import reachable
 from .defaults import candidates
 from .op import mla_decode
 from .spec import MlaDecodeSpec, QkShard
@@ -10,6 +11,7 @@ FAMILY = register(Family(
     name="mla_decode",
     spec=MlaDecodeSpec,
     candidates=candidates,
+    reachable=reachable,
     template="mla_decode.cu.jinja",
     summary="MLA decode: q_len 1..4, heads 1..128 against one ckv+kpe cache (contiguous or paged), "
             "qk_shard, split-KV",

@@ -3,19 +3,19 @@ cache, contiguous or paged, split-KV with an LSE merge, CUDA-graph safe (no host
 
 from __future__ import annotations
 
-import functools
 import struct
 from collections.abc import Mapping
 
 from ... import runtime as _rt
 from ...errors import LaunchError
-from ...runtime import current_stream, data_ptr, empty_like_kind, get_kernel, tensor_info
-from ...spec import DType, Pipeline, op_spec, replaced_if_valid
+from ...runtime import data_ptr, get_kernel, tensor_info
+from ...spec import Pipeline, op_spec
+from ..host import OpMemo, Plan
 from ..score_mods import checked_scale
-from ..split_kv import (CLUSTER_MAX, cache_lengths, check_rows, checked_splits, choose_splits, ctas_per_sm,
-                        paged_table, saturating_share, sm_count)
+from ..split_kv import cache_lengths, check_rows, checked_splits, paged_table
 from ..tma import tiled_map
-from .spec import MERGE_COLS, MERGE_THREADS, MlaDecodeSpec, QkShard
+from . import choose as _choose
+from .spec import MlaDecodeSpec
 
 # MlaParams in templates/common/mla_params.cuh: 10 pointers, 14 strides, 9 ints, 2 floats, 1 int; a
 # pipeline=tma kernel takes MlaTmaParams: the ckv and kpe tensor maps first.
@@ -24,63 +24,19 @@ _PARAMS_TMA = struct.Struct("<256s10Q14q9i2fi")
 _LOG2E = 1.4426950408889634
 MAX_Q_LEN = 4
 MAX_HEADS = 128
-# qk_shard=auto on sm_90a: alternate tiles where a sequence's rows fill two 64-row blocks or more (128 heads)
-# and each CTA gets at least this many 64-key tiles; the sharded form elsewhere. With few tiles a CTA (small
-# batches split the cache finely) the pairs' fixed cost outweighs one warpgroup's softmax running under the
-# other's MMAs, and at 64 heads the sharded form repeats little QK work anyway.
-ALTERNATE_MIN_TILES = 32
-# The three rules below take effect only on a device whose memory needs FAST_MEMORY_SHARE of its SMs or more to reach
-# its bandwidth (split_kv.saturating_share). There the default kernels cannot keep up with the memory; where the
-# memory is slower than the SMs, the defaults already keep it busy and the rules' kernels gained nothing.
-FAST_MEMORY_SHARE = 0.6
-# One 64-row block (64 heads) takes alternate tiles too on fast memory (FAST_MEMORY_SHARE) and where the batch fills
-# ALTERNATE_ONE_BLOCK_MIN_BATCH row blocks; at small batches the sharded form stays.
-ALTERNATE_ONE_BLOCK_MIN_BATCH = 64
-# 16 rows on the TMA ring, 64-key tiles, a contiguous cache or paged blocks of whole tiles (measured: blocks of 64):
-# one stage on four warps where the grid holds at least ONE_STAGE_MIN_TILES tiles an SM and the device's memory needs
-# FAST_MEMORY_SHARE of its SMs or more to reach its bandwidth. One stage leaves room for two CTAs an SM, whose loads
-# and math then overlap each other's; with a shallow grid the single stage's exposed latency costs more.
-ONE_STAGE_MIN_TILES = 16
-# The most splits of a row block merged in a cluster on sm_90 (0 or 1: every split count through the
-# workspace and a merge launch), and the share of the SMs the row blocks must fill for a cluster (batch
-# 64 at 16 heads on 132 SMs; batch 32 was not measured).
-MERGE_CLUSTER_MAX = CLUSTER_MAX
-CLUSTER_MIN_FILL = 0.4
-# The merge takes its wide entry (MERGE_WIDE_WARPS warps a chunk of a row) from this many splits, four
-# groups of the partial rows a warp of the narrow entry loads at once, where the GPU holds the wide grid
-# at once; a wide grid several waves deep loses to the narrow entry.
-MERGE_WIDE_SPLITS = 32
-# The TMA kernels load ckv and kpe as first out of L2 (kv_evict_first) from this many splits, so that the
-# merge launch finds more of the partials in L2; with two splits the merge reads little and the hint only costs.
-EVICT_FIRST_MIN_SPLITS = 4
+# The choice of kernel and launch (and the constants of its rules) lives in choose.py.
 
 
-def kv_evict_first(tma: bool, alternate: bool, num_splits: int, cluster: int) -> bool:
-    """Whether a TMA kernel loads ckv and kpe as the first lines out of L2: where at least EVICT_FIRST_MIN_SPLITS
-    splits' partials go through the merge launch, which then finds more of them in L2. Not for alternate tiles
-    (long runs a CTA, where two row blocks' second reads of a tile hit L2, which evicting first would lose);
-    their kernels keep the plain loads' code."""
-    return tma and not alternate and num_splits >= EVICT_FIRST_MIN_SPLITS and not cluster
+def _make_plan(key: tuple) -> Plan:
+    """The plan of (dtype, device, array kind): the device's facts, allocators and the stream getter. The
+    kernel is chosen per call (its rules read the call's sizes)."""
+    dtype, device, kind = key
+    plan = Plan()
+    plan.setup(None, device, kind, dtype)
+    return plan
 
 
-@functools.lru_cache(maxsize=None)
-def _spec_for(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, user: MlaDecodeSpec | None):
-    fields = dict(kv_lora_rank=rank, rope_dim=rope, dtype=DType(dtype), q_rows=q_rows, paged=paged)
-    return MlaDecodeSpec(**fields) if user is None else user.replace(**fields)
-
-
-# ``rs`` with fields replaced where that fits ``arch``, else None; remembered (the host path asks per call)
-_if_it_fits = functools.lru_cache(maxsize=None)(replaced_if_valid)
-
-
-def merge_entry(kern, chunks: int, num_splits: int) -> str:
-    """The merge entry of ``kern``'s module for ``chunks`` (rows x MERGE_COLS-column chunks) of
-    ``num_splits`` partials: ``_merge_wide`` (a CTA a chunk, its warps over the splits) from
-    MERGE_WIDE_SPLITS splits where the device holds all its CTAs at once, else ``_merge`` (a warp a
-    chunk)."""
-    if num_splits >= MERGE_WIDE_SPLITS and chunks <= kern.occupancy("_merge_wide") * sm_count(kern.device):
-        return "_merge_wide"
-    return "_merge"
+_memo = OpMemo(_make_plan)
 
 
 def _tensor_maps(cv, pe, spec: MlaDecodeSpec, block_size: int, fallback_ptr: int) -> bytes:
@@ -182,34 +138,25 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
         block_size, capacity, bt_ptr, bt_sb = 0, cache_len, 0, 0
     seq_ptr, seq_fixed = cache_lengths(cache_seqlens, b, kind, dev, "q_nope")
 
+    plan = _memo.plan((qn.dtype, dev, kind))
     shape = (b, q_len, h, rank)
     if out is None:
-        out = empty_like_kind(kind, shape, qn.dtype, dev)
+        out = plan.alloc(*shape)
     oi = tensor_info(out, "out")
     if oi.kind != kind or oi.shape != shape or oi.dtype != qn.dtype or oi.device != dev:
         raise LaunchError(f"out must be {kind} {shape} {qn.dtype} on device {dev}; got "
                           f"{oi.kind} {oi.shape} {oi.dtype} on device {oi.device}")
     check_rows(oi, "out", 4, "[batch, q_len, heads, kv_lora_rank]")
-    lse = empty_like_kind(kind, (b, h, q_len), "fp32", dev) if return_lse else None
+    lse = plan.alloc_f32(b, h, q_len) if return_lse else None
     if b == 0:
         return (out, lse) if return_lse else out
     if b > 65535:
         raise LaunchError(f"batch={b} exceeds 65535 (the grid's z limit)")
 
-    rows = MlaDecodeSpec.rows_for(h, q_len)
-    fast_memory = saturating_share(dev) >= FAST_MEMORY_SHARE
-    kern = get_kernel(_spec_for(rank, rope, qn.dtype, rows, paged, spec), device=dev)
-    rs = kern.spec
-    whole_tiles = not paged or block_size % 64 == 0  # TMA boxes of whole 64-key tiles (what the rules measured)
-    # 32 rows (32 heads, or 16 x 2 tokens) as one 64-row block of the wgmma kernel, half its rows empty, where the
-    # device's memory needs FAST_MEMORY_SHARE of its SMs or more, on a contiguous cache or paged blocks of whole
-    # 64-key tiles (measured: blocks of 64). The 32-row mma.sync kernel cannot keep up with such memory; on slower
-    # memory it can, and the wasted half block costs more than it gains.
-    if (rows == 32 and whole_tiles and rs.tma and fast_memory
-            and (spec is None or not any(getattr(spec, f) for f in spec.TUNING_FIELDS))):
-        wide = get_kernel(_spec_for(rank, rope, qn.dtype, 64, paged, spec), device=dev)
-        if wide.spec.wgmma:
-            rows, kern, rs = 64, wide, wide.spec
+    problem = _choose.Problem(rank, rope, qn.dtype, q_len, h, b, capacity, paged, block_size, spec, num_splits)
+    facts = plan.facts
+    choice = _choose.choose(problem, facts)
+    rs = choice.spec
     maps = None
     if rs.tma:
         try:
@@ -217,44 +164,15 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
         except LaunchError:
             if spec is not None and spec.pipeline is Pipeline.TMA:
                 raise
-            kern = get_kernel(rs.replace(pipeline=Pipeline.SYNC), device=dev)  # the same tiles
-            rs = kern.spec
-    row_blocks = -(-h * q_len // rows)
-    if (rows == 16 and rs.tma and whole_tiles and rs.cta_tile_kv == 64 and rs.num_stages == 2
-            and (spec is None or not (spec.num_stages or spec.num_warps))
-            and b * row_blocks * -(-capacity // rs.cta_tile_kv) >= ONE_STAGE_MIN_TILES * sm_count(dev)
-            and fast_memory):
-        one = _if_it_fits(rs, kern.binary.arch, num_stages=1, num_warps=4)  # two CTAs an SM
-        if one is not None:  # before the split count, which counts the CTAs an SM holds
-            kern = get_kernel(one, device=dev)
-            rs = kern.spec
-    if num_splits == 0:
-        # Each split reads its rows of Q and writes a partial the merge reads back, both about a tile's
-        # bytes for a 64-row block: weighted twice (fitted to timed split counts).
-        num_splits = choose_splits(b * row_blocks, capacity, rs.cta_tile_kv, sm_count(dev), ctas_per_sm(kern),
-                                   2 * rs.cta_tile_kv * (rank + rope), 4 * b * q_len * h * rank,
-                                   q_bytes=2 * b * row_blocks * rows * (rank + rope), side_weight=2.0, out_passes=2)
-    many_rows = row_blocks >= 2 or (b * row_blocks >= ALTERNATE_ONE_BLOCK_MIN_BATCH and fast_memory)
-    if (many_rows and rs.qk_shard is QkShard.TRUE and (spec is None or not spec.qk_shard)
-            and -(-capacity // rs.cta_tile_kv) >= ALTERNATE_MIN_TILES * num_splits):
-        alt = _if_it_fits(rs, kern.binary.arch, qk_shard=QkShard.ALTERNATE)
-        if alt is not None:  # the same shared memory and grid: the split stands
-            kern = get_kernel(alt, device=dev)
-            rs = kern.spec
-    # sm_90: the splits of each row block as one cluster that merges them in shared memory (no workspace,
-    # no merge launch), where the row blocks alone fill CLUSTER_MIN_FILL of the SMs and every cluster is
-    # resident at once. Not at small batches: there the few CTAs of each cluster merge many rows, one DSMEM
-    # load after another, slower than the merge launch.
-    cluster = 0
-    if (1 < num_splits <= MERGE_CLUSTER_MAX and b * row_blocks >= CLUSTER_MIN_FILL * sm_count(dev)
-            and rs.cluster_merge_fits()
-            and kern.max_clusters(num_splits) >= b * row_blocks):
-        cluster = num_splits
+            choice = _choose.choose(_choose.refused(problem), facts)  # the cp.async form of the same tiles
+            rs = choice.spec
+    kern = get_kernel(rs, device=dev)
+    lc = choice.launch
+    num_splits, cluster = lc.num_splits, lc.cluster
     part_ptr = lse_part_ptr = 0
-    evict_first = kv_evict_first(maps is not None, rs.qk_shard is QkShard.ALTERNATE, num_splits, cluster)
-    if num_splits > 1 and not cluster:
+    if lc.merge_grid is not None:
         n_out = num_splits * b * q_len * h
-        work = empty_like_kind(kind, (n_out * rank + n_out,), "fp32", dev)
+        work = plan.alloc_f32(n_out * rank + n_out)
         part_ptr = data_ptr(work, kind)
         lse_part_ptr = part_ptr + 4 * n_out * rank
 
@@ -269,16 +187,13 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
         b, q_len, h, num_splits,
         block_size, capacity, pool,
         seq_fixed, (block_size.bit_length() - 1) if block_size and not block_size & (block_size - 1) else -1,
-        scale, scale * _LOG2E, int(evict_first),
+        scale, scale * _LOG2E, int(lc.evict_first),
     )
-    stream = current_stream(kind, dev)
+    stream = plan.stream(dev)
     if maps is None:
-        kern.launch_struct(_PARAMS, (num_splits, row_blocks, b), stream, *values, cluster_x=cluster)
+        kern.launch_struct(_PARAMS, lc.grid(b), stream, *values, cluster_x=cluster)
     else:
-        kern.launch_struct(_PARAMS_TMA, (num_splits, row_blocks, b), stream, maps, *values, cluster_x=cluster)
-    if num_splits > 1 and not cluster:
-        chunks = b * q_len * h * (rank // MERGE_COLS)
-        entry = merge_entry(kern, chunks, num_splits)
-        grid = chunks if entry == "_merge_wide" else -(-chunks // (MERGE_THREADS // 32))
-        kern.launch_struct(_PARAMS, (grid, 1, 1), stream, *values, entry=entry)
+        kern.launch_struct(_PARAMS_TMA, lc.grid(b), stream, maps, *values, cluster_x=cluster)
+    if lc.merge_grid is not None:
+        kern.launch_struct(_PARAMS, lc.merge_grid, stream, *values, entry=lc.merge_entry)
     return (out, lse) if return_lse else out

@@ -1,6 +1,7 @@
 """The prefill family: a FlashAttention-2-style forward pass (mma.sync everywhere, wgmma on sm_90a)."""
 
 from ...family import Family, register
+from .choose import reachable
 from .defaults import candidates
 from .masks import MaskPlan
 from .op import mask_plan, prefill
@@ -11,6 +12,7 @@ FAMILY = register(Family(
     name="prefill",
     spec=PrefillSpec,
     candidates=candidates,
+    reachable=reachable,
     template="prefill.cu.jinja",
     summary="attention forward: dense, varlen or paged; causal, sliding window, custom masks (live-tile lists), GQA",
     tuning="attngen.families.prefill.tuning",

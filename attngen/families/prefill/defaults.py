@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 
 from ...arch import Arch
-from ...spec import replaced_if_valid
 from .spec import MaskMode, Mma, Persistent, Pipeline, PrefillSpec, Schedule
 
 # The mma.sync kernels' configs, best first, as tools/sweep_configs.py ranked them (bf16, 16k tokens
@@ -184,50 +183,6 @@ CHUNKED_VARLEN_SPILLS_ON = {
     (512, 512, MaskMode.CAUSAL): {(64, 128, 8, 4, 128, Mma.WGMMA): ("sm_90a",)},
     (640, 640, MaskMode.SLIDING_WINDOW): {(64, 64, 8, 6, 128, Mma.WGMMA): ("sm_90a",)},
 }
-
-
-# sm_90a, the dense layout, head dims 64, 128 and 256: the default depends on the call's query rows (``by_rows``). Per
-# (head_dim, head_dim_v, mask), from how many rows on each config runs; None: the resolved default (at 64 and 128 the
-# 128-row ping-pong persistent kernel, at 256 128x64 serial one CTA a tile).
-# Head dim 64's long rows take three consumer warpgroups (192x128 tiles on 12 warps, ping-pong among the three, one
-# CTA a query tile): on short rows a 192-row tile wastes more of a row, and one CTA a tile has no persistent walk, so
-# the 128-row default keeps those. Their persistent form spills at 128-key tiles (160 registers a thread).
-# Head dim 64's short causal rows take 64x64 tiles on one warpgroup (the cp.async ring, 4 stages): less of the
-# diagonal tile is masked work. Without a mask no 64-row config gained enough to take.
-# Head dim 256 takes 128x80 tiles in ping-pong (FlashAttention-3's) from 1k rows (causal: 2k); it gains at 16k without
-# a mask only since O's rescale left the window between S = Q K^T's issue and P V's.
-# Under a causal mask those tiles run persistent from 2k rows, O staged in Q's tile (o_in_q); without a mask the
-# persistent form gained too little to take.
-# Head dim 128's short causal rows take 64x64 tiles on one consumer warpgroup of the TMA ring (serial, persistent:
-# two CTAs an SM walk the tiles); from 768 rows the 128-row default is faster again.
-THREE_GROUPS = dict(cta_tile_q=192, cta_tile_kv=128, num_warps=12, num_stages=2, mma=Mma.WGMMA, pipeline=Pipeline.TMA,
-                    schedule=Schedule.PINGPONG, persistent=Persistent.OFF)
-SHORT_CAUSAL = dict(cta_tile_q=64, cta_tile_kv=64, num_warps=4, num_stages=4, mma=Mma.WGMMA, pipeline=Pipeline.SYNC,
-                    schedule=Schedule.SERIAL, persistent=Persistent.OFF)
-KV80_PINGPONG = dict(cta_tile_q=128, cta_tile_kv=80, num_warps=8, num_stages=2, mma=Mma.WGMMA, pipeline=Pipeline.TMA,
-                     schedule=Schedule.PINGPONG, persistent=Persistent.OFF)
-KV80_PINGPONG_PERSISTENT = {**KV80_PINGPONG, "persistent": Persistent.ON}
-SHORT_CAUSAL_TMA = dict(cta_tile_q=64, cta_tile_kv=64, num_warps=4, num_stages=2, mma=Mma.WGMMA, pipeline=Pipeline.TMA,
-                        schedule=Schedule.SERIAL, persistent=Persistent.ON)
-BY_ROWS = {
-    (64, 64, MaskMode.NONE): ((0, None), (2048, THREE_GROUPS)),
-    (64, 64, MaskMode.CAUSAL): ((0, SHORT_CAUSAL), (1024, None), (16384, THREE_GROUPS)),
-    (128, 128, MaskMode.CAUSAL): ((0, SHORT_CAUSAL_TMA), (768, None)),
-    (256, 256, MaskMode.NONE): ((0, None), (1024, KV80_PINGPONG)),
-    (256, 256, MaskMode.CAUSAL): ((0, None), (2048, KV80_PINGPONG_PERSISTENT)),
-}
-
-
-def by_rows(resolved, arch) -> tuple[list[int], list[PrefillSpec]] | None:
-    """(bounds, specs): what a call of the default ``resolved`` (no spec of the caller's, no tuned winner) runs by
-    its query rows, ``specs[i]`` from ``bounds[i - 1]`` rows on (``TunedKernels.split``); None where one kernel runs
-    every length. A config that does not validate on ``arch`` leaves the default in its place."""
-    table = BY_ROWS.get((resolved.head_dim, resolved.dim_v, resolved.mask))
-    if table is None or not resolved.tma or resolved.chunked or resolved.varlen or resolved.custom_mask:
-        return None
-    specs = [resolved if fields is None else replaced_if_valid(resolved, arch, **fields) or resolved
-             for _, fields in table]
-    return [rows for rows, _ in table[1:]], specs
 
 
 def candidates(spec, arch: Arch):

@@ -17,20 +17,20 @@ for its key), not per call.
 
 from __future__ import annotations
 
-import functools
 import math
 import struct
 from collections.abc import Mapping
 
 from ... import runtime as _rt
 from ...errors import LaunchError
-from ...runtime import (TunedKernels, allocator, data_ptr, get_kernel, keep_call, register_dependent_cache,
-                         tensor_info, torch_stream_getter)
-from ...spec import DType, op_spec
+from ...runtime import allocator, data_ptr, get_kernel, tensor_info
+from ...spec import op_spec
+from ...tuned import stored_choices
+from ..choice import device_facts
+from ..host import OpMemo, Plan
 from ..score_mods import NO_EXTRAS, checked_scale, extras
-from ..split_kv import ctas_per_sm, sm_count
-from .defaults import by_rows
-from .spec import MaskMode, Persistent, Pipeline, PrefillSpec, Schedule
+from .choose import CUSTOM_MASK, DENSE, base_spec, dense_grid, persistent_grid, sync_twin, table
+from .spec import MaskMode, Pipeline, PrefillSpec
 from .tma import tensor_maps
 
 # PrefillParams in templates/common/prefill_params.cuh: 5 pointers, 12 strides, 4 ints, 2 floats, 2 ints,
@@ -45,18 +45,12 @@ _PARAMS_TMA = struct.Struct("<384s5Q12q4i2f2i2fQq")
 _PARAMS_TMA4 = struct.Struct("<512s5Q12q4i2f2i2fQq")  # (the chunked kernel with a V tail: four maps)
 _PARAMS_TMA_PERSISTENT = struct.Struct("<384s5Q12q4i2f2i2fQq116xi")
 PARAMS_EXT_TMA = struct.Struct("<384s" + PARAMS_EXT.format[1:])  # the varlen and custom-mask kernels' on TMA
-# What a plan's kernel reads its inputs as (the last element of a plan key).
-DENSE, CUSTOM_MASK, VARLEN, VARLEN_PAGED = range(4)
+# What a plan's kernel reads its inputs as (the last element of a plan key): choose.DENSE, CUSTOM_MASK, VARLEN,
+# VARLEN_PAGED.
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = (-1, -1)
 # Masks by code: plan keys hold the int, since hashing an Enum member runs Python code (~0.15 us).
 _MASKS = (MaskMode.NONE, MaskMode.CAUSAL, MaskMode.SLIDING_WINDOW)
-
-
-@functools.lru_cache(maxsize=None)
-def _resident(kern, device: int) -> int:
-    """How many CTAs of ``kern`` the device's SMs hold at once: the persistent kernel's grid."""
-    return sm_count(device) * ctas_per_sm(kern)
 
 
 def _shape(s) -> tuple:
@@ -134,10 +128,11 @@ def out_of(out, qi, dv: int) -> tuple[int, tuple]:
     return oi.ptr, st
 
 
-class _Plan(TunedKernels):
-    """Everything a call needs that does not depend on its shapes (``kernel_for``: by seqlen_q)."""
+class _Plan(Plan):
+    """Everything a call needs that does not depend on its shapes (``kernel_for``: by seqlen_q): ``host.Plan``'s,
+    the default scale, an int32 allocator (varlen work lists) and the TMA kernels' cp.async twins."""
 
-    __slots__ = ("default_scale", "alloc", "alloc_lse", "alloc_index", "stream", "tma_pinned", "sync_twins")
+    __slots__ = ("default_scale", "alloc_index", "tma_pinned", "sync_twins")
 
     def sync_twin(self, kern):
         """The cp.async kernel of ``kern``'s tiles, for inputs no TMA map can describe (``kern`` runs
@@ -145,10 +140,7 @@ class _Plan(TunedKernels):
         three (the cp.async kernel has no 12-warp form)."""
         twin = self.sync_twins.get(kern.key)
         if twin is None:
-            spec = kern.spec.replace(pipeline=Pipeline.SYNC, schedule=Schedule.SERIAL, persistent=Persistent.OFF)
-            if spec.num_warps == 12:
-                spec = spec.replace(cta_tile_q=128, num_warps=8)
-            twin = self.sync_twins[kern.key] = get_kernel(spec, device=self.device)
+            twin = self.sync_twins[kern.key] = get_kernel(sync_twin(kern.spec), device=self.device)
         return twin
 
     def tma_maps(self, kern, qi, ki, vi):
@@ -165,35 +157,22 @@ class _Plan(TunedKernels):
             return self.sync_twin(kern), None
 
 
-_plans: dict[tuple, _Plan] = register_dependent_cache({})
-
-
 def _make_plan(key: tuple) -> _Plan:
     d, dtype, device, mask, return_lse, spec, kind, softcap, alibi, layout, dv = key
-    fields = dict(head_dim=d, head_dim_v=dv, dtype=DType(dtype), mask=_MASKS[mask], return_lse=return_lse, softcap=softcap,
-                  alibi=alibi, custom_mask=layout == CUSTOM_MASK, varlen=layout >= VARLEN,
-                  paged=layout == VARLEN_PAGED)
-    base = PrefillSpec(**fields) if spec is None else spec.replace(**fields)
+    base = base_spec(d, dtype, _MASKS[mask], return_lse, spec, softcap, alibi, layout, dv)
     plan = _Plan()
-    plan.choose(base, device, use_tuned=spec is None)
-    if spec is None and plan.kernel is not None:  # the default: short or long rows may take tiles of their own
-        rows = by_rows(plan.kernel.spec, plan.kernel.binary.arch)
-        if rows is not None:
-            plan.split(*rows)
+    # the choice's specs by query rows (choose.choose, whose size-independent part a plan keeps)
+    tuned = tuple(stored_choices(base, device)) if spec is None else ()
+    plan.setup(table(base, device_facts(device).arch, spec is None, tuned), device, kind, dtype)
     plan.default_scale = 1.0 / math.sqrt(d)
     plan.tma_pinned = spec is not None and spec.pipeline is Pipeline.TMA
     plan.sync_twins = {}
-    plan.alloc = allocator(kind, dtype, device)
-    plan.alloc_lse = allocator(kind, "fp32", device) if return_lse else None
     plan.alloc_index = allocator(kind, "int32", device)
-    if kind == "torch":
-        plan.stream = torch_stream_getter()
-    else:
-        from ...runtime import current_stream
-
-        plan.stream = lambda dev: current_stream("cupy", dev)
-    _plans[key] = plan
     return plan
+
+
+_memo = OpMemo(_make_plan)
+_plans, _calls = _memo.plans, _memo.calls  # key -> _Plan; key -> _Call (runtime.keep_call)
 
 
 def clear_plans() -> None:
@@ -203,7 +182,7 @@ def clear_plans() -> None:
 def plan_for(key: tuple) -> _Plan:
     """The ``_Plan`` of ``key`` (d, dtype, device, mask code, return_lse, spec, kind, softcap, alibi,
     layout, v's head dim), made on first use."""
-    return _plans.get(key) or _make_plan(key)
+    return _plans.get(key) or _memo.plan(key)
 
 
 def mask_and_window(causal, window) -> tuple[int, int, int]:
@@ -231,7 +210,7 @@ def kernel_for(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_W
     qi, _, vi = _check_qkv(q, k, v)
     mask, _, _ = mask_and_window(causal, window)
     key = (qi.shape[3], qi.dtype, qi.device, mask, bool(return_lse), spec, qi.kind, False, False, DENSE, vi.shape[3])
-    plan = _plans.get(key) or _make_plan(key)
+    plan = _plans.get(key) or _memo.plan(key)
     return plan.kernel or plan.kernel_for(qi.shape[1])
 
 
@@ -287,7 +266,7 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     if call is None:
         call = _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softcap, alibi_slopes,
                         mask is not None)
-        keep_call(_calls, key, call, flags=(causal, return_lse), numbers=(sm_scale, softcap))
+        _memo.keep(key, call, flags=(causal, return_lse), numbers=(sm_scale, softcap))
     plan, kind = call.plan, qi.kind
     if out is None:
         out = plan.alloc(*call.out_shape)
@@ -295,7 +274,7 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     else:
         optr = call.out_ptr
     if return_lse:
-        lse = plan.alloc_lse(*call.lse_shape)
+        lse = plan.alloc_f32(*call.lse_shape)
         lse_ptr = data_ptr(lse, kind)
     else:
         lse, lse_ptr = None, 0
@@ -324,8 +303,6 @@ class _Call:
                  "left", "right")
 
 
-_calls: dict[tuple, _Call] = register_dependent_cache({})  # key -> _Call (runtime.keep_call)
-
 
 def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softcap, alibi_slopes, masked) -> _Call:
     """Check a call's arguments and work out its ``_Call``."""
@@ -342,7 +319,7 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
                                              if softcap or alibi_slopes is not None else NO_EXTRAS)
     key = (d, qi.dtype, qi.device, mcode, return_lse, spec, qi.kind, bool(softcap), alibi_ptr != 0,
            CUSTOM_MASK if masked else DENSE, dv)
-    call.plan = plan = _plans.get(key) or _make_plan(key)
+    call.plan = plan = _plans.get(key) or _memo.plan(key)
     scale = plan.default_scale if sm_scale is None else checked_scale(sm_scale)
     call.out_shape, call.lse_shape = (b, sq, h, dv), (b, h, sq)
     if out is None:
@@ -371,26 +348,23 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
             call.head, call.layout = (maps, *call.head), PARAMS_EXT_TMA
         return call
     ks_ = kern.spec
-    tile_q = ks_.cta_tile_q
     # v_splits: the chunked kernel past 640 columns
-    call.grid = grid = ((sq + tile_q - 1) // tile_q, h * ks_.v_splits, b)
-    if grid[1] > 65535:
+    if h * ks_.v_splits > 65535:
         raise LaunchError(f"heads={h} exceed the grid's y limit (65535 / {ks_.v_splits} with this kernel)")
     call.layout = _PARAMS
+    maps = None
     if ks_.tma:
-        call.kern, maps = plan.tma_maps(kern, qi, ki, vi)
-        if maps is None:  # the cp.async twin
-            tile_q = call.kern.spec.cta_tile_q
-            call.grid = ((sq + tile_q - 1) // tile_q, *grid[1:])
+        call.kern, maps = plan.tma_maps(kern, qi, ki, vi)  # (the cp.async twin where no map describes them)
+    if maps is None:
+        call.grid = dense_grid(sq, h, b, call.kern.spec)
+    else:
+        call.head = (maps, *call.head)
+        if ks_.is_persistent:
+            call.grid = persistent_grid(sq, h, b, ks_, plan.facts)
+            call.layout, call.tail = _PARAMS_TMA_PERSISTENT, (*call.tail, b)
         else:
-            call.head = (maps, *call.head)
-            if ks_.is_persistent:
-                # as many CTAs as the SMs hold at once, or one a unit of two query tiles (TileWalk)
-                units = (grid[0] + 1) // 2 * h * b
-                call.grid = (min(units, _resident(kern, qi.device)), 1, 1)
-                call.layout, call.tail = _PARAMS_TMA_PERSISTENT, (*call.tail, b)
-            else:
-                call.layout = _PARAMS_TMA if len(maps) == 384 else _PARAMS_TMA4
+            call.grid = dense_grid(sq, h, b, ks_)
+            call.layout = _PARAMS_TMA if len(maps) == 384 else _PARAMS_TMA4
     return call
 
 
@@ -410,7 +384,7 @@ def mask_plan(mask, q, k, *, v=None, causal: bool = False, window: tuple[int, in
     qi, ki, vi = _check_qkv(q, k, k if v is None else v)
     mcode, left, right = mask_and_window(causal, window)
     key = (qi.shape[3], qi.dtype, qi.device, mcode, False, spec, qi.kind, False, False, CUSTOM_MASK, vi.shape[3])
-    plan = _plans.get(key) or _make_plan(key)
+    plan = _plans.get(key) or _memo.plan(key)
     kern = plan.kernel or plan.kernel_for(qi.shape[1])
     from .masks import build
 

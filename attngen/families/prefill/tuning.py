@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ...tune import Problem
-from .defaults import by_rows
+from .choose import by_rows
 from .spec import MaskMode, PrefillSpec
 
 SIZE = "q and kv sequence length"
@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # What attngen.prefill runs by its query rows without a spec or a stored winner (``tune.defaults_by_size``):
-# ``defaults.BY_ROWS``, head dims 64, 128 and 256 on sm_90a.
+# ``choose.BY_ROWS``, head dims 64, 128 and 256 on sm_90a.
 by_size = by_rows
 
 

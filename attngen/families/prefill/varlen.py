@@ -16,8 +16,8 @@ from ...runtime import data_ptr, tensor_info
 from ...spec import op_spec
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from .masks import PLAN_PARAMS
-from .op import (_LOG2E, _NO_WINDOW, PARAMS_EXT, PARAMS_EXT_TMA, VARLEN, VARLEN_PAGED, check_qkv, mask_and_window,
-                 out_of, plan_for)
+from .choose import VARLEN, VARLEN_PAGED, varlen_grid
+from .op import _LOG2E, _NO_WINDOW, PARAMS_EXT, PARAMS_EXT_TMA, check_qkv, mask_and_window, out_of, plan_for
 from .spec import PrefillSpec
 
 
@@ -111,17 +111,17 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         optr, ostrides = data_ptr(out, qi.kind), (h * dv, dv)
     else:
         optr, ostrides = out_of(out, qi, dv)
-    lse = plan.alloc_lse(h, total_q) if return_lse else None
+    lse = plan.alloc_f32(h, total_q) if return_lse else None
     if total_q == 0 or batch == 0 or h == 0:
         return (out, lse) if return_lse else out
 
-    kern = plan.kernel or plan.kernel_for(max(1, total_q // max(batch, 1)))
+    kern = plan.kernel or plan.kernel_for(max(1, total_q // max(batch, 1)))  # (choose.Problem.size)
     kern, maps = plan.tma_maps(kern, qi, ki, vi)  # the packed tensors as TMA maps, or the cp.async kernel
     layout, maps = (PARAMS_EXT, ()) if maps is None else (PARAMS_EXT_TMA, (maps,))
-    tq = kern.spec.cta_tile_q
-    max_items = -(-total_q // tq) + batch  # sum over sequences of ceil(len / tq) is below this
+    grid = varlen_grid(total_q, batch, h, kern.spec)
+    max_items = grid[0]
     splits = kern.spec.v_splits  # the chunked kernel past 640 columns of v: CTAs a query tile's O is split over
-    if h * splits > 65535:
+    if grid[1] > 65535:
         raise LaunchError(f"heads={h} exceed the grid's y limit (65535 / {splits} with this kernel)")
     ws = plan.alloc_index(2 * max_items + 1 + batch + 1)  # work items, their count, per-sequence tile offsets
     wp = data_ptr(ws, qi.kind)
@@ -132,7 +132,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                        0, 0, 0, 1, 1, 0, 0, 0, left, right, batch, total_q, total_k, int(paged), entry="_order")
     qs, ks, vs = qi.strides, ki.strides, vi.strides
     kern.launch_struct(
-        layout, (max_items, h * splits, 1), stream, *maps,
+        layout, grid, stream, *maps,
         qi.ptr, ki.ptr, vi.ptr, optr, data_ptr(lse, qi.kind) if return_lse else 0,
         0, qs[0], qs[1],
         ks[0] if paged else 0, ks[-3], ks[-2], vs[0] if paged else 0, vs[-3], vs[-2],

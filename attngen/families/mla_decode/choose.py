@@ -1,0 +1,228 @@
+"""Which kernel ``attngen.mla_decode`` runs, and how it is launched: one pure function,
+``choose(problem, device) -> Choice(spec, launch)``.
+
+The spec: the caller's spec, or the arch's default for the call's packed query rows (``resolve``, over
+``defaults.candidates``), then the rules below by the call's sizes and the device's memory, each only where
+the caller pinned none of the fields it changes: 32 rows as one 64-row block of the wgmma kernel, one stage on
+four warps, alternate KV tiles. The launch: the split count, a cluster merge or the merge launch (and its
+entry), and whether the TMA kernels load the cache as first out of L2. ``reachable`` lists every spec
+``choose`` can return for a manifest line, so that prewarming it covers what the op runs. Every rule was
+measured against the default it replaces (BENCHMARKS.md); the constants say where each pays.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+from ...arch import get_arch
+from ...spec import DType, Pipeline, replaced_if_valid, resolve
+from ..choice import Choice, DeviceFacts
+from ..split_kv import CLUSTER_MAX, choose_splits
+from .spec import MERGE_COLS, MERGE_THREADS, MlaDecodeSpec, QkShard
+
+# qk_shard=auto on sm_90a: alternate tiles where a sequence's rows fill two 64-row blocks or more (128 heads)
+# and each CTA gets at least this many 64-key tiles; the sharded form elsewhere (with fewer tiles a CTA, or
+# at 64 heads, alternate tiles did not pay).
+ALTERNATE_MIN_TILES = 32
+# The three rules below take effect only on a device whose memory needs FAST_MEMORY_SHARE of its SMs or more to
+# reach its bandwidth (split_kv.saturating_share: about 0.70 on an H200, 0.49 on an H100). There the default kernels
+# cannot keep up with the memory; where it needs fewer SMs, each rule's kernel ran about even with the default.
+FAST_MEMORY_SHARE = 0.6
+# One 64-row block (64 heads) takes alternate tiles too on fast memory (FAST_MEMORY_SHARE) and where the batch fills
+# ALTERNATE_ONE_BLOCK_MIN_BATCH row blocks (at smaller batches it did not pay).
+ALTERNATE_ONE_BLOCK_MIN_BATCH = 64
+# 16 rows on the TMA ring, 64-key tiles, a contiguous cache or paged blocks of whole tiles: one stage on four
+# warps where the grid holds at least ONE_STAGE_MIN_TILES tiles an SM and the memory is fast (FAST_MEMORY_SHARE).
+# One stage leaves room for two CTAs an SM, whose loads and math then overlap each other's; with few tiles an SM
+# it loses to the two-stage default.
+ONE_STAGE_MIN_TILES = 16
+# The most splits of a row block merged in a cluster on sm_90 (0 or 1: every split count through the
+# workspace and a merge launch), and the share of the SMs the row blocks must fill for a cluster (with few
+# row blocks each cluster's CTAs merge many rows, one DSMEM load after another, slower than the merge launch).
+MERGE_CLUSTER_MAX = CLUSTER_MAX
+CLUSTER_MIN_FILL = 0.4
+# The merge takes its wide entry (a CTA a chunk of a row, its warps over the splits) from this many splits, where
+# the GPU holds the wide grid at once (a grid several waves deep ran slower than the narrow entry).
+MERGE_WIDE_SPLITS = 32
+# The TMA kernels load ckv and kpe as first out of L2 (kv_evict_first) from this many splits: the merge launch
+# then finds more of the partials in L2.
+EVICT_FIRST_MIN_SPLITS = 4
+
+
+def kv_evict_first(tma: bool, alternate: bool, num_splits: int, cluster: int) -> bool:
+    """Whether a TMA kernel loads ckv and kpe as the first lines out of L2: where at least EVICT_FIRST_MIN_SPLITS
+    splits' partials go through the merge launch. Not for alternate tiles (long runs a CTA, where two row blocks'
+    second reads of a tile hit L2); their kernels keep the plain loads' code."""
+    return tma and not alternate and num_splits >= EVICT_FIRST_MIN_SPLITS and not cluster
+
+
+class Problem(NamedTuple):
+    """An MLA decode call as the choice sees it. ``capacity``: the cache's positions a row (paged: its table's
+    blocks times ``block_size``; 0 contiguous); ``num_splits``: 0 (chosen) or the caller's; ``tma_refused``: the
+    driver could not describe the cache as TMA maps (the TMA kernel's cp.async form runs)."""
+
+    kv_lora_rank: int = 512
+    rope_dim: int = 64
+    dtype: str = "bf16"
+    q_len: int = 1
+    heads: int = 16
+    batch: int = 1
+    capacity: int = 1
+    paged: bool = False
+    block_size: int = 0
+    spec: MlaDecodeSpec | None = None
+    num_splits: int = 0
+    tma_refused: bool = False
+
+
+class Launch(NamedTuple):
+    """Grid (num_splits, row_blocks, batch) of ``spec.q_rows``-row blocks; ``cluster``: the splits merged in one
+    cluster of them (0: none); ``evict_first``: the kernel's kv_evict_first parameter; ``merge_entry`` and
+    ``merge_grid``: the merge launch, None where there is none."""
+
+    num_splits: int
+    row_blocks: int
+    cluster: int
+    evict_first: bool
+    merge_entry: str | None
+    merge_grid: tuple | None
+
+    def grid(self, batch: int) -> tuple:
+        return (self.num_splits, self.row_blocks, batch)
+
+
+@functools.lru_cache(maxsize=None)
+def base_spec(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, user: MlaDecodeSpec | None) -> MlaDecodeSpec:
+    """The spec of a problem's fields, its tuning fields the caller's or unresolved."""
+    fields = dict(kv_lora_rank=rank, rope_dim=rope, dtype=DType(dtype), q_rows=q_rows, paged=paged)
+    return MlaDecodeSpec(**fields) if user is None else user.replace(**fields)
+
+
+@functools.lru_cache(maxsize=1024)
+def resolved_spec(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, user, arch: str) -> MlaDecodeSpec:
+    """``base_spec`` resolved for ``arch`` (remembered by these plain values: the host path asks per call)."""
+    return resolve(base_spec(rank, rope, dtype, q_rows, paged, user), arch)
+
+
+# (id of a spec, arch, rule) -> (the spec, its variant or None); by identity, as the specs asked for are the
+# remembered ones above and their variants (held here), and hashing a spec per call costs more.
+_variants: dict = {}
+_VARIANTS = {"one_stage": dict(num_stages=1, num_warps=4), "alternate": dict(qk_shard=QkShard.ALTERNATE)}
+
+
+def _variant(rs: MlaDecodeSpec, arch, rule: str):
+    """``rs`` with ``rule``'s fields replaced where that fits ``arch``, else None."""
+    k = (id(rs), arch.name, rule)
+    got = _variants.get(k)
+    if got is None or got[0] is not rs:
+        got = _variants[k] = (rs, replaced_if_valid(rs, arch, **_VARIANTS[rule]))
+    return got[1]
+
+
+def merge_entry(rs: MlaDecodeSpec, chunks: int, num_splits: int, device: DeviceFacts) -> str:
+    """The merge entry of ``rs``'s module for ``chunks`` (rows x MERGE_COLS-column chunks) of ``num_splits``
+    partials: ``_merge_wide`` (a CTA a chunk, its warps over the splits) from MERGE_WIDE_SPLITS splits where the
+    device holds all its CTAs at once, else ``_merge`` (a warp a chunk)."""
+    if num_splits >= MERGE_WIDE_SPLITS and chunks <= device.occupancy(rs, "_merge_wide") * device.sm_count:
+        return "_merge_wide"
+    return "_merge"
+
+
+def choose_spec(p: Problem, device: DeviceFacts) -> MlaDecodeSpec:
+    """The spec before the rules that depend on the split count (``choose`` applies those)."""
+    a, user = device.arch, p.spec
+    rows = MlaDecodeSpec.rows_for(p.heads, p.q_len)
+    fast_memory = device.memory_share >= FAST_MEMORY_SHARE
+    rs = resolved_spec(p.kv_lora_rank, p.rope_dim, p.dtype, rows, p.paged, user, a.name)
+    whole_tiles = not p.paged or p.block_size % 64 == 0  # TMA boxes of whole 64-key tiles (what the rules measured)
+    # 32 rows (32 heads, or 16 x 2 tokens) as one 64-row block of the wgmma kernel, half its rows empty, where the
+    # memory is fast: the 32-row mma.sync kernel cannot keep up with such memory.
+    if (rows == 32 and whole_tiles and rs.tma and fast_memory
+            and (user is None or not any(getattr(user, f) for f in user.TUNING_FIELDS))):
+        wide = resolved_spec(p.kv_lora_rank, p.rope_dim, p.dtype, 64, p.paged, user, a.name)
+        if wide.wgmma:
+            rows, rs = 64, wide
+    if rs.tma and p.tma_refused:
+        rs = rs.replace(pipeline=Pipeline.SYNC)  # the same tiles
+    row_blocks = -(-p.heads * p.q_len // rows)
+    if (rows == 16 and rs.tma and whole_tiles and rs.cta_tile_kv == 64 and rs.num_stages == 2
+            and (user is None or not (user.num_stages or user.num_warps))
+            and p.batch * row_blocks * -(-p.capacity // rs.cta_tile_kv) >= ONE_STAGE_MIN_TILES * device.sm_count
+            and fast_memory):
+        one = _variant(rs, a, "one_stage")  # two CTAs an SM
+        if one is not None:  # before the split count, which counts the CTAs an SM holds
+            rs = one
+    return rs
+
+
+def choose(p: Problem, device: DeviceFacts, tuned=()) -> Choice:
+    """The resolved spec ``p`` runs on ``device`` and its launch (``tuned``: none are stored for this family)."""
+    rs = choose_spec(p, device)
+    b, h, q_len, rank, rope = p.batch, p.heads, p.q_len, p.kv_lora_rank, p.rope_dim
+    rows = rs.q_rows
+    row_blocks = -(-h * q_len // rows)
+    num_splits = p.num_splits
+    if num_splits == 0:
+        # Each split reads its rows of Q and writes a partial the merge reads back, both about a tile's
+        # bytes for a 64-row block: weighted twice (fitted to measurements, BENCHMARKS.md).
+        num_splits = choose_splits(b * row_blocks, p.capacity, rs.cta_tile_kv, device.sm_count,
+                                   max(1, device.occupancy(rs)), 2 * rs.cta_tile_kv * (rank + rope),
+                                   4 * b * q_len * h * rank, q_bytes=2 * b * row_blocks * rows * (rank + rope),
+                                   side_weight=2.0, out_passes=2)
+    many_rows = row_blocks >= 2 or (b * row_blocks >= ALTERNATE_ONE_BLOCK_MIN_BATCH
+                                    and device.memory_share >= FAST_MEMORY_SHARE)
+    if (many_rows and rs.qk_shard is QkShard.TRUE and (p.spec is None or not p.spec.qk_shard)
+            and -(-p.capacity // rs.cta_tile_kv) >= ALTERNATE_MIN_TILES * num_splits):
+        alt = _variant(rs, device.arch, "alternate")
+        if alt is not None:  # the same shared memory and grid: the split stands
+            rs = alt
+    # sm_90: the splits of each row block as one cluster that merges them in shared memory (no workspace,
+    # no merge launch), where the row blocks alone fill CLUSTER_MIN_FILL of the SMs and every cluster is
+    # resident at once.
+    cluster = 0
+    if (1 < num_splits <= MERGE_CLUSTER_MAX and b * row_blocks >= CLUSTER_MIN_FILL * device.sm_count
+            and rs.cluster_merge_fits() and device.max_clusters(rs, num_splits) >= b * row_blocks):
+        cluster = num_splits
+    evict_first = kv_evict_first(rs.tma, rs.qk_shard is QkShard.ALTERNATE, num_splits, cluster)
+    entry = merge_grid = None
+    if num_splits > 1 and not cluster:
+        chunks = b * q_len * h * (rank // MERGE_COLS)
+        entry = merge_entry(rs, chunks, num_splits, device)
+        merge_grid = (chunks if entry == "_merge_wide" else -(-chunks // (MERGE_THREADS // 32)), 1, 1)
+    return Choice(rs, Launch(num_splits, row_blocks, cluster, evict_first, entry, merge_grid))
+
+
+def refused(p: Problem) -> Problem:
+    """``p`` where the driver refused the TMA maps."""
+    return p._replace(tma_refused=True)
+
+
+def reachable(spec: MlaDecodeSpec, arch) -> set:
+    """Every resolved spec ``choose`` can return for a problem of ``spec``'s fields on ``arch``, over every batch,
+    head count, cache length and device memory: ``spec`` resolved; where it pins no tuning field and has 32 rows,
+    the 64-row wgmma kernel too (``spec.paged``: blocks of whole 64-key tiles); where it pins neither num_stages
+    nor num_warps, the one-stage form of 16 rows; where it pins no qk_shard, the alternate-tile form of each. (A
+    kernel of TMA maps the driver refuses, the cp.async form of its tiles, is not counted: such caches are not
+    what a manifest prewarms for.)"""
+    a = get_arch(arch)
+    pinned = {f for f in spec.TUNING_FIELDS if getattr(spec, f)}
+    out = {resolve(spec, a)}
+    if spec.q_rows == 32 and not pinned:
+        wide = resolve(spec.replace(q_rows=64), a)
+        first = next(iter(out))
+        if first.tma and wide.wgmma:
+            out.add(wide)
+    for rs in list(out):
+        if (rs.q_rows == 16 and rs.tma and rs.cta_tile_kv == 64 and rs.num_stages == 2
+                and not pinned & {"num_stages", "num_warps"}):
+            one = replaced_if_valid(rs, a, num_stages=1, num_warps=4)
+            if one is not None:
+                out.add(one)
+    if "qk_shard" not in pinned:
+        for rs in list(out):
+            if rs.qk_shard is QkShard.TRUE:
+                alt = replaced_if_valid(rs, a, qk_shard=QkShard.ALTERNATE)
+                if alt is not None:
+                    out.add(alt)
+    return out
