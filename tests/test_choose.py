@@ -311,3 +311,15 @@ def test_every_choice_for_a_default_manifest_line_is_in_its_expansion():
                 continue
             total += _check_line(table, picked)
     assert total > 1000
+
+
+def test_decode_local_kernels_split_only_a_windows_live_keys():
+    """A window bounds the keys a row sees: the local kernel runs, and the split count is chosen for the
+    live keys, not the cache's capacity."""
+    f = facts("sm_90a")
+    whole = D.choose(D.Problem(128, heads=32, kv_heads=8, batch=1, capacity=32768), f)
+    local = D.choose(D.Problem(128, heads=32, kv_heads=8, batch=1, capacity=32768, local=True), f)
+    window = D.choose(D.Problem(128, heads=32, kv_heads=8, batch=1, capacity=32768, local=True, live=192), f)
+    assert not whole.spec.local and local.spec.local and window.spec.local
+    assert local.launch.num_splits == whole.launch.num_splits, "unbounded on the left: the whole cache"
+    assert 1 <= window.launch.num_splits < whole.launch.num_splits, (window.launch, whole.launch)

@@ -130,16 +130,17 @@ def launch(p: Problem, rs: DecodeSpec, device: DeviceFacts) -> Launch:
     per_sm = max(1, device.occupancy(rs))
     cmax = cluster_limit(rs, b * hk, device, p.cluster_max)
     num_splits = p.num_splits
+    keys = p.live or p.capacity  # what the kernel splits
     if num_splits == 0:
-        num_splits = choose_splits(b * hk, p.live or p.capacity, rs.cta_tile_kv, device.sm_count, per_sm,
+        num_splits = choose_splits(b * hk, keys, rs.cta_tile_kv, device.sm_count, per_sm,
                                    4 * rs.cta_tile_kv * d, 4 * b * p.q_len * p.heads * d)
         if num_splits > 1 and cmax:
             # A cluster caps the split count. It is taken where its fewer CTAs read about as fast as the merge
             # launch's more, counting what the launch costs (grid_steps); a long cache at batch 1 needs the SMs a
             # cluster leaves idle.
-            capped = choose_splits(b * hk, p.capacity, rs.cta_tile_kv, device.sm_count, per_sm,
+            capped = choose_splits(b * hk, keys, rs.cta_tile_kv, device.sm_count, per_sm,
                                    4 * rs.cta_tile_kv * d, 0, max_splits=cmax)
-            tiles, slots = -(-p.capacity // rs.cta_tile_kv), device.sm_count * per_sm
+            tiles, slots = -(-keys // rs.cta_tile_kv), device.sm_count * per_sm
             if (grid_steps(b * hk, tiles, capped, slots, device.memory_share)
                     <= grid_steps(b * hk, tiles, num_splits, slots, device.memory_share) + MERGE_LAUNCH_STEPS):
                 num_splits = capped
