@@ -182,8 +182,8 @@ class DiskCache:
     def lock_path(self, key: str) -> Path:
         return self.base / "locks" / f"{key}.lock"
 
-    def usable(self) -> bool:
-        """Whether the root may be read and written (see ``attngen.fs``); warns once where not."""
+    def problem(self) -> "str | None":
+        """Why the root may not be read or written (see ``attngen.fs``), or None."""
         why = fs.root_problem(self.root, self.layer)
         if why is None:
             try:
@@ -191,12 +191,30 @@ class DiskCache:
                     fs.check_dir(self.base, self.layer)
             except OSError as e:
                 why = f"{self.base} is {'a symbolic link' if e.errno == errno.ELOOP else 'not to be trusted'}: {e.strerror}"
+        return why
+
+    def advice(self, why: str) -> str:
+        if why == "it is not a folder":
+            return "point ATTNGEN_CACHE_DIR at a folder of your own that only you can write"
+        return ("point ATTNGEN_CACHE_DIR at a folder of your own that only you can write (chmod 700), or fix this "
+                "one's owner and mode")
+
+    def usable(self) -> bool:
+        """Whether the root may be read and written (see ``attngen.fs``); warns once where not."""
+        why = self.problem()
         if why is None:
             return True
         fs.warn_once(self.root, f"not using the cache root {self.root}: {why}. Kernels are compiled and kept in "
-                                f"memory only. Fix: point ATTNGEN_CACHE_DIR at a folder of your own that only you "
-                                f"can write (chmod 700), or fix this one's owner and mode.")
+                                f"memory only. Fix: {self.advice(why)}.")
         return False
+
+    def require(self, doing: str) -> None:
+        """Raise ``CacheError`` where the root is one that builds refuse: a command that lists,
+        checks or deletes says so instead of acting on (or reporting nothing of) a root not to be trusted."""
+        why = self.problem()
+        if why is not None:
+            raise CacheError(f"refusing to {doing} the cache root {self.root}: {why}; builds do not use it either. "
+                             f"Fix: {self.advice(why)}")
 
     # --- reading ---------------------------------------------------------------------------
     def get(self, key: str) -> Binary | None:
@@ -293,17 +311,16 @@ class DiskCache:
             fs.make_dirs(self.root, final.parent)
             if os.path.lexists(final):
                 if self.get(key) is not None:
-                    fs.remove_tree(tmp)
+                    fs.remove_tree(tmp, self.root)
                     return True
                 # A damaged entry (or a link planted where the entry goes) is moved aside, never followed.
                 aside = tmp_root / f"corrupt.{key}.{uuid.uuid4().hex[:8]}"
                 os.rename(final, aside)
-                if not fs.remove_tree(aside):
-                    os.unlink(aside)
+                fs.remove_tree(aside, self.root, odd=True)
             os.rename(tmp, final)
             return True
         except OSError as e:
-            fs.remove_tree(tmp)
+            fs.remove_tree(tmp, self.root)
             self._unwritable(e)
             return False
 
@@ -332,7 +349,7 @@ class DiskCache:
         for d in fs.real_subdirs(tmp_root):
             try:
                 if now - os.lstat(d).st_mtime > self.STALE_TMP_SECONDS:
-                    fs.remove_tree(d)
+                    fs.remove_tree(d, self.root)
             except OSError:
                 continue
 
@@ -383,6 +400,7 @@ class DiskCache:
         """Remove entries unused for ``older_than`` seconds, then the least recently used ones until
         the entries take at most ``max_bytes``; an entry whose lock another process holds (being
         built or replaced) is never removed. Returns the (key, bytes) removed."""
+        self.require("prune")
         now = time.time()
         ents = []
         for e in self.entries():
@@ -400,7 +418,7 @@ class DiskCache:
                 continue
             if self._locked(e.key):
                 continue
-            if fs.remove_tree(e.path):
+            if fs.remove_tree(e.path, self.root):
                 removed.append((e.key, size))
                 total -= size
         return removed
@@ -437,13 +455,14 @@ class DiskCache:
         """Remove every entry, the temporaries and the shard folders left empty; returns how many
         entries were removed. Only real folders under the root are touched: a link is left
         where it is, and nothing it points to is removed."""
+        self.require("clear")
         n = 0
         for e in self.entries():
-            fs.remove_tree(e.path)
+            fs.remove_tree(e.path, self.root)
             n += 1
-        fs.remove_tree(self.base / "tmp")
+        fs.remove_tree(self.base / "tmp", self.root)
         # Jinja's bytecode cache of earlier versions lived here; it held Python code objects.
-        fs.remove_tree(self.base / "jinja")
+        fs.remove_tree(self.base / "jinja", self.root)
         for shard in fs.real_subdirs(self.base) if not os.path.islink(self.base) else ():
             if len(shard.name) == 2:
                 try:

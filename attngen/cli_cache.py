@@ -94,6 +94,7 @@ def _entry_row(disk: "_cache.DiskCache", e: "_cache.Entry") -> dict:
 
 def cmd_cache_ls(args: argparse.Namespace) -> int:
     disk = _cache.DiskCache()
+    disk.require("list")
     rows = [_entry_row(disk, e) for e in disk.entries()]
     if args.json:
         print_json({"ok": True, "root": str(disk.root), "entries": rows})
@@ -113,7 +114,9 @@ def cmd_cache_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_cache_stats(args: argparse.Namespace) -> int:
-    stats = _cache.DiskCache().stats()
+    disk = _cache.DiskCache()
+    disk.require("summarise")
+    stats = disk.stats()
     stats["tuned"] = len(_tuned.TunedStore().entries())
     if args.json:
         print_json({"ok": True, **stats})
@@ -163,6 +166,7 @@ def _size(n: int) -> str:
 
 def cmd_cache_verify(args: argparse.Namespace) -> int:
     disk = _cache.DiskCache()
+    disk.require("verify")
     r = verify(disk)
     if args.json:
         print_json({"ok": not r["damaged"], "root": str(disk.root), **r})
@@ -176,6 +180,7 @@ def cmd_cache_verify(args: argparse.Namespace) -> int:
 
 def cmd_cache_export(args: argparse.Namespace) -> int:
     disk = _cache.DiskCache()
+    disk.require("export")
     m = export_bundle(disk, args.file)
     if args.json:
         print_json({"ok": True, "file": args.file, "entries": len(m["entries"]), "attngen": m["attngen"],

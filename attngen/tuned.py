@@ -131,8 +131,11 @@ class TunedStore:
 
     def clear(self) -> int:
         """Remove every tuned entry; returns how many there were."""
+        why = fs.root_problem(self.root)
+        if why:
+            raise CacheError(f"refusing to clear the tuned configurations under {self.root}: {why}")
         n = len(self.entries())
-        fs.remove_tree(self.base)
+        fs.remove_tree(self.base, self.root)
         with _memory_lock:
             for k in [k for k in _tuned_memo if k[0] == str(self.root)]:
                 del _tuned_memo[k]
