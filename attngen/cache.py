@@ -49,7 +49,7 @@ from pathlib import Path
 from . import cache_layout, fs
 from .cache_lock import KeyLock, LockTimeout, is_held
 from .cache_env import (_log_setting, always_compile, cache_layers, cache_root, configure_logging,  # noqa: F401
-                        lock_timeout)
+                        lock_timeout, prefixed_warnings)
 from .cache_entry import entry_problem, load_json, pack_source, unpack_source
 from .__version__ import __version__
 from .arch import Arch, get_arch

@@ -36,11 +36,40 @@ def configure_logging() -> None:
         return
     _log_setting[0] = value
     log.setLevel(level)
-    if not any(getattr(h, "_attngen", False) for h in log.handlers):
-        h = logging.StreamHandler()
-        h.setFormatter(logging.Formatter("attngen: %(levelname)s: %(message)s"))
-        h._attngen = True
-        log.addHandler(h)
+    _own_handler()
+
+
+class _Prefixed(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"attngen: {record.levelname.lower()}: {record.getMessage()}"
+
+
+def _own_handler() -> "logging.Handler | None":
+    if any(getattr(h, "_attngen", False) for h in log.handlers):
+        return None
+    h = logging.StreamHandler()
+    h.setFormatter(_Prefixed())
+    h._attngen = True
+    log.addHandler(h)
+    return h
+
+
+def prefixed_warnings():
+    """For the command line and its workers, whose users read stderr: the ``attngen`` logger's
+    warnings (a refused root, a skipped layer, a broken lock) as ``attngen: warning: ...`` lines,
+    not the bare messages of Python's last-resort handler (``ATTNGEN_LOG`` still sets the level).
+    Returns a function that undoes it."""
+    h = _own_handler()
+    level = log.level
+    if level == logging.NOTSET:
+        log.setLevel(logging.WARNING)
+
+    def undo() -> None:
+        if h is not None:
+            log.removeHandler(h)
+        log.setLevel(level)
+
+    return undo
 
 
 def always_compile() -> bool:
