@@ -43,6 +43,8 @@ def export_bundle(disk: DiskCache, path: "str | Path") -> dict:
     from .compiler import nvrtc_version
 
     path = Path(path)
+    if "\0" in str(path):
+        raise CacheError(f"cannot write the bundle {str(path)!r}: a file name has no NUL character")
     entries, payload, skipped = [], [], []
     for e in disk.entries():
         files, why = disk.entry_files_checked(e.key)
@@ -84,6 +86,8 @@ def import_bundle(disk: DiskCache, path: "str | Path", *, rebuild: "int | None" 
     from .compiler import nvrtc_version
 
     path = Path(path)
+    if "\0" in str(path):
+        raise CacheError(f"{str(path)!r} is not a readable attngen bundle: a file name has no NUL character")
     try:
         tar = tarfile.open(path, mode="r:*")
     except tarfile.TarError:  # its message lists each compression's own error: not for a user

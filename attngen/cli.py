@@ -60,9 +60,13 @@ def _main(argv: "list[str] | None") -> int:
     # bench owns its whole argument list (its own options and --help), so it bypasses argparse.
     if argv and argv[0] == "bench":
         return _run_bench(argv[1:])
-    parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        parser = build_parser()  # loads the families, ATTNGEN_FAMILIES' modules too
+    except AttngenError as e:
+        _report_error(e, "--json" in argv)
+        return 2
+    try:
+        args = parser.parse_args(_attached(argv))
     except SystemExit as e:  # usage errors (2) and --help/--version (0), returned rather than raised
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     as_json = bool(getattr(args, "json", False))
@@ -80,6 +84,23 @@ def _main(argv: "list[str] | None") -> int:
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"{PROG}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
         return 128 + signum
+
+
+# Options whose value may begin with "-": a negative value is then refused by its own check, not read
+# by argparse as another option ("expected one argument").
+_VALUE_OPTIONS = ("--older-than", "--max-size")
+
+
+def _attached(argv: list[str]) -> list[str]:
+    out = []
+    it = iter(range(len(argv)))
+    for i in it:
+        if argv[i] in _VALUE_OPTIONS and i + 1 < len(argv) and argv[i + 1].startswith("-") and argv[i + 1] != "--":
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            next(it, None)
+        else:
+            out.append(argv[i])
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from . import cache as _cache
@@ -239,28 +240,36 @@ def cmd_cache_import(args: argparse.Namespace) -> int:
     return 1 if r["rejected"] else 0
 
 
+def _number(text: str) -> float:
+    """A finite number >= 0 from ``text``, else -1 (inf, nan, negatives and 5000-digit strings included)."""
+    if len(text) > 30:
+        return -1
+    try:
+        n = float(text)
+    except ValueError:
+        return -1
+    return n if math.isfinite(n) and n >= 0 else -1
+
+
 def _size_arg(text: str) -> int:
     units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     s = text.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        n = float(s[:-1] if s and s[-1] in units else s) * units[s[-1] if s and s[-1] in units else ""]
-    except ValueError:
-        n = -1
+    unit = s[-1] if s and s[-1] in units else ""
+    n = _number(s[:-1] if unit else s)
     if n < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a size such as 500M or 10G")
-    return int(n)
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not allowed; allowed: a size such as 500M or 10G")
+    return int(n * units[unit])
 
 
 def _age_arg(text: str) -> float:
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     s = text.strip().lower()
-    try:
-        n = float(s[:-1]) * units[s[-1]] if s and s[-1] in units else float(s)
-    except (ValueError, KeyError):
-        n = -1
+    unit = s[-1] if s and s[-1] in units else ""
+    n = _number(s[:-1] if unit else s)
     if n < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: an age such as 12h or 30d")
-    return n
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not allowed; allowed: an age such as 12h or 30d "
+                                         f"(not negative)")
+    return n * units.get(unit, 1)
 
 
 def cmd_cache_prune(args: argparse.Namespace) -> int:

@@ -250,3 +250,19 @@ def real_subdirs(path: Path) -> list[Path]:
     except OSError:
         return []
     return sorted(out)
+
+
+def cupy_cache_dir() -> None:
+    """Make sure importing CuPy cannot fail on its kernel cache folder. CuPy creates that folder
+    (``CUPY_CACHE_DIR``, else ``~/.cupy/kernel_cache``) when it is imported, and the import fails
+    where it cannot (a container run under an arbitrary user, with no writable home). attngen
+    compiles through NVRTC directly and never uses that cache, so there CuPy is pointed at a
+    private temporary folder instead."""
+    if os.environ.get("CUPY_CACHE_DIR"):
+        return
+    try:
+        os.makedirs(os.path.expanduser(os.path.join("~", ".cupy", "kernel_cache")), exist_ok=True)
+    except OSError:
+        import tempfile
+
+        os.environ["CUPY_CACHE_DIR"] = tempfile.mkdtemp(prefix="attngen-cupy-")

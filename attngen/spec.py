@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 from .arch import Arch, get_arch
 from .errors import SpecError
-from .family import get_family
+from .family import families, get_family
 
 
 class DType(enum.Enum):
@@ -74,10 +74,15 @@ def coerce_enum(cls, name: str, value):
 
 
 def coerce_int(name: str, value, allowed) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        # Python will not even print an integer past 4300 digits: named by its size instead.
+        raise SpecError(name, f"<an integer of {value.bit_length()} bits>", allowed_text(allowed))
     if isinstance(value, bool) or not isinstance(value, int):
         text = value.strip() if isinstance(value, str) else None
         # ASCII digits only: str.isdigit() also takes "²", which int() then refuses.
         if text and text.isascii() and (text[1:] if text[0] == "-" else text).isdigit():
+            if len(text) > 20:
+                raise SpecError(name, f"{text[:12]}...({len(text)} digits)", allowed_text(allowed))
             value = int(text)
         else:
             raise SpecError(name, value, allowed_text(allowed), reason="must be an integer")
@@ -252,8 +257,15 @@ def parse_spec(text: "str | Spec | dict") -> Spec:
     if isinstance(text, SpecBase):
         return text
     if isinstance(text, dict):
-        return get_family(text.get("family")).spec.from_dict(text)
-    s = str(text).strip()
+        fam = text.get("family")
+        if not isinstance(fam, str):
+            raise SpecError("family", fam if fam is None or isinstance(fam, (int, float)) else type(fam).__name__,
+                            ", ".join(f.name for f in families()), reason="a spec's family is a name")
+        return get_family(fam).spec.from_dict(text)
+    if not isinstance(text, str):
+        raise SpecError("spec", type(text).__name__, "a spec's text (e.g. prefill:head_dim=128), a dict with its "
+                        "family and fields, or a spec object")
+    s = text.strip()
     fam, colon, rest = s.partition(":")
     try:
         cls = get_family(fam.strip()).spec
