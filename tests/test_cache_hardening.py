@@ -21,7 +21,7 @@ import pytest
 from attngen import fs
 from attngen.cache import DiskCache, build, clear_memory
 from attngen.cli import main
-from cache_support import ARCH, SPEC, child_env, populate, sha
+from cache_support import ARCH, SPEC, child_env, other_user, populate, sha  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(autouse=True)
@@ -29,22 +29,6 @@ def _fresh_warnings():
     fs.forget_warnings()
     yield
     fs.forget_warnings()
-
-
-@pytest.fixture
-def other_user():
-    """A second user (uid, gid) for tests that need two; created with useradd when run as root (as CI is)."""
-    if os.geteuid() != 0 or shutil.which("useradd") is None:
-        pytest.skip("needs root to create a second user")
-    name = f"ag57{uuid.uuid4().hex[:8]}"
-    subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/false", name], check=True, capture_output=True)
-    try:
-        import pwd
-
-        pw = pwd.getpwnam(name)
-        yield pw.pw_uid, pw.pw_gid
-    finally:
-        subprocess.run(["userdel", name], capture_output=True)
 
 
 def _victim(tmp_path: Path) -> list[Path]:
@@ -354,7 +338,7 @@ time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("how", ["stopped", "orphan"])
+@pytest.mark.parametrize("how", ["stopped", pytest.param("orphan", marks=pytest.mark.slow)])
 def test_a_lock_whose_holder_is_stopped_or_dead_is_broken(golden, cache_dir, how):
     r = populate(golden, cache_dir)
     disk = DiskCache()
