@@ -177,7 +177,19 @@ def _entry_problem(key: str, files: dict[str, bytes]) -> "str | None":
         meta = load_json(files["meta.json"])
     except ValueError as e:
         return f"its meta.json does not parse ({e})"
-    return entry_problem(key, meta, files["kernel.cubin"])
+    why = entry_problem(key, meta, files["kernel.cubin"])
+    if why:
+        return why
+    from .errors import AttngenError
+    from .spec import parse_spec
+
+    try:
+        named = parse_spec(meta["key_material"]["spec"]).kernel_name
+    except (AttngenError, KeyError, TypeError):
+        return None  # another version's spec: its entries are never asked for here (see other_versions)
+    if named != meta["kernel_name"]:
+        return f"its kernel_name {meta['kernel_name']!r:.80} is not the one its key's spec names ({named})"
+    return None
 
 
 def rebuild_problem(key: str, files: dict[str, bytes]) -> "str | None":

@@ -269,10 +269,12 @@ class DiskCache:
                 fs.write_private(tmp / name, files[name])
             fs.make_dirs(self.root, final.parent)
             if os.path.lexists(final):
-                if self.get(key) is not None:
+                there = self.get(key)
+                if there is not None and there.kernel_name == _kernel_name_of(files.get(_META, b"")):
                     fs.remove_tree(tmp, self.root)
                     return True
-                # A damaged entry (or a link planted where the entry goes) is moved aside, never followed.
+                # A damaged entry, one of another kernel, or a link planted where the entry goes, is
+                # moved aside, never followed.
                 aside = tmp_root / f"corrupt.{key}.{uuid.uuid4().hex[:8]}"
                 os.rename(final, aside)
                 fs.remove_tree(aside, self.root, odd=True)
@@ -520,6 +522,14 @@ def _build(spec: Spec, a: Arch, cache: DiskCache, fresh: bool = False) -> BuildR
                          f"or remove a stale lock)") from None
     _remember(root, key, binary, stored)
     return BuildResult(binary, key, spec, origin, stored)
+
+
+def _kernel_name_of(meta_bytes: bytes) -> "str | None":
+    try:
+        meta = load_json(meta_bytes)
+    except ValueError:
+        return None
+    return meta.get("kernel_name") if isinstance(meta, dict) else None
 
 
 def _named(binary: "Binary | None", spec: Spec) -> "Binary | None":

@@ -201,6 +201,28 @@ def test_metadata_that_disagrees_with_the_key_or_the_cubin_is_a_miss(golden, cac
     assert field.split(".")[-1] in capsys.readouterr().out
 
 
+def test_a_kernel_renamed_to_pass_its_own_checks_is_refused(golden, cache_dir, tmp_path, capsys, monkeypatch):
+    # The symbol and the metadata renamed together: consistent in itself, but not the kernel its key's
+    # spec names. Import refuses it; a build treats it as a miss.
+    r = populate(golden, cache_dir)
+    disk = DiskCache()
+    entry = disk.entry_path(r.key)
+    name = r.binary.kernel_name
+    other = name[:-1] + ("0" if name[-1] != "0" else "1")
+    cubin = (entry / "kernel.cubin").read_bytes().replace(name.encode(), other.encode())
+    _forge(entry, cubin, kernel_name=other)
+    assert disk.get(r.key) is not None  # its own checks pass
+    clear_memory()
+    assert build(SPEC, ARCH).origin == "compiled"  # but a build does not serve it, and replaces it
+    assert disk.get(r.key).kernel_name == name
+    _forge(entry, cubin, kernel_name=other)
+    bundle = tmp_path / "renamed.tar"
+    assert main(["cache", "export", str(bundle)]) == 0
+    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path / "other"))
+    assert main(["cache", "import", str(bundle)]) == 1
+    assert "kernel_name" in capsys.readouterr().err
+
+
 def _text_range(cubin: bytes, name: bytes) -> tuple[int, int]:
     shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
