@@ -27,10 +27,17 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
 ]
 
-for _family in _families():
+try:
+    _loaded = _families()
+except SpecError:  # a bad ATTNGEN_FAMILIES: the first call that needs the families (the CLI's too) says so
+    from .family import _registry
+
+    _loaded = tuple(_registry.values())
+    del _registry
+for _family in _loaded:
     globals().update(_family.exports)
     __all__ += [n for n in _family.exports if n not in __all__]
-del _family, _families
+del _family, _families, _loaded
 
 if "torch" in __import__("sys").modules:  # torch.compile support; without torch: import attngen.torch_ops
     try:

@@ -16,13 +16,16 @@ import hashlib
 import io
 import json
 import os
+import random
 import re
 import tarfile
 import uuid
+import zlib
 from pathlib import Path
 
 from .__version__ import __version__
 from .cache import DiskCache
+from .cache_entry import entry_problem, load_json
 from .errors import CacheError
 
 BUNDLE_FORMAT = 1
@@ -36,15 +39,18 @@ def _sha(b: bytes) -> str:
 
 def export_bundle(disk: DiskCache, path: "str | Path") -> dict:
     """Write every valid entry of ``disk`` into a bundle at ``path`` (atomically, 0600); returns
-    the manifest."""
+    the manifest, with "skipped": [(key, why)] for the entries left out."""
     from .compiler import nvrtc_version
 
     path = Path(path)
-    entries, payload = [], []
+    if "\0" in str(path):
+        raise CacheError(f"cannot write the bundle {str(path)!r}: a file name has no NUL character")
+    entries, payload, skipped = [], [], []
     for e in disk.entries():
-        files = disk.entry_files(e.key)
+        files, why = disk.entry_files_checked(e.key)
         if files is None:
-            continue  # damaged or not to be trusted: not exported
+            skipped.append((e.key, why))  # damaged, incomplete or not to be trusted: not exported, but said
+            continue
         entries.append({"key": e.key, "arch": e.meta.get("arch"), "spec": e.meta.get("spec_text"),
                         "files": {n: _sha(b) for n, b in sorted(files.items())}})
         payload += [(f"{e.key}/{n}", b) for n, b in sorted(files.items())]
@@ -65,50 +71,85 @@ def export_bundle(disk: DiskCache, path: "str | Path") -> dict:
         except OSError:
             pass
         raise CacheError(f"could not write the bundle {path}: {e.strerror or e}") from None
-    return manifest
+    return {**manifest, "skipped": skipped}
 
 
-def import_bundle(disk: DiskCache, path: "str | Path") -> dict:
+def import_bundle(disk: DiskCache, path: "str | Path", *, rebuild: "int | None" = 0) -> dict:
     """Commit every entry of the bundle at ``path`` that passes its checks into ``disk``; returns
-    {"imported", "present", "rejected": [(key or member, why)], "other_versions"}. A file that is
-    not a bundle of this format is a ``CacheError``."""
+    {"imported", "present", "rejected": [(key or member, why)], "other_versions", "rebuilt"}. A file
+    that is not a bundle of this format is a ``CacheError``.
+
+    ``rebuild``: how many entries, chosen at random, to compile again here and compare byte for byte
+    before anything is committed (None: all). NVRTC's output is the same in every process, so a
+    difference means the cubin is not what its key's spec compiles to (a forged bundle that is
+    consistent in itself); the whole bundle is then refused."""
     from .compiler import nvrtc_version
 
     path = Path(path)
+    if "\0" in str(path):
+        raise CacheError(f"{str(path)!r} is not a readable attngen bundle: a file name has no NUL character")
     try:
         tar = tarfile.open(path, mode="r:*")
-    except (OSError, tarfile.TarError) as e:
-        raise CacheError(f"{path} is not a readable attngen bundle: {e}") from None
+    except tarfile.TarError:  # its message lists each compression's own error: not for a user
+        raise CacheError(f"{path} is not a readable attngen bundle (not a tar file, plain or gzip)") from None
+    except OSError as e:
+        raise CacheError(f"{path} is not a readable attngen bundle: {e.strerror or e}") from None
     rejected: list[tuple[str, str]] = []
     files: dict[str, dict[str, bytes]] = {}
     manifest = None
-    with tar:
-        for m in tar:
-            if m.name == MANIFEST and manifest is None and m.isfile():
-                manifest = _load_manifest(tar.extractfile(m).read(), path)
-                continue
-            key, _, name = m.name.partition("/")
-            if not (m.isfile() and _KEY.fullmatch(key) and name in DiskCache.ENTRY_FILES):
-                rejected.append((m.name, "not a regular file named <key>/<entry file> (links and paths are refused)"))
-                continue
-            files.setdefault(key, {})[name] = tar.extractfile(m).read()
+    try:
+        with tar:
+            for m in tar:
+                if m.name == MANIFEST and manifest is None and m.isfile():
+                    manifest = _load_manifest(tar.extractfile(m).read(), path)
+                    continue
+                key, _, name = m.name.partition("/")
+                if not (m.isfile() and _KEY.fullmatch(key) and name in DiskCache.ENTRY_FILES):
+                    rejected.append((m.name, "not a regular file named <key>/<entry file> (links and paths are refused)"))
+                    continue
+                files.setdefault(key, {})[name] = tar.extractfile(m).read()
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
+        raise CacheError(f"{path} is not a readable attngen bundle (truncated or damaged: "
+                         f"{getattr(e, 'strerror', None) or type(e).__name__})") from None
     if manifest is None:
         raise CacheError(f"{path} has no {MANIFEST}: not an attngen bundle")
     if not disk.usable():
         raise CacheError(f"the cache root {disk.root} cannot be used (see the warning above); nothing imported")
-    imported = present = 0
+    good: dict[str, dict[str, bytes]] = {}
     for e in manifest["entries"]:
-        key, want, got = e.get("key"), e.get("files") or {}, files.get(e.get("key"), {})
+        key = e.get("key") if isinstance(e, dict) else None
         if not isinstance(key, str) or not _KEY.fullmatch(key):
-            rejected.append((str(key), "not a cache key"))
+            rejected.append((str(key if isinstance(e, dict) else e)[:80], "not a cache key"))
             continue
+        want, got = e.get("files"), files.get(key, {})
+        want = want if isinstance(want, dict) else {}
         bad = sorted(n for n in DiskCache.ENTRY_FILES if n not in got or _sha(got[n]) != want.get(n))
         if bad:
             rejected.append((key, f"{', '.join(bad)} missing or not matching the bundle's checksums"))
             continue
-        if not _entry_ok(key, got):
-            rejected.append((key, "its meta.json does not name this key and this cubin"))
+        why = _entry_problem(key, got)
+        if why:
+            rejected.append((key, why))
             continue
+        good[key] = got
+    keys = sorted(good)
+    sample = keys if rebuild is None else random.SystemRandom().sample(keys, min(rebuild, len(keys)))
+    forged = False
+    for key in sample:
+        why = rebuild_problem(key, good.get(key, {}))
+        if why:
+            rejected.append((key, why))
+            forged |= why.startswith("rebuilt here")
+            good.pop(key)
+    keys = sorted(good)
+    if forged:
+        # One forged entry discredits the bundle's source: nothing of it is committed.
+        return {"imported": 0, "present": 0, "rejected": rejected, "bundle_attngen": manifest.get("attngen"),
+                "bundle_nvrtc": manifest.get("nvrtc"), "other_versions": False, "rebuilt": len(sample),
+                "refused": True}
+    imported = present = 0
+    for key in keys:
+        got = good[key]
         if disk.get(key) is not None:
             present += 1
         elif disk.put_files(key, got) and disk.get(key) is not None:
@@ -117,12 +158,12 @@ def import_bundle(disk: DiskCache, path: "str | Path") -> dict:
             raise CacheError(f"could not write the entry {key} into {disk.root}")
     other = manifest.get("nvrtc") != nvrtc_version() or manifest.get("attngen") != __version__
     return {"imported": imported, "present": present, "rejected": rejected, "bundle_attngen": manifest.get("attngen"),
-            "bundle_nvrtc": manifest.get("nvrtc"), "other_versions": other}
+            "bundle_nvrtc": manifest.get("nvrtc"), "other_versions": other, "rebuilt": len(sample), "refused": False}
 
 
 def _load_manifest(raw: bytes, path: Path) -> dict:
     try:
-        m = json.loads(raw)
+        m = load_json(raw)
     except ValueError as e:
         raise CacheError(f"{path}: {MANIFEST} is not JSON ({e})") from None
     if not isinstance(m, dict) or m.get("format") != BUNDLE_FORMAT or not isinstance(m.get("entries"), list):
@@ -130,23 +171,63 @@ def _load_manifest(raw: bytes, path: Path) -> dict:
     return m
 
 
-def _entry_ok(key: str, files: dict[str, bytes]) -> bool:
-    """The cache's own check of an entry: its meta names the key and the cubin's checksum."""
+def _entry_problem(key: str, files: dict[str, bytes]) -> "str | None":
+    """The cache's own check of an entry (``cache_entry.entry_problem``), before it is committed."""
     try:
-        meta = json.loads(files["meta.json"])
-    except ValueError:
-        return False
-    return isinstance(meta, dict) and meta.get("key") == key and meta.get("cubin_sha256") == _sha(files["kernel.cubin"])
+        meta = load_json(files["meta.json"])
+    except ValueError as e:
+        return f"its meta.json does not parse ({e})"
+    why = entry_problem(key, meta, files["kernel.cubin"])
+    if why:
+        return why
+    from .errors import AttngenError
+    from .spec import parse_spec
+
+    try:
+        named = parse_spec(meta["key_material"]["spec"]).kernel_name
+    except (AttngenError, KeyError, TypeError):
+        return None  # another version's spec: its entries are never asked for here (see other_versions)
+    if named != meta["kernel_name"]:
+        return f"its kernel_name {meta['kernel_name']!r:.80} is not the one its key's spec names ({named})"
+    return None
+
+
+def rebuild_problem(key: str, files: dict[str, bytes]) -> "str | None":
+    """Compile the entry's spec here and compare the cubin byte for byte; why it differs, or None."""
+    from .arch import get_arch
+    from .cache import key_material, key_of
+    from .compiler import compile as nvrtc_compile, compile_options
+    from .errors import AttngenError
+    from .render import render
+    from .spec import parse_spec
+
+    material = load_json(files["meta.json"])["key_material"]
+    try:
+        a = get_arch(material["arch"])
+        spec = parse_spec(material["spec"])
+        if key_of(key_material(spec, a, compile_options(a))) != key:
+            return ("could not be rebuilt to compare: this install's key for its spec differs (another attngen, "
+                    "NVRTC or template version built it)")
+        b = nvrtc_compile(render(spec), a, kernel_name=spec.kernel_name, entries=spec.entries)
+    except (AttngenError, KeyError, TypeError) as e:
+        return f"could not be rebuilt to compare: {e}"
+    if b.cubin != files["kernel.cubin"]:
+        return "rebuilt here, its cubin differs from the bundle's: not what its key's spec compiles to"
+    return None
 
 
 def verify(disk: DiskCache) -> dict:
-    """Check every entry under ``disk``: {"checked", "valid", "damaged": [(key, path)]}."""
-    damaged = []
+    """Check every entry under ``disk`` and the layout around them: {"checked", "valid",
+    "damaged": [(key, path)], "problems": [(path, why)]} (every damaged entry and every odd object)."""
+    damaged, problems = [], []
     ents = disk.entries()
     for e in ents:
-        if disk.get(e.key) is None:
+        binary, why = disk.check(e.key)
+        if binary is None:
             damaged.append((e.key, str(e.path)))
-    return {"checked": len(ents), "valid": len(ents) - len(damaged), "damaged": damaged}
+            problems.append((str(e.path), why or "incomplete"))
+    problems += disk.layout_problems()
+    return {"checked": len(ents), "valid": len(ents) - len(damaged), "damaged": damaged, "problems": problems}
 
 
 __all__ = ["export_bundle", "import_bundle", "verify"]

@@ -4,7 +4,8 @@ Layout under the root (``ATTNGEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/attngen``, 
 ``~/.cache/attngen``)::
 
     v1/<key[:2]>/<key>/kernel.cubin   the object code
-                      /kernel.cu      the rendered source it came from
+                      /kernel.cu      the rendered source it came from, gzip-compressed (plain text
+                                      in entries of earlier versions, which read as well)
                       /meta.json      spec, arch, versions, options, checksum, resources, timings
     v1/locks/<key>.lock               one file lock per key
     v1/tmp/                           entries being written; renamed into place when complete
@@ -21,8 +22,10 @@ a root or entry owned by another user or writable by group/others is neither rea
 CPU-executable is read from it.
 
 An entry appears only through ``os.rename`` of a complete directory, so a reader sees a whole
-entry or none. A reader that finds a checksum mismatch or an unreadable entry treats it as a
-miss. Processes that miss on the same key compile once: the lookup is repeated under the key's
+entry or none. A reader treats as a miss an entry that is unreadable, fails its checksum, or
+fails the checks of ``attngen.cache_entry`` (field types; metadata against the key; the cubin's
+SM, kernel symbol and register count). The lock of a key is ``attngen.cache_lock``'s; the layout
+around the entries (odd objects, temporaries, lock files) is ``attngen.cache_layout``'s. Processes that miss on the same key compile once: the lookup is repeated under the key's
 lock. A root that cannot be written still works: binaries are compiled and kept in memory.
 
 Bump ``LAYOUT_VERSION`` when the on-disk layout changes (old entries are then ignored) and
@@ -44,9 +47,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import filelock
-
-from . import fs
+from . import cache_layout, fs
+from .cache_lock import KeyLock, LockTimeout, is_held
+from .cache_env import (_log_setting, always_compile, cache_layers, cache_root, configure_logging,  # noqa: F401
+                        lock_timeout, prefixed_warnings)
+from .cache_entry import entry_problem, load_json, pack_source, unpack_source
 from .__version__ import __version__
 from .arch import Arch, get_arch
 from .compiler import Binary, Resources, compile as nvrtc_compile, compile_options, nvrtc_version
@@ -61,50 +66,6 @@ _CUBIN, _SOURCE, _META = "kernel.cubin", "kernel.cu", "meta.json"
 
 
 log = logging.getLogger("attngen")
-# The ATTNGEN_LOG value the "attngen" logger was last set up for (None: not yet looked at).
-_log_setting: list = [None]
-_LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
-
-
-def configure_logging() -> None:
-    """Apply ``ATTNGEN_LOG`` (debug, info, warning, error) to the ``attngen`` logger, with a
-    stderr handler of its own, when the variable is set; read when a build is asked for, and
-    applied again only when it changed. Without it, logging is left to the application."""
-    value = os.environ.get("ATTNGEN_LOG", "").strip().lower()
-    if value == _log_setting[0]:
-        return
-    _log_setting[0] = value
-    level = _LOG_LEVELS.get(value)
-    if level is None:
-        return
-    log.setLevel(level)
-    if not any(getattr(h, "_attngen", False) for h in log.handlers):
-        h = logging.StreamHandler()
-        h.setFormatter(logging.Formatter("attngen: %(levelname)s: %(message)s"))
-        h._attngen = True
-        log.addHandler(h)
-
-
-def always_compile() -> bool:
-    """``ATTNGEN_ALWAYS_COMPILE=1``: compile every request afresh, bypassing the memory and disk
-    caches (as Triton's TRITON_ALWAYS_COMPILE does); the result is still stored."""
-    return os.environ.get("ATTNGEN_ALWAYS_COMPILE", "").strip().lower() not in ("", "0", "false", "no")
-
-
-def cache_root() -> Path:
-    """The cache root, read from the environment each time it is asked for."""
-    env = os.environ.get("ATTNGEN_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "attngen"
-
-
-def lock_timeout() -> float:
-    return float(os.environ.get("ATTNGEN_LOCK_TIMEOUT", "600"))
-
-
 def key_material(spec: Spec, arch: Arch, options: tuple[str, ...], digests: "dict[str, str] | None" = None) -> dict:
     """Everything that can change the binary: the resolved spec, the digests of the family's
     template files and template-context code (default: ``render.family_digests``), the options,
@@ -172,12 +133,6 @@ class BuildResult:
         return render(self.spec)
 
 
-def cache_layers() -> list[Path]:
-    """Read-only layers below the root, looked up in order after it: ``ATTNGEN_CACHE_LAYERS``
-    (folders separated by ``os.pathsep``), read each time it is used."""
-    return [Path(p).expanduser() for p in os.environ.get("ATTNGEN_CACHE_LAYERS", "").split(os.pathsep) if p.strip()]
-
-
 class DiskCache:
     """The on-disk store under one root. Safe across threads and processes.
 
@@ -198,8 +153,8 @@ class DiskCache:
     def lock_path(self, key: str) -> Path:
         return self.base / "locks" / f"{key}.lock"
 
-    def usable(self) -> bool:
-        """Whether the root may be read and written (see ``attngen.fs``); warns once where not."""
+    def problem(self) -> "str | None":
+        """Why the root may not be read or written (see ``attngen.fs``), or None."""
         why = fs.root_problem(self.root, self.layer)
         if why is None:
             try:
@@ -207,55 +162,77 @@ class DiskCache:
                     fs.check_dir(self.base, self.layer)
             except OSError as e:
                 why = f"{self.base} is {'a symbolic link' if e.errno == errno.ELOOP else 'not to be trusted'}: {e.strerror}"
+        return why
+
+    def advice(self, why: str) -> str:
+        if why == "it is not a folder":
+            return "point ATTNGEN_CACHE_DIR at a folder of your own that only you can write"
+        return ("point ATTNGEN_CACHE_DIR at a folder of your own that only you can write (chmod 700), or fix this "
+                "one's owner and mode")
+
+    def usable(self) -> bool:
+        """Whether the root may be read and written (see ``attngen.fs``); warns once where not."""
+        why = self.problem()
         if why is None:
             return True
         fs.warn_once(self.root, f"not using the cache root {self.root}: {why}. Kernels are compiled and kept in "
-                                f"memory only. Fix: point ATTNGEN_CACHE_DIR at a folder of your own that only you "
-                                f"can write (chmod 700), or fix this one's owner and mode.")
+                                f"memory only. Fix: {self.advice(why)}.")
         return False
+
+    def require(self, doing: str) -> None:
+        """Raise ``CacheError`` where the root is one that builds refuse: a command that lists,
+        checks or deletes says so instead of acting on (or reporting nothing of) a root not to be trusted.
+        A ``v1`` that is a file or a link is not the root's fault: ``verify`` flags it, ``clear`` unlinks it."""
+        why = fs.root_problem(self.root, self.layer)
+        if why is not None:
+            raise CacheError(f"refusing to {doing} the cache root {self.root}: {why}; builds do not use it either. "
+                             f"Fix: {self.advice(why)}")
 
     # --- reading ---------------------------------------------------------------------------
     def get(self, key: str) -> Binary | None:
-        """The entry's binary, or None for a miss (absent, incomplete, corrupt, unreadable, or not
-        to be trusted: a link, another user's, writable by others)."""
+        """The entry's binary, or None for a miss (absent, incomplete, corrupt, unreadable, not
+        to be trusted: a link, another user's, writable by others; or failing ``check``)."""
+        return self.check(key)[0]
+
+    def check(self, key: str) -> "tuple[Binary | None, str | None]":
+        """(binary, None) for an entry to serve; (None, why) otherwise (why is None when there is no
+        entry at all). Beyond the checksum, ``cache_entry.entry_problem``: field types, the key's
+        material, the ELF's SM against the key's arch, the kernel's symbol and register count."""
         path = self.entry_path(key)
         try:
             if not os.path.lexists(path):
-                return None
+                return None, None
             if not self.usable():
-                return None
+                return None, "the cache root is refused"
             fs.check_dir(path.parent, self.layer)
             fs.check_dir(path, self.layer)
-            meta = json.loads(fs.read_private(path / _META, self.layer))
+            meta = load_json(fs.read_private(path / _META, self.layer))
             cubin = fs.read_private(path / _CUBIN, self.layer)
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.EPERM):
                 fs.warn_once(path, f"ignoring the cache entry {path}: {e.strerror}; remove it "
                                    f"('attngen cache clear') to let attngen rebuild it")
-            return None
-        except ValueError:
-            return None
-        if not isinstance(meta, dict):
-            return None
-        if meta.get("key") != key or hashlib.sha256(cubin).hexdigest() != meta.get("cubin_sha256"):
-            return None
+            return None, f"{Path(e.filename).name if e.filename else 'the entry'}: {e.strerror or e}"
+        except ValueError as e:
+            return None, f"meta.json does not parse ({e})"
+        why = entry_problem(key, meta, cubin)
+        if why:
+            return None, why
         if not self.layer:
             try:  # last use, for prune's least-recently-used order (read-only roots stay as they are)
                 os.utime(path / _META)
             except OSError:
                 pass
-        try:
-            return Binary(cubin=cubin, kernel_name=meta["kernel_name"], arch=meta["arch"],
-                          options=tuple(meta["options"]), nvrtc_version=meta["nvrtc"],
-                          resources=Resources.from_dict(meta["resources"]), log=meta.get("log", ""),
-                          compile_seconds=float(meta.get("compile_seconds", 0.0)))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            return None
+        return Binary(cubin=cubin, kernel_name=meta["kernel_name"], arch=meta["arch"],
+                      options=tuple(meta["options"]), nvrtc_version=meta["nvrtc"],
+                      resources=Resources.from_dict(meta["resources"]), log=meta.get("log", ""),
+                      compile_seconds=float(meta.get("compile_seconds", 0.0))), None
 
     def source(self, key: str) -> str | None:
+        """The stored source of the entry (compressed or, from earlier versions, plain), or None."""
         try:
-            return fs.read_private(self.entry_path(key) / _SOURCE, self.layer).decode()
-        except (OSError, UnicodeDecodeError):
+            return unpack_source(fs.read_private(self.entry_path(key) / _SOURCE, self.layer))
+        except OSError:
             return None
 
     # --- writing ---------------------------------------------------------------------------
@@ -280,7 +257,7 @@ class DiskCache:
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "log": binary.log,
         }
-        return self.put_files(key, {_CUBIN: binary.cubin, _SOURCE: source.encode(),
+        return self.put_files(key, {_CUBIN: binary.cubin, _SOURCE: pack_source(source),
                                     _META: json.dumps(meta, indent=1, sort_keys=True).encode()})
 
     ENTRY_FILES = (_CUBIN, _SOURCE, _META)
@@ -298,7 +275,7 @@ class DiskCache:
         try:
             fs.make_dirs(self.root, tmp_root)
             self._sweep_tmp(tmp_root)
-            tmp = tmp_root / f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+            tmp = tmp_root / cache_layout.tmp_name(key)
             os.mkdir(tmp, 0o700)
         except OSError as e:
             self._unwritable(e)
@@ -308,29 +285,35 @@ class DiskCache:
                 fs.write_private(tmp / name, files[name])
             fs.make_dirs(self.root, final.parent)
             if os.path.lexists(final):
-                if self.get(key) is not None:
-                    fs.remove_tree(tmp)
+                there = self.get(key)
+                if there is not None and there.kernel_name == _kernel_name_of(files.get(_META, b"")):
+                    fs.remove_tree(tmp, self.root)
                     return True
-                # A damaged entry (or a link planted where the entry goes) is moved aside, never followed.
+                # A damaged entry, one of another kernel, or a link planted where the entry goes, is
+                # moved aside, never followed.
                 aside = tmp_root / f"corrupt.{key}.{uuid.uuid4().hex[:8]}"
                 os.rename(final, aside)
-                if not fs.remove_tree(aside):
-                    os.unlink(aside)
+                fs.remove_tree(aside, self.root, odd=True)
             os.rename(tmp, final)
             return True
         except OSError as e:
-            fs.remove_tree(tmp)
+            fs.remove_tree(tmp, self.root)
             self._unwritable(e)
             return False
 
     def entry_files(self, key: str) -> "dict[str, bytes] | None":
         """The files of a valid entry (``get`` passes), or None."""
-        if self.get(key) is None:
-            return None
+        return self.entry_files_checked(key)[0]
+
+    def entry_files_checked(self, key: str) -> "tuple[dict[str, bytes] | None, str | None]":
+        """(files, None) for a valid entry with all of ``ENTRY_FILES``; (None, why) otherwise."""
+        binary, why = self.check(key)
+        if binary is None:
+            return None, why or "incomplete"
         try:
-            return {n: fs.read_private(self.entry_path(key) / n, self.layer) for n in self.ENTRY_FILES}
-        except OSError:
-            return None
+            return {n: fs.read_private(self.entry_path(key) / n, self.layer) for n in self.ENTRY_FILES}, None
+        except OSError as e:
+            return None, f"{Path(e.filename).name if e.filename else 'a file'}: {e.strerror or e}"
 
     def _unwritable(self, e: OSError) -> None:
         fs.warn_once(f"{self.root} (write)", f"cannot write the cache root {self.root}: "
@@ -344,15 +327,14 @@ class DiskCache:
     STALE_TMP_SECONDS = 3600
 
     def _sweep_tmp(self, tmp_root: Path) -> None:
-        now = time.time()
         for d in fs.real_subdirs(tmp_root):
             try:
-                if now - os.lstat(d).st_mtime > self.STALE_TMP_SECONDS:
-                    fs.remove_tree(d)
+                if not cache_layout.tmp_is_live(d.name, os.lstat(d).st_mtime, self.STALE_TMP_SECONDS):
+                    fs.remove_tree(d, self.root)
             except OSError:
                 continue
 
-    def lock(self, key: str) -> "filelock.BaseFileLock | None":
+    def lock(self, key: str) -> "KeyLock | None":
         """The key's file lock, or None where the root cannot hold lock files (read-only, or not
         to be trusted). A lock file that is a link, or another user's, is a ``CacheError``."""
         path = self.lock_path(key)
@@ -365,6 +347,7 @@ class DiskCache:
         except OSError as e:
             self._unwritable(e)
             return None
+        timeout = lock_timeout()
         try:
             fs.open_lock_file(path)
         except OSError as e:
@@ -374,7 +357,7 @@ class DiskCache:
                                  f"remove it (attngen recreates it)") from None
             self._unwritable(e)
             return None
-        return filelock.FileLock(str(path), timeout=lock_timeout(), mode=0o600)
+        return KeyLock(path, timeout)
 
     # --- listing and housekeeping ------------------------------------------------------------
     def entries(self) -> list[Entry]:
@@ -387,7 +370,7 @@ class DiskCache:
                 continue
             for d in fs.real_subdirs(shard):
                 try:
-                    meta = json.loads(fs.read_private(d / _META, self.layer))
+                    meta = load_json(fs.read_private(d / _META, self.layer))
                 except (OSError, ValueError):
                     meta = {}
                 if not isinstance(meta, dict):
@@ -399,6 +382,7 @@ class DiskCache:
         """Remove entries unused for ``older_than`` seconds, then the least recently used ones until
         the entries take at most ``max_bytes``; an entry whose lock another process holds (being
         built or replaced) is never removed. Returns the (key, bytes) removed."""
+        self.require("prune")
         now = time.time()
         ents = []
         for e in self.entries():
@@ -416,23 +400,13 @@ class DiskCache:
                 continue
             if self._locked(e.key):
                 continue
-            if fs.remove_tree(e.path):
+            if fs.remove_tree(e.path, self.root):
                 removed.append((e.key, size))
                 total -= size
         return removed
 
     def _locked(self, key: str) -> bool:
-        path = self.lock_path(key)
-        if not os.path.lexists(path):
-            return False
-        try:
-            lock = filelock.FileLock(str(path), timeout=0, mode=0o600)
-            lock.acquire()
-        except (filelock.Timeout, OSError):
-            return True
-        lock.release()
-        return False
-
+        return is_held(self.lock_path(key))
 
     def stats(self) -> dict:
         ents = self.entries()
@@ -449,24 +423,20 @@ class DiskCache:
             "compile_seconds": round(sum(float(e.meta.get("compile_seconds", 0)) for e in valid), 3),
         }
 
-    def clear(self) -> int:
-        """Remove every entry, the temporaries and the shard folders left empty; returns how many
-        entries were removed. Only real folders under the root are touched: a link is left
-        where it is, and nothing it points to is removed."""
-        n = 0
-        for e in self.entries():
-            fs.remove_tree(e.path)
-            n += 1
-        fs.remove_tree(self.base / "tmp")
-        # Jinja's bytecode cache of earlier versions lived here; it held Python code objects.
-        fs.remove_tree(self.base / "jinja")
-        for shard in fs.real_subdirs(self.base) if not os.path.islink(self.base) else ():
-            if len(shard.name) == 2:
-                try:
-                    os.rmdir(shard)  # only when empty
-                except OSError:
-                    pass
-        return n
+    def clear(self, report: "dict | None" = None) -> int:
+        """Remove every entry, stale temporaries, free lock files, odd objects and the shard folders
+        left empty (``cache_layout.clear``); returns how many entries were removed, and fills
+        ``report`` with the details. Refused (``CacheError``) on a root that builds refuse. Only
+        what is inside the root is touched: links are unlinked, never followed."""
+        self.require("clear")
+        got = cache_layout.clear(self)
+        if report is not None:
+            report.update(got)
+        return got["removed"]
+
+    def layout_problems(self) -> "list[tuple[str, str]]":
+        """(path, why) of every odd object in the layout (``cache_layout``)."""
+        return cache_layout.layout_problems(self.base)
 
 
 # --- the in-process layer and the build path ---------------------------------------------------
@@ -528,10 +498,10 @@ def _build(spec: Spec, a: Arch, cache: DiskCache, fresh: bool = False) -> BuildR
         hit_stored = _stored.get((root, key), False)
     if hit is not None and hit_stored:
         return BuildResult(hit, key, spec, "memory", True)
-    binary = None if fresh else cache.get(key)
+    binary = None if fresh else _named(cache.get(key), spec)
     if binary is None and not fresh:
         for layer in cache_layers():
-            binary = DiskCache(layer, layer=True).get(key)
+            binary = _named(DiskCache(layer, layer=True).get(key), spec)
             if binary is not None:
                 log.debug("cache hit (layer %s): %s for %s", layer, spec.to_text(), a.name)
                 break
@@ -558,18 +528,32 @@ def _build(spec: Spec, a: Arch, cache: DiskCache, fresh: bool = False) -> BuildR
         return BuildResult(binary, key, spec, origin, False)
     try:
         with lock:
-            binary = None if fresh else cache.get(key)  # another process may have built it while we waited
+            binary = None if fresh else _named(cache.get(key), spec)  # another process may have built it meanwhile
             if binary is not None:
                 origin, stored = "disk", True
             else:
                 binary, source, origin = produce()
                 stored = cache.put(key, binary, source, material, spec)
-    except filelock.Timeout:
+    except LockTimeout:
         raise CacheError(f"timed out after {lock_timeout():g}s waiting for the cache lock "
                          f"{cache.lock_path(key)} (another process holds it; set ATTNGEN_LOCK_TIMEOUT "
                          f"or remove a stale lock)") from None
     _remember(root, key, binary, stored)
     return BuildResult(binary, key, spec, origin, stored)
+
+
+def _kernel_name_of(meta_bytes: bytes) -> "str | None":
+    try:
+        meta = load_json(meta_bytes)
+    except ValueError:
+        return None
+    return meta.get("kernel_name") if isinstance(meta, dict) else None
+
+
+def _named(binary: "Binary | None", spec: Spec) -> "Binary | None":
+    """``binary`` when it is the kernel ``spec`` names, else None (a miss): an entry's own checks
+    cannot tell a consistent entry of another kernel from the one its key asks for."""
+    return binary if binary is None or binary.kernel_name == spec.kernel_name else None
 
 
 _slow_compile_told = [False]

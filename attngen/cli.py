@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import enum
+import errno
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -26,7 +28,7 @@ from . import tuned as _tuned
 from .__version__ import __version__
 from .arch import ARCHS, DEFAULT_ARCH, Arch, get_arch, parse_arch_list, target_arch
 from .compiler import compile as nvrtc_compile, compile_options, note_codes, performance_notes
-from .errors import AttngenError, CompileError, SpecError
+from .errors import AttngenError, CacheError, CompileError, SpecError
 from .family import families, get_family
 from .manifest import ManifestError, default_manifest_path, expand, load_manifest
 from .cli_cache import add_cache_parser, aligned, print_json as _print_json
@@ -40,6 +42,7 @@ PROG = "attngen"
 # --- entry point -----------------------------------------------------------------------------
 
 def main(argv: "list[str] | None" = None) -> int:
+    undo = _cache.prefixed_warnings()
     try:
         return _main(argv)
     except BrokenPipeError:
@@ -48,6 +51,8 @@ def main(argv: "list[str] | None" = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by the signal
+    finally:
+        undo()
 
 
 def _main(argv: "list[str] | None") -> int:
@@ -55,9 +60,13 @@ def _main(argv: "list[str] | None") -> int:
     # bench owns its whole argument list (its own options and --help), so it bypasses argparse.
     if argv and argv[0] == "bench":
         return _run_bench(argv[1:])
-    parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        parser = build_parser()  # loads the families, ATTNGEN_FAMILIES' modules too
+    except AttngenError as e:
+        _report_error(e, "--json" in argv)
+        return 2
+    try:
+        args = parser.parse_args(_attached(argv))
     except SystemExit as e:  # usage errors (2) and --help/--version (0), returned rather than raised
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     as_json = bool(getattr(args, "json", False))
@@ -71,9 +80,27 @@ def _main(argv: "list[str] | None") -> int:
     except OSError as e:  # e.g. a cache root that cannot be listed or removed
         _report_error(e, as_json)
         return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # SIGINT, or SIGTERM where a command turns it into one (prewarm)
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"{PROG}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
+
+
+# Options whose value may begin with "-": a negative value is then refused by its own check, not read
+# by argparse as another option ("expected one argument").
+_VALUE_OPTIONS = ("--older-than", "--max-size")
+
+
+def _attached(argv: list[str]) -> list[str]:
+    out = []
+    it = iter(range(len(argv)))
+    for i in it:
+        if argv[i] in _VALUE_OPTIONS and i + 1 < len(argv) and argv[i + 1].startswith("-") and argv[i + 1] != "--":
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            next(it, None)
+        else:
+            out.append(argv[i])
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,6 +213,7 @@ def cmd_prewarm(args: argparse.Namespace) -> int:
     if not items:
         asked = ", ".join(a.name for a in args.arch) if args.arch else "its archs"
         raise ManifestError(f"manifest {manifest_path} gives nothing to build for {asked}")
+    _check_root_for_prewarm()
     jobs = args.jobs or os.cpu_count() or 1
     progress = Progress(len(items), sys.stderr, enabled=not args.quiet)
     t0 = time.perf_counter()
@@ -214,6 +242,24 @@ def cmd_prewarm(args: argparse.Namespace) -> int:
             for r in [r for r in results if r.get("ptxas_notes")][:5]:
                 print(f"    {r['arch']} {r['spec']}: {note_codes(r['ptxas_notes'])}")
     return 1 if failures else 0
+
+
+def _check_root_for_prewarm() -> None:
+    """A prewarm exists for its disk copy: a root that builds would refuse or could not write is an
+    error before the first compile, not a report of every kernel as compiled but not stored."""
+    from . import fs
+
+    disk = _cache.DiskCache()
+    why = disk.problem()
+    if why is None:
+        try:
+            fs.make_dirs(disk.root, disk.base / "tmp")
+            if not os.access(disk.base / "tmp", os.W_OK):
+                raise OSError(errno.EACCES, "not writable", str(disk.base / "tmp"))
+        except OSError as e:
+            why = f"it cannot be written ({e.strerror or e}{f': {e.filename}' if e.filename else ''})"
+    if why is not None:
+        raise CacheError(f"prewarm would store nothing in the cache root {disk.root}: {why}. Fix: {disk.advice(why)}")
 
 
 # --- inspect ---------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from . import cache as _cache
@@ -12,6 +13,10 @@ from .bundle import export_bundle, import_bundle, verify
 from .compiler import REPORT_ONLY
 from .errors import AttngenError, CacheError
 from .spec import parse_spec
+
+PROG = "attngen"
+# Entries ``cache import --verify`` rebuilds (a compile each, about a second).
+VERIFY_SAMPLE = 8
 
 
 def print_json(obj) -> None:
@@ -48,6 +53,11 @@ def add_cache_parser(sub) -> None:
                             help="keep the entries within SIZE (e.g. 500M, 10G), removing the least recently used")
             sp.add_argument("--older-than", type=_age_arg, metavar="AGE",
                             help="remove entries unused for AGE (e.g. 12h, 30d)")
+        if name == "import":
+            sp.add_argument("--verify", action="store_true",
+                            help=f"first rebuild a random sample of {VERIFY_SAMPLE} entries and compare the bytes; "
+                                 f"any difference refuses the whole bundle")
+            sp.add_argument("--verify-all", action="store_true", help="as --verify, rebuilding every entry")
         if name == "clear":
             sp.add_argument("--tuned", action="store_true",
                             help="also remove the configurations stored by 'attngen tune'")
@@ -94,6 +104,7 @@ def _entry_row(disk: "_cache.DiskCache", e: "_cache.Entry") -> dict:
 
 def cmd_cache_ls(args: argparse.Namespace) -> int:
     disk = _cache.DiskCache()
+    disk.require("list")
     rows = [_entry_row(disk, e) for e in disk.entries()]
     if args.json:
         print_json({"ok": True, "root": str(disk.root), "entries": rows})
@@ -113,7 +124,9 @@ def cmd_cache_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_cache_stats(args: argparse.Namespace) -> int:
-    stats = _cache.DiskCache().stats()
+    disk = _cache.DiskCache()
+    disk.require("summarise")
+    stats = disk.stats()
     stats["tuned"] = len(_tuned.TunedStore().entries())
     if args.json:
         print_json({"ok": True, **stats})
@@ -129,12 +142,13 @@ def cmd_cache_stats(args: argparse.Namespace) -> int:
 
 def cmd_cache_clear(args: argparse.Namespace) -> int:
     disk = _cache.DiskCache()
-    removed = disk.clear()
-    left = len(disk.entries())
-    if left:
-        # rmtree ignores errors; an entry that is still there is a failure, not a quiet success.
-        raise CacheError(f"cache clear removed {removed - left} of {removed} entries under {disk.root}; "
-                                f"{left} could not be removed (permissions?)")
+    report: dict = {}
+    removed = disk.clear(report)
+    if report["failed"]:
+        # Removal ignores errors one by one; an entry it could not remove is a failure, not a quiet success.
+        raise CacheError(f"cache clear removed {removed} entries under {disk.root}; {len(report['failed'])} could "
+                         f"not be removed (permissions?), e.g. {report['failed'][0]}")
+    added = len(disk.entries())  # committed by a concurrent build after clear passed it: not a failure
     tuned = None
     if args.tuned:
         store = _tuned.TunedStore(disk.root)
@@ -142,11 +156,18 @@ def cmd_cache_clear(args: argparse.Namespace) -> int:
         if store.entries():
             raise CacheError(f"cache clear --tuned could not remove the tuned configurations in {store.base}")
     if args.json:
-        print_json({"ok": True, "root": str(disk.root), "removed": removed,
-                     **({"removed_tuned": tuned} if tuned is not None else {})})
-    else:
-        print(f"removed {removed} entries from {disk.root}"
-              + (f" and {tuned} tuned configurations" if tuned is not None else ""))
+        print_json({"ok": True, "root": str(disk.root), "removed": removed, "added_meanwhile": added,
+                    "writes_in_progress": report["live_tmp"], "locks_removed": report["locks_removed"],
+                    "repaired": report["repaired"], **({"removed_tuned": tuned} if tuned is not None else {})})
+        return 0
+    print(f"removed {removed} entries from {disk.root}" + (f" and {tuned} tuned configurations" if tuned is not None else ""))
+    if added:
+        print(f"  {added} {'entry was' if added == 1 else 'entries were'} added by another process while clearing")
+    if report["live_tmp"]:
+        n = report["live_tmp"]
+        print(f"  left {n} {'write' if n == 1 else 'writes'} in progress in {disk.base / 'tmp'} (another process's)")
+    for p in report["repaired"]:
+        print(f"  removed an odd object: {p}")
     return 0
 
 
@@ -163,23 +184,32 @@ def _size(n: int) -> str:
 
 def cmd_cache_verify(args: argparse.Namespace) -> int:
     disk = _cache.DiskCache()
+    disk.require("verify")
     r = verify(disk)
     if args.json:
         print_json({"ok": not r["damaged"], "root": str(disk.root), **r})
     else:
+        whys = dict(r["problems"])
         for key, path in r["damaged"]:
-            print(f"damaged: {key} ({path})")
+            print(f"damaged: {key} ({path}): {whys.get(path, 'incomplete')}")
+        odd = [(p, why) for p, why in r["problems"] if p not in {path for _, path in r["damaged"]}]
+        for path, why in odd:
+            print(f"odd: {path}: {why}")
         print(f"verified {r['checked']} entries under {disk.root}: {r['valid']} valid, {len(r['damaged'])} damaged"
-              + ("; 'attngen cache clear' removes them, or a build replaces each" if r["damaged"] else ""))
-    return 1 if r["damaged"] else 0
+              + (f", {len(odd)} odd objects in the layout" if odd else "")
+              + ("; 'attngen cache clear' removes them, or a build replaces each" if r["damaged"] or odd else ""))
+    return 1 if r["problems"] else 0
 
 
 def cmd_cache_export(args: argparse.Namespace) -> int:
     disk = _cache.DiskCache()
+    disk.require("export")
     m = export_bundle(disk, args.file)
+    for key, why in m["skipped"]:
+        print(f"{PROG}: warning: not exported: {key}: {why}", file=sys.stderr)
     if args.json:
         print_json({"ok": True, "file": args.file, "entries": len(m["entries"]), "attngen": m["attngen"],
-                     "nvrtc": m["nvrtc"]})
+                     "nvrtc": m["nvrtc"], "skipped": m["skipped"]})
     else:
         print(f"exported {len(m['entries'])} entries from {disk.root} to {args.file} "
               f"(attngen {m['attngen']}, NVRTC {m['nvrtc']})")
@@ -188,7 +218,10 @@ def cmd_cache_export(args: argparse.Namespace) -> int:
 
 def cmd_cache_import(args: argparse.Namespace) -> int:
     disk = _cache.DiskCache()
-    r = import_bundle(disk, args.file)
+    r = import_bundle(disk, args.file, rebuild=None if args.verify_all else (VERIFY_SAMPLE if args.verify else 0))
+    if r["refused"]:
+        print(f"{PROG}: error: {args.file} is refused whole: an entry rebuilt here differs from it, so nothing of "
+              f"it is imported", file=sys.stderr)
     for what, why in r["rejected"]:
         print(f"attngen: error: rejected {what} from {args.file}: {why}", file=sys.stderr)
     if r["other_versions"]:
@@ -200,31 +233,43 @@ def cmd_cache_import(args: argparse.Namespace) -> int:
     else:
         print(f"imported {r['imported']} entries into {disk.root} ({r['present']} already there, "
               f"{len(r['rejected'])} rejected)")
+        if r["rebuilt"]:
+            bad = sum(1 for _, why in r["rejected"] if "rebuil" in why)
+            print(f"rebuilt {r['rebuilt']} of {r['imported'] + r['present'] + bad if not r['refused'] else r['rebuilt']} "
+                  f"entries here to compare: {r['rebuilt'] - bad} identical, {bad} not")
     return 1 if r["rejected"] else 0
+
+
+def _number(text: str) -> float:
+    """A finite number >= 0 from ``text``, else -1 (inf, nan, negatives and 5000-digit strings included)."""
+    if len(text) > 30:
+        return -1
+    try:
+        n = float(text)
+    except ValueError:
+        return -1
+    return n if math.isfinite(n) and n >= 0 else -1
 
 
 def _size_arg(text: str) -> int:
     units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     s = text.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        n = float(s[:-1] if s and s[-1] in units else s) * units[s[-1] if s and s[-1] in units else ""]
-    except ValueError:
-        n = -1
+    unit = s[-1] if s and s[-1] in units else ""
+    n = _number(s[:-1] if unit else s)
     if n < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a size such as 500M or 10G")
-    return int(n)
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not allowed; allowed: a size such as 500M or 10G")
+    return int(n * units[unit])
 
 
 def _age_arg(text: str) -> float:
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     s = text.strip().lower()
-    try:
-        n = float(s[:-1]) * units[s[-1]] if s and s[-1] in units else float(s)
-    except (ValueError, KeyError):
-        n = -1
+    unit = s[-1] if s and s[-1] in units else ""
+    n = _number(s[:-1] if unit else s)
     if n < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: an age such as 12h or 30d")
-    return n
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not allowed; allowed: an age such as 12h or 30d "
+                                         f"(not negative)")
+    return n * units.get(unit, 1)
 
 
 def cmd_cache_prune(args: argparse.Namespace) -> int:

@@ -100,6 +100,9 @@ class Binary:
 
 @functools.lru_cache(maxsize=1)
 def _nvrtc():
+    from .fs import cupy_cache_dir
+
+    cupy_cache_dir()  # importing CuPy creates its cache folder, and fails where HOME is not writable
     try:
         from cupy_backends.cuda.libs import nvrtc
     except Exception as e:  # pragma: no cover - depends on the install

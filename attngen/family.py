@@ -97,7 +97,7 @@ def _load_builtin() -> None:
         for name in filter(None, (s.strip() for s in os.environ.get("ATTNGEN_FAMILIES", "").split(","))):
             try:
                 importlib.import_module(name)
-            except ImportError as e:
+            except (ImportError, TypeError, ValueError) as e:  # TypeError: a relative name such as ".foo"
                 raise SpecError("ATTNGEN_FAMILIES", name, "importable module names, comma-separated",
                                 reason=f"the module could not be imported: {e}") from None
         _builtin_loaded = True

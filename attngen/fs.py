@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import shutil
 import stat
 import threading
 from pathlib import Path
@@ -140,17 +139,104 @@ def open_lock_file(path: Path) -> None:
         os.close(fd)
 
 
-def remove_tree(path: Path) -> bool:
-    """Remove a folder attngen made, without following links: a link or a non-folder at ``path`` is
-    left alone (False). shutil.rmtree walks by file descriptor and does not follow links inside."""
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+# Deeper than any layout attngen makes; a tree planted deeper is left where it is.
+_MAX_DEPTH = 32
+
+
+def open_under(root: Path, parts: "tuple[str, ...]") -> int:
+    """A file descriptor of the folder ``root/parts...``, opened from ``root``'s descriptor one
+    component at a time with O_NOFOLLOW, so that no component below the root is a link (the root
+    itself may be one: the user named it). OSError (ELOOP for a link) otherwise; the caller closes it."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
     try:
-        st = os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return True
-    if not stat.S_ISDIR(st.st_mode):
+        for part in parts:
+            nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _rmtree_at(parent_fd: int, name: str, st: os.stat_result, depth: int = 0) -> None:
+    """Remove the folder ``name`` of ``parent_fd`` whose lstat is ``st``; links inside are unlinked,
+    never followed. Errors leave what could not be removed in place (the caller checks)."""
+    if depth > _MAX_DEPTH:
+        return
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except OSError:
+        return
+    try:
+        if not os.path.samestat(st, os.fstat(fd)):  # swapped for something else since it was looked at
+            return
+        with os.scandir(fd) as it:
+            children = list(it)
+        for e in children:
+            try:
+                est = e.stat(follow_symlinks=False)
+                if stat.S_ISDIR(est.st_mode):
+                    _rmtree_at(fd, e.name, est, depth + 1)
+                else:
+                    os.unlink(e.name, dir_fd=fd)
+            except OSError:
+                continue
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=parent_fd)
+    except OSError:
+        pass
+
+
+def remove_tree(path: Path, root: "Path | None" = None, *, odd: bool = False) -> bool:
+    """Remove the folder ``path`` inside ``root`` (default: ``path``'s parent) without ever leaving
+    ``root``: every component from the root down is opened from its parent's descriptor with
+    O_NOFOLLOW, and a link at any level, ``path``'s own parents included, stops the removal there.
+    Inside the folder, links are unlinked, never followed. ``odd``: a file or link at ``path``
+    itself is unlinked too (a repair; unlinking a link never touches what it points to); else it is
+    left alone. True when nothing is left at ``path``."""
+    path = Path(path)
+    root = Path(root) if root is not None else path.parent
+    try:
+        parts = path.relative_to(root).parts
+    except ValueError:
         return False
-    shutil.rmtree(path, ignore_errors=True)
-    return not os.path.lexists(path)
+    if not parts:
+        return False
+    try:
+        pfd = open_under(root, parts[:-1])
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        try:
+            st = os.stat(parts[-1], dir_fd=pfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        if stat.S_ISDIR(st.st_mode):
+            _rmtree_at(pfd, parts[-1], st)
+        elif odd:
+            try:
+                os.unlink(parts[-1], dir_fd=pfd)
+            except OSError:
+                pass
+        else:
+            return False
+        try:
+            os.stat(parts[-1], dir_fd=pfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            pass
+        return False
+    finally:
+        os.close(pfd)
 
 
 def real_subdirs(path: Path) -> list[Path]:
@@ -164,3 +250,19 @@ def real_subdirs(path: Path) -> list[Path]:
     except OSError:
         return []
     return sorted(out)
+
+
+def cupy_cache_dir() -> None:
+    """Make sure importing CuPy cannot fail on its kernel cache folder. CuPy creates that folder
+    (``CUPY_CACHE_DIR``, else ``~/.cupy/kernel_cache``) when it is imported, and the import fails
+    where it cannot (a container run under an arbitrary user, with no writable home). attngen
+    compiles through NVRTC directly and never uses that cache, so there CuPy is pointed at a
+    private temporary folder instead."""
+    if os.environ.get("CUPY_CACHE_DIR"):
+        return
+    try:
+        os.makedirs(os.path.expanduser(os.path.join("~", ".cupy", "kernel_cache")), exist_ok=True)
+    except OSError:
+        import tempfile
+
+        os.environ["CUPY_CACHE_DIR"] = tempfile.mkdtemp(prefix="attngen-cupy-")

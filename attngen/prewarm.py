@@ -12,6 +12,8 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
+import threading
 import time
 from typing import Callable, TextIO
 
@@ -44,21 +46,86 @@ def run_prewarm(items: "list[tuple[Spec, Arch | str]]", *, jobs: int | None = No
         for w in work:
             done(build_item(*w))
     else:
-        ctx = multiprocessing.get_context("spawn")
-        with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-            futures = {pool.submit(build_item, *w): w for w in work}
-            try:
-                for fut in cf.as_completed(futures):
-                    try:
-                        r = fut.result()
-                    except Exception as e:  # the worker died (BrokenProcessPool) or could not be reached
-                        i, spec_dict, arch = futures[fut]
-                        r = _failed_item(i, spec_dict, arch, f"worker process failed: {type(e).__name__}: {e}")
-                    done(r)
-            except BaseException:
-                pool.shutdown(wait=False, cancel_futures=True)
-                raise
+        _run_pool(work, workers, done)
     return [r for r in results if r is not None]
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (or another stop signal) to the prewarm process: handled as an interrupt, with its number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _run_pool(work: list, workers: int, done: "Callable[[dict], None]") -> None:
+    """The items in ``workers`` spawned processes. The workers die with this process (``_worker_init``);
+    SIGINT or SIGTERM here cancels what has not started and stops the workers at once."""
+    ctx = multiprocessing.get_context("spawn")
+    pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init,
+                                  initargs=(os.getpid(),))
+    old = None
+    if threading.current_thread() is threading.main_thread():
+        def on_term(signum, frame):
+            raise Terminated(signum)
+
+        old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        futures = {pool.submit(build_item, *w): w for w in work}
+        for fut in cf.as_completed(futures):
+            try:
+                r = fut.result()
+            except Exception as e:  # the worker died (BrokenProcessPool) or could not be reached
+                i, spec_dict, arch = futures[fut]
+                r = _failed_item(i, spec_dict, arch, f"worker process failed: {type(e).__name__}: {e}")
+            done(r)
+    except BaseException:
+        _stop(pool)
+        raise
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+    pool.shutdown(wait=True)
+
+
+def _stop(pool: "cf.ProcessPoolExecutor") -> None:
+    """Cancel the pending items and end the workers now (a compile in flight is not waited for)."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        try:
+            p.terminate()
+        except (OSError, ValueError):
+            pass
+    for p in procs:
+        try:
+            p.join(timeout=5)
+        except (OSError, ValueError, AssertionError):
+            pass
+
+
+def _worker_init(parent: int) -> None:
+    """A worker ends when its parent does, however the parent ends (SIGKILL included): Linux's
+    parent-death signal where there is one, else a thread that watches the parent's pid. Ctrl-C
+    reaches the whole process group; the parent alone decides what it cancels."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="attngen-parent-watch").start()
+    _cache.prefixed_warnings()
 
 
 def build_item(index: int, spec_dict: dict, arch: str) -> dict:

@@ -25,6 +25,9 @@ from .spec import Spec, SpecBase, as_spec
 
 
 def _cupy():
+    from .fs import cupy_cache_dir
+
+    cupy_cache_dir()
     try:
         import cupy
     except Exception as e:  # pragma: no cover - depends on the install

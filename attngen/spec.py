@@ -75,10 +75,15 @@ def coerce_enum(cls, name: str, value):
 
 
 def coerce_int(name: str, value, allowed) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        # Python will not even print an integer past 4300 digits: named by its size instead.
+        raise SpecError(name, f"<an integer of {value.bit_length()} bits>", allowed_text(allowed))
     if isinstance(value, bool) or not isinstance(value, int):
         text = value.strip() if isinstance(value, str) else None
         # ASCII digits only: str.isdigit() also takes "²", which int() then refuses.
         if text and text.isascii() and (text[1:] if text[0] == "-" else text).isdigit():
+            if len(text) > 20:
+                raise SpecError(name, f"{text[:12]}...({len(text)} digits)", allowed_text(allowed))
             value = int(text)
         else:
             raise SpecError(name, value, allowed_text(allowed), reason="must be an integer")
@@ -269,7 +274,11 @@ def as_spec(spec: Spec | str | Mapping, name: str = "spec") -> Spec:
             raise SpecError("family", None, ", ".join(sorted(f.name for f in families())),
                             reason=f"{name}={_Shown(_brief(spec))} names no family; a spec's dict names it, "
                                    "e.g. {'family': 'prefill', 'head_dim': 128}")
-        return get_family(d["family"]).spec.from_dict(d)
+        fam = d["family"]
+        if not isinstance(fam, str):
+            raise SpecError("family", fam if fam is None or isinstance(fam, (int, float)) else type(fam).__name__,
+                            ", ".join(sorted(f.name for f in families())), reason="a spec's family is a name")
+        return get_family(fam).spec.from_dict(d)
     raise _not_a_spec(spec, name)
 
 

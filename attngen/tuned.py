@@ -26,6 +26,7 @@ from .__version__ import __version__
 from .arch import Arch, get_arch
 from . import fs
 from .cache import LAYOUT_VERSION, _memory_lock, cache_root, lock_timeout
+from .cache_entry import load_json
 from .errors import AttngenError, CacheError, SpecError
 from .spec import Spec, resolve, validate
 
@@ -71,7 +72,7 @@ class TunedStore:
     def read(self, arch: str) -> list[dict]:
         """Every well-formed entry of ``arch``'s file; [] when it is missing, unreadable or malformed."""
         try:
-            data = json.loads(fs.read_private(self.path(arch)))
+            data = load_json(fs.read_private(self.path(arch)))
         except (OSError, ValueError, UnicodeDecodeError):
             return []
         if not isinstance(data, dict) or data.get("format") != TUNED_FORMAT or not isinstance(data.get("entries"), list):
@@ -131,8 +132,11 @@ class TunedStore:
 
     def clear(self) -> int:
         """Remove every tuned entry; returns how many there were."""
+        why = fs.root_problem(self.root)
+        if why:
+            raise CacheError(f"refusing to clear the tuned configurations under {self.root}: {why}")
         n = len(self.entries())
-        fs.remove_tree(self.base)
+        fs.remove_tree(self.base, self.root)
         with _memory_lock:
             for k in [k for k in _tuned_memo if k[0] == str(self.root)]:
                 del _tuned_memo[k]

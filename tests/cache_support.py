@@ -7,7 +7,10 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
+
+import pytest
 
 from attngen.arch import get_arch
 from attngen.cache import BuildResult, key_material, key_of
@@ -65,3 +68,19 @@ def flip_cubin(entry: Path):
     mid = len(b) // 2
     b[mid:mid + 16] = bytes(x ^ 0xFF for x in b[mid:mid + 16])
     p.write_bytes(bytes(b))
+
+
+@pytest.fixture
+def other_user():
+    """A second user (uid, gid) for tests that need two; created with useradd when run as root (as CI is)."""
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        pytest.skip("needs root to create a second user")
+    name = f"ag57{uuid.uuid4().hex[:8]}"
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/false", name], check=True, capture_output=True)
+    try:
+        import pwd
+
+        pw = pwd.getpwnam(name)
+        yield pw.pw_uid, pw.pw_gid
+    finally:
+        subprocess.run(["userdel", name], capture_output=True)

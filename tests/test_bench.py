@@ -24,7 +24,8 @@ FAKE_ENV = {"date": "2026-11-22T00:00:00+00:00", "gpu": "NVIDIA H100 80GB HBM3",
 
 def test_main_without_subcommand_prints_help(capsys):
     assert bench.main([]) == 2
-    assert "prefill" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert "prefill" in out.err and out.out == ""  # a usage error: on stderr, as argparse's own
 
 
 @pytest.mark.skipif(gpu_count() > 0, reason="checks the no-GPU messages")

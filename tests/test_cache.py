@@ -5,6 +5,7 @@ Real NVRTC compiles and a real disk throughout; compiles are kept few (head_dim=
 is the cheapest kernel) so the file runs in well under a minute on two cores.
 """
 
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -83,7 +84,7 @@ def test_entry_layout(golden, cache_dir):
     assert sorted(p.name for p in entry.iterdir()) == ["kernel.cu", "kernel.cubin", "meta.json"]
     cubin = (entry / "kernel.cubin").read_bytes()
     assert cubin == res.binary.cubin
-    assert (entry / "kernel.cu").read_text() == res.source
+    assert disk.source(key) == res.source  # stored compressed
     meta = json.loads((entry / "meta.json").read_text())
     assert meta["key"] == key
     assert meta["cubin_sha256"] == sha(cubin) and meta["cubin_bytes"] == len(cubin)
@@ -108,27 +109,27 @@ def test_entry_layout(golden, cache_dir):
     assert got.cubin == cubin and got.resources == res.binary.resources and got.kernel_name == res.spec.kernel_name
 
 
-def test_disk_store_on_plain_bytes(tmp_path):
-    """The store itself needs no compiler: any bytes round-trip, checksummed."""
+def test_disk_store_on_plain_bytes(golden, tmp_path):
+    """The store itself needs no compiler: a cubin's bytes round-trip, checksummed and checked."""
+    root, results = golden
+    r = results[ARCH]
+    material = json.loads((root / "v1" / r.key[:2] / r.key / "meta.json").read_text())["key_material"]
     disk = DiskCache(tmp_path / "root")
     spec = resolve(SPEC, ARCH)
-    b = Binary(cubin=b"\x7fELF not really a cubin", kernel_name=spec.kernel_name, arch=ARCH,
-               options=compile_options(ARCH), nvrtc_version="13.5", resources=Resources(registers=42),
-               log="log", compile_seconds=0.25)
-    key = "ab" + "0" * 62
+    b = dataclasses.replace(r.binary, log="log", compile_seconds=0.25)
+    key = r.key
     assert disk.get(key) is None
-    assert disk.put(key, b, "// source", {"any": "material"}, spec) is True
+    assert disk.put(key, b, "// source", material, spec) is True
     assert disk.get(key) == b
     assert disk.source(key) == "// source"
     # An existing valid entry is kept: a second writer's bytes do not replace it.
-    other = Binary(cubin=b"\x7fELF other", kernel_name=b.kernel_name, arch=ARCH, options=b.options,
-                   nvrtc_version="13.5", resources=Resources())
-    assert disk.put(key, other, "// other", {}, spec) is True
+    other = dataclasses.replace(b, log="other")
+    assert disk.put(key, other, "// other", material, spec) is True
     assert disk.get(key) == b and disk.source(key) == "// source"
     # A corrupt one is replaced.
     (disk.entry_path(key) / "kernel.cubin").write_bytes(b"garbage")
     assert disk.get(key) is None
-    assert disk.put(key, other, "// other", {}, spec) is True
+    assert disk.put(key, other, "// other", material, spec) is True
     assert disk.get(key) == other
     assert not any((disk.base / "tmp").iterdir())
 
@@ -171,7 +172,9 @@ def test_root_that_cannot_be_created_still_builds(tmp_path, monkeypatch, compile
         assert build(SPEC, ARCH).origin == "memory"
         assert len(compiles) == 1
         disk = DiskCache()
-        assert disk.get(r.key) is None and disk.entries() == [] and disk.clear() == 0
+        assert disk.get(r.key) is None and disk.entries() == []
+        with pytest.raises(CacheError, match="refusing to clear"):  # a root builds refuse is not cleared either
+            disk.clear()
         assert disk.stats()["entries"] == 0
         assert blocker.read_text().startswith("a regular file")
     finally:

@@ -115,7 +115,8 @@ def test_process_killed_mid_write_leaves_nothing_served(cache_dir, target):
     assert got is not None and sha(got.cubin) == rep["sha"]
     # clear() sweeps the dead process's temporary.
     assert disk.clear() == 1
-    assert not (cache_dir / "v1" / "tmp").exists()
+    # (tmp/ itself stays: a concurrent writer may be about to make its temporary there)
+    assert not any((cache_dir / "v1" / "tmp").iterdir())
 
 
 # --- corrupt entries -------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
-        parser.print_help()
+        parser.print_help(sys.stderr)  # a usage error: stderr, as argparse's own
         return 2
     try:
         if not args.json:

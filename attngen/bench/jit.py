@@ -374,7 +374,7 @@ def cmd_jit(args: argparse.Namespace) -> int:
                  else default_jit_specs(args.head_dims or HEAD_DIMS, _CAUSAL[args.causal]))
         arch = attngen.get_arch(args.arch).name if args.arch else None
     except attngen.AttngenError as e:
-        _say(f"error: {e}", file=sys.stderr)
+        _say(f"attngen: error: {e}", file=sys.stderr)
         return 2
     gpu = have_gpu()
     if gpu:
@@ -383,14 +383,14 @@ def cmd_jit(args: argparse.Namespace) -> int:
 
             dev_arch = attngen.runtime.device_arch(cupy.cuda.runtime.getDevice()).name
         except Exception as e:
-            _say(f"error: cannot query the GPU: {e}", file=sys.stderr)
+            _say(f"attngen: error: cannot query the GPU: {e}", file=sys.stderr)
             return 2
     else:
         dev_arch = None
     build_arch = arch or dev_arch
     gpu_load = gpu and build_arch == dev_arch   # can this GPU load what is built? else measure build() alone
     if build_arch is None:
-        _say("error: no GPU here: pass --arch (e.g. --arch sm_90) to measure the cold compile", file=sys.stderr)
+        _say("attngen: error: no GPU here: pass --arch (e.g. --arch sm_90) to measure the cold compile", file=sys.stderr)
         return 2
     env = core.environment(gpu=gpu)
     for ln in env_lines(env):
