@@ -18,7 +18,7 @@ from ..split_kv import (CLUSTER_MAX, cache_lengths, check_index, check_rows, che
                         ctas_per_sm, paged_table, saturating_share, sm_count)
 from .spec import MERGE_THREADS, DecodeSpec, Variant
 
-# DecodeParams in templates/common/decode_fwd.cuh: 12 pointers, 14 strides, 9 ints, an unsigned
+# DecodeParams in templates/decode/fwd.cuh: 12 pointers, 14 strides, 9 ints, an unsigned
 # (block_mul), 2 floats, 2 floats (softcap), the ALiBi slopes' pointer and batch stride.
 _PARAMS = struct.Struct("<12Q14q9iI2f2fQq")
 _LOG2E = 1.4426950408889634

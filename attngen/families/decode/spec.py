@@ -121,7 +121,7 @@ class DecodeSpec(SpecBase):
     def cluster_merge_bytes(self) -> int:
         """The shared memory the fused kernel's epilogue uses when the splits of a (batch, kv head)
         run as one cluster and merge there (sm_90): the combine area above, rounded to 16 bytes,
-        then the CTA's normalised fp32 output rows and their LSE (``PART_AT`` in decode_end.cuh)."""
+        then the CTA's normalised fp32 output rows and their LSE (``PART_AT`` in decode/end.cuh)."""
         self._require_resolved("cluster_merge_bytes")
         combine = 2 * self.warps_n * self.q_rows + (self.warps_n - 1) * self.q_rows * (self.head_dim + 4)
         return 4 * (-(-combine // 4) * 4 + self.q_rows * self.head_dim + self.q_rows)

@@ -107,7 +107,7 @@ class MlaDecodeSpec(SpecBase):
         need = heads * q_len
         return next((r for r in MlaDecodeSpec.Q_ROWS if need <= r), MlaDecodeSpec.Q_ROWS[-1])
 
-    # --- derived: the warp grid (see mla_decode.cuh) -----------------------------------------
+    # --- derived: the warp grid (see mla_decode/fwd.cuh) -----------------------------------------
     @property
     def sharded(self) -> bool:
         return self.qk_shard is QkShard.TRUE
@@ -170,7 +170,7 @@ class MlaDecodeSpec(SpecBase):
     def cluster_merge_fits(self) -> bool:
         """Whether the splits of a row block may merge in one cluster (sm_90): an mma_sync kernel over whose
         Q and ring its normalised fp32 rows fit with their LSE (32 rows: the rows a CTA merges, from up to 8
-        splits; ``CLUSTER_FITS`` in mla_decode.cuh)."""
+        splits; ``CLUSTER_FITS`` in mla_decode/fwd.cuh)."""
         self._require_resolved("cluster_merge_fits")
         q_elems, row, _, _ = self._layout()
         rows = self.q_rows + (7 if self.q_rows >= 32 else 0)

@@ -32,7 +32,7 @@ from .defaults import by_rows
 from .spec import MaskMode, Persistent, Pipeline, PrefillSpec, Schedule
 from .tma import tensor_maps
 
-# PrefillParams in templates/common/prefill_params.cuh: 5 pointers, 12 strides, 4 ints, 2 floats, 2 ints,
+# PrefillParams in templates/prefill/params.cuh: 5 pointers, 12 strides, 4 ints, 2 floats, 2 ints,
 # 2 floats (softcap), the ALiBi slopes' pointer and batch stride. A dense launch packs only these;
 # the varlen and custom-mask kernels read the rest (PARAMS_EXT): 8 pointers, 2 strides, 9 ints.
 _PARAMS = struct.Struct("<5Q12q4i2f2i2fQq")

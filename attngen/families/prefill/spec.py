@@ -64,7 +64,7 @@ def _persistent(value) -> Persistent:
         raise SpecError("persistent", value, "auto, true, false") from None
 
 
-# templates/common/prefill_plan.cuh: threads of the plan builders and of the work-list sort.
+# templates/prefill/plan.cuh: threads of the plan builders and of the work-list sort.
 PLAN_THREADS = 256
 ORDER_THREADS = 1024
 
@@ -244,7 +244,7 @@ class PrefillSpec(SpecBase):
 
     @property
     def tma(self) -> bool:
-        """The TMA pipeline (templates/common/prefill_fwd.cuh.jinja, TMA): a producer warpgroup more."""
+        """The TMA pipeline (templates/prefill/fwd.cuh.jinja, TMA): a producer warpgroup more."""
         return self.pipeline is Pipeline.TMA
 
     @property
@@ -275,7 +275,7 @@ class PrefillSpec(SpecBase):
     @property
     def chunked(self) -> bool:
         """The chunked kernel: head_dim chunks stream through shared memory (templates/common/
-        prefill_chunked.cuh.jinja). Chosen where whole rows cannot run or a chunk width is given."""
+        prefill/chunked.cuh.jinja). Chosen where whole rows cannot run or a chunk width is given."""
         return not self.whole_allowed or bool(self.head_dim_chunk)
 
     @functools.cached_property
@@ -286,7 +286,7 @@ class PrefillSpec(SpecBase):
 
     @property
     def chunk_grid(self) -> dict:
-        """The chunked kernel's warp grid and V steps (see prefill_chunked.cuh.jinja): WARPS_N column
+        """The chunked kernel's warp grid and V steps (see prefill/chunked.cuh.jinja): WARPS_N column
         groups, ON output columns per warp, SN keys of S per warp, per V step VK keys x VCW
         columns per warp (the widest VCW, fewest loads per mma, whose step fits the QK step),
         and the elements of one ring slot (the larger of the two steps; TMA: a QK step's slot holds K's
@@ -319,7 +319,7 @@ class PrefillSpec(SpecBase):
     @property
     def qk_pair(self) -> bool:
         """The two V splits of a query tile form a cluster that splits the QK work (each CTA computes S
-        over half of head_dim and adds the other's; see prefill_chunked.cuh.jinja) rather than repeating it:
+        over half of head_dim and adds the other's; see prefill/chunked.cuh.jinja) rather than repeating it:
         where each half is at least two whole chunks and the repeated QK work would exceed a CTA's PV
         work (head_dim above its V columns). Measured on the H100 (2026-11-25): 768 gains 3-16%, 1024
         14-26%; 512/1024 (QK work equal to PV's) lost up to 9% (0.95x geomean) to the exchange, and 640 split
@@ -412,7 +412,7 @@ class PrefillSpec(SpecBase):
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
         """The main entry; a custom-mask module adds its plan builders (``_mtiles``, ``_mlists``) and
         a custom-mask or varlen module its work-list sort (``_order``): PLAN_THREADS and
-        ORDER_THREADS in templates/common/prefill_plan.cuh, static shared memory only."""
+        ORDER_THREADS in templates/prefill/plan.cuh, static shared memory only."""
         main = ("", self.threads, self.smem_bytes())
         plan = (("_mtiles", PLAN_THREADS, 0), ("_mlists", PLAN_THREADS, 0)) if self.custom_mask else ()
         order = (("_order", ORDER_THREADS, 0),) if self.custom_mask or self.varlen else ()

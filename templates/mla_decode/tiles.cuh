@@ -1,5 +1,5 @@
-// MLA decode: the pieces of a tile step of MlaDecode (mla_decode.cuh) that its loop and MlaAlternate's
-// (mla_alternate.cuh) share: a cache tile's loads (cp.async by every thread, or TMA boxes by one), the rows
+// MLA decode: the pieces of a tile step of MlaDecode (mla_decode/fwd.cuh) that its loop and MlaAlternate's
+// (mla_decode/alternate.cuh) share: a cache tile's loads (cp.async by every thread, or TMA boxes by one), the rows
 // zeroed past the sequence, and the keys masked past a row's token.
 namespace attngen {
 

@@ -5,10 +5,10 @@
 // Grid: (num_splits, kv_heads, batch). A CTA takes its split's run of BLOCK_N-key tiles
 // through a NUM_STAGES-deep cp.async ring. Its warps form a WARPS_M x WARPS_N grid: WARPS_M
 // along the packed rows (M_TILES tiles of 16 each), WARPS_N along the keys of each tile
-// (KW keys each). Each warp keeps its own online softmax; at the end (DecodeEnd, decode_end.cuh)
+// (KW keys each). Each warp keeps its own online softmax; at the end (DecodeEnd, decode/end.cuh)
 // the WARPS_N partial results of a row are merged in shared memory. With one split the CTA writes
 // the output; with several it writes fp32 partial outputs and their LSE, and the `_merge` entry
-// combines them (or, in a cluster, the CTAs of a row do). The unfused variant (decode_unfused.cuh, built on this struct) runs QK^T + per-row
+// combines them (or, in a cluster, the CTAs of a row do). The unfused variant (decode/unfused.cuh, built on this struct) runs QK^T + per-row
 // max/sum (`unfused_qk`, K only) and then P V (`unfused_pv`, V and the stored scores) as two
 // kernels with the same grid.
 namespace attngen {
@@ -43,7 +43,7 @@ struct DecodeParams {
   long long alibi_sb;              // batch stride of alibi: heads, or 0
 };
 
-// The end of a CTA (decode_end.cuh): its warps' row statistics merged, then the output or the split's partial written.
+// The end of a CTA (decode/end.cuh): its warps' row statistics merged, then the output or the split's partial written.
 template <class D>
 struct DecodeEnd;
 
@@ -51,7 +51,7 @@ template <class T, bool BF16, int HEAD_DIM, int ROWS, int BLOCK_N, int NUM_WARPS
           bool PAGED, bool Q_IN_REGS, bool SOFTCAP = false, bool ALIBI = false>
 struct Decode {
   using L = SmemLayout<HEAD_DIM, HEAD_DIM, true>;
-  using Elem = T;  // (what DecodeEnd, decode_end.cuh, reads of this struct)
+  using Elem = T;  // (what DecodeEnd, decode/end.cuh, reads of this struct)
   static constexpr bool IS_BF16 = BF16;
   static constexpr int HEAD_DIM_ = HEAD_DIM, ROWS_ = ROWS;
   static constexpr int THREADS = NUM_WARPS * 32;

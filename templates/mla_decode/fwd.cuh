@@ -33,10 +33,10 @@
 // zeroed in shared memory before the last tile is read (P is 0 there; V must be finite).
 namespace attngen {
 
-// qk_shard=alternate's loop (mla_alternate.cuh, included only in those kernels).
+// qk_shard=alternate's loop (mla_decode/alternate.cuh, included only in those kernels).
 template <class K>
 struct MlaAlternate;
-// The pieces of a tile step that MlaDecode's loop and MlaAlternate's share (mla_tiles.cuh).
+// The pieces of a tile step that MlaDecode's loop and MlaAlternate's share (mla_decode/tiles.cuh).
 template <class K>
 struct MlaTiles;
 
@@ -47,7 +47,7 @@ struct MlaDecode {
   static constexpr bool IS_BF16 = BF16;
   static constexpr int DC_ = DC, DR_ = DR, ROWS_ = ROWS, BLOCK_N_ = BLOCK_N;
   static constexpr bool PAGED_ = PAGED, TMA_ = TMA, ALT_ = ALT;
-  using Tiles = MlaTiles<MlaDecode>;  // its tile pieces (mla_tiles.cuh)
+  using Tiles = MlaTiles<MlaDecode>;  // its tile pieces (mla_decode/tiles.cuh)
   static constexpr int THREADS = NUM_WARPS * 32;
   static constexpr int WARPS_M = ROWS / 16;
   static constexpr int WARPS_N = NUM_WARPS / WARPS_M;
