@@ -272,7 +272,7 @@ def test_renders_every_resolved_default_on_every_arch():
 
 def test_kernel_name_shape():
     s = PrefillSpec()
-    assert re.fullmatch(r"attngen_prefill_[0-9a-f]{16}", s.kernel_name)
+    assert re.fullmatch(r"attngen_prefill_d128_bf16_[0-9a-f]{8}", s.kernel_name)
     assert s.kernel_name == PrefillSpec().kernel_name
     assert s.kernel_name == parse_spec(s.to_text(full=True)).kernel_name
 

@@ -126,6 +126,13 @@ class DecodeSpec(SpecBase):
         combine = 2 * self.warps_n * self.q_rows + (self.warps_n - 1) * self.q_rows * (self.head_dim + 4)
         return 4 * (-(-combine // 4) * 4 + self.q_rows * self.head_dim + self.q_rows)
 
+    def name_parts(self) -> tuple[str, ...]:
+        """Head dim, dtype, packed rows, paged, the unfused variant, score flags, KV tile, warps and stages."""
+        return (f"d{self.head_dim}", self.dtype.value, f"rows{self.q_rows}", "paged" if self.paged else "",
+                "unfused" if self.variant is Variant.UNFUSED else "", "cap" if self.softcap else "",
+                "alibi" if self.alibi else "", self.name_piece("k{}", self.cta_tile_kv),
+                self.name_piece("w{}s{}", self.num_warps, self.num_stages))
+
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
         """The main entry; for the unfused variant its ``_pv`` kernel (same launch shape); and the
         ``_merge`` entry (MERGE_THREADS threads, no dynamic shared memory)."""

@@ -177,6 +177,15 @@ class MlaDecodeSpec(SpecBase):
         return not self.wgmma and (4 * rows * (self.kv_lora_rank + 1)
                                    <= 2 * (q_elems + self.num_stages * self.cta_tile_kv * row))
 
+    def name_parts(self) -> tuple[str, ...]:
+        """Latent and rope dims, dtype, packed rows, paged, how S is split, KV tile, warps and stages, mma,
+        pipeline; unset tuning fields left out."""
+        shard = {QkShard.TRUE: "qkshard", QkShard.FALSE: "qkwhole", QkShard.ALTERNATE: "qkalt"}
+        return (f"ckv{self.kv_lora_rank}", f"kpe{self.rope_dim}", self.dtype.value, f"rows{self.q_rows}",
+                "paged" if self.paged else "", shard.get(self.qk_shard, ""), self.name_piece("k{}", self.cta_tile_kv),
+                self.name_piece("w{}s{}", self.num_warps, self.num_stages),
+                {Mma.SYNC: "mma", Mma.WGMMA: "wgmma"}.get(self.mma, ""), "tma" if self.pipeline is Pipeline.TMA else "")
+
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
         return (("", self.threads, self.smem_bytes()), ("_merge", MERGE_THREADS, 0),
                 ("_merge_wide", 32 * MERGE_WIDE_WARPS, 0))

@@ -418,6 +418,19 @@ class PrefillSpec(SpecBase):
         order = (("_order", ORDER_THREADS, 0),) if self.custom_mask or self.varlen else ()
         return (main, *plan, *order)
 
+    def name_parts(self) -> tuple[str, ...]:
+        """d128 (d192v128: split head dims), dtype, mask, layout and score flags, tiles, warps and stages,
+        chunk width, mma, pipeline, schedule, persistence; defaults and unset tuning fields left out."""
+        flags = (("cmask", self.custom_mask), ("varlen", self.varlen), ("paged", self.paged), ("lse", self.return_lse),
+                 ("cap", self.softcap), ("alibi", self.alibi))
+        return (f"d{self.head_dim}" + self.name_piece("v{}", self.head_dim_v), self.dtype.value,
+                {MaskMode.CAUSAL: "causal", MaskMode.SLIDING_WINDOW: "swa"}.get(self.mask, ""),
+                *(name for name, on in flags if on), self.name_piece("q{}k{}", self.cta_tile_q, self.cta_tile_kv),
+                self.name_piece("w{}s{}", self.num_warps, self.num_stages), self.name_piece("c{}", self.head_dim_chunk),
+                {Mma.SYNC: "mma", Mma.WGMMA: "wgmma"}.get(self.mma, ""), "tma" if self.pipeline is Pipeline.TMA else "",
+                {Schedule.OVERLAP: "ov", Schedule.PINGPONG: "pp"}.get(self.schedule, ""),
+                "pers" if self.persistent is Persistent.ON else "")
+
     def template_context(self) -> dict:
         ctx = super().template_context()
         ctx.update(dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask], tma=self.tma, overlap=self.overlapped,
