@@ -83,7 +83,7 @@ struct MlaDecode {
   // leaves its normalised fp32 rows and their LSE over its Q and ring (16 rows: [ROWS][DC], for cluster_merge_rows)
   // or pushes them over those of the CTA that merges them (32 rows, PUSH_MERGE: at most ROWS + 7 rows of every
   // split together, up to 8 splits). MlaDecodeSpec.cluster_merge_fits counts the same. Compiled into the wgmma
-  // kernels, the path cost them registers and, with alternate tiles, time (H100, 2026-11-26).
+  // kernels, the path cost them registers and, with alternate tiles, time.
   static constexpr bool PUSH_MERGE = ROWS >= 32;
   static constexpr bool CLUSTER_FITS =
       !WGMMA && 4 * (ROWS + (PUSH_MERGE ? 7 : 0)) * (DC + 1) <= 2 * (Q_ELEMS + NUM_STAGES * TILE_ELEMS);
@@ -445,8 +445,8 @@ struct MlaDecode {
     // The splits a cluster: 16 rows merged by cluster_merge_rows (each CTA leaves its rows [ROWS][DC] and their LSE
     // over its Q and ring; the cluster reads them), 32 by merge_pushed_row (CTA `split` merges rows [split mrows,
     // split mrows + mrows), its own from registers, the other splits' pushed over its Q and ring: [splits x mrows]
-    // [DC], then their LSE). H100 (BENCHMARKS.md, 2026-11-27): pushed, 32 rows ran 1.02-1.06x at batch 64 with
-    // 1k-4k keys and 0.99-1.00x elsewhere; 16 rows 1.00-1.01x there and 0.98-0.99x at batch 8-256 without clusters.
+    // [DC], then their LSE). Pushing pays at 32 rows (large batches, a few thousand keys) and not at 16, whose
+    // rows the cluster reads where they lie.
     const int valid = min(ROWS, rows_total - r_begin);
     const int mrows = (valid + p.num_splits - 1) / p.num_splits;
     float* sPart = reinterpret_cast<float*>(smem_base);
