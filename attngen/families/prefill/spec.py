@@ -274,8 +274,8 @@ class PrefillSpec(SpecBase):
 
     @property
     def chunked(self) -> bool:
-        """The chunked kernel: head_dim chunks stream through shared memory (templates/common/
-        prefill/chunked.cuh.jinja). Chosen where whole rows cannot run or a chunk width is given."""
+        """The chunked kernel: head_dim chunks stream through shared memory (templates/prefill/
+        chunked.cuh.jinja). Chosen where whole rows cannot run or a chunk width is given."""
         return not self.whole_allowed or bool(self.head_dim_chunk)
 
     @functools.cached_property
