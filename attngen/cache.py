@@ -61,7 +61,9 @@ from .spec import Spec, as_spec, resolve
 
 LAYOUT_VERSION = "v1"
 # 2: the template files and template-context code are hashed instead of the rendered source.
-KEY_SCHEMA = 2
+# 3: kernels are named by their spec's readable parts and an 8-digit digest (SpecBase.kernel_name), and the
+#    template files are named by their paths under templates/<family>/ and templates/common/.
+KEY_SCHEMA = 3
 _CUBIN, _SOURCE, _META = "kernel.cubin", "kernel.cu", "meta.json"
 
 

@@ -34,7 +34,7 @@ class Family:
 
     name: str
     spec: type                      # the spec class; ``spec.family == name``
-    template: str                   # its top-level template, e.g. "prefill.cu.jinja"
+    template: str                   # its top-level template, e.g. "prefill/prefill.cu.jinja"
     # (spec, arch) -> tuning tuples in ``spec.TUNING_FIELDS`` order, best first: the arch defaults
     # and the tuning space (``attngen.spec.resolve`` takes the first that agrees and fits).
     candidates: Callable[..., Iterable[tuple]]

@@ -1,9 +1,10 @@
 """Rendering: a resolved spec -> one self-contained CUDA translation unit.
 
-Templates only bind constants (``constexpr int HEAD_DIM = {{ head_dim }};``); the algorithm
-lives in the included pieces under ``templates/common/``. Every included piece is bracketed
-with ``// attngen:begin NAME`` / ``// attngen:end NAME`` so a compile error can name the
-template a bad line came from.
+A family's top-level template (``templates/<family>/<family>.cu.jinja``) only binds constants
+(``constexpr int HEAD_DIM = {{ head_dim }};``); the algorithm lives in the pieces it includes: the
+family's own under ``templates/<family>/``, what two or more families share under
+``templates/common/``. Every included piece is bracketed with ``// attngen:begin NAME`` /
+``// attngen:end NAME`` so a compile error can name the template a bad line came from.
 
 The cache key does not hash the rendered source: it hashes the template files a family can
 include and the code that builds its template context (``family_digests``), so a warm load
@@ -48,7 +49,9 @@ def environment(path: "str | tuple[str, ...] | None" = None):
     class MarkedLoader(jinja2.FileSystemLoader):
         def get_source(self, environment, template):
             source, filename, uptodate = super().get_source(environment, template)
-            if "/" in template and template.endswith(".jinja"):
+            if template.endswith(".cu.jinja"):
+                pass  # a family's top-level template (in its folder or not): rendered as it is
+            elif "/" in template and template.endswith(".jinja"):
                 # A piece Jinja renders for text it repeats: wgmma's PTX operand lists written out with
                 # loops, prefill_fwd's step of a KV tile in each loop that runs it. Still no spec values
                 # in it.

@@ -18,6 +18,7 @@ import enum
 import functools
 import hashlib
 import json
+import re
 from dataclasses import fields
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -25,6 +26,11 @@ from typing import Any, ClassVar
 from .arch import Arch, get_arch
 from .errors import SpecError
 from .family import families, get_family
+
+
+# The longest kernel name: entry suffixes (``_merge_wide``) come on top of it. Profilers and cache
+# listings cut long names; a C identifier itself has no limit.
+NAME_MAX = 100
 
 
 class DType(enum.Enum):
@@ -221,12 +227,31 @@ class SpecBase:
         return self.to_text()
 
     def digest(self) -> str:
-        """Short stable hash of the canonical spec; feeds the kernel's symbol name."""
-        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+        """Short stable hash of the canonical spec (8 hex digits), the end of the kernel's name: the
+        readable parts before it need not tell every spec apart. The cache key hashes the whole spec
+        itself, so two specs whose names met could never share a cubin."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:8]
 
-    @property
+    def name_parts(self) -> tuple[str, ...]:
+        """The readable pieces of the kernel's name after the family, from the fields that tell
+        variants apart in a profile or a cache listing (head dims, dtype, mask, tiles, pipeline, ...):
+        letters and digits, "" for a piece left out (an unset tuning field, a default flag). A
+        family overrides it; the base names none."""
+        return ()
+
+    @staticmethod
+    def name_piece(fmt: str, *values) -> str:
+        """``fmt`` filled with ``values``, or "" where one of them is unset (0, False, an auto enum)."""
+        return fmt.format(*values) if all(values) else ""
+
+    @functools.cached_property
     def kernel_name(self) -> str:
-        return f"attngen_{self.family}_{self.digest()}"
+        """``attngen_<family>_<name_parts>_<digest>``, e.g. ``attngen_prefill_d128_bf16_causal_q128k64_w4s2_mma_
+        1a2b3c4d``: a C identifier of at most ``NAME_MAX`` characters (the parts are cut short, not the digest).
+        Every entry of the module is this name plus its suffix (``_merge``)."""
+        head = "_".join(("attngen", self.family, *filter(None, self.name_parts())))
+        head = re.sub(r"[^A-Za-z0-9_]", "", head)[:NAME_MAX - 9].rstrip("_")
+        return f"{head}_{self.digest()}"
 
     def replace(self, **changes) -> "SpecBase":
         return dataclasses.replace(self, **changes)

@@ -225,7 +225,7 @@ def _inject(source: str, piece: str, offset: int, code: str) -> tuple[str, int]:
 
 def test_broken_source_raises_compile_error_with_log_lines_and_piece():
     spec = resolve(parse_spec("prefill:head_dim=64"), "sm_80")
-    source, line = _inject(render(spec), "common/mask.cuh", 4, "int attngen_broken = undefined_symbol_xyz;")
+    source, line = _inject(render(spec), "prefill/mask.cuh", 4, "int attngen_broken = undefined_symbol_xyz;")
     with pytest.raises(CompileError) as ei:
         compile(source, "sm_80", kernel_name=spec.kernel_name)
     e = ei.value
@@ -234,7 +234,7 @@ def test_broken_source_raises_compile_error_with_log_lines_and_piece():
     assert e.log and 'identifier "undefined_symbol_xyz" is undefined' in e.log
     assert "NVRTC log:" in text and e.log.strip() in text
     assert e.error_lines() == [line]
-    assert f"--- around line {line} (from common/mask.cuh) ---" in text
+    assert f"--- around line {line} (from prefill/mask.cuh) ---" in text
     assert f">>{line:6d} | int attngen_broken = undefined_symbol_xyz;" in text
     # Context lines are numbered too, without the marker.
     assert f"  {line - 1:6d} | " in text and f"  {line + 1:6d} | " in text
@@ -261,21 +261,21 @@ def test_errors_in_a_nested_piece_and_after_it_name_the_innermost():
     # prefill_fwd's step of a KV tile is a piece of its own, rendered inside prefill_fwd once a loop: an error in
     # it names it, and one just after it names prefill_fwd again.
     spec = resolve(parse_spec("prefill:head_dim=64"), "sm_80")
-    source, l1 = _inject(render(spec), "common/prefill_step.cuh.jinja", 2, "int attngen_broken = undefined_one;")
+    source, l1 = _inject(render(spec), "prefill/step.cuh.jinja", 2, "int attngen_broken = undefined_one;")
     lines = source.splitlines()
-    after = lines.index("// attngen:end common/prefill_step.cuh.jinja") + 1
+    after = lines.index("// attngen:end prefill/step.cuh.jinja") + 1
     lines.insert(after, "int attngen_broken_too = undefined_two;")
     with pytest.raises(CompileError) as ei:
         compile("\n".join(lines) + "\n", "sm_80", kernel_name=spec.kernel_name)
     text = str(ei.value)
-    assert f"--- around line {l1} (from common/prefill_step.cuh.jinja) ---" in text
-    assert f"--- around line {after + 1} (from common/prefill_fwd.cuh.jinja) ---" in text
+    assert f"--- around line {l1} (from prefill/step.cuh.jinja) ---" in text
+    assert f"--- around line {after + 1} (from prefill/fwd.cuh.jinja) ---" in text
 
 
 def test_error_in_the_family_template_names_no_piece():
     spec = resolve(parse_spec("prefill:head_dim=64"), "sm_80")
     lines = render(spec).splitlines()
-    i = lines.index("namespace attngen {", lines.index("// attngen:end common/prefill_fwd.cuh.jinja"))
+    i = lines.index("namespace attngen {", lines.index("// attngen:end prefill/fwd.cuh.jinja"))
     lines.insert(i + 1, "constexpr int BAD = ;")
     with pytest.raises(CompileError) as ei:
         compile("\n".join(lines) + "\n", "sm_80", kernel_name=spec.kernel_name)

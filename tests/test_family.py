@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -67,6 +68,8 @@ def test_the_toy_family_goes_through_every_stage(toy, cache_dir):
     assert ei.value.field == "threads_per_block"
     src = attngen.render(attngen.resolve(spec, "sm_80"))
     assert "// attngen:begin common/ptx.cuh" in src and "// attngen:begin toy/body.cuh" in src
+    # Its name reads the variant through its name_parts hook.
+    assert re.fullmatch(r"attngen_toy_fp16_t256_[0-9a-f]{8}", attngen.resolve(spec, "sm_80").kernel_name)
     r = attngen.build(spec, "sm_80")
     assert r.origin == "compiled" and r.binary.resources.known and not r.binary.resources.spill_stores
     assert attngen.build(spec, "sm_80").origin == "memory"

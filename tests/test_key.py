@@ -121,7 +121,7 @@ def test_template_edit_changes_the_key(tmp_path):
     fresh = tmp_path / "fresh"
     shutil.copytree(templates_dir(), fresh)
     assert digests_for(fam, (str(fresh),)) == base
-    for piece in ("common/mask.cuh", "common/wgmma.cuh.jinja", "prefill.cu.jinja"):
+    for piece in ("prefill/mask.cuh", "common/wgmma.cuh.jinja", "prefill/prefill.cu.jinja"):
         copy = tmp_path / piece.replace("/", "_")
         shutil.copytree(templates_dir(), copy)
         (copy / piece).write_text((copy / piece).read_text() + "// a harmless edit\n")
@@ -132,8 +132,8 @@ def test_template_edit_changes_the_key(tmp_path):
     dec = get_family("decode")
     copy = tmp_path / "mask_only"
     shutil.copytree(templates_dir(), copy)
-    (copy / "common" / "mask.cuh").write_text("// changed\n")
-    assert "common/mask.cuh" not in template_files(dec)
+    (copy / "prefill" / "mask.cuh").write_text("// changed\n")
+    assert "prefill/mask.cuh" not in template_files(dec)
     assert digests_for(dec, (str(copy),)) == digests_for(dec)
 
 

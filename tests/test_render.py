@@ -13,7 +13,8 @@ import jinja2
 import pytest
 
 from attngen.errors import SpecError
-from attngen.render import environment, render, templates_dir
+from attngen.family import families
+from attngen.render import environment, render, template_files, templates_dir
 from attngen.spec import DType, parse_spec, resolve
 from attngen import MaskMode, PrefillSpec
 from tests.spec_fields import BASE, BASES, FIELD_VALUES
@@ -119,7 +120,7 @@ def test_family_template_fails_on_any_missing_context_value(drop):
     ctx = spec.template_context()
     del ctx[drop]
     with pytest.raises(jinja2.UndefinedError, match=drop):
-        environment().get_template(f"{spec.family}.cu.jinja").render(**ctx)
+        environment().get_template(f"{spec.family}/{spec.family}.cu.jinja").render(**ctx)
 
 
 # --- what the source holds -------------------------------------------------------------------------
@@ -151,7 +152,7 @@ def test_source_binds_the_spec():
 def test_mask_constant_matches_the_cuda_enum(mask, value):
     src = render(resolve(PrefillSpec(head_dim=64, mask=mask), "sm_90"))
     assert f"constexpr int MASK = {value};" in src
-    # ... and the numbering is the one mask.cuh declares.
+    # ... and the numbering is the one prefill/mask.cuh declares.
     assert "MASK_NONE = 0, MASK_CAUSAL = 1, MASK_WINDOW = 2" in src
 
 
@@ -189,30 +190,36 @@ def test_unresolved_spec_renders_for_the_arch_given():
     assert render(spec, "sm_86") != render(spec, "sm_90")  # different tiles fit
 
 
-@pytest.mark.parametrize("family", ["prefill", "decode"])
+@pytest.mark.parametrize("family", ["prefill", "decode", "mla_decode"])
 def test_included_pieces_are_bracketed_and_verbatim(family):
     src = render(resolve(parse_spec(f"{family}:"), "sm_90"))
     lines = src.splitlines()
-    pieces = sorted(p.name for p in (templates_dir() / "common").glob("*.cuh")
-                    if f"// attngen:begin common/{p.name}" in lines)
-    assert len(pieces) >= 3, "no common pieces found"
-    for piece in pieces:
-        name = f"common/{piece}"
+    root = templates_dir()
+
+    def included(pattern):
+        names = sorted(p.relative_to(root).as_posix() for p in root.glob(pattern))
+        return [n for n in names if f"// attngen:begin {n}" in lines]
+
+    pieces = included("*/*.cuh")
+    assert len([n for n in pieces if n.startswith("common/")]) >= 2, "no common pieces found"
+    assert any(n.startswith(f"{family}/") for n in pieces), "none of the family's own pieces found"
+    for name in pieces:
         begin, end = f"// attngen:begin {name}", f"// attngen:end {name}"
         assert lines.count(begin) == 1, name
         assert lines.count(end) == 1, name
         i, j = lines.index(begin), lines.index(end)
         assert i < j
         body = "\n".join(lines[i + 1:j])
-        text = (templates_dir() / "common" / piece).read_text().rstrip()
+        text = (root / name).read_text().rstrip()
         assert body == text, f"{name} is not pasted verbatim"
+    # The top-level template is rendered as it is, not bracketed as a piece.
+    assert not included("*/*.cu.jinja")
     # Pieces rendered by Jinja (*.cuh.jinja: text they repeat, no spec values) are bracketed too, as often as
-    # they are rendered: prefill_fwd's step of a KV tile (prefill_step.cuh.jinja) inside it, once a loop.
-    rendered = [p.name for p in (templates_dir() / "common").glob("*.cuh.jinja")
-                if f"// attngen:begin common/{p.name}" in lines]
-    assert "prefill_step.cuh.jinja" in rendered or family != "prefill"
+    # they are rendered: prefill_fwd's step of a KV tile (prefill/step.cuh.jinja) inside it, once a loop.
+    rendered = included("*/*.cuh.jinja")
+    assert "prefill/step.cuh.jinja" in rendered or family != "prefill"
     for piece in rendered:
-        assert lines.count(f"// attngen:begin common/{piece}") == lines.count(f"// attngen:end common/{piece}") >= 1
+        assert lines.count(f"// attngen:begin {piece}") == lines.count(f"// attngen:end {piece}") >= 1
     # Pieces nest like brackets (the compiler's error report takes the innermost open one); plain pieces sit at
     # the top level, and only rendered pieces hold others.
     stack = []
@@ -225,13 +232,30 @@ def test_included_pieces_are_bracketed_and_verbatim(family):
     assert not stack
 
 
-def test_every_common_piece_is_included_by_some_family():
+def test_every_piece_is_included_by_some_family():
     specs = ("prefill:", "decode:", "decode:variant=unfused", "prefill:custom_mask=true", "prefill:varlen=true,paged=true", "prefill:head_dim=512",
              "mla_decode:")
     sources = [render(resolve(parse_spec(text), "sm_90")) for text in specs]
     sources.append(render(resolve(parse_spec("mla_decode:qk_shard=alternate"), "sm_90a")))
-    for p in (templates_dir() / "common").glob("*.cuh"):
-        assert any(f"// attngen:begin common/{p.name}" in s for s in sources), p.name
+    for p in templates_dir().glob("*/*.cuh*"):
+        name = p.relative_to(templates_dir()).as_posix()
+        assert any(f"// attngen:begin {name}" in s for s in sources), name
+
+
+def test_common_holds_only_what_two_families_include():
+    """templates/common/ is for pieces two or more families include; a family's own live in its folder."""
+    shipped = [f for f in families() if f.template_dir is None]  # not a test's toy family
+    assert {f.name for f in shipped} >= {"prefill", "decode", "mla_decode"}
+    users: dict[str, set] = {}
+    for fam in shipped:
+        for name in template_files(fam):
+            users.setdefault(name, set()).add(fam.name)
+    for p in (templates_dir() / "common").iterdir():
+        name = f"common/{p.name}"
+        assert len(users.get(name, ())) >= 2, (name, users.get(name))
+    for fam in shipped:
+        for name in template_files(fam):
+            assert name.startswith(("common/", f"{fam.name}/")), (fam.name, name)
 
 
 def test_renders_every_resolved_default_on_every_arch():
@@ -248,7 +272,7 @@ def test_renders_every_resolved_default_on_every_arch():
 
 def test_kernel_name_shape():
     s = PrefillSpec()
-    assert re.fullmatch(r"attngen_prefill_[0-9a-f]{16}", s.kernel_name)
+    assert re.fullmatch(r"attngen_prefill_d128_bf16_[0-9a-f]{8}", s.kernel_name)
     assert s.kernel_name == PrefillSpec().kernel_name
     assert s.kernel_name == parse_spec(s.to_text(full=True)).kernel_name
 

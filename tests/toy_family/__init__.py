@@ -41,6 +41,9 @@ class ToySpec(SpecBase):
     def smem_bytes(self) -> int:
         return 0
 
+    def name_parts(self) -> tuple[str, ...]:
+        return (self.dtype.value, self.name_piece("t{}", self.threads_per_block))
+
     def check(self, a: Arch) -> None:
         # A made-up fit rule, so that resolve has something to fall through: the toy keeps
         # blocks of 1024 threads for Hopper and newer.

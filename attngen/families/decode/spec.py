@@ -125,10 +125,18 @@ class DecodeSpec(SpecBase):
     def cluster_merge_bytes(self) -> int:
         """The shared memory the fused kernel's epilogue uses when the splits of a (batch, kv head)
         run as one cluster and merge there (sm_90): the combine area above, rounded to 16 bytes,
-        then the CTA's normalised fp32 output rows and their LSE (``PART_AT`` in decode_end.cuh)."""
+        then the CTA's normalised fp32 output rows and their LSE (``PART_AT`` in decode/end.cuh)."""
         self._require_resolved("cluster_merge_bytes")
         combine = 2 * self.warps_n * self.q_rows + (self.warps_n - 1) * self.q_rows * (self.head_dim + 4)
         return 4 * (-(-combine // 4) * 4 + self.q_rows * self.head_dim + self.q_rows)
+
+    def name_parts(self) -> tuple[str, ...]:
+        """Head dim, dtype, packed rows, paged, the unfused variant, score flags, per-row key bounds, KV tile,
+        warps and stages."""
+        return (f"d{self.head_dim}", self.dtype.value, f"rows{self.q_rows}", "paged" if self.paged else "",
+                "unfused" if self.variant is Variant.UNFUSED else "", "cap" if self.softcap else "",
+                "alibi" if self.alibi else "", "local" if self.local else "", self.name_piece("k{}", self.cta_tile_kv),
+                self.name_piece("w{}s{}", self.num_warps, self.num_stages))
 
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
         """The main entry; for the unfused variant its ``_pv`` kernel (same launch shape); and the

@@ -12,7 +12,7 @@ FAMILY = register(Family(
     spec=MlaDecodeSpec,
     candidates=candidates,
     reachable=reachable,
-    template="mla_decode.cu.jinja",
+    template="mla_decode/mla_decode.cu.jinja",
     summary="MLA decode: q_len 1..4, heads 1..128 against one ckv+kpe cache (contiguous or paged), "
             "qk_shard, split-KV",
     exports={"mla_decode": mla_decode, "MlaDecodeSpec": MlaDecodeSpec, "QkShard": QkShard},

@@ -17,7 +17,7 @@ from ..tma import tiled_map
 from . import choose as _choose
 from .spec import MlaDecodeSpec
 
-# MlaParams in templates/common/mla_params.cuh: 10 pointers, 14 strides, 9 ints, 2 floats, 1 int; a
+# MlaParams in templates/mla_decode/params.cuh: 10 pointers, 14 strides, 9 ints, 2 floats, 1 int; a
 # pipeline=tma kernel takes MlaTmaParams: the ckv and kpe tensor maps first.
 _PARAMS = struct.Struct("<10Q14q9i2fi")
 _PARAMS_TMA = struct.Struct("<256s10Q14q9i2fi")

@@ -107,7 +107,7 @@ class MlaDecodeSpec(SpecBase):
         need = heads * q_len
         return next((r for r in MlaDecodeSpec.Q_ROWS if need <= r), MlaDecodeSpec.Q_ROWS[-1])
 
-    # --- derived: the warp grid (see mla_decode.cuh) -----------------------------------------
+    # --- derived: the warp grid (see mla_decode/fwd.cuh) -----------------------------------------
     @property
     def sharded(self) -> bool:
         return self.qk_shard is QkShard.TRUE
@@ -170,12 +170,21 @@ class MlaDecodeSpec(SpecBase):
     def cluster_merge_fits(self) -> bool:
         """Whether the splits of a row block may merge in one cluster (sm_90): an mma_sync kernel over whose
         Q and ring its normalised fp32 rows fit with their LSE (32 rows: the rows a CTA merges, from up to 8
-        splits; ``CLUSTER_FITS`` in mla_decode.cuh)."""
+        splits; ``CLUSTER_FITS`` in mla_decode/fwd.cuh)."""
         self._require_resolved("cluster_merge_fits")
         q_elems, row, _, _ = self._layout()
         rows = self.q_rows + (7 if self.q_rows >= 32 else 0)
         return not self.wgmma and (4 * rows * (self.kv_lora_rank + 1)
                                    <= 2 * (q_elems + self.num_stages * self.cta_tile_kv * row))
+
+    def name_parts(self) -> tuple[str, ...]:
+        """Latent and rope dims, dtype, packed rows, paged, how S is split, KV tile, warps and stages, mma,
+        pipeline; unset tuning fields left out."""
+        shard = {QkShard.TRUE: "qkshard", QkShard.FALSE: "qkwhole", QkShard.ALTERNATE: "qkalt"}
+        return (f"ckv{self.kv_lora_rank}", f"kpe{self.rope_dim}", self.dtype.value, f"rows{self.q_rows}",
+                "paged" if self.paged else "", shard.get(self.qk_shard, ""), self.name_piece("k{}", self.cta_tile_kv),
+                self.name_piece("w{}s{}", self.num_warps, self.num_stages),
+                {Mma.SYNC: "mma", Mma.WGMMA: "wgmma"}.get(self.mma, ""), "tma" if self.pipeline is Pipeline.TMA else "")
 
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
         return (("", self.threads, self.smem_bytes()), ("_merge", MERGE_THREADS, 0),

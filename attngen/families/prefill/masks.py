@@ -1,7 +1,7 @@
 """Custom masks for ``attngen.prefill``: the plan of live KV tiles, built on the GPU, and its checks.
 
 A plan belongs to one mask and to the tile sizes of the kernel that walks it. It is built by
-three entries of that kernel's own module (templates/common/prefill_plan.cuh) on the caller's
+three entries of that kernel's own module (templates/prefill/plan.cuh) on the caller's
 stream, with no host sync: the mask as bits, per (mask batch/head, query tile) the list of KV
 tiles some row sees (custom mask, causal and window together) with a bit for "the mask keeps
 all of it", and the (mask batch/head, query tile) items sorted heaviest first.

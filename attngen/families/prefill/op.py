@@ -33,7 +33,7 @@ from .choose import CUSTOM_MASK, DENSE, base_spec, dense_grid, persistent_grid, 
 from .spec import MaskMode, Pipeline, PrefillSpec
 from .tma import tensor_maps
 
-# PrefillParams in templates/common/prefill_params.cuh: 5 pointers, 12 strides, 4 ints, 2 floats, 2 ints,
+# PrefillParams in templates/prefill/params.cuh: 5 pointers, 12 strides, 4 ints, 2 floats, 2 ints,
 # 2 floats (softcap), the ALiBi slopes' pointer and batch stride. A dense launch packs only these;
 # the varlen and custom-mask kernels read the rest (PARAMS_EXT): 8 pointers, 2 strides, 9 ints.
 _PARAMS = struct.Struct("<5Q12q4i2f2i2fQq")

@@ -64,7 +64,7 @@ def _persistent(value) -> Persistent:
         raise SpecError("persistent", value, "auto, true, false") from None
 
 
-# templates/common/prefill_plan.cuh: threads of the plan builders and of the work-list sort.
+# templates/prefill/plan.cuh: threads of the plan builders and of the work-list sort.
 PLAN_THREADS = 256
 ORDER_THREADS = 1024
 
@@ -244,7 +244,7 @@ class PrefillSpec(SpecBase):
 
     @property
     def tma(self) -> bool:
-        """The TMA pipeline (templates/common/prefill_fwd.cuh.jinja, TMA): a producer warpgroup more."""
+        """The TMA pipeline (templates/prefill/fwd.cuh.jinja, TMA): a producer warpgroup more."""
         return self.pipeline is Pipeline.TMA
 
     @property
@@ -274,8 +274,8 @@ class PrefillSpec(SpecBase):
 
     @property
     def chunked(self) -> bool:
-        """The chunked kernel: head_dim chunks stream through shared memory (templates/common/
-        prefill_chunked.cuh.jinja). Chosen where whole rows cannot run or a chunk width is given."""
+        """The chunked kernel: head_dim chunks stream through shared memory (templates/prefill/
+        chunked.cuh.jinja). Chosen where whole rows cannot run or a chunk width is given."""
         return not self.whole_allowed or bool(self.head_dim_chunk)
 
     @functools.cached_property
@@ -286,7 +286,7 @@ class PrefillSpec(SpecBase):
 
     @property
     def chunk_grid(self) -> dict:
-        """The chunked kernel's warp grid and V steps (see prefill_chunked.cuh.jinja): WARPS_N column
+        """The chunked kernel's warp grid and V steps (see prefill/chunked.cuh.jinja): WARPS_N column
         groups, ON output columns per warp, SN keys of S per warp, per V step VK keys x VCW
         columns per warp (the widest VCW, fewest loads per mma, whose step fits the QK step),
         and the elements of one ring slot (the larger of the two steps; TMA: a QK step's slot holds K's
@@ -319,7 +319,7 @@ class PrefillSpec(SpecBase):
     @property
     def qk_pair(self) -> bool:
         """The two V splits of a query tile form a cluster that splits the QK work (each CTA computes S
-        over half of head_dim and adds the other's; see prefill_chunked.cuh.jinja) rather than repeating it:
+        over half of head_dim and adds the other's; see prefill/chunked.cuh.jinja) rather than repeating it:
         where each half is at least two whole chunks and the repeated QK work would exceed a CTA's PV
         work (head_dim above its V columns): at 768 and 1024 the halved QK work outweighs the exchange of S;
         where the QK work only equals the PV work (512/1024), or at 640 split into a pair, the exchange costs
@@ -412,11 +412,24 @@ class PrefillSpec(SpecBase):
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
         """The main entry; a custom-mask module adds its plan builders (``_mtiles``, ``_mlists``) and
         a custom-mask or varlen module its work-list sort (``_order``): PLAN_THREADS and
-        ORDER_THREADS in templates/common/prefill_plan.cuh, static shared memory only."""
+        ORDER_THREADS in templates/prefill/plan.cuh, static shared memory only."""
         main = ("", self.threads, self.smem_bytes())
         plan = (("_mtiles", PLAN_THREADS, 0), ("_mlists", PLAN_THREADS, 0)) if self.custom_mask else ()
         order = (("_order", ORDER_THREADS, 0),) if self.custom_mask or self.varlen else ()
         return (main, *plan, *order)
+
+    def name_parts(self) -> tuple[str, ...]:
+        """d128 (d192v128: split head dims), dtype, mask, layout and score flags, tiles, warps and stages,
+        chunk width, mma, pipeline, schedule, persistence; defaults and unset tuning fields left out."""
+        flags = (("cmask", self.custom_mask), ("varlen", self.varlen), ("paged", self.paged), ("lse", self.return_lse),
+                 ("cap", self.softcap), ("alibi", self.alibi))
+        return (f"d{self.head_dim}" + self.name_piece("v{}", self.head_dim_v), self.dtype.value,
+                {MaskMode.CAUSAL: "causal", MaskMode.SLIDING_WINDOW: "swa"}.get(self.mask, ""),
+                *(name for name, on in flags if on), self.name_piece("q{}k{}", self.cta_tile_q, self.cta_tile_kv),
+                self.name_piece("w{}s{}", self.num_warps, self.num_stages), self.name_piece("c{}", self.head_dim_chunk),
+                {Mma.SYNC: "mma", Mma.WGMMA: "wgmma"}.get(self.mma, ""), "tma" if self.pipeline is Pipeline.TMA else "",
+                {Schedule.OVERLAP: "ov", Schedule.PINGPONG: "pp"}.get(self.schedule, ""),
+                "pers" if self.persistent is Persistent.ON else "")
 
     def template_context(self) -> dict:
         ctx = super().template_context()

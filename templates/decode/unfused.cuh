@@ -1,4 +1,4 @@
-// The unfused decode variant, built on Decode (decode_fwd.cuh): two kernels a split, the first storing
+// The unfused decode variant, built on Decode (decode/fwd.cuh): two kernels a split, the first storing
 // raw scores to the workspace with each row's max and sum, the second forming P from them and O = P V.
 // Its functions are the Decode members they were; the using-declarations name what they take from it.
 namespace attngen {

@@ -1,6 +1,6 @@
-// Steps of the FlashAttention-2 kernel (prefill_fwd.cuh.jinja) on one warp's rows that read none of its
+// Steps of the FlashAttention-2 kernel (prefill/fwd.cuh.jinja) on one warp's rows that read none of its
 // loop's state: a KV tile's scores before the softmax (logit capping and ALiBi, then, after the custom
-// mask, which prefill_fwd.cuh.jinja applies itself, the key range each row sees), and the epilogue. The
+// mask, which prefill/fwd.cuh.jinja applies itself, the key range each row sees), and the epilogue. The
 // accumulators hold the warp's rows m0 + warp_row0 + 16 mt + g (+8) and this thread's columns
 // 8 n + 2 t (+1) of a tile, as mma.sync's C fragment (and wgmma's) lays them out.
 namespace attngen {

@@ -33,10 +33,10 @@
 // zeroed in shared memory before the last tile is read (P is 0 there; V must be finite).
 namespace attngen {
 
-// qk_shard=alternate's loop (mla_alternate.cuh, included only in those kernels).
+// qk_shard=alternate's loop (mla_decode/alternate.cuh, included only in those kernels).
 template <class K>
 struct MlaAlternate;
-// The pieces of a tile step that MlaDecode's loop and MlaAlternate's share (mla_tiles.cuh).
+// The pieces of a tile step that MlaDecode's loop and MlaAlternate's share (mla_decode/tiles.cuh).
 template <class K>
 struct MlaTiles;
 
@@ -47,7 +47,7 @@ struct MlaDecode {
   static constexpr bool IS_BF16 = BF16;
   static constexpr int DC_ = DC, DR_ = DR, ROWS_ = ROWS, BLOCK_N_ = BLOCK_N;
   static constexpr bool PAGED_ = PAGED, TMA_ = TMA, ALT_ = ALT;
-  using Tiles = MlaTiles<MlaDecode>;  // its tile pieces (mla_tiles.cuh)
+  using Tiles = MlaTiles<MlaDecode>;  // its tile pieces (mla_decode/tiles.cuh)
   static constexpr int THREADS = NUM_WARPS * 32;
   static constexpr int WARPS_M = ROWS / 16;
   static constexpr int WARPS_N = NUM_WARPS / WARPS_M;
@@ -83,7 +83,7 @@ struct MlaDecode {
   // leaves its normalised fp32 rows and their LSE over its Q and ring (16 rows: [ROWS][DC], for cluster_merge_rows)
   // or pushes them over those of the CTA that merges them (32 rows, PUSH_MERGE: at most ROWS + 7 rows of every
   // split together, up to 8 splits). MlaDecodeSpec.cluster_merge_fits counts the same. Compiled into the wgmma
-  // kernels, the path cost them registers and, with alternate tiles, time (H100, 2026-11-26).
+  // kernels, the path cost them registers and, with alternate tiles, time.
   static constexpr bool PUSH_MERGE = ROWS >= 32;
   static constexpr bool CLUSTER_FITS =
       !WGMMA && 4 * (ROWS + (PUSH_MERGE ? 7 : 0)) * (DC + 1) <= 2 * (Q_ELEMS + NUM_STAGES * TILE_ELEMS);
@@ -445,8 +445,8 @@ struct MlaDecode {
     // The splits a cluster: 16 rows merged by cluster_merge_rows (each CTA leaves its rows [ROWS][DC] and their LSE
     // over its Q and ring; the cluster reads them), 32 by merge_pushed_row (CTA `split` merges rows [split mrows,
     // split mrows + mrows), its own from registers, the other splits' pushed over its Q and ring: [splits x mrows]
-    // [DC], then their LSE). H100 (BENCHMARKS.md, 2026-11-27): pushed, 32 rows ran 1.02-1.06x at batch 64 with
-    // 1k-4k keys and 0.99-1.00x elsewhere; 16 rows 1.00-1.01x there and 0.98-0.99x at batch 8-256 without clusters.
+    // [DC], then their LSE). Pushing pays at 32 rows (large batches, a few thousand keys) and not at 16, whose
+    // rows the cluster reads where they lie.
     const int valid = min(ROWS, rows_total - r_begin);
     const int mrows = (valid + p.num_splits - 1) / p.num_splits;
     float* sPart = reinterpret_cast<float*>(smem_base);

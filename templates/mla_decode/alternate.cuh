@@ -1,5 +1,5 @@
 // MLA decode, qk_shard=alternate (sm_90a: wgmma, the TMA ring, 64-key tiles, two slots): the loop of
-// MlaDecode (mla_decode.cuh) for this form, from Q in shared memory to the accumulators the epilogue
+// MlaDecode (mla_decode/fwd.cuh) for this form, from Q in shared memory to the accumulators the epilogue
 // stores.
 //
 // Warpgroup 0 takes the even tiles of the split and warpgroup 1 the odd ones, each computing S for its whole tile (a 64-key wgmma, so

@@ -1,5 +1,5 @@
-// MLA decode: the pieces of a tile step of MlaDecode (mla_decode.cuh) that its loop and MlaAlternate's
-// (mla_alternate.cuh) share: a cache tile's loads (cp.async by every thread, or TMA boxes by one), the rows
+// MLA decode: the pieces of a tile step of MlaDecode (mla_decode/fwd.cuh) that its loop and MlaAlternate's
+// (mla_decode/alternate.cuh) share: a cache tile's loads (cp.async by every thread, or TMA boxes by one), the rows
 // zeroed past the sequence, and the keys masked past a row's token.
 namespace attngen {
 
@@ -24,9 +24,9 @@ struct MlaTiles {
     if constexpr (PAGED) {
       // Clamped to the pool: a bad table entry reads a wrong block instead of faulting. The address is in
       // the pool whether or not the row is in the sequence (the slot lies in the block), so it is not
-      // chosen on ok: that choice compiled to a branch around each row's copy (16 heads at batch 64-128 ran
-      // 0.80-0.87x the contiguous cache; 0.98-1.00x without it, H100). Two rows a step at 16 rows a CTA
-      // (one a step there ran 3-5% slower at batch 64-128); one at more rows (two spilled on sm_90a).
+      // chosen on ok: that choice compiled to a branch around each row's copy, and the paged cache fell well
+      // behind the contiguous one (16 heads, batch 64-128); without it, it keeps up. Two rows a step at 16 rows
+      // a CTA (one a step was slower there); one at more rows (two spilled on sm_90a).
       constexpr int UNROLL = ROWS <= 16 ? 2 : 1;
 #pragma unroll UNROLL
       for (int r = tid / CHUNKS; r < BLOCK_N; r += ROW_STEP) {

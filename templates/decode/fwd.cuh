@@ -5,10 +5,10 @@
 // Grid: (num_splits, kv_heads, batch). A CTA takes its split's run of BLOCK_N-key tiles
 // through a NUM_STAGES-deep cp.async ring. Its warps form a WARPS_M x WARPS_N grid: WARPS_M
 // along the packed rows (M_TILES tiles of 16 each), WARPS_N along the keys of each tile
-// (KW keys each). Each warp keeps its own online softmax; at the end (DecodeEnd, decode_end.cuh)
+// (KW keys each). Each warp keeps its own online softmax; at the end (DecodeEnd, decode/end.cuh)
 // the WARPS_N partial results of a row are merged in shared memory. With one split the CTA writes
 // the output; with several it writes fp32 partial outputs and their LSE, and the `_merge` entry
-// combines them (or, in a cluster, the CTAs of a row do). The unfused variant (decode_unfused.cuh, built on this struct) runs QK^T + per-row
+// combines them (or, in a cluster, the CTAs of a row do). The unfused variant (decode/unfused.cuh, built on this struct) runs QK^T + per-row
 // max/sum (`unfused_qk`, K only) and then P V (`unfused_pv`, V and the stored scores) as two
 // kernels with the same grid.
 namespace attngen {
@@ -47,7 +47,7 @@ struct DecodeParams {
   int window_left, window_right;
 };
 
-// The end of a CTA (decode_end.cuh): its warps' row statistics merged, then the output or the split's partial written.
+// The end of a CTA (decode/end.cuh): its warps' row statistics merged, then the output or the split's partial written.
 template <class D>
 struct DecodeEnd;
 
@@ -55,7 +55,7 @@ template <class T, bool BF16, int HEAD_DIM, int ROWS, int BLOCK_N, int NUM_WARPS
           bool PAGED, bool Q_IN_REGS, bool SOFTCAP = false, bool ALIBI = false, bool LOCAL = false>
 struct Decode {
   using L = SmemLayout<HEAD_DIM, HEAD_DIM, true>;
-  using Elem = T;  // (what DecodeEnd, decode_end.cuh, reads of this struct)
+  using Elem = T;  // (what DecodeEnd, decode/end.cuh, reads of this struct)
   static constexpr bool IS_BF16 = BF16;
   static constexpr int HEAD_DIM_ = HEAD_DIM, ROWS_ = ROWS;
   static constexpr int THREADS = NUM_WARPS * 32;
@@ -203,8 +203,8 @@ struct Decode {
       // faulting), the others step from its address. That address is in the pool whether or not the
       // row is in the sequence, so it is not chosen on `ok`: at head_dim 256 that choice compiled to a
       // branch around each row's copy (117 branch regions against the contiguous kernel's 58, ptxas
-      // 13.5) and the paged kernel ran 0.82-0.92x the contiguous one; stepping, 0.98-1.01x (H100). At
-      // two rows a group (head_dim 128) stepping ran 1-3% slower at batch 1, so those keep the form below.
+      // 13.5) and the paged kernel fell well behind the contiguous one; stepping keeps up with it. At
+      // two rows a group (head_dim 128) stepping was slower at batch 1, so those keep the form below.
       // (Two loops rather than one with the choice inside: the shared loop changed the contiguous kernels'
       // machine code on sm_100.)
 #pragma unroll
@@ -236,8 +236,8 @@ struct Decode {
       }
     } else {
       // Paged at 16 rows a CTA: each row's address is computed whether or not the row is in the sequence
-      // (it is in the pool: the block is clamped, the slot lies in it), not chosen on `ok`; without the
-      // choice, head_dim 128 paged ran 0.5-3% faster (H100, 86 branch regions down to 50). At 32 rows the
+      // (it is in the pool: the block is clamped, the slot lies in it), not chosen on `ok`: without the
+      // choice head_dim 128 paged has fewer branch regions (86 down to 50) and runs faster. At 32 rows the
       // choice stays: without it head_dim 64 and 256 spilled on sm_90a.
       constexpr bool ANY_ROW = PAGED && ROWS <= 16;
 #pragma unroll
@@ -455,8 +455,8 @@ struct Decode {
   // it before they were shared, and ptxas keeps their registers (set up before the fill, head_dim
   // 128 paged took 182, not 166: two CTAs an SM, not three). Each step waits for its tile, then
   // refills the slot the previous step freed. (Refilling first, with a second barrier, keeps one
-  // more tile in flight while waiting: 1-3% faster on decode calls under ~1 GB, 1-2% slower on
-  // larger ones, H100.)
+  // more tile in flight while waiting: faster on decode calls under ~1 GB of cache, slower on
+  // larger ones.)
   template <class Load>
   static __device__ __forceinline__ void ring_fill(const Cta& c, Load&& load) {
 #pragma unroll

@@ -88,8 +88,8 @@ __device__ __forceinline__ bool past_work(const PrefillParams<T>& p) {
 // (sequence, query tile), built heaviest first on the GPU (past_work first). The sequence's rows are
 // clamped into the tensors: q rows [q_row0, q_row0 + seqlen_q), k rows [k_row0, k_row0 + seqlen_k)
 // (PAGED: k_row0 is left alone, keys go through the block table). Heads vary slowest in both, so
-// the CTAs running together share one head's K/V in L2 (heads fastest thrashed L2: 2x slower at
-// 16k keys).
+// the CTAs running together share one head's K/V in L2 (heads varying fastest thrashed L2 on long
+// sequences).
 template <bool VARLEN, bool PAGED, class T>
 __device__ __forceinline__ void cta_tile(const PrefillParams<T>& p, int& m_block, int& head, int& batch,
                                          int& seqlen_q, int& seqlen_k, long long& q_row0, long long& k_row0) {

@@ -1,4 +1,4 @@
-// The end of a decode CTA, for Decode (decode_fwd.cuh) and its unfused variant: the per-warp row statistics
+// The end of a decode CTA, for Decode (decode/fwd.cuh) and its unfused variant: the per-warp row statistics
 // merged through shared memory, then the output normalised and written (one split), the split's fp32 partial and
 // LSE written for the merge launch (several), or the splits of a row merged in a thread-block cluster (sm_90).
 namespace attngen {

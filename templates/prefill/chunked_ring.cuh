@@ -1,7 +1,7 @@
 // The chunked kernel's ring, filled: a step's Q/K or V chunks into a ring slot (load_step: cp.async, issued by
 // every thread), the first steps before the loop (cp.async), the cluster's and the ring's barriers, and the TMA
 // producer warpgroup, whose one elected thread issues every step's copies. Text inside prefill_chunked (in
-// prefill_chunked.cuh.jinja), in its scope, included where it stood.
+// prefill/chunked.cuh.jinja), in its scope, included where it stood.
   // Step s (0 <= s < STEPS) of KV tile `tile` into ring slot `slot`.
   // The step's column offset is made opaque to the compiler: otherwise, with the step loop
   // unrolled, it hoists every step's copy addresses out of the KV loop and holds them all (spills).
