@@ -1,0 +1,68 @@
+"""Cache keys through the public command (``attngen inspect --key --json``) for a few specs of each
+family and arch, against a table: a refactor of the build path must not move a key.
+
+The key schema is versioned (``cache_key.KEY_SCHEMA``): a deliberate schema bump, or a change of
+what a spec resolves to, updates the table (``python3 tests/test_key_stability.py`` prints it).
+The parts of the material that change with the machine or with every template edit (the NVRTC
+version, the digests of the template files and of the template-context code) are pinned to fixed
+values before hashing, so the table checks everything else that goes into a key: the resolved
+spec, the options, the arch, attngen's version, the schema and the key function. The key the
+command prints is checked to be the hash of the material it prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import sys
+
+import pytest
+
+from attngen import cli
+
+PINNED = {"nvrtc": "12.8", "templates_sha256": "t" * 64, "code_sha256": "c" * 64}
+
+# (spec, arch) -> key with PINNED material, as main computed them before the build path left cache.py.
+KEYS = {
+    ("prefill:head_dim=128", "sm_90a"): "c8daa9c9fa18489806e05d243662d23060c3e424034e65b49a4b6112a8dfb019",
+    ("prefill:head_dim=64,mask=causal,dtype=fp16", "sm_80"): "122d756ac2d7cf701688609bfdc07c08350aa8475baed49bca153eba0d7cd7a6",
+    ("prefill:head_dim=128,varlen=true,paged=true", "sm_89"): "bc088f174f2fa7b84f0087fba5baeb96831c3e1671d0b4d4133a04794ce06eac",
+    ("prefill:head_dim=256,mask=causal", "sm_90"): "31e61b73cb53bb252d7bfeac6c4f38624e0806d9838f0949a72470048fc69d6e",
+    ("decode:head_dim=128", "sm_90a"): "f803bc939ea85c341a3de68f50c26b57bb86f574bd12e9954b8ca35b708d7947",
+    ("decode:head_dim=128,paged=true", "sm_80"): "5bd0b9731826c2dae90d46b0a17210353b849e333a7f7a5eca12d096bc85c5da",
+    ("decode:head_dim=64,q_rows=32", "sm_120"): "40b2cb19e9445a6b04920569a698663c387a0118fb75aa0572ebd265051bcb1d",
+    ("mla_decode:", "sm_90a"): "1cfc9a92ab0d868bec6fe01bbc25170f493caad3c8ad773e88d0793e55d13ef6",
+    ("mla_decode:", "sm_80"): "4ca6128b106adaa5c2c8f41bc82d173df854b1596af2492a112f990dff7a10f5",
+}
+
+
+def _canonical_sha(material: dict) -> str:
+    return hashlib.sha256(json.dumps(material, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def inspect_key(spec: str, arch: str) -> tuple[str, dict]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = cli.main(["inspect", spec, "--arch", arch, "--key", "--json"])
+    assert rc == 0, out.getvalue()
+    got = json.loads(out.getvalue())
+    return got["key"], got["key_material"]
+
+
+def pinned_key(spec: str, arch: str) -> str:
+    key, material = inspect_key(spec, arch)
+    assert _canonical_sha(material) == key, "the printed key is not the hash of the printed material"
+    return _canonical_sha({**material, **PINNED})
+
+
+@pytest.mark.parametrize("spec,arch", sorted(KEYS))
+def test_key_is_what_main_gave(spec, arch):
+    assert pinned_key(spec, arch) == KEYS[(spec, arch)]
+
+
+if __name__ == "__main__":  # the table as this checkout computes it; --raw: the keys as they are on this machine
+    for (spec, arch) in KEYS:
+        key = inspect_key(spec, arch)[0] if "--raw" in sys.argv else pinned_key(spec, arch)
+        sys.stdout.write(f'    ("{spec}", "{arch}"): "{key}",\n')
