@@ -6,7 +6,9 @@ and enums) through its registration (``Family.exports``), so a new family needs 
 
 from .__version__ import __version__
 from .arch import ARCHS, get_arch
-from .cache import BuildResult, DiskCache, build, cache_root
+from .builder import BuildResult, build
+from .cache import DiskCache
+from .cache_env import cache_root
 from .compiler import Binary, Resources, compile
 from .errors import AttngenError, CacheError, CompileError, LaunchError, ManifestError, SpecError
 from .family import Family, get_family, register

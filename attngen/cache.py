@@ -1,4 +1,4 @@
-"""The cubin cache: an in-process layer over an on-disk store.
+"""The cubin store: an in-process memory layer over an on-disk store of entries by key.
 
 Layout under the root (``ATTNGEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/attngen``, else
 ``~/.cache/attngen``)::
@@ -12,9 +12,10 @@ Layout under the root (``ATTNGEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/attngen``, 
     v1/tuned/<arch>.json              tuning winners of ``attngen tune`` (``attngen.tuned``)
     v1/locks/tuned-<arch>.lock        the lock of that file's read-modify-write
 
-The key hashes the resolved spec and the family's template files and template-context code
-(``render.family_digests``), not the rendered source, so a hit neither renders nor imports
-Jinja; the source is rendered on a miss and stored beside the cubin.
+The key (``attngen.cache_key``) hashes the resolved spec and the family's template files and
+template-context code, not the rendered source, so a hit neither renders nor imports Jinja; the
+build path (``attngen.builder``) renders the source on a miss and stores it beside the cubin. This
+module is the store alone: it never renders or compiles.
 
 A root is a trust boundary (``attngen.fs``): everything created under it is private (0700/0600),
 a root or entry owned by another user or writable by group/others is neither read nor written
@@ -25,11 +26,12 @@ An entry appears only through ``os.rename`` of a complete directory, so a reader
 entry or none. A reader treats as a miss an entry that is unreadable, fails its checksum, or
 fails the checks of ``attngen.cache_entry`` (field types; metadata against the key; the cubin's
 SM, kernel symbol and register count). The lock of a key is ``attngen.cache_lock``'s; the layout
-around the entries (odd objects, temporaries, lock files) is ``attngen.cache_layout``'s. Processes that miss on the same key compile once: the lookup is repeated under the key's
-lock. A root that cannot be written still works: binaries are compiled and kept in memory.
+around the entries (odd objects, temporaries, lock files) is ``attngen.cache_layout``'s. A root
+that cannot be written still works: ``lock`` and ``put`` say so, and the build path keeps its
+binaries in ``memory`` only.
 
 Bump ``LAYOUT_VERSION`` when the on-disk layout changes (old entries are then ignored) and
-``KEY_SCHEMA`` when what goes into the key changes.
+``cache_key.KEY_SCHEMA`` when what goes into the key changes.
 """
 
 from __future__ import annotations
@@ -38,59 +40,25 @@ import datetime as _dt
 import errno
 import hashlib
 import json
-import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import cache_layout, fs
-from .cache_lock import KeyLock, LockTimeout, is_held
-from .cache_env import (_log_setting, always_compile, cache_layers, cache_root, configure_logging,  # noqa: F401
-                        lock_timeout, prefixed_warnings)
+from .cache_lock import KeyLock, is_held
+from .cache_env import cache_root, lock_timeout
 from .cache_entry import entry_problem, load_json, pack_source, unpack_source
+from .cache_key import KEY_SCHEMA, key_material, key_of  # noqa: F401 (the store's keys, named here too)
 from .__version__ import __version__
-from .arch import Arch, get_arch
-from .compiler import Binary, Resources, compile as nvrtc_compile, compile_options, nvrtc_version
+from .compiler import Binary, Resources
 from .errors import CacheError
-from .family import family_of
-from .spec import Spec, as_spec, resolve
+from .spec import Spec
 
 LAYOUT_VERSION = "v1"
-# 2: the template files and template-context code are hashed instead of the rendered source.
-# 3: kernels are named by their spec's readable parts and an 8-digit digest (SpecBase.kernel_name), and the
-#    template files are named by their paths under templates/<family>/ and templates/common/.
-KEY_SCHEMA = 3
 _CUBIN, _SOURCE, _META = "kernel.cubin", "kernel.cu", "meta.json"
-
-
-log = logging.getLogger("attngen")
-def key_material(spec: Spec, arch: Arch, options: tuple[str, ...], digests: "dict[str, str] | None" = None) -> dict:
-    """Everything that can change the binary: the resolved spec, the digests of the family's
-    template files and template-context code (default: ``render.family_digests``), the options,
-    the NVRTC version, the arch, attngen's version and the key schema. The key is the SHA-256 of
-    its canonical JSON."""
-    if digests is None:
-        from .render import family_digests
-
-        digests = family_digests(family_of(spec))
-    return {
-        "schema": KEY_SCHEMA,
-        "attngen": __version__,
-        "spec": spec.to_dict(),
-        "templates_sha256": digests["templates"],
-        "code_sha256": digests["code"],
-        "options": list(options),
-        "nvrtc": nvrtc_version(),
-        "arch": arch.name,
-    }
-
-
-def key_of(material: dict) -> str:
-    return hashlib.sha256(json.dumps(material, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -102,37 +70,6 @@ class Entry:
     @property
     def size(self) -> int:
         return sum(f.stat().st_size for f in self.path.iterdir() if f.is_file())
-
-
-@dataclass(frozen=True)
-class BuildResult:
-    """What ``attngen.build`` returns: a compiled kernel and where it came from.
-
-    - ``binary``: the ``Binary`` (cubin bytes, kernel name, arch, ptxas' ``Resources``);
-    - ``key``: the cache key (SHA-256 hex) the binary is stored under;
-    - ``spec``: the resolved spec it was built from (its tuning fields filled for the arch);
-    - ``origin``: ``"memory"``, ``"disk"`` or ``"compiled"``;
-    - ``stored``: whether the cache root in use now holds it (False on a read-only root);
-    - ``source`` (property): the CUDA source, rendered on request.
-    """
-
-    binary: Binary
-    key: str
-    spec: Spec
-    origin: str  # "memory", "disk" or "compiled"
-    stored: bool  # whether the disk now holds it (False on a read-only root)
-
-    def __repr__(self) -> str:
-        # Short, never the cubin's bytes: a result printed at a REPL says what it is.
-        return (f"BuildResult(spec='{self.spec}', {self.binary.summary()}, origin='{self.origin}', "
-                f"stored={self.stored}, key='{self.key[:12]}...')")
-
-    @property
-    def source(self) -> str:
-        """The CUDA source of the binary, rendered on request (a hit does not render it)."""
-        from .render import render
-
-        return render(self.spec)
 
 
 class DiskCache:
@@ -441,107 +378,36 @@ class DiskCache:
         return cache_layout.layout_problems(self.base)
 
 
-# --- the in-process layer and the build path ---------------------------------------------------
-_memory: dict[str, Binary] = {}  # key -> binary, whatever root it came from
-_stored: dict[tuple[str, str], bool] = {}  # (root, key) -> whether that root holds it
-# (spec, arch name, root) -> result: repeated requests skip resolve, render and hashing (~200 us).
-_built: dict[tuple, BuildResult] = {}
-_memory_lock = threading.Lock()
+# --- the in-process layer -----------------------------------------------------------------------
+class MemoryLayer:
+    """Binaries this process built or loaded, by key, whatever root they came from, and which
+    roots hold them. Safe across threads."""
+
+    def __init__(self):
+        self._binaries: dict[str, Binary] = {}
+        self._stored: dict[tuple[str, str], bool] = {}  # (root, key) -> whether that root holds it
+        self._lock = threading.Lock()
+
+    def get(self, root: str, key: str) -> "tuple[Binary | None, bool]":
+        """(the binary of ``key`` or None, whether ``root`` holds it)."""
+        with self._lock:
+            return self._binaries.get(key), self._stored.get((root, key), False)
+
+    def put(self, root: str, key: str, binary: Binary, stored: bool) -> None:
+        with self._lock:
+            self._binaries[key] = binary
+            self._stored[(root, key)] = stored
+
+    def clear(self) -> None:
+        with self._lock:
+            self._binaries.clear()
+            self._stored.clear()
+
+    def __len__(self) -> int:
+        return len(self._binaries)
 
 
-def clear_memory() -> None:
-    with _memory_lock:
-        _memory.clear()
-        _built.clear()
-        _stored.clear()
-    from .render import clear_digests
-
-    clear_digests()
-
-
-def build(spec: Spec | str | Mapping, arch: "str | Arch", *, cache: DiskCache | None = None) -> BuildResult:
-    """spec + arch -> a ``BuildResult`` (its ``binary``): from memory, from disk, or compiled once and stored.
-
-    ``spec``: a spec object, its text or a dict of its fields (as ``parse_spec`` takes); unresolved
-    tuning fields are filled for ``arch``. Never needs a GPU. Concurrent callers (threads or
-    processes) that miss on the same key compile once. ``stored`` says whether the root in use
-    (``cache``, else the environment's) holds the entry.
-    """
-    spec = as_spec(spec)
-    a = get_arch(arch)
-    cache = cache or DiskCache()
-    fast_key = (spec, a.name, str(cache.root), os.environ.get("ATTNGEN_CACHE_LAYERS", ""))
-    fresh = always_compile()
-    fast = None if fresh else _built.get(fast_key)
-    if fast is not None:
-        return BuildResult(fast.binary, fast.key, fast.spec, "memory", True)
-    configure_logging()
-    result = _build(spec, a, cache, fresh)
-    if result.stored and not fresh:  # ATTNGEN_ALWAYS_COMPILE: every request compiles again
-        _built[fast_key] = result
-    return result
-
-
-def _remember(root: str, key: str, binary: Binary, stored: bool) -> None:
-    with _memory_lock:
-        _memory[key] = binary
-        _stored[(root, key)] = stored
-
-
-def _build(spec: Spec, a: Arch, cache: DiskCache, fresh: bool = False) -> BuildResult:
-    """The build path; ``fresh`` (ATTNGEN_ALWAYS_COMPILE) skips every lookup and compiles."""
-    spec = resolve(spec, a)
-    options = compile_options(a)
-    material = key_material(spec, a, options)
-    key = key_of(material)
-    root = str(cache.root)
-    with _memory_lock:
-        hit = None if fresh else _memory.get(key)
-        hit_stored = _stored.get((root, key), False)
-    if hit is not None and hit_stored:
-        return BuildResult(hit, key, spec, "memory", True)
-    binary = None if fresh else _named(cache.get(key), spec)
-    if binary is None and not fresh:
-        for layer in cache_layers():
-            binary = _named(DiskCache(layer, layer=True).get(key), spec)
-            if binary is not None:
-                log.debug("cache hit (layer %s): %s for %s", layer, spec.to_text(), a.name)
-                break
-    if binary is not None:
-        _remember(root, key, binary, True)
-        log.debug("cache hit (disk): %s for %s, key %s", spec.to_text(), a.name, key[:16])
-        return BuildResult(binary, key, spec, "disk" if hit is None else "memory", True)
-    log.debug("cache miss: %s for %s, key %s under %s", spec.to_text(), a.name, key[:16], root)
-
-    def produce() -> tuple[Binary, str, str]:
-        from .render import render
-
-        source = render(spec)
-        if hit is not None:  # compiled earlier in this process, for another root
-            return hit, source, "memory"
-        b = nvrtc_compile(source, a, kernel_name=spec.kernel_name, entries=spec.entries)
-        _log_compile(spec, a, b)
-        return b, source, "compiled"
-
-    lock = cache.lock(key)
-    if lock is None:  # read-only root: compile, keep in memory only
-        binary, _, origin = produce()
-        _remember(root, key, binary, False)
-        return BuildResult(binary, key, spec, origin, False)
-    try:
-        with lock:
-            binary = None if fresh else _named(cache.get(key), spec)  # another process may have built it meanwhile
-            if binary is not None:
-                origin, stored = "disk", True
-            else:
-                binary, source, origin = produce()
-                stored = cache.put(key, binary, source, material, spec)
-    except LockTimeout:
-        raise CacheError(f"timed out after {lock_timeout():g}s waiting for the cache lock "
-                         f"{cache.lock_path(key)} (another process holds it; set ATTNGEN_LOCK_TIMEOUT "
-                         f"or remove a stale lock)") from None
-    _remember(root, key, binary, stored)
-    return BuildResult(binary, key, spec, origin, stored)
+memory = MemoryLayer()
 
 
 def _kernel_name_of(meta_bytes: bytes) -> "str | None":
@@ -550,26 +416,3 @@ def _kernel_name_of(meta_bytes: bytes) -> "str | None":
     except ValueError:
         return None
     return meta.get("kernel_name") if isinstance(meta, dict) else None
-
-
-def _named(binary: "Binary | None", spec: Spec) -> "Binary | None":
-    """``binary`` when it is the kernel ``spec`` names, else None (a miss): an entry's own checks
-    cannot tell a consistent entry of another kernel from the one its key asks for."""
-    return binary if binary is None or binary.kernel_name == spec.kernel_name else None
-
-
-_slow_compile_told = [False]
-
-
-def _log_compile(spec: Spec, a: Arch, b: Binary) -> None:
-    """One INFO record per compile; the first compile of a process that took over a second also
-    says how to avoid it."""
-    r = b.resources
-    res = (f"{r.registers} registers, {r.spill_stores}/{r.spill_loads} bytes spilled (stores/loads)" if r.known else
-           f"{r.registers} registers and a {r.stack_frame}-byte stack frame (from the cubin; NVRTC's log held no "
-           f"spill report)")
-    log.info("compiled %s for %s in %.2f s: %s", spec.to_text(), a.name, b.compile_seconds, res)
-    if b.compile_seconds > 1.0 and not _slow_compile_told[0]:
-        _slow_compile_told[0] = True
-        log.info("a kernel compile blocked this call for %.1f s; 'attngen prewarm' fills the cache ahead of "
-                 "time (ATTNGEN_CACHE_DIR)", b.compile_seconds)

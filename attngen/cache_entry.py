@@ -16,6 +16,11 @@ import json
 import struct
 import zlib
 
+from .arch import get_arch
+from .cache_key import key_of
+from .compiler import cubin_resources
+from .errors import AttngenError
+
 _EM_CUDA = 190
 _INT_FIELDS = ("registers", "smem_static", "stack_frame", "spill_stores", "spill_loads")
 
@@ -97,11 +102,6 @@ def elf_symbols(cubin: bytes) -> "set[bytes] | None":
 def entry_problem(key: str, meta, cubin: bytes) -> "str | None":
     """Why the entry (``meta`` parsed from its meta.json, ``cubin`` its object code) under ``key`` is
     not to be served, or None."""
-    from .arch import get_arch
-    from .cache import key_of
-    from .compiler import cubin_resources
-    from .errors import AttngenError
-
     why = meta_type_problem(meta)
     if why:
         return why

@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from . import cache as _cache
+from . import builder as _builder, cache as _cache, cache_key as _cache_key, log as _log
 from . import tuned as _tuned
 from .__version__ import __version__
 from .arch import ARCHS, DEFAULT_ARCH, Arch, get_arch, parse_arch_list, target_arch
@@ -42,7 +42,7 @@ PROG = "attngen"
 # --- entry point -----------------------------------------------------------------------------
 
 def main(argv: "list[str] | None" = None) -> int:
-    undo = _cache.prefixed_warnings()
+    undo = _log.prefixed_warnings()
     try:
         return _main(argv)
     except BrokenPipeError:
@@ -296,7 +296,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         out["ptx"] = ptx
         sections.append(("ptx", ptx))
     if args.resources:
-        r = _cache.build(resolved, arch)
+        r = _builder.build(resolved, arch)
         res = r.binary.resources
         notes = performance_notes(r.binary.log)
         out["resources"] = {**res.to_dict(), "smem_dynamic": resolved.smem_bytes(), "threads": resolved.threads,
@@ -317,8 +317,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"cache       {r.origin} ({r.key})",
         ]) + "\n"))
     if args.key:
-        material = _cache.key_material(resolved, arch, compile_options(arch))
-        key = _cache.key_of(material)
+        material = _cache_key.key_material(resolved, arch, compile_options(arch))
+        key = _cache_key.key_of(material)
         out["key"] = key
         out["key_material"] = material
         sections.append(("key", f"key {key}\nmaterial\n" + json.dumps(material, indent=2, sort_keys=True) + "\n"))

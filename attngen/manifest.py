@@ -140,7 +140,7 @@ def expand(manifest: Manifest, archs: "list[str | Arch] | tuple | None" = None) 
     those that ``archs`` also names (so ``--arch sm_90`` builds what the manifest wants for
     sm_90 and nothing for other archs). Each spec is checked against each arch here; the
     specs listed are as written (unresolved), those reachable from them resolved;
-    ``attngen.cache.build`` resolves them.
+    ``attngen.builder.build`` resolves them.
     """
     override = tuple(get_arch(a) for a in archs) if archs is not None else None
     out: list[tuple[Spec, Arch]] = []

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Callable, TextIO
 
-from . import cache as _cache
+from . import builder as _builder, cache as _cache, log as _log
 from .arch import Arch, get_arch
 from .compiler import note_codes, performance_notes
 from .errors import AttngenError
@@ -125,15 +125,15 @@ def _worker_init(parent: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="attngen-parent-watch").start()
-    _cache.prefixed_warnings()
+    _log.prefixed_warnings()
 
 
 def build_item(index: int, spec_dict: dict, arch: str) -> dict:
-    """One prewarm item through ``attngen.cache.build``; runs in a worker process. Plain data in and out."""
+    """One prewarm item through ``attngen.builder.build``; runs in a worker process. Plain data in and out."""
     t0 = time.perf_counter()
     try:
         spec = parse_spec(spec_dict)
-        r = _cache.build(spec, arch)
+        r = _builder.build(spec, arch)
     except AttngenError as e:
         return _failed_item(index, spec_dict, arch, str(e), time.perf_counter() - t0, type(e).__name__)
     except Exception as e:  # a bug in one stage must not take the other items down with it

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 from .arch import Arch, arch_for_capability, get_arch
-from .cache import BuildResult, build
+from .builder import BuildResult, build
 from .compiler import Binary
 from ._driver import driver
 from .errors import LaunchError

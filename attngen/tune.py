@@ -32,7 +32,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from . import cache as _cache
+from . import builder as _builder
 from .__version__ import __version__
 from .arch import Arch, get_arch
 from .cli_cache import aligned
@@ -167,7 +167,7 @@ def compile_rows(specs: list[Spec], arch: "str | Arch", on_row: Callable[[int, R
 
 def _compile(row: Row, arch: Arch) -> bool:
     try:
-        r = _cache.build(row.spec, arch)
+        r = _builder.build(row.spec, arch)
     except AttngenError as e:
         row.status, row.error = "failed", _first_line(e)
         return False

@@ -17,6 +17,7 @@ import errno
 import json
 import math
 import os
+import threading
 import uuid
 from pathlib import Path
 
@@ -24,9 +25,11 @@ import filelock
 
 from .__version__ import __version__
 from .arch import Arch, get_arch
-from . import fs
-from .cache import LAYOUT_VERSION, _memory_lock, cache_root, lock_timeout
+from . import fs, runtime
+from .cache import LAYOUT_VERSION
+from .cache_env import cache_root, lock_timeout
 from .cache_entry import load_json
+from .compiler import nvrtc_version
 from .errors import AttngenError, CacheError, SpecError
 from .spec import Spec, resolve, validate
 
@@ -36,10 +39,11 @@ TUNED_MATCH = ("family", "fields", "arch", "gpu", "nvrtc", "attngen")
 
 # (root, arch) -> entries of that file, read once per process (a lookup is then a filter in memory).
 _tuned_memo: dict[tuple[str, str], list[dict]] = {}
+_tuned_lock = threading.Lock()
 
 
 def clear_tuned_memo() -> None:
-    with _memory_lock:
+    with _tuned_lock:
         _tuned_memo.clear()
 
 
@@ -126,7 +130,7 @@ class TunedStore:
                              f"process holds it; set ATTNGEN_LOCK_TIMEOUT or remove a stale lock)") from None
         except OSError as e:
             raise CacheError(f"could not store the tuned configuration in {path}: {e}") from None
-        with _memory_lock:
+        with _tuned_lock:
             _tuned_memo[(str(self.root), get_arch(arch).name)] = entries
         return path
 
@@ -137,7 +141,7 @@ class TunedStore:
             raise CacheError(f"refusing to clear the tuned configurations under {self.root}: {why}")
         n = len(self.entries())
         fs.remove_tree(self.base, self.root)
-        with _memory_lock:
+        with _tuned_lock:
             for k in [k for k in _tuned_memo if k[0] == str(self.root)]:
                 del _tuned_memo[k]
         return n
@@ -150,7 +154,7 @@ def tuned_entries(arch: str, root: "str | Path | None" = None) -> list[dict]:
     got = _tuned_memo.get(k)
     if got is None:
         got = store.read(arch)
-        with _memory_lock:
+        with _tuned_lock:
             _tuned_memo[k] = got
     return got
 
@@ -207,12 +211,9 @@ def stored_choices(base: Spec, device: int) -> list[tuple[int, Spec]]:
     the store cannot be read (it is an optimisation: a failed lookup means the default)."""
     if tuned_disabled():
         return []
-    from .compiler import nvrtc_version
-    from .runtime import device_arch, driver
-
-    arch = device_arch(device)
+    arch = runtime.device_arch(device)
     try:
-        return tuned_choices(base, arch, driver().device_name(device), tuned_entries(arch.name), nvrtc=nvrtc_version())
+        return tuned_choices(base, arch, runtime.driver().device_name(device), tuned_entries(arch.name), nvrtc=nvrtc_version())
     except (AttngenError, OSError):
         return []
 

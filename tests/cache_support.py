@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from attngen.arch import get_arch
-from attngen.cache import BuildResult, key_material, key_of
+from attngen.builder import BuildResult
+from attngen.cache import key_material, key_of
 from attngen.compiler import compile_options
 from attngen.spec import resolve
 from attngen import PrefillSpec
@@ -53,7 +54,7 @@ def run_child(code: str, cache_dir: Path, *args: str, timeout: float = 180, **ex
 
 BUILD_AND_REPORT = f"""
 import hashlib, json
-from attngen.cache import build
+from attngen.builder import build
 from attngen.spec import parse_spec
 r = build(parse_spec({SPEC_TEXT!r}), {ARCH!r})
 print(json.dumps({{"origin": r.origin, "stored": r.stored, "key": r.key,

@@ -31,14 +31,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     """A fresh, empty cache root for one test (and a clean in-process layer)."""
-    from attngen import cache, runtime, tuned
+    from attngen import builder, runtime, tuned
 
     d = tmp_path / "cache"
     monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(d))
-    for clear in (cache.clear_memory, tuned.clear_tuned_memo, runtime.clear_loaded):
+    for clear in (builder.clear_memory, tuned.clear_tuned_memo, runtime.clear_loaded):
         clear()
     yield d
-    for clear in (cache.clear_memory, tuned.clear_tuned_memo, runtime.clear_loaded):
+    for clear in (builder.clear_memory, tuned.clear_tuned_memo, runtime.clear_loaded):
         clear()
 
 
@@ -58,23 +58,24 @@ def exact_fp32_reference():
 @pytest.fixture
 def compiles(monkeypatch):
     """Counts real NVRTC compiles made by build() (a spy: the real compiler still runs)."""
-    import attngen.cache as cache_mod
+    import attngen.builder as builder_mod
 
     calls = []
-    real = cache_mod.nvrtc_compile
+    real = builder_mod.nvrtc_compile
 
     def counting(*args, **kwargs):
         calls.append(kwargs.get("kernel_name"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cache_mod, "nvrtc_compile", counting)
+    monkeypatch.setattr(builder_mod, "nvrtc_compile", counting)
     return calls
 
 
 @pytest.fixture(scope="session")
 def golden(tmp_path_factory):
     """A populated cache root built once: cache_support.SPEC for sm_80 and sm_86. Tests copy it."""
-    from attngen.cache import DiskCache, build, clear_memory
+    from attngen.builder import build, clear_memory
+    from attngen.cache import DiskCache
     from cache_support import SPEC
 
     root = tmp_path_factory.mktemp("golden") / "cache"

@@ -180,7 +180,7 @@ def _compile_out_of_process() -> None:
     where the real driver is installed too (a GPU machine)."""
     import pickle
 
-    from attngen import cache
+    from attngen import builder
 
     def compile_in_child(*args, **kw):
         p = subprocess.run([sys.executable, "-c", _COMPILE_CHILD], input=pickle.dumps((args, kw)), env=_child_env(),
@@ -189,7 +189,7 @@ def _compile_out_of_process() -> None:
             raise RuntimeError(f"the compile child failed: {p.stderr.decode()[-2000:]}")
         return pickle.loads(p.stdout)
 
-    cache.nvrtc_compile = compile_in_child
+    builder.nvrtc_compile = compile_in_child
 
 
 def last_params(n: int) -> bytes:

@@ -34,7 +34,7 @@ def main():
     import torch
 
     import attngen
-    from attngen import PrefillSpec, cache
+    from attngen import PrefillSpec, builder, cache
     from attngen.compiler import nvrtc_version
     from attngen.families.prefill import op
 
@@ -152,7 +152,7 @@ def main():
     TunedStore().put({"family": "prefill", "fields": fields, "arch": "sm_90a", "gpu": gpu, "nvrtc": nvrtc_version(),
                       "attngen": attngen.__version__, "seqlen": 512, "tuning": TUNED})
     attngen.runtime.clear_loaded()
-    cache.clear_memory()
+    builder.clear_memory()
     tuned = op.kernel_for(q, k, v).spec
     assert tuned == PrefillSpec(head_dim=64, dtype="bf16", **TUNED), tuned
     attngen.prefill(q, k, v, out=out)

@@ -47,7 +47,7 @@ def test_jit_cold_compile_for_one_spec(tmp_path, cache_dir, capsys):
     assert not any(cache_dir.rglob("*.cubin"))
     from attngen import cache
 
-    assert not cache._memory
+    assert not len(cache.memory)
 
 
 def test_jit_warm_in_a_fresh_process_without_gpu(tmp_path, cache_dir):

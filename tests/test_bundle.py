@@ -11,7 +11,8 @@ import pytest
 
 from attngen import PrefillSpec
 from attngen.bundle import MANIFEST, export_bundle, import_bundle
-from attngen.cache import DiskCache, build, clear_memory
+from attngen.builder import build, clear_memory
+from attngen.cache import DiskCache
 from attngen.cli import main
 from attngen.errors import CacheError
 

@@ -20,7 +20,8 @@ import pytest
 import attngen.cache as cache_mod
 from attngen.__version__ import __version__
 from attngen.arch import get_arch
-from attngen.cache import DiskCache, build, cache_root, clear_memory, key_material, key_of
+from attngen.builder import build, clear_memory
+from attngen.cache import DiskCache, cache_root, key_material, key_of
 from attngen.compiler import Binary, Resources, compile_options, nvrtc_version
 from attngen.errors import AttngenError, CacheError
 from attngen.render import render
@@ -354,7 +355,7 @@ def test_a_compile_is_one_info_record_and_hits_are_debug(cache_dir, caplog):
 def test_attngen_log_sets_the_level_from_the_environment(cache_dir, monkeypatch):
     import logging
 
-    from attngen import cache as cache_mod
+    from attngen import log as log_mod
 
     log = logging.getLogger("attngen")
     old = log.level
@@ -363,14 +364,14 @@ def test_attngen_log_sets_the_level_from_the_environment(cache_dir, monkeypatch)
         build(PrefillSpec(head_dim=64, dtype="fp16"), ARCH)
         assert log.level == logging.DEBUG and any(getattr(h, "_attngen", False) for h in log.handlers)
         monkeypatch.setenv("ATTNGEN_LOG", "warning")
-        cache_mod.configure_logging()
+        log_mod.configure_logging()
         assert log.level == logging.WARNING
         assert sum(getattr(h, "_attngen", False) for h in log.handlers) == 1
     finally:
         log.setLevel(old)
         for h in [h for h in log.handlers if getattr(h, "_attngen", False)]:
             log.removeHandler(h)
-        cache_mod._log_setting[0] = None
+        log_mod._log_setting[0] = None
 
 
 def test_always_compile_bypasses_both_caches(cache_dir, monkeypatch):

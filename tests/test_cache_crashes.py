@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from attngen.cache import DiskCache, build, clear_memory
+from attngen.builder import build, clear_memory
+from attngen.cache import DiskCache
 
 from cache_support import (ARCH, BUILD_AND_REPORT, ROOT, SPEC, SPEC_TEXT, child_env, flip_cubin, key_for, populate,
                            run_child, sha)
@@ -22,7 +23,7 @@ from cache_support import (ARCH, BUILD_AND_REPORT, ROOT, SPEC, SPEC_TEXT, child_
 RACER = f"""
 import hashlib, json, sys, time
 from pathlib import Path
-from attngen.cache import build
+from attngen.builder import build
 from attngen.compiler import include_dirs, nvrtc_version
 from attngen.spec import parse_spec
 go, ready = Path(sys.argv[1]), Path(sys.argv[2])
@@ -70,7 +71,7 @@ def test_eight_processes_racing_on_a_cold_key_compile_once(cache_dir, tmp_path):
 
 DIES_WHILE_WRITING = f"""
 import os, sys
-import attngen.cache as c
+import attngen.builder as c
 from attngen import fs
 from attngen.spec import parse_spec
 target = sys.argv[1]

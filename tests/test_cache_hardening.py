@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from attngen import fs
-from attngen.cache import DiskCache, build, clear_memory
+from attngen.builder import build, clear_memory
+from attngen.cache import DiskCache
 from attngen.cli import main
 from cache_support import ARCH, SPEC, child_env, other_user, populate, sha  # noqa: F401 (a fixture)
 
@@ -375,7 +376,7 @@ def test_a_lock_whose_holder_is_stopped_or_dead_is_broken(golden, cache_dir, how
             p.wait(timeout=10)
         env = child_env(cache_dir, ATTNGEN_LOCK_TIMEOUT="12")
         t0 = time.monotonic()
-        got = subprocess.run([sys.executable, "-c", "from attngen.cache import build; from attngen import PrefillSpec;"
+        got = subprocess.run([sys.executable, "-c", "from attngen.builder import build; from attngen import PrefillSpec;"
                               "print(build(PrefillSpec(head_dim=64), 'sm_80').stored)"],
                              env=env, capture_output=True, text=True, timeout=60)
         assert got.returncode == 0 and got.stdout.strip() == "True", got.stderr

@@ -10,7 +10,8 @@ import pytest
 
 from attngen import PrefillSpec
 from attngen.bundle import export_bundle, import_bundle
-from attngen.cache import DiskCache, build, clear_memory
+from attngen.builder import build, clear_memory
+from attngen.cache import DiskCache
 from attngen.cli import main
 
 SPECS = [PrefillSpec(head_dim=64, dtype="fp16"), PrefillSpec(head_dim=128, dtype="bf16", mask="causal")]

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from attngen import CacheError, PrefillSpec, fs
-from attngen.cache import DiskCache, build, clear_memory
+from attngen.builder import build, clear_memory
+from attngen.cache import DiskCache
 
 SPEC = PrefillSpec(head_dim=64, dtype="fp16")
 ARCH = "sm_80"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from attngen import cache
+from attngen import builder, cache
 from attngen.cli import Progress, main
 from attngen.errors import CompileError
 from attngen.spec import parse_spec, resolve
@@ -77,7 +77,7 @@ def test_prewarm_compiles_in_worker_processes_then_everything_is_a_hit(cache_dir
         assert (cache_dir / "v1" / item["key"][:2] / item["key"] / "kernel.cubin").is_file()
 
     # Second run, in-process, one job: every item comes from disk with the same keys.
-    cache.clear_memory()
+    builder.clear_memory()
     rc, second = run_json(capsys, "prewarm", "--manifest", str(tiny_manifest), "--jobs", "1")
     assert rc == 0
     assert (second["compiled"], second["cache_hits"], second["failed"]) == (0, 4, 0)
@@ -95,14 +95,14 @@ def test_prewarm_text_summary_and_arch_override(cache_dir, tiny_manifest, capsys
 
 
 def test_prewarm_exits_1_when_a_compile_fails_and_builds_the_rest(cache_dir, tmp_path, monkeypatch, capsys):
-    real_build = cache.build
+    real_build = builder.build
 
     def flaky_build(spec, arch, **kw):
         if spec.head_dim == 128:
             raise CompileError("NVRTC failed to compile (injected)", log="kernel.cu(7): error: boom")
         return real_build(spec, arch, **kw)
 
-    monkeypatch.setattr(cache, "build", flaky_build)
+    monkeypatch.setattr(builder, "build", flaky_build)
     rc, out = run_json(capsys, "prewarm", "--manifest", str(one_kernel_manifest(tmp_path, (64, 128))),
                        "--jobs", "1")
     assert rc == 1
@@ -127,13 +127,13 @@ def test_prewarm_and_inspect_report_ptxas_notes(cache_dir, tmp_path, monkeypatch
     note = ("ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
             "non wgmma instructions reading accumulator registers of  a wgmma between start and end of the pipeline "
             "stage in the function 'k' in line 0")
-    real_build = cache.build
+    real_build = builder.build
 
     def noted(spec, arch, **kw):
         r = real_build(spec, arch, **kw)
         return dataclasses.replace(r, binary=dataclasses.replace(r.binary, log=f"{r.binary.log}\n{note}"))
 
-    monkeypatch.setattr(cache, "build", noted)
+    monkeypatch.setattr(builder, "build", noted)
     manifest = str(one_kernel_manifest(tmp_path))
     rc, out = run_json(capsys, "prewarm", "--manifest", manifest, "--jobs", "1")
     assert rc == 0 and out["with_ptxas_notes"] == 1  # a note is not a failure

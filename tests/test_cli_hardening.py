@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from attngen import AttngenError, fs
-from attngen.cache import DiskCache, build, cache_root, clear_memory, lock_timeout
+from attngen.builder import build, clear_memory
+from attngen.cache import DiskCache, cache_root, lock_timeout
 from attngen.cli import main
 from attngen.spec import parse_spec
 from cache_support import ARCH, ROOT, SPEC, child_env, other_user, populate  # noqa: F401 (a fixture)
@@ -147,7 +148,7 @@ def test_a_negative_age_is_named(cache_dir, capsys):
 
 def test_compiles_work_with_an_unwritable_home(tmp_path):
     (tmp_path / "file").write_text("x")
-    code = "from attngen.cache import build; from attngen import PrefillSpec; print(build(PrefillSpec(head_dim=64), 'sm_80').origin)"
+    code = "from attngen.builder import build; from attngen import PrefillSpec; print(build(PrefillSpec(head_dim=64), 'sm_80').origin)"
     env = child_env(tmp_path / "cache", HOME=str(tmp_path / "file" / "home"))
     env.pop("CUPY_CACHE_DIR", None)
     got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -190,7 +191,7 @@ def test_bad_log_level_is_refused(monkeypatch, cache_dir):
 
 
 def test_missing_or_odd_layers_are_warned_about(cache_dir, tmp_path, monkeypatch, caplog):
-    from attngen.cache import cache_layers
+    from attngen.cache_env import cache_layers
 
     (tmp_path / "afile").write_text("x")
     (tmp_path / "good").mkdir()

@@ -9,10 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import attngen.cache as cache_mod
+import attngen.cache_key as key_mod
 from attngen.__version__ import __version__
 from attngen.arch import get_arch
-from attngen.cache import KEY_SCHEMA, key_material, key_of
+from attngen.cache_key import KEY_SCHEMA, key_material, key_of
 from attngen.compiler import compile_options, nvrtc_version
 from attngen.errors import SpecError
 from attngen.family import get_family
@@ -195,7 +195,7 @@ def test_a_warm_hit_in_a_new_process_imports_no_jinja(tmp_path):
 def test_nvrtc_version_changes_the_key(monkeypatch):
     r, a, opts = parts(BASE)
     k = key_of(key_material(r, a, opts))
-    monkeypatch.setattr(cache_mod, "nvrtc_version", lambda: "12.9")
+    monkeypatch.setattr(key_mod, "nvrtc_version", lambda: "12.9")
     m = key_material(r, a, opts)
     assert m["nvrtc"] == "12.9"
     assert key_of(m) != k
@@ -204,14 +204,14 @@ def test_nvrtc_version_changes_the_key(monkeypatch):
 def test_attngen_version_changes_the_key(monkeypatch):
     r, a, opts = parts(BASE)
     k = key_of(key_material(r, a, opts))
-    monkeypatch.setattr(cache_mod, "__version__", "0.0.0+other")
+    monkeypatch.setattr(key_mod, "__version__", "0.0.0+other")
     assert key_of(key_material(r, a, opts)) != k
 
 
 def test_key_schema_changes_the_key(monkeypatch):
     r, a, opts = parts(BASE)
     k = key_of(key_material(r, a, opts))
-    monkeypatch.setattr(cache_mod, "KEY_SCHEMA", KEY_SCHEMA + 1)
+    monkeypatch.setattr(key_mod, "KEY_SCHEMA", KEY_SCHEMA + 1)
     assert key_of(key_material(r, a, opts)) != k
 
 
@@ -221,7 +221,7 @@ def test_same_spec_same_key_in_a_new_process():
     code = (
         "import json\n"
         "from attngen.arch import get_arch\n"
-        "from attngen.cache import key_material, key_of\n"
+        "from attngen.cache_key import key_material, key_of\n"
         "from attngen.compiler import compile_options\n"
         "from attngen.spec import parse_spec, resolve\n"
         "out = {}\n"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from attngen import __version__, cache
+from attngen import __version__, builder, cache
 from attngen.cli import main
 from attngen.errors import CacheError
 from attngen import tuned
@@ -70,14 +70,14 @@ def test_store_round_trip(cache_dir):
 def test_tuned_entries_read_once_per_process_and_updated_by_put(cache_dir):
     store = tuned.TunedStore()
     store.put(entry(512))
-    cache.clear_memory()
+    builder.clear_memory()
     first = tuned.tuned_entries("sm_90")
     assert len(first) == 1
     store.path("sm_90").write_text("{}")  # another process rewrites the file: this one keeps its copy
     assert tuned.tuned_entries("sm_90") == first
     store.put(entry(1024))  # a put re-reads the file under its lock and refreshes this process's copy
     assert [e["seqlen"] for e in tuned.tuned_entries("sm_90")] == [1024]
-    cache.clear_memory()
+    builder.clear_memory()
     assert [e["seqlen"] for e in tuned.tuned_entries("sm_90")] == [1024]
 
 
@@ -89,7 +89,7 @@ def test_corrupt_file_reads_as_empty_and_is_replaced_by_put(cache_dir, content):
     p.parent.mkdir(parents=True)
     p.write_bytes(content)
     assert store.read("sm_90") == [] and store.entries() == []
-    cache.clear_memory()
+    builder.clear_memory()
     assert tuned.tuned_entries("sm_90") == []
     assert choices(tuned.tuned_entries("sm_90")) == []
     store.put(entry(512))

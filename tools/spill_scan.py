@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from attngen.arch import ARCHS  # noqa: E402
-from attngen.cache import build  # noqa: E402
+from attngen.builder import build  # noqa: E402
 from attngen.compiler import note_codes, performance_notes  # noqa: E402
 from attngen.errors import AttngenError  # noqa: E402
 from attngen.spec import parse_spec, resolve  # noqa: E402

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import attngen
-from attngen import cache as _cache
+from attngen import builder as _builder, cache as _cache
 from attngen.compiler import include_dirs, nvrtc_version
 
 from . import core
@@ -101,15 +101,15 @@ def measure_cold(specs: list, arch: str, reps: int = 1) -> list[dict]:
         totals, nvrtcs, res = [], [], None
         for _ in range(max(1, reps)):
             with tempfile.TemporaryDirectory(prefix="attngen-cold-") as tmp:
-                _cache.clear_memory()
+                _builder.clear_memory()
                 t0 = time.perf_counter()
-                r = _cache.build(spec, arch, cache=_cache.DiskCache(tmp))
+                r = _builder.build(spec, arch, cache=_cache.DiskCache(tmp))
                 totals.append(time.perf_counter() - t0)
                 if r.origin != "compiled":
                     raise RuntimeError(f"cold build of {spec.to_text()} came from {r.origin}, not a compile")
                 nvrtcs.append(r.binary.compile_seconds)
                 res = r.binary.resources
-        _cache.clear_memory()
+        _builder.clear_memory()
         spill = f"{res.spill_stores} B spill" if res.known else "spills not reported"
         note = f"NVRTC {statistics.median(nvrtcs):.3f} s; {res.registers} regs, {spill}"
         rows.append(_row(f"cold compile ({arch})", spec.to_text(), statistics.median(totals), "s",
@@ -173,8 +173,8 @@ def measure_warm(specs: list, gpu: bool, build_arch: str) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="attngen-warm-") as tmp:
         dc = _cache.DiskCache(tmp)
         for spec in specs:
-            _cache.build(spec, build_arch, cache=dc)
-        _cache.clear_memory()
+            _builder.build(spec, build_arch, cache=dc)
+        _builder.clear_memory()
         env = _pythonpath_env({"ATTNGEN_CACHE_DIR": tmp})
 
         def run(spec, breakdown: bool):
@@ -241,16 +241,16 @@ def measure_repeat(specs: list, gpu: bool, build_arch: str, calls: int) -> list[
                 rows.append(_row(f"repeat {label}", spec.to_text(), statistics.median(best), "µs",
                                  TARGET_REPEAT_US, f"{calls} calls, median of 3"))
         else:
-            _cache.build(spec, build_arch)
+            _builder.build(spec, build_arch)
             n = max(1, min(calls, 2000))
             t0 = time.perf_counter()
             for _ in range(n):
-                r = _cache.build(spec, build_arch)
+                r = _builder.build(spec, build_arch)
             us = (time.perf_counter() - t0) / n * 1e6
             rows.append(_row("repeat cache.build (memory hit; get_kernel needs a GPU of this arch)", spec.to_text(),
                              us, "µs", None, f"{n} calls, origin {r.origin}; build() re-renders and re-hashes each call, "
                                    "get_kernel's own dict skips that"))
-        _cache.clear_memory()
+        _builder.clear_memory()
     return rows
 
 
@@ -413,13 +413,13 @@ def cmd_jit(args: argparse.Namespace) -> int:
         if gpu_load:
             for spec in specs[:1]:
                 with tempfile.TemporaryDirectory(prefix="attngen-coldget-") as tmp, _cache_env(tmp):
-                    _cache.clear_memory()
+                    _builder.clear_memory()
                     attngen.runtime.clear_loaded()
                     t0 = time.perf_counter()
                     k = attngen.get_kernel(spec)
                     dt = time.perf_counter() - t0
                     attngen.runtime.clear_loaded()
-                    _cache.clear_memory()
+                    _builder.clear_memory()
                 data["rows"].append(_row("cold get_kernel (compile + store + load)", spec.to_text(), dt, "s", None,
                                          f"origin {k.origin}"))
         save()
