@@ -186,10 +186,9 @@ def include_dirs() -> list[str]:
     return dirs
 
 
-def compile_options(arch: "str | Arch", extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+def compile_options(arch: Arch, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The final option list for ``arch`` (without include paths, which vary by machine)."""
-    a = get_arch(arch)
-    return (f"--gpu-architecture={a.name}",) + BASE_OPTIONS + tuple(extra)
+    return (f"--gpu-architecture={arch.name}",) + BASE_OPTIONS + tuple(extra)
 
 
 _RES = {

@@ -34,10 +34,12 @@ from typing import Any, Callable
 
 from . import builder as _builder
 from .__version__ import __version__
-from .arch import Arch, get_arch
+from .arch import Arch
 from .cli_cache import aligned
+from .compiler import nvrtc_version
 from .errors import AttngenError, LaunchError, SpecError
 from .family import get_family
+from .runtime import device_arch, driver
 from .spec import Spec, resolve, tuning_candidates
 from .tuned import TunedStore
 
@@ -94,25 +96,25 @@ def problem_size(spec: Spec, size: int, batch: int | None = None, heads: int | N
     return tuning_module(spec).problem_size(spec, size, batch, heads)
 
 
-def defaults_by_size(spec: Spec, arch: "str | Arch") -> list[tuple[int, Spec]]:
+def defaults_by_size(spec: Spec, arch: Arch) -> list[tuple[int, Spec]]:
     """[(from size, spec)]: what the family's op runs for ``spec`` at each size without a stored winner, where its
     built-in default depends on the size (the tuning module's ``by_size``) and ``spec`` pins no tuning field;
     else []."""
     if not get_family(spec.family).tuning or any(getattr(spec, f) for f in spec.TUNING_FIELDS):
         return []
     by_size = getattr(tuning_module(spec), "by_size", None)
-    rows = by_size(resolve(spec, arch), get_arch(arch)) if by_size else None
+    rows = by_size(resolve(spec, arch), arch) if by_size else None
     if not rows:
         return []
     bounds, specs = rows
     return list(zip([0, *bounds], specs))
 
 
-def plan(spec: Spec, arch: "str | Arch", max_candidates: int | None = None, size: int | None = None) -> list[Spec]:
+def plan(spec: Spec, arch: Arch, max_candidates: int | None = None, size: int | None = None) -> list[Spec]:
     """The configs a search tries, the default first; at most ``max_candidates`` of them. With ``size``, the
     default is what the family's op runs at that size without a stored winner (``defaults_by_size``)."""
     tuning_module(spec)  # refuses a family without a tuning space
-    cands = tuning_candidates(spec, get_arch(arch))
+    cands = tuning_candidates(spec, arch)
     by_size = defaults_by_size(spec, arch) if size is not None else []
     if by_size:
         first = [s for lo, s in by_size if size >= lo][-1]
@@ -151,12 +153,12 @@ class Row:
         }
 
 
-def compile_rows(specs: list[Spec], arch: "str | Arch", on_row: Callable[[int, Row], None] | None = None) -> list[Row]:
+def compile_rows(specs: list[Spec], arch: Arch, on_row: Callable[[int, Row], None] | None = None) -> list[Row]:
     """Build each candidate through the cache (no GPU) and note its resources."""
     rows = []
     for i, s in enumerate(specs):
         row = Row(s, default=(i == 0))
-        _compile(row, get_arch(arch))
+        _compile(row, arch)
         if row.status == "planned":
             row.status = "compiled"
         rows.append(row)
@@ -184,9 +186,6 @@ def _first_line(e: BaseException) -> str:
 
 def device_identity(device: int) -> dict[str, str]:
     """What a stored winner is keyed by besides the spec and size, for ``device``."""
-    from .compiler import nvrtc_version
-    from .runtime import device_arch, driver
-
     return {"arch": device_arch(device).name, "gpu": driver().device_name(device), "nvrtc": nvrtc_version(),
             "attngen": __version__}
 
@@ -212,7 +211,7 @@ def run(spec: Spec, size: int, *, batch: int | None = None, heads: int | None = 
     mod = tuning_module(spec)
     device = torch.cuda.current_device()
     ident = device_identity(device)
-    arch = get_arch(ident["arch"])
+    arch = device_arch(device)
     specs = plan(spec, arch, max_candidates, size)
     b, h = mod.problem_size(spec, size, batch, heads)
     prob: Problem = mod.problem(spec, size, b, h, seed, **options)

@@ -67,13 +67,13 @@ class TunedStore:
     def base(self) -> Path:
         return self.root / LAYOUT_VERSION / "tuned"
 
-    def path(self, arch: str) -> Path:
-        return self.base / f"{get_arch(arch).name}.json"
+    def path(self, arch: Arch) -> Path:
+        return self.base / f"{arch.name}.json"
 
-    def lock_path(self, arch: str) -> Path:
-        return self.root / LAYOUT_VERSION / "locks" / f"tuned-{get_arch(arch).name}.lock"
+    def lock_path(self, arch: Arch) -> Path:
+        return self.root / LAYOUT_VERSION / "locks" / f"tuned-{arch.name}.lock"
 
-    def read(self, arch: str) -> list[dict]:
+    def read(self, arch: Arch) -> list[dict]:
         """Every well-formed entry of ``arch``'s file; [] when it is missing, unreadable or malformed."""
         try:
             data = load_json(fs.read_private(self.path(arch)))
@@ -92,9 +92,10 @@ class TunedStore:
             return out
         for f in files:
             try:
-                out += self.read(f.stem)
+                arch = get_arch(f.stem)  # a file's name is data: read back into an Arch here
             except AttngenError:  # a file named after no arch: not ours
                 continue
+            out += self.read(arch)
         return out
 
     def put(self, entry: dict) -> Path:
@@ -104,7 +105,7 @@ class TunedStore:
         """
         if not _valid_tuned(entry):
             raise CacheError(f"not a tuned entry: {json.dumps(entry, sort_keys=True)[:300]}")
-        arch = entry["arch"]
+        arch = get_arch(entry["arch"])  # the entry's arch is data (text): read into an Arch once
         path, lock_path = self.path(arch), self.lock_path(arch)
         try:
             why = fs.root_problem(self.root)
@@ -131,7 +132,7 @@ class TunedStore:
         except OSError as e:
             raise CacheError(f"could not store the tuned configuration in {path}: {e}") from None
         with _tuned_lock:
-            _tuned_memo[(str(self.root), get_arch(arch).name)] = entries
+            _tuned_memo[(str(self.root), arch.name)] = entries
         return path
 
     def clear(self) -> int:
@@ -147,10 +148,10 @@ class TunedStore:
         return n
 
 
-def tuned_entries(arch: str, root: "str | Path | None" = None) -> list[dict]:
+def tuned_entries(arch: Arch, root: "str | Path | None" = None) -> list[dict]:
     """``arch``'s tuned entries under ``root`` (default: the environment's), read once per process."""
     store = TunedStore(root)
-    k = (str(store.root), get_arch(arch).name)
+    k = (str(store.root), arch.name)
     got = _tuned_memo.get(k)
     if got is None:
         got = store.read(arch)
@@ -174,12 +175,11 @@ def tuned_disabled() -> bool:
     return os.environ.get("ATTNGEN_NO_TUNED", "").strip().lower() not in ("", "0", "false", "no")
 
 
-def tuned_choices(base: Spec, arch: "str | Arch", gpu: str, entries: list[dict], *,
+def tuned_choices(base: Spec, arch: Arch, gpu: str, entries: list[dict], *,
                   nvrtc: str, version: str = __version__) -> list[tuple[int, Spec]]:
     """(size, spec) of every stored winner that applies to ``base``'s untuned fields on this arch,
     GPU, NVRTC and attngen version, sorted by size. Entries whose tuning does not make a valid
     spec for ``arch`` (hand-edited, or from another version's rules) are skipped."""
-    a = get_arch(arch)
     # Fields added to the spec after an entry was stored take their defaults (the behaviour the
     # entry was measured with), so a new field does not orphan every stored winner.
     defaults = type(base)().to_dict()
@@ -190,7 +190,7 @@ def tuned_choices(base: Spec, arch: "str | Arch", gpu: str, entries: list[dict],
             return e
         return {**e, "fields": {**{k: defaults[k] for k in untuned if k not in e["fields"]}, **e["fields"]}}
 
-    found = match_tuned([filled(e) for e in entries], family=base.family, fields=untuned, arch=a.name, gpu=gpu,
+    found = match_tuned([filled(e) for e in entries], family=base.family, fields=untuned, arch=arch.name, gpu=gpu,
                         nvrtc=nvrtc, attngen=version)
     out: dict[int, Spec] = {}
     for e in found:
@@ -199,7 +199,7 @@ def tuned_choices(base: Spec, arch: "str | Arch", gpu: str, entries: list[dict],
             spec = base.replace(**t)
             if not spec.is_resolved:
                 continue
-            validate(spec, a)
+            validate(spec, arch)
         except (KeyError, TypeError, SpecError):
             continue
         out[e["seqlen"]] = spec
@@ -213,7 +213,7 @@ def stored_choices(base: Spec, device: int) -> list[tuple[int, Spec]]:
         return []
     arch = runtime.device_arch(device)
     try:
-        return tuned_choices(base, arch, runtime.driver().device_name(device), tuned_entries(arch.name), nvrtc=nvrtc_version())
+        return tuned_choices(base, arch, runtime.driver().device_name(device), tuned_entries(arch), nvrtc=nvrtc_version())
     except (AttngenError, OSError):
         return []
 
@@ -225,7 +225,7 @@ def bucket_bounds(sizes: list[int]) -> list[float]:
     return [math.sqrt(a * b) for a, b in zip(sizes, sizes[1:])]
 
 
-def choose_spec(base: Spec, arch: "str | Arch", size: int, choices: list[tuple[int, Spec]]) -> Spec:
+def choose_spec(base: Spec, arch: Arch, size: int, choices: list[tuple[int, Spec]]) -> Spec:
     """The spec a call of ``size`` runs: the tuned winner of the nearest size bucket (``choices``
     from ``tuned_choices``), else the arch's default for ``base``."""
     if not choices:

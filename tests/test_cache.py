@@ -92,10 +92,10 @@ def test_entry_layout(golden, cache_dir):
     assert meta["resources"] == res.binary.resources.to_dict()
     assert meta["resources"]["registers"] > 0
     assert meta["nvrtc"] == nvrtc_version() and meta["attngen"] == __version__
-    assert meta["arch"] == ARCH and meta["options"] == list(compile_options(ARCH))
+    assert meta["arch"] == ARCH and meta["options"] == list(compile_options(get_arch(ARCH)))
     assert meta["kernel_name"] == res.spec.kernel_name
     assert meta["spec"] == res.spec.to_dict() and parse_spec(meta["spec_text"]) == res.spec
-    assert meta["key_material"] == key_material(res.spec, get_arch(ARCH), compile_options(ARCH))
+    assert meta["key_material"] == key_material(res.spec, get_arch(ARCH), compile_options(get_arch(ARCH)))
     assert key_of(meta["key_material"]) == key
     assert isinstance(meta["compile_seconds"], float) and meta["compile_seconds"] > 0
     assert meta["smem_dynamic"] == res.spec.smem_bytes() and meta["threads"] == res.spec.threads

@@ -144,7 +144,7 @@ def test_a_lock_file_that_is_a_link_is_a_named_error(cache_dir, tmp_path):
     from attngen.compiler import compile_options
 
     disk = DiskCache()
-    key = key_of(key_material(resolve(SPEC, ARCH), get_arch(ARCH), compile_options(ARCH)))
+    key = key_of(key_material(resolve(SPEC, ARCH), get_arch(ARCH), compile_options(get_arch(ARCH))))
     lock = disk.lock_path(key)
     fs.make_dirs(cache_dir, lock.parent)
     target = tmp_path / "victim"

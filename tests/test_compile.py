@@ -241,7 +241,7 @@ def test_broken_source_raises_compile_error_with_log_lines_and_piece():
     assert text.count(">>") == 1
     assert "--gpu-architecture=sm_80" in text
     assert e.source == source and e.name == spec.kernel_name
-    assert e.options == compile_options("sm_80")
+    assert e.options == compile_options(get_arch("sm_80"))
 
 
 def test_errors_in_two_pieces_each_get_their_origin():

@@ -102,10 +102,11 @@ def test_a_stored_non_default_config_is_used_and_correct(cache_dir):
 
     from attngen import tune
     from attngen import PrefillSpec
+    from attngen.arch import get_arch
 
     spec = PrefillSpec(head_dim=64, dtype="bf16")
     ident = tune.device_identity(torch.cuda.current_device())
-    cands = tune.plan(spec, ident["arch"])
+    cands = tune.plan(spec, get_arch(ident["arch"]))
     small, large = cands[1], cands[2]
     for seqlen, cand in ((256, small), (4096, large)):
         row = tune.Row(cand, ms=1.0, rate=1.0, status="ok")

@@ -57,7 +57,7 @@ def test_key_shape_and_material():
 def test_options_hold_no_machine_paths():
     # Include folders differ between machines; a key built on CI must match one built on a GPU box.
     for arch in ("sm_80", "sm_90a", "sm_120"):
-        opts = compile_options(arch)
+        opts = compile_options(get_arch(arch))
         assert not any(o.startswith("-I") or "/" in o for o in opts), opts
 
 
@@ -228,7 +228,7 @@ def test_same_spec_same_key_in_a_new_process():
         f"for t in {specs!r}:\n"
         f"    for a in {archs!r}:\n"
         "        r = resolve(parse_spec(t), a)\n"
-        "        out[t + '@' + a] = key_of(key_material(r, get_arch(a), compile_options(a)))\n"
+        "        out[t + '@' + a] = key_of(key_material(r, get_arch(a), compile_options(get_arch(a))))\n"
         "print(json.dumps(out))\n"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED="987")

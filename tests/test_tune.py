@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from attngen import __version__, builder, cache
+from attngen.arch import get_arch
 from attngen.cli import main
 from attngen.errors import CacheError
 from attngen import tuned
@@ -42,28 +43,28 @@ def base(**kw) -> PrefillSpec:
 
 def choices(entries, **ident):
     i = {**IDENT, **ident}
-    return tuned.tuned_choices(base(), i["arch"], i["gpu"], entries, nvrtc=i["nvrtc"], version=i["attngen"])
+    return tuned.tuned_choices(base(), get_arch(i["arch"]), i["gpu"], entries, nvrtc=i["nvrtc"], version=i["attngen"])
 
 
 # --- the store ------------------------------------------------------------------------------------
 
 def test_store_round_trip(cache_dir):
     store = tuned.TunedStore()
-    assert store.read("sm_90") == [] and store.entries() == []
+    assert store.read(get_arch("sm_90")) == [] and store.entries() == []
     path = store.put(entry(512))
     assert path == cache_dir / "v1" / "tuned" / "sm_90.json"
     store.put(entry(4096, CFG_B))
-    got = store.read("sm_90")
+    got = store.read(get_arch("sm_90"))
     assert sorted(e["seqlen"] for e in got) == [512, 4096]
     assert next(e for e in got if e["seqlen"] == 4096)["tuning"] == CFG_B
     assert json.loads(path.read_text())["format"] == tuned.TUNED_FORMAT
     # Same key and seqlen: replaced, not duplicated.
     store.put(entry(512, CFG_B))
-    got = store.read("sm_90")
+    got = store.read(get_arch("sm_90"))
     assert len(got) == 2 and all(e["tuning"] == CFG_B for e in got)
     # Another arch is another file.
     store.put(entry(512, arch="sm_80"))
-    assert len(store.read("sm_80")) == 1 and len(store.entries()) == 3
+    assert len(store.read(get_arch("sm_80"))) == 1 and len(store.entries()) == 3
     assert not list(path.parent.glob("*.tmp")), "temporary files left behind"
 
 
@@ -71,29 +72,29 @@ def test_tuned_entries_read_once_per_process_and_updated_by_put(cache_dir):
     store = tuned.TunedStore()
     store.put(entry(512))
     builder.clear_memory()
-    first = tuned.tuned_entries("sm_90")
+    first = tuned.tuned_entries(get_arch("sm_90"))
     assert len(first) == 1
-    store.path("sm_90").write_text("{}")  # another process rewrites the file: this one keeps its copy
-    assert tuned.tuned_entries("sm_90") == first
+    store.path(get_arch("sm_90")).write_text("{}")  # another process rewrites the file: this one keeps its copy
+    assert tuned.tuned_entries(get_arch("sm_90")) == first
     store.put(entry(1024))  # a put re-reads the file under its lock and refreshes this process's copy
-    assert [e["seqlen"] for e in tuned.tuned_entries("sm_90")] == [1024]
+    assert [e["seqlen"] for e in tuned.tuned_entries(get_arch("sm_90"))] == [1024]
     builder.clear_memory()
-    assert [e["seqlen"] for e in tuned.tuned_entries("sm_90")] == [1024]
+    assert [e["seqlen"] for e in tuned.tuned_entries(get_arch("sm_90"))] == [1024]
 
 
 @pytest.mark.parametrize("content", [b"", b"{not json", b"[]", b'"x"', b'{"format": 99, "entries": []}',
                                      b'{"format": 1, "entries": {}}', b"\xff\xfe\x00garbage"])
 def test_corrupt_file_reads_as_empty_and_is_replaced_by_put(cache_dir, content):
     store = tuned.TunedStore()
-    p = store.path("sm_90")
+    p = store.path(get_arch("sm_90"))
     p.parent.mkdir(parents=True)
     p.write_bytes(content)
-    assert store.read("sm_90") == [] and store.entries() == []
+    assert store.read(get_arch("sm_90")) == [] and store.entries() == []
     builder.clear_memory()
-    assert tuned.tuned_entries("sm_90") == []
-    assert choices(tuned.tuned_entries("sm_90")) == []
+    assert tuned.tuned_entries(get_arch("sm_90")) == []
+    assert choices(tuned.tuned_entries(get_arch("sm_90"))) == []
     store.put(entry(512))
-    assert [e["seqlen"] for e in store.read("sm_90")] == [512]
+    assert [e["seqlen"] for e in store.read(get_arch("sm_90"))] == [512]
 
 
 def test_malformed_entries_are_skipped_alone(cache_dir):
@@ -101,10 +102,10 @@ def test_malformed_entries_are_skipped_alone(cache_dir):
     good = entry(512)
     bad = [1, "x", {"family": "prefill"}, entry(0), entry(-5), entry(True), {**entry(700), "tuning": "fast"},
            {**entry(800), "fields": None}, {**entry(900), "gpu": 3}]
-    p = store.path("sm_90")
+    p = store.path(get_arch("sm_90"))
     p.parent.mkdir(parents=True)
     p.write_text(json.dumps({"format": 1, "entries": [*bad, good]}))
-    assert store.read("sm_90") == [good]
+    assert store.read(get_arch("sm_90")) == [good]
     with pytest.raises(CacheError, match="not a tuned entry"):
         store.put(entry(0))
 
@@ -112,7 +113,7 @@ def test_malformed_entries_are_skipped_alone(cache_dir):
 def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(cache_dir, monkeypatch):
     store = tuned.TunedStore()
     store.put(entry(512))
-    before = store.path("sm_90").read_bytes()
+    before = store.path(get_arch("sm_90")).read_bytes()
 
     def boom(path, data):
         Path(path).write_bytes(data[: len(data) // 2])  # a crash halfway through the temp file
@@ -121,7 +122,7 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(cache_dir, mo
     monkeypatch.setattr(tuned.fs, "write_private", boom)
     with pytest.raises(CacheError, match="could not store the tuned configuration"):
         store.put(entry(1024))
-    assert store.path("sm_90").read_bytes() == before
+    assert store.path(get_arch("sm_90")).read_bytes() == before
     assert not [f for f in store.base.iterdir() if f.name != "sm_90.json"]
 
 
@@ -154,7 +155,7 @@ def test_concurrent_processes_lose_no_entry(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", _PUT_SCRIPT, str(tmp_path), "10", str(w)], env=env)
              for w in range(4)]
     assert all(p.wait(timeout=120) == 0 for p in procs)
-    got = tuned.TunedStore(tmp_path).read("sm_90")
+    got = tuned.TunedStore(tmp_path).read(get_arch("sm_90"))
     assert sorted(e["seqlen"] for e in got) == sorted(w * 1000 + i + 1 for w in range(4) for i in range(10))
 
 
@@ -168,7 +169,7 @@ def test_key_separation():
         assert choices(entries, **{field: other}) == [], field
     for field, other in [("head_dim", 128), ("dtype", "fp16"), ("mask", "causal"), ("return_lse", True)]:
         b = base(**{field: other})
-        assert tuned.tuned_choices(b, "sm_90", IDENT["gpu"], entries, nvrtc=IDENT["nvrtc"]) == [], field
+        assert tuned.tuned_choices(b, get_arch("sm_90"), IDENT["gpu"], entries, nvrtc=IDENT["nvrtc"]) == [], field
     fam = dict(entry(512), family="decode")
     assert choices([fam]) == []
 
@@ -180,7 +181,7 @@ def test_entries_stored_before_a_field_existed_still_apply():
     # ... but not for a spec whose new field is not the default
     b = base(head_dim=192, head_dim_v=128)
     old = entry(512, CFG_A, fields=dict(old_fields, head_dim=192))
-    assert tuned.tuned_choices(b, "sm_90", IDENT["gpu"], [old], nvrtc=IDENT["nvrtc"]) == []
+    assert tuned.tuned_choices(b, get_arch("sm_90"), IDENT["gpu"], [old], nvrtc=IDENT["nvrtc"]) == []
 
 
 def test_tuned_choices_give_specs_sorted_by_seqlen_and_skip_invalid_tunings():
@@ -202,14 +203,14 @@ def test_tuned_choices_give_specs_sorted_by_seqlen_and_skip_invalid_tunings():
 def test_nearest_bucket_by_log_distance(seqlen, want):
     assert math.sqrt(512 * 4096) == pytest.approx(1448.15, abs=0.01)
     ch = [(512, base(**CFG_A)), (4096, base(**CFG_B))]
-    assert tuned.choose_spec(base(), "sm_90", seqlen, ch) == dict(ch)[want]
+    assert tuned.choose_spec(base(), get_arch("sm_90"), seqlen, ch) == dict(ch)[want]
 
 
 def test_three_buckets_and_no_bucket():
     ch = [(256, base(**CFG_A)), (1024, base(**CFG_B)), (8192, base(**{**CFG_A, "num_stages": 3}))]
-    assert [tuned.choose_spec(base(), "sm_90", s, ch) for s in (300, 511, 513, 2895, 2897)] == [
+    assert [tuned.choose_spec(base(), get_arch("sm_90"), s, ch) for s in (300, 511, 513, 2895, 2897)] == [
         ch[0][1], ch[0][1], ch[1][1], ch[1][1], ch[2][1]]
-    assert tuned.choose_spec(base(), "sm_90", 512, []) == resolve(base(), "sm_90")
+    assert tuned.choose_spec(base(), get_arch("sm_90"), 512, []) == resolve(base(), "sm_90")
     assert tuned.bucket_bounds([512]) == []
 
 
@@ -226,11 +227,11 @@ def test_store_winner_writes_what_prefill_reads(cache_dir):
     row = tune.Row(spec.replace(**CFG_B), ms=0.5, rate=100.0, status="ok")
     result = {"batch": 32, "heads": 32, "window": [-1, -1], "candidates": 3, "default_ms": 0.6}
     tune.store_winner(spec, 512, row, IDENT, result)
-    got = tuned.TunedStore().read("sm_90")
+    got = tuned.TunedStore().read(get_arch("sm_90"))
     assert len(got) == 1 and got[0]["fields"] == {"head_dim": 64, "dtype": "bf16", "mask": "causal", "return_lse": True,
                                                      "softcap": False, "alibi": False, "custom_mask": False,
                                                      "varlen": False, "paged": False, "head_dim_v": 0}
-    ch = tuned.tuned_choices(spec, "sm_90", IDENT["gpu"], got, nvrtc=IDENT["nvrtc"])
+    ch = tuned.tuned_choices(spec, get_arch("sm_90"), IDENT["gpu"], got, nvrtc=IDENT["nvrtc"])
     assert ch == [(512, spec.replace(**CFG_B))]
 
 
@@ -238,13 +239,13 @@ def test_store_winner_writes_what_prefill_reads(cache_dir):
 
 def test_plan_puts_the_default_first_and_respects_pins_and_the_cap():
     spec = PrefillSpec(head_dim=64, dtype="bf16")
-    full = tune.plan(spec, "sm_90")
+    full = tune.plan(spec, get_arch("sm_90"))
     assert full[0] == resolve(spec, "sm_90") and len(set(full)) == len(full) > 10
     assert all(s.is_resolved for s in full)
-    assert tune.plan(spec, "sm_90", 3) == full[:3]
-    pinned = tune.plan(PrefillSpec(head_dim=64, num_warps=8, num_stages=2), "sm_90")
+    assert tune.plan(spec, get_arch("sm_90"), 3) == full[:3]
+    pinned = tune.plan(PrefillSpec(head_dim=64, num_warps=8, num_stages=2), get_arch("sm_90"))
     assert pinned and all(s.num_warps == 8 and s.num_stages == 2 for s in pinned)
-    assert len(tune.plan(PrefillSpec(head_dim=256), "sm_86")) < len(tune.plan(PrefillSpec(head_dim=256), "sm_90"))
+    assert len(tune.plan(PrefillSpec(head_dim=256), get_arch("sm_86"))) < len(tune.plan(PrefillSpec(head_dim=256), get_arch("sm_90")))
     assert tuning_candidates(spec, "sm_90") == full
 
 
@@ -256,13 +257,13 @@ def test_plan_at_a_size_puts_the_default_for_that_size_first():
     for mask, size, rows_first in (("none", 512, 128), ("none", 4096, 192), ("causal", 512, 64), ("causal", 4096, 128),
                                    ("causal", 20000, 192)):
         spec = PrefillSpec(head_dim=64, dtype="bf16", mask=mask)
-        at = tune.plan(spec, "sm_90a", size=size)
-        assert at[0].cta_tile_q == rows_first and sorted(map(str, at)) == sorted(map(str, tune.plan(spec, "sm_90a")))
+        at = tune.plan(spec, get_arch("sm_90a"), size=size)
+        assert at[0].cta_tile_q == rows_first and sorted(map(str, at)) == sorted(map(str, tune.plan(spec, get_arch("sm_90a"))))
         assert at[0] in by_rows(resolve(spec, "sm_90a"), "sm_90a")[1]
     # elsewhere, or with a tuning field pinned, the size changes nothing
-    assert tune.plan(PrefillSpec(head_dim=64), "sm_90", size=4096) == tune.plan(PrefillSpec(head_dim=64), "sm_90")
+    assert tune.plan(PrefillSpec(head_dim=64), get_arch("sm_90"), size=4096) == tune.plan(PrefillSpec(head_dim=64), get_arch("sm_90"))
     pinned = PrefillSpec(head_dim=64, num_stages=2)
-    assert tune.plan(pinned, "sm_90a", size=4096) == tune.plan(pinned, "sm_90a")
+    assert tune.plan(pinned, get_arch("sm_90a"), size=4096) == tune.plan(pinned, get_arch("sm_90a"))
 
 
 def test_problem_size_and_flops():
@@ -293,7 +294,7 @@ def test_cli_dry_run_lists_candidates(capsys, cache_dir):
     assert [p["seqlen"] for p in out["problems"]] == [512, 1024, 4096]
     assert [p["batch"] for p in out["problems"]] == [32, 16, 4]
     cands = out["candidates"]
-    full = tune.plan(PrefillSpec(head_dim=64, dtype="bf16"), "sm_90")
+    full = tune.plan(PrefillSpec(head_dim=64, dtype="bf16"), get_arch("sm_90"))
     assert [c["spec"] for c in cands] == [s.to_text(full=True) for s in full]
     assert cands[0]["default"] and cands[0]["status"] == "planned"
     assert not cache.DiskCache().entries(), "a dry run without --compile compiled something"
@@ -359,4 +360,4 @@ def test_cli_tune_ls_and_cache_commands(capsys, cache_dir):
     assert len(tuned.TunedStore().entries()) == 1, "cache clear removed tuned configurations"
     rc, out = run_json(capsys, "cache", "clear", "--tuned")
     assert rc == 0 and out["removed_tuned"] == 1
-    assert tuned.TunedStore().entries() == [] and tuned.tuned_entries("sm_90") == []
+    assert tuned.TunedStore().entries() == [] and tuned.tuned_entries(get_arch("sm_90")) == []
