@@ -18,13 +18,13 @@ import time
 from typing import Callable, TextIO
 
 from . import builder as _builder, cache as _cache, log as _log
-from .arch import Arch, get_arch
+from .arch import Arch
 from .compiler import note_codes, performance_notes
 from .errors import AttngenError
 from .spec import Spec, parse_spec
 
 
-def run_prewarm(items: "list[tuple[Spec, Arch | str]]", *, jobs: int | None = None,
+def run_prewarm(items: "list[tuple[Spec, Arch]]", *, jobs: int | None = None,
                 on_result: "Callable[[dict], None] | None" = None) -> list[dict]:
     """Build every (spec, arch) into the cache; one result dict per item, in the items' order.
 
@@ -33,7 +33,7 @@ def run_prewarm(items: "list[tuple[Spec, Arch | str]]", *, jobs: int | None = No
     failing item never stops the others.
     """
     jobs = jobs or os.cpu_count() or 1
-    work = [(i, spec.to_dict(), get_arch(arch).name) for i, (spec, arch) in enumerate(items)]
+    work = [(i, spec.to_dict(), arch.name) for i, (spec, arch) in enumerate(items)]
     results: list[dict | None] = [None] * len(work)
 
     def done(r: dict) -> None:

@@ -122,8 +122,9 @@ class Kernel:
             self.context = drv.primary_context(self.device)
         self._drv = drv
         self._func = ctypes.c_void_p(self.func_ptr)
-        pdl = get_arch(self.binary.arch).major >= 9 and drv.raw_launch_ex is not None
-        self._clusters = pdl and get_arch(self.binary.arch).major == 9  # decode's cluster merge: measured on sm_90
+        major = get_arch(self.binary.arch).major  # a Binary names its arch as text (it is stored and pickled)
+        pdl = major >= 9 and drv.raw_launch_ex is not None
+        self._clusters = pdl and major == 9  # decode's cluster merge: measured on sm_90
         self._cluster_count: dict[int, int] = {}  # cluster size -> clusters held at once
         self._per_sm: dict[str, int] = {}  # entry -> CTAs an SM holds at once
         listed = self.spec.PDL_ENTRIES

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from ...arch import Arch, get_arch
+from ...arch import Arch
 from ...spec import DType, resolve
 from ..choice import Choice, DeviceFacts, SizeTable
 from ..split_kv import CLUSTER_MAX, choose_splits
@@ -88,8 +88,8 @@ def table(base: DecodeSpec, arch: Arch, default: bool, tuned: tuple = ()) -> Siz
     return SizeTable.one(resolve(base, arch))
 
 
-def table_of(p: Problem, arch, tuned=()) -> SizeTable:
-    return table(base_of(p), get_arch(arch), p.spec is None, tuple(tuned) if p.spec is None else ())
+def table_of(p: Problem, arch: Arch, tuned=()) -> SizeTable:
+    return table(base_of(p), arch, p.spec is None, tuple(tuned) if p.spec is None else ())
 
 
 def grid_steps(ctas: int, tiles: int, splits: int, slots: int, share: float) -> float:
@@ -159,7 +159,7 @@ def choose(p: Problem, device: DeviceFacts, tuned=()) -> Choice:
     return Choice(spec, launch(p, spec, device))
 
 
-def reachable(spec: DecodeSpec, arch) -> set:
+def reachable(spec: DecodeSpec, arch: Arch) -> set:
     """Every resolved spec ``choose`` can return for a problem of ``spec``'s fields on ``arch`` (no stored
     winners): ``spec`` resolved (the decode kernel does not change with the sizes)."""
-    return {resolve(spec, get_arch(arch))}
+    return {resolve(spec, arch)}

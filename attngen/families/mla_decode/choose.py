@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from ...arch import get_arch
+from ...arch import Arch
 from ...spec import DType, Pipeline, replaced_if_valid, resolve
 from ..choice import Choice, DeviceFacts
 from ..split_kv import CLUSTER_MAX, choose_splits
@@ -198,31 +198,30 @@ def refused(p: Problem) -> Problem:
     return p._replace(tma_refused=True)
 
 
-def reachable(spec: MlaDecodeSpec, arch) -> set:
+def reachable(spec: MlaDecodeSpec, arch: Arch) -> set:
     """Every resolved spec ``choose`` can return for a problem of ``spec``'s fields on ``arch``, over every batch,
     head count, cache length and device memory: ``spec`` resolved; where it pins no tuning field and has 32 rows,
     the 64-row wgmma kernel too (``spec.paged``: blocks of whole 64-key tiles); where it pins neither num_stages
     nor num_warps, the one-stage form of 16 rows; where it pins no qk_shard, the alternate-tile form of each. (A
     kernel of TMA maps the driver refuses, the cp.async form of its tiles, is not counted: such caches are not
     what a manifest prewarms for.)"""
-    a = get_arch(arch)
     pinned = {f for f in spec.TUNING_FIELDS if getattr(spec, f)}
-    out = {resolve(spec, a)}
+    out = {resolve(spec, arch)}
     if spec.q_rows == 32 and not pinned:
-        wide = resolve(spec.replace(q_rows=64), a)
+        wide = resolve(spec.replace(q_rows=64), arch)
         first = next(iter(out))
         if first.tma and wide.wgmma:
             out.add(wide)
     for rs in list(out):
         if (rs.q_rows == 16 and rs.tma and rs.cta_tile_kv == 64 and rs.num_stages == 2
                 and not pinned & {"num_stages", "num_warps"}):
-            one = replaced_if_valid(rs, a, num_stages=1, num_warps=4)
+            one = replaced_if_valid(rs, arch, num_stages=1, num_warps=4)
             if one is not None:
                 out.add(one)
     if "qk_shard" not in pinned:
         for rs in list(out):
             if rs.qk_shard is QkShard.TRUE:
-                alt = replaced_if_valid(rs, a, qk_shard=QkShard.ALTERNATE)
+                alt = replaced_if_valid(rs, arch, qk_shard=QkShard.ALTERNATE)
                 if alt is not None:
                     out.add(alt)
     return out

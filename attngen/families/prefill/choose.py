@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from ...arch import Arch, get_arch
+from ...arch import Arch
 from ...spec import DType, replaced_if_valid, resolve
 from ..choice import Choice, DeviceFacts, SizeTable
 from .spec import MaskMode, Mma, Persistent, Pipeline, PrefillSpec, Schedule
@@ -123,8 +123,8 @@ def table(base: PrefillSpec, arch: Arch, default: bool, tuned: tuple = ()) -> Si
     return SizeTable.one(resolved) if rows is None else SizeTable.from_rows(*rows, resolved)
 
 
-def table_of(p: Problem, arch, tuned=()) -> SizeTable:
-    return table(base_of(p), get_arch(arch), p.spec is None, tuple(tuned) if p.spec is None else ())
+def table_of(p: Problem, arch: Arch, tuned=()) -> SizeTable:
+    return table(base_of(p), arch, p.spec is None, tuple(tuned) if p.spec is None else ())
 
 
 def launch(p: Problem, spec: PrefillSpec, device: DeviceFacts) -> Launch:
@@ -171,12 +171,11 @@ def sync_twin(spec: PrefillSpec) -> PrefillSpec:
     return twin
 
 
-def reachable(spec: PrefillSpec, arch) -> set:
+def reachable(spec: PrefillSpec, arch: Arch) -> set:
     """Every resolved spec ``choose`` can return for a problem of ``spec``'s fields on ``arch`` (no stored winners):
     ``spec`` resolved, and where it pins no tuning field, each spec of its rule by rows."""
-    a = get_arch(arch)
-    resolved = resolve(spec, a)
+    resolved = resolve(spec, arch)
     if any(getattr(spec, f) for f in spec.TUNING_FIELDS):
         return {resolved}
-    rows = by_rows(resolved, a)
+    rows = by_rows(resolved, arch)
     return {resolved} if rows is None else {resolved, *rows[1]}
