@@ -25,12 +25,100 @@ struct MlaAlternate {
   static constexpr bool BF16 = K::IS_BF16;
   static constexpr int DC = K::DC_, DR = K::DR_, ROWS = K::ROWS_, BLOCK_N = K::BLOCK_N_, TILE_ELEMS = K::TILE_ELEMS;
 
+  static constexpr int HALF_BLOCKS = DC / 128;  // ckv blocks of one half
+  static constexpr int ROPE_KK = DR / 16;
+
+  // The steps of run's loop (lambdas of run once; taking what they read, they compile to the same code).
+
+  // This warpgroup's columns of V, in rows past the sequence of tile `tile` (in `slot`): zeroed,
+  // as a box may have read them from the cache (P is 0 there, V must be finite).
+  static __device__ __forceinline__ void zero_tail(T* sRing, int seqlen, int wg, int wtid, int slot, int tile) {
+    const int valid = seqlen - tile * BLOCK_N;
+    if (valid >= BLOCK_N) return;
+    Tiles::template zero_rows<DC / 2>(sRing + slot * TILE_ELEMS, valid, wg * (DC / 2), wtid, 128);
+    W::fence_proxy();
+    W::bar_sync(5 + wg, 128);
+  }
+  // S = Q K^T of the tile in `slot`, all 64 keys; keys past a row's token masked. Each half of the tile
+  // is waited for just before its k-steps, the half refilled first (`first`) taken first.
+  static __device__ __forceinline__ void scores(const MlaParams<T>& p, T* sQ, unsigned ring, unsigned bar0,
+                                                unsigned (&rq)[ROPE_KK][4], const int (&lim)[2], int t, int seqlen,
+                                                int slot, int tile, int first, unsigned par,
+                                                float (&sc)[BLOCK_N / 8][4]) {
+#pragma unroll
+    for (int n = 0; n < BLOCK_N / 8; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) sc[n][c] = 0.f;
+    W::hold(sc);  // zeroed before the fence (operand copies after it: C7519, NVRTC 13.0)
+    const unsigned q_at = smem_addr(sQ);
+    const unsigned k_at = ring + slot * TILE_ELEMS * (int)sizeof(T);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int half = h ^ first;
+      W::mbar_wait(bar0 + 16 * slot + 8 * half, par);
+      W::fence();  // after the wait's loop (before it: C7519, NVRTC 13.0)
+#pragma unroll
+      for (int kk = 0; kk < DC / 32; ++kk) {
+        const int k = half * (DC / 32) + kk;
+        Wgmma<BLOCK_N, BF16>::ss(sc, W::desc_k(q_at, k, LQ::BLOCK_BYTES), W::desc_k(k_at, k, LT::BLOCK_BYTES),
+                                 h > 0 || kk > 0);
+      }
+      if (half == 1)
+#pragma unroll
+        for (int kk = 0; kk < ROPE_KK; ++kk)
+          Wgmma<BLOCK_N, BF16>::template rs<0>(sc, rq[kk], W::desc_k(k_at, DC / 16 + kk, LT::BLOCK_BYTES));
+    }
+    W::commit();
+    W::template wait<0>();
+    W::hold(sc);
+    Tiles::template mask_keys<BLOCK_N>(sc, tile * BLOCK_N, 0, seqlen, p.q_len, lim, t);
+  }
+  // Lazy rescaling (lazy_max, online_softmax.cuh): a factor is exactly 1 where a row kept its max, and a warp
+  // whose rows all did skips the multiplies.
+  static __device__ __forceinline__ void scale_o(float (&acc_o)[DC / 16][4], const float (&f)[2]) {
+    if (__any_sync(0xffffffffu, f[0] != 1.f || f[1] != 1.f)) scale_rows(acc_o, f);
+  }
+  static __device__ __forceinline__ void store_p(T* dst, int row0, int g, int t, const float (&sc)[BLOCK_N / 8][4],
+                                                 const float (&f)[2]) {
+#pragma unroll
+    for (int n = 0; n < BLOCK_N / 8; ++n)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        *reinterpret_cast<unsigned*>(dst + LP::offset(row0 + g + 8 * r, n * 8) + 2 * t) =
+            pack2<BF16>(sc[n][2 * r] * f[r], sc[n][2 * r + 1] * f[r]);
+  }
+  // O += P V over this warpgroup's columns of the tile in `slot`: P from registers, or from shared memory.
+  static __device__ __forceinline__ void pv_regs(float (&acc_o)[DC / 16][4], unsigned ring, int wg,
+                                                 const float (&sc)[BLOCK_N / 8][4], int slot) {
+    const unsigned v_at = ring + slot * TILE_ELEMS * (int)sizeof(T) + wg * HALF_BLOCKS * LT::BLOCK_BYTES;
+    // every P fragment packed, and held there, before the fence (packing between the wgmma: C7519, NVRTC 13.0)
+    unsigned a[BLOCK_N / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+      p_fragment<BF16>(sc, kk, a[kk]);
+      asm volatile("" : "+r"(a[kk][0]), "+r"(a[kk][1]), "+r"(a[kk][2]), "+r"(a[kk][3]));
+    }
+    W::fence();
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+      Wgmma<DC / 2, BF16>::rs(acc_o, a[kk], W::desc_mn(v_at, kk, LT::BLOCK_BYTES));
+    W::commit();
+  }
+  static __device__ __forceinline__ void pv_smem(float (&acc_o)[DC / 16][4], unsigned ring, int wg, const T* sp,
+                                                 int slot) {
+    const unsigned v_at = ring + slot * TILE_ELEMS * (int)sizeof(T) + wg * HALF_BLOCKS * LT::BLOCK_BYTES;
+    W::fence();
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+      Wgmma<DC / 2, BF16>::template ss<1>(acc_o, W::desc_k(smem_addr(sp), kk, LP::BLOCK_BYTES),
+                                          W::desc_mn(v_at, kk, LT::BLOCK_BYTES), 1);
+    W::commit();
+  }
+
   static __device__ __forceinline__ void run(const MlaParams<T>& p, const TmaDesc* maps, T* sQ, T* sRing, T* sP0,
                                              float* sX, unsigned bar0, const int* table, int batch, int seqlen,
                                              int tile_begin, int n_tiles, const int (&lim)[2], float (&acc_o)[DC / 16][4],
                                              float (&row_max)[2], float (&row_sum)[2]) {
-    constexpr int HALF_BLOCKS = DC / 128;  // ckv blocks of one half
-    constexpr int ROPE_KK = DR / 16;
     constexpr int BAR_S0 = 1, BAR_S1 = 2, BAR_P0 = 3, BAR_P1 = 4;  // named barriers of both warpgroups (256)
     const int tid = threadIdx.x;
     const int warp = tid / 32;
@@ -55,85 +143,6 @@ struct MlaAlternate {
                   smem_addr(sQ + LQ::offset(row0 + lane % 16, DC + kk * 16 + (lane / 16) * 8)));
     __syncthreads();  // the rope block is P_b's from here on
 
-    // This warpgroup's columns of V, in rows past the sequence of tile `tile` (in `slot`): zeroed,
-    // as a box may have read them from the cache (P is 0 there, V must be finite).
-    auto zero_tail = [&](int slot, int tile) {
-      const int valid = seqlen - tile * BLOCK_N;
-      if (valid >= BLOCK_N) return;
-      Tiles::template zero_rows<DC / 2>(sRing + slot * TILE_ELEMS, valid, wg * (DC / 2), wtid, 128);
-      W::fence_proxy();
-      W::bar_sync(5 + wg, 128);
-    };
-    // S = Q K^T of the tile in `slot`, all 64 keys; keys past a row's token masked. Each half of the tile
-    // is waited for just before its k-steps, the half refilled first (`first`) taken first.
-    auto scores = [&](int slot, int tile, int first, unsigned par, float (&sc)[BLOCK_N / 8][4]) {
-#pragma unroll
-      for (int n = 0; n < BLOCK_N / 8; ++n)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) sc[n][c] = 0.f;
-      W::hold(sc);  // zeroed before the fence (operand copies after it: C7519, NVRTC 13.0)
-      const unsigned q_at = smem_addr(sQ);
-      const unsigned k_at = ring + slot * TILE_ELEMS * (int)sizeof(T);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int half = h ^ first;
-        W::mbar_wait(bar0 + 16 * slot + 8 * half, par);
-        W::fence();  // after the wait's loop (before it: C7519, NVRTC 13.0)
-#pragma unroll
-        for (int kk = 0; kk < DC / 32; ++kk) {
-          const int k = half * (DC / 32) + kk;
-          Wgmma<BLOCK_N, BF16>::ss(sc, W::desc_k(q_at, k, LQ::BLOCK_BYTES), W::desc_k(k_at, k, LT::BLOCK_BYTES),
-                                   h > 0 || kk > 0);
-        }
-        if (half == 1)
-#pragma unroll
-          for (int kk = 0; kk < ROPE_KK; ++kk)
-            Wgmma<BLOCK_N, BF16>::template rs<0>(sc, rq[kk], W::desc_k(k_at, DC / 16 + kk, LT::BLOCK_BYTES));
-      }
-      W::commit();
-      W::template wait<0>();
-      W::hold(sc);
-      Tiles::template mask_keys<BLOCK_N>(sc, tile * BLOCK_N, 0, seqlen, p.q_len, lim, t);
-    };
-    // Lazy rescaling (lazy_max, online_softmax.cuh): a factor is exactly 1 where a row kept its max, and a warp
-    // whose rows all did skips the multiplies.
-    auto scale_o = [&](const float (&f)[2]) {
-      if (__any_sync(0xffffffffu, f[0] != 1.f || f[1] != 1.f)) scale_rows(acc_o, f);
-    };
-    auto store_p = [&](T* dst, const float (&sc)[BLOCK_N / 8][4], const float (&f)[2]) {
-#pragma unroll
-      for (int n = 0; n < BLOCK_N / 8; ++n)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          *reinterpret_cast<unsigned*>(dst + LP::offset(row0 + g + 8 * r, n * 8) + 2 * t) =
-              pack2<BF16>(sc[n][2 * r] * f[r], sc[n][2 * r + 1] * f[r]);
-    };
-    // O += P V over this warpgroup's columns of the tile in `slot`: P from registers, or from shared memory.
-    auto pv_regs = [&](const float (&sc)[BLOCK_N / 8][4], int slot) {
-      const unsigned v_at = ring + slot * TILE_ELEMS * (int)sizeof(T) + wg * HALF_BLOCKS * LT::BLOCK_BYTES;
-      // every P fragment packed, and held there, before the fence (packing between the wgmma: C7519, NVRTC 13.0)
-      unsigned a[BLOCK_N / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-        p_fragment<BF16>(sc, kk, a[kk]);
-        asm volatile("" : "+r"(a[kk][0]), "+r"(a[kk][1]), "+r"(a[kk][2]), "+r"(a[kk][3]));
-      }
-      W::fence();
-#pragma unroll
-      for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-        Wgmma<DC / 2, BF16>::rs(acc_o, a[kk], W::desc_mn(v_at, kk, LT::BLOCK_BYTES));
-      W::commit();
-    };
-    auto pv_smem = [&](const T* sp, int slot) {
-      const unsigned v_at = ring + slot * TILE_ELEMS * (int)sizeof(T) + wg * HALF_BLOCKS * LT::BLOCK_BYTES;
-      W::fence();
-#pragma unroll
-      for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-        Wgmma<DC / 2, BF16>::template ss<1>(acc_o, W::desc_k(smem_addr(sp), kk, LP::BLOCK_BYTES),
-                                            W::desc_mn(v_at, kk, LT::BLOCK_BYTES), 1);
-      W::commit();
-    };
-
     for (int j = 0; 2 * j < n_tiles; ++j) {
       const bool has_b = 2 * j + 1 < n_tiles;
       const int ta = tile_begin + 2 * j;
@@ -142,8 +151,8 @@ struct MlaAlternate {
       const unsigned par = j & 1;
       float sc[BLOCK_N / 8][4];
       if (wg == 0) {
-        scores(0, ta, 0, par, sc);
-        zero_tail(0, ta);
+        scores(p, sQ, ring, bar0, rq, lim, t, seqlen, 0, ta, 0, par, sc);
+        zero_tail(sRing, seqlen, wg, wtid, 0, ta);
         float s0[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -154,8 +163,8 @@ struct MlaAlternate {
           }
         }
         W::bar_arrive(BAR_S0, 256);
-        scale_o(s0);
-        pv_regs(sc, 0);
+        scale_o(acc_o, s0);
+        pv_regs(acc_o, ring, wg, sc, 0);
         W::bar_sync(BAR_S1, 256);
         float s1[2];
 #pragma unroll
@@ -164,7 +173,7 @@ struct MlaAlternate {
           row_max[r] = sM1[row0 + g + 8 * r];
           row_sum[r] *= s1[r];
         }
-        store_p(sP0, sc, s1);
+        store_p(sP0, row0, g, t, sc, s1);
         W::fence_proxy();
         W::bar_arrive(BAR_P0, 256);
         W::template wait<0>();
@@ -172,12 +181,12 @@ struct MlaAlternate {
         // Slot 0's left half is read by this warpgroup only: refilled now, the right half at the pair's end.
         if (wtid == 0 && refill < n_tiles)
           Tiles::template tma_tile<0, HALF_BLOCKS, false>(p, maps, ring, bar0, table, batch, seqlen, ta + 2, 0);
-        scale_o(s1);
+        scale_o(acc_o, s1);
         if (has_b) {
           W::mbar_wait(bar0 + 16, par);
-          zero_tail(1, tb);
+          zero_tail(sRing, seqlen, wg, wtid, 1, tb);
           W::bar_sync(BAR_P1, 256);
-          pv_smem(sP1, 1);
+          pv_smem(acc_o, ring, wg, sP1, 1);
           W::template wait<0>();
           W::hold(acc_o);
         }
@@ -185,8 +194,8 @@ struct MlaAlternate {
           Tiles::template tma_tile<0, HALF_BLOCKS, false>(p, maps, ring, bar0 + 16, table, batch, seqlen, tb + 2, 1);
       } else {
         if (has_b) {
-          scores(1, tb, 1, par, sc);
-          zero_tail(1, tb);
+          scores(p, sQ, ring, bar0, rq, lim, t, seqlen, 1, tb, 1, par, sc);
+          zero_tail(sRing, seqlen, wg, wtid, 1, tb);
         }
         W::bar_sync(BAR_S0, 256);
         float f[2];
@@ -210,18 +219,18 @@ struct MlaAlternate {
           }
         }
         W::bar_arrive(BAR_S1, 256);
-        scale_o(f);
+        scale_o(acc_o, f);
         if (has_b) {
-          pv_regs(sc, 1);
+          pv_regs(acc_o, ring, wg, sc, 1);
           const float one[2] = {1.f, 1.f};
-          store_p(sP1, sc, one);
+          store_p(sP1, row0, g, t, sc, one);
           W::fence_proxy();
           W::bar_arrive(BAR_P1, 256);
         }
         W::mbar_wait(bar0 + 8, par);
-        zero_tail(0, ta);
+        zero_tail(sRing, seqlen, wg, wtid, 0, ta);
         W::bar_sync(BAR_P0, 256);
-        pv_smem(sP0, 0);
+        pv_smem(acc_o, ring, wg, sP0, 0);
         // Slot 1's right half is read by this warpgroup only: refilled once P_b V_b,R is done.
         W::template wait<1>();
         if (wtid == 0 && refill + 1 < n_tiles)
