@@ -75,13 +75,20 @@ SPILLS_ON = {
 }
 
 
+def measured_dim(head_dim: int) -> int:
+    """The measured head dim whose tiles ``head_dim`` takes: the nearest one at or above it, so that a config
+    that fits its rows (shared memory, accumulators) fits the narrower ones too."""
+    return min(d for d, _ in TUNED if d >= head_dim)
+
+
 def candidates(spec, arch: Arch):
     """(cta_tile_kv, num_warps, num_stages): tuned configs first, then every allowed combination; those SPILLS_ON
     lists for the arch last, so a default never takes one while another fits and a spec that pins one still gets
     it (spills cost speed, not results)."""
     where = (spec.head_dim, spec.paged, spec.q_rows, spec.variant.value)
-    every = itertools.chain(TUNED_ROWS.get(where, ()),
-                            TUNED[(spec.head_dim, spec.paged)],
+    m = measured_dim(spec.head_dim)
+    every = itertools.chain(TUNED_ROWS.get((m, *where[1:]), ()),
+                            TUNED[(m, spec.paged)],
                             itertools.product((64, 128, 32, 16), (4, 8), (4, 3, 2, 1)))
     keys = [where] + [(*where, mod) for mod in ("softcap", "alibi", "local") if getattr(spec, mod)]
     return iter(sorted(every, key=lambda c: any(arch.name in SPILLS_ON.get((k, c), ()) for k in keys)))

@@ -17,6 +17,18 @@ from ...spec import DType, SpecBase, check_smem, coerce_bool, coerce_enum, coerc
 # Threads of a decode module's `_merge` entry: one warp per output row.
 MERGE_THREADS = 128
 
+HEAD_DIMS_TEXT = "a multiple of 8 from 32 to 256"
+
+
+def head_dim_refusal(d: int) -> str:
+    """Why ``d`` is not a decode head dim (for a ``head_dim`` error)."""
+    if d > 256:
+        # O's accumulators alone: head_dim / 8 x 4 fp32 registers a thread for each 16 query rows it holds,
+        # 256 at head_dim 512, past a thread's 255, at every tile; it would need the head dim split over warps.
+        return (f"the decode kernel holds a row's {d} output columns in registers (head_dim / 2 a thread), more "
+                "than a thread has past head_dim 256")
+    return "rows are copied and multiplied in 8-column (16-byte) chunks, at least 4 of them"
+
 
 class Variant(enum.Enum):
     FUSED = "fused"      # one kernel: S = Q K^T, online softmax and O += P V per KV tile
@@ -39,7 +51,8 @@ class DecodeSpec(SpecBase):
     # cost more on a paged cache with many rows a CTA than it gained elsewhere.
     PDL_ENTRIES: ClassVar[tuple[str, ...]] = ("", "_pv")
 
-    HEAD_DIMS: ClassVar[tuple[int, ...]] = (64, 128, 256)
+    # Multiples of 64 keep swizzled rows; the other multiples of 8 a padded row (decode/fwd.cuh).
+    HEAD_DIMS: ClassVar[tuple[int, ...]] = tuple(range(32, 257, 8))
     Q_ROWS: ClassVar[tuple[int, ...]] = (16, 32, 64, 128)
     CTA_TILE_KV: ClassVar[tuple[int, ...]] = (0, 16, 32, 64, 128)
     NUM_WARPS: ClassVar[tuple[int, ...]] = (0, 4, 8)
@@ -63,7 +76,10 @@ class DecodeSpec(SpecBase):
 
     def __post_init__(self):
         s = object.__setattr__
-        s(self, "head_dim", coerce_int("head_dim", self.head_dim, self.HEAD_DIMS))
+        d = self.head_dim
+        if isinstance(d, int) and not isinstance(d, bool) and d.bit_length() <= 64 and d not in self.HEAD_DIMS:
+            raise SpecError("head_dim", d, HEAD_DIMS_TEXT, reason=head_dim_refusal(d))
+        s(self, "head_dim", coerce_int("head_dim", d, self.HEAD_DIMS))
         s(self, "dtype", coerce_enum(DType, "dtype", self.dtype))
         s(self, "q_rows", coerce_int("q_rows", self.q_rows, self.Q_ROWS))
         s(self, "paged", coerce_bool("paged", self.paged))
@@ -104,6 +120,13 @@ class DecodeSpec(SpecBase):
         return self.head_dim * self.m_tiles <= 128
 
     @property
+    def row_elems(self) -> int:
+        """Elements of a Q, K or V row in shared memory: the head dim (swizzled rows, multiples of 64),
+        else padded to an odd number of 16-byte chunks past the next multiple of 16 (``Decode::ROW_ELEMS``)."""
+        d = self.head_dim
+        return d if d % 64 == 0 else -(-d // 16) * 16 + 8
+
+    @property
     def threads(self) -> int:
         self._require_resolved("threads")
         return 32 * self.num_warps
@@ -113,7 +136,7 @@ class DecodeSpec(SpecBase):
         their fp32 scores) during the KV loop; after it, the same bytes hold the per-row max/sum
         of every warp and the fp32 partial outputs of the warps past the first along the keys."""
         self._require_resolved("smem_bytes")
-        row = self.head_dim * self.dtype.itemsize
+        row = self.row_elems * self.dtype.itemsize
         q = self.q_rows * row
         ring = self.num_stages * self.cta_tile_kv * row * 2
         if self.variant is Variant.UNFUSED:
@@ -159,7 +182,7 @@ class DecodeSpec(SpecBase):
                                    f"(q_rows={self.q_rows}, num_warps={self.num_warps})")
         acc = self.m_tiles * 4 * (self.head_dim // 8 + keys_per_warp // 8)
         if self.q_in_regs:
-            acc += self.m_tiles * 4 * (self.head_dim // 16)
+            acc += self.m_tiles * 4 * -(-self.head_dim // 16)
         # Decode keeps more live state per accumulator than prefill (row limits, per-row addresses of
         # the packed heads); past ~136 ptxas spilled (NVRTC 13.5, sm_90, every q_rows x head_dim).
         if acc > 136:
