@@ -31,10 +31,10 @@ def main():
 
     lens = wrap(torch.tensor([40, 90], dtype=torch.int32))
     for (b, q_len, h, hk, d), text in 2 * [
-        ((2, 1, 8, 2, 59), "head_dim=59 is not supported; allowed: a multiple of 8 from 32 to 256 (rows are copied"),
+        ((2, 1, 8, 2, 59), "head_dim=59 is not supported; allowed: a multiple of 8 from 32 to 256, or 512 (rows"),
         ((2, 1, 8, 2, 24), "head_dim=24 is not supported"),
-        ((2, 1, 8, 2, 264), "head_dim=264 is not supported; allowed: a multiple of 8 from 32 to 256 (the decode"),
-        ((2, 1, 8, 2, 512), "head_dim=512 is not supported"),
+        ((2, 1, 8, 2, 264), "head_dim=264 is not supported; allowed: a multiple of 8 from 32 to 256, or 512 (past"),
+        ((2, 1, 8, 2, 520), "head_dim=520 is not supported"),
         ((2, 1, 129, 1, 64), "heads/kv_heads = 129 is not supported; allowed: a GQA group of 1 to 128"),
         ((2, 3, 64, 1, 64), "heads/kv_heads x q_len = 64 x 3 = 192 packed query rows"),
     ]:

@@ -24,28 +24,55 @@ from tests import fake_cuda
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_every_multiple_of_8_from_32_to_256():
-    assert DecodeSpec.HEAD_DIMS == tuple(range(32, 257, 8))
+def test_every_multiple_of_8_from_32_to_256_and_512():
+    assert DecodeSpec.HEAD_DIMS == (*range(32, 257, 8), 512)
     for d in DecodeSpec.HEAD_DIMS:
         assert DecodeSpec(head_dim=d).head_dim == d
         assert DecodeSpec(head_dim=str(d)).head_dim == d
 
 
-@pytest.mark.parametrize("d,why", [(24, "at least 4"), (59, "8-column"), (100, "8-column"), (264, "registers"),
-                                   (384, "registers"), (512, "registers"), (1024, "registers"), (0, "8-column")])
+@pytest.mark.parametrize("d,why", [(24, "at least 4"), (59, "8-column"), (100, "8-column"), (264, "only 512"),
+                                   (384, "only 512"), (520, "only 512"), (1024, "only 512"), (0, "8-column")])
 def test_other_head_dims_are_refused_by_name(d, why):
     with pytest.raises(SpecError) as ei:
         DecodeSpec(head_dim=d)
     assert ei.value.field == "head_dim" and ei.value.value == d
-    assert ei.value.allowed == "a multiple of 8 from 32 to 256" and why in str(ei.value)
+    assert ei.value.allowed == "a multiple of 8 from 32 to 256, or 512" and why in str(ei.value)
+
+
+def test_head_dim_512_splits_the_output_columns():
+    """Two CTAs a KV head at 512, each with half the output accumulators: the accumulator check counts 256
+    columns, the grid has twice the KV heads, no cluster merges the halves, and the unfused kernel is refused."""
+    from attngen.arch import get_arch
+    from attngen.families.decode import choose
+
+    s = resolve(DecodeSpec(head_dim=512), "sm_90a")
+    assert (s.d_parts, s.d_out) == (2, 256) and (s.cta_tile_kv, s.num_warps, s.num_stages) == (64, 4, 1)
+    assert DecodeSpec(head_dim=256).d_parts == 1
+    with pytest.raises(SpecError) as ei:
+        DecodeSpec(head_dim=512, variant="unfused")
+    assert ei.value.field == "variant"
+    facts = _facts(get_arch("sm_90a"))
+    for splits in (1, 4):
+        ln = choose.launch(choose.Problem(512, heads=16, kv_heads=4, batch=3, capacity=4096, num_splits=splits),
+                           s, facts)
+        assert ln.grid == (splits, 8, 3) and ln.cluster == 0 and (ln.merge_grid is None) == (splits == 1)
+    assert choose.cluster_limit(s, 1, facts) == 0
+
+
+def _facts(arch):
+    """An H100-like device (132 SMs, one CTA an SM, clusters of up to 8 resident) for the choice, on the CPU."""
+    from attngen.families.choice import DeviceFacts
+
+    return DeviceFacts(arch, 132, 0.5, lambda s, e="": 1, lambda s, n: 120 // n if n <= 8 else 0)
 
 
 def test_measured_neighbour_table():
     """The tile rule: the nearest measured head dim at or above."""
     table = {32: 64, 40: 64, 56: 64, 64: 64, 72: 128, 80: 128, 96: 128, 120: 128, 128: 128, 136: 256, 160: 256,
-             192: 256, 248: 256, 256: 256}
+             192: 256, 248: 256, 256: 256, 512: 512}
     assert {d: measured_dim(d) for d in table} == table
-    assert {d for d, _ in TUNED} == {64, 128, 256}
+    assert {d for d, _ in TUNED} == {64, 128, 256, 512}
 
 
 def test_row_elems_pad_to_an_odd_chunk_count():

@@ -3,7 +3,7 @@
 
 Head dims that are not multiples of 64 take padded shared-memory rows (and, where head_dim % 16 == 8,
 a zeroed pad chunk the last MMA step reads): each is checked contiguous and paged, one split and the
-automatic count, one and three new tokens, with outputs poisoned with NaN and NaN in every cache
+automatic count, one and three new tokens (head_dim 512 too), with outputs poisoned with NaN and NaN in every cache
 position a row must not read (tests/test_gpu_decode.py's Case). Groups of 64 query heads over one KV
 head fill 64 packed rows of one CTA.
 """
@@ -20,8 +20,9 @@ import attngen  # noqa: E402
 from tests.gpu_reference import fresh_generator, reference_decode  # noqa: E402
 from tests.test_gpu_decode import Case, rel_l2, run  # noqa: E402
 
-# Both sides of the tile-rule's boundaries (64, 128, 256), head_dim % 16 == 8 and == 0, the smallest.
-DIMS = [32, 40, 72, 80, 96, 112, 160, 192, 200, 224, 248]
+# Both sides of the tile-rule's boundaries (64, 128, 256), head_dim % 16 == 8 and == 0, the smallest, and 512
+# (two CTAs a KV head, each half the output columns).
+DIMS = [32, 40, 72, 80, 96, 112, 160, 192, 200, 224, 248, 512]
 LENGTHS = [1, 17, 64, 65, 300, 1000, 2049]
 
 
@@ -41,7 +42,7 @@ def test_head_dims_unfused(d, variant):
     run(Case(LENGTHS, q_len=2, heads=8, kv_heads=2, head_dim=d, dtype=torch.float16), variant=variant, num_splits=3)
 
 
-@pytest.mark.parametrize("d", [72, 128, 200])
+@pytest.mark.parametrize("d", [72, 128, 200, 512])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("q_len", [1, 2])
 @pytest.mark.parametrize("num_splits", [1, 0], ids=["one_split", "auto"])
@@ -57,7 +58,7 @@ def test_groups_past_16(group):
     run(Case([3, 129, 2000], q_len=1, heads=group, kv_heads=1, head_dim=96, dtype=torch.float16), num_splits=0)
 
 
-@pytest.mark.parametrize("d", [40, 96, 200])
+@pytest.mark.parametrize("d", [40, 96, 200, 512])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_window_and_left_pad(d, paged, num_splits):
@@ -93,7 +94,7 @@ def test_window_and_left_pad(d, paged, num_splits):
     assert rel_l2(out, ref) < 2e-2, f"seed {gen.initial_seed()}"
 
 
-@pytest.mark.parametrize("d", [80, 160])
+@pytest.mark.parametrize("d", [80, 160, 512])
 def test_softcap_and_alibi(d):
     gen = fresh_generator()
     case = Case([5, 300, 1000], q_len=2, heads=8, kv_heads=2, head_dim=d, dtype=torch.bfloat16)

@@ -61,15 +61,21 @@ struct Decode {
   static constexpr bool PADDED = HEAD_DIM % 64 != 0;
   static constexpr int ROW_ELEMS = PADDED ? (HEAD_DIM + 15) / 16 * 16 + 8 : HEAD_DIM;
   using L = SmemLayout<HEAD_DIM, ROW_ELEMS, !PADDED>;
+  // Rows whose 16-byte chunks do not divide among the threads (padded rows, head_dim 192) take load_rows_any.
+  static constexpr bool ANY_CHUNKS = PADDED || (NUM_WARPS * 32) % (HEAD_DIM / 8) != 0;
   using Elem = T;  // (what DecodeEnd, decode/end.cuh, reads of this struct)
   static constexpr bool IS_BF16 = BF16;
-  static constexpr int HEAD_DIM_ = HEAD_DIM, ROWS_ = ROWS;
+  static constexpr int HEAD_DIM_ = HEAD_DIM, ROWS_ = ROWS;  // (and D_OUT, D_PARTS)
   static constexpr int THREADS = NUM_WARPS * 32;
   static constexpr int WARPS_N = NUM_WARPS / WARPS_M;
   static constexpr int M_TILES = ROWS / 16 / WARPS_M;
   static constexpr int KW = BLOCK_N / WARPS_N;  // keys of a tile one warp takes
   static constexpr int KW_TILES = KW / 8;
-  static constexpr int D_TILES = HEAD_DIM / 8;
+  // Past head_dim 256 a row's fp32 output outgrows a thread's registers: D_PARTS CTAs (blockIdx.y's low
+  // digit) share a KV head, each computing the whole S = Q K^T and the output columns [part * D_OUT, + D_OUT).
+  static constexpr int D_PARTS = HEAD_DIM > 256 ? 2 : 1;
+  static constexpr int D_OUT = HEAD_DIM / D_PARTS;
+  static constexpr int D_TILES = D_OUT / 8;
   static constexpr int K_STEPS = (HEAD_DIM + 15) / 16;
   static constexpr int TILE_ELEMS = BLOCK_N * ROW_ELEMS;  // one K or V tile in shared memory
   static constexpr int Q_ELEMS = ROWS * ROW_ELEMS;
@@ -82,7 +88,7 @@ struct Decode {
   // and PAGE_ENTRIES table entries a tile.
   static constexpr int ROWS_PER_ENTRY = ROW_STEP < 16 ? 16 / ROW_STEP : 1;
   static constexpr int PAGE_ENTRIES = ROW_ITERS / ROWS_PER_ENTRY;
-  static_assert(PADDED || THREADS % L::CHUNKS == 0, "threads must cover whole rows");
+  static_assert(ANY_CHUNKS || THREADS % L::CHUNKS == 0, "threads must cover whole rows");
   static_assert(WARPS_M * WARPS_N == NUM_WARPS && M_TILES * 16 * WARPS_M == ROWS, "warp grid");
   static_assert(KW % 16 == 0 && HEAD_DIM % (PADDED ? 8 : 64) == 0, "tile shape");
 
@@ -97,6 +103,7 @@ struct Decode {
 
   struct Lane {
     int tid, warp, lane, g, t, wn, row0, key0;
+    int dcol0;  // the first output column of this CTA (D_PARTS > 1), else 0
   };
 
   static __device__ __forceinline__ Lane lane_of() {
@@ -109,13 +116,14 @@ struct Decode {
     l.wn = l.warp / WARPS_M;
     l.row0 = (l.warp % WARPS_M) * M_TILES * 16;
     l.key0 = l.wn * KW;
+    l.dcol0 = D_PARTS > 1 ? (int)(blockIdx.y % D_PARTS) * D_OUT : 0;
     return l;
   }
 
   static __device__ __forceinline__ Cta cta_of(const DecodeParams<T>& p) {
     Cta c;
     c.split = blockIdx.x;
-    c.kv_head = blockIdx.y;
+    c.kv_head = D_PARTS > 1 ? blockIdx.y / D_PARTS : blockIdx.y;
     c.batch = blockIdx.z;
     const int len = p.seqlens ? p.seqlens[c.batch] : p.seqlen_fixed;
     c.seqlen = min(max(len, 0), p.capacity);
@@ -179,11 +187,11 @@ struct Decode {
   // one tile ahead and kept as loaded (0 past the sequence); load_rows clamps it. Clamping here
   // would wait for the read at once, every tile.
   struct Pages {
-    int block[PAGED && !PADDED ? PAGE_ENTRIES : 1];
+    int block[PAGED && !ANY_CHUNKS ? PAGE_ENTRIES : 1];
   };
 
   static __device__ __forceinline__ void lookup(Pages& pg, const DecodeParams<T>& p, const Cta& c, int tile, int tid) {
-    if constexpr (PAGED && !PADDED) {
+    if constexpr (PAGED && !ANY_CHUNKS) {
       const int r0 = tid / L::CHUNKS;
 #pragma unroll
       for (int e = 0; e < PAGE_ENTRIES; ++e) {
@@ -205,7 +213,7 @@ struct Decode {
     constexpr int PASSES = NUM_STAGES == 1 ? 1 : 2;
     const int r0 = tid / L::CHUNKS;
     const int col = (tid % L::CHUNKS) * 8;
-    if constexpr (PADDED) {
+    if constexpr (ANY_CHUNKS) {
       load_rows_any<LOAD_K, LOAD_V>(dst_k, dst_v, p, c, tile, tid);
     } else if constexpr (PAGED && ROWS_PER_ENTRY >= 4) {
       // Four rows or more of a thread to a 16-row group (head_dim 256 at 4 warps): the group's first row
@@ -276,7 +284,7 @@ struct Decode {
     }
   }
 
-  // load_rows for padded rows, whose 16-byte chunks do not divide among the threads: each thread steps over
+  // load_rows for rows whose 16-byte chunks do not divide among the threads: each thread steps over
   // (row, chunk) pairs, a paged row reading its block from the table (clamped to the pool) as it goes.
   template <bool LOAD_K, bool LOAD_V>
   static __device__ __forceinline__ void load_rows_any(T* dst_k, T* dst_v, const DecodeParams<T>& p, const Cta& c,
@@ -496,11 +504,11 @@ struct Decode {
 #pragma unroll
       for (int mt = 0; mt < M_TILES; ++mt) p_fragment<BF16>(acc_p[mt], kk, a[mt]);
 #pragma unroll
-      for (int d2 = 0; d2 < (HEAD_DIM + 15) / 16; ++d2) {
+      for (int d2 = 0; d2 < (D_OUT + 15) / 16; ++d2) {
         unsigned b0, b1, b2, b3;
         ldmatrix_x4_trans(b0, b1, b2, b3,
                           smem_addr(sVs + L::offset(l.key0 + kk * 16 + (l.lane % 8) + ((l.lane / 8) % 2) * 8,
-                                                    d2 * 16 + (l.lane / 16) * 8)));
+                                                    (D_PARTS > 1 ? l.dcol0 : 0) + d2 * 16 + (l.lane / 16) * 8)));
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
           mma_16816<BF16>(acc_o[mt][2 * d2], a[mt], b0, b1);

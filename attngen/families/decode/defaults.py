@@ -21,6 +21,10 @@ TUNED = {
     (128, True): [(64, 4, 4), (64, 4, 2)],
     (256, False): [(64, 4, 2), (32, 8, 2)],
     (256, True): [(64, 4, 2), (32, 8, 2)],
+    # not measured: the one 16-row config whose accumulators (half the output columns a CTA) and one stage of
+    # 64-key K and V tiles fit (sm_80, sm_90a, sm_100; not the 99 KB of shared memory of sm_86/89/120)
+    (512, False): [(64, 4, 1)],
+    (512, True): [(64, 4, 1)],
 }
 
 # Per (head_dim, paged, q_rows, variant): configs tried before TUNED's where the packed query rows change the best.

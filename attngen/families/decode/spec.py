@@ -17,16 +17,13 @@ from ...spec import DType, SpecBase, check_smem, coerce_bool, coerce_enum, coerc
 # Threads of a decode module's `_merge` entry: one warp per output row.
 MERGE_THREADS = 128
 
-HEAD_DIMS_TEXT = "a multiple of 8 from 32 to 256"
+HEAD_DIMS_TEXT = "a multiple of 8 from 32 to 256, or 512"
 
 
 def head_dim_refusal(d: int) -> str:
     """Why ``d`` is not a decode head dim (for a ``head_dim`` error)."""
     if d > 256:
-        # O's accumulators alone: head_dim / 8 x 4 fp32 registers a thread for each 16 query rows it holds,
-        # 256 at head_dim 512, past a thread's 255, at every tile; it would need the head dim split over warps.
-        return (f"the decode kernel holds a row's {d} output columns in registers (head_dim / 2 a thread), more "
-                "than a thread has past head_dim 256")
+        return "past 256 the output columns are split between two CTAs a KV head, which only 512 was built for"
     return "rows are copied and multiplied in 8-column (16-byte) chunks, at least 4 of them"
 
 
@@ -51,8 +48,9 @@ class DecodeSpec(SpecBase):
     # cost more on a paged cache with many rows a CTA than it gained elsewhere.
     PDL_ENTRIES: ClassVar[tuple[str, ...]] = ("", "_pv")
 
-    # Multiples of 64 keep swizzled rows; the other multiples of 8 a padded row (decode/fwd.cuh).
-    HEAD_DIMS: ClassVar[tuple[int, ...]] = tuple(range(32, 257, 8))
+    # Multiples of 64 keep swizzled rows; the other multiples of 8 a padded row (decode/fwd.cuh). At 512 (Gemma's
+    # global layers) two CTAs share each KV head, each computing half the output columns (``d_parts``).
+    HEAD_DIMS: ClassVar[tuple[int, ...]] = (*range(32, 257, 8), 512)
     Q_ROWS: ClassVar[tuple[int, ...]] = (16, 32, 64, 128)
     CTA_TILE_KV: ClassVar[tuple[int, ...]] = (0, 16, 32, 64, 128)
     NUM_WARPS: ClassVar[tuple[int, ...]] = (0, 4, 8)
@@ -90,6 +88,9 @@ class DecodeSpec(SpecBase):
         s(self, "cta_tile_kv", coerce_int("cta_tile_kv", self.cta_tile_kv, self.CTA_TILE_KV))
         s(self, "num_warps", coerce_int("num_warps", self.num_warps, self.NUM_WARPS))
         s(self, "num_stages", coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
+        if self.d_parts > 1 and self.variant is Variant.UNFUSED:
+            raise SpecError("variant", self.variant.value, "fused", reason=f"head_dim={self.head_dim} splits the output "
+                            "columns between CTAs, which only the fused kernel does")
 
     @staticmethod
     def rows_for(group: int, q_len: int) -> int:
@@ -120,6 +121,16 @@ class DecodeSpec(SpecBase):
         return self.head_dim * self.m_tiles <= 128
 
     @property
+    def d_parts(self) -> int:
+        """CTAs a KV head, each holding ``d_out`` of the output columns (2 past head_dim 256: a row's fp32 output
+        would pass a thread's registers)."""
+        return 2 if self.head_dim > 256 else 1
+
+    @property
+    def d_out(self) -> int:
+        return self.head_dim // self.d_parts
+
+    @property
     def row_elems(self) -> int:
         """Elements of a Q, K or V row in shared memory: the head dim (swizzled rows, multiples of 64),
         else padded to an odd number of 16-byte chunks past the next multiple of 16 (``Decode::ROW_ELEMS``)."""
@@ -142,7 +153,7 @@ class DecodeSpec(SpecBase):
         if self.variant is Variant.UNFUSED:
             # the P V kernel stages fp32 scores (q_rows x cta_tile_kv, padded) next to each V tile
             ring = self.num_stages * (self.cta_tile_kv * row + self.q_rows * (self.cta_tile_kv + 4) * 4)
-        combine = ((self.warps_n - 1) * self.q_rows * (self.head_dim + 4) + 2 * self.warps_n * self.q_rows) * 4
+        combine = ((self.warps_n - 1) * self.q_rows * (self.d_out + 4) + 2 * self.warps_n * self.q_rows) * 4
         return max(q + ring, combine)
 
     def cluster_merge_bytes(self) -> int:
@@ -180,7 +191,7 @@ class DecodeSpec(SpecBase):
             raise SpecError("cta_tile_kv", self.cta_tile_kv, f"a multiple of {16 * self.warps_n}",
                             reason=f"{self.warps_n} warps split each KV tile and each needs whole 16-key steps "
                                    f"(q_rows={self.q_rows}, num_warps={self.num_warps})")
-        acc = self.m_tiles * 4 * (self.head_dim // 8 + keys_per_warp // 8)
+        acc = self.m_tiles * 4 * (self.d_out // 8 + keys_per_warp // 8)
         if self.q_in_regs:
             acc += self.m_tiles * 4 * -(-self.head_dim // 16)
         # Decode keeps more live state per accumulator than prefill (row limits, per-row addresses of
