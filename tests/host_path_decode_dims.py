@@ -1,7 +1,7 @@
 """Run by tests/test_decode_head_dims.py in a process of its own: attngen.decode's head dims and GQA groups on
 the stub driver (sm_90). Head dims decode does not build and groups past its packed rows are refused naming
 what to change, before any compile; a padded head dim with 64 query heads over one KV head launches the kernel
-the family's choice names, with its grid. Exits non-zero on the first failure; prints "ok" at the end.
+the family's choice names, with its grid; head_dim 512 launches two CTAs a KV head. Exits non-zero on the first failure; prints "ok" at the end.
 """
 
 import os
@@ -57,6 +57,15 @@ def main():
     got = fake_cuda.last_launch()
     assert got["grid"] == c.launch.grid == (1, 1, 2) and got["threads"] == c.spec.threads, (got, c)
     assert got["smem"] == c.spec.smem_bytes(), (got, c.spec.smem_bytes())
+
+    # head_dim 512: two CTAs a KV head (the grid's y), merged through the workspace and the merge launch.
+    q, kc, vc = rand(2, 1, 8, 512), rand(2, 1024, 2, 512), rand(2, 1024, 2, 512)
+    n0 = fake_cuda.counts()["launches"]
+    attngen.decode(q, kc, vc, cache_seqlens=wrap(torch.tensor([1000, 700], dtype=torch.int32)), num_splits=3)
+    assert fake_cuda.counts()["launches"] == n0 + 2, "a split launch and a merge launch"
+    c = choose.choose(choose.Problem(512, "bf16", 1, 8, 2, 2, 1024, num_splits=3), device_facts(0))
+    assert c.launch.grid == (3, 4, 2) and c.launch.cluster == 0 and c.launch.merge_grid is not None, c.launch
+    assert fake_cuda.last_launch()["grid"] == c.launch.merge_grid, fake_cuda.last_launch()
     print("ok")
 
 

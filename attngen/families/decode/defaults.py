@@ -76,6 +76,24 @@ SPILLS_ON = {
     ((64, False, 32, 'fused', 'local'), (128, 8, 2)): ('sm_80', 'sm_90a'),
     ((64, True, 32, 'fused', 'local'), (128, 8, 2)): ('sm_80',),
     ((256, False, 16, 'fused', 'local'), (64, 4, 2)): ('sm_80', 'sm_90a'),
+    # head dims between the measured ones and 512: the fused defaults of each new head_dim, layout and q_rows 16, 32
+    # and 64 on sm_80 and sm_90a (the manifest's dims 80/96/160/192 at q_rows 16 and 32 on every manifest arch),
+    # bf16, compiled until spill-free (tools: a resolve-compile loop over SPILLS_ON)
+    ((32, False, 32, 'fused'), (128, 8, 2)): ('sm_90a',),
+    ((80, False, 32, 'fused'), (64, 4, 4)): ('sm_90a',),
+    ((80, True, 32, 'fused'), (64, 4, 2)): ('sm_80', 'sm_90a'),
+    ((80, True, 32, 'fused'), (64, 4, 3)): ('sm_80', 'sm_90a'),
+    ((80, True, 32, 'fused'), (64, 4, 4)): ('sm_80', 'sm_90a'),
+    ((80, True, 64, 'fused'), (64, 8, 3)): ('sm_80',),
+    ((96, False, 64, 'fused'), (64, 8, 3)): ('sm_90a',),
+    ((192, False, 32, 'fused'), (64, 4, 2)): ('sm_80',),
+    ((192, False, 32, 'fused'), (64, 4, 3)): ('sm_80',),
+    ((192, False, 64, 'fused'), (64, 4, 2)): ('sm_80',),
+    ((192, True, 32, 'fused'), (64, 4, 2)): ('sm_80',),
+    ((192, True, 64, 'fused'), (64, 4, 2)): ('sm_80',),
+    ((512, False, 64, 'fused'), (32, 8, 2)): ('sm_90a',),
+    ((512, False, 128, 'fused'), (16, 8, 3)): ('sm_90a',),
+    ((512, True, 64, 'fused'), (32, 8, 2)): ('sm_90a',),
 }
 
 
