@@ -128,7 +128,8 @@ def _spills(log: str) -> set:
     ("sm_90a", dict(head_dim=40, paged=True)),                             # d % 16 == 8, the smallest group
     ("sm_80", dict(head_dim=80, q_rows=64, local=True)),                   # 64 query heads over one KV head
     ("sm_90a", dict(head_dim=200, variant="unfused", softcap=True)),       # the unfused kernels
-    ("sm_100", dict(head_dim=192, paged=True, q_rows=32, alibi=True)),
+    ("sm_100", dict(head_dim=192, paged=True, q_rows=32, alibi=True)),   # swizzled rows, (row, chunk) copies
+    ("sm_90a", dict(head_dim=512, paged=True, local=True)),                 # two CTAs a KV head
 ])
 def test_representatives_compile_without_spills(arch, fields):
     s = resolve(DecodeSpec(**fields), arch)
