@@ -13,11 +13,16 @@ namespace attngen {
 // splits, and their sums meet in shared memory.
 template <class T, bool BF16, int HEAD_DIM, int WARP_COLS, int UNROLL = 8, int WARPS = 1, class Params>
 __device__ __forceinline__ void split_merge(const Params& p) {
-  static_assert(HEAD_DIM % WARP_COLS == 0 && WARP_COLS % 64 == 0, "a warp's columns");
-  constexpr int PER = WARP_COLS / 32;  // elements per lane, contiguous
+  static_assert(HEAD_DIM % WARP_COLS == 0 && WARP_COLS % 8 == 0, "a warp's columns");
+  // Elements per lane, contiguous: WARP_COLS / 32, or for a width not a multiple of 64 the power of two
+  // (2, 4 or 8) that covers it, the lanes past the columns reading lane 0's and writing nothing.
+  constexpr int PER = WARP_COLS % 64 == 0 ? WARP_COLS / 32 : WARP_COLS <= 64 ? 2 : WARP_COLS <= 128 ? 4 : 8;
+  constexpr bool ALL_LANES = 32 * PER == WARP_COLS;
+  static_assert(ALL_LANES || (WARP_COLS <= 256 && WARPS == 1), "a warp's columns");
   constexpr int CHUNKS = HEAD_DIM / WARP_COLS;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  const bool cols = ALL_LANES || lane * PER < WARP_COLS;  // this lane has columns
   const long long rows = (long long)p.batch * p.q_len * p.num_heads;
   const long long gw = (long long)blockIdx.x * (blockDim.x / 32 / WARPS) + warp / WARPS;
   const long long idx = gw / CHUNKS;
@@ -46,7 +51,7 @@ __device__ __forceinline__ void split_merge(const Params& p) {
     s_hi = min(p.num_splits, s_lo + share);
   }
   if (mx != -ATTNGEN_INF) {
-    const float* src = p.o_part + idx * HEAD_DIM + col0 + lane * PER;
+    const float* src = p.o_part + idx * HEAD_DIM + col0 + (cols ? lane * PER : 0);
     for (int s0 = s_lo; s0 < s_hi; s0 += 32) {
       // Every split's partial row is written (zeros for a split with no keys), so weights of 0
       // multiply finite values.
@@ -108,7 +113,8 @@ __device__ __forceinline__ void split_merge(const Params& p) {
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
   T* dst = p.o + b * p.o_sb + qi * p.o_ss + head * p.o_sh + col0 + lane * PER;
 #pragma unroll
-  for (int i = 0; i < PER; i += 2) *reinterpret_cast<unsigned*>(dst + i) = pack2<BF16>(acc[i] * inv, acc[i + 1] * inv);
+  for (int i = 0; i < PER; i += 2)
+    if (cols) *reinterpret_cast<unsigned*>(dst + i) = pack2<BF16>(acc[i] * inv, acc[i + 1] * inv);
   if (lane == 0 && col0 == 0 && p.lse)
     p.lse[((long long)b * p.num_heads + head) * p.q_len + qi] = wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
 }

@@ -11,6 +11,8 @@ struct DecodeEnd {
   static constexpr bool BF16 = D::IS_BF16;
   static constexpr int HEAD_DIM = D::HEAD_DIM_, ROWS = D::ROWS_, THREADS = D::THREADS, WARPS_N = D::WARPS_N;
   static constexpr int M_TILES = D::M_TILES, D_TILES = D::D_TILES;
+  // A CTA's output columns: all HEAD_DIM, or (D_PARTS > 1) D_OUT of them from Lane::dcol0.
+  static constexpr int D_OUT = D::D_OUT, D_PARTS = D::D_PARTS;
 
   // Merge the WARPS_N per-warp (max, sum) of each row through shared memory (the ring's bytes,
   // free once every cp.async has landed). Returns per row the CTA's max, its sum, and this
@@ -55,11 +57,11 @@ struct DecodeEnd {
 
   // After the KV loop the shared memory holds, from its start: the per-row max and sum of every warp
   // [2][WARPS_N][ROWS], the fp32 partial outputs of the warps past the first along the keys
-  // [WARPS_N - 1][ROWS][HEAD_DIM + 4], and (a cluster merge) the CTA's normalised output [ROWS][HEAD_DIM]
+  // [WARPS_N - 1][ROWS][D_OUT + 4], and (a cluster merge) the CTA's normalised output [ROWS][HEAD_DIM]
   // and its LSE [ROWS] at PART_AT floats (DecodeSpec.cluster_merge_bytes counts the same).
-  static constexpr int PART_AT = (2 * WARPS_N * ROWS + (WARPS_N - 1) * ROWS * (HEAD_DIM + 4) + 3) / 4 * 4;
+  static constexpr int PART_AT = (2 * WARPS_N * ROWS + (WARPS_N - 1) * ROWS * (D_OUT + 4) + 3) / 4 * 4;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1000  // measured on sm_90 only (Kernel.cluster_fits)
-  static constexpr bool CAN_CLUSTER = true;
+  static constexpr bool CAN_CLUSTER = D_PARTS == 1;  // (the output halves of D_PARTS > 1 merge through the launch)
 #else
   static constexpr bool CAN_CLUSTER = false;
 #endif
@@ -88,7 +90,7 @@ struct DecodeEnd {
     cp_async_wait_all();  // with one stage, a CTA with no tile never committed Q's copies
     __syncthreads();
     float* sStat = reinterpret_cast<float*>(smem);  // [2][WARPS_N][ROWS]
-    float* sO = sStat + 2 * WARPS_N * ROWS;         // [WARPS_N - 1][ROWS][HEAD_DIM + 4]
+    float* sO = sStat + 2 * WARPS_N * ROWS;         // [WARPS_N - 1][ROWS][D_OUT + 4]
     float* sPart = sStat + PART_AT;                 // cluster merge: [ROWS][HEAD_DIM], then the LSE [ROWS]
     float* sLse = sPart + ROWS * HEAD_DIM;
     const bool cl = CAN_CLUSTER && p.num_splits > 1 && p.o_part == nullptr;
@@ -103,7 +105,7 @@ struct DecodeEnd {
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
               const int row = l.row0 + mt * 16 + l.g + 8 * r;
-              *reinterpret_cast<float2*>(sO + ((l.wn - 1) * ROWS + row) * (HEAD_DIM + 4) + d * 8 + 2 * l.t) =
+              *reinterpret_cast<float2*>(sO + ((l.wn - 1) * ROWS + row) * (D_OUT + 4) + d * 8 + 2 * l.t) =
                   make_float2(acc_o[mt][d][2 * r] * factor[mt][r], acc_o[mt][d][2 * r + 1] * factor[mt][r]);
             }
       }
@@ -125,9 +127,9 @@ struct DecodeEnd {
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
         const float lse = sum > 0.f ? row_max[mt][r] * p.sm_scale + logf(sum) : -ATTNGEN_INF;
         const bool one = p.num_splits == 1;
-        T* gO = p.o + c.batch * p.o_sb + qi * p.o_ss + head * p.o_sh;
+        T* gO = p.o + c.batch * p.o_sb + qi * p.o_ss + head * p.o_sh + (D_PARTS > 1 ? l.dcol0 : 0);
         float* gP = p.o_part + (((long long)c.split * p.batch + c.batch) * p.q_len + qi) * p.num_heads * HEAD_DIM +
-                    (long long)head * HEAD_DIM;
+                    (long long)head * HEAD_DIM + (D_PARTS > 1 ? l.dcol0 : 0);
 #pragma unroll
         for (int d = 0; d < D_TILES; ++d) {
           float x0 = acc_o[mt][d][2 * r] * factor[mt][r];
@@ -135,7 +137,7 @@ struct DecodeEnd {
           const int col = d * 8 + 2 * l.t;
 #pragma unroll
           for (int w = 1; w < WARPS_N; ++w) {
-            const float2 y = *reinterpret_cast<const float2*>(sO + ((w - 1) * ROWS + row) * (HEAD_DIM + 4) + col);
+            const float2 y = *reinterpret_cast<const float2*>(sO + ((w - 1) * ROWS + row) * (D_OUT + 4) + col);
             x0 += y.x;
             x1 += y.y;
           }
@@ -147,7 +149,7 @@ struct DecodeEnd {
             *reinterpret_cast<float2*>(gP + col) = make_float2(x0 * inv, x1 * inv);
           }
         }
-        if (l.t == 0) {
+        if (l.t == 0 && (D_PARTS == 1 || l.dcol0 == 0)) {  // (every part has the same LSE)
           if (one) {
             if (p.lse) p.lse[((long long)c.batch * p.num_heads + head) * p.q_len + qi] = lse;
           } else if (cl) {

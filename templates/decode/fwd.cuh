@@ -54,17 +54,31 @@ struct DecodeEnd;
 template <class T, bool BF16, int HEAD_DIM, int ROWS, int BLOCK_N, int NUM_WARPS, int WARPS_M, int NUM_STAGES,
           bool PAGED, bool Q_IN_REGS, bool SOFTCAP = false, bool ALIBI = false, bool LOCAL = false>
 struct Decode {
-  using L = SmemLayout<HEAD_DIM, HEAD_DIM, true>;
+  // Head dims that are multiples of 64 keep 128-byte XOR-swizzled rows; the others (multiples of 8) are
+  // unswizzled rows padded to an odd number of 16-byte chunks, which staggers ldmatrix's row addresses
+  // the same way. Where head_dim % 16 == 8 the last MMA step over the head dim reads one chunk past the
+  // row's data: that chunk is zeroed in Q and K (zero_pads) and its columns of P V are dropped.
+  static constexpr bool PADDED = HEAD_DIM % 64 != 0;
+  static constexpr int ROW_ELEMS = PADDED ? (HEAD_DIM + 15) / 16 * 16 + 8 : HEAD_DIM;
+  using L = SmemLayout<HEAD_DIM, ROW_ELEMS, !PADDED>;
+  // Rows whose 16-byte chunks do not divide among the threads (padded rows, head_dim 192) take load_rows_any.
+  static constexpr bool ANY_CHUNKS = PADDED || (NUM_WARPS * 32) % (HEAD_DIM / 8) != 0;
   using Elem = T;  // (what DecodeEnd, decode/end.cuh, reads of this struct)
   static constexpr bool IS_BF16 = BF16;
-  static constexpr int HEAD_DIM_ = HEAD_DIM, ROWS_ = ROWS;
+  static constexpr int HEAD_DIM_ = HEAD_DIM, ROWS_ = ROWS;  // (and D_OUT, D_PARTS)
   static constexpr int THREADS = NUM_WARPS * 32;
   static constexpr int WARPS_N = NUM_WARPS / WARPS_M;
   static constexpr int M_TILES = ROWS / 16 / WARPS_M;
   static constexpr int KW = BLOCK_N / WARPS_N;  // keys of a tile one warp takes
   static constexpr int KW_TILES = KW / 8;
-  static constexpr int D_TILES = HEAD_DIM / 8;
-  static constexpr int K_STEPS = HEAD_DIM / 16;
+  // Past head_dim 256 a row's fp32 output outgrows a thread's registers: D_PARTS CTAs (blockIdx.y's low
+  // digit) share a KV head, each computing the whole S = Q K^T and the output columns [part * D_OUT, + D_OUT).
+  static constexpr int D_PARTS = HEAD_DIM > 256 ? 2 : 1;
+  static constexpr int D_OUT = HEAD_DIM / D_PARTS;
+  static constexpr int D_TILES = D_OUT / 8;
+  static constexpr int K_STEPS = (HEAD_DIM + 15) / 16;
+  static constexpr int TILE_ELEMS = BLOCK_N * ROW_ELEMS;  // one K or V tile in shared memory
+  static constexpr int Q_ELEMS = ROWS * ROW_ELEMS;
   static constexpr int S_LD = BLOCK_N + 4;  // fp32 score tile row (unfused P V), padded
   // Copying a K or V tile: each thread keeps one 16-byte column chunk and steps down the rows.
   static constexpr int ROW_STEP = THREADS / L::CHUNKS;
@@ -74,9 +88,9 @@ struct Decode {
   // and PAGE_ENTRIES table entries a tile.
   static constexpr int ROWS_PER_ENTRY = ROW_STEP < 16 ? 16 / ROW_STEP : 1;
   static constexpr int PAGE_ENTRIES = ROW_ITERS / ROWS_PER_ENTRY;
-  static_assert(THREADS % L::CHUNKS == 0, "threads must cover whole rows");
+  static_assert(ANY_CHUNKS || THREADS % L::CHUNKS == 0, "threads must cover whole rows");
   static_assert(WARPS_M * WARPS_N == NUM_WARPS && M_TILES * 16 * WARPS_M == ROWS, "warp grid");
-  static_assert(KW % 16 == 0 && HEAD_DIM % 64 == 0, "tile shape");
+  static_assert(KW % 16 == 0 && HEAD_DIM % (PADDED ? 8 : 64) == 0, "tile shape");
 
   struct Cta {
     int split, kv_head, batch, seqlen, rows_valid, tile_begin, tile_end;
@@ -89,6 +103,7 @@ struct Decode {
 
   struct Lane {
     int tid, warp, lane, g, t, wn, row0, key0;
+    int dcol0;  // the first output column of this CTA (D_PARTS > 1), else 0
   };
 
   static __device__ __forceinline__ Lane lane_of() {
@@ -101,13 +116,14 @@ struct Decode {
     l.wn = l.warp / WARPS_M;
     l.row0 = (l.warp % WARPS_M) * M_TILES * 16;
     l.key0 = l.wn * KW;
+    l.dcol0 = D_PARTS > 1 ? (int)(blockIdx.y % D_PARTS) * D_OUT : 0;
     return l;
   }
 
   static __device__ __forceinline__ Cta cta_of(const DecodeParams<T>& p) {
     Cta c;
     c.split = blockIdx.x;
-    c.kv_head = blockIdx.y;
+    c.kv_head = D_PARTS > 1 ? blockIdx.y / D_PARTS : blockIdx.y;
     c.batch = blockIdx.z;
     const int len = p.seqlens ? p.seqlens[c.batch] : p.seqlen_fixed;
     c.seqlen = min(max(len, 0), p.capacity);
@@ -171,11 +187,11 @@ struct Decode {
   // one tile ahead and kept as loaded (0 past the sequence); load_rows clamps it. Clamping here
   // would wait for the read at once, every tile.
   struct Pages {
-    int block[PAGED ? PAGE_ENTRIES : 1];
+    int block[PAGED && !ANY_CHUNKS ? PAGE_ENTRIES : 1];
   };
 
   static __device__ __forceinline__ void lookup(Pages& pg, const DecodeParams<T>& p, const Cta& c, int tile, int tid) {
-    if constexpr (PAGED) {
+    if constexpr (PAGED && !ANY_CHUNKS) {
       const int r0 = tid / L::CHUNKS;
 #pragma unroll
       for (int e = 0; e < PAGE_ENTRIES; ++e) {
@@ -197,7 +213,9 @@ struct Decode {
     constexpr int PASSES = NUM_STAGES == 1 ? 1 : 2;
     const int r0 = tid / L::CHUNKS;
     const int col = (tid % L::CHUNKS) * 8;
-    if constexpr (PAGED && ROWS_PER_ENTRY >= 4) {
+    if constexpr (ANY_CHUNKS) {
+      load_rows_any<LOAD_K, LOAD_V>(dst_k, dst_v, p, c, tile, tid);
+    } else if constexpr (PAGED && ROWS_PER_ENTRY >= 4) {
       // Four rows or more of a thread to a 16-row group (head_dim 256 at 4 warps): the group's first row
       // here finds the block (clamped to the pool: a bad table entry reads a wrong block instead of
       // faulting), the others step from its address. That address is in the pool whether or not the
@@ -262,6 +280,57 @@ struct Decode {
               cp_async_16(smem_addr(dst_v + at), ANY_ROW || ok ? c.v + blk * p.v_sb + slot * p.v_ss + col : c.v, ok);
           }
         }
+      }
+    }
+  }
+
+  // load_rows for rows whose 16-byte chunks do not divide among the threads: each thread steps over
+  // (row, chunk) pairs, a paged row reading its block from the table (clamped to the pool) as it goes.
+  template <bool LOAD_K, bool LOAD_V>
+  static __device__ __forceinline__ void load_rows_any(T* dst_k, T* dst_v, const DecodeParams<T>& p, const Cta& c,
+                                                       int tile, int tid) {
+    constexpr int PASSES = NUM_STAGES == 1 ? 1 : 2;
+    constexpr int TOTAL = BLOCK_N * L::CHUNKS;
+    constexpr int ITERS = (TOTAL + THREADS - 1) / THREADS;
+#pragma unroll
+    for (int pass = 0; pass < PASSES; ++pass) {
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        const int idx = it * THREADS + tid;
+        if (TOTAL % THREADS == 0 || idx < TOTAL) {
+          const int r = idx / L::CHUNKS;
+          const int col = (idx - r * L::CHUNKS) * 8;
+          const int pos = tile * BLOCK_N + r;
+          const bool ok = pos < c.seqlen && (!LOCAL || pos >= c.key_lo);
+          long long ko = 0, vo = 0;
+          if (ok) {
+            if constexpr (PAGED) {
+              const int b = block_of(pos, p, c);
+              const long long blk = min(max(c.table[b], 0), p.num_blocks - 1);
+              const long long slot = pos - b * p.block_size;
+              ko = blk * p.k_sb + slot * p.k_ss;
+              vo = blk * p.v_sb + slot * p.v_ss;
+            } else {
+              ko = pos * p.k_ss;
+              vo = pos * p.v_ss;
+            }
+          }
+          const int at = L::offset(r, col);
+          if (LOAD_K && (PASSES == 1 || pass == 0)) cp_async_16(smem_addr(dst_k + at), c.k + ko + col, ok);
+          if (LOAD_V && (PASSES == 1 || pass == 1)) cp_async_16(smem_addr(dst_v + at), c.v + vo + col, ok);
+        }
+      }
+    }
+  }
+
+  // Where head_dim % 16 == 8: zero the chunk past each row's data in Q and in every K slot of the ring, which
+  // the last MMA step over the head dim reads (the copies never write it, so once is enough; the ring's first
+  // barrier orders these stores before any read).
+  static __device__ __forceinline__ void zero_pads(T* sQ, T* sK, int tid) {
+    if constexpr (HEAD_DIM % 16 != 0) {
+      for (int r = tid; r < ROWS + NUM_STAGES * BLOCK_N; r += THREADS) {
+        T* row = r < ROWS ? sQ + r * ROW_ELEMS : sK + (r - ROWS) * ROW_ELEMS;
+        *reinterpret_cast<uint4*>(row + HEAD_DIM) = make_uint4(0u, 0u, 0u, 0u);
       }
     }
   }
@@ -435,15 +504,15 @@ struct Decode {
 #pragma unroll
       for (int mt = 0; mt < M_TILES; ++mt) p_fragment<BF16>(acc_p[mt], kk, a[mt]);
 #pragma unroll
-      for (int d2 = 0; d2 < HEAD_DIM / 16; ++d2) {
+      for (int d2 = 0; d2 < (D_OUT + 15) / 16; ++d2) {
         unsigned b0, b1, b2, b3;
         ldmatrix_x4_trans(b0, b1, b2, b3,
                           smem_addr(sVs + L::offset(l.key0 + kk * 16 + (l.lane % 8) + ((l.lane / 8) % 2) * 8,
-                                                    d2 * 16 + (l.lane / 16) * 8)));
+                                                    (D_PARTS > 1 ? l.dcol0 : 0) + d2 * 16 + (l.lane / 16) * 8)));
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
           mma_16816<BF16>(acc_o[mt][2 * d2], a[mt], b0, b1);
-          mma_16816<BF16>(acc_o[mt][2 * d2 + 1], a[mt], b2, b3);
+          if (2 * d2 + 1 < D_TILES) mma_16816<BF16>(acc_o[mt][2 * d2 + 1], a[mt], b2, b3);  // else the pad
         }
       }
     }
@@ -490,16 +559,17 @@ struct Decode {
   static __device__ __forceinline__ void fused(const DecodeParams<T>& p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
-    T* sK = sQ + ROWS * HEAD_DIM;
-    T* sV = sK + NUM_STAGES * BLOCK_N * HEAD_DIM;
+    T* sK = sQ + Q_ELEMS;
+    T* sV = sK + NUM_STAGES * TILE_ELEMS;
     const Cta c = cta_of(p);
     const Lane l = lane_of();
 
     Pages pg;
     lookup(pg, p, c, c.tile_begin, l.tid);
     load_q(sQ, p, c, l.tid);
+    zero_pads(sQ, sK, l.tid);
     const auto load = [&](int tile, int slot) {
-      load_rows<true, true>(sK + slot * BLOCK_N * HEAD_DIM, sV + slot * BLOCK_N * HEAD_DIM, p, c, pg, tile, l.tid);
+      load_rows<true, true>(sK + slot * TILE_ELEMS, sV + slot * TILE_ELEMS, p, c, pg, tile, l.tid);
       lookup(pg, p, c, tile + 1, l.tid);
     };
     ring_fill(c, load);
@@ -523,7 +593,7 @@ struct Decode {
         [&](int tile, int it, int slot) {
           const int n0 = tile * BLOCK_N;
           float acc_s[M_TILES][KW_TILES][4];
-          tile_scores(acc_s, q_frag, sQ, sK + slot * BLOCK_N * HEAD_DIM, lim, it, n0, p, c, l);
+          tile_scores(acc_s, q_frag, sQ, sK + slot * TILE_ELEMS, lim, it, n0, p, c, l);
           float corr[M_TILES][2];
           softmax_step(acc_s, row_max, row_sum, corr, p.scale_log2);
 #pragma unroll
@@ -532,7 +602,7 @@ struct Decode {
             for (int d = 0; d < D_TILES; ++d)
 #pragma unroll
               for (int e = 0; e < 4; ++e) acc_o[mt][d][e] *= corr[mt][e / 2];
-          accumulate_pv(acc_o, acc_s, sV + slot * BLOCK_N * HEAD_DIM, l);
+          accumulate_pv(acc_o, acc_s, sV + slot * TILE_ELEMS, l);
         });
     DecodeEnd<Decode>::epilogue(p, c, smem_raw, acc_o, row_max, row_sum, l);
   }

@@ -18,6 +18,8 @@ struct DecodeUnfused : Decode<T, BF16, HEAD_DIM, ROWS, BLOCK_N, NUM_WARPS, WARPS
   using D::D_TILES;
   using D::K_STEPS;
   using D::S_LD;
+  using D::TILE_ELEMS;
+  using D::Q_ELEMS;
   using D::cta_of;
   using D::lane_of;
   using D::lookup;
@@ -34,15 +36,16 @@ struct DecodeUnfused : Decode<T, BF16, HEAD_DIM, ROWS, BLOCK_N, NUM_WARPS, WARPS
   static __device__ __forceinline__ void unfused_qk(const DecodeParams<T>& p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
-    T* sK = sQ + ROWS * HEAD_DIM;
+    T* sK = sQ + Q_ELEMS;
     const Cta c = cta_of(p);
     const Lane l = lane_of();
 
     Pages pg;
     lookup(pg, p, c, c.tile_begin, l.tid);
     load_q(sQ, p, c, l.tid);
+    D::zero_pads(sQ, sK, l.tid);
     const auto load = [&](int tile, int slot) {
-      D::template load_rows<true, false>(sK + slot * BLOCK_N * HEAD_DIM, nullptr, p, c, pg, tile, l.tid);
+      D::template load_rows<true, false>(sK + slot * TILE_ELEMS, nullptr, p, c, pg, tile, l.tid);
       lookup(pg, p, c, tile + 1, l.tid);
     };
     ring_fill(c, load);
@@ -62,7 +65,7 @@ struct DecodeUnfused : Decode<T, BF16, HEAD_DIM, ROWS, BLOCK_N, NUM_WARPS, WARPS
         [&](int tile, int it, int slot) {
           const int n0 = tile * BLOCK_N;
           float acc_s[M_TILES][KW_TILES][4];
-          tile_scores(acc_s, q_frag, sQ, sK + slot * BLOCK_N * HEAD_DIM, lim, it, n0, p, c, l);
+          tile_scores(acc_s, q_frag, sQ, sK + slot * TILE_ELEMS, lim, it, n0, p, c, l);
           // Masked scores are stored as -inf; keys past the sequence are not stored.
 #pragma unroll
           for (int mt = 0; mt < M_TILES; ++mt)
@@ -118,15 +121,15 @@ struct DecodeUnfused : Decode<T, BF16, HEAD_DIM, ROWS, BLOCK_N, NUM_WARPS, WARPS
 
   static __device__ __forceinline__ void unfused_pv(const DecodeParams<T>& p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    T* sV = reinterpret_cast<T*>(smem_raw) + ROWS * HEAD_DIM;
-    float* sS = reinterpret_cast<float*>(sV + NUM_STAGES * BLOCK_N * HEAD_DIM);
+    T* sV = reinterpret_cast<T*>(smem_raw) + Q_ELEMS;
+    float* sS = reinterpret_cast<float*>(sV + NUM_STAGES * TILE_ELEMS);
     const Cta c = cta_of(p);
     const Lane l = lane_of();
     const float* gS = p.scores + ((long long)c.batch * gridDim.y + c.kv_head) * c.rows_valid * p.scores_ld;
     Pages pg;
     lookup(pg, p, c, c.tile_begin, l.tid);
     const auto load = [&](int tile, int slot) {
-      D::template load_rows<false, true>(nullptr, sV + slot * BLOCK_N * HEAD_DIM, p, c, pg, tile, l.tid);
+      D::template load_rows<false, true>(nullptr, sV + slot * TILE_ELEMS, p, c, pg, tile, l.tid);
       load_scores(sS + slot * ROWS * S_LD, gS, p, c, tile, l.tid);
       lookup(pg, p, c, tile + 1, l.tid);
     };
@@ -176,7 +179,7 @@ struct DecodeUnfused : Decode<T, BF16, HEAD_DIM, ROWS, BLOCK_N, NUM_WARPS, WARPS
                 acc_p[mt][n][2 * r + 1] = in1 ? fast_exp2(fmaf(s.y, p.scale_log2, -base[mt][r])) : 0.f;
               }
             }
-          accumulate_pv(acc_o, acc_p, sV + slot * BLOCK_N * HEAD_DIM, l);
+          accumulate_pv(acc_o, acc_p, sV + slot * TILE_ELEMS, l);
         });
     End::epilogue(p, c, smem_raw, acc_o, row_max, row_sum, l);
   }

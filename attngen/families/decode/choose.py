@@ -114,7 +114,7 @@ def cluster_limit(rs: DecodeSpec, ctas: int, device: DeviceFacts, cluster_max: i
     into GPCs: fewer clusters than SMs / size where a GPC's SMs do not divide into whole clusters): a
     cluster size with fewer runs the last clusters as a second wave, slower than the merge launch, so the
     size is the largest whose clusters all fit (BENCHMARKS.md)."""
-    if (rs.variant is Variant.UNFUSED or rs.num_stages < 4
+    if (rs.variant is Variant.UNFUSED or rs.d_parts > 1 or rs.num_stages < 4
             or rs.cluster_merge_bytes() > rs.smem_bytes() or max(1, device.occupancy(rs)) != 1):
         return 0
     cmax = cluster_max
@@ -126,7 +126,7 @@ def cluster_limit(rs: DecodeSpec, ctas: int, device: DeviceFacts, cluster_max: i
 
 def launch(p: Problem, rs: DecodeSpec, device: DeviceFacts) -> Launch:
     """The launch of ``rs`` for ``p``."""
-    b, hk, d = p.batch, p.kv_heads, p.head_dim
+    b, hk, d = p.batch, p.kv_heads * rs.d_parts, p.head_dim  # hk: CTAs a split of a row
     per_sm = max(1, device.occupancy(rs))
     cmax = cluster_limit(rs, b * hk, device, p.cluster_max)
     num_splits = p.num_splits

@@ -21,6 +21,10 @@ TUNED = {
     (128, True): [(64, 4, 4), (64, 4, 2)],
     (256, False): [(64, 4, 2), (32, 8, 2)],
     (256, True): [(64, 4, 2), (32, 8, 2)],
+    # not measured: the one 16-row config whose accumulators (half the output columns a CTA) and one stage of
+    # 64-key K and V tiles fit (sm_80, sm_90a, sm_100; not the 99 KB of shared memory of sm_86/89/120)
+    (512, False): [(64, 4, 1)],
+    (512, True): [(64, 4, 1)],
 }
 
 # Per (head_dim, paged, q_rows, variant): configs tried before TUNED's where the packed query rows change the best.
@@ -72,7 +76,69 @@ SPILLS_ON = {
     ((64, False, 32, 'fused', 'local'), (128, 8, 2)): ('sm_80', 'sm_90a'),
     ((64, True, 32, 'fused', 'local'), (128, 8, 2)): ('sm_80',),
     ((256, False, 16, 'fused', 'local'), (64, 4, 2)): ('sm_80', 'sm_90a'),
+    # the head dims between the measured ones: the fused defaults of every new head_dim, layout and q_rows 16, 32 and
+    # 64 for sm_80 and sm_90a, of 80/96/160/192 (the manifest's) at q_rows 16 and 32 for every manifest arch, and of
+    # 512 at every q_rows for sm_80, sm_90a and sm_100, bf16, each resolved, compiled and listed here until it
+    # compiled without spills; with the local switch, q_rows 16 of 40/80/96/160/192/200/512 for sm_80 and sm_90a
+    ((32, False, 32, 'fused'), (128, 8, 2)): ('sm_80', 'sm_90a'),
+    ((72, False, 16, 'fused'), (64, 4, 4)): ('sm_90a',),
+    ((72, True, 32, 'fused'), (64, 4, 2)): ('sm_80',),
+    ((72, True, 32, 'fused'), (64, 4, 3)): ('sm_80',),
+    ((72, True, 32, 'fused'), (64, 4, 4)): ('sm_80',),
+    ((80, False, 32, 'fused'), (64, 4, 4)): ('sm_90a',),
+    ((80, True, 32, 'fused'), (64, 4, 2)): ('sm_80', 'sm_90a'),
+    ((80, True, 32, 'fused'), (64, 4, 3)): ('sm_80', 'sm_90a'),
+    ((80, True, 32, 'fused'), (64, 4, 4)): ('sm_80', 'sm_90a'),
+    ((80, True, 64, 'fused'), (64, 8, 3)): ('sm_80',),
+    ((88, False, 32, 'fused'), (64, 4, 4)): ('sm_90a',),
+    ((88, False, 64, 'fused'), (64, 8, 3)): ('sm_90a',),
+    ((88, True, 32, 'fused'), (64, 4, 2)): ('sm_90a',),
+    ((88, True, 32, 'fused'), (64, 4, 3)): ('sm_90a',),
+    ((88, True, 32, 'fused'), (64, 4, 4)): ('sm_90a',),
+    ((88, True, 64, 'fused'), (64, 8, 3)): ('sm_80',),
+    ((96, False, 64, 'fused'), (64, 8, 3)): ('sm_90a',),
+    ((104, False, 32, 'fused'), (64, 4, 4)): ('sm_80',),
+    ((104, False, 64, 'fused'), (64, 8, 3)): ('sm_90a',),
+    ((104, True, 16, 'fused'), (64, 4, 2)): ('sm_90a',),
+    ((104, True, 16, 'fused'), (64, 4, 4)): ('sm_90a',),
+    ((112, False, 16, 'fused'), (64, 4, 4)): ('sm_80',),
+    ((112, False, 32, 'fused'), (64, 4, 4)): ('sm_90a',),
+    ((136, False, 64, 'fused'), (64, 4, 2)): ('sm_90a',),
+    ((136, True, 16, 'fused'), (64, 4, 2)): ('sm_80',),
+    ((136, True, 16, 'fused'), (64, 4, 3)): ('sm_80',),
+    ((136, True, 16, 'fused'), (64, 4, 4)): ('sm_80',),
+    ((136, True, 64, 'fused'), (64, 4, 2)): ('sm_80', 'sm_90a'),
+    ((144, False, 16, 'fused'), (64, 4, 2)): ('sm_80',),
+    ((144, False, 32, 'fused'), (64, 4, 2)): ('sm_80',),
+    ((152, True, 16, 'fused'), (64, 4, 2)): ('sm_90a',),
+    ((152, True, 16, 'fused'), (64, 4, 3)): ('sm_90a',),
+    ((152, True, 16, 'fused'), (64, 4, 4)): ('sm_90a',),
+    ((152, True, 64, 'fused'), (64, 4, 2)): ('sm_90a',),
+    ((192, False, 32, 'fused'), (64, 4, 2)): ('sm_80', 'sm_90a'),
+    ((192, False, 32, 'fused'), (64, 4, 3)): ('sm_80', 'sm_90a'),
+    ((192, False, 32, 'fused'), (64, 4, 4)): ('sm_90a',),
+    ((192, False, 64, 'fused'), (64, 4, 2)): ('sm_80', 'sm_90a'),
+    ((192, True, 32, 'fused'), (64, 4, 2)): ('sm_80',),
+    ((192, True, 64, 'fused'), (64, 4, 2)): ('sm_80',),
+    ((200, True, 32, 'fused'), (64, 4, 2)): ('sm_90a',),
+    ((240, False, 32, 'fused'), (64, 4, 2)): ('sm_80', 'sm_90a'),
+    ((240, False, 32, 'fused'), (64, 4, 3)): ('sm_90a',),
+    ((512, False, 64, 'fused'), (32, 8, 2)): ('sm_90a',),
+    ((512, False, 128, 'fused'), (16, 8, 3)): ('sm_90a',),
+    ((512, True, 64, 'fused'), (32, 8, 2)): ('sm_90a',),
+    ((40, True, 16, 'fused', 'local'), (64, 4, 3)): ('sm_80',),
+    ((40, True, 16, 'fused', 'local'), (64, 4, 4)): ('sm_80',),
+    ((40, True, 16, 'fused', 'local'), (128, 4, 2)): ('sm_80',),
+    ((40, True, 16, 'fused', 'local'), (128, 8, 2)): ('sm_80',),
+    ((160, True, 16, 'fused', 'local'), (64, 4, 2)): ('sm_80',),
+    ((160, True, 16, 'fused', 'local'), (64, 4, 3)): ('sm_80',),
 }
+
+
+def measured_dim(head_dim: int) -> int:
+    """The measured head dim whose tiles ``head_dim`` takes: the nearest one at or above it, so that a config
+    that fits its rows (shared memory, accumulators) fits the narrower ones too."""
+    return min(d for d, _ in TUNED if d >= head_dim)
 
 
 def candidates(spec, arch: Arch):
@@ -80,8 +146,9 @@ def candidates(spec, arch: Arch):
     lists for the arch last, so a default never takes one while another fits and a spec that pins one still gets
     it (spills cost speed, not results)."""
     where = (spec.head_dim, spec.paged, spec.q_rows, spec.variant.value)
-    every = itertools.chain(TUNED_ROWS.get(where, ()),
-                            TUNED[(spec.head_dim, spec.paged)],
+    m = measured_dim(spec.head_dim)
+    every = itertools.chain(TUNED_ROWS.get((m, *where[1:]), ()),
+                            TUNED[(m, spec.paged)],
                             itertools.product((64, 128, 32, 16), (4, 8), (4, 3, 2, 1)))
     keys = [where] + [(*where, mod) for mod in ("softcap", "alibi", "local") if getattr(spec, mod)]
     return iter(sorted(every, key=lambda c: any(arch.name in SPILLS_ON.get((k, c), ()) for k in keys)))

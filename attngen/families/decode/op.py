@@ -19,7 +19,7 @@ from ..score_mods import NO_EXTRAS, checked_scale, extras
 from ..split_kv import CLUSTER_MAX, cache_lengths, check_index, check_rows, checked_splits, paged_table
 from . import choose as _choose
 from .choose import Problem, base_spec, launch, table
-from .spec import DecodeSpec, Variant
+from .spec import HEAD_DIMS_TEXT, DecodeSpec, Variant, head_dim_refusal
 
 # DecodeParams in templates/decode/fwd.cuh: 12 pointers, 14 strides, 9 ints, an unsigned
 # (block_mul), 2 floats, 2 floats (softcap), the ALiBi slopes' pointer and batch stride, the left pads'
@@ -27,7 +27,8 @@ from .spec import DecodeSpec, Variant
 _PARAMS = struct.Struct("<12Q14q9iI2f2fQqQii")
 _LOG2E = 1.4426950408889634
 MAX_Q_LEN = 8
-MAX_GROUP = 16
+# GQA groups to 128 query heads a KV head (one CTA packs a group's heads x q_len rows, 128 at most).
+MAX_GROUP = 128
 VARIANTS = ("auto", "fused", "unfused")
 _CACHE_DIMS = "[cache_batch, max_seqlen, kv_heads, head_dim] or, paged, [num_blocks, block_size, kv_heads, head_dim]"
 # An unbounded side of the window, as the local kernels take it: past any cache they accept (LOCAL_MAX_KEYS).
@@ -53,6 +54,10 @@ _memo = OpMemo(_make_plan)
 _plans, _calls = _memo.plans, _memo.calls  # key -> Plan; key -> _Call (runtime.keep_call)
 
 
+def _refuse_head_dim(d) -> None:
+    raise LaunchError(f"head_dim={d} is not supported; allowed: {HEAD_DIMS_TEXT} ({head_dim_refusal(d)})")
+
+
 def _check_operands(qi, ki, vi) -> None:
     """Ranks, contiguous last dims and 16-byte alignment of q and the caches (``check_rows``'s
     rules): one arithmetic test for the common case, the named checks for the message."""
@@ -61,8 +66,7 @@ def _check_operands(qi, ki, vi) -> None:
         if len(st) != 4 or st[3] != 1 or (t.ptr & 15) | ((st[0] | st[1] | st[2]) & 7):
             d = qi.shape[-1] if qi.shape else 0
             if d not in DecodeSpec.HEAD_DIMS:  # named before the strides it makes misaligned
-                raise LaunchError(f"head_dim={d} is not supported; allowed: "
-                                  f"{', '.join(map(str, DecodeSpec.HEAD_DIMS))}")
+                _refuse_head_dim(d)
             check_rows(qi, "q", 4, "[batch, q_len, heads, head_dim]")
             check_rows(ki, "k_cache", 4, _CACHE_DIMS)
             check_rows(vi, "v_cache", 4, _CACHE_DIMS)
@@ -235,7 +239,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     if not 1 <= q_len <= MAX_Q_LEN:
         raise LaunchError(f"q_len={q_len} (q.shape[1]) is not supported; allowed: 1 to {MAX_Q_LEN}")
     if d not in DecodeSpec.HEAD_DIMS:
-        raise LaunchError(f"head_dim={d} is not supported; allowed: {', '.join(map(str, DecodeSpec.HEAD_DIMS))}")
+        _refuse_head_dim(d)
     if dk != d:
         raise LaunchError(f"head_dim mismatch: q has {d}, k_cache/v_cache have {dk}")
     if hk == 0 or h % hk:
@@ -243,6 +247,9 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     group = h // hk
     if group > MAX_GROUP:
         raise LaunchError(f"heads/kv_heads = {group} is not supported; allowed: a GQA group of 1 to {MAX_GROUP}")
+    if group * q_len > DecodeSpec.Q_ROWS[-1]:
+        raise LaunchError(f"heads/kv_heads x q_len = {group} x {q_len} = {group * q_len} packed query rows a KV "
+                          f"head is not supported; allowed: at most {DecodeSpec.Q_ROWS[-1]}")
     if variant not in VARIANTS:
         raise LaunchError(f"variant={variant!r} is not allowed; allowed: {', '.join(VARIANTS)}")
     if num_splits.__class__ is not int or num_splits:

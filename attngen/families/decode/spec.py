@@ -17,6 +17,15 @@ from ...spec import DType, SpecBase, check_smem, coerce_bool, coerce_enum, coerc
 # Threads of a decode module's `_merge` entry: one warp per output row.
 MERGE_THREADS = 128
 
+HEAD_DIMS_TEXT = "a multiple of 8 from 32 to 256, or 512"
+
+
+def head_dim_refusal(d: int) -> str:
+    """Why ``d`` is not a decode head dim (for a ``head_dim`` error)."""
+    if d > 256:
+        return "past 256 the output columns are split between two CTAs a KV head, which only 512 was built for"
+    return "rows are copied and multiplied in 8-column (16-byte) chunks, at least 4 of them"
+
 
 class Variant(enum.Enum):
     FUSED = "fused"      # one kernel: S = Q K^T, online softmax and O += P V per KV tile
@@ -39,7 +48,9 @@ class DecodeSpec(SpecBase):
     # cost more on a paged cache with many rows a CTA than it gained elsewhere.
     PDL_ENTRIES: ClassVar[tuple[str, ...]] = ("", "_pv")
 
-    HEAD_DIMS: ClassVar[tuple[int, ...]] = (64, 128, 256)
+    # Multiples of 64 keep swizzled rows; the other multiples of 8 a padded row (decode/fwd.cuh). At 512 (Gemma's
+    # global layers) two CTAs share each KV head, each computing half the output columns (``d_parts``).
+    HEAD_DIMS: ClassVar[tuple[int, ...]] = (*range(32, 257, 8), 512)
     Q_ROWS: ClassVar[tuple[int, ...]] = (16, 32, 64, 128)
     CTA_TILE_KV: ClassVar[tuple[int, ...]] = (0, 16, 32, 64, 128)
     NUM_WARPS: ClassVar[tuple[int, ...]] = (0, 4, 8)
@@ -63,7 +74,10 @@ class DecodeSpec(SpecBase):
 
     def __post_init__(self):
         s = object.__setattr__
-        s(self, "head_dim", coerce_int("head_dim", self.head_dim, self.HEAD_DIMS))
+        d = self.head_dim
+        if isinstance(d, int) and not isinstance(d, bool) and d.bit_length() <= 64 and d not in self.HEAD_DIMS:
+            raise SpecError("head_dim", d, HEAD_DIMS_TEXT, reason=head_dim_refusal(d))
+        s(self, "head_dim", coerce_int("head_dim", d, self.HEAD_DIMS))
         s(self, "dtype", coerce_enum(DType, "dtype", self.dtype))
         s(self, "q_rows", coerce_int("q_rows", self.q_rows, self.Q_ROWS))
         s(self, "paged", coerce_bool("paged", self.paged))
@@ -74,6 +88,9 @@ class DecodeSpec(SpecBase):
         s(self, "cta_tile_kv", coerce_int("cta_tile_kv", self.cta_tile_kv, self.CTA_TILE_KV))
         s(self, "num_warps", coerce_int("num_warps", self.num_warps, self.NUM_WARPS))
         s(self, "num_stages", coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
+        if self.d_parts > 1 and self.variant is Variant.UNFUSED:
+            raise SpecError("variant", self.variant.value, "fused", reason=f"head_dim={self.head_dim} splits the output "
+                            "columns between CTAs, which only the fused kernel does")
 
     @staticmethod
     def rows_for(group: int, q_len: int) -> int:
@@ -104,6 +121,23 @@ class DecodeSpec(SpecBase):
         return self.head_dim * self.m_tiles <= 128
 
     @property
+    def d_parts(self) -> int:
+        """CTAs a KV head, each holding ``d_out`` of the output columns (2 past head_dim 256: a row's fp32 output
+        would pass a thread's registers)."""
+        return 2 if self.head_dim > 256 else 1
+
+    @property
+    def d_out(self) -> int:
+        return self.head_dim // self.d_parts
+
+    @property
+    def row_elems(self) -> int:
+        """Elements of a Q, K or V row in shared memory: the head dim (swizzled rows, multiples of 64),
+        else padded to an odd number of 16-byte chunks past the next multiple of 16 (``Decode::ROW_ELEMS``)."""
+        d = self.head_dim
+        return d if d % 64 == 0 else -(-d // 16) * 16 + 8
+
+    @property
     def threads(self) -> int:
         self._require_resolved("threads")
         return 32 * self.num_warps
@@ -113,13 +147,13 @@ class DecodeSpec(SpecBase):
         their fp32 scores) during the KV loop; after it, the same bytes hold the per-row max/sum
         of every warp and the fp32 partial outputs of the warps past the first along the keys."""
         self._require_resolved("smem_bytes")
-        row = self.head_dim * self.dtype.itemsize
+        row = self.row_elems * self.dtype.itemsize
         q = self.q_rows * row
         ring = self.num_stages * self.cta_tile_kv * row * 2
         if self.variant is Variant.UNFUSED:
             # the P V kernel stages fp32 scores (q_rows x cta_tile_kv, padded) next to each V tile
             ring = self.num_stages * (self.cta_tile_kv * row + self.q_rows * (self.cta_tile_kv + 4) * 4)
-        combine = ((self.warps_n - 1) * self.q_rows * (self.head_dim + 4) + 2 * self.warps_n * self.q_rows) * 4
+        combine = ((self.warps_n - 1) * self.q_rows * (self.d_out + 4) + 2 * self.warps_n * self.q_rows) * 4
         return max(q + ring, combine)
 
     def cluster_merge_bytes(self) -> int:
@@ -157,9 +191,9 @@ class DecodeSpec(SpecBase):
             raise SpecError("cta_tile_kv", self.cta_tile_kv, f"a multiple of {16 * self.warps_n}",
                             reason=f"{self.warps_n} warps split each KV tile and each needs whole 16-key steps "
                                    f"(q_rows={self.q_rows}, num_warps={self.num_warps})")
-        acc = self.m_tiles * 4 * (self.head_dim // 8 + keys_per_warp // 8)
+        acc = self.m_tiles * 4 * (self.d_out // 8 + keys_per_warp // 8)
         if self.q_in_regs:
-            acc += self.m_tiles * 4 * (self.head_dim // 16)
+            acc += self.m_tiles * 4 * -(-self.head_dim // 16)
         # Decode keeps more live state per accumulator than prefill (row limits, per-row addresses of
         # the packed heads); past ~136 ptxas spilled (NVRTC 13.5, sm_90, every q_rows x head_dim).
         if acc > 136:
