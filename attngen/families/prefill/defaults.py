@@ -23,6 +23,20 @@ TUNED = {
     256: [(128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
 }
 
+
+def neighbour(head_dim: int) -> int:
+    """The measured head dim whose mma.sync configs a whole-row head dim takes: itself, or the nearest measured
+    one above it (40 -> 64, 80 -> 96, 160 -> 192, 224 -> 256). Tiles that fit the wider rows fit the narrower
+    ones' shared memory and registers too, so the neighbour's ranking is the best guess short of a sweep; where
+    one spills on an arch for the narrower dim, ``SPILLS_ON`` puts it last there."""
+    return next(d for d in sorted(TUNED) if d >= head_dim)
+
+
+def tuned_sync(head_dim: int) -> list:
+    """The mma.sync kernel's configs for ``head_dim``, best first: TUNED's, or its neighbour's."""
+    return TUNED[neighbour(head_dim)]
+
+
 # sm_90a, the dense layout: the TMA pipeline's wgmma kernels (a producer warpgroup more), per
 # (head_dim, head_dim_v, masked): (cta_tile_q, cta_tile_kv, num_warps, num_stages[, schedule[, persistent]]),
 # serial where no schedule is named. Tiles from tools/sweep_configs.py --tma: each was the fastest config of either
@@ -224,9 +238,14 @@ def candidates(spec, arch: Arch):
             every = every[:n] + [c for c in every[n:] if c[0] == 64] + [c for c in every[n:] if c[0] != 64]
         spills = SPILLS_ON["mask" if spec.custom_mask else "varlen" if spec.varlen else "dense"]
 
+        # a head dim between the measured ones also puts last what spills at its neighbour (its configs'
+        # source, ``neighbour``): the registers a config holds grow with the head dim, slowly
+        dims = dict.fromkeys((spec.head_dim, neighbour(spec.head_dim)))
+
         def spilled(c):
-            key = (spec.head_dim, tuple(c[:4]), c[4])  # both pipelines of a config alike
-            return arch.name in spills.get(key, ()) or arch.name in spills.get((*key, spec.mask), ())
+            keys = [(d, tuple(c[:4]), c[4]) for d in dims]  # both pipelines of a config alike
+            return any(arch.name in spills.get(key, ()) or arch.name in spills.get((*key, spec.mask), ())
+                       for key in keys)
 
     return iter(sorted(every, key=spilled))  # stable: the order within each group is kept
 
@@ -261,7 +280,7 @@ def _candidates(spec, arch: Arch):
         yield from ((*c, W, S, SER, OFF) for c in wgmma_all)
         if spec.custom_mask:  # the other TMA configs of a mask's tile lists: where asked for
             yield from tma(wgmma_all)
-    yield from ((*c, Mma.SYNC, S, SER, OFF) for c in TUNED[d])
+    yield from ((*c, Mma.SYNC, S, SER, OFF) for c in tuned_sync(d))
     yield from ((*c, Mma.SYNC, S, SER, OFF)
                 for c in itertools.product((128, 64), (64, 128, 32), (4, 8), (2, 3, 1, 4)))
     if wgmma and dense:
