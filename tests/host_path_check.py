@@ -133,7 +133,7 @@ def main():
         ((q, k, v), {"sm_scale": -0.5}, "sm_scale=-0.5 must be finite and > 0"),
         ((q.float(), k, v), {}, "q is on cpu"),
         ((odd, k, v), {}, "q must be 16-byte aligned"),
-        ((q, k, wrap(v[:, :, :, :32])), {}, "v's head dim=32 is not supported"),
+        ((q, k, wrap(v[:, :, :, :36])), {}, "v's head dim=36 is not supported"),
     ]:
         try:
             attngen.prefill(*args, **kw)
@@ -141,6 +141,20 @@ def main():
             assert text in str(e), (text, str(e))
         else:
             raise AssertionError(f"no error for {text}")
+    # Head dims outside the rule (FlashAttention's tests use 59 and 111) are named before the strides they make
+    # misaligned, through FlashAttention's names too; a multiple of 8 up to 256 launches.
+    for d in (59, 111, 24, 264):
+        x = rand(1, 16, 4, d)
+        try:
+            attngen.flash_attn_func(x, x, x)
+        except attngen.LaunchError as e:
+            assert f"head_dim={d} is not supported; allowed: a multiple of 8 from 32 to 256" in str(e), str(e)
+        else:
+            raise AssertionError(f"flash_attn_func took head_dim={d}")
+    x = rand(1, 16, 4, 40)
+    n0 = fake_cuda.counts()["launches"]
+    attngen.flash_attn_func(x, x, x)
+    assert fake_cuda.counts()["launches"] == n0 + 1
     # A tuned winner for this GPU is used; ATTNGEN_NO_TUNED=1 and an explicit spec are not.
     default = op.kernel_for(q, k, v).spec
     assert default == attngen.resolve(PrefillSpec(head_dim=64, dtype="bf16"), "sm_90a")

@@ -197,8 +197,8 @@ def test_bad_inputs_raise_before_launch(bad):
     if bad == "dtype":
         k = k.to(torch.bfloat16)
     elif bad == "head_dim":
-        q = torch.randn(1, 16, 4, 80, device="cuda", dtype=torch.float16)
-        k = v = torch.randn(1, 16, 4, 80, device="cuda", dtype=torch.float16)
+        q = torch.randn(1, 16, 4, 60, device="cuda", dtype=torch.float16)
+        k = v = torch.randn(1, 16, 4, 60, device="cuda", dtype=torch.float16)
     elif bad == "gqa":
         k = v = torch.randn(1, 16, 3, 64, device="cuda", dtype=torch.float16)
     elif bad == "batch":

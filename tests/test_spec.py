@@ -27,7 +27,8 @@ def test_spec_error_is_a_value_error_and_an_attngen_error():
 def test_bad_head_dim_message_names_field_value_and_allowed_set():
     with pytest.raises(SpecError) as ei:
         PrefillSpec(head_dim=100)
-    allowed = "64, 96, 128, 192, 256, 320, 384, 448, 512, 576, 640, 768, 1024"
+    allowed = ("a multiple of 8 from 32 to 256 (whole rows), or 320, 384, 448, 512, 576, 640, 768, 1024 (the chunked "
+               "kernel)")
     assert str(ei.value) == f"head_dim=100 is not allowed; allowed: {allowed}"
     assert ei.value.field == "head_dim"
     assert ei.value.value == 100

@@ -23,6 +23,20 @@ TUNED = {
     256: [(128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
 }
 
+
+def neighbour(head_dim: int) -> int:
+    """The measured head dim whose mma.sync configs a whole-row head dim takes: itself, or the nearest measured
+    one above it (40 -> 64, 80 -> 96, 160 -> 192, 224 -> 256). Tiles that fit the wider rows fit the narrower
+    ones' shared memory, so the neighbour's ranking is the best guess short of a sweep; where one spills on an
+    arch at the narrower dim, ``SPILLS_ON`` puts it last there."""
+    return next(d for d in sorted(TUNED) if d >= head_dim)
+
+
+def tuned_sync(head_dim: int) -> list:
+    """The mma.sync kernel's configs for ``head_dim``, best first: TUNED's, or its neighbour's."""
+    return TUNED[neighbour(head_dim)]
+
+
 # sm_90a, the dense layout: the TMA pipeline's wgmma kernels (a producer warpgroup more), per
 # (head_dim, head_dim_v, masked): (cta_tile_q, cta_tile_kv, num_warps, num_stages[, schedule[, persistent]]),
 # serial where no schedule is named. Tiles from tools/sweep_configs.py --tma: each was the fastest config of either
@@ -117,6 +131,56 @@ SPILLS_ON = {
     },
 }
 
+
+# Head dims between the measured ones (``neighbour``), per layout as SPILLS_ON: found by compiling each one's
+# default, no mask and causal, contiguous and paged, for every manifest arch (NVRTC 13.5), until none spilled.
+# Their neighbour's entries do not carry over (at 200-232 a custom mask spills where 256's does not, and the
+# reverse).
+_C, _N = MaskMode.CAUSAL, MaskMode.NONE
+_WHOLE_SPILLS = {
+    "dense": {
+        (56, (128, 64, 4, 3)): ("sm_80", "sm_86", "sm_89", "sm_90a"),
+        (120, (128, 64, 4, 1)): ("sm_86", "sm_89", "sm_120"),
+        (136, (128, 32, 8, 2), _C): ("sm_86", "sm_89", "sm_90a"),
+        (224, (128, 64, 8, 2)): ("sm_90a",),
+        (232, (128, 64, 8, 2)): ("sm_100",),
+        (240, (128, 64, 8, 2)): ("sm_90a", "sm_100"),
+        (248, (128, 64, 8, 2)): ("sm_90a", "sm_100"),
+    },
+    "varlen": {
+        (56, (128, 64, 4, 3)): ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100"),
+        (72, (128, 64, 8, 2), _N): ("sm_86", "sm_89"),
+        (104, (64, 64, 4, 3), _N): ("sm_100",),
+        (112, (64, 64, 4, 3)): ("sm_100",),
+        (120, (64, 64, 4, 3), _C): ("sm_100",),
+        (120, (128, 64, 4, 1)): ("sm_86", "sm_89", "sm_120"),
+        (144, (128, 32, 8, 2), _C): ("sm_120",),
+        (208, (128, 64, 8, 2), _C): ("sm_80",),
+        (216, (64, 32, 4, 2), _C): ("sm_86", "sm_89"),
+        (224, (128, 64, 8, 2)): ("sm_90a",),
+        (232, (128, 64, 8, 2)): ("sm_100",),
+        (240, (128, 64, 8, 2)): ("sm_90a", "sm_100"),
+        (248, (128, 64, 8, 2)): ("sm_90a", "sm_100"),
+    },
+    "mask": {
+        **{(232, c, _C): ("sm_100",) for c in ((64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 1),
+                                                (64, 128, 4, 1))},
+        # 240 with a custom mask spills in most 64-row configs: 128-row ones are taken where these do
+        (240, (64, 32, 4, 2)): ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100"),
+        (240, (64, 64, 4, 2)): ("sm_80", "sm_90a", "sm_100"),
+        (240, (64, 64, 4, 1)): ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100"),
+        (240, (64, 64, 4, 3)): ("sm_90a", "sm_100"),
+        (240, (64, 128, 4, 1)): ("sm_80", "sm_90a", "sm_100"),
+        (240, (64, 32, 4, 3)): ("sm_80", "sm_90a"),
+        (240, (64, 32, 4, 1)): ("sm_90a",),
+        (240, (64, 32, 4, 1), _C): ("sm_80", "sm_86", "sm_89"),
+        (240, (64, 32, 4, 4)): ("sm_80", "sm_90a"),
+        (240, (128, 64, 8, 2)): ("sm_90a",),
+        **{(248, c, _N): ("sm_100",) for c in ((64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 1), (64, 128, 4, 1))},
+    },
+}
+for _layout, _entries in _WHOLE_SPILLS.items():
+    SPILLS_ON[_layout].update({(k[0], k[1], Mma.SYNC, *k[2:]): v for k, v in _entries.items()})
 
 # The chunked kernel (head_dim above 256, head_dim_v above head_dim): (cta_tile_q, cta_tile_kv, num_warps,
 # num_stages, head_dim_chunk), best first. 64 query rows while O's columns split four ways stay
@@ -261,7 +325,7 @@ def _candidates(spec, arch: Arch):
         yield from ((*c, W, S, SER, OFF) for c in wgmma_all)
         if spec.custom_mask:  # the other TMA configs of a mask's tile lists: where asked for
             yield from tma(wgmma_all)
-    yield from ((*c, Mma.SYNC, S, SER, OFF) for c in TUNED[d])
+    yield from ((*c, Mma.SYNC, S, SER, OFF) for c in tuned_sync(d))
     yield from ((*c, Mma.SYNC, S, SER, OFF)
                 for c in itertools.product((128, 64), (64, 128, 32), (4, 8), (2, 3, 1, 4)))
     if wgmma and dense:

@@ -74,7 +74,7 @@ def check_infos(qi, ki, vi, dims: str = "[batch, seqlen, heads, head_dim]", kv_d
     # An unsupported head dim is named as such before the strides it makes misaligned (59 -> stride 59).
     for name, x in (("head_dim", qi.shape[-1]), ("v's head dim", vi.shape[-1])):
         if x not in PrefillSpec.HEAD_DIMS:
-            raise LaunchError(f"{name}={x} is not supported; allowed: {', '.join(map(str, PrefillSpec.HEAD_DIMS))}")
+            raise LaunchError(f"{name}={x} is not supported; allowed: {PrefillSpec.HEAD_DIMS_TEXT}")
     for name, t, want in operands:
         st = t.strides
         if st[-1] != 1:

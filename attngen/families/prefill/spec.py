@@ -74,10 +74,25 @@ def _row(elems: int) -> int:
     return elems + 8
 
 
+def _mma_dim(head_dim: int) -> int:
+    """The width the whole-row kernel's mma.sync GEMMs run over: the head dim rounded up to 16 (a head dim of
+    8 mod 16 computes over one zeroed 16-byte chunk more; templates/prefill/fwd.cuh.jinja, QK_DIM)."""
+    return -(-head_dim // 16) * 16
+
+
 def _smem_row(head_dim: int) -> int:
     """Elements per shared-memory row of the whole-row kernel's tiles: XOR-swizzled rows (a multiple
-    of 64 elements) are dense; others get one 16-byte pad."""
-    return head_dim if head_dim % 64 == 0 else head_dim + 8
+    of 64 elements) are dense; others get one 16-byte pad past the GEMMs' width, which staggers the rows
+    across the banks (an odd count of 16-byte chunks a row)."""
+    return head_dim if head_dim % 64 == 0 else _mma_dim(head_dim) + 8
+
+
+def _head_dim(name: str, value, allowed, text: str) -> int:
+    """``coerce_int`` with the allowed head dims said as a rule rather than listed one by one."""
+    try:
+        return coerce_int(name, value, allowed)
+    except SpecError as e:
+        raise SpecError(name, e.value, text, reason=e.reason) from None
 
 
 # The template's MASK constant per mode.
@@ -97,7 +112,16 @@ class PrefillSpec(SpecBase):
     # Up to WHOLE_MAX the FlashAttention-2 kernel holds whole Q, K and V rows in shared memory (V's
     # rows may be narrower: head_dim_v <= head_dim, e.g. DeepSeek's 192/128); past it (or with V
     # wider than Q and K) the chunked kernel streams them in head_dim chunks.
-    HEAD_DIMS: ClassVar[tuple[int, ...]] = (64, 96, 128, 192, 256, 320, 384, 448, 512, 576, 640, 768, 1024)
+    # Whole rows: every multiple of 8 from 32 to 256 (the mma.sync kernel on every arch; wgmma and TMA take
+    # multiples of 64, whole 128-byte swizzle rows). Past 256, the chunked kernel's list (its measured dims).
+    WHOLE_DIMS: ClassVar[tuple[int, ...]] = tuple(range(32, 257, 8))
+    CHUNKED_DIMS: ClassVar[tuple[int, ...]] = (320, 384, 448, 512, 576, 640, 768, 1024)
+    HEAD_DIMS: ClassVar[tuple[int, ...]] = (*WHOLE_DIMS, *CHUNKED_DIMS)
+    # What the chunked kernel was built and measured for, of either operand (a head_dim_chunk may bring a
+    # whole-row head dim to it): the head dims of the list before any multiple of 8 was taken.
+    CHUNKED_TAKES: ClassVar[tuple[int, ...]] = (64, 96, 128, 192, 256, *CHUNKED_DIMS)
+    HEAD_DIMS_TEXT: ClassVar[str] = ("a multiple of 8 from 32 to 256 (whole rows), or 320, 384, 448, 512, 576, 640, "
+                                     "768, 1024 (the chunked kernel)")
     WHOLE_MAX: ClassVar[int] = 256
     # The chunked kernel's wgmma form: one CTA computes O's columns up to here, two past it.
     WGMMA_ONE_CTA_MAX: ClassVar[int] = 640
@@ -141,8 +165,9 @@ class PrefillSpec(SpecBase):
 
     def __post_init__(self):
         s = object.__setattr__
-        s(self, "head_dim", coerce_int("head_dim", self.head_dim, self.HEAD_DIMS))
-        s(self, "head_dim_v", coerce_int("head_dim_v", self.head_dim_v, self.HEAD_DIM_V))
+        s(self, "head_dim", _head_dim("head_dim", self.head_dim, self.HEAD_DIMS, self.HEAD_DIMS_TEXT))
+        s(self, "head_dim_v", _head_dim("head_dim_v", self.head_dim_v, self.HEAD_DIM_V,
+                                        f"0 (head_dim), {self.HEAD_DIMS_TEXT}"))
         if self.head_dim_v == self.head_dim:
             s(self, "head_dim_v", 0)  # one spec (and one cache key) per kernel
         s(self, "head_dim_chunk", coerce_int("head_dim_chunk", self.head_dim_chunk, self.HEAD_DIM_CHUNK))
@@ -160,6 +185,13 @@ class PrefillSpec(SpecBase):
         if self.head_dim_chunk and self.head_dim % self.head_dim_chunk:
             raise SpecError("head_dim_chunk", self.head_dim_chunk, "a divisor of head_dim among "
                             + allowed_text(self.CHUNKS), reason=f"head_dim={self.head_dim}")
+        if self.chunked:
+            for name, d in (("head_dim", self.head_dim), ("head_dim_v", self.dim_v)):
+                if d not in self.CHUNKED_TAKES:
+                    raise SpecError(name, d, allowed_text(self.CHUNKED_TAKES) + " with the chunked kernel",
+                                    reason="the chunked kernel (head_dim above 256, head_dim_v above head_dim or a "
+                                           "head_dim_chunk) runs its measured head dims only; other multiples of 8 "
+                                           "up to 256 take whole rows")
         s(self, "dtype", coerce_enum(DType, "dtype", self.dtype))
         s(self, "mask", coerce_enum(MaskMode, "mask", self.mask))
         s(self, "mma", coerce_enum(Mma, "mma", self.mma))
@@ -359,7 +391,7 @@ class PrefillSpec(SpecBase):
         if self.mma is Mma.WGMMA:
             return False  # wgmma reads Q from shared memory through a descriptor
         m_tiles = self.cta_tile_q // self.num_warps // 16
-        return self.head_dim * m_tiles <= 128
+        return _mma_dim(self.head_dim) * m_tiles <= 128
 
     @property
     def smem_row_elems(self) -> int:
@@ -494,9 +526,9 @@ class PrefillSpec(SpecBase):
         # Register budget: fp32 accumulators of O (head_dim_v/8 tiles) and S (cta_tile_kv/8 tiles) per
         # 16-row m-tile, 4 floats each. Past ~200 the kernel spills.
         m_tiles = warp_rows // 16
-        acc = m_tiles * 4 * (self.dim_v // 8 + self.cta_tile_kv // 8)
+        acc = m_tiles * 4 * (_mma_dim(self.dim_v) // 8 + self.cta_tile_kv // 8)
         if self.q_in_regs:
-            acc += m_tiles * 4 * (self.head_dim // 16)
+            acc += m_tiles * 4 * (_mma_dim(self.head_dim) // 16)
         if acc > 200:
             raise SpecError("cta_tile_q", self.cta_tile_q,
                             "a smaller cta_tile_q or cta_tile_kv, or more num_warps",
