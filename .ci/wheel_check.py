@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import attngen
+from attngen.cache_entry import unpack_source
 from attngen.family import families
 from attngen.manifest import load_manifest
 
@@ -51,17 +52,20 @@ for group in load_manifest().groups:
     for k, v in group.fields.items():
         v = v[0] if isinstance(v, list) else v
         lines.append(f"{k} = {json.dumps(v)}")
-# Pieces only a variant outside the default manifest includes: the unfused decode kernels (decode_unfused.cuh).
+# Pieces only a variant outside the default manifest includes: the unfused decode kernels (decode/unfused.cuh).
 lines += ["[[kernel]]", 'family = "decode"', 'variant = "unfused"']
+# and pieces the manifest reaches only through what its lines' ops choose by size (a first value of each list
+# does not): MLA decode's alternate tiles (mla_decode/alternate.cuh), at 64 rows on sm_90a.
+lines += ["[[kernel]]", 'archs = ["sm_90a"]', 'family = "mla_decode"', "q_rows = 64", 'qk_shard = "alternate"']
 with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
     f.write("\n".join(lines) + "\n")
 rc = subprocess.call(["attngen", "prewarm", "--manifest", f.name, "--quiet"])
 assert rc == 0, f"attngen prewarm of the slice exited {rc}"
 
 root = Path(os.environ["ATTNGEN_CACHE_DIR"])
-sources = "\n".join(p.read_text() for p in root.rglob("kernel.cu"))
+sources = "\n".join(unpack_source(p.read_bytes()) or "" for p in root.rglob("kernel.cu"))  # stored gzip-compressed
 used = {line.split("// attngen:begin ", 1)[1].strip() for line in sources.splitlines() if "// attngen:begin " in line}
-tops = {p for p in pieces if "/" not in p}  # the families' top-level templates are not bracketed
+tops = {p for p in pieces if p.endswith(".cu.jinja")}  # the families' top-level templates are not bracketed
 untouched = sorted(set(pieces) - used - tops)
 assert not untouched, f"the prewarm slice touched no kernel that includes {untouched}"
 print(f"wheel: prewarm of {len(lines)} manifest lines built kernels that include all {len(pieces) - len(tops)} "
