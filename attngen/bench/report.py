@@ -52,12 +52,17 @@ def _check_table(obj: dict, where: str) -> None:
             raise ReportError(f"{where}: rows[{i}] holds a cell that is not a string or a number")
 
 
-def check_results(data: Any, where: str) -> dict:
-    """A results file's content, checked; raises ReportError naming the field."""
+def _check_object(data: Any, where: str) -> None:
+    """What every benchmarks/ file starts with: a JSON object of this FORMAT."""
     if not isinstance(data, dict):
         raise ReportError(f"{where}: expected a JSON object, found {type(data).__name__}")
     if _need(data, "format", int, where) != FORMAT:
         raise ReportError(f"{where}: field 'format' is {data['format']!r}; expected {FORMAT}")
+
+
+def check_results(data: Any, where: str) -> dict:
+    """A results file's content, checked; raises ReportError naming the field."""
+    _check_object(data, where)
     _need(data, "gpu", str, where)
     _need(data, "family", str, where)
     sections = _need(data, "sections", list, where)
@@ -80,10 +85,7 @@ def check_results(data: Any, where: str) -> dict:
 
 
 def check_levers(data: Any, where: str) -> dict:
-    if not isinstance(data, dict):
-        raise ReportError(f"{where}: expected a JSON object, found {type(data).__name__}")
-    if _need(data, "format", int, where) != FORMAT:
-        raise ReportError(f"{where}: field 'format' is {data['format']!r}; expected {FORMAT}")
+    _check_object(data, where)
     _need(data, "title", str, where)
     _check_table(data, where)
     return data
