@@ -24,6 +24,7 @@ import attngen
 from attngen.families.prefill.op import kernel_for
 from attngen.spec import spec_of_text
 from attngen.bench import core
+from attngen.bench import flashinfer as fi
 from attngen.bench.core import (_CAUSAL, BACKENDS, CHECK_TOL, DTYPES, _backend_list, _dtype_list, _fmt,
                                 _head_dim_list, _int_list, _replay_or_gpu_check, _save_figure, _say, _sdpa_backend,
                                 _short_error, attention_flops, env_lines, pyplot, tflops, write_json)
@@ -177,6 +178,7 @@ def add_parser(sub) -> None:
                          "contiguous: SDPA gets its own contiguous [B, H, S, D] copies (its preferred layout)")
     pp.add_argument("--no-check", action="store_true", help="skip the correctness check")
     pp.add_argument("--seed", type=int, default=0)
+    fi.add_argument(pp)
     pp.add_argument("--from-json", type=Path, default=None,
                     help="re-render table/Markdown/plot from a saved bench_prefill.json (no GPU)")
     pp.set_defaults(func=cmd_prefill)
@@ -190,9 +192,10 @@ def add_parser(sub) -> None:
 def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, warmup_ms: float = WARMUP_MS,
               rep_ms: float = 100.0, reps: int | None = None, seed: int = 0, sdpa_layout: str = "view",
               chunked_too: bool = False, sync_too: bool = False, serial_too: bool = False,
-              also: tuple[tuple[str, str], ...] = (), interleave: bool = False) -> dict:
+              also: tuple[tuple[str, str], ...] = (), interleave: bool = False, flashinfer: bool = False) -> dict:
     """Check and time one shape: attngen and each SDPA backend on the same inputs (``interleave``: each column
-    twice, in one order and then the other, the mean kept)."""
+    twice, in one order and then the other, the mean kept); ``flashinfer``: FlashInfer too, planned and run once
+    (its first call timed apart) before any timing."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
@@ -267,6 +270,15 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
             chk["ok"] = nan_count == 0
         chk["tolerance_rel_l2"] = CHECK_TOL
         rec["check"] = chk
+    peer = None
+    if flashinfer:
+        try:
+            peer = fi.prefill(q, k, v, causal=causal, attngen_out=out)
+            rec[fi.NAME] = peer.record()
+        except Exception as e:  # a shape or an arch it does not take: recorded as null
+            rec["errors"][fi.NAME] = _short_error(e)
+            rec["ms"][fi.NAME] = rec["tflops"][fi.NAME] = None
+            torch.cuda.synchronize()
     del out
     peer_out.clear()
 
@@ -287,6 +299,7 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
 
     columns = [("attngen", lambda: core.bench_ms(attngen_fn, warmup_ms, rep_ms, reps))]
     columns += [(name, sdpa_timed(name)) for name in backends]
+    columns += [(fi.NAME, lambda: core.bench_ms(peer.call, warmup_ms, rep_ms, reps))] if peer else []
     columns += [(name, lambda spec=spec: core.bench_ms(lambda: attngen.prefill(q, k, v, causal=causal, spec=spec),
                                                         warmup_ms, rep_ms, reps)) for name, spec in variants]
     # interleave: each column timed again in the reverse order and the mean of its two kept, so that every column's
@@ -311,7 +324,7 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
         rec["ms"][name], rec["tflops"][name] = ms, tflops(shape.flops, ms)
     a = rec["tflops"].get("attngen")
     rec["ratio"] = {n: (a / rec["tflops"][n] if a and rec["tflops"].get(n) else None)
-                    for n in (*backends, *(n for n, _ in variants))}
+                    for n in (*backends, *(n for n, _ in variants), *([fi.NAME] if flashinfer else []))}
     return rec
 
 
@@ -342,7 +355,7 @@ def _check_cell(r: dict) -> str:
 
 def table_columns(backends: list[str]) -> list[str]:
     return (["dtype", "D", "causal", "B", "S", "H", "attngen"] + list(backends)
-            + [f"/{n}" for n in backends] + ["check"])
+            + [f"/{n}" for n in backends] + ["check"] + ([fi.DELTA_COLUMN] if fi.NAME in backends else []))
 
 
 def table_row(r: dict, backends: list[str]) -> list[str]:
@@ -351,7 +364,7 @@ def table_row(r: dict, backends: list[str]) -> list[str]:
              str(r["heads"]), _fmt(tf.get("attngen"))]
             + [_fmt(tf.get(n)) for n in backends]
             + [_fmt(ratio.get(n), ".2f") for n in backends]
-            + [_check_cell(r)])
+            + [_check_cell(r)] + ([fi.delta_cell(r)] if fi.NAME in backends else []))
 
 
 _WIDTHS = {"dtype": 5, "D": 7, "causal": 6, "B": 3, "S": 6, "H": 3, "check": 12}
@@ -412,7 +425,8 @@ def prefill_markdown(data: dict) -> str:
     env, records = data.get("env", {}), data.get("results", [])
     backends = _impls(records, data.get("config", {}).get("backends"))
     cols = ["dtype", "D", "causal", "B", "S", "H", "attngen TFLOP/s"] + [f"{n} TFLOP/s" for n in backends] \
-        + [f"attngen/{n}" for n in backends] + ["check (rel L2 vs flash)"]
+        + [f"attngen/{n}" for n in backends] + ["check (rel L2 vs flash)"] \
+        + (["FlashInfer max abs diff vs attngen"] if fi.NAME in backends else [])
     lines = ["## Prefill: attngen vs PyTorch SDPA", ""]
     lines += [f"- {ln}" for ln in env_lines(env)]
     cfg = data.get("config", {})
@@ -422,6 +436,7 @@ def prefill_markdown(data: dict) -> str:
               f"- {FLOP_NOTE}",
               f"- {cfg.get('sdpa_note') or SDPA_NOTE}",
               "- — = the backend refused that shape.",
+              *([f"- {fi.first_call_line(data)}"] if fi.first_call_line(data) else []),
               ""]
     if not data.get("complete", True):
         lines += ["**Partial run**: the sweep did not finish.", ""]
@@ -498,6 +513,8 @@ def _finish_prefill(data: dict, args: argparse.Namespace, print_table: bool) -> 
     if "flash" in backends:
         s = summ.get("flash")
         _say(f"minimum ratio attngen/flash across the sweep: {_fmt(s['min'] if s else None, '.3f')}")
+    if fi.first_call_line(data):
+        _say(fi.first_call_line(data))
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(prefill_markdown(data))
@@ -518,6 +535,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     backends = list(args.backends) + [name for name, on in (("chunked", args.chunked_too), ("sync", args.sync_too),
                                                             ("serial", args.serial_too)) if on]
     backends += [name for name, _ in args.also]
+    fi_note = fi.wanted(args)
+    backends += [fi.NAME] if fi_note is None else []
     env = core.environment(gpu=True)
     timer = "cuda-events" if args.reps is not None or core._triton_do_bench() is None else "triton.do_bench"
     data: dict[str, Any] = {
@@ -527,7 +546,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
                    "check": not args.no_check, "check_tolerance_rel_l2": CHECK_TOL, "tokens": args.tokens,
                    "hidden": args.hidden, "sdpa_layout": args.sdpa_layout, "interleave": args.interleave,
                    "explicit_shapes": [list(x) for x in args.shapes or ()],
-                   "sdpa_note": SDPA_NOTE if args.sdpa_layout == "view" else SDPA_CONTIG_NOTE, "flops": FLOP_NOTE},
+                   "sdpa_note": SDPA_NOTE if args.sdpa_layout == "view" else SDPA_CONTIG_NOTE, "flops": FLOP_NOTE,
+                   fi.NAME: fi.config(args)},
         "results": [],
     }
     json_path = Path(args.out) / "bench_prefill.json" if args.out else None
@@ -536,6 +556,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     _say(f"{len(shapes)} shapes x (attngen + {', '.join(backends)}); timer {timer}, warm-up {args.warmup_ms} ms, "
          f"repeats {args.reps if args.reps is not None else str(args.rep_ms) + ' ms'}; TFLOP/s; /peer = attngen/peer")
     _say(data["config"]["sdpa_note"])
+    if fi_note:
+        _say(fi_note)
     if json_path is None:
         _say("(no --out: the JSON and the plot are not written)")
     _say(text_header(backends))
@@ -545,7 +567,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
             rec = run_shape(shape, tuple(args.backends), check=not args.no_check, warmup_ms=args.warmup_ms,
                             rep_ms=args.rep_ms, reps=args.reps, seed=args.seed + i, sdpa_layout=args.sdpa_layout,
                             chunked_too=args.chunked_too, sync_too=args.sync_too, serial_too=args.serial_too,
-                            also=tuple(args.also), interleave=args.interleave)
+                            also=tuple(args.also), interleave=args.interleave, flashinfer=fi_note is None)
         except Exception as e:  # e.g. out of memory: keep the sweep going
             rec = {**asdict(shape), "flops": shape.flops, "ms": {}, "tflops": {}, "ratio": {},
                    "errors": {"shape": _short_error(e)}}
