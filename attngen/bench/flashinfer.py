@@ -94,7 +94,7 @@ def first_call_line(data: dict) -> str | None:
             f"{max(f['first_call_s'] for f in firsts[1:]) if firsts[1:] else 0.0:.2f} s a shape")
 
 
-DELTA_COLUMN = "fi |Δ|"   # tables: FlashInfer's largest absolute difference from attngen on the shape
+DELTA_COLUMN = "fi max diff"   # tables: FlashInfer's largest absolute difference from attngen's output
 
 
 def delta_cell(r: dict) -> str:
