@@ -57,6 +57,7 @@ class Shape:
     seqlen: int
     heads: int
     head_dim_v: int = 0  # of v and the output; 0: head_dim
+    kv_heads: int = 0    # of k and v; 0: heads (fewer: GQA, as --shapes 1x32/8x4096 asks)
 
     @property
     def flops(self) -> float:
@@ -65,7 +66,13 @@ class Shape:
 
     def label(self) -> str:
         return (f"{self.dtype} d={dims_text(asdict(self))} {'causal' if self.causal else 'full'} "
-                f"b={self.batch} s={self.seqlen} h={self.heads}")
+                f"b={self.batch} s={self.seqlen} h={heads_text(asdict(self))}")
+
+
+def heads_text(r: dict) -> str:
+    """A record's heads: ``32``, or ``32/8`` when k and v have fewer."""
+    hk = r.get("kv_heads") or 0
+    return f"{r['heads']}/{hk}" if hk and hk != r["heads"] else str(r["heads"])
 
 
 def dims_text(r: dict) -> str:
@@ -77,9 +84,9 @@ def dims_text(r: dict) -> str:
 def make_sweep(head_dims: Iterable[int | tuple[int, int]] = HEAD_DIMS, seqlens: Iterable[int] = SEQLENS,
                dtypes: Iterable[str] = DTYPES, causal: Iterable[bool] = (False, True),
                tokens: int = TOKENS, hidden: int = HIDDEN,
-               shapes: Iterable[tuple[int, int, int]] = ()) -> list[Shape]:
+               shapes: Iterable[tuple[int, ...]] = ()) -> list[Shape]:
     """The shapes, in the order they run: dtype, mask, head_dim, seqlen. A head dim is D or (D, DV).
-    ``shapes`` (batch, heads, seqlen) triples replace the seqlen sweep where given."""
+    ``shapes`` (batch, heads, seqlen[, kv_heads]) replace the seqlen sweep where given."""
     shapes = tuple(shapes)
     out = []
     for dt in dtypes:
@@ -88,24 +95,29 @@ def make_sweep(head_dims: Iterable[int | tuple[int, int]] = HEAD_DIMS, seqlens: 
                 d, dv = (hd, hd) if isinstance(hd, int) else hd
                 dv = 0 if dv == d else dv
                 if shapes:
-                    out.extend(Shape(dt, d, c, b, s, h, dv) for b, h, s in shapes)
+                    out.extend(Shape(dt, d, c, b, s, h, dv, hk[0] if hk and hk[0] != h else 0)
+                               for b, h, s, *hk in shapes)
                     continue
                 for s in seqlens:
                     out.append(Shape(dt, d, c, max(1, tokens // s), s, max(1, hidden // d), dv))
     return out
 
 
-def _shape_list(text: str) -> tuple[tuple[int, int, int], ...]:
-    """``1x48x8192,4x16x2048`` -> ((1, 48, 8192), (4, 16, 2048)): batch x heads x seqlen."""
+def _shape_list(text: str) -> tuple[tuple[int, int, int, int], ...]:
+    """``1x48x8192,1x32/8x4096`` -> ((1, 48, 8192, 48), (1, 32, 4096, 8)): batch x heads[/kv_heads] x seqlen."""
     out = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         try:
-            b, h, n = (int(x) for x in part.lower().split("x"))
+            b, heads, n = part.lower().split("x")
+            h, _, hk = heads.partition("/")
+            b, h, n, hk = int(b), int(h), int(n), int(hk or h)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{part!r} is not BATCHxHEADSxSEQLEN (e.g. 1x48x8192)") from None
-        if min(b, h, n) < 1:
-            raise argparse.ArgumentTypeError(f"{part!r}: batch, heads and seqlen must be >= 1")
-        out.append((b, h, n))
+            raise argparse.ArgumentTypeError(f"{part!r} is not BATCHxHEADSxSEQLEN or BATCHxHEADS/KV_HEADSxSEQLEN "
+                                             "(e.g. 1x48x8192, 1x32/8x4096)") from None
+        if min(b, h, n, hk) < 1 or h % hk:
+            raise argparse.ArgumentTypeError(f"{part!r}: batch, heads and seqlen must be >= 1, and kv_heads must "
+                                             "divide heads")
+        out.append((b, h, n, hk))
     return tuple(out)
 
 
@@ -145,7 +157,8 @@ def add_parser(sub) -> None:
     pp.add_argument("--backends", type=_backend_list, default=BACKENDS,
                     help="SDPA backends to compare with (default flash,cudnn,efficient)")
     pp.add_argument("--shapes", type=_shape_list, default=None, metavar="BxHxS,...",
-                    help="batch x heads x seqlen per head dim instead of the 16k-token sweep, e.g. 1x48x8192,4x16x2048")
+                    help="batch x heads x seqlen per head dim instead of the 16k-token sweep, e.g. 1x48x8192,4x16x2048; "
+                         "HEADS/KV_HEADS for GQA, e.g. 1x32/8x4096")
     pp.add_argument("--chunked-too", action="store_true",
                     help="for head dims up to 256, also time the chunked kernel (head_dim_chunk=64) as "
                          "'chunked': where the two kernels cross over")
@@ -202,9 +215,11 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
 
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[shape.dtype]
     b, s, h, d, causal = shape.batch, shape.seqlen, shape.heads, shape.head_dim, shape.causal
-    dv = shape.head_dim_v or d
+    dv, hk = shape.head_dim_v or d, shape.kv_heads or shape.heads
     gen = torch.Generator(device=core.DEVICE).manual_seed(seed)
-    q, k, v = (torch.randn(b, s, h, w, device=core.DEVICE, dtype=tdt, generator=gen) for w in (d, d, dv))
+    q, k, v = (torch.randn(b, s, n, w, device=core.DEVICE, dtype=tdt, generator=gen) for n, w in ((h, d), (hk, d),
+                                                                                                  (hk, dv)))
+    gqa = {"enable_gqa": True} if hk != h else {}
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, S, D] views: FA-layout users' call
     if sdpa_layout == "contiguous":
         qt, kt, vt = (x.contiguous() for x in (qt, kt, vt))
@@ -216,7 +231,7 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
         return attngen.prefill(q, k, v, causal=causal)
 
     def sdpa_fn():
-        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **gqa)
 
     # Peers: one call each decides supported or not (and warms up cuDNN plans / handles).
     peer_out: dict[str, Any] = {}
@@ -361,13 +376,13 @@ def table_columns(backends: list[str]) -> list[str]:
 def table_row(r: dict, backends: list[str]) -> list[str]:
     tf, ratio = r.get("tflops", {}), r.get("ratio", {})
     return ([r["dtype"], dims_text(r), "yes" if r["causal"] else "no", str(r["batch"]), str(r["seqlen"]),
-             str(r["heads"]), _fmt(tf.get("attngen"))]
+             heads_text(r), _fmt(tf.get("attngen"))]
             + [_fmt(tf.get(n)) for n in backends]
             + [_fmt(ratio.get(n), ".2f") for n in backends]
             + [_check_cell(r)] + ([fi.delta_cell(r)] if fi.NAME in backends else []))
 
 
-_WIDTHS = {"dtype": 5, "D": 7, "causal": 6, "B": 3, "S": 6, "H": 3, "check": 12}
+_WIDTHS = {"dtype": 5, "D": 7, "causal": 6, "B": 3, "S": 6, "H": 5, "check": 12}
 
 
 def _width(col: str) -> int:
@@ -396,7 +411,7 @@ def summarize(records: list[dict], backends: list[str]) -> dict:
         gmean = math.exp(sum(math.log(p) for p, _ in pairs) / len(pairs))
         out[n] = {"min": worst, "geomean": gmean, "shapes": len(pairs),
                   "min_at": {k: wr.get(k, 0) for k in ("dtype", "head_dim", "head_dim_v", "causal", "batch", "seqlen",
-                                                       "heads")}}
+                                                       "heads", "kv_heads")}}
     checks = [r["check"] for r in records if r.get("check")]
     out["checks"] = {"run": len(checks), "failed": sum(1 for c in checks if not c.get("ok")),
                      "max_rel_l2": max((c["rel_l2"] for c in checks if isinstance(c.get("rel_l2"), float)),
