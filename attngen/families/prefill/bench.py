@@ -157,8 +157,8 @@ def add_parser(sub) -> None:
     pp.add_argument("--backends", type=_backend_list, default=BACKENDS,
                     help="SDPA backends to compare with (default flash,cudnn,efficient)")
     pp.add_argument("--shapes", type=_shape_list, default=None, metavar="BxHxS,...",
-                    help="batch x heads x seqlen per head dim instead of the 16k-token sweep, e.g. 1x48x8192,4x16x2048; "
-                         "HEADS/KV_HEADS for GQA, e.g. 1x32/8x4096")
+                    help="batch x heads x seqlen per head dim instead of the 16k-token sweep, e.g. "
+                         "1x48x8192,4x16x2048; HEADS/KV_HEADS for GQA, e.g. 1x32/8x4096")
     pp.add_argument("--chunked-too", action="store_true",
                     help="for head dims up to 256, also time the chunked kernel (head_dim_chunk=64) as "
                          "'chunked': where the two kernels cross over")
@@ -479,7 +479,7 @@ def plot_prefill(data: dict, path: Path) -> Path | None:
     dtypes = [d for d in DTYPES if any(r["dtype"] == d for r in records)]
     styles = {"bf16": "-", "fp16": "--"}
     colors = {"attngen": "tab:red", "flash": "tab:blue", "cudnn": "tab:green", "efficient": "tab:orange",
-              "chunked": "tab:purple", "sync": "tab:brown"}
+              "chunked": "tab:purple", "sync": "tab:brown", fi.NAME: "black"}
     fig, axes = plt.subplots(len(masks), len(dims), figsize=(4.2 * len(dims), 3.4 * len(masks)), squeeze=False,
                              sharex=True)
     for i, c in enumerate(masks):
