@@ -89,6 +89,27 @@ def test_no_flashinfer_flag_keeps_an_installed_flashinfer_out(cpu_sim, monkeypat
                                             "note": "no FlashInfer column: --no-flashinfer"}
 
 
+def test_attempt_records_the_peer_or_its_refusal(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+
+    def refuses(q_len):
+        raise ValueError(f"q_len {q_len}: FlashInfer's decode wrapper takes one new token a row (q_len 1)")
+
+    rec = {"errors": {}, "ms": {"attngen": 1.0}, "gbps": {}}
+    assert fi.attempt(rec, refuses, 4, nulls=("ms", "gbps")) is None
+    assert rec["errors"] == {"flashinfer": "ValueError: q_len 4: FlashInfer's decode wrapper takes one new token a "
+                                           "row (q_len 1)"}
+    assert rec["ms"] == {"attngen": 1.0, "flashinfer": None} and rec["gbps"] == {"flashinfer": None}
+    assert "flashinfer" not in rec
+    peer = fi.Peer(call=lambda: None, backend="fa3", first_call_s=2.0, plan_s=1.5, import_s=0.25,
+                   check={"vs_attngen": {"max_abs": 0.0, "rel_l2": 0.0, "nan_count": 0}})
+    rec = {"errors": {}}
+    assert fi.attempt(rec, lambda: peer) is peer and rec["errors"] == {}
+    assert rec["flashinfer"] == {"backend": "fa3", "first_call_s": 2.0, "plan_s": 1.5, "import_s": 0.25,
+                                 "vs_attngen": {"max_abs": 0.0, "rel_l2": 0.0, "nan_count": 0}}
+
+
 # --- rendered where present -------------------------------------------------------------------------
 
 def with_fi_prefill():

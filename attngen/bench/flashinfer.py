@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .core import CHECK_TOL
+from .core import CHECK_TOL, _short_error
 
 NAME = "flashinfer"          # the column's name in records, tables and summaries
 DIST = "flashinfer-python"   # the distribution whose version the records carry
@@ -120,6 +120,24 @@ class Peer:
     def record(self) -> dict:
         return {"backend": self.backend, "first_call_s": self.first_call_s, "plan_s": self.plan_s,
                 "import_s": self.import_s, **self.check}
+
+
+def attempt(rec: dict, family: Callable[..., Peer], *args, nulls: tuple[str, ...] = (), **kwargs) -> Peer | None:
+    """``family(*args, **kwargs)`` for a benchmark's record: the peer, its record under ``rec[NAME]``; or,
+    where FlashInfer refuses the shape or fails, None, the error under ``rec["errors"]`` and a null
+    under each of ``rec[k]`` for k in ``nulls`` (the record's per-column dicts)."""
+    try:
+        peer = family(*args, **kwargs)
+    except Exception as e:  # a shape, dtype or arch it does not take
+        import torch
+
+        rec["errors"][NAME] = _short_error(e)
+        for k in nulls:
+            rec[k][NAME] = None
+        torch.cuda.synchronize()
+        return None
+    rec[NAME] = peer.record()
+    return peer
 
 
 # --- shared ---------------------------------------------------------------------------------------

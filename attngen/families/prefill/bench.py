@@ -285,15 +285,8 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
             chk["ok"] = nan_count == 0
         chk["tolerance_rel_l2"] = CHECK_TOL
         rec["check"] = chk
-    peer = None
-    if flashinfer:
-        try:
-            peer = fi.prefill(q, k, v, causal=causal, attngen_out=out)
-            rec[fi.NAME] = peer.record()
-        except Exception as e:  # a shape or an arch it does not take: recorded as null
-            rec["errors"][fi.NAME] = _short_error(e)
-            rec["ms"][fi.NAME] = rec["tflops"][fi.NAME] = None
-            torch.cuda.synchronize()
+    peer = (fi.attempt(rec, fi.prefill, q, k, v, causal=causal, attngen_out=out, nulls=("ms", "tflops"))
+            if flashinfer else None)
     del out
     peer_out.clear()
 
