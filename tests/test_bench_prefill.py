@@ -68,6 +68,42 @@ def test_split_head_dims_in_the_sweep():
             parse("prefill", "--head-dims", bad)
 
 
+def test_explicit_shapes_with_gqa_heads():
+    shapes = prefill_bench.sweep_from_args(parse("prefill", "--head-dims", "128", "--dtypes", "bf16", "--causal", "no",
+                                                 "--shapes", "1x32/8x4096,8x32/8x2048,1x48x8192,2x16/16x512"))
+    assert [(s.batch, s.heads, s.kv_heads, s.seqlen) for s in shapes] == [(1, 32, 8, 4096), (8, 32, 8, 2048),
+                                                                          (1, 48, 0, 8192), (2, 16, 0, 512)]
+    assert shapes[0].label().endswith("h=32/8") and shapes[2].label().endswith("h=48")
+    assert shapes[0].flops == 4.0 * 32 * 4096 * 4096 * 128     # FLOPs count query heads
+    for bad in ("1x32/5x4096", "1x32/0x4096", "1x/8x4096", "1x32/8", "1x32/8/2x4096"):
+        with pytest.raises(SystemExit):
+            parse("prefill", "--shapes", bad)
+
+
+def test_simulated_gqa_rows(cpu_sim, monkeypatch, tmp_path):
+    import torch.nn.functional as F
+
+    import attngen
+
+    seen = []
+
+    def fake_gqa_prefill(q, k, v, *, causal=False, out=None, **kw):
+        seen.append((q.shape[2], k.shape[2], v.shape[2]))
+        o = F.scaled_dot_product_attention(*(x.transpose(1, 2).float() for x in (q, k, v)), is_causal=causal,
+                                           enable_gqa=True).transpose(1, 2).to(q.dtype)
+        return o if out is None else out.copy_(o)
+
+    monkeypatch.setattr(attngen, "prefill", fake_gqa_prefill)
+    rc = bench.main(["prefill", "--head-dims", "64", "--dtypes", "bf16", "--causal", "both", "--backends", "flash",
+                     "--shapes", "1x8/2x64", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "bench_prefill.json").read_text())
+    assert rc == 0 and set(seen) == {(8, 2, 2)}
+    for r in data["results"]:
+        assert (r["heads"], r["kv_heads"]) == (8, 2) and r["check"]["ok"], r["check"]
+        assert prefill_bench.table_row(r, ["flash"])[5] == "8/2"
+    assert data["config"]["explicit_shapes"] == [[1, 8, 64, 2]]
+
+
 # --- FLOPs -----------------------------------------------------------------------------------------
 
 def test_flops_counting():

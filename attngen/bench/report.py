@@ -17,10 +17,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import flashinfer
+
 FORMAT = 1
 # Families first in the order the README lists them; anything else (jit, host) after, by name.
 FAMILY_ORDER = ("prefill", "decode", "mla_decode")
-VERSION_NAMES = {"driver": "driver", "torch": "torch", "cudnn": "cuDNN", "nvrtc": "NVRTC"}
+# A section names the versions it ran with; FlashInfer's only where the run had its column.
+VERSION_NAMES = {"driver": "driver", "torch": "torch", "cudnn": "cuDNN", "nvrtc": "NVRTC", "flashinfer": "FlashInfer"}
 LEVERS = "levers.json"
 
 
@@ -211,13 +214,17 @@ def record_section(run: dict, *, title: str, command: str | None = None) -> dict
     if not rows:
         raise ReportError(f"{where}: its 'summary' holds no ratio summary (geomean and min); "
                           "nothing to record for this benchmark")
+    config = run.get("config") if isinstance(run.get("config"), dict) else {}
+    peer = config.get(flashinfer.NAME) if isinstance(config.get(flashinfer.NAME), dict) else {}
     versions = {"driver": env.get("driver"), "torch": env.get("torch"), "cudnn": _cudnn(env.get("cudnn")),
-                "nvrtc": env.get("nvrtc")}
+                "nvrtc": env.get("nvrtc"), "flashinfer": peer.get("version") if peer.get("present") else None}
     date = str(env.get("date", ""))[:10]
+    first = flashinfer.first_call_line(run)
     return {"title": title, "commit": str(env.get("attngen_commit") or env.get("attngen_source") or "unknown"),
             "date": date, "versions": {k: str(v) for k, v in versions.items() if v},
             "command": command or f"attngen bench {bench}",
-            "columns": ["attngen against", "shapes", "geomean", "min", "at or above 1", "min at"], "rows": rows}
+            "columns": ["attngen against", "shapes", "geomean", "min", "at or above 1", "min at"], "rows": rows,
+            **({"notes": [first]} if first else {})}
 
 
 def gpu_folder(name: str) -> str:

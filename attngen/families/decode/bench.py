@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable
 
 import attngen
 from attngen.bench import core
+from attngen.bench import flashinfer as fi
 from .bench_report import (BYTES_NOTE, DECODE_SDPA_CONTIG_NOTE, DECODE_SDPA_NOTE, ITEMSIZE, RATIO_NOTE,  # noqa: F401
                            ROTATE_BYTES, TARGET_B1_CUDNN, TARGET_COPY_FRAC, TARGET_FLASH, TARGET_READ, DecodeShape,
                            _copy_line, _finish_decode, decode_summary, decode_text_header,
@@ -204,6 +205,7 @@ def add_parser(sub) -> None:
     pd.add_argument("--no-pdl", action="store_true",
                     help="launch without programmatic dependent launch (sm_90+), to time what it buys")
     pd.add_argument("--seed", type=int, default=0)
+    fi.add_argument(pd)
     pd.add_argument("--copy-mib", type=int, default=COPY_MIB, help=argparse.SUPPRESS)
     pd.add_argument("--from-json", type=Path, default=None,
                     help="re-render table/Markdown/plot from a saved bench_decode.json (no GPU)")
@@ -287,8 +289,10 @@ def paged_copy(k, v, block_size: int, seed: int = 0):
 def run_decode_shape(shape: DecodeShape, backends: tuple[str, ...], *, impls: list[tuple[str, str, bool]],
                      num_splits: int = 0, block_size: int = 64, check: bool = True, warmup_ms: float = 25.0,
                      rep_ms: float = 100.0, reps: int | None = None, seed: int = 0, sdpa_layout: str = "view",
-                     copy_gbps: float | None = None, graph: bool = False, rotate: bool = False) -> dict:
-    """Check and time one shape: each attngen row and each SDPA backend, on one dense cache.
+                     copy_gbps: float | None = None, graph: bool = False, rotate: bool = False,
+                     flashinfer: bool = False) -> dict:
+    """Check and time one shape: each attngen row and each SDPA backend, on one dense cache; with
+    ``flashinfer``, FlashInfer's paged decode on the paged copy (block_size a page), its first call apart.
     With ``graph``, each call is captured once into a CUDA graph and its replays are timed. With
     ``rotate``, one graph holds ``rotate_copies`` calls, each over its own copy of the K/V it reads, and
     its replays are timed without an L2 flush; ms is per call."""
@@ -314,7 +318,7 @@ def run_decode_shape(shape: DecodeShape, backends: tuple[str, ...], *, impls: li
     ref = decode_reference(q, kc, vc) if check else None
 
     # attngen: one call into a NaN-poisoned out decides supported or not, and is the spot check.
-    paged = None
+    paged = ag_out = None
     fns: dict[str, Callable[[], Any]] = {}
     for name, variant, is_paged in impls:
         try:
@@ -334,7 +338,7 @@ def run_decode_shape(shape: DecodeShape, backends: tuple[str, ...], *, impls: li
             torch.cuda.synchronize()
             if ref is not None:
                 rec["checks"][name] = _rel_check(out, ref)
-            del out
+            ag_out = out if ag_out is None else ag_out   # FlashInfer's output is held against it
             fns[name] = fn
         except Exception as e:
             fail(name, e)
@@ -380,7 +384,15 @@ def run_decode_shape(shape: DecodeShape, backends: tuple[str, ...], *, impls: li
         else:
             rec["errors"][name] = "; ".join(tried)[:400]
             rec["ms"][name] = rec["gbps"][name] = rec["frac_copy"][name] = None
-    del ref
+    if flashinfer:   # on the paged copy (q_len 1 only)
+        paged = paged or paged_copy(kc, vc, block_size, seed)
+        peer = fi.attempt(rec, fi.decode, q, *paged, n, attngen_out=ag_out, nulls=("ms", "gbps", "frac_copy"))
+        if peer and ref is not None:
+            rec["checks"][fi.NAME] = _rel_check(peer.call().reshape(q.shape), ref)
+        if peer:
+            fns[fi.NAME] = peer.call
+    del ref, ag_out
+    peers = list(backends) + ([fi.NAME] if flashinfer else [])
 
     # Copy 0 is what the checks ran on. With rotate, the others are clones at other addresses (same values,
     # so copy 0's check speaks for them): a graph walking them reads each from DRAM, as a decode step's
@@ -396,7 +408,7 @@ def run_decode_shape(shape: DecodeShape, backends: tuple[str, ...], *, impls: li
             else:
                 copies.append((k2, v2, p2, k2.transpose(1, 2), v2.transpose(1, 2)))
         rec["rotate"] = len(copies)
-    paged_rows = {name for name, _, p in impls if p}
+    paged_rows = {name for name, _, p in impls if p} | {fi.NAME}
 
     def on_copy(name: str, fn: Callable[..., Any], c: tuple) -> Callable[[], Any]:
         if name in backends:
@@ -413,7 +425,7 @@ def run_decode_shape(shape: DecodeShape, backends: tuple[str, ...], *, impls: li
         return ms, timer + (" on CUDA-graph replays" if graph else "")
 
     # Timing, attngen rows first.
-    for name in [i[0] for i in impls] + list(backends):
+    for name in [i[0] for i in impls] + peers:
         fn = fns.get(name)
         if fn is None:
             continue
@@ -440,7 +452,7 @@ def run_decode_shape(shape: DecodeShape, backends: tuple[str, ...], *, impls: li
             rec["errors"]["read"] = _short_error(e)
     for name, _, _ in impls:
         a = rec["ms"].get(name)
-        rec["ratio"][name] = {p: (rec["ms"][p] / a if a and rec["ms"].get(p) else None) for p in backends}
+        rec["ratio"][name] = {p: (rec["ms"][p] / a if a and rec["ms"].get(p) else None) for p in peers}
     return rec
 
 
@@ -469,6 +481,8 @@ def cmd_decode(args: argparse.Namespace) -> int:
     dtype = args.dtype
     shapes = decode_sweep_from_args(args)
     backends = list(args.backends)
+    fi_note = fi.wanted(args)
+    peers = backends + ([fi.NAME] if fi_note is None else [])   # the columns: SDPA's backends, then FlashInfer
     impls = decode_impls(args.variant, args.paged)
     env = core.environment(gpu=True)
     timer = "cuda-events" if args.reps is not None or core._triton_do_bench() is None else "triton.do_bench"
@@ -482,7 +496,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
                    "rep_ms": args.rep_ms, "reps": args.reps, "timer": timer, "seed": args.seed,
                    "check": not args.no_check, "check_tolerance_rel_l2": CHECK_TOL, "sdpa_layout": args.sdpa_layout,
                    "graph": bool(getattr(args, "graph", False) or args.rotate), "rotate": bool(args.rotate),
-                   "pdl": not args.no_pdl,
+                   "pdl": not args.no_pdl, fi.NAME: fi.config(args),
                    "sdpa_note": DECODE_SDPA_NOTE if args.sdpa_layout == "view" else DECODE_SDPA_CONTIG_NOTE,
                    "bytes": BYTES_NOTE, "ratio": RATIO_NOTE,
                    "targets": {"copy_frac": TARGET_COPY_FRAC, "cudnn_b1_32k": TARGET_B1_CUDNN,
@@ -511,25 +525,31 @@ def cmd_decode(args: argparse.Namespace) -> int:
     _say(data["config"]["sdpa_note"])
     if args.rotate:
         _say(rotate_note([]))
+    if fi_note:
+        _say(fi_note)
     if not json_paths:
         _say("(no --json/--out: the JSON is not written)")
-    _say(decode_text_header(backends))
+    _say(decode_text_header(peers))
     t0 = time.perf_counter()
     said: set[tuple[str, str]] = set()
     if shapes:
         # The first shape of a run can come out slow for attngen (its later shapes and the same shape
         # elsewhere in the sweep do not): one untimed pass first.
         try:
-            run_decode_shape(shapes[0], tuple(backends), impls=impls, num_splits=args.num_splits,
-                             block_size=args.block_size, check=False, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
-                             reps=args.reps, seed=args.seed, sdpa_layout=args.sdpa_layout, copy_gbps=copy_gbps,
-                             graph=args.graph, rotate=args.rotate)
+            warm = run_decode_shape(shapes[0], tuple(backends), impls=impls, num_splits=args.num_splits,
+                                    block_size=args.block_size, check=False, warmup_ms=args.warmup_ms,
+                                    rep_ms=args.rep_ms, reps=args.reps, seed=args.seed, sdpa_layout=args.sdpa_layout,
+                                    copy_gbps=copy_gbps, graph=args.graph, rotate=args.rotate,
+                                    flashinfer=fi_note is None)
+            if fi.NAME in warm:   # its JIT build ran here: the first call the run reports
+                data["config"][fi.NAME]["first_call"] = warm[fi.NAME]
         except Exception:
             pass
     for i, shape in enumerate(shapes):
         base = {**asdict(shape), "bytes": shape.kv_bytes, "impls": [x[0] for x in impls], "backends": backends}
-        need = decode_mem_need(shape, paged=args.paged, sdpa_contiguous=args.sdpa_layout == "contiguous",
-                               check=not args.no_check, unfused=any(v == "unfused" for _, v, _ in impls))
+        need = decode_mem_need(shape, paged=args.paged or fi_note is None,   # FlashInfer reads the paged copy
+                               sdpa_contiguous=args.sdpa_layout == "contiguous", check=not args.no_check,
+                               unfused=any(v == "unfused" for _, v, _ in impls))
         try:
             torch.cuda.empty_cache()
             free, _total = torch.cuda.mem_get_info()
@@ -543,13 +563,13 @@ def cmd_decode(args: argparse.Namespace) -> int:
                                        block_size=args.block_size, check=not args.no_check,
                                        warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, reps=args.reps,
                                        seed=args.seed + i, sdpa_layout=args.sdpa_layout, copy_gbps=copy_gbps,
-                                       graph=args.graph, rotate=args.rotate)
+                                       graph=args.graph, rotate=args.rotate, flashinfer=fi_note is None)
             except Exception as e:  # e.g. out of memory: keep the sweep going
                 rec = {**base, "ms": {}, "gbps": {}, "frac_copy": {}, "ratio": {}, "checks": {},
                        "errors": {"shape": _short_error(e)}}
             core.release_gpu_memory()
         data["results"].append(rec)
-        for ln in decode_text_rows(rec, backends):
+        for ln in decode_text_rows(rec, peers):
             _say(ln)
         for n, err in (rec.get("errors") or {}).items():
             if n.startswith("attngen") or n == "shape" or (n, err) not in said:
@@ -567,7 +587,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
             pass
     data["complete"] = True
     data["elapsed_s"] = round(time.perf_counter() - t0, 1)
-    data["summary"] = decode_summary(data["results"], backends)
+    data["summary"] = decode_summary(data["results"], peers)
     save()
     for p in json_paths:
         _say(f"wrote {p}")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from attngen.bench import flashinfer as fi
 from attngen.bench.core import _fmt, _save_figure, _say, env_lines, pyplot
 
 ITEMSIZE = {"bf16": 2, "fp16": 2}
@@ -94,6 +95,13 @@ def _decode_backends(records: list[dict], config_backends: Iterable[str] | None 
     return seen
 
 
+def decode_peers(data: dict) -> list[str]:
+    """The peer columns of a run: SDPA's backends, then FlashInfer where the run had it."""
+    records = data.get("results", [])
+    peers = _decode_backends(records, data.get("config", {}).get("backends"))
+    return peers + ([fi.NAME] if fi.present(data) and fi.NAME not in peers else [])
+
+
 # --- the table ------------------------------------------------------------------------------------
 
 def _decode_check_cell(r: dict, name: str) -> str:
@@ -107,7 +115,8 @@ def _decode_check_cell(r: dict, name: str) -> str:
     rel = c.get("rel_l2")
     if not isinstance(rel, float):
         return "FAIL" if not c.get("ok") else "ok"
-    return f"{rel:.1e}" + ("" if c.get("ok") else " FAIL")
+    delta = f"; {fi.DELTA_COLUMN} {fi.delta_cell(r)}" if name == fi.NAME else ""
+    return f"{rel:.1e}" + ("" if c.get("ok") else " FAIL") + delta
 
 
 def _fmt_gbps(x: float | None) -> str:
@@ -129,7 +138,8 @@ def decode_rows(r: dict, backends: list[str]) -> list[list[str]]:
         frac = r.get("frac_copy", {}).get(name)
         read = _frac_read(r, name)
         ratio = r.get("ratio", {}).get(name) or {}
-        cells = [label if not rows else "", name if name in r.get("impls", []) else f"sdpa-{name}",
+        shown = name if name in r.get("impls", []) or name == fi.NAME else f"sdpa-{name}"
+        cells = [label if not rows else "", shown,
                  _fmt(ms, ".4f"), _fmt_gbps(r.get("gbps", {}).get(name)),
                  _fmt(frac * 100 if frac is not None else None, ".1f"),
                  _fmt(read * 100 if read is not None else None, ".1f")]
@@ -273,7 +283,7 @@ def rotate_note(records: list[dict]) -> str:
 def decode_markdown(data: dict) -> str:
     env, records = data.get("env", {}), data.get("results", [])
     cfg = data.get("config", {})
-    backends = _decode_backends(records, cfg.get("backends"))
+    backends = decode_peers(data)
     lines = ["## Decode: attngen vs PyTorch SDPA", ""]
     lines += [f"- {ln}" for ln in env_lines(env)]
     lines += [f"- {_copy_line(data.get('copy'))}",
@@ -292,6 +302,10 @@ def decode_markdown(data: dict) -> str:
                  "no Python launch path"] if cfg.get("graph") else []),
               "- check = rel L2 vs an fp32 reference on the first call, output poisoned with NaN; — = the backend "
               "refused that shape",
+              *([f"- flashinfer: FlashInfer's tensor-core paged decode on the paged copy (page = block size "
+                 f"{cfg.get('block_size')}); {fi.DELTA_COLUMN} = its max abs difference from attngen's output"]
+                if fi.NAME in backends else []),
+              *([f"- {fi.first_call_line(data)}"] if fi.first_call_line(data) else []),
               ""]
     if not data.get("complete", True):
         lines += ["**Partial run**: the sweep did not finish.", ""]
@@ -320,11 +334,11 @@ def plot_decode(data: dict, path: Path) -> Path | None:
     records = [r for r in data.get("results", []) if not r.get("skipped")]
     if not records:
         return None
-    backends = _decode_backends(records, data.get("config", {}).get("backends"))
+    backends = decode_peers(data)
     impls = _decode_impls(records) + backends
     groups = sorted({(r["heads"], r["kv_heads"], r["q_len"], r["head_dim"]) for r in records})
     batches = sorted({r["batch"] for r in records})
-    colors = {"flash": "tab:blue", "cudnn": "tab:green", "efficient": "tab:orange"}
+    colors = {"flash": "tab:blue", "cudnn": "tab:green", "efficient": "tab:orange", fi.NAME: "black"}
     own = ["tab:red", "tab:purple", "tab:brown", "tab:pink"]
     fig, axes = plt.subplots(len(groups), len(batches), figsize=(3.6 * len(batches), 2.9 * len(groups)),
                              squeeze=False)
@@ -361,7 +375,7 @@ def plot_decode(data: dict, path: Path) -> Path | None:
 def _finish_decode(data: dict, args: argparse.Namespace, print_table: bool) -> None:
     args.result = data  # what --json prints
     records = data.get("results", [])
-    backends = _decode_backends(records, data.get("config", {}).get("backends"))
+    backends = decode_peers(data)
     if print_table:
         for ln in env_lines(data.get("env", {})):
             _say(ln)
@@ -376,6 +390,8 @@ def _finish_decode(data: dict, args: argparse.Namespace, print_table: bool) -> N
     _say("")
     for ln in decode_summary_lines(summ):
         _say(ln)
+    if fi.first_call_line(data):
+        _say(fi.first_call_line(data))
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(decode_markdown(data))

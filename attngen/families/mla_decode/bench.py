@@ -13,7 +13,9 @@ Rows:
 - read: one kernel that streams every byte of the cache once (the ceiling);
 - torch: bmm + softmax + bmm in the cache's dtype (fp32 softmax), as a model's eager code does;
 - sdpa_eff: SDPA's memory-efficient backend on the same problem as MQA (K = the 576 columns,
-  V = the first 512, broadcast over the heads).
+  V = the first 512, broadcast over the heads);
+- flashinfer, where it is installed: FlashInfer's MLA wrapper (fa3 on sm_90) on the same cache, read
+  as pages of 64 tokens in order; its first call (JIT build) timed apart, never in a timing.
 Timing: one CUDA graph of back-to-back calls over rotated copies of the cache (no L2 flush), as
 ``attngen bench decode --rotate``; GB/s = cache bytes / time per call.
 """
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ...bench import core
+from ...bench import flashinfer as fi
 from ...bench.core import _fmt, _int_list, _say, _short_error, env_lines, gbps, write_json
 
 RANK, ROPE = 512, 64
@@ -62,12 +65,14 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup-ms", type=float, default=25.0)
     p.add_argument("--rep-ms", type=float, default=100.0)
     p.add_argument("--seed", type=int, default=0)
+    fi.add_argument(p)
     p.add_argument("--from-json", type=Path, default=None, help="re-render from a saved bench_mla.json (no GPU)")
     p.set_defaults(func=cmd_mla)
 
 
 def _rows(args) -> list[str]:
-    return ["attngen"] + ([] if args.no_variants else list(VARIANTS)) + (["read"] if args.no_peers else list(PEERS))
+    return (["attngen"] + ([] if args.no_variants else list(VARIANTS)) + (["read"] if args.no_peers else list(PEERS))
+            + ([fi.NAME] if fi.wanted(args) is None else []))
 
 
 def _main_spec(launch) -> str | None:
@@ -134,6 +139,16 @@ def run_shape(batch: int, seqlen: int, heads: int, dtype: str, rows: list[str], 
             makers[name] = sdpa_call
         elif name == "read":
             makers[name] = lambda c: (lambda: read(c, c[:0]))
+    if fi.NAME in rows:  # planned and run once here, on attngen's output, before any check or timing
+        try:
+            ag = attngen_call(None)(kv)()
+        except Exception:   # attngen's own error is the check's to record, below
+            ag = None
+        peer = fi.attempt(rec, fi.mla, q[:, 0, :, :RANK], q[:, 0, :, RANK:], kv, lens, rank=RANK, sm_scale=scale,
+                          attngen_out=ag)
+        del ag
+        if peer:
+            makers[fi.NAME] = lambda c, call=peer.call: (lambda: call(kv=c))
     # Check every row that produces an output once, on copy 0.
     for name, make in list(makers.items()):
         if name == "read":
@@ -166,18 +181,24 @@ def run_shape(batch: int, seqlen: int, heads: int, dtype: str, rows: list[str], 
         except Exception as e:
             rec["errors"][name] = _short_error(e)
             torch.cuda.synchronize()
+    us = rec["us"]
+    if us.get(fi.NAME) and us.get("attngen"):
+        rec["ratio"] = {fi.NAME: us[fi.NAME] / us["attngen"]}   # > 1: attngen faster
     return rec
 
 
 def _table(data: dict) -> list[str]:
     rows = data["config"]["rows"]
-    head = "| batch | seqlen | heads | MB | " + " | ".join(f"{r} GB/s" for r in rows) + " | attngen / read |"
-    out = [head, "|" + "---|" * (5 + len(rows))]
+    with_fi = fi.NAME in rows   # runs from before the FlashInfer column have neither of its columns
+    head = ("| batch | seqlen | heads | MB | " + " | ".join(f"{r} GB/s" for r in rows) + " | attngen / read |"
+            + (f" attngen / flashinfer | {fi.DELTA_COLUMN} |" if with_fi else ""))
+    out = [head, "|" + "---|" * (5 + len(rows) + 2 * with_fi)]
     for r in data["results"]:
         g = r.get("gbps", {})
         frac = g.get("attngen") / g["read"] if g.get("attngen") and g.get("read") else None
         out.append(f"| {r['batch']} | {r['seqlen']} | {r['heads']} | {r['bytes'] / 1e6:.0f} | "
-                   + " | ".join(_fmt(g.get(n), ".0f") for n in rows) + f" | {_fmt(frac, '.2f')} |")
+                   + " | ".join(_fmt(g.get(n), ".0f") for n in rows) + f" | {_fmt(frac, '.2f')} |"
+                   + (f" {_fmt((r.get('ratio') or {}).get(fi.NAME), '.2f')} | {fi.delta_cell(r)} |" if with_fi else ""))
     return out
 
 
@@ -194,9 +215,17 @@ def summary(data: dict) -> dict:
              if r["gbps"].get("shard") and r["gbps"].get("no shard")]
     fails = [f"b={r['batch']} L={r['seqlen']} h={r['heads']} {n}" for r in data["results"]
              for n, c in r.get("checks", {}).items() if not c["ok"]]
-    return {"read_frac_large_min": min(large, default=None), "read_frac_small_batch_min": min(small, default=None),
-            "shard_over_no_shard": [min(shard, default=None), max(shard, default=None)],
-            "failed_checks": fails}
+    out = {"read_frac_large_min": min(large, default=None), "read_frac_small_batch_min": min(small, default=None),
+           "shard_over_no_shard": [min(shard, default=None), max(shard, default=None)],
+           "failed_checks": [f for f in fails if not f.endswith(" " + fi.NAME)]}
+    ratios = [(r["ratio"][fi.NAME], r) for r in res if (r.get("ratio") or {}).get(fi.NAME)]
+    if ratios:  # FlashInfer's time / attngen's: the summary `attngen bench record` turns into a row
+        worst, wr = min(ratios, key=lambda p: p[0])
+        out["ratio"] = {fi.NAME: {"min": worst, "geomean": math.exp(sum(math.log(x) for x, _ in ratios) / len(ratios)),
+                                  "shapes": len(ratios),
+                                  "min_at": {k: wr[k] for k in ("batch", "seqlen", "heads")}}}
+        out["flashinfer_failed_checks"] = [f for f in fails if f.endswith(" " + fi.NAME)]
+    return out
 
 
 def _plot(data: dict, path: Path) -> Path | None:
@@ -228,10 +257,18 @@ def _finish(data: dict, args, print_table: bool) -> None:
          f"{TARGETS['read_frac_large']}), min {_fmt(s['read_frac_small_batch_min'], '.2f')} at batch <= 8, seqlen >= 8k "
          f"(target {TARGETS['read_frac_small_batch']}); shard / no shard {_fmt(s['shard_over_no_shard'][0], '.2f')}-"
          f"{_fmt(s['shard_over_no_shard'][1], '.2f')}; failed checks: {len(s['failed_checks'])}")
+    x = (s.get("ratio") or {}).get(fi.NAME)
+    if x:
+        at = " ".join(f"{k}={v}" for k, v in x["min_at"].items())
+        _say(f"attngen / flashinfer (its time / attngen's): min {x['min']:.2f} at {at}, geomean {x['geomean']:.2f} "
+             f"over {x['shapes']} shapes; FlashInfer's failed checks: {len(s.get('flashinfer_failed_checks', []))}")
+    if fi.first_call_line(data):
+        _say(fi.first_call_line(data))
     if args.markdown:
         env = data["env"]
         md = [f"GPU: {env.get('gpu')}; {env.get('date', '')[:10]}; torch {env.get('torch')}; NVRTC {env.get('nvrtc')}; "
               f"attngen {env.get('attngen_commit')} (source {env.get('attngen_source')}); {data['config']['timer']}", ""] + table
+        md += ["", fi.first_call_line(data)] if fi.first_call_line(data) else []
         Path(args.markdown).write_text("\n".join(md) + "\n")
     if args.out:
         p = _plot(data, Path(args.out) / "bench_mla.png")
@@ -251,12 +288,14 @@ def cmd_mla(args: argparse.Namespace) -> int:
     data: dict[str, Any] = {
         "benchmark": "mla", "complete": False, "env": env,
         "config": {"rows": rows, "dtype": args.dtype, "rank": RANK, "rope": ROPE, "q_len": 1,
-                   "variants": VARIANTS, "targets": TARGETS,
+                   "variants": VARIANTS, "targets": TARGETS, fi.NAME: fi.config(args),
                    "timer": "cuda-events, no flush, CUDA-graph replays over rotated cache copies; us per call"},
         "results": [],
     }
     for ln in env_lines(env):
         _say(ln)
+    if fi.wanted(args):
+        _say(fi.wanted(args))
     read = core.stream_reader()
     t0 = time.perf_counter()
     shapes = [(h, b, n) for h in args.heads for b in args.batches for n in args.seqlens]

@@ -24,6 +24,7 @@ import attngen
 from attngen.families.prefill.op import kernel_for
 from attngen.spec import spec_of_text
 from attngen.bench import core
+from attngen.bench import flashinfer as fi
 from attngen.bench.core import (_CAUSAL, BACKENDS, CHECK_TOL, DTYPES, _backend_list, _dtype_list, _fmt,
                                 _head_dim_list, _int_list, _replay_or_gpu_check, _save_figure, _say, _sdpa_backend,
                                 _short_error, attention_flops, env_lines, pyplot, tflops, write_json)
@@ -56,6 +57,7 @@ class Shape:
     seqlen: int
     heads: int
     head_dim_v: int = 0  # of v and the output; 0: head_dim
+    kv_heads: int = 0    # of k and v; 0: heads (fewer: GQA, as --shapes 1x32/8x4096 asks)
 
     @property
     def flops(self) -> float:
@@ -64,7 +66,13 @@ class Shape:
 
     def label(self) -> str:
         return (f"{self.dtype} d={dims_text(asdict(self))} {'causal' if self.causal else 'full'} "
-                f"b={self.batch} s={self.seqlen} h={self.heads}")
+                f"b={self.batch} s={self.seqlen} h={heads_text(asdict(self))}")
+
+
+def heads_text(r: dict) -> str:
+    """A record's heads: ``32``, or ``32/8`` when k and v have fewer."""
+    hk = r.get("kv_heads") or 0
+    return f"{r['heads']}/{hk}" if hk and hk != r["heads"] else str(r["heads"])
 
 
 def dims_text(r: dict) -> str:
@@ -76,9 +84,9 @@ def dims_text(r: dict) -> str:
 def make_sweep(head_dims: Iterable[int | tuple[int, int]] = HEAD_DIMS, seqlens: Iterable[int] = SEQLENS,
                dtypes: Iterable[str] = DTYPES, causal: Iterable[bool] = (False, True),
                tokens: int = TOKENS, hidden: int = HIDDEN,
-               shapes: Iterable[tuple[int, int, int]] = ()) -> list[Shape]:
+               shapes: Iterable[tuple[int, ...]] = ()) -> list[Shape]:
     """The shapes, in the order they run: dtype, mask, head_dim, seqlen. A head dim is D or (D, DV).
-    ``shapes`` (batch, heads, seqlen) triples replace the seqlen sweep where given."""
+    ``shapes`` (batch, heads, seqlen[, kv_heads]) replace the seqlen sweep where given."""
     shapes = tuple(shapes)
     out = []
     for dt in dtypes:
@@ -87,24 +95,29 @@ def make_sweep(head_dims: Iterable[int | tuple[int, int]] = HEAD_DIMS, seqlens: 
                 d, dv = (hd, hd) if isinstance(hd, int) else hd
                 dv = 0 if dv == d else dv
                 if shapes:
-                    out.extend(Shape(dt, d, c, b, s, h, dv) for b, h, s in shapes)
+                    out.extend(Shape(dt, d, c, b, s, h, dv, hk[0] if hk and hk[0] != h else 0)
+                               for b, h, s, *hk in shapes)
                     continue
                 for s in seqlens:
                     out.append(Shape(dt, d, c, max(1, tokens // s), s, max(1, hidden // d), dv))
     return out
 
 
-def _shape_list(text: str) -> tuple[tuple[int, int, int], ...]:
-    """``1x48x8192,4x16x2048`` -> ((1, 48, 8192), (4, 16, 2048)): batch x heads x seqlen."""
+def _shape_list(text: str) -> tuple[tuple[int, int, int, int], ...]:
+    """``1x48x8192,1x32/8x4096`` -> ((1, 48, 8192, 48), (1, 32, 4096, 8)): batch x heads[/kv_heads] x seqlen."""
     out = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         try:
-            b, h, n = (int(x) for x in part.lower().split("x"))
+            b, heads, n = part.lower().split("x")
+            h, _, hk = heads.partition("/")
+            b, h, n, hk = int(b), int(h), int(n), int(hk or h)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{part!r} is not BATCHxHEADSxSEQLEN (e.g. 1x48x8192)") from None
-        if min(b, h, n) < 1:
-            raise argparse.ArgumentTypeError(f"{part!r}: batch, heads and seqlen must be >= 1")
-        out.append((b, h, n))
+            raise argparse.ArgumentTypeError(f"{part!r} is not BATCHxHEADSxSEQLEN or BATCHxHEADS/KV_HEADSxSEQLEN "
+                                             "(e.g. 1x48x8192, 1x32/8x4096)") from None
+        if min(b, h, n, hk) < 1 or h % hk:
+            raise argparse.ArgumentTypeError(f"{part!r}: batch, heads and seqlen must be >= 1, and kv_heads must "
+                                             "divide heads")
+        out.append((b, h, n, hk))
     return tuple(out)
 
 
@@ -144,7 +157,8 @@ def add_parser(sub) -> None:
     pp.add_argument("--backends", type=_backend_list, default=BACKENDS,
                     help="SDPA backends to compare with (default flash,cudnn,efficient)")
     pp.add_argument("--shapes", type=_shape_list, default=None, metavar="BxHxS,...",
-                    help="batch x heads x seqlen per head dim instead of the 16k-token sweep, e.g. 1x48x8192,4x16x2048")
+                    help="batch x heads x seqlen per head dim instead of the 16k-token sweep, e.g. "
+                         "1x48x8192,4x16x2048; HEADS/KV_HEADS for GQA, e.g. 1x32/8x4096")
     pp.add_argument("--chunked-too", action="store_true",
                     help="for head dims up to 256, also time the chunked kernel (head_dim_chunk=64) as "
                          "'chunked': where the two kernels cross over")
@@ -177,6 +191,7 @@ def add_parser(sub) -> None:
                          "contiguous: SDPA gets its own contiguous [B, H, S, D] copies (its preferred layout)")
     pp.add_argument("--no-check", action="store_true", help="skip the correctness check")
     pp.add_argument("--seed", type=int, default=0)
+    fi.add_argument(pp)
     pp.add_argument("--from-json", type=Path, default=None,
                     help="re-render table/Markdown/plot from a saved bench_prefill.json (no GPU)")
     pp.set_defaults(func=cmd_prefill)
@@ -190,18 +205,21 @@ def add_parser(sub) -> None:
 def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, warmup_ms: float = WARMUP_MS,
               rep_ms: float = 100.0, reps: int | None = None, seed: int = 0, sdpa_layout: str = "view",
               chunked_too: bool = False, sync_too: bool = False, serial_too: bool = False,
-              also: tuple[tuple[str, str], ...] = (), interleave: bool = False) -> dict:
+              also: tuple[tuple[str, str], ...] = (), interleave: bool = False, flashinfer: bool = False) -> dict:
     """Check and time one shape: attngen and each SDPA backend on the same inputs (``interleave``: each column
-    twice, in one order and then the other, the mean kept)."""
+    twice, in one order and then the other, the mean kept); ``flashinfer``: FlashInfer too, planned and run once
+    (its first call timed apart) before any timing."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[shape.dtype]
     b, s, h, d, causal = shape.batch, shape.seqlen, shape.heads, shape.head_dim, shape.causal
-    dv = shape.head_dim_v or d
+    dv, hk = shape.head_dim_v or d, shape.kv_heads or shape.heads
     gen = torch.Generator(device=core.DEVICE).manual_seed(seed)
-    q, k, v = (torch.randn(b, s, h, w, device=core.DEVICE, dtype=tdt, generator=gen) for w in (d, d, dv))
+    q, k, v = (torch.randn(b, s, n, w, device=core.DEVICE, dtype=tdt, generator=gen) for n, w in ((h, d), (hk, d),
+                                                                                                  (hk, dv)))
+    gqa = {"enable_gqa": True} if hk != h else {}
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, S, D] views: FA-layout users' call
     if sdpa_layout == "contiguous":
         qt, kt, vt = (x.contiguous() for x in (qt, kt, vt))
@@ -213,7 +231,7 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
         return attngen.prefill(q, k, v, causal=causal)
 
     def sdpa_fn():
-        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **gqa)
 
     # Peers: one call each decides supported or not (and warms up cuDNN plans / handles).
     peer_out: dict[str, Any] = {}
@@ -267,6 +285,8 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
             chk["ok"] = nan_count == 0
         chk["tolerance_rel_l2"] = CHECK_TOL
         rec["check"] = chk
+    peer = (fi.attempt(rec, fi.prefill, q, k, v, causal=causal, attngen_out=out, nulls=("ms", "tflops"))
+            if flashinfer else None)
     del out
     peer_out.clear()
 
@@ -287,6 +307,7 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
 
     columns = [("attngen", lambda: core.bench_ms(attngen_fn, warmup_ms, rep_ms, reps))]
     columns += [(name, sdpa_timed(name)) for name in backends]
+    columns += [(fi.NAME, lambda: core.bench_ms(peer.call, warmup_ms, rep_ms, reps))] if peer else []
     columns += [(name, lambda spec=spec: core.bench_ms(lambda: attngen.prefill(q, k, v, causal=causal, spec=spec),
                                                         warmup_ms, rep_ms, reps)) for name, spec in variants]
     # interleave: each column timed again in the reverse order and the mean of its two kept, so that every column's
@@ -311,7 +332,7 @@ def run_shape(shape: Shape, backends: tuple[str, ...], *, check: bool = True, wa
         rec["ms"][name], rec["tflops"][name] = ms, tflops(shape.flops, ms)
     a = rec["tflops"].get("attngen")
     rec["ratio"] = {n: (a / rec["tflops"][n] if a and rec["tflops"].get(n) else None)
-                    for n in (*backends, *(n for n, _ in variants))}
+                    for n in (*backends, *(n for n, _ in variants), *([fi.NAME] if flashinfer else []))}
     return rec
 
 
@@ -342,19 +363,19 @@ def _check_cell(r: dict) -> str:
 
 def table_columns(backends: list[str]) -> list[str]:
     return (["dtype", "D", "causal", "B", "S", "H", "attngen"] + list(backends)
-            + [f"/{n}" for n in backends] + ["check"])
+            + [f"/{n}" for n in backends] + ["check"] + ([fi.DELTA_COLUMN] if fi.NAME in backends else []))
 
 
 def table_row(r: dict, backends: list[str]) -> list[str]:
     tf, ratio = r.get("tflops", {}), r.get("ratio", {})
     return ([r["dtype"], dims_text(r), "yes" if r["causal"] else "no", str(r["batch"]), str(r["seqlen"]),
-             str(r["heads"]), _fmt(tf.get("attngen"))]
+             heads_text(r), _fmt(tf.get("attngen"))]
             + [_fmt(tf.get(n)) for n in backends]
             + [_fmt(ratio.get(n), ".2f") for n in backends]
-            + [_check_cell(r)])
+            + [_check_cell(r)] + ([fi.delta_cell(r)] if fi.NAME in backends else []))
 
 
-_WIDTHS = {"dtype": 5, "D": 7, "causal": 6, "B": 3, "S": 6, "H": 3, "check": 12}
+_WIDTHS = {"dtype": 5, "D": 7, "causal": 6, "B": 3, "S": 6, "H": 5, "check": 12}
 
 
 def _width(col: str) -> int:
@@ -383,7 +404,7 @@ def summarize(records: list[dict], backends: list[str]) -> dict:
         gmean = math.exp(sum(math.log(p) for p, _ in pairs) / len(pairs))
         out[n] = {"min": worst, "geomean": gmean, "shapes": len(pairs),
                   "min_at": {k: wr.get(k, 0) for k in ("dtype", "head_dim", "head_dim_v", "causal", "batch", "seqlen",
-                                                       "heads")}}
+                                                       "heads", "kv_heads")}}
     checks = [r["check"] for r in records if r.get("check")]
     out["checks"] = {"run": len(checks), "failed": sum(1 for c in checks if not c.get("ok")),
                      "max_rel_l2": max((c["rel_l2"] for c in checks if isinstance(c.get("rel_l2"), float)),
@@ -412,7 +433,8 @@ def prefill_markdown(data: dict) -> str:
     env, records = data.get("env", {}), data.get("results", [])
     backends = _impls(records, data.get("config", {}).get("backends"))
     cols = ["dtype", "D", "causal", "B", "S", "H", "attngen TFLOP/s"] + [f"{n} TFLOP/s" for n in backends] \
-        + [f"attngen/{n}" for n in backends] + ["check (rel L2 vs flash)"]
+        + [f"attngen/{n}" for n in backends] + ["check (rel L2 vs flash)"] \
+        + (["FlashInfer max abs diff vs attngen"] if fi.NAME in backends else [])
     lines = ["## Prefill: attngen vs PyTorch SDPA", ""]
     lines += [f"- {ln}" for ln in env_lines(env)]
     cfg = data.get("config", {})
@@ -422,6 +444,7 @@ def prefill_markdown(data: dict) -> str:
               f"- {FLOP_NOTE}",
               f"- {cfg.get('sdpa_note') or SDPA_NOTE}",
               "- — = the backend refused that shape.",
+              *([f"- {fi.first_call_line(data)}"] if fi.first_call_line(data) else []),
               ""]
     if not data.get("complete", True):
         lines += ["**Partial run**: the sweep did not finish.", ""]
@@ -449,7 +472,7 @@ def plot_prefill(data: dict, path: Path) -> Path | None:
     dtypes = [d for d in DTYPES if any(r["dtype"] == d for r in records)]
     styles = {"bf16": "-", "fp16": "--"}
     colors = {"attngen": "tab:red", "flash": "tab:blue", "cudnn": "tab:green", "efficient": "tab:orange",
-              "chunked": "tab:purple", "sync": "tab:brown"}
+              "chunked": "tab:purple", "sync": "tab:brown", fi.NAME: "black"}
     fig, axes = plt.subplots(len(masks), len(dims), figsize=(4.2 * len(dims), 3.4 * len(masks)), squeeze=False,
                              sharex=True)
     for i, c in enumerate(masks):
@@ -498,6 +521,8 @@ def _finish_prefill(data: dict, args: argparse.Namespace, print_table: bool) -> 
     if "flash" in backends:
         s = summ.get("flash")
         _say(f"minimum ratio attngen/flash across the sweep: {_fmt(s['min'] if s else None, '.3f')}")
+    if fi.first_call_line(data):
+        _say(fi.first_call_line(data))
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(prefill_markdown(data))
@@ -518,6 +543,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     backends = list(args.backends) + [name for name, on in (("chunked", args.chunked_too), ("sync", args.sync_too),
                                                             ("serial", args.serial_too)) if on]
     backends += [name for name, _ in args.also]
+    fi_note = fi.wanted(args)
+    backends += [fi.NAME] if fi_note is None else []
     env = core.environment(gpu=True)
     timer = "cuda-events" if args.reps is not None or core._triton_do_bench() is None else "triton.do_bench"
     data: dict[str, Any] = {
@@ -527,7 +554,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
                    "check": not args.no_check, "check_tolerance_rel_l2": CHECK_TOL, "tokens": args.tokens,
                    "hidden": args.hidden, "sdpa_layout": args.sdpa_layout, "interleave": args.interleave,
                    "explicit_shapes": [list(x) for x in args.shapes or ()],
-                   "sdpa_note": SDPA_NOTE if args.sdpa_layout == "view" else SDPA_CONTIG_NOTE, "flops": FLOP_NOTE},
+                   "sdpa_note": SDPA_NOTE if args.sdpa_layout == "view" else SDPA_CONTIG_NOTE, "flops": FLOP_NOTE,
+                   fi.NAME: fi.config(args)},
         "results": [],
     }
     json_path = Path(args.out) / "bench_prefill.json" if args.out else None
@@ -536,6 +564,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     _say(f"{len(shapes)} shapes x (attngen + {', '.join(backends)}); timer {timer}, warm-up {args.warmup_ms} ms, "
          f"repeats {args.reps if args.reps is not None else str(args.rep_ms) + ' ms'}; TFLOP/s; /peer = attngen/peer")
     _say(data["config"]["sdpa_note"])
+    if fi_note:
+        _say(fi_note)
     if json_path is None:
         _say("(no --out: the JSON and the plot are not written)")
     _say(text_header(backends))
@@ -545,7 +575,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
             rec = run_shape(shape, tuple(args.backends), check=not args.no_check, warmup_ms=args.warmup_ms,
                             rep_ms=args.rep_ms, reps=args.reps, seed=args.seed + i, sdpa_layout=args.sdpa_layout,
                             chunked_too=args.chunked_too, sync_too=args.sync_too, serial_too=args.serial_too,
-                            also=tuple(args.also), interleave=args.interleave)
+                            also=tuple(args.also), interleave=args.interleave, flashinfer=fi_note is None)
         except Exception as e:  # e.g. out of memory: keep the sweep going
             rec = {**asdict(shape), "flops": shape.flops, "ms": {}, "tflops": {}, "ratio": {},
                    "errors": {"shape": _short_error(e)}}
