@@ -54,6 +54,13 @@ _memo = OpMemo(_make_plan)
 _plans, _calls = _memo.plans, _memo.calls  # key -> Plan; key -> _Call (runtime.keep_call)
 
 
+def block_mul(block_size: int) -> int:
+    """The multiplier of Decode::block_of (templates/decode/fwd.cuh): ceil(2^(31 + ceil(log2(block_size))) /
+    block_size), below 2^32 for every block size, so pos * it >> that shift is pos // block_size for every
+    position below 2^31."""
+    return -(-(1 << (31 + (block_size - 1).bit_length())) // block_size)
+
+
 def _refuse_head_dim(d) -> None:
     raise LaunchError(f"head_dim={d} is not supported; allowed: {HEAD_DIMS_TEXT} ({head_dim_refusal(d)})")
 
@@ -347,7 +354,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         bt_sb, scores_ld,
         b, q_len, h, group,
         num_splits, block_size, capacity, pool,
-        seq_fixed, -(-(1 << (31 + (block_size - 1).bit_length())) // block_size) if block_size else 0,
+        seq_fixed, block_mul(block_size) if block_size else 0,
         scale, scale * _LOG2E,
         cap_u, inv_cap_u, alibi_ptr, alibi_sb,
         pad_ptr, left, right,
