@@ -145,11 +145,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     the kernel (not fused into it); q is not modified, the cache receives the rotated k.
 
     Up to 8 new tokens take the decode kernels (``num_splits`` 0 chooses the split-KV count). More
-    take the prefill kernel over the cache (paged, or a contiguous cache presented as pages where its
-    rows are whole multiples of 16 positions apart); where that cannot serve (``cache_leftpad``, or a
-    contiguous cache of other rows), a causal call runs the decode kernels on 8 tokens at a time and
-    any other call is refused. Returns out, or ``(out, lse)`` with ``return_softmax_lse`` (fp32
-    ``[batch, heads, seqlen_q]``; a token that sees no key gives zeros and LSE -inf).
+    take the prefill kernel over the cache: paged, or a contiguous cache presented as pages where its
+    rows are whole multiples of 16 positions apart; else (``cache_leftpad``, or other rows) over the
+    contiguous cache's rows laid end to end. A paged cache with ``cache_leftpad`` runs the decode
+    kernels on 8 tokens at a time, each token keeping its own window; there ALiBi with keys after a
+    token's position (``causal=False`` with window right not 0) is refused. Returns out, or
+    ``(out, lse)`` with ``return_softmax_lse`` (fp32 ``[batch, heads, seqlen_q]``; a token that sees
+    no key gives zeros and LSE -inf).
     """
     left, right = _window(window_size)
     if left < -1 or right < -1:
@@ -168,8 +170,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     local = causal or (left, right) != (-1, -1)
     many = q.shape[1] > MAX_Q_LEN
     # The route of many new tokens is settled (or refused) before the cache is written.
-    paged = prefill_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_table, causal, right) \
-        if many else None
+    route = prefill_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_table, causal, (left, right),
+                          alibi_slopes is not None) if many else None
     if rotary_cos is not None:
         q, k = rotary_qk(q, k, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad, bool(rotary_interleaved),
                          local, capacity_of(k_cache, block_table))
@@ -181,5 +183,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         return decode(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=cache_batch_idx,
                       block_table=block_table, num_splits=num_splits, return_lse=return_softmax_lse, causal=causal,
                       window=(left, right), cache_leftpad=cache_leftpad, **common)
-    return chunked_prefill(q, k_cache, v_cache, lengths, paged, cache_batch_idx, cache_leftpad, block_table,
+    return chunked_prefill(q, k_cache, v_cache, lengths, route, cache_batch_idx, cache_leftpad, block_table,
                            (left, right), num_splits, causal, bool(return_softmax_lse), common)
