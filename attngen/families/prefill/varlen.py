@@ -14,6 +14,7 @@ from ... import runtime as _rt
 from ...errors import LaunchError
 from ...runtime import data_ptr, tensor_info
 from ...spec import op_spec
+from ..head_pad import cut, default_scale, pad_widths, zero_padded
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from ..split_kv import check_block_size
 from .masks import PLAN_PARAMS
@@ -62,12 +63,21 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     signature and checked as ints >= 0; the lengths are never read on the host. Returns ``out``
     ``[total_q, heads, head_dim]`` and with ``return_lse`` the LSE ``[heads, total_q]`` (fp32).
     ``spec`` (a spec, its text or a dict of its fields) overrides the tuning fields, as in ``prefill``.
+    A head dim up to 256 that is not a multiple of 8 (or is below 32) runs on a zero-padded copy, as in
+    ``prefill``; that costs a copy of q, k and v (or the paged cache) per call.
     """
     if _rt.tracing is not None and _rt.tracing():
         return _rt.traced_ops["prefill_varlen"](
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
             sm_scale=sm_scale, return_lse=return_lse, out=out, block_table=block_table, spec=spec, softcap=softcap,
             alibi_slopes=alibi_slopes)
+    widths = pad_widths(q, k, v, PrefillSpec.WHOLE_DIMS)
+    if widths is not None:  # a head dim no kernel is built for, run on zero-padded copies (head_pad)
+        r = prefill_varlen(zero_padded(q, widths[0]), zero_padded(k, widths[0]), zero_padded(v, widths[1]),
+                           cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
+                           sm_scale=default_scale(sm_scale, q.shape[-1]), return_lse=return_lse,
+                           block_table=block_table, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes)
+        return cut(r, v.shape[-1], out, return_lse)
     if spec is not None and spec.__class__ is not PrefillSpec:
         spec = op_spec(spec, "prefill", "attngen.prefill_varlen")
     paged = block_table is not None
