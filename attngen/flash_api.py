@@ -4,14 +4,17 @@
 ``flash_attn_with_kvcache`` take FlashAttention 2's arguments and return what it returns:
 ``softmax_scale``, ``window_size=(left, right)``, ``softcap``, ``alibi_slopes``, ``return_softmax_lse``,
 the LSE as fp32 ``[batch, heads, seqlen_q]`` (natural log); with a KV cache also ``rotary_cos``/``rotary_sin``
-(applied by torch before the kernel), ``cache_leftpad`` and any number of new tokens. What attngen cannot do
-is refused with a ``LaunchError`` that says so (dropout, attention probabilities), never ignored.
+(applied by torch before the kernel), ``cache_leftpad`` and any number of new tokens. Any head dim up to 256 runs
+(one that no kernel is built for on a zero-padded copy of the operands). What attngen cannot do is refused with a
+``LaunchError`` that says so (dropout, attention probabilities), never ignored.
 """
 
 from __future__ import annotations
 
 from .errors import LaunchError
 from .families.decode.op import MAX_Q_LEN, decode
+from .families.decode.spec import DecodeSpec
+from .families.head_pad import cut, default_scale, pad_widths, zero_padded
 from .families.prefill.op import prefill
 from .families.prefill.varlen import prefill_varlen
 from .kvcache import append, capacity_of, check_leftpad, chunked_prefill, prefill_route, rotary_qk
@@ -145,11 +148,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     the kernel (not fused into it); q is not modified, the cache receives the rotated k.
 
     Up to 8 new tokens take the decode kernels (``num_splits`` 0 chooses the split-KV count). More
-    take the prefill kernel over the cache (paged, or a contiguous cache presented as pages where its
-    rows are whole multiples of 16 positions apart); where that cannot serve (``cache_leftpad``, or a
-    contiguous cache of other rows), a causal call runs the decode kernels on 8 tokens at a time and
-    any other call is refused. Returns out, or ``(out, lse)`` with ``return_softmax_lse`` (fp32
-    ``[batch, heads, seqlen_q]``; a token that sees no key gives zeros and LSE -inf).
+    take the prefill kernel over the cache: paged, or a contiguous cache presented as pages where its
+    rows are whole multiples of 16 positions apart; else (``cache_leftpad``, or other rows) over the
+    contiguous cache's rows laid end to end. A paged cache with ``cache_leftpad`` runs the decode
+    kernels on 8 tokens at a time, each token keeping its own window; there ALiBi with keys after a
+    token's position (``causal=False`` with window right not 0) is refused. Returns out, or
+    ``(out, lse)`` with ``return_softmax_lse`` (fp32 ``[batch, heads, seqlen_q]``; a token that sees
+    no key gives zeros and LSE -inf). A head dim up to 256 that is not a multiple of 8 (or is below
+    32) runs on zero-padded copies of q and the cache, made after ``k``/``v`` are appended to the
+    caller's cache; that costs a copy of q and the cache per call.
     """
     left, right = _window(window_size)
     if left < -1 or right < -1:
@@ -168,18 +175,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     local = causal or (left, right) != (-1, -1)
     many = q.shape[1] > MAX_Q_LEN
     # The route of many new tokens is settled (or refused) before the cache is written.
-    paged = prefill_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_table, causal, right) \
-        if many else None
+    route = prefill_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_table, causal, (left, right),
+                          alibi_slopes is not None) if many else None
     if rotary_cos is not None:
         q, k = rotary_qk(q, k, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad, bool(rotary_interleaved),
                          local, capacity_of(k_cache, block_table))
     lengths = cache_seqlens
-    if k is not None:
+    if k is not None:  # into the caller's cache, before any padded copy of it
         lengths = append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+    # A head dim no kernel is built for: q and the cache padded once here rather than by each kernel call.
+    widths = pad_widths(q, k_cache, v_cache, DecodeSpec.HEAD_DIMS)
+    d = q.shape[-1]
+    if widths is not None and widths[0] == widths[1]:
+        q, k_cache, v_cache = (zero_padded(x, widths[0]) for x in (q, k_cache, v_cache))
+        softmax_scale = default_scale(softmax_scale, d)
     common = dict(sm_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes)
     if not many:
-        return decode(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=cache_batch_idx,
-                      block_table=block_table, num_splits=num_splits, return_lse=return_softmax_lse, causal=causal,
-                      window=(left, right), cache_leftpad=cache_leftpad, **common)
-    return chunked_prefill(q, k_cache, v_cache, lengths, paged, cache_batch_idx, cache_leftpad, block_table,
-                           (left, right), num_splits, causal, bool(return_softmax_lse), common)
+        r = decode(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=cache_batch_idx,
+                   block_table=block_table, num_splits=num_splits, return_lse=return_softmax_lse, causal=causal,
+                   window=(left, right), cache_leftpad=cache_leftpad, **common)
+    else:
+        r = chunked_prefill(q, k_cache, v_cache, lengths, route, cache_batch_idx, cache_leftpad, block_table,
+                            (left, right), num_splits, causal, bool(return_softmax_lse), common)
+    return r if q.shape[-1] == d else cut(r, d, None, bool(return_softmax_lse))

@@ -142,41 +142,113 @@ def _as_pages(torch, k_cache, v_cache, cache_batch_idx, batch: int):
     return k_cache.as_strided(shape, strides), v_cache.as_strided(shape, strides), table
 
 
-def prefill_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_table, causal: bool, right: int):
-    """How more than MAX_Q_LEN new tokens a row are served, decided before the cache is touched: (k blocks, v
-    blocks, block table) for the prefill kernel over the cache (paged, or a contiguous cache as pages), or None
-    where it cannot serve (``cache_leftpad``, or contiguous rows that are not whole blocks apart) and the call
-    is causal: the decode kernels then run on MAX_Q_LEN tokens at a time. Anything else is refused."""
+# How more than MAX_Q_LEN new tokens a row are served (``prefill_route``).
+PAGES, ROWS, DECODE = "pages", "rows", "decode"
+
+
+def _as_rows(torch, k_cache, v_cache):
+    """A contiguous cache ``[cache_batch, max_seqlen, kv_heads, head_dim]`` as one run of positions: (k, v)
+    ``[(cache_batch - 1) * R + max_seqlen, kv_heads, head_dim]``, views of the same memory in which row r's
+    position j is position r * R + j (R: the row stride in positions, the same for k and v); else None (a row
+    stride that is no whole number of positions, or more positions than int32 cu_seqlens count)."""
+    cb, m, hk, d = k_cache.shape
+    s0, s1, s2, s3 = k_cache.stride()
+    v0, v1, v2, v3 = v_cache.stride()
+    if cb == 0 or m == 0 or s1 <= 0 or v1 <= 0 or s0 % s1 or v0 % v1 or s0 // s1 != v0 // v1:
+        return None
+    per_row = s0 // s1
+    n = (cb - 1) * per_row + m
+    if n >= 2 ** 31:
+        return None
+    return k_cache.as_strided((n, hk, d), (s1, s2, s3)), v_cache.as_strided((n, hk, d), (v1, v2, v3)), per_row
+
+
+def prefill_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_table, causal: bool,
+                  window: tuple[int, int], alibi: bool) -> str:
+    """How more than MAX_Q_LEN new tokens a row are served, decided before the cache is touched: PAGES, the
+    prefill kernel over a paged cache (or a contiguous one presented as pages, its rows whole blocks of 16
+    positions or more apart, without ``cache_leftpad``); ROWS, the varlen prefill kernel over a contiguous cache's
+    rows laid end to end (any other contiguous cache; a left pad moves where a row's keys begin); DECODE, the
+    decode kernels on MAX_Q_LEN tokens at a time (a paged cache with ``cache_leftpad``, or a contiguous cache
+    whose row stride is no whole number of positions). DECODE places each token at its own position only where
+    no key after it is seen, or where the score does not depend on positions: with ALiBi, a call that lets a
+    token see keys after its own (causal=False, window right other than 0) is refused there."""
     torch = _torch(f"seqlen_q={q.shape[1]} (past {MAX_Q_LEN}, through the prefill kernel)", q, k_cache, v_cache)
     if block_table is not None and cache_batch_idx is not None:
         raise LaunchError("cache_batch_idx cannot be combined with block_table (a paged cache names its blocks per "
                           "row already)")
-    paged = None
-    if cache_leftpad is None:
-        paged = (k_cache, v_cache, block_table) if block_table is not None else \
-            _as_pages(torch, k_cache, v_cache, cache_batch_idx, q.shape[0])
-    if paged is None and not (causal or right == 0):
-        why = "cache_leftpad, which the prefill kernel over the cache does not take" if cache_leftpad is not None \
-            else (f"a contiguous cache of max_seqlen {k_cache.shape[1]} and row stride {k_cache.stride(0)}, not "
-                  f"whole blocks of 16 positions as the prefill kernel over the cache reads it")
-        raise LaunchError(f"seqlen_q={q.shape[1]} with causal=False and window_size right={right} is not supported "
-                          f"with {why}; allowed: causal=True (or window_size right 0), at most {MAX_Q_LEN} new "
-                          f"tokens a call, or a paged cache (block_table) without cache_leftpad")
-    return paged
+    if block_table is not None:
+        if cache_leftpad is None:
+            return PAGES
+        why = "cache_leftpad with a paged cache (block_table), which the prefill kernel over pages does not take"
+    else:
+        if cache_batch_idx is None and k_cache.shape[0] < q.shape[0]:
+            raise LaunchError(f"k_cache has {k_cache.shape[0]} cache rows for batch {q.shape[0]}; pass "
+                              f"cache_batch_idx to map rows")
+        if cache_leftpad is None and _as_pages(torch, k_cache, v_cache, cache_batch_idx, q.shape[0]) is not None:
+            return PAGES
+        if _as_rows(torch, k_cache, v_cache) is not None:
+            return ROWS
+        why = (f"a contiguous cache whose row strides (k {k_cache.stride(0)}, v {v_cache.stride(0)}) are not one "
+               f"whole number of positions (k {k_cache.stride(1)}, v {v_cache.stride(1)} elements)")
+    right = 0 if causal else window[1]
+    if alibi and right != 0:
+        raise LaunchError(f"seqlen_q={q.shape[1]} with causal=False, window_size right={right} and alibi_slopes is "
+                          f"not supported with {why}: the decode kernels that serve it place each token at the end of "
+                          f"the keys it sees, which ALiBi's distances cannot follow; allowed: causal=True (or "
+                          f"window_size right 0), no alibi_slopes, at most {MAX_Q_LEN} new tokens a call, or a "
+                          f"contiguous cache for cache_leftpad")
+    return DECODE
 
 
-def chunked_prefill(q, k_cache, v_cache, lengths, paged, cache_batch_idx, cache_leftpad, block_table,
-                    window: tuple[int, int], num_splits: int, causal: bool, return_lse: bool, common: dict):
-    """More than MAX_Q_LEN new tokens a row, by ``prefill_route``'s choice (lengths: each row's keys, new tokens
-    included): the prefill kernel bottom-right per row over ``paged``, or, where that is None (a causal call),
-    the decode kernels on MAX_Q_LEN tokens at a time."""
+def _rows_prefill(q, kr, vr, per_row, lengths, cache_batch_idx, cache_leftpad, cap, rows_in_cache, window,
+                  causal, return_lse, common):
+    """ROWS: the varlen prefill kernel over the cache's rows laid end to end (``_as_rows``). Sequence 2i is batch
+    row i: its q rows, and keys from its row's start (plus its left pad) to its length; between two of them a
+    sequence of no queries (2i + 1), whose keys (the rest of the row) no query reads: varlen_rows clamps its
+    count to 0 where the next row lies before it, so rows in any order (cache_batch_idx) take one launch.
+    Positions and windows are counted from each sequence's end, as the decode kernels count them; ALiBi's
+    distances too."""
     import torch
 
     b, sq, h, d = q.shape
-    left, _ = window
+    dev = q.device
+    rows = torch.arange(b, device=dev) if cache_batch_idx is None else \
+        cache_batch_idx.long().clamp(0, rows_in_cache - 1)  # clamped to the cache's rows, as attngen.decode does
+    ends = lengths.long().clamp(0, cap)
+    starts = torch.zeros_like(ends) if cache_leftpad is None else torch.minimum(cache_leftpad.long().clamp(min=0), ends)
+    base = rows * per_row
+    cu_k = torch.stack((base + starts, base + ends), dim=1).flatten().to(torch.int32)
+    cu_q = (torch.arange(b + 1, device=dev) * sq).repeat_interleave(2)[1:-1].to(torch.int32)
+    slopes = common["alibi_slopes"]
+    if getattr(slopes, "ndim", 0) == 2:
+        if tuple(slopes.shape) != (b, h):
+            raise LaunchError(f"alibi_slopes has shape {tuple(slopes.shape)}; expected ({h},) or ({b}, {h}), "
+                              f"contiguous in the heads")
+        slopes = slopes.repeat_interleave(2, dim=0)[:-1]  # the empty sequences' rows are never read
+    r = prefill_varlen(q.reshape(b * sq, h, d), kr, vr, cu_q, cu_k, sq, cap, causal=causal, window=window,
+                       return_lse=return_lse, **dict(common, alibi_slopes=slopes))
+    if not return_lse:
+        return r.view(b, sq, h, -1)
+    return r[0].view(b, sq, h, -1), r[1].view(h, b, sq).permute(1, 0, 2).contiguous()
+
+
+def chunked_prefill(q, k_cache, v_cache, lengths, route: str, cache_batch_idx, cache_leftpad, block_table,
+                    window: tuple[int, int], num_splits: int, causal: bool, return_lse: bool, common: dict):
+    """More than MAX_Q_LEN new tokens a row by ``prefill_route``'s ``route`` (lengths: each row's keys, new
+    tokens included), over this k_cache/v_cache (the call's, or its zero-padded copies)."""
+    import torch
+
+    b, sq, h, d = q.shape
+    left, right = window
     lengths = _old_lengths(torch, lengths, b, q.device)
-    if paged is not None:
-        kp, vp, table = paged
+    if route == ROWS:
+        kr, vr, per_row = _as_rows(torch, k_cache, v_cache)
+        return _rows_prefill(q, kr, vr, per_row, lengths, cache_batch_idx, cache_leftpad, k_cache.shape[1],
+                             k_cache.shape[0], window, causal, return_lse, common)
+    if route == PAGES:
+        kp, vp, table = (k_cache, v_cache, block_table) if block_table is not None else \
+            _as_pages(torch, k_cache, v_cache, cache_batch_idx, b)
         cap = table.shape[1] * kp.shape[1]
         cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
         cu_k = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
@@ -186,14 +258,21 @@ def chunked_prefill(q, k_cache, v_cache, lengths, paged, cache_batch_idx, cache_
         if not return_lse:
             return r.view(b, sq, h, -1)
         return r[0].view(b, sq, h, -1), r[1].view(h, b, sq).permute(1, 0, 2).contiguous()
-    # Causal: token i of a chunk sees no key past its own position, so each chunk runs as a decode call whose
-    # rows end at the chunk's last token.
+    # DECODE: a chunk of n tokens, `behind` tokens before the last, runs as a decode call whose rows end `shift`
+    # keys past the chunk's last token: the keys after a token that its window's right side (or, unbounded, the
+    # row) lets it see, up to the row's end. The decode kernel places its tokens at the rows' end, so `shift`
+    # past their own positions: the window's left side widens by it and its right side narrows by it.
+    if causal:
+        right = 0
     outs, lses = [], []
     for c0 in range(0, sq, MAX_Q_LEN):
         n = min(MAX_Q_LEN, sq - c0)
-        r = decode(q[:, c0:c0 + n], k_cache, v_cache, cache_seqlens=lengths - (sq - c0 - n),
+        behind = sq - c0 - n
+        shift = behind if right < 0 else min(right, behind)
+        w = (left + shift if left >= 0 else -1, right - shift if right >= 0 else -1)
+        r = decode(q[:, c0:c0 + n], k_cache, v_cache, cache_seqlens=lengths - (behind - shift),
                    cache_batch_idx=cache_batch_idx, block_table=block_table, num_splits=num_splits,
-                   return_lse=return_lse, causal=True, window=(left, 0), cache_leftpad=cache_leftpad, **common)
+                   return_lse=return_lse, causal=causal, window=w, cache_leftpad=cache_leftpad, **common)
         outs.append(r[0] if return_lse else r)
         if return_lse:
             lses.append(r[1])

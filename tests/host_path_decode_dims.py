@@ -1,6 +1,6 @@
 """Run by tests/test_decode_head_dims.py in a process of its own: attngen.decode's head dims and GQA groups on
-the stub driver (sm_90). Head dims decode does not build and groups past its packed rows are refused naming
-what to change, before any compile; a padded head dim with 64 query heads over one KV head launches the kernel
+the stub driver (sm_90). Head dims decode does not build and does not pad (0, past 256) and groups past its
+packed rows are refused naming what to change, before any compile; a padded head dim with 64 query heads over one KV head launches the kernel
 the family's choice names, with its grid; head_dim 512 launches two CTAs a KV head. Exits non-zero on the first failure; prints "ok" at the end.
 """
 
@@ -31,8 +31,8 @@ def main():
 
     lens = wrap(torch.tensor([40, 90], dtype=torch.int32))
     for (b, q_len, h, hk, d), text in 2 * [
-        ((2, 1, 8, 2, 59), "head_dim=59 is not supported; allowed: a multiple of 8 from 32 to 256, or 512 (rows"),
-        ((2, 1, 8, 2, 24), "head_dim=24 is not supported"),
+        ((2, 1, 8, 2, 0), "head_dim=0 is not supported; allowed: a multiple of 8 from 32 to 256, or 512 (rows"),
+        ((2, 1, 8, 2, 300), "head_dim=300 is not supported"),
         ((2, 1, 8, 2, 264), "head_dim=264 is not supported; allowed: a multiple of 8 from 32 to 256, or 512 (past"),
         ((2, 1, 8, 2, 520), "head_dim=520 is not supported"),
         ((2, 1, 129, 1, 64), "heads/kv_heads = 129 is not supported; allowed: a GQA group of 1 to 128"),

@@ -54,19 +54,27 @@ def test_kvcache_option_checks_name_the_argument():
 
 
 def test_chunked_prefill_that_no_kernel_serves_is_refused_after_naming_why():
-    # More than 8 new tokens, not causal, with left pads: the prefill kernel over the cache takes no left pad
-    # and a non-causal call cannot be cut into decode calls.
+    # More than 8 new tokens, not causal, with ALiBi and left pads on a paged cache: the prefill kernel over pages
+    # takes no left pad, and the decode kernels place each token at the end of the keys it sees, which ALiBi's
+    # distances cannot follow where a token sees keys after its own position.
     q, kc, vc, k, v = _kv(sq=12, new=12)
+    kc, vc = kc.view(6, 16, 2, 64), vc.view(6, 16, 2, 64)
+    table = torch.arange(6, dtype=torch.int32).view(2, 3)
     pads = torch.tensor([1, 2], dtype=torch.int32)
-    with pytest.raises(LaunchError, match=r"seqlen_q=12 with causal=False and window_size right=-1 is not "
-                                          r"supported with cache_leftpad, .*; allowed: causal=True"):
-        attngen.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, cache_leftpad=pads)
+    with pytest.raises(LaunchError, match=r"seqlen_q=12 with causal=False, window_size right=-1 and alibi_slopes is "
+                                          r"not supported with cache_leftpad with a paged cache \(block_table\), .*; "
+                                          r"allowed: causal=True"):
+        attngen.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, cache_leftpad=pads, block_table=table,
+                                        alibi_slopes=torch.rand(4))
     assert not kc.any(), "refused before the append"
-    # A contiguous cache whose rows are not whole blocks of 16 positions cannot be presented as pages.
-    q, kc, vc, k, v = _kv(sq=12, new=12, cap=40)
-    with pytest.raises(LaunchError, match="with a contiguous cache of max_seqlen 40 and row stride 5120, not whole "
-                                          "blocks of 16 positions"):
-        attngen.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, window_size=(-1, 2))
+    with pytest.raises(LaunchError, match="window_size right=2 and alibi_slopes"):
+        attngen.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, cache_leftpad=pads, block_table=table,
+                                        alibi_slopes=torch.rand(4), window_size=(-1, 2))
+    assert not kc.any(), "refused before the append"
+    # A contiguous cache with fewer rows than the batch and no cache_batch_idx, as attngen.decode says.
+    q, kc, vc, k, v = _kv(sq=12, new=12)
+    with pytest.raises(LaunchError, match="k_cache has 1 cache rows for batch 2; pass cache_batch_idx"):
+        attngen.flash_attn_with_kvcache(q, kc[:1], vc[:1], k, v, cache_seqlens=3)
 
 
 def _rotary_reference(x, cos, sin, pos, interleaved):
@@ -184,18 +192,27 @@ def _reference_kernels(monkeypatch, seen):
                                   alibi_slopes, causal, window, cache_leftpad)
         return (o.to(q.dtype), lse) if return_lse else o.to(q.dtype)
 
-    def prefill_varlen(q, kp, vp, cu_q, cu_k, max_q, max_k, *, causal, window, return_lse, block_table, sm_scale,
-                       softcap, alibi_slopes):
-        seen.append(("prefill", kp.shape[1]))
-        bs, out = kp.shape[1], torch.zeros(q.shape[0], q.shape[1], vp.shape[-1])
+    def prefill_varlen(q, kp, vp, cu_q, cu_k, max_q, max_k, *, causal, window, return_lse, sm_scale, softcap,
+                       alibi_slopes, block_table=None):
+        seen.append(("prefill" if block_table is not None else "rows", kp.shape[1]))
+        out = torch.zeros(q.shape[0], q.shape[1], vp.shape[-1])
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"))
+        assert cu_q.dtype == cu_k.dtype == torch.int32 and len(cu_q) == len(cu_k)
         for s in range(len(cu_q) - 1):
-            q0, q1, n = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s + 1] - cu_k[s])
-            blocks = block_table[s].long()[torch.arange(n) // bs]
-            k, v = kp[blocks, torch.arange(n) % bs], vp[blocks, torch.arange(n) % bs]
-            o, l = reference_attention(q[None, q0:q1], k[None], v[None], causal=causal, window=window,
-                                       sm_scale=sm_scale, softcap=softcap, alibi_slopes=alibi_slopes)
-            out[q0:q1], lse[:, q0:q1] = o[0], l[0]
+            q0, q1 = int(cu_q[s]), int(cu_q[s + 1])
+            if block_table is not None:
+                bs, n = kp.shape[1], int(cu_k[s + 1] - cu_k[s])
+                blocks = block_table[s].long()[torch.arange(n) // bs]
+                k, v = kp[blocks, torch.arange(n) % bs], vp[blocks, torch.arange(n) % bs]
+            else:  # the kernel's varlen_rows: keys [cu_k[s], cu_k[s + 1]) clamped into k, at least none
+                k0 = min(max(int(cu_k[s]), 0), kp.shape[0])
+                k1 = min(max(int(cu_k[s + 1]), k0), kp.shape[0])
+                k, v = kp[k0:k1], vp[k0:k1]
+            if q1 > q0:
+                slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[s:s + 1]
+                o, l = reference_attention(q[None, q0:q1], k[None], v[None], causal=causal, window=window,
+                                           sm_scale=sm_scale, softcap=softcap, alibi_slopes=slopes)
+                out[q0:q1], lse[:, q0:q1] = o[0], l[0]
         return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
 
     monkeypatch.setattr(flash_api, "decode", decode)
@@ -204,18 +221,28 @@ def _reference_kernels(monkeypatch, seen):
 
 
 @pytest.mark.parametrize("layout,cap,route", [("paged", 256, "prefill"), ("contiguous", 256, "prefill"),
-                                              ("contiguous", 200, "decode"), ("leftpad", 256, "decode")])
+                                              ("contiguous", 200, "rows"), ("leftpad", 256, "rows"),
+                                              ("leftpad, rows by index", 200, "rows"),
+                                              ("paged, leftpad", 256, "decode")])
 @pytest.mark.parametrize("n_new,q_len", [(11, 11), (3, 13), (20, 20)])
-@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (True, (9, 0)), (False, (-1, -1)), (False, (6, 2))])
-def test_many_new_tokens_routes_match_the_reference(monkeypatch, layout, cap, route, n_new, q_len, causal, window):
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (True, (9, 0)), (False, (-1, -1)), (False, (6, 2)),
+                                           (False, (-1, 0)), (False, (5, 30))])
+@pytest.mark.parametrize("alibi", [False, True])
+def test_many_new_tokens_routes_match_the_reference(monkeypatch, layout, cap, route, n_new, q_len, causal, window,
+                                                    alibi):
+    """More than 8 new tokens through each route, against the fp32 reference of the whole call: the paged prefill
+    kernel, a contiguous cache as pages, its rows laid end to end (left pads; rows in any order), and decode calls
+    of 8 tokens on a paged cache with left pads, windows and keys after a token's own position included."""
     from tests.gpu_reference import reference_decode
 
     seen = []
     _reference_kernels(monkeypatch, seen)
     gen = torch.Generator().manual_seed(11)
     b, hk, g, d, bs = 3, 2, 2, 16, 32
-    old, pads = [0, 90, 200 - n_new - 4], ([0, 40, 7] if layout == "leftpad" else None)
-    if layout == "paged":
+    old = [0, 90, 200 - n_new - 4]
+    pads = [0, 40, 7] if "leftpad" in layout else None
+    rows = torch.tensor([2, 0, 1], dtype=torch.int32) if "index" in layout else None
+    if layout.startswith("paged"):
         kc = torch.full((b * cap // bs + 2, bs, hk, d), float("nan"))
         table = torch.randperm(b * cap // bs + 2, generator=gen)[: b * cap // bs].to(torch.int32).reshape(b, -1)
     else:
@@ -223,16 +250,19 @@ def test_many_new_tokens_routes_match_the_reference(monkeypatch, layout, cap, ro
     vc = kc.clone()
     for i, n in enumerate(old):
         for p in range(0 if pads is None else pads[i], n):
-            at = (int(table[i, p // bs]), p % bs) if table is not None else (i, p)
+            r = i if rows is None else int(rows[i])
+            at = (int(table[i, p // bs]), p % bs) if table is not None else (r, p)
             kc[at], vc[at] = torch.randn(hk, d, generator=gen), torch.randn(hk, d, generator=gen)
     q = torch.randn(b, q_len, hk * g, d, generator=gen)
     k, v = torch.randn(b, n_new, hk, d, generator=gen), torch.randn(b, n_new, hk, d, generator=gen)
     lens = torch.tensor(old, dtype=torch.int32)
     lp = None if pads is None else torch.tensor(pads, dtype=torch.int32)
+    slopes = torch.rand(b, hk * g, generator=gen) * 0.3 if alibi else None
     call = dict(cache_seqlens=lens, block_table=table, cache_leftpad=lp, causal=causal, window_size=window,
-                return_softmax_lse=True, softmax_scale=0.3)
-    if route == "decode" and not causal:
-        with pytest.raises(LaunchError, match=f"seqlen_q={q_len} with causal=False"):
+                return_softmax_lse=True, softmax_scale=0.3, cache_batch_idx=rows, alibi_slopes=slopes)
+    if route == "decode" and alibi and not causal and window[1] != 0:
+        with pytest.raises(LaunchError, match=f"seqlen_q={q_len} with causal=False, window_size right={window[1]} "
+                                              f"and alibi_slopes"):
             attngen.flash_attn_with_kvcache(q, kc, vc, k, v, **call)
         assert not seen
         return
@@ -240,8 +270,9 @@ def test_many_new_tokens_routes_match_the_reference(monkeypatch, layout, cap, ro
     assert {name for name, _ in seen} == {route}
     if route == "decode":
         assert [n for _, n in seen] == [8] * (q_len // 8) + ([q_len % 8] if q_len % 8 else [])
-    ref, ref_lse = reference_decode(q, kc, vc, [o + n_new for o in old], block_table=table, sm_scale=0.3,
-                                    causal=causal, window=window, cache_leftpad=pads)
+    ref, ref_lse = reference_decode(q, kc, vc, [o + n_new for o in old], cache_batch_idx=rows, block_table=table,
+                                    sm_scale=0.3, causal=causal, window=window, cache_leftpad=pads,
+                                    alibi_slopes=slopes)
     assert out.shape == q.shape and lse.shape == (b, hk * g, q_len)
     assert (out - ref).abs().max().item() < 1e-5
     assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse))

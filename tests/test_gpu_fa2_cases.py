@@ -23,9 +23,14 @@ import attngen  # noqa: E402
 from tests.gpu_reference import reference_attention, reference_decode, rel  # noqa: E402
 
 TOL = 2e-2
-# What attngen refuses by name, and the words the refusal carries.
+# What attngen refuses by name, and the words the refusal carries. Only dropout, and (the KV-cache call) ALiBi with
+# keys after a token's position on a paged cache with left pads (which FlashAttention 2 refuses too), may be
+# refused: head dims up to 256 run (padded where no kernel is built for them), paged blocks of any multiple of 16,
+# and many new tokens without causality take the prefill kernel (or decode calls) over any cache.
 REFUSALS = {"dropout": "dropout_p=", "head_dim": "head_dim=", "block_size": "block_size=",
-            "many new tokens, not causal, where no prefill route reads the cache": "with causal=False and window_size"}
+            "many new tokens, ALiBi, keys after the token's own, paged with left pads": "and alibi_slopes is not "
+                                                                                      "supported with cache_leftpad"}
+ALLOWED = {"refused: dropout", "refused: many new tokens, ALiBi, keys after the token's own, paged with left pads"}
 HEAD_DIMS = (32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256)
 LENGTHS = ((113, 203), (128, 217), (113, 211), (108, 256), (256, 512), (512, 256), (1024, 1024), (1023, 1024),
            (1024, 1023), (2048, 2048))
@@ -85,7 +90,7 @@ def test_fa2_dense_cases(cache_dir):
 
     _run(cases, body, counts)
     print("dense:", dict(counts))
-    assert counts["passed"] > 0
+    assert counts["passed"] > 0 and set(counts) <= {"passed"} | ALLOWED, dict(counts)
 
 
 def test_fa2_varlen_cases(cache_dir):
@@ -135,7 +140,7 @@ def test_fa2_varlen_cases(cache_dir):
 
     _run(cases, body, counts)
     print("varlen:", dict(counts))
-    assert counts["passed"] > 0
+    assert counts["passed"] > 0 and set(counts) <= {"passed"} | ALLOWED, dict(counts)
 
 
 def test_fa2_kvcache_cases(cache_dir):
@@ -190,7 +195,7 @@ def test_fa2_kvcache_cases(cache_dir):
 
     _run(cases, body, counts)
     print("kvcache:", dict(counts))
-    assert counts["passed"] > 0
+    assert counts["passed"] > 0 and set(counts) <= {"passed"} | ALLOWED, dict(counts)
 
 
 def _rows_that_see_keys(ends, pads, n_new, causal, window):

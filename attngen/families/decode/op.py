@@ -14,6 +14,7 @@ from ...runtime import data_ptr, tensor_info
 from ...spec import op_spec
 from ...tuned import stored_choices
 from ..choice import device_facts
+from ..head_pad import cut, default_scale, pad_widths, zero_padded
 from ..host import OpMemo, Plan
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from ..split_kv import CLUSTER_MAX, cache_lengths, check_index, check_rows, checked_splits, paged_table
@@ -52,6 +53,13 @@ def _make_plan(key: tuple) -> Plan:
 
 _memo = OpMemo(_make_plan)
 _plans, _calls = _memo.plans, _memo.calls  # key -> Plan; key -> _Call (runtime.keep_call)
+
+
+def block_mul(block_size: int) -> int:
+    """The multiplier of Decode::block_of (templates/decode/fwd.cuh): ceil(2^(31 + ceil(log2(block_size))) /
+    block_size), below 2^32 for every block size, so pos * it >> that shift is pos // block_size for every
+    position below 2^31."""
+    return -(-(1 << (31 + (block_size - 1).bit_length())) // block_size)
 
 
 def _refuse_head_dim(d) -> None:
@@ -102,6 +110,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     (int32 ``[batch]``) is each row's first cache position: keys before it are never seen (nor read),
     and ``cache_seqlens`` stays the row's end. Split-KV divides only the keys some token sees. These
     take the spec's ``local`` kernels; calls without them run the kernels without that switch.
+
+    A head dim up to 256 that is not a multiple of 8 (or is below 32) runs on a zero-padded copy (the
+    output a view of its first head_dim columns); that costs a copy of q and the whole cache per call.
     """
     if _rt.tracing is not None and _rt.tracing():
         return _rt.traced_ops["decode"](
@@ -132,6 +143,14 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     except (LaunchError, TypeError):
         key = call = None
     if call is None:
+        widths = pad_widths(q, k_cache, v_cache, DecodeSpec.HEAD_DIMS) if len(qi.shape) == 4 else None
+        if widths is not None and widths[0] == widths[1]:  # a head dim no kernel is built for (head_pad)
+            r = decode(zero_padded(q, widths[0]), zero_padded(k_cache, widths[0]), zero_padded(v_cache, widths[0]),
+                       cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, block_table=block_table,
+                       num_splits=num_splits, sm_scale=default_scale(sm_scale, qi.shape[3]), return_lse=return_lse,
+                       variant=variant, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes, causal=causal,
+                       window=window, cache_leftpad=cache_leftpad)
+            return cut(r, qi.shape[3], out, return_lse)
         call = _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse,
                         out, variant, spec, softcap, alibi_slopes, causal, window, cache_leftpad)
         _memo.keep(key, call, flags=(return_lse, causal), numbers=(num_splits, sm_scale, softcap))
@@ -347,7 +366,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         bt_sb, scores_ld,
         b, q_len, h, group,
         num_splits, block_size, capacity, pool,
-        seq_fixed, -(-(1 << (31 + (block_size - 1).bit_length())) // block_size) if block_size else 0,
+        seq_fixed, block_mul(block_size) if block_size else 0,
         scale, scale * _LOG2E,
         cap_u, inv_cap_u, alibi_ptr, alibi_sb,
         pad_ptr, left, right,

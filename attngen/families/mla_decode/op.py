@@ -24,6 +24,9 @@ _PARAMS_TMA = struct.Struct("<256s10Q14q9i2fi")
 _LOG2E = 1.4426950408889634
 MAX_Q_LEN = 4
 MAX_HEADS = 128
+# Paged blocks: the sizes its tests cover (decode and prefill, whose block lookups are exact for any multiple of 16,
+# take more).
+MAX_BLOCK = 256
 # The choice of kernel and launch (and the constants of its rules) lives in choose.py.
 
 
@@ -131,7 +134,8 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     paged = block_table is not None
     if paged:
         block_size = cache_len
-        capacity, bt_ptr, bt_sb = paged_table(block_table, b, block_size, kind, dev, "q_nope", "ckv_cache")
+        capacity, bt_ptr, bt_sb = paged_table(block_table, b, block_size, kind, dev, "q_nope", "ckv_cache",
+                                               MAX_BLOCK)
     else:
         if pool < b:
             raise LaunchError(f"ckv_cache has {pool} cache rows for batch {b}")

@@ -27,6 +27,7 @@ from ...runtime import allocator, data_ptr, get_kernel, tensor_info
 from ...spec import op_spec
 from ...tuned import stored_choices
 from ..choice import device_facts
+from ..head_pad import cut, default_scale, pad_widths, zero_padded
 from ..host import OpMemo, Plan
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from .choose import CUSTOM_MASK, DENSE, base_spec, dense_grid, persistent_grid, sync_twin, table
@@ -227,7 +228,9 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     ``sm_scale`` (default 1/sqrt(head_dim)) must be finite and > 0, as in ``attngen.decode``.
     Rows that see no key give zeros and LSE -inf. ``spec`` (a spec, its text or a dict of its
     fields) overrides the tuning fields; without it, a configuration stored by ``attngen tune``
-    for this GPU is used where there is one.
+    for this GPU is used where there is one. A head dim up to 256 that is not a multiple of 8 (or
+    is below 32) runs on a zero-padded copy (the output a view of its first head_dim columns); that
+    costs a copy of q, k and v per call.
     ``softcap`` > 0 caps the scaled logits at ``softcap * tanh(s / softcap)`` (Gemma 2, Grok);
     ``alibi_slopes`` (fp32 ``[heads]`` or ``[batch, heads]``) adds ``-slope * |i' - j|`` to them,
     i' the query's aligned key position (FlashAttention's conventions for both).
@@ -264,6 +267,13 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     elif mask is None:
         raise LaunchError("mask_plan needs the mask it was built from (mask=)")
     if call is None:
+        widths = pad_widths(q, k, v, PrefillSpec.WHOLE_DIMS) if len(qi.shape) == len(vi.shape) == 4 else None
+        if widths is not None:  # a head dim no kernel is built for, run on zero-padded copies (head_pad)
+            r = prefill(zero_padded(q, widths[0]), zero_padded(k, widths[0]), zero_padded(v, widths[1]),
+                        causal=causal, window=window, sm_scale=default_scale(sm_scale, qi.shape[3]),
+                        return_lse=return_lse, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes, mask=mask,
+                        mask_plan=mask_plan)
+            return cut(r, vi.shape[3], out, return_lse)
         call = _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softcap, alibi_slopes,
                         mask is not None)
         _memo.keep(key, call, flags=(causal, return_lse), numbers=(sm_scale, softcap))
@@ -381,6 +391,9 @@ def mask_plan(mask, q, k, *, v=None, causal: bool = False, window: tuple[int, in
     """
     if spec is not None and spec.__class__ is not PrefillSpec:
         spec = op_spec(spec, "prefill", "attngen.mask_plan")
+    widths = pad_widths(q, k, k if v is None else v, PrefillSpec.WHOLE_DIMS)
+    if widths is not None:  # the plan of the kernel prefill runs on the zero-padded copies
+        q, k, v = (zero_padded(x, w) for x, w in ((q, widths[0]), (k, widths[0]), (k if v is None else v, widths[1])))
     qi, ki, vi = _check_qkv(q, k, k if v is None else v)
     mcode, left, right = mask_and_window(causal, window)
     key = (qi.shape[3], qi.dtype, qi.device, mcode, False, spec, qi.kind, False, False, CUSTOM_MASK, vi.shape[3])

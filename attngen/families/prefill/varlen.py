@@ -14,7 +14,9 @@ from ... import runtime as _rt
 from ...errors import LaunchError
 from ...runtime import data_ptr, tensor_info
 from ...spec import op_spec
+from ..head_pad import cut, default_scale, pad_widths, zero_padded
 from ..score_mods import NO_EXTRAS, checked_scale, extras
+from ..split_kv import check_block_size
 from .masks import PLAN_PARAMS
 from .choose import VARLEN, VARLEN_PAGED, varlen_grid
 from .op import _LOG2E, _NO_WINDOW, PARAMS_EXT, PARAMS_EXT_TMA, check_qkv, mask_and_window, out_of, plan_for
@@ -53,20 +55,29 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` of q and ``cu_seqlens_k[s]:cu_seqlens_k[s+1]`` of k/v
     (int32 ``[batch + 1]`` on the device, non-decreasing; values outside the arrays are clamped to
     them, never read past). With ``block_table`` (int32 ``[batch, max_blocks]``) k and v are a
-    paged cache ``[num_blocks, block_size, kv_heads, head_dim]`` (block_size a multiple of 16
-    from 16 to 256): key j of sequence s is at ``k[block_table[s, j // block_size], j % block_size]``
+    paged cache ``[num_blocks, block_size, kv_heads, head_dim]`` (block_size any multiple of 16;
+    block_table.shape[1] x block_size below 2^31): key j of sequence s is at ``k[block_table[s, j // block_size], j % block_size]``
     and ``cu_seqlens_k`` gives only the lengths. ``causal`` and ``window`` align bottom-right
     per sequence, as in ``prefill``; GQA, ``sm_scale``, ``softcap`` and ``alibi_slopes`` (``[heads]`` or
     ``[batch, heads]``) too. ``max_seqlen_q``/``max_seqlen_k`` are accepted for FlashAttention's
     signature and checked as ints >= 0; the lengths are never read on the host. Returns ``out``
     ``[total_q, heads, head_dim]`` and with ``return_lse`` the LSE ``[heads, total_q]`` (fp32).
     ``spec`` (a spec, its text or a dict of its fields) overrides the tuning fields, as in ``prefill``.
+    A head dim up to 256 that is not a multiple of 8 (or is below 32) runs on a zero-padded copy, as in
+    ``prefill``; that costs a copy of q, k and v (or the paged cache) per call.
     """
     if _rt.tracing is not None and _rt.tracing():
         return _rt.traced_ops["prefill_varlen"](
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
             sm_scale=sm_scale, return_lse=return_lse, out=out, block_table=block_table, spec=spec, softcap=softcap,
             alibi_slopes=alibi_slopes)
+    widths = pad_widths(q, k, v, PrefillSpec.WHOLE_DIMS)
+    if widths is not None:  # a head dim no kernel is built for, run on zero-padded copies (head_pad)
+        r = prefill_varlen(zero_padded(q, widths[0]), zero_padded(k, widths[0]), zero_padded(v, widths[1]),
+                           cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
+                           sm_scale=default_scale(sm_scale, q.shape[-1]), return_lse=return_lse,
+                           block_table=block_table, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes)
+        return cut(r, v.shape[-1], out, return_lse)
     if spec is not None and spec.__class__ is not PrefillSpec:
         spec = op_spec(spec, "prefill", "attngen.prefill_varlen")
     paged = block_table is not None
@@ -87,12 +98,10 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         if bt.shape[0] != batch:
             raise LaunchError(f"block_table has {bt.shape[0]} rows; cu_seqlens give batch {batch}")
         num_blocks, block_size = ki.shape[0], ki.shape[1]
-        if block_size % 16 or not 16 <= block_size <= 256:
-            raise LaunchError(f"block_size={block_size} (k.shape[1]) is not supported; allowed: a multiple of 16 "
-                              f"from 16 to 256")
+        total_k = check_block_size(block_size, bt.shape[1], "k")
         if num_blocks == 0:
             raise LaunchError("k and v hold no blocks (k.shape[0] == 0)")
-        total_k, bt_ptr, bt_sb = bt.shape[1] * block_size, bt.ptr, bt.strides[0]
+        bt_ptr, bt_sb = bt.ptr, bt.strides[0]
     else:
         num_blocks = block_size = bt_ptr = bt_sb = 0
         total_k = ki.shape[0]
