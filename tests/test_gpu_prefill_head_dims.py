@@ -53,7 +53,7 @@ def test_custom_mask(d, causal):
     run_masked(2, 77, 203, 4, 2, d, torch.bfloat16, keep.cuda(), causal=causal)
 
 
-@pytest.mark.parametrize("d,dv", [(40, 32), (120, 72), (200, 160), (224, 128)])
+@pytest.mark.parametrize("d,dv", [(40, 32), (120, 72), (200, 160), (224, 128), (128, 72), (72, 64), (256, 136)])
 @pytest.mark.parametrize("layout", ["dense", "varlen", "mask"])
 def test_narrower_v(d, dv, layout):
     """head_dim_v below head_dim (O staged in Q's padded rows); 8 mod 16 on either side."""

@@ -103,3 +103,16 @@ def test_new_head_dim_defaults_compile_spill_free(arch, text, layout, tmp_path, 
     s = resolve(parse_spec("prefill:" + text).replace(**layout), arch)
     r = compile(render(s), arch, kernel_name=s.kernel_name, entries=s.entries).resources
     assert r.known and (r.spill_stores, r.spill_loads) == (0, 0), (arch, s.to_text())
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("d,dv", [(128, 72), (64, 40), (72, 64), (256, 136)])
+def test_a_swizzled_head_dim_beside_one_of_8_mod_16_pads_both_and_compiles(arch, d, dv):
+    """The pad chunk of a head dim of 8 mod 16 is read from padded rows, so the other side's tiles are padded
+    too, not swizzled (which the template refuses beside a pad chunk)."""
+    r = resolve(PrefillSpec(head_dim=d, head_dim_v=dv), arch)
+    assert not r.swizzled_rows and r.mma is Mma.SYNC
+    src = render(r)
+    assert "constexpr bool SWIZZLE = false;" in src and "constexpr bool SWIZZLE_V = false;" in src
+    assert compile(src, arch, kernel_name=r.kernel_name, entries=r.entries).cubin  # NVRTC, for real
+    assert resolve(PrefillSpec(head_dim=128, head_dim_v=64), arch).swizzled_rows  # both 16-multiples: as before

@@ -80,11 +80,11 @@ def _mma_dim(head_dim: int) -> int:
     return -(-head_dim // 16) * 16
 
 
-def _smem_row(head_dim: int) -> int:
+def _smem_row(head_dim: int, swizzled: bool = True) -> int:
     """Elements per shared-memory row of the whole-row kernel's tiles: XOR-swizzled rows (a multiple
-    of 64 elements) are dense; others get one 16-byte pad past the GEMMs' width, which staggers the rows
-    across the banks (an odd count of 16-byte chunks a row)."""
-    return head_dim if head_dim % 64 == 0 else _mma_dim(head_dim) + 8
+    of 64 elements, where ``swizzled``) are dense; others get one 16-byte pad past the GEMMs' width, which
+    staggers the rows across the banks (an odd count of 16-byte chunks a row)."""
+    return head_dim if swizzled and head_dim % 64 == 0 else _mma_dim(head_dim) + 8
 
 
 def _head_dim(name: str, value, allowed, text: str) -> int:
@@ -395,8 +395,14 @@ class PrefillSpec(SpecBase):
 
     @property
     def smem_row_elems(self) -> int:
-        """Elements per shared-memory row of Q and K (of V: ``_smem_row(dim_v)``)."""
-        return _smem_row(self.head_dim)
+        """Elements per shared-memory row of Q and K (of V: ``_smem_row(dim_v, swizzled_rows)``)."""
+        return _smem_row(self.head_dim, self.swizzled_rows)
+
+    @property
+    def swizzled_rows(self) -> bool:
+        """Whether tiles of a multiple of 64 elements a row may be swizzled: not where either head dim is 8 mod 16,
+        whose pad chunk the mma.sync GEMMs read from padded rows (so 128 with a v of 72 pads both)."""
+        return _mma_dim(self.head_dim) == self.head_dim and _mma_dim(self.dim_v) == self.dim_v
 
     def smem_bytes(self, own_o: bool | None = None) -> int:
         """Shared memory of the main entry. ``own_o``: the whole-row persistent kernel's O in a tile of its own
@@ -416,7 +422,7 @@ class PrefillSpec(SpecBase):
             bars = 16 * self.num_stages + 8 if self.tma else 0
             return 2 * (self.num_stages * cg["stage_elems"] + q_tile + p) + 4 * cg["warps_n"] * self.cta_tile_q \
                 + (1024 if wgmma else 0) + exchange + bars
-        row, row_v = (_smem_row(d) * self.dtype.itemsize for d in (self.head_dim, self.dim_v))
+        row, row_v = (_smem_row(d, self.swizzled_rows) * self.dtype.itemsize for d in (self.head_dim, self.dim_v))
         # wgmma's tiles are dense (head dims are multiples of 64 there): only slack to align the first
         # one to the 1024-byte swizzle atom is added; TMA's mbarriers follow the tiles (Q's, then three a slot,
         # four with an overlapped schedule: K's and V's slots are emptied apart)
@@ -478,9 +484,9 @@ class PrefillSpec(SpecBase):
             q_in_regs=self.q_in_regs,
             smem_row_elems=self.smem_row_elems,
             tma_ctas=self.tma_ctas,
-            smem_row_elems_v=_smem_row(self.dim_v),
-            swizzle=self.head_dim % 64 == 0,
-            swizzle_v=self.dim_v % 64 == 0,
+            smem_row_elems_v=_smem_row(self.dim_v, self.swizzled_rows),
+            swizzle=self.swizzled_rows and self.head_dim % 64 == 0,
+            swizzle_v=self.swizzled_rows and self.dim_v % 64 == 0,
             wgmma=self.mma is Mma.WGMMA,
         )
         return ctx
