@@ -39,6 +39,9 @@ struct MlaAlternate;
 // The pieces of a tile step that MlaDecode's loop and MlaAlternate's share (mla_decode/tiles.cuh).
 template <class K>
 struct MlaTiles;
+// One tile's S, softmax and O += P V (mla_decode/consumer.cuh).
+template <class K>
+struct MlaConsumer;
 
 template <class T, bool BF16, int DC, int DR, int ROWS, int BLOCK_N, int NUM_WARPS, int NUM_STAGES, bool QK_SHARD,
           bool PAGED, bool WGMMA, bool TMA, bool ALT>
@@ -46,8 +49,10 @@ struct MlaDecode {
   using Elem = T;
   static constexpr bool IS_BF16 = BF16;
   static constexpr int DC_ = DC, DR_ = DR, ROWS_ = ROWS, BLOCK_N_ = BLOCK_N;
-  static constexpr bool PAGED_ = PAGED, TMA_ = TMA, ALT_ = ALT;
+  static constexpr bool PAGED_ = PAGED, TMA_ = TMA, ALT_ = ALT, QK_SHARD_ = QK_SHARD, WGMMA_ = WGMMA;
+  static constexpr int NUM_STAGES_ = NUM_STAGES;
   using Tiles = MlaTiles<MlaDecode>;  // its tile pieces (mla_decode/tiles.cuh)
+  using Consumer = MlaConsumer<MlaDecode>;
   static constexpr int THREADS = NUM_WARPS * 32;
   static constexpr int WARPS_M = ROWS / 16;
   static constexpr int WARPS_N = NUM_WARPS / WARPS_M;
@@ -265,58 +270,9 @@ struct MlaDecode {
       }
       const T* sT = sRing + slot * TILE_ELEMS;
 
-      // ---- S = Q K^T for this warp's 16 rows and SN keys, two 16-column steps at a time -----------
-      float acc_s[SN / 8][4];
-#pragma unroll
-      for (int n = 0; n < SN / 8; ++n)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc_s[n][c] = 0.f;
-      if constexpr (WGMMA) {
-        // This warpgroup's SN keys (rows key0.. of the tile, whole 1024-byte swizzle atoms) against
-        // all 64 Q rows.
-        using W = WgmmaOps<BF16>;
-        const unsigned q_at = smem_addr(sQ);
-        const unsigned k_at = smem_addr(sT) + key0 * 128;
-        W::fence();
-#pragma unroll
-        for (int kk = 0; kk < DQK / 16; ++kk)
-          Wgmma<SN, BF16>::ss(acc_s, W::desc_k(q_at, kk, LQ::BLOCK_BYTES), W::desc_k(k_at, kk, LT::BLOCK_BYTES),
-                              kk > 0);
-        W::commit();
-        W::template wait<0>();
-        W::hold(acc_s);
-      } else {
-      // A warp with few keys (SN <= 16) sums its two 16-column steps in two accumulators, added at the end, and
-      // unrolls by two: one chain of 36 dependent MMAs a tile was what a CTA's tile waited on at batch 1.
-      constexpr int CHAINS = SN <= 16 ? 2 : 1;
-      float acc_s2[SN / 8][4];
-#pragma unroll
-      for (int n = 0; n < SN / 8; ++n)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc_s2[n][c] = 0.f;
-#pragma unroll CHAINS
-      for (int kp = 0; kp < DQK / 32; ++kp) {
-        unsigned a0[4], a1[4];
-        const unsigned qa = smem_addr(sQ + (row0 + lane % 16) * ROW + kp * 32 + (lane / 16) * 8);
-        ldmatrix_x4(a0[0], a0[1], a0[2], a0[3], qa);
-        ldmatrix_x4(a1[0], a1[1], a1[2], a1[3], qa + 32);
-#pragma unroll
-        for (int n = 0; n < SN / 8; ++n) {
-          unsigned b0, b1, b2, b3;
-          // (LT::offset is key * ROW + col without the ring; written out there, ptxas keeps the cp.async kernels'
-          // machine code as it was: with LT::offset the sm_86 8-warp kernels compiled differently)
-          const int key = key0 + n * 8 + lane % 8, col = kp * 32 + (lane / 8) * 8;
-          ldmatrix_x4(b0, b1, b2, b3, smem_addr(sT + (TMA ? LT::offset(key, col) : key * ROW + col)));
-          mma_16816<BF16>(acc_s[n], a0, b0, b1);
-          mma_16816<BF16>(CHAINS == 2 ? acc_s2[n] : acc_s[n], a1, b2, b3);
-        }
-      }
-      if constexpr (CHAINS == 2)
-#pragma unroll
-        for (int n = 0; n < SN / 8; ++n)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) acc_s[n][c] += acc_s2[n][c];
-      }
+      // ---- S = Q K^T for this warp's 16 rows and SN keys ---------------------------------------------
+      float acc_s[SN / 8][4], acc_s2[SN / 8][4];
+      Consumer::scores(sQ, sT, row0, key0, lane, acc_s, acc_s2);
 
       // ---- mask: keys past a row's token (and past the sequence) --------------------------------
       Tiles::template mask_keys<SN>(acc_s, n0, key0, seqlen, p.q_len, lim, t);
