@@ -278,98 +278,11 @@ struct MlaDecode {
       Tiles::template mask_keys<SN>(acc_s, n0, key0, seqlen, p.q_len, lim, t);
 
       // ---- online softmax ------------------------------------------------------------------------
-      float mx[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) mx[r] = frag_row_max<SN>(acc_s, r);
-      if constexpr (QK_SHARD) {
-        if (t == 0) {
-          sRed[cg * ROWS + row0 + g] = mx[0];
-          sRed[cg * ROWS + row0 + g + 8] = mx[1];
-        }
-        __syncthreads();
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-          for (int c = 0; c < WARPS_N; ++c) mx[r] = fmaxf(mx[r], sRed[c * ROWS + row0 + g + 8 * r]);
-      }
-      if constexpr (WGMMA) {
-        // lazy rescaling (lazy_max, online_softmax.cuh)
-        float corr[2];
-        bool moved = false;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float before = row_max[r];
-          corr[r] = lazy_softmax_row<SN>(acc_s, r, mx[r], row_max[r], row_sum[r], p.scale_log2);
-          moved |= row_max[r] != before;
-        }
-        if (__any_sync(0xffffffffu, moved)) scale_rows(acc_o, corr);
-      } else {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float m = fmaxf(row_max[r], mx[r]);
-          // A row that has seen only masked keys keeps max -inf; subtracting 0 keeps exp2 at 0.
-          const float base = m == -ATTNGEN_INF ? 0.f : m * p.scale_log2;
-          const float corr = fast_exp2(row_max[r] * p.scale_log2 - base);
-          row_max[r] = m;
-          row_sum[r] = row_sum[r] * corr + frag_exp_row<SN>(acc_s, r, p.scale_log2, base);
-#pragma unroll
-          for (int d = 0; d < ON / 8; ++d) {
-            acc_o[d][2 * r] *= corr;
-            acc_o[d][2 * r + 1] *= corr;
-          }
-        }
-      }
+      float mx[2], corr[2];
+      Consumer::softmax(p, sRed, row0, cg, g, t, acc_s, mx, corr, acc_o, row_max, row_sum);
 
       // ---- O += P V over the tile's keys and this warp's ON columns of ckv -------------------------
-      if constexpr (QK_SHARD) {
-#pragma unroll
-        for (int n = 0; n < SN / 8; ++n)
-#pragma unroll
-          for (int r = 0; r < 2; ++r)
-            *reinterpret_cast<unsigned*>(sP + LP::offset(row0 + g + 8 * r, key0 + n * 8) + 2 * t) =
-                pack2<BF16>(acc_s[n][2 * r], acc_s[n][2 * r + 1]);
-        if constexpr (WGMMA) WgmmaOps<BF16>::fence_proxy();
-        __syncthreads();
-      }
-      if constexpr (WGMMA) {
-        // V is N-major here; this warpgroup's ON columns start at 64-column block cg * ON / 64.
-        using W = WgmmaOps<BF16>;
-        const unsigned v_at = smem_addr(sT) + (cg * ON / 64) * LT::BLOCK_BYTES;
-        W::fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-          const unsigned long long dv = W::desc_mn(v_at, kk, LT::BLOCK_BYTES);
-          if constexpr (QK_SHARD) {
-            Wgmma<ON, BF16>::template ss<1>(acc_o, W::desc_k(smem_addr(sP), kk, LP::BLOCK_BYTES), dv, 1);
-          } else {
-            unsigned a[4];
-            p_fragment<BF16>(acc_s, kk, a);
-            Wgmma<ON, BF16>::rs(acc_o, a, dv);
-          }
-        }
-        W::commit();
-        W::template wait<0>();
-        W::hold(acc_o);
-      } else {
-#pragma unroll
-      for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-        unsigned a[4];
-        if constexpr (QK_SHARD) {
-          ldmatrix_x4(a[0], a[1], a[2], a[3], smem_addr(sP + (row0 + lane % 16) * P_ROW + kk * 16 + (lane / 16) * 8));
-        } else {
-          p_fragment<BF16>(acc_s, kk, a);
-        }
-        const int vrow = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, vcol = cg * ON + (lane / 16) * 8;
-        const unsigned va = smem_addr(sT + vrow * ROW + vcol);
-#pragma unroll
-        for (int d2 = 0; d2 < ON / 16; ++d2) {
-          unsigned b0, b1, b2, b3;
-          ldmatrix_x4_trans(b0, b1, b2, b3, TMA ? smem_addr(sT + LT::offset(vrow, vcol + d2 * 16)) : va + d2 * 32);
-          mma_16816<BF16>(acc_o[2 * d2], a, b0, b1);
-          mma_16816<BF16>(acc_o[2 * d2 + 1], a, b2, b3);
-        }
-      }
-      }
+      Consumer::pv(sP, sT, row0, key0, cg, g, t, lane, acc_s, acc_o);
       // sRed and sP are written again only after the next tile's first barrier.
     }
 
