@@ -42,6 +42,9 @@ struct MlaTiles;
 // One tile's S, softmax and O += P V (mla_decode/consumer.cuh).
 template <class K>
 struct MlaConsumer;
+// Row sums, O and the LSE written or merged (mla_decode/epilogue.cuh).
+template <class K>
+struct MlaEpilogue;
 
 template <class T, bool BF16, int DC, int DR, int ROWS, int BLOCK_N, int NUM_WARPS, int NUM_STAGES, bool QK_SHARD,
           bool PAGED, bool WGMMA, bool TMA, bool ALT>
@@ -53,6 +56,7 @@ struct MlaDecode {
   static constexpr int NUM_STAGES_ = NUM_STAGES;
   using Tiles = MlaTiles<MlaDecode>;  // its tile pieces (mla_decode/tiles.cuh)
   using Consumer = MlaConsumer<MlaDecode>;
+  using Epilogue = MlaEpilogue<MlaDecode>;
   static constexpr int THREADS = NUM_WARPS * 32;
   static constexpr int WARPS_M = ROWS / 16;
   static constexpr int WARPS_N = NUM_WARPS / WARPS_M;
@@ -287,28 +291,8 @@ struct MlaDecode {
     }
 
     // ---- epilogue: row sums (across the column groups when sharded), normalise, write ---------------
-    cp_async_wait_all();
     float l[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      l[r] = row_sum[r];
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
-    if constexpr (QK_SHARD || ALT) {
-      __syncthreads();  // every warp is past its last read of sRed
-      if (t == 0) {
-        sRed[cg * ROWS + row0 + g] = l[0];
-        sRed[cg * ROWS + row0 + g + 8] = l[1];
-      }
-      __syncthreads();
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        l[r] = 0.f;
-#pragma unroll
-        for (int c = 0; c < WARPS_N; ++c) l[r] += sRed[c * ROWS + row0 + g + 8 * r];
-      }
-    }
+    Epilogue::row_sums(sRed, g, t, row0, cg, row_sum, l);
     const long long out_rows = (long long)p.batch * rows_total;
     const bool cl = CAN_CLUSTER && p.num_splits > 1 && p.o_part == nullptr;
     // The splits a cluster: 16 rows merged by cluster_merge_rows (each CTA leaves its rows [ROWS][DC] and their LSE
