@@ -42,6 +42,9 @@ struct MlaTiles;
 // One tile's S, softmax and O += P V (mla_decode/consumer.cuh).
 template <class K>
 struct MlaConsumer;
+// Q and the ring's tiles in (mla_decode/producer.cuh).
+template <class K>
+struct MlaProducer;
 // Row sums, O and the LSE written or merged (mla_decode/epilogue.cuh).
 template <class K>
 struct MlaEpilogue;
@@ -55,6 +58,7 @@ struct MlaDecode {
   static constexpr bool PAGED_ = PAGED, TMA_ = TMA, ALT_ = ALT, QK_SHARD_ = QK_SHARD, WGMMA_ = WGMMA;
   static constexpr int NUM_STAGES_ = NUM_STAGES;
   using Tiles = MlaTiles<MlaDecode>;  // its tile pieces (mla_decode/tiles.cuh)
+  using Producer = MlaProducer<MlaDecode>;
   using Consumer = MlaConsumer<MlaDecode>;
   using Epilogue = MlaEpilogue<MlaDecode>;
   static constexpr int THREADS = NUM_WARPS * 32;
@@ -148,20 +152,7 @@ struct MlaDecode {
     }
 
     // ---- Q: ROWS packed rows (rows past the last head of the last token are zeros) -----------------
-    for (int idx = tid; idx < ROWS * (DQK / 8); idx += THREADS) {
-      const int r = idx / (DQK / 8);
-      const int col = (idx % (DQK / 8)) * 8;
-      const int gr = r_begin + r;
-      const bool ok = gr < rows_total;
-      const T* src = p.q_nope;
-      if (ok) {
-        const int qi = gr / p.num_heads;
-        const int head = gr - qi * p.num_heads;
-        src = col < DC ? p.q_nope + batch * p.qn_sb + qi * p.qn_ss + head * p.qn_sh + col
-                       : p.q_pe + batch * p.qp_sb + qi * p.qp_ss + head * p.qp_sh + (col - DC);
-      }
-      cp_async_16(smem_addr(sQ + LQ::offset(r, col)), src, ok);
-    }
+    Producer::load_q(p, sQ, batch, r_begin, rows_total, tid);
 
     // Paged, cp.async: lane j holds the table entry of the 16-row group j % (BLOCK_N / 16) of the tile
     // load_tile fills next, and that group's first slot in its block (blocks are whole multiples of
@@ -182,42 +173,7 @@ struct MlaDecode {
       Tiles::template load_cols<DC>(dst, 0, ckv, p.c_sb, p.c_ss, p, pages, n0, seqlen, tid);
       Tiles::template load_cols<DR>(dst, DC, kpe, p.p_sb, p.p_ss, p, pages, n0, seqlen, tid);
     };
-    if constexpr (TMA) {
-      cp_async_commit();  // Q
-      if (tid == 0) {
-        using W = WgmmaOps<BF16>;
-#pragma unroll
-        for (int s = 0; s < BARS; ++s) W::mbar_init(bar0 + 8 * s, 1);
-        W::mbar_init_fence();
-        if constexpr (ALT) {  // both slots, each half on its own barrier (2 slot + half)
-#pragma unroll
-          for (int s = 0; s < 2; ++s)
-            if (s < n_tiles) {
-              Tiles::template tma_tile<0, DC / 128, false>(p, maps, smem_addr(sRing), bar0 + 16 * s, table, batch,
-                                                           seqlen, tile_begin + s, s);
-              Tiles::template tma_tile<DC / 128, DC / 64, true>(p, maps, smem_addr(sRing), bar0 + 16 * s + 8, table,
-                                                                batch, seqlen, tile_begin + s, s);
-            }
-        } else {
-#pragma unroll
-          for (int s = 0; s < NUM_STAGES - 1; ++s)
-            if (s < n_tiles)
-              Tiles::template tma_tile<0, DC / 64, true>(p, maps, smem_addr(sRing), bar0 + 8 * s, table, batch, seqlen,
-                                                         tile_begin + s, s);
-        }
-      }
-      cp_async_wait<0>();
-      WgmmaOps<BF16>::fence_proxy();
-      __syncthreads();  // Q in place, the barriers initialised
-    } else if constexpr (NUM_STAGES > 1) {
-#pragma unroll
-      for (int s = 0; s < NUM_STAGES - 1; ++s) {
-        if (s < n_tiles) load_tile(tile_begin + s, s);
-        cp_async_commit();  // the first group holds Q too
-      }
-    } else {
-      cp_async_commit();
-    }
+    Producer::prologue(p, maps, sRing, bar0, table, batch, seqlen, tile_begin, n_tiles, tid, load_tile);
 
     // The last key each of this thread's two rows may see: token qi sits at seqlen - q_len + qi.
     int lim[2];
@@ -243,35 +199,7 @@ struct MlaDecode {
       const int tile = tile_begin + it;
       const int n0 = tile * BLOCK_N;
       const int slot = it % NUM_STAGES;
-      if constexpr (TMA) {
-        // The slot of tile it - 1 is refilled once every warp is done with it (the barrier).
-        if (it > 0) __syncthreads();
-        if (tid == 0 && it + NUM_STAGES - 1 < n_tiles)
-          Tiles::template tma_tile<0, DC / 64, true>(p, maps, smem_addr(sRing),
-                                                     bar0 + 8 * ((it + NUM_STAGES - 1) % NUM_STAGES), table, batch,
-                                                     seqlen, tile + NUM_STAGES - 1, (it + NUM_STAGES - 1) % NUM_STAGES);
-        WgmmaOps<BF16>::mbar_wait(bar0 + 8 * slot, (it / NUM_STAGES) & 1);
-        if (n0 + BLOCK_N > seqlen) {
-          // Rows [seqlen - n0, BLOCK_N) of V: past the sequence (read by a box, or stale).
-          Tiles::template zero_rows<DC>(sRing + slot * TILE_ELEMS, seqlen - n0, 0, tid, THREADS);
-          WgmmaOps<BF16>::fence_proxy();
-          __syncthreads();
-        }
-      } else if constexpr (NUM_STAGES > 1) {
-        cp_async_wait<NUM_STAGES - 2>();
-        if constexpr (WGMMA) WgmmaOps<BF16>::fence_proxy();
-        __syncthreads();
-        // The slot filled here was read in iteration it - 1, which every warp finished before the barrier.
-        if (it + NUM_STAGES - 1 < n_tiles) load_tile(tile + NUM_STAGES - 1, (it + NUM_STAGES - 1) % NUM_STAGES);
-        cp_async_commit();
-      } else {
-        if (it > 0) __syncthreads();  // every warp is done with the previous tile
-        load_tile(tile, 0);
-        cp_async_commit();
-        cp_async_wait<0>();
-        if constexpr (WGMMA) WgmmaOps<BF16>::fence_proxy();
-        __syncthreads();
-      }
+      Producer::acquire(p, maps, sRing, bar0, table, batch, seqlen, n_tiles, tid, it, tile, n0, slot, load_tile);
       const T* sT = sRing + slot * TILE_ELEMS;
 
       // ---- S = Q K^T for this warp's 16 rows and SN keys ---------------------------------------------
