@@ -17,6 +17,17 @@ struct MlaConsumer {
   static constexpr int DQK = K::DQK, ROW = K::ROW, P_ROW = K::P_ROW, ROWS = K::ROWS_, BLOCK_N = K::BLOCK_N_;
   static constexpr int WARPS_N = K::WARPS_N, SN = K::SN, ON = K::ON;
 
+  // The last key each of the thread's two rows (the first packed row gr0, then gr0 + 8) may see: token qi sits
+  // at seqlen - q_len + qi.
+  static __device__ __forceinline__ void limits(const MlaParams<T>& p, int gr0, int rows_total, int seqlen,
+                                                int (&lim)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int gr = gr0 + 8 * r;
+      lim[r] = gr < rows_total ? seqlen - p.q_len + gr / p.num_heads : seqlen - 1;
+    }
+  }
+
   // S = Q K^T for this warp's 16 rows (row0..) and SN keys (key0..) of the tile at sT; acc_s2 is the second
   // chain's accumulator (below).
   static __device__ __forceinline__ void scores(const T* sQ, const T* sT, int row0, int key0, int lane,

@@ -42,6 +42,9 @@ struct MlaTiles;
 // One tile's S, softmax and O += P V (mla_decode/consumer.cuh).
 template <class K>
 struct MlaConsumer;
+// The split's tiles, each acquired and consumed (mla_decode/walk.cuh).
+template <class K>
+struct MlaWalk;
 // Q and the ring's tiles in (mla_decode/producer.cuh).
 template <class K>
 struct MlaProducer;
@@ -60,6 +63,7 @@ struct MlaDecode {
   using Tiles = MlaTiles<MlaDecode>;  // its tile pieces (mla_decode/tiles.cuh)
   using Producer = MlaProducer<MlaDecode>;
   using Consumer = MlaConsumer<MlaDecode>;
+  using Walk = MlaWalk<MlaDecode>;
   using Epilogue = MlaEpilogue<MlaDecode>;
   static constexpr int THREADS = NUM_WARPS * 32;
   static constexpr int WARPS_M = ROWS / 16;
@@ -154,10 +158,7 @@ struct MlaDecode {
     // ---- Q: ROWS packed rows (rows past the last head of the last token are zeros) -----------------
     Producer::load_q(p, sQ, batch, r_begin, rows_total, tid);
 
-    // Paged, cp.async: lane j holds the table entry of the 16-row group j % (BLOCK_N / 16) of the tile
-    // load_tile fills next, and that group's first slot in its block (blocks are whole multiples of
-    // 16 positions, tiles start at one). Read a tile ahead and kept as read (load_cols clamps it):
-    // a lookup where the copies are issued made every thread wait for it, every tile.
+    // Paged, cp.async: the table entries of the tile load_tile fills next, read a tile ahead (producer.cuh).
     auto pages_of = [&](int tile) {
       const int gpos = tile * BLOCK_N + 16 * (lane % (BLOCK_N / 16));
       const int blk = Tiles::block_of(gpos, p);
@@ -175,13 +176,8 @@ struct MlaDecode {
     };
     Producer::prologue(p, maps, sRing, bar0, table, batch, seqlen, tile_begin, n_tiles, tid, load_tile);
 
-    // The last key each of this thread's two rows may see: token qi sits at seqlen - q_len + qi.
     int lim[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int gr = r_begin + row0 + g + 8 * r;
-      lim[r] = gr < rows_total ? seqlen - p.q_len + gr / p.num_heads : seqlen - 1;
-    }
+    Consumer::limits(p, r_begin + row0 + g, rows_total, seqlen, lim);
 
     float acc_o[ON / 8][4];
 #pragma unroll
@@ -190,44 +186,22 @@ struct MlaDecode {
       for (int c = 0; c < 4; ++c) acc_o[d][c] = 0.f;
     float row_max[2] = {-ATTNGEN_INF, -ATTNGEN_INF};
     float row_sum[2] = {0.f, 0.f};
+    // A tile's S (acc_s2: its second chain) and its softmax's row maxima and factors (see consumer.cuh).
+    float acc_s[SN / 8][4], acc_s2[SN / 8][4], mx[2], corr[2];
 
     if constexpr (ALT)
       MlaAlternate<MlaDecode>::run(p, maps, sQ, sRing, sP, sX, bar0, table, batch, seqlen, tile_begin, n_tiles, lim,
                                    acc_o, row_max, row_sum);
     else
-    for (int it = 0; it < n_tiles; ++it) {
-      const int tile = tile_begin + it;
-      const int n0 = tile * BLOCK_N;
-      const int slot = it % NUM_STAGES;
-      Producer::acquire(p, maps, sRing, bar0, table, batch, seqlen, n_tiles, tid, it, tile, n0, slot, load_tile);
-      const T* sT = sRing + slot * TILE_ELEMS;
-
-      // ---- S = Q K^T for this warp's 16 rows and SN keys ---------------------------------------------
-      float acc_s[SN / 8][4], acc_s2[SN / 8][4];
-      Consumer::scores(sQ, sT, row0, key0, lane, acc_s, acc_s2);
-
-      // ---- mask: keys past a row's token (and past the sequence) --------------------------------
-      Tiles::template mask_keys<SN>(acc_s, n0, key0, seqlen, p.q_len, lim, t);
-
-      // ---- online softmax ------------------------------------------------------------------------
-      float mx[2], corr[2];
-      Consumer::softmax(p, sRed, row0, cg, g, t, acc_s, mx, corr, acc_o, row_max, row_sum);
-
-      // ---- O += P V over the tile's keys and this warp's ON columns of ckv -------------------------
-      Consumer::pv(sP, sT, row0, key0, cg, g, t, lane, acc_s, acc_o);
-      // sRed and sP are written again only after the next tile's first barrier.
-    }
+    Walk::tiles(p, maps, sQ, sRing, sP, sRed, bar0, table, batch, seqlen, tile_begin, n_tiles, tid, lane, g, t, row0,
+                key0, cg, lim, load_tile, acc_s, acc_s2, mx, corr, acc_o, row_max, row_sum);
 
     // ---- epilogue: row sums (across the column groups when sharded), normalise, write ---------------
     float l[2];
     Epilogue::row_sums(sRed, g, t, row0, cg, row_sum, l);
     const long long out_rows = (long long)p.batch * rows_total;
     const bool cl = CAN_CLUSTER && p.num_splits > 1 && p.o_part == nullptr;
-    // The splits a cluster: 16 rows merged by cluster_merge_rows (each CTA leaves its rows [ROWS][DC] and their LSE
-    // over its Q and ring; the cluster reads them), 32 by merge_pushed_row (CTA `split` merges rows [split mrows,
-    // split mrows + mrows), its own from registers, the other splits' pushed over its Q and ring: [splits x mrows]
-    // [DC], then their LSE). Pushing pays at 32 rows (large batches, a few thousand keys) and not at 16, whose
-    // rows the cluster reads where they lie.
+    // The splits a cluster (cl): see epilogue.cuh.
     const int valid = min(ROWS, rows_total - r_begin);
     const int mrows = (valid + p.num_splits - 1) / p.num_splits;
     float* sPart = reinterpret_cast<float*>(smem_base);
@@ -289,16 +263,7 @@ struct MlaDecode {
           p.lse_part[(long long)split * out_rows + ((long long)batch * p.num_heads + head) * p.q_len + qi] = lse;
       }
     }
-    if (cl && !PUSH_MERGE)
-      cluster_merge_rows<DC, THREADS>(sPart, sLse, valid, split, p.num_splits, tid,
-                                      [&](int row, int col, float4 x, float mx, float wsum) {
-        const int qi = (r_begin + row) / p.num_heads;
-        const int head = r_begin + row - qi * p.num_heads;
-        T* dst = p.o + batch * p.o_sb + qi * p.o_ss + head * p.o_sh + col;
-        *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<BF16>(x.x, x.y), pack2<BF16>(x.z, x.w));
-        if (col == 0 && p.lse)
-          p.lse[((long long)batch * p.num_heads + head) * p.q_len + qi] = wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
-      });
+    if (cl && !PUSH_MERGE) Epilogue::cluster_rows(p, sPart, sLse, valid, split, batch, r_begin, tid);
   }
 };
 

@@ -1,6 +1,11 @@
 // MLA decode, the producer: Q into shared memory, the ring's first tiles (and, TMA, its mbarriers), and each
 // tile's wait and refill: cp.async by every thread (load_tile, a lambda of MlaDecode::run), or TMA boxes by
 // thread 0 with the rows past the sequence zeroed.
+//
+// Paged, cp.async: lane j holds the table entry of the 16-row group j % (BLOCK_N / 16) of the tile load_tile
+// fills next, and that group's first slot in its block (blocks are whole multiples of 16 positions, tiles start
+// at one). Read a tile ahead and kept as read (load_cols clamps it): a lookup where the copies are issued made
+// every thread wait for it, every tile. (pages_of and load_tile are lambdas of run: they carry next_pages.)
 namespace attngen {
 
 template <class K>
