@@ -143,17 +143,10 @@ struct MlaDecode {
     const int tile_begin = min(tiles, split * per);
     const int n_tiles = min(tiles, tile_begin + per) - tile_begin;
 
-    const T* ckv;
-    const T* kpe;
-    const int* table = nullptr;
-    if constexpr (PAGED) {
-      ckv = p.ckv;
-      kpe = p.kpe;
-      table = p.block_table + batch * p.bt_sb;
-    } else {
-      ckv = p.ckv + batch * p.c_sb;
-      kpe = p.kpe + batch * p.p_sb;
-    }
+    // The cache: paged, one pool of blocks and this row's block table; else this row's own rows.
+    const T* ckv = PAGED ? p.ckv : p.ckv + batch * p.c_sb;
+    const T* kpe = PAGED ? p.kpe : p.kpe + batch * p.p_sb;
+    const int* table = PAGED ? p.block_table + batch * p.bt_sb : nullptr;
 
     // ---- Q: ROWS packed rows (rows past the last head of the last token are zeros) -----------------
     Producer::load_q(p, sQ, batch, r_begin, rows_total, tid);
