@@ -1,6 +1,19 @@
 // MLA decode, the consumer: one ring tile's S = Q K^T for the warp's rows and keys, the online softmax
 // and O += P V over the warp's columns of ckv, by mma.sync or (sm_90a) wgmma.
 //
+// Warp (rt, cg) holds rows [16 rt, 16 rt + 16) and O's columns [cg ON, (cg + 1) ON). QK_SHARD chooses how S is
+// made:
+//   true:  the WARPS_N warps of a row tile split the tile's keys (SN = BLOCK_N / WARPS_N each), trade
+//          their partial row maxima through shared memory and all-gather P there (16-bit);
+//   false: every warp computes S for all BLOCK_N keys of its rows (the QK work done WARPS_N times),
+//          keeps its own softmax and feeds P to the PV MMAs from registers: no exchange at all.
+//
+// WGMMA (sm_90a, ROWS = 64, 8 warps): warp (rt, cg) is warp rt of warpgroup cg, so a warpgroup holds
+// all 64 rows and column group cg; S and O += P V are wgmma with Q, the cache tile and (sharded) P
+// read from shared memory through descriptors, P from registers when not sharded. The accumulators
+// land in the mma.sync layout per warp, so the mask, the softmax and the epilogue are shared. Q and
+// the tiles are then stored in 128-byte-swizzled 64-column blocks (WgmmaLayout).
+//
 // Every array these functions use (acc_s, acc_s2, mx, corr, besides O and the row state) is declared by
 // MlaDecode::run, in the order its one-piece loop declared them, and passed in: an array local to an
 // inlined function is placed before the caller's, which renumbered the loop's values and changed how
@@ -165,23 +178,23 @@ struct MlaConsumer {
       W::hold(acc_o);
     } else {
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-      unsigned a[4];
-      if constexpr (QK_SHARD) {
-        ldmatrix_x4(a[0], a[1], a[2], a[3], smem_addr(sP + (row0 + lane % 16) * P_ROW + kk * 16 + (lane / 16) * 8));
-      } else {
-        p_fragment<BF16>(acc_s, kk, a);
-      }
-      const int vrow = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, vcol = cg * ON + (lane / 16) * 8;
-      const unsigned va = smem_addr(sT + vrow * ROW + vcol);
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        unsigned a[4];
+        if constexpr (QK_SHARD) {
+          ldmatrix_x4(a[0], a[1], a[2], a[3], smem_addr(sP + (row0 + lane % 16) * P_ROW + kk * 16 + (lane / 16) * 8));
+        } else {
+          p_fragment<BF16>(acc_s, kk, a);
+        }
+        const int vrow = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, vcol = cg * ON + (lane / 16) * 8;
+        const unsigned va = smem_addr(sT + vrow * ROW + vcol);
 #pragma unroll
-      for (int d2 = 0; d2 < ON / 16; ++d2) {
-        unsigned b0, b1, b2, b3;
-        ldmatrix_x4_trans(b0, b1, b2, b3, TMA ? smem_addr(sT + LT::offset(vrow, vcol + d2 * 16)) : va + d2 * 32);
-        mma_16816<BF16>(acc_o[2 * d2], a, b0, b1);
-        mma_16816<BF16>(acc_o[2 * d2 + 1], a, b2, b3);
+        for (int d2 = 0; d2 < ON / 16; ++d2) {
+          unsigned b0, b1, b2, b3;
+          ldmatrix_x4_trans(b0, b1, b2, b3, TMA ? smem_addr(sT + LT::offset(vrow, vcol + d2 * 16)) : va + d2 * 32);
+          mma_16816<BF16>(acc_o[2 * d2], a, b0, b1);
+          mma_16816<BF16>(acc_o[2 * d2 + 1], a, b2, b3);
+        }
       }
-    }
     }
   }
 };

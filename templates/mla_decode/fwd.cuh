@@ -10,27 +10,16 @@
 // from the same tile as K and as V.
 //
 // Warps form WARPS_M = ROWS / 16 row tiles x WARPS_N column groups; warp (rt, cg) accumulates O for
-// rows [16 rt, 16 rt + 16) and output columns [cg ON, (cg + 1) ON). QK_SHARD chooses how S is made:
-//   true:  the WARPS_N warps of a row tile split the tile's keys (SN = BLOCK_N / WARPS_N each), trade
-//          their partial row maxima through shared memory and all-gather P there (16-bit);
-//   false: every warp computes S for all BLOCK_N keys of its rows (the QK work done WARPS_N times),
-//          keeps its own softmax and feeds P to the PV MMAs from registers: no exchange at all.
+// rows [16 rt, 16 rt + 16) and output columns [cg ON, (cg + 1) ON) (how S is made: consumer.cuh).
 // One split writes O (normalised) and the LSE; several write fp32 partials and their LSE, merged by
 // the module's `_merge` entries (split_merge.cuh), or, on sm_90 with the splits of a row block one
 // cluster, in the cluster's shared memory (cluster_merge_rows at 16 rows, merge_pushed_row at 32).
 //
-// WGMMA (sm_90a, ROWS = 64, 8 warps): warp (rt, cg) is warp rt of warpgroup cg, so a warpgroup holds
-// all 64 rows and column group cg; S and O += P V are wgmma with Q, the cache tile and (sharded) P
-// read from shared memory through descriptors, P from registers when not sharded. The accumulators
-// land in the mma.sync layout per warp, so the mask, the softmax and the epilogue are shared. Q and
-// the tiles are then stored in 128-byte-swizzled 64-column blocks (WgmmaLayout).
-//
-// TMA (with WGMMA): thread 0 loads each cache tile as TMA boxes (64 columns of BOX rows: the whole
-// tile when contiguous, the largest power of two dividing the block size when paged) into the ring,
-// completing the slot's mbarrier; the other threads never issue a copy. Issued by every thread, the
-// cp.async of a 74 KB tile held the warps until much of it had landed, so loads and MMAs ran one
-// after the other. The cache rows a box reads past the sequence, and the rows no box covers, are
-// zeroed in shared memory before the last tile is read (P is 0 there; V must be finite).
+// MlaDecode::run places the CTA and its threads, then hands out the roles: the producer (Q and the ring's
+// tiles in, mla_decode/producer.cuh), the tile walk (mla_decode/walk.cuh; alternate tiles: alternate.cuh) with the
+// consumer (S, softmax, O += P V: mla_decode/consumer.cuh), and the epilogue (mla_decode/epilogue.cuh; where O and
+// the LSE are written is still run's, see there). Arrays live in run and are passed by reference (consumer.cuh
+// says why).
 namespace attngen {
 
 // qk_shard=alternate's loop (mla_decode/alternate.cuh, included only in those kernels).
@@ -186,8 +175,8 @@ struct MlaDecode {
       MlaAlternate<MlaDecode>::run(p, maps, sQ, sRing, sP, sX, bar0, table, batch, seqlen, tile_begin, n_tiles, lim,
                                    acc_o, row_max, row_sum);
     else
-    Walk::tiles(p, maps, sQ, sRing, sP, sRed, bar0, table, batch, seqlen, tile_begin, n_tiles, tid, lane, g, t, row0,
-                key0, cg, lim, load_tile, acc_s, acc_s2, mx, corr, acc_o, row_max, row_sum);
+      Walk::tiles(p, maps, sQ, sRing, sP, sRed, bar0, table, batch, seqlen, tile_begin, n_tiles, tid, lane, g, t, row0,
+                  key0, cg, lim, load_tile, acc_s, acc_s2, mx, corr, acc_o, row_max, row_sum);
 
     // ---- epilogue: row sums (across the column groups when sharded), normalise, write ---------------
     float l[2];

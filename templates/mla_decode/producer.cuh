@@ -2,6 +2,13 @@
 // tile's wait and refill: cp.async by every thread (load_tile, a lambda of MlaDecode::run), or TMA boxes by
 // thread 0 with the rows past the sequence zeroed.
 //
+// TMA (with WGMMA): thread 0 loads each cache tile as TMA boxes (64 columns of BOX rows: the whole
+// tile when contiguous, the largest power of two dividing the block size when paged) into the ring,
+// completing the slot's mbarrier; the other threads never issue a copy. Issued by every thread, the
+// cp.async of a 74 KB tile held the warps until much of it had landed, so loads and MMAs ran one
+// after the other. The cache rows a box reads past the sequence, and the rows no box covers, are
+// zeroed in shared memory before the last tile is read (P is 0 there; V must be finite).
+//
 // Paged, cp.async: lane j holds the table entry of the 16-row group j % (BLOCK_N / 16) of the tile load_tile
 // fills next, and that group's first slot in its block (blocks are whole multiples of 16 positions, tiles start
 // at one). Read a tile ahead and kept as read (load_cols clamps it): a lookup where the copies are issued made
