@@ -10,27 +10,16 @@
 // from the same tile as K and as V.
 //
 // Warps form WARPS_M = ROWS / 16 row tiles x WARPS_N column groups; warp (rt, cg) accumulates O for
-// rows [16 rt, 16 rt + 16) and output columns [cg ON, (cg + 1) ON). QK_SHARD chooses how S is made:
-//   true:  the WARPS_N warps of a row tile split the tile's keys (SN = BLOCK_N / WARPS_N each), trade
-//          their partial row maxima through shared memory and all-gather P there (16-bit);
-//   false: every warp computes S for all BLOCK_N keys of its rows (the QK work done WARPS_N times),
-//          keeps its own softmax and feeds P to the PV MMAs from registers: no exchange at all.
+// rows [16 rt, 16 rt + 16) and output columns [cg ON, (cg + 1) ON) (how S is made: consumer.cuh).
 // One split writes O (normalised) and the LSE; several write fp32 partials and their LSE, merged by
 // the module's `_merge` entries (split_merge.cuh), or, on sm_90 with the splits of a row block one
 // cluster, in the cluster's shared memory (cluster_merge_rows at 16 rows, merge_pushed_row at 32).
 //
-// WGMMA (sm_90a, ROWS = 64, 8 warps): warp (rt, cg) is warp rt of warpgroup cg, so a warpgroup holds
-// all 64 rows and column group cg; S and O += P V are wgmma with Q, the cache tile and (sharded) P
-// read from shared memory through descriptors, P from registers when not sharded. The accumulators
-// land in the mma.sync layout per warp, so the mask, the softmax and the epilogue are shared. Q and
-// the tiles are then stored in 128-byte-swizzled 64-column blocks (WgmmaLayout).
-//
-// TMA (with WGMMA): thread 0 loads each cache tile as TMA boxes (64 columns of BOX rows: the whole
-// tile when contiguous, the largest power of two dividing the block size when paged) into the ring,
-// completing the slot's mbarrier; the other threads never issue a copy. Issued by every thread, the
-// cp.async of a 74 KB tile held the warps until much of it had landed, so loads and MMAs ran one
-// after the other. The cache rows a box reads past the sequence, and the rows no box covers, are
-// zeroed in shared memory before the last tile is read (P is 0 there; V must be finite).
+// MlaDecode::run places the CTA and its threads, then hands out the roles: the producer (Q and the ring's
+// tiles in, mla_decode/producer.cuh), the tile walk (mla_decode/walk.cuh; alternate tiles: alternate.cuh) with the
+// consumer (S, softmax, O += P V: mla_decode/consumer.cuh), and the epilogue (mla_decode/epilogue.cuh; where O and
+// the LSE are written is still run's, see there). Arrays live in run and are passed by reference (consumer.cuh
+// says why).
 namespace attngen {
 
 // qk_shard=alternate's loop (mla_decode/alternate.cuh, included only in those kernels).
@@ -39,6 +28,18 @@ struct MlaAlternate;
 // The pieces of a tile step that MlaDecode's loop and MlaAlternate's share (mla_decode/tiles.cuh).
 template <class K>
 struct MlaTiles;
+// One tile's S, softmax and O += P V (mla_decode/consumer.cuh).
+template <class K>
+struct MlaConsumer;
+// The split's tiles, each acquired and consumed (mla_decode/walk.cuh).
+template <class K>
+struct MlaWalk;
+// Q and the ring's tiles in (mla_decode/producer.cuh).
+template <class K>
+struct MlaProducer;
+// Row sums, O and the LSE written or merged (mla_decode/epilogue.cuh).
+template <class K>
+struct MlaEpilogue;
 
 template <class T, bool BF16, int DC, int DR, int ROWS, int BLOCK_N, int NUM_WARPS, int NUM_STAGES, bool QK_SHARD,
           bool PAGED, bool WGMMA, bool TMA, bool ALT>
@@ -46,8 +47,13 @@ struct MlaDecode {
   using Elem = T;
   static constexpr bool IS_BF16 = BF16;
   static constexpr int DC_ = DC, DR_ = DR, ROWS_ = ROWS, BLOCK_N_ = BLOCK_N;
-  static constexpr bool PAGED_ = PAGED, TMA_ = TMA, ALT_ = ALT;
+  static constexpr bool PAGED_ = PAGED, TMA_ = TMA, ALT_ = ALT, QK_SHARD_ = QK_SHARD, WGMMA_ = WGMMA;
+  static constexpr int NUM_STAGES_ = NUM_STAGES;
   using Tiles = MlaTiles<MlaDecode>;  // its tile pieces (mla_decode/tiles.cuh)
+  using Producer = MlaProducer<MlaDecode>;
+  using Consumer = MlaConsumer<MlaDecode>;
+  using Walk = MlaWalk<MlaDecode>;
+  using Epilogue = MlaEpilogue<MlaDecode>;
   static constexpr int THREADS = NUM_WARPS * 32;
   static constexpr int WARPS_M = ROWS / 16;
   static constexpr int WARPS_N = NUM_WARPS / WARPS_M;
@@ -126,38 +132,15 @@ struct MlaDecode {
     const int tile_begin = min(tiles, split * per);
     const int n_tiles = min(tiles, tile_begin + per) - tile_begin;
 
-    const T* ckv;
-    const T* kpe;
-    const int* table = nullptr;
-    if constexpr (PAGED) {
-      ckv = p.ckv;
-      kpe = p.kpe;
-      table = p.block_table + batch * p.bt_sb;
-    } else {
-      ckv = p.ckv + batch * p.c_sb;
-      kpe = p.kpe + batch * p.p_sb;
-    }
+    // The cache: paged, one pool of blocks and this row's block table; else this row's own rows.
+    const T* ckv = PAGED ? p.ckv : p.ckv + batch * p.c_sb;
+    const T* kpe = PAGED ? p.kpe : p.kpe + batch * p.p_sb;
+    const int* table = PAGED ? p.block_table + batch * p.bt_sb : nullptr;
 
     // ---- Q: ROWS packed rows (rows past the last head of the last token are zeros) -----------------
-    for (int idx = tid; idx < ROWS * (DQK / 8); idx += THREADS) {
-      const int r = idx / (DQK / 8);
-      const int col = (idx % (DQK / 8)) * 8;
-      const int gr = r_begin + r;
-      const bool ok = gr < rows_total;
-      const T* src = p.q_nope;
-      if (ok) {
-        const int qi = gr / p.num_heads;
-        const int head = gr - qi * p.num_heads;
-        src = col < DC ? p.q_nope + batch * p.qn_sb + qi * p.qn_ss + head * p.qn_sh + col
-                       : p.q_pe + batch * p.qp_sb + qi * p.qp_ss + head * p.qp_sh + (col - DC);
-      }
-      cp_async_16(smem_addr(sQ + LQ::offset(r, col)), src, ok);
-    }
+    Producer::load_q(p, sQ, batch, r_begin, rows_total, tid);
 
-    // Paged, cp.async: lane j holds the table entry of the 16-row group j % (BLOCK_N / 16) of the tile
-    // load_tile fills next, and that group's first slot in its block (blocks are whole multiples of
-    // 16 positions, tiles start at one). Read a tile ahead and kept as read (load_cols clamps it):
-    // a lookup where the copies are issued made every thread wait for it, every tile.
+    // Paged, cp.async: the table entries of the tile load_tile fills next, read a tile ahead (producer.cuh).
     auto pages_of = [&](int tile) {
       const int gpos = tile * BLOCK_N + 16 * (lane % (BLOCK_N / 16));
       const int blk = Tiles::block_of(gpos, p);
@@ -173,50 +156,10 @@ struct MlaDecode {
       Tiles::template load_cols<DC>(dst, 0, ckv, p.c_sb, p.c_ss, p, pages, n0, seqlen, tid);
       Tiles::template load_cols<DR>(dst, DC, kpe, p.p_sb, p.p_ss, p, pages, n0, seqlen, tid);
     };
-    if constexpr (TMA) {
-      cp_async_commit();  // Q
-      if (tid == 0) {
-        using W = WgmmaOps<BF16>;
-#pragma unroll
-        for (int s = 0; s < BARS; ++s) W::mbar_init(bar0 + 8 * s, 1);
-        W::mbar_init_fence();
-        if constexpr (ALT) {  // both slots, each half on its own barrier (2 slot + half)
-#pragma unroll
-          for (int s = 0; s < 2; ++s)
-            if (s < n_tiles) {
-              Tiles::template tma_tile<0, DC / 128, false>(p, maps, smem_addr(sRing), bar0 + 16 * s, table, batch,
-                                                           seqlen, tile_begin + s, s);
-              Tiles::template tma_tile<DC / 128, DC / 64, true>(p, maps, smem_addr(sRing), bar0 + 16 * s + 8, table,
-                                                                batch, seqlen, tile_begin + s, s);
-            }
-        } else {
-#pragma unroll
-          for (int s = 0; s < NUM_STAGES - 1; ++s)
-            if (s < n_tiles)
-              Tiles::template tma_tile<0, DC / 64, true>(p, maps, smem_addr(sRing), bar0 + 8 * s, table, batch, seqlen,
-                                                         tile_begin + s, s);
-        }
-      }
-      cp_async_wait<0>();
-      WgmmaOps<BF16>::fence_proxy();
-      __syncthreads();  // Q in place, the barriers initialised
-    } else if constexpr (NUM_STAGES > 1) {
-#pragma unroll
-      for (int s = 0; s < NUM_STAGES - 1; ++s) {
-        if (s < n_tiles) load_tile(tile_begin + s, s);
-        cp_async_commit();  // the first group holds Q too
-      }
-    } else {
-      cp_async_commit();
-    }
+    Producer::prologue(p, maps, sRing, bar0, table, batch, seqlen, tile_begin, n_tiles, tid, load_tile);
 
-    // The last key each of this thread's two rows may see: token qi sits at seqlen - q_len + qi.
     int lim[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int gr = r_begin + row0 + g + 8 * r;
-      lim[r] = gr < rows_total ? seqlen - p.q_len + gr / p.num_heads : seqlen - 1;
-    }
+    Consumer::limits(p, r_begin + row0 + g, rows_total, seqlen, lim);
 
     float acc_o[ON / 8][4];
 #pragma unroll
@@ -225,228 +168,22 @@ struct MlaDecode {
       for (int c = 0; c < 4; ++c) acc_o[d][c] = 0.f;
     float row_max[2] = {-ATTNGEN_INF, -ATTNGEN_INF};
     float row_sum[2] = {0.f, 0.f};
+    // A tile's S (acc_s2: its second chain) and its softmax's row maxima and factors (see consumer.cuh).
+    float acc_s[SN / 8][4], acc_s2[SN / 8][4], mx[2], corr[2];
 
     if constexpr (ALT)
       MlaAlternate<MlaDecode>::run(p, maps, sQ, sRing, sP, sX, bar0, table, batch, seqlen, tile_begin, n_tiles, lim,
                                    acc_o, row_max, row_sum);
     else
-    for (int it = 0; it < n_tiles; ++it) {
-      const int tile = tile_begin + it;
-      const int n0 = tile * BLOCK_N;
-      const int slot = it % NUM_STAGES;
-      if constexpr (TMA) {
-        // The slot of tile it - 1 is refilled once every warp is done with it (the barrier).
-        if (it > 0) __syncthreads();
-        if (tid == 0 && it + NUM_STAGES - 1 < n_tiles)
-          Tiles::template tma_tile<0, DC / 64, true>(p, maps, smem_addr(sRing),
-                                                     bar0 + 8 * ((it + NUM_STAGES - 1) % NUM_STAGES), table, batch,
-                                                     seqlen, tile + NUM_STAGES - 1, (it + NUM_STAGES - 1) % NUM_STAGES);
-        WgmmaOps<BF16>::mbar_wait(bar0 + 8 * slot, (it / NUM_STAGES) & 1);
-        if (n0 + BLOCK_N > seqlen) {
-          // Rows [seqlen - n0, BLOCK_N) of V: past the sequence (read by a box, or stale).
-          Tiles::template zero_rows<DC>(sRing + slot * TILE_ELEMS, seqlen - n0, 0, tid, THREADS);
-          WgmmaOps<BF16>::fence_proxy();
-          __syncthreads();
-        }
-      } else if constexpr (NUM_STAGES > 1) {
-        cp_async_wait<NUM_STAGES - 2>();
-        if constexpr (WGMMA) WgmmaOps<BF16>::fence_proxy();
-        __syncthreads();
-        // The slot filled here was read in iteration it - 1, which every warp finished before the barrier.
-        if (it + NUM_STAGES - 1 < n_tiles) load_tile(tile + NUM_STAGES - 1, (it + NUM_STAGES - 1) % NUM_STAGES);
-        cp_async_commit();
-      } else {
-        if (it > 0) __syncthreads();  // every warp is done with the previous tile
-        load_tile(tile, 0);
-        cp_async_commit();
-        cp_async_wait<0>();
-        if constexpr (WGMMA) WgmmaOps<BF16>::fence_proxy();
-        __syncthreads();
-      }
-      const T* sT = sRing + slot * TILE_ELEMS;
-
-      // ---- S = Q K^T for this warp's 16 rows and SN keys, two 16-column steps at a time -----------
-      float acc_s[SN / 8][4];
-#pragma unroll
-      for (int n = 0; n < SN / 8; ++n)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc_s[n][c] = 0.f;
-      if constexpr (WGMMA) {
-        // This warpgroup's SN keys (rows key0.. of the tile, whole 1024-byte swizzle atoms) against
-        // all 64 Q rows.
-        using W = WgmmaOps<BF16>;
-        const unsigned q_at = smem_addr(sQ);
-        const unsigned k_at = smem_addr(sT) + key0 * 128;
-        W::fence();
-#pragma unroll
-        for (int kk = 0; kk < DQK / 16; ++kk)
-          Wgmma<SN, BF16>::ss(acc_s, W::desc_k(q_at, kk, LQ::BLOCK_BYTES), W::desc_k(k_at, kk, LT::BLOCK_BYTES),
-                              kk > 0);
-        W::commit();
-        W::template wait<0>();
-        W::hold(acc_s);
-      } else {
-      // A warp with few keys (SN <= 16) sums its two 16-column steps in two accumulators, added at the end, and
-      // unrolls by two: one chain of 36 dependent MMAs a tile was what a CTA's tile waited on at batch 1.
-      constexpr int CHAINS = SN <= 16 ? 2 : 1;
-      float acc_s2[SN / 8][4];
-#pragma unroll
-      for (int n = 0; n < SN / 8; ++n)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc_s2[n][c] = 0.f;
-#pragma unroll CHAINS
-      for (int kp = 0; kp < DQK / 32; ++kp) {
-        unsigned a0[4], a1[4];
-        const unsigned qa = smem_addr(sQ + (row0 + lane % 16) * ROW + kp * 32 + (lane / 16) * 8);
-        ldmatrix_x4(a0[0], a0[1], a0[2], a0[3], qa);
-        ldmatrix_x4(a1[0], a1[1], a1[2], a1[3], qa + 32);
-#pragma unroll
-        for (int n = 0; n < SN / 8; ++n) {
-          unsigned b0, b1, b2, b3;
-          // (LT::offset is key * ROW + col without the ring; written out there, ptxas keeps the cp.async kernels'
-          // machine code as it was: with LT::offset the sm_86 8-warp kernels compiled differently)
-          const int key = key0 + n * 8 + lane % 8, col = kp * 32 + (lane / 8) * 8;
-          ldmatrix_x4(b0, b1, b2, b3, smem_addr(sT + (TMA ? LT::offset(key, col) : key * ROW + col)));
-          mma_16816<BF16>(acc_s[n], a0, b0, b1);
-          mma_16816<BF16>(CHAINS == 2 ? acc_s2[n] : acc_s[n], a1, b2, b3);
-        }
-      }
-      if constexpr (CHAINS == 2)
-#pragma unroll
-        for (int n = 0; n < SN / 8; ++n)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) acc_s[n][c] += acc_s2[n][c];
-      }
-
-      // ---- mask: keys past a row's token (and past the sequence) --------------------------------
-      Tiles::template mask_keys<SN>(acc_s, n0, key0, seqlen, p.q_len, lim, t);
-
-      // ---- online softmax ------------------------------------------------------------------------
-      float mx[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) mx[r] = frag_row_max<SN>(acc_s, r);
-      if constexpr (QK_SHARD) {
-        if (t == 0) {
-          sRed[cg * ROWS + row0 + g] = mx[0];
-          sRed[cg * ROWS + row0 + g + 8] = mx[1];
-        }
-        __syncthreads();
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-          for (int c = 0; c < WARPS_N; ++c) mx[r] = fmaxf(mx[r], sRed[c * ROWS + row0 + g + 8 * r]);
-      }
-      if constexpr (WGMMA) {
-        // lazy rescaling (lazy_max, online_softmax.cuh)
-        float corr[2];
-        bool moved = false;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float before = row_max[r];
-          corr[r] = lazy_softmax_row<SN>(acc_s, r, mx[r], row_max[r], row_sum[r], p.scale_log2);
-          moved |= row_max[r] != before;
-        }
-        if (__any_sync(0xffffffffu, moved)) scale_rows(acc_o, corr);
-      } else {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float m = fmaxf(row_max[r], mx[r]);
-          // A row that has seen only masked keys keeps max -inf; subtracting 0 keeps exp2 at 0.
-          const float base = m == -ATTNGEN_INF ? 0.f : m * p.scale_log2;
-          const float corr = fast_exp2(row_max[r] * p.scale_log2 - base);
-          row_max[r] = m;
-          row_sum[r] = row_sum[r] * corr + frag_exp_row<SN>(acc_s, r, p.scale_log2, base);
-#pragma unroll
-          for (int d = 0; d < ON / 8; ++d) {
-            acc_o[d][2 * r] *= corr;
-            acc_o[d][2 * r + 1] *= corr;
-          }
-        }
-      }
-
-      // ---- O += P V over the tile's keys and this warp's ON columns of ckv -------------------------
-      if constexpr (QK_SHARD) {
-#pragma unroll
-        for (int n = 0; n < SN / 8; ++n)
-#pragma unroll
-          for (int r = 0; r < 2; ++r)
-            *reinterpret_cast<unsigned*>(sP + LP::offset(row0 + g + 8 * r, key0 + n * 8) + 2 * t) =
-                pack2<BF16>(acc_s[n][2 * r], acc_s[n][2 * r + 1]);
-        if constexpr (WGMMA) WgmmaOps<BF16>::fence_proxy();
-        __syncthreads();
-      }
-      if constexpr (WGMMA) {
-        // V is N-major here; this warpgroup's ON columns start at 64-column block cg * ON / 64.
-        using W = WgmmaOps<BF16>;
-        const unsigned v_at = smem_addr(sT) + (cg * ON / 64) * LT::BLOCK_BYTES;
-        W::fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-          const unsigned long long dv = W::desc_mn(v_at, kk, LT::BLOCK_BYTES);
-          if constexpr (QK_SHARD) {
-            Wgmma<ON, BF16>::template ss<1>(acc_o, W::desc_k(smem_addr(sP), kk, LP::BLOCK_BYTES), dv, 1);
-          } else {
-            unsigned a[4];
-            p_fragment<BF16>(acc_s, kk, a);
-            Wgmma<ON, BF16>::rs(acc_o, a, dv);
-          }
-        }
-        W::commit();
-        W::template wait<0>();
-        W::hold(acc_o);
-      } else {
-#pragma unroll
-      for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-        unsigned a[4];
-        if constexpr (QK_SHARD) {
-          ldmatrix_x4(a[0], a[1], a[2], a[3], smem_addr(sP + (row0 + lane % 16) * P_ROW + kk * 16 + (lane / 16) * 8));
-        } else {
-          p_fragment<BF16>(acc_s, kk, a);
-        }
-        const int vrow = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8, vcol = cg * ON + (lane / 16) * 8;
-        const unsigned va = smem_addr(sT + vrow * ROW + vcol);
-#pragma unroll
-        for (int d2 = 0; d2 < ON / 16; ++d2) {
-          unsigned b0, b1, b2, b3;
-          ldmatrix_x4_trans(b0, b1, b2, b3, TMA ? smem_addr(sT + LT::offset(vrow, vcol + d2 * 16)) : va + d2 * 32);
-          mma_16816<BF16>(acc_o[2 * d2], a, b0, b1);
-          mma_16816<BF16>(acc_o[2 * d2 + 1], a, b2, b3);
-        }
-      }
-      }
-      // sRed and sP are written again only after the next tile's first barrier.
-    }
+      Walk::tiles(p, maps, sQ, sRing, sP, sRed, bar0, table, batch, seqlen, tile_begin, n_tiles, tid, lane, g, t, row0,
+                  key0, cg, lim, load_tile, acc_s, acc_s2, mx, corr, acc_o, row_max, row_sum);
 
     // ---- epilogue: row sums (across the column groups when sharded), normalise, write ---------------
-    cp_async_wait_all();
     float l[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      l[r] = row_sum[r];
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
-    if constexpr (QK_SHARD || ALT) {
-      __syncthreads();  // every warp is past its last read of sRed
-      if (t == 0) {
-        sRed[cg * ROWS + row0 + g] = l[0];
-        sRed[cg * ROWS + row0 + g + 8] = l[1];
-      }
-      __syncthreads();
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        l[r] = 0.f;
-#pragma unroll
-        for (int c = 0; c < WARPS_N; ++c) l[r] += sRed[c * ROWS + row0 + g + 8 * r];
-      }
-    }
+    Epilogue::row_sums(sRed, g, t, row0, cg, row_sum, l);
     const long long out_rows = (long long)p.batch * rows_total;
     const bool cl = CAN_CLUSTER && p.num_splits > 1 && p.o_part == nullptr;
-    // The splits a cluster: 16 rows merged by cluster_merge_rows (each CTA leaves its rows [ROWS][DC] and their LSE
-    // over its Q and ring; the cluster reads them), 32 by merge_pushed_row (CTA `split` merges rows [split mrows,
-    // split mrows + mrows), its own from registers, the other splits' pushed over its Q and ring: [splits x mrows]
-    // [DC], then their LSE). Pushing pays at 32 rows (large batches, a few thousand keys) and not at 16, whose
-    // rows the cluster reads where they lie.
+    // The splits a cluster (cl): see epilogue.cuh.
     const int valid = min(ROWS, rows_total - r_begin);
     const int mrows = (valid + p.num_splits - 1) / p.num_splits;
     float* sPart = reinterpret_cast<float*>(smem_base);
@@ -508,16 +245,7 @@ struct MlaDecode {
           p.lse_part[(long long)split * out_rows + ((long long)batch * p.num_heads + head) * p.q_len + qi] = lse;
       }
     }
-    if (cl && !PUSH_MERGE)
-      cluster_merge_rows<DC, THREADS>(sPart, sLse, valid, split, p.num_splits, tid,
-                                      [&](int row, int col, float4 x, float mx, float wsum) {
-        const int qi = (r_begin + row) / p.num_heads;
-        const int head = r_begin + row - qi * p.num_heads;
-        T* dst = p.o + batch * p.o_sb + qi * p.o_ss + head * p.o_sh + col;
-        *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<BF16>(x.x, x.y), pack2<BF16>(x.z, x.w));
-        if (col == 0 && p.lse)
-          p.lse[((long long)batch * p.num_heads + head) * p.q_len + qi] = wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
-      });
+    if (cl && !PUSH_MERGE) Epilogue::cluster_rows(p, sPart, sLse, valid, split, batch, r_begin, tid);
   }
 };
 
