@@ -1,18 +1,18 @@
-// The end of a decode CTA, for Decode (decode/fwd.cuh) and its unfused variant: the per-warp row statistics
+// The end of a decode CTA, for Decode (decode/fused.cuh) and its unfused variant: the per-warp row statistics
 // merged through shared memory, then the output normalised and written (one split), the split's fp32 partial and
 // LSE written for the merge launch (several), or the splits of a row merged in a thread-block cluster (sm_90).
 namespace attngen {
 
-template <class D>
+template <class S>
 struct DecodeEnd {
-  using T = typename D::Elem;
-  using Cta = typename D::Cta;
-  using Lane = typename D::Lane;
-  static constexpr bool BF16 = D::IS_BF16;
-  static constexpr int HEAD_DIM = D::HEAD_DIM_, ROWS = D::ROWS_, THREADS = D::THREADS, WARPS_N = D::WARPS_N;
-  static constexpr int M_TILES = D::M_TILES, D_TILES = D::D_TILES;
+  using T = typename S::T;
+  using Cta = typename S::Cta;
+  using Lane = typename S::Lane;
+  static constexpr bool BF16 = S::BF16;
+  static constexpr int HEAD_DIM = S::HEAD_DIM, ROWS = S::ROWS, THREADS = S::THREADS, WARPS_N = S::WARPS_N;
+  static constexpr int M_TILES = S::M_TILES, D_TILES = S::D_TILES;
   // A CTA's output columns: all HEAD_DIM, or (D_PARTS > 1) D_OUT of them from Lane::dcol0.
-  static constexpr int D_OUT = D::D_OUT, D_PARTS = D::D_PARTS;
+  static constexpr int D_OUT = S::D_OUT, D_PARTS = S::D_PARTS;
 
   // Merge the WARPS_N per-warp (max, sum) of each row through shared memory (the ring's bytes,
   // free once every cp.async has landed). Returns per row the CTA's max, its sum, and this
