@@ -142,34 +142,15 @@ struct DecodeConsumer {
     scores(acc_s, q_frag, sQ, sKs, lim, needs_mask(p, c, n0, l), n0, p, c, l);
   }
 
-  // Online softmax of one tile's scores: updates max and sum, turns acc_s into probabilities and
-  // returns through corr the factor older accumulations must be scaled by.
+  // Online softmax of one tile's scores (softmax_row, common/online_softmax.cuh): updates max and sum, turns acc_s
+  // into probabilities and returns through corr the factor older accumulations must be scaled by.
   static __device__ __forceinline__ void softmax_step(float (&acc_s)[M_TILES][KW_TILES][4], float (&row_max)[M_TILES][2],
                                                       float (&row_sum)[M_TILES][2], float (&corr)[M_TILES][2],
                                                       float scale_log2) {
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = row_max[mt][r];
-#pragma unroll
-        for (int n = 0; n < KW_TILES; ++n) mx = fmaxf(mx, fmaxf(acc_s[mt][n][2 * r], acc_s[mt][n][2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float base = mx == -ATTNGEN_INF ? 0.f : mx * scale_log2;
-        corr[mt][r] = fast_exp2(row_max[mt][r] * scale_log2 - base);
-        row_max[mt][r] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int n = 0; n < KW_TILES; ++n)
-#pragma unroll
-          for (int e = 2 * r; e < 2 * r + 2; ++e) {
-            const float x = fast_exp2(fmaf(acc_s[mt][n][e], scale_log2, -base));
-            acc_s[mt][n][e] = x;
-            sum += x;
-          }
-        row_sum[mt][r] = row_sum[mt][r] * corr[mt][r] + sum;
-      }
+      for (int r = 0; r < 2; ++r) softmax_row<KW>(acc_s[mt], r, row_max[mt][r], row_sum[mt][r], corr[mt][r], scale_log2);
   }
 
   // O += P V over this warp's KW keys of the tile in sVs; P in the accumulator layout of S.

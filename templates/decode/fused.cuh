@@ -65,12 +65,7 @@ struct Decode {
           Math::tile_scores(acc_s, q_frag, sQ, sK + slot * TILE_ELEMS, lim, it, n0, p, c, l);
           float corr[M_TILES][2];
           Math::softmax_step(acc_s, row_max, row_sum, corr, p.scale_log2);
-#pragma unroll
-          for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-            for (int d = 0; d < D_TILES; ++d)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) acc_o[mt][d][e] *= corr[mt][e / 2];
+          scale_rows(acc_o, corr);
           Math::accumulate_pv(acc_o, acc_s, sV + slot * TILE_ELEMS, l);
         });
     DecodeEnd<S>::epilogue(p, c, smem_raw, acc_o, row_max, row_sum, l);
