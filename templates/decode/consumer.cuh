@@ -12,6 +12,28 @@ struct DecodeConsumer {
   static constexpr bool LOCAL = S::LOCAL;
   static constexpr int M_TILES = S::M_TILES, KW = S::KW, KW_TILES = S::KW_TILES, K_STEPS = S::K_STEPS;
   static constexpr int D_TILES = S::D_TILES, D_OUT = S::D_OUT, D_PARTS = S::D_PARTS;
+  // Q's MMA fragments, kept in registers across the tiles (Q_IN_REGS), else read from shared memory each tile.
+  using QFrag = unsigned[Q_IN_REGS ? M_TILES : 1][Q_IN_REGS ? K_STEPS : 1][4];
+
+  // Accumulators (a tile's S, a split's O) start at zero.
+  template <int A, int B>
+  static __device__ __forceinline__ void zero(float (&acc)[A][B][4]) {
+#pragma unroll
+    for (int i = 0; i < A; ++i)
+#pragma unroll
+      for (int j = 0; j < B; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+  }
+
+  // Each row's running max and sum start at -inf and 0 (no key seen).
+  static __device__ __forceinline__ void start_rows(float (&row_max)[M_TILES][2], float (&row_sum)[M_TILES][2]) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      row_max[mt][0] = row_max[mt][1] = -ATTNGEN_INF;
+      row_sum[mt][0] = row_sum[mt][1] = 0.f;
+    }
+  }
 
   // Each of this thread's rows' position: token qi sits at seqlen - q_len + qi, which is also the last
   // key it sees unless LOCAL (where key_bounds gives both ends). Rows past the packed ones (zero
@@ -22,7 +44,7 @@ struct DecodeConsumer {
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int row = l.row0 + mt * 16 + l.g + 8 * r;
+        const int row = l.row(mt, r);
         lim[mt][r] = row < c.rows_valid ? c.seqlen - p.q_len + row / p.group : c.seqlen - 1;
       }
   }
@@ -46,30 +68,28 @@ struct DecodeConsumer {
     hi = min(pos + p.window_right, c.seqlen - 1) - col0;
   }
 
-  static __device__ __forceinline__ void load_q_frags(unsigned (&q_frag)[Q_IN_REGS ? M_TILES : 1][Q_IN_REGS ? K_STEPS : 1][4],
-                                                      const T* sQ, const Lane& l) {
+  // Q's fragment of 16-row tile mt over head-dim step kk (columns [16 kk, + 16)), from shared memory.
+  static __device__ __forceinline__ void q_fragment(unsigned (&a)[4], const T* sQ, int mt, int kk, const Lane& l) {
+    ldmatrix_x4(a[0], a[1], a[2], a[3],
+                smem_addr(sQ + L::offset(l.row0 + mt * 16 + (l.lane % 16), kk * 16 + (l.lane / 16) * 8)));
+  }
+
+  static __device__ __forceinline__ void load_q_frags(QFrag& q_frag, const T* sQ, const Lane& l) {
     if constexpr (Q_IN_REGS) {
 #pragma unroll
       for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-        for (int kk = 0; kk < K_STEPS; ++kk)
-          ldmatrix_x4(q_frag[mt][kk][0], q_frag[mt][kk][1], q_frag[mt][kk][2], q_frag[mt][kk][3],
-                      smem_addr(sQ + L::offset(l.row0 + mt * 16 + (l.lane % 16), kk * 16 + (l.lane / 16) * 8)));
+        for (int kk = 0; kk < K_STEPS; ++kk) q_fragment(q_frag[mt][kk], sQ, mt, kk, l);
     }
   }
 
   // S = Q K^T over this warp's KW keys of the tile in sKs, capped and ALiBi-biased where the spec
   // asks, masked to each row's limit.
   static __device__ __forceinline__ void scores(float (&acc_s)[M_TILES][KW_TILES][4],
-                                                const unsigned (&q_frag)[Q_IN_REGS ? M_TILES : 1][Q_IN_REGS ? K_STEPS : 1][4],
+                                                const QFrag& q_frag,
                                                 const T* sQ, const T* sKs, const int (&lim)[M_TILES][2], bool mask,
                                                 int n0, const DecodeParams<T>& p, const Cta& c, const Lane& l) {
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-      for (int n = 0; n < KW_TILES; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_s[mt][n][e] = 0.f;
+    zero(acc_s);
 #pragma unroll
     for (int kk = 0; kk < K_STEPS; ++kk) {
       unsigned a[M_TILES][4];
@@ -79,8 +99,7 @@ struct DecodeConsumer {
 #pragma unroll
           for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][kk][e];
         } else {
-          ldmatrix_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3],
-                      smem_addr(sQ + L::offset(l.row0 + mt * 16 + (l.lane % 16), kk * 16 + (l.lane / 16) * 8)));
+          q_fragment(a[mt], sQ, mt, kk, l);
         }
       }
 #pragma unroll
@@ -103,7 +122,7 @@ struct DecodeConsumer {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           // The packed row's query head and position (lim: the last key it sees, its own).
-          const int row = l.row0 + mt * 16 + l.g + 8 * r;
+          const int row = l.row(mt, r);
           const float slope_u =
               ALIBI ? p.alibi[c.batch * p.alibi_sb + c.kv_head * p.group + row % p.group] / p.sm_scale : 0.f;
 #pragma unroll
@@ -134,23 +153,23 @@ struct DecodeConsumer {
 
   // The scores of one K tile for fused and unfused_qk: Q's fragments come from shared memory on
   // the CTA's first tile (it == 0), masking only where some key of the warp's slice needs it.
-  static __device__ __forceinline__ void tile_scores(float (&acc_s)[M_TILES][KW_TILES][4],
-                                                     unsigned (&q_frag)[Q_IN_REGS ? M_TILES : 1][Q_IN_REGS ? K_STEPS : 1][4],
-                                                     const T* sQ, const T* sKs, const int (&lim)[M_TILES][2], int it,
-                                                     int n0, const DecodeParams<T>& p, const Cta& c, const Lane& l) {
+  static __device__ __forceinline__ void tile_scores(float (&acc_s)[M_TILES][KW_TILES][4], QFrag& q_frag, const T* sQ,
+                                                     const T* sKs, const int (&lim)[M_TILES][2], int it, int n0,
+                                                     const DecodeParams<T>& p, const Cta& c, const Lane& l) {
     if (it == 0) load_q_frags(q_frag, sQ, l);
     scores(acc_s, q_frag, sQ, sKs, lim, needs_mask(p, c, n0, l), n0, p, c, l);
   }
 
   // Online softmax of one tile's scores (softmax_row, common/online_softmax.cuh): updates max and sum, turns acc_s
   // into probabilities and returns through corr the factor older accumulations must be scaled by.
-  static __device__ __forceinline__ void softmax_step(float (&acc_s)[M_TILES][KW_TILES][4], float (&row_max)[M_TILES][2],
-                                                      float (&row_sum)[M_TILES][2], float (&corr)[M_TILES][2],
-                                                      float scale_log2) {
+  static __device__ __forceinline__ void softmax_step(float (&acc_s)[M_TILES][KW_TILES][4],
+                                                      float (&row_max)[M_TILES][2], float (&row_sum)[M_TILES][2],
+                                                      float (&corr)[M_TILES][2], float scale_log2) {
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) softmax_row<KW>(acc_s[mt], r, row_max[mt][r], row_sum[mt][r], corr[mt][r], scale_log2);
+      for (int r = 0; r < 2; ++r)
+        softmax_row<KW>(acc_s[mt], r, row_max[mt][r], row_sum[mt][r], corr[mt][r], scale_log2);
   }
 
   // O += P V over this warp's KW keys of the tile in sVs; P in the accumulator layout of S.

@@ -29,7 +29,7 @@ struct DecodeEnd {
         s += __shfl_xor_sync(0xffffffffu, s, 2);
         row_sum[mt][r] = s;
         if (l.t == 0) {
-          const int row = l.row0 + mt * 16 + l.g + 8 * r;
+          const int row = l.row(mt, r);
           sStat[l.wn * ROWS + row] = row_max[mt][r];
           sStat[(WARPS_N + l.wn) * ROWS + row] = s;
         }
@@ -39,7 +39,7 @@ struct DecodeEnd {
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int row = l.row0 + mt * 16 + l.g + 8 * r;
+        const int row = l.row(mt, r);
         float mg = -ATTNGEN_INF;
 #pragma unroll
         for (int w = 0; w < WARPS_N; ++w) mg = fmaxf(mg, sStat[w * ROWS + row]);
@@ -104,7 +104,7 @@ struct DecodeEnd {
           for (int d = 0; d < D_TILES; ++d)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-              const int row = l.row0 + mt * 16 + l.g + 8 * r;
+              const int row = l.row(mt, r);
               *reinterpret_cast<float2*>(sO + ((l.wn - 1) * ROWS + row) * (D_OUT + 4) + d * 8 + 2 * l.t) =
                   make_float2(acc_o[mt][d][2 * r] * factor[mt][r], acc_o[mt][d][2 * r + 1] * factor[mt][r]);
             }
@@ -119,7 +119,7 @@ struct DecodeEnd {
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int row = l.row0 + mt * 16 + l.g + 8 * r;
+        const int row = l.row(mt, r);
         if (row >= c.rows_valid) continue;
         const int qi = row / p.group;
         const int head = c.kv_head * p.group + (row - qi * p.group);

@@ -19,10 +19,8 @@ struct Decode {
   using Lane = typename S::Lane;
   using Load = DecodeProducer<S>;
   using Math = DecodeConsumer<S>;
-  static constexpr bool Q_IN_REGS = S::Q_IN_REGS;
-  static constexpr int M_TILES = S::M_TILES, D_TILES = S::D_TILES, KW_TILES = S::KW_TILES, K_STEPS = S::K_STEPS;
-  static constexpr int BLOCK_N = S::BLOCK_N, NUM_STAGES = S::NUM_STAGES, TILE_ELEMS = S::TILE_ELEMS;
-  static constexpr int Q_ELEMS = S::Q_ELEMS;
+  static constexpr int M_TILES = S::M_TILES, D_TILES = S::D_TILES, KW_TILES = S::KW_TILES;
+  static constexpr int BLOCK_N = S::BLOCK_N, NUM_STAGES = S::NUM_STAGES, TILE_ELEMS = S::TILE_ELEMS, Q_ELEMS = S::Q_ELEMS;
 
   // S, softmax and P V per tile.
   static __device__ __forceinline__ void fused(const DecodeParams<T>& p) {
@@ -44,18 +42,11 @@ struct Decode {
     Load::ring_fill(c, load);
     float acc_o[M_TILES][D_TILES][4];
     float row_max[M_TILES][2], row_sum[M_TILES][2];
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) {
-#pragma unroll
-      for (int d = 0; d < D_TILES; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[mt][d][e] = 0.f;
-      row_max[mt][0] = row_max[mt][1] = -ATTNGEN_INF;
-      row_sum[mt][0] = row_sum[mt][1] = 0.f;
-    }
+    Math::zero(acc_o);
+    Math::start_rows(row_max, row_sum);
     int lim[M_TILES][2];
     Math::row_limits(lim, p, c, l);
-    unsigned q_frag[Q_IN_REGS ? M_TILES : 1][Q_IN_REGS ? K_STEPS : 1][4];
+    typename Math::QFrag q_frag;
 
     Load::ring(
         c, load,

@@ -95,6 +95,8 @@ struct DecodeShape {
   struct Lane {
     int tid, warp, lane, g, t, wn, row0, key0;
     int dcol0;  // the first output column of this CTA (D_PARTS > 1), else 0
+    // The packed row of this thread's row r (0: g, 1: g + 8) of its warp's 16-row tile mt.
+    __device__ __forceinline__ int row(int mt, int r) const { return row0 + mt * 16 + g + 8 * r; }
   };
 
   // This thread's place: its warp in the warp grid, its lane in the MMA fragments (g: row, t: column pair).

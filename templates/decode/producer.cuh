@@ -12,6 +12,9 @@ struct DecodeProducer {
   static constexpr int HEAD_DIM = S::HEAD_DIM, ROWS = S::ROWS, BLOCK_N = S::BLOCK_N, THREADS = S::THREADS;
   static constexpr int NUM_STAGES = S::NUM_STAGES, ROW_ELEMS = S::ROW_ELEMS, ROW_STEP = S::ROW_STEP;
   static constexpr int ROW_ITERS = S::ROW_ITERS, ROWS_PER_ENTRY = S::ROWS_PER_ENTRY, PAGE_ENTRIES = S::PAGE_ENTRIES;
+  // A tile's copies: a one-stage ring copies each row's K and V together, deeper rings all of K, then all of V
+  // (load_rows says why).
+  static constexpr int PASSES = NUM_STAGES == 1 ? 1 : 2;
 
   // A key position's paged block, pos / block_size for 0 <= pos < 2^31, as a multiply and a shift.
   // A division (or a choice of a shift or a division) compiled to a branch around every row's copy,
@@ -63,7 +66,6 @@ struct DecodeProducer {
   template <bool LOAD_K, bool LOAD_V>
   static __device__ __forceinline__ void load_rows(T* dst_k, T* dst_v, const DecodeParams<T>& p, const Cta& c,
                                                    const Pages& pg, int tile, int tid) {
-    constexpr int PASSES = NUM_STAGES == 1 ? 1 : 2;
     const int r0 = tid / L::CHUNKS;
     const int col = (tid % L::CHUNKS) * 8;
     if constexpr (ANY_CHUNKS) {
@@ -142,7 +144,6 @@ struct DecodeProducer {
   template <bool LOAD_K, bool LOAD_V>
   static __device__ __forceinline__ void load_rows_any(T* dst_k, T* dst_v, const DecodeParams<T>& p, const Cta& c,
                                                        int tile, int tid) {
-    constexpr int PASSES = NUM_STAGES == 1 ? 1 : 2;
     constexpr int TOTAL = BLOCK_N * L::CHUNKS;
     constexpr int ITERS = (TOTAL + THREADS - 1) / THREADS;
 #pragma unroll

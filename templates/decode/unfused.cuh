@@ -10,10 +10,19 @@ struct DecodeUnfused {
   using Load = DecodeProducer<S>;
   using Math = DecodeConsumer<S>;
   using End = DecodeEnd<S>;
-  static constexpr bool Q_IN_REGS = S::Q_IN_REGS, LOCAL = S::LOCAL;
+  static constexpr bool LOCAL = S::LOCAL;
   static constexpr int ROWS = S::ROWS, BLOCK_N = S::BLOCK_N, NUM_STAGES = S::NUM_STAGES, THREADS = S::THREADS;
-  static constexpr int M_TILES = S::M_TILES, KW_TILES = S::KW_TILES, D_TILES = S::D_TILES, K_STEPS = S::K_STEPS;
+  static constexpr int M_TILES = S::M_TILES, KW_TILES = S::KW_TILES, D_TILES = S::D_TILES;
   static constexpr int S_LD = S::S_LD, TILE_ELEMS = S::TILE_ELEMS, Q_ELEMS = S::Q_ELEMS;
+
+  // The workspace of this CTA's batch row and KV head: its raw scores [rows_valid][scores_ld], and its split's
+  // per-row (max, sum) [ROWS][2].
+  static __device__ __forceinline__ float* scores_of(const DecodeParams<T>& p, const Cta& c) {
+    return p.scores + ((long long)c.batch * gridDim.y + c.kv_head) * c.rows_valid * p.scores_ld;
+  }
+  static __device__ __forceinline__ float* stats_of(const DecodeParams<T>& p, const Cta& c) {
+    return p.stats + (((long long)c.split * p.batch + c.batch) * gridDim.y + c.kv_head) * ROWS * 2;
+  }
 
   // ---- unfused, first kernel: raw scores to the workspace, per-row max and sum per split ---------
   static __device__ __forceinline__ void unfused_qk(const DecodeParams<T>& p) {
@@ -33,15 +42,11 @@ struct DecodeUnfused {
     };
     Load::ring_fill(c, load);
     float row_max[M_TILES][2], row_sum[M_TILES][2];
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) {
-      row_max[mt][0] = row_max[mt][1] = -ATTNGEN_INF;
-      row_sum[mt][0] = row_sum[mt][1] = 0.f;
-    }
+    Math::start_rows(row_max, row_sum);
     int lim[M_TILES][2];
     Math::row_limits(lim, p, c, l);
-    unsigned q_frag[Q_IN_REGS ? M_TILES : 1][Q_IN_REGS ? K_STEPS : 1][4];
-    float* gS = p.scores + ((long long)c.batch * gridDim.y + c.kv_head) * c.rows_valid * p.scores_ld;
+    typename Math::QFrag q_frag;
+    float* gS = scores_of(p, c);
 
     Load::ring(
         c, load,
@@ -54,7 +59,7 @@ struct DecodeUnfused {
           for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-              const int row = l.row0 + mt * 16 + l.g + 8 * r;
+              const int row = l.row(mt, r);
               if (row >= c.rows_valid) continue;
 #pragma unroll
               for (int n = 0; n < KW_TILES; ++n) {
@@ -75,12 +80,12 @@ struct DecodeUnfused {
     float factor[M_TILES][2];
     End::merge_stats(reinterpret_cast<float*>(smem_raw), row_max, row_sum, factor, p.scale_log2, l);
     if (l.wn == 0 && l.t == 0) {
-      float* gStat = p.stats + (((long long)c.split * p.batch + c.batch) * gridDim.y + c.kv_head) * ROWS * 2;
+      float* gStat = stats_of(p, c);
 #pragma unroll
       for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int row = l.row0 + mt * 16 + l.g + 8 * r;
+          const int row = l.row(mt, r);
           *reinterpret_cast<float2*>(gStat + 2 * row) = make_float2(row_max[mt][r], row_sum[mt][r]);
         }
     }
@@ -108,7 +113,7 @@ struct DecodeUnfused {
     float* sS = reinterpret_cast<float*>(sV + NUM_STAGES * TILE_ELEMS);
     const Cta c = S::cta_of(p);
     const Lane l = S::lane_of();
-    const float* gS = p.scores + ((long long)c.batch * gridDim.y + c.kv_head) * c.rows_valid * p.scores_ld;
+    const float* gS = scores_of(p, c);
     typename Load::Pages pg;
     Load::lookup(pg, p, c, c.tile_begin, l.tid);
     const auto load = [&](int tile, int slot) {
@@ -117,13 +122,13 @@ struct DecodeUnfused {
       Load::lookup(pg, p, c, tile + 1, l.tid);
     };
     Load::ring_fill(c, load);
-    const float* gStat = p.stats + (((long long)c.split * p.batch + c.batch) * gridDim.y + c.kv_head) * ROWS * 2;
+    const float* gStat = stats_of(p, c);
     float row_max[M_TILES][2], row_sum[M_TILES][2], base[M_TILES][2];
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int row = l.row0 + mt * 16 + l.g + 8 * r;
+        const int row = l.row(mt, r);
         const float2 st = *reinterpret_cast<const float2*>(gStat + 2 * row);
         row_max[mt][r] = st.x;
         // The sum enters the merge once per row: from the first key warp's first lane.
@@ -131,12 +136,7 @@ struct DecodeUnfused {
         base[mt][r] = st.x == -ATTNGEN_INF ? 0.f : st.x * p.scale_log2;
       }
     float acc_o[M_TILES][D_TILES][4];
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-      for (int d = 0; d < D_TILES; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[mt][d][e] = 0.f;
+    Math::zero(acc_o);
     int lim[M_TILES][2];
     Math::row_limits(lim, p, c, l);
 
@@ -150,7 +150,7 @@ struct DecodeUnfused {
           for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-              const int row = l.row0 + mt * 16 + l.g + 8 * r;
+              const int row = l.row(mt, r);
               int lo = 0, hi = lim[mt][r] - (n0 + l.key0 + 2 * l.t);
               if constexpr (LOCAL) Math::key_bounds(lo, hi, lim[mt][r], n0 + l.key0 + 2 * l.t, p, c);
 #pragma unroll
