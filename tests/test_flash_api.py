@@ -164,9 +164,9 @@ def test_local_is_a_spec_switch_in_the_key():
     a = attngen.parse_spec("decode:head_dim=128,local=true")
     assert a.local and a.kernel_name != attngen.DecodeSpec(head_dim=128).kernel_name
     src = attngen.render(attngen.resolve(a, "sm_90a"))
-    # the template arguments end with softcap, alibi, local
-    head = " ".join(src[src.index("using Kernel = Decode<"):].split(";")[0].split())
-    assert head.endswith("false, false, true>"), head
+    # the shape's template arguments end with softcap, alibi, local
+    head = " ".join(src[src.index("using Kernel = Decode<DecodeShape<"):].split(";")[0].split())
+    assert head.endswith("false, false, true>>"), head
 
 
 def test_score_modifiers_are_spec_fields_in_the_key():

@@ -1,5 +1,5 @@
 // Online-softmax pieces on the mma.sync / wgmma accumulator layout (a thread holds two rows, g and g + 8, of
-// each 16-row tile, in pairs of columns; a quad of four threads holds a row): shared by prefill and MLA decode.
+// each 16-row tile, in pairs of columns; a quad of four threads holds a row): shared by prefill, decode and MLA decode.
 namespace attngen {
 
 // Lazy rescaling of an online softmax (the wgmma kernels of prefill and MLA decode): a row keeps its running max
@@ -50,6 +50,35 @@ __device__ __forceinline__ float lazy_softmax_row(float (&s)[NK / 8][4], int r, 
   row_max = m;
   row_sum = row_sum * corr + frag_exp_row<NK>(s, r, scale_log2, base);
   return corr;
+}
+
+// One row's online-softmax step rescaling at every tile (decode): the row's max goes on over this tile's columns,
+// S becomes P in place, the row sum takes it and corr is O's correction. The max starts from the running one and
+// each P joins the sum as it is formed (frag_row_max and frag_exp_row take the same values in another order, which
+// rounds the sum differently and changes the machine code). corr is an out-parameter, not the return value: returned,
+// its exp2 moved past the sum's and sm_100's machine code changed.
+template <int NK>
+__device__ __forceinline__ void softmax_row(float (&s)[NK / 8][4], int r, float& row_max, float& row_sum, float& corr,
+                                            float scale_log2) {
+  float mx = row_max;
+#pragma unroll
+  for (int n = 0; n < NK / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  // A row that has seen only masked keys keeps max -inf; subtracting 0 then keeps exp2 at 0.
+  const float base = mx == -ATTNGEN_INF ? 0.f : mx * scale_log2;
+  corr = fast_exp2(row_max * scale_log2 - base);
+  row_max = mx;
+  float sum = 0.f;
+#pragma unroll
+  for (int n = 0; n < NK / 8; ++n)
+#pragma unroll
+    for (int e = 2 * r; e < 2 * r + 2; ++e) {
+      const float x = fast_exp2(fmaf(s[n][e], scale_log2, -base));
+      s[n][e] = x;
+      sum += x;
+    }
+  row_sum = row_sum * corr + sum;
 }
 
 // An accumulator's rows times their corrections: corr[mt][0] for row g of 16-row tile mt, corr[mt][1] for row g + 8

@@ -1,18 +1,18 @@
-// The end of a decode CTA, for Decode (decode/fwd.cuh) and its unfused variant: the per-warp row statistics
+// The end of a decode CTA, for Decode (decode/fused.cuh) and its unfused variant: the per-warp row statistics
 // merged through shared memory, then the output normalised and written (one split), the split's fp32 partial and
 // LSE written for the merge launch (several), or the splits of a row merged in a thread-block cluster (sm_90).
 namespace attngen {
 
-template <class D>
+template <class S>
 struct DecodeEnd {
-  using T = typename D::Elem;
-  using Cta = typename D::Cta;
-  using Lane = typename D::Lane;
-  static constexpr bool BF16 = D::IS_BF16;
-  static constexpr int HEAD_DIM = D::HEAD_DIM_, ROWS = D::ROWS_, THREADS = D::THREADS, WARPS_N = D::WARPS_N;
-  static constexpr int M_TILES = D::M_TILES, D_TILES = D::D_TILES;
+  using T = typename S::T;
+  using Cta = typename S::Cta;
+  using Lane = typename S::Lane;
+  static constexpr bool BF16 = S::BF16;
+  static constexpr int HEAD_DIM = S::HEAD_DIM, ROWS = S::ROWS, THREADS = S::THREADS, WARPS_N = S::WARPS_N;
+  static constexpr int M_TILES = S::M_TILES, D_TILES = S::D_TILES;
   // A CTA's output columns: all HEAD_DIM, or (D_PARTS > 1) D_OUT of them from Lane::dcol0.
-  static constexpr int D_OUT = D::D_OUT, D_PARTS = D::D_PARTS;
+  static constexpr int D_OUT = S::D_OUT, D_PARTS = S::D_PARTS;
 
   // Merge the WARPS_N per-warp (max, sum) of each row through shared memory (the ring's bytes,
   // free once every cp.async has landed). Returns per row the CTA's max, its sum, and this
@@ -29,7 +29,7 @@ struct DecodeEnd {
         s += __shfl_xor_sync(0xffffffffu, s, 2);
         row_sum[mt][r] = s;
         if (l.t == 0) {
-          const int row = l.row0 + mt * 16 + l.g + 8 * r;
+          const int row = l.row(mt, r);
           sStat[l.wn * ROWS + row] = row_max[mt][r];
           sStat[(WARPS_N + l.wn) * ROWS + row] = s;
         }
@@ -39,7 +39,7 @@ struct DecodeEnd {
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int row = l.row0 + mt * 16 + l.g + 8 * r;
+        const int row = l.row(mt, r);
         float mg = -ATTNGEN_INF;
 #pragma unroll
         for (int w = 0; w < WARPS_N; ++w) mg = fmaxf(mg, sStat[w * ROWS + row]);
@@ -104,7 +104,7 @@ struct DecodeEnd {
           for (int d = 0; d < D_TILES; ++d)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-              const int row = l.row0 + mt * 16 + l.g + 8 * r;
+              const int row = l.row(mt, r);
               *reinterpret_cast<float2*>(sO + ((l.wn - 1) * ROWS + row) * (D_OUT + 4) + d * 8 + 2 * l.t) =
                   make_float2(acc_o[mt][d][2 * r] * factor[mt][r], acc_o[mt][d][2 * r + 1] * factor[mt][r]);
             }
@@ -119,7 +119,7 @@ struct DecodeEnd {
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int row = l.row0 + mt * 16 + l.g + 8 * r;
+        const int row = l.row(mt, r);
         if (row >= c.rows_valid) continue;
         const int qi = row / p.group;
         const int head = c.kv_head * p.group + (row - qi * p.group);

@@ -22,7 +22,7 @@ from . import choose as _choose
 from .choose import Problem, base_spec, launch, table
 from .spec import HEAD_DIMS_TEXT, DecodeSpec, Variant, head_dim_refusal
 
-# DecodeParams in templates/decode/fwd.cuh: 12 pointers, 14 strides, 9 ints, an unsigned
+# DecodeParams in templates/decode/params.cuh: 12 pointers, 14 strides, 9 ints, an unsigned
 # (block_mul), 2 floats, 2 floats (softcap), the ALiBi slopes' pointer and batch stride, the left pads'
 # pointer and the window's two sides (read by the `local` kernels only).
 _PARAMS = struct.Struct("<12Q14q9iI2f2fQqQii")

@@ -48,7 +48,7 @@ class DecodeSpec(SpecBase):
     # cost more on a paged cache with many rows a CTA than it gained elsewhere.
     PDL_ENTRIES: ClassVar[tuple[str, ...]] = ("", "_pv")
 
-    # Multiples of 64 keep swizzled rows; the other multiples of 8 a padded row (decode/fwd.cuh). At 512 (Gemma's
+    # Multiples of 64 keep swizzled rows; the other multiples of 8 a padded row (decode/params.cuh). At 512 (Gemma's
     # global layers) two CTAs share each KV head, each computing half the output columns (``d_parts``).
     HEAD_DIMS: ClassVar[tuple[int, ...]] = (*range(32, 257, 8), 512)
     Q_ROWS: ClassVar[tuple[int, ...]] = (16, 32, 64, 128)
@@ -133,7 +133,7 @@ class DecodeSpec(SpecBase):
     @property
     def row_elems(self) -> int:
         """Elements of a Q, K or V row in shared memory: the head dim (swizzled rows, multiples of 64),
-        else padded to an odd number of 16-byte chunks past the next multiple of 16 (``Decode::ROW_ELEMS``)."""
+        else padded to an odd number of 16-byte chunks past the next multiple of 16 (``DecodeShape::ROW_ELEMS``)."""
         d = self.head_dim
         return d if d % 64 == 0 else -(-d // 16) * 16 + 8
 

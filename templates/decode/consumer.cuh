@@ -1,0 +1,200 @@
+// The consumer side of a decode CTA, per warp: S = Q K^T over its slice of a tile's keys (capped, biased and
+// masked where the spec asks), the online softmax of S, and O += P V.
+namespace attngen {
+
+template <class S>
+struct DecodeConsumer {
+  using T = typename S::T;
+  using L = typename S::L;
+  using Cta = typename S::Cta;
+  using Lane = typename S::Lane;
+  static constexpr bool BF16 = S::BF16, Q_IN_REGS = S::Q_IN_REGS, SOFTCAP = S::SOFTCAP, ALIBI = S::ALIBI;
+  static constexpr bool LOCAL = S::LOCAL;
+  static constexpr int M_TILES = S::M_TILES, KW = S::KW, KW_TILES = S::KW_TILES, K_STEPS = S::K_STEPS;
+  static constexpr int D_TILES = S::D_TILES, D_OUT = S::D_OUT, D_PARTS = S::D_PARTS;
+  // Q's MMA fragments, kept in registers across the tiles (Q_IN_REGS), else read from shared memory each tile.
+  using QFrag = unsigned[Q_IN_REGS ? M_TILES : 1][Q_IN_REGS ? K_STEPS : 1][4];
+
+  // Accumulators (a tile's S, a split's O) start at zero.
+  template <int A, int B>
+  static __device__ __forceinline__ void zero(float (&acc)[A][B][4]) {
+#pragma unroll
+    for (int i = 0; i < A; ++i)
+#pragma unroll
+      for (int j = 0; j < B; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+  }
+
+  // Each row's running max and sum start at -inf and 0 (no key seen).
+  static __device__ __forceinline__ void start_rows(float (&row_max)[M_TILES][2], float (&row_sum)[M_TILES][2]) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      row_max[mt][0] = row_max[mt][1] = -ATTNGEN_INF;
+      row_sum[mt][0] = row_sum[mt][1] = 0.f;
+    }
+  }
+
+  // Each of this thread's rows' position: token qi sits at seqlen - q_len + qi, which is also the last
+  // key it sees unless LOCAL (where key_bounds gives both ends). Rows past the packed ones (zero
+  // queries, never written) are placed at the sequence's end.
+  static __device__ __forceinline__ void row_limits(int (&lim)[M_TILES][2], const DecodeParams<T>& p, const Cta& c,
+                                                    const Lane& l) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = l.row(mt, r);
+        lim[mt][r] = row < c.rows_valid ? c.seqlen - p.q_len + row / p.group : c.seqlen - 1;
+      }
+  }
+
+  // Some key of this warp's slice of the tile lies past the first token's last key (LOCAL: or before
+  // the last token's first).
+  static __device__ __forceinline__ bool needs_mask(const DecodeParams<T>& p, const Cta& c, int n0, const Lane& l) {
+    if constexpr (LOCAL) {
+      const int pos0 = c.seqlen - p.q_len;
+      return n0 + l.key0 + KW - 1 > min(pos0 + p.window_right, c.seqlen - 1) ||
+             n0 + l.key0 < max(c.pad, pos0 + p.q_len - 1 - p.window_left);
+    } else {
+      return n0 + l.key0 + KW - 1 > c.seqlen - p.q_len;
+    }
+  }
+
+  // LOCAL: the first and last key (relative to col0) the token at position `pos` sees.
+  static __device__ __forceinline__ void key_bounds(int& lo, int& hi, int pos, int col0, const DecodeParams<T>& p,
+                                                    const Cta& c) {
+    lo = max(c.pad, pos - p.window_left) - col0;
+    hi = min(pos + p.window_right, c.seqlen - 1) - col0;
+  }
+
+  // Q's fragment of 16-row tile mt over head-dim step kk (columns [16 kk, + 16)), from shared memory.
+  static __device__ __forceinline__ void q_fragment(unsigned (&a)[4], const T* sQ, int mt, int kk, const Lane& l) {
+    ldmatrix_x4(a[0], a[1], a[2], a[3],
+                smem_addr(sQ + L::offset(l.row0 + mt * 16 + (l.lane % 16), kk * 16 + (l.lane / 16) * 8)));
+  }
+
+  static __device__ __forceinline__ void load_q_frags(QFrag& q_frag, const T* sQ, const Lane& l) {
+    if constexpr (Q_IN_REGS) {
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < K_STEPS; ++kk) q_fragment(q_frag[mt][kk], sQ, mt, kk, l);
+    }
+  }
+
+  // S = Q K^T over this warp's KW keys of the tile in sKs, capped and ALiBi-biased where the spec
+  // asks, masked to each row's limit.
+  static __device__ __forceinline__ void scores(float (&acc_s)[M_TILES][KW_TILES][4],
+                                                const QFrag& q_frag,
+                                                const T* sQ, const T* sKs, const int (&lim)[M_TILES][2], bool mask,
+                                                int n0, const DecodeParams<T>& p, const Cta& c, const Lane& l) {
+    zero(acc_s);
+#pragma unroll
+    for (int kk = 0; kk < K_STEPS; ++kk) {
+      unsigned a[M_TILES][4];
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt) {
+        if constexpr (Q_IN_REGS) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][kk][e];
+        } else {
+          q_fragment(a[mt], sQ, mt, kk, l);
+        }
+      }
+#pragma unroll
+      for (int n2 = 0; n2 < KW_TILES / 2; ++n2) {
+        unsigned b0, b1, b2, b3;
+        ldmatrix_x4(b0, b1, b2, b3,
+                    smem_addr(sKs + L::offset(l.key0 + n2 * 16 + (l.lane % 8) + (l.lane / 16) * 8,
+                                              kk * 16 + ((l.lane / 8) % 2) * 8)));
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+          mma_16816<BF16>(acc_s[mt][2 * n2], a[mt], b0, b1);
+          mma_16816<BF16>(acc_s[mt][2 * n2 + 1], a[mt], b2, b3);
+        }
+      }
+    }
+    if constexpr (SOFTCAP || ALIBI) {
+      const int col0 = n0 + l.key0 + 2 * l.t;
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          // The packed row's query head and position (lim: the last key it sees, its own).
+          const int row = l.row(mt, r);
+          const float slope_u =
+              ALIBI ? p.alibi[c.batch * p.alibi_sb + c.kv_head * p.group + row % p.group] / p.sm_scale : 0.f;
+#pragma unroll
+          for (int n = 0; n < KW_TILES; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              acc_s[mt][n][2 * r + e] = score_transform<SOFTCAP, ALIBI>(acc_s[mt][n][2 * r + e], p.softcap_u,
+                                                                        p.inv_softcap_u, slope_u,
+                                                                        lim[mt][r] - (col0 + n * 8 + e));
+        }
+    }
+    if (mask) {
+      const int col0 = n0 + l.key0 + 2 * l.t;
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          int lo = 0, hi = lim[mt][r] - col0;
+          if constexpr (LOCAL) key_bounds(lo, hi, lim[mt][r], col0, p, c);
+#pragma unroll
+          for (int n = 0; n < KW_TILES; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (n * 8 + e > hi || (LOCAL && n * 8 + e < lo)) acc_s[mt][n][2 * r + e] = -ATTNGEN_INF;
+        }
+    }
+  }
+
+  // The scores of one K tile for fused and unfused_qk: Q's fragments come from shared memory on
+  // the CTA's first tile (it == 0), masking only where some key of the warp's slice needs it.
+  static __device__ __forceinline__ void tile_scores(float (&acc_s)[M_TILES][KW_TILES][4], QFrag& q_frag, const T* sQ,
+                                                     const T* sKs, const int (&lim)[M_TILES][2], int it, int n0,
+                                                     const DecodeParams<T>& p, const Cta& c, const Lane& l) {
+    if (it == 0) load_q_frags(q_frag, sQ, l);
+    scores(acc_s, q_frag, sQ, sKs, lim, needs_mask(p, c, n0, l), n0, p, c, l);
+  }
+
+  // Online softmax of one tile's scores (softmax_row, common/online_softmax.cuh): updates max and sum, turns acc_s
+  // into probabilities and returns through corr the factor older accumulations must be scaled by.
+  static __device__ __forceinline__ void softmax_step(float (&acc_s)[M_TILES][KW_TILES][4],
+                                                      float (&row_max)[M_TILES][2], float (&row_sum)[M_TILES][2],
+                                                      float (&corr)[M_TILES][2], float scale_log2) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        softmax_row<KW>(acc_s[mt], r, row_max[mt][r], row_sum[mt][r], corr[mt][r], scale_log2);
+  }
+
+  // O += P V over this warp's KW keys of the tile in sVs; P in the accumulator layout of S.
+  static __device__ __forceinline__ void accumulate_pv(float (&acc_o)[M_TILES][D_TILES][4],
+                                                       const float (&acc_p)[M_TILES][KW_TILES][4], const T* sVs,
+                                                       const Lane& l) {
+#pragma unroll
+    for (int kk = 0; kk < KW / 16; ++kk) {
+      unsigned a[M_TILES][4];
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt) p_fragment<BF16>(acc_p[mt], kk, a[mt]);
+#pragma unroll
+      for (int d2 = 0; d2 < (D_OUT + 15) / 16; ++d2) {
+        unsigned b0, b1, b2, b3;
+        ldmatrix_x4_trans(b0, b1, b2, b3,
+                          smem_addr(sVs + L::offset(l.key0 + kk * 16 + (l.lane % 8) + ((l.lane / 8) % 2) * 8,
+                                                    (D_PARTS > 1 ? l.dcol0 : 0) + d2 * 16 + (l.lane / 16) * 8)));
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+          mma_16816<BF16>(acc_o[mt][2 * d2], a[mt], b0, b1);
+          if (2 * d2 + 1 < D_TILES) mma_16816<BF16>(acc_o[mt][2 * d2 + 1], a[mt], b2, b3);  // else the pad
+        }
+      }
+    }
+  }
+};
+
+}  // namespace attngen

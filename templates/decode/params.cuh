@@ -1,0 +1,159 @@
+// What every piece of a decode kernel reads: the launch's parameters (DecodeParams) and the shape of its CTAs
+// (DecodeShape: the spec's constants, what follows from them, where a CTA and a lane sit).
+namespace attngen {
+
+template <class T>
+struct DecodeParams {
+  const T* q;
+  const T* k;
+  const T* v;
+  T* o;
+  float* lse;              // [batch, heads, q_len], or null
+  const int* seqlens;      // [batch], or null: every row has seqlen_fixed keys
+  const int* batch_idx;    // [batch] cache row of each batch row, or null
+  const int* block_table;  // [batch, max_blocks] when paged
+  float* o_part;           // [splits, batch, q_len, heads, HEAD_DIM] when num_splits > 1
+  float* lse_part;         // [splits, batch, heads, q_len] when num_splits > 1
+  float* scores;           // unfused: [batch, kv_heads, group * q_len, scores_ld] raw q.k
+  float* stats;            // unfused: [splits, batch, kv_heads, ROWS, 2] (max, sum) per row
+  long long q_sb, q_ss, q_sh;
+  long long k_sb, k_ss, k_sh;  // contiguous: cache row, position, head; paged: block, slot, head
+  long long v_sb, v_ss, v_sh;
+  long long o_sb, o_ss, o_sh;
+  long long bt_sb;
+  long long scores_ld;
+  int batch, q_len, num_heads, group;
+  int num_splits, block_size, capacity, num_blocks;  // num_blocks: paged blocks, or cache rows
+  int seqlen_fixed;
+  unsigned block_mul;  // paged: ceil(2^(31 + ceil(log2(block_size))) / block_size), for DecodeProducer::block_of
+  float sm_scale, scale_log2;
+  float softcap_u, inv_softcap_u;  // cap / sm_scale and its inverse (SOFTCAP)
+  const float* alibi;              // fp32 slopes [batch, heads] or [heads] (ALIBI)
+  long long alibi_sb;              // batch stride of alibi: heads, or 0
+  // LOCAL: key j is seen by the token at position i where leftpad <= j, i - window_left <= j <= i + window_right
+  // (and j < seqlen); the host passes an unbounded side as 2^30, past any cache.
+  const int* leftpad;              // [batch] each row's first cache position, or null (0)
+  int window_left, window_right;
+};
+
+// Grid: (num_splits, kv_heads, batch). A CTA takes its split's run of BLOCK_N-key tiles (cta_of). Its warps
+// form a WARPS_M x WARPS_N grid: WARPS_M along the packed rows (M_TILES tiles of 16 each), WARPS_N along the
+// keys of each tile (KW keys each). The pieces of the kernel (producer, consumer, end) are templated on this
+// struct and read its members; the template parameters carry a trailing _ so the members can take their names.
+template <class T_, bool BF16_, int HEAD_DIM_, int ROWS_, int BLOCK_N_, int NUM_WARPS_, int WARPS_M_, int NUM_STAGES_,
+          bool PAGED_, bool Q_IN_REGS_, bool SOFTCAP_ = false, bool ALIBI_ = false, bool LOCAL_ = false>
+struct DecodeShape {
+  using T = T_;
+  static constexpr bool BF16 = BF16_, PAGED = PAGED_, Q_IN_REGS = Q_IN_REGS_;
+  static constexpr bool SOFTCAP = SOFTCAP_, ALIBI = ALIBI_, LOCAL = LOCAL_;
+  static constexpr int HEAD_DIM = HEAD_DIM_, ROWS = ROWS_, BLOCK_N = BLOCK_N_;
+  static constexpr int NUM_WARPS = NUM_WARPS_, WARPS_M = WARPS_M_, NUM_STAGES = NUM_STAGES_;
+  // Head dims that are multiples of 64 keep 128-byte XOR-swizzled rows; the others (multiples of 8) are
+  // unswizzled rows padded to an odd number of 16-byte chunks, which staggers ldmatrix's row addresses
+  // the same way. Where head_dim % 16 == 8 the last MMA step over the head dim reads one chunk past the
+  // row's data: that chunk is zeroed in Q and K (zero_pads) and its columns of P V are dropped.
+  static constexpr bool PADDED = HEAD_DIM % 64 != 0;
+  static constexpr int ROW_ELEMS = PADDED ? (HEAD_DIM + 15) / 16 * 16 + 8 : HEAD_DIM;
+  using L = SmemLayout<HEAD_DIM, ROW_ELEMS, !PADDED>;
+  // Rows whose 16-byte chunks do not divide among the threads (padded rows, head_dim 192) take load_rows_any.
+  static constexpr bool ANY_CHUNKS = PADDED || (NUM_WARPS * 32) % (HEAD_DIM / 8) != 0;
+  static constexpr int THREADS = NUM_WARPS * 32;
+  static constexpr int WARPS_N = NUM_WARPS / WARPS_M;
+  static constexpr int M_TILES = ROWS / 16 / WARPS_M;
+  static constexpr int KW = BLOCK_N / WARPS_N;  // keys of a tile one warp takes
+  static constexpr int KW_TILES = KW / 8;
+  // Past head_dim 256 a row's fp32 output outgrows a thread's registers: D_PARTS CTAs (blockIdx.y's low
+  // digit) share a KV head, each computing the whole S = Q K^T and the output columns [part * D_OUT, + D_OUT).
+  static constexpr int D_PARTS = HEAD_DIM > 256 ? 2 : 1;
+  static constexpr int D_OUT = HEAD_DIM / D_PARTS;
+  static constexpr int D_TILES = D_OUT / 8;
+  static constexpr int K_STEPS = (HEAD_DIM + 15) / 16;
+  static constexpr int TILE_ELEMS = BLOCK_N * ROW_ELEMS;  // one K or V tile in shared memory
+  static constexpr int Q_ELEMS = ROWS * ROW_ELEMS;
+  static constexpr int S_LD = BLOCK_N + 4;  // fp32 score tile row (unfused P V), padded
+  // Copying a K or V tile: each thread keeps one 16-byte column chunk and steps down the rows.
+  static constexpr int ROW_STEP = THREADS / L::CHUNKS;
+  static constexpr int ROW_ITERS = (BLOCK_N + ROW_STEP - 1) / ROW_STEP;
+  // Paged: blocks are whole multiples of 16 positions and tiles start at one, so each 16-row group
+  // of a tile lies in one block. A thread's rows (ROW_STEP apart) take ROWS_PER_ENTRY to a group
+  // and PAGE_ENTRIES table entries a tile.
+  static constexpr int ROWS_PER_ENTRY = ROW_STEP < 16 ? 16 / ROW_STEP : 1;
+  static constexpr int PAGE_ENTRIES = ROW_ITERS / ROWS_PER_ENTRY;
+  static_assert(ANY_CHUNKS || THREADS % L::CHUNKS == 0, "threads must cover whole rows");
+  static_assert(WARPS_M * WARPS_N == NUM_WARPS && M_TILES * 16 * WARPS_M == ROWS, "warp grid");
+  static_assert(KW % 16 == 0 && HEAD_DIM % (PADDED ? 8 : 64) == 0, "tile shape");
+
+  struct Cta {
+    int split, kv_head, batch, seqlen, rows_valid, tile_begin, tile_end;
+    int pad, key_lo;  // LOCAL: the row's left pad and the first key any of its tokens sees (else 0)
+    int block_shift;  // paged: 31 + ceil(log2(block_size)), for DecodeProducer::block_of
+    const T* k;  // this head of this row's cache (paged: of block 0)
+    const T* v;
+    const int* table;
+  };
+
+  struct Lane {
+    int tid, warp, lane, g, t, wn, row0, key0;
+    int dcol0;  // the first output column of this CTA (D_PARTS > 1), else 0
+    // The packed row of this thread's row r (0: g, 1: g + 8) of its warp's 16-row tile mt.
+    __device__ __forceinline__ int row(int mt, int r) const { return row0 + mt * 16 + g + 8 * r; }
+  };
+
+  // This thread's place: its warp in the warp grid, its lane in the MMA fragments (g: row, t: column pair).
+  static __device__ __forceinline__ Lane lane_of() {
+    Lane l;
+    l.tid = threadIdx.x;
+    l.warp = l.tid / 32;
+    l.lane = l.tid % 32;
+    l.g = l.lane / 4;
+    l.t = l.lane % 4;
+    l.wn = l.warp / WARPS_M;
+    l.row0 = (l.warp % WARPS_M) * M_TILES * 16;
+    l.key0 = l.wn * KW;
+    l.dcol0 = D_PARTS > 1 ? (int)(blockIdx.y % D_PARTS) * D_OUT : 0;
+    return l;
+  }
+
+  // This CTA's place (the tile walk): its split's run of its row's tiles, and its KV head's cache.
+  static __device__ __forceinline__ Cta cta_of(const DecodeParams<T>& p) {
+    Cta c;
+    c.split = blockIdx.x;
+    c.kv_head = D_PARTS > 1 ? blockIdx.y / D_PARTS : blockIdx.y;
+    c.batch = blockIdx.z;
+    const int len = p.seqlens ? p.seqlens[c.batch] : p.seqlen_fixed;
+    c.seqlen = min(max(len, 0), p.capacity);
+    c.rows_valid = p.group * p.q_len;
+    c.pad = c.key_lo = 0;
+    if constexpr (LOCAL) {
+      // Only the live keys are split: from the first token's first key (leftpad or its window's left edge).
+      c.pad = p.leftpad ? max(p.leftpad[c.batch], 0) : 0;
+      c.key_lo = min(max(c.pad, c.seqlen - p.q_len - p.window_left), c.seqlen);
+      const int first = c.key_lo / BLOCK_N, tiles = (c.seqlen + BLOCK_N - 1) / BLOCK_N - first;
+      const int per = (tiles + p.num_splits - 1) / p.num_splits;
+      c.tile_begin = first + min(tiles, c.split * per);
+      c.tile_end = first + min(tiles, c.split * per + per);
+    } else {
+      // The row's tiles dealt out in equal runs; late splits of a short row may get none.
+      const int tiles = (c.seqlen + BLOCK_N - 1) / BLOCK_N;
+      const int per = (tiles + p.num_splits - 1) / p.num_splits;
+      c.tile_begin = min(tiles, c.split * per);
+      c.tile_end = min(tiles, c.tile_begin + per);
+    }
+    if constexpr (PAGED) {
+      c.k = p.k + c.kv_head * p.k_sh;
+      c.v = p.v + c.kv_head * p.v_sh;
+      c.table = p.block_table + c.batch * p.bt_sb;
+      c.block_shift = 63 - __clz(p.block_size - 1);
+    } else {
+      // Clamped to the cache's rows, like paged blocks: a bad index reads a wrong row, never faults.
+      const int row = p.batch_idx ? min(max(p.batch_idx[c.batch], 0), p.num_blocks - 1) : c.batch;
+      c.k = p.k + row * p.k_sb + c.kv_head * p.k_sh;
+      c.v = p.v + row * p.v_sb + c.kv_head * p.v_sh;
+      c.table = nullptr;
+      c.block_shift = 0;
+    }
+    return c;
+  }
+};
+
+}  // namespace attngen
