@@ -223,30 +223,32 @@ struct ChunkedConsumer {
     }
   }
 
-  // The online softmax of the tile: the row max across the column groups (through shared memory), O and the row
-  // sums rescaled, P into shared memory for every warp of its rows.
-  __device__ __forceinline__ static void softmax(const PrefillParams<T>& p, const ChunkedSmem<K>& sm,
-                                                 const ChunkedCta<K>& cta, float (&acc_s)[MT][SN / 8][4],
-                                                 float (&acc_o)[MT][ON / 8][4], float (&row_max)[MT][2],
-                                                 float (&row_sum)[MT][2]) {
+  // The tile's row max, this warp's part of it into shared memory for every column group, and the meeting after
+  // which each warp reads all of them (softmax).
+  __device__ __forceinline__ static void tile_max(const ChunkedSmem<K>& sm, const ChunkedCta<K>& cta,
+                                                  const float (&acc_s)[MT][SN / 8][4]) {
     const int row0 = cta.row0, g = cta.g, t = cta.t, cg = cta.cg;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float mx = -ATTNGEN_INF;
-#pragma unroll
-        for (int n = 0; n < SN / 8; ++n) mx = fmaxf(mx, fmaxf(acc_s[mt][n][2 * r], acc_s[mt][n][2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mx = frag_row_max<SN>(acc_s[mt], r);
         if (t == 0) sm.red[cg * BLOCK_M + row0 + mt * 16 + g + 8 * r] = mx;
       }
     ChunkedCta<K>::consumers_sync();
-    // wgmma: lazy rescaling (lazy_max, online_softmax.cuh); a warp multiplies its O only where one of its rows
-    // moved
+  }
+
+  // The online softmax of the tile, its row max across the column groups read back (tile_max): the rows' running
+  // max and sum, P into shared memory for every warp of its rows, and O's correction (corr_o). mma.sync rescales O
+  // here; wgmma rescales lazily (lazy_max, online_softmax.cuh): corr_o is exactly 1 where a row kept its max, and
+  // the caller multiplies O only where this returns true (one of the warp's rows moved).
+  __device__ __forceinline__ static bool softmax(const PrefillParams<T>& p, const ChunkedSmem<K>& sm,
+                                                 const ChunkedCta<K>& cta, const float (&acc_s)[MT][SN / 8][4],
+                                                 float (&acc_o)[MT][ON / 8][4], float (&row_max)[MT][2],
+                                                 float (&row_sum)[MT][2], float (&corr_o)[MT][2]) {
+    const int row0 = cta.row0, g = cta.g, t = cta.t, cg = cta.cg;
     constexpr bool LAZY_RESCALE = K::WGMMA;
     bool moved = false;
-    float corr_o[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -282,13 +284,15 @@ struct ChunkedConsumer {
             acc_o[mt][d][2 * r + 1] *= corr;
           }
       }
-    if (LAZY_RESCALE && __any_sync(0xffffffffu, moved)) scale_rows(acc_o, corr_o);
-    // P is read by the V steps after their ring barrier; sRed is written again only after
-    // the next tile's QK steps, several barriers on. (wgmma: P's last reader, this tile's last
-    // V step, is waited for at the next tile's first step.)
-    // TMA: no ring barrier; the warpgroups meet here once both halves of P are written. A warpgroup
-    // writes P and sRed again only past the next tile's first meeting, which the other reaches
-    // after its last P V of this tile has completed.
+    return moved;
+  }
+
+  // After the tile's P is written: P is read by the V steps after their ring barrier; sRed is written again only
+  // after the next tile's QK steps, several barriers on. (wgmma: P's last reader, this tile's last V step, is waited
+  // for at the next tile's first step.) TMA: no ring barrier; the warpgroups meet here once both halves of P are
+  // written. A warpgroup writes P and sRed again only past the next tile's first meeting, which the other reaches
+  // after its last P V of this tile has completed.
+  __device__ __forceinline__ static void p_written() {
     if constexpr (K::TMA) {
       WgmmaOps<BF16>::fence_proxy();  // P before wgmma reads it
       ChunkedCta<K>::consumers_sync();
