@@ -1,14 +1,8 @@
-// The chunked kernel's walk: where a thread stands (ChunkedCta: its warp's rows and columns, the CTA's query tile,
-// head, V split and run of KV tiles, the global tiles it reads), the shared memory's carve-up (ChunkedSmem), and the
-// loop over the KV tiles and their steps (ChunkedWalk::tiles) that hands each step to the ring and the consumer.
+// The chunked kernel's tile walk: where a thread stands (ChunkedCta: its warp's rows and columns; the CTA's query
+// tile, head, V split and run of KV tiles, and where its Q, K and V start) and the shared memory's carve-up
+// (ChunkedSmem). One query tile a CTA (a varlen batch's from the work list); the loop over its KV tiles is
+// prefill_chunked's.
 namespace attngen {
-
-template <class K>
-struct ChunkedRing;
-template <class K>
-struct ChunkedProducer;
-template <class K>
-struct ChunkedConsumer;
 
 template <class K>
 struct ChunkedSmem {
@@ -114,110 +108,6 @@ struct ChunkedCta {
       WgmmaOps<K::BF16>::bar_sync(1, K::THREADS);
     else
       __syncthreads();
-  }
-};
-
-// A consumer thread's registers across the KV tiles: its part of O (its rows, its column group's columns),
-// and its rows' running max and partial sum.
-template <class K>
-struct ChunkedAcc {
-  float o[K::MT][K::ON / 8][4];
-  float row_max[K::MT][2], row_sum[K::MT][2];
-
-  __device__ __forceinline__ void init() {
-#pragma unroll
-    for (int mt = 0; mt < K::MT; ++mt) {
-#pragma unroll
-      for (int d = 0; d < K::ON / 8; ++d)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) o[mt][d][c] = 0.f;
-      row_max[mt][0] = row_max[mt][1] = -ATTNGEN_INF;
-      row_sum[mt][0] = row_sum[mt][1] = 0.f;
-    }
-  }
-};
-
-template <class K>
-struct ChunkedWalk {
-  using T = typename K::T;
-  using Consumer = ChunkedConsumer<K>;
-
-  // Every KV tile of the CTA's run, step by step: the ring hands over each step's slot, the consumer runs the
-  // step's MMA and, once S is whole, the softmax.
-  __device__ __forceinline__ static void tiles(const PrefillParams<T>& p, const ChunkedSmem<K>& sm,
-                                               const ChunkedCta<K>& cta, ChunkedAcc<K>& acc) {
-    if constexpr (K::TMA) {
-      if (cta.n_tiles > 0) WgmmaOps<K::BF16>::mbar_wait(sm.q_bar(), 0);
-    }
-    int slot = 0;         // the ring slot step (it, s) reads
-    int fill = K::AHEAD;  // the slot the next load fills
-    int phase = 0;        // TMA: the parity of that slot's current use
-    int last = 0;         // TMA: the slot the step before read
-    for (int it = 0; it < cta.n_tiles; ++it) {
-      const int tile = cta.tile_begin + it;
-      const int n0 = tile * K::BLOCK_N;
-      if constexpr (K::WGMMA) {
-        // Where a tile's steps are a multiple of the ring, every step would read a slot known at compile
-        // time: ptxas then hoists each step's wgmma descriptors out of the KV loop and spills.
-        slot = chunked_opaque(slot);
-        fill = chunked_opaque(fill);
-      }
-      float acc_s[K::MT][K::SN / 8][4];
-      if constexpr (!K::WGMMA) {  // wgmma's first S step overwrites them
-#pragma unroll
-        for (int mt = 0; mt < K::MT; ++mt)
-#pragma unroll
-          for (int n = 0; n < K::SN / 8; ++n)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc_s[mt][n][c] = 0.f;
-      }
-
-#pragma unroll
-      for (int s = 0; s < K::STEPS; ++s) {
-        const int cur = slot;
-        if constexpr (K::TMA) {
-          WgmmaOps<K::BF16>::mbar_wait(sm.full_bar(cur), phase);
-        } else {
-          cp_async_wait<K::AHEAD - 1>();
-          if constexpr (K::WGMMA) WgmmaOps<K::BF16>::fence_proxy();  // the copies (and P) before wgmma reads them
-          __syncthreads();
-          // The slot filled here was read by step (it, s) - LAG, which every warp finished before the
-          // barrier (wgmma: each warpgroup waited for it at step (it, s) - 1).
-          const int ahead = s + K::AHEAD;
-          if (ahead < K::STEPS)
-            ChunkedProducer<K>::load_step(p, sm, cta, tile, ahead, fill);
-          else if (it + 1 < cta.n_tiles)
-            ChunkedProducer<K>::load_step(p, sm, cta, tile + 1, ahead - K::STEPS, fill);
-          cp_async_commit();
-          fill = fill + 1 == K::NUM_STAGES ? 0 : fill + 1;
-        }
-        const T* st = sm.ring + cur * K::STAGE_ELEMS;
-        slot = slot + 1 == K::NUM_STAGES ? 0 : slot + 1;
-        if (K::TMA && slot == 0) phase ^= 1;
-
-        if constexpr (K::WGMMA) {
-          Consumer::wgmma_step(sm, cta, st, s, acc_s, acc.o);
-          if constexpr (K::TMA) {
-            using W = WgmmaOps<K::BF16>;
-            if (cta.lane == 0) {
-              if (s > 0 && s - 1 != K::QK_STEPS - 1) W::mbar_arrive(sm.empty_bar(last));
-              if (s == K::QK_STEPS - 1 || s == K::STEPS - 1) W::mbar_arrive(sm.empty_bar(cur));
-            }
-            last = cur;
-          }
-        } else if (s < K::QK_STEPS) {
-          Consumer::qk_step(st, cta, acc_s);
-        } else {
-          Consumer::pv_step(sm, st, cta, s, acc.o);
-        }
-
-        if (s == K::QK_STEPS - 1) {
-          if constexpr (K::QK_PAIR) Consumer::exchange(sm, cta, it, acc_s);
-          Consumer::scores(p, cta, n0, acc_s);
-          Consumer::softmax(p, sm, cta, acc_s, acc);
-        }
-      }
-    }
   }
 };
 
