@@ -132,7 +132,10 @@ struct ChunkedConsumer {
   // mma.sync: O += P V over step s's VK keys and this warp's VCW columns (slot `st`: V's rows).
   __device__ __forceinline__ static void pv_step(const ChunkedSmem<K>& sm, const T* st, const ChunkedCta<K>& cta,
                                                  int s, float (&acc_o)[MT][ON / 8][4]) {
-    const int lane = cta.lane, row0 = cta.row0;
+    // (the lane read from threadIdx, not cta.lane: this function is optimised before it is inlined, and knowing the
+    // lane below 32 it associates V's addresses as the kernel written whole did, which kept the 32-row kernels' SASS)
+    const int tid = threadIdx.x;
+    const int lane = tid % 32, cg = cta.cg, row0 = cta.row0;
     const int v = s - QK_STEPS;
     const int kb = v / V_COL_STEPS;
     const int cs = v % V_COL_STEPS;
@@ -148,7 +151,7 @@ struct ChunkedConsumer {
         unsigned b0, b1, b2, b3;
         ldmatrix_x4_trans(b0, b1, b2, b3,
                           smem_addr(st + padded<K::VC_ROW>(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
-                                                           cta.cg * VCW + d2 * 16 + (lane / 16) * 8)));
+                                                           cg * VCW + d2 * 16 + (lane / 16) * 8)));
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           mma_16816<BF16>(acc_o[mt][cs * (VCW / 8) + 2 * d2], a[mt], b0, b1);
