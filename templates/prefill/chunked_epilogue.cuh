@@ -10,7 +10,11 @@ struct ChunkedEpilogue {
   __device__ __forceinline__ static void run(const PrefillParams<T>& p, const ChunkedSmem<K>& sm, ChunkedCta<K>& cta,
                                              const float (&acc_o)[MT][ON / 8][4], const float (&row_max)[MT][2],
                                              const float (&row_sum)[MT][2]) {
-    const int row0 = cta.row0, g = cta.g, t = cta.t, cg = cta.cg, m0 = cta.m0;
+    // (the column group from threadIdx, not cta.cg: this function is optimised before it is inlined, and seeing how
+    // cg is made it tests the LSE writer as the kernel written whole did, which kept the LSE kernels' SASS)
+    const int tid = threadIdx.x;
+    const int cg = K::WGMMA ? tid / 32 / 4 : tid / 32 % K::WARPS_N;  // (as ChunkedCta's)
+    const int row0 = cta.row0, g = cta.g, t = cta.t, m0 = cta.m0;
     if constexpr (!K::TMA) cp_async_wait_all();
     ChunkedCta<K>::consumers_sync();  // every warp is past its last read of sRed
 #pragma unroll
