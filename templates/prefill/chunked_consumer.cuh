@@ -290,10 +290,10 @@ struct ChunkedConsumer {
     return moved;
   }
 
-  // After the tile's P is written: P is read by the V steps after their ring barrier; sRed is written again only
+  // After the tile's P is written: P is read by the V steps after their ring barrier; the row-max exchange (sm.red) is written again only
   // after the next tile's QK steps, several barriers on. (wgmma: P's last reader, this tile's last V step, is waited
   // for at the next tile's first step.) TMA: no ring barrier; the warpgroups meet here once both halves of P are
-  // written. A warpgroup writes P and sRed again only past the next tile's first meeting, which the other reaches
+  // written. A warpgroup writes P and sm.red again only past the next tile's first meeting, which the other reaches
   // after its last P V of this tile has completed.
   __device__ __forceinline__ static void p_written() {
     if constexpr (K::TMA) {

@@ -16,7 +16,7 @@ struct ChunkedEpilogue {
     const int cg = K::WGMMA ? tid / 32 / 4 : tid / 32 % K::WARPS_N;  // (as ChunkedCta's)
     const int row0 = cta.row0, g = cta.g, t = cta.t, m0 = cta.m0;
     if constexpr (!K::TMA) cp_async_wait_all();
-    ChunkedCta<K>::consumers_sync();  // every warp is past its last read of sRed
+    ChunkedCta<K>::consumers_sync();  // every warp is past its last read of sm.red
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

@@ -103,7 +103,9 @@ struct ChunkedProducer {
   __device__ __forceinline__ static void tma(const TmaDesc* maps, const ChunkedSmem<K>& sm, const ChunkedCta<K>& cta) {
     using W = WgmmaOps<K::BF16>;
     const int vs = cta.vs;
-    int phase = 0, slot = 0;  // phase: the parity of the slot's current use, from the ring's first pass
+    // phase: the parity of the slot's current use, from the ring's first pass. (Declared before slot: the other
+    // order, in this function, changed the order of the loop's registers and the SASS.)
+    int phase = 0, slot = 0;
     if (cta.n_tiles > 0) {
       // Q's tile once (QK_PAIR: this CTA's half of its columns), in 64-column blocks
       W::mbar_expect(sm.q_bar(), K::Q_ELEMS * sizeof(T));
