@@ -49,7 +49,7 @@ struct PrefillParams {
 // The TMA kernel's parameter: tensor maps of q, k and v (4-d: head_dim, seqlen, heads, batch;
 // 64-column boxes of BLOCK_M rows for q, BLOCK_N for k and v, 128-byte swizzled, zero fill past
 // the ends), then the parameters every kernel takes. (MAPS 4: the chunked kernel's V tail, a 5-d map
-// of v's two 32-column tails a CTA side by side: prefill_chunked.cuh.jinja.)
+// of v's two 32-column tails a CTA side by side: prefill/chunked_producer.cuh.)
 template <class T, int MAPS = 3>
 struct PrefillTmaParams {
   TmaDesc maps[MAPS];

@@ -318,7 +318,7 @@ class PrefillSpec(SpecBase):
 
     @property
     def chunk_grid(self) -> dict:
-        """The chunked kernel's warp grid and V steps (see prefill/chunked.cuh.jinja): WARPS_N column
+        """The chunked kernel's warp grid and V steps (see prefill/chunked_consumer.cuh): WARPS_N column
         groups, ON output columns per warp, SN keys of S per warp, per V step VK keys x VCW
         columns per warp (the widest VCW, fewest loads per mma, whose step fits the QK step),
         and the elements of one ring slot (the larger of the two steps; TMA: a QK step's slot holds K's
@@ -351,7 +351,7 @@ class PrefillSpec(SpecBase):
     @property
     def qk_pair(self) -> bool:
         """The two V splits of a query tile form a cluster that splits the QK work (each CTA computes S
-        over half of head_dim and adds the other's; see prefill/chunked.cuh.jinja) rather than repeating it:
+        over half of head_dim and adds the other's; see prefill/chunked_consumer.cuh) rather than repeating it:
         where each half is at least two whole chunks and the repeated QK work would exceed a CTA's PV
         work (head_dim above its V columns): at 768 and 1024 the halved QK work outweighs the exchange of S;
         where the QK work only equals the PV work (512/1024), or at 640 split into a pair, the exchange costs
