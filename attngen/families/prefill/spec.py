@@ -1,4 +1,5 @@
-"""``PrefillSpec``: the prefill family's spec, its fit rules and its template context.
+"""``PrefillSpec``: the prefill family's spec, the fit rules every form shares (the chunked and wgmma kernels' own in
+``fit.py``) and its template context.
 
 The text of this module feeds the cache key (it decides what the template context holds); the
 measured per-arch defaults live in ``defaults.py``, which reaches the key only through the
@@ -14,6 +15,7 @@ from typing import ClassVar
 
 from ...arch import Arch, get_arch
 from ...errors import SpecError
+from . import fit
 from ...spec import (DType, Mma, Pipeline, SpecBase, allowed_text, check_smem, check_wgmma_arch, coerce_bool,
                      coerce_enum, coerce_int)
 
@@ -521,10 +523,10 @@ class PrefillSpec(SpecBase):
             raise SpecError("pipeline", "tma", "sync with mma=mma_sync",
                             reason="the TMA pipeline is built on wgmma (sm_90a)")
         if self.chunked:
-            self._check_chunked(a)
+            fit.check_chunked(self, a)
             return
         if self.mma is Mma.WGMMA:
-            self._check_wgmma(a)
+            fit.check_wgmma(self, a)
             return
         warp_rows = self.cta_tile_q // self.num_warps
         if warp_rows % 16:
@@ -542,100 +544,3 @@ class PrefillSpec(SpecBase):
                                    f"with head_dim={self.head_dim}, head_dim_v={self.dim_v}, "
                                    f"cta_tile_kv={self.cta_tile_kv}, num_warps={self.num_warps}")
         check_smem(self, a, "cta_tile_kv", "a smaller cta_tile_kv, num_stages or cta_tile_q")
-
-    def _check_chunked(self, a: Arch) -> None:
-        if self.mma is Mma.WGMMA:
-            self._check_chunked_wgmma(a)
-            return
-        if self.num_stages < 2:
-            raise SpecError("num_stages", self.num_stages, "2, 3, 4", reason="the chunked kernel's ring needs two slots")
-        if self.cta_tile_q not in (32, 64) or self.num_warps != 8:
-            raise SpecError("cta_tile_q" if self.num_warps == 8 else "num_warps",
-                            self.cta_tile_q if self.num_warps == 8 else self.num_warps,
-                            "cta_tile_q 32 or 64 with num_warps 8",
-                            reason="the chunked kernel's warps own 32-row groups and split the columns of O")
-        cg = self.chunk_grid
-        if cg["sn"] % 16:
-            raise SpecError("cta_tile_kv", self.cta_tile_kv, f"a multiple of {16 * cg['warps_n']}",
-                            reason=f"each of the {cg['warps_n']} warp columns takes 16-key blocks of S")
-        if cg["on"] % 16:
-            raise SpecError("cta_tile_q", self.cta_tile_q, "64" if self.cta_tile_q == 32 else "32",
-                            reason=f"head_dim_v={self.dim_v} splits into {cg['warps_n']} warp columns of "
-                                   f"{self.dim_v / cg['warps_n']:g}, not a multiple of 16")
-        # Per thread: O (ON floats for its two m-tiles) and S (SN); ptxas spilled past ~176.
-        acc = cg["on"] + cg["sn"]
-        if acc > 176:
-            raise SpecError("cta_tile_q", self.cta_tile_q, "32" if self.cta_tile_q == 64 else "a smaller head_dim_v",
-                            reason=f"needs about {acc} accumulator registers per thread (limit 176) with "
-                                   f"head_dim_v={self.dim_v} and cta_tile_kv={self.cta_tile_kv}")
-        check_smem(self, a, "num_stages", "fewer num_stages or a smaller head_dim_chunk or cta_tile_kv")
-
-    def _check_chunked_wgmma(self, a: Arch) -> None:
-        """The chunked kernel's wgmma form (sm_90a): two warpgroups over 64 query rows, each with half of
-        a KV tile's keys in S and half of O's columns, in whole 64-column swizzle blocks."""
-        check_wgmma_arch(self, a)
-        form = "the chunked kernel's wgmma form"
-        if self.num_warps != 8:
-            raise SpecError("num_warps", self.num_warps, "8 with mma=wgmma", reason=f"{form} runs two warpgroups")
-        if self.cta_tile_q != 64:
-            raise SpecError("cta_tile_q", self.cta_tile_q, "64 with mma=wgmma",
-                            reason=f"{form}: both warpgroups own the same 64 query rows")
-        if self.head_dim_chunk % 64:
-            raise SpecError("head_dim_chunk", self.head_dim_chunk, "64, 128 with mma=wgmma",
-                            reason=f"{form} reads whole 128-byte swizzle rows")
-        if self.head_dim // self.head_dim_chunk < 2:
-            raise SpecError("head_dim_chunk", self.head_dim_chunk, f"at most head_dim/2 = {self.head_dim // 2}",
-                            reason=f"{form} needs two S steps a tile (P is rewritten only after both "
-                                   "warpgroups finished the tile before)")
-        if self.tma and self.dim_v_padded * self.v_splits != self.dim_v:
-            raise SpecError("pipeline", "tma", "sync",
-                            reason=f"{form}'s TMA copies are whole 64-column boxes of v or 32-column tails, and with "
-                                   f"head_dim_v={self.dim_v} each warpgroup's {self.dim_v // self.v_splits / 2:g} "
-                                   "columns would be padded")
-        if self.num_stages < 3:
-            raise SpecError("num_stages", self.num_stages, "3 to 8 with mma=wgmma",
-                            reason=f"{form} leaves a step's wgmma running while the next step's copies land: "
-                                   "two slots are being read")
-        cg = self.chunk_grid
-        # Per thread: O (head_dim_v/4 floats) and S (cta_tile_kv/4); ptxas spilled the whole-row wgmma
-        # kernel past ~176.
-        acc = cg["on"] // 2 + cg["sn"] // 2
-        if acc > 176:
-            fits = [kv for kv in self.CTA_TILE_KV if kv and cg["on"] // 2 + kv // 4 <= 176]
-            why = (f"needs about {acc} accumulator registers per thread (limit 176) with head_dim_v={self.dim_v} "
-                   f"and mma=wgmma" + (f" (padded to {self.dim_v_padded})" if self.dim_v_padded != self.dim_v else ""))
-            if not fits:
-                raise SpecError("mma", "wgmma", "mma_sync", reason=why)
-            raise SpecError("cta_tile_kv", self.cta_tile_kv, allowed_text(fits), reason=why)
-        check_smem(self, a, "num_stages", "fewer num_stages or a smaller head_dim_chunk or cta_tile_kv")
-
-    def _check_wgmma(self, a: Arch) -> None:
-        check_wgmma_arch(self, a)
-        for name, d in (("head_dim", self.head_dim), ("head_dim_v", self.dim_v)):
-            if d % 64:
-                raise SpecError(name, d, "64, 128, 192, 256 (whole 128-byte swizzle rows) with mma=wgmma")
-        if self.schedule is Schedule.PINGPONG and self.num_warps == 4:
-            raise SpecError("schedule", "pingpong", "serial, overlap with num_warps=4",
-                            reason="ping-pong takes turns between two or three consumer warpgroups (num_warps=8, 12)")
-        if self.overlapped and self.num_stages < 2:
-            raise SpecError("num_stages", self.num_stages, "2, 3, 4 with schedule=" + self.schedule.value,
-                            reason="tile i's V and tile i+1's K are in the ring together")
-        if self.cta_tile_q != 16 * self.num_warps:
-            raise SpecError("cta_tile_q", self.cta_tile_q, f"{16 * self.num_warps} with num_warps={self.num_warps}",
-                            reason="with mma=wgmma each warpgroup of 4 warps owns 64 query rows")
-        # Per thread: O (head_dim_v/2 floats), S (cta_tile_kv/2) and P packed to 16 bits (cta_tile_kv/4).
-        # NVRTC 13.5, sm_90a, causal, two stages, 128-row tiles: the cp.async kernel spilled past
-        # ~176 (head_dim 192 with 112-key tiles, estimate 180, 64 bytes); the TMA kernel one CTA a tile compiled
-        # spill-free up to 196 (128/176, 256/80) and its overlapped schedules spill at 208 (128/192). Its persistent
-        # form holds more (128/144, estimate 172, spills 24 bytes): a spec that pins a spilling config still runs
-        # it, and defaults skip those (SPILLS_ON).
-        # Three consumer warpgroups (12 warps) have 160 registers a thread: one CTA a tile compiled spill-free up to
-        # 128 (64/128 in every schedule, 128/80; 64/144 overlapped spills 64 bytes); persistent, the overlapped
-        # schedules spill 28-84 bytes at 64/64, 64/112-128 and 128/64-80 (none at 64/80-96).
-        acc = self.dim_v // 2 + self.cta_tile_kv // 2 + self.cta_tile_kv // 4
-        limit = (128 if self.num_warps == 12 else 200) if self.tma else 176
-        if acc > limit:
-            raise SpecError("cta_tile_kv", self.cta_tile_kv, "a smaller cta_tile_kv",
-                            reason=f"needs about {acc} accumulator registers per thread (limit {limit} with "
-                                   f"pipeline={self.pipeline.value}) with head_dim_v={self.dim_v} and mma=wgmma")
-        check_smem(self, a, "cta_tile_kv", "a smaller cta_tile_kv or num_stages")
