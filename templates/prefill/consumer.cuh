@@ -60,10 +60,10 @@ __device__ __forceinline__ void mask_key_range(float (&acc_s)[M_TILES][N_TILES][
   }
 }
 
-// The pieces that take the kernel's constants (traits.cuh). The step's other pieces (S = Q K^T, the custom mask's
-// bits, the softmax, wgmma's P V) stay in its text: each moved into a function changed the machine code (the
-// register numbering ptxas allocates from) of some default kernel: mma.sync's QK loop and the mask bits on sm_80,
-// the softmax on sm_90a's persistent ping-pong kernel, the wgmma issues on sm_90a's head_dim 256.
+// The pieces that take the kernel's constants (traits.cuh). The step's other pieces (mma.sync's S = Q K^T, the
+// custom mask's bits, the softmax, the packing of P for wgmma) stay in its text: each moved into a function changed
+// the machine code (the PTX's register numbering, which ptxas allocates from) of some default kernel: the QK loop
+// and the mask bits on sm_80, the softmax on sm_90a's persistent ping-pong kernel, P's packing on sm_90a.
 template <class K>
 struct FwdConsumer {
   using T = typename K::T;
@@ -94,6 +94,29 @@ struct FwdConsumer {
         }
       }
     }
+  }
+
+  // S = Q K^T issued on wgmma: Q rows of this warpgroup x the K tile (the step commits and waits).
+  static __device__ __forceinline__ void qk_wgmma(float (&acc_s)[M_TILES][N_TILES][4], const T* sQ, const T* sKs,
+                                                  int warp) {
+    using W = WgmmaOps<BF16>;  // compiled only where called: WgmmaOps exists on sm_90a alone
+    const unsigned q_at = smem_addr(sQ) + (warp / 4) * 64 * 128;
+    const unsigned k_at = smem_addr(sKs);
+    W::fence();
+#pragma unroll
+    for (int kk = 0; kk < K::K_STEPS; ++kk)
+      Wgmma<K::BLOCK_N, BF16>::ss(acc_s[0], W::desc_k(q_at, kk, K::LQ::BLOCK_BYTES),
+                                  W::desc_k(k_at, kk, K::LK::BLOCK_BYTES), kk > 0);
+  }
+
+  // O += P V issued on wgmma, P packed in a, V (N-major) at v_at (the step commits and waits).
+  static __device__ __forceinline__ void pv_wgmma(float (&acc_o)[M_TILES][D_TILES][4],
+                                                  const unsigned (&a)[K::BLOCK_N / 16][4], unsigned v_at) {
+    using W = WgmmaOps<BF16>;  // compiled only where called: WgmmaOps exists on sm_90a alone
+    W::fence();
+#pragma unroll
+    for (int kk = 0; kk < K::BLOCK_N / 16; ++kk)
+      Wgmma<K::HEAD_DIM_V, BF16>::rs(acc_o[0], a[kk], W::desc_mn(v_at, kk, K::LV::BLOCK_BYTES));
   }
 };
 
