@@ -1,6 +1,6 @@
 // The consumer warps of prefill_fwd (prefill/fwd.cuh.jinja): pieces of the step of a KV tile
 // (prefill/step.cuh.jinja), on one warp's rows: the scores' transform and key range before the softmax (the
-// custom mask, which the step applies itself, between them) and P V on mma.sync. Each warp owns WARP_M = BLOCK_M / NUM_WARPS query rows (M_TILES
+// custom mask, which the step applies itself, between them) and wgmma's issues of S = Q K^T and O += P V. Each warp owns WARP_M = BLOCK_M / NUM_WARPS query rows (M_TILES
 // tiles of 16) and the whole KV tile, so the softmax of a row never leaves its warp. S = Q K^T and O += P V run on
 // mma.sync m16n8k16 with fp32 accumulators; the softmax is online, in fp32, with exp2 and the scale folded into
 // one FMA. The accumulators hold the warp's rows m0 + warp_row0 + 16 mt + g (+8) and this thread's columns
@@ -60,10 +60,11 @@ __device__ __forceinline__ void mask_key_range(float (&acc_s)[M_TILES][N_TILES][
   }
 }
 
-// The pieces that take the kernel's constants (traits.cuh). The step's other pieces (mma.sync's S = Q K^T, the
-// custom mask's bits, the softmax, the packing of P for wgmma) stay in its text: each moved into a function changed
-// the machine code (the PTX's register numbering, which ptxas allocates from) of some default kernel: the QK loop
-// and the mask bits on sm_80, the softmax on sm_90a's persistent ping-pong kernel, P's packing on sm_90a.
+// The pieces that take the kernel's constants (traits.cuh): wgmma's issues. The step's other pieces (mma.sync's
+// S = Q K^T and O += P V, the custom mask's bits, the softmax, the packing of P for wgmma) stay in its text: each
+// moved into a function renumbered the PTX's registers, which ptxas allocates from, and changed the machine code:
+// the mma.sync loops and the mask bits on sm_80 (P V at 2 row tiles a warp), the softmax on sm_90a's persistent
+// ping-pong kernel, P's packing on sm_90a.
 template <class K>
 struct FwdConsumer {
   using T = typename K::T;
@@ -71,30 +72,6 @@ struct FwdConsumer {
   static constexpr int N_TILES = K::N_TILES;
   static constexpr int D_TILES = K::D_TILES;
   static constexpr bool BF16 = K::BF16;
-  // O += P V on mma.sync, P from the softmax's acc_s.
-  static __device__ __forceinline__ void pv_sync(float (&acc_o)[M_TILES][D_TILES][4],
-                                                 const float (&acc_s)[M_TILES][N_TILES][4], const T* sVs, int lane) {
-#pragma unroll
-    for (int kk = 0; kk < K::BLOCK_N / 16; ++kk) {
-      unsigned a[M_TILES][4];
-#pragma unroll
-      for (int mt = 0; mt < M_TILES; ++mt) {
-        p_fragment<BF16>(acc_s[mt], kk, a[mt]);
-      }
-#pragma unroll
-      for (int d2 = 0; d2 < K::PV_DIM / 16; ++d2) {
-        unsigned b0, b1, b2, b3;
-        ldmatrix_x4_trans(b0, b1, b2, b3,
-                          smem_addr(sVs + K::LV::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
-                                                        d2 * 16 + (lane / 16) * 8)));
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt) {
-          mma_16816<BF16>(acc_o[mt][2 * d2], a[mt], b0, b1);
-          mma_16816<BF16>(acc_o[mt][2 * d2 + 1], a[mt], b2, b3);
-        }
-      }
-    }
-  }
 
   // S = Q K^T issued on wgmma: Q rows of this warpgroup x the K tile (the step commits and waits).
   static __device__ __forceinline__ void qk_wgmma(float (&acc_s)[M_TILES][N_TILES][4], const T* sQ, const T* sKs,

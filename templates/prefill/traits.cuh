@@ -1,5 +1,6 @@
 // The constants of one prefill_fwd instance (prefill/fwd.cuh.jinja): its template parameters, the shapes
-// derived from them and the shared-memory layouts. The role headers (consumer.cuh) take it as K.
+// derived from them, the shared-memory layouts and the TMA ring's mbarriers. The role headers (producer.cuh,
+// consumer.cuh) take it as K.
 namespace attngen {
 
 template <class T_, bool BF16_, int HEAD_DIM_, int HEAD_DIM_V_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_,
@@ -73,6 +74,15 @@ struct FwdTraits {
   // OWN_O: O's staging tile after the V slots (otherwise O is staged in Q's).
   using LO = typename Select<OWN_O, WgmmaLayout<HEAD_DIM_V, BLOCK_M>, LQ>::type;
   static constexpr int GROUPS = NUM_WARPS / 4;  // consumer warpgroups (wgmma)
+
+  // TMA: the ring's mbarriers after the V slots (and sO), 8 bytes each from bars: Q's, then per slot K full, V full,
+  // empty (OVERLAP: K's slot empty, then per slot V's: tile i's K is done with a step before its V), then
+  // (PERSISTENT) Q's empty.
+  static __device__ __forceinline__ unsigned k_bar(unsigned bars, int s) { return bars + 8u * (1 + s); }
+  static __device__ __forceinline__ unsigned v_bar(unsigned bars, int s) { return bars + 8u * (1 + NUM_STAGES + s); }
+  static __device__ __forceinline__ unsigned e_bar(unsigned bars, int s) { return bars + 8u * (1 + 2 * NUM_STAGES + s); }
+  static __device__ __forceinline__ unsigned ev_bar(unsigned bars, int s) { return bars + 8u * (1 + 3 * NUM_STAGES + s); }
+  static __device__ __forceinline__ unsigned qe_bar(unsigned bars) { return bars + 8u * (1 + (OVERLAP ? 4 : 3) * NUM_STAGES); }
 };
 
 }  // namespace attngen
