@@ -1,6 +1,14 @@
 // The consumer warps of prefill_fwd (prefill/fwd.cuh.jinja): pieces of the step of a KV tile
 // (prefill/step.cuh.jinja), on one warp's rows: the scores' transform and key range before the softmax (the
-// custom mask, which the step applies itself, between them) and wgmma's issues of S = Q K^T and O += P V. Each warp owns WARP_M = BLOCK_M / NUM_WARPS query rows (M_TILES
+// custom mask, which the step applies itself, between them), wgmma's issues of S = Q K^T and O += P V, and the
+// overlapped schedules' turns and rescale.
+//
+// OVERLAP (TMA): step `it` issues S = Q K^T of tile it, then rescales O for tile it - 1's softmax and issues tile
+// it - 1's O += P V; tile it's softmax runs while P V does, and P V is waited for only after it. The last tile's
+// P V follows the loop. PINGPONG: the consumer warpgroups take turns issuing their GEMMs, in order, so that one's
+// softmax runs under the others' GEMMs: warpgroup w waits on named barrier 2 + w before its GEMMs and arrives on
+// the next one's after them. The last warpgroup lets warpgroup 0 go first and skips its last arrival: each barrier
+// sees as many arrivals as waits. Each warp owns WARP_M = BLOCK_M / NUM_WARPS query rows (M_TILES
 // tiles of 16) and the whole KV tile, so the softmax of a row never leaves its warp. S = Q K^T and O += P V run on
 // mma.sync m16n8k16 with fp32 accumulators; the softmax is online, in fp32, with exp2 and the scale folded into
 // one FMA. The accumulators hold the warp's rows m0 + warp_row0 + 16 mt + g (+8) and this thread's columns
@@ -72,6 +80,21 @@ struct FwdConsumer {
   static constexpr int N_TILES = K::N_TILES;
   static constexpr int D_TILES = K::D_TILES;
   static constexpr bool BF16 = K::BF16;
+  // LAZY_RESCALE (wgmma; lazy_max in online_softmax.cuh): a warp multiplies its O by the correction only where
+  // one of its rows took a new max (o_moved, the same in the whole warp). Not for a 64-column O under a mask, where
+  // the multiplies it saves are few and rows move often, so the check costs about what it saves; nor in the paged
+  // kernels, where it did not pay either. Wider O rows save more multiplies a skipped correction.
+  static constexpr bool LAZY_RESCALE =
+      K::WGMMA && !K::PAGED && (K::HEAD_DIM_V > 64 || (K::MASK == MASK_NONE && !K::MASK_LIST));
+  // Where O takes the correction. Head_dim 64 (RESCALE_IN_TURN): in the turn, between S = Q K^T's issue and
+  // P V's, where the multiplies run while S does; its softmax, not its GEMMs, is what a step waits on. Larger
+  // head dims: once the P V before has landed. With the loop as it was before the first step ran apart (see
+  // step_body), an accumulator access in the turn made ptxas wait for S to land before P V could issue
+  // (C7517, NVRTC 13.0), so the larger head dims, whose P V is the longer wait, took it out of the turn; at 64
+  // it stayed, where the softmax is the wait. Since, the turn is free of that wait at every head dim, and
+  // the two places time alike at 128 and 256. (At the turn's start, before S's issue, ptxas serialised every
+  // wgmma: C7515.)
+  static constexpr bool RESCALE_IN_TURN = K::HEAD_DIM <= 64;
 
   // S = Q K^T issued on wgmma: Q rows of this warpgroup x the K tile (the step commits and waits).
   static __device__ __forceinline__ void qk_wgmma(float (&acc_s)[M_TILES][N_TILES][4], const T* sQ, const T* sKs,
@@ -94,6 +117,68 @@ struct FwdConsumer {
 #pragma unroll
     for (int kk = 0; kk < K::BLOCK_N / 16; ++kk)
       Wgmma<K::HEAD_DIM_V, BF16>::rs(acc_o[0], a[kk], W::desc_mn(v_at, kk, K::LV::BLOCK_BYTES));
+  }
+
+  // PINGPONG: warpgroup wg's turn to issue its GEMMs begins, and ends (last: after the query tile's last P V).
+  static __device__ __forceinline__ void turn_begin(int wg) {
+    if constexpr (K::PINGPONG) WgmmaOps<BF16>::bar_sync(2 + wg, 256);
+  }
+  static __device__ __forceinline__ void turn_end(int wg, bool last) {
+    if constexpr (K::PINGPONG) {
+      constexpr int GROUPS = K::GROUPS;
+      // (two warpgroups: spelled as before three existed, which keeps their machine code)
+      if (!last || (GROUPS == 2 ? wg == 0 : wg != GROUPS - 1))
+        WgmmaOps<BF16>::bar_arrive(GROUPS == 2 ? 3 - wg : 2 + (wg + 1) % GROUPS, 256);
+    }
+  }
+  // PINGPONG: before a query tile's first turn, the last warpgroup lets warpgroup 0 go first.
+  static __device__ __forceinline__ void turn_start(int wg, int n_tiles) {
+    constexpr int GROUPS = K::GROUPS;
+    if constexpr (K::PINGPONG && K::PERSISTENT) {
+      // The same, without a branch on the warpgroup: the others arrive on barrier 2 + GROUPS, which nothing
+      // waits on (4 warps complete it). Between one query tile's wgmma and the next, a branch taken by one
+      // warpgroup made ptxas serialise them (C7519, NVRTC 13.5).
+      const bool lead = wg == GROUPS - 1 && n_tiles > 0;
+      WgmmaOps<BF16>::bar_arrive(lead ? 2 : 2 + GROUPS, lead ? 256 : 128);
+    } else if constexpr (K::PINGPONG) {
+      if (wg == GROUPS - 1 && n_tiles > 0) WgmmaOps<BF16>::bar_arrive(2, 256);
+    }
+  }
+
+  // O takes the softmax's correction (LAZY_RESCALE: only where a row of the warp's took a new max).
+  static __device__ __forceinline__ void rescale_o(float (&acc_o)[M_TILES][D_TILES][4],
+                                                   const float (&corr_o)[M_TILES][2], bool o_moved) {
+    if (!LAZY_RESCALE || o_moved) scale_rows(acc_o, corr_o);
+  }
+
+  // VARLEN (TMA): V's rows past the sequence's end (the next sequence's) zeroed once V has landed, before a
+  // warpgroup's P V reads them: their P is zero, but 0 x inf is NaN. Every warpgroup clears them for itself (the
+  // others write the same zeros); the fence hands the stores to wgmma's proxy and to the producer's next copy.
+  static __device__ __forceinline__ void clear_v_tail(T* sV, int slot, int tile, int seqlen_k, int tid, int wg) {
+    if constexpr (K::TMA && K::VARLEN) {
+      const int valid = seqlen_k - tile * K::BLOCK_N;
+      if (valid < K::BLOCK_N) {
+        zero_rows_from<typename K::LV, K::BLOCK_N, K::HEAD_DIM_V / 64, 128>(sV + slot * K::V_ELEMS, valid, tid % 128);
+        WgmmaOps<BF16>::fence_proxy();
+        WgmmaOps<BF16>::bar_sync(12 + wg, 128);
+      }
+    }
+  }
+
+  // OVERLAP: O += P V issued for the ring's r-th tile (the query tile's KV tiles from tile_begin take the ring's
+  // places from ring0), P from p_frag, once O has its correction (RESCALE_IN_TURN) and V has landed.
+  static __device__ __forceinline__ void issue_pv(float (&acc_o)[M_TILES][D_TILES][4],
+                                                  const unsigned (&p_frag)[K::BLOCK_N / 16][4],
+                                                  const float (&corr_o)[M_TILES][2], bool o_moved, T* sV,
+                                                  unsigned bars, int r, int tile_begin, int ring0, int seqlen_k, int tid,
+                                                  int wg) {
+    using W = WgmmaOps<BF16>;
+    if constexpr (RESCALE_IN_TURN) rescale_o(acc_o, corr_o, o_moved);
+    const int slot = r % K::NUM_STAGES;
+    W::mbar_wait(K::v_bar(bars, slot), (r / K::NUM_STAGES) & 1);
+    if constexpr (K::VARLEN) clear_v_tail(sV, slot, tile_begin + r - ring0, seqlen_k, tid, wg);
+    const unsigned v_at = smem_addr(sV + slot * K::V_ELEMS);
+    pv_wgmma(acc_o, p_frag, v_at);
   }
 };
 
