@@ -72,7 +72,8 @@ __device__ __forceinline__ void mask_key_range(float (&acc_s)[M_TILES][N_TILES][
 // S = Q K^T and O += P V, the custom mask's bits, the softmax, the packing of P for wgmma) stay in its text: each
 // moved into a function renumbered the PTX's registers, which ptxas allocates from, and changed the machine code:
 // the mma.sync loops and the mask bits on sm_80 (P V at 2 row tiles a warp), the softmax on sm_90a's persistent
-// ping-pong kernel, P's packing on sm_90a.
+// ping-pong kernel, P's packing on sm_90a. So do the accumulators' first values (prefill/fwd.cuh.jinja: in a
+// function, sm_80's head_dim 256 kernel's PTX was reordered).
 template <class K>
 struct FwdConsumer {
   using T = typename K::T;
@@ -170,8 +171,8 @@ struct FwdConsumer {
   static __device__ __forceinline__ void issue_pv(float (&acc_o)[M_TILES][D_TILES][4],
                                                   const unsigned (&p_frag)[K::BLOCK_N / 16][4],
                                                   const float (&corr_o)[M_TILES][2], bool o_moved, T* sV,
-                                                  unsigned bars, int r, int tile_begin, int ring0, int seqlen_k, int tid,
-                                                  int wg) {
+                                                  unsigned bars, int r, int tile_begin, int ring0, int seqlen_k,
+                                                  int tid, int wg) {
     using W = WgmmaOps<BF16>;
     if constexpr (RESCALE_IN_TURN) rescale_o(acc_o, corr_o, o_moved);
     const int slot = r % K::NUM_STAGES;
@@ -179,6 +180,36 @@ struct FwdConsumer {
     if constexpr (K::VARLEN) clear_v_tail(sV, slot, tile_begin + r - ring0, seqlen_k, tid, wg);
     const unsigned v_at = smem_addr(sV + slot * K::V_ELEMS);
     pv_wgmma(acc_o, p_frag, v_at);
+  }
+
+  // OWN_O (after a query tile's loop): every S = Q K^T of this warp has landed (none is left in flight): Q's tile is
+  // released.
+  static __device__ __forceinline__ void release_q(unsigned bars, int lane) {
+    if constexpr (K::OWN_O) {
+      if (lane == 0) WgmmaOps<BF16>::mbar_arrive(K::qe_bar(bars));
+    }
+  }
+
+  // OVERLAP: the query tile's last P V (of its n_tiles KV tiles, the ring's from ring0), after its loop; else none.
+  static __device__ __forceinline__ void last_pv(float (&acc_o)[M_TILES][D_TILES][4],
+                                                 const unsigned (&p_frag)[K::OVERLAP ? K::BLOCK_N / 16 : 1][4],
+                                                 const float (&corr_o)[M_TILES][2], bool o_moved, T* sV, unsigned bars,
+                                                 int ring0, int n_tiles, int tile_begin, int seqlen_k, int tid, int wg,
+                                                 int lane) {
+    if constexpr (K::OVERLAP) {
+      if (n_tiles > 0) {
+        using W = WgmmaOps<BF16>;
+        turn_begin(wg);
+        const int r = ring0 + n_tiles - 1;  // the last tile's place in the ring
+        issue_pv(acc_o, p_frag, corr_o, o_moved, sV, bars, r, tile_begin, ring0, seqlen_k, tid, wg);
+        W::commit();
+        W::template wait<0>();
+        W::hold(acc_o[0]);
+        turn_end(wg, true);
+        // PERSISTENT: the ring runs on into the next query tile, which needs this tile's V slot back
+        if (K::PERSISTENT && lane == 0) W::mbar_arrive(K::ev_bar(bars, r % K::NUM_STAGES));
+      }
+    }
   }
 };
 

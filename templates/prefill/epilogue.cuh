@@ -1,5 +1,8 @@
 // The epilogue of prefill_fwd (prefill/fwd.cuh.jinja), on one warp's rows: O is staged in Q's tile, or
 // (OWN_O: PERSISTENT where it fits) in a tile of its own, whose layout LO gives.
+// O_IN_Q (PERSISTENT, where sO does not fit: head_dim 256): O is staged in Q's tile instead. A warpgroup
+// stages its rows once its own warps are done with them, and Q is released once every warp has read its
+// rows out; the producer issues the next tile's first key tiles before it waits for that.
 namespace attngen {
 
 // The epilogue: normalise O, write the LSE, stage O through this warp's rows of sO (layout LO) and
@@ -63,12 +66,14 @@ template <class K>
 struct FwdEpilogue {
   using T = typename K::T;
   // A query tile's epilogue, once the consumers' last P V has landed: normalise, write LSE, stage O through this
-  // warp's rows of sO (Q's tile, or OWN_O: a tile of its own) and store it. q_row0: VARLEN, the sequence's first row.
+  // warp's rows of sO (Q's tile, or OWN_O: a tile of its own) and store it.
   static __device__ __forceinline__ void store(float (&acc_o)[K::M_TILES][K::D_TILES][4],
                                                const float (&row_max)[K::M_TILES][2],
                                                const float (&row_sum)[K::M_TILES][2], const PrefillParams<T>& p,
                                                T* sO, int m0, int warp_row0, int head, int batch, long long q_row0,
                                                int seqlen_q, int lane, int g, int t, int wg) {
+    // VARLEN: the sequence's first row, read again rather than held across the loop (registers).
+    if constexpr (K::VARLEN) q_row0 = min(max(p.cu_q[batch], 0), p.total_q);
     if constexpr (K::TMA) {
       // every consumer warp is done with sQ (the producer has left); OWN_O: O has a tile of its own; O_IN_Q:
       // the warpgroup's wgmma, which read its 64 rows of sQ, have landed in each of its warps

@@ -80,9 +80,15 @@ struct FwdTraits {
   // (PERSISTENT) Q's empty.
   static __device__ __forceinline__ unsigned k_bar(unsigned bars, int s) { return bars + 8u * (1 + s); }
   static __device__ __forceinline__ unsigned v_bar(unsigned bars, int s) { return bars + 8u * (1 + NUM_STAGES + s); }
-  static __device__ __forceinline__ unsigned e_bar(unsigned bars, int s) { return bars + 8u * (1 + 2 * NUM_STAGES + s); }
-  static __device__ __forceinline__ unsigned ev_bar(unsigned bars, int s) { return bars + 8u * (1 + 3 * NUM_STAGES + s); }
-  static __device__ __forceinline__ unsigned qe_bar(unsigned bars) { return bars + 8u * (1 + (OVERLAP ? 4 : 3) * NUM_STAGES); }
+  static __device__ __forceinline__ unsigned e_bar(unsigned bars, int s) {
+    return bars + 8u * (1 + 2 * NUM_STAGES + s);
+  }
+  static __device__ __forceinline__ unsigned ev_bar(unsigned bars, int s) {
+    return bars + 8u * (1 + 3 * NUM_STAGES + s);
+  }
+  static __device__ __forceinline__ unsigned qe_bar(unsigned bars) {
+    return bars + 8u * (1 + (OVERLAP ? 4 : 3) * NUM_STAGES);
+  }
 };
 
 }  // namespace attngen
