@@ -3,6 +3,15 @@
 // O_IN_Q (PERSISTENT, where sO does not fit: head_dim 256): O is staged in Q's tile instead. A warpgroup
 // stages its rows once its own warps are done with them, and Q is released once every warp has read its
 // rows out; the producer issues the next tile's first key tiles before it waits for that.
+//
+// prefill_fwd runs the epilogue's barriers itself, then store_tile: in a function of their own, the barriers moved
+// code around them (the PTX of sm_100's 128-row mma.sync kernels). Before the store: TMA, every consumer warp is
+// done with sQ (the producer has left); OWN_O: O has a tile of its own; O_IN_Q: the warpgroup's wgmma, which read
+// its 64 rows of sQ, have landed in each of its warps. cp.async: with one stage, a CTA with no KV tile never
+// committed Q's copies, hence the wait for all. VARLEN: the sequence's first row is read again rather than held
+// across the loop (registers). O_IN_Q: the staging addresses are the same every pass, and ptxas kept them from the
+// kernel's start in local memory (head_dim 256's 32 column tiles), reloaded one by one in every epilogue, a long
+// stall a tile: the thread's coordinates plus a zero that depends on the pass (z = m0 >> 31) make them this pass's.
 namespace attngen {
 
 // The epilogue: normalise O, write the LSE, stage O through this warp's rows of sO (layout LO) and
@@ -65,32 +74,6 @@ __device__ __forceinline__ void store_tile(float (&acc_o)[M_TILES][D_TILES][4], 
 template <class K>
 struct FwdEpilogue {
   using T = typename K::T;
-  // A query tile's epilogue, once the consumers' last P V has landed: normalise, write LSE, stage O through this
-  // warp's rows of sO (Q's tile, or OWN_O: a tile of its own) and store it.
-  static __device__ __forceinline__ void store(float (&acc_o)[K::M_TILES][K::D_TILES][4],
-                                               const float (&row_max)[K::M_TILES][2],
-                                               const float (&row_sum)[K::M_TILES][2], const PrefillParams<T>& p,
-                                               T* sO, int m0, int warp_row0, int head, int batch, long long q_row0,
-                                               int seqlen_q, int lane, int g, int t, int wg) {
-    // VARLEN: the sequence's first row, read again rather than held across the loop (registers).
-    if constexpr (K::VARLEN) q_row0 = min(max(p.cu_q[batch], 0), p.total_q);
-    if constexpr (K::TMA) {
-      // every consumer warp is done with sQ (the producer has left); OWN_O: O has a tile of its own; O_IN_Q:
-      // the warpgroup's wgmma, which read its 64 rows of sQ, have landed in each of its warps
-      if constexpr (!K::PERSISTENT) WgmmaOps<K::BF16>::bar_sync(1, K::THREADS);
-      if constexpr (K::O_IN_Q) WgmmaOps<K::BF16>::bar_sync(8 + wg, 128);
-    } else {
-      cp_async_wait_all();  // with one stage, a CTA with no KV tile never committed Q's copies
-      __syncthreads();
-    }
-    // O_IN_Q: the staging addresses are the same every pass, and ptxas kept them from the kernel's start in
-    // local memory (head_dim 256's 32 column tiles), reloaded one by one in every epilogue, a long stall a tile.
-    // The thread's coordinates plus a zero that depends on the pass (m0 >> 31) make them this pass's.
-    const int z = K::O_IN_Q ? m0 >> 31 : 0;
-    store_tile<K::BF16, K::RETURN_LSE, K::VARLEN, K::WARP_M, K::HEAD_DIM_V, typename K::LO>(
-        acc_o, row_max, row_sum, p, sO, m0, warp_row0 + z, head, batch, q_row0, seqlen_q, lane + z, g + z, t + z);
-  }
-
   // PERSISTENT: this warp's rows of the staging tile read out before the next query tile's are written there.
   static __device__ __forceinline__ void release(unsigned bars, int lane) {
     if constexpr (K::O_IN_Q) {

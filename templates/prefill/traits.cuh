@@ -1,6 +1,8 @@
 // The constants of one prefill_fwd instance (prefill/fwd.cuh.jinja): its template parameters, the shapes
 // derived from them, the shared-memory layouts and the TMA ring's mbarriers. The role headers (producer.cuh,
-// consumer.cuh) take it as K.
+// consumer.cuh, epilogue.cuh) take it as K. prefill_fwd names a few of these as constexpr locals it no longer
+// reads (LQ, LK, THREADS, QK_DIM, PAD_DIMS, GROUPS, LO): dropped, they renumbered the PTX, and with it the SASS,
+// of sm_90a's persistent serial kernels (the front end's locals order the values the optimiser then numbers).
 namespace attngen {
 
 template <class T_, bool BF16_, int HEAD_DIM_, int HEAD_DIM_V_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_,
