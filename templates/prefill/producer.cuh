@@ -1,0 +1,213 @@
+// The TMA producer of prefill_fwd (prefill/fwd.cuh.jinja; wgmma, not PAGED): one more warpgroup, whose one
+// elected thread loads Q and then every K and V tile with TMA (a copy per 64-column block, from tensor maps built on
+// the host) into the NUM_STAGES-slot ring. Each slot has three mbarriers: K full and V full (the copies complete
+// them), and empty (each consumer warp arrives once its wgmma on the slot have waited). The consumer warps wait on
+// K before S = Q K^T and on V before O += P V, and no CTA barrier is left in the loop. setmaxnreg moves the
+// producer's registers to the consumers. The overlapped schedules (OVERLAP, PINGPONG; consumer.cuh) run the
+// softmax under the GEMMs, with a fourth mbarrier a slot: K's and V's slots are emptied apart.
+//
+// VARLEN (TMA): the maps cover the packed q, k and v (one batch), and a tile's rows are offset by its sequence's
+// first row; a tile crossing the sequence's end reads the next one's rows, which the mask leaves out of S and
+// clear_v_tail zeroes in V. MASK_LIST (TMA): the producer copies the KV tiles the plan lists for the query tile.
+// Every function here is compiled only where TMA is set: WgmmaOps exists on sm_90a alone.
+namespace attngen {
+
+template <class K>
+struct FwdProducer {
+  using T = typename K::T;
+  using W = WgmmaOps<K::BF16>;
+  static constexpr int NUM_STAGES = K::NUM_STAGES;
+  // Registers per thread of the producer warpgroup and of the consumers, after setmaxnreg. Two
+  // consumer warpgroups run one CTA an SM, launched with 168 (384 threads): 24 + 2 x 240 (40 + 2 x 232 was
+  // slower, most at head_dim 64 without a mask on short sequences). Three (192-row tiles, launched with 128 for
+  // 512 threads): 32 + 3 x 160. With two CTAs an SM (one consumer warpgroup,
+  // launched with 128): 24 + 232. One consumer warpgroup alone on an SM has every register it can use, and
+  // no setmaxnreg.
+  static constexpr bool MOVE_REGS = K::NUM_WARPS >= 8 || K::TMA_CTAS == 2;
+  static constexpr int PRODUCER_REGS = K::NUM_WARPS == 12 ? 32 : 24;
+  static constexpr int CONSUMER_REGS = K::NUM_WARPS == 12 ? 160 : K::NUM_WARPS == 8 ? 240 : 232;
+
+  // Sets up the mbarriers, then the producer warpgroup gives its registers to the consumers and its one elected
+  // thread runs copies(); true in the producer warpgroup, which then leaves the kernel.
+  template <class Copies>
+  static __device__ __forceinline__ bool split(unsigned bars, int tid, int warp, Copies&& copies) {
+    if (tid == 0) {
+      W::mbar_init(bars, 1);
+#pragma unroll
+      for (int s = 0; s < NUM_STAGES; ++s) {
+        W::mbar_init(K::k_bar(bars, s), 1);
+        W::mbar_init(K::v_bar(bars, s), 1);
+        W::mbar_init(K::e_bar(bars, s), K::NUM_WARPS);
+        if constexpr (K::OVERLAP) W::mbar_init(K::ev_bar(bars, s), K::NUM_WARPS);
+      }
+      if constexpr (K::PERSISTENT) W::mbar_init(K::qe_bar(bars), K::NUM_WARPS);
+      W::mbar_init_fence();
+    }
+    __syncthreads();
+    if (warp >= K::NUM_WARPS) {
+      if constexpr (MOVE_REGS) W::template regs_dec<PRODUCER_REGS>();
+      if (tid == K::THREADS) copies();
+      return true;
+    }
+    if constexpr (MOVE_REGS) W::template regs_inc<CONSUMER_REGS>();
+    return false;
+  }
+
+  // The CTA's one query tile (not PERSISTENT): split, the producer thread issuing the tile's copies. VARLEN: q_row0
+  // and k_row0 offset its rows in the maps, which cover the packed tensors (one batch).
+  static __device__ __forceinline__ bool split_one(const PrefillParams<T>& p, const TmaDesc* maps, T* sQ, T* sK, T* sV,
+                                                   unsigned bars, int tid, int warp, long long q_row0,
+                                                   long long k_row0, int m0, int head, int kv_head, int batch,
+                                                   int tile_begin, int n_tiles, long long list_at) {
+    return split(bars, tid, warp, [&]() {
+      produce(p, maps, sQ, sK, sV, bars, 0, 0, K::VARLEN ? (int)q_row0 + m0 : m0, head, kv_head, K::VARLEN ? 0 : batch,
+              tile_begin, n_tiles, K::VARLEN ? (int)k_row0 : 0, list_at);
+    });
+  }
+
+  // One query tile's copies (its Q, then its KV tiles from the ring's ring-th place on): the ring's r-th tile
+  // (r counts on across the CTA's query tiles) goes to slot r % NUM_STAGES once the consumers have released the
+  // tile that slot held; PERSISTENT, a query tile's Q once they have released the previous one's (O_IN_Q: after
+  // the tile's first NUM_STAGES key tiles, which need only the ring). m0 and k_row: the first row of Q's tile and
+  // of the key tiles in the maps; VARLEN, offset by the sequence's. MASK_LIST: the it-th KV tile is the plan's
+  // list entry at list_at + it, not tile_begin + it.
+  static __device__ __forceinline__ void produce(const PrefillParams<T>& p, const TmaDesc* maps, T* sQ, T* sK, T* sV,
+                                                 unsigned bars, int pass, int ring, int m0, int head, int kv_head,
+                                                 int batch, int tile_begin, int n_tiles, int k_row, long long list_at) {
+    auto load_q = [&]() {
+      if (K::PERSISTENT && pass > 0) W::mbar_wait(K::qe_bar(bars), (pass - 1) & 1);
+      W::mbar_expect(bars, K::Q_ELEMS * sizeof(T));
+#pragma unroll
+      for (int b = 0; b < K::HEAD_DIM / 64; ++b)
+        W::tma_load(smem_addr(sQ) + b * K::LQ::BLOCK_BYTES, maps, bars, 64 * b, m0, head, batch);
+    };
+    auto load_kv = [&](int it) {
+      const int r = ring + it;  // the tile's place in the ring
+      const int slot = r % NUM_STAGES;
+      if (r >= NUM_STAGES) W::mbar_wait(K::e_bar(bars, slot), ((r / NUM_STAGES) + 1) & 1);
+      const int n0 = k_row + (K::MASK_LIST ? (p.tiles[list_at + it] & 0x7fffffff) : tile_begin + it) * K::BLOCK_N;
+      W::mbar_expect(K::k_bar(bars, slot), K::K_ELEMS * sizeof(T));
+#pragma unroll
+      for (int b = 0; b < K::HEAD_DIM / 64; ++b)
+        W::tma_load(smem_addr(sK + slot * K::K_ELEMS) + b * K::LK::BLOCK_BYTES, maps + 1, K::k_bar(bars, slot), 64 * b,
+                    n0, kv_head, batch);
+      if constexpr (K::OVERLAP) {
+        if (r >= NUM_STAGES) W::mbar_wait(K::ev_bar(bars, slot), ((r / NUM_STAGES) + 1) & 1);
+      }
+      W::mbar_expect(K::v_bar(bars, slot), K::V_ELEMS * sizeof(T));
+#pragma unroll
+      for (int b = 0; b < K::HEAD_DIM_V / 64; ++b)
+        W::tma_load(smem_addr(sV + slot * K::V_ELEMS) + b * K::LV::BLOCK_BYTES, maps + 2, K::v_bar(bars, slot), 64 * b,
+                    n0, kv_head, batch);
+    };
+    // O staged in Q's tile: the first key tiles go out before Q, which waits for the last tile's O to be read
+    const int early = K::O_IN_Q ? min(n_tiles, NUM_STAGES) : 0;
+    for (int it = 0; it < early; ++it) load_kv(it);
+    load_q();
+    for (int it = early; it < n_tiles; ++it) load_kv(it);
+  }
+
+  // PERSISTENT: the producer walks the same query tiles as the consumers (TileWalk), ahead of them.
+  static __device__ __forceinline__ void produce_walk(const PrefillParams<T>& p, const TmaDesc* maps, T* sQ, T* sK,
+                                                      T* sV, unsigned bars) {
+    int ring = 0;
+    TileWalk<K::BLOCK_M> walk;
+    for (int pass = 0;; ++pass) {
+      int m_block, head, batch, seqlen_q, seqlen_k;
+      if (!walk.tile(p, m_block, head, batch, seqlen_q, seqlen_k)) break;
+      const int m0 = m_block * K::BLOCK_M;
+      const KeyRange keys = key_range<K::MASK>(seqlen_q, seqlen_k, p.win_left, p.win_right);
+      const KeyRange::Span span = keys.tiles<K::BLOCK_N>(m0, min(m0 + K::BLOCK_M, seqlen_q) - 1);
+      produce(p, maps, sQ, sK, sV, bars, pass, ring, m0, head, head / p.group, batch, span.first, span.count, 0, 0);
+      ring += span.count;
+      walk.next(p);
+    }
+  }
+};
+
+// cp.async (no TMA): every thread of the CTA copies; K and V tiles stream through a NUM_STAGES-deep ring, Q with the
+// first tile. The kernel keeps a lambda over these (load_kv), which reads its locals the way a function of them
+// would not: held in a struct, they renumbered the PTX of every cp.async kernel.
+template <class K>
+struct FwdLoads {
+  using T = typename K::T;
+  static constexpr int BLOCK_N = K::BLOCK_N;
+
+  // PAGED: key position -> block: a shift when block_size is a power of two (the usual sizes), else a division.
+  static __device__ __forceinline__ int block_shift(const PrefillParams<T>& p) {
+    return K::PAGED && (p.block_size & (p.block_size - 1)) == 0 ? __popc(p.block_size - 1) : -1;
+  }
+  static __device__ __forceinline__ int block_of(const PrefillParams<T>& p, int bs_shift, int pos) {
+    return bs_shift >= 0 ? pos >> bs_shift : pos / p.block_size;
+  }
+  // PAGED: lane j of each warp holds the j-th table entry of KV tile `tile` (tiles are consecutive there: paged is
+  // varlen, never a mask list), read one tile ahead so that the table load's latency is not paid before each
+  // tile's copies.
+  static __device__ __forceinline__ int table_lane(const PrefillParams<T>& p, int bs_shift, int tile, int seqlen_k,
+                                                   int batch, int lane) {
+    if constexpr (!K::PAGED) return 0;
+    const int first = block_of(p, bs_shift, tile * BLOCK_N);
+    const int last = block_of(p, bs_shift, min(tile * BLOCK_N + BLOCK_N, seqlen_k) - 1);
+    return first + lane <= last ? p.block_table[batch * p.bt_sb + first + lane] : 0;
+  }
+
+  // KV tile `tile` into slot `slot` of the ring (PAGED: next_table, this tile's table lanes, becomes the next's).
+  static __device__ __forceinline__ void load_kv(const PrefillParams<T>& p, T* sK, T* sV, const T* gK, const T* gV,
+                                                 int tile, int slot, int seqlen_k, int batch, int tid, int lane,
+                                                 int bs_shift, int& next_table) {
+    const int n0 = tile * BLOCK_N;
+    if constexpr (K::PAGED) {
+      // The tile's keys lie in at most BLOCK_N / 16 + 1 blocks. Blocks are whole multiples of 16
+      // rows and n0 is one too, so the 16 rows of group r / 16 share a block: lane g (mod the
+      // groups) works out group g's block and first row in it, and each row takes them by shuffle.
+      const int lane_blk = next_table;
+      next_table = table_lane(p, bs_shift, tile + 1, seqlen_k, batch, lane);
+      const int first = block_of(p, bs_shift, n0);
+      const int gpos = n0 + 16 * (lane % (BLOCK_N / 16));
+      const int gbi = block_of(p, bs_shift, gpos);
+      const int g_blk = min(max(__shfl_sync(0xffffffffu, lane_blk, gbi - first), 0), p.num_blocks - 1);
+      const int g_row = gpos - gbi * p.block_size;
+      load_pair_rows_async<typename K::LK, typename K::LV, BLOCK_N, K::THREADS>(
+          sK + slot * K::K_ELEMS, sV + slot * K::V_ELEMS, gK, gV, seqlen_k - n0, tid, [&](int r) {
+            const long long blk = __shfl_sync(0xffffffffu, g_blk, r / 16);
+            const long long row = __shfl_sync(0xffffffffu, g_row, r / 16) + r % 16;
+            return make_longlong2(blk * p.k_sb + row * p.k_ss, blk * p.v_sb + row * p.v_ss);
+          });
+    } else {
+      load_tile_async<typename K::LK, BLOCK_N, K::THREADS>(sK + slot * K::K_ELEMS, gK + (long long)n0 * p.k_ss, p.k_ss,
+                                                           seqlen_k - n0, tid);
+      load_tile_async<typename K::LV, BLOCK_N, K::THREADS>(sV + slot * K::V_ELEMS, gV + (long long)n0 * p.v_ss, p.v_ss,
+                                                           seqlen_k - n0, tid);
+    }
+  }
+
+  // Zeroes the pad chunks (PAD_DIMS), then the prologue: Q with the first K/V tile in one group, then the next
+  // NUM_STAGES - 2 tiles.
+  template <class LoadKv, class TileAt>
+  static __device__ __forceinline__ void prologue(const PrefillParams<T>& p, T* sQ, T* sV, const T* gQ, int seqlen_q,
+                                                  int m0, int tid, int n_tiles, LoadKv& load_kv,
+                                                  const TileAt& tile_at) {
+    if constexpr (K::PAD_DIMS) {
+      // The pad chunk (columns HEAD_DIM to QK_DIM) of every row of Q, the K slots (which follow Q's rows at
+      // the same stride) and the V slots: no copy writes there, and the first step's barrier orders these
+      // stores before any read.
+      auto zero_pad = [&](T* tile, int rows, int row_elems, int col) {
+        for (int r = tid; r < rows; r += K::THREADS)
+          *reinterpret_cast<uint4*>(tile + r * row_elems + col) = make_uint4(0u, 0u, 0u, 0u);
+      };
+      if constexpr (K::QK_DIM != K::HEAD_DIM)
+        zero_pad(sQ, K::BLOCK_M + K::NUM_STAGES * BLOCK_N, K::ROW_ELEMS, K::HEAD_DIM);
+      if constexpr (K::PV_DIM != K::HEAD_DIM_V) zero_pad(sV, K::NUM_STAGES * BLOCK_N, K::ROW_ELEMS_V, K::HEAD_DIM_V);
+    }
+    load_tile_async<typename K::LQ, K::BLOCK_M, K::THREADS>(sQ, gQ, p.q_ss, seqlen_q - m0, tid);
+    if constexpr (K::NUM_STAGES > 1) {
+#pragma unroll
+      for (int s = 0; s < K::NUM_STAGES - 1; ++s) {
+        if (s < n_tiles) load_kv(tile_at(s), s);
+        cp_async_commit();
+      }
+    }
+  }
+};
+
+}  // namespace attngen

@@ -1,0 +1,96 @@
+// The constants of one prefill_fwd instance (prefill/fwd.cuh.jinja): its template parameters, the shapes
+// derived from them, the shared-memory layouts and the TMA ring's mbarriers. The role headers (producer.cuh,
+// consumer.cuh, epilogue.cuh) take it as K. prefill_fwd names a few of these as constexpr locals it no longer
+// reads (LQ, LK, THREADS, QK_DIM, PAD_DIMS, GROUPS, LO): dropped, they renumbered the PTX, and with it the SASS,
+// of sm_90a's persistent serial kernels (the front end's locals order the values the optimiser then numbers).
+namespace attngen {
+
+template <class T_, bool BF16_, int HEAD_DIM_, int HEAD_DIM_V_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_,
+          int NUM_STAGES_, int MASK_, bool RETURN_LSE_, bool Q_IN_REGS_, int ROW_ELEMS_, int ROW_ELEMS_V_,
+          bool SWIZZLE_, bool SWIZZLE_V_, bool WGMMA_, bool SOFTCAP_, bool ALIBI_, bool VARLEN_, bool PAGED_,
+          bool MASK_LIST_, int TMA_CTAS_, bool OVERLAP_, bool PINGPONG_, bool PERSISTENT_, bool O_IN_Q_>
+struct FwdTraits {
+  using T = T_;
+  static constexpr bool BF16 = BF16_;
+  static constexpr int HEAD_DIM = HEAD_DIM_;
+  static constexpr int HEAD_DIM_V = HEAD_DIM_V_;
+  static constexpr int BLOCK_M = BLOCK_M_;
+  static constexpr int BLOCK_N = BLOCK_N_;
+  static constexpr int NUM_WARPS = NUM_WARPS_;
+  static constexpr int NUM_STAGES = NUM_STAGES_;
+  static constexpr int MASK = MASK_;
+  static constexpr bool RETURN_LSE = RETURN_LSE_;
+  static constexpr bool Q_IN_REGS = Q_IN_REGS_;
+  static constexpr int ROW_ELEMS = ROW_ELEMS_;
+  static constexpr int ROW_ELEMS_V = ROW_ELEMS_V_;
+  static constexpr bool SWIZZLE = SWIZZLE_;
+  static constexpr bool SWIZZLE_V = SWIZZLE_V_;
+  static constexpr bool WGMMA = WGMMA_;
+  static constexpr bool SOFTCAP = SOFTCAP_;
+  static constexpr bool ALIBI = ALIBI_;
+  static constexpr bool VARLEN = VARLEN_;
+  static constexpr bool PAGED = PAGED_;
+  static constexpr bool MASK_LIST = MASK_LIST_;
+  static constexpr int TMA_CTAS = TMA_CTAS_;
+  static constexpr bool OVERLAP = OVERLAP_;
+  static constexpr bool PINGPONG = PINGPONG_;
+  static constexpr bool PERSISTENT = PERSISTENT_;
+  static constexpr bool O_IN_Q = O_IN_Q_;
+
+  using L = SmemLayout<HEAD_DIM, ROW_ELEMS, SWIZZLE>;
+  using LQ = typename Select<WGMMA, WgmmaLayout<HEAD_DIM, BLOCK_M>, L>::type;
+  using LK = typename Select<WGMMA, WgmmaLayout<HEAD_DIM, BLOCK_N>, L>::type;
+  using LVs = SmemLayout<HEAD_DIM_V, ROW_ELEMS_V, SWIZZLE_V>;
+  using LV = typename Select<WGMMA, WgmmaLayout<HEAD_DIM_V, BLOCK_N>, LVs>::type;
+  static constexpr int Q_ELEMS = WGMMA ? BLOCK_M * HEAD_DIM : BLOCK_M * ROW_ELEMS;
+  static constexpr int K_ELEMS = WGMMA ? BLOCK_N * HEAD_DIM : BLOCK_N * ROW_ELEMS;
+  static constexpr int V_ELEMS = WGMMA ? BLOCK_N * HEAD_DIM_V : BLOCK_N * ROW_ELEMS_V;
+  static constexpr int THREADS = NUM_WARPS * 32;
+  static constexpr int WARP_M = BLOCK_M / NUM_WARPS;
+  static constexpr int M_TILES = WARP_M / 16;
+  static constexpr int N_TILES = BLOCK_N / 8;  // 8-wide column tiles of S
+  // The widths the mma.sync GEMMs run over: head dims rounded up to 16 (m16n8k16's K, and ldmatrix's 16-column
+  // blocks of V). A head dim of 8 mod 16 (40, 56, ...) loads its real 16-byte chunks only; the pad chunk after
+  // them in each shared-memory row is zeroed once (zero_pad), so Q K^T over it adds nothing and P V's pad
+  // columns of O are never stored. Every other head dim runs over itself, as before.
+  static constexpr int QK_DIM = (HEAD_DIM + 15) / 16 * 16;
+  static constexpr int PV_DIM = (HEAD_DIM_V + 15) / 16 * 16;
+  static constexpr bool PAD_DIMS = QK_DIM != HEAD_DIM || PV_DIM != HEAD_DIM_V;
+  static constexpr int D_TILES = PV_DIM / 8;   // 8-wide column tiles of O
+  static constexpr int K_STEPS = QK_DIM / 16;  // k-steps of Q K^T
+  static_assert(WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 8 == 0 && HEAD_DIM_V % 8 == 0, "tile shape");
+  static_assert(!PAD_DIMS || (!WGMMA && !SWIZZLE && !SWIZZLE_V && ROW_ELEMS >= QK_DIM && ROW_ELEMS_V >= PV_DIM),
+                "head dims of 8 mod 16: mma.sync on padded rows");
+  static_assert(HEAD_DIM_V <= HEAD_DIM, "O is staged in Q's tile");
+  // TMA_CTAS: 0, the cp.async pipeline; else the TMA pipeline, its registers split for that many CTAs
+  // an SM (PrefillSpec.tma_ctas, which the entry's launch bounds also take).
+  static constexpr bool TMA = TMA_CTAS > 0;
+  static_assert(!TMA || (WGMMA && !PAGED), "TMA: wgmma on the dense layout, contiguous varlen or a mask's tile lists");
+  static_assert(!(TMA && (VARLEN || MASK_LIST) && PERSISTENT), "VARLEN, MASK_LIST (TMA): one CTA a work-list slot");
+  static_assert(!OVERLAP || (TMA && NUM_STAGES >= 2), "OVERLAP: the TMA ring, tile i's V and i+1's K in it");
+  static_assert(!PINGPONG || (OVERLAP && NUM_WARPS >= 8), "PINGPONG: two or three consumer warpgroups take turns");
+  static_assert(NUM_WARPS != 12 || TMA, "three consumer warpgroups: the TMA pipeline's (setmaxnreg)");
+  static_assert(!PERSISTENT || TMA, "PERSISTENT: the TMA pipeline's producer loads the next tile's Q");
+  static_assert(!O_IN_Q || PERSISTENT, "O_IN_Q: the persistent kernel's choice; one CTA a tile stages O in Q's");
+  static constexpr bool OWN_O = PERSISTENT && !O_IN_Q;  // O's staging tile of its own
+  // OWN_O: O's staging tile after the V slots (otherwise O is staged in Q's).
+  using LO = typename Select<OWN_O, WgmmaLayout<HEAD_DIM_V, BLOCK_M>, LQ>::type;
+  static constexpr int GROUPS = NUM_WARPS / 4;  // consumer warpgroups (wgmma)
+
+  // TMA: the ring's mbarriers after the V slots (and sO), 8 bytes each from bars: Q's, then per slot K full, V full,
+  // empty (OVERLAP: K's slot empty, then per slot V's: tile i's K is done with a step before its V), then
+  // (PERSISTENT) Q's empty.
+  static __device__ __forceinline__ unsigned k_bar(unsigned bars, int s) { return bars + 8u * (1 + s); }
+  static __device__ __forceinline__ unsigned v_bar(unsigned bars, int s) { return bars + 8u * (1 + NUM_STAGES + s); }
+  static __device__ __forceinline__ unsigned e_bar(unsigned bars, int s) {
+    return bars + 8u * (1 + 2 * NUM_STAGES + s);
+  }
+  static __device__ __forceinline__ unsigned ev_bar(unsigned bars, int s) {
+    return bars + 8u * (1 + 3 * NUM_STAGES + s);
+  }
+  static __device__ __forceinline__ unsigned qe_bar(unsigned bars) {
+    return bars + 8u * (1 + (OVERLAP ? 4 : 3) * NUM_STAGES);
+  }
+};
+
+}  // namespace attngen
