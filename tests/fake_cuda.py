@@ -265,3 +265,23 @@ def patch_torch_cuda(propagate: bool = False):
     torch.cuda.current_stream = lambda device=None: stream
     torch._C._cuda_getCurrentRawStream = lambda device: 0
     return lambda t: t.as_subclass(CudaLike)
+
+
+def stub_session(prefix: str, propagate: bool = False):
+    """What a host-path check on the stub starts with: a fresh cache (``prefix`` names its temporary folder), no
+    tuned store, the stub driver loaded and torch.cuda patched (``patch_torch_cuda``). Returns ``(wrap, rand,
+    i32)``: the wrapper, a bf16 normal tensor of a shape, and an int32 tensor of values, both wrapped."""
+    os.environ["ATTNGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix=prefix)
+    os.environ["ATTNGEN_NO_TUNED"] = "1"
+    install()
+    wrap = patch_torch_cuda(propagate=propagate)
+
+    import torch
+
+    def rand(*shape):
+        return wrap(torch.randn(*shape).to(torch.bfloat16))
+
+    def i32(values):
+        return wrap(torch.tensor(values, dtype=torch.int32))
+
+    return wrap, rand, i32

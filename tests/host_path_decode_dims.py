@@ -1,12 +1,11 @@
 """Run by tests/test_decode_head_dims.py in a process of its own: attngen.decode's head dims and GQA groups on
 the stub driver (sm_90). Head dims decode does not build and does not pad (0, past 256) and groups past its
-packed rows are refused naming what to change, before any compile; a padded head dim with 64 query heads over one KV head launches the kernel
-the family's choice names, with its grid; head_dim 512 launches two CTAs a KV head. Exits non-zero on the first failure; prints "ok" at the end.
+packed rows are refused naming what to change, before any compile; a padded head dim with 64 query heads over
+one KV head launches the kernel the family's choice names, with its grid; head_dim 512 launches two CTAs a KV
+head. Exits non-zero on the first failure; prints "ok" at the end.
 """
 
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -15,10 +14,7 @@ from tests import fake_cuda  # noqa: E402
 
 
 def main():
-    os.environ["ATTNGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="attngen-dims-")
-    os.environ["ATTNGEN_NO_TUNED"] = "1"
-    fake_cuda.install()
-    wrap = fake_cuda.patch_torch_cuda()
+    wrap, rand, i32 = fake_cuda.stub_session("attngen-dims-")
 
     import torch
 
@@ -26,10 +22,7 @@ def main():
     from attngen.families.choice import device_facts
     from attngen.families.decode import choose
 
-    def rand(*shape):
-        return wrap(torch.randn(*shape).to(torch.bfloat16))
-
-    lens = wrap(torch.tensor([40, 90], dtype=torch.int32))
+    lens = i32([40, 90])
     for (b, q_len, h, hk, d), text in 2 * [
         ((2, 1, 8, 2, 0), "head_dim=0 is not supported; allowed: a multiple of 8 from 32 to 256, or 512 (rows"),
         ((2, 1, 8, 2, 300), "head_dim=300 is not supported"),
@@ -50,7 +43,7 @@ def main():
     # 64 query heads over one KV head at head_dim 80: 64 packed rows, the grid the choice names.
     q, kc, vc = rand(2, 1, 64, 80), rand(2, 2048, 1, 80), rand(2, 2048, 1, 80)
     n0 = fake_cuda.counts()["launches"]
-    attngen.decode(q, kc, vc, cache_seqlens=wrap(torch.tensor([1000, 2000], dtype=torch.int32)), num_splits=1)
+    attngen.decode(q, kc, vc, cache_seqlens=i32([1000, 2000]), num_splits=1)
     assert fake_cuda.counts()["launches"] == n0 + 1, "one launch"
     c = choose.choose(choose.Problem(80, "bf16", 1, 64, 1, 2, 2048, num_splits=1), device_facts(0))
     assert c.spec.q_rows == 64 and c.spec.head_dim == 80, c.spec
@@ -61,7 +54,7 @@ def main():
     # head_dim 512: two CTAs a KV head (the grid's y), merged through the workspace and the merge launch.
     q, kc, vc = rand(2, 1, 8, 512), rand(2, 1024, 2, 512), rand(2, 1024, 2, 512)
     n0 = fake_cuda.counts()["launches"]
-    attngen.decode(q, kc, vc, cache_seqlens=wrap(torch.tensor([1000, 700], dtype=torch.int32)), num_splits=3)
+    attngen.decode(q, kc, vc, cache_seqlens=i32([1000, 700]), num_splits=3)
     assert fake_cuda.counts()["launches"] == n0 + 2, "a split launch and a merge launch"
     c = choose.choose(choose.Problem(512, "bf16", 1, 8, 2, 2, 1024, num_splits=3), device_facts(0))
     assert c.launch.grid == (3, 4, 2) and c.launch.cluster == 0 and c.launch.merge_grid is not None, c.launch

@@ -13,10 +13,8 @@ Exits non-zero on the first failure; prints "ok" at the end.
 """
 
 import math
-import os
 import struct
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -27,22 +25,13 @@ LOG2E = 1.4426950408889634
 
 
 def main():
-    os.environ["ATTNGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="attngen-fa55-")
-    os.environ["ATTNGEN_NO_TUNED"] = "1"
-    fake_cuda.install()
-    wrap = fake_cuda.patch_torch_cuda(propagate=True)
+    wrap, rand, i32 = fake_cuda.stub_session("attngen-fa55-", propagate=True)
 
     import torch
 
     import attngen
     from attngen.families import head_pad
     from attngen.families.decode.op import block_mul
-
-    def rand(*shape):
-        return wrap(torch.randn(*shape).to(torch.bfloat16))
-
-    def i32(values):
-        return wrap(torch.tensor(values, dtype=torch.int32))
 
     made = []  # every zero-padded copy an op makes, kept alive so its pointer can be matched to the launch
 

@@ -10,10 +10,8 @@ scale / cap) and the slopes' pointer and batch stride. Exits non-zero on the fir
 """
 
 import math
-import os
 import struct
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -25,20 +23,11 @@ MODS = {"softcap": (7.5, False), "alibi": (0.0, True), "both": (30.0, True)}
 
 
 def main():
-    os.environ["ATTNGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="attngen-mods-")
-    os.environ["ATTNGEN_NO_TUNED"] = "1"
-    fake_cuda.install()
-    wrap = fake_cuda.patch_torch_cuda(propagate=True)
+    wrap, rand, i32 = fake_cuda.stub_session("attngen-mods-", propagate=True)
 
     import torch
 
     import attngen
-
-    def rand(*shape):
-        return wrap(torch.randn(*shape).to(torch.bfloat16))
-
-    def i32(values):
-        return wrap(torch.tensor(values, dtype=torch.int32))
 
     b, h, hk, d = 2, 8, 2, 64
     sq, sk = 37, 90

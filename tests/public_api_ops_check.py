@@ -5,9 +5,7 @@ with the pinned, non-default tuning fields); another family's spec or a value of
 refused with a SpecError naming what was given. Exits non-zero on the first failure; prints "ok".
 """
 
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -36,19 +34,13 @@ def refused(call, *needles) -> None:
 
 
 def main():
-    os.environ["ATTNGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="attngen-api-")
-    os.environ["ATTNGEN_NO_TUNED"] = "1"
-    fake_cuda.install()
-    wrap = fake_cuda.patch_torch_cuda()
+    wrap, rand, i32 = fake_cuda.stub_session("attngen-api-")
 
     import torch
 
     import attngen
     from attngen.runtime import recorded_launches
     from attngen.families.prefill import op
-
-    def rand(*shape):
-        return wrap(torch.randn(*shape).to(torch.bfloat16))
 
     def launched(call) -> list:
         with recorded_launches(lambda one: (one.kernel.spec, one.entry)) as seen:
@@ -70,8 +62,8 @@ def main():
 
     # varlen: two sequences packed
     qv, kv_, vv = rand(100, 4, 64), rand(130, 2, 64), rand(130, 2, 64)
-    cq = wrap(torch.tensor([0, 40, 100], dtype=torch.int32))
-    ck = wrap(torch.tensor([0, 60, 130], dtype=torch.int32))
+    cq = i32([0, 40, 100])
+    ck = i32([0, 60, 130])
     runs = [launched(lambda: attngen.prefill_varlen(qv, kv_, vv, cq, ck, 60, 70, spec=s)) for s in prefill_forms]
     assert runs[0] == runs[1] == runs[2] and runs[0][0][0].cta_tile_kv == 32, runs
 
