@@ -43,6 +43,13 @@ def _descendants(pid: int) -> set[int]:
     return out
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT to its default. A job a non-interactive shell starts in the background
+    (``cmd &``) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler, which is right for
+    the prewarm (an ignored Ctrl-C stays ignored) but would leave nothing for this test to see."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -58,7 +65,7 @@ def test_prewarm_dies_with_its_parent(tmp_path, sig):
     manifest.write_text(MANIFEST)
     p = subprocess.Popen([sys.executable, "-m", "attngen", "prewarm", "--manifest", str(manifest), "--jobs", "2"],
                          cwd=str(ROOT), env=child_env(tmp_path / "cache"), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_default_sigint)
     kids: set[int] = set()
     try:
         first = p.stderr.readline()
