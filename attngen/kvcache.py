@@ -122,22 +122,37 @@ def append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
     return (old + n_new).to(torch.int32)
 
 
+def _page_size(k_cache, v_cache) -> int:
+    """The block size a contiguous cache ``[cache_batch, max_seqlen, kv_heads, head_dim]`` can be read as pages
+    of (``_as_pages``): the largest of _PAGE_SIZES that divides max_seqlen and the row stride, with k's and v's
+    strides alike; 0 where none does. Shapes and strides only: no tensor is made."""
+    cb, m = k_cache.shape[:2]
+    s0, s1 = k_cache.stride()[:2]
+    if tuple(v_cache.stride()) != tuple(k_cache.stride()) or cb == 0 or m == 0:
+        return 0
+    return next((n for n in _PAGE_SIZES if m % n == 0 and s0 % (n * s1) == 0), 0)
+
+
+def _cache_rows(torch, cache_batch_idx, batch: int, cache_rows: int, device):
+    """The cache row of each batch row: 0..batch-1, or ``cache_batch_idx`` clamped to the cache's rows, as
+    attngen.decode clamps it."""
+    if cache_batch_idx is None:
+        return torch.arange(batch, device=device)
+    return cache_batch_idx.long().clamp(0, cache_rows - 1)
+
+
 def _as_pages(torch, k_cache, v_cache, cache_batch_idx, batch: int):
     """A contiguous cache ``[cache_batch, max_seqlen, kv_heads, head_dim]`` as a paged one: (k blocks, v
-    blocks, block table), views of the same memory, where max_seqlen and the row stride are whole
-    blocks of 16 positions or more; else None."""
-    cb, m, hk, d = k_cache.shape
-    s0, s1, s2, s3 = k_cache.stride()
-    if tuple(v_cache.stride()) != (s0, s1, s2, s3) or cb == 0 or m == 0:
-        return None
-    bs = next((n for n in _PAGE_SIZES if m % n == 0 and s0 % (n * s1) == 0), 0)
+    blocks, block table), views of the same memory, where ``_page_size`` finds a block size; else None."""
+    bs = _page_size(k_cache, v_cache)
     if not bs:
         return None
+    cb, m, hk, d = k_cache.shape
+    s0, s1, s2, s3 = k_cache.stride()
     per_row = s0 // (bs * s1)
     # Blocks between rows (a row stride past max_seqlen) exist in the view but no table names them.
     shape, strides = ((cb - 1) * per_row + m // bs, bs, hk, d), (bs * s1, s1, s2, s3)
-    rows = torch.arange(batch, device=k_cache.device) if cache_batch_idx is None else \
-        cache_batch_idx.long().clamp(0, cb - 1)  # clamped to the cache's rows, as attngen.decode does
+    rows = _cache_rows(torch, cache_batch_idx, batch, cb, k_cache.device)
     table = (rows[:, None] * per_row + torch.arange(m // bs, device=k_cache.device)).to(torch.int32)
     return k_cache.as_strided(shape, strides), v_cache.as_strided(shape, strides), table
 
@@ -185,7 +200,7 @@ def prefill_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_tab
         if cache_batch_idx is None and k_cache.shape[0] < q.shape[0]:
             raise LaunchError(f"k_cache has {k_cache.shape[0]} cache rows for batch {q.shape[0]}; pass "
                               f"cache_batch_idx to map rows")
-        if cache_leftpad is None and _as_pages(torch, k_cache, v_cache, cache_batch_idx, q.shape[0]) is not None:
+        if cache_leftpad is None and _page_size(k_cache, v_cache):
             return PAGES
         if _as_rows(torch, k_cache, v_cache) is not None:
             return ROWS
@@ -201,6 +216,14 @@ def prefill_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_tab
     return DECODE
 
 
+def _batched(r, b: int, sq: int, h: int, return_lse: bool):
+    """A varlen prefill result over ``b`` sequences of ``sq`` queries as the KV-cache call returns it: out
+    ``[b, sq, h, dv]``, and the LSE ``[b, h, sq]`` (varlen's is ``[h, b * sq]``)."""
+    if not return_lse:
+        return r.view(b, sq, h, -1)
+    return r[0].view(b, sq, h, -1), r[1].view(h, b, sq).permute(1, 0, 2).contiguous()
+
+
 def _rows_prefill(q, kr, vr, per_row, lengths, cache_batch_idx, cache_leftpad, cap, rows_in_cache, window,
                   causal, return_lse, common):
     """ROWS: the varlen prefill kernel over the cache's rows laid end to end (``_as_rows``). Sequence 2i is batch
@@ -213,8 +236,7 @@ def _rows_prefill(q, kr, vr, per_row, lengths, cache_batch_idx, cache_leftpad, c
 
     b, sq, h, d = q.shape
     dev = q.device
-    rows = torch.arange(b, device=dev) if cache_batch_idx is None else \
-        cache_batch_idx.long().clamp(0, rows_in_cache - 1)  # clamped to the cache's rows, as attngen.decode does
+    rows = _cache_rows(torch, cache_batch_idx, b, rows_in_cache, dev)
     ends = lengths.long().clamp(0, cap)
     starts = torch.zeros_like(ends) if cache_leftpad is None else torch.minimum(cache_leftpad.long().clamp(min=0), ends)
     base = rows * per_row
@@ -228,9 +250,7 @@ def _rows_prefill(q, kr, vr, per_row, lengths, cache_batch_idx, cache_leftpad, c
         slopes = slopes.repeat_interleave(2, dim=0)[:-1]  # the empty sequences' rows are never read
     r = prefill_varlen(q.reshape(b * sq, h, d), kr, vr, cu_q, cu_k, sq, cap, causal=causal, window=window,
                        return_lse=return_lse, **dict(common, alibi_slopes=slopes))
-    if not return_lse:
-        return r.view(b, sq, h, -1)
-    return r[0].view(b, sq, h, -1), r[1].view(h, b, sq).permute(1, 0, 2).contiguous()
+    return _batched(r, b, sq, h, return_lse)
 
 
 def chunked_prefill(q, k_cache, v_cache, lengths, route: str, cache_batch_idx, cache_leftpad, block_table,
@@ -255,9 +275,7 @@ def chunked_prefill(q, k_cache, v_cache, lengths, route: str, cache_batch_idx, c
         cu_k[1:] = torch.cumsum(lengths.clamp(0, cap), 0)
         r = prefill_varlen(q.reshape(b * sq, h, d), kp, vp, cu_q, cu_k, sq, cap, causal=causal, window=window,
                            return_lse=return_lse, block_table=table, **common)
-        if not return_lse:
-            return r.view(b, sq, h, -1)
-        return r[0].view(b, sq, h, -1), r[1].view(h, b, sq).permute(1, 0, 2).contiguous()
+        return _batched(r, b, sq, h, return_lse)
     # DECODE: a chunk of n tokens, `behind` tokens before the last, runs as a decode call whose rows end `shift`
     # keys past the chunk's last token: the keys after a token that its window's right side (or, unbounded, the
     # row) lets it see, up to the row's end. The decode kernel places its tokens at the rows' end, so `shift`
