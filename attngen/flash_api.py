@@ -184,9 +184,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if k is not None:  # into the caller's cache, before any padded copy of it
         lengths = append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
     # A head dim no kernel is built for: q and the cache padded once here rather than by each kernel call.
-    widths = pad_widths(q, k_cache, v_cache, DecodeSpec.HEAD_DIMS)
+    widths = pad_widths(q, k_cache, v_cache, DecodeSpec.HEAD_DIMS, v_as_k=True)
     d = q.shape[-1]
-    if widths is not None and widths[0] == widths[1]:
+    if widths is not None:
         q, k_cache, v_cache = (zero_padded(x, widths[0]) for x in (q, k_cache, v_cache))
         softmax_scale = default_scale(softmax_scale, d)
     common = dict(sm_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes)

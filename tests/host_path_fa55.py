@@ -115,6 +115,19 @@ def main():
                             return_lse=True, sm_scale=0.5)
     check_copies(3, 64)
     assert o.shape == (2, 1, 8, 59) and lse.shape == (2, 8, 1) and scale_in(0.5)
+    # q, k and v of different head dims that pad to one width (59, 60) are not padded into agreement: refused,
+    # naming the mismatch.
+    for dq, dk, dv, text in ((59, 59, 60, "must have the same shape"), (59, 60, 60, "head_dim")):
+        for call in (lambda: attngen.decode(rand(2, 1, 8, dq), rand(2, 80, 2, dk), rand(2, 80, 2, dv),
+                                            cache_seqlens=i32([40, 80])),
+                     lambda: attngen.flash_attn_with_kvcache(rand(2, 1, 8, dq), rand(2, 80, 2, dk),
+                                                             rand(2, 80, 2, dv), cache_seqlens=i32([40, 80]))):
+            try:
+                call()
+            except attngen.LaunchError as e:
+                assert text in str(e), e
+            else:
+                raise AssertionError(f"q {dq}, k {dk}, v {dv} accepted")
 
     # flash_attn_with_kvcache at head dim 59: the append lands in the caller's cache, then the padded copy of it
     # (made after the append) is what the kernel reads.

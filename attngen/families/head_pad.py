@@ -23,15 +23,18 @@ def padded_width(d, allowed) -> int:
     return max(32, -(-d // 8) * 8)
 
 
-def pad_widths(q, k, v, allowed, v_allowed=None) -> tuple[int, int] | None:
+def pad_widths(q, k, v, allowed, v_allowed=None, v_as_k: bool = False) -> tuple[int, int] | None:
     """(q and k's head dim, v's) to pad to, each the dim itself where it needs no pad; None where nothing is
     padded (or an operand has no shape: the op's checks name it). q and k are padded only together, where their
-    head dims agree (else the op names the mismatch). ``allowed`` must hold every multiple of 8 from 32 to 256."""
+    head dims agree, and with ``v_as_k`` (a family whose q, k and v share one head dim) only where all three agree:
+    else the op names the mismatch. ``allowed`` must hold every multiple of 8 from 32 to 256."""
     try:
         d, dk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
         if not (d & 7 or dv & 7) and d >= 32 and dv >= 32:  # (the common case)
             return None
     except (AttributeError, IndexError, TypeError):
+        return None
+    if v_as_k and not d == dk == dv:
         return None
     pd = padded_width(d, allowed) if d == dk else 0
     pv = padded_width(dv, allowed if v_allowed is None else v_allowed)

@@ -143,8 +143,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     except (LaunchError, TypeError):
         key = call = None
     if call is None:
-        widths = pad_widths(q, k_cache, v_cache, DecodeSpec.HEAD_DIMS) if len(qi.shape) == 4 else None
-        if widths is not None and widths[0] == widths[1]:  # a head dim no kernel is built for (head_pad)
+        widths = pad_widths(q, k_cache, v_cache, DecodeSpec.HEAD_DIMS, v_as_k=True) if len(qi.shape) == 4 else None
+        if widths is not None:  # a head dim no kernel is built for (head_pad)
             r = decode(zero_padded(q, widths[0]), zero_padded(k_cache, widths[0]), zero_padded(v_cache, widths[0]),
                        cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, block_table=block_table,
                        num_splits=num_splits, sm_scale=default_scale(sm_scale, qi.shape[3]), return_lse=return_lse,
@@ -242,6 +242,8 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     """Check a call's arguments and work out its ``_Call``."""
     if spec is not None and spec.__class__ is not DecodeSpec:
         spec = op_spec(spec, "decode", "attngen.decode")
+    if ki.shape != vi.shape:  # first: a head dim the two caches disagree on is no head dim to name
+        raise LaunchError(f"k_cache {ki.shape} and v_cache {vi.shape} must have the same shape")
     _check_operands(qi, ki, vi)
     if not (qi.kind == ki.kind == vi.kind and qi.device == ki.device == vi.device):
         raise LaunchError(f"q, k_cache, v_cache must be of one kind on one device; got {qi.kind}:{qi.device}, "
@@ -251,8 +253,6 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         raise LaunchError(f"q has dtype {dtype}; allowed: fp16, bf16")
     if ki.dtype != dtype or vi.dtype != dtype:
         raise LaunchError(f"q, k_cache, v_cache must share a dtype; got {dtype}, {ki.dtype}, {vi.dtype}")
-    if ki.shape != vi.shape:
-        raise LaunchError(f"k_cache {ki.shape} and v_cache {vi.shape} must have the same shape")
     b, q_len, h, d = qi.shape
     pool, cache_len, hk, dk = ki.shape
     if not 1 <= q_len <= MAX_Q_LEN:
