@@ -42,10 +42,8 @@ def main():
 
     real_padded = head_pad.zero_padded
     from attngen import flash_api
-    from attngen.families.decode import op as decode_op
     from attngen.families.prefill import op as prefill_op
-    from attngen.families.prefill import varlen as varlen_op
-    for mod in (flash_api, decode_op, prefill_op, varlen_op):
+    for mod in (head_pad, flash_api, prefill_op):  # the ops' run_padded, the KV-cache call, mask_plan
         mod.zero_padded = spy
 
     def params():

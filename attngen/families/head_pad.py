@@ -79,3 +79,12 @@ def cut(result, dv: int, out, return_lse: bool):
         out[...] = o
         o = out
     return (o, result[1]) if return_lse else o
+
+
+def run_padded(op, q, k, v, widths: tuple[int, int], *args, sm_scale, out, return_lse: bool, **kw):
+    """``op`` (prefill, prefill_varlen or decode) on copies of q and k zero-padded to ``widths[0]`` and of v to
+    ``widths[1]`` (``pad_widths``), at the caller's scale or the real head dim's; the result ``cut`` back to v's
+    head dim (into ``out`` where given). ``args`` and ``kw``: the rest of the call, as the caller made it."""
+    r = op(zero_padded(q, widths[0]), zero_padded(k, widths[0]), zero_padded(v, widths[1]), *args,
+           sm_scale=default_scale(sm_scale, q.shape[-1]), return_lse=return_lse, **kw)
+    return cut(r, v.shape[-1], out, return_lse)

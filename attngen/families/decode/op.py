@@ -14,7 +14,7 @@ from ...runtime import data_ptr, tensor_info
 from ...spec import op_spec
 from ...tuned import stored_choices
 from ..choice import device_facts
-from ..head_pad import cut, default_scale, pad_widths, zero_padded
+from ..head_pad import pad_widths, run_padded
 from ..host import OpMemo, Plan
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from ..split_kv import CLUSTER_MAX, cache_lengths, check_index, check_rows, checked_splits, paged_table
@@ -145,12 +145,10 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     if call is None:
         widths = pad_widths(q, k_cache, v_cache, DecodeSpec.HEAD_DIMS, v_as_k=True) if len(qi.shape) == 4 else None
         if widths is not None:  # a head dim no kernel is built for (head_pad)
-            r = decode(zero_padded(q, widths[0]), zero_padded(k_cache, widths[0]), zero_padded(v_cache, widths[0]),
-                       cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, block_table=block_table,
-                       num_splits=num_splits, sm_scale=default_scale(sm_scale, qi.shape[3]), return_lse=return_lse,
-                       variant=variant, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes, causal=causal,
-                       window=window, cache_leftpad=cache_leftpad)
-            return cut(r, qi.shape[3], out, return_lse)
+            return run_padded(decode, q, k_cache, v_cache, widths, sm_scale=sm_scale, out=out, return_lse=return_lse,
+                              cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, block_table=block_table,
+                              num_splits=num_splits, variant=variant, spec=spec, softcap=softcap,
+                              alibi_slopes=alibi_slopes, causal=causal, window=window, cache_leftpad=cache_leftpad)
         call = _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse,
                         out, variant, spec, softcap, alibi_slopes, causal, window, cache_leftpad)
         _memo.keep(key, call, flags=(return_lse, causal), numbers=(num_splits, sm_scale, softcap))

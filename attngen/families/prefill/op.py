@@ -27,7 +27,7 @@ from ...runtime import allocator, data_ptr, get_kernel, tensor_info
 from ...spec import op_spec
 from ...tuned import stored_choices
 from ..choice import device_facts
-from ..head_pad import cut, default_scale, pad_widths, zero_padded
+from ..head_pad import pad_widths, run_padded, zero_padded
 from ..host import OpMemo, Plan
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from .choose import CUSTOM_MASK, DENSE, base_spec, dense_grid, persistent_grid, sync_twin, table
@@ -269,11 +269,9 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     if call is None:
         widths = pad_widths(q, k, v, PrefillSpec.WHOLE_DIMS) if len(qi.shape) == len(vi.shape) == 4 else None
         if widths is not None:  # a head dim no kernel is built for, run on zero-padded copies (head_pad)
-            r = prefill(zero_padded(q, widths[0]), zero_padded(k, widths[0]), zero_padded(v, widths[1]),
-                        causal=causal, window=window, sm_scale=default_scale(sm_scale, qi.shape[3]),
-                        return_lse=return_lse, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes, mask=mask,
-                        mask_plan=mask_plan)
-            return cut(r, vi.shape[3], out, return_lse)
+            return run_padded(prefill, q, k, v, widths, sm_scale=sm_scale, out=out, return_lse=return_lse,
+                              causal=causal, window=window, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes,
+                              mask=mask, mask_plan=mask_plan)
         call = _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softcap, alibi_slopes,
                         mask is not None)
         _memo.keep(key, call, flags=(causal, return_lse), numbers=(sm_scale, softcap))

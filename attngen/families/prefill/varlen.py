@@ -14,7 +14,7 @@ from ... import runtime as _rt
 from ...errors import LaunchError
 from ...runtime import data_ptr, tensor_info
 from ...spec import op_spec
-from ..head_pad import cut, default_scale, pad_widths, zero_padded
+from ..head_pad import pad_widths, run_padded
 from ..score_mods import NO_EXTRAS, checked_scale, extras
 from ..split_kv import check_block_size
 from .masks import PLAN_PARAMS
@@ -73,11 +73,9 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
             alibi_slopes=alibi_slopes)
     widths = pad_widths(q, k, v, PrefillSpec.WHOLE_DIMS)
     if widths is not None:  # a head dim no kernel is built for, run on zero-padded copies (head_pad)
-        r = prefill_varlen(zero_padded(q, widths[0]), zero_padded(k, widths[0]), zero_padded(v, widths[1]),
-                           cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
-                           sm_scale=default_scale(sm_scale, q.shape[-1]), return_lse=return_lse,
-                           block_table=block_table, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes)
-        return cut(r, v.shape[-1], out, return_lse)
+        return run_padded(prefill_varlen, q, k, v, widths, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          sm_scale=sm_scale, out=out, return_lse=return_lse, causal=causal, window=window,
+                          block_table=block_table, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes)
     if spec is not None and spec.__class__ is not PrefillSpec:
         spec = op_spec(spec, "prefill", "attngen.prefill_varlen")
     paged = block_table is not None
