@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .core import CHECK_TOL, _short_error
+from .core import CHECK_TOL, _rel_check, _short_error
 
 NAME = "flashinfer"          # the column's name in records, tables and summaries
 DIST = "flashinfer-python"   # the distribution whose version the records carry
@@ -170,17 +170,12 @@ def _fa_backend(device) -> str:
 
 
 def _compare(out, ref) -> dict:
-    """FlashInfer's output against attngen's (same shape): max abs and relative L2 difference."""
-    import torch
-
+    """FlashInfer's output against attngen's (same number of elements): the benchmarks' check (``_rel_check``),
+    its NaN count, max abs and relative L2 difference."""
     if ref is None:
         return {"vs_attngen": None}
-    a, b = out.float().reshape(-1), ref.float().reshape(-1)
-    d = a - b
-    return {"vs_attngen": {"max_abs": float(d.abs().max().item()) if d.numel() else 0.0,
-                           "rel_l2": float((torch.linalg.vector_norm(d)
-                                            / torch.linalg.vector_norm(b).clamp_min(1e-30)).item()),
-                           "nan_count": int(torch.isnan(a).sum().item())}}
+    c = _rel_check(out.reshape(-1), ref.float().reshape(-1))
+    return {"vs_attngen": {k: c[k] for k in ("max_abs", "rel_l2", "nan_count")}}
 
 
 def _first(plan: Callable[[], Any], run: Callable[[], Any], module: str) -> tuple[Any, float, float, float]:
