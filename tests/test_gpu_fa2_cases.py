@@ -51,6 +51,14 @@ def _window(rng, sk):
     return (rng.randrange(0, sk), rng.randrange(0, sk))
 
 
+def _cycled(rng, space, flags) -> list:
+    """Each point of ``space`` with the next of the ``flags`` combinations (shuffled by ``rng``), cycling through
+    them, so every combination is used about as often and each point gets one."""
+    flags = list(flags)
+    rng.shuffle(flags)
+    return [(*p, *flags[i % len(flags)]) for i, p in enumerate(space)]
+
+
 def _run(cases, body, counts: Counter):
     for case in cases:
         try:
@@ -65,11 +73,9 @@ def test_fa2_dense_cases(cache_dir):
     """flash_attn_func and its packed forms: every head dim x every length pair, with the flags cycled."""
     rng, gen = random.Random(1), torch.Generator(device="cuda")
     gen.seed()
-    flags = list(itertools.product((False, True), (False, True), (False, True), (0.0, 50.0), ("mha", "mqa", "gqa"),
-                                   (False, True), (torch.float16, torch.bfloat16), (0.0, 0.17)))
-    rng.shuffle(flags)
-    cases = [(d, sq, sk, *flags[i % len(flags)]) for i, (d, (sq, sk)) in enumerate(itertools.product(HEAD_DIMS,
-                                                                                                        LENGTHS))]
+    cases = _cycled(rng, [(d, sq, sk) for d, (sq, sk) in itertools.product(HEAD_DIMS, LENGTHS)],
+                    itertools.product((False, True), (False, True), (False, True), (0.0, 50.0), ("mha", "mqa", "gqa"),
+                                      (False, True), (torch.float16, torch.bfloat16), (0.0, 0.17)))
     counts = Counter()
 
     def body(d, sq, sk, causal, local, alibi, softcap, kind, kvpacked, dtype, dropout):
@@ -97,11 +103,9 @@ def test_fa2_varlen_cases(cache_dir):
     """flash_attn_varlen_func and its packed forms over random lengths (some empty)."""
     rng, gen = random.Random(2), torch.Generator(device="cuda")
     gen.seed()
-    flags = list(itertools.product((False, True), (False, True), (False, True), (0.0, 50.0), ("mha", "mqa", "gqa"),
-                                   ("none", "kv", "qkv"), (torch.float16, torch.bfloat16), (0.0, 0.17)))
-    rng.shuffle(flags)
-    cases = [(d, sq, sk, *flags[i % len(flags)]) for i, (d, (sq, sk)) in enumerate(itertools.product(HEAD_DIMS,
-                                                                                                        LENGTHS))]
+    cases = _cycled(rng, [(d, sq, sk) for d, (sq, sk) in itertools.product(HEAD_DIMS, LENGTHS)],
+                    itertools.product((False, True), (False, True), (False, True), (0.0, 50.0), ("mha", "mqa", "gqa"),
+                                      ("none", "kv", "qkv"), (torch.float16, torch.bfloat16), (0.0, 0.17)))
     counts = Counter()
 
     def body(d, sq, sk, causal, local, alibi, softcap, kind, packed, dtype, dropout):
@@ -149,11 +153,9 @@ def test_fa2_kvcache_cases(cache_dir):
     rng, gen = random.Random(3), torch.Generator(device="cuda")
     gen.seed()
     space = list(itertools.product((32, 59, 64, 80, 128, 256), (1, 339), (128, 339, 1024, 800, 256, 799, 2048)))
-    flags = list(itertools.product((None, 256, 512), (False, True), (False, True), (False, True), (False, True),
-                                   (False, True), (False, True), ("mha", "mqa", "gqa"), (1, 0),
-                                   (torch.float16, torch.bfloat16)))
-    rng.shuffle(flags)
-    cases = [(*p, *flags[i % len(flags)]) for i, p in enumerate(space)]
+    cases = _cycled(rng, space, itertools.product((None, 256, 512), (False, True), (False, True), (False, True),
+                                                  (False, True), (False, True), (False, True), ("mha", "mqa", "gqa"),
+                                                  (1, 0), (torch.float16, torch.bfloat16)))
     counts = Counter()
 
     def body(d, n_new, sk, block, batch_idx, leftpad, causal, local, alibi, new_kv, kind, splits, dtype):
