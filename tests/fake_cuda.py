@@ -285,3 +285,16 @@ def stub_session(prefix: str, propagate: bool = False):
         return wrap(torch.tensor(values, dtype=torch.int32))
 
     return wrap, rand, i32
+
+
+def run_check(script: str, tmp_path, timeout: float = 600, keep_tuned: bool = False) -> None:
+    """Run ``tests/<script>`` (a stub-driver check: it installs the stub, so it needs a process of its own) with
+    the checkout on PYTHONPATH and temporary files under ``tmp_path``; assert it exits 0 and prints "ok" last.
+    ``keep_tuned``: the child does not inherit ATTNGEN_NO_TUNED (a check of the tuned store's use)."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root), TMPDIR=str(tmp_path))
+    if keep_tuned:
+        env.pop("ATTNGEN_NO_TUNED", None)
+    p = subprocess.run([sys.executable, str(root / "tests" / script)], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-3000:] + p.stderr[-3000:]

@@ -4,11 +4,7 @@ the op's refusals on the stub driver (tests/host_path_decode_dims.py)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,8 +16,6 @@ from attngen.families.decode.defaults import TUNED, TUNED_ROWS, measured_dim
 from attngen.render import render
 from attngen.spec import resolve
 from tests import fake_cuda
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_multiple_of_8_from_32_to_256_and_512():
@@ -142,7 +136,4 @@ def test_representatives_compile_without_spills(arch, fields):
 @pytest.mark.skipif(not fake_cuda.available(), reason="needs gcc for the stub driver")
 def test_op_refuses_other_head_dims_and_groups(tmp_path):
     pytest.importorskip("torch")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path))
-    p = subprocess.run([sys.executable, str(ROOT / "tests" / "host_path_decode_dims.py")], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-3000:] + p.stderr[-3000:]
+    fake_cuda.run_check("host_path_decode_dims.py", tmp_path)

@@ -87,14 +87,5 @@ def test_zero_padded_copies_and_cut_returns_the_real_columns():
 def test_padded_head_dims_block_sizes_and_routes_on_the_stub_driver(tmp_path):
     """tests/host_path_fa55.py: what reaches the kernels (padded copies, scales, block sizes past 256, the routes
     of many non-causal new tokens) on the stub driver."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     pytest.importorskip("torch")
-    root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PYTHONPATH=str(root), TMPDIR=str(tmp_path))
-    p = subprocess.run([sys.executable, str(root / "tests" / "host_path_fa55.py")], cwd=root, env=env,
-                       capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-3000:] + p.stderr[-3000:]
+    fake_cuda.run_check("host_path_fa55.py", tmp_path, timeout=900)

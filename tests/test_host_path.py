@@ -25,11 +25,7 @@ def _have_torch() -> bool:
 @pytest.mark.skipif(not fake_cuda.available(), reason="needs gcc for the stub driver")
 @pytest.mark.skipif(not _have_torch(), reason="needs torch (a CPU build is enough)")
 def test_prefill_host_path_on_stub_driver(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path))
-    env.pop("ATTNGEN_NO_TUNED", None)
-    p = subprocess.run([sys.executable, str(ROOT / "tests" / "host_path_check.py")], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-3000:] + p.stderr[-3000:]
+    fake_cuda.run_check("host_path_check.py", tmp_path, keep_tuned=True)
 
 
 @pytest.mark.skipif(not fake_cuda.available(), reason="needs gcc for the stub driver")
@@ -46,7 +42,4 @@ def test_host_overhead_tool_runs(tmp_path):
 def test_softcap_and_alibi_through_every_entry_point(tmp_path):
     """Every entry point x {softcap, ALiBi, both} x {sm_scale given, None} x {dense, varlen, paged, KV cache}
     reaches the kernel with the scale and modifiers it implies (tests/host_path_mods.py)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path))
-    p = subprocess.run([sys.executable, str(ROOT / "tests" / "host_path_mods.py")], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-3000:] + p.stderr[-3000:]
+    fake_cuda.run_check("host_path_mods.py", tmp_path)

@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +16,6 @@ from attngen.cli import main as cli_main
 from attngen.spec import op_spec
 from tests import fake_cuda
 
-ROOT = Path(__file__).resolve().parent.parent
 TEXT = "prefill:head_dim=64,mask=causal,cta_tile_q=64,cta_tile_kv=64,num_warps=4,num_stages=2,mma=mma_sync"
 OBJ = attngen.parse_spec(TEXT)
 DICT = OBJ.to_dict()
@@ -165,10 +160,7 @@ def test_an_op_refuses_a_value_that_is_no_spec(op):
 @pytest.mark.skipif(not fake_cuda.available(), reason="needs gcc for the stub driver")
 def test_ops_take_every_form_on_the_stub_driver(tmp_path):
     pytest.importorskip("torch")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path))
-    p = subprocess.run([sys.executable, str(ROOT / "tests" / "public_api_ops_check.py")], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-3000:] + p.stderr[-3000:]
+    fake_cuda.run_check("public_api_ops_check.py", tmp_path, timeout=900)
 
 
 # --- MaskPlan, docs, the default arch ---------------------------------------------------------------
