@@ -499,6 +499,16 @@ def _no_tf32():
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
+def ratio_summary(pairs: list, where) -> dict | None:
+    """What ``attngen bench report`` reads of a peer column: over (ratio, record) pairs, the minimum, the geometric
+    mean, the count and ``where(record)`` of the minimum's record; None where there is no pair."""
+    if not pairs:
+        return None
+    worst, wr = min(pairs, key=lambda p: p[0])
+    return {"min": worst, "geomean": math.exp(sum(math.log(x) for x, _ in pairs) / len(pairs)), "shapes": len(pairs),
+            "min_at": where(wr)}
+
+
 def _rel_check(out, ref) -> dict:
     """NaN count, max abs and rel L2 of ``out`` (any layout matching ``ref``) against ``ref`` fp32."""
     import torch

@@ -7,13 +7,12 @@ Reads only records, so a saved run re-renders without torch or a GPU.
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 from attngen.bench import flashinfer as fi
-from attngen.bench.core import _fmt, _save_figure, _say, env_lines, pyplot
+from attngen.bench.core import _fmt, _save_figure, _say, env_lines, pyplot, ratio_summary
 
 ITEMSIZE = {"bf16": 2, "fp16": 2}
 TARGET_COPY_FRAC = 0.90          # of the copy bandwidth, for batch >= 16 and kv_len >= 4k
@@ -194,12 +193,7 @@ def decode_summary(records: list[dict], backends: list[str]) -> dict:
         s: dict[str, Any] = {"ratio": {}}
         for p in backends:
             pairs = [(r["ratio"][name][p], r) for r in ran if (r.get("ratio", {}).get(name) or {}).get(p)]
-            if pairs:
-                worst, wr = min(pairs, key=lambda x: x[0])
-                s["ratio"][p] = {"min": worst, "min_at": _decode_shape_of(wr).label(), "shapes": len(pairs),
-                                 "geomean": math.exp(sum(math.log(x) for x, _ in pairs) / len(pairs))}
-            else:
-                s["ratio"][p] = None
+            s["ratio"][p] = ratio_summary(pairs, lambda wr: _decode_shape_of(wr).label())
         fr = [(r["frac_copy"][name], r) for r in ran
               if r["batch"] >= 16 and r["kv_len"] >= 4096 and r.get("frac_copy", {}).get(name) is not None]
         b1 = [(r["ratio"][name]["cudnn"], r) for r in ran if r["batch"] == 1 and r["kv_len"] == 32768

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from ...bench import core
 from ...bench import flashinfer as fi
-from ...bench.core import _fmt, _int_list, _say, _short_error, env_lines, gbps, write_json
+from ...bench.core import _fmt, _int_list, _say, _short_error, env_lines, gbps, ratio_summary, write_json
 
 RANK, ROPE = 512, 64
 BATCHES = (1, 8, 64, 128)
@@ -220,10 +220,7 @@ def summary(data: dict) -> dict:
            "failed_checks": [f for f in fails if not f.endswith(" " + fi.NAME)]}
     ratios = [(r["ratio"][fi.NAME], r) for r in res if (r.get("ratio") or {}).get(fi.NAME)]
     if ratios:  # FlashInfer's time / attngen's: the summary `attngen bench record` turns into a row
-        worst, wr = min(ratios, key=lambda p: p[0])
-        out["ratio"] = {fi.NAME: {"min": worst, "geomean": math.exp(sum(math.log(x) for x, _ in ratios) / len(ratios)),
-                                  "shapes": len(ratios),
-                                  "min_at": {k: wr[k] for k in ("batch", "seqlen", "heads")}}}
+        out["ratio"] = {fi.NAME: ratio_summary(ratios, lambda wr: {k: wr[k] for k in ("batch", "seqlen", "heads")})}
         out["flashinfer_failed_checks"] = [f for f in fails if f.endswith(" " + fi.NAME)]
     return out
 

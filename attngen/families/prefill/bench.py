@@ -27,7 +27,7 @@ from attngen.bench import core
 from attngen.bench import flashinfer as fi
 from attngen.bench.core import (_CAUSAL, BACKENDS, CHECK_TOL, DTYPES, _backend_list, _dtype_list, _fmt,
                                 _head_dim_list, _int_list, _replay_or_gpu_check, _save_figure, _say, _sdpa_backend,
-                                _short_error, attention_flops, env_lines, pyplot, tflops, write_json)
+                                _short_error, attention_flops, env_lines, pyplot, ratio_summary, tflops, write_json)
 
 # --- the sweep ------------------------------------------------------------------------------------
 
@@ -397,14 +397,8 @@ def summarize(records: list[dict], backends: list[str]) -> dict:
     out: dict[str, Any] = {}
     for n in backends:
         pairs = [(r["ratio"][n], r) for r in records if r.get("ratio", {}).get(n)]
-        if not pairs:
-            out[n] = None
-            continue
-        worst, wr = min(pairs, key=lambda p: p[0])
-        gmean = math.exp(sum(math.log(p) for p, _ in pairs) / len(pairs))
-        out[n] = {"min": worst, "geomean": gmean, "shapes": len(pairs),
-                  "min_at": {k: wr.get(k, 0) for k in ("dtype", "head_dim", "head_dim_v", "causal", "batch", "seqlen",
-                                                       "heads", "kv_heads")}}
+        out[n] = ratio_summary(pairs, lambda wr: {k: wr.get(k, 0) for k in ("dtype", "head_dim", "head_dim_v", "causal",
+                                                                             "batch", "seqlen", "heads", "kv_heads")})
     checks = [r["check"] for r in records if r.get("check")]
     out["checks"] = {"run": len(checks), "failed": sum(1 for c in checks if not c.get("ok")),
                      "max_rel_l2": max((c["rel_l2"] for c in checks if isinstance(c.get("rel_l2"), float)),
