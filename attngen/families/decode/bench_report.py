@@ -299,7 +299,7 @@ def decode_markdown(data: dict) -> str:
               *([f"- flashinfer: FlashInfer's tensor-core paged decode on the paged copy (page = block size "
                  f"{cfg.get('block_size')}); {fi.DELTA_COLUMN} = its max abs difference from attngen's output"]
                 if fi.NAME in backends else []),
-              *([f"- {fi.first_call_line(data)}"] if fi.first_call_line(data) else []),
+              *([f"- {first}"] if (first := fi.first_call_line(data)) else []),
               ""]
     if not data.get("complete", True):
         lines += ["**Partial run**: the sweep did not finish.", ""]
@@ -384,8 +384,9 @@ def _finish_decode(data: dict, args: argparse.Namespace, print_table: bool) -> N
     _say("")
     for ln in decode_summary_lines(summ):
         _say(ln)
-    if fi.first_call_line(data):
-        _say(fi.first_call_line(data))
+    first = fi.first_call_line(data)
+    if first:
+        _say(first)
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(decode_markdown(data))

@@ -259,13 +259,14 @@ def _finish(data: dict, args, print_table: bool) -> None:
         at = " ".join(f"{k}={v}" for k, v in x["min_at"].items())
         _say(f"attngen / flashinfer (its time / attngen's): min {x['min']:.2f} at {at}, geomean {x['geomean']:.2f} "
              f"over {x['shapes']} shapes; FlashInfer's failed checks: {len(s.get('flashinfer_failed_checks', []))}")
-    if fi.first_call_line(data):
-        _say(fi.first_call_line(data))
+    first = fi.first_call_line(data)
+    if first:
+        _say(first)
     if args.markdown:
         env = data["env"]
         md = [f"GPU: {env.get('gpu')}; {env.get('date', '')[:10]}; torch {env.get('torch')}; NVRTC {env.get('nvrtc')}; "
               f"attngen {env.get('attngen_commit')} (source {env.get('attngen_source')}); {data['config']['timer']}", ""] + table
-        md += ["", fi.first_call_line(data)] if fi.first_call_line(data) else []
+        md += ["", first] if first else []
         Path(args.markdown).write_text("\n".join(md) + "\n")
     if args.out:
         p = _plot(data, Path(args.out) / "bench_mla.png")
@@ -291,8 +292,9 @@ def cmd_mla(args: argparse.Namespace) -> int:
     }
     for ln in env_lines(env):
         _say(ln)
-    if fi.wanted(args):
-        _say(fi.wanted(args))
+    note = fi.wanted(args)
+    if note:
+        _say(note)
     read = core.stream_reader()
     t0 = time.perf_counter()
     shapes = [(h, b, n) for h in args.heads for b in args.batches for n in args.seqlens]

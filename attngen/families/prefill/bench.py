@@ -438,7 +438,7 @@ def prefill_markdown(data: dict) -> str:
               f"- {FLOP_NOTE}",
               f"- {cfg.get('sdpa_note') or SDPA_NOTE}",
               "- — = the backend refused that shape.",
-              *([f"- {fi.first_call_line(data)}"] if fi.first_call_line(data) else []),
+              *([f"- {first}"] if (first := fi.first_call_line(data)) else []),
               ""]
     if not data.get("complete", True):
         lines += ["**Partial run**: the sweep did not finish.", ""]
@@ -515,8 +515,9 @@ def _finish_prefill(data: dict, args: argparse.Namespace, print_table: bool) -> 
     if "flash" in backends:
         s = summ.get("flash")
         _say(f"minimum ratio attngen/flash across the sweep: {_fmt(s['min'] if s else None, '.3f')}")
-    if fi.first_call_line(data):
-        _say(fi.first_call_line(data))
+    first = fi.first_call_line(data)
+    if first:
+        _say(first)
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(prefill_markdown(data))
