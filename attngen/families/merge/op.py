@@ -67,8 +67,9 @@ def _check_values(t, name: str, dims: str, shape: tuple, dtype: str) -> None:
     bad = [(i, s) for i, s in enumerate(t.strides[:-1]) if s % vec and t.shape[i] > 1]
     if bad:
         i, s = bad[0]
-        raise LaunchError(f"{name} has stride {s} in dim {i} (strides {tuple(t.strides)}); allowed: multiples of "
-                          f"{vec} elements (16 bytes of {dtype})")
+        dim = ("tokens", "num_states", "heads")[i] if len(t.shape) == 4 else ("tokens", "heads")[i]
+        raise LaunchError(f"{name} has stride {s} in dim {i} ({dim}; strides {tuple(t.strides)}); allowed: "
+                          f"multiples of {vec} elements (16 bytes of {dtype})")
     if t.ptr % 16:
         raise LaunchError(f"{name} starts at address {t.ptr:#x}; allowed: 16-byte aligned addresses")
 
