@@ -132,7 +132,7 @@ def _prepare(vs: tuple, ss: tuple, out, many: bool) -> _Call:
     oi, li = _outputs(out, kind, dev)
     call = _Call()
     call.out_shape, call.lse_shape = (tokens, heads, d), (tokens, heads)
-    call.out_ptr = call.lse_ptr = 0
+    call.out_ptr = call.lse_ptr = None  # None: allocated per call
     call.out_strides, call.lse_strides = (heads * d, d), (heads, 1)
     if oi is not None:
         _check_values(oi, "out" if li is None else "out[0]", "[tokens, heads, head_dim]", call.out_shape, dtype)
@@ -182,12 +182,12 @@ def _run(key, vs, ss, out, many: bool):
         call = _prepare(vs, ss, out, many)
         _memo.keep(key, call)
     plan, kind = call.plan, vs[0].kind
-    if call.out_ptr:
+    if call.out_ptr is not None:
         o, optr = (out[0] if isinstance(out, (tuple, list)) else out), call.out_ptr
     else:
         o = plan.alloc(*call.out_shape)
         optr = data_ptr(o, kind)
-    if call.lse_ptr:
+    if call.lse_ptr is not None:
         lse, lptr = out[1], call.lse_ptr
     else:
         lse = plan.alloc_f32(*call.lse_shape)
