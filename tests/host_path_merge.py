@@ -87,7 +87,7 @@ def main():
     assert lse.dtype == torch.float32
     c = choose.choose(choose.Problem(d, "bf16", "pair", t, h), device_facts(0))
     got = fake_cuda.last_launch()
-    assert got["grid"] == c.launch.grid == (-(-t * h // c.spec.num_warps), 1, 1), (got, c)
+    assert got["grid"] == c.launch.grid == (-(-t * h * (d // 8) // c.spec.threads), 1, 1), (got, c)  # a thread a vector
     assert got["threads"] == c.spec.threads == 128 and got["smem"] == 0, got
     p = _PARAMS.unpack(fake_cuda.last_params(_PARAMS.size))
     assert p[:6] == (va_view.data_ptr(), vb.data_ptr(), lse_ht.data_ptr(), sb.data_ptr(), o.data_ptr(),

@@ -63,13 +63,19 @@ def test_a_warp_takes_up_to_32_vectors_of_a_row(head_dim, dtype, chunks):
     assert s.vec == (4 if dtype == "fp32" else 8) and s.chunks == chunks
 
 
-def test_choice_grid_covers_every_chunk_of_every_row():
+def test_choice_grid_covers_every_row():
     facts = DeviceFacts(get_arch("sm_90a"))
     for tokens, heads, d, dtype in ((1, 1, 64, "bf16"), (7, 5, 1024, "fp16"), (1000, 32, 136, "fp32")):
-        c = choose(Problem(d, dtype, "pair", tokens, heads), facts)
-        warps = tokens * heads * c.spec.chunks
-        assert c.launch.grid[0] * c.spec.num_warps >= warps > (c.launch.grid[0] - 1) * c.spec.num_warps
-        assert launch(Problem(d, dtype, "many", tokens, heads), c.spec) == c.launch
+        for states in ("pair", "many"):
+            c = choose(Problem(d, dtype, states, tokens, heads), facts)
+            lanes = tokens * heads * c.spec.lanes_per_row
+            assert c.launch.grid[0] * c.spec.threads >= lanes > (c.launch.grid[0] - 1) * c.spec.threads
+            assert launch(Problem(d, dtype, states, tokens, heads), c.spec) == c.launch
+    # two states: a thread a vector (no idle lanes at head_dim 128 in bf16); several: whole warps a row
+    pair = resolve(MergeSpec(head_dim=128, dtype="bf16"), "sm_90a")
+    many = pair.replace(states=States.MANY)
+    assert (pair.lanes_per_row, many.lanes_per_row) == (16, 32)
+    assert choose(Problem(128, "bf16", "pair", 100, 8), facts).launch.grid == (100 * 8 * 16 // 128, 1, 1)
 
 
 def test_kernel_names_read_the_variant():

@@ -25,7 +25,8 @@ struct MergeShape {
   static constexpr bool BF16 = BF16_;        // T is __nv_bfloat16 (else __half or float)
   static constexpr int HEAD_DIM = HEAD_DIM_;
   static constexpr int VEC = VEC_;           // elements of a 16-byte vector
-  static constexpr int CHUNKS = CHUNKS_;     // warps a row, up to 32 vectors each
+  static constexpr int VECS = HEAD_DIM_ / VEC_;  // vectors a row
+  static constexpr int CHUNKS = CHUNKS_;     // warps a row with several states, up to 32 vectors each
   static constexpr int WARPS = WARPS_;       // warps a CTA
   static constexpr bool MANY = MANY_;
   // States whose vectors are in flight at once (merge_states): their loads overlap.

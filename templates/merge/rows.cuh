@@ -1,4 +1,5 @@
-// The merge: one warp a chunk of a (token, head) row, one 16-byte vector a lane; weights exp(s_i - max s) in
+// The merge, one 16-byte vector of a (token, head) row a thread: with two states each thread on its own, with
+// several a warp a chunk of a row, its lanes sharing the states' LSE through shuffles. Weights exp(s_i - max s) in
 // fp32, the output the weighted mean of the states' rows, the LSE max s + log(sum of the weights). A state
 // whose LSE is -inf (no key) has weight 0 and its values are never added, whatever they hold; a row whose
 // states are all empty gets zeros and LSE -inf. A NaN LSE makes the row NaN (its weight is NaN, never 0).
@@ -75,15 +76,27 @@ __device__ __forceinline__ float merge_pair(const MergeParams<typename S::T>& p,
 
 template <class S>
 __device__ __forceinline__ void merge_rows(const MergeParams<typename S::T>& p) {
-  const int lane = threadIdx.x % 32;
-  const long long gw = (long long)blockIdx.x * S::WARPS + threadIdx.x / 32;
-  const long long row = gw / S::CHUNKS;  // token * heads + head
+  long long row;  // token * heads + head
+  int col;
+  bool first;     // writes the row's LSE
+  if constexpr (S::MANY) {
+    const int lane = threadIdx.x % 32;
+    const long long gw = (long long)blockIdx.x * S::WARPS + threadIdx.x / 32;
+    row = gw / S::CHUNKS;  // the same for every lane: a warp returns below as a whole
+    const int chunk = gw % S::CHUNKS;
+    col = (chunk * 32 + lane) * S::VEC;
+    first = chunk == 0 && lane == 0;
+  } else {
+    // no lane waits on another: a row narrower than 32 vectors leaves no lane idle
+    const long long g = (long long)blockIdx.x * (S::WARPS * 32) + threadIdx.x;
+    row = g / S::VECS;
+    col = (g % S::VECS) * S::VEC;
+    first = col == 0;
+  }
   if (row >= (long long)p.tokens * p.heads) return;
-  const int chunk = gw % S::CHUNKS;
   const long long t = row / p.heads;
   const int h = row % p.heads;
-  const int col = (chunk * 32 + lane) * S::VEC;
-  const bool live = col < S::HEAD_DIM;  // the last chunk of a row not a multiple of 32 vectors
+  const bool live = col < S::HEAD_DIM;  // the last chunk of a row not a multiple of 32 vectors (several states)
   float acc[S::VEC];
 #pragma unroll
   for (int i = 0; i < S::VEC; ++i) acc[i] = 0.f;
@@ -101,7 +114,7 @@ __device__ __forceinline__ void merge_rows(const MergeParams<typename S::T>& p) 
     for (int i = 0; i < S::VEC; ++i) acc[i] *= inv;
     store_vec<typename S::T, S::BF16, S::VEC>(p.o + t * p.o_st + h * p.o_sh + col, acc);
   }
-  if (chunk == 0 && lane == 0) p.lse[t * p.lse_st + h * p.lse_sh] = wsum == 0.f ? -ATTNGEN_INF : mx + logf(wsum);
+  if (first) p.lse[t * p.lse_st + h * p.lse_sh] = wsum == 0.f ? -ATTNGEN_INF : mx + logf(wsum);
 }
 
 }  // namespace attngen

@@ -1,7 +1,7 @@
 """Which kernel ``attngen.merge_state`` / ``attngen.merge_states`` run, and how: one pure function,
 ``choose(problem, device) -> Choice(spec, launch)``. The spec is the problem's fields resolved for the arch (a
-merge has no size-dependent tiles); the launch is one warp a chunk of each (token, head) row, ``num_warps`` of
-them a CTA."""
+merge has no size-dependent tiles); the launch covers ``lanes_per_row`` threads of each (token, head) row (a thread
+a vector for two states, a warp a chunk for several), ``num_warps`` warps a CTA."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def resolved(head_dim: int, dtype: str, states: str, arch: Arch) -> MergeSpec:
 
 
 def launch(p: Problem, rs: MergeSpec) -> Launch:
-    warps = p.tokens * p.heads * rs.chunks
-    return Launch((-(-warps // rs.num_warps), 1, 1))
+    lanes = p.tokens * p.heads * rs.lanes_per_row
+    return Launch((-(-lanes // rs.threads), 1, 1))
 
 
 def choose(p: Problem, device: DeviceFacts) -> Choice:

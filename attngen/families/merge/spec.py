@@ -2,8 +2,9 @@
 
 A merge combines partial attention results, each a normalised output row with its log-sum-exp (natural log),
 into the row attention over the union of their keys would give: weights exp(s_i - max s), output the weighted
-mean, LSE max s + log(sum of the weights). One warp takes a chunk of up to 32 vectors (16 bytes each) of a
-(token, head) row; the spec fixes the element type, the head dim and how the states are laid out.
+mean, LSE max s + log(sum of the weights). Rows are read in 16-byte vectors: with two states a thread takes one
+vector of a (token, head) row; with several a warp takes a chunk of up to 32 of them, its lanes sharing the states'
+LSE through shuffles. The spec fixes the element type, the head dim and how the states are laid out.
 
 The text of this module feeds the cache key (it decides what the template context holds).
 """
@@ -76,8 +77,18 @@ class MergeSpec(SpecBase):
         return 16 // self.dtype.itemsize
 
     @property
+    def vecs(self) -> int:
+        """16-byte vectors of a (token, head) row."""
+        return self.head_dim // self.vec
+
+    @property
+    def lanes_per_row(self) -> int:
+        """Threads a (token, head) row: a thread a vector for two states, whole warps (``chunks``) for several."""
+        return self.vecs if self.states is States.PAIR else 32 * self.chunks
+
+    @property
     def chunks(self) -> int:
-        """Warps a (token, head) row: each holds up to 32 of its vectors, one a lane."""
+        """Warps a (token, head) row with several states: each holds up to 32 of its vectors, one a lane."""
         return -(-self.head_dim // (32 * self.vec))
 
     @property
