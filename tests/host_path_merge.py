@@ -119,6 +119,17 @@ def main():
     assert p[6:11] == (n * h * 200, 200, 0, 0, h * 200) and p[11:16] == (n * h, 1, 0, 0, h), p[6:16]
     assert p[20:] == (t, h, n), p[20:]
 
+    # while torch.compile traces: refused by name (the merges are not torch custom ops)
+    from attngen import runtime
+
+    was, runtime.tracing = runtime.tracing, lambda: True
+    try:
+        refused(lambda: attngen.merge_state(va, sa, vb, sb), "attngen.merge_state is not a torch custom op",
+                "allowed: calls outside torch.compile")
+        refused(lambda: attngen.merge_states(v, s), "attngen.merge_states is not a torch custom op")
+    finally:
+        runtime.tracing = was
+
     # no rows: outputs, no launch
     n0 = fake_cuda.counts()["launches"]
     o, lse = attngen.merge_state(rand(0, h, d), f32(0, h), rand(0, h, d), f32(0, h))

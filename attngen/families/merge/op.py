@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import struct
 
+from ... import runtime as _rt
 from ...errors import LaunchError
 from ...runtime import data_ptr, tensor_info
 from ..choice import SizeTable, device_facts
@@ -140,8 +141,8 @@ def _prepare(vs: tuple, ss: tuple, out, many: bool) -> _Call:
     if li is not None:
         _check_lse(li, "out[1]", "[tokens, heads]", call.lse_shape)
         call.lse_ptr, call.lse_strides = li.ptr, tuple(li.strides)
-    # A row's chunks are read and written by different warps in no set order: an output that shares bytes with
-    # an input could be read after another warp wrote it.
+    # Different threads read a row's states and write its output and LSE in no set order: an output that shares
+    # bytes with an input could be read after another thread wrote it.
     for t, item, name in ((oi, _ITEM[dtype], "out"), (li, 4, "out[1]")):
         if t is None or not all(t.shape):
             continue
@@ -174,6 +175,14 @@ def _prepare(vs: tuple, ss: tuple, out, many: bool) -> _Call:
         sstr = (s0.strides[0], s0.strides[1], s1.strides[0], s1.strides[1], 0)
     call.tail = (*vstr, *sstr)
     return call
+
+
+def _traced(op: str) -> None:
+    """Refuse a call while torch.compile traces: the merges are not torch custom ops (a traced tensor has no
+    address to launch on)."""
+    if _rt.tracing is not None and _rt.tracing():
+        raise LaunchError(f"attngen.{op} is not a torch custom op; allowed: calls outside torch.compile's traced "
+                          "region (e.g. under torch.compiler.disable)")
 
 
 def _run(key, vs, ss, out, many: bool):
@@ -229,6 +238,7 @@ def merge_state(v_a, s_a, v_b, s_b, *, out=None):
     and ``decode``'s ``[batch, heads, q_len]`` as ``lse.transpose(1, 2).reshape(-1, heads)`` with the output as
     ``out.reshape(-1, heads, head_dim)`` (the LSE reshape copies where batch > 1 and heads > 1).
     """
+    _traced("merge_state")
     vs = (tensor_info(v_a, "v_a"), tensor_info(v_b, "v_b"))
     ss = (tensor_info(s_a, "s_a"), tensor_info(s_b, "s_b"))
     return _run(_key(vs, ss, out), vs, ss, out, False)
@@ -242,6 +252,7 @@ def merge_states(v, s, *, out=None):
     ``[tokens, num_states, heads]``, the natural-log LSE, any strides. Empty states, the outputs and ``out`` as
     in ``merge_state``; num_states 0 gives zeros and LSE -inf.
     """
+    _traced("merge_states")
     vs = (tensor_info(v, "v"),)
     ss = (tensor_info(s, "s"),)
     return _run(_key(vs, ss, out), vs, ss, out, True)
