@@ -15,6 +15,7 @@ from attngen.arch import get_arch
 from attngen.families.choice import DeviceFacts
 from attngen.families.decode import choose as D
 from attngen.families.decode.spec import DecodeSpec
+from attngen.families.merge import choose as G
 from attngen.families.mla_decode import choose as M
 from attngen.families.mla_decode.spec import MlaDecodeSpec
 from attngen.families.prefill import choose as P
@@ -268,7 +269,13 @@ def mla_problems(s: MlaDecodeSpec):
         yield M.Problem(s.kv_lora_rank, s.rope_dim, s.dtype.value, q, h, b, cap, s.paged, bs, user)
 
 
-PROBLEMS = {"prefill": (P, prefill_problems), "decode": (D, decode_problems), "mla_decode": (M, mla_problems)}
+def merge_problems(s):
+    for tokens, heads in ((1, 1), (7, 32), (4096, 64)):
+        yield G.Problem(s.head_dim, s.dtype.value, s.states.value, tokens, heads)
+
+
+PROBLEMS = {"prefill": (P, prefill_problems), "decode": (D, decode_problems), "mla_decode": (M, mla_problems),
+            "merge": (G, merge_problems)}
 
 
 def _check_line(table: dict, archs: list[str]) -> int:

@@ -185,4 +185,8 @@ def test_default_manifest_validates_for_every_arch_it_lists():
     # Kept small enough that `attngen prewarm --jobs 2` stays within CI's budget on two cores (~10 min).
     mla = {s for s in specs if s.family == "mla_decode"}
     assert {s.q_rows for s in mla} == {16, 32, 64} and {s.paged for s in mla} == {False, True}
-    assert 100 <= len(items) <= 1450
+    merge = {s for s in specs if s.family == "merge"}
+    assert {s.head_dim for s in merge} == {64, 128, 256, 512} and {s.states.value for s in merge} == {"pair", "many"}
+    # 1440 attention kernels plus 96 merges (each compiles in a fraction of a second, so the merges add
+    # under a minute to a prewarm).
+    assert 100 <= len(items) <= 1540

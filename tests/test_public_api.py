@@ -84,7 +84,7 @@ def test_a_dict_without_its_family_is_refused_naming_the_families(call):
     with pytest.raises(attngen.SpecError) as e:
         getattr(attngen, call)(*args)
     assert e.value.field == "family" and "names no family" in str(e.value)
-    assert e.value.allowed == "decode, mla_decode, prefill"
+    assert e.value.allowed == "decode, merge, mla_decode, prefill"
 
 
 def test_a_refusal_does_not_print_a_whole_tensor():

@@ -168,7 +168,7 @@ def test_bad_family(text):
     with pytest.raises(SpecError) as ei:
         parse_spec(text)
     assert ei.value.field == "family"
-    assert ei.value.allowed == "decode, mla_decode, prefill"
+    assert ei.value.allowed == "decode, merge, mla_decode, prefill"
 
 
 def test_family_names_and_values_are_case_insensitive_alike():
