@@ -8,6 +8,7 @@ from .__version__ import __version__
 from .arch import ARCHS, get_arch
 from .builder import BuildResult, build
 from .cache import DiskCache
+from .cascade import cascade_decode
 from .cache_env import cache_root
 from .compiler import Binary, Resources, compile
 from .errors import AttngenError, CacheError, CompileError, LaunchError, ManifestError, SpecError
@@ -26,7 +27,7 @@ __all__ = [
     "render", "Kernel", "get_kernel", "DType", "parse_spec", "resolve", "validate",
     "Family", "get_family", "register", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
     "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_kvpacked_func", "cascade_decode",
 ]
 
 try:
