@@ -60,12 +60,13 @@ def _texts(b) -> dict:
 
 @pytest.mark.parametrize("arch,fields", [
     ("sm_80", dict(head_dim=128)),                                                   # fused, contiguous
+    ("sm_80", dict(head_dim=64, q_rows=32, paged=True)),                             # (spilled with expf/log1pf)
     ("sm_80", dict(head_dim=64, paged=True, variant="unfused", softcap=True)),       # the unfused kernels
     ("sm_80", dict(head_dim=512, paged=True, local=True)),                           # two CTAs a KV head
     ("sm_90a", dict(head_dim=128)),                                                  # with the cluster merge
     ("sm_90a", dict(head_dim=128, q_rows=32, paged=True, variant="unfused", alibi=True, local=True)),
     ("sm_90a", dict(head_dim=80, q_rows=32, softcap=True, local=True)),              # padded rows
-    ("sm_90a", dict(head_dim=512)),
+    ("sm_90a", dict(head_dim=512, q_rows=128, paged=True)),                         # (spilled with expf/log1pf)
 ])
 def test_sinks_kernels_compile_without_spills(arch, fields):
     s = resolve(DecodeSpec(sinks=True, **fields), arch)
