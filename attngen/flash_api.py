@@ -17,7 +17,7 @@ from .families.decode.spec import DecodeSpec
 from .families.head_pad import cut, default_scale, pad_widths, zero_padded
 from .families.prefill.op import prefill
 from .families.prefill.varlen import prefill_varlen
-from .kvcache import append, capacity_of, check_leftpad, chunked_prefill, prefill_route, rotary_qk
+from .kvcache import append, capacity_of, check_leftpad, chunked_prefill, prefill_route, refuse_sinks, rotary_qk
 
 
 def _window(window_size) -> tuple[int, int]:
@@ -124,7 +124,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
                             softcap: float = 0.0, rotary_interleaved: bool = True, alibi_slopes=None,
-                            num_splits: int = 0, return_softmax_lse: bool = False):
+                            num_splits: int = 0, return_softmax_lse: bool = False, sinks=None):
     """FlashAttention 2's ``flash_attn_with_kvcache`` on ``attngen.decode`` (and, past 8 new tokens,
     ``attngen.prefill_varlen`` over the cache).
 
@@ -157,6 +157,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     no key gives zeros and LSE -inf). A head dim up to 256 that is not a multiple of 8 (or is below
     32) runs on zero-padded copies of q and the cache, made after ``k``/``v`` are appended to the
     caller's cache; that costs a copy of q and the cache per call.
+
+    ``sinks`` (fp32 ``[heads]``): attention sinks as ``attngen.decode`` takes them (the returned LSE includes
+    them); with more than 8 new tokens only where the decode kernels serve the call (a paged cache with
+    ``cache_leftpad``, a contiguous one whose rows are no whole number of positions apart), refused before the
+    cache is written elsewhere.
     """
     left, right = _window(window_size)
     if left < -1 or right < -1:
@@ -177,6 +182,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # The route of many new tokens is settled (or refused) before the cache is written.
     route = prefill_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_table, causal, (left, right),
                           alibi_slopes is not None) if many else None
+    if many and sinks is not None:
+        refuse_sinks(route, q)
     if rotary_cos is not None:
         q, k = rotary_qk(q, k, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad, bool(rotary_interleaved),
                          local, capacity_of(k_cache, block_table))
@@ -193,8 +200,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if not many:
         r = decode(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=cache_batch_idx,
                    block_table=block_table, num_splits=num_splits, return_lse=return_softmax_lse, causal=causal,
-                   window=(left, right), cache_leftpad=cache_leftpad, **common)
+                   window=(left, right), cache_leftpad=cache_leftpad, sinks=sinks, **common)
     else:
         r = chunked_prefill(q, k_cache, v_cache, lengths, route, cache_batch_idx, cache_leftpad, block_table,
-                            (left, right), num_splits, causal, bool(return_softmax_lse), common)
+                            (left, right), num_splits, causal, bool(return_softmax_lse), common, sinks)
     return r if q.shape[-1] == d else cut(r, d, None, bool(return_softmax_lse))

@@ -216,6 +216,15 @@ def prefill_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_tab
     return DECODE
 
 
+def refuse_sinks(route: str, q) -> None:
+    """Attention sinks on a route of more than MAX_Q_LEN new tokens: the DECODE route passes them to the decode
+    kernels; the prefill kernel's routes (PAGES, ROWS) do not take them. Raised before the cache is written."""
+    if route in (PAGES, ROWS):
+        raise LaunchError(f"sinks with seqlen_q={q.shape[1]} (past {MAX_Q_LEN} new tokens) on this cache take the "
+                          f"prefill kernel over the cache (the {route!r} route), which does not take sinks; allowed: "
+                          f"sinks with at most {MAX_Q_LEN} new tokens a call (the decode kernels), or sinks=None")
+
+
 def _batched(r, b: int, sq: int, h: int, return_lse: bool):
     """A varlen prefill result over ``b`` sequences of ``sq`` queries as the KV-cache call returns it: out
     ``[b, sq, h, dv]``, and the LSE ``[b, h, sq]`` (varlen's is ``[h, b * sq]``)."""
@@ -254,14 +263,18 @@ def _rows_prefill(q, kr, vr, per_row, lengths, cache_batch_idx, cache_leftpad, c
 
 
 def chunked_prefill(q, k_cache, v_cache, lengths, route: str, cache_batch_idx, cache_leftpad, block_table,
-                    window: tuple[int, int], num_splits: int, causal: bool, return_lse: bool, common: dict):
+                    window: tuple[int, int], num_splits: int, causal: bool, return_lse: bool, common: dict,
+                    sinks=None):
     """More than MAX_Q_LEN new tokens a row by ``prefill_route``'s ``route`` (lengths: each row's keys, new
-    tokens included), over this k_cache/v_cache (the call's, or its zero-padded copies)."""
+    tokens included), over this k_cache/v_cache (the call's, or its zero-padded copies). ``sinks``: the DECODE
+    route's only (``refuse_sinks``)."""
     import torch
 
     b, sq, h, d = q.shape
     left, right = window
     lengths = _old_lengths(torch, lengths, b, q.device)
+    if sinks is not None:
+        refuse_sinks(route, q)
     if route == ROWS:
         kr, vr, per_row = _as_rows(torch, k_cache, v_cache)
         return _rows_prefill(q, kr, vr, per_row, lengths, cache_batch_idx, cache_leftpad, k_cache.shape[1],
@@ -290,7 +303,7 @@ def chunked_prefill(q, k_cache, v_cache, lengths, route: str, cache_batch_idx, c
         w = (left + shift if left >= 0 else -1, right - shift if right >= 0 else -1)
         r = decode(q[:, c0:c0 + n], k_cache, v_cache, cache_seqlens=lengths - (behind - shift),
                    cache_batch_idx=cache_batch_idx, block_table=block_table, num_splits=num_splits,
-                   return_lse=return_lse, causal=causal, window=w, cache_leftpad=cache_leftpad, **common)
+                   return_lse=return_lse, causal=causal, window=w, cache_leftpad=cache_leftpad, sinks=sinks, **common)
         outs.append(r[0] if return_lse else r)
         if return_lse:
             lses.append(r[1])

@@ -79,8 +79,9 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache
             cache_seqlen: int, cache_batch_idx: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
             num_splits: int, sm_scale: Optional[float], return_lse: bool, variant: str, spec: Optional[str],
             softcap: float, alibi_slopes: Optional[torch.Tensor], causal: bool = True, window_left: int = -1,
-            window_right: int = -1, cache_leftpad: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    # The window and left-pad arguments came after the op's first release: defaults keep calls
+            window_right: int = -1, cache_leftpad: Optional[torch.Tensor] = None,
+            sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    # The window, left-pad and sinks arguments came after the op's first release: defaults keep calls
     # through torch.ops.attngen.decode that predate them working.
     from .families.decode.op import decode
 
@@ -88,14 +89,14 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache
                cache_batch_idx=cache_batch_idx, block_table=block_table, num_splits=num_splits, sm_scale=sm_scale,
                return_lse=return_lse, variant=variant, spec=spec, softcap=softcap,
                alibi_slopes=alibi_slopes, causal=causal, window=(window_left, window_right),
-               cache_leftpad=cache_leftpad)
+               cache_leftpad=cache_leftpad, sinks=sinks)
     return r if return_lse else (r, _no_lse(q))
 
 
 @_decode.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, cache_seqlen, cache_batch_idx, block_table, num_splits, sm_scale,
       return_lse, variant, spec, softcap, alibi_slopes, causal=True, window_left=-1, window_right=-1,
-      cache_leftpad=None):
+      cache_leftpad=None, sinks=None):
     b, n, h, _ = q.shape
     lse = q.new_empty((b, h, n), dtype=torch.float32) if return_lse else _no_lse(q)
     return torch.empty_like(q, memory_format=torch.contiguous_format), lse
@@ -152,7 +153,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse,
-           out, variant, spec, softcap, alibi_slopes, causal=True, window=(-1, -1), cache_leftpad=None):
+           out, variant, spec, softcap, alibi_slopes, causal=True, window=(-1, -1), cache_leftpad=None, sinks=None):
     """``attngen.decode`` while torch.compile traces: the ``attngen::decode`` op."""
     _traced("attngen.decode", out)
     tensor = isinstance(cache_seqlens, torch.Tensor)
@@ -161,7 +162,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx, block_table, 
                                       int(num_splits), sm_scale, bool(return_lse),
                                       str(getattr(variant, "value", variant)), _text(spec, "attngen.decode"),
                                       float(softcap),
-                                      alibi_slopes, bool(causal), int(window[0]), int(window[1]), cache_leftpad)
+                                      alibi_slopes, bool(causal), int(window[0]), int(window[1]), cache_leftpad,
+                                      sinks)
     return (o, lse) if return_lse else o
 
 

@@ -66,7 +66,7 @@ def _lengths(cache_seqlens, batch):
 
 
 def reference_decode(q, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, block_table=None, sm_scale=None,
-                     softcap=0.0, alibi_slopes=None, causal=True, window=(-1, -1), cache_leftpad=None):
+                     softcap=0.0, alibi_slopes=None, causal=True, window=(-1, -1), cache_leftpad=None, sinks=None):
     """fp32 reference for attngen.decode (torch tensors on any device).
 
     q ``[B, q_len, H, D]``. Contiguous cache: k/v ``[cache_batch, max_seqlen, Hkv, D]``, row b reads
@@ -82,6 +82,10 @@ def reference_decode(q, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, b
     query at position i' (-1: that side unbounded); ``causal`` (the default) sets right to 0, and
     ``causal=False`` with right -1 lets every query see every key below L. ``cache_leftpad`` (a list or
     int tensor [B]) is each row's first key: keys before it are neither read nor seen.
+
+    ``sinks`` (fp32 ``[H]``): attention sinks, one more logit column per query head in the softmax whose
+    probability is dropped (it adds no value); the LSE includes it, and a query that sees no key gives zeros
+    and LSE = its head's sink.
     """
     import torch
 
@@ -98,6 +102,8 @@ def reference_decode(q, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, b
     table = block_table.tolist() if block_table is not None else None
     out = torch.zeros(b, ql, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, ql), float("-inf"), dtype=torch.float32, device=q.device)
+    if sinks is not None:
+        lse[:] = sinks.float().to(q.device)[None, :, None]
     for i in range(b):
         n, lo = lengths[i], max(pads[i], 0)
         if n - lo <= 0:
@@ -129,8 +135,11 @@ def reference_decode(q, k_cache, v_cache, cache_seqlens, cache_batch_idx=None, b
         if left >= 0:
             keep &= key >= pos - left
         s = s.masked_fill(~keep, float("-inf"))
+        if sinks is not None:  # the sink's column, dropped after the softmax
+            sink = sinks.float().to(q.device).reshape(hk, g, 1, 1).expand(hk, g, ql, 1)
+            s = torch.cat((s, sink), dim=-1)
         row_lse = torch.logsumexp(s, dim=-1)                                 # [Hkv, g, q_len]
-        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)[..., :n_keys]
         o = torch.matmul(p.reshape(hk, g * ql, n_keys), vf).reshape(hk, g, ql, d)
         out[i] = o.permute(2, 0, 1, 3).reshape(ql, h, d)
         lse[i] = row_lse.reshape(h, ql)

@@ -164,9 +164,9 @@ def test_local_is_a_spec_switch_in_the_key():
     a = attngen.parse_spec("decode:head_dim=128,local=true")
     assert a.local and a.kernel_name != attngen.DecodeSpec(head_dim=128).kernel_name
     src = attngen.render(attngen.resolve(a, "sm_90a"))
-    # the shape's template arguments end with softcap, alibi, local
+    # the shape's template arguments end with softcap, alibi, local, sinks
     head = " ".join(src[src.index("using Kernel = Decode<DecodeShape<"):].split(";")[0].split())
-    assert head.endswith("false, false, true>>"), head
+    assert head.endswith("false, false, true, false>>"), head
 
 
 def test_score_modifiers_are_spec_fields_in_the_key():
@@ -186,10 +186,11 @@ def _reference_kernels(monkeypatch, seen):
     from tests.gpu_reference import reference_attention, reference_decode
 
     def decode(q, kc, vc, *, cache_seqlens, cache_batch_idx=None, block_table=None, num_splits=0, return_lse=False,
-               causal=True, window=(-1, -1), cache_leftpad=None, sm_scale=None, softcap=0.0, alibi_slopes=None):
+               causal=True, window=(-1, -1), cache_leftpad=None, sm_scale=None, softcap=0.0, alibi_slopes=None,
+               sinks=None):
         seen.append(("decode", q.shape[1]))
         o, lse = reference_decode(q, kc, vc, cache_seqlens, cache_batch_idx, block_table, sm_scale, softcap,
-                                  alibi_slopes, causal, window, cache_leftpad)
+                                  alibi_slopes, causal, window, cache_leftpad, sinks)
         return (o.to(q.dtype), lse) if return_lse else o.to(q.dtype)
 
     def prefill_varlen(q, kp, vp, cu_q, cu_k, max_q, max_k, *, causal, window, return_lse, sm_scale, softcap,

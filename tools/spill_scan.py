@@ -28,7 +28,7 @@ from attngen.spec import parse_spec, resolve  # noqa: E402
 # Per family: the shape fields' values (every combination is a default to check) and the tuning pins.
 SHAPES = {
     "decode": dict(head_dim=(64, 128, 256), q_rows=(16, 32, 64, 128), paged=("false", "true"),
-                   variant=("fused", "unfused"), mod=("", "softcap=true", "alibi=true")),
+                   variant=("fused", "unfused"), mod=("", "softcap=true", "alibi=true", "sinks=true")),
     "mla_decode": dict(kv_lora_rank=("512,rope_dim=64", "256,rope_dim=32"), q_rows=(16, 32, 64),
                        paged=("false", "true")),
     # dense prefill only (the masked, varlen and paged forms are the manifest's, compiled by its slow test)

@@ -1,6 +1,7 @@
 """The score modifiers the attention ops take, FlashAttention's conventions: ``softcap`` (logit
-capping, Gemma 2 and Grok) and ``alibi_slopes`` (ALiBi). Both are template switches in the spec
-(``softcap``, ``alibi``); the cap and the slopes are call arguments, checked here."""
+capping, Gemma 2 and Grok) and ``alibi_slopes`` (ALiBi); and attention ``sinks`` (gpt-oss). Each is a
+template switch in the spec (``softcap``, ``alibi``, ``sinks``); the cap, the slopes and the sinks are
+call arguments, checked here."""
 
 from __future__ import annotations
 
@@ -50,3 +51,15 @@ def extras(softcap, alibi_slopes, batch: int, heads: int, qi, sm_scale) -> tuple
             raise LaunchError(f"alibi_slopes needs sm_scale > 0; got {scale!r}")
         ptr, sb = a.ptr, (a.strides[0] if len(a.shape) == 2 else 0)
     return (cap / scale if cap else 0.0), (scale / cap if cap else 0.0), ptr, sb
+
+
+def checked_sinks(sinks, heads: int, qi) -> int:
+    """The device pointer of ``sinks`` (attention sinks, gpt-oss: one fp32 logit a query head, ``[heads]``) after
+    checking it against q's info ``qi``: the same kind (torch or CuPy) on the same device, fp32, contiguous."""
+    s = tensor_info(sinks, "sinks")
+    if s.kind != qi.kind or s.device != qi.device or s.dtype != "fp32" or tuple(s.shape) != (heads,) or \
+            (heads > 1 and s.strides[0] != 1):
+        raise LaunchError(f"sinks must be a contiguous fp32 {qi.kind} array of shape ({heads},) (one logit a query "
+                          f"head) on device {qi.device}; got {s.dtype} {s.kind} of shape {tuple(s.shape)}, strides "
+                          f"{tuple(s.strides)}, on device {s.device}")
+    return s.ptr

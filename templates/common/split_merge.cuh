@@ -3,15 +3,32 @@
 // few rows with many splits still spread over many warps). Params names o_part [splits, batch, q_len, heads,
 // HEAD_DIM] (fp32, each split's normalised partial output; zeros for a split that saw no key),
 // lse_part [splits, batch, heads, q_len], the output o with strides o_sb/o_ss/o_sh, lse (or null),
-// batch, q_len, num_heads and num_splits.
+// batch, q_len, num_heads and num_splits; with SINKS also sinks (fp32 [num_heads]).
 namespace attngen {
+
+// An attention sink joins a merged row once: `lse` (the log of the row's keys' softmax denominator, -inf where it
+// saw none) becomes the log of the whole denominator, exp(lse) + exp(sink), and the returned factor (the keys'
+// share of it) scales the row's output normalised by the keys alone. Only the exp of minus their distance is
+// taken (at most 1), so nothing overflows for any finite sink or LSE; a sink of -inf leaves both exactly as they
+// were (factor 1), and a row with no key gets the sink as its LSE exactly (factor 0). The approximate intrinsics
+// err far below the output's fp16/bf16 rounding; expf and log1pf took registers that spilled in the epilogue of
+// the largest tiles (sm_80, sm_90a).
+__device__ __forceinline__ float join_sink(float& lse, float sink) {
+  if (sink == -ATTNGEN_INF) return 1.f;
+  const float d = sink - lse;  // +inf where the row saw no key
+  const float e = __expf(-fabsf(d));  // in [0, 1]
+  lse = fmaxf(lse, sink) + __logf(1.f + e);
+  return (d <= 0.f ? 1.f : e) / (1.f + e);
+}
 
 // Lanes first hold the LSE of splits lane, lane + 32, ...; the max and the weight sum come from
 // shuffles, then the partial rows are read UNROLL splits at a time so their loads overlap. With
 // WARPS > 1 the warps of a CTA share one row's columns (a few rows with many splits: one warp walking
 // every split UNROLL at a time waits on memory once a group): each takes a contiguous share of the
-// splits, and their sums meet in shared memory.
-template <class T, bool BF16, int HEAD_DIM, int WARP_COLS, int UNROLL = 8, int WARPS = 1, class Params>
+// splits, and their sums meet in shared memory. SINKS: each row's head's sink joins once, after the splits
+// (join_sink); the partial states carry none.
+template <class T, bool BF16, int HEAD_DIM, int WARP_COLS, int UNROLL = 8, int WARPS = 1, bool SINKS = false,
+          class Params>
 __device__ __forceinline__ void split_merge(const Params& p) {
   static_assert(HEAD_DIM % WARP_COLS == 0 && WARP_COLS % 8 == 0, "a warp's columns");
   // Elements per lane, contiguous: WARP_COLS / 32, or for a width not a multiple of 64 the power of two
@@ -110,13 +127,19 @@ __device__ __forceinline__ void split_merge(const Params& p) {
       wsum += part[w][WARP_COLS];
     }
   }
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  float lse = 0.f;
+  if constexpr (SINKS) {
+    lse = wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
+    inv *= join_sink(lse, p.sinks[head]);
+  }
   T* dst = p.o + b * p.o_sb + qi * p.o_ss + head * p.o_sh + col0 + lane * PER;
 #pragma unroll
   for (int i = 0; i < PER; i += 2)
     if (cols) *reinterpret_cast<unsigned*>(dst + i) = pack2<BF16>(acc[i] * inv, acc[i + 1] * inv);
   if (lane == 0 && col0 == 0 && p.lse)
-    p.lse[((long long)b * p.num_heads + head) * p.q_len + qi] = wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
+    p.lse[((long long)b * p.num_heads + head) * p.q_len + qi] =
+        SINKS ? lse : wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
 }
 
 // The splits of one row block launched as one cluster (sm_90): each CTA left its normalised fp32

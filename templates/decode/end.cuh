@@ -1,6 +1,8 @@
 // The end of a decode CTA, for Decode (decode/fused.cuh) and its unfused variant: the per-warp row statistics
 // merged through shared memory, then the output normalised and written (one split), the split's fp32 partial and
 // LSE written for the merge launch (several), or the splits of a row merged in a thread-block cluster (sm_90).
+// An attention sink (SINKS) joins a row where it is normalised over all its keys: here with one split or in the
+// cluster, else in the `_merge` entry (split_merge); the partial states of several splits carry none.
 namespace attngen {
 
 template <class S>
@@ -8,7 +10,7 @@ struct DecodeEnd {
   using T = typename S::T;
   using Cta = typename S::Cta;
   using Lane = typename S::Lane;
-  static constexpr bool BF16 = S::BF16;
+  static constexpr bool BF16 = S::BF16, SINKS = S::SINKS;
   static constexpr int HEAD_DIM = S::HEAD_DIM, ROWS = S::ROWS, THREADS = S::THREADS, WARPS_N = S::WARPS_N;
   static constexpr int M_TILES = S::M_TILES, D_TILES = S::D_TILES;
   // A CTA's output columns: all HEAD_DIM, or (D_PARTS > 1) D_OUT of them from Lane::dcol0.
@@ -75,10 +77,17 @@ struct DecodeEnd {
                                           [&](int row, int col, float4 x, float mx, float wsum) {
       const int qi = row / p.group;
       const int head = c.kv_head * p.group + (row - qi * p.group);
+      float lse = 0.f;
+      if constexpr (SINKS) {
+        lse = wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
+        const float f = join_sink(lse, p.sinks[head]);
+        x = make_float4(x.x * f, x.y * f, x.z * f, x.w * f);
+      }
       T* dst = p.o + c.batch * p.o_sb + qi * p.o_ss + head * p.o_sh + col;
       *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<BF16>(x.x, x.y), pack2<BF16>(x.z, x.w));
       if (col == 0 && p.lse)
-        p.lse[((long long)c.batch * p.num_heads + head) * p.q_len + qi] = wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
+        p.lse[((long long)c.batch * p.num_heads + head) * p.q_len + qi] =
+            SINKS ? lse : wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
     });
   }
 
@@ -124,9 +133,13 @@ struct DecodeEnd {
         const int qi = row / p.group;
         const int head = c.kv_head * p.group + (row - qi * p.group);
         const float sum = row_sum[mt][r];
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        const float lse = sum > 0.f ? row_max[mt][r] * p.sm_scale + logf(sum) : -ATTNGEN_INF;
+        float inv = sum > 0.f ? 1.f / sum : 0.f;
+        float lse = sum > 0.f ? row_max[mt][r] * p.sm_scale + logf(sum) : -ATTNGEN_INF;
         const bool one = p.num_splits == 1;
+        // (both output halves of D_PARTS > 1 take the same sink into the same statistics)
+        if constexpr (SINKS) {
+          if (one) inv *= join_sink(lse, p.sinks[head]);
+        }
         T* gO = p.o + c.batch * p.o_sb + qi * p.o_ss + head * p.o_sh + (D_PARTS > 1 ? l.dcol0 : 0);
         float* gP = p.o_part + (((long long)c.split * p.batch + c.batch) * p.q_len + qi) * p.num_heads * HEAD_DIM +
                     (long long)head * HEAD_DIM + (D_PARTS > 1 ? l.dcol0 : 0);

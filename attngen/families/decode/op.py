@@ -16,7 +16,7 @@ from ...tuned import stored_choices
 from ..choice import device_facts
 from ..head_pad import pad_widths, run_padded
 from ..host import OpMemo, Plan
-from ..score_mods import NO_EXTRAS, checked_scale, extras
+from ..score_mods import NO_EXTRAS, checked_scale, checked_sinks, extras
 from ..split_kv import CLUSTER_MAX, cache_lengths, check_index, check_rows, checked_splits, paged_table
 from . import choose as _choose
 from .choose import Problem, base_spec, launch, table
@@ -24,8 +24,8 @@ from .spec import HEAD_DIMS_TEXT, DecodeSpec, Variant, head_dim_refusal
 
 # DecodeParams in templates/decode/params.cuh: 12 pointers, 14 strides, 9 ints, an unsigned
 # (block_mul), 2 floats, 2 floats (softcap), the ALiBi slopes' pointer and batch stride, the left pads'
-# pointer and the window's two sides (read by the `local` kernels only).
-_PARAMS = struct.Struct("<12Q14q9iI2f2fQqQii")
+# pointer and the window's two sides (read by the `local` kernels only), the sinks' pointer (the `sinks` kernels).
+_PARAMS = struct.Struct("<12Q14q9iI2f2fQqQiiQ")
 _LOG2E = 1.4426950408889634
 MAX_Q_LEN = 8
 # GQA groups to 128 query heads a KV head (one CTA packs a group's heads x q_len rows, 128 at most).
@@ -39,11 +39,11 @@ LOCAL_MAX_KEYS = 1 << 30
 
 def _make_plan(key: tuple) -> Plan:
     """The plan (``host.Plan``) of a key (head_dim, dtype, device, q_rows, paged, variant, the user's spec, array
-    kind, softcap, alibi, local): the kernel, or the winners ``attngen tune decode`` stored for this GPU by cache
+    kind, softcap, alibi, local, sinks): the kernel, or the winners ``attngen tune decode`` stored for this GPU by cache
     capacity (``kernel_for``), allocators, the stream getter and the device's facts. Made once per key, so a
     call does its checks, one lookup, the allocations and the launches."""
-    d, dtype, device, q_rows, paged, variant, spec, kind, softcap, alibi, local = key
-    base = base_spec(d, dtype, q_rows, paged, variant, spec, softcap, alibi, local)
+    d, dtype, device, q_rows, paged, variant, spec, kind, softcap, alibi, local, sinks = key
+    base = base_spec(d, dtype, q_rows, paged, variant, spec, softcap, alibi, local, sinks)
     plan = Plan()
     # the choice's specs by cache capacity (choose.choose, whose size-independent part a plan keeps)
     tuned = tuple(stored_choices(base, device)) if spec is None else ()
@@ -83,7 +83,7 @@ def _check_operands(qi, ki, vi) -> None:
 def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_table=None, num_splits: int = 0,
            sm_scale: float | None = None, return_lse: bool = False, out=None, variant: str = "auto",
            spec: DecodeSpec | str | Mapping | None = None, softcap: float = 0.0, alibi_slopes=None,
-           causal: bool = True, window: tuple[int, int] = (-1, -1), cache_leftpad=None):
+           causal: bool = True, window: tuple[int, int] = (-1, -1), cache_leftpad=None, sinks=None):
     """Attention of q_len new tokens per sequence against a KV cache.
 
     q ``[batch, q_len, heads, head_dim]`` (q_len 1..8). Contiguous cache: k_cache, v_cache
@@ -111,6 +111,12 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     and ``cache_seqlens`` stays the row's end. Split-KV divides only the keys some token sees. These
     take the spec's ``local`` kernels; calls without them run the kernels without that switch.
 
+    ``sinks`` (fp32 ``[heads]``, q's kind and device): attention sinks (gpt-oss), one logit a query head, in the
+    units of the scaled scores, that joins each of the head's rows' softmax denominator and adds no value:
+    out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)). The LSE includes it (the log of that whole
+    denominator; merging partial results, give the sink to exactly one of them); a token that sees no key gives
+    zeros and LSE = its sink; a sink of -inf is no sink. It takes the spec's ``sinks`` kernels.
+
     A head dim up to 256 that is not a multiple of 8 (or is below 32) runs on a zero-padded copy (the
     output a view of its first head_dim columns); that costs a copy of q and the whole cache per call.
     """
@@ -119,7 +125,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
             q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
             block_table=block_table, num_splits=num_splits, sm_scale=sm_scale, return_lse=return_lse, out=out,
             variant=variant, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes, causal=causal, window=window,
-            cache_leftpad=cache_leftpad)
+            cache_leftpad=cache_leftpad, sinks=sinks)
     if spec is not None and spec.__class__ is not DecodeSpec and spec.__class__ is not str:
         # a dict, another family's spec, a wrong type: read or refused before the tensors (text is
         # kept as given, part of the call's key, and read once in _prepare)
@@ -138,6 +144,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
                None if alibi_slopes is None else tensor_info(alibi_slopes, "alibi_slopes"),
                None if out is None else tensor_info(out, "out"),
                None if cache_leftpad is None else tensor_info(cache_leftpad, "cache_leftpad"),
+               None if sinks is None else tensor_info(sinks, "sinks"),
                num_splits, sm_scale, softcap, return_lse, variant, spec, causal, window)
         call = _calls.get(key)
     except (LaunchError, TypeError):
@@ -148,9 +155,10 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
             return run_padded(decode, q, k_cache, v_cache, widths, sm_scale=sm_scale, out=out, return_lse=return_lse,
                               cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, block_table=block_table,
                               num_splits=num_splits, variant=variant, spec=spec, softcap=softcap,
-                              alibi_slopes=alibi_slopes, causal=causal, window=window, cache_leftpad=cache_leftpad)
+                              alibi_slopes=alibi_slopes, causal=causal, window=window, cache_leftpad=cache_leftpad,
+                              sinks=sinks)
         call = _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse,
-                        out, variant, spec, softcap, alibi_slopes, causal, window, cache_leftpad)
+                        out, variant, spec, softcap, alibi_slopes, causal, window, cache_leftpad, sinks)
         _memo.keep(key, call, flags=(return_lse, causal), numbers=(num_splits, sm_scale, softcap))
     plan, kind = call.plan, qi.kind
     if out is None:
@@ -236,7 +244,7 @@ def window_bounds(causal, window, q_len: int) -> tuple[bool, int, int]:
 
 
 def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse, out, variant,
-             spec, softcap, alibi_slopes, causal=True, window=(-1, -1), cache_leftpad=None) -> _Call:
+             spec, softcap, alibi_slopes, causal=True, window=(-1, -1), cache_leftpad=None, sinks=None) -> _Call:
     """Check a call's arguments and work out its ``_Call``."""
     if spec is not None and spec.__class__ is not DecodeSpec:
         spec = op_spec(spec, "decode", "attngen.decode")
@@ -305,8 +313,13 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
                           f"{LOCAL_MAX_KEYS}")
     cap_u, inv_cap_u, alibi_ptr, alibi_sb = (extras(softcap, alibi_slopes, b, h, qi, sm_scale)
                                              if softcap or alibi_slopes is not None else NO_EXTRAS)
+    sinks_ptr = 0 if sinks is None else checked_sinks(sinks, h, qi)
+    if spec is not None and spec.sinks != (sinks is not None):
+        raise LaunchError(f"sinks: the spec {spec} has sinks={str(spec.sinks).lower()} but the call has "
+                          f"{'none' if sinks is None else 'a sinks array'}; allowed: a spec with sinks=true together "
+                          f"with sinks (fp32 [{h}]), or sinks=false (the default) without them")
     pkey = (d, dtype, dev, DecodeSpec.rows_for(group, q_len), paged, "fused" if variant == "auto" else variant,
-            spec, kind, bool(softcap), alibi_ptr != 0, local)
+            spec, kind, bool(softcap), alibi_ptr != 0, local, sinks_ptr != 0)
     call = _Call()
     call.plan = plan = _plans.get(pkey) or _memo.plan(pkey)
     call.out_shape, call.lse_shape = (b, q_len, h, d), (b, h, q_len)
@@ -334,7 +347,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     # count is chosen for those, as the kernel splits only them.
     live = min(capacity, left + q_len + rs.cta_tile_kv) if local and left < _UNBOUNDED else capacity
     problem = Problem(d, dtype, q_len, h, hk, b, capacity, paged, variant, spec, bool(softcap), alibi_ptr != 0,
-                      num_splits, _cluster_merge[0], local, live)
+                      num_splits, _cluster_merge[0], local, live, sinks_ptr != 0)
     lc = launch(problem, rs, plan.facts)
     num_splits, call.cluster = lc.num_splits, lc.cluster
     merged = lc.merge_grid is not None  # by the merge launch
@@ -368,6 +381,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         scale, scale * _LOG2E,
         cap_u, inv_cap_u, alibi_ptr, alibi_sb,
         pad_ptr, left, right,
+        sinks_ptr,
     )
     call.grid, call.merge_grid = lc.grid, lc.merge_grid
     return call

@@ -68,6 +68,9 @@ class DecodeSpec(SpecBase):
     # per-row key bounds: a sliding window (left, right) about each query's position and a left pad
     # (the row's first cache position); both are call arguments
     local: bool = False
+    # attention sinks (gpt-oss): a per-query-head logit that joins each row's softmax denominator and adds no value;
+    # the sinks are a call argument
+    sinks: bool = False
     cta_tile_kv: int = 0
     num_warps: int = 0
     num_stages: int = 0
@@ -85,6 +88,7 @@ class DecodeSpec(SpecBase):
         s(self, "softcap", coerce_bool("softcap", self.softcap))
         s(self, "alibi", coerce_bool("alibi", self.alibi))
         s(self, "local", coerce_bool("local", self.local))
+        s(self, "sinks", coerce_bool("sinks", self.sinks))
         s(self, "cta_tile_kv", coerce_int("cta_tile_kv", self.cta_tile_kv, self.CTA_TILE_KV))
         s(self, "num_warps", coerce_int("num_warps", self.num_warps, self.NUM_WARPS))
         s(self, "num_stages", coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
@@ -165,11 +169,12 @@ class DecodeSpec(SpecBase):
         return 4 * (-(-combine // 4) * 4 + self.q_rows * self.head_dim + self.q_rows)
 
     def name_parts(self) -> tuple[str, ...]:
-        """Head dim, dtype, packed rows, paged, the unfused variant, score flags, per-row key bounds, KV tile,
-        warps and stages."""
+        """Head dim, dtype, packed rows, paged, the unfused variant, score flags, per-row key bounds, sinks, KV
+        tile, warps and stages."""
         return (f"d{self.head_dim}", self.dtype.value, f"rows{self.q_rows}", "paged" if self.paged else "",
                 "unfused" if self.variant is Variant.UNFUSED else "", "cap" if self.softcap else "",
-                "alibi" if self.alibi else "", "local" if self.local else "", self.name_piece("k{}", self.cta_tile_kv),
+                "alibi" if self.alibi else "", "local" if self.local else "", "sinks" if self.sinks else "",
+                self.name_piece("k{}", self.cta_tile_kv),
                 self.name_piece("w{}s{}", self.num_warps, self.num_stages))
 
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
