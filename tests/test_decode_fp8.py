@@ -1,5 +1,6 @@
 """fp8 KV caches in the decode family, on the CPU: the spec's kv_dtype (text, dict, name, refusals), the fit of its
-shared memory on every arch."""
+shared memory on every arch, the exact widening of every fp8 value (the bit-level form sm_80/86 run, emulated), a
+real NVRTC build for every manifest arch."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import pytest
 
 from attngen.arch import ARCHS
 from attngen.errors import SpecError
+from attngen.manifest import load_manifest
 from attngen.spec import parse_spec, resolve
 from attngen import DecodeSpec
 from attngen.families.decode.spec import KVDType
+
+from tests.cache_support import ROOT
 
 
 def test_kv_dtype_round_trips_and_names_the_kernel():
@@ -64,3 +68,55 @@ def test_fp8_specs_resolve_within_shared_memory(arch):
                 widened = (2 if d <= 128 else 1) * r.cta_tile_kv * r.row_elems * 2
                 assert r.smem_bytes() >= rows * r.row_elems * 2 + ring + widened
                 assert r.smem_bytes() <= a.smem_per_block, (d, rows, paged, r)
+
+
+def _widen_bits_e4m3(b):
+    """templates/decode/fp8.cuh's e4m3x2_to_f16x2_bits, one value at a time, in numpy's fp16 (subnormals kept)."""
+    import numpy as np
+
+    h = (b.astype(np.uint16) << 8).astype(np.uint16)
+    mag = ((h >> 1) & 0x3F80).astype(np.uint16)
+    v = ((mag | (h & 0x8000)).view(np.float16) * np.float16(256)).astype(np.float16).view(np.uint16)
+    return np.where(mag == 0x3F80, v | 0x7E00, v).astype(np.uint16).view(np.float16)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_the_bit_level_widening_is_exact_for_every_value(fmt):
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    b = np.arange(256, dtype=np.uint8)
+    tdt = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
+    ref = torch.from_numpy(b).view(tdt).to(torch.float32).numpy()
+    got = _widen_bits_e4m3(b) if fmt == "e4m3" else (b.astype(np.uint16) << 8).astype(np.uint16).view(np.float16)
+    got = got.astype(np.float32)
+    nan = np.isnan(ref)
+    assert (np.isnan(got) == nan).all() and (got[~nan] == ref[~nan]).all()
+    # and fp16 -> bf16 (through fp32) keeps every one: at most 4 significant bits, exponents in bf16's range
+    assert (torch.from_numpy(got[~nan]).to(torch.bfloat16).float().numpy() == ref[~nan]).all()
+
+
+def test_fp8_kernels_build_for_every_manifest_arch():
+    from attngen.compiler import compile
+    from attngen.render import render
+
+    archs = [a.name for a in load_manifest(ROOT / "cache" / "default.toml").archs]
+    assert archs
+    # (head_dim 256 widens K and V through one tile: decode/fp8.cuh's WIDE_TILES)
+    cases = [dict(kv_dtype="fp8_e4m3", dtype="bf16"), dict(kv_dtype="fp8_e5m2", dtype="fp16", paged=True, q_rows=32),
+             dict(kv_dtype="fp8_e4m3", dtype="bf16", head_dim=256, paged=True, local=True)]
+    for arch in archs:
+        for kw in cases:
+            r = resolve(DecodeSpec(**kw), arch)
+            src = render(r)
+            assert "DecodeFp8<DecodeShape<" in src and "kv_dtype=" in src
+            b = compile(src, arch, kernel_name=r.kernel_name)
+            assert b.cubin[:4] == b"\x7fELF"
+            assert not b.resources.spill_stores, (arch, r.to_text(), b.resources)
+
+
+def test_a_16bit_spec_renders_no_fp8_code():
+    from attngen.render import render
+
+    src = render(resolve(DecodeSpec(), "sm_90a"))
+    assert "DecodeFp8" not in src and "kv_dtype" not in src and "using Kernel = Decode<DecodeShape<" in src
