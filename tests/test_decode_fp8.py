@@ -1,6 +1,6 @@
 """fp8 KV caches in the decode family, on the CPU: the spec's kv_dtype (text, dict, name, refusals), the fit of its
 shared memory on every arch, the exact widening of every fp8 value (the bit-level form sm_80/86 run, emulated), a
-real NVRTC build for every manifest arch."""
+real NVRTC build for every manifest arch, and the op's host path on the stub driver (tests/host_path_fp8.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from attngen.spec import parse_spec, resolve
 from attngen import DecodeSpec
 from attngen.families.decode.spec import KVDType
 
+from tests import fake_cuda
 from tests.cache_support import ROOT
 
 
@@ -120,3 +121,9 @@ def test_a_16bit_spec_renders_no_fp8_code():
 
     src = render(resolve(DecodeSpec(), "sm_90a"))
     assert "DecodeFp8" not in src and "kv_dtype" not in src and "using Kernel = Decode<DecodeShape<" in src
+
+
+@pytest.mark.skipif(not fake_cuda.available(), reason="needs gcc for the stub driver")
+def test_fp8_decode_host_path_on_stub_driver(tmp_path):
+    pytest.importorskip("torch")
+    fake_cuda.run_check("host_path_fp8.py", tmp_path)
