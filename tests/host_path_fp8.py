@@ -132,6 +132,11 @@ def main():
     # rows of 136 fp8 elements: 8-element strides pass the 16-bit rule, not the fp8 one
     kw, vw = fp8(shape=(b, cap, hk, d + 8))[..., :d], fp8(shape=(b, cap, hk, d + 8))[..., :d]
     refused(lambda: attngen.decode(q, kw, vw, cache_seqlens=lens), "k_cache (fp8)", "multiples of 16 elements")
+    # flash_attn_with_kvcache keeps to caches in q's dtype: an fp8 one is refused before any append
+    refused(lambda: attngen.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens), "k_cache has dtype "
+            "torch.float8_e4m3fn", "attngen.decode with k_scale/v_scale")
+    refused(lambda: attngen.flash_attn_with_kvcache(q, kb, vb, cache_seqlens=lens, k=rand(b, 1, hk, d),
+                                                    v=rand(b, 1, hk, d)), "k_cache has dtype torch.uint8")
     print("ok")
 
 
