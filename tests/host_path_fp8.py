@@ -35,7 +35,8 @@ def refused(fn, *texts):
 
 
 def main():
-    wrap, rand, i32 = fake_cuda.stub_session("attngen-fp8kv-")
+    # (propagate: the KV-cache call's append computes on the wrapped tensors)
+    wrap, rand, i32 = fake_cuda.stub_session("attngen-fp8kv-", propagate=True)
 
     import torch
 
@@ -132,12 +133,64 @@ def main():
     # rows of 136 fp8 elements: 8-element strides pass the 16-bit rule, not the fp8 one
     kw, vw = fp8(shape=(b, cap, hk, d + 8))[..., :d], fp8(shape=(b, cap, hk, d + 8))[..., :d]
     refused(lambda: attngen.decode(q, kw, vw, cache_seqlens=lens), "k_cache (fp8)", "multiples of 16 elements")
-    # flash_attn_with_kvcache keeps to caches in q's dtype: an fp8 one is refused before any append
-    refused(lambda: attngen.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens), "k_cache has dtype "
-            "torch.float8_e4m3fn", "attngen.decode with k_scale/v_scale")
-    refused(lambda: attngen.flash_attn_with_kvcache(q, kb, vb, cache_seqlens=lens, k=rand(b, 1, hk, d),
-                                                    v=rand(b, 1, hk, d)), "k_cache has dtype torch.uint8")
+    check_kvcache(torch, wrap, rand, i32, params)
     print("ok")
+
+
+def check_kvcache(torch, wrap, rand, i32, params):
+    """flash_attn_with_kvcache with an fp8 cache: the new tokens are quantised (k / k_scale, saturating) into the
+    caller's cache at each row's length (the stub's tensors live on the host, so the bytes can be read back), the
+    decode kernel gets the scales; what it refuses, it refuses before writing the cache."""
+    import attngen
+
+    b, hk, group, d, cap = 2, 4, 4, 128, 64
+    q = rand(b, 2, hk * group, d)
+    kc = wrap(torch.zeros(b, cap, hk, d).to(torch.float8_e4m3fn))
+    vc = wrap(torch.zeros(b, cap, hk, d).to(torch.float8_e4m3fn))
+    k, v = rand(b, 2, hk, d), rand(b, 2, hk, d)
+    k[0, 0, 0, 0] = 1e4  # past 448 x k_scale: saturates to 448
+    k[0, 0, 0, 1] = -1e4
+    lens = i32([5, 30])
+    attngen.flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=lens, causal=True, k_scale=0.5, v_scale=2.0,
+                                    num_splits=1)
+    for i, n in enumerate((5, 30)):
+        want_k = (k[i].float() / 0.5).clamp(-448, 448).to(torch.float8_e4m3fn)
+        want_v = (v[i].float() / 2.0).clamp(-448, 448).to(torch.float8_e4m3fn)
+        assert torch.equal(kc[i, n:n + 2].view(torch.uint8), want_k.view(torch.uint8)), i
+        assert torch.equal(vc[i, n:n + 2].view(torch.uint8), want_v.view(torch.uint8)), i
+        assert not kc[i, :n].float().any() and not kc[i, n + 2:].float().any(), "only the new positions are written"
+    assert kc[0, 5, 0, 0].item() == 448.0 and kc[0, 5, 0, 1].item() == -448.0
+    vals = params()
+    assert math.isclose(vals[SM_SCALE], 0.5 / math.sqrt(d), rel_tol=1e-6) and vals[V_NUM] == 2.0, vals
+    # per KV head, paged (e5m2): each head's new tokens divided by its own scale
+    e5 = torch.float8_e5m2
+    kp = wrap(torch.zeros(8, 16, hk, d).to(e5))
+    vp = wrap(torch.zeros(8, 16, hk, d).to(e5))
+    table = i32([[3, 1, 0, 0], [6, 2, 0, 0]])
+    ks = wrap(torch.tensor([0.5, 1.0, 2.0, 4.0]))
+    attngen.flash_attn_with_kvcache(q, kp, vp, k=k, v=v, cache_seqlens=i32([15, 0]), block_table=table,
+                                    causal=True, k_scale=ks, v_scale=ks)
+    want = (k[0, 1].float() / ks[:, None]).clamp(-57344, 57344).to(e5)  # row 0's second token: position 16
+    assert torch.equal(kp[1, 0].view(torch.uint8), want.view(torch.uint8))
+    assert params()[K_PTR] == ks.data_ptr() and params()[K_SH] == 1
+    # refused before the cache is written
+    before = kc.view(torch.uint8).clone()
+    for call, texts in (
+            (dict(q=rand(b, 9, hk * group, d), k=rand(b, 9, hk, d), v=rand(b, 9, hk, d)), ("seqlen_q=9",
+                                                                                         "at most 8 new tokens")),
+            (dict(k=wrap(k.half()), v=wrap(v.half())), ("k/v have dtype fp16", "q's dtype (bf16)")),
+            (dict(k_scale=wrap(torch.ones(hk + 1))), ("k_scale has shape [5]",)),
+            (dict(v_scale=-1.0), ("v_scale=-1.0",))):
+        kw = dict(q=q, k=k, v=v, k_scale=0.5) | call
+        refused(lambda: attngen.flash_attn_with_kvcache(kw.pop("q"), kc, vc, cache_seqlens=lens, **kw), *texts)
+        assert torch.equal(kc.view(torch.uint8), before), f"{texts} wrote the cache"
+    refused(lambda: attngen.flash_attn_with_kvcache(q, kc.view(torch.uint8), vc.view(torch.uint8), k=k, v=v,
+                                                    cache_seqlens=lens), "torch.uint8", "bytes name no format")
+    refused(lambda: attngen.flash_attn_with_kvcache(q, rand(b, cap, hk, d), rand(b, cap, hk, d), k=k, v=v,
+                                                    cache_seqlens=lens, k_scale=0.5), "k_scale is only for fp8")
+    k72 = wrap(torch.zeros(b, cap, hk, 72).to(torch.float8_e4m3fn))
+    refused(lambda: attngen.flash_attn_with_kvcache(rand(b, 1, hk, 72), k72, k72, cache_seqlens=lens),
+            "head_dim=72 with an fp8 cache")
 
 
 if __name__ == "__main__":

@@ -221,3 +221,41 @@ def test_widening_is_exact_both_ways(fmt):
             nan = torch.isnan(ref)
             assert torch.equal(torch.isnan(g), nan), (fmt, name, col)
             assert torch.equal(g[~nan], ref[~nan]), (fmt, name, col)
+
+
+@pytest.mark.parametrize("fmt", list(FMTS))
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("n_new", [1, 4])
+def test_flash_attn_with_kvcache_quantises_the_append(fmt, paged, n_new):
+    # the new tokens land in the caller's cache as k / k_scale rounded to the format (saturating), read back and
+    # compared byte for byte; the queries then attend over the dequantised cache, the new tokens included
+    case = Fp8Case([0, 17, 300, 1000], fmt=fmt, scale_kind="head", q_len=n_new, heads=8, kv_heads=2, head_dim=128,
+                   dtype=torch.bfloat16, block_size=32 if paged else None, pad=n_new + 3)
+    gen = fresh_generator()
+    b, hk, d = case.q.shape[0], 2, 128
+    k_new = torch.randn(b, n_new, hk, d, device="cuda", generator=gen).to(torch.bfloat16)
+    v_new = torch.randn(b, n_new, hk, d, device="cuda", generator=gen).to(torch.bfloat16)
+    k_new[0, 0, 0, :2] = torch.tensor([1e6, -1e6])  # past every format's range: saturates
+    old = case.base.seqlens.clone()
+    top = torch.finfo(FMTS[fmt]).max
+    out = torch.full_like(case.q, NAN)
+    o, lse = attngen.flash_attn_with_kvcache(case.q, case.k8, case.v8, k=k_new, v=v_new, cache_seqlens=old,
+                                             causal=True, k_scale=case.k_scale, v_scale=case.v_scale,
+                                             return_softmax_lse=True, **({"block_table": case.base.block_table}
+                                                                         if paged else {}))
+    torch.cuda.synchronize()
+    ks, vs = case.k_scale[:, None], case.v_scale[:, None]
+    want_k = (k_new.float() / ks).clamp(-top, top).to(FMTS[fmt])
+    want_v = (v_new.float() / vs).clamp(-top, top).to(FMTS[fmt])
+    bs = case.k8.shape[1]
+    for i, n in enumerate(case.lengths):
+        for j in range(n_new):
+            pos = n + j
+            at = (case.base.block_table[i, pos // bs].item(), pos % bs) if paged else (i, pos)
+            assert torch.equal(case.k8[at].view(torch.uint8), want_k[i, j].view(torch.uint8)), (i, j)
+            assert torch.equal(case.v8[at].view(torch.uint8), want_v[i, j].view(torch.uint8)), (i, j)
+    assert case.k8[(case.base.block_table[0, 0].item(), 0) if paged else (0, 0)][0, 0].float().item() == top
+    # the reference over the cache as it is now (dequantised), each row n + n_new long
+    case.kd, case.vd = case.k8.float() * ks, case.v8.float() * vs
+    case.base.seqlens = old + n_new
+    check(case, o, lse)

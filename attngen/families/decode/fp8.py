@@ -112,3 +112,58 @@ def _scale(x, name: str, kv_heads: int, kind: str, device: int) -> tuple[float, 
     if shape == (kv_heads,):
         return 1.0, t.ptr, t.strides[0]
     raise LaunchError(f"{name} has shape {list(shape)}; allowed: {_SCALE_SHAPES}, kv_heads={kv_heads}")
+
+
+def check_kvcache_call(q, k_cache, v_cache, k, k_scale, v_scale, many: bool) -> KVDType | None:
+    """``flash_attn_with_kvcache``'s fp8 rules, before the cache is written: the caches' format (None: q's dtype,
+    where a scale is refused), and for an fp8 cache at most MAX_Q_LEN new tokens (the decode kernels), a head dim
+    the fp8 kernels take, new k/v in q's dtype and valid scales. Raises LaunchError."""
+    # the dtypes' names without tensor_info, so that what is no array keeps the error the checks after give it
+    names = (str(getattr(k_cache, "dtype", "")), str(getattr(v_cache, "dtype", "")))
+    if not any(map(is_fp8_name, names)):
+        scales(k_scale, v_scale, None, 0, "", 0)  # refuses a scale without an fp8 cache
+        return None
+    ki, vi = tensor_info(k_cache, "k_cache"), tensor_info(v_cache, "v_cache")
+    kv = FP8_DTYPES.get(ki.dtype)
+    if kv is None or vi.dtype != ki.dtype:
+        raise LaunchError(f"k_cache/v_cache have dtype {ki.dtype}/{vi.dtype}: flash_attn_with_kvcache takes an fp8 "
+                          f"cache as torch.float8_e4m3fn or torch.float8_e5m2 for both (bytes name no format)")
+    qi = tensor_info(q, "q")
+    if many:
+        raise LaunchError(f"seqlen_q={qi.shape[1]} with an fp8 cache ({ki.dtype}): at most 8 new tokens (the fp8 "
+                          f"decode kernels; the prefill kernels take no fp8 cache)")
+    d = ki.shape[-1] if len(ki.shape) == 4 else 0
+    if d % 16 or not 32 <= d <= 256:
+        raise LaunchError(f"head_dim={d} with an fp8 cache (kv_dtype={kv.value}); allowed: a multiple of 16 from 32 "
+                          f"to 256")
+    if k is not None:
+        kd = tensor_info(k, "k").dtype
+        if kd != qi.dtype:
+            raise LaunchError(f"k/v have dtype {kd}; with an fp8 cache they come in q's dtype ({qi.dtype}) and are "
+                              f"quantised with k_scale/v_scale as they are appended")
+    scales(k_scale, v_scale, kv, ki.shape[2], qi.kind, qi.device)
+    return kv
+
+
+def quantise(x, scale, kv: KVDType):
+    """New tokens (torch, q's dtype) as the cache stores them: x / scale rounded to the format, saturating at its
+    largest finite value (as serving engines quantise); ``scale`` a number, None (1) or a checked fp32 tensor of
+    shape [], [1] or [kv_heads]."""
+    import torch
+
+    dt = torch.float8_e4m3fn if kv is KVDType.FP8_E4M3 else torch.float8_e5m2
+    top = torch.finfo(dt).max
+    if scale is None or scale.__class__ in (int, float):
+        y = x.float() / float(1.0 if scale is None else scale)
+    else:
+        s = scale.reshape(()) if scale.numel() == 1 else scale
+        y = x.float() / (s if s.dim() == 0 else s[:, None])
+    return y.clamp(-top, top).to(dt)
+
+
+def byte_views(*xs):
+    """fp8 tensors as uint8 views of the same memory: the append writes them through indexing, which every torch
+    build has for bytes (not every one for its fp8 dtypes)."""
+    import torch
+
+    return tuple(x.view(torch.uint8) for x in xs)
