@@ -42,8 +42,8 @@ def test_unset_kv_dtype_leaves_the_spec_as_it_was():
 
 
 @pytest.mark.parametrize("kw,other", [(dict(head_dim=512), "head_dim=512"), (dict(head_dim=72), "head_dim=72"),
-                                      (dict(variant="unfused"), "variant=unfused"), (dict(softcap=True), "softcap=true"),
-                                      (dict(alibi=True), "alibi=true")])
+                                      (dict(variant="unfused"), "variant=unfused"),
+                                      (dict(softcap=True), "softcap=true"), (dict(alibi=True), "alibi=true")])
 def test_what_fp8_does_not_run_is_refused_naming_both_fields(kw, other):
     with pytest.raises(SpecError) as ei:
         DecodeSpec(kv_dtype="fp8_e4m3", **kw)

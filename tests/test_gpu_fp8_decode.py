@@ -157,6 +157,25 @@ def test_split_kv(num_splits, cluster, paged):
         op.set_cluster_merge(was)
 
 
+def test_cluster_merge_is_taken():
+    # A spec whose CTAs hold an SM each with a 4-stage ring (cluster_limit's conditions): on sm_90 the splits of a
+    # row merge in a cluster, the normalised partials carrying v_scale as with the merge launch.
+    from attngen.families.decode import op
+
+    spec = "decode:kv_dtype=fp8_e4m3,cta_tile_kv=128,num_warps=8,num_stages=4"
+    case = Fp8Case([0, 1, 17, 129, 1000, 4097, 300, 2000], fmt="e4m3", scale_kind="head", q_len=2, heads=32,
+                   kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    was = op.set_cluster_merge(op.CLUSTER_MAX)  # (also forgets the calls worked out so far)
+    try:
+        for splits in (2, 5, 8):
+            run(case, num_splits=splits, spec=spec)
+        calls = [c for c in op._calls.values() if c.grid is not None]
+    finally:
+        op.set_cluster_merge(was)
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert all(c.cluster for c in calls), [(c.grid, c.cluster) for c in calls]
+
+
 @pytest.mark.parametrize("window", [(100, 0), (0, 0), (-1, -1)])
 def test_window(window):
     case = Fp8Case([1, 65, 1000, 4097], fmt="e4m3", scale_kind="float", q_len=3, heads=8, kv_heads=2, head_dim=128,

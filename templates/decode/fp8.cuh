@@ -43,7 +43,8 @@ __device__ __forceinline__ unsigned fp8x2_widen(unsigned x) {
   const unsigned h = fp8x2_to_f16x2<FMT>(x);
   if constexpr (BF16) {
     float lo, hi;
-    asm("{.reg .b16 l, u;\nmov.b32 {l, u}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, u;\n}" : "=f"(lo), "=f"(hi) : "r"(h));
+    asm("{.reg .b16 l, u;\nmov.b32 {l, u}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, u;\n}"
+        : "=f"(lo), "=f"(hi) : "r"(h));
     return pack2<true>(lo, hi);
   } else {
     return h;

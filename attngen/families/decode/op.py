@@ -41,9 +41,9 @@ LOCAL_MAX_KEYS = 1 << 30
 
 def _make_plan(key: tuple) -> Plan:
     """The plan (``host.Plan``) of a key (head_dim, dtype, device, q_rows, paged, variant, the user's spec, array
-    kind, softcap, alibi, local, the cache's fp8 format or None): the kernel, or the winners ``attngen tune decode`` stored for this GPU by cache
-    capacity (``kernel_for``), allocators, the stream getter and the device's facts. Made once per key, so a
-    call does its checks, one lookup, the allocations and the launches."""
+    kind, softcap, alibi, local, the cache's fp8 format or None): the kernel, or the winners ``attngen tune decode``
+    stored for this GPU by cache capacity (``kernel_for``), allocators, the stream getter and the device's facts.
+    Made once per key, so a call does its checks, one lookup, the allocations and the launches."""
     d, dtype, device, q_rows, paged, variant, spec, kind, softcap, alibi, local, kv = key
     base = base_spec(d, dtype, q_rows, paged, variant, spec, softcap, alibi, local, kv)
     plan = Plan()
