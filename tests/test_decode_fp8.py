@@ -127,3 +127,19 @@ def test_a_16bit_spec_renders_no_fp8_code():
 def test_fp8_decode_host_path_on_stub_driver(tmp_path):
     pytest.importorskip("torch")
     fake_cuda.run_check("host_path_fp8.py", tmp_path)
+
+
+def test_stored_tunings_of_16bit_caches_do_not_apply_to_fp8():
+    # an entry stored before kv_dtype existed (its fields without it) keeps matching its own spec, not an fp8 one
+    from attngen.arch import get_arch
+    from attngen.tuned import tuned_choices
+
+    base = DecodeSpec(head_dim=128, dtype="bf16")
+    entry = {"family": "decode", "fields": {k: v for k, v in base.untuned_dict().items()}, "arch": "sm_90a",
+             "gpu": "G", "nvrtc": "N", "attngen": "V", "seqlen": 4096,
+             "tuning": {"cta_tile_kv": 128, "num_warps": 4, "num_stages": 2}}
+    assert "kv_dtype" not in entry["fields"]
+    got = tuned_choices(base, get_arch("sm_90a"), "G", [entry], nvrtc="N", version="V")
+    assert [s.cta_tile_kv for _, s in got] == [128]
+    assert tuned_choices(base.replace(kv_dtype="fp8_e4m3"), get_arch("sm_90a"), "G", [entry], nvrtc="N",
+                         version="V") == []

@@ -138,6 +138,10 @@ class DecodeSpec(SpecBase):
             del d["kv_dtype"]
         return d
 
+    def untuned_dict(self) -> dict:
+        d = self.to_dict()
+        return {k: v for k, v in d.items() if k != "family" and k not in self.TUNING_FIELDS}
+
     @property
     def kv_itemsize(self) -> int:
         """Bytes of a cache element."""
