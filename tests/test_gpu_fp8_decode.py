@@ -197,10 +197,14 @@ def test_bytes_with_the_spec_kv_dtype():
     check(case, torch.as_tensor(out, device="cuda"), None)
 
 
-def _widen_module():
+def _widen_module(tmp_path):
     """The conversions of templates/decode/fp8.cuh (the part before the kernel's struct) in a module of their own,
-    with a kernel that widens every pair of bytes both ways: the arch's path and the bit-level one."""
+    with a kernel that widens every pair of bytes both ways: the arch's path and the bit-level one. Built as the
+    kernels are (attngen's NVRTC compile, a cubin for the device's arch) and loaded through CuPy."""
     cp = pytest.importorskip("cupy")
+    from attngen.compiler import compile
+    from attngen.runtime import device_arch
+
     root = Path(__file__).resolve().parent.parent / "templates"
     fp8 = (root / "decode" / "fp8.cuh").read_text()
     convert = fp8[:fp8.index("template <class S>\nstruct DecodeFp8")]
@@ -219,13 +223,15 @@ __device__ void widen_all(unsigned* f16, unsigned* bits, unsigned* bf16) {
 extern "C" __global__ void widen_e4m3(unsigned* a, unsigned* b, unsigned* c) { attngen::widen_all<1>(a, b, c); }
 extern "C" __global__ void widen_e5m2(unsigned* a, unsigned* b, unsigned* c) { attngen::widen_all<2>(a, b, c); }
 """)
-    return cp, cp.RawModule(code=src, options=("-std=c++17",))
+    cubin = tmp_path / "widen.cubin"
+    cubin.write_bytes(compile(src, device_arch(torch.cuda.current_device()), kernel_name="widen_e4m3").cubin)
+    return cp, cp.RawModule(path=str(cubin))
 
 
 @pytest.mark.parametrize("fmt", list(FMTS))
-def test_widening_is_exact_both_ways(fmt):
+def test_widening_is_exact_both_ways(fmt, tmp_path):
     # the GPU runs the cvt form (sm_89+) for e4m3; the bit-level form sm_80/86 run is checked here too, on the chip
-    cp, mod = _widen_module()
+    cp, mod = _widen_module(tmp_path)
     outs = [cp.zeros(65536, dtype=cp.uint32) for _ in range(3)]
     mod.get_function(f"widen_{fmt}")((256,), (256,), tuple(outs))
     cp.cuda.get_current_stream().synchronize()
