@@ -12,6 +12,7 @@ the LSE as fp32 ``[batch, heads, seqlen_q]`` (natural log); with a KV cache also
 from __future__ import annotations
 
 from .errors import LaunchError
+from .families.decode import fp8
 from .families.decode.op import MAX_Q_LEN, decode
 from .families.decode.spec import DecodeSpec
 from .families.head_pad import cut, default_scale, pad_widths, zero_padded
@@ -124,7 +125,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
                             softcap: float = 0.0, rotary_interleaved: bool = True, alibi_slopes=None,
-                            num_splits: int = 0, return_softmax_lse: bool = False, sinks=None):
+                            num_splits: int = 0, return_softmax_lse: bool = False, sinks=None, k_scale=None,
+                            v_scale=None):
     """FlashAttention 2's ``flash_attn_with_kvcache`` on ``attngen.decode`` (and, past 8 new tokens,
     ``attngen.prefill_varlen`` over the cache).
 
@@ -162,6 +164,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     them); with more than 8 new tokens only where the decode kernels serve the call (a paged cache with
     ``cache_leftpad``, a contiguous one whose rows are no whole number of positions apart), refused before the
     cache is written elsewhere.
+
+    fp8 caches (``torch.float8_e4m3fn``, ``torch.float8_e5m2``) with ``k_scale``/``v_scale`` as in
+    ``attngen.decode`` (a number, or an fp32 device tensor [] / [1] / [kv_heads]; missing: 1), up to 8 new
+    tokens: ``k``/``v`` come in q's dtype and are appended as ``k / k_scale`` rounded to the cache's format,
+    saturating at its largest finite value.
     """
     left, right = _window(window_size)
     if left < -1 or right < -1:
@@ -179,6 +186,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     causal = bool(causal)
     local = causal or (left, right) != (-1, -1)
     many = q.shape[1] > MAX_Q_LEN
+    # An fp8 cache: checked before the cache is written, the new tokens quantised as they are appended.
+    kv8 = fp8.check_kvcache_call(q, k_cache, v_cache, k, k_scale, v_scale, many)
     # The route of many new tokens is settled (or refused) before the cache is written.
     route = prefill_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_table, causal, (left, right),
                           alibi_slopes is not None) if many else None
@@ -189,7 +198,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                          local, capacity_of(k_cache, block_table))
     lengths = cache_seqlens
     if k is not None:  # into the caller's cache, before any padded copy of it
-        lengths = append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+        into = (k_cache, v_cache, k, v)
+        if kv8 is not None:
+            into = fp8.byte_views(k_cache, v_cache, fp8.quantise(k, k_scale, kv8), fp8.quantise(v, v_scale, kv8))
+        lengths = append(*into, cache_seqlens, cache_batch_idx, block_table)
     # A head dim no kernel is built for: q and the cache padded once here rather than by each kernel call.
     widths = pad_widths(q, k_cache, v_cache, DecodeSpec.HEAD_DIMS, v_as_k=True)
     d = q.shape[-1]
@@ -200,7 +212,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if not many:
         r = decode(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=cache_batch_idx,
                    block_table=block_table, num_splits=num_splits, return_lse=return_softmax_lse, causal=causal,
-                   window=(left, right), cache_leftpad=cache_leftpad, sinks=sinks, **common)
+                   window=(left, right), cache_leftpad=cache_leftpad, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+                   **common)
     else:
         r = chunked_prefill(q, k_cache, v_cache, lengths, route, cache_batch_idx, cache_leftpad, block_table,
                             (left, right), num_splits, causal, bool(return_softmax_lse), common, sinks)

@@ -188,7 +188,8 @@ def tuned_choices(base: Spec, arch: Arch, gpu: str, entries: list[dict], *,
     def filled(e):
         if e.get("family") != base.family or not isinstance(e.get("fields"), dict):
             return e
-        return {**e, "fields": {**{k: defaults[k] for k in untuned if k not in e["fields"]}, **e["fields"]}}
+        # (.get: a field a spec leaves out of its dict while unset, as decode's kv_dtype, defaults to None)
+        return {**e, "fields": {**{k: defaults.get(k) for k in untuned if k not in e["fields"]}, **e["fields"]}}
 
     found = match_tuned([filled(e) for e in entries], family=base.family, fields=untuned, arch=arch.name, gpu=gpu,
                         nvrtc=nvrtc, attngen=version)

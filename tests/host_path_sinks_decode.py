@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests import fake_cuda  # noqa: E402
 
-# DecodeParams (templates/decode/params.cuh), as attngen.families.decode.op packs it: the sinks' pointer last.
+# DecodeParams (templates/decode/params.cuh) up to the sinks' pointer (the fp8 kernels' fields follow), as decode's op packs it.
 PARAMS = struct.Struct("<12Q14q9iI2f2fQqQiiQ")
 
 

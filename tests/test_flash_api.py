@@ -187,7 +187,8 @@ def _reference_kernels(monkeypatch, seen):
 
     def decode(q, kc, vc, *, cache_seqlens, cache_batch_idx=None, block_table=None, num_splits=0, return_lse=False,
                causal=True, window=(-1, -1), cache_leftpad=None, sm_scale=None, softcap=0.0, alibi_slopes=None,
-               sinks=None):
+               sinks=None, k_scale=None, v_scale=None):
+        assert k_scale is None and v_scale is None  # 16-bit caches here
         seen.append(("decode", q.shape[1]))
         o, lse = reference_decode(q, kc, vc, cache_seqlens, cache_batch_idx, block_table, sm_scale, softcap,
                                   alibi_slopes, causal, window, cache_leftpad, sinks)

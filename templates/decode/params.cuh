@@ -37,6 +37,12 @@ struct DecodeParams {
   // SINKS: each query head's sink, an fp32 logit [heads] (scaled, like sm_scale * q.k), joining the softmax
   // denominator of each of the head's rows once, where the row is normalised over every key it saw (end.cuh).
   const float* sinks;
+  // KV_FP8 (decode/fp8.cuh): fp32 dequantisation scales on the device, read at [kv_head * stride] (stride 0: one
+  // for the tensor), or null: k_scale 1 (the host folded a number into sm_scale), v_scale v_scale_f.
+  const float* k_scale;
+  const float* v_scale;
+  int k_scale_sh, v_scale_sh;
+  float v_scale_f;
 };
 
 // Grid: (num_splits, kv_heads, batch). A CTA takes its split's run of BLOCK_N-key tiles (cta_of). Its warps
@@ -45,11 +51,12 @@ struct DecodeParams {
 // struct and read its members; the template parameters carry a trailing _ so the members can take their names.
 template <class T_, bool BF16_, int HEAD_DIM_, int ROWS_, int BLOCK_N_, int NUM_WARPS_, int WARPS_M_, int NUM_STAGES_,
           bool PAGED_, bool Q_IN_REGS_, bool SOFTCAP_ = false, bool ALIBI_ = false, bool LOCAL_ = false,
-          bool SINKS_ = false>
+          bool SINKS_ = false, int KV_FP8_ = 0>
 struct DecodeShape {
   using T = T_;
   static constexpr bool BF16 = BF16_, PAGED = PAGED_, Q_IN_REGS = Q_IN_REGS_;
   static constexpr bool SOFTCAP = SOFTCAP_, ALIBI = ALIBI_, LOCAL = LOCAL_, SINKS = SINKS_;
+  static constexpr int KV_FP8 = KV_FP8_;  // the cache's format: 0 q's dtype, 1 e4m3, 2 e5m2 (decode/fp8.cuh)
   static constexpr int HEAD_DIM = HEAD_DIM_, ROWS = ROWS_, BLOCK_N = BLOCK_N_;
   static constexpr int NUM_WARPS = NUM_WARPS_, WARPS_M = WARPS_M_, NUM_STAGES = NUM_STAGES_;
   // Head dims that are multiples of 64 keep 128-byte XOR-swizzled rows; the others (multiples of 8) are

@@ -17,7 +17,7 @@ from ...arch import Arch
 from ...spec import DType, resolve
 from ..choice import Choice, DeviceFacts, SizeTable
 from ..split_kv import CLUSTER_MAX, choose_splits
-from .spec import MERGE_THREADS, DecodeSpec, Variant
+from .spec import MERGE_THREADS, DecodeSpec, KVDType, Variant
 
 # The merge launch in a CUDA graph, in the tile steps of choose_splits (a step: every resident CTA reading one K and V
 # tile): about three (choose_splits counts one).
@@ -30,7 +30,8 @@ class Problem(NamedTuple):
     (chosen) or the caller's; ``cluster_max``: the most splits merged in one cluster (``op.set_cluster_merge``);
     ``local``: per-row key bounds (a window, several tokens without causality, left pads: the ``local`` kernels);
     ``live``: the most keys a row's tokens see where a window bounds them (0: the capacity), what the split count
-    is chosen for, as the kernel splits only them; ``sinks``: attention sinks (the ``sinks`` kernels)."""
+    is chosen for, as the kernel splits only them; ``sinks``: attention sinks (the ``sinks`` kernels);
+    ``kv_dtype``: the cache's fp8 format, None for q's dtype."""
 
     head_dim: int
     dtype: str = "bf16"
@@ -49,6 +50,7 @@ class Problem(NamedTuple):
     local: bool = False
     live: int = 0
     sinks: bool = False
+    kv_dtype: KVDType | None = None
 
     @property
     def q_rows(self) -> int:
@@ -67,17 +69,18 @@ class Launch(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def base_spec(head_dim: int, dtype: str, q_rows: int, paged: bool, variant: str, user: DecodeSpec | None,
-              softcap: bool = False, alibi: bool = False, local: bool = False, sinks: bool = False) -> DecodeSpec:
+              softcap: bool = False, alibi: bool = False, local: bool = False, sinks: bool = False,
+              kv_dtype: KVDType | None = None) -> DecodeSpec:
     """The spec of a problem's fields (``variant`` "fused" or "unfused"), its tuning fields the caller's or
     unresolved."""
     fields = dict(head_dim=head_dim, dtype=DType(dtype), q_rows=q_rows, paged=paged, variant=Variant(variant),
-                  softcap=softcap, alibi=alibi, local=local, sinks=sinks)
+                  softcap=softcap, alibi=alibi, local=local, sinks=sinks, kv_dtype=kv_dtype)
     return DecodeSpec(**fields) if user is None else user.replace(**fields)
 
 
 def base_of(p: Problem) -> DecodeSpec:
     return base_spec(p.head_dim, p.dtype, p.q_rows, p.paged, "fused" if p.variant == "auto" else p.variant, p.spec,
-                     p.softcap, p.alibi, p.local, p.sinks)
+                     p.softcap, p.alibi, p.local, p.sinks, p.kv_dtype)
 
 
 @functools.lru_cache(maxsize=1024)

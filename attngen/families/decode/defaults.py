@@ -132,6 +132,10 @@ SPILLS_ON = {
     ((40, True, 16, 'fused', 'local'), (128, 8, 2)): ('sm_80',),
     ((160, True, 16, 'fused', 'local'), (64, 4, 2)): ('sm_80',),
     ((160, True, 16, 'fused', 'local'), (64, 4, 3)): ('sm_80',),
+    # fp8 caches (kv_dtype; e4m3, bf16): the fused defaults of head_dim 64/128/256, both layouts, q_rows 16 and 32,
+    # compiled for every manifest arch until they compiled without spills
+    ((64, False, 32, 'fused', 'fp8'), (128, 8, 2)): ('sm_90a',),
+    ((64, True, 32, 'fused', 'fp8'), (128, 8, 2)): ('sm_80', 'sm_86', 'sm_89'),
 }
 
 
@@ -151,4 +155,6 @@ def candidates(spec, arch: Arch):
                             TUNED[(m, spec.paged)],
                             itertools.product((64, 128, 32, 16), (4, 8), (4, 3, 2, 1)))
     keys = [where] + [(*where, mod) for mod in ("softcap", "alibi", "local") if getattr(spec, mod)]
+    if spec.kv_dtype is not None:
+        keys.append((*where, "fp8"))
     return iter(sorted(every, key=lambda c: any(arch.name in SPILLS_ON.get((k, c), ()) for k in keys)))

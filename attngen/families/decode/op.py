@@ -19,13 +19,16 @@ from ..host import OpMemo, Plan
 from ..score_mods import NO_EXTRAS, checked_scale, checked_sinks, extras
 from ..split_kv import CLUSTER_MAX, cache_lengths, check_index, check_rows, checked_splits, paged_table
 from . import choose as _choose
+from . import fp8 as _fp8
 from .choose import Problem, base_spec, launch, table
 from .spec import HEAD_DIMS_TEXT, DecodeSpec, Variant, head_dim_refusal
 
 # DecodeParams in templates/decode/params.cuh: 12 pointers, 14 strides, 9 ints, an unsigned
 # (block_mul), 2 floats, 2 floats (softcap), the ALiBi slopes' pointer and batch stride, the left pads'
-# pointer and the window's two sides (read by the `local` kernels only), the sinks' pointer (the `sinks` kernels).
-_PARAMS = struct.Struct("<12Q14q9iI2f2fQqQiiQ")
+# pointer and the window's two sides (read by the `local` kernels only), the sinks' pointer (the `sinks` kernels),
+# the fp8 scales' pointers, strides and v's number (read by the fp8 kernels only), padding to the struct's 8-byte
+# alignment.
+_PARAMS = struct.Struct("<12Q14q9iI2f2fQqQiiQQQiif4x")
 _LOG2E = 1.4426950408889634
 MAX_Q_LEN = 8
 # GQA groups to 128 query heads a KV head (one CTA packs a group's heads x q_len rows, 128 at most).
@@ -39,11 +42,11 @@ LOCAL_MAX_KEYS = 1 << 30
 
 def _make_plan(key: tuple) -> Plan:
     """The plan (``host.Plan``) of a key (head_dim, dtype, device, q_rows, paged, variant, the user's spec, array
-    kind, softcap, alibi, local, sinks): the kernel, or the winners ``attngen tune decode`` stored for this GPU by cache
-    capacity (``kernel_for``), allocators, the stream getter and the device's facts. Made once per key, so a
-    call does its checks, one lookup, the allocations and the launches."""
-    d, dtype, device, q_rows, paged, variant, spec, kind, softcap, alibi, local, sinks = key
-    base = base_spec(d, dtype, q_rows, paged, variant, spec, softcap, alibi, local, sinks)
+    kind, softcap, alibi, local, sinks, the cache's fp8 format or None): the kernel, or the winners ``attngen tune
+    decode`` stored for this GPU by cache capacity (``kernel_for``), allocators, the stream getter and the device's
+    facts. Made once per key, so a call does its checks, one lookup, the allocations and the launches."""
+    d, dtype, device, q_rows, paged, variant, spec, kind, softcap, alibi, local, sinks, kv = key
+    base = base_spec(d, dtype, q_rows, paged, variant, spec, softcap, alibi, local, sinks, kv)
     plan = Plan()
     # the choice's specs by cache capacity (choose.choose, whose size-independent part a plan keeps)
     tuned = tuple(stored_choices(base, device)) if spec is None else ()
@@ -83,7 +86,8 @@ def _check_operands(qi, ki, vi) -> None:
 def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_table=None, num_splits: int = 0,
            sm_scale: float | None = None, return_lse: bool = False, out=None, variant: str = "auto",
            spec: DecodeSpec | str | Mapping | None = None, softcap: float = 0.0, alibi_slopes=None,
-           causal: bool = True, window: tuple[int, int] = (-1, -1), cache_leftpad=None, sinks=None):
+           causal: bool = True, window: tuple[int, int] = (-1, -1), cache_leftpad=None, sinks=None, k_scale=None,
+           v_scale=None):
     """Attention of q_len new tokens per sequence against a KV cache.
 
     q ``[batch, q_len, heads, head_dim]`` (q_len 1..8). Contiguous cache: k_cache, v_cache
@@ -117,10 +121,20 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     denominator; merging partial results, give the sink to exactly one of them); a token that sees no key gives
     zeros and LSE = its sink; a sink of -inf is no sink. It takes the spec's ``sinks`` kernels.
 
+    fp8 caches: k_cache and v_cache of ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (or uint8 bytes, e.g. CuPy
+    arrays, with a ``spec`` whose ``kv_dtype`` names the format), q fp16 or bf16. The kernel reads them as fp8 and
+    widens them exactly to q's dtype; the keys are ``k_scale * k_cache``, the values ``v_scale * v_cache``. Each scale
+    is a number or an fp32 device tensor of shape [] or [1] (per tensor, vLLM's) or [kv_heads] (per KV head);
+    missing means 1. The fp8 kernels take head dims that are multiples of 16 up to 256, the fused variant, no
+    softcap or ALiBi.
+
     A head dim up to 256 that is not a multiple of 8 (or is below 32) runs on a zero-padded copy (the
     output a view of its first head_dim columns); that costs a copy of q and the whole cache per call.
     """
     if _rt.tracing is not None and _rt.tracing():
+        if k_scale is not None or v_scale is not None:
+            raise LaunchError("k_scale and v_scale are not supported under torch.compile; call attngen.decode "
+                              "outside the compiled region")
         return _rt.traced_ops["decode"](
             q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
             block_table=block_table, num_splits=num_splits, sm_scale=sm_scale, return_lse=return_lse, out=out,
@@ -145,7 +159,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
                None if out is None else tensor_info(out, "out"),
                None if cache_leftpad is None else tensor_info(cache_leftpad, "cache_leftpad"),
                None if sinks is None else tensor_info(sinks, "sinks"),
-               num_splits, sm_scale, softcap, return_lse, variant, spec, causal, window)
+               num_splits, sm_scale, softcap, return_lse, variant, spec, causal, window,
+               _fp8.scale_key(k_scale), _fp8.scale_key(v_scale))
         call = _calls.get(key)
     except (LaunchError, TypeError):
         key = call = None
@@ -156,10 +171,13 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
                               cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, block_table=block_table,
                               num_splits=num_splits, variant=variant, spec=spec, softcap=softcap,
                               alibi_slopes=alibi_slopes, causal=causal, window=window, cache_leftpad=cache_leftpad,
-                              sinks=sinks)
+                              sinks=sinks, k_scale=k_scale, v_scale=v_scale)
         call = _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse,
-                        out, variant, spec, softcap, alibi_slopes, causal, window, cache_leftpad, sinks)
-        _memo.keep(key, call, flags=(return_lse, causal), numbers=(num_splits, sm_scale, softcap))
+                        out, variant, spec, softcap, alibi_slopes, causal, window, cache_leftpad, sinks, k_scale,
+                        v_scale)
+        _memo.keep(key, call, flags=(return_lse, causal), numbers=(num_splits, sm_scale, softcap,
+                                                                    _fp8.scale_number(k_scale),
+                                                                    _fp8.scale_number(v_scale)))
     plan, kind = call.plan, qi.kind
     if out is None:
         out = plan.alloc(*call.out_shape)
@@ -244,7 +262,8 @@ def window_bounds(causal, window, q_len: int) -> tuple[bool, int, int]:
 
 
 def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse, out, variant,
-             spec, softcap, alibi_slopes, causal=True, window=(-1, -1), cache_leftpad=None, sinks=None) -> _Call:
+             spec, softcap, alibi_slopes, causal=True, window=(-1, -1), cache_leftpad=None, sinks=None, k_scale=None,
+             v_scale=None) -> _Call:
     """Check a call's arguments and work out its ``_Call``."""
     if spec is not None and spec.__class__ is not DecodeSpec:
         spec = op_spec(spec, "decode", "attngen.decode")
@@ -256,9 +275,14 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
                           f"{ki.kind}:{ki.device}, {vi.kind}:{vi.device}")
     dtype = qi.dtype
     if dtype != "bf16" and dtype != "fp16":
-        raise LaunchError(f"q has dtype {dtype}; allowed: fp16, bf16")
-    if ki.dtype != dtype or vi.dtype != dtype:
-        raise LaunchError(f"q, k_cache, v_cache must share a dtype; got {dtype}, {ki.dtype}, {vi.dtype}")
+        fp8 = " (an fp8 cache takes q in fp16 or bf16)" if _fp8.is_fp8_name(dtype) else ""
+        raise LaunchError(f"q has dtype {dtype}; allowed: fp16, bf16{fp8}")
+    kv = None
+    if ki.dtype != dtype or vi.dtype != dtype or (spec is not None and spec.kv_dtype is not None):
+        kv = _fp8.cache_format(qi, ki, vi, None if spec is None else spec.kv_dtype)
+        if kv is not None:
+            _fp8.check_rows(ki, "k_cache")
+            _fp8.check_rows(vi, "v_cache")
     b, q_len, h, d = qi.shape
     pool, cache_len, hk, dk = ki.shape
     if not 1 <= q_len <= MAX_Q_LEN:
@@ -280,6 +304,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     if num_splits.__class__ is not int or num_splits:
         checked_splits(num_splits)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else checked_scale(sm_scale)
+    k_mul, *fp8_tail = _fp8.scales(k_scale, v_scale, kv, hk, qi.kind, qi.device)
 
     kind, dev = qi.kind, qi.device
     paged = block_table is not None
@@ -319,7 +344,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
                           f"{'none' if sinks is None else 'a sinks array'}; allowed: a spec with sinks=true together "
                           f"with sinks (fp32 [{h}]), or sinks=false (the default) without them")
     pkey = (d, dtype, dev, DecodeSpec.rows_for(group, q_len), paged, "fused" if variant == "auto" else variant,
-            spec, kind, bool(softcap), alibi_ptr != 0, local, sinks_ptr != 0)
+            spec, kind, bool(softcap), alibi_ptr != 0, local, sinks_ptr != 0, kv)
     call = _Call()
     call.plan = plan = _plans.get(pkey) or _memo.plan(pkey)
     call.out_shape, call.lse_shape = (b, q_len, h, d), (b, h, q_len)
@@ -347,7 +372,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     # count is chosen for those, as the kernel splits only them.
     live = min(capacity, left + q_len + rs.cta_tile_kv) if local and left < _UNBOUNDED else capacity
     problem = Problem(d, dtype, q_len, h, hk, b, capacity, paged, variant, spec, bool(softcap), alibi_ptr != 0,
-                      num_splits, _cluster_merge[0], local, live, sinks_ptr != 0)
+                      num_splits, _cluster_merge[0], local, live, sinks_ptr != 0, kv)
     lc = launch(problem, rs, plan.facts)
     num_splits, call.cluster = lc.num_splits, lc.cluster
     merged = lc.merge_grid is not None  # by the merge launch
@@ -378,10 +403,11 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         b, q_len, h, group,
         num_splits, block_size, capacity, pool,
         seq_fixed, block_mul(block_size) if block_size else 0,
-        scale, scale * _LOG2E,
+        scale * k_mul, scale * k_mul * _LOG2E,
         cap_u, inv_cap_u, alibi_ptr, alibi_sb,
         pad_ptr, left, right,
         sinks_ptr,
+        *fp8_tail,
     )
     call.grid, call.merge_grid = lc.grid, lc.merge_grid
     return call

@@ -20,11 +20,31 @@ MERGE_THREADS = 128
 HEAD_DIMS_TEXT = "a multiple of 8 from 32 to 256, or 512"
 
 
+def coerce_kv_dtype(value) -> KVDType | None:
+    """None (also the text "none", as ``to_text(full=True)`` writes it) or an fp8 format."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "none"):
+        return None
+    return coerce_enum(KVDType, "kv_dtype", value)
+
+
 def head_dim_refusal(d: int) -> str:
     """Why ``d`` is not a decode head dim (for a ``head_dim`` error)."""
     if d > 256:
         return "past 256 the output columns are split between two CTAs a KV head, which only 512 was built for"
     return "rows are copied and multiplied in 8-column (16-byte) chunks, at least 4 of them"
+
+
+class KVDType(enum.Enum):
+    """The K/V cache's format where it is not q's dtype: 8-bit floats, widened to q's dtype on the chip."""
+
+    FP8_E4M3 = "fp8_e4m3"  # 1-4-3, max 448 (no infinities)
+    FP8_E5M2 = "fp8_e5m2"  # 1-5-2, max 57344
+
+
+# What an fp8 cache runs with: the fused kernel (its producer stages fp8 tiles and widens them), head dims
+# a multiple of 16 (16-byte chunks of 16 keys' bytes) up to 256, no softcap or ALiBi (their per-call
+# constants are in units of the raw score, which the per-head k_scale changes).
+FP8_HEAD_DIMS_TEXT = "a multiple of 16 from 32 to 256"
 
 
 class Variant(enum.Enum):
@@ -52,6 +72,7 @@ class DecodeSpec(SpecBase):
     # global layers) two CTAs share each KV head, each computing half the output columns (``d_parts``).
     HEAD_DIMS: ClassVar[tuple[int, ...]] = (*range(32, 257, 8), 512)
     Q_ROWS: ClassVar[tuple[int, ...]] = (16, 32, 64, 128)
+    KV_DTYPES: ClassVar[tuple] = (None, *KVDType)
     CTA_TILE_KV: ClassVar[tuple[int, ...]] = (0, 16, 32, 64, 128)
     NUM_WARPS: ClassVar[tuple[int, ...]] = (0, 4, 8)
     NUM_STAGES: ClassVar[tuple[int, ...]] = (0, 1, 2, 3, 4)
@@ -71,6 +92,9 @@ class DecodeSpec(SpecBase):
     # attention sinks (gpt-oss): a per-query-head logit that joins each row's softmax denominator and adds no value;
     # the sinks are a call argument
     sinks: bool = False
+    # None: the cache holds q's dtype; else its fp8 format (the scales are call arguments). Left out of
+    # to_dict while None, so the specs (names, keys, stored tunings) of caches in q's dtype stay as they were.
+    kv_dtype: KVDType | None = None
     cta_tile_kv: int = 0
     num_warps: int = 0
     num_stages: int = 0
@@ -89,12 +113,49 @@ class DecodeSpec(SpecBase):
         s(self, "alibi", coerce_bool("alibi", self.alibi))
         s(self, "local", coerce_bool("local", self.local))
         s(self, "sinks", coerce_bool("sinks", self.sinks))
+        s(self, "kv_dtype", coerce_kv_dtype(self.kv_dtype))
         s(self, "cta_tile_kv", coerce_int("cta_tile_kv", self.cta_tile_kv, self.CTA_TILE_KV))
         s(self, "num_warps", coerce_int("num_warps", self.num_warps, self.NUM_WARPS))
         s(self, "num_stages", coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
         if self.d_parts > 1 and self.variant is Variant.UNFUSED:
             raise SpecError("variant", self.variant.value, "fused", reason=f"head_dim={self.head_dim} splits the output "
                             "columns between CTAs, which only the fused kernel does")
+        if self.kv_dtype is not None:
+            self._check_fp8()
+
+    def _check_fp8(self) -> None:
+        """What an fp8 cache runs with (see FP8_HEAD_DIMS_TEXT): each refusal names kv_dtype and the other field."""
+        kv = self.kv_dtype.value
+        for bad, why in (
+                (self.head_dim % 16 or self.head_dim > 256, f"with head_dim={self.head_dim}, which is not "
+                 f"{FP8_HEAD_DIMS_TEXT} (fp8 rows are copied in 16-byte chunks, one CTA a KV head)"),
+                (self.variant is Variant.UNFUSED, "with variant=unfused (an fp8 cache runs the fused kernel)"),
+                (self.softcap, "with softcap=true (not built for fp8 caches)"),
+                (self.alibi, "with alibi=true (not built for fp8 caches)")):
+            if bad:
+                raise SpecError("kv_dtype", kv, f"unset (the cache in q's dtype), or an fp8 cache with head_dim "
+                                f"{FP8_HEAD_DIMS_TEXT}, variant=fused, softcap=false, alibi=false", reason=why)
+
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        if d["kv_dtype"] is None:
+            del d["kv_dtype"]
+        return d
+
+    def untuned_dict(self) -> dict:
+        d = self.to_dict()
+        return {k: v for k, v in d.items() if k != "family" and k not in self.TUNING_FIELDS}
+
+    @property
+    def kv_itemsize(self) -> int:
+        """Bytes of a cache element."""
+        return 1 if self.kv_dtype is not None else self.dtype.itemsize
+
+    @property
+    def fp8_tiles(self) -> int:
+        """Widened tiles of an fp8 cache's kernel (decode/fp8.cuh's WIDE_TILES): K and V, or past head_dim 128
+        one that takes K, then V."""
+        return 1 if self.head_dim > 128 else 2
 
     @staticmethod
     def rows_for(group: int, q_len: int) -> int:
@@ -154,6 +215,9 @@ class DecodeSpec(SpecBase):
         row = self.row_elems * self.dtype.itemsize
         q = self.q_rows * row
         ring = self.num_stages * self.cta_tile_kv * row * 2
+        if self.kv_dtype is not None:
+            # the ring holds dense fp8 rows; one K and one V tile of q's dtype take the widened tile
+            ring = self.num_stages * self.cta_tile_kv * self.head_dim * 2 + self.fp8_tiles * self.cta_tile_kv * row
         if self.variant is Variant.UNFUSED:
             # the P V kernel stages fp32 scores (q_rows x cta_tile_kv, padded) next to each V tile
             ring = self.num_stages * (self.cta_tile_kv * row + self.q_rows * (self.cta_tile_kv + 4) * 4)
@@ -169,12 +233,12 @@ class DecodeSpec(SpecBase):
         return 4 * (-(-combine // 4) * 4 + self.q_rows * self.head_dim + self.q_rows)
 
     def name_parts(self) -> tuple[str, ...]:
-        """Head dim, dtype, packed rows, paged, the unfused variant, score flags, per-row key bounds, sinks, KV
-        tile, warps and stages."""
+        """Head dim, dtype, packed rows, paged, the unfused variant, score flags, per-row key bounds, sinks, the fp8
+        cache format, KV tile, warps and stages."""
         return (f"d{self.head_dim}", self.dtype.value, f"rows{self.q_rows}", "paged" if self.paged else "",
                 "unfused" if self.variant is Variant.UNFUSED else "", "cap" if self.softcap else "",
                 "alibi" if self.alibi else "", "local" if self.local else "", "sinks" if self.sinks else "",
-                self.name_piece("k{}", self.cta_tile_kv),
+                self.kv_dtype.value[4:] if self.kv_dtype is not None else "", self.name_piece("k{}", self.cta_tile_kv),
                 self.name_piece("w{}s{}", self.num_warps, self.num_stages))
 
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
@@ -186,7 +250,8 @@ class DecodeSpec(SpecBase):
 
     def template_context(self) -> dict:
         ctx = super().template_context()
-        ctx.update(q_in_regs=self.q_in_regs, warps_m=self.warps_m, merge_threads=MERGE_THREADS)
+        ctx.update(q_in_regs=self.q_in_regs, warps_m=self.warps_m, merge_threads=MERGE_THREADS,
+                   kv_fp8=0 if self.kv_dtype is None else 1 + list(KVDType).index(self.kv_dtype))
         return ctx
 
     # --- fit ---------------------------------------------------------------------------------
