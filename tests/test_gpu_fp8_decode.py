@@ -284,3 +284,14 @@ def test_flash_attn_with_kvcache_quantises_the_append(fmt, paged, n_new):
     case.kd, case.vd = case.k8.float() * ks, case.v8.float() * vs
     case.base.seqlens = old + n_new
     check(case, o, lse)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_sinks_with_an_fp8_cache(num_splits, paged):
+    # the fp8 kernels end through the same DecodeEnd as the 16-bit ones: the sink joins there, or in the merge
+    case = Fp8Case([0, 1, 300, 3000], fmt="e4m3", scale_kind="head", q_len=2, heads=8, kv_heads=2, head_dim=128,
+                   dtype=torch.bfloat16, block_size=16 if paged else None)
+    sinks = 2 * torch.randn(8, device="cuda", generator=fresh_generator())
+    sinks[0], sinks[1] = 40.0, float("-inf")
+    run(case, num_splits=num_splits, sinks=sinks)
