@@ -1,6 +1,7 @@
 """The score modifiers the attention ops take, FlashAttention's conventions: ``softcap`` (logit
-capping, Gemma 2 and Grok) and ``alibi_slopes`` (ALiBi). Both are template switches in the spec
-(``softcap``, ``alibi``); the cap and the slopes are call arguments, checked here."""
+capping, Gemma 2 and Grok) and ``alibi_slopes`` (ALiBi), and attention ``sinks`` (gpt-oss). Each is a
+template switch in the spec (``softcap``, ``alibi``, ``sinks``); the cap, the slopes and the sinks are
+call arguments, checked here."""
 
 from __future__ import annotations
 
@@ -50,3 +51,28 @@ def extras(softcap, alibi_slopes, batch: int, heads: int, qi, sm_scale) -> tuple
             raise LaunchError(f"alibi_slopes needs sm_scale > 0; got {scale!r}")
         ptr, sb = a.ptr, (a.strides[0] if len(a.shape) == 2 else 0)
     return (cap / scale if cap else 0.0), (scale / cap if cap else 0.0), ptr, sb
+
+
+def sinks_ptr(sinks, heads: int, qi) -> int:
+    """The device pointer of ``sinks`` (one fp32 sink logit per query head, ``[heads]``, contiguous) after
+    checking it against q's info ``qi`` (kind and device); 0 where ``sinks`` is None."""
+    if sinks is None:
+        return 0
+    s = tensor_info(sinks, "sinks")
+    if s.kind != qi.kind or s.device != qi.device or s.dtype != "fp32":
+        raise LaunchError(f"sinks must be an fp32 {qi.kind} array on device {qi.device}; got {s.dtype} {s.kind} on "
+                          f"device {s.device}")
+    if tuple(s.shape) != (heads,) or (heads > 1 and s.strides[0] != 1):
+        raise LaunchError(f"sinks has shape {tuple(s.shape)} and strides {tuple(s.strides)}; expected ({heads},) "
+                          f"(one sink logit per query head), contiguous")
+    return s.ptr
+
+
+def check_spec_sinks(spec, sinks) -> None:
+    """A caller's spec and ``sinks`` must agree: ``sinks=true`` in the spec exactly when a sinks tensor is passed."""
+    if spec is None or spec.sinks == (sinks is not None):
+        return
+    if spec.sinks:
+        raise LaunchError("sinks=None, but the spec has sinks=true; pass sinks (fp32 [heads]) or use a spec with "
+                          "sinks=false")
+    raise LaunchError("sinks was passed, but the spec has sinks=false; add sinks=true to the spec (or pass no spec)")
