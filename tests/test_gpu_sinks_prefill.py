@@ -57,9 +57,9 @@ def reference(q, k, v, keep, scale, sinks, softcap=0.0, alibi=None):
     return torch.matmul(p, vf).transpose(1, 2).float(), lse.float()
 
 
-def compare(o, lse, ref_o, ref_l, sinks, dtype):
-    """o [B, Sq, H, Dv], lse [B, H, Sq] against the reference; rows whose reference sees no key: O exactly 0
-    and LSE exactly the sink."""
+def compare(o, lse, ref_o, ref_l, dtype):
+    """o [B, Sq, H, Dv] and lse [B, H, Sq] against the reference (relative L2 error of O, LSE within 2e-2 where
+    finite, -inf exactly where the reference's is)."""
     assert torch.isfinite(o).all(), "unwritten (NaN) or non-finite output elements"
     err = (torch.linalg.vector_norm(o.float() - ref_o) / torch.linalg.vector_norm(ref_o).clamp_min(1e-30)).item()
     assert err < TOL[dtype], f"rel L2 error {err:.3e}"
@@ -101,13 +101,12 @@ def run_dense(b, sq, sk, h, hk, d, dtype, *, causal=False, window=(-1, -1), dv=N
         check_sentinel(buf, guards)
     keep = range_keep(sq, sk, causal, window)
     ref_o, ref_l = reference(q, k, v, keep, d ** -0.5, sinks, softcap, slopes)
-    if l is None:
-        l = ref_l  # (the output alone is checked)
-    err = compare(o, l, ref_o, ref_l, sinks, dtype)
-    none = empty_rows(keep, b, h, sq)  # [B, H, Sq]
+    got_lse = l is not None
+    err = compare(o, l if got_lse else ref_l, ref_o, ref_l, dtype)  # (without an LSE, the output alone)
+    none = empty_rows(keep, b, h, sq)  # [B, H, Sq]: zeros there, and the sink as the LSE
     if none.any():
         assert (o.transpose(1, 2)[none] == 0).all(), "a row that sees no key is not zero"
-        if lse:
+        if got_lse:
             assert torch.equal(l[none], sinks[None, :, None].expand(b, h, sq)[none]), "its LSE is not the sink"
     return err
 
@@ -177,7 +176,7 @@ def test_flash_attn_func():
     o = attngen.flash_attn_qkvpacked_func(qkv, causal=True, sinks=sinks)
     q, k, v = (qkv[:, :, i] for i in range(3))
     ref_o, ref_l = reference(q, k, v, range_keep(50, 50, True, (-1, -1)), 64 ** -0.5, sinks)
-    compare(o, ref_l, ref_o, ref_l, sinks, torch.float16)
+    compare(o, ref_l, ref_o, ref_l, torch.float16)
 
 
 @pytest.mark.parametrize("block_size,d,dtype", [(0, 128, torch.bfloat16), (16, 128, torch.bfloat16),
@@ -220,7 +219,7 @@ def test_varlen(block_size, d, dtype):
             keep = range_keep(nq, nk, True, (-1, -1))
             ref_o, ref_l = reference(q[None, q0:q0 + nq], k[None, k0:k0 + nk], v[None, k0:k0 + nk], keep, d ** -0.5,
                                      sinks)
-            compare(o[None, q0:q0 + nq], lse[None, :, q0:q0 + nq], ref_o, ref_l, sinks, dtype)
+            compare(o[None, q0:q0 + nq], lse[None, :, q0:q0 + nq], ref_o, ref_l, dtype)
             if nk == 0:  # no key at all: zeros, and the sinks as the LSE
                 assert (o[q0:q0 + nq] == 0).all() and torch.equal(lse[:, q0:q0 + nq], sinks[:, None].expand(h, nq))
         q0 += nq
@@ -246,7 +245,7 @@ def test_custom_mask_and_its_plan(dtype, causal):
         check_sentinel(buf, guards)
         keep = mask & range_keep(sq, sk, causal, (-1, -1))
         ref_o, ref_l = reference(q, k, v, keep, d ** -0.5, sinks)
-        compare(o, lse, ref_o, ref_l, sinks, dtype)
+        compare(o, lse, ref_o, ref_l, dtype)
         none = empty_rows(keep, b, h, sq)
         assert (o.transpose(1, 2)[none] == 0).all() and torch.equal(lse[none], sinks[None, :, None].expand(b, h,
                                                                                                            sq)[none])
