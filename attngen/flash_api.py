@@ -3,6 +3,7 @@
 ``flash_attn_func``, ``flash_attn_varlen_func``, their qkv- and kv-packed forms and
 ``flash_attn_with_kvcache`` take FlashAttention 2's arguments and return what it returns:
 ``softmax_scale``, ``window_size=(left, right)``, ``softcap``, ``alibi_slopes``, ``return_softmax_lse``,
+``sinks`` (fp32 ``[heads]`` attention sinks, as FlashAttention 3 and FlashInfer name them),
 the LSE as fp32 ``[batch, heads, seqlen_q]`` (natural log); with a KV cache also ``rotary_cos``/``rotary_sin``
 (applied by torch before the kernel), ``cache_leftpad`` and any number of new tokens. Any head dim up to 256 runs
 (one that no kernel is built for on a zero-padded copy of the operands). What attngen cannot do is refused with a
@@ -18,7 +19,7 @@ from .families.decode.spec import DecodeSpec
 from .families.head_pad import cut, default_scale, pad_widths, zero_padded
 from .families.prefill.op import prefill
 from .families.prefill.varlen import prefill_varlen
-from .kvcache import append, capacity_of, check_leftpad, chunked_prefill, prefill_route, refuse_sinks, rotary_qk
+from .kvcache import append, capacity_of, check_leftpad, chunked_prefill, prefill_route, rotary_qk
 
 
 def _window(window_size) -> tuple[int, int]:
@@ -41,33 +42,35 @@ def _refuse(dropout_p, return_attn_probs, native: str) -> None:
 
 def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
                     window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
-                    return_attn_probs: bool = False):
+                    return_attn_probs: bool = False, sinks=None):
     """FlashAttention 2's ``flash_attn_func``: q ``[batch, seqlen_q, heads, head_dim]``, k and v
     ``[batch, seqlen_k, kv_heads, head_dim]``; returns out like q. ``causal`` aligns bottom-right;
     ``window_size=(left, right)``, -1 unbounded. ``deterministic`` is accepted (the forward pass
     always is). ``dropout_p`` > 0 and ``return_attn_probs`` are refused: attngen runs no dropout
-    and never materialises the probabilities."""
+    and never materialises the probabilities. ``sinks`` (fp32 ``[heads]``): attention sinks, as in
+    ``attngen.prefill``."""
     _refuse(dropout_p, return_attn_probs, "prefill")
     left, right = _window(window_size)
     return prefill(q, k, v, causal=bool(causal), window=(left, right), sm_scale=softmax_scale, softcap=softcap,
-                   alibi_slopes=alibi_slopes)
+                   alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                            dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
                            window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
-                           return_attn_probs: bool = False, block_table=None):
+                           return_attn_probs: bool = False, block_table=None, sinks=None):
     """FlashAttention 2's ``flash_attn_varlen_func`` on ``attngen.prefill_varlen``: q
     ``[total_q, heads, head_dim]``, k and v ``[total_k, kv_heads, head_dim]`` (or, with
     ``block_table`` int32 ``[batch, max_blocks]``, a paged cache ``[num_blocks, block_size,
     kv_heads, head_dim]``), int32 ``cu_seqlens_q``/``cu_seqlens_k`` ``[batch + 1]``; returns out
     like q. ``causal`` aligns bottom-right per sequence; ``window_size=(left, right)``, -1
-    unbounded. ``dropout_p`` > 0 and ``return_attn_probs`` are refused, as in ``flash_attn_func``."""
+    unbounded. ``dropout_p`` > 0 and ``return_attn_probs`` are refused, as in ``flash_attn_func``;
+    ``sinks`` as there."""
     _refuse(dropout_p, return_attn_probs, "prefill_varlen")
     left, right = _window(window_size)
     return prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=bool(causal),
                           window=(left, right), sm_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes,
-                          block_table=block_table)
+                          block_table=block_table, sinks=sinks)
 
 
 def _unpack(t, n: int, name: str, dims: str):
@@ -80,45 +83,46 @@ def _unpack(t, n: int, name: str, dims: str):
 
 def flash_attn_qkvpacked_func(qkv, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
                               window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                              deterministic: bool = False, return_attn_probs: bool = False):
+                              deterministic: bool = False, return_attn_probs: bool = False, sinks=None):
     """FlashAttention 2's ``flash_attn_qkvpacked_func``: qkv ``[batch, seqlen, 3, heads, head_dim]``
     (q, k and v with the same heads), read in place; otherwise as ``flash_attn_func``."""
     q, k, v = _unpack(qkv, 3, "qkv", "[batch, seqlen, 3, heads, head_dim]")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+                           deterministic, return_attn_probs, sinks=sinks)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
                              window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                             deterministic: bool = False, return_attn_probs: bool = False):
+                             deterministic: bool = False, return_attn_probs: bool = False, sinks=None):
     """FlashAttention 2's ``flash_attn_kvpacked_func``: kv ``[batch, seqlen_k, 2, kv_heads, head_dim]``,
     read in place; otherwise as ``flash_attn_func``."""
     k, v = _unpack(kv, 2, "kv", "[batch, seqlen_k, 2, kv_heads, head_dim]")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+                           deterministic, return_attn_probs, sinks=sinks)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen: int, dropout_p: float = 0.0,
                                      softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
                                      softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
-                                     return_attn_probs: bool = False):
+                                     return_attn_probs: bool = False, sinks=None):
     """FlashAttention 2's ``flash_attn_varlen_qkvpacked_func``: qkv ``[total, 3, heads, head_dim]``
     and one ``cu_seqlens`` for queries and keys; otherwise as ``flash_attn_varlen_func``."""
     q, k, v = _unpack(qkv, 3, "qkv", "[total, 3, heads, head_dim]")
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
-                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  sinks=sinks)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                                     dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
                                     window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                                    deterministic: bool = False, return_attn_probs: bool = False):
+                                    deterministic: bool = False, return_attn_probs: bool = False, sinks=None):
     """FlashAttention 2's ``flash_attn_varlen_kvpacked_func``: kv ``[total_k, 2, kv_heads, head_dim]``;
     otherwise as ``flash_attn_varlen_func``."""
     k, v = _unpack(kv, 2, "kv", "[total_k, 2, kv_heads, head_dim]")
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+                                  return_attn_probs, sinks=sinks)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -160,10 +164,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     32) runs on zero-padded copies of q and the cache, made after ``k``/``v`` are appended to the
     caller's cache; that costs a copy of q and the cache per call.
 
-    ``sinks`` (fp32 ``[heads]``): attention sinks as ``attngen.decode`` takes them (the returned LSE includes
-    them); with more than 8 new tokens only where the decode kernels serve the call (a paged cache with
-    ``cache_leftpad``, a contiguous one whose rows are no whole number of positions apart), refused before the
-    cache is written elsewhere.
+    ``sinks`` (fp32 ``[heads]``): attention sinks as ``attngen.decode`` and ``attngen.prefill_varlen`` take them
+    (the returned LSE includes them), on every route.
 
     fp8 caches (``torch.float8_e4m3fn``, ``torch.float8_e5m2``) with ``k_scale``/``v_scale`` as in
     ``attngen.decode`` (a number, or an fp32 device tensor [] / [1] / [kv_heads]; missing: 1), up to 8 new
@@ -191,8 +193,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # The route of many new tokens is settled (or refused) before the cache is written.
     route = prefill_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_table, causal, (left, right),
                           alibi_slopes is not None) if many else None
-    if many and sinks is not None:
-        refuse_sinks(route, q)
     if rotary_cos is not None:
         q, k = rotary_qk(q, k, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad, bool(rotary_interleaved),
                          local, capacity_of(k_cache, block_table))

@@ -216,15 +216,6 @@ def prefill_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_tab
     return DECODE
 
 
-def refuse_sinks(route: str, q) -> None:
-    """Attention sinks on a route of more than MAX_Q_LEN new tokens: the DECODE route passes them to the decode
-    kernels; the prefill kernel's routes (PAGES, ROWS) do not take them. Raised before the cache is written."""
-    if route in (PAGES, ROWS):
-        raise LaunchError(f"sinks with seqlen_q={q.shape[1]} (past {MAX_Q_LEN} new tokens) on this cache take the "
-                          f"prefill kernel over the cache (the {route!r} route), which does not take sinks; allowed: "
-                          f"sinks with at most {MAX_Q_LEN} new tokens a call (the decode kernels), or sinks=None")
-
-
 def _batched(r, b: int, sq: int, h: int, return_lse: bool):
     """A varlen prefill result over ``b`` sequences of ``sq`` queries as the KV-cache call returns it: out
     ``[b, sq, h, dv]``, and the LSE ``[b, h, sq]`` (varlen's is ``[h, b * sq]``)."""
@@ -266,19 +257,17 @@ def chunked_prefill(q, k_cache, v_cache, lengths, route: str, cache_batch_idx, c
                     window: tuple[int, int], num_splits: int, causal: bool, return_lse: bool, common: dict,
                     sinks=None):
     """More than MAX_Q_LEN new tokens a row by ``prefill_route``'s ``route`` (lengths: each row's keys, new
-    tokens included), over this k_cache/v_cache (the call's, or its zero-padded copies). ``sinks``: the DECODE
-    route's only (``refuse_sinks``)."""
+    tokens included), over this k_cache/v_cache (the call's, or its zero-padded copies); ``sinks`` (attention
+    sinks, or None) go to whichever kernel serves the route."""
     import torch
 
     b, sq, h, d = q.shape
     left, right = window
     lengths = _old_lengths(torch, lengths, b, q.device)
-    if sinks is not None:
-        refuse_sinks(route, q)
     if route == ROWS:
         kr, vr, per_row = _as_rows(torch, k_cache, v_cache)
         return _rows_prefill(q, kr, vr, per_row, lengths, cache_batch_idx, cache_leftpad, k_cache.shape[1],
-                             k_cache.shape[0], window, causal, return_lse, common)
+                             k_cache.shape[0], window, causal, return_lse, dict(common, sinks=sinks))
     if route == PAGES:
         kp, vp, table = (k_cache, v_cache, block_table) if block_table is not None else \
             _as_pages(torch, k_cache, v_cache, cache_batch_idx, b)
@@ -287,7 +276,7 @@ def chunked_prefill(q, k_cache, v_cache, lengths, route: str, cache_batch_idx, c
         cu_k = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
         cu_k[1:] = torch.cumsum(lengths.clamp(0, cap), 0)
         r = prefill_varlen(q.reshape(b * sq, h, d), kp, vp, cu_q, cu_k, sq, cap, causal=causal, window=window,
-                           return_lse=return_lse, block_table=table, **common)
+                           return_lse=return_lse, block_table=table, sinks=sinks, **common)
         return _batched(r, b, sq, h, return_lse)
     # DECODE: a chunk of n tokens, `behind` tokens before the last, runs as a decode call whose rows end `shift`
     # keys past the chunk's last token: the keys after a token that its window's right side (or, unbounded, the

@@ -36,16 +36,19 @@ def _no_lse(q):
 @torch.library.custom_op("attngen::prefill", mutates_args=(), device_types="cuda")
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window_left: int, window_right: int,
              sm_scale: Optional[float], softcap: float, alibi_slopes: Optional[torch.Tensor], return_lse: bool,
-             spec: Optional[str], mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+             spec: Optional[str], mask: Optional[torch.Tensor],
+             sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    # sinks came after the op's first release: a default keeps calls through torch.ops.attngen.prefill that predate it
+    # working.
     from .families.prefill.op import prefill
 
     r = prefill(q, k, v, causal=causal, window=(window_left, window_right), sm_scale=sm_scale, softcap=softcap,
-                alibi_slopes=alibi_slopes, return_lse=return_lse, spec=spec, mask=mask)
+                alibi_slopes=alibi_slopes, return_lse=return_lse, spec=spec, mask=mask, sinks=sinks)
     return r if return_lse else (r, _no_lse(q))
 
 
 @_prefill.register_fake
-def _(q, k, v, causal, window_left, window_right, sm_scale, softcap, alibi_slopes, return_lse, spec, mask):
+def _(q, k, v, causal, window_left, window_right, sm_scale, softcap, alibi_slopes, return_lse, spec, mask, sinks=None):
     b, sq, h, _ = q.shape
     lse = q.new_empty((b, h, sq), dtype=torch.float32) if return_lse else _no_lse(q)
     return q.new_empty((b, sq, h, v.shape[-1])), lse
@@ -56,19 +59,20 @@ def _prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, window_left: int,
                     window_right: int, sm_scale: Optional[float], softcap: float,
                     alibi_slopes: Optional[torch.Tensor], block_table: Optional[torch.Tensor], return_lse: bool,
-                    spec: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+                    spec: Optional[str], sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    # (sinks: a default, as attngen::prefill's)
     from .families.prefill.varlen import prefill_varlen
 
     r = prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                        window=(window_left, window_right), sm_scale=sm_scale, softcap=softcap,
                        alibi_slopes=alibi_slopes, block_table=block_table, return_lse=return_lse,
-                       spec=spec)
+                       spec=spec, sinks=sinks)
     return r if return_lse else (r, _no_lse(q))
 
 
 @_prefill_varlen.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right,
-      sm_scale, softcap, alibi_slopes, block_table, return_lse, spec):
+      sm_scale, softcap, alibi_slopes, block_table, return_lse, spec, sinks=None):
     total, h, _ = q.shape
     lse = q.new_empty((h, total), dtype=torch.float32) if return_lse else _no_lse(q)
     return q.new_empty((total, h, v.shape[-1])), lse
@@ -129,7 +133,8 @@ def _traced(what: str, out, extra: str = "") -> None:
                           f"tensor); drop out={extra}")
 
 
-def prefill(q, k, v, *, causal, window, sm_scale, return_lse, out, spec, softcap, alibi_slopes, mask, mask_plan):
+def prefill(q, k, v, *, causal, window, sm_scale, return_lse, out, spec, softcap, alibi_slopes, mask, mask_plan,
+            sinks=None):
     """``attngen.prefill`` while torch.compile traces: the ``attngen::prefill`` op."""
     _traced("attngen.prefill", out)
     if mask_plan is not None:
@@ -137,18 +142,18 @@ def prefill(q, k, v, *, causal, window, sm_scale, return_lse, out, spec, softcap
                           "(the op builds the plan)")
     o, lse = torch.ops.attngen.prefill(q, k, v, bool(causal), int(window[0]), int(window[1]), sm_scale,
                                        float(softcap), alibi_slopes, bool(return_lse),
-                                       _text(spec, "attngen.prefill"), mask)
+                                       _text(spec, "attngen.prefill"), mask, sinks)
     return (o, lse) if return_lse else o
 
 
 def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, window, sm_scale,
-                   return_lse, out, block_table, spec, softcap, alibi_slopes):
+                   return_lse, out, block_table, spec, softcap, alibi_slopes, sinks=None):
     """``attngen.prefill_varlen`` while torch.compile traces: the ``attngen::prefill_varlen`` op."""
     _traced("attngen.prefill_varlen", out)
     o, lse = torch.ops.attngen.prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                               int(max_seqlen_k), bool(causal), int(window[0]), int(window[1]),
                                               sm_scale, float(softcap), alibi_slopes, block_table, bool(return_lse),
-                                              _text(spec, "attngen.prefill_varlen"))
+                                              _text(spec, "attngen.prefill_varlen"), sinks)
     return (o, lse) if return_lse else o
 
 

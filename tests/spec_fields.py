@@ -19,6 +19,7 @@ FIELD_VALUES = {
     "mma": tuple(Mma),
     "softcap": (False, True),
     "alibi": (False, True),
+    "sinks": (False, True),
     "custom_mask": (False, True),
     "varlen": (False, True),
     "paged": (False, True),  # alone it is refused (paged needs varlen): tests skip what does not fit

@@ -195,7 +195,7 @@ def _reference_kernels(monkeypatch, seen):
         return (o.to(q.dtype), lse) if return_lse else o.to(q.dtype)
 
     def prefill_varlen(q, kp, vp, cu_q, cu_k, max_q, max_k, *, causal, window, return_lse, sm_scale, softcap,
-                       alibi_slopes, block_table=None):
+                       alibi_slopes, block_table=None, sinks=None):
         seen.append(("prefill" if block_table is not None else "rows", kp.shape[1]))
         out = torch.zeros(q.shape[0], q.shape[1], vp.shape[-1])
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"))
@@ -214,6 +214,10 @@ def _reference_kernels(monkeypatch, seen):
                 slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[s:s + 1]
                 o, l = reference_attention(q[None, q0:q1], k[None], v[None], causal=causal, window=window,
                                            sm_scale=sm_scale, softcap=softcap, alibi_slopes=slopes)
+                if sinks is not None:  # each head's sink joins the denominator: the LSE and the weight of the keys
+                    with_sink = torch.logaddexp(l[0], sinks[:, None].to(l.dtype))
+                    o = o * torch.exp(l - with_sink).nan_to_num(0.0).transpose(1, 2)[..., None]
+                    l = with_sink[None]
                 out[q0:q1], lse[:, q0:q1] = o[0], l[0]
         return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
 

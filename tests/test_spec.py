@@ -199,7 +199,7 @@ def test_to_dict_holds_plain_values_only():
     d = PrefillSpec(head_dim=64, mask=MaskMode.CAUSAL).to_dict()
     assert d == {"family": "prefill", "head_dim": 64, "dtype": "bf16", "mask": "causal", "return_lse": False,
                  "cta_tile_q": 0, "cta_tile_kv": 0, "num_warps": 0, "num_stages": 0, "mma": "auto", "softcap": False,
-                 "alibi": False, "custom_mask": False, "varlen": False, "paged": False, "head_dim_v": 0,
+                 "alibi": False, "sinks": False, "custom_mask": False, "varlen": False, "paged": False, "head_dim_v": 0,
                  "head_dim_chunk": 0, "pipeline": "auto", "schedule": "auto",
                  "persistent": "auto"}
     assert json.loads(json.dumps(d)) == d

@@ -1,5 +1,5 @@
 """The score modifiers the attention ops take, FlashAttention's conventions: ``softcap`` (logit
-capping, Gemma 2 and Grok) and ``alibi_slopes`` (ALiBi); and attention ``sinks`` (gpt-oss). Each is a
+capping, Gemma 2 and Grok) and ``alibi_slopes`` (ALiBi), and attention ``sinks`` (gpt-oss). Each is a
 template switch in the spec (``softcap``, ``alibi``, ``sinks``); the cap, the slopes and the sinks are
 call arguments, checked here."""
 
@@ -53,13 +53,25 @@ def extras(softcap, alibi_slopes, batch: int, heads: int, qi, sm_scale) -> tuple
     return (cap / scale if cap else 0.0), (scale / cap if cap else 0.0), ptr, sb
 
 
-def checked_sinks(sinks, heads: int, qi) -> int:
-    """The device pointer of ``sinks`` (attention sinks, gpt-oss: one fp32 logit a query head, ``[heads]``) after
-    checking it against q's info ``qi``: the same kind (torch or CuPy) on the same device, fp32, contiguous."""
+def sinks_ptr(sinks, heads: int, qi) -> int:
+    """The device pointer of ``sinks`` (one fp32 sink logit per query head, ``[heads]``, contiguous) after
+    checking it against q's info ``qi`` (kind and device); 0 where ``sinks`` is None."""
+    if sinks is None:
+        return 0
     s = tensor_info(sinks, "sinks")
     if s.kind != qi.kind or s.device != qi.device or s.dtype != "fp32" or tuple(s.shape) != (heads,) or \
             (heads > 1 and s.strides[0] != 1):
-        raise LaunchError(f"sinks must be a contiguous fp32 {qi.kind} array of shape ({heads},) (one logit a query "
-                          f"head) on device {qi.device}; got {s.dtype} {s.kind} of shape {tuple(s.shape)}, strides "
-                          f"{tuple(s.strides)}, on device {s.device}")
+        raise LaunchError(f"sinks must be an fp32 {qi.kind} array of shape ({heads},) (one logit a query head), "
+                          f"contiguous, on device {qi.device}; got {s.dtype} {s.kind} of shape {tuple(s.shape)}, "
+                          f"strides {tuple(s.strides)}, on device {s.device}")
     return s.ptr
+
+
+def check_spec_sinks(spec, sinks) -> None:
+    """A caller's spec and ``sinks`` must agree: ``sinks=true`` in the spec exactly when a sinks tensor is passed."""
+    if spec is None or spec.sinks == (sinks is not None):
+        return
+    if spec.sinks:
+        raise LaunchError("sinks=None, but the spec has sinks=true; pass sinks (fp32 [heads]) or use a spec with "
+                          "sinks=false")
+    raise LaunchError("sinks was passed, but the spec has sinks=false; add sinks=true to the spec (or pass no spec)")

@@ -1,5 +1,6 @@
 // The chunked kernel's epilogue: the row sums of all column groups added up (through shared memory), O
-// normalised and stored (each warp its rows and its column group's columns), and the LSE.
+// normalised (SINKS: with the head's sink in the denominator) and stored (each warp its rows and its column group's
+// columns), and the LSE.
 namespace attngen {
 
 template <class K>
@@ -30,6 +31,7 @@ struct ChunkedEpilogue {
     // VARLEN: the sequence's first row, read again rather than held across the loop (registers).
     if constexpr (K::VARLEN) cta.q_row0 = min(max(p.cu_q[cta.batch], 0), p.total_q);
     const long long q_row0 = cta.q_row0;
+    const float sink = K::SINKS ? p.sinks[cta.head] : 0.f;
     T* gO = p.o + (K::VARLEN ? 0 : cta.batch * p.o_sb) + cta.head * p.o_sh + (q_row0 + m0) * p.o_ss + cta.vs * K::DV +
             cg * ON;
 #pragma unroll
@@ -40,11 +42,19 @@ struct ChunkedEpilogue {
         float l = 0.f;
 #pragma unroll
         for (int c = 0; c < K::WARPS_N; ++c) l += sm.red[c * BLOCK_M + row];
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        float inv, sink_lse = 0.f;
+        if constexpr (K::SINKS) {  // (epilogue.cuh: sink_row)
+          const SinkRow sr = sink_row(sink, row_max[mt][r], l, p.sm_scale);
+          inv = sr.inv;
+          sink_lse = sr.lse;
+        } else {
+          inv = l > 0.f ? 1.f / l : 0.f;
+        }
         const bool live = m0 + row < cta.seqlen_q;
         if constexpr (K::RETURN_LSE) {
           if (cg == 0 && t == 0 && live && cta.vs == 0) {
-            const float lse = l > 0.f ? row_max[mt][r] * p.sm_scale + logf(l) : -ATTNGEN_INF;
+            const float lse =
+                K::SINKS ? sink_lse : l > 0.f ? row_max[mt][r] * p.sm_scale + logf(l) : -ATTNGEN_INF;
             // VARLEN: [heads, total_q], FlashAttention's varlen layout; else [batch, heads, seqlen_q].
             if constexpr (K::VARLEN)
               p.lse[(long long)cta.head * p.total_q + q_row0 + m0 + row] = lse;

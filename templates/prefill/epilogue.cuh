@@ -14,14 +14,33 @@
 // stall a tile: the thread's coordinates plus a zero that depends on the pass (z = m0 >> 31) make them this pass's.
 namespace attngen {
 
-// The epilogue: normalise O, write the LSE, stage O through this warp's rows of sO (layout LO) and
-// store it with 16-byte writes of whole rows. q_row0: VARLEN, the sequence's first row.
-template <bool BF16, bool RETURN_LSE, bool VARLEN, int WARP_M, int HEAD_DIM_V, class LO, int M_TILES, int D_TILES,
-          class T>
+// A row's final normalisation with an attention sink (SINKS): the head's sink logit s joins the softmax
+// denominator as one more term that adds no value. The row's state is its max m in raw score units and its sum l
+// of exp(x - m sm_scale); with M = max(m sm_scale, s) the denominator is l exp(m sm_scale - M) + exp(s - M), O
+// takes exp(m sm_scale - M) over it, and the LSE is M + log of it: no exp can overflow, whatever the finite sink.
+// A row that saw no key (l = 0) gets O = 0 and LSE s; a sink of -inf leaves the row as it was.
+struct SinkRow {
+  float inv;  // O's factor
+  float lse;
+};
+__device__ __forceinline__ SinkRow sink_row(float sink, float row_max, float l, float sm_scale) {
+  const float m = l > 0.f ? row_max * sm_scale : -ATTNGEN_INF;
+  const float top = fmaxf(m, sink);
+  const float keep = l > 0.f ? expf(m - top) : 0.f;
+  const float total = l * keep + (sink == -ATTNGEN_INF ? 0.f : expf(sink - top));
+  return {total > 0.f ? keep / total : 0.f, total > 0.f ? top + logf(total) : -ATTNGEN_INF};
+}
+
+// The epilogue: normalise O (SINKS: with the head's sink in the denominator, sink_row), write the LSE, stage O
+// through this warp's rows of sO (layout LO) and store it with 16-byte writes of whole rows. q_row0: VARLEN, the
+// sequence's first row.
+template <bool BF16, bool RETURN_LSE, bool VARLEN, int WARP_M, int HEAD_DIM_V, class LO, bool SINKS, int M_TILES,
+          int D_TILES, class T>
 __device__ __forceinline__ void store_tile(float (&acc_o)[M_TILES][D_TILES][4], const float (&row_max)[M_TILES][2],
                                            const float (&row_sum)[M_TILES][2], const PrefillParams<T>& p, T* sO,
                                            int m0, int warp_row0, int head, int batch, long long q_row0, int seqlen_q,
                                            int lane, int g, int t) {
+  const float sink = SINKS ? p.sinks[head] : 0.f;
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
@@ -29,7 +48,14 @@ __device__ __forceinline__ void store_tile(float (&acc_o)[M_TILES][D_TILES][4], 
       float l = row_sum[mt][r];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      float inv, sink_lse = 0.f;
+      if constexpr (SINKS) {
+        const SinkRow sr = sink_row(sink, row_max[mt][r], l, p.sm_scale);
+        inv = sr.inv;
+        sink_lse = sr.lse;
+      } else {
+        inv = l > 0.f ? 1.f / l : 0.f;
+      }
 #pragma unroll
       for (int d = 0; d < D_TILES; ++d) {
         acc_o[mt][d][2 * r] *= inv;
@@ -38,7 +64,7 @@ __device__ __forceinline__ void store_tile(float (&acc_o)[M_TILES][D_TILES][4], 
       if constexpr (RETURN_LSE) {
         const int i = m0 + warp_row0 + mt * 16 + g + 8 * r;
         if (t == 0 && i < seqlen_q) {
-          const float lse = l > 0.f ? row_max[mt][r] * p.sm_scale + logf(l) : -ATTNGEN_INF;
+          const float lse = SINKS ? sink_lse : l > 0.f ? row_max[mt][r] * p.sm_scale + logf(l) : -ATTNGEN_INF;
           // VARLEN: [heads, total_q], FlashAttention's varlen layout; else [batch, heads, seqlen_q].
           if constexpr (VARLEN)
             p.lse[(long long)head * p.total_q + q_row0 + i] = lse;

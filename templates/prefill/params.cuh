@@ -44,6 +44,9 @@ struct PrefillParams {
   int block_size, num_blocks, total_q, total_k, bits_words, max_tiles, num_q_tiles;
   int mask_units_h, mask_units_b;
   int batch_count;  // PERSISTENT (the TMA kernel): the batch, which its one row of CTAs does not give
+  // SINKS: fp32 sink logits [heads] (the query heads), read once per row by the epilogue. Last, so that every
+  // other field keeps its offset (a launch without sinks packs none of it).
+  const float* sinks;
 };
 
 // The TMA kernel's parameter: tensor maps of q, k and v (4-d: head_dim, seqlen, heads, batch;

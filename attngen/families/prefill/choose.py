@@ -81,6 +81,7 @@ class Problem(NamedTuple):
     rows: int = 1
     heads: int = 1
     batch: int = 1
+    sinks: bool = False
 
     @property
     def size(self) -> int:
@@ -99,16 +100,17 @@ class Launch(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def base_spec(head_dim: int, dtype: str, mask: MaskMode, return_lse: bool, user, softcap: bool, alibi: bool,
-              layout: int, head_dim_v: int) -> PrefillSpec:
+              layout: int, head_dim_v: int, sinks: bool = False) -> PrefillSpec:
     """The spec of a problem's fields, its tuning fields the caller's (``user``) or unresolved."""
     fields = dict(head_dim=head_dim, head_dim_v=head_dim_v or head_dim, dtype=DType(dtype), mask=mask,
-                  return_lse=return_lse, softcap=softcap, alibi=alibi, custom_mask=layout == CUSTOM_MASK,
+                  return_lse=return_lse, softcap=softcap, alibi=alibi, sinks=sinks, custom_mask=layout == CUSTOM_MASK,
                   varlen=layout >= VARLEN, paged=layout == VARLEN_PAGED)
     return PrefillSpec(**fields) if user is None else user.replace(**fields)
 
 
 def base_of(p: Problem) -> PrefillSpec:
-    return base_spec(p.head_dim, p.dtype, p.mask, p.return_lse, p.spec, p.softcap, p.alibi, p.layout, p.head_dim_v)
+    return base_spec(p.head_dim, p.dtype, p.mask, p.return_lse, p.spec, p.softcap, p.alibi, p.layout, p.head_dim_v,
+                     p.sinks)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -29,7 +29,7 @@ from ...tuned import stored_choices
 from ..choice import device_facts
 from ..head_pad import pad_widths, run_padded, zero_padded
 from ..host import OpMemo, Plan
-from ..score_mods import NO_EXTRAS, checked_scale, extras
+from ..score_mods import NO_EXTRAS, check_spec_sinks, checked_scale, extras, sinks_ptr
 from .choose import CUSTOM_MASK, DENSE, base_spec, dense_grid, persistent_grid, sync_twin, table
 from .spec import MaskMode, Pipeline, PrefillSpec
 from .tma import tensor_maps
@@ -46,6 +46,13 @@ _PARAMS_TMA = struct.Struct("<384s5Q12q4i2f2i2fQq")
 _PARAMS_TMA4 = struct.Struct("<512s5Q12q4i2f2i2fQq")  # (the chunked kernel with a V tail: four maps)
 _PARAMS_TMA_PERSISTENT = struct.Struct("<384s5Q12q4i2f2i2fQq116xi")
 PARAMS_EXT_TMA = struct.Struct("<384s" + PARAMS_EXT.format[1:])  # the varlen and custom-mask kernels' on TMA
+# A sinks kernel's (spec sinks=true): every field, the sinks' pointer last, after batch_count (0 but for the persistent
+# kernel); a dense launch zero-fills the varlen and custom-mask fields it does not read, as the persistent one does.
+_PARAMS_SINKS = struct.Struct("<5Q12q4i2f2i2fQq116xiQ")
+_PARAMS_TMA_SINKS = struct.Struct("<384s5Q12q4i2f2i2fQq116xiQ")
+_PARAMS_TMA4_SINKS = struct.Struct("<512s5Q12q4i2f2i2fQq116xiQ")
+PARAMS_EXT_SINKS = struct.Struct(PARAMS_EXT.format + "iQ")
+PARAMS_EXT_TMA_SINKS = struct.Struct(PARAMS_EXT_TMA.format + "iQ")
 # What a plan's kernel reads its inputs as (the last element of a plan key): choose.DENSE, CUSTOM_MASK, VARLEN,
 # VARLEN_PAGED.
 _LOG2E = 1.4426950408889634
@@ -159,8 +166,8 @@ class _Plan(Plan):
 
 
 def _make_plan(key: tuple) -> _Plan:
-    d, dtype, device, mask, return_lse, spec, kind, softcap, alibi, layout, dv = key
-    base = base_spec(d, dtype, _MASKS[mask], return_lse, spec, softcap, alibi, layout, dv)
+    d, dtype, device, mask, return_lse, spec, kind, softcap, alibi, layout, dv, sinks = key
+    base = base_spec(d, dtype, _MASKS[mask], return_lse, spec, softcap, alibi, layout, dv, sinks)
     plan = _Plan()
     # the choice's specs by query rows (choose.choose, whose size-independent part a plan keeps)
     tuned = tuple(stored_choices(base, device)) if spec is None else ()
@@ -182,7 +189,7 @@ def clear_plans() -> None:
 
 def plan_for(key: tuple) -> _Plan:
     """The ``_Plan`` of ``key`` (d, dtype, device, mask code, return_lse, spec, kind, softcap, alibi,
-    layout, v's head dim), made on first use."""
+    layout, v's head dim, sinks), made on first use."""
     return _plans.get(key) or _memo.plan(key)
 
 
@@ -210,14 +217,15 @@ def kernel_for(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_W
         spec = op_spec(spec, "prefill", "attngen.prefill")
     qi, _, vi = _check_qkv(q, k, v)
     mask, _, _ = mask_and_window(causal, window)
-    key = (qi.shape[3], qi.dtype, qi.device, mask, bool(return_lse), spec, qi.kind, False, False, DENSE, vi.shape[3])
+    key = (qi.shape[3], qi.dtype, qi.device, mask, bool(return_lse), spec, qi.kind, False, False, DENSE, vi.shape[3],
+           False)
     plan = _plans.get(key) or _memo.plan(key)
     return plan.kernel or plan.kernel_for(qi.shape[1])
 
 
 def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WINDOW, sm_scale: float | None = None,
             return_lse: bool = False, out=None, spec: PrefillSpec | str | Mapping | None = None, softcap: float = 0.0,
-            alibi_slopes=None, mask=None, mask_plan=None):
+            alibi_slopes=None, mask=None, mask_plan=None, sinks=None):
     """Attention forward: softmax(q k^T * sm_scale) v, per head, with the FlashAttention layout.
 
     q ``[batch, seqlen_q, heads, head_dim]``; k, v ``[batch, seqlen_k, kv_heads, head_dim]`` with
@@ -241,11 +249,18 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     with ``causal`` and ``window``. The kernel walks only the KV tiles some row can see, listed by
     a plan built on the GPU from the mask (``attngen.mask_plan``); pass that plan as
     ``mask_plan`` to reuse it across calls (layers), else each call builds one.
+
+    ``sinks``: attention sinks (gpt-oss), one fp32 logit per query head (``[heads]``, contiguous, q's kind and
+    device) that joins each row's softmax denominator and adds no value: ``O = sum_j exp(x_j) v_j / (sum_j
+    exp(x_j) + exp(sink))`` over the row's scaled (capped, biased, masked) logits x_j. The LSE then includes the
+    sink (the log of that whole denominator): a caller merging partial results must give the sink to exactly one
+    of them. A row that sees no key gives zeros and LSE = its sink; a sink of -inf is no sink. A caller's ``spec``
+    must say ``sinks=true`` exactly when sinks are passed.
     """
     if _rt.tracing is not None and _rt.tracing():
         return _rt.traced_ops["prefill"](
             q, k, v, causal=causal, window=window, sm_scale=sm_scale, return_lse=return_lse, out=out, spec=spec,
-            softcap=softcap, alibi_slopes=alibi_slopes, mask=mask, mask_plan=mask_plan)
+            softcap=softcap, alibi_slopes=alibi_slopes, mask=mask, mask_plan=mask_plan, sinks=sinks)
     if spec is not None and spec.__class__ is not PrefillSpec and spec.__class__ is not str:
         # a dict, another family's spec, a wrong type: read or refused before the tensors (text is
         # kept as given, part of the call's key, and read once in _prepare)
@@ -260,7 +275,8 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
         try:
             key = (qi, ki, vi, causal, window, sm_scale, return_lse, spec, softcap,
                    None if out is None else tensor_info(out, "out"),
-                   None if alibi_slopes is None else tensor_info(alibi_slopes, "alibi_slopes"))
+                   None if alibi_slopes is None else tensor_info(alibi_slopes, "alibi_slopes"),
+                   None if sinks is None else tensor_info(sinks, "sinks"))
             call = _calls.get(key)
         except (LaunchError, TypeError):
             key = None
@@ -271,9 +287,9 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
         if widths is not None:  # a head dim no kernel is built for, run on zero-padded copies (head_pad)
             return run_padded(prefill, q, k, v, widths, sm_scale=sm_scale, out=out, return_lse=return_lse,
                               causal=causal, window=window, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes,
-                              mask=mask, mask_plan=mask_plan)
+                              mask=mask, mask_plan=mask_plan, sinks=sinks)
         call = _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softcap, alibi_slopes,
-                        mask is not None)
+                        mask is not None, sinks)
         _memo.keep(key, call, flags=(causal, return_lse), numbers=(sm_scale, softcap))
     plan, kind = call.plan, qi.kind
     if out is None:
@@ -296,7 +312,7 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
 
         mp = checked_plan(mask_plan, mask, call.kern, qi, ki, call.mcode, call.left, call.right, stream)
         grid, ext = mp.launch_args(qi.shape[2], qi.shape[0])
-        call.kern.launch_struct(call.layout, grid, stream, *call.head, optr, lse_ptr, *call.tail, *ext)
+        call.kern.launch_struct(call.layout, grid, stream, *call.head, optr, lse_ptr, *call.tail, *ext, *call.post)
     return (out, lse) if return_lse else out
 
 
@@ -305,18 +321,21 @@ class _Call:
     its parameters, the shapes it allocates (or the caller's ``out``), the grid (None: nothing to
     compute), and the parameters before and after out's and the LSE's pointers (``head``: the TMA
     maps and q, k, v; ``tail``: strides, sizes, scales, window, score mods, and the persistent
-    kernel's batch). A custom mask's call keeps its mask code and window for the mask plan."""
+    kernel's batch; with sinks, the sinks' pointer last). A custom mask's call keeps its mask code and window for the
+    mask plan, and ``post``: the parameters after the plan's (with sinks, batch_count and the sinks' pointer)."""
 
     __slots__ = ("plan", "kern", "layout", "out_shape", "out_ptr", "lse_shape", "grid", "head", "tail", "mcode",
-                 "left", "right")
+                 "left", "right", "post")
 
 
 
-def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softcap, alibi_slopes, masked) -> _Call:
+def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softcap, alibi_slopes, masked,
+             sinks=None) -> _Call:
     """Check a call's arguments and work out its ``_Call``."""
     if spec is not None and spec.__class__ is not PrefillSpec:
         spec = op_spec(spec, "prefill", "attngen.prefill")
     _check_dense(qi, ki, vi)
+    check_spec_sinks(spec, sinks)
     b, sq, h, d = qi.shape
     _, sk, hk, _ = ki.shape
     dv = vi.shape[3]
@@ -325,8 +344,9 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
     return_lse = bool(return_lse)
     cap_u, inv_cap_u, alibi_ptr, alibi_sb = (extras(softcap, alibi_slopes, b, h, qi, sm_scale)
                                              if softcap or alibi_slopes is not None else NO_EXTRAS)
+    sinks_at = sinks_ptr(sinks, h, qi)
     key = (d, qi.dtype, qi.device, mcode, return_lse, spec, qi.kind, bool(softcap), alibi_ptr != 0,
-           CUSTOM_MASK if masked else DENSE, dv)
+           CUSTOM_MASK if masked else DENSE, dv, sinks is not None)
     call.plan = plan = _plans.get(key) or _memo.plan(key)
     scale = plan.default_scale if sm_scale is None else checked_scale(sm_scale)
     call.out_shape, call.lse_shape = (b, sq, h, dv), (b, h, sq)
@@ -334,7 +354,7 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
         ostrides = (sq * h * dv, h * dv, dv)  # a fresh contiguous array, aligned by its allocator
     else:
         call.out_ptr, ostrides = out_of(out, qi, dv)
-    call.grid = None
+    call.grid, call.post = None, ()
     if sq == 0 or b == 0 or h == 0:
         return call
     if b > 65535:
@@ -350,10 +370,12 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
                  left, right,
                  cap_u, inv_cap_u, alibi_ptr, alibi_sb)
     if masked:  # the mask plan gives the grid, per call
-        call.grid, call.layout = (), PARAMS_EXT
+        call.grid, call.layout = (), PARAMS_EXT_SINKS if sinks_at else PARAMS_EXT
         call.kern, maps = plan.tma_maps(kern, qi, ki, vi)
         if maps is not None:
-            call.head, call.layout = (maps, *call.head), PARAMS_EXT_TMA
+            call.head, call.layout = (maps, *call.head), PARAMS_EXT_TMA_SINKS if sinks_at else PARAMS_EXT_TMA
+        if sinks_at:
+            call.post = (0, sinks_at)
         return call
     ks_ = kern.spec
     # v_splits: the chunked kernel past 640 columns
@@ -365,6 +387,8 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
         call.kern, maps = plan.tma_maps(kern, qi, ki, vi)  # (the cp.async twin where no map describes them)
     if maps is None:
         call.grid = dense_grid(sq, h, b, call.kern.spec)
+        if sinks_at:
+            call.layout, call.tail = _PARAMS_SINKS, (*call.tail, 0, sinks_at)
     else:
         call.head = (maps, *call.head)
         if ks_.is_persistent:
@@ -373,6 +397,9 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
         else:
             call.grid = dense_grid(sq, h, b, ks_)
             call.layout = _PARAMS_TMA if len(maps) == 384 else _PARAMS_TMA4
+        if sinks_at:  # batch_count (the persistent kernel's, else 0), then the sinks' pointer
+            call.layout = _PARAMS_TMA_SINKS if len(maps) == 384 else _PARAMS_TMA4_SINKS
+            call.tail = (*call.tail, sinks_at) if ks_.is_persistent else (*call.tail, 0, sinks_at)
     return call
 
 
@@ -394,7 +421,8 @@ def mask_plan(mask, q, k, *, v=None, causal: bool = False, window: tuple[int, in
         q, k, v = (zero_padded(x, w) for x, w in ((q, widths[0]), (k, widths[0]), (k if v is None else v, widths[1])))
     qi, ki, vi = _check_qkv(q, k, k if v is None else v)
     mcode, left, right = mask_and_window(causal, window)
-    key = (qi.shape[3], qi.dtype, qi.device, mcode, False, spec, qi.kind, False, False, CUSTOM_MASK, vi.shape[3])
+    key = (qi.shape[3], qi.dtype, qi.device, mcode, False, spec, qi.kind, False, False, CUSTOM_MASK, vi.shape[3],
+           False)
     plan = _plans.get(key) or _memo.plan(key)
     kern = plan.kernel or plan.kernel_for(qi.shape[1])
     from .masks import build

@@ -157,6 +157,7 @@ class PrefillSpec(SpecBase):
     mma: Mma = Mma.AUTO
     softcap: bool = False   # logit capping cap * tanh(s / cap); the cap is a call argument
     alibi: bool = False     # ALiBi bias -slope * |i - j|; the per-head slopes are a call argument
+    sinks: bool = False     # a per-head sink logit in the softmax denominator (gpt-oss); the sinks are a call argument
     custom_mask: bool = False  # a mask tensor, walked through its plan's lists of live KV tiles
     varlen: bool = False    # packed sequences of different lengths (cu_seqlens), a work list per call
     paged: bool = False     # (varlen) k/v in a paged cache through a block table
@@ -200,6 +201,7 @@ class PrefillSpec(SpecBase):
         s(self, "return_lse", coerce_bool("return_lse", self.return_lse))
         s(self, "softcap", coerce_bool("softcap", self.softcap))
         s(self, "alibi", coerce_bool("alibi", self.alibi))
+        s(self, "sinks", coerce_bool("sinks", self.sinks))
         s(self, "custom_mask", coerce_bool("custom_mask", self.custom_mask))
         s(self, "varlen", coerce_bool("varlen", self.varlen))
         s(self, "paged", coerce_bool("paged", self.paged))
@@ -462,7 +464,7 @@ class PrefillSpec(SpecBase):
         """d128 (d192v128: split head dims), dtype, mask, layout and score flags, tiles, warps and stages,
         chunk width, mma, pipeline, schedule, persistence; defaults and unset tuning fields left out."""
         flags = (("cmask", self.custom_mask), ("varlen", self.varlen), ("paged", self.paged), ("lse", self.return_lse),
-                 ("cap", self.softcap), ("alibi", self.alibi))
+                 ("cap", self.softcap), ("alibi", self.alibi), ("sinks", self.sinks))
         return (f"d{self.head_dim}" + self.name_piece("v{}", self.head_dim_v), self.dtype.value,
                 {MaskMode.CAUSAL: "causal", MaskMode.SLIDING_WINDOW: "swa"}.get(self.mask, ""),
                 *(name for name, on in flags if on), self.name_piece("q{}k{}", self.cta_tile_q, self.cta_tile_kv),

@@ -15,11 +15,12 @@ from ...errors import LaunchError
 from ...runtime import data_ptr, tensor_info
 from ...spec import op_spec
 from ..head_pad import pad_widths, run_padded
-from ..score_mods import NO_EXTRAS, checked_scale, extras
+from ..score_mods import NO_EXTRAS, check_spec_sinks, checked_scale, extras, sinks_ptr
 from ..split_kv import check_block_size
 from .masks import PLAN_PARAMS
 from .choose import VARLEN, VARLEN_PAGED, varlen_grid
-from .op import _LOG2E, _NO_WINDOW, PARAMS_EXT, PARAMS_EXT_TMA, check_qkv, mask_and_window, out_of, plan_for
+from .op import (_LOG2E, _NO_WINDOW, PARAMS_EXT, PARAMS_EXT_SINKS, PARAMS_EXT_TMA, PARAMS_EXT_TMA_SINKS, check_qkv,
+                 mask_and_window, out_of, plan_for)
 from .spec import PrefillSpec
 
 
@@ -48,7 +49,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    causal: bool = False, window: tuple[int, int] = _NO_WINDOW, sm_scale: float | None = None,
                    return_lse: bool = False, out=None, block_table=None,
                    spec: PrefillSpec | str | Mapping | None = None, softcap: float = 0.0,
-                   alibi_slopes=None):
+                   alibi_slopes=None, sinks=None):
     """Attention forward over packed sequences of different lengths (FlashAttention's varlen API).
 
     q ``[total_q, heads, head_dim]``, k and v ``[total_k, kv_heads, head_dim]``; sequence s is rows
@@ -64,20 +65,22 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     ``[total_q, heads, head_dim]`` and with ``return_lse`` the LSE ``[heads, total_q]`` (fp32).
     ``spec`` (a spec, its text or a dict of its fields) overrides the tuning fields, as in ``prefill``.
     A head dim up to 256 that is not a multiple of 8 (or is below 32) runs on a zero-padded copy, as in
-    ``prefill``; that costs a copy of q, k and v (or the paged cache) per call.
+    ``prefill``; that costs a copy of q, k and v (or the paged cache) per call. ``sinks`` (fp32 ``[heads]``):
+    attention sinks as in ``prefill``; the LSE includes them.
     """
     if _rt.tracing is not None and _rt.tracing():
         return _rt.traced_ops["prefill_varlen"](
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
             sm_scale=sm_scale, return_lse=return_lse, out=out, block_table=block_table, spec=spec, softcap=softcap,
-            alibi_slopes=alibi_slopes)
+            alibi_slopes=alibi_slopes, sinks=sinks)
     widths = pad_widths(q, k, v, PrefillSpec.WHOLE_DIMS)
     if widths is not None:  # a head dim no kernel is built for, run on zero-padded copies (head_pad)
         return run_padded(prefill_varlen, q, k, v, widths, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           sm_scale=sm_scale, out=out, return_lse=return_lse, causal=causal, window=window,
-                          block_table=block_table, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes)
+                          block_table=block_table, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     if spec is not None and spec.__class__ is not PrefillSpec:
         spec = op_spec(spec, "prefill", "attngen.prefill_varlen")
+    check_spec_sinks(spec, sinks)
     paged = block_table is not None
     qi, ki, vi = check_qkv(q, k, v, "[total_q, heads, head_dim]",
                            "[num_blocks, block_size, kv_heads, head_dim]" if paged else "[total_k, kv_heads, head_dim]")
@@ -109,8 +112,9 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     return_lse = bool(return_lse)
     cap_u, inv_cap_u, alibi_ptr, alibi_sb = (extras(softcap, alibi_slopes, batch, h, qi, sm_scale)
                                              if softcap or alibi_slopes is not None else NO_EXTRAS)
+    sinks_at = sinks_ptr(sinks, h, qi)
     key = (d, qi.dtype, qi.device, mcode, return_lse, spec, qi.kind, bool(softcap), alibi_ptr != 0,
-           VARLEN_PAGED if paged else VARLEN, dv)
+           VARLEN_PAGED if paged else VARLEN, dv, sinks is not None)
     plan = plan_for(key)
     scale = plan.default_scale if sm_scale is None else checked_scale(sm_scale)
     if out is None:
@@ -125,6 +129,8 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     kern = plan.kernel or plan.kernel_for(max(1, total_q // max(batch, 1)))  # (choose.Problem.size)
     kern, maps = plan.tma_maps(kern, qi, ki, vi)  # the packed tensors as TMA maps, or the cp.async kernel
     layout, maps = (PARAMS_EXT, ()) if maps is None else (PARAMS_EXT_TMA, (maps,))
+    if sinks_at:  # batch_count (unread), then the sinks' pointer
+        layout = PARAMS_EXT_SINKS if layout is PARAMS_EXT else PARAMS_EXT_TMA_SINKS
     grid = varlen_grid(total_q, batch, h, kern.spec)
     max_items = grid[0]
     splits = kern.spec.v_splits  # the chunked kernel past 640 columns of v: CTAs a query tile's O is split over
@@ -148,5 +154,6 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         cq.ptr, ck.ptr, bt_ptr, wp, wp + 8 * max_items, 0, 0, 0,
         bt_sb, 0,
         block_size, num_blocks, total_q, total_k, 0, 0, 0, 0, 0,
+        *((0, sinks_at) if sinks_at else ()),
     )
     return (out, lse) if return_lse else out
