@@ -229,8 +229,9 @@ def test_store_winner_writes_what_prefill_reads(cache_dir):
     tune.store_winner(spec, 512, row, IDENT, result)
     got = tuned.TunedStore().read(get_arch("sm_90"))
     assert len(got) == 1 and got[0]["fields"] == {"head_dim": 64, "dtype": "bf16", "mask": "causal", "return_lse": True,
-                                                     "softcap": False, "alibi": False, "custom_mask": False,
-                                                     "varlen": False, "paged": False, "head_dim_v": 0}
+                                                     "softcap": False, "alibi": False, "sinks": False,
+                                                     "custom_mask": False, "varlen": False, "paged": False,
+                                                     "head_dim_v": 0}
     ch = tuned.tuned_choices(spec, get_arch("sm_90"), IDENT["gpu"], got, nvrtc=IDENT["nvrtc"])
     assert ch == [(512, spec.replace(**CFG_B))]
 
