@@ -40,7 +40,8 @@ def reference(q, prefix_k, prefix_v, own_k, own_v, lens, scale):
     (1024, 8, False, 1),
 ])
 def test_cascade_matches_attention_over_prefix_and_own_keys(dtype, prefix, sq, paged, splits):
-    gen, seed = fresh_generator()
+    gen = fresh_generator()
+    seed = gen.initial_seed()
     b, h, hk, d, cap = 6, 16, 4, 128, 320
     dev = "cuda"
     q = torch.randn(b, sq, h, d, device=dev, dtype=dtype, generator=gen)
