@@ -24,7 +24,7 @@ def spills(item: dict) -> bool:
 def test_default_manifest_builds_for_every_arch_without_spills(cache_dir):
     items = expand(load_manifest())
     families = {spec.family for spec, _ in items}
-    assert families == {"prefill", "decode", "mla_decode"}
+    assert families == {"prefill", "decode", "mla_decode", "merge"}
     results = run_prewarm(items, jobs=2)
     assert len(results) == len(items)
     failed = [(r["spec"], r["arch"], r["error"]) for r in results if r["error"]]
