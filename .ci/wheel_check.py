@@ -52,8 +52,10 @@ for group in load_manifest().groups:
     for k, v in group.fields.items():
         v = v[0] if isinstance(v, list) else v
         lines.append(f"{k} = {json.dumps(v)}")
-# Pieces only a variant outside the default manifest includes: the unfused decode kernels (decode/unfused.cuh).
+# Pieces only a variant outside the default manifest includes: the unfused decode kernels (decode/unfused.cuh) and
+# the fp8-cache ones (decode/fp8.cuh).
 lines += ["[[kernel]]", 'family = "decode"', 'variant = "unfused"']
+lines += ["[[kernel]]", 'family = "decode"', 'kv_dtype = "fp8_e4m3"']
 # and pieces the manifest reaches only through what its lines' ops choose by size (a first value of each list
 # does not): MLA decode's alternate tiles (mla_decode/alternate.cuh), at 64 rows on sm_90a.
 lines += ["[[kernel]]", 'archs = ["sm_90a"]', 'family = "mla_decode"', "q_rows = 64", 'qk_shard = "alternate"']
