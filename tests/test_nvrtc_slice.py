@@ -41,7 +41,7 @@ def test_manifest_slice_compiles_with_an_older_nvrtc(cache_dir):
     items = []
     for group in manifest.groups:
         items += [(group.specs[0], arch) for arch in (group.archs or manifest.archs)]
-    assert {spec.family for spec, _ in items} == {"prefill", "decode", "mla_decode"}
+    assert {spec.family for spec, _ in items} == {"prefill", "decode", "mla_decode", "merge"}
     results = run_prewarm(items, jobs=2)
     failed = [(r["spec"], r["arch"], r["error"]) for r in results if r["error"]]
     assert not failed, failed[:5]
