@@ -71,7 +71,7 @@ def check_spec_sinks(spec, sinks) -> None:
     """A caller's spec and ``sinks`` must agree: ``sinks=true`` in the spec exactly when a sinks tensor is passed."""
     if spec is None or spec.sinks == (sinks is not None):
         return
-    if spec.sinks:
-        raise LaunchError("sinks=None, but the spec has sinks=true; pass sinks (fp32 [heads]) or use a spec with "
-                          "sinks=false")
-    raise LaunchError("sinks was passed, but the spec has sinks=false; add sinks=true to the spec (or pass no spec)")
+    flag = str(spec.sinks).lower()
+    raise LaunchError(f"sinks: the spec {spec} is refused: the spec has sinks={flag} but the call has "
+                      f"{'none' if sinks is None else 'a sinks array'}; allowed: a spec with sinks=true together with "
+                      "sinks (fp32 [heads]), or sinks=false (the default) without them")

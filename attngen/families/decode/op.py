@@ -16,7 +16,7 @@ from ...tuned import stored_choices
 from ..choice import device_facts
 from ..head_pad import pad_widths, run_padded
 from ..host import OpMemo, Plan
-from ..score_mods import NO_EXTRAS, checked_scale, extras, sinks_ptr as checked_sinks
+from ..score_mods import NO_EXTRAS, check_spec_sinks, checked_scale, extras, sinks_ptr as checked_sinks
 from ..split_kv import CLUSTER_MAX, cache_lengths, check_index, check_rows, checked_splits, paged_table
 from . import choose as _choose
 from . import fp8 as _fp8
@@ -339,10 +339,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     cap_u, inv_cap_u, alibi_ptr, alibi_sb = (extras(softcap, alibi_slopes, b, h, qi, sm_scale)
                                              if softcap or alibi_slopes is not None else NO_EXTRAS)
     sinks_ptr = checked_sinks(sinks, h, qi)
-    if spec is not None and spec.sinks != (sinks is not None):
-        raise LaunchError(f"sinks: the spec {spec} has sinks={str(spec.sinks).lower()} but the call has "
-                          f"{'none' if sinks is None else 'a sinks array'}; allowed: a spec with sinks=true together "
-                          f"with sinks (fp32 [{h}]), or sinks=false (the default) without them")
+    check_spec_sinks(spec, sinks)
     pkey = (d, dtype, dev, DecodeSpec.rows_for(group, q_len), paged, "fused" if variant == "auto" else variant,
             spec, kind, bool(softcap), alibi_ptr != 0, local, sinks_ptr != 0, kv)
     call = _Call()
