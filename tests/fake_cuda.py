@@ -207,6 +207,22 @@ def counts() -> dict:
     return {name: _lib.stub_count(i) for i, name in enumerate(("launches", "pushes", "pops", "ctx_queries"))}
 
 
+def refused(fn, *texts, error: str = "AttngenError") -> None:
+    """``fn()`` raises attngen's ``error`` (a class name) whose message holds every one of ``texts``, and launched
+    nothing before it (for scripts run under ``stub_session``)."""
+    import attngen
+
+    n0 = counts()["launches"]
+    try:
+        fn()
+    except getattr(attngen, error) as e:
+        for text in texts:
+            assert text in str(e), (text, str(e))
+    else:
+        raise AssertionError(f"no {error} for {texts}")
+    assert counts()["launches"] == n0, "a refused call launched"
+
+
 def make_current(ctx: int | None) -> None:
     _lib.stub_set_current(ctx)
 
