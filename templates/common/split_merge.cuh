@@ -22,11 +22,35 @@ __device__ __forceinline__ float join_sink(float& lse, float sink) {
 }
 
 // Lanes first hold the LSE of splits lane, lane + 32, ...; the max and the weight sum come from
-// shuffles, then the partial rows are read UNROLL splits at a time so their loads overlap. With
-// WARPS > 1 the warps of a CTA share one row's columns (a few rows with many splits: one warp walking
-// every split UNROLL at a time waits on memory once a group): each takes a contiguous share of the
-// splits, and their sums meet in shared memory. SINKS: each row's head's sink joins once, after the splits
-// (join_sink); the partial states carry none.
+// shuffles, then the partial rows are read UNROLL splits at a time so their loads overlap, and the last
+// fewer than UNROLL one at a time (a group padded to UNROLL loads would cost each merge of few splits
+// UNROLL rows' instructions: the merge is bound by its instructions, not its bytes). With WARPS > 1 the
+// warps of a CTA share one row's columns (a few rows with many splits: one warp walking every split UNROLL
+// at a time waits on memory once a group): each takes a contiguous share of the splits, and their sums
+// meet in shared memory. SINKS: each row's head's sink joins once, after the splits (join_sink); the
+// partial states carry none. Row and chunk indices are 32-bit (the launch's rows times chunks fit an int):
+// the 64-bit divisions they replace were most of a warp's instructions.
+template <int PER>
+__device__ __forceinline__ void merge_load(float (&x)[PER], const float* row) {
+  if constexpr (PER % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < PER; i += 4) {
+      const float4 v = *reinterpret_cast<const float4*>(row + i);
+      x[i] = v.x;
+      x[i + 1] = v.y;
+      x[i + 2] = v.z;
+      x[i + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < PER; i += 2) {
+      const float2 v = *reinterpret_cast<const float2*>(row + i);
+      x[i] = v.x;
+      x[i + 1] = v.y;
+    }
+  }
+}
+
 template <class T, bool BF16, int HEAD_DIM, int WARP_COLS, int UNROLL = 8, int WARPS = 1, bool SINKS = false,
           class Params>
 __device__ __forceinline__ void split_merge(const Params& p) {
@@ -40,20 +64,20 @@ __device__ __forceinline__ void split_merge(const Params& p) {
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const bool cols = ALL_LANES || lane * PER < WARP_COLS;  // this lane has columns
-  const long long rows = (long long)p.batch * p.q_len * p.num_heads;
-  const long long gw = (long long)blockIdx.x * (blockDim.x / 32 / WARPS) + warp / WARPS;
-  const long long idx = gw / CHUNKS;
+  const int rows = p.batch * p.q_len * p.num_heads;
+  const int gw = blockIdx.x * (blockDim.x / 32 / WARPS) + warp / WARPS;
+  const int idx = gw / CHUNKS;
   const int col0 = (gw % CHUNKS) * WARP_COLS;
   if (idx >= rows) return;
   const int head = idx % p.num_heads;
-  const long long bq = idx / p.num_heads;
+  const int bq = idx / p.num_heads;
   const int qi = bq % p.q_len;
   const int b = bq / p.q_len;
-  const long long lse_stride = (long long)p.batch * p.num_heads * p.q_len;
-  const float* lse_row = p.lse_part + ((long long)b * p.num_heads + head) * p.q_len + qi;
+  const int lse_stride = rows;  // lse_part is [splits, batch, heads, q_len]: rows entries a split
+  const float* lse_row = p.lse_part + (b * p.num_heads + head) * p.q_len + qi;
 
   float mx = -ATTNGEN_INF;
-  for (int s = lane; s < p.num_splits; s += 32) mx = fmaxf(mx, lse_row[s * lse_stride]);
+  for (int s = lane; s < p.num_splits; s += 32) mx = fmaxf(mx, lse_row[(long long)s * lse_stride]);
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
 
@@ -68,46 +92,34 @@ __device__ __forceinline__ void split_merge(const Params& p) {
     s_hi = min(p.num_splits, s_lo + share);
   }
   if (mx != -ATTNGEN_INF) {
-    const float* src = p.o_part + idx * HEAD_DIM + col0 + (cols ? lane * PER : 0);
+    const long long split_elems = (long long)rows * HEAD_DIM;
+    const float* src = p.o_part + (long long)idx * HEAD_DIM + col0 + (cols ? lane * PER : 0);
     for (int s0 = s_lo; s0 < s_hi; s0 += 32) {
       // Every split's partial row is written (zeros for a split with no keys), so weights of 0
       // multiply finite values.
       const int n = min(32, s_hi - s0);
-      const float ls = lane < n ? lse_row[(s0 + lane) * lse_stride] : -ATTNGEN_INF;
+      const float ls = lane < n ? lse_row[(long long)(s0 + lane) * lse_stride] : -ATTNGEN_INF;
       const float my_w = ls == -ATTNGEN_INF ? 0.f : __expf(ls - mx);
       wsum += my_w;
-      for (int j0 = 0; j0 < n; j0 += UNROLL) {
+      const float* base = src + s0 * split_elems;
+      int j = 0;
+      for (; j + UNROLL <= n; j += UNROLL) {
         float x[UNROLL][PER];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-          const int s = s0 + min(j0 + u, n - 1);
-          const float* row = src + s * rows * HEAD_DIM;
-          if constexpr (PER % 4 == 0) {
-#pragma unroll
-            for (int i = 0; i < PER; i += 4) {
-              const float4 v = *reinterpret_cast<const float4*>(row + i);
-              x[u][i] = v.x;
-              x[u][i + 1] = v.y;
-              x[u][i + 2] = v.z;
-              x[u][i + 3] = v.w;
-            }
-          } else {
-#pragma unroll
-            for (int i = 0; i < PER; i += 2) {
-              const float2 v = *reinterpret_cast<const float2*>(row + i);
-              x[u][i] = v.x;
-              x[u][i + 1] = v.y;
-            }
-          }
-        }
+        for (int u = 0; u < UNROLL; ++u) merge_load<PER>(x[u], base + (j + u) * split_elems);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-          const float w = __shfl_sync(0xffffffffu, my_w, min(j0 + u, 31));
-          if (j0 + u < n) {
+          const float w = __shfl_sync(0xffffffffu, my_w, j + u);
 #pragma unroll
-            for (int i = 0; i < PER; ++i) acc[i] = fmaf(w, x[u][i], acc[i]);
-          }
+          for (int i = 0; i < PER; ++i) acc[i] = fmaf(w, x[u][i], acc[i]);
         }
+      }
+      for (; j < n; ++j) {
+        float x[PER];
+        merge_load<PER>(x, base + j * split_elems);
+        const float w = __shfl_sync(0xffffffffu, my_w, j);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) acc[i] = fmaf(w, x[i], acc[i]);
       }
     }
 #pragma unroll
@@ -138,8 +150,7 @@ __device__ __forceinline__ void split_merge(const Params& p) {
   for (int i = 0; i < PER; i += 2)
     if (cols) *reinterpret_cast<unsigned*>(dst + i) = pack2<BF16>(acc[i] * inv, acc[i + 1] * inv);
   if (lane == 0 && col0 == 0 && p.lse)
-    p.lse[((long long)b * p.num_heads + head) * p.q_len + qi] =
-        SINKS ? lse : wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
+    p.lse[(b * p.num_heads + head) * p.q_len + qi] = SINKS ? lse : wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
 }
 
 // The splits of one row block launched as one cluster (sm_90): each CTA left its normalised fp32

@@ -19,7 +19,7 @@ from ...arch import Arch
 from ...spec import DType, Pipeline, replaced_if_valid, resolve
 from ..choice import Choice, DeviceFacts
 from ..split_kv import CLUSTER_MAX, choose_splits
-from .spec import MERGE_COLS, MERGE_THREADS, MlaDecodeSpec, QkShard
+from .spec import MERGE_COLS, MERGE_THREADS, MERGE_WIDE_COLS, MlaDecodeSpec, QkShard
 
 # qk_shard=auto on sm_90a: alternate tiles where a sequence's rows fill two 64-row blocks or more (128 heads)
 # and each CTA gets at least this many 64-key tiles; the sharded form elsewhere (with fewer tiles a CTA, or
@@ -120,13 +120,15 @@ def _variant(rs: MlaDecodeSpec, arch, rule: str):
     return got[1]
 
 
-def merge_entry(rs: MlaDecodeSpec, chunks: int, num_splits: int, device: DeviceFacts) -> str:
-    """The merge entry of ``rs``'s module for ``chunks`` (rows x MERGE_COLS-column chunks) of ``num_splits``
-    partials: ``_merge_wide`` (a CTA a chunk, its warps over the splits) from MERGE_WIDE_SPLITS splits where the
-    device holds all its CTAs at once, else ``_merge`` (a warp a chunk)."""
-    if num_splits >= MERGE_WIDE_SPLITS and chunks <= device.occupancy(rs, "_merge_wide") * device.sm_count:
-        return "_merge_wide"
-    return "_merge"
+def merge_entry(rs: MlaDecodeSpec, rows: int, num_splits: int, device: DeviceFacts) -> tuple[str, tuple]:
+    """The merge entry of ``rs``'s module for ``rows`` output rows of ``num_splits`` partials, and its grid:
+    ``_merge_wide`` (a CTA a MERGE_WIDE_COLS-column chunk of a row, its warps over the splits) from
+    MERGE_WIDE_SPLITS splits where the device holds all its CTAs at once, else ``_merge`` (a warp a
+    MERGE_COLS-column chunk)."""
+    wide = rows * (rs.kv_lora_rank // MERGE_WIDE_COLS)
+    if num_splits >= MERGE_WIDE_SPLITS and wide <= device.occupancy(rs, "_merge_wide") * device.sm_count:
+        return "_merge_wide", (wide, 1, 1)
+    return "_merge", (-(-rows * (rs.kv_lora_rank // MERGE_COLS) // (MERGE_THREADS // 32)), 1, 1)
 
 
 def choose_spec(p: Problem, device: DeviceFacts) -> MlaDecodeSpec:
@@ -187,9 +189,7 @@ def choose(p: Problem, device: DeviceFacts, tuned=()) -> Choice:
     evict_first = kv_evict_first(rs.tma, rs.qk_shard is QkShard.ALTERNATE, num_splits, cluster)
     entry = merge_grid = None
     if num_splits > 1 and not cluster:
-        chunks = b * q_len * h * (rank // MERGE_COLS)
-        entry = merge_entry(rs, chunks, num_splits, device)
-        merge_grid = (chunks if entry == "_merge_wide" else -(-chunks // (MERGE_THREADS // 32)), 1, 1)
+        entry, merge_grid = merge_entry(rs, b * q_len * h, num_splits, device)
     return Choice(rs, Launch(num_splits, row_blocks, cluster, evict_first, entry, merge_grid))
 
 

@@ -14,13 +14,17 @@ from ...arch import Arch
 from ...errors import SpecError
 from ...spec import DType, Mma, Pipeline, SpecBase, check_smem, check_wgmma_arch, coerce_bool, coerce_enum, coerce_int
 
-# The module's `_merge` entry: 4 warps per CTA, each merging MERGE_COLS columns of an output row
-# (a batch-1 step has few rows and many splits: whole 512-wide rows left most of the GPU idle).
+# The module's `_merge` entry: 4 warps per CTA, each merging MERGE_COLS columns of an output row. A warp's
+# fixed work (its row's LSEs, their max and weights) is as many instructions as reading two splits of 64
+# columns, and the merge is bound by instructions: 256 columns a warp merged two splits of 128 heads in
+# 0.85x the time of 64 (the grid still holds a warp for every 256 columns of every row).
 MERGE_THREADS = 128
-MERGE_COLS = 64
-# Its `_merge_wide` entry: the MERGE_WIDE_WARPS warps of a CTA share one row's MERGE_COLS columns, each
+MERGE_COLS = 256
+# Its `_merge_wide` entry: the MERGE_WIDE_WARPS warps of a CTA share one row's MERGE_WIDE_COLS columns, each
 # taking a share of the splits, with registers for four CTAs an SM (a batch-1 step of 16 heads has 128 such
-# chunks and 64-132 splits; one warp a chunk waited on memory once every 8 splits).
+# chunks and 64-132 splits; one warp a chunk waited on memory once every 8 splits). It keeps 64 columns: a
+# batch-1 step has few rows, and wider chunks left SMs idle (256 columns: 1.08x the time at 128 heads, 8k keys).
+MERGE_WIDE_COLS = 64
 MERGE_WIDE_WARPS = 8
 # Accumulator registers per thread (O slice + S) past which ptxas spilled in the chunked prefill
 # kernel of the same shape of loop (NVRTC 13.5); the MLA kernel keeps less besides.
@@ -192,7 +196,8 @@ class MlaDecodeSpec(SpecBase):
 
     def template_context(self) -> dict:
         ctx = super().template_context()
-        ctx.update(merge_threads=MERGE_THREADS, merge_cols=MERGE_COLS, merge_wide_warps=MERGE_WIDE_WARPS,
+        ctx.update(merge_threads=MERGE_THREADS, merge_cols=MERGE_COLS, merge_wide_cols=MERGE_WIDE_COLS,
+                   merge_wide_warps=MERGE_WIDE_WARPS,
                    wgmma=self.wgmma, tma=self.tma, alternate=self.alternate,
                    cluster_fits=self.cluster_merge_fits())
         return ctx
