@@ -116,7 +116,7 @@ MLA = [
     ("sm_90a", 0.7, 32, 64, 8192, False, 0, "q64 alternate kv64 w8 s2 wgmma tma", 2, 0, False, '_merge'),
     ("sm_90a", 0.7, 32, 64, 8192, True, 48, "q32 true kv64 w8 s2 mma_sync tma", 2, 0, False, '_merge'),
     ("sm_90a", 0.7, 64, 64, 8192, False, 0, "q64 alternate kv64 w8 s2 wgmma tma", 2, 0, False, '_merge'),
-    ("sm_90a", 0.7, 64, 8, 8192, False, 0, "q64 true kv64 w8 s2 wgmma tma", 16, 0, True, '_merge'),
+    ("sm_90a", 0.7, 64, 8, 8192, False, 0, "q64 true kv64 w8 s2 wgmma tma", 16, 0, True, '_merge_fine'),
     ("sm_90a", 0.7, 128, 8, 32768, False, 0, "q64 alternate kv64 w8 s2 wgmma tma", 8, 0, False, '_merge'),
     ("sm_90a", 0.7, 128, 64, 1024, False, 0, "q64 true kv64 w8 s2 wgmma tma", 1, 0, False, None),
     ("sm_90a", 0.49, 16, 1, 32768, False, 0, "q16 true kv64 w8 s2 mma_sync tma", 128, 0, True, '_merge_wide'),
@@ -125,20 +125,19 @@ MLA = [
     ("sm_90a", 0.49, 32, 64, 8192, False, 0, "q32 true kv64 w8 s2 mma_sync tma", 2, 0, False, '_merge'),
     ("sm_90a", 0.49, 32, 64, 8192, True, 48, "q32 true kv64 w8 s2 mma_sync tma", 2, 0, False, '_merge'),
     ("sm_90a", 0.49, 64, 64, 8192, False, 0, "q64 true kv64 w8 s2 wgmma tma", 2, 0, False, '_merge'),
-    ("sm_90a", 0.49, 64, 8, 8192, False, 0, "q64 true kv64 w8 s2 wgmma tma", 16, 0, True, '_merge'),
+    ("sm_90a", 0.49, 64, 8, 8192, False, 0, "q64 true kv64 w8 s2 wgmma tma", 16, 0, True, '_merge_fine'),
     ("sm_90a", 0.49, 128, 8, 32768, False, 0, "q64 alternate kv64 w8 s2 wgmma tma", 8, 0, False, '_merge'),
     ("sm_90a", 0.49, 128, 64, 1024, False, 0, "q64 true kv64 w8 s2 wgmma tma", 1, 0, False, None),
-    ("sm_80", 0.5, 16, 1, 32768, False, 0, "q16 true kv32 w4 s2 mma_sync sync", 103, 0, False, '_merge'),
+    ("sm_80", 0.5, 16, 1, 32768, False, 0, "q16 true kv32 w4 s2 mma_sync sync", 103, 0, False, '_merge_fine'),
     ("sm_80", 0.5, 16, 64, 8192, False, 0, "q16 true kv32 w4 s2 mma_sync sync", 5, 0, False, '_merge'),
     ("sm_80", 0.5, 16, 256, 8192, True, 64, "q16 true kv32 w4 s2 mma_sync sync", 2, 0, False, '_merge'),
     ("sm_80", 0.5, 64, 64, 8192, False, 0, "q64 false kv32 w8 s2 mma_sync sync", 3, 0, False, '_merge'),
     ("sm_80", 0.5, 64, 8, 8192, False, 0, "q64 false kv32 w8 s2 mma_sync sync", 13, 0, False, '_merge'),
-    ("sm_86", 0.5, 16, 1, 32768, False, 0, "q16 false kv64 w8 s1 mma_sync sync", 103, 0, False, '_merge'),
+    ("sm_86", 0.5, 16, 1, 32768, False, 0, "q16 false kv64 w8 s1 mma_sync sync", 103, 0, False, '_merge_fine'),
     ("sm_86", 0.5, 16, 64, 8192, False, 0, "q16 false kv64 w8 s1 mma_sync sync", 5, 0, False, '_merge'),
     ("sm_86", 0.5, 16, 256, 8192, True, 64, "q16 false kv64 w8 s1 mma_sync sync", 2, 0, False, '_merge'),
     ("sm_86", 0.5, 64, 64, 8192, False, 0, "q64 false kv16 w8 s1 mma_sync sync", 3, 0, False, '_merge'),
-    ("sm_86", 0.5, 64, 8, 8192, False, 0, "q64 false kv16 w8 s1 mma_sync sync", 13, 0, False, '_merge'),
-]
+    ("sm_86", 0.5, 64, 8, 8192, False, 0, "q64 false kv16 w8 s1 mma_sync sync", 13, 0, False, '_merge'),]
 
 
 @pytest.mark.parametrize("arch, d, mask, rows, tiles, grid", PREFILL)

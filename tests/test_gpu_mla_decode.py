@@ -149,20 +149,20 @@ def test_forced_splits(splits):
     run_case([100, 1500, 3], 32, 1, num_splits=splits)
 
 
-@pytest.mark.parametrize("heads,q_len,seqlens,splits,wide", [
-    (16, 1, [32768], 128, True),        # batch 1, 16 heads: 16 splits a warp of the wide merge
-    (8, 4, [5000], 33, True),           # 33 splits over 8 warps: shares of 5, 3 and none
-    (32, 1, [3000], 40, True),
-    (8, 1, [3, 4000, 0], 256, True),    # most splits see no key; a row sees none
-    (16, 1, [1000] * 48, 16, False),    # few splits: the warp-a-chunk merge
-    (32, 2, [700, 9000], 12, False),    # past a cluster, under the wide merge
+@pytest.mark.parametrize("heads,q_len,seqlens,splits,entry", [
+    (16, 1, [32768], 128, "_merge_wide"),    # batch 1, 16 heads: 16 splits a warp of the wide merge
+    (8, 4, [5000], 33, "_merge_wide"),       # 33 splits over 8 warps: shares of 5, 3 and none
+    (32, 1, [3000], 40, "_merge_wide"),
+    (8, 1, [3, 4000, 0], 256, "_merge_wide"),  # most splits see no key; a row sees none
+    (16, 1, [1000] * 48, 16, "_merge"),      # few splits, 768 rows: a warp 256 columns
+    (32, 2, [700, 9000], 12, "_merge_fine"),  # past a cluster, under the wide merge; 128 rows: a warp 64 columns
 ])
-def test_merge_entries(heads, q_len, seqlens, splits, wide, launches):
-    """Both merge entries against the fp32 reference; on a GPU of 132 SMs or more (the lent H100 and
-    H200) each case takes the entry named."""
+def test_merge_entries(heads, q_len, seqlens, splits, entry, launches):
+    """Every merge entry against the fp32 reference; on a GPU of 132 SMs (the lent H100 and H200) each case
+    takes the entry named."""
     run_case(seqlens, heads, q_len, num_splits=splits)
-    if torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count >= 132:
-        assert launches == [("", 0), ("_merge_wide" if wide else "_merge", 0)]
+    if torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count == 132:
+        assert launches == [("", 0), (entry, 0)]
 
 
 def test_fixed_length_and_empty_rows():
@@ -487,11 +487,11 @@ def test_cluster_merge(heads, q_len, seqlens, splits, block_size, monkeypatch, l
     monkeypatch.setattr(choose, "FAST_MEMORY_SHARE", 1.01)  # 32 rows on the mma.sync kernel on any GPU
     run_case(seqlens, heads, q_len, block_size=block_size, num_splits=splits)
     wgmma = MlaDecodeSpec.rows_for(heads, q_len) == 64  # the wgmma kernel keeps the merge launch
-    assert launches == ([("", 0), ("_merge", 0)] if wgmma else [("", splits)])
+    assert launches == ([("", 0), ("_merge_fine", 0)] if wgmma else [("", splits)])
     del launches[:]
     monkeypatch.setattr(choose, "MERGE_CLUSTER_MAX", 0)
     run_case(seqlens, heads, q_len, block_size=block_size, num_splits=splits)
-    assert launches == [("", 0), ("_merge", 0)]
+    assert launches == [("", 0), ("_merge_fine", 0)]
 
 
 def test_cluster_merge_by_default_where_row_blocks_fill_the_sms(launches):
@@ -504,7 +504,7 @@ def test_cluster_merge_by_default_where_row_blocks_fill_the_sms(launches):
         assert launches == [("", 2)]
     del launches[:]
     run_case([300, 1500, 0, 64] * 2, 16, 1, num_splits=2)
-    assert launches == [("", 0), ("_merge", 0)]
+    assert launches == [("", 0), ("_merge_fine", 0)]
 
 
 

@@ -19,7 +19,7 @@ from ...arch import Arch
 from ...spec import DType, Pipeline, replaced_if_valid, resolve
 from ..choice import Choice, DeviceFacts
 from ..split_kv import CLUSTER_MAX, choose_splits
-from .spec import MERGE_COLS, MERGE_THREADS, MERGE_WIDE_COLS, MlaDecodeSpec, QkShard
+from .spec import MERGE_COLS, MERGE_FINE_COLS, MERGE_THREADS, MERGE_WIDE_COLS, MlaDecodeSpec, QkShard
 
 # qk_shard=auto on sm_90a: alternate tiles where a sequence's rows fill two 64-row blocks or more (128 heads)
 # and each CTA gets at least this many 64-key tiles; the sharded form elsewhere (with fewer tiles a CTA, or
@@ -45,6 +45,13 @@ CLUSTER_MIN_FILL = 0.4
 # The merge takes its wide entry (a CTA a chunk of a row, its warps over the splits) from this many splits, where
 # the GPU holds the wide grid at once (a grid several waves deep ran slower than the narrow entry).
 MERGE_WIDE_SPLITS = 32
+# The split model's weight of Q and the partials (side_weight, out_passes of split_kv.choose_splits) for the
+# 64-row wgmma kernel (sm_90a, 64 and 128 heads): the choice that measured fastest among 1-32 splits on all 42
+# shapes of an H200 sweep (128 heads, batch 1-64 x 1k-32k keys; the old weights, (2.0, 2), missed by up to 1.26x
+# at batch 32 x 1k keys).
+SIDE_WEIGHT_64 = (1.0, 1)
+# The narrow merge takes MERGE_FINE_COLS columns a warp where MERGE_COLS would give fewer warps an SM than this.
+FINE_BELOW_WARPS = 8
 # The TMA kernels load ckv and kpe as first out of L2 (kv_evict_first) from this many splits: the merge launch
 # then finds more of the partials in L2.
 EVICT_FIRST_MIN_SPLITS = 4
@@ -123,12 +130,16 @@ def _variant(rs: MlaDecodeSpec, arch, rule: str):
 def merge_entry(rs: MlaDecodeSpec, rows: int, num_splits: int, device: DeviceFacts) -> tuple[str, tuple]:
     """The merge entry of ``rs``'s module for ``rows`` output rows of ``num_splits`` partials, and its grid:
     ``_merge_wide`` (a CTA a MERGE_WIDE_COLS-column chunk of a row, its warps over the splits) from
-    MERGE_WIDE_SPLITS splits where the device holds all its CTAs at once, else ``_merge`` (a warp a
-    MERGE_COLS-column chunk)."""
+    MERGE_WIDE_SPLITS splits where the device holds all its CTAs at once; else a warp a chunk: ``_merge``
+    (MERGE_COLS columns) where that gives FINE_BELOW_WARPS warps an SM or more, ``_merge_fine``
+    (MERGE_FINE_COLS) where it gives fewer."""
     wide = rows * (rs.kv_lora_rank // MERGE_WIDE_COLS)
     if num_splits >= MERGE_WIDE_SPLITS and wide <= device.occupancy(rs, "_merge_wide") * device.sm_count:
         return "_merge_wide", (wide, 1, 1)
-    return "_merge", (-(-rows * (rs.kv_lora_rank // MERGE_COLS) // (MERGE_THREADS // 32)), 1, 1)
+    warps, entry = rows * (rs.kv_lora_rank // MERGE_COLS), "_merge"
+    if warps < FINE_BELOW_WARPS * device.sm_count:
+        warps, entry = rows * (rs.kv_lora_rank // MERGE_FINE_COLS), "_merge_fine"
+    return entry, (-(-warps // (MERGE_THREADS // 32)), 1, 1)
 
 
 def choose_spec(p: Problem, device: DeviceFacts) -> MlaDecodeSpec:
@@ -167,11 +178,13 @@ def choose(p: Problem, device: DeviceFacts, tuned=()) -> Choice:
     num_splits = p.num_splits
     if num_splits == 0:
         # Each split reads its rows of Q and writes a partial the merge reads back, both about a tile's
-        # bytes for a 64-row block: weighted twice (fitted to measurements, BENCHMARKS.md).
+        # bytes for a 64-row block: weighted twice (fitted to measurements, BENCHMARKS.md); 64-row blocks
+        # of the wgmma kernel by SIDE_WEIGHT_64 (refitted once the merge stopped being bound by its instructions).
+        weight, passes = SIDE_WEIGHT_64 if rows == 64 and rs.wgmma else (2.0, 2)
         num_splits = choose_splits(b * row_blocks, p.capacity, rs.cta_tile_kv, device.sm_count,
                                    max(1, device.occupancy(rs)), 2 * rs.cta_tile_kv * (rank + rope),
                                    4 * b * q_len * h * rank, q_bytes=2 * b * row_blocks * rows * (rank + rope),
-                                   side_weight=2.0, out_passes=2)
+                                   side_weight=weight, out_passes=passes)
     many_rows = row_blocks >= 2 or (b * row_blocks >= ALTERNATE_ONE_BLOCK_MIN_BATCH
                                     and device.memory_share >= FAST_MEMORY_SHARE)
     if (many_rows and rs.qk_shard is QkShard.TRUE and (p.spec is None or not p.spec.qk_shard)

@@ -16,8 +16,8 @@ from ...spec import DType, Mma, Pipeline, SpecBase, check_smem, check_wgmma_arch
 
 # The module's `_merge` entry: 4 warps per CTA, each merging MERGE_COLS columns of an output row. A warp's
 # fixed work (its row's LSEs, their max and weights) is as many instructions as reading two splits of 64
-# columns, and the merge is bound by instructions: 256 columns a warp merged two splits of 128 heads in
-# 0.85x the time of 64 (the grid still holds a warp for every 256 columns of every row).
+# columns, and the merge is bound by instructions: 256 columns a warp merged two splits of 128 heads (batch 32)
+# in 0.85x the time of 64.
 MERGE_THREADS = 128
 MERGE_COLS = 256
 # Its `_merge_wide` entry: the MERGE_WIDE_WARPS warps of a CTA share one row's MERGE_WIDE_COLS columns, each
@@ -26,6 +26,9 @@ MERGE_COLS = 256
 # batch-1 step has few rows, and wider chunks left SMs idle (256 columns: 1.08x the time at 128 heads, 8k keys).
 MERGE_WIDE_COLS = 64
 MERGE_WIDE_WARPS = 8
+# Its `_merge_fine` entry: `_merge` over MERGE_FINE_COLS columns a warp, for launches of few rows, where 256 columns
+# a warp leave too few warps to keep the memory busy (128 heads, batch 1, 32 splits: 1.08x the time of 64).
+MERGE_FINE_COLS = 64
 # Accumulator registers per thread (O slice + S) past which ptxas spilled in the chunked prefill
 # kernel of the same shape of loop (NVRTC 13.5); the MLA kernel keeps less besides.
 MAX_ACC_REGS = 176
@@ -192,11 +195,12 @@ class MlaDecodeSpec(SpecBase):
 
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
         return (("", self.threads, self.smem_bytes()), ("_merge", MERGE_THREADS, 0),
-                ("_merge_wide", 32 * MERGE_WIDE_WARPS, 0))
+                ("_merge_fine", MERGE_THREADS, 0), ("_merge_wide", 32 * MERGE_WIDE_WARPS, 0))
 
     def template_context(self) -> dict:
         ctx = super().template_context()
-        ctx.update(merge_threads=MERGE_THREADS, merge_cols=MERGE_COLS, merge_wide_cols=MERGE_WIDE_COLS,
+        ctx.update(merge_threads=MERGE_THREADS, merge_cols=MERGE_COLS, merge_fine_cols=MERGE_FINE_COLS,
+                   merge_wide_cols=MERGE_WIDE_COLS,
                    merge_wide_warps=MERGE_WIDE_WARPS,
                    wgmma=self.wgmma, tma=self.tma, alternate=self.alternate,
                    cluster_fits=self.cluster_merge_fits())
