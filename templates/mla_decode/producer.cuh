@@ -24,29 +24,23 @@ struct MlaProducer {
   static constexpr int DC = K::DC_, DQK = K::DQK, ROWS = K::ROWS_, BLOCK_N = K::BLOCK_N_, THREADS = K::THREADS;
   static constexpr int NUM_STAGES = K::NUM_STAGES_, BARS = K::BARS, TILE_ELEMS = K::TILE_ELEMS;
 
-  // Q: ROWS packed rows from r_begin (rows past the last head of the last token are zeros), by cp.async: a warp
-  // a row at a time, its lanes over the row's 16-byte chunks, so that a row's token and head (a division by the
-  // head count) and its two sources are worked out once a row rather than once a chunk, which made this loop
-  // most of a short sequence's instructions.
+  // Q: ROWS packed rows from r_begin (rows past the last head of the last token are zeros), by cp.async. The
+  // division of a row by the head count was most of a short sequence's instructions; one token needs none.
   static __device__ __forceinline__ void load_q(const MlaParams<T>& p, T* sQ, int batch, int r_begin, int rows_total,
                                                 int tid) {
-    constexpr int CHUNKS = DQK / 8;
-    for (int r = tid / 32; r < ROWS; r += THREADS / 32) {
+    for (int idx = tid; idx < ROWS * (DQK / 8); idx += THREADS) {
+      const int r = idx / (DQK / 8);
+      const int col = (idx % (DQK / 8)) * 8;
       const int gr = r_begin + r;
       const bool ok = gr < rows_total;
-      const T* nope = p.q_nope;
-      const T* pe = p.q_pe;
+      const T* src = p.q_nope;
       if (ok) {
-        const int qi = gr / p.num_heads;
+        const int qi = p.q_len == 1 ? 0 : gr / p.num_heads;  // one token (most decode steps): no division
         const int head = gr - qi * p.num_heads;
-        nope += batch * p.qn_sb + qi * p.qn_ss + head * p.qn_sh;
-        pe += batch * p.qp_sb + qi * p.qp_ss + head * p.qp_sh;
+        src = col < DC ? p.q_nope + batch * p.qn_sb + qi * p.qn_ss + head * p.qn_sh + col
+                       : p.q_pe + batch * p.qp_sb + qi * p.qp_ss + head * p.qp_sh + (col - DC);
       }
-#pragma unroll
-      for (int c = tid % 32; c < CHUNKS; c += 32) {
-        const int col = c * 8;
-        cp_async_16(smem_addr(sQ + LQ::offset(r, col)), !ok ? p.q_nope : col < DC ? nope + col : pe + (col - DC), ok);
-      }
+      cp_async_16(smem_addr(sQ + LQ::offset(r, col)), src, ok);
     }
   }
 
