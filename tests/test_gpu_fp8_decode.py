@@ -5,9 +5,10 @@ The caches are built as tests/test_gpu_decode.py builds its own (every position 
 which stays NaN in fp8), then quantised: K / k_scale rounded to fp8. Outputs are poisoned with NaN before each call.
 
 Tolerance: that of the 16-bit decode tests (test_gpu_decode.TOL, MAX_ABS, LSE_MAX_ABS), not looser. Every fp8 value
-is an fp16 and a bf16 value, so the kernel's MMAs see the cache exactly; the scales multiply fp32 values (k_scale
-the logits with the softmax scale, v_scale the fp32 output), so the only roundings are those of the 16-bit
-kernels (P rounded to q's dtype for P V, fp32 accumulation), on values of the same size (|V| < ~5).
+is an fp16 value, so the kernel's fp16 MMAs see the cache exactly; the scales multiply fp32 values (k_scale the
+logits with the softmax scale, v_scale the fp32 output), so the only roundings are P's (to fp16 for P V: finer than
+the 16-bit kernels' bf16 P with a bf16 q) and the fp32 accumulation, on values of the same size (|V| < ~5). A bf16 q
+enters the MMAs as fp16 times a power of two, exact but for elements under 2^-28 of the CTA's largest |q|.
 """
 
 from __future__ import annotations
@@ -201,9 +202,11 @@ def test_bytes_with_the_spec_kv_dtype():
 
 
 def _widen_module(tmp_path):
-    """The conversions of templates/decode/fp8.cuh (the part before the kernel's struct) in a module of their own,
-    with a kernel that widens every pair of bytes both ways: the arch's path and the bit-level one. Built as the
-    kernels are (attngen's NVRTC compile, a cubin for the device's arch) and loaded through CuPy."""
+    """The conversions of templates/decode/fp8.cuh (the part before the kernel's structs) in a module of their own,
+    with a kernel that widens every pair of bytes every way the kernel does: the arch's path and the bit-level one
+    for a pair, and the two four-byte forms the fragments take (K's: bytes (0, 1) and (2, 3); V's: bytes (0, 2) and
+    (1, 3)). Built as the kernels are (attngen's NVRTC compile, a cubin for the device's arch) and loaded through
+    CuPy."""
     cp = pytest.importorskip("cupy")
     from attngen.compiler import compile
     from attngen.runtime import device_arch
@@ -214,17 +217,19 @@ def _widen_module(tmp_path):
     src = ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n" + (root / "common" / "ptx.cuh").read_text() + convert
            + r"""
 template <int FMT>
-__device__ void widen_all(unsigned* f16, unsigned* bits, unsigned* bf16) {
+__device__ void widen_all(unsigned* out) {
   const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;  // the pair of bytes (i & 0xff, i >> 8)
   if (i < 65536u) {
-    f16[i] = fp8x2_to_f16x2<FMT>(i);
-    bits[i] = FMT == 1 ? e4m3x2_to_f16x2_bits(i) : fp8x2_to_f16x2<2>(i);
-    bf16[i] = fp8x2_widen<true, FMT>(i);
+    out[i] = fp8x2_to_f16x2<FMT>(i);
+    out[65536 + i] = FMT == 1 ? e4m3x2_to_f16x2_bits(i) : fp8x2_to_f16x2<2>(i);
+    // the four bytes (lo, hi, lo, hi): K's pairs are both (lo, hi), V's (lo, lo) and (hi, hi)
+    fp8x4_to_f16x2<FMT>(i | (i << 16), out[2 * 65536 + i], out[3 * 65536 + i]);
+    fp8x4_split_f16<FMT>(i | (i << 16), out[4 * 65536 + i], out[5 * 65536 + i]);
   }
 }
 }  // namespace attngen
-extern "C" __global__ void widen_e4m3(unsigned* a, unsigned* b, unsigned* c) { attngen::widen_all<1>(a, b, c); }
-extern "C" __global__ void widen_e5m2(unsigned* a, unsigned* b, unsigned* c) { attngen::widen_all<2>(a, b, c); }
+extern "C" __global__ void widen_e4m3(unsigned* out) { attngen::widen_all<1>(out); }
+extern "C" __global__ void widen_e5m2(unsigned* out) { attngen::widen_all<2>(out); }
 """)
     cubin = tmp_path / "widen.cubin"
     cubin.write_bytes(compile(src, device_arch(torch.cuda.current_device()), kernel_name="widen_e4m3").cubin)
@@ -235,20 +240,20 @@ extern "C" __global__ void widen_e5m2(unsigned* a, unsigned* b, unsigned* c) { a
 def test_widening_is_exact_both_ways(fmt, tmp_path):
     # the GPU runs the cvt form (sm_89+) for e4m3; the bit-level form sm_80/86 run is checked here too, on the chip
     cp, mod = _widen_module(tmp_path)
-    outs = [cp.zeros(65536, dtype=cp.uint32) for _ in range(3)]
-    mod.get_function(f"widen_{fmt}")((256,), (256,), tuple(outs))
+    out = cp.zeros(6 * 65536, dtype=cp.uint32)
+    mod.get_function(f"widen_{fmt}")((256,), (256,), (out,))
     cp.cuda.get_current_stream().synchronize()
+    got = torch.as_tensor(out.view(cp.int32), device="cuda").cpu().view(torch.float16).float().view(6, 65536, 2)
     pairs = torch.arange(65536, dtype=torch.int32)
     lo = (pairs & 0xFF).to(torch.uint8).view(FMTS[fmt]).float()
     hi = (pairs >> 8).to(torch.uint8).view(FMTS[fmt]).float()
-    for name, out, half in (("f16", outs[0], torch.float16), ("bits", outs[1], torch.float16),
-                            ("bf16", outs[2], torch.bfloat16)):
-        got = torch.as_tensor(out.view(cp.int32), device="cuda").cpu().view(half).float().view(65536, 2)
-        for col, ref in ((0, lo), (1, hi)):
-            g = got[:, col]
+    want = {0: (lo, hi), 1: (lo, hi), 2: (lo, hi), 3: (lo, hi), 4: (lo, lo), 5: (hi, hi)}
+    for form, refs in want.items():
+        for col, ref in enumerate(refs):
+            g = got[form, :, col]
             nan = torch.isnan(ref)
-            assert torch.equal(torch.isnan(g), nan), (fmt, name, col)
-            assert torch.equal(g[~nan], ref[~nan]), (fmt, name, col)
+            assert torch.equal(torch.isnan(g), nan), (fmt, form, col)
+            assert torch.equal(g[~nan], ref[~nan]), (fmt, form, col)
 
 
 @pytest.mark.parametrize("fmt", list(FMTS))

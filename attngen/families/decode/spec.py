@@ -152,10 +152,11 @@ class DecodeSpec(SpecBase):
         return 1 if self.kv_dtype is not None else self.dtype.itemsize
 
     @property
-    def fp8_tiles(self) -> int:
-        """Widened tiles of an fp8 cache's kernel (decode/fp8.cuh's WIDE_TILES): K and V, or past head_dim 128
-        one that takes K, then V."""
-        return 1 if self.head_dim > 128 else 2
+    def fp8_row_bytes(self) -> int:
+        """Bytes of an fp8 K or V row in the ring (decode/fp8_consumer.cuh's ROW_BYTES): the head dim where its
+        16-byte chunks are a power of two (swizzled rows), else padded to an odd number of chunks."""
+        chunks = self.head_dim // 16
+        return self.head_dim if chunks & (chunks - 1) == 0 else (chunks | 1) * 16
 
     @staticmethod
     def rows_for(group: int, q_len: int) -> int:
@@ -216,8 +217,8 @@ class DecodeSpec(SpecBase):
         q = self.q_rows * row
         ring = self.num_stages * self.cta_tile_kv * row * 2
         if self.kv_dtype is not None:
-            # the ring holds dense fp8 rows; one K and one V tile of q's dtype take the widened tile
-            ring = self.num_stages * self.cta_tile_kv * self.head_dim * 2 + self.fp8_tiles * self.cta_tile_kv * row
+            # the ring holds fp8 K and V rows, which the warps widen in registers
+            ring = self.num_stages * self.cta_tile_kv * self.fp8_row_bytes * 2
         if self.variant is Variant.UNFUSED:
             # the P V kernel stages fp32 scores (q_rows x cta_tile_kv, padded) next to each V tile
             ring = self.num_stages * (self.cta_tile_kv * row + self.q_rows * (self.cta_tile_kv + 4) * 4)
