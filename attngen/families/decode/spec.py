@@ -35,13 +35,13 @@ def head_dim_refusal(d: int) -> str:
 
 
 class KVDType(enum.Enum):
-    """The K/V cache's format where it is not q's dtype: 8-bit floats, widened to q's dtype on the chip."""
+    """The K/V cache's format where it is not q's dtype: 8-bit floats, widened to fp16 on the chip."""
 
     FP8_E4M3 = "fp8_e4m3"  # 1-4-3, max 448 (no infinities)
     FP8_E5M2 = "fp8_e5m2"  # 1-5-2, max 57344
 
 
-# What an fp8 cache runs with: the fused kernel (its producer stages fp8 tiles and widens them), head dims
+# What an fp8 cache runs with: the fused kernel (fp8 tiles in its ring, widened as the warps read them), head dims
 # a multiple of 16 (16-byte chunks of 16 keys' bytes) up to 256, no softcap or ALiBi (their per-call
 # constants are in units of the raw score, which the per-head k_scale changes).
 FP8_HEAD_DIMS_TEXT = "a multiple of 16 from 32 to 256"
