@@ -126,6 +126,43 @@ def test_paged(fmt, d, block_size):
                 block_size=block_size))
 
 
+@pytest.mark.parametrize("d", [32, 48, 80, 96, 112, 144, 160, 192, 240])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_head_dims(d, paged):
+    # swizzled fp8 rows at 32 (2 chunks, 4 rows a 128-byte line); padded rows at an odd chunk count (48: 3, 80: 5, 112:
+    # 7, 144: 9, 240: 15; their last chunk's fragments are x2 reads) and at 96, 160, 192 (6, 10, 12 chunks, padded to
+    # the next odd count); the padded rows' copies step over (row, chunk) pairs
+    fmt, dtype = ("e4m3", torch.bfloat16) if paged else ("e5m2", torch.float16)
+    run(Fp8Case(RAGGED, fmt=fmt, scale_kind="head", q_len=2, heads=8, kv_heads=2, head_dim=d, dtype=dtype,
+                block_size=32 if paged else None))
+
+
+@pytest.mark.parametrize("d,rows,spec", [(64, 16, "decode:cta_tile_kv=64,num_warps=4,num_stages=1"),
+                                         (64, 16, "decode:cta_tile_kv=128,num_warps=8,num_stages=2"),
+                                         (32, 32, "decode:cta_tile_kv=64,num_warps=8,num_stages=3"),
+                                         (128, 64, "decode:cta_tile_kv=16,num_warps=4,num_stages=4"),
+                                         (256, 16, "decode:cta_tile_kv=128,num_warps=8,num_stages=2"),
+                                         (256, 32, "decode:cta_tile_kv=32,num_warps=4,num_stages=1")])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_tilings(d, rows, spec, paged):
+    # a thread's copies of a tile (rows STEP apart; at head_dim 32 with 8 warps more threads a chunk than rows), one
+    # to four ring stages, warps splitting the keys and the rows (rows packed query rows: q_len 2, GQA group rows / 2)
+    run(Fp8Case(RAGGED, fmt="e4m3", scale_kind="float", q_len=2, heads=rows, kv_heads=2, head_dim=d,
+                dtype=torch.bfloat16, block_size=16 if paged else None), spec=spec)
+
+
+@pytest.mark.parametrize("scales", [(1e2, 1e2), (1e-5, 1e-5), (1e-5, 1.0), (3e3, 1e-3)], ids=str)
+def test_bf16_q_magnitudes(scales):
+    # a bf16 q enters the fp16 MMAs times 2^k, the CTA's largest finite |q| put in [2^14, 2^15): large and tiny q,
+    # and CTAs whose rows differ by up to 2^21 in size (one query head of each group scaled by the first factor, the
+    # others by the second)
+    case = Fp8Case(RAGGED, fmt="e4m3", scale_kind="head", q_len=1, heads=8, kv_heads=2, head_dim=128,
+                   dtype=torch.bfloat16)
+    f = torch.tensor([scales[0], scales[1], scales[1], scales[1]] * 2, device="cuda")
+    case.q = case.base.q = (case.base.q.float() * f[:, None]).to(torch.bfloat16)
+    run(case)
+
+
 @pytest.mark.parametrize("scale_kind", ["none", "float", "tensor0", "tensor1", "head"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_every_form_of_the_scales(scale_kind, paged):
