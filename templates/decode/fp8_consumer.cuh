@@ -61,8 +61,8 @@ struct DecodeFp8Consumer {
     }
   }
 
-  // S = Q K^T over this warp's KW keys of the fp8 K slot sK, Q in fp16 (unmasked; Math::mask_scores masks). Each x4 reads
-  // 16 keys x 2 chunks: registers (keys 0-7, chunk j), (keys 8-15, j), (keys 0-7, j + 1), (keys 8-15, j + 1); an
+  // S = Q K^T over this warp's KW keys of the fp8 K slot sK, Q in fp16 (unmasked; Math::mask_scores masks). Each x4
+  // reads 16 keys x 2 chunks: registers (keys 0-7, chunk j), (keys 8-15, j), (keys 0-7, j + 1), (keys 8-15, j + 1); an
   // odd last chunk takes an x2.
   static __device__ __forceinline__ void scores(float (&acc_s)[M_TILES][KW_TILES][4],
                                                 const typename Math::QFrag& q_frag, const T* sQ,
