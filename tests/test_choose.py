@@ -256,7 +256,8 @@ def decode_problems(s: DecodeSpec):
     variants = ("auto", "fused") if s.variant.value == "fused" else (s.variant.value,)
     for user, (g, q), v, hk, (b, cap) in itertools.product(_users(s), shapes[:3], variants, (1, 8),
                                                           ((1, 512), (1, 65536), (16, 8192), (128, 2048))):
-        yield D.Problem(s.head_dim, s.dtype.value, q, g * hk, hk, b, cap, s.paged, v, user, s.softcap, s.alibi)
+        yield D.Problem(s.head_dim, s.dtype.value, q, g * hk, hk, b, cap, s.paged, v, user, s.softcap, s.alibi,
+                        kv_dtype=s.kv_dtype)
 
 
 def mla_problems(s: MlaDecodeSpec):

@@ -61,13 +61,17 @@ def test_a_bad_kv_dtype_names_the_formats(bad):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90a", "sm_100", "sm_120"])
 def test_fp8_specs_resolve_within_shared_memory(arch):
     a = ARCHS[arch]
-    for d in (32, 64, 96, 128, 160, 192, 256):
+    for d in (32, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 240, 256):
         for rows in DecodeSpec.Q_ROWS:
             for paged in (False, True):
                 r = resolve(DecodeSpec(head_dim=d, q_rows=rows, paged=paged, kv_dtype="fp8_e4m3"), arch)
-                ring = r.num_stages * r.cta_tile_kv * d * 2  # fp8 K and V slots
-                widened = (2 if d <= 128 else 1) * r.cta_tile_kv * r.row_elems * 2
-                assert r.smem_bytes() >= rows * r.row_elems * 2 + ring + widened
+                # fp8 K and V slots: rows of d bytes where d / 16 is a power of two (swizzled), else padded to an
+                # odd number of 16-byte chunks; nothing else beside Q (the fragments are widened in registers)
+                chunks = d // 16
+                row = d if chunks & (chunks - 1) == 0 else (chunks | 1) * 16
+                assert r.fp8_row_bytes == row
+                ring = r.num_stages * r.cta_tile_kv * row * 2
+                assert r.smem_bytes() >= rows * r.row_elems * 2 + ring
                 assert r.smem_bytes() <= a.smem_per_block, (d, rows, paged, r)
 
 
@@ -97,23 +101,28 @@ def test_the_bit_level_widening_is_exact_for_every_value(fmt):
     assert (torch.from_numpy(got[~nan]).to(torch.bfloat16).float().numpy() == ref[~nan]).all()
 
 
-def test_fp8_kernels_build_for_every_manifest_arch():
+MANIFEST_ARCHS = [a.name for a in load_manifest(ROOT / "cache" / "default.toml").archs]
+
+
+@pytest.mark.parametrize("arch", MANIFEST_ARCHS)
+def test_fp8_kernels_build_for_every_manifest_arch(arch):
     from attngen.compiler import compile
     from attngen.render import render
 
-    archs = [a.name for a in load_manifest(ROOT / "cache" / "default.toml").archs]
-    assert archs
-    # (head_dim 256 widens K and V through one tile: decode/fp8.cuh's WIDE_TILES)
-    cases = [dict(kv_dtype="fp8_e4m3", dtype="bf16"), dict(kv_dtype="fp8_e5m2", dtype="fp16", paged=True, q_rows=32),
-             dict(kv_dtype="fp8_e4m3", dtype="bf16", head_dim=256, paged=True, local=True)]
-    for arch in archs:
-        for kw in cases:
-            r = resolve(DecodeSpec(**kw), arch)
-            src = render(r)
-            assert "DecodeFp8<DecodeShape<" in src and "kv_dtype=" in src
-            b = compile(src, arch, kernel_name=r.kernel_name)
-            assert b.cubin[:4] == b"\x7fELF"
-            assert not b.resources.spill_stores, (arch, r.to_text(), b.resources)
+    # both formats with both q dtypes; swizzled rows (64, 128, 256) and padded ones with an odd chunk count (80,
+    # 144: the x2 fragment reads), paged, 32 rows, per-row key bounds and sinks
+    cases = [dict(kv_dtype="fp8_e4m3", dtype="bf16"), dict(kv_dtype="fp8_e4m3", dtype="fp16"),
+             dict(kv_dtype="fp8_e5m2", dtype="bf16", head_dim=64, paged=True, q_rows=32),
+             dict(kv_dtype="fp8_e5m2", dtype="fp16", head_dim=256, paged=True, local=True),
+             dict(kv_dtype="fp8_e4m3", dtype="bf16", head_dim=80, sinks=True),
+             dict(kv_dtype="fp8_e5m2", dtype="fp16", head_dim=144, q_rows=32)]
+    for kw in cases:
+        r = resolve(DecodeSpec(**kw), arch)
+        src = render(r)
+        assert "DecodeFp8<DecodeShape<" in src and "kv_dtype=" in src
+        b = compile(src, arch, kernel_name=r.kernel_name)
+        assert b.cubin[:4] == b"\x7fELF"
+        assert not b.resources.spill_stores, (arch, r.to_text(), b.resources)
 
 
 def test_a_16bit_spec_renders_no_fp8_code():

@@ -5,9 +5,10 @@ The caches are built as tests/test_gpu_decode.py builds its own (every position 
 which stays NaN in fp8), then quantised: K / k_scale rounded to fp8. Outputs are poisoned with NaN before each call.
 
 Tolerance: that of the 16-bit decode tests (test_gpu_decode.TOL, MAX_ABS, LSE_MAX_ABS), not looser. Every fp8 value
-is an fp16 and a bf16 value, so the kernel's MMAs see the cache exactly; the scales multiply fp32 values (k_scale
-the logits with the softmax scale, v_scale the fp32 output), so the only roundings are those of the 16-bit
-kernels (P rounded to q's dtype for P V, fp32 accumulation), on values of the same size (|V| < ~5).
+is an fp16 value, so the kernel's fp16 MMAs see the cache exactly; the scales multiply fp32 values (k_scale the
+logits with the softmax scale, v_scale the fp32 output), so the only roundings are P's (to fp16 for P V: finer than
+the 16-bit kernels' bf16 P with a bf16 q) and the fp32 accumulation, on values of the same size (|V| < ~5). A bf16 q
+enters the MMAs as fp16 times a power of two, exact but for elements under 2^-28 of the CTA's largest |q|.
 """
 
 from __future__ import annotations
@@ -125,6 +126,43 @@ def test_paged(fmt, d, block_size):
                 block_size=block_size))
 
 
+@pytest.mark.parametrize("d", [32, 48, 80, 96, 112, 144, 160, 192, 240])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_head_dims(d, paged):
+    # swizzled fp8 rows at 32 (2 chunks, 4 rows a 128-byte line); padded rows at an odd chunk count (48: 3, 80: 5, 112:
+    # 7, 144: 9, 240: 15; their last chunk's fragments are x2 reads) and at 96, 160, 192 (6, 10, 12 chunks, padded to
+    # the next odd count); the padded rows' copies step over (row, chunk) pairs
+    fmt, dtype = ("e4m3", torch.bfloat16) if paged else ("e5m2", torch.float16)
+    run(Fp8Case(RAGGED, fmt=fmt, scale_kind="head", q_len=2, heads=8, kv_heads=2, head_dim=d, dtype=dtype,
+                block_size=32 if paged else None))
+
+
+@pytest.mark.parametrize("d,rows,spec", [(64, 16, "decode:cta_tile_kv=64,num_warps=4,num_stages=1"),
+                                         (64, 16, "decode:cta_tile_kv=128,num_warps=8,num_stages=2"),
+                                         (32, 32, "decode:cta_tile_kv=64,num_warps=8,num_stages=3"),
+                                         (128, 64, "decode:cta_tile_kv=16,num_warps=4,num_stages=4"),
+                                         (256, 16, "decode:cta_tile_kv=128,num_warps=8,num_stages=2"),
+                                         (256, 32, "decode:cta_tile_kv=32,num_warps=4,num_stages=1")])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_tilings(d, rows, spec, paged):
+    # a thread's copies of a tile (rows STEP apart; at head_dim 32 with 8 warps more threads a chunk than rows), one
+    # to four ring stages, warps splitting the keys and the rows (rows packed query rows: q_len 2, GQA group rows / 2)
+    run(Fp8Case(RAGGED, fmt="e4m3", scale_kind="float", q_len=2, heads=rows, kv_heads=2, head_dim=d,
+                dtype=torch.bfloat16, block_size=16 if paged else None), spec=spec)
+
+
+@pytest.mark.parametrize("scales", [(1e2, 1e2), (1e-5, 1e-5), (1e-5, 1.0), (3e3, 1e-3)], ids=str)
+def test_bf16_q_magnitudes(scales):
+    # a bf16 q enters the fp16 MMAs times 2^k, the CTA's largest finite |q| put in [2^14, 2^15): large and tiny q,
+    # and CTAs whose rows differ by up to 2^21 in size (one query head of each group scaled by the first factor, the
+    # others by the second)
+    case = Fp8Case(RAGGED, fmt="e4m3", scale_kind="head", q_len=1, heads=8, kv_heads=2, head_dim=128,
+                   dtype=torch.bfloat16)
+    f = torch.tensor([scales[0], scales[1], scales[1], scales[1]] * 2, device="cuda")
+    case.q = case.base.q = (case.base.q.float() * f[:, None]).to(torch.bfloat16)
+    run(case)
+
+
 @pytest.mark.parametrize("scale_kind", ["none", "float", "tensor0", "tensor1", "head"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_every_form_of_the_scales(scale_kind, paged):
@@ -201,9 +239,11 @@ def test_bytes_with_the_spec_kv_dtype():
 
 
 def _widen_module(tmp_path):
-    """The conversions of templates/decode/fp8.cuh (the part before the kernel's struct) in a module of their own,
-    with a kernel that widens every pair of bytes both ways: the arch's path and the bit-level one. Built as the
-    kernels are (attngen's NVRTC compile, a cubin for the device's arch) and loaded through CuPy."""
+    """The conversions of templates/decode/fp8.cuh (the part before the kernel's structs) in a module of their own,
+    with a kernel that widens every pair of bytes every way the kernel does: the arch's path and the bit-level one
+    for a pair, and the two four-byte forms the fragments take (K's: bytes (0, 1) and (2, 3); V's: bytes (0, 2) and
+    (1, 3)). Built as the kernels are (attngen's NVRTC compile, a cubin for the device's arch) and loaded through
+    CuPy."""
     cp = pytest.importorskip("cupy")
     from attngen.compiler import compile
     from attngen.runtime import device_arch
@@ -214,17 +254,19 @@ def _widen_module(tmp_path):
     src = ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n" + (root / "common" / "ptx.cuh").read_text() + convert
            + r"""
 template <int FMT>
-__device__ void widen_all(unsigned* f16, unsigned* bits, unsigned* bf16) {
+__device__ void widen_all(unsigned* out) {
   const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;  // the pair of bytes (i & 0xff, i >> 8)
   if (i < 65536u) {
-    f16[i] = fp8x2_to_f16x2<FMT>(i);
-    bits[i] = FMT == 1 ? e4m3x2_to_f16x2_bits(i) : fp8x2_to_f16x2<2>(i);
-    bf16[i] = fp8x2_widen<true, FMT>(i);
+    out[i] = fp8x2_to_f16x2<FMT>(i);
+    out[65536 + i] = FMT == 1 ? e4m3x2_to_f16x2_bits(i) : fp8x2_to_f16x2<2>(i);
+    // the four bytes (lo, hi, lo, hi): K's pairs are both (lo, hi), V's (lo, lo) and (hi, hi)
+    fp8x4_to_f16x2<FMT>(i | (i << 16), out[2 * 65536 + i], out[3 * 65536 + i]);
+    fp8x4_split_f16<FMT>(i | (i << 16), out[4 * 65536 + i], out[5 * 65536 + i]);
   }
 }
 }  // namespace attngen
-extern "C" __global__ void widen_e4m3(unsigned* a, unsigned* b, unsigned* c) { attngen::widen_all<1>(a, b, c); }
-extern "C" __global__ void widen_e5m2(unsigned* a, unsigned* b, unsigned* c) { attngen::widen_all<2>(a, b, c); }
+extern "C" __global__ void widen_e4m3(unsigned* out) { attngen::widen_all<1>(out); }
+extern "C" __global__ void widen_e5m2(unsigned* out) { attngen::widen_all<2>(out); }
 """)
     cubin = tmp_path / "widen.cubin"
     cubin.write_bytes(compile(src, device_arch(torch.cuda.current_device()), kernel_name="widen_e4m3").cubin)
@@ -235,20 +277,20 @@ extern "C" __global__ void widen_e5m2(unsigned* a, unsigned* b, unsigned* c) { a
 def test_widening_is_exact_both_ways(fmt, tmp_path):
     # the GPU runs the cvt form (sm_89+) for e4m3; the bit-level form sm_80/86 run is checked here too, on the chip
     cp, mod = _widen_module(tmp_path)
-    outs = [cp.zeros(65536, dtype=cp.uint32) for _ in range(3)]
-    mod.get_function(f"widen_{fmt}")((256,), (256,), tuple(outs))
+    out = cp.zeros(6 * 65536, dtype=cp.uint32)
+    mod.get_function(f"widen_{fmt}")((256,), (256,), (out,))
     cp.cuda.get_current_stream().synchronize()
+    got = torch.as_tensor(out.view(cp.int32), device="cuda").cpu().view(torch.float16).float().view(6, 65536, 2)
     pairs = torch.arange(65536, dtype=torch.int32)
     lo = (pairs & 0xFF).to(torch.uint8).view(FMTS[fmt]).float()
     hi = (pairs >> 8).to(torch.uint8).view(FMTS[fmt]).float()
-    for name, out, half in (("f16", outs[0], torch.float16), ("bits", outs[1], torch.float16),
-                            ("bf16", outs[2], torch.bfloat16)):
-        got = torch.as_tensor(out.view(cp.int32), device="cuda").cpu().view(half).float().view(65536, 2)
-        for col, ref in ((0, lo), (1, hi)):
-            g = got[:, col]
+    want = {0: (lo, hi), 1: (lo, hi), 2: (lo, hi), 3: (lo, hi), 4: (lo, lo), 5: (hi, hi)}
+    for form, refs in want.items():
+        for col, ref in enumerate(refs):
+            g = got[form, :, col]
             nan = torch.isnan(ref)
-            assert torch.equal(torch.isnan(g), nan), (fmt, name, col)
-            assert torch.equal(g[~nan], ref[~nan]), (fmt, name, col)
+            assert torch.equal(torch.isnan(g), nan), (fmt, form, col)
+            assert torch.equal(g[~nan], ref[~nan]), (fmt, form, col)
 
 
 @pytest.mark.parametrize("fmt", list(FMTS))

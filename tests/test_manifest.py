@@ -188,5 +188,7 @@ def test_default_manifest_validates_for_every_arch_it_lists():
     merge = {s for s in specs if s.family == "merge"}
     assert {s.head_dim for s in merge} == {64, 128, 256, 512} and {s.states.value for s in merge} == {"pair", "many"}
     # 1440 attention kernels plus 96 merges (each compiles in a fraction of a second, so the merges add
-    # under a minute to a prewarm).
-    assert 100 <= len(items) <= 1540
+    # under a minute to a prewarm) and 36 fp8-cache decode kernels.
+    fp8 = {s for s in specs if s.family == "decode" and s.kv_dtype is not None}
+    assert {s.head_dim for s in fp8} == {64, 128, 256} and {s.paged for s in fp8} == {False, True}
+    assert 100 <= len(items) <= 1576

@@ -22,7 +22,12 @@ DECODE = [("sm_90a", "decode:head_dim=64,q_rows=64,paged=true"),
           ("sm_89", "decode:head_dim=64,q_rows=16,paged=true,cta_tile_kv=64"),
           ("sm_120", "decode:head_dim=64,q_rows=32,num_stages=1"),
           ("sm_90a", "decode:head_dim=64,q_rows=32,kv_dtype=fp8_e4m3"),  # fp8 defaults
-          ("sm_80", "decode:head_dim=64,q_rows=32,paged=true,kv_dtype=fp8_e4m3")]
+          ("sm_80", "decode:head_dim=64,q_rows=32,paged=true,kv_dtype=fp8_e4m3"),
+          # fp8 defaults once the fragments were widened in registers
+          ("sm_90a", "decode:head_dim=128,q_rows=32,paged=true,kv_dtype=fp8_e4m3"),
+          ("sm_89", "decode:head_dim=96,q_rows=16,kv_dtype=fp8_e4m3"),
+          ("sm_86", "decode:head_dim=192,q_rows=16,kv_dtype=fp8_e4m3"),
+          ("sm_90a", "decode:head_dim=192,q_rows=16,paged=true,kv_dtype=fp8_e5m2,dtype=fp16")]
 
 # MLA decode: single-field pins, and one default (sm_120, 256 + 32, 32 rows, paged)
 MLA = [("sm_90a", "mla_decode:q_rows=16,qk_shard=false"),

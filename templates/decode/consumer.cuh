@@ -134,21 +134,26 @@ struct DecodeConsumer {
                                                                         lim[mt][r] - (col0 + n * 8 + e));
         }
     }
-    if (mask) {
-      const int col0 = n0 + l.key0 + 2 * l.t;
+    if (mask) mask_scores(acc_s, lim, n0, p, c, l);
+  }
+
+  // Scores past each row's last key (LOCAL: outside its bounds) to -inf, over this warp's KW keys of the tile
+  // (the fp8 kernel's consumer, decode/fp8_consumer.cuh, masks its scores here too).
+  static __device__ __forceinline__ void mask_scores(float (&acc_s)[M_TILES][KW_TILES][4], const int (&lim)[M_TILES][2],
+                                                     int n0, const DecodeParams<T>& p, const Cta& c, const Lane& l) {
+    const int col0 = n0 + l.key0 + 2 * l.t;
 #pragma unroll
-      for (int mt = 0; mt < M_TILES; ++mt)
+    for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          int lo = 0, hi = lim[mt][r] - col0;
-          if constexpr (LOCAL) key_bounds(lo, hi, lim[mt][r], col0, p, c);
+      for (int r = 0; r < 2; ++r) {
+        int lo = 0, hi = lim[mt][r] - col0;
+        if constexpr (LOCAL) key_bounds(lo, hi, lim[mt][r], col0, p, c);
 #pragma unroll
-          for (int n = 0; n < KW_TILES; ++n)
+        for (int n = 0; n < KW_TILES; ++n)
 #pragma unroll
-            for (int e = 0; e < 2; ++e)
-              if (n * 8 + e > hi || (LOCAL && n * 8 + e < lo)) acc_s[mt][n][2 * r + e] = -ATTNGEN_INF;
-        }
-    }
+          for (int e = 0; e < 2; ++e)
+            if (n * 8 + e > hi || (LOCAL && n * 8 + e < lo)) acc_s[mt][n][2 * r + e] = -ATTNGEN_INF;
+      }
   }
 
   // The scores of one K tile for fused and unfused_qk: Q's fragments come from shared memory on

@@ -1,8 +1,13 @@
 // Decode against an fp8 KV cache (the spec's kv_dtype): K and V tiles travel through the cp.async ring as fp8, half
-// the bytes of a 16-bit cache (what a decode step is bound by), and are widened in shared memory to q's dtype before
-// the 16-bit kernel's MMAs (DecodeConsumer, decode/consumer.cuh). The widening is exact: every e4m3 and e5m2 value
-// is an fp16 and a bf16 value. The dequantisation scales cost nothing a key: k_scale multiplies the softmax scale of
-// the CTA's KV head, v_scale the split's output once at its end (each split's own, so the merge is unchanged).
+// the bytes of a 16-bit cache (what a decode step is bound by), and each warp reads its MMA fragments straight from
+// the fp8 slots and widens them in registers (DecodeFp8Consumer, decode/fp8_consumer.cuh), so each cache byte
+// crosses shared memory once. The widening is exact: every e4m3 and e5m2 value is an fp16 and a bf16 value. Both
+// MMAs run in fp16 whatever q's dtype, as an fp8 value becomes an fp16 one in one instruction (sm_89+'s cvt; e5m2:
+// a byte permute): P is rounded to fp16 for P V (probabilities in [0, 1]: fp16 keeps more of their bits than bf16),
+// and a bf16 q is scaled by a power of two into fp16 (DecodeFp8::load_q: exact but for elements under 2^-28 of the
+// CTA's largest |q|, rounded at 2^-39 of it, far below the fp32 accumulation's own rounding). The
+// dequantisation scales cost nothing a key: k_scale multiplies the softmax scale of the CTA's KV head, v_scale the
+// split's output once at its end (each split's own, so the merge is unchanged).
 namespace attngen {
 
 // Two e4m3 values (the low 16 bits of x, the first in the low byte) -> fp16x2 (the first in the low half), by bits,
@@ -36,20 +41,41 @@ __device__ __forceinline__ unsigned fp8x2_to_f16x2(unsigned x) {
   }
 }
 
-// Two fp8 values -> two of q's dtype in one register, the first in the low half. bf16 through fp32: every fp16
-// value an fp8 value widens to is a bf16 value (at most 4 significant bits, exponents from -16 to 15).
-template <bool BF16, int FMT>
-__device__ __forceinline__ unsigned fp8x2_widen(unsigned x) {
-  const unsigned h = fp8x2_to_f16x2<FMT>(x);
-  if constexpr (BF16) {
-    float lo, hi;
-    asm("{.reg .b16 l, u;\nmov.b32 {l, u}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, u;\n}"
-        : "=f"(lo), "=f"(hi) : "r"(h));
-    return pack2<true>(lo, hi);
+// The four fp8 values of one ldmatrix register (an 8x8 matrix of 16-bit elements read from fp8 rows: bytes 0-3 are
+// one key's 4 consecutive head dims) -> fp16x2 of bytes (0, 1) and (2, 3): K's b0 and b1.
+template <int FMT>
+__device__ __forceinline__ void fp8x4_to_f16x2(unsigned x, unsigned& lo, unsigned& hi) {
+  if constexpr (FMT == 2) {
+    lo = __byte_perm(x, 0u, 0x1404);
+    hi = __byte_perm(x, 0u, 0x3424);
   } else {
-    return h;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    // the high pair straight from the register's upper half (a shift first would cost an instruction)
+    asm("{.reg .b16 l, u;\nmov.b32 {l, u}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, u;\n}"
+        : "=r"(lo), "=r"(hi) : "r"(x));
+#else
+    lo = e4m3x2_to_f16x2_bits(x);
+    hi = e4m3x2_to_f16x2_bits(x >> 16);
+#endif
   }
 }
+
+// The four fp8 values of one ldmatrix.trans register (bytes 0, 1: key 2c's head dims 2n, 2n + 1; bytes 2, 3: key
+// 2c + 1's) -> fp16x2 of bytes (0, 2) and (1, 3): the (key 2c, key 2c + 1) pairs of head dims 2n and 2n + 1, V's B
+// fragments of an even-dim and an odd-dim n8 tile.
+template <int FMT>
+__device__ __forceinline__ void fp8x4_split_f16(unsigned x, unsigned& even, unsigned& odd) {
+  if constexpr (FMT == 2) {
+    even = __byte_perm(x, 0u, 0x2404);  // each byte at the top of its 16-bit half (fp8x2_to_f16x2<2>)
+    odd = __byte_perm(x, 0u, 0x3414);
+  } else {
+    // one permute puts the even pair in the low half and the odd pair in the high one: fp8x4_to_f16x2 reads both
+    fp8x4_to_f16x2<FMT>(__byte_perm(x, 0u, 0x3120), even, odd);
+  }
+}
+
+template <class S>
+struct DecodeFp8Consumer;
 
 template <class S>
 struct DecodeFp8 {
@@ -59,81 +85,201 @@ struct DecodeFp8 {
   using Lane = typename S::Lane;
   using Load = DecodeProducer<S>;
   using Math = DecodeConsumer<S>;
+  using Fp8Math = DecodeFp8Consumer<S>;
   static constexpr bool BF16 = S::BF16, PAGED = S::PAGED, LOCAL = S::LOCAL;
-  static constexpr int FMT = S::KV_FP8, HEAD_DIM = S::HEAD_DIM, BLOCK_N = S::BLOCK_N, THREADS = S::THREADS;
+  static constexpr int HEAD_DIM = S::HEAD_DIM, ROWS = S::ROWS, BLOCK_N = S::BLOCK_N, THREADS = S::THREADS;
   static constexpr int M_TILES = S::M_TILES, D_TILES = S::D_TILES, KW_TILES = S::KW_TILES;
-  static constexpr int NUM_STAGES = S::NUM_STAGES, TILE_ELEMS = S::TILE_ELEMS, Q_ELEMS = S::Q_ELEMS;
-  // A ring slot: BLOCK_N dense rows of HEAD_DIM bytes, copied in 16-byte chunks.
-  static constexpr int CHUNKS = HEAD_DIM / 16, TILE_BYTES = BLOCK_N * HEAD_DIM;
-  // Past head_dim 128 one widened tile takes K, then V (a barrier more a tile): two did not fit beside the ring
-  // on the archs of 99 KB of shared memory at 16 rows (DecodeSpec.fp8_tiles counts the same).
-  static constexpr int WIDE_TILES = HEAD_DIM > 128 ? 1 : 2;
+  static constexpr int NUM_STAGES = S::NUM_STAGES, Q_ELEMS = S::Q_ELEMS;
+  static constexpr int CHUNKS = Fp8Math::CHUNKS, ROW_BYTES = Fp8Math::ROW_BYTES, TILE_BYTES = Fp8Math::TILE_BYTES;
   static_assert(S::KV_FP8 == 1 || S::KV_FP8 == 2, "fp8 format");
   static_assert(HEAD_DIM % 16 == 0 && S::D_PARTS == 1, "fp8 rows: 16-byte chunks, one CTA a KV head");
 
-  // Rows [tile * BLOCK_N, + BLOCK_N) of the CTA's head of the K and V caches into a ring slot; rows at or past the
-  // sequence (LOCAL: or before key_lo) are zero-filled, so their widened keys and values are zeros as in the 16-bit
-  // kernel. A paged row reads its block from the table (clamped to the pool) as it goes.
-  static __device__ __forceinline__ void load_rows(unsigned char* dk, unsigned char* dv, const DecodeParams<T>& p,
-                                                   const Cta& c, int tile, int tid) {
-    // The head's (contiguous: and the cache row's) start in bytes: c.k - p.k counts elements, one byte each here.
-    const unsigned char* kb = reinterpret_cast<const unsigned char*>(p.k) + (c.k - p.k);
-    const unsigned char* vb = reinterpret_cast<const unsigned char*>(p.v) + (c.v - p.v);
-    constexpr int TOTAL = BLOCK_N * CHUNKS;
+  // The source of Q's 16-column chunk `col` of packed row r (a valid one).
+  static __device__ __forceinline__ const uint4* q_chunk(const DecodeParams<T>& p, const Cta& c, int r, int col) {
+    const int qi = r / p.group;
+    const int head = c.kv_head * p.group + (r - qi * p.group);
+    return reinterpret_cast<const uint4*>(p.q + c.batch * p.q_sb + qi * p.q_ss + head * p.q_sh + col);
+  }
+
+  // bf16 q: the power of two k that puts the CTA's largest finite |q| in [2^14, 2^15) (0 where every q is 0 or
+  // not finite), so that q * 2^k is an fp16 value wherever |q| >= 2^-28 of that largest one (bf16's 8 significant
+  // bits fit fp16's 11) and below it is rounded at 2^-39 of it. A reduction over the CTA through shared memory
+  // (`scratch`, free until Q is stored), once.
+  static __device__ __forceinline__ int q_shift(const DecodeParams<T>& p, const Cta& c, int tid, unsigned* scratch) {
+    unsigned m = 0;  // the largest finite |q| as bf16 bits (ordered as integers)
+    for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
+      const int r = idx / CHUNKS;
+      if (r < c.rows_valid) {
+        const uint4* src = q_chunk(p, c, r, (idx - r * CHUNKS) * 16);
+        const uint4 x[2] = {src[0], src[1]};
 #pragma unroll
-    for (int it = 0; it < (TOTAL + THREADS - 1) / THREADS; ++it) {
-      const int idx = it * THREADS + tid;
-      if (TOTAL % THREADS == 0 || idx < TOTAL) {
-        const int r = idx / CHUNKS;
-        const int col = (idx - r * CHUNKS) * 16;
-        const int pos = tile * BLOCK_N + r;
-        const bool ok = pos < c.seqlen && (!LOCAL || pos >= c.key_lo);
-        long long ko = 0, vo = 0;
-        if (ok) {
-          if constexpr (PAGED) {
-            const int b = Load::block_of(pos, p, c);
-            const long long blk = min(max(c.table[b], 0), p.num_blocks - 1);
-            const long long slot = pos - b * p.block_size;
-            ko = blk * p.k_sb + slot * p.k_ss;
-            vo = blk * p.v_sb + slot * p.v_ss;
-          } else {
-            ko = pos * p.k_ss;
-            vo = pos * p.v_ss;
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            const unsigned v = (&x[h].x)[w];
+            const unsigned lo = v & 0x7fffu, hi = (v >> 16) & 0x7fffu;
+            m = max(m, max(lo < 0x7f80u ? lo : 0u, hi < 0x7f80u ? hi : 0u));
           }
-        }
-        cp_async_16(smem_addr(dk + r * HEAD_DIM + col), kb + ko + col, ok);
-        cp_async_16(smem_addr(dv + r * HEAD_DIM + col), vb + vo + col, ok);
+      }
+    }
+    m = __reduce_max_sync(0xffffffffu, m);
+    if (tid % 32 == 0) scratch[tid / 32] = m;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < THREADS / 32; ++w) m = max(m, scratch[w]);
+    __syncthreads();  // every warp has read the maxima before Q overwrites them
+    // |q| < 2^(e - 126) for a bf16 exponent field e: the largest times 2^(141 - e) lies in [2^14, 2^15); at most
+    // 2^126 (a subnormal largest |q| stays under 2^15), so that 2^-k is a normal float too
+    return m == 0u ? 0 : min(141 - (int)(m >> 7), 126);
+  }
+
+  // Q into shared memory in fp16 (bf16 q times 2^k; fp16 q as it is), each 16-column chunk in the order the fp8 K
+  // fragments read the head dim (DecodeFp8Consumer::scores): its 32-bit words (column pairs) w0..w7 stored as w0 w2
+  // w4 w6 w1 w3 w5 w7, so ldmatrix gives a thread columns (4t, 4t + 1) as a0 and (4t + 2, 4t + 3) as a2, the dims its
+  // K register holds. Plain loads and stores (the ring's first barrier orders them before any read); rows past the
+  // packed ones are zeros.
+  static __device__ __forceinline__ void load_q(T* sQ, const DecodeParams<T>& p, const Cta& c, int k, int tid) {
+    const float f = __int_as_float((127 + k) << 23);
+    for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
+      const int r = idx / CHUNKS;
+      const int col = (idx - r * CHUNKS) * 16;
+      uint4 x[2] = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
+      if (r < c.rows_valid) {
+        const uint4* src = q_chunk(p, c, r, col);
+        x[0] = src[0];
+        x[1] = src[1];
+      }
+      if constexpr (BF16) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            unsigned& v = (&x[h].x)[w];
+            v = pack2<false>(__uint_as_float(v << 16) * f, __uint_as_float(v & 0xffff0000u) * f);
+          }
+      }
+      *reinterpret_cast<uint4*>(sQ + L::offset(r, col)) = make_uint4(x[0].x, x[0].z, x[1].x, x[1].z);
+      *reinterpret_cast<uint4*>(sQ + L::offset(r, col + 8)) = make_uint4(x[0].y, x[0].w, x[1].y, x[1].w);
+    }
+  }
+
+  // Where a row's chunks divide among the threads (every swizzled row: 2 to 16 chunks), each thread copies one
+  // chunk column of rows STEP apart: its shared-memory offsets step by a constant (the swizzle repeats every 8
+  // rows), its cache addresses by a stride, and a paged cache's table entries of a tile are read one tile ahead
+  // (Pages), as the 16-bit kernel's producer does (decode/producer.cuh).
+  static constexpr bool FIXED = THREADS % CHUNKS == 0 && Fp8Math::SWIZZLED;
+  static constexpr int STEP = FIXED ? THREADS / CHUNKS : 1;
+  static constexpr int ITERS = FIXED ? (BLOCK_N + STEP - 1) / STEP : 1;
+  static_assert(!FIXED || STEP % 8 == 0, "a thread's rows keep one swizzle phase");
+
+  struct Pages {
+    int block[PAGED && FIXED ? ITERS : 1];  // as loaded (0 past the sequence); load_rows clamps them
+  };
+
+  static __device__ __forceinline__ void lookup(Pages& pg, const DecodeParams<T>& p, const Cta& c, int tile, int tid) {
+    if constexpr (PAGED && FIXED) {
+      const int r0 = tid / CHUNKS;
+#pragma unroll
+      for (int i = 0; i < ITERS; ++i) {
+        const int pos = tile * BLOCK_N + r0 + i * STEP;
+        pg.block[i] = (BLOCK_N % STEP == 0 || r0 + i * STEP < BLOCK_N) && pos < c.seqlen
+                          ? c.table[Load::block_of(pos, p, c)] : 0;
       }
     }
   }
 
-  // A landed fp8 tile -> the tile of q's dtype the consumer reads (its swizzled or padded rows): each thread widens
-  // 8 bytes into one 16-byte chunk, so a warp's reads and writes are both contiguous runs.
-  static __device__ __forceinline__ void widen(T* dst, const unsigned char* src, int tid) {
-    constexpr int TOTAL = BLOCK_N * HEAD_DIM / 8;
+  // Rows [tile * BLOCK_N, + BLOCK_N) of the CTA's head of the K and V caches into a ring slot (its rows swizzled or
+  // padded: DecodeFp8Consumer::at); rows at or past the sequence (LOCAL: or before key_lo) are zero-filled, so
+  // their keys and values are zeros as in the 16-bit kernel.
+  static __device__ __forceinline__ void load_rows(unsigned char* dk, unsigned char* dv, const DecodeParams<T>& p,
+                                                   const Cta& c, const Pages& pg, int tile, int tid) {
+    // The head's (contiguous: and the cache row's) start in bytes: c.k - p.k counts elements, one byte each here.
+    const unsigned char* kb = reinterpret_cast<const unsigned char*>(p.k) + (c.k - p.k);
+    const unsigned char* vb = reinterpret_cast<const unsigned char*>(p.v) + (c.v - p.v);
+    if constexpr (FIXED) {
+      const int r0 = tid / CHUNKS, j = tid % CHUNKS;
+      const int at = Fp8Math::at(r0, j);
+      const int pos0 = tile * BLOCK_N + r0;
+      if constexpr (PAGED) {
 #pragma unroll
-    for (int it = 0; it < (TOTAL + THREADS - 1) / THREADS; ++it) {
-      const int idx = it * THREADS + tid;
-      if (TOTAL % THREADS != 0 && idx >= TOTAL) break;
-      const int r = idx / (HEAD_DIM / 8);
-      const int col = (idx - r * (HEAD_DIM / 8)) * 8;
-      const uint2 x = *reinterpret_cast<const uint2*>(src + r * HEAD_DIM + col);
-      *reinterpret_cast<uint4*>(dst + L::offset(r, col)) =
-          make_uint4(fp8x2_widen<BF16, FMT>(x.x), fp8x2_widen<BF16, FMT>(x.x >> 16),
-                     fp8x2_widen<BF16, FMT>(x.y), fp8x2_widen<BF16, FMT>(x.y >> 16));
+        for (int i = 0; i < ITERS; ++i) {
+          if (BLOCK_N % STEP == 0 || r0 + i * STEP < BLOCK_N) {
+            const int pos = pos0 + i * STEP;
+            const bool ok = pos < c.seqlen && (!LOCAL || pos >= c.key_lo);
+            // the address is in the pool whether or not the row is in the sequence (the block clamped, the slot
+            // in it), so it is not chosen on ok
+            const long long blk = min(max(pg.block[i], 0), p.num_blocks - 1);
+            const long long slot = pos - Load::block_of(pos, p, c) * p.block_size;
+            cp_async_16(smem_addr(dk + at + i * STEP * ROW_BYTES), kb + blk * p.k_sb + slot * p.k_ss + j * 16, ok);
+            cp_async_16(smem_addr(dv + at + i * STEP * ROW_BYTES), vb + blk * p.v_sb + slot * p.v_ss + j * 16, ok);
+          }
+        }
+      } else {
+        // a tile wholly inside the live keys (all but a row's first and last) copies without a check a row
+        const bool whole = (tile + 1) * BLOCK_N <= c.seqlen && (!LOCAL || tile * BLOCK_N >= c.key_lo);
+        const unsigned char* gk = kb + pos0 * p.k_ss + j * 16;
+        const unsigned char* gv = vb + pos0 * p.v_ss + j * 16;
+        const long long sk = STEP * p.k_ss, sv = STEP * p.v_ss;
+        if (whole) {
+#pragma unroll
+          for (int i = 0; i < ITERS; ++i) {
+            if (BLOCK_N % STEP == 0 || r0 + i * STEP < BLOCK_N) {
+              cp_async_16(smem_addr(dk + at + i * STEP * ROW_BYTES), gk + i * sk, true);
+              cp_async_16(smem_addr(dv + at + i * STEP * ROW_BYTES), gv + i * sv, true);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < ITERS; ++i) {
+            if (BLOCK_N % STEP == 0 || r0 + i * STEP < BLOCK_N) {
+              const int pos = pos0 + i * STEP;
+              const bool ok = pos < c.seqlen && (!LOCAL || pos >= c.key_lo);
+              // (past the cache's rows a zero-filled copy still names an address inside it)
+              cp_async_16(smem_addr(dk + at + i * STEP * ROW_BYTES), ok ? gk + i * sk : kb, ok);
+              cp_async_16(smem_addr(dv + at + i * STEP * ROW_BYTES), ok ? gv + i * sv : vb, ok);
+            }
+          }
+        }
+      }
+    } else {
+      // padded rows (an odd chunk count): each thread steps over (row, chunk) pairs, a paged row reading its block
+      // from the table (clamped to the pool) as it goes
+      constexpr int TOTAL = BLOCK_N * CHUNKS;
+#pragma unroll
+      for (int it = 0; it < (TOTAL + THREADS - 1) / THREADS; ++it) {
+        const int idx = it * THREADS + tid;
+        if (TOTAL % THREADS == 0 || idx < TOTAL) {
+          const int r = idx / CHUNKS;
+          const int j = idx - r * CHUNKS;
+          const int pos = tile * BLOCK_N + r;
+          const bool ok = pos < c.seqlen && (!LOCAL || pos >= c.key_lo);
+          long long ko = 0, vo = 0;
+          if (ok) {
+            if constexpr (PAGED) {
+              const int b = Load::block_of(pos, p, c);
+              const long long blk = min(max(c.table[b], 0), p.num_blocks - 1);
+              const long long slot = pos - b * p.block_size;
+              ko = blk * p.k_sb + slot * p.k_ss;
+              vo = blk * p.v_sb + slot * p.v_ss;
+            } else {
+              ko = pos * p.k_ss;
+              vo = pos * p.v_ss;
+            }
+          }
+          const int at = Fp8Math::at(r, j);
+          cp_async_16(smem_addr(dk + at), kb + ko + j * 16, ok);
+          cp_async_16(smem_addr(dv + at), vb + vo + j * 16, ok);
+        }
+      }
     }
   }
 
-  // Decode::fused (decode/fused.cuh) over fp8 tiles: the ring holds fp8 slots, each tile is widened into one K and
-  // one V tile of q's dtype (WIDE_TILES: or K, then V, in one; a barrier after each widening, the ring's own barrier
-  // before the next tile's), and the
-  // parameters carry the KV head's k_scale in the softmax scale (the LSE included).
+  // Decode::fused (decode/fused.cuh) over fp8 tiles: the ring holds fp8 slots, the consumer widens its fragments as
+  // it reads them, and the parameters carry the KV head's k_scale in the softmax scale (the LSE included).
   static __device__ __forceinline__ void fused(const DecodeParams<T>& params) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
-    T* sK = sQ + Q_ELEMS;
-    T* sV = sK + (WIDE_TILES - 1) * TILE_ELEMS;
-    unsigned char* rK = reinterpret_cast<unsigned char*>(sK + WIDE_TILES * TILE_ELEMS);
+    unsigned char* rK = reinterpret_cast<unsigned char*>(sQ + Q_ELEMS);
     unsigned char* rV = rK + NUM_STAGES * TILE_BYTES;
     const Cta c = S::cta_of(params);
     const Lane l = S::lane_of();
@@ -143,11 +289,19 @@ struct DecodeFp8 {
     p.sm_scale *= ks;
     p.scale_log2 *= ks;
 
-    Load::load_q(sQ, p, c, l.tid);
+    Pages pg;
+    lookup(pg, p, c, c.tile_begin, l.tid);
     const auto load = [&](int tile, int slot) {
-      load_rows(rK + slot * TILE_BYTES, rV + slot * TILE_BYTES, p, c, tile, l.tid);
+      load_rows(rK + slot * TILE_BYTES, rV + slot * TILE_BYTES, p, c, pg, tile, l.tid);
+      lookup(pg, p, c, tile + 1, l.tid);
     };
     Load::ring_fill(c, load);
+    // (after the fill: the first tiles' copies are in flight while Q's loads wait) The scores come out times 2^k,
+    // which the softmax scale takes back (the LSE included).
+    const int k = BF16 ? q_shift(p, c, l.tid, reinterpret_cast<unsigned*>(smem_raw)) : 0;
+    load_q(sQ, p, c, k, l.tid);
+    p.sm_scale *= __int_as_float((127 - k) << 23);
+    p.scale_log2 *= __int_as_float((127 - k) << 23);
     float acc_o[M_TILES][D_TILES][4];
     float row_max[M_TILES][2], row_sum[M_TILES][2];
     Math::zero(acc_o);
@@ -159,29 +313,23 @@ struct DecodeFp8 {
     Load::ring(
         c, load,
         [&](int tile, int it, int slot) {
-          widen(sK, rK + slot * TILE_BYTES, l.tid);
-          if constexpr (WIDE_TILES == 2) widen(sV, rV + slot * TILE_BYTES, l.tid);
-          __syncthreads();
           const int n0 = tile * BLOCK_N;
           float acc_s[M_TILES][KW_TILES][4];
-          Math::tile_scores(acc_s, q_frag, sQ, sK, lim, it, n0, p, c, l);
+          if (it == 0) Math::load_q_frags(q_frag, sQ, l);
+          Fp8Math::scores(acc_s, q_frag, sQ, rK + slot * TILE_BYTES, l);
+          if (Math::needs_mask(p, c, n0, l)) Math::mask_scores(acc_s, lim, n0, p, c, l);
           float corr[M_TILES][2];
           Math::softmax_step(acc_s, row_max, row_sum, corr, p.scale_log2);
-          scale_rows(acc_o, corr);
-          if constexpr (WIDE_TILES == 1) {
-            __syncthreads();  // every warp is done with the widened K
-            widen(sV, rV + slot * TILE_BYTES, l.tid);
-            __syncthreads();
-          }
-          Math::accumulate_pv(acc_o, acc_s, sV, l);
+          // O's rescale, skipped (warp-uniformly) where no row of the warp has a new max: corr is then exactly 1
+          bool grew = false;
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt) grew |= corr[mt][0] != 1.f || corr[mt][1] != 1.f;
+          if (__any_sync(0xffffffffu, grew)) scale_rows(acc_o, corr);
+          Fp8Math::accumulate_pv(acc_o, acc_s, rV + slot * TILE_BYTES, l);
         });
-    // v_scale: the split's unnormalised output once, before the epilogue normalises it.
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-      for (int d = 0; d < D_TILES; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[mt][d][e] *= vs;
+    // the output's head dims back in order, and v_scale: the split's unnormalised output once, before the epilogue
+    // normalises it
+    Fp8Math::finish(acc_o, vs, l);
     DecodeEnd<S>::epilogue(p, c, smem_raw, acc_o, row_max, row_sum, l);
   }
 };

@@ -132,10 +132,22 @@ SPILLS_ON = {
     ((40, True, 16, 'fused', 'local'), (128, 8, 2)): ('sm_80',),
     ((160, True, 16, 'fused', 'local'), (64, 4, 2)): ('sm_80',),
     ((160, True, 16, 'fused', 'local'), (64, 4, 3)): ('sm_80',),
-    # fp8 caches (kv_dtype; e4m3, bf16): the fused defaults of head_dim 64/128/256, both layouts, q_rows 16 and 32,
-    # compiled for every manifest arch until they compiled without spills
-    ((64, False, 32, 'fused', 'fp8'), (128, 8, 2)): ('sm_90a',),
-    ((64, True, 32, 'fused', 'fp8'), (128, 8, 2)): ('sm_80', 'sm_86', 'sm_89'),
+    # fp8 caches (kv_dtype; e4m3 with bf16 q, e5m2 with fp16 q): the fused defaults of head_dim 64/128/256, both
+    # layouts, q_rows 16 and 32, and of 80-192 at 16 rows, compiled for every manifest arch until they compiled
+    # without spills
+    ((96, False, 16, 'fused', 'fp8'), (64, 4, 4)): ('sm_89',),
+    ((128, True, 32, 'fused', 'fp8'), (64, 4, 4)): ('sm_90a',),
+    ((144, True, 16, 'fused', 'fp8'), (64, 4, 1)): ('sm_80', 'sm_89', 'sm_90a'),
+    ((144, True, 16, 'fused', 'fp8'), (64, 4, 2)): ('sm_80', 'sm_86', 'sm_89', 'sm_90a'),
+    ((144, True, 16, 'fused', 'fp8'), (64, 4, 3)): ('sm_80', 'sm_86', 'sm_89', 'sm_90a'),
+    ((144, True, 16, 'fused', 'fp8'), (64, 4, 4)): ('sm_80', 'sm_86', 'sm_89', 'sm_90a'),
+    ((192, False, 16, 'fused', 'fp8'), (64, 4, 2)): ('sm_86',),
+    ((192, True, 16, 'fused', 'fp8'), (64, 4, 1)): ('sm_80', 'sm_90a'),
+    ((192, True, 16, 'fused', 'fp8'), (64, 4, 2)): ('sm_80', 'sm_120', 'sm_90a'),
+    ((192, True, 16, 'fused', 'fp8'), (64, 4, 3)): ('sm_80', 'sm_120', 'sm_90a'),
+    ((192, True, 16, 'fused', 'fp8'), (64, 4, 4)): ('sm_80', 'sm_90a'),
+    ((192, True, 16, 'fused', 'fp8'), (128, 4, 3)): ('sm_90a',),
+    ((192, True, 16, 'fused', 'fp8'), (128, 4, 4)): ('sm_90a',),
 }
 
 

@@ -3,7 +3,7 @@ scales (``k_scale``, ``v_scale``) as the kernel takes them.
 
 A torch cache of ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` names its format; a cache of raw bytes (uint8:
 CuPy has no fp8 dtype, and torch users may keep bytes too) takes it from the spec's ``kv_dtype``. q stays fp16 or
-bf16; the kernel widens K and V to q's dtype (templates/decode/fp8.cuh).
+bf16; the kernel widens K and V to fp16 in registers (templates/decode/fp8.cuh).
 """
 
 from __future__ import annotations

@@ -123,7 +123,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
 
     fp8 caches: k_cache and v_cache of ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (or uint8 bytes, e.g. CuPy
     arrays, with a ``spec`` whose ``kv_dtype`` names the format), q fp16 or bf16. The kernel reads them as fp8 and
-    widens them exactly to q's dtype; the keys are ``k_scale * k_cache``, the values ``v_scale * v_cache``. Each scale
+    widens them exactly to fp16 in registers (a bf16 q enters its fp16 MMAs scaled by a power of two); the keys are
+    ``k_scale * k_cache``, the values ``v_scale * v_cache``. Each scale
     is a number or an fp32 device tensor of shape [] or [1] (per tensor, vLLM's) or [kv_heads] (per KV head);
     missing means 1. The fp8 kernels take head dims that are multiples of 16 up to 256, the fused variant, no
     softcap or ALiBi.

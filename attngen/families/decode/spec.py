@@ -35,13 +35,13 @@ def head_dim_refusal(d: int) -> str:
 
 
 class KVDType(enum.Enum):
-    """The K/V cache's format where it is not q's dtype: 8-bit floats, widened to q's dtype on the chip."""
+    """The K/V cache's format where it is not q's dtype: 8-bit floats, widened to fp16 on the chip."""
 
     FP8_E4M3 = "fp8_e4m3"  # 1-4-3, max 448 (no infinities)
     FP8_E5M2 = "fp8_e5m2"  # 1-5-2, max 57344
 
 
-# What an fp8 cache runs with: the fused kernel (its producer stages fp8 tiles and widens them), head dims
+# What an fp8 cache runs with: the fused kernel (fp8 tiles in its ring, widened as the warps read them), head dims
 # a multiple of 16 (16-byte chunks of 16 keys' bytes) up to 256, no softcap or ALiBi (their per-call
 # constants are in units of the raw score, which the per-head k_scale changes).
 FP8_HEAD_DIMS_TEXT = "a multiple of 16 from 32 to 256"
@@ -152,10 +152,11 @@ class DecodeSpec(SpecBase):
         return 1 if self.kv_dtype is not None else self.dtype.itemsize
 
     @property
-    def fp8_tiles(self) -> int:
-        """Widened tiles of an fp8 cache's kernel (decode/fp8.cuh's WIDE_TILES): K and V, or past head_dim 128
-        one that takes K, then V."""
-        return 1 if self.head_dim > 128 else 2
+    def fp8_row_bytes(self) -> int:
+        """Bytes of an fp8 K or V row in the ring (decode/fp8_consumer.cuh's ROW_BYTES): the head dim where its
+        16-byte chunks are a power of two (swizzled rows), else padded to an odd number of chunks."""
+        chunks = self.head_dim // 16
+        return self.head_dim if chunks & (chunks - 1) == 0 else (chunks | 1) * 16
 
     @staticmethod
     def rows_for(group: int, q_len: int) -> int:
@@ -216,8 +217,8 @@ class DecodeSpec(SpecBase):
         q = self.q_rows * row
         ring = self.num_stages * self.cta_tile_kv * row * 2
         if self.kv_dtype is not None:
-            # the ring holds dense fp8 rows; one K and one V tile of q's dtype take the widened tile
-            ring = self.num_stages * self.cta_tile_kv * self.head_dim * 2 + self.fp8_tiles * self.cta_tile_kv * row
+            # the ring holds fp8 K and V rows, which the warps widen in registers
+            ring = self.num_stages * self.cta_tile_kv * self.fp8_row_bytes * 2
         if self.variant is Variant.UNFUSED:
             # the P V kernel stages fp32 scores (q_rows x cta_tile_kv, padded) next to each V tile
             ring = self.num_stages * (self.cta_tile_kv * row + self.q_rows * (self.cta_tile_kv + 4) * 4)
