@@ -2,10 +2,12 @@
 load_rows_paged), beside test_gpu_decode.py's paged cases.
 
 Each 16-row group of a tile finds its block from the table entry of its first row, read a tile ahead; a thread's
-other rows of the group step from its first. These cases cover what that creates: block sizes that do and do not
-divide the tile, warp counts whose threads' first rows lie in different groups (rows 16 or 32 apart), entries read
-ahead past a row's end, a pool past 4 GiB (64-bit offsets from the block and the slot), a long table, and bad
-entries, which read a wrong block but never fault.
+other rows of the group step from its first. Where blocks hold whole tiles (block_size a multiple of the tile) the
+fused kernel runs a second copy of its loop that reads one entry a tile and steps every row from the first. These
+cases cover what that creates: block sizes that do and do not divide the tile and multiples of it, warp counts whose
+threads' first rows lie in different groups (rows 16 or 32 apart), entries read ahead past a row's end, a pool past
+4 GiB (64-bit offsets from the block and the slot), a long table, and bad entries, which read a wrong block but
+never fault.
 """
 
 from __future__ import annotations
@@ -23,22 +25,24 @@ from tests.test_gpu_decode import NAN, Case, check, run  # noqa: E402
 LENGTHS = [1, 15, 16, 17, 63, 64, 65, 200, 1000, 3001]
 
 
-@pytest.mark.parametrize("block_size", [16, 32, 48, 80, 128, 512])
+@pytest.mark.parametrize("block_size", [16, 32, 48, 64, 80, 128, 512])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_block_sizes_each_head_dim(d, block_size):
-    # The default kernel of each head dim (head_dim 64: 8 warps, rows 32 apart; 128: rows 8 apart, two a group;
-    # 256: four a group), blocks of one group, of several, and not dividing a 64-key tile (48, 80).
+    # The default kernel of each head dim (head_dim 64: 8 warps on 128-key tiles, rows 32 apart; 128: rows 8 apart,
+    # two a group; 256: four a group), blocks of one group, of several, not dividing a 64-key tile (48, 80), and of
+    # whole tiles (64 at head_dim 128; 128 and 512 everywhere).
     run(Case(LENGTHS, q_len=3, heads=16, kv_heads=2, head_dim=d, dtype=torch.bfloat16, block_size=block_size))
 
 
 @pytest.mark.parametrize("variant", ["fused", "unfused"])
-@pytest.mark.parametrize("cfg", [(64, 64, 4, 2), (64, 128, 8, 2), (128, 128, 8, 2), (128, 64, 4, 3), (256, 128, 8, 1),
-                                 (256, 64, 4, 1)], ids=lambda c: "d%d-kv%d-w%d-st%d" % c)
-@pytest.mark.parametrize("block_size", [16, 48, 64])
+@pytest.mark.parametrize("cfg", [(64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3),
+                                 (256, 128, 8, 1), (256, 64, 4, 1)], ids=lambda c: "d%d-kv%d-w%d-st%d" % c)
+@pytest.mark.parametrize("block_size", [16, 48, 64, 256])
 def test_warp_counts(variant, cfg, block_size):
     # Threads' first rows of a tile 16 apart (head_dim 64 at 4 warps, 128 at 8: one row a group), 32 apart (64 at 8
     # warps: half the threads start in the tile's second group), 8 or 4 (two or four rows a group), one-stage to
-    # three-stage rings; split so that some splits get no tile.
+    # three-stage rings (three stages or more, fused, blocks of whole tiles: the one-lookup-a-tile loop); split so
+    # that some splits get no tile.
     d, kv, w, st = cfg
     spec = attngen.DecodeSpec(cta_tile_kv=kv, num_warps=w, num_stages=st)
     case = Case(LENGTHS, q_len=2, heads=8, kv_heads=2, head_dim=d, dtype=torch.bfloat16, block_size=block_size)
@@ -50,11 +54,13 @@ def test_warp_counts(variant, cfg, block_size):
         check(case, o, lse)
 
 
-def test_long_table_and_pool_past_4gib():
+@pytest.mark.parametrize("bs", [16, 64])
+def test_long_table_and_pool_past_4gib(bs):
     # Blocks at the far end of a pool of over 4 GiB a cache (a block's byte offset needs 64 bits), in a table of
-    # 70000 entries a row, against the same keys in a small pool; positions past a row's end hold NaN.
+    # 70000 entries a row, against the same keys in a small pool; positions past a row's end hold NaN. Blocks of
+    # 16 take a lookup a 16-row group, of 64 one a tile.
     free, _ = torch.cuda.mem_get_info()
-    bs, hk, d = 16, 1, 128
+    hk, d = 1, 128
     num_blocks = (4 << 30) // (bs * hk * d * 2) + 64
     if free < 2 * num_blocks * bs * hk * d * 2 + (2 << 30):
         pytest.skip("needs about 10 GiB of free GPU memory")
