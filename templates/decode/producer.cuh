@@ -70,9 +70,10 @@ struct DecodeProducer {
       const int r0 = tid / L::CHUNKS;
       // The table's row as an opaque value: otherwise the compiler folds each entry's index into
       // batch * bt_sb and recomputes the row's address from the parameters for every entry (six
-      // instructions an entry at head_dim 128).
+      // instructions an entry at head_dim 128). Only at two rows a group, where it was measured: the
+      // other kernels, nearer their register limits, keep the compiler's choice.
       const int* row = c.table;
-      asm("" : "+l"(row));
+      if constexpr (ROWS_PER_ENTRY > 1) asm("" : "+l"(row));
       if constexpr (WHOLE) {
         const int first = tile * BLOCK_N;
         pg.block[0] = first < c.seqlen ? __ldg(row + block_of(first, p, c)) : 0;
@@ -147,6 +148,37 @@ struct DecodeProducer {
           }
         }
       }
+    } else if constexpr (PAGED && ROWS_PER_ENTRY == 1 && !WHOLE) {
+      // One row of a thread to a group (head_dim 64; 128 at 8 warps), not of whole-tile blocks: each row
+      // from its group's entry, in the per-row form these kernels had (load_rows_paged's form spilled 4
+      // bytes at head_dim 64, 32 rows, 8 warps, sinks, sm_80; ptxas 13.5). At 16 rows each address is
+      // computed whether or not the row is in the sequence (it is in the pool: the block is clamped, the
+      // slot lies in it), not chosen on `ok`, which had more branch regions; at 32 rows the choice stays:
+      // without it head_dim 64 and 256 spilled on sm_90a.
+      constexpr bool ANY_ROW = PAGED && ROWS <= 16;
+#pragma unroll
+      for (int pass = 0; pass < PASSES; ++pass) {
+#pragma unroll
+        for (int it = 0; it < ROW_ITERS; ++it) {
+          const int r = r0 + it * ROW_STEP;
+          if (BLOCK_N % ROW_STEP == 0 || r < BLOCK_N) {
+            const int pos = tile * BLOCK_N + r;
+            const bool ok = pos < c.seqlen && (!LOCAL || pos >= c.key_lo);
+            const int at = L::offset(r, col);
+            int blk = 0, slot = pos;
+            if constexpr (PAGED) {
+              // The rows of a 16-row group lie in one block, found from the group's first row here.
+              // Clamped to the pool: a bad table entry reads a wrong block instead of faulting.
+              slot = pos - block_of(pos - (it % ROWS_PER_ENTRY) * ROW_STEP, p, c) * p.block_size;
+              blk = min(max(pg.block[it / ROWS_PER_ENTRY], 0), p.num_blocks - 1);
+            }
+            if (LOAD_K && (PASSES == 1 || pass == 0))
+              cp_async_16(smem_addr(dst_k + at), ANY_ROW || ok ? c.k + blk * p.k_sb + slot * p.k_ss + col : c.k, ok);
+            if (LOAD_V && (PASSES == 1 || pass == 1))
+              cp_async_16(smem_addr(dst_v + at), ANY_ROW || ok ? c.v + blk * p.v_sb + slot * p.v_ss + col : c.v, ok);
+          }
+        }
+      }
     } else if constexpr (PAGED) {
       load_rows_paged<LOAD_K, LOAD_V, WHOLE>(dst_k, dst_v, p, c, pg, tile, tid);
     } else {
@@ -169,8 +201,8 @@ struct DecodeProducer {
     }
   }
 
-  // load_rows of a paged cache whose rows' chunks divide among the threads, at one or two rows of a
-  // thread to a 16-row group (head_dim 64 and 128; 256 at 8 warps). Each 16-row group of a
+  // load_rows of a paged cache whose rows' chunks divide among the threads, at two rows of a thread to a
+  // 16-row group (head_dim 128 at 4 warps, 256 at 8), and of whole-tile blocks. Each 16-row group of a
   // tile lies in one block; a thread's first row in a group takes its address from the group's entry
   // (clamped to the pool: a bad table entry reads a wrong block instead of faulting) and its slot, its
   // other rows in the group step from it. The address is computed whether or not the row is in the
@@ -190,30 +222,43 @@ struct DecodeProducer {
     const char* kb = reinterpret_cast<const char*>(c.k + col);
     const char* vb = reinterpret_cast<const char*>(c.v + col);
     const long long k_ss = p.k_ss * E, k_sb = p.k_sb * E, v_ss = p.v_ss * E, v_sb = p.v_sb * E;
-    // The address of this thread's row at tile position `first` + r0 & 15 in the block of entry e.
-    const auto at_entry = [&](int e, int first, const char*& gk, const char*& gv) {
-      const unsigned slot = (unsigned)(first - block_of(first, p, c) * p.block_size + (r0 & 15));
-      const unsigned blk = (unsigned)min(max(pg.block[e], 0), p.num_blocks - 1);
-      gk = kb + slot * k_ss;
-      gv = vb + slot * v_ss;
+    if constexpr (WHOLE) {
+      // The tile's one block; this thread's first row (r0) and every other row stepping from it.
+      const int first = tile * BLOCK_N;
+      const unsigned slot = (unsigned)(first - block_of(first, p, c) * p.block_size + r0);
+      const unsigned blk = (unsigned)min(max(pg.block[0], 0), p.num_blocks - 1);
+      const char* gk = kb + slot * k_ss;
+      const char* gv = vb + slot * v_ss;
       gk += blk * k_sb;
       gv += blk * v_sb;
-    };
-    if constexpr (WHOLE) {
-      const char *gk, *gv;
-      at_entry(0, tile * BLOCK_N + (r0 & ~15), gk, gv);
 #pragma unroll
       for (int pass = 0; pass < PASSES; ++pass)
         copy_run<LOAD_K, LOAD_V, ROW_ITERS>(dst_k, dst_v, p, c, gk, gv, k_ss, v_ss, tile, r0, col, 0, pass);
     } else {
 #pragma unroll
       for (int pass = 0; pass < PASSES; ++pass) {
+        const bool load_k = LOAD_K && (PASSES == 1 || pass == 0);
+        const bool load_v = LOAD_V && (PASSES == 1 || pass == 1);
 #pragma unroll
         for (int e = 0; e < PAGE_ENTRIES; ++e) {
-          const char *gk, *gv;
-          at_entry(e, tile * BLOCK_N + group_row(r0, e), gk, gv);
-          copy_run<LOAD_K, LOAD_V, ROWS_PER_ENTRY>(dst_k, dst_v, p, c, gk, gv, k_ss, v_ss, tile, r0, col,
-                                                   e * ROWS_PER_ENTRY, pass);
+          const int first = tile * BLOCK_N + group_row(r0, e);
+          const unsigned slot = (unsigned)(first - block_of(first, p, c) * p.block_size + (r0 & 15));
+          const unsigned blk = (unsigned)min(max(pg.block[e], 0), p.num_blocks - 1);
+          const char* gk = kb + slot * k_ss;
+          const char* gv = vb + slot * v_ss;
+          gk += blk * k_sb;
+          gv += blk * v_sb;
+#pragma unroll
+          for (int j = 0; j < ROWS_PER_ENTRY; ++j) {
+            const int r = r0 + (e * ROWS_PER_ENTRY + j) * ROW_STEP;
+            if (BLOCK_N % ROW_STEP == 0 || r < BLOCK_N) {
+              const int pos = tile * BLOCK_N + r;
+              const bool ok = pos < c.seqlen && (!LOCAL || pos >= c.key_lo);
+              const int at = L::offset(r, col);
+              if (load_k) cp_async_16(smem_addr(dst_k + at), gk + j * ROW_STEP * k_ss, ok);
+              if (load_v) cp_async_16(smem_addr(dst_v + at), gv + j * ROW_STEP * v_ss, ok);
+            }
+          }
         }
       }
     }
