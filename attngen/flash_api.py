@@ -42,35 +42,36 @@ def _refuse(dropout_p, return_attn_probs, native: str) -> None:
 
 def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
                     window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
-                    return_attn_probs: bool = False, sinks=None):
+                    return_attn_probs: bool = False, sinks=None, score_mod: str = "", mask_mod: str = "", aux=None):
     """FlashAttention 2's ``flash_attn_func``: q ``[batch, seqlen_q, heads, head_dim]``, k and v
     ``[batch, seqlen_k, kv_heads, head_dim]``; returns out like q. ``causal`` aligns bottom-right;
     ``window_size=(left, right)``, -1 unbounded. ``deterministic`` is accepted (the forward pass
     always is). ``dropout_p`` > 0 and ``return_attn_probs`` are refused: attngen runs no dropout
     and never materialises the probabilities. ``sinks`` (fp32 ``[heads]``): attention sinks, as in
-    ``attngen.prefill``."""
+    ``attngen.prefill``; ``score_mod``, ``mask_mod`` and ``aux``: a user's variant, as there (docs/variants.md)."""
     _refuse(dropout_p, return_attn_probs, "prefill")
     left, right = _window(window_size)
     return prefill(q, k, v, causal=bool(causal), window=(left, right), sm_scale=softmax_scale, softcap=softcap,
-                   alibi_slopes=alibi_slopes, sinks=sinks)
+                   alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, aux=aux)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                            dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
                            window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
-                           return_attn_probs: bool = False, block_table=None, sinks=None):
+                           return_attn_probs: bool = False, block_table=None, sinks=None, score_mod: str = "",
+                           mask_mod: str = "", aux=None):
     """FlashAttention 2's ``flash_attn_varlen_func`` on ``attngen.prefill_varlen``: q
     ``[total_q, heads, head_dim]``, k and v ``[total_k, kv_heads, head_dim]`` (or, with
     ``block_table`` int32 ``[batch, max_blocks]``, a paged cache ``[num_blocks, block_size,
     kv_heads, head_dim]``), int32 ``cu_seqlens_q``/``cu_seqlens_k`` ``[batch + 1]``; returns out
     like q. ``causal`` aligns bottom-right per sequence; ``window_size=(left, right)``, -1
     unbounded. ``dropout_p`` > 0 and ``return_attn_probs`` are refused, as in ``flash_attn_func``;
-    ``sinks`` as there."""
+    ``sinks``, ``score_mod``, ``mask_mod`` and ``aux`` as there."""
     _refuse(dropout_p, return_attn_probs, "prefill_varlen")
     left, right = _window(window_size)
     return prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=bool(causal),
                           window=(left, right), sm_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes,
-                          block_table=block_table, sinks=sinks)
+                          block_table=block_table, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, aux=aux)
 
 
 def _unpack(t, n: int, name: str, dims: str):
