@@ -19,7 +19,7 @@ from .families.decode.spec import DecodeSpec
 from .families.head_pad import cut, default_scale, pad_widths, zero_padded
 from .families.prefill.op import prefill
 from .families.prefill.varlen import prefill_varlen
-from .kvcache import append, capacity_of, check_leftpad, chunked_prefill, prefill_route, rotary_qk
+from .kvcache import PAGES, append, capacity_of, check_leftpad, chunked_prefill, prefill_route, rotary_qk
 
 
 def _window(window_size) -> tuple[int, int]:
@@ -131,7 +131,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
                             softcap: float = 0.0, rotary_interleaved: bool = True, alibi_slopes=None,
                             num_splits: int = 0, return_softmax_lse: bool = False, sinks=None, k_scale=None,
-                            v_scale=None):
+                            v_scale=None, score_mod: str = "", mask_mod: str = "", aux=None):
     """FlashAttention 2's ``flash_attn_with_kvcache`` on ``attngen.decode`` (and, past 8 new tokens,
     ``attngen.prefill_varlen`` over the cache).
 
@@ -172,6 +172,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``attngen.decode`` (a number, or an fp32 device tensor [] / [1] / [kv_heads]; missing: 1), up to 8 new
     tokens: ``k``/``v`` come in q's dtype and are appended as ``k / k_scale`` rounded to the cache's format,
     saturating at its largest finite value.
+
+    ``score_mod``, ``mask_mod`` and ``aux``: a user's variant as ``attngen.decode`` takes it (q_idx the token's
+    position, kv_idx the key's cache position), on the decode route and, past 8 new tokens, on a paged cache or a
+    contiguous one presented as pages; other routes (``cache_leftpad``, rows not 16 positions apart) refuse them.
     """
     left, right = _window(window_size)
     if left < -1 or right < -1:
@@ -194,6 +198,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # The route of many new tokens is settled (or refused) before the cache is written.
     route = prefill_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_table, causal, (left, right),
                           alibi_slopes is not None) if many else None
+    mods = bool(score_mod or mask_mod or aux)
+    if mods and route is not None and route != PAGES:
+        raise LaunchError(f"score_mod/mask_mod with {q.shape[1]} new tokens on this cache is not supported (the "
+                          f"{route!r} route counts positions otherwise); allowed: up to {MAX_Q_LEN} new tokens, or a "
+                          "paged cache (or a contiguous one whose rows are multiples of 16 positions apart) without "
+                          "cache_leftpad")
     if rotary_cos is not None:
         q, k = rotary_qk(q, k, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad, bool(rotary_interleaved),
                          local, capacity_of(k_cache, block_table))
@@ -210,6 +220,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q, k_cache, v_cache = (zero_padded(x, widths[0]) for x in (q, k_cache, v_cache))
         softmax_scale = default_scale(softmax_scale, d)
     common = dict(sm_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes)
+    if mods:
+        common.update(score_mod=score_mod, mask_mod=mask_mod, aux=aux)
     if not many:
         r = decode(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=cache_batch_idx,
                    block_table=block_table, num_splits=num_splits, return_lse=return_softmax_lse, causal=causal,

@@ -206,9 +206,11 @@ def _accessor(k: int, name: str, dtype: str, ndim: int) -> str:
     return f"  [[maybe_unused]] auto {name} = [&]({args}) -> {ret} {{ return {read}; }};\n"
 
 
-def declarations() -> str:
-    """What the kernel's parameters and steps need before the snippets' definitions (``definitions``)."""
-    return ("#define ATTNGEN_MODS 1\n"
+def declarations(score_mod: str, mask_mod: str) -> str:
+    """What the kernel's parameters and steps need before the snippets' definitions (``definitions``): the macros
+    the plain headers test (params.cuh's ModArgs field; decode's call sites), ModArgs and the two functions."""
+    return ("#define ATTNGEN_MODS 1\n" + ("#define ATTNGEN_SCORE_MOD 1\n" if score_mod else "")
+            + ("#define ATTNGEN_MASK_MOD 1\n" if mask_mod else "") +
             "namespace attngen {\n"
             "// The snippets' aux tensors (spec aux, in name order): pointers and element strides.\n"
             "struct ModArgs {\n  const void* ptr[4];\n  long long stride[4][4];\n};\n"
@@ -238,7 +240,7 @@ def template_context(score_mod: str, mask_mod: str, aux: str) -> dict:
     """The template values of a spec's snippet fields: ``mods`` (either snippet on), the two flags, and the code."""
     on = bool(score_mod or mask_mod or aux)
     return dict(mods=on, has_score_mod=bool(score_mod), has_mask_mod=bool(mask_mod),
-                mods_decl=declarations() if on else "", mods_defs=definitions(score_mod, mask_mod, aux) if on else "")
+                mods_decl=declarations(score_mod, mask_mod) if on else "", mods_defs=definitions(score_mod, mask_mod, aux) if on else "")
 
 
 _LOG_LINE = re.compile(r'^(score_mod|mask_mod)\((\d+)\): (?:catastrophic )?error[^:]*: (.*)$', re.M)
@@ -273,9 +275,10 @@ def call_mods(score_mod, mask_mod, aux) -> tuple:
     """An op's snippet arguments as (score_mod, mask_mod, aux text, aux infos): the first three what the spec
     takes, the infos (``call_aux``) what the launch packs. Aux tensors without a snippet are refused."""
     score, mask = check_snippet("score_mod", score_mod), check_snippet("mask_mod", mask_mod)
+    if aux and not (score or mask):
+        names = ", ".join(map(str, aux)) if isinstance(aux, Mapping) else type(aux).__name__
+        raise LaunchError(f"aux ({names}) is passed without a score_mod or mask_mod to read it")
     sig, infos = call_aux(aux)
-    if sig and not (score or mask):
-        raise LaunchError(f"aux ({', '.join(n for n, _ in infos)}) is passed without a score_mod or mask_mod to read it")
     for name, _ in infos:
         if not re.search(rf"\b{name}\b", score) and not re.search(rf"\b{name}\b", mask):
             raise LaunchError(f"aux[{name!r}] is not read by the snippets (neither score_mod nor mask_mod names "
