@@ -156,9 +156,10 @@ struct DecodeConsumer {
 
 #ifdef ATTNGEN_MODS
   // A user's mask_mod and score_mod (spec mask_mod, score_mod), after softcap and ALiBi and before the key bounds:
-  // on the packed rows that exist and the keys before the row's length only, so that a snippet's aux reads stay in
-  // bounds. b is the batch row, h the query head, q_idx the token's position (seqlen - q_len + its index), kv_idx the
-  // key's cache position; score_mod sees the logit (times sm_scale), the tile's scores stay in units of q.k.
+  // on the packed rows that exist, the keys before the row's length and positions >= 0 only, so that a snippet's aux
+  // reads stay in bounds (a token placed before position 0, in a row shorter than q_len: mask_mod drops its keys,
+  // score_mod leaves them). b is the batch row, h the query head, q_idx the token's position (seqlen - q_len + its
+  // index), kv_idx the key's cache position; score_mod sees the logit (times sm_scale), the scores stay in q.k units.
   static __device__ __forceinline__ void user_mods(float (&acc_s)[M_TILES][KW_TILES][4], int n0,
                                                    const DecodeParams<T>& p, const Cta& c, const Lane& l) {
     const int col0 = n0 + l.key0 + 2 * l.t;
@@ -179,13 +180,13 @@ struct DecodeConsumer {
             if (j >= c.seqlen) continue;
             float& s = acc_s[mt][n][2 * r + e];
 #ifdef ATTNGEN_MASK_MOD
-            if (!user_mask_mod(p.mods, c.batch, head, pos, j)) {
+            if (pos < 0 || !user_mask_mod(p.mods, c.batch, head, pos, j)) {
               s = -ATTNGEN_INF;
               continue;
             }
 #endif
 #ifdef ATTNGEN_SCORE_MOD
-            s = user_score_mod(p.mods, s * p.sm_scale, c.batch, head, pos, j) * inv_scale;
+            if (pos >= 0) s = user_score_mod(p.mods, s * p.sm_scale, c.batch, head, pos, j) * inv_scale;
 #endif
           }
       }
