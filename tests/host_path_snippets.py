@@ -106,6 +106,10 @@ def main():
     attngen.prefill(q, k, v, score_mod="return score * 1.0f;")
     assert launched[-1][1].kernel_name != first.kernel_name and "smod" in first.kernel_name
     del a
+    # The chunked kernel (head dims past 256) refuses snippets by name, before anything is compiled or launched
+    q512, k512, v512 = rand(1, 20, h, 512), rand(1, 30, hk, 512), rand(1, 30, hk, 512)
+    fake_cuda.refused(lambda: attngen.prefill(q512, k512, v512, score_mod=SCORE, aux={"bias": bias}), "score_mod",
+                      "chunked kernel", error="SpecError")
     # A caller's spec with another snippet is refused by name
     fake_cuda.refused(lambda: attngen.prefill(q, k, v, spec=attngen.PrefillSpec(head_dim=64, score_mod="return 0.f;"),
                                               score_mod=SCORE, aux={"bias": bias}), "score_mod: the spec has",

@@ -161,6 +161,14 @@ def test_call_checks_without_a_device():
         snippets.call_mods("sha:12345678", "", None)
 
 
+def test_mla_decode_refuses_snippets_by_name():
+    from attngen.families.mla_decode.op import mla_decode
+
+    for kw in (dict(score_mod="return score;"), dict(mask_mod="return true;"), dict(aux={"x": None})):
+        with pytest.raises(LaunchError, match=f"mla_decode\\({next(iter(kw))}=...\\) is not supported"):
+            mla_decode(None, None, None, None, cache_seqlens=1, sm_scale=1.0, **kw)
+
+
 def test_inspect_shows_a_snippet_from_a_file(tmp_path):
     body = tmp_path / "alibi.cu"
     body.write_text(ALIBI + "\n")

@@ -210,7 +210,9 @@ def declarations(score_mod: str, mask_mod: str) -> str:
     """What the kernel's parameters and steps need before the snippets' definitions (``definitions``): the macros
     the plain headers test (params.cuh's ModArgs field; decode's call sites), ModArgs and the two functions."""
     return ("#define ATTNGEN_MODS 1\n" + ("#define ATTNGEN_SCORE_MOD 1\n" if score_mod else "")
-            + ("#define ATTNGEN_MASK_MOD 1\n" if mask_mod else "") +
+            + ("#define ATTNGEN_MASK_MOD 1\n" if mask_mod else "")
+            # NVRTC has no <math.h>: the snippets' INFINITY (its intrinsics give the rest of the CUDA math API)
+            + "#ifndef INFINITY\n#define INFINITY __int_as_float(0x7f800000)\n#endif\n" +
             "namespace attngen {\n"
             "// The snippets' aux tensors (spec aux, in name order): pointers and element strides.\n"
             "struct ModArgs {\n  const void* ptr[4];\n  long long stride[4][4];\n};\n"
