@@ -161,6 +161,15 @@ def test_call_checks_without_a_device():
         snippets.call_mods("sha:12345678", "", None)
 
 
+def test_a_manifest_cannot_carry_a_snippet():
+    from attngen.manifest import manifest_from_dict
+
+    for field, value in (("score_mod", "return score;"), ("mask_mod", "return true;"), ("aux", "x:fp32:1")):
+        with pytest.raises(SpecError) as e:
+            manifest_from_dict({"archs": ["sm_80"], "kernel": [{"family": "prefill", "head_dim": 64, field: value}]})
+        assert e.value.field == field and "never from a manifest" in str(e.value)
+
+
 def test_mla_decode_refuses_snippets_by_name():
     from attngen.families.mla_decode.op import mla_decode
 
