@@ -1,6 +1,7 @@
 """User-written attention variants: ``score_mod`` and ``mask_mod`` snippets (CUDA device-function bodies) and the
-named auxiliary tensors they read. Shared by prefill and decode: the spec fields' checks, the code the templates
-insert (``device_code``), the call's aux tensors packed for the kernel (``pack_aux``), and NVRTC's errors at a
+named auxiliary tensors they read. Shared by prefill and decode: the spec fields' checks (``check_spec_fields``), the
+code the templates insert (``template_context``: ``declarations`` first, ``definitions`` last), the call's checks and
+its aux tensors packed for the kernel (``call_mods``, ``check_spec_mods``, ``pack_aux``), and NVRTC's errors at a
 snippet's own lines turned into a ``SpecError`` (``snippet_error``).
 
 A snippet is the user's own device code compiled into the user's own kernel (never run on the host). Its text
@@ -11,18 +12,16 @@ nothing of the template follows it (a user's unbalanced brace cannot make a temp
 
 from __future__ import annotations
 
-import keyword
 import re
 import struct
 from collections.abc import Mapping
 
 from ..errors import AttngenError, CompileError, LaunchError, SpecError
-from ..spec import _snippet_short
+from ..spec import SNIPPET_FIELDS, _snippet_short
 
 MAX_AUX = 4
 MAX_NDIM = 4
 MAX_SNIPPET = 16384  # characters of one snippet
-SNIPPET_FIELDS = ("score_mod", "mask_mod", "aux")
 # aux dtype -> (C element type, what the accessor returns, how one element becomes that)
 AUX_TYPES = {
     "fp32": ("float", "float", "{}"),
@@ -39,7 +38,7 @@ _INFO_DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "int32": "int32"
                 "torch.bool": "uint8"}
 # The snippets' arguments, and the names the generated code takes for itself.
 ARG_NAMES = ("score", "b", "h", "q_idx", "kv_idx")
-_OWN_NAMES = ("score_mod", "mask_mod", "mods_", "user_score_mod", "user_mask_mod", "ModArgs")
+_OWN_NAMES = ("score_mod", "mask_mod", "mods_", "user_score_mod", "user_mask_mod", "ModArgs", "INFINITY")
 _CXX_KEYWORDS = frozenset("""alignas alignof and and_eq asm auto bitand bitor bool break case catch char char16_t
 char32_t char8_t class compl concept const consteval constexpr constinit const_cast continue co_await co_return
 co_yield decltype default delete do double dynamic_cast else enum explicit export extern false float for friend goto
@@ -50,7 +49,6 @@ while xor xor_eq""".split())
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # ModArgs in the kernels' parameters (snippets' aux tensors): 4 pointers, then 4 x 4 element strides.
 MOD_ARGS = "4Q16q"
-NO_MODS = (0,) * 20
 
 
 def check_snippet(name: str, text) -> str:
@@ -72,8 +70,8 @@ def check_snippet(name: str, text) -> str:
 
 
 def _check_name(name) -> str:
-    if not isinstance(name, str) or not _IDENT.match(name) or name in _CXX_KEYWORDS or keyword.iskeyword(name) \
-            or name in ARG_NAMES or name in _OWN_NAMES or name.startswith("__") or name.startswith("attngen"):
+    if not isinstance(name, str) or not _IDENT.match(name) or name in _CXX_KEYWORDS or name in ARG_NAMES \
+            or name in _OWN_NAMES or name.startswith("__") or name.lower().startswith("attngen"):
         raise SpecError("aux", name, "a C identifier that is no C++ keyword, not one of the snippets' arguments "
                         f"({', '.join(ARG_NAMES)}), not {', '.join(_OWN_NAMES)}, and not starting with __ or attngen")
     return name
