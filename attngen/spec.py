@@ -234,6 +234,8 @@ class SpecBase:
         parts = []
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.name in SNIPPET_FIELDS and not v:
+                continue  # off: not shown even in full, as it is left out of the dict
             if full or v != getattr(default, f.name) or f.name in self.ALWAYS_SHOWN:
                 v = v.value if isinstance(v, enum.Enum) else v
                 if f.name in SNIPPET_FIELDS and f.name != "aux":
