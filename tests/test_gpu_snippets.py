@@ -266,7 +266,7 @@ FORMS = {
 def test_every_kernel_form(form, variant):
     d, fields = FORMS[form]
     spec = {"family": "prefill", **{k: getattr(v, "value", v) for k, v in fields.items()}}
-    run_dense(variant, d=d, sq=300, sk=300, causal=True, sinks=True, spec=spec)
+    run_dense(variant, d=d, sq=300, sk=300, causal=True, sinks=True, spec={**spec, "sinks": True})  # (as the call)
     run_dense(variant, d=d, sq=130, sk=461, spec=spec)
 
 
