@@ -141,6 +141,34 @@ def test_snippet_kernels_compile(arch, spec):
     assert b.cubin
 
 
+def _layouts():
+    from attngen.families.decode import op as dop
+    from attngen.families.prefill import op as pop
+
+    m = snippets.mod_layout
+    return [
+        (PrefillSpec(head_dim=64, mask_mod="return true;"), "sm_80", "PrefillParams", m(pop._PARAMS_SINKS)),
+        (PrefillSpec(head_dim=64, mask_mod="return true;", varlen=True), "sm_80", "PrefillParams",
+         m(pop.PARAMS_EXT_SINKS)),
+        (PrefillSpec(head_dim=128, mask_mod="return true;"), "sm_90a", "PrefillTmaParams", m(pop._PARAMS_TMA_SINKS)),
+        (PrefillSpec(head_dim=128, mask_mod="return true;", custom_mask=True), "sm_90a", "PrefillTmaParams",
+         m(pop.PARAMS_EXT_TMA_SINKS)),
+        (DecodeSpec(head_dim=128, mask_mod="return true;"), "sm_80", "DecodeParams", m(dop._PARAMS)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_the_host_packs_modargs_where_the_kernel_reads_them(case):
+    spec, arch, struct_name, layout = _layouts()[case]
+    r = resolve(spec, arch)
+    tma = getattr(r, "tma", False)
+    assert tma == (struct_name == "PrefillTmaParams")
+    member = "p.mods" if tma else "mods"
+    check = (f"\nstatic_assert(__builtin_offsetof(attngen::{struct_name}<attngen::elem_t>, {member}) == "
+             f"{layout.size - 160}, \"ModArgs' offset\");\n")
+    compile(render(r) + check, arch, kernel_name=r.kernel_name, entries=r.entries)
+
+
 def test_an_nvrtc_error_is_a_spec_error_at_the_users_line(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path))
     spec = PrefillSpec(head_dim=64, score_mod="float x = score;\nreturn x + not_declared;")
