@@ -21,7 +21,7 @@ from .cache_env import always_compile, cache_layers, lock_timeout
 from .cache_key import key_material, key_of
 from .cache_lock import LockTimeout
 from .compiler import Binary, compile as nvrtc_compile, compile_options
-from .errors import CacheError
+from .errors import CacheError, CompileError
 from .log import configure_logging
 from .render import clear_digests, render
 from .spec import Spec, as_spec, resolve
@@ -123,7 +123,13 @@ def _build(spec: Spec, a: Arch, cache: DiskCache, fresh: bool = False) -> BuildR
         source = render(spec)
         if hit is not None:  # compiled earlier in this process, for another root
             return hit, source, "memory"
-        b = nvrtc_compile(source, a, kernel_name=spec.kernel_name, entries=spec.entries)
+        try:
+            b = nvrtc_compile(source, a, kernel_name=spec.kernel_name, entries=spec.entries)
+        except CompileError as e:
+            refused = spec.compile_error(e)  # e.g. NVRTC's error at a line of a user's snippet
+            if refused is not None:
+                raise refused from e
+            raise
         _log_compile(spec, a, b)
         return b, source, "compiled"
 

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from . import builder as _builder, cache as _cache, cache_key as _cache_key, log as _log
@@ -134,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="registers, shared memory and spills (builds through the cache)")
     ins.add_argument("--key", action="store_true", help="the cache key and the material it hashes")
     ins.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    for field in ("score_mod", "mask_mod"):
+        ins.add_argument(f"--{field.replace('_', '-')}-file", metavar="PATH",
+                         help=f"the spec's {field}: a snippet's source (a device-function body, docs/variants.md) "
+                              "read from PATH; its aux tensors' signature goes in SPEC, e.g. aux=bias:fp32:2")
     ins.set_defaults(func=cmd_inspect)
 
     add_cache_parser(sub)
@@ -264,9 +269,20 @@ def _check_root_for_prewarm() -> None:
 
 # --- inspect ---------------------------------------------------------------------------------
 
+def _read_snippet(path: str, option: str) -> str:
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(option, path, "a readable UTF-8 text file", reason=str(e)) from None
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     arch = target_arch(args.arch)  # the one default, attngen.render's
     spec = parse_spec(args.spec)
+    snippets = {field: _read_snippet(path, f"--{field.replace('_', '-')}-file")
+                for field, path in (("score_mod", args.score_mod_file), ("mask_mod", args.mask_mod_file)) if path}
+    if snippets:
+        spec = spec.replace(**snippets)
     resolved = resolve(spec, arch)
     from .render import render
 

@@ -19,7 +19,7 @@ from .families.decode.spec import DecodeSpec
 from .families.head_pad import cut, default_scale, pad_widths, zero_padded
 from .families.prefill.op import prefill
 from .families.prefill.varlen import prefill_varlen
-from .kvcache import append, capacity_of, check_leftpad, chunked_prefill, prefill_route, rotary_qk
+from .kvcache import PAGES, append, capacity_of, check_leftpad, chunked_prefill, prefill_route, rotary_qk
 
 
 def _window(window_size) -> tuple[int, int]:
@@ -42,35 +42,36 @@ def _refuse(dropout_p, return_attn_probs, native: str) -> None:
 
 def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
                     window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
-                    return_attn_probs: bool = False, sinks=None):
+                    return_attn_probs: bool = False, sinks=None, score_mod: str = "", mask_mod: str = "", aux=None):
     """FlashAttention 2's ``flash_attn_func``: q ``[batch, seqlen_q, heads, head_dim]``, k and v
     ``[batch, seqlen_k, kv_heads, head_dim]``; returns out like q. ``causal`` aligns bottom-right;
     ``window_size=(left, right)``, -1 unbounded. ``deterministic`` is accepted (the forward pass
     always is). ``dropout_p`` > 0 and ``return_attn_probs`` are refused: attngen runs no dropout
     and never materialises the probabilities. ``sinks`` (fp32 ``[heads]``): attention sinks, as in
-    ``attngen.prefill``."""
+    ``attngen.prefill``; ``score_mod``, ``mask_mod`` and ``aux``: a user's variant, as there (docs/variants.md)."""
     _refuse(dropout_p, return_attn_probs, "prefill")
     left, right = _window(window_size)
     return prefill(q, k, v, causal=bool(causal), window=(left, right), sm_scale=softmax_scale, softcap=softcap,
-                   alibi_slopes=alibi_slopes, sinks=sinks)
+                   alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, aux=aux)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                            dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
                            window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
-                           return_attn_probs: bool = False, block_table=None, sinks=None):
+                           return_attn_probs: bool = False, block_table=None, sinks=None, score_mod: str = "",
+                           mask_mod: str = "", aux=None):
     """FlashAttention 2's ``flash_attn_varlen_func`` on ``attngen.prefill_varlen``: q
     ``[total_q, heads, head_dim]``, k and v ``[total_k, kv_heads, head_dim]`` (or, with
     ``block_table`` int32 ``[batch, max_blocks]``, a paged cache ``[num_blocks, block_size,
     kv_heads, head_dim]``), int32 ``cu_seqlens_q``/``cu_seqlens_k`` ``[batch + 1]``; returns out
     like q. ``causal`` aligns bottom-right per sequence; ``window_size=(left, right)``, -1
     unbounded. ``dropout_p`` > 0 and ``return_attn_probs`` are refused, as in ``flash_attn_func``;
-    ``sinks`` as there."""
+    ``sinks``, ``score_mod``, ``mask_mod`` and ``aux`` as there."""
     _refuse(dropout_p, return_attn_probs, "prefill_varlen")
     left, right = _window(window_size)
     return prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=bool(causal),
                           window=(left, right), sm_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes,
-                          block_table=block_table, sinks=sinks)
+                          block_table=block_table, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, aux=aux)
 
 
 def _unpack(t, n: int, name: str, dims: str):
@@ -130,7 +131,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
                             softcap: float = 0.0, rotary_interleaved: bool = True, alibi_slopes=None,
                             num_splits: int = 0, return_softmax_lse: bool = False, sinks=None, k_scale=None,
-                            v_scale=None):
+                            v_scale=None, score_mod: str = "", mask_mod: str = "", aux=None):
     """FlashAttention 2's ``flash_attn_with_kvcache`` on ``attngen.decode`` (and, past 8 new tokens,
     ``attngen.prefill_varlen`` over the cache).
 
@@ -171,6 +172,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``attngen.decode`` (a number, or an fp32 device tensor [] / [1] / [kv_heads]; missing: 1), up to 8 new
     tokens: ``k``/``v`` come in q's dtype and are appended as ``k / k_scale`` rounded to the cache's format,
     saturating at its largest finite value.
+
+    ``score_mod``, ``mask_mod`` and ``aux``: a user's variant as ``attngen.decode`` takes it (q_idx the token's
+    position, kv_idx the key's cache position), on the decode route and, past 8 new tokens, on a paged cache or a
+    contiguous one presented as pages; other routes (``cache_leftpad``, rows not 16 positions apart) refuse them.
     """
     left, right = _window(window_size)
     if left < -1 or right < -1:
@@ -193,6 +198,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # The route of many new tokens is settled (or refused) before the cache is written.
     route = prefill_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_table, causal, (left, right),
                           alibi_slopes is not None) if many else None
+    mods = bool(score_mod or mask_mod or aux)
+    if mods and route is not None and route != PAGES:
+        raise LaunchError(f"score_mod/mask_mod with {q.shape[1]} new tokens on this cache is not supported (the "
+                          f"{route!r} route counts positions otherwise); allowed: up to {MAX_Q_LEN} new tokens, or a "
+                          "paged cache (or a contiguous one whose rows are multiples of 16 positions apart) without "
+                          "cache_leftpad")
     if rotary_cos is not None:
         q, k = rotary_qk(q, k, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad, bool(rotary_interleaved),
                          local, capacity_of(k_cache, block_table))
@@ -209,6 +220,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q, k_cache, v_cache = (zero_padded(x, widths[0]) for x in (q, k_cache, v_cache))
         softmax_scale = default_scale(softmax_scale, d)
     common = dict(sm_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes)
+    if mods:
+        common.update(score_mod=score_mod, mask_mod=mask_mod, aux=aux)
     if not many:
         r = decode(q, k_cache, v_cache, cache_seqlens=lengths, cache_batch_idx=cache_batch_idx,
                    block_table=block_table, num_splits=num_splits, return_lse=return_softmax_lse, causal=causal,

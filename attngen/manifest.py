@@ -32,7 +32,7 @@ except ModuleNotFoundError:  # Python < 3.11
 from .arch import ARCHS, Arch, get_arch
 from .errors import ManifestError, SpecError
 from .family import family_of
-from .spec import Spec, parse_spec, resolve
+from .spec import SNIPPET_FIELDS, Spec, parse_spec, resolve
 
 # Bump when the manifest layout changes incompatibly; files that name another format are refused.
 FORMAT = 1
@@ -127,6 +127,11 @@ def manifest_from_dict(data: dict, *, path: "Path | None" = None) -> Manifest:
             raise SpecError("archs", None, ", ".join(ARCHS),
                             reason=f"{group_where} has no archs and the manifest has no top-level archs")
         fields = {k: v for k, v in table.items() if k != "archs"}
+        for name in SNIPPET_FIELDS:
+            if fields.get(name):  # a user's code reaches a kernel only from the call that runs it (DESIGN.md)
+                raise SpecError(name, "<source>" if name != "aux" else fields[name], "'' (left out)",
+                                reason=f"{group_where}: score_mod / mask_mod snippets come from the op's call, "
+                                       "never from a manifest")
         groups.append(KernelGroup(i, fields, _expand_fields(fields, group_where), own))
     return Manifest(path, archs, tuple(groups))
 

@@ -28,6 +28,15 @@ from .errors import SpecError
 from .family import families, get_family
 
 
+# A user's variant (score_mod / mask_mod source and the aux tensors' signature, attngen/families/snippets.py):
+# fields that are left out of a spec's dict while "" (off) and shown by hash in its text.
+SNIPPET_FIELDS = ("score_mod", "mask_mod", "aux")
+
+
+def _snippet_short(text: str) -> str:
+    return "sha:" + hashlib.sha256(text.encode()).hexdigest()[:8] if text else ""
+
+
 # The longest kernel name: entry suffixes (``_merge_wide``) come on top of it. Profilers and cache
 # listings cut long names; a C identifier itself has no limit.
 NAME_MAX = 100
@@ -147,6 +156,11 @@ class SpecBase:
     def smem_bytes(self) -> int:
         raise NotImplementedError
 
+    def compile_error(self, error) -> "Exception | None":
+        """The error to raise for NVRTC's ``error`` (a CompileError) where it lies in code of the user's that the
+        spec holds (a family with snippets says which); None: the CompileError itself."""
+        return None
+
     @property
     def threads(self) -> int:
         raise NotImplementedError
@@ -186,13 +200,15 @@ class SpecBase:
         d: dict[str, Any] = {"family": self.family}
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.name in SNIPPET_FIELDS and not v:
+                continue  # off: left out, so a spec without snippets keeps its JSON, its key and its kernel's name
             d[f.name] = v.value if isinstance(v, enum.Enum) else v
         return d
 
     def untuned_dict(self) -> dict[str, Any]:
         """The fields that are not tuning fields, in their JSON form (what a tuned entry is keyed by)."""
         d = self.to_dict()
-        return {f.name: d[f.name] for f in fields(self) if f.name not in self.TUNING_FIELDS}
+        return {f.name: d[f.name] for f in fields(self) if f.name not in self.TUNING_FIELDS and f.name in d}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpecBase":
@@ -218,8 +234,12 @@ class SpecBase:
         parts = []
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.name in SNIPPET_FIELDS and not v:
+                continue  # off: not shown even in full, as it is left out of the dict
             if full or v != getattr(default, f.name) or f.name in self.ALWAYS_SHOWN:
                 v = v.value if isinstance(v, enum.Enum) else v
+                if f.name in SNIPPET_FIELDS and f.name != "aux":
+                    v = _snippet_short(v)  # source text holds commas and newlines: shown by its hash
                 parts.append(f"{f.name}={str(v).lower() if isinstance(v, bool) else v}")
         return f"{self.family}:" + ",".join(parts)
 

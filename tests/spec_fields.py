@@ -28,6 +28,10 @@ FIELD_VALUES = {
     "pipeline": tuple(Pipeline),
     "schedule": tuple(Schedule),
     "persistent": tuple(Persistent),
+    # a user's variant (attngen/families/snippets.py): source text and the aux tensors' signature
+    "score_mod": ("", "return score * 0.5f;"),
+    "mask_mod": ("", "return kv_idx <= q_idx;"),
+    "aux": ("", "t:fp32:1"),
 }
 # A resolved spec from which every field can change alone and still fit sm_90.
 BASE = PrefillSpec(head_dim=64, dtype=DType.BF16, mask=MaskMode.NONE, return_lse=False,

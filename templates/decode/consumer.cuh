@@ -134,6 +134,9 @@ struct DecodeConsumer {
                                                                         lim[mt][r] - (col0 + n * 8 + e));
         }
     }
+#ifdef ATTNGEN_MODS
+    user_mods(acc_s, n0, p, c, l);
+#endif
     if (mask) mask_scores(acc_s, lim, n0, p, c, l);
   }
 
@@ -155,6 +158,45 @@ struct DecodeConsumer {
             if (n * 8 + e > hi || (LOCAL && n * 8 + e < lo)) acc_s[mt][n][2 * r + e] = -ATTNGEN_INF;
       }
   }
+
+#ifdef ATTNGEN_MODS
+  // A user's mask_mod and score_mod (spec mask_mod, score_mod), after softcap and ALiBi and before the key bounds:
+  // on the packed rows that exist, the keys before the row's length and positions >= 0 only, so that a snippet's aux
+  // reads stay in bounds (a token placed before position 0, in a row shorter than q_len: mask_mod drops its keys,
+  // score_mod leaves them). b is the batch row, h the query head, q_idx the token's position (seqlen - q_len + its
+  // index), kv_idx the key's cache position; score_mod sees the logit (times sm_scale), the scores stay in q.k units.
+  static __device__ __forceinline__ void user_mods(float (&acc_s)[M_TILES][KW_TILES][4], int n0,
+                                                   const DecodeParams<T>& p, const Cta& c, const Lane& l) {
+    const int col0 = n0 + l.key0 + 2 * l.t;
+    const float inv_scale = 1.f / p.sm_scale;
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = l.row(mt, r);
+        if (row >= c.rows_valid) continue;
+        const int head = c.kv_head * p.group + row % p.group;
+        const int pos = c.seqlen - p.q_len + row / p.group;
+#pragma unroll
+        for (int n = 0; n < KW_TILES; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = col0 + n * 8 + e;
+            if (j >= c.seqlen) continue;
+            float& s = acc_s[mt][n][2 * r + e];
+#ifdef ATTNGEN_MASK_MOD
+            if (pos < 0 || !user_mask_mod(p.mods, c.batch, head, pos, j)) {
+              s = -ATTNGEN_INF;
+              continue;
+            }
+#endif
+#ifdef ATTNGEN_SCORE_MOD
+            if (pos >= 0) s = user_score_mod(p.mods, s * p.sm_scale, c.batch, head, pos, j) * inv_scale;
+#endif
+          }
+      }
+  }
+#endif
 
   // The scores of one K tile for fused and unfused_qk: Q's fragments come from shared memory on
   // the CTA's first tile (it == 0), masking only where some key of the warp's slice needs it.

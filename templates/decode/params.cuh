@@ -43,6 +43,11 @@ struct DecodeParams {
   const float* v_scale;
   int k_scale_sh, v_scale_sh;
   float v_scale_f;
+#ifdef ATTNGEN_MODS
+  // A kernel with a user's score_mod / mask_mod (attngen/families/snippets.py): their aux tensors. After every other
+  // field, and only in such kernels, so that every other kernel keeps its parameters as they were.
+  ModArgs mods;
+#endif
 };
 
 // Grid: (num_splits, kv_heads, batch). A CTA takes its split's run of BLOCK_N-key tiles (cta_of). Its warps

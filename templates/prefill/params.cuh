@@ -47,6 +47,11 @@ struct PrefillParams {
   // SINKS: fp32 sink logits [heads] (the query heads), read once per row by the epilogue. Last, so that every
   // other field keeps its offset (a launch without sinks packs none of it).
   const float* sinks;
+#ifdef ATTNGEN_MODS
+  // A kernel with a user's score_mod / mask_mod (attngen/families/snippets.py): their aux tensors. After every other
+  // field, and only in such kernels, so that every other kernel keeps its parameters as they were.
+  ModArgs mods;
+#endif
 };
 
 // The TMA kernel's parameter: tensor maps of q, k and v (4-d: head_dim, seqlen, heads, batch;

@@ -16,6 +16,7 @@ from typing import NamedTuple
 from ...arch import Arch
 from ...spec import DType, resolve
 from ..choice import Choice, DeviceFacts, SizeTable
+from ..snippets import mods_fields
 from ..split_kv import CLUSTER_MAX, choose_splits
 from .spec import MERGE_THREADS, DecodeSpec, KVDType, Variant
 
@@ -70,11 +71,12 @@ class Launch(NamedTuple):
 @functools.lru_cache(maxsize=None)
 def base_spec(head_dim: int, dtype: str, q_rows: int, paged: bool, variant: str, user: DecodeSpec | None,
               softcap: bool = False, alibi: bool = False, local: bool = False, sinks: bool = False,
-              kv_dtype: KVDType | None = None) -> DecodeSpec:
+              kv_dtype: KVDType | None = None, mods: tuple = ()) -> DecodeSpec:
     """The spec of a problem's fields (``variant`` "fused" or "unfused"), its tuning fields the caller's or
-    unresolved."""
+    unresolved. ``mods``: a call's snippets, (score_mod, mask_mod, aux text), or () for none."""
     fields = dict(head_dim=head_dim, dtype=DType(dtype), q_rows=q_rows, paged=paged, variant=Variant(variant),
-                  softcap=softcap, alibi=alibi, local=local, sinks=sinks, kv_dtype=kv_dtype)
+                  softcap=softcap, alibi=alibi, local=local, sinks=sinks, kv_dtype=kv_dtype,
+                  **{"score_mod": "", "mask_mod": "", "aux": "", **mods_fields(mods)})
     return DecodeSpec(**fields) if user is None else user.replace(**fields)
 
 

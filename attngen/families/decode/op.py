@@ -17,6 +17,7 @@ from ..choice import device_facts
 from ..head_pad import pad_widths, run_padded
 from ..host import OpMemo, Plan
 from ..score_mods import NO_EXTRAS, check_spec_sinks, checked_scale, extras, sinks_ptr as checked_sinks
+from ..snippets import call_mods, check_spec_mods, mod_layout, pack_aux, refuse_traced
 from ..split_kv import CLUSTER_MAX, cache_lengths, check_index, check_rows, checked_splits, paged_table
 from . import choose as _choose
 from . import fp8 as _fp8
@@ -45,8 +46,8 @@ def _make_plan(key: tuple) -> Plan:
     kind, softcap, alibi, local, sinks, the cache's fp8 format or None): the kernel, or the winners ``attngen tune
     decode`` stored for this GPU by cache capacity (``kernel_for``), allocators, the stream getter and the device's
     facts. Made once per key, so a call does its checks, one lookup, the allocations and the launches."""
-    d, dtype, device, q_rows, paged, variant, spec, kind, softcap, alibi, local, sinks, kv = key
-    base = base_spec(d, dtype, q_rows, paged, variant, spec, softcap, alibi, local, sinks, kv)
+    d, dtype, device, q_rows, paged, variant, spec, kind, softcap, alibi, local, sinks, kv, *mods = key
+    base = base_spec(d, dtype, q_rows, paged, variant, spec, softcap, alibi, local, sinks, kv, *mods)
     plan = Plan()
     # the choice's specs by cache capacity (choose.choose, whose size-independent part a plan keeps)
     tuned = tuple(stored_choices(base, device)) if spec is None else ()
@@ -87,7 +88,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
            sm_scale: float | None = None, return_lse: bool = False, out=None, variant: str = "auto",
            spec: DecodeSpec | str | Mapping | None = None, softcap: float = 0.0, alibi_slopes=None,
            causal: bool = True, window: tuple[int, int] = (-1, -1), cache_leftpad=None, sinks=None, k_scale=None,
-           v_scale=None):
+           v_scale=None, score_mod: str = "", mask_mod: str = "", aux=None):
     """Attention of q_len new tokens per sequence against a KV cache.
 
     q ``[batch, q_len, heads, head_dim]`` (q_len 1..8). Contiguous cache: k_cache, v_cache
@@ -131,8 +132,14 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
 
     A head dim up to 256 that is not a multiple of 8 (or is below 32) runs on a zero-padded copy (the
     output a view of its first head_dim columns); that costs a copy of q and the whole cache per call.
+
+    ``score_mod`` / ``mask_mod``: a user's variant as CUDA device-function bodies reading the tensors of ``aux``, as
+    in ``attngen.prefill`` (docs/variants.md): b is the batch row, h the query head, q_idx the token's position
+    (L - q_len + i), kv_idx the key's cache position. The fused kernel on a cache in q's dtype runs them
+    (``variant="unfused"`` and fp8 caches are refused).
     """
     if _rt.tracing is not None and _rt.tracing():
+        refuse_traced("attngen.decode", score_mod, mask_mod, aux)
         if k_scale is not None or v_scale is not None:
             raise LaunchError("k_scale and v_scale are not supported under torch.compile; call attngen.decode "
                               "outside the compiled region")
@@ -151,6 +158,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     # The call's key: the operands' infos and every other argument as a value. Scalars of other
     # classes (a bool, a 0-dim tensor whose value may change) are never remembered; arguments that
     # are no array, or unhashable, go to the checks, which say what is wrong.
+    mods = call_mods(score_mod, mask_mod, aux) if score_mod or mask_mod or aux else None
     try:
         key = (qi, ki, vi,
                cache_seqlens if cache_seqlens.__class__ is int else tensor_info(cache_seqlens, "cache_seqlens"),
@@ -161,7 +169,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
                None if cache_leftpad is None else tensor_info(cache_leftpad, "cache_leftpad"),
                None if sinks is None else tensor_info(sinks, "sinks"),
                num_splits, sm_scale, softcap, return_lse, variant, spec, causal, window,
-               _fp8.scale_key(k_scale), _fp8.scale_key(v_scale))
+               _fp8.scale_key(k_scale), _fp8.scale_key(v_scale), mods)
         call = _calls.get(key)
     except (LaunchError, TypeError):
         key = call = None
@@ -172,10 +180,11 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
                               cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, block_table=block_table,
                               num_splits=num_splits, variant=variant, spec=spec, softcap=softcap,
                               alibi_slopes=alibi_slopes, causal=causal, window=window, cache_leftpad=cache_leftpad,
-                              sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+                              sinks=sinks, k_scale=k_scale, v_scale=v_scale, score_mod=score_mod, mask_mod=mask_mod,
+                              aux=aux)
         call = _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse,
                         out, variant, spec, softcap, alibi_slopes, causal, window, cache_leftpad, sinks, k_scale,
-                        v_scale)
+                        v_scale, mods)
         _memo.keep(key, call, flags=(return_lse, causal), numbers=(num_splits, sm_scale, softcap,
                                                                     _fp8.scale_number(k_scale),
                                                                     _fp8.scale_number(v_scale)))
@@ -200,11 +209,12 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
               w0, w1, w2, w3, *call.tail)
     kern, grid = call.kern, call.grid
     stream = plan.stream(qi.device)
-    kern.launch_struct(_PARAMS, grid, stream, *values, cluster_x=call.cluster)  # a cluster: no _pv, no merge
+    layout = call.layout
+    kern.launch_struct(layout, grid, stream, *values, cluster_x=call.cluster)  # a cluster: no _pv, no merge
     if call.unfused:
-        kern.launch_struct(_PARAMS, grid, stream, *values, entry="_pv")
+        kern.launch_struct(layout, grid, stream, *values, entry="_pv")
     if call.merge_grid is not None:
-        kern.launch_struct(_PARAMS, call.merge_grid, stream, *values, entry="_merge")
+        kern.launch_struct(layout, call.merge_grid, stream, *values, entry="_merge")
     return (out, lse) if return_lse else out
 
 
@@ -214,7 +224,7 @@ class _Call:
     pieces (bytes; -1 where a piece is not used), the parameters that are not pointers of this
     call's own allocations, the grids and the cluster size (0: none)."""
 
-    __slots__ = ("plan", "kern", "cluster", "out_shape", "out_ptr", "lse_shape", "work", "offsets", "indices",
+    __slots__ = ("plan", "kern", "cluster", "out_shape", "out_ptr", "lse_shape", "work", "offsets", "indices", "layout",
                  "tail", "grid", "merge_grid", "unfused")
 
 
@@ -264,10 +274,11 @@ def window_bounds(causal, window, q_len: int) -> tuple[bool, int, int]:
 
 def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse, out, variant,
              spec, softcap, alibi_slopes, causal=True, window=(-1, -1), cache_leftpad=None, sinks=None, k_scale=None,
-             v_scale=None) -> _Call:
-    """Check a call's arguments and work out its ``_Call``."""
+             v_scale=None, mods=None) -> _Call:
+    """Check a call's arguments and work out its ``_Call``. ``mods``: the call's snippets (``call_mods``) or None."""
     if spec is not None and spec.__class__ is not DecodeSpec:
         spec = op_spec(spec, "decode", "attngen.decode")
+    check_spec_mods(spec, mods)
     if ki.shape != vi.shape:  # first: a head dim the two caches disagree on is no head dim to name
         raise LaunchError(f"k_cache {ki.shape} and v_cache {vi.shape} must have the same shape")
     _check_operands(qi, ki, vi)
@@ -342,7 +353,8 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     sinks_ptr = checked_sinks(sinks, h, qi)
     check_spec_sinks(spec, sinks)
     pkey = (d, dtype, dev, DecodeSpec.rows_for(group, q_len), paged, "fused" if variant == "auto" else variant,
-            spec, kind, bool(softcap), alibi_ptr != 0, local, sinks_ptr != 0, kv)
+            spec, kind, bool(softcap), alibi_ptr != 0, local, sinks_ptr != 0, kv,
+            *(() if mods is None else (mods[:3],)))
     call = _Call()
     call.plan = plan = _plans.get(pkey) or _memo.plan(pkey)
     call.out_shape, call.lse_shape = (b, q_len, h, d), (b, h, q_len)
@@ -406,6 +418,9 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         pad_ptr, left, right,
         sinks_ptr,
         *fp8_tail,
+        # the snippets' aux tensors after every other field (params.cuh, ModArgs)
+        *(() if mods is None else pack_aux(rs.aux, mods[3], qi)),
     )
+    call.layout = _PARAMS if mods is None else mod_layout(_PARAMS)
     call.grid, call.merge_grid = lc.grid, lc.merge_grid
     return call

@@ -12,6 +12,7 @@ from typing import ClassVar
 
 from ...arch import Arch
 from ...errors import SpecError
+from .. import snippets
 from ...spec import DType, SpecBase, check_smem, coerce_bool, coerce_enum, coerce_int
 
 # Threads of a decode module's `_merge` entry: one warp per output row.
@@ -98,6 +99,11 @@ class DecodeSpec(SpecBase):
     cta_tile_kv: int = 0
     num_warps: int = 0
     num_stages: int = 0
+    # A user's variant (attngen/families/snippets.py, docs/variants.md), as PrefillSpec's: "" (off) is left out
+    # of the spec's dict and key. The fused kernel on a cache in q's dtype runs them.
+    score_mod: str = ""
+    mask_mod: str = ""
+    aux: str = ""
 
     def __post_init__(self):
         s = object.__setattr__
@@ -122,6 +128,17 @@ class DecodeSpec(SpecBase):
                             "columns between CTAs, which only the fused kernel does")
         if self.kv_dtype is not None:
             self._check_fp8()
+        score_mod, mask_mod, aux = snippets.check_spec_fields(self)
+        s(self, "score_mod", score_mod)
+        s(self, "mask_mod", mask_mod)
+        s(self, "aux", aux)
+        if score_mod or mask_mod or aux:
+            for name, value, bad in (("variant", self.variant.value, self.variant is Variant.UNFUSED),
+                                     ("kv_dtype", getattr(self.kv_dtype, "value", None), self.kv_dtype is not None)):
+                if bad:
+                    raise SpecError(name, value, "fused" if name == "variant" else "unset (the cache in q's dtype)",
+                                    reason="score_mod, mask_mod and aux run in the fused kernel on a cache in q's "
+                                           "dtype only")
 
     def _check_fp8(self) -> None:
         """What an fp8 cache runs with (see FP8_HEAD_DIMS_TEXT): each refusal names kv_dtype and the other field."""
@@ -239,6 +256,7 @@ class DecodeSpec(SpecBase):
         return (f"d{self.head_dim}", self.dtype.value, f"rows{self.q_rows}", "paged" if self.paged else "",
                 "unfused" if self.variant is Variant.UNFUSED else "", "cap" if self.softcap else "",
                 "alibi" if self.alibi else "", "local" if self.local else "", "sinks" if self.sinks else "",
+                "smod" if self.score_mod else "", "mmod" if self.mask_mod else "",
                 self.kv_dtype.value[4:] if self.kv_dtype is not None else "", self.name_piece("k{}", self.cta_tile_kv),
                 self.name_piece("w{}s{}", self.num_warps, self.num_stages))
 
@@ -249,8 +267,12 @@ class DecodeSpec(SpecBase):
         pv = (("_pv", self.threads, self.smem_bytes()),) if self.variant is Variant.UNFUSED else ()
         return (main, *pv, ("_merge", MERGE_THREADS, 0))
 
+    def compile_error(self, error):
+        return snippets.snippet_error(error, self) if self.score_mod or self.mask_mod else None
+
     def template_context(self) -> dict:
         ctx = super().template_context()
+        ctx.update(snippets.template_context(self.score_mod, self.mask_mod, self.aux))
         ctx.update(q_in_regs=self.q_in_regs, warps_m=self.warps_m, merge_threads=MERGE_THREADS,
                    kv_fp8=0 if self.kv_dtype is None else 1 + list(KVDType).index(self.kv_dtype))
         return ctx

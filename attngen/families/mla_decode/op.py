@@ -58,7 +58,7 @@ def _tensor_maps(cv, pe, spec: MlaDecodeSpec, block_size: int, fallback_ptr: int
 
 def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: float, block_table=None,
                num_splits: int = 0, return_lse: bool = False, out=None,
-               spec: MlaDecodeSpec | str | Mapping | None = None):
+               spec: MlaDecodeSpec | str | Mapping | None = None, score_mod: str = "", mask_mod: str = "", aux=None):
     """MLA decode: q_len new tokens per sequence, every head against one shared compressed cache.
 
     q_nope ``[batch, q_len, heads, kv_lora_rank]`` and q_pe ``[batch, q_len, heads, rope_dim]``
@@ -84,7 +84,14 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     cache (or paged blocks of a multiple of 64) and no pinned tuning field runs them as one 64-row block of
     sm_90a's wgmma kernel on fast memory. With ``return_lse`` also the fp32 LSE ``[batch, heads, q_len]``;
     a token that sees no key gives zeros and LSE -inf.
+
+    ``score_mod``, ``mask_mod`` and ``aux`` (attngen.prefill's and attngen.decode's user variants) are refused here:
+    the MLA kernels have no snippet site.
     """
+    for name, value in (("score_mod", score_mod), ("mask_mod", mask_mod), ("aux", aux)):
+        if value:
+            raise LaunchError(f"attngen.mla_decode({name}=...) is not supported: the MLA kernels run no score_mod or "
+                              "mask_mod; allowed: '' / None (attngen.decode and attngen.prefill take them)")
     if _rt.tracing is not None and _rt.tracing():
         return _rt.traced_ops["mla_decode"](
             q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens=cache_seqlens, sm_scale=sm_scale,

@@ -17,6 +17,7 @@ from typing import NamedTuple
 from ...arch import Arch
 from ...spec import DType, replaced_if_valid, resolve
 from ..choice import Choice, DeviceFacts, SizeTable
+from ..snippets import mods_fields
 from .spec import MaskMode, Mma, Persistent, Pipeline, PrefillSpec, Schedule
 
 # What a kernel reads its inputs as.
@@ -100,11 +101,13 @@ class Launch(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def base_spec(head_dim: int, dtype: str, mask: MaskMode, return_lse: bool, user, softcap: bool, alibi: bool,
-              layout: int, head_dim_v: int, sinks: bool = False) -> PrefillSpec:
-    """The spec of a problem's fields, its tuning fields the caller's (``user``) or unresolved."""
+              layout: int, head_dim_v: int, sinks: bool = False, mods: tuple = ()) -> PrefillSpec:
+    """The spec of a problem's fields, its tuning fields the caller's (``user``) or unresolved. ``mods``: a call's
+    snippets, (score_mod, mask_mod, aux text), or () for none."""
     fields = dict(head_dim=head_dim, head_dim_v=head_dim_v or head_dim, dtype=DType(dtype), mask=mask,
                   return_lse=return_lse, softcap=softcap, alibi=alibi, sinks=sinks, custom_mask=layout == CUSTOM_MASK,
-                  varlen=layout >= VARLEN, paged=layout == VARLEN_PAGED)
+                  varlen=layout >= VARLEN, paged=layout == VARLEN_PAGED,
+                  **{"score_mod": "", "mask_mod": "", "aux": "", **mods_fields(mods)})
     return PrefillSpec(**fields) if user is None else user.replace(**fields)
 
 

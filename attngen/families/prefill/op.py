@@ -30,6 +30,7 @@ from ..choice import device_facts
 from ..head_pad import pad_widths, run_padded, zero_padded
 from ..host import OpMemo, Plan
 from ..score_mods import NO_EXTRAS, check_spec_sinks, checked_scale, extras, sinks_ptr
+from ..snippets import call_mods, check_spec_mods, mod_layout, pack_aux, refuse_traced
 from .choose import CUSTOM_MASK, DENSE, base_spec, dense_grid, persistent_grid, sync_twin, table
 from .spec import MaskMode, Pipeline, PrefillSpec
 from .tma import tensor_maps
@@ -166,8 +167,8 @@ class _Plan(Plan):
 
 
 def _make_plan(key: tuple) -> _Plan:
-    d, dtype, device, mask, return_lse, spec, kind, softcap, alibi, layout, dv, sinks = key
-    base = base_spec(d, dtype, _MASKS[mask], return_lse, spec, softcap, alibi, layout, dv, sinks)
+    d, dtype, device, mask, return_lse, spec, kind, softcap, alibi, layout, dv, sinks, *mods = key
+    base = base_spec(d, dtype, _MASKS[mask], return_lse, spec, softcap, alibi, layout, dv, sinks, *mods)
     plan = _Plan()
     # the choice's specs by query rows (choose.choose, whose size-independent part a plan keeps)
     tuned = tuple(stored_choices(base, device)) if spec is None else ()
@@ -189,7 +190,8 @@ def clear_plans() -> None:
 
 def plan_for(key: tuple) -> _Plan:
     """The ``_Plan`` of ``key`` (d, dtype, device, mask code, return_lse, spec, kind, softcap, alibi,
-    layout, v's head dim, sinks), made on first use."""
+    layout, v's head dim, sinks, and where a call has snippets their (score_mod, mask_mod, aux) text), made on
+    first use."""
     return _plans.get(key) or _memo.plan(key)
 
 
@@ -225,7 +227,8 @@ def kernel_for(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_W
 
 def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WINDOW, sm_scale: float | None = None,
             return_lse: bool = False, out=None, spec: PrefillSpec | str | Mapping | None = None, softcap: float = 0.0,
-            alibi_slopes=None, mask=None, mask_plan=None, sinks=None):
+            alibi_slopes=None, mask=None, mask_plan=None, sinks=None, score_mod: str = "", mask_mod: str = "",
+            aux=None):
     """Attention forward: softmax(q k^T * sm_scale) v, per head, with the FlashAttention layout.
 
     q ``[batch, seqlen_q, heads, head_dim]``; k, v ``[batch, seqlen_k, kv_heads, head_dim]`` with
@@ -256,8 +259,13 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     sink (the log of that whole denominator): a caller merging partial results must give the sink to exactly one
     of them. A row that sees no key gives zeros and LSE = its sink; a sink of -inf is no sink. A caller's ``spec``
     must say ``sinks=true`` exactly when sinks are passed.
+
+    ``score_mod`` / ``mask_mod``: a user's variant as CUDA device-function bodies compiled into the kernel, reading
+    the named tensors of ``aux`` (a dict name -> device tensor); see docs/variants.md. score_mod returns the new
+    logit (after sm_scale, softcap and ALiBi), mask_mod false drops the pair; both run only on existing rows and keys.
     """
     if _rt.tracing is not None and _rt.tracing():
+        refuse_traced("attngen.prefill", score_mod, mask_mod, aux)
         return _rt.traced_ops["prefill"](
             q, k, v, causal=causal, window=window, sm_scale=sm_scale, return_lse=return_lse, out=out, spec=spec,
             softcap=softcap, alibi_slopes=alibi_slopes, mask=mask, mask_plan=mask_plan, sinks=sinks)
@@ -271,12 +279,13 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     # whose value may change) are never remembered; those that are no array, or unhashable, go to
     # the checks, which say what is wrong.
     call = key = None
+    mods = call_mods(score_mod, mask_mod, aux) if score_mod or mask_mod or aux else None
     if mask is None and mask_plan is None:
         try:
             key = (qi, ki, vi, causal, window, sm_scale, return_lse, spec, softcap,
                    None if out is None else tensor_info(out, "out"),
                    None if alibi_slopes is None else tensor_info(alibi_slopes, "alibi_slopes"),
-                   None if sinks is None else tensor_info(sinks, "sinks"))
+                   None if sinks is None else tensor_info(sinks, "sinks"), mods)
             call = _calls.get(key)
         except (LaunchError, TypeError):
             key = None
@@ -287,9 +296,10 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
         if widths is not None:  # a head dim no kernel is built for, run on zero-padded copies (head_pad)
             return run_padded(prefill, q, k, v, widths, sm_scale=sm_scale, out=out, return_lse=return_lse,
                               causal=causal, window=window, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes,
-                              mask=mask, mask_plan=mask_plan, sinks=sinks)
+                              mask=mask, mask_plan=mask_plan, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod,
+                              aux=aux)
         call = _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softcap, alibi_slopes,
-                        mask is not None, sinks)
+                        mask is not None, sinks, mods)
         _memo.keep(key, call, flags=(causal, return_lse), numbers=(sm_scale, softcap))
     plan, kind = call.plan, qi.kind
     if out is None:
@@ -330,12 +340,13 @@ class _Call:
 
 
 def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softcap, alibi_slopes, masked,
-             sinks=None) -> _Call:
-    """Check a call's arguments and work out its ``_Call``."""
+             sinks=None, mods=None) -> _Call:
+    """Check a call's arguments and work out its ``_Call``. ``mods``: the call's snippets (``call_mods``) or None."""
     if spec is not None and spec.__class__ is not PrefillSpec:
         spec = op_spec(spec, "prefill", "attngen.prefill")
     _check_dense(qi, ki, vi)
     check_spec_sinks(spec, sinks)
+    check_spec_mods(spec, mods)
     b, sq, h, d = qi.shape
     _, sk, hk, _ = ki.shape
     dv = vi.shape[3]
@@ -346,7 +357,7 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
                                              if softcap or alibi_slopes is not None else NO_EXTRAS)
     sinks_at = sinks_ptr(sinks, h, qi)
     key = (d, qi.dtype, qi.device, mcode, return_lse, spec, qi.kind, bool(softcap), alibi_ptr != 0,
-           CUSTOM_MASK if masked else DENSE, dv, sinks is not None)
+           CUSTOM_MASK if masked else DENSE, dv, sinks is not None, *(() if mods is None else (mods[:3],)))
     call.plan = plan = _plans.get(key) or _memo.plan(key)
     scale = plan.default_scale if sm_scale is None else checked_scale(sm_scale)
     call.out_shape, call.lse_shape = (b, sq, h, dv), (b, h, sq)
@@ -370,12 +381,14 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
                  left, right,
                  cap_u, inv_cap_u, alibi_ptr, alibi_sb)
     if masked:  # the mask plan gives the grid, per call
-        call.grid, call.layout = (), PARAMS_EXT_SINKS if sinks_at else PARAMS_EXT
+        call.grid, call.layout = (), PARAMS_EXT_SINKS if sinks_at or mods else PARAMS_EXT
         call.kern, maps = plan.tma_maps(kern, qi, ki, vi)
         if maps is not None:
-            call.head, call.layout = (maps, *call.head), PARAMS_EXT_TMA_SINKS if sinks_at else PARAMS_EXT_TMA
-        if sinks_at:
+            call.head, call.layout = (maps, *call.head), PARAMS_EXT_TMA_SINKS if sinks_at or mods else PARAMS_EXT_TMA
+        if sinks_at or mods:
             call.post = (0, sinks_at)
+        if mods:  # the aux tensors after every other field (params.cuh, ModArgs)
+            call.layout, call.post = mod_layout(call.layout), (*call.post, *pack_aux(call.kern.spec.aux, mods[3], qi))
         return call
     ks_ = kern.spec
     # v_splits: the chunked kernel past 640 columns
@@ -387,7 +400,7 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
         call.kern, maps = plan.tma_maps(kern, qi, ki, vi)  # (the cp.async twin where no map describes them)
     if maps is None:
         call.grid = dense_grid(sq, h, b, call.kern.spec)
-        if sinks_at:
+        if sinks_at or mods:
             call.layout, call.tail = _PARAMS_SINKS, (*call.tail, 0, sinks_at)
     else:
         call.head = (maps, *call.head)
@@ -397,9 +410,11 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
         else:
             call.grid = dense_grid(sq, h, b, ks_)
             call.layout = _PARAMS_TMA if len(maps) == 384 else _PARAMS_TMA4
-        if sinks_at:  # batch_count (the persistent kernel's, else 0), then the sinks' pointer
+        if sinks_at or mods:  # batch_count (the persistent kernel's, else 0), then the sinks' pointer
             call.layout = _PARAMS_TMA_SINKS if len(maps) == 384 else _PARAMS_TMA4_SINKS
             call.tail = (*call.tail, sinks_at) if ks_.is_persistent else (*call.tail, 0, sinks_at)
+    if mods:  # the aux tensors after every other field (params.cuh, ModArgs)
+        call.layout, call.tail = mod_layout(call.layout), (*call.tail, *pack_aux(call.kern.spec.aux, mods[3], qi))
     return call
 
 

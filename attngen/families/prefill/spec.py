@@ -16,6 +16,7 @@ from typing import ClassVar
 from ...arch import Arch, get_arch
 from ...errors import SpecError
 from . import fit
+from .. import snippets
 from ...spec import (DType, Mma, Pipeline, SpecBase, allowed_text, check_smem, check_wgmma_arch, coerce_bool,
                      coerce_enum, coerce_int)
 
@@ -165,6 +166,11 @@ class PrefillSpec(SpecBase):
     pipeline: Pipeline = Pipeline.AUTO  # tma: a producer warpgroup loads the tiles with TMA (wgmma, dense)
     schedule: Schedule = Schedule.AUTO  # overlap, pingpong: the TMA kernel's softmax under its GEMMs
     persistent: Persistent = Persistent.AUTO  # the TMA kernel: at most the CTAs the SMs hold walk the query tiles
+    # A user's variant (attngen/families/snippets.py, docs/variants.md): device-function bodies, and the aux
+    # tensors' signature "name:dtype:ndim;..." they read. "" (off) is left out of the spec's dict and key.
+    score_mod: str = ""
+    mask_mod: str = ""
+    aux: str = ""
 
     def __post_init__(self):
         s = object.__setattr__
@@ -208,6 +214,10 @@ class PrefillSpec(SpecBase):
         s(self, "pipeline", coerce_enum(Pipeline, "pipeline", self.pipeline))
         s(self, "schedule", coerce_enum(Schedule, "schedule", self.schedule))
         s(self, "persistent", _persistent(self.persistent))
+        score_mod, mask_mod, aux = snippets.check_spec_fields(self)
+        s(self, "score_mod", score_mod)
+        s(self, "mask_mod", mask_mod)
+        s(self, "aux", aux)
         if self.is_persistent and self.pipeline is Pipeline.SYNC:
             raise SpecError("persistent", "true", "false with pipeline=sync",
                             reason="the persistent kernel's producer warpgroup loads each next query tile by TMA")
@@ -267,6 +277,12 @@ class PrefillSpec(SpecBase):
                 raise SpecError(name, value, f"{allowed} with the chunked kernel (head_dim above {self.WHOLE_MAX}, "
                                 "head_dim_v above head_dim or head_dim_chunk < head_dim)",
                                 reason="the chunked kernel's TMA form has the serial schedule, one CTA a query tile")
+            for name in ("score_mod", "mask_mod", "aux"):
+                if getattr(self, name):
+                    raise SpecError(name, snippets.short(getattr(self, name)) if name != "aux" else self.aux, "'' (off) with the chunked kernel "
+                                    f"(head_dim above {self.WHOLE_MAX}, head_dim_v above head_dim or head_dim_chunk < "
+                                    "head_dim)", reason="snippets run in the whole-row kernels (head dims up to "
+                                    f"{self.WHOLE_MAX}) only")
         elif self.cta_tile_q and self.num_warps and self.cta_tile_q % (16 * self.num_warps):
             raise SpecError("num_warps", self.num_warps,
                             f"a divisor of cta_tile_q/16 = {self.cta_tile_q // 16}",
@@ -464,7 +480,8 @@ class PrefillSpec(SpecBase):
         """d128 (d192v128: split head dims), dtype, mask, layout and score flags, tiles, warps and stages,
         chunk width, mma, pipeline, schedule, persistence; defaults and unset tuning fields left out."""
         flags = (("cmask", self.custom_mask), ("varlen", self.varlen), ("paged", self.paged), ("lse", self.return_lse),
-                 ("cap", self.softcap), ("alibi", self.alibi), ("sinks", self.sinks))
+                 ("cap", self.softcap), ("alibi", self.alibi), ("sinks", self.sinks), ("smod", self.score_mod),
+                 ("mmod", self.mask_mod))
         return (f"d{self.head_dim}" + self.name_piece("v{}", self.head_dim_v), self.dtype.value,
                 {MaskMode.CAUSAL: "causal", MaskMode.SLIDING_WINDOW: "swa"}.get(self.mask, ""),
                 *(name for name, on in flags if on), self.name_piece("q{}k{}", self.cta_tile_q, self.cta_tile_kv),
@@ -473,8 +490,12 @@ class PrefillSpec(SpecBase):
                 {Schedule.OVERLAP: "ov", Schedule.PINGPONG: "pp"}.get(self.schedule, ""),
                 "pers" if self.persistent is Persistent.ON else "")
 
+    def compile_error(self, error):
+        return snippets.snippet_error(error, self) if self.score_mod or self.mask_mod else None
+
     def template_context(self) -> dict:
         ctx = super().template_context()
+        ctx.update(snippets.template_context(self.score_mod, self.mask_mod, self.aux))
         ctx.update(dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask], tma=self.tma, overlap=self.overlapped,
                    pingpong=self.schedule is Schedule.PINGPONG, persistent=self.is_persistent, qk_pair=self.qk_pair,
                    o_in_q=self.o_in_q)

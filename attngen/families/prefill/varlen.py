@@ -16,6 +16,7 @@ from ...runtime import data_ptr, tensor_info
 from ...spec import op_spec
 from ..head_pad import pad_widths, run_padded
 from ..score_mods import NO_EXTRAS, check_spec_sinks, checked_scale, extras, sinks_ptr
+from ..snippets import call_mods, check_spec_mods, mod_layout, pack_aux, refuse_traced
 from ..split_kv import check_block_size
 from .masks import PLAN_PARAMS
 from .choose import VARLEN, VARLEN_PAGED, varlen_grid
@@ -49,7 +50,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    causal: bool = False, window: tuple[int, int] = _NO_WINDOW, sm_scale: float | None = None,
                    return_lse: bool = False, out=None, block_table=None,
                    spec: PrefillSpec | str | Mapping | None = None, softcap: float = 0.0,
-                   alibi_slopes=None, sinks=None):
+                   alibi_slopes=None, sinks=None, score_mod: str = "", mask_mod: str = "", aux=None):
     """Attention forward over packed sequences of different lengths (FlashAttention's varlen API).
 
     q ``[total_q, heads, head_dim]``, k and v ``[total_k, kv_heads, head_dim]``; sequence s is rows
@@ -66,9 +67,11 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     ``spec`` (a spec, its text or a dict of its fields) overrides the tuning fields, as in ``prefill``.
     A head dim up to 256 that is not a multiple of 8 (or is below 32) runs on a zero-padded copy, as in
     ``prefill``; that costs a copy of q, k and v (or the paged cache) per call. ``sinks`` (fp32 ``[heads]``):
-    attention sinks as in ``prefill``; the LSE includes them.
+    attention sinks as in ``prefill``; the LSE includes them. ``score_mod``, ``mask_mod`` and ``aux``: a user's
+    variant as in ``prefill`` (b is the sequence's index, q_idx and kv_idx positions within the sequence).
     """
     if _rt.tracing is not None and _rt.tracing():
+        refuse_traced("attngen.prefill_varlen", score_mod, mask_mod, aux)
         return _rt.traced_ops["prefill_varlen"](
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
             sm_scale=sm_scale, return_lse=return_lse, out=out, block_table=block_table, spec=spec, softcap=softcap,
@@ -77,10 +80,13 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     if widths is not None:  # a head dim no kernel is built for, run on zero-padded copies (head_pad)
         return run_padded(prefill_varlen, q, k, v, widths, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           sm_scale=sm_scale, out=out, return_lse=return_lse, causal=causal, window=window,
-                          block_table=block_table, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+                          block_table=block_table, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                          score_mod=score_mod, mask_mod=mask_mod, aux=aux)
     if spec is not None and spec.__class__ is not PrefillSpec:
         spec = op_spec(spec, "prefill", "attngen.prefill_varlen")
     check_spec_sinks(spec, sinks)
+    mods = call_mods(score_mod, mask_mod, aux) if score_mod or mask_mod or aux else None
+    check_spec_mods(spec, mods)
     paged = block_table is not None
     qi, ki, vi = check_qkv(q, k, v, "[total_q, heads, head_dim]",
                            "[num_blocks, block_size, kv_heads, head_dim]" if paged else "[total_k, kv_heads, head_dim]")
@@ -114,7 +120,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                                              if softcap or alibi_slopes is not None else NO_EXTRAS)
     sinks_at = sinks_ptr(sinks, h, qi)
     key = (d, qi.dtype, qi.device, mcode, return_lse, spec, qi.kind, bool(softcap), alibi_ptr != 0,
-           VARLEN_PAGED if paged else VARLEN, dv, sinks is not None)
+           VARLEN_PAGED if paged else VARLEN, dv, sinks is not None, *(() if mods is None else (mods[:3],)))
     plan = plan_for(key)
     scale = plan.default_scale if sm_scale is None else checked_scale(sm_scale)
     if out is None:
@@ -129,8 +135,12 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     kern = plan.kernel or plan.kernel_for(max(1, total_q // max(batch, 1)))  # (choose.Problem.size)
     kern, maps = plan.tma_maps(kern, qi, ki, vi)  # the packed tensors as TMA maps, or the cp.async kernel
     layout, maps = (PARAMS_EXT, ()) if maps is None else (PARAMS_EXT_TMA, (maps,))
-    if sinks_at:  # batch_count (unread), then the sinks' pointer
+    if sinks_at or mods:  # batch_count (unread), then the sinks' pointer
         layout = PARAMS_EXT_SINKS if layout is PARAMS_EXT else PARAMS_EXT_TMA_SINKS
+    # the snippets' aux tensors after every other field (params.cuh, ModArgs)
+    mod_vals = () if mods is None else pack_aux(kern.spec.aux, mods[3], qi)
+    if mods:
+        layout = mod_layout(layout)
     grid = varlen_grid(total_q, batch, h, kern.spec)
     max_items = grid[0]
     splits = kern.spec.v_splits  # the chunked kernel past 640 columns of v: CTAs a query tile's O is split over
@@ -154,6 +164,6 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         cq.ptr, ck.ptr, bt_ptr, wp, wp + 8 * max_items, 0, 0, 0,
         bt_sb, 0,
         block_size, num_blocks, total_q, total_k, 0, 0, 0, 0, 0,
-        *((0, sinks_at) if sinks_at else ()),
+        *((0, sinks_at) if sinks_at or mods else ()), *mod_vals,
     )
     return (out, lse) if return_lse else out
