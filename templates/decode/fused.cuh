@@ -22,20 +22,8 @@ struct Decode {
   static constexpr int M_TILES = S::M_TILES, D_TILES = S::D_TILES, KW_TILES = S::KW_TILES;
   static constexpr int BLOCK_N = S::BLOCK_N, NUM_STAGES = S::NUM_STAGES, TILE_ELEMS = S::TILE_ELEMS, Q_ELEMS = S::Q_ELEMS;
 
-  // S, softmax and P V per tile; a paged cache of whole-tile blocks takes its own copy of the loop
-  // (DecodeProducer::whole_tiles).
+  // S, softmax and P V per tile.
   static __device__ __forceinline__ void fused(const DecodeParams<T>& p) {
-    if constexpr (Load::WHOLE_TILES) {
-      if (Load::whole_tiles(p)) {
-        fused_tiles<true>(p);
-        return;
-      }
-    }
-    fused_tiles<false>(p);
-  }
-
-  template <bool WHOLE>
-  static __device__ __forceinline__ void fused_tiles(const DecodeParams<T>& p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sK = sQ + Q_ELEMS;
@@ -44,13 +32,12 @@ struct Decode {
     const Lane l = S::lane_of();
 
     typename Load::Pages pg;
-    Load::template lookup<WHOLE>(pg, p, c, c.tile_begin, l.tid);
+    Load::lookup(pg, p, c, c.tile_begin, l.tid);
     Load::load_q(sQ, p, c, l.tid);
     Load::zero_pads(sQ, sK, l.tid);
     const auto load = [&](int tile, int slot) {
-      Load::template load_rows<true, true, WHOLE>(sK + slot * TILE_ELEMS, sV + slot * TILE_ELEMS, p, c, pg, tile,
-                                                  l.tid);
-      Load::template lookup<WHOLE>(pg, p, c, tile + 1, l.tid);
+      Load::template load_rows<true, true>(sK + slot * TILE_ELEMS, sV + slot * TILE_ELEMS, p, c, pg, tile, l.tid);
+      Load::lookup(pg, p, c, tile + 1, l.tid);
     };
     Load::ring_fill(c, load);
     float acc_o[M_TILES][D_TILES][4];

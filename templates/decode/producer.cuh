@@ -40,63 +40,21 @@ struct DecodeProducer {
   }
 
   // Paged caches: the table entry of each 16-row group this thread copies from in one tile, read
-  // one tile ahead and kept as loaded (0 past the sequence); load_rows_paged clamps it. Clamping here
-  // would wait for the read at once, every tile. A group's entry is found from its first row, not
-  // from the thread's row in it: where a thread's rows are under 16 apart every thread of the CTA then
-  // reads the same entries. An entry is read wherever that first row is in the sequence, so its
-  // index lies in the table's row (seqlen is at most the table's capacity). (At four rows or more a
-  // group, from the thread's first row of the group: see lookup.)
+  // one tile ahead and kept as loaded (0 past the sequence); load_rows clamps it. Clamping here
+  // would wait for the read at once, every tile.
   struct Pages {
     int block[PAGED && !ANY_CHUNKS ? PAGE_ENTRIES : 1];
   };
 
-  // The tile row of the first row of the 16-row group of this thread's entry e (r0: its first row of a tile).
-  static __device__ __forceinline__ int group_row(int r0, int e) { return (r0 & ~15) + e * ROWS_PER_ENTRY * ROW_STEP; }
-
-  template <bool WHOLE = false>
   static __device__ __forceinline__ void lookup(Pages& pg, const DecodeParams<T>& p, const Cta& c, int tile, int tid) {
-    static_assert(!WHOLE || WHOLE_TILES, "whole-tile lookups: paged rows of at most two a thread to a group");
-    if constexpr (PAGED && !ANY_CHUNKS && ROWS_PER_ENTRY >= 4) {
-      // Four rows or more of a thread to a group (head_dim 256 at 4 warps, 512): these kernels hold 255
-      // registers a thread, and the form below spilled 12 bytes (head_dim 512, sm_90a), so they read
-      // each entry from the thread's own first row of the group, the form their copies were tuned with.
+    if constexpr (PAGED && !ANY_CHUNKS) {
       const int r0 = tid / L::CHUNKS;
 #pragma unroll
       for (int e = 0; e < PAGE_ENTRIES; ++e) {
         const int pos = tile * BLOCK_N + r0 + e * ROWS_PER_ENTRY * ROW_STEP;  // the group's first row here
         pg.block[e] = pos < c.seqlen ? c.table[block_of(pos, p, c)] : 0;
       }
-    } else if constexpr (PAGED && !ANY_CHUNKS) {
-      const int r0 = tid / L::CHUNKS;
-      // The table's row as an opaque value: otherwise the compiler folds each entry's index into
-      // batch * bt_sb and recomputes the row's address from the parameters for every entry (six
-      // instructions an entry at head_dim 128). Only at two rows a group, where it was measured: the
-      // other kernels, nearer their register limits, keep the compiler's choice.
-      const int* row = c.table;
-      if constexpr (ROWS_PER_ENTRY > 1) asm("" : "+l"(row));
-      if constexpr (WHOLE) {
-        const int first = tile * BLOCK_N;
-        pg.block[0] = first < c.seqlen ? __ldg(row + block_of(first, p, c)) : 0;
-      } else {
-#pragma unroll
-        for (int e = 0; e < PAGE_ENTRIES; ++e) {
-          const int first = tile * BLOCK_N + group_row(r0, e);
-          pg.block[e] = first < c.seqlen ? __ldg(row + block_of(first, p, c)) : 0;
-        }
-      }
     }
-  }
-
-  // Blocks of whole tiles (block_size a multiple of BLOCK_N; tiles start at multiples of BLOCK_N): each
-  // tile lies in one block, found by one lookup (lookup<true>), and a thread's rows of the tile all step
-  // from its first (load_rows<..., true>). Where WHOLE_TILES, the fused kernel runs its tile loop in two
-  // copies, one each way, and picks one by whole_tiles: a choice inside the loop cost the other block
-  // sizes about 25 instructions a tile at head_dim 128 (ptxas 13.5, sm_90a). Only rings of three stages
-  // or more (the fast memories' configs): at two, the two copies spilled 8 to 12 bytes (head_dim 64 at
-  // 32 rows on sm_80 to sm_90a, 128 at 16 rows on sm_86 and sm_89).
-  static constexpr bool WHOLE_TILES = PAGED && !ANY_CHUNKS && ROWS_PER_ENTRY < 4 && NUM_STAGES >= 3;
-  static __device__ __forceinline__ bool whole_tiles(const DecodeParams<T>& p) {
-    return WHOLE_TILES && p.block_size % BLOCK_N == 0;
   }
 
   // Rows [tile * BLOCK_N, + BLOCK_N) of one head of the K (LOAD_K) and V (LOAD_V) caches into
@@ -105,7 +63,7 @@ struct DecodeProducer {
   // copies each row's K and V together, deeper rings all of K first: the order that keeps head_dim
   // 256 (255 registers a thread) from spilling on each (ptxas 13.5; the other order spilled 40 bytes
   // on sm_80/sm_86 at one stage, 8 on sm_90a at two).
-  template <bool LOAD_K, bool LOAD_V, bool WHOLE = false>
+  template <bool LOAD_K, bool LOAD_V>
   static __device__ __forceinline__ void load_rows(T* dst_k, T* dst_v, const DecodeParams<T>& p, const Cta& c,
                                                    const Pages& pg, int tile, int tid) {
     const int r0 = tid / L::CHUNKS;
@@ -118,9 +76,10 @@ struct DecodeProducer {
       // faulting), the others step from its address. That address is in the pool whether or not the
       // row is in the sequence, so it is not chosen on `ok`: at head_dim 256 that choice compiled to a
       // branch around each row's copy (117 branch regions against the contiguous kernel's 58, ptxas
-      // 13.5) and the paged kernel fell well behind the contiguous one; stepping keeps up with it.
-      // load_rows_paged, the same steps in fewer instructions, spilled here (12 to 20 bytes at 255
-      // registers on sm_90a, ptxas 13.5), so fewer rows a group take it.
+      // 13.5) and the paged kernel fell well behind the contiguous one; stepping keeps up with it. At
+      // two rows a group (head_dim 128) stepping was slower at batch 1, so those keep the form below.
+      // (Two loops rather than one with the choice inside: the shared loop changed the contiguous kernels'
+      // machine code on sm_100.)
 #pragma unroll
       for (int pass = 0; pass < PASSES; ++pass) {
         const bool load_k = LOAD_K && (PASSES == 1 || pass == 0);
@@ -148,13 +107,11 @@ struct DecodeProducer {
           }
         }
       }
-    } else if constexpr (PAGED && ROWS_PER_ENTRY == 1 && !WHOLE) {
-      // One row of a thread to a group (head_dim 64; 128 at 8 warps), not of whole-tile blocks: each row
-      // from its group's entry, in the per-row form these kernels had (load_rows_paged's form spilled 4
-      // bytes at head_dim 64, 32 rows, 8 warps, sinks, sm_80; ptxas 13.5). At 16 rows each address is
-      // computed whether or not the row is in the sequence (it is in the pool: the block is clamped, the
-      // slot lies in it), not chosen on `ok`, which had more branch regions; at 32 rows the choice stays:
-      // without it head_dim 64 and 256 spilled on sm_90a.
+    } else {
+      // Paged at 16 rows a CTA: each row's address is computed whether or not the row is in the sequence
+      // (it is in the pool: the block is clamped, the slot lies in it), not chosen on `ok`: without the
+      // choice head_dim 128 paged has fewer branch regions (86 down to 50) and runs faster. At 32 rows the
+      // choice stays: without it head_dim 64 and 256 spilled on sm_90a.
       constexpr bool ANY_ROW = PAGED && ROWS <= 16;
 #pragma unroll
       for (int pass = 0; pass < PASSES; ++pass) {
@@ -178,106 +135,6 @@ struct DecodeProducer {
               cp_async_16(smem_addr(dst_v + at), ANY_ROW || ok ? c.v + blk * p.v_sb + slot * p.v_ss + col : c.v, ok);
           }
         }
-      }
-    } else if constexpr (PAGED) {
-      load_rows_paged<LOAD_K, LOAD_V, WHOLE>(dst_k, dst_v, p, c, pg, tile, tid);
-    } else {
-#pragma unroll
-      for (int pass = 0; pass < PASSES; ++pass) {
-#pragma unroll
-        for (int it = 0; it < ROW_ITERS; ++it) {
-          const int r = r0 + it * ROW_STEP;
-          if (BLOCK_N % ROW_STEP == 0 || r < BLOCK_N) {
-            const int pos = tile * BLOCK_N + r;
-            const bool ok = pos < c.seqlen && (!LOCAL || pos >= c.key_lo);
-            const int at = L::offset(r, col);
-            if (LOAD_K && (PASSES == 1 || pass == 0))
-              cp_async_16(smem_addr(dst_k + at), ok ? c.k + pos * p.k_ss + col : c.k, ok);
-            if (LOAD_V && (PASSES == 1 || pass == 1))
-              cp_async_16(smem_addr(dst_v + at), ok ? c.v + pos * p.v_ss + col : c.v, ok);
-          }
-        }
-      }
-    }
-  }
-
-  // load_rows of a paged cache whose rows' chunks divide among the threads, at two rows of a thread to a
-  // 16-row group (head_dim 128 at 4 warps, 256 at 8), and of whole-tile blocks. Each 16-row group of a
-  // tile lies in one block; a thread's first row in a group takes its address from the group's entry
-  // (clamped to the pool: a bad table entry reads a wrong block instead of faulting) and its slot, its
-  // other rows in the group step from it. The address is computed whether or not the row is in the
-  // sequence (it lies in the pool either way), not chosen on `ok`, which compiled to a branch around
-  // each row's copy. The per-row form this replaced (a block lookup, a slot and two 64-bit products a
-  // row) took about 270 instructions a tile at head_dim 128 with its lookups, as many as the contiguous
-  // copies; this takes about 180, and about 115 where blocks hold whole tiles (WHOLE: one entry, every
-  // row stepping from the first; ptxas 13.5, sm_90a).
-  template <bool LOAD_K, bool LOAD_V, bool WHOLE>
-  static __device__ __forceinline__ void load_rows_paged(T* dst_k, T* dst_v, const DecodeParams<T>& p, const Cta& c,
-                                                         const Pages& pg, int tile, int tid) {
-    static_assert(ROW_STEP >= 16 || 16 % ROW_STEP == 0, "a thread's rows of a 16-row group step evenly");
-    static_assert(!WHOLE || WHOLE_TILES, "whole-tile copies: paged rows of at most two a thread to a group");
-    const int r0 = tid / L::CHUNKS;
-    const int col = (tid % L::CHUNKS) * 8;
-    constexpr long long E = sizeof(T);
-    const char* kb = reinterpret_cast<const char*>(c.k + col);
-    const char* vb = reinterpret_cast<const char*>(c.v + col);
-    const long long k_ss = p.k_ss * E, k_sb = p.k_sb * E, v_ss = p.v_ss * E, v_sb = p.v_sb * E;
-    if constexpr (WHOLE) {
-      // The tile's one block; this thread's first row (r0) and every other row stepping from it.
-      const int first = tile * BLOCK_N;
-      const unsigned slot = (unsigned)(first - block_of(first, p, c) * p.block_size + r0);
-      const unsigned blk = (unsigned)min(max(pg.block[0], 0), p.num_blocks - 1);
-      const char* gk = kb + slot * k_ss;
-      const char* gv = vb + slot * v_ss;
-      gk += blk * k_sb;
-      gv += blk * v_sb;
-#pragma unroll
-      for (int pass = 0; pass < PASSES; ++pass)
-        copy_run<LOAD_K, LOAD_V, ROW_ITERS>(dst_k, dst_v, p, c, gk, gv, k_ss, v_ss, tile, r0, col, 0, pass);
-    } else {
-#pragma unroll
-      for (int pass = 0; pass < PASSES; ++pass) {
-        const bool load_k = LOAD_K && (PASSES == 1 || pass == 0);
-        const bool load_v = LOAD_V && (PASSES == 1 || pass == 1);
-#pragma unroll
-        for (int e = 0; e < PAGE_ENTRIES; ++e) {
-          const int first = tile * BLOCK_N + group_row(r0, e);
-          const unsigned slot = (unsigned)(first - block_of(first, p, c) * p.block_size + (r0 & 15));
-          const unsigned blk = (unsigned)min(max(pg.block[e], 0), p.num_blocks - 1);
-          const char* gk = kb + slot * k_ss;
-          const char* gv = vb + slot * v_ss;
-          gk += blk * k_sb;
-          gv += blk * v_sb;
-#pragma unroll
-          for (int j = 0; j < ROWS_PER_ENTRY; ++j) {
-            const int r = r0 + (e * ROWS_PER_ENTRY + j) * ROW_STEP;
-            if (BLOCK_N % ROW_STEP == 0 || r < BLOCK_N) {
-              const int pos = tile * BLOCK_N + r;
-              const bool ok = pos < c.seqlen && (!LOCAL || pos >= c.key_lo);
-              const int at = L::offset(r, col);
-              if (load_k) cp_async_16(smem_addr(dst_k + at), gk + j * ROW_STEP * k_ss, ok);
-              if (load_v) cp_async_16(smem_addr(dst_v + at), gv + j * ROW_STEP * v_ss, ok);
-            }
-          }
-        }
-      }
-    }
-  }
-
-  // This thread's rows it0 .. it0 + N - 1 of a tile (ROW_STEP apart), their addresses stepping from gk and gv.
-  template <bool LOAD_K, bool LOAD_V, int N>
-  static __device__ __forceinline__ void copy_run(T* dst_k, T* dst_v, const DecodeParams<T>& p, const Cta& c,
-                                                  const char* gk, const char* gv, long long k_ss, long long v_ss,
-                                                  int tile, int r0, int col, int it0, int pass) {
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const int r = r0 + (it0 + j) * ROW_STEP;
-      if (BLOCK_N % ROW_STEP == 0 || r < BLOCK_N) {
-        const int pos = tile * BLOCK_N + r;
-        const bool ok = pos < c.seqlen && (!LOCAL || pos >= c.key_lo);
-        const int at = L::offset(r, col);
-        if (LOAD_K && (PASSES == 1 || pass == 0)) cp_async_16(smem_addr(dst_k + at), gk + j * ROW_STEP * k_ss, ok);
-        if (LOAD_V && (PASSES == 1 || pass == 1)) cp_async_16(smem_addr(dst_v + at), gv + j * ROW_STEP * v_ss, ok);
       }
     }
   }
