@@ -136,6 +136,9 @@ def _flex(torch, c: dict, q, k, v):
         # The sink joins each row's denominator: O scales by e^lse / (e^lse + e^sink).
         return (o.float() * torch.sigmoid(lse - sinks[None, :, None])[..., None]).to(o.dtype)
 
+    # A fresh compile a case: past dynamo's recompile limit a compiled function falls back to eager flex_attention,
+    # which materialises the scores (tens of times slower), and that would be timed instead.
+    torch._dynamo.reset()
     compiled = torch.compile(run, dynamic=False)
     return lambda: compiled(qt, kt, vt).transpose(1, 2)
 
