@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ...bench.core import (_int_list, _rel_check, _replay_or_gpu_check, _say, bench_ms, env_lines, environment,
+from ...bench.core import (_fmt, _int_list, _rel_check, _replay_or_gpu_check, _say, bench_ms, env_lines, environment,
                            ratio_summary, write_json)
 
 HEADS, KV_HEADS = 32, 8
@@ -153,11 +153,6 @@ def _first_call(fn) -> tuple[Any, float]:
     return out, time.perf_counter() - t
 
 
-def _close(a, b) -> dict:
-    """Relative L2 of ``a`` against ``b`` (both outputs; b taken as the reference)."""
-    return _rel_check(a, b.float())
-
-
 def run_case(torch, name: str, d: int, seqlen: int, args) -> dict:
     import attngen
 
@@ -192,7 +187,7 @@ def run_case(torch, name: str, d: int, seqlen: int, args) -> dict:
     ref = outs.get("flex", outs.get("builtin"))
     for key, o in outs.items():
         if ref is not None and o is not ref:
-            row["check"][key] = _close(o, ref)
+            row["check"][key] = _rel_check(o, ref.float())
     best = min((row["ms"][k] for k in ("builtin", "snippet") if k in row["ms"]), default=None)
     row["ratio"] = {}
     if best and "flex" in row["ms"]:
@@ -217,10 +212,6 @@ def summarize(rows: list[dict]) -> dict:
     return {"ratio": {k: v for k, v in out.items() if k != "checks"}, "checks": out["checks"]}
 
 
-def _f(x, spec=".3f") -> str:
-    return "—" if x is None else format(x, spec)
-
-
 def _finish(data: dict, args, print_table: bool = False) -> None:
     lines = [*env_lines(data["env"]), "",
              "| case | D | S | B | built-in ms | snippet ms | Flex ms | Flex ÷ best attngen | Flex ÷ snippet | "
@@ -229,10 +220,11 @@ def _finish(data: dict, args, print_table: bool = False) -> None:
     for r in data["rows"]:
         ms, ra, fs = r["ms"], r.get("ratio", {}), r.get("first_s", {})
         worst = max((c["rel_l2"] for c in r.get("check", {}).values()), default=None)
-        lines.append(f"| {r['case']} | {r['head_dim']} | {r['seqlen']} | {r['batch']} | {_f(ms.get('builtin'))} | "
-                     f"{_f(ms.get('snippet'))} | {_f(ms.get('flex'))} | {_f(ra.get('flex'), '.2f')} | "
-                     f"{_f(ra.get('flex_snippet'), '.2f')} | {_f(ra.get('builtin'), '.2f')} | "
-                     f"{_f(fs.get('snippet'), '.2f')} / {_f(fs.get('flex'), '.1f')} | {_f(worst, '.1e')} |")
+        lines.append(f"| {r['case']} | {r['head_dim']} | {r['seqlen']} | {r['batch']} | "
+                     f"{_fmt(ms.get('builtin'), '.3f')} | {_fmt(ms.get('snippet'), '.3f')} | "
+                     f"{_fmt(ms.get('flex'), '.3f')} | {_fmt(ra.get('flex'), '.2f')} | "
+                     f"{_fmt(ra.get('flex_snippet'), '.2f')} | {_fmt(ra.get('builtin'), '.2f')} | "
+                     f"{_fmt(fs.get('snippet'), '.2f')} / {_fmt(fs.get('flex'), '.1f')} | {_fmt(worst, '.1e')} |")
         if r.get("flex_error"):
             errors.append(f"FlexAttention refused {r['case']} D={r['head_dim']} S={r['seqlen']}: {r['flex_error']}")
     lines += [""] + errors if errors else []
@@ -244,7 +236,7 @@ def _finish(data: dict, args, print_table: bool = False) -> None:
                          f"{s[peer]['min_at']} over {s[peer]['shapes']} rows")
     c = data.get("summary", {}).get("checks", {})
     if c:
-        lines.append(f"\nchecks: {c['run']} run, {c['failed']} failed, worst rel L2 {_f(c.get('max_rel_l2'), '.1e')}")
+        lines.append(f"\nchecks: {c['run']} run, {c['failed']} failed, worst rel L2 {_fmt(c.get('max_rel_l2'), '.1e')}")
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -255,7 +247,8 @@ def cmd_variants(args: argparse.Namespace) -> int:
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     bad = [c for c in cases if c not in CASES]
     if bad or not cases:
-        _say(f"attngen: error: --cases {args.cases!r}: {','.join(bad) or 'none'} unknown; allowed: {','.join(CASES)}", file=sys.stderr)
+        _say(f"attngen: error: --cases {args.cases!r}: {','.join(bad) or 'none'} unknown; allowed: {','.join(CASES)}",
+             file=sys.stderr)
         return 2
     rc = _replay_or_gpu_check("variants", args, _finish)
     if rc is not None:
