@@ -29,10 +29,12 @@ def main():
     from attngen import runtime
 
     launched = []  # (entry, spec, layout size) of each launch, in order
+    grids = []  # and its grid
     launch_struct = runtime.Kernel.launch_struct
 
     def recording(self, layout, grid, stream, *values, entry="", **kw):
         launched.append((entry, self.spec, layout.size))
+        grids.append(tuple(grid))
         return launch_struct(self, layout, grid, stream, *values, entry=entry, **kw)
 
     runtime.Kernel.launch_struct = recording
@@ -80,6 +82,20 @@ def main():
         del launched[:]
         call()
         assert not [s for e, s, _ in launched if e == "" and (s.score_mod or s.mask_mod or s.aux)], (name, launched)
+    # A mask_mod without a mask tensor walks its block plan (a custom-mask kernel; its tile states evaluated over the
+    # batch only where the snippet names b, over the heads only where it names h) unless mask_plan='off'.
+    qs = rand(b, sk, h, d)  # (seqlen_q = seqlen_k: the doc ids index both)
+    for snippet, mod_aux, z in ((MASK, {"doc": doc}, 1), ("return doc2(b, kv_idx) >= h;", {"doc2": wrap(
+            torch.zeros(b, sk, dtype=torch.int32))}, b * h)):
+        del launched[:], grids[:]
+        attngen.prefill(qs, k, v, causal=True, mask_mod=snippet, aux=mod_aux)
+        assert [e for e, _, _ in launched] == ["_modtiles", "_mlists", "_order", ""], launched
+        assert launched[-1][1].custom_mask and launched[0][1] == launched[-1][1]
+        tiles = launched[-1][1].cta_tile_q, launched[-1][1].cta_tile_kv
+        assert grids[0] == (-(-sk // tiles[1]), -(-sk // tiles[0]), z), grids
+        del launched[:]
+        attngen.prefill(qs, k, v, causal=True, mask_mod=snippet, aux=mod_aux, mask_plan="off")
+        assert [e for e, _, _ in launched] == [""] and not launched[0][1].custom_mask, launched
     # The aux checks name the tensor, and launch nothing.
     spec_aux = attngen.PrefillSpec(head_dim=64, score_mod=SCORE, aux="bias:fp32:2")
     wrong = (

@@ -100,6 +100,27 @@ def parse_aux(text) -> tuple[tuple[str, str, int], ...]:
     return tuple(sorted(out))
 
 
+# C tokens, longest first where two could start at one place: comments and literals are skipped whole (a "h" in a
+# printf format or a comment names nothing), pp-numbers too (the "b" of 0x1b is no identifier).
+_TOKENS = re.compile(r"""//[^\n]*|/\*.*?(?:\*/|\Z)|"(?:\\.|[^"\\\n])*"?|'(?:\\.|[^'\\\n])*'?"""
+                     r"|\.?[0-9](?:[eEpP][+-]|[A-Za-z0-9_.])*|([A-Za-z_][A-Za-z0-9_]*)|.", re.S)
+
+
+def names_read(text: str) -> frozenset:
+    """The identifiers a snippet's text names as C tokens: outside comments, string and character literals and
+    numbers. A name inside a macro (``#define B b``) or a token pasting counts too, which only errs on the safe
+    side."""
+    return frozenset(m.group(1) for m in _TOKENS.finditer(text or "") if m.group(1))
+
+
+def reads_batch_head(mask_mod: str) -> tuple[bool, bool]:
+    """(reads b, reads h) of a ``mask_mod``: whether its text names the identifier ``b`` / ``h`` (``names_read``).
+    A snippet that never names one cannot depend on it (its aux reads take only the indices it writes), so its block
+    plan is one for every value of it: one plan per batch row shared by all heads, or one for the whole batch."""
+    names = names_read(mask_mod)
+    return "b" in names, "h" in names
+
+
 def aux_text(items) -> str:
     """The canonical ``aux`` text of (name, dtype, ndim) triples."""
     return ";".join(f"{n}:{d}:{k}" for n, d, k in sorted(items))

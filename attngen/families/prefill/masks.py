@@ -5,6 +5,10 @@ three entries of that kernel's own module (templates/prefill/plan.cuh) on the ca
 stream, with no host sync: the mask as bits, per (mask batch/head, query tile) the list of KV
 tiles some row sees (custom mask, causal and window together) with a bit for "the mask keeps
 all of it", and the (mask batch/head, query tile) items sorted heaviest first.
+
+A ``mask_mod``'s block plan (``build_mod``) is the same lists with no mask tensor and no bits: its first entry
+(templates/prefill/mod_plan.cuh) evaluates the snippet on each tile's pairs, per batch row only where the snippet
+names ``b`` and per head only where it names ``h`` (``snippets.reads_batch_head``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import struct
 
 from ...errors import LaunchError
 from ...runtime import allocator, data_ptr, tensor_info
+from ..snippets import mod_layout, reads_batch_head
 
 # PlanParams: 11 pointers, 4 strides, 14 ints.
 PLAN_PARAMS = struct.Struct("<11Q4q14i")
@@ -32,7 +37,7 @@ class MaskPlan:
 
     __slots__ = ("kind", "device", "tiles", "seqlen_q", "seqlen_k", "units_b", "units_h", "mask_mode",
                  "mask_ptr", "mask_shape", "mask_strides", "version", "num_q_tiles", "num_kv_tiles",
-                 "bits_words", "_buf", "_at")
+                 "bits_words", "_buf", "_at", "mods")
 
     def __init__(self, *args, **kwargs):
         # A plan is only as good as the GPU buffers build() fills in: an empty one would reach a
@@ -61,6 +66,18 @@ class MaskPlan:
         of the caller's kind (reading it waits for the plan)."""
         n = self.units_b * self.units_h * self.num_q_tiles
         return self._part("counts", n).reshape(self.units_b * self.units_h, self.num_q_tiles)
+
+    def tile_states(self):
+        """Per (unit, query tile, KV tile) what the plan found, an int32 array ``[units, q tiles, kv tiles]`` of the
+        caller's kind (reading it waits for the plan): 0 no row sees a key of the tile, 1 some do, 2 the custom mask
+        (or mask_mod) keeps every pair of it the causal/window mask leaves."""
+        cells = self.units_b * self.units_h * self.num_q_tiles * self.num_kv_tiles
+        raw = self._part("states", -(-cells // 4))
+        import numpy as np  # the states are bytes: viewed as such on the host
+
+        host = raw.cpu().numpy() if hasattr(raw, "cpu") else raw.get()
+        states = host.view(np.uint8)[:cells].astype(np.int32) & 3
+        return states.reshape(self.units_b * self.units_h, self.num_q_tiles, self.num_kv_tiles)
 
     def live_fraction(self) -> float:
         """The fraction of (query tile, KV tile) pairs the kernel visits (syncs)."""
@@ -102,24 +119,24 @@ def mask_info(mask, b: int, h: int, sq: int, sk: int, kind: str, device: int):
     return mi, ub, uh, st[0], st[1], st[2]
 
 
-def build(kern, mask, qi, ki, mcode: int, left: int, right: int, stream: int) -> MaskPlan:
-    """Build the plan of ``mask`` for ``kern``'s tile sizes on ``stream`` (enqueued, not waited for)."""
-    b, sq, h, _ = qi.shape
+def _new_plan(kern, qi, ki, ub: int, uh: int, mcode: int, left: int, right: int, bits_words, what: str) -> MaskPlan:
+    """A plan of ``ub`` x ``uh`` units for ``kern``'s tiles with its buffer allocated (``bits_words`` a row: 0 for a
+    mask_mod's, which has no bits), not yet built."""
+    b, sq, _, _ = qi.shape
     sk = ki.shape[1]
-    mi, ub, uh, m_sb, m_sh, m_sq = mask_info(mask, b, h, sq, sk, qi.kind, qi.device)
     tq, tk = kern.spec.cta_tile_q, kern.spec.cta_tile_kv
     nqt, nkt = -(-sq // tq), -(-sk // tk)
     units = ub * uh
     if nqt > 65535 or units > 65535 or (ub == 1 and b > 65535):
-        raise LaunchError(f"mask of {units} batch x head units and {nqt} query tiles of {tq} (batch {b}): "
+        raise LaunchError(f"{what} of {units} batch x head units and {nqt} query tiles of {tq} (batch {b}): "
                           f"at most 65535 of each")
-    mp = object.__new__(MaskPlan)  # MaskPlan() refuses: only this function fills one in
+    mp = object.__new__(MaskPlan)  # MaskPlan() refuses: only build and build_mod fill one in
     mp.kind, mp.device, mp.tiles = qi.kind, qi.device, (tq, tk)
     mp.seqlen_q, mp.seqlen_k, mp.units_b, mp.units_h = sq, sk, ub, uh
     mp.mask_mode = (mcode, left, right)
-    mp.mask_ptr, mp.mask_shape, mp.mask_strides, mp.version = mi.ptr, tuple(mi.shape), mi.strides, _version(mask)
     mp.num_q_tiles, mp.num_kv_tiles = nqt, nkt
-    mp.bits_words = nkt * tk // 32
+    mp.bits_words = bits_words(nkt * tk)
+    mp.mods = None
     # One buffer for all of it (one allocation; nothing needs zeroing: every word the kernels
     # read is written first), each part 16-byte aligned (work is read as int2). flags: [0] any
     # odd additive value, then one word per item.
@@ -131,23 +148,67 @@ def build(kern, mask, qi, ki, mcode: int, left: int, right: int, stream: int) ->
     at = mp._at = {}
     ptr = data_ptr(mp._buf, qi.kind)
     for name, n in sizes:
-        at[name] = ptr
+        at[name] = ptr if n else 0  # (no bits: a null pointer, which the kernel reads as a mask_mod's plan)
         ptr += 4 * n
+    return mp
+
+
+def mod_identity(mask_mod: str, aux) -> tuple:
+    """What a mask_mod's plan was built from: the snippet, and each aux tensor's name, pointer, shape, strides and
+    in-place modification count."""
+    infos = ((n, tensor_info(aux[n], f"aux[{n!r}]"), _version(aux[n])) for n in sorted(aux or ()))
+    return mask_mod, tuple((n, i.ptr, tuple(i.shape), i.strides, ver) for n, i, ver in infos)
+
+
+def _lists(kern, mp, params, stream: int) -> None:
+    """The plan's lists and work order from its tile states."""
+    kern.launch_struct(PLAN_PARAMS, (mp.num_q_tiles, mp.units_b * mp.units_h, 1), stream, *params, entry="_mlists")
+    kern.launch_struct(PLAN_PARAMS, (1, 1, 1), stream, *params, entry="_order")
+
+
+def build(kern, mask, qi, ki, mcode: int, left: int, right: int, stream: int) -> MaskPlan:
+    """Build the plan of ``mask`` for ``kern``'s tile sizes on ``stream`` (enqueued, not waited for)."""
+    b, sq, h, _ = qi.shape
+    sk = ki.shape[1]
+    mi, ub, uh, m_sb, m_sh, m_sq = mask_info(mask, b, h, sq, sk, qi.kind, qi.device)
+    mp = _new_plan(kern, qi, ki, ub, uh, mcode, left, right, lambda keys: keys // 32, "mask")
+    mp.mask_ptr, mp.mask_shape, mp.mask_strides, mp.version = mi.ptr, tuple(mi.shape), mi.strides, _version(mask)
+    at, nqt, nkt = mp._at, mp.num_q_tiles, mp.num_kv_tiles
     params = (mi.ptr, at["bits"], at["states"], at["tiles"], at["counts"], at["work"], 0, at["flags"], 0, 0, 0,
               m_sb, m_sh, m_sq, sq * mp.bits_words,
               _MASK_KINDS[mi.dtype], sq, sk, ub, uh, nqt, nkt, mp.bits_words, left, right, 0, 0, 0, 0)
     if nqt:
         if nkt:
-            kern.launch_struct(PLAN_PARAMS, (-(-mp.bits_words // 32), nqt, units), stream, *params, entry="_mtiles")
-        kern.launch_struct(PLAN_PARAMS, (nqt, units, 1), stream, *params, entry="_mlists")
-        kern.launch_struct(PLAN_PARAMS, (1, 1, 1), stream, *params, entry="_order")
+            kern.launch_struct(PLAN_PARAMS, (-(-mp.bits_words // 32), nqt, ub * uh), stream, *params,
+                               entry="_mtiles")
+        _lists(kern, mp, params, stream)
     return mp
 
 
-def checked_plan(mp, mask, kern, qi, ki, mcode: int, left: int, right: int, stream: int) -> MaskPlan:
-    """``mp`` after checking it fits this call, or a plan built now when ``mp`` is None."""
-    if mp is None:
-        return build(kern, mask, qi, ki, mcode, left, right, stream)
+def build_mod(kern, qi, ki, mcode: int, left: int, right: int, aux_args: tuple, aux, stream: int) -> MaskPlan:
+    """Build the block plan of ``kern``'s mask_mod (a custom-mask kernel's, templates/prefill/mod_plan.cuh) for a
+    call of these operands on ``stream`` (enqueued, not waited for): ``aux_args`` the kernel's packed aux tensors
+    (``snippets.pack_aux``), ``aux`` the call's dict of them (or None), whose identity is kept to check a reuse."""
+    b, sq, h, _ = qi.shape
+    sk = ki.shape[1]
+    reads_b, reads_h = reads_batch_head(kern.spec.mask_mod)
+    ub, uh = (b if reads_b else 1), (h if reads_h else 1)
+    mp = _new_plan(kern, qi, ki, ub, uh, mcode, left, right, lambda keys: 0, "mask_mod plan")
+    mp.mask_ptr, mp.mask_shape, mp.mask_strides, mp.version = None, None, None, -1
+    mp.mods = mod_identity(kern.spec.mask_mod, aux)
+    at, nqt, nkt = mp._at, mp.num_q_tiles, mp.num_kv_tiles
+    params = (0, 0, at["states"], at["tiles"], at["counts"], at["work"], 0, at["flags"], 0, 0, 0,
+              0, 0, 0, 0, 0, sq, sk, ub, uh, nqt, nkt, 0, left, right, 0, 0, 0, 0)
+    if nqt:
+        if nkt:
+            kern.launch_struct(mod_layout(PLAN_PARAMS), (nkt, nqt, ub * uh), stream, *params, *aux_args,
+                               entry="_modtiles")
+        _lists(kern, mp, params, stream)
+    return mp
+
+
+def _check_fits(mp, kern, qi, ki, mcode: int, left: int, right: int) -> None:
+    """A caller's plan against this call: its kind, device, causal/window, tiles, lengths and units."""
     if not isinstance(mp, MaskPlan):
         raise LaunchError(f"mask_plan is a {type(mp).__name__}; expected the MaskPlan attngen.mask_plan returns")
     if mp.device != qi.device or mp.kind != qi.kind:
@@ -163,12 +224,39 @@ def checked_plan(mp, mask, kern, qi, ki, mcode: int, left: int, right: int, stre
     if (mp.seqlen_q, mp.seqlen_k) != (qi.shape[1], ki.shape[1]):
         raise LaunchError(f"mask_plan was built for seqlen_q={mp.seqlen_q}, seqlen_k={mp.seqlen_k}; this call has "
                           f"seqlen_q={qi.shape[1]}, seqlen_k={ki.shape[1]}")
+    if (mp.units_b not in (1, qi.shape[0])) or (mp.units_h not in (1, qi.shape[2])):
+        raise LaunchError(f"mask_plan has {mp.units_b} batch and {mp.units_h} head units; this call has batch "
+                          f"{qi.shape[0]}, heads {qi.shape[2]}")
+
+
+def checked_plan(mp, mask, kern, qi, ki, mcode: int, left: int, right: int, stream: int) -> MaskPlan:
+    """``mp`` after checking it fits this call, or a plan built now when ``mp`` is None."""
+    if mp is None:
+        return build(kern, mask, qi, ki, mcode, left, right, stream)
+    if isinstance(mp, MaskPlan) and mp.mods is not None:
+        raise LaunchError("mask_plan was built from a mask_mod (attngen.mask_plan(None, ..., mask_mod=...)); this "
+                          "call passes a mask tensor: pass the plan attngen.mask_plan(mask, ...) built")
+    _check_fits(mp, kern, qi, ki, mcode, left, right)
     mi = tensor_info(mask, "mask")
     if (mi.ptr, tuple(mi.shape), mi.strides) != (mp.mask_ptr, mp.mask_shape, mp.mask_strides):
         raise LaunchError("mask_plan was built from another mask (its data pointer, shape or strides differ)")
     if mp.version != _version(mask):
         raise LaunchError("mask was modified in place after its mask_plan was built; build a new plan")
-    if (mp.units_b not in (1, qi.shape[0])) or (mp.units_h not in (1, qi.shape[2])):
-        raise LaunchError(f"mask_plan has {mp.units_b} batch and {mp.units_h} head units; this call has batch "
-                          f"{qi.shape[0]}, heads {qi.shape[2]}")
+    return mp
+
+
+def checked_mod_plan(mp, kern, qi, ki, mcode: int, left: int, right: int, aux_args: tuple, aux,
+                     stream: int) -> MaskPlan:
+    """A caller's mask_mod plan ``mp`` after checking it fits this call, or one built now when ``mp`` is None."""
+    if mp is None:
+        return build_mod(kern, qi, ki, mcode, left, right, aux_args, aux, stream)
+    if isinstance(mp, MaskPlan) and mp.mods is None:
+        raise LaunchError("mask_plan was built from a mask tensor; this call has a mask_mod and no mask: pass the "
+                          "plan attngen.mask_plan(None, q, k, mask_mod=..., aux=...) built")
+    _check_fits(mp, kern, qi, ki, mcode, left, right)
+    if mp.mods[0] != kern.spec.mask_mod:
+        raise LaunchError("mask_plan was built for another mask_mod than this call's")
+    if mp.mods != mod_identity(kern.spec.mask_mod, aux):
+        raise LaunchError("mask_plan was built from other aux tensors than this call's (their data pointers, shapes "
+                          "or strides differ, or one was modified in place since): build a new plan")
     return mp

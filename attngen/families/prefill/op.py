@@ -22,7 +22,7 @@ import struct
 from collections.abc import Mapping
 
 from ... import runtime as _rt
-from ...errors import LaunchError
+from ...errors import LaunchError, SpecError
 from ...runtime import allocator, data_ptr, get_kernel, tensor_info
 from ...spec import op_spec
 from ...tuned import stored_choices
@@ -280,17 +280,16 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     # the checks, which say what is wrong.
     call = key = None
     mods = call_mods(score_mod, mask_mod, aux) if score_mod or mask_mod or aux else None
-    if mask is None and mask_plan is None:
+    mode, mask_plan = plan_mode(mask_plan, mask, mods)
+    if mask is None:
         try:
             key = (qi, ki, vi, causal, window, sm_scale, return_lse, spec, softcap,
                    None if out is None else tensor_info(out, "out"),
                    None if alibi_slopes is None else tensor_info(alibi_slopes, "alibi_slopes"),
-                   None if sinks is None else tensor_info(sinks, "sinks"), mods)
+                   None if sinks is None else tensor_info(sinks, "sinks"), mods, mode)
             call = _calls.get(key)
         except (LaunchError, TypeError):
             key = None
-    elif mask is None:
-        raise LaunchError("mask_plan needs the mask it was built from (mask=)")
     if call is None:
         widths = pad_widths(q, k, v, PrefillSpec.WHOLE_DIMS) if len(qi.shape) == len(vi.shape) == 4 else None
         if widths is not None:  # a head dim no kernel is built for, run on zero-padded copies (head_pad)
@@ -299,7 +298,7 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
                               mask=mask, mask_plan=mask_plan, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod,
                               aux=aux)
         call = _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softcap, alibi_slopes,
-                        mask is not None, sinks, mods)
+                        mask is not None, sinks, mods, mode)
         _memo.keep(key, call, flags=(causal, return_lse), numbers=(sm_scale, softcap))
     plan, kind = call.plan, qi.kind
     if out is None:
@@ -315,7 +314,17 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     if call.grid is None:  # nothing to compute
         return (out, lse) if return_lse else out
     stream = plan.stream(qi.device)
-    if mask is None:
+    if mask_plan is not None and mask is None and call.mod_aux is None:
+        raise LaunchError("mask_plan was passed with a mask_mod, but the call's kernel has no custom-mask form (a "
+                          "spec with persistent=true?); allowed there: mask_plan=None or 'off'")
+    if call.mod_aux is not None:  # a mask_mod's block plan (masks.build_mod), built now or the caller's
+        from .masks import checked_mod_plan
+
+        mp = checked_mod_plan(mask_plan, call.kern, qi, ki, call.mcode, call.left, call.right, call.mod_aux, aux,
+                              stream)
+        grid, ext = mp.launch_args(qi.shape[2], qi.shape[0])
+        call.kern.launch_struct(call.layout, grid, stream, *call.head, optr, lse_ptr, *call.tail, *ext, *call.post)
+    elif mask is None:
         call.kern.launch_struct(call.layout, call.grid, stream, *call.head, optr, lse_ptr, *call.tail)
     else:
         from .masks import checked_plan
@@ -335,13 +344,35 @@ class _Call:
     mask plan, and ``post``: the parameters after the plan's (with sinks, batch_count and the sinks' pointer)."""
 
     __slots__ = ("plan", "kern", "layout", "out_shape", "out_ptr", "lse_shape", "grid", "head", "tail", "mcode",
-                 "left", "right", "post")
+                 "left", "right", "post", "mod_aux")
+
+
+# What ``mask_plan=`` may say about a mask_mod's block plan: built per call (the default), or none (every KV tile the
+# built-in masks leave is read and mask_mod runs on each of its pairs: what a benchmark compares the plan with).
+PLAN_MODES = ("auto", "off")
+
+
+def plan_mode(mask_plan, mask, mods) -> tuple[str, object]:
+    """(mode, the caller's plan or None) of a call's ``mask_plan``: "auto" (None, or a plan of the caller's: used
+    when the call has a mask_mod and no mask tensor), or "off"."""
+    if mask_plan is None or mask_plan.__class__ is not str:
+        if mask_plan is not None and mask is None and not (mods and mods[1]):
+            raise LaunchError("mask_plan needs the mask it was built from (mask=), or the mask_mod (mask_mod=)")
+        return "auto", mask_plan
+    if mask_plan not in PLAN_MODES:
+        raise LaunchError(f"mask_plan={mask_plan!r} is not allowed; allowed: a MaskPlan (attngen.mask_plan), None, "
+                          f"{', '.join(map(repr, PLAN_MODES))}")
+    if mask_plan == "off" and mask is not None:
+        raise LaunchError("mask_plan='off' is not allowed with a mask tensor (mask=): its kernel walks the plan's "
+                          "tile lists; allowed: None or a MaskPlan of that mask")
+    return mask_plan, None
 
 
 
 def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softcap, alibi_slopes, masked,
-             sinks=None, mods=None) -> _Call:
-    """Check a call's arguments and work out its ``_Call``. ``mods``: the call's snippets (``call_mods``) or None."""
+             sinks=None, mods=None, mode="auto") -> _Call:
+    """Check a call's arguments and work out its ``_Call``. ``mods``: the call's snippets (``call_mods``) or None;
+    ``mode``: ``plan_mode``'s, whether a mask_mod without a mask tensor walks its block plan (a custom-mask kernel)."""
     if spec is not None and spec.__class__ is not PrefillSpec:
         spec = op_spec(spec, "prefill", "attngen.prefill")
     _check_dense(qi, ki, vi)
@@ -356,9 +387,18 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
     cap_u, inv_cap_u, alibi_ptr, alibi_sb = (extras(softcap, alibi_slopes, b, h, qi, sm_scale)
                                              if softcap or alibi_slopes is not None else NO_EXTRAS)
     sinks_at = sinks_ptr(sinks, h, qi)
+    mod_plan = not masked and mode == "auto" and bool(mods and mods[1])
     key = (d, qi.dtype, qi.device, mcode, return_lse, spec, qi.kind, bool(softcap), alibi_ptr != 0,
-           CUSTOM_MASK if masked else DENSE, dv, sinks is not None, *(() if mods is None else (mods[:3],)))
-    call.plan = plan = _plans.get(key) or _memo.plan(key)
+           CUSTOM_MASK if masked or mod_plan else DENSE, dv, sinks is not None, *(() if mods is None else (mods[:3],)))
+    try:
+        call.plan = plan = _plans.get(key) or _memo.plan(key)
+    except SpecError:
+        if not mod_plan:
+            raise
+        # a caller's spec that has no custom-mask form (persistent=true): mask_mod on every pair, as with 'off'
+        mod_plan, key = False, (*key[:9], DENSE, *key[10:])
+        call.plan = plan = _plans.get(key) or _memo.plan(key)
+    call.mod_aux = None
     scale = plan.default_scale if sm_scale is None else checked_scale(sm_scale)
     call.out_shape, call.lse_shape = (b, sq, h, dv), (b, h, sq)
     if out is None:
@@ -380,7 +420,7 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
                  scale, scale * _LOG2E,
                  left, right,
                  cap_u, inv_cap_u, alibi_ptr, alibi_sb)
-    if masked:  # the mask plan gives the grid, per call
+    if masked or mod_plan:  # the mask plan gives the grid, per call
         call.grid, call.layout = (), PARAMS_EXT_SINKS if sinks_at or mods else PARAMS_EXT
         call.kern, maps = plan.tma_maps(kern, qi, ki, vi)
         if maps is not None:
@@ -388,7 +428,10 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
         if sinks_at or mods:
             call.post = (0, sinks_at)
         if mods:  # the aux tensors after every other field (params.cuh, ModArgs)
-            call.layout, call.post = mod_layout(call.layout), (*call.post, *pack_aux(call.kern.spec.aux, mods[3], qi))
+            packed = pack_aux(call.kern.spec.aux, mods[3], qi)
+            call.layout, call.post = mod_layout(call.layout), (*call.post, *packed)
+            if mod_plan:
+                call.mod_aux = packed
         return call
     ks_ = kern.spec
     # v_splits: the chunked kernel past 640 columns
@@ -419,7 +462,7 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
 
 
 def mask_plan(mask, q, k, *, v=None, causal: bool = False, window: tuple[int, int] = _NO_WINDOW,
-              spec: PrefillSpec | str | Mapping | None = None):
+              spec: PrefillSpec | str | Mapping | None = None, mask_mod: str = "", aux=None):
     """Build the plan ``attngen.prefill(q, k, v, mask=mask, causal=..., window=..., mask_plan=plan)``
     walks: per query tile, the KV tiles some row sees (``mask`` with ``causal``/``window``), each
     marked when the mask keeps all of it, and the query tiles sorted heaviest first. Built on the
@@ -428,6 +471,10 @@ def mask_plan(mask, q, k, *, v=None, causal: bool = False, window: tuple[int, in
     ``prefill`` checks. q and k give the shapes, dtype and device (their values are not read); pass
     ``v`` too when its head dim differs from k's (the kernel, and so its tiles, depend on it). ``spec``
     may be given as its text or a dict of its fields, as to ``prefill``. Returns a ``MaskPlan``.
+
+    ``mask=None`` with a ``mask_mod`` (and its ``aux`` tensors) builds that snippet's block plan instead (what
+    ``prefill(..., mask_mod=...)`` builds per call by default): pass it as ``mask_plan`` to calls with the same
+    mask_mod and aux tensors (unchanged), shapes and masks, FlexAttention's block mask reused across layers.
     """
     if spec is not None and spec.__class__ is not PrefillSpec:
         spec = op_spec(spec, "prefill", "attngen.mask_plan")
@@ -436,10 +483,20 @@ def mask_plan(mask, q, k, *, v=None, causal: bool = False, window: tuple[int, in
         q, k, v = (zero_padded(x, w) for x, w in ((q, widths[0]), (k, widths[0]), (k if v is None else v, widths[1])))
     qi, ki, vi = _check_qkv(q, k, k if v is None else v)
     mcode, left, right = mask_and_window(causal, window)
+    mods = None
+    if mask is None:
+        if not mask_mod:
+            raise LaunchError("mask_plan needs a mask tensor (mask) or, with mask=None, a mask_mod")
+        mods = call_mods("", mask_mod, aux)
+    elif mask_mod or aux:
+        raise LaunchError("mask_plan takes a mask tensor or a mask_mod (with mask=None), not both")
     key = (qi.shape[3], qi.dtype, qi.device, mcode, False, spec, qi.kind, False, False, CUSTOM_MASK, vi.shape[3],
-           False)
+           False, *(() if mods is None else (mods[:3],)))
     plan = _plans.get(key) or _memo.plan(key)
     kern = plan.kernel or plan.kernel_for(qi.shape[1])
-    from .masks import build
+    from .masks import build, build_mod
 
+    if mods is not None:
+        return build_mod(kern, qi, ki, mcode, left, right, pack_aux(kern.spec.aux, mods[3], qi), aux,
+                         plan.stream(qi.device))
     return build(kern, mask, qi, ki, mcode, left, right, plan.stream(qi.device))

@@ -468,11 +468,13 @@ class PrefillSpec(SpecBase):
         return 32 * self.num_warps + (128 if self.tma else 0)  # TMA: the producer warpgroup
 
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
-        """The main entry; a custom-mask module adds its plan builders (``_mtiles``, ``_mlists``) and
-        a custom-mask or varlen module its work-list sort (``_order``): PLAN_THREADS and
-        ORDER_THREADS in templates/prefill/plan.cuh, static shared memory only."""
+        """The main entry; a custom-mask module adds its plan builders (``_mtiles``, ``_mlists``; with a mask_mod
+        its block plan's ``_modtiles`` too) and a custom-mask or varlen module its work-list sort (``_order``):
+        PLAN_THREADS and ORDER_THREADS in templates/prefill/plan.cuh, static shared memory only."""
         main = ("", self.threads, self.smem_bytes())
         plan = (("_mtiles", PLAN_THREADS, 0), ("_mlists", PLAN_THREADS, 0)) if self.custom_mask else ()
+        if self.custom_mask and self.mask_mod:
+            plan = (*plan, ("_modtiles", PLAN_THREADS, 0))
         order = (("_order", ORDER_THREADS, 0),) if self.custom_mask or self.varlen else ()
         return (main, *plan, *order)
 
