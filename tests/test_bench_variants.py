@@ -43,13 +43,22 @@ def test_table_from_json_and_record(tmp_path, capsys):
     saved.write_text(json.dumps(data))
     assert bench.main(["variants", "--from-json", str(saved)]) == 0
     out = capsys.readouterr().out
-    assert "| softcap | 128 | 8192 | 2 | 1.000 | 1.020 | 1.700 | 1.70 | 1.67 | 0.98 | 0.40 / 9.5 | 3.0e-03 |" in out
-    assert "| sinks | 64 | 2048 | 8 | 0.500 | — | 0.600 | 1.20 |" in out
+    assert "| softcap | 128 | 8192 | 2 | 1.000 | 1.020 | — | — | 1.700 | 1.70 | 1.67 | 0.98 | 0.40 / 9.5 | 3.0e-03 |" \
+        in out
+    assert "| sinks | 64 | 2048 | 8 | 0.500 | — | — | — | 0.600 | 1.20 |" in out
     assert "checks: 4 run, 1 failed" in out
     section = report.record_section(data, title="variants")
     labels = [r[0] for r in section["rows"]]
     assert labels == ["builtin", "flex", "flex_snippet"]
     assert section["rows"][1][1:4] == ["3", f"{(1.7 * 1.2 * 2.5) ** (1 / 3):.3f}", "1.200"]
+
+
+def test_a_mask_mods_plan_and_the_snippet_without_it_are_shown(capsys):
+    row = _row("document", 128, 8192, {"builtin": 1.0, "snippet": 1.1, "snippet_noplan": 9.0, "plan": 0.02,
+                                        "flex": 1.5}, {"builtin": 1e-3, "snippet": 1e-3, "snippet_noplan": 1e-3})
+    data = dict(benchmark="variants", env=FAKE_ENV, rows=[row], results=[row], summary=bv.summarize([row]), config={})
+    bv._finish(data, Namespace(out=None))
+    assert "| document | 128 | 8192 | 2 | 1.000 | 1.100 | 9.000 | 0.020 | 1.500 | 1.50 |" in capsys.readouterr().out
 
 
 def test_unknown_case_is_refused(capsys):

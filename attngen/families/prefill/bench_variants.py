@@ -3,8 +3,10 @@
 Each case is one variant three ways where it exists: attngen's built-in switch (softcap, ALiBi, sinks, varlen for
 document masks, a mask tensor with its live-tile plan), attngen with the variant written as a ``score_mod`` /
 ``mask_mod`` snippet, and ``torch.compile(flex_attention)`` with its block mask built from the same mask function.
-The block mask and attngen's mask plan are built once, outside the timings (as a model builds them once a step);
-each implementation's first call (compile included) is reported apart. The outputs are checked against each other
+The block mask and attngen's mask plans (a mask tensor's, a mask_mod's block plan) are built once, outside the timings
+(as a model builds them once a step), the mask_mod plan's build timed apart, and the snippet also without its plan
+(``mask_plan='off'``: every tile the built-in masks leave, mask_mod on each pair); each implementation's first call
+(compile and, for a mask_mod, its plan included) is reported apart. The outputs are checked against each other
 (relative L2), never only timed.
 """
 
@@ -174,8 +176,19 @@ def run_case(torch, name: str, d: int, seqlen: int, args) -> dict:
         nonce = f"\n// {time.time_ns()}"
         cold = {key: (val + nonce if key in ("score_mod", "mask_mod") else val) for key, val in c["snippet"].items()}
         _, row["first_s"]["snippet"] = _first_call(lambda: attngen.prefill(q, k, v, causal=c["causal"], **cold))
-        outs["snippet"] = c["snippet_call"]()
-        row["ms"]["snippet"] = bench_ms(c["snippet_call"], rep_ms=args.rep_ms)[0]
+        snippet = c["snippet_call"]
+        if c["snippet"].get("mask_mod"):
+            def make_plan():
+                return attngen.mask_plan(None, q, k, causal=c["causal"], **c["snippet"])
+
+            plan = make_plan()
+            snippet = lambda: c["snippet_call"](mask_plan=plan)  # noqa: E731
+            row["ms"]["plan"] = bench_ms(make_plan, rep_ms=args.rep_ms)[0]
+            no_plan = lambda: c["snippet_call"](mask_plan="off")  # noqa: E731
+            outs["snippet_noplan"] = no_plan()
+            row["ms"]["snippet_noplan"] = bench_ms(no_plan, rep_ms=args.rep_ms)[0]
+        outs["snippet"] = snippet()
+        row["ms"]["snippet"] = bench_ms(snippet, rep_ms=args.rep_ms)[0]
     if not args.no_flex:
         try:
             flex = _flex(torch, c, q, k, v)
@@ -214,14 +227,16 @@ def summarize(rows: list[dict]) -> dict:
 
 def _finish(data: dict, args, print_table: bool = False) -> None:
     lines = [*env_lines(data["env"]), "",
-             "| case | D | S | B | built-in ms | snippet ms | Flex ms | Flex ÷ best attngen | Flex ÷ snippet | "
-             "built-in ÷ snippet | first call s: snippet / Flex | worst rel L2 |", "|---|" * 1 + "---|" * 11]
+             "| case | D | S | B | built-in ms | snippet ms | snippet, plan off ms | plan ms | Flex ms | "
+             "Flex ÷ best attngen | Flex ÷ snippet | built-in ÷ snippet | first call s: snippet / Flex | worst rel L2 |",
+             "|---|" * 1 + "---|" * 13]
     errors = []
     for r in data["rows"]:
         ms, ra, fs = r["ms"], r.get("ratio", {}), r.get("first_s", {})
         worst = max((c["rel_l2"] for c in r.get("check", {}).values()), default=None)
         lines.append(f"| {r['case']} | {r['head_dim']} | {r['seqlen']} | {r['batch']} | "
                      f"{_fmt(ms.get('builtin'), '.3f')} | {_fmt(ms.get('snippet'), '.3f')} | "
+                     f"{_fmt(ms.get('snippet_noplan'), '.3f')} | {_fmt(ms.get('plan'), '.3f')} | "
                      f"{_fmt(ms.get('flex'), '.3f')} | {_fmt(ra.get('flex'), '.2f')} | "
                      f"{_fmt(ra.get('flex_snippet'), '.2f')} | {_fmt(ra.get('builtin'), '.2f')} | "
                      f"{_fmt(fs.get('snippet'), '.2f')} / {_fmt(fs.get('flex'), '.1f')} | {_fmt(worst, '.1e')} |")
