@@ -31,9 +31,10 @@ def _version(x) -> int:
 
 
 class MaskPlan:
-    """The live-tile lists of one mask for one tile size, on the GPU: what ``attngen.mask_plan``
-    returns (it is not built directly). Reusable for every call with the same mask (unchanged),
-    shapes, ``causal``/``window`` and tile sizes; ``live_counts()`` and ``live_fraction()`` read it."""
+    """The live-tile lists of one mask (a mask tensor, or a mask_mod's block plan) for one tile size, on the GPU:
+    what ``attngen.mask_plan`` returns (it is not built directly). Reusable for every call with the same mask (or
+    mask_mod and aux tensors, unchanged), shapes, ``causal``/``window`` and tile sizes; ``live_counts()``,
+    ``live_fraction()`` and ``tile_states()`` read it."""
 
     __slots__ = ("kind", "device", "tiles", "seqlen_q", "seqlen_k", "units_b", "units_h", "mask_mode",
                  "mask_ptr", "mask_shape", "mask_strides", "version", "num_q_tiles", "num_kv_tiles",
@@ -68,9 +69,9 @@ class MaskPlan:
         return self._part("counts", n).reshape(self.units_b * self.units_h, self.num_q_tiles)
 
     def tile_states(self):
-        """Per (unit, query tile, KV tile) what the plan found, an int32 array ``[units, q tiles, kv tiles]`` of the
-        caller's kind (reading it waits for the plan): 0 no row sees a key of the tile, 1 some do, 2 the custom mask
-        (or mask_mod) keeps every pair of it the causal/window mask leaves."""
+        """Per (unit, query tile, KV tile) what the plan found, a host (numpy) int32 array ``[units, q tiles, kv
+        tiles]`` (reading it waits for the plan): 0 no row sees a key of the tile, 1 some do, 2 the custom mask (or
+        mask_mod) keeps every pair of it (a mask_mod's plan: every pair the causal/window mask leaves)."""
         cells = self.units_b * self.units_h * self.num_q_tiles * self.num_kv_tiles
         raw = self._part("states", -(-cells // 4))
         import numpy as np  # the states are bytes: viewed as such on the host

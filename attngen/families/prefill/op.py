@@ -263,6 +263,10 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     ``score_mod`` / ``mask_mod``: a user's variant as CUDA device-function bodies compiled into the kernel, reading
     the named tensors of ``aux`` (a dict name -> device tensor); see docs/variants.md. score_mod returns the new
     logit (after sm_scale, softcap and ALiBi), mask_mod false drops the pair; both run only on existing rows and keys.
+    A mask_mod without a mask tensor builds its block plan on the GPU first (per batch row only if its text names
+    ``b``, per head only if it names ``h``): KV tiles it drops whole are never read, and it is not run on tiles it
+    keeps whole. ``mask_plan`` then takes such a plan (``attngen.mask_plan(None, q, k, mask_mod=..., aux=...)``) to
+    reuse, or ``'off'`` to run mask_mod on every pair of every tile the built-in masks leave.
     """
     if _rt.tracing is not None and _rt.tracing():
         refuse_traced("attngen.prefill", score_mod, mask_mod, aux)
