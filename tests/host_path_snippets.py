@@ -96,6 +96,20 @@ def main():
         del launched[:]
         attngen.prefill(qs, k, v, causal=True, mask_mod=snippet, aux=mod_aux, mask_plan="off")
         assert [e for e, _, _ in launched] == [""] and not launched[0][1].custom_mask, launched
+    # A caller's spec with no custom-mask form (persistent): mask_mod on every pair, and a plan of the caller's refused
+    pers = "prefill:head_dim=64,persistent=true"
+    del launched[:]
+    attngen.prefill(qs, k, v, causal=True, mask_mod=MASK, aux={"doc": doc}, spec=pers)
+    assert [e for e, _, _ in launched] == [""] and launched[0][1].is_persistent, launched
+    mp = attngen.mask_plan(None, qs, k, causal=True, mask_mod=MASK, aux={"doc": doc})
+    assert (mp.units_b, mp.units_h) == (1, 1)
+    fake_cuda.refused(lambda: attngen.prefill(qs, k, v, causal=True, mask_mod=MASK, aux={"doc": doc}, spec=pers,
+                                              mask_plan=mp), "no custom-mask form", error="LaunchError")
+    fake_cuda.refused(lambda: attngen.prefill(qs, k, v, mask_mod=MASK, aux={"doc": doc}, mask_plan=mp),
+                      "other causal/window", error="LaunchError")
+    fake_cuda.refused(lambda: attngen.prefill(qs, k, v, mask_mod=MASK, aux={"doc": doc}, mask_plan="on"),
+                      "mask_plan='on' is not allowed", error="LaunchError")
+    fake_cuda.refused(lambda: attngen.mask_plan(None, qs, k), "a mask_mod", error="LaunchError")
     # The aux checks name the tensor, and launch nothing.
     spec_aux = attngen.PrefillSpec(head_dim=64, score_mod=SCORE, aux="bias:fp32:2")
     wrong = (

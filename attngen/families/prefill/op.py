@@ -299,7 +299,8 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
         if widths is not None:  # a head dim no kernel is built for, run on zero-padded copies (head_pad)
             return run_padded(prefill, q, k, v, widths, sm_scale=sm_scale, out=out, return_lse=return_lse,
                               causal=causal, window=window, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes,
-                              mask=mask, mask_plan=mask_plan, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod,
+                              mask=mask, mask_plan=mode if mask_plan is None else mask_plan, sinks=sinks,
+                              score_mod=score_mod, mask_mod=mask_mod,
                               aux=aux)
         call = _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softcap, alibi_slopes,
                         mask is not None, sinks, mods, mode)
@@ -392,16 +393,15 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
                                              if softcap or alibi_slopes is not None else NO_EXTRAS)
     sinks_at = sinks_ptr(sinks, h, qi)
     mod_plan = not masked and mode == "auto" and bool(mods and mods[1])
+    if mod_plan and spec is not None:
+        try:  # (pure and cached: no compile)
+            table(base_spec(d, qi.dtype, _MASKS[mcode], return_lse, spec, bool(softcap), alibi_ptr != 0, CUSTOM_MASK,
+                            dv, sinks is not None, mods[:3]), device_facts(qi.device).arch, False)
+        except SpecError:  # a caller's spec with no custom-mask form (persistent=true): mask_mod on every pair
+            mod_plan = False
     key = (d, qi.dtype, qi.device, mcode, return_lse, spec, qi.kind, bool(softcap), alibi_ptr != 0,
            CUSTOM_MASK if masked or mod_plan else DENSE, dv, sinks is not None, *(() if mods is None else (mods[:3],)))
-    try:
-        call.plan = plan = _plans.get(key) or _memo.plan(key)
-    except SpecError:
-        if not mod_plan:
-            raise
-        # a caller's spec that has no custom-mask form (persistent=true): mask_mod on every pair, as with 'off'
-        mod_plan, key = False, (*key[:9], DENSE, *key[10:])
-        call.plan = plan = _plans.get(key) or _memo.plan(key)
+    call.plan = plan = _plans.get(key) or _memo.plan(key)
     call.mod_aux = None
     scale = plan.default_scale if sm_scale is None else checked_scale(sm_scale)
     call.out_shape, call.lse_shape = (b, sq, h, dv), (b, h, sq)
