@@ -27,6 +27,7 @@ DOC = "return doc(b, q_idx) == doc(b, kv_idx);"
     ("return bias_h(q_idx) > 0.f && hb(kv_idx) && b2(0);", (False, False)),  # names that only contain b / h
     ("// reads h\nreturn q_idx >= 0; /* and b\n over lines */", (False, False)),  # comments
     ('printf("b=%d h\\n", 1); return true;', (False, False)),  # a string literal
+    ('printf("\\"h\\"", 0); return \'\\\\\' == h;', (False, True)),  # escaped quotes end no literal early
     ("return 'h' != 0 && '\\'' && q_idx > 0x1b && kv_idx < 1e3f + 0x1.bp+3;", (False, False)),  # chars, numbers
     ("int hh = 1;\nreturn s.h + hh;", (False, True)),  # a member named h counts: the check errs on the safe side
     ("#define HEAD h\nreturn HEAD > 0;", (False, True)),  # so does a macro's body
