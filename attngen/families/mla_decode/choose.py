@@ -192,7 +192,7 @@ def choose(p: Problem, device: DeviceFacts, tuned=()) -> Choice:
                                    side_weight=weight, out_passes=passes)
     many_rows = row_blocks >= 2 or (b * row_blocks >= ALTERNATE_ONE_BLOCK_MIN_BATCH
                                     and device.memory_share >= FAST_MEMORY_SHARE)
-    if (many_rows and rs.qk_shard is QkShard.TRUE and (p.spec is None or not p.spec.qk_shard)
+    if (many_rows and rs.qk_shard is QkShard.TRUE and not rs.fp8 and (p.spec is None or not p.spec.qk_shard)
             and -(-p.capacity // rs.cta_tile_kv) >= ALTERNATE_MIN_TILES * num_splits):
         alt = _variant(rs, device.arch, "alternate")
         if alt is not None:  # the same shared memory and grid: the split stands
@@ -238,7 +238,7 @@ def reachable(spec: MlaDecodeSpec, arch: Arch) -> set:
                 out.add(one)
     if "qk_shard" not in pinned:
         for rs in list(out):
-            if rs.qk_shard is QkShard.TRUE:
+            if rs.qk_shard is QkShard.TRUE and not rs.fp8:  # (alternate tiles read 16-bit tiles only)
                 alt = replaced_if_valid(rs, arch, qk_shard=QkShard.ALTERNATE)
                 if alt is not None:
                     out.add(alt)

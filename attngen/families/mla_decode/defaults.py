@@ -44,6 +44,13 @@ SPILLS_ON = {
     (256, 64, True): {(T, 64, 4, 4, Pipeline.TMA): ("sm_90a",)},
 }
 
+# The same for the kernels of an fp8 cache (kv_dtype; mla_decode/fp8.cuh): every default of both formats, both q
+# dtypes, both dims, 16-64 rows and both layouts compiled for every manifest arch; e4m3 spilled the 64-key paged
+# 16-row tile on sm_86 (fp16 q) and sm_89 (both), listed here for both formats and q dtypes.
+FP8_SPILLS_ON = {
+    (512, 16, True): {(F, 64, 8, 2, Pipeline.SYNC): ("sm_86", "sm_89")},
+}
+
 # sm_90a, q_rows 64: the wgmma configs (qk_shard, cta_tile_kv, num_stages; always 8 warps), best first as
 # tools/sweep_mla.py ranked them: sharded 64-key tiles with two stages first at 64 and 128 heads, the
 # unsharded form next (it repeats QK work), 32-key tiles last (a 16-key-wide S wgmma per warpgroup).
@@ -63,7 +70,7 @@ def candidates(spec, arch: Arch):
         yield from ((shard, kv, 8, st, Mma.WGMMA, pipe) for shard, kv, st in wg for pipe in (Pipeline.TMA, Pipeline.SYNC))
     shard_order = (F, T) if arch.smem_per_block < SMALL_SMEM else (T, F)
     first = TUNED[spec.q_rows] if arch.smem_per_block >= SMALL_SMEM else []
-    spills = SPILLS_ON.get((spec.kv_lora_rank, spec.q_rows, spec.paged), {})
+    spills = (FP8_SPILLS_ON if fp8 else SPILLS_ON).get((spec.kv_lora_rank, spec.q_rows, spec.paged), {})
     every = itertools.chain(first, itertools.product(shard_order, (64, 32, 16), (8, 4), (4, 3, 2, 1)))
     # On sm_90a each mma_sync config with the TMA ring first (the loads no longer wait on the threads that
     # issue them), then with cp.async.

@@ -114,6 +114,12 @@ class MlaDecodeSpec(SpecBase):
         s(self, "num_stages", coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
         s(self, "mma", coerce_enum(Mma, "mma", self.mma))
         s(self, "pipeline", coerce_enum(Pipeline, "pipeline", self.pipeline))
+        if self.fp8 and (self.wgmma or self.tma or self.alternate):
+            raise SpecError("kv_dtype", self.kv_dtype.value, "unset (the cache in q's dtype), or an fp8 cache with "
+                            "mma=mma_sync, pipeline=sync and qk_shard true or false",
+                            reason=f"fp8 tiles are read by the mma.sync kernel on the cp.async ring; the spec has "
+                                   f"mma={self.mma.value}, pipeline={self.pipeline.value}, "
+                                   f"qk_shard={self.qk_shard.value}")
 
     @staticmethod
     def rows_for(heads: int, q_len: int) -> int:
@@ -256,12 +262,6 @@ class MlaDecodeSpec(SpecBase):
                                    f"and two stages (mma=wgmma, pipeline=tma, cta_tile_kv=64, num_stages=2); the spec "
                                    f"has mma={self.mma.value}, pipeline={self.pipeline.value}, "
                                    f"cta_tile_kv={self.cta_tile_kv}, num_stages={self.num_stages}")
-        if self.fp8 and (self.wgmma or self.tma or self.alternate):
-            raise SpecError("kv_dtype", self.kv_dtype.value, "unset (the cache in q's dtype), or an fp8 cache with "
-                            "mma=mma_sync, pipeline=sync and qk_shard true or false",
-                            reason=f"fp8 tiles are read by the mma.sync kernel on the cp.async ring; the spec has "
-                                   f"mma={self.mma.value}, pipeline={self.pipeline.value}, "
-                                   f"qk_shard={self.qk_shard.value}")
         if self.wgmma:
             self._check_wgmma(a)
         elif self.tma and not a.has_wgmma:
