@@ -109,13 +109,15 @@ struct MlaFp8 {
     }
   }
 
-  // A tile (first key n0) of ckv and kpe into ring slot `slot` (T elements from the ring's start).
-  static __device__ __forceinline__ void load_tile(T* slot, const T* ckv, const T* kpe, const MlaParams<T>& p,
-                                                   int2 pages, int n0, int seqlen, int tid) {
+  // A tile (first key n0) of batch row `batch`'s ckv and kpe into ring slot `slot` (T elements from the ring's start).
+  // The caches are fp8 bytes: their strides count bytes (MlaDecode::run's ckv and kpe step by T elements).
+  static __device__ __forceinline__ void load_tile(T* slot, const MlaParams<T>& p, int batch, int2 pages, int n0,
+                                                   int seqlen, int tid) {
     unsigned char* dst = reinterpret_cast<unsigned char*>(slot);
-    // ckv and kpe point at fp8 bytes; their strides count bytes
-    load_cols<DC>(dst, 0, reinterpret_cast<const unsigned char*>(ckv), p.c_sb, p.c_ss, p, pages, n0, seqlen, tid);
-    load_cols<DR>(dst, DC, reinterpret_cast<const unsigned char*>(kpe), p.p_sb, p.p_ss, p, pages, n0, seqlen, tid);
+    const unsigned char* ckv = reinterpret_cast<const unsigned char*>(p.ckv) + (PAGED ? 0 : batch * p.c_sb);
+    const unsigned char* kpe = reinterpret_cast<const unsigned char*>(p.kpe) + (PAGED ? 0 : batch * p.p_sb);
+    load_cols<DC>(dst, 0, ckv, p.c_sb, p.c_ss, p, pages, n0, seqlen, tid);
+    load_cols<DR>(dst, DC, kpe, p.p_sb, p.p_ss, p, pages, n0, seqlen, tid);
   }
 
   // S = Q K^T for this warp's 16 rows (row0..) and SN keys (key0..) of the fp8 tile at sT, in fp16; acc_s2 the second

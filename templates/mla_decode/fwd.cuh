@@ -169,7 +169,7 @@ struct MlaDecode {
       const int2 pages = next_pages;
       if constexpr (PAGED) next_pages = pages_of(tile + 1);
       if constexpr (FP8) {
-        Fp8::load_tile(dst, ckv, kpe, p, pages, n0, seqlen, tid);
+        Fp8::load_tile(dst, p, batch, pages, n0, seqlen, tid);
       } else {
         Tiles::template load_cols<DC>(dst, 0, ckv, p.c_sb, p.c_ss, p, pages, n0, seqlen, tid);
         Tiles::template load_cols<DR>(dst, DC, kpe, p.p_sb, p.p_ss, p, pages, n0, seqlen, tid);
