@@ -34,8 +34,9 @@ struct MlaFp8 {
   static __device__ __forceinline__ const uint4* q_chunk(const MlaParams<T>& p, int batch, int gr, int col) {
     const int qi = p.q_len == 1 ? 0 : gr / p.num_heads;
     const int head = gr - qi * p.num_heads;
-    return reinterpret_cast<const uint4*>(col < DC ? p.q_nope + batch * p.qn_sb + qi * p.qn_ss + head * p.qn_sh + col
-                                                   : p.q_pe + batch * p.qp_sb + qi * p.qp_ss + head * p.qp_sh + col - DC);
+    const T* src = col < DC ? p.q_nope + batch * p.qn_sb + qi * p.qn_ss + head * p.qn_sh + col
+                            : p.q_pe + batch * p.qp_sb + qi * p.qp_ss + head * p.qp_sh + col - DC;
+    return reinterpret_cast<const uint4*>(src);
   }
 
   // bf16 q: the power of two that carries the CTA's Q rows into fp16 (fp16_shift_of), through `scratch` (shared
@@ -77,7 +78,8 @@ struct MlaFp8 {
 #pragma unroll
           for (int w = 0; w < 4; ++w) (&x[h].x)[w] = bf16x2_to_f16x2_scaled((&x[h].x)[w], f);
       }
-      fp8_chunk_order(x, *reinterpret_cast<uint4*>(sQ + r * ROW + col), *reinterpret_cast<uint4*>(sQ + r * ROW + col + 8));
+      fp8_chunk_order(x, *reinterpret_cast<uint4*>(sQ + r * ROW + col),
+                      *reinterpret_cast<uint4*>(sQ + r * ROW + col + 8));
     }
   }
 

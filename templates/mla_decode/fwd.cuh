@@ -80,7 +80,8 @@ struct MlaDecode {
   using LT = typename Select<SWIZZLED_TILES, WgmmaLayout<BLOCK_COLS, BLOCK_N>, SmemLayout<DQK, ROW, false>>::type;
   using LP = typename Select<WGMMA, WgmmaLayout<64, ROWS>, SmemLayout<BLOCK_N, P_ROW, false>>::type;
   static constexpr int Q_ELEMS = WGMMA ? ROWS * BLOCK_COLS : TMA ? (ROWS * ROW + 511) / 512 * 512 : ROWS * ROW;
-  static constexpr int TILE_ELEMS = SWIZZLED_TILES ? BLOCK_N * BLOCK_COLS : FP8 ? BLOCK_N * FP8_ROW_BYTES / 2 : BLOCK_N * ROW;
+  static constexpr int TILE_ELEMS =
+      SWIZZLED_TILES ? BLOCK_N * BLOCK_COLS : FP8 ? BLOCK_N * FP8_ROW_BYTES / 2 : BLOCK_N * ROW;
   static constexpr int P_ELEMS = !(QK_SHARD || ALT) ? 0 : WGMMA ? ROWS * 64 : ROWS * P_ROW;
   static constexpr int ALIGN_SLACK = SWIZZLED_TILES ? 1024 : 0;  // swizzle atoms start 1024-byte aligned
   static_assert(WARPS_M * WARPS_N == NUM_WARPS, "warp grid");

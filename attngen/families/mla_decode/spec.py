@@ -221,7 +221,8 @@ class MlaDecodeSpec(SpecBase):
         and stages, mma, pipeline; unset tuning fields left out."""
         shard = {QkShard.TRUE: "qkshard", QkShard.FALSE: "qkwhole", QkShard.ALTERNATE: "qkalt"}
         return (f"ckv{self.kv_lora_rank}", f"kpe{self.rope_dim}", self.dtype.value, f"rows{self.q_rows}",
-                "paged" if self.paged else "", self.kv_dtype.value[4:] if self.fp8 else "", shard.get(self.qk_shard, ""), self.name_piece("k{}", self.cta_tile_kv),
+                "paged" if self.paged else "", self.kv_dtype.value[4:] if self.fp8 else "",
+                shard.get(self.qk_shard, ""), self.name_piece("k{}", self.cta_tile_kv),
                 self.name_piece("w{}s{}", self.num_warps, self.num_stages),
                 {Mma.SYNC: "mma", Mma.WGMMA: "wgmma"}.get(self.mma, ""), "tma" if self.pipeline is Pipeline.TMA else "")
 
