@@ -46,19 +46,20 @@ def make_fp8_cache(seqlens, dim, dt, k_scale: float, gen, block_size=None, table
     dense = torch.randn((b, cap, dim), device="cuda", generator=gen)
     for i, n in enumerate(seqlens):
         dense[i, n:] = NAN
-    q8 = (dense / k_scale).to(dt)
-    deq = q8.float() * k_scale
+    raw = dense / k_scale
+    deq = raw.to(dt).float() * k_scale
+    # laid out in fp32, then cast whole (torch's indexing does not take fp8 tensors in every build)
     if block_size is None:
-        buf = torch.full((b, cap + 1, dim + 16), NAN, device="cuda").to(dt)
-        view = buf[:, :cap, :dim]
-        view.copy_(q8)
-        return view, deq
-    pool = torch.full((int(table.max().item()) + 3, block_size, dim), NAN, device="cuda").to(dt)
+        buf = torch.full((b, cap + 1, dim + 16), NAN, device="cuda")
+        buf[:, :cap, :dim] = raw
+        return buf.to(dt)[:, :cap, :dim], deq
+    blocks = table.cpu()
+    pool = torch.full((int(blocks.max()) + 3, block_size, dim), NAN, device="cuda")
     for i in range(b):
         for j in range(-(-seqlens[i] // block_size)):
             n = min(block_size, seqlens[i] - j * block_size)
-            pool[table[i, j], :n] = q8[i, j * block_size: j * block_size + n]
-    return pool, deq
+            pool[int(blocks[i, j]), :n] = raw[i, j * block_size: j * block_size + n]
+    return pool.to(dt), deq
 
 
 def run_case(seqlens, heads, *, fmt="e4m3", dtype=torch.bfloat16, q_len=1, block_size=None, num_splits=0,
