@@ -5,7 +5,7 @@
 // bytes. Both MMAs run in fp16: a bf16 q is carried into fp16 by a power of two 2^k chosen per CTA (fp16_shift_of),
 // P is rounded to fp16. k_scale (one for the cache, as serving engines keep it) and 2^-k multiply the softmax scale
 // (the LSE included), k_scale the split's output once at its end. mma.sync only; the TMA ring and wgmma take 16-bit
-// tiles (MlaDecodeSpec.check refuses them with an fp8 cache).
+// tiles (MlaDecodeSpec refuses them with an fp8 cache).
 namespace attngen {
 
 // The fp8 kernel's parameter (what attngen.families.mla_decode.op packs): MlaParams, then the cache's scale, read
@@ -30,7 +30,7 @@ struct MlaFp8 {
   static_assert(FMT == 1 || FMT == 2, "fp8 format");
   static_assert(ROW_BYTES == (CHUNKS | 1) * 16 && CHUNKS % 2 == 0 && ON % 32 == 0, "fp8 tile shape");
 
-  // The CTA's Q rows (block rblock of batch row `batch`) from global memory: chunk `col` (16 columns) of packed row r.
+  // Where Q's chunk of columns [col, col + 16) of packed row gr (token x head) of batch row `batch` lies.
   static __device__ __forceinline__ const uint4* q_chunk(const MlaParams<T>& p, int batch, int gr, int col) {
     const int qi = p.q_len == 1 ? 0 : gr / p.num_heads;
     const int head = gr - qi * p.num_heads;
