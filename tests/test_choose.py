@@ -266,7 +266,8 @@ def mla_problems(s: MlaDecodeSpec):
     blocks = (64, 48, 256) if s.paged else (0,)
     for user, (h, q), bs, (b, cap) in itertools.product(_users(s), shapes, blocks,
                                                         ((1, 1024), (1, 65536), (8, 32768), (64, 8192), (512, 4096))):
-        yield M.Problem(s.kv_lora_rank, s.rope_dim, s.dtype.value, q, h, b, cap, s.paged, bs, user)
+        yield M.Problem(s.kv_lora_rank, s.rope_dim, s.dtype.value, q, h, b, cap, s.paged, bs, user,
+                        kv_dtype=s.kv_dtype)
 
 
 def merge_problems(s):

@@ -188,7 +188,10 @@ def test_default_manifest_validates_for_every_arch_it_lists():
     merge = {s for s in specs if s.family == "merge"}
     assert {s.head_dim for s in merge} == {64, 128, 256, 512} and {s.states.value for s in merge} == {"pair", "many"}
     # 1440 attention kernels plus 96 merges (each compiles in a fraction of a second, so the merges add
-    # under a minute to a prewarm) and 36 fp8-cache decode kernels.
+    # under a minute to a prewarm), 36 fp8-cache decode kernels and 36 fp8-cache MLA decode kernels.
     fp8 = {s for s in specs if s.family == "decode" and s.kv_dtype is not None}
     assert {s.head_dim for s in fp8} == {64, 128, 256} and {s.paged for s in fp8} == {False, True}
-    assert 100 <= len(items) <= 1576
+    mla8 = {s for s in mla if s.kv_dtype is not None}
+    assert {(s.q_rows, s.paged, s.kv_dtype.value, s.dtype.value) for s in mla8} == {
+        (r, p, "fp8_e4m3", "bf16") for r in (16, 32, 64) for p in (False, True)}
+    assert 100 <= len(items) <= 1612

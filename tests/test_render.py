@@ -234,7 +234,7 @@ def test_included_pieces_are_bracketed_and_verbatim(family):
 
 def test_every_piece_is_included_by_some_family():
     specs = ("prefill:", "decode:", "decode:variant=unfused", "decode:kv_dtype=fp8_e4m3", "prefill:custom_mask=true", "prefill:varlen=true,paged=true", "prefill:head_dim=512",
-             "mla_decode:", "merge:", "merge:states=many")
+             "mla_decode:", "mla_decode:kv_dtype=fp8_e4m3", "merge:", "merge:states=many")
     sources = [render(resolve(parse_spec(text), "sm_90")) for text in specs]
     sources.append(render(resolve(parse_spec("mla_decode:qk_shard=alternate"), "sm_90a")))
     # a mask_mod's block plan (a snippet is no part of a spec's text)

@@ -38,7 +38,10 @@ MLA = [("sm_90a", "mla_decode:q_rows=16,qk_shard=false"),
        ("sm_90a", "mla_decode:q_rows=64,paged=true,kv_lora_rank=256,rope_dim=32,num_warps=4"),
        ("sm_120", "mla_decode:q_rows=32,paged=true,kv_lora_rank=256,rope_dim=32"),
        ("sm_120", "mla_decode:q_rows=16,cta_tile_kv=16"),
-       ("sm_100", "mla_decode:q_rows=16,paged=true,qk_shard=false")]
+       ("sm_100", "mla_decode:q_rows=16,paged=true,qk_shard=false"),
+       # fp8 caches (FP8_SPILLS_ON): the paged 16-row defaults of e4m3 on the 99 KB archs
+       ("sm_89", "mla_decode:q_rows=16,paged=true,kv_dtype=fp8_e4m3"),
+       ("sm_86", "mla_decode:q_rows=16,paged=true,kv_dtype=fp8_e4m3,dtype=fp16")]
 
 
 @pytest.mark.parametrize("arch,text", DECODE + MLA)

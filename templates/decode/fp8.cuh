@@ -10,70 +10,6 @@
 // split's output once at its end (each split's own, so the merge is unchanged).
 namespace attngen {
 
-// Two e4m3 values (the low 16 bits of x, the first in the low byte) -> fp16x2 (the first in the low half), by bits,
-// for archs without cvt's fp8 forms (sm_80, sm_86). Each byte's exponent and mantissa move into fp16's places
-// (an exponent 8 short of fp16's bias), and a multiply by 2^8 restores the bias: exact, and it normalises e4m3's
-// subnormals (fp16 arithmetic keeps subnormal inputs). e4m3 has no infinities; its NaN (magnitude 0x7f) would
-// come out as 480 and is set back to a NaN.
-__device__ __forceinline__ unsigned e4m3x2_to_f16x2_bits(unsigned x) {
-  const unsigned h = __byte_perm(x, 0u, 0x1404);  // each byte at the top of its 16-bit half
-  const unsigned mag = (h >> 1) & 0x3f803f80u;
-  unsigned r;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(mag | (h & 0x80008000u)), "r"(0x5c005c00u));
-  return r | ((mag & 0xffffu) == 0x3f80u ? 0x7e00u : 0u) | ((mag >> 16) == 0x3f80u ? 0x7e000000u : 0u);
-}
-
-// Two fp8 values of format FMT (1: e4m3, 2: e5m2) in the low 16 bits of x -> fp16x2, the first in the low half.
-template <int FMT>
-__device__ __forceinline__ unsigned fp8x2_to_f16x2(unsigned x) {
-  if constexpr (FMT == 2) {
-    // e5m2 is the top byte of an fp16 (sign, 5-bit exponent of bias 15, the mantissa's first 2 bits): one byte
-    // permute on every arch, cheaper than cvt.
-    return __byte_perm(x, 0u, 0x1404);
-  } else {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    unsigned r;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"((unsigned short)x));
-    return r;
-#else
-    return e4m3x2_to_f16x2_bits(x);
-#endif
-  }
-}
-
-// The four fp8 values of one ldmatrix register (an 8x8 matrix of 16-bit elements read from fp8 rows: bytes 0-3 are
-// one key's 4 consecutive head dims) -> fp16x2 of bytes (0, 1) and (2, 3): K's b0 and b1.
-template <int FMT>
-__device__ __forceinline__ void fp8x4_to_f16x2(unsigned x, unsigned& lo, unsigned& hi) {
-  if constexpr (FMT == 2) {
-    lo = __byte_perm(x, 0u, 0x1404);
-    hi = __byte_perm(x, 0u, 0x3424);
-  } else {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    // the high pair straight from the register's upper half (a shift first would cost an instruction)
-    asm("{.reg .b16 l, u;\nmov.b32 {l, u}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, u;\n}"
-        : "=r"(lo), "=r"(hi) : "r"(x));
-#else
-    lo = e4m3x2_to_f16x2_bits(x);
-    hi = e4m3x2_to_f16x2_bits(x >> 16);
-#endif
-  }
-}
-
-// The four fp8 values of one ldmatrix.trans register (bytes 0, 1: key 2c's head dims 2n, 2n + 1; bytes 2, 3: key
-// 2c + 1's) -> fp16x2 of bytes (0, 2) and (1, 3): the (key 2c, key 2c + 1) pairs of head dims 2n and 2n + 1, V's B
-// fragments of an even-dim and an odd-dim n8 tile.
-template <int FMT>
-__device__ __forceinline__ void fp8x4_split_f16(unsigned x, unsigned& even, unsigned& odd) {
-  if constexpr (FMT == 2) {
-    even = __byte_perm(x, 0u, 0x2404);  // each byte at the top of its 16-bit half (fp8x2_to_f16x2<2>)
-    odd = __byte_perm(x, 0u, 0x3414);
-  } else {
-    // one permute puts the even pair in the low half and the odd pair in the high one: fp8x4_to_f16x2 reads both
-    fp8x4_to_f16x2<FMT>(__byte_perm(x, 0u, 0x3120), even, odd);
-  }
-}
-
 template <class S>
 struct DecodeFp8Consumer;
 
@@ -101,10 +37,8 @@ struct DecodeFp8 {
     return reinterpret_cast<const uint4*>(p.q + c.batch * p.q_sb + qi * p.q_ss + head * p.q_sh + col);
   }
 
-  // bf16 q: the power of two k that puts the CTA's largest finite |q| in [2^14, 2^15) (0 where every q is 0 or
-  // not finite), so that q * 2^k is an fp16 value wherever |q| >= 2^-28 of that largest one (bf16's 8 significant
-  // bits fit fp16's 11) and below it is rounded at 2^-39 of it. A reduction over the CTA through shared memory
-  // (`scratch`, free until Q is stored), once.
+  // bf16 q: the power of two k that carries the CTA's q into fp16 (fp16_shift_of, common/fp8.cuh). A reduction over
+  // the CTA through shared memory (`scratch`, free until Q is stored), once.
   static __device__ __forceinline__ int q_shift(const DecodeParams<T>& p, const Cta& c, int tid, unsigned* scratch) {
     unsigned m = 0;  // the largest finite |q| as bf16 bits (ordered as integers)
     for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
@@ -115,28 +49,14 @@ struct DecodeFp8 {
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            const unsigned v = (&x[h].x)[w];
-            const unsigned lo = v & 0x7fffu, hi = (v >> 16) & 0x7fffu;
-            m = max(m, max(lo < 0x7f80u ? lo : 0u, hi < 0x7f80u ? hi : 0u));
-          }
+          for (int w = 0; w < 4; ++w) m = bf16x2_finite_max((&x[h].x)[w], m);
       }
     }
-    m = __reduce_max_sync(0xffffffffu, m);
-    if (tid % 32 == 0) scratch[tid / 32] = m;
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < THREADS / 32; ++w) m = max(m, scratch[w]);
-    __syncthreads();  // every warp has read the maxima before Q overwrites them
-    // |q| < 2^(e - 126) for a bf16 exponent field e: the largest times 2^(141 - e) lies in [2^14, 2^15); at most
-    // 2^126 (a subnormal largest |q| stays under 2^15), so that 2^-k is a normal float too
-    return m == 0u ? 0 : min(141 - (int)(m >> 7), 126);
+    return fp16_shift_of<THREADS>(m, scratch, tid);
   }
 
   // Q into shared memory in fp16 (bf16 q times 2^k; fp16 q as it is), each 16-column chunk in the order the fp8 K
-  // fragments read the head dim (DecodeFp8Consumer::scores): its 32-bit words (column pairs) w0..w7 stored as w0 w2
-  // w4 w6 w1 w3 w5 w7, so ldmatrix gives a thread columns (4t, 4t + 1) as a0 and (4t + 2, 4t + 3) as a2, the dims its
-  // K register holds. Plain loads and stores (the ring's first barrier orders them before any read); rows past the
+  // fragments read the head dim (fp8_chunk_order, common/fp8.cuh). Plain loads and stores (the ring's first barrier orders them before any read); rows past the
   // packed ones are zeros.
   static __device__ __forceinline__ void load_q(T* sQ, const DecodeParams<T>& p, const Cta& c, int k, int tid) {
     const float f = __int_as_float((127 + k) << 23);
@@ -153,13 +73,10 @@ struct DecodeFp8 {
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            unsigned& v = (&x[h].x)[w];
-            v = pack2<false>(__uint_as_float(v << 16) * f, __uint_as_float(v & 0xffff0000u) * f);
-          }
+          for (int w = 0; w < 4; ++w) (&x[h].x)[w] = bf16x2_to_f16x2_scaled((&x[h].x)[w], f);
       }
-      *reinterpret_cast<uint4*>(sQ + L::offset(r, col)) = make_uint4(x[0].x, x[0].z, x[1].x, x[1].z);
-      *reinterpret_cast<uint4*>(sQ + L::offset(r, col + 8)) = make_uint4(x[0].y, x[0].w, x[1].y, x[1].w);
+      fp8_chunk_order(x, *reinterpret_cast<uint4*>(sQ + L::offset(r, col)),
+                      *reinterpret_cast<uint4*>(sQ + L::offset(r, col + 8)));
     }
   }
 

@@ -2,25 +2,12 @@
 // fp16 MMAs, with K and V read as fragments straight from the ring's fp8 slots and widened in registers (the rest
 // of a tile's work, masks and the online softmax, is DecodeConsumer's).
 //
-// ldmatrix reads an fp8 row as 16-bit elements: one 8x8 matrix is 8 keys x 16 head dims (one 16-byte chunk).
-//  - K (QK^T's B): thread t gets key t/4, dims 4c..4c+3 (c = t % 4) of the chunk; bytes (4c, 4c+1) are its b0 and
-//    (4c+2, 4c+3) its b1, a fixed order of the head dim inside each chunk that Q's fragments share (DecodeFp8::load_q
-//    stores Q's chunks in it). A chunk is one k16 step; one x4 covers 16 keys x 32 dims.
-//  - V (P V's B), ldmatrix.trans: thread t gets keys (2c, 2c+1) x dims (2n, 2n+1), n = t / 4: the (key 2c, key
-//    2c+1) pairs of dim 2n and of dim 2n+1 are the B fragments of two n8 tiles of one chunk, its even and its odd
-//    dims. O's accumulator tile 2j + e holds chunk j's dims of parity e; finish() puts them back in order.
+// How ldmatrix reads fp8 rows as K and V fragments, and the chunk order of Q and O that follows: common/fp8.cuh (Q's
+// chunks are stored in that order by DecodeFp8::load_q; finish() puts O's dims back).
 // The ring's rows are swizzled (16-byte chunk index XOR a function of the row) where a row's chunk count is a power
 // of two, else padded to an odd number of chunks: either way the 8 rows of one matrix, and a warp's cp.async
 // writes, fall on distinct bank groups.
 namespace attngen {
-
-__device__ __forceinline__ void ldmatrix_x2(unsigned& r0, unsigned& r1, unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
-}
-
-__device__ __forceinline__ void ldmatrix_x2_trans(unsigned& r0, unsigned& r1, unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
-}
 
 template <class S>
 struct DecodeFp8Consumer {
@@ -138,32 +125,10 @@ struct DecodeFp8Consumer {
   }
 
   // O's accumulator back in the 16-bit kernel's layout (DecodeEnd's epilogue reads tile d as columns 8d + 2t,
-  // 8d + 2t + 1), times v_scale. Thread t of a quad holds chunk j's dims 4t..4t+3 (tile 2j: 4t, 4t + 2; tile 2j + 1:
-  // 4t + 1, 4t + 3); columns 2t + e and 8 + 2t + e are held by quad threads t / 2 and 2 + t / 2, as their element
-  // of tile 2j + e for row half t % 2. Shuffles within the quad, once a CTA.
+  // 8d + 2t + 1), times v_scale: fp8_dims_in_order (common/fp8.cuh) per 16-row tile, once a CTA.
   static __device__ __forceinline__ void finish(float (&acc_o)[M_TILES][D_TILES][4], float vs, const Lane& l) {
-    const int src = (l.lane & ~3) + l.t / 2;
-    const bool odd = l.t & 1;
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-      for (int j = 0; j < CHUNKS; ++j)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float out[2][2];
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float x0 = __shfl_sync(0xffffffffu, acc_o[mt][2 * j + e][2 * r], src + 2 * h);
-              const float x1 = __shfl_sync(0xffffffffu, acc_o[mt][2 * j + e][2 * r + 1], src + 2 * h);
-              out[h][e] = odd ? x1 : x0;
-            }
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) acc_o[mt][2 * j + h][2 * r + e] = out[h][e] * vs;
-        }
+    for (int mt = 0; mt < M_TILES; ++mt) fp8_dims_in_order<CHUNKS>(acc_o[mt], vs, l.lane, l.t);
   }
 };
 

@@ -40,15 +40,23 @@ struct MlaProducer;
 // Row sums, O and the LSE written or merged (mla_decode/epilogue.cuh).
 template <class K>
 struct MlaEpilogue;
+// An fp8 cache's Q, tiles and MMAs (mla_decode/fp8.cuh, included only in those kernels).
+template <class K>
+struct MlaFp8;
 
 template <class T, bool BF16, int DC, int DR, int ROWS, int BLOCK_N, int NUM_WARPS, int NUM_STAGES, bool QK_SHARD,
-          bool PAGED, bool WGMMA, bool TMA, bool ALT>
+          bool PAGED, bool WGMMA, bool TMA, bool ALT, int KV_FP8 = 0>
 struct MlaDecode {
   using Elem = T;
   static constexpr bool IS_BF16 = BF16;
   static constexpr int DC_ = DC, DR_ = DR, ROWS_ = ROWS, BLOCK_N_ = BLOCK_N;
   static constexpr bool PAGED_ = PAGED, TMA_ = TMA, ALT_ = ALT, QK_SHARD_ = QK_SHARD, WGMMA_ = WGMMA;
   static constexpr int NUM_STAGES_ = NUM_STAGES;
+  // KV_FP8: 0, or the cache's fp8 format (1: e4m3, 2: e5m2), its rows FP8_ROW_BYTES apart in the ring
+  // (mla_decode/fp8.cuh)
+  static constexpr int KV_FP8_ = KV_FP8;
+  static constexpr bool FP8 = KV_FP8 != 0;
+  using Fp8 = MlaFp8<MlaDecode>;
   using Tiles = MlaTiles<MlaDecode>;  // its tile pieces (mla_decode/tiles.cuh)
   using Producer = MlaProducer<MlaDecode>;
   using Consumer = MlaConsumer<MlaDecode>;
@@ -59,6 +67,7 @@ struct MlaDecode {
   static constexpr int WARPS_N = NUM_WARPS / WARPS_M;
   static constexpr int DQK = DC + DR;
   static constexpr int ROW = DQK + 8;      // padded row of Q and of a cache tile (elements)
+  static constexpr int FP8_ROW_BYTES = (DQK / 16 | 1) * 16;  // an fp8 tile's row: an odd number of 16-byte chunks
   static constexpr int P_ROW = BLOCK_N + 8;
   static constexpr int ON = DC / WARPS_N;  // output columns per warp
   static constexpr int SN = QK_SHARD ? BLOCK_N / WARPS_N : BLOCK_N;  // keys of S per warp
@@ -71,12 +80,14 @@ struct MlaDecode {
   using LT = typename Select<SWIZZLED_TILES, WgmmaLayout<BLOCK_COLS, BLOCK_N>, SmemLayout<DQK, ROW, false>>::type;
   using LP = typename Select<WGMMA, WgmmaLayout<64, ROWS>, SmemLayout<BLOCK_N, P_ROW, false>>::type;
   static constexpr int Q_ELEMS = WGMMA ? ROWS * BLOCK_COLS : TMA ? (ROWS * ROW + 511) / 512 * 512 : ROWS * ROW;
-  static constexpr int TILE_ELEMS = SWIZZLED_TILES ? BLOCK_N * BLOCK_COLS : BLOCK_N * ROW;
+  static constexpr int TILE_ELEMS =
+      SWIZZLED_TILES ? BLOCK_N * BLOCK_COLS : FP8 ? BLOCK_N * FP8_ROW_BYTES / 2 : BLOCK_N * ROW;
   static constexpr int P_ELEMS = !(QK_SHARD || ALT) ? 0 : WGMMA ? ROWS * 64 : ROWS * P_ROW;
   static constexpr int ALIGN_SLACK = SWIZZLED_TILES ? 1024 : 0;  // swizzle atoms start 1024-byte aligned
   static_assert(WARPS_M * WARPS_N == NUM_WARPS, "warp grid");
   static_assert(!WGMMA || (ROWS == 64 && NUM_WARPS == 8 && SN >= 16 && BLOCK_N <= 64), "wgmma shape");
   static_assert(!ALT || (TMA && !QK_SHARD && BLOCK_N == 64 && NUM_STAGES == 2 && DR <= 64), "alternate tiles");
+  static_assert(!FP8 || !(WGMMA || TMA), "fp8 tiles: mma.sync on the cp.async ring");
   static constexpr int BARS = TMA ? NUM_STAGES * (ALT ? 2 : 1) : 0;  // mbarriers: a slot's, or each half's
   static_assert(SN % 8 == 0 && BLOCK_N % 16 == 0 && ON % 16 == 0 && DQK % 32 == 0, "tile shape");
   static_assert(DC % 8 == 0 && DR % 8 == 0 && THREADS % (DC / 8) == 0 && THREADS % (DR / 8) == 0, "copies");
@@ -92,14 +103,16 @@ struct MlaDecode {
   // kernels, the path cost them registers and, with alternate tiles, time.
   static constexpr bool PUSH_MERGE = ROWS >= 32;
   static constexpr bool CLUSTER_FITS =
-      !WGMMA && 4 * (ROWS + (PUSH_MERGE ? 7 : 0)) * (DC + 1) <= 2 * (Q_ELEMS + NUM_STAGES * TILE_ELEMS);
+      !WGMMA && !FP8 && 4 * (ROWS + (PUSH_MERGE ? 7 : 0)) * (DC + 1) <= 2 * (Q_ELEMS + NUM_STAGES * TILE_ELEMS);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1000  // measured on sm_90 only
   static constexpr bool CAN_CLUSTER = CLUSTER_FITS;
 #else
   static constexpr bool CAN_CLUSTER = false;
 #endif
 
-  static __device__ __forceinline__ void run(const MlaParams<T>& p, const TmaDesc* maps = nullptr) {
+  // q_shift and o_scale: an fp8 cache's (MlaFp8::run): Q's power of two, O's factor.
+  static __device__ __forceinline__ void run(const MlaParams<T>& p, const TmaDesc* maps = nullptr, int q_shift = 0,
+                                             float o_scale = 1.f) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned char* smem_base = SWIZZLED_TILES ? aligned_smem<1024>(smem_raw) : smem_raw;
     T* sQ = reinterpret_cast<T*>(smem_base);
@@ -138,7 +151,10 @@ struct MlaDecode {
     const int* table = PAGED ? p.block_table + batch * p.bt_sb : nullptr;
 
     // ---- Q: ROWS packed rows (rows past the last head of the last token are zeros) -----------------
-    Producer::load_q(p, sQ, batch, r_begin, rows_total, tid);
+    if constexpr (FP8)
+      Fp8::load_q(p, sQ, batch, r_begin, rows_total, q_shift, tid);
+    else
+      Producer::load_q(p, sQ, batch, r_begin, rows_total, tid);
 
     // Paged, cp.async: the table entries of the tile load_tile fills next, read a tile ahead (producer.cuh).
     auto pages_of = [&](int tile) {
@@ -153,8 +169,12 @@ struct MlaDecode {
       const int n0 = tile * BLOCK_N;
       const int2 pages = next_pages;
       if constexpr (PAGED) next_pages = pages_of(tile + 1);
-      Tiles::template load_cols<DC>(dst, 0, ckv, p.c_sb, p.c_ss, p, pages, n0, seqlen, tid);
-      Tiles::template load_cols<DR>(dst, DC, kpe, p.p_sb, p.p_ss, p, pages, n0, seqlen, tid);
+      if constexpr (FP8) {
+        Fp8::load_tile(dst, p, batch, pages, n0, seqlen, tid);
+      } else {
+        Tiles::template load_cols<DC>(dst, 0, ckv, p.c_sb, p.c_ss, p, pages, n0, seqlen, tid);
+        Tiles::template load_cols<DR>(dst, DC, kpe, p.p_sb, p.p_ss, p, pages, n0, seqlen, tid);
+      }
     };
     Producer::prologue(p, maps, sRing, bar0, table, batch, seqlen, tile_begin, n_tiles, tid, load_tile);
 
@@ -177,6 +197,7 @@ struct MlaDecode {
     else
       Walk::tiles(p, maps, sQ, sRing, sP, sRed, bar0, table, batch, seqlen, tile_begin, n_tiles, tid, lane, g, t, row0,
                   key0, cg, lim, load_tile, acc_s, acc_s2, mx, corr, acc_o, row_max, row_sum);
+    if constexpr (FP8) Fp8::finish(acc_o, o_scale, lane, t);
 
     // ---- epilogue: row sums (across the column groups when sharded), normalise, write ---------------
     float l[2];

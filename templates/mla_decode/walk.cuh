@@ -1,6 +1,6 @@
 // MLA decode, the tile walk: the split's run of BLOCK_N-key tiles in order (every form but alternate tiles, whose
 // loop is MlaAlternate::run), each acquired from the ring by the producer (mla_decode/producer.cuh) and consumed:
-// S, the mask, the online softmax and O += P V (mla_decode/consumer.cuh).
+// S, the mask, the online softmax and O += P V (mla_decode/consumer.cuh; S and P V over fp8 tiles: mla_decode/fp8.cuh).
 namespace attngen {
 
 template <class K>
@@ -30,7 +30,10 @@ struct MlaWalk {
       const T* sT = sRing + slot * TILE_ELEMS;
 
       // ---- S = Q K^T for this warp's 16 rows and SN keys ---------------------------------------------
-      Consumer::scores(sQ, sT, row0, key0, lane, acc_s, acc_s2);
+      if constexpr (K::FP8)
+        K::Fp8::scores(sQ, sT, row0, key0, lane, acc_s, acc_s2);
+      else
+        Consumer::scores(sQ, sT, row0, key0, lane, acc_s, acc_s2);
 
       // ---- mask: keys past a row's token (and past the sequence) --------------------------------
       Tiles::template mask_keys<SN>(acc_s, n0, key0, seqlen, p.q_len, lim, t);
@@ -39,7 +42,10 @@ struct MlaWalk {
       Consumer::softmax(p, sRed, row0, cg, g, t, acc_s, mx, corr, acc_o, row_max, row_sum);
 
       // ---- O += P V over the tile's keys and this warp's ON columns of ckv -------------------------
-      Consumer::pv(sP, sT, row0, key0, cg, g, t, lane, acc_s, acc_o);
+      if constexpr (K::FP8)
+        K::Fp8::pv(sP, sT, row0, key0, cg, g, t, lane, acc_s, acc_o);
+      else
+        Consumer::pv(sP, sT, row0, key0, cg, g, t, lane, acc_s, acc_o);
       // sRed and sP are written again only after the next tile's first barrier.
     }
   }

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 from ...arch import Arch
 from ...spec import DType, Pipeline, replaced_if_valid, resolve
+from ..decode.spec import KVDType
 from ..choice import Choice, DeviceFacts
 from ..split_kv import CLUSTER_MAX, choose_splits
 from .spec import MERGE_COLS, MERGE_FINE_COLS, MERGE_THREADS, MERGE_WIDE_COLS, MlaDecodeSpec, QkShard
@@ -67,7 +68,8 @@ def kv_evict_first(tma: bool, alternate: bool, num_splits: int, cluster: int) ->
 class Problem(NamedTuple):
     """An MLA decode call as the choice sees it. ``capacity``: the cache's positions a row (paged: its table's
     blocks times ``block_size``; 0 contiguous); ``num_splits``: 0 (chosen) or the caller's; ``tma_refused``: the
-    driver could not describe the cache as TMA maps (the TMA kernel's cp.async form runs)."""
+    driver could not describe the cache as TMA maps (the TMA kernel's cp.async form runs); ``kv_dtype``: the cache's
+    fp8 format, None for q's dtype."""
 
     kv_lora_rank: int = 512
     rope_dim: int = 64
@@ -81,6 +83,7 @@ class Problem(NamedTuple):
     spec: MlaDecodeSpec | None = None
     num_splits: int = 0
     tma_refused: bool = False
+    kv_dtype: KVDType | None = None
 
 
 class Launch(NamedTuple):
@@ -100,16 +103,18 @@ class Launch(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def base_spec(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, user: MlaDecodeSpec | None) -> MlaDecodeSpec:
+def base_spec(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, user: MlaDecodeSpec | None,
+              kv: KVDType | None = None) -> MlaDecodeSpec:
     """The spec of a problem's fields, its tuning fields the caller's or unresolved."""
-    fields = dict(kv_lora_rank=rank, rope_dim=rope, dtype=DType(dtype), q_rows=q_rows, paged=paged)
+    fields = dict(kv_lora_rank=rank, rope_dim=rope, dtype=DType(dtype), q_rows=q_rows, paged=paged, kv_dtype=kv)
     return MlaDecodeSpec(**fields) if user is None else user.replace(**fields)
 
 
 @functools.lru_cache(maxsize=1024)
-def resolved_spec(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, user, arch: str) -> MlaDecodeSpec:
+def resolved_spec(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, user, arch: str,
+                  kv: KVDType | None = None) -> MlaDecodeSpec:
     """``base_spec`` resolved for ``arch`` (remembered by these plain values: the host path asks per call)."""
-    return resolve(base_spec(rank, rope, dtype, q_rows, paged, user), arch)
+    return resolve(base_spec(rank, rope, dtype, q_rows, paged, user, kv), arch)
 
 
 # (id of a spec, arch, rule) -> (the spec, its variant or None); by identity, as the specs asked for are the
@@ -147,13 +152,13 @@ def choose_spec(p: Problem, device: DeviceFacts) -> MlaDecodeSpec:
     a, user = device.arch, p.spec
     rows = MlaDecodeSpec.rows_for(p.heads, p.q_len)
     fast_memory = device.memory_share >= FAST_MEMORY_SHARE
-    rs = resolved_spec(p.kv_lora_rank, p.rope_dim, p.dtype, rows, p.paged, user, a.name)
+    rs = resolved_spec(p.kv_lora_rank, p.rope_dim, p.dtype, rows, p.paged, user, a.name, p.kv_dtype)
     whole_tiles = not p.paged or p.block_size % 64 == 0  # TMA boxes of whole 64-key tiles (what the rules measured)
     # 32 rows (32 heads, or 16 x 2 tokens) as one 64-row block of the wgmma kernel, half its rows empty, where the
     # memory is fast: the 32-row mma.sync kernel cannot keep up with such memory.
     if (rows == 32 and whole_tiles and rs.tma and fast_memory
             and (user is None or not any(getattr(user, f) for f in user.TUNING_FIELDS))):
-        wide = resolved_spec(p.kv_lora_rank, p.rope_dim, p.dtype, 64, p.paged, user, a.name)
+        wide = resolved_spec(p.kv_lora_rank, p.rope_dim, p.dtype, 64, p.paged, user, a.name, p.kv_dtype)
         if wide.wgmma:
             rows, rs = 64, wide
     if rs.tma and p.tma_refused:
@@ -182,12 +187,12 @@ def choose(p: Problem, device: DeviceFacts, tuned=()) -> Choice:
         # of the wgmma kernel by SIDE_WEIGHT_64 (refitted once the merge stopped being bound by its instructions).
         weight, passes = SIDE_WEIGHT_64 if rows == 64 and rs.wgmma else (2.0, 2)
         num_splits = choose_splits(b * row_blocks, p.capacity, rs.cta_tile_kv, device.sm_count,
-                                   max(1, device.occupancy(rs)), 2 * rs.cta_tile_kv * (rank + rope),
+                                   max(1, device.occupancy(rs)), (1 if rs.fp8 else 2) * rs.cta_tile_kv * (rank + rope),
                                    4 * b * q_len * h * rank, q_bytes=2 * b * row_blocks * rows * (rank + rope),
                                    side_weight=weight, out_passes=passes)
     many_rows = row_blocks >= 2 or (b * row_blocks >= ALTERNATE_ONE_BLOCK_MIN_BATCH
                                     and device.memory_share >= FAST_MEMORY_SHARE)
-    if (many_rows and rs.qk_shard is QkShard.TRUE and (p.spec is None or not p.spec.qk_shard)
+    if (many_rows and rs.qk_shard is QkShard.TRUE and not rs.fp8 and (p.spec is None or not p.spec.qk_shard)
             and -(-p.capacity // rs.cta_tile_kv) >= ALTERNATE_MIN_TILES * num_splits):
         alt = _variant(rs, device.arch, "alternate")
         if alt is not None:  # the same shared memory and grid: the split stands
@@ -233,7 +238,7 @@ def reachable(spec: MlaDecodeSpec, arch: Arch) -> set:
                 out.add(one)
     if "qk_shard" not in pinned:
         for rs in list(out):
-            if rs.qk_shard is QkShard.TRUE:
+            if rs.qk_shard is QkShard.TRUE and not rs.fp8:  # (alternate tiles read 16-bit tiles only)
                 alt = replaced_if_valid(rs, arch, qk_shard=QkShard.ALTERNATE)
                 if alt is not None:
                     out.add(alt)

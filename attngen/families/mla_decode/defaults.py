@@ -44,6 +44,13 @@ SPILLS_ON = {
     (256, 64, True): {(T, 64, 4, 4, Pipeline.TMA): ("sm_90a",)},
 }
 
+# The same for the kernels of an fp8 cache (kv_dtype; mla_decode/fp8.cuh): every default of both formats, both q
+# dtypes, both dims, 16-64 rows and both layouts compiled for every manifest arch; e4m3 spilled the 64-key paged
+# 16-row tile on sm_86 (fp16 q) and sm_89 (both), listed here for both formats and q dtypes.
+FP8_SPILLS_ON = {
+    (512, 16, True): {(F, 64, 8, 2, Pipeline.SYNC): ("sm_86", "sm_89")},
+}
+
 # sm_90a, q_rows 64: the wgmma configs (qk_shard, cta_tile_kv, num_stages; always 8 warps), best first as
 # tools/sweep_mla.py ranked them: sharded 64-key tiles with two stages first at 64 and 128 heads, the
 # unsharded form next (it repeats QK work), 32-key tiles last (a 16-key-wide S wgmma per warpgroup).
@@ -55,16 +62,18 @@ SMALL_SMEM = 128 * 1024  # per block: below this the unsharded form goes first
 def candidates(spec, arch: Arch):
     """(qk_shard, cta_tile_kv, num_warps, num_stages, mma, pipeline): on sm_90a the wgmma configs first
     (they fit only q_rows 64), each with the TMA ring and then with cp.async, then the mma_sync ones:
-    measured configs, then every combination; those SPILLS_ON lists for the arch last."""
-    if arch.has_wgmma:
+    measured configs, then every combination; those SPILLS_ON lists for the arch last. An fp8 cache (kv_dtype) takes
+    the mma_sync configs on the cp.async ring only (mla_decode/fp8.cuh)."""
+    fp8 = spec.kv_dtype is not None
+    if arch.has_wgmma and not fp8:
         wg = itertools.chain(TUNED_WGMMA, [(A, 64, 2)], itertools.product((T, F), (64, 32), (4, 3, 2, 1)))
         yield from ((shard, kv, 8, st, Mma.WGMMA, pipe) for shard, kv, st in wg for pipe in (Pipeline.TMA, Pipeline.SYNC))
     shard_order = (F, T) if arch.smem_per_block < SMALL_SMEM else (T, F)
     first = TUNED[spec.q_rows] if arch.smem_per_block >= SMALL_SMEM else []
-    spills = SPILLS_ON.get((spec.kv_lora_rank, spec.q_rows, spec.paged), {})
+    spills = (FP8_SPILLS_ON if fp8 else SPILLS_ON).get((spec.kv_lora_rank, spec.q_rows, spec.paged), {})
     every = itertools.chain(first, itertools.product(shard_order, (64, 32, 16), (8, 4), (4, 3, 2, 1)))
     # On sm_90a each mma_sync config with the TMA ring first (the loads no longer wait on the threads that
     # issue them), then with cp.async.
-    pipes = (Pipeline.TMA, Pipeline.SYNC) if arch.has_wgmma else (Pipeline.SYNC,)
+    pipes = (Pipeline.TMA, Pipeline.SYNC) if arch.has_wgmma and not fp8 else (Pipeline.SYNC,)
     sync = [(*c, pipe) for c in every for pipe in pipes]
     yield from ((*c[:4], Mma.SYNC, c[4]) for c in sorted(sync, key=lambda c: arch.name in spills.get(c, ())))

@@ -15,12 +15,15 @@ from ..score_mods import checked_scale
 from ..split_kv import cache_lengths, check_rows, checked_splits, paged_table
 from ..tma import tiled_map
 from . import choose as _choose
+from . import fp8 as _fp8
 from .spec import MlaDecodeSpec
 
 # MlaParams in templates/mla_decode/params.cuh: 10 pointers, 14 strides, 9 ints, 2 floats, 1 int; a
 # pipeline=tma kernel takes MlaTmaParams: the ckv and kpe tensor maps first.
 _PARAMS = struct.Struct("<10Q14q9i2fi")
 _PARAMS_TMA = struct.Struct("<256s10Q14q9i2fi")
+# An fp8 cache's kernel takes MlaFp8Params (mla_decode/fp8.cuh): MlaParams, then k_scale's pointer and number.
+_PARAMS_FP8 = struct.Struct("<10Q14q9i2fiQf4x")
 _LOG2E = 1.4426950408889634
 MAX_Q_LEN = 4
 MAX_HEADS = 128
@@ -58,7 +61,8 @@ def _tensor_maps(cv, pe, spec: MlaDecodeSpec, block_size: int, fallback_ptr: int
 
 def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: float, block_table=None,
                num_splits: int = 0, return_lse: bool = False, out=None,
-               spec: MlaDecodeSpec | str | Mapping | None = None, score_mod: str = "", mask_mod: str = "", aux=None):
+               spec: MlaDecodeSpec | str | Mapping | None = None, score_mod: str = "", mask_mod: str = "", aux=None,
+               k_scale=None):
     """MLA decode: q_len new tokens per sequence, every head against one shared compressed cache.
 
     q_nope ``[batch, q_len, heads, kv_lora_rank]`` and q_pe ``[batch, q_len, heads, rope_dim]``
@@ -85,6 +89,12 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     sm_90a's wgmma kernel on fast memory. With ``return_lse`` also the fp32 LSE ``[batch, heads, q_len]``;
     a token that sees no key gives zeros and LSE -inf.
 
+    An fp8 cache: ckv_cache and kpe_cache as ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (or uint8 bytes
+    with a ``spec`` whose ``kv_dtype`` names the format), both of one format, with ``k_scale`` the one
+    dequantisation scale of both (the cache holds values / k_scale): a number, or an fp32 device tensor of shape
+    [] or [1]; q stays fp16 or bf16 and the output is q's dtype. These run the mma.sync kernel on the cp.async
+    ring on every arch (sm_90a too), which widens the cache to fp16 in registers; no cluster merge.
+
     ``score_mod``, ``mask_mod`` and ``aux`` (attngen.prefill's and attngen.decode's user variants) are refused here:
     the MLA kernels have no snippet site.
     """
@@ -93,6 +103,9 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
             raise LaunchError(f"attngen.mla_decode({name}=...) is not supported: the MLA kernels run no score_mod or "
                               "mask_mod; allowed: '' / None (attngen.decode and attngen.prefill take them)")
     if _rt.tracing is not None and _rt.tracing():
+        if k_scale is not None:
+            raise LaunchError("attngen.mla_decode(k_scale=...) (an fp8 cache) is not supported under torch.compile "
+                              "(its custom op takes no scale); call it outside the compiled region")
         return _rt.traced_ops["mla_decode"](
             q_nope, q_pe, ckv_cache, kpe_cache, cache_seqlens=cache_seqlens, sm_scale=sm_scale,
             block_table=block_table, num_splits=num_splits, return_lse=return_lse, out=out, spec=spec)
@@ -113,9 +126,14 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
                           + ", ".join(f"{t.kind}:{t.device}" for t in infos))
     if qn.dtype not in ("fp16", "bf16"):
         raise LaunchError(f"q_nope has dtype {qn.dtype}; allowed: fp16, bf16")
-    if any(t.dtype != qn.dtype for t in infos):
-        raise LaunchError("q_nope, q_pe, ckv_cache, kpe_cache must share a dtype; got "
-                          + ", ".join(t.dtype for t in infos))
+    if qp.dtype != qn.dtype:
+        raise LaunchError(f"q_nope and q_pe must share a dtype; got {qn.dtype}, {qp.dtype}")
+    kv = None
+    if cv.dtype != qn.dtype or pe.dtype != qn.dtype or (spec is not None and spec.kv_dtype is not None):
+        kv = _fp8.cache_format(qn, cv, pe, None if spec is None else spec.kv_dtype)
+    if kv is not None:
+        _fp8.check_rows(cv, "ckv_cache")
+        _fp8.check_rows(pe, "kpe_cache")
     b, q_len, h, rank = qn.shape
     rope = qp.shape[3]
     if qp.shape[:3] != (b, q_len, h):
@@ -136,6 +154,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     checked_splits(num_splits)
     scale = checked_scale(sm_scale)
     kind, dev = qn.kind, qn.device
+    k_ptr, k_num = _fp8.scale_args(k_scale, kv, kind, dev)
 
     pool, cache_len = cv.shape[0], cv.shape[1]
     paged = block_table is not None
@@ -164,7 +183,8 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     if b > 65535:
         raise LaunchError(f"batch={b} exceeds 65535 (the grid's z limit)")
 
-    problem = _choose.Problem(rank, rope, qn.dtype, q_len, h, b, capacity, paged, block_size, spec, num_splits)
+    problem = _choose.Problem(rank, rope, qn.dtype, q_len, h, b, capacity, paged, block_size, spec, num_splits,
+                              kv_dtype=kv)
     facts = plan.facts
     choice = _choose.choose(problem, facts)
     rs = choice.spec
@@ -201,7 +221,9 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
         scale, scale * _LOG2E, int(lc.evict_first),
     )
     stream = plan.stream(dev)
-    if maps is None:
+    if rs.fp8:
+        kern.launch_struct(_PARAMS_FP8, lc.grid(b), stream, *values, k_ptr, k_num, cluster_x=cluster)
+    elif maps is None:
         kern.launch_struct(_PARAMS, lc.grid(b), stream, *values, cluster_x=cluster)
     else:
         kern.launch_struct(_PARAMS_TMA, lc.grid(b), stream, maps, *values, cluster_x=cluster)

@@ -13,6 +13,7 @@ from typing import ClassVar
 from ...arch import Arch
 from ...errors import SpecError
 from ...spec import DType, Mma, Pipeline, SpecBase, check_smem, check_wgmma_arch, coerce_bool, coerce_enum, coerce_int
+from ..decode.spec import KVDType, coerce_kv_dtype
 
 # The module's `_merge` entry: 4 warps per CTA, each merging MERGE_COLS columns of an output row. A warp's
 # fixed work (its row's LSEs, their max and weights) is as many instructions as reading two splits of 64
@@ -68,11 +69,14 @@ class MlaDecodeSpec(SpecBase):
     cache tile from shared memory through descriptors instead of per-warp ``ldmatrix``.
     ``pipeline=tma`` (sm_90a, the default there with either ``mma``) has one thread load the cache
     tiles as TMA boxes into an mbarrier ring instead of every thread issuing cp.async.
+    ``kv_dtype`` (``fp8_e4m3``, ``fp8_e5m2``; None: the cache in q's dtype) reads an fp8 cache, widened to fp16
+    in registers by the mma.sync kernel on the cp.async ring (any arch; on sm_90a too).
     """
 
     family: ClassVar[str] = "mla_decode"
 
     KV_LORA_RANKS: ClassVar[tuple[int, ...]] = (256, 512)
+    KV_DTYPES: ClassVar[tuple] = (None, *KVDType)
     ROPE_DIMS: ClassVar[tuple[int, ...]] = (32, 64)
     Q_ROWS: ClassVar[tuple[int, ...]] = (16, 32, 64)
     CTA_TILE_KV: ClassVar[tuple[int, ...]] = (0, 16, 32, 64)
@@ -86,6 +90,9 @@ class MlaDecodeSpec(SpecBase):
     dtype: DType = DType.BF16
     q_rows: int = 64
     paged: bool = False
+    # None: the cache holds q's dtype; else its fp8 format (the scale is a call argument). Left out of to_dict
+    # while None, so the specs (names, keys) of caches in q's dtype stay as they were.
+    kv_dtype: KVDType | None = None
     qk_shard: QkShard = QkShard.AUTO
     cta_tile_kv: int = 0
     num_warps: int = 0
@@ -100,12 +107,19 @@ class MlaDecodeSpec(SpecBase):
         s(self, "dtype", coerce_enum(DType, "dtype", self.dtype))
         s(self, "q_rows", coerce_int("q_rows", self.q_rows, self.Q_ROWS))
         s(self, "paged", coerce_bool("paged", self.paged))
+        s(self, "kv_dtype", coerce_kv_dtype(self.kv_dtype))
         s(self, "qk_shard", _coerce_shard(self.qk_shard))
         s(self, "cta_tile_kv", coerce_int("cta_tile_kv", self.cta_tile_kv, self.CTA_TILE_KV))
         s(self, "num_warps", coerce_int("num_warps", self.num_warps, self.NUM_WARPS))
         s(self, "num_stages", coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
         s(self, "mma", coerce_enum(Mma, "mma", self.mma))
         s(self, "pipeline", coerce_enum(Pipeline, "pipeline", self.pipeline))
+        if self.fp8 and (self.wgmma or self.tma or self.alternate):
+            raise SpecError("kv_dtype", self.kv_dtype.value, "unset (the cache in q's dtype), or an fp8 cache with "
+                            "mma=mma_sync, pipeline=sync and qk_shard true or false",
+                            reason=f"fp8 tiles are read by the mma.sync kernel on the cp.async ring; the spec has "
+                                   f"mma={self.mma.value}, pipeline={self.pipeline.value}, "
+                                   f"qk_shard={self.qk_shard.value}")
 
     @staticmethod
     def rows_for(heads: int, q_len: int) -> int:
@@ -113,6 +127,22 @@ class MlaDecodeSpec(SpecBase):
         else 64 (the rows are then cut into several blocks, each reading the cache)."""
         need = heads * q_len
         return next((r for r in MlaDecodeSpec.Q_ROWS if need <= r), MlaDecodeSpec.Q_ROWS[-1])
+
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        if d["kv_dtype"] is None:
+            del d["kv_dtype"]
+        return d
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_dtype is not None
+
+    @property
+    def fp8_row_bytes(self) -> int:
+        """Bytes of an fp8 cache row (ckv then kpe) in the ring: an odd number of 16-byte chunks
+        (``FP8_ROW_BYTES`` in mla_decode/fwd.cuh)."""
+        return ((self.kv_lora_rank + self.rope_dim) // 16 | 1) * 16
 
     # --- derived: the warp grid (see mla_decode/fwd.cuh) -----------------------------------------
     @property
@@ -154,10 +184,12 @@ class MlaDecodeSpec(SpecBase):
         TMA ring: its tiles as wgmma's, Q and P padded, Q to a whole 1024-byte atom); TMA adds
         one 8-byte mbarrier a stage (two with qk_shard=alternate, one per half of the tile). Alternate
         tiles keep P of one warpgroup where Q's rope block was (that block moves to registers), of the
-        other in its own block, and four floats a row for the row maxima and their rescale factors."""
+        other in its own block, and four floats a row for the row maxima and their rescale factors. An fp8 cache's
+        ring holds rows of ``fp8_row_bytes``; its Q (fp16) and P as the 16-bit kernel's."""
         self._require_resolved("smem_bytes")
         q_elems, row, p_row, slack = self._layout()
-        elems = q_elems + self.num_stages * self.cta_tile_kv * row
+        elems = q_elems + (self.num_stages * self.cta_tile_kv * self.fp8_row_bytes // 2 if self.fp8
+                           else self.num_stages * self.cta_tile_kv * row)
         if self.sharded or self.alternate:
             elems += self.q_rows * p_row
         floats = self.warps_n * self.q_rows + (4 * self.q_rows if self.alternate else 0)
@@ -177,19 +209,20 @@ class MlaDecodeSpec(SpecBase):
     def cluster_merge_fits(self) -> bool:
         """Whether the splits of a row block may merge in one cluster (sm_90): an mma_sync kernel over whose
         Q and ring its normalised fp32 rows fit with their LSE (32 rows: the rows a CTA merges, from up to 8
-        splits; ``CLUSTER_FITS`` in mla_decode/fwd.cuh)."""
+        splits; ``CLUSTER_FITS`` in mla_decode/fwd.cuh); never over fp8 tiles (not built there)."""
         self._require_resolved("cluster_merge_fits")
         q_elems, row, _, _ = self._layout()
         rows = self.q_rows + (7 if self.q_rows >= 32 else 0)
-        return not self.wgmma and (4 * rows * (self.kv_lora_rank + 1)
+        return not self.wgmma and not self.fp8 and (4 * rows * (self.kv_lora_rank + 1)
                                    <= 2 * (q_elems + self.num_stages * self.cta_tile_kv * row))
 
     def name_parts(self) -> tuple[str, ...]:
-        """Latent and rope dims, dtype, packed rows, paged, how S is split, KV tile, warps and stages, mma,
-        pipeline; unset tuning fields left out."""
+        """Latent and rope dims, dtype, packed rows, paged, the fp8 cache format, how S is split, KV tile, warps
+        and stages, mma, pipeline; unset tuning fields left out."""
         shard = {QkShard.TRUE: "qkshard", QkShard.FALSE: "qkwhole", QkShard.ALTERNATE: "qkalt"}
         return (f"ckv{self.kv_lora_rank}", f"kpe{self.rope_dim}", self.dtype.value, f"rows{self.q_rows}",
-                "paged" if self.paged else "", shard.get(self.qk_shard, ""), self.name_piece("k{}", self.cta_tile_kv),
+                "paged" if self.paged else "", self.kv_dtype.value[4:] if self.fp8 else "",
+                shard.get(self.qk_shard, ""), self.name_piece("k{}", self.cta_tile_kv),
                 self.name_piece("w{}s{}", self.num_warps, self.num_stages),
                 {Mma.SYNC: "mma", Mma.WGMMA: "wgmma"}.get(self.mma, ""), "tma" if self.pipeline is Pipeline.TMA else "")
 
@@ -203,6 +236,7 @@ class MlaDecodeSpec(SpecBase):
                    merge_wide_cols=MERGE_WIDE_COLS,
                    merge_wide_warps=MERGE_WIDE_WARPS,
                    wgmma=self.wgmma, tma=self.tma, alternate=self.alternate,
+                   kv_fp8=0 if self.kv_dtype is None else 1 + list(KVDType).index(self.kv_dtype),
                    cluster_fits=self.cluster_merge_fits())
         return ctx
 

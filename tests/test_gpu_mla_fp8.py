@@ -1,0 +1,137 @@
+"""attngen.mla_decode with fp8 latent caches on a real GPU (pytest -m gpu), against an fp32 reference computed from
+the DEQUANTISED cache (k_scale * ckv_fp8, k_scale * kpe_fp8).
+
+The caches are built as tests/test_gpu_mla_decode.py builds its own (every position a row must not read, and every
+paged block no table names, holds NaN, which stays NaN in fp8; the contiguous rows sit in a NaN-padded buffer), then
+quantised: x / k_scale rounded to fp8. The queries sit inside NaN buffers, the output inside a sentinel border, and
+it is poisoned with NaN before each call.
+
+Error bound: that of the 16-bit MLA tests (test_gpu_mla_decode.TOL: relative L2 of O under 2e-2 with a bf16 q and
+output, 4e-3 with fp16; the LSE within 2e-2 absolute), not looser. Every fp8 value is an fp16 value, so the kernel's
+fp16 MMAs see the cache exactly; k_scale multiplies fp32 values (the logits with the softmax scale, the fp32 output),
+so the only roundings are P's (to fp16 for P V: finer than the 16-bit kernels' bf16 P with a bf16 q), the fp32
+accumulation and the output's own rounding. A bf16 q enters the MMAs as fp16 times a power of two chosen per CTA,
+exact but for elements under 2^-28 of the CTA's largest |q| (the scaled-q cases below move that range).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_reference")]
+
+torch = pytest.importorskip("torch")
+
+import attngen  # noqa: E402
+from tests.gpu_reference import check_output_and_lse, fresh_generator, reference_mla  # noqa: E402
+from tests.test_gpu_mla_decode import NAN, SENTINEL, TOL, _inside_nan  # noqa: E402
+
+FMTS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _table(b: int, per_row: int, gen):
+    """Shuffled blocks with a gap of unnamed ones among them."""
+    perm = torch.randperm(b * per_row + 4, generator=torch.Generator().manual_seed(int(gen.initial_seed() % 2**31)))
+    return perm[:b * per_row].reshape(b, per_row).to(torch.int32).cuda()
+
+
+def make_fp8_cache(seqlens, dim, dt, k_scale: float, gen, block_size=None, table=None):
+    """(the fp8 cache, its dequantised live part [b, cap, dim] in fp32 with NaN past each length). Contiguous: a
+    [b, cap, dim] view of a buffer with 16 NaN bytes past each row and a NaN row past the last (fp8 rows keep strides
+    that are multiples of 16). Paged: a pool [num_blocks, block_size, dim]; blocks no table names and slots past a
+    length hold NaN. Normal x (|x| < 22 in practice) over k_scale >= 0.05 stays inside both formats' finite range
+    (e4m3: 448; torch's cast does not saturate)."""
+    b = len(seqlens)
+    cap = max(max(seqlens), 1)
+    dense = torch.randn((b, cap, dim), device="cuda", generator=gen)
+    for i, n in enumerate(seqlens):
+        dense[i, n:] = NAN
+    raw = dense / k_scale
+    deq = raw.to(dt).float() * k_scale
+    # laid out in fp32, then cast whole (torch's indexing does not take fp8 tensors in every build)
+    if block_size is None:
+        buf = torch.full((b, cap + 1, dim + 16), NAN, device="cuda")
+        buf[:, :cap, :dim] = raw
+        return buf.to(dt)[:, :cap, :dim], deq
+    blocks = table.cpu()
+    pool = torch.full((int(blocks.max()) + 3, block_size, dim), NAN, device="cuda")
+    for i in range(b):
+        for j in range(-(-seqlens[i] // block_size)):
+            n = min(block_size, seqlens[i] - j * block_size)
+            pool[int(blocks[i, j]), :n] = raw[i, j * block_size: j * block_size + n]
+    return pool.to(dt), deq
+
+
+def run_case(seqlens, heads, *, fmt="e4m3", dtype=torch.bfloat16, q_len=1, block_size=None, num_splits=0,
+             scale_kind="float", q_mul=1.0, rank=512, rope=64):
+    gen = fresh_generator()
+    b = len(seqlens)
+    q_nope = _inside_nan((b, q_len, heads, rank), dtype, gen)
+    q_pe = _inside_nan((b, q_len, heads, rope), dtype, gen)
+    if q_mul != 1.0:
+        q_nope.mul_(q_mul)
+        q_pe.mul_(q_mul)
+    table = _table(b, max(1, -(-max(seqlens) // block_size)), gen) if block_size else None
+    ks = 0.05 + 0.3 * torch.rand(1, generator=gen, device="cuda").item()
+    dt = FMTS[fmt]
+    ckv, ckv_ref = make_fp8_cache(seqlens, rank, dt, ks, gen, block_size, table)
+    kpe, kpe_ref = make_fp8_cache(seqlens, rope, dt, ks, gen, block_size, table)
+    k_scale = {"float": ks, "tensor0": torch.tensor(ks, device="cuda"),
+               "tensor1": torch.tensor([ks], device="cuda")}[scale_kind]
+    sm_scale = 1.0 / (rank // 4 + rope) ** 0.5
+    obuf = torch.full((b, q_len + 2, heads, rank + 8), SENTINEL, dtype=dtype, device="cuda")
+    out = obuf[:, 1:1 + q_len, :, :rank]
+    out.fill_(NAN)
+    lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    o, lse = attngen.mla_decode(q_nope, q_pe, ckv, kpe, cache_seqlens=lens, block_table=table, sm_scale=sm_scale,
+                                num_splits=num_splits, return_lse=True, out=out, k_scale=k_scale)
+    torch.cuda.synchronize()
+    assert o is out
+    border = obuf.clone()
+    border[:, 1:1 + q_len, :, :rank] = SENTINEL
+    assert (border == SENTINEL).all(), "a write landed outside the output"
+    assert torch.isfinite(o).all(), "unwritten (NaN) or non-finite output elements: a stray read or no write"
+    ref_o, ref_l = reference_mla(q_nope, q_pe, ckv_ref, kpe_ref, seqlens, sm_scale)
+    return check_output_and_lse(o, lse, ref_o, ref_l, TOL[dtype])
+
+
+# lengths 1..4k, tile multiples and not (the kernels' tiles are 16-64 keys)
+LENGTHS = {1: [[1], [63], [4096], [4001]], 4: [[1, 17, 64, 129], [4096, 1000, 65, 2049]],
+           32: [[(37 * i) % 4096 + 1 for i in range(32)]]}
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("batch", [1, 4, 32])
+@pytest.mark.parametrize("block_size", [None, 64], ids=["contiguous", "paged64"])
+def test_fp8_mla_matches_the_dequantised_reference(fmt, dtype, heads, batch, block_size):
+    for seqlens in LENGTHS[batch]:
+        run_case(seqlens, heads, fmt=fmt, dtype=dtype, block_size=block_size)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 7, 32])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_fp8_mla_split_counts(num_splits, heads):
+    # more splits than a short row has tiles leave late splits empty; the merge still sees each split's LSE
+    run_case([4096, 333, 1], heads, num_splits=num_splits)
+    run_case([2500, 64], heads, fmt="e5m2", dtype=torch.float16, block_size=64, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("scale_kind", ["float", "tensor0", "tensor1"])
+@pytest.mark.parametrize("q_len", [1, 2, 4])
+def test_fp8_mla_scales_and_tokens(scale_kind, q_len):
+    run_case([1500, 77], 16, q_len=q_len, scale_kind=scale_kind)
+    run_case([700], 32, q_len=q_len, scale_kind=scale_kind, block_size=64, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("q_mul", [1e-4, 40.0])
+def test_fp8_mla_bf16_q_far_from_one(q_mul):
+    """A bf16 q far below or above 1 still lands in fp16 (its power of two), as the output shows."""
+    run_case([3000, 90], 16, q_mul=q_mul)
+    run_case([513], 128, q_mul=q_mul, block_size=64)
+
+
+def test_fp8_mla_small_dims():
+    run_case([1000, 31], 16, rank=256, rope=32)
+    run_case([640], 128, rank=256, rope=32, fmt="e5m2", block_size=64)
