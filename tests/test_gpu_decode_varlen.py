@@ -154,7 +154,9 @@ def run(pk, *, num_splits=0, max_q_len=MAX_Q_LEN, return_lse=True, use_out=True,
     check(pk, o, lse, max_q_len, kw.get("sm_scale") or d ** -0.5, sinks)
 
 
-SPLITS = {"one": (1, True), "four_cluster": (4, True), "four_launch": (4, False), "auto": (0, True)}
+# (num_splits, cluster merge allowed): "four" merges in a cluster on sm_90 where the launch's rules take one
+# (test_cluster_merge_is_taken makes sure of one), "four_launch" through the merge launch.
+SPLITS = {"one": (1, True), "four": (4, True), "four_launch": (4, False), "auto": (0, True)}
 
 
 @pytest.mark.parametrize("splits", list(SPLITS))
@@ -181,7 +183,7 @@ def random_tree(n, gen):
 TREE_REQS = [(1, 1), (5, 300), (8, 8), (16, 1000), (16, 129), (2, 65), (17, 400), (0, 30), (12, 2049)]
 
 
-@pytest.mark.parametrize("splits", ["one", "four_cluster", "four_launch"])
+@pytest.mark.parametrize("splits", ["one", "four", "four_launch"])
 @pytest.mark.parametrize("heads", [(32, 8), (8, 8)], ids=["gqa32_8", "mha8_8"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_tree_masks(layout, heads, splits):
@@ -232,7 +234,7 @@ def test_no_lse_and_own_allocation(splits):
     run(pk, num_splits=num_splits, cluster=cluster, return_lse=False)
 
 
-@pytest.mark.parametrize("splits", ["one", "four_cluster", "four_launch"])
+@pytest.mark.parametrize("splits", ["one", "four", "four_launch"])
 def test_strided_out(splits):
     # out rows further apart than q's (a view into a wider buffer): any row stride.
     pk = Packed(MIXED, heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=None)
@@ -258,9 +260,28 @@ def test_smaller_max_q_len_skips_longer_requests(max_q_len):
     run(pk, max_q_len=max_q_len, num_splits=2, cluster=False)
 
 
-@pytest.mark.parametrize("splits", ["one", "four_cluster", "four_launch"])
+@pytest.mark.parametrize("splits", ["one", "four", "four_launch"])
 def test_sinks(splits):
     pk = Packed(MIXED, heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)
     sinks = torch.randn(32, device="cuda")
     num_splits, cluster = SPLITS[splits]
     run(pk, num_splits=num_splits, cluster=cluster, sinks=sinks)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("heads", [(8, 8), (32, 8)], ids=["mha8_8", "gqa32_8"])
+def test_cluster_merge_is_taken(heads, tree):
+    # Few requests (few CTAs): on sm_90 the four splits of each merge in a cluster, the rows past a request's tokens
+    # and the skipped requests' rows left alone.
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the cluster merge runs on sm_90")
+    reqs = [(16, 3000), (5, 129), (0, 50), (17, 100), (1, 700)]
+    pk = Packed(reqs, heads=heads[0], kv_heads=heads[1], head_dim=128, dtype=torch.bfloat16, block_size=None)
+    gen = torch.Generator()
+    gen.manual_seed(pk.seed)
+    pk.set_tree([w for q_len, _ in reqs for w in random_tree(q_len, gen)])
+    # (64 rows take a 3-stage ring by default, and a cluster needs 4 stages: the spec pins them)
+    kw = {} if heads[0] == heads[1] else dict(spec="decode:cta_tile_kv=64,num_warps=8,num_stages=4")
+    run(pk, num_splits=4, cluster=True, tree=tree, **kw)
+    call = [c for c in op._calls.values() if c.grid is not None][-1]
+    assert call.cluster == 4 and call.merge_grid is None, (call.cluster, call.kern.spec)

@@ -78,17 +78,19 @@ __device__ __forceinline__ void split_merge(const Params& p) {
   const int bq = idx / p.num_heads;
   const int qi = bq % p.q_len;
   const int b = bq / p.q_len;
-  int q0 = 0;
+  int q0 = 0, live = 0;
   if constexpr (VARLEN) {
+    // A skipped row counts no split, so that its max stays -inf and it reads no partial, and returns before the
+    // writes (a return here spilled on sm_90a at head_dim 256).
     q0 = p.cu_seqlens_q[b];
     const int n = p.cu_seqlens_q[b + 1] - q0;
-    if (qi >= n || n > p.q_len) return;
+    live = qi >= n || n > p.q_len ? 0 : p.num_splits;
   }
   const int lse_stride = rows;  // lse_part is [splits, batch, heads, q_len]: rows entries a split
   const float* lse_row = p.lse_part + (b * p.num_heads + head) * p.q_len + qi;
 
   float mx = -ATTNGEN_INF;
-  for (int s = lane; s < p.num_splits; s += 32) mx = fmaxf(mx, lse_row[(long long)s * lse_stride]);
+  for (int s = lane; s < (VARLEN ? live : p.num_splits); s += 32) mx = fmaxf(mx, lse_row[(long long)s * lse_stride]);
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
 
@@ -158,6 +160,7 @@ __device__ __forceinline__ void split_merge(const Params& p) {
   }
   T* dst;
   if constexpr (VARLEN) {
+    if (live == 0) return;
     dst = p.o + (long long)(q0 + qi) * p.o_ss + head * p.o_sh + col0 + lane * PER;
   } else {
     dst = p.o + b * p.o_sb + qi * p.o_ss + head * p.o_sh + col0 + lane * PER;

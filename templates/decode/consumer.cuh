@@ -60,7 +60,7 @@ struct DecodeConsumer {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int row = l.row(mt, r);
-          tw[mt][r] = row < c.rows_valid ? (unsigned long long)p.tree_mask[c.q0 + row / p.group] : 0ull;
+          tw[mt][r] = row < c.rows_valid ? (unsigned long long)p.tree_mask[S::q0_of(p, c) + row / p.group] : 0ull;
         }
     }
   }

@@ -19,7 +19,7 @@ struct DecodeEnd {
   // The LSE entry of token qi of the CTA's row, query head `head`: [batch, heads, q_len], or (VARLEN) [heads, total_q].
   static __device__ __forceinline__ long long lse_at(const DecodeParams<T>& p, const Cta& c, int head, int qi) {
     if constexpr (VARLEN) {
-      return head * p.lse_sh + c.q0 + qi;
+      return head * p.lse_sh + S::q0_of(p, c) + qi;
     } else {
       return ((long long)c.batch * p.num_heads + head) * p.q_len + qi;
     }
@@ -94,7 +94,7 @@ struct DecodeEnd {
       }
       T* dst;
       if constexpr (VARLEN) {
-        dst = p.o + (long long)(c.q0 + qi) * p.o_ss + head * p.o_sh + col;
+        dst = p.o + (long long)(S::q0_of(p, c) + qi) * p.o_ss + head * p.o_sh + col;
       } else {
         dst = p.o + c.batch * p.o_sb + qi * p.o_ss + head * p.o_sh + col;
       }
@@ -155,7 +155,7 @@ struct DecodeEnd {
         }
         T* gO;
         if constexpr (VARLEN) {
-          gO = p.o + (long long)(c.q0 + qi) * p.o_ss + head * p.o_sh;
+          gO = p.o + (long long)(S::q0_of(p, c) + qi) * p.o_ss + head * p.o_sh;
         } else {
           gO = p.o + c.batch * p.o_sb + qi * p.o_ss + head * p.o_sh + (D_PARTS > 1 ? l.dcol0 : 0);
         }

@@ -114,7 +114,6 @@ struct DecodeShape {
     int split, kv_head, batch, seqlen, rows_valid, tile_begin, tile_end;
     int pad, key_lo;  // LOCAL: the row's left pad and the first key any of its tokens sees (else 0)
     int block_shift;  // paged: 31 + ceil(log2(block_size)), for DecodeProducer::block_of
-    int q_len, q0;    // VARLEN: this request's tokens and the q row of its first (else unused)
     const T* k;  // this head of this row's cache (paged: of block 0)
     const T* v;
     const int* table;
@@ -142,12 +141,21 @@ struct DecodeShape {
     return l;
   }
 
-  // The CTA's tokens: its request's (VARLEN) or the call's q_len.
+  // The CTA's tokens, its request's (VARLEN) or the call's q_len, and (VARLEN) the q row of its first. Read from
+  // cu_seqlens_q where they are used rather than held in the Cta through the KV loop: at head_dim 256 the kernel
+  // has no register to spare for them (ptxas spilled on sm_90a).
   static __device__ __forceinline__ int q_len_of(const DecodeParams<T>& p, const Cta& c) {
     if constexpr (VARLEN) {
-      return c.q_len;
+      return p.cu_seqlens_q[c.batch + 1] - p.cu_seqlens_q[c.batch];
     } else {
       return p.q_len;
+    }
+  }
+  static __device__ __forceinline__ int q0_of(const DecodeParams<T>& p, const Cta& c) {
+    if constexpr (VARLEN) {
+      return p.cu_seqlens_q[c.batch];
+    } else {
+      return 0;
     }
   }
 
@@ -162,10 +170,8 @@ struct DecodeShape {
     c.seqlen = min(max(len, 0), p.capacity);
     c.rows_valid = p.group * p.q_len;
     if constexpr (VARLEN) {
-      c.q0 = p.cu_seqlens_q[c.batch];
-      c.q_len = p.cu_seqlens_q[c.batch + 1] - c.q0;
-      if (c.q_len <= 0 || c.q_len > p.q_len) c.q_len = 0;
-      c.rows_valid = p.group * c.q_len;
+      const int n = q_len_of(p, c);
+      c.rows_valid = n <= 0 || n > p.q_len ? 0 : p.group * n;
     }
     c.pad = c.key_lo = 0;
     if constexpr (LOCAL) {

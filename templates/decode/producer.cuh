@@ -34,7 +34,7 @@ struct DecodeProducer {
         const int qi = r / p.group;
         const int head = c.kv_head * p.group + (r - qi * p.group);
         if constexpr (S::VARLEN) {
-          src = p.q + (long long)(c.q0 + qi) * p.q_ss + head * p.q_sh + col;
+          src = p.q + (long long)(S::q0_of(p, c) + qi) * p.q_ss + head * p.q_sh + col;
         } else {
           src = p.q + c.batch * p.q_sb + qi * p.q_ss + head * p.q_sh + col;
         }
