@@ -23,7 +23,7 @@ def refused(fn, *texts):
 
 
 def main():
-    wrap, rand, i32 = fake_cuda.stub_session("attngen-varlen-")
+    wrap, rand, i32 = fake_cuda.stub_session("attngen-varlen-", propagate=True)  # (the padded copies)
 
     import torch
 
@@ -94,6 +94,11 @@ def main():
     n0 = fake_cuda.counts()["launches"]
     e = attngen.decode(rand(0, h, d), kc, vc, cache_seqlens=i32([]), cu_seqlens_q=i32([0]), max_q_len=1)
     assert e.shape == (0, h, d) and fake_cuda.counts()["launches"] == n0
+    # A head dim no kernel is built for runs on zero-padded copies (100 -> 104), packed still.
+    o3 = attngen.decode(rand(3, 8, 100), rand(1, 256, 2, 100), rand(1, 256, 2, 100), cache_seqlens=i32([200]),
+                        cu_seqlens_q=i32([0, 3]), max_q_len=4, num_splits=1)
+    spec = launched()[-1].kern.spec
+    assert o3.shape == (3, 8, 100) and spec.head_dim == 104 and spec.varlen_q, (o3.shape, spec)
     # Without cu_seqlens_q, the kernels without the switch.
     attngen.decode(rand(2, 1, h, d), kc, vc, cache_seqlens=i32([5, 6]), num_splits=1)
     assert not launched()[-1].kern.spec.varlen_q
