@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 import attngen  # noqa: E402
 from attngen.families.decode import op  # noqa: E402
-from tests.gpu_reference import fresh_generator  # noqa: E402
+from tests.gpu_reference import _score_mods, fresh_generator  # noqa: E402
 from tests.test_gpu_decode import LSE_MAX_ABS, MAX_ABS, NAN, TOL, Case, rel_l2  # noqa: E402
 
 MAX_Q_LEN = 16
@@ -49,6 +49,7 @@ class Packed:
         self.dtype = dtype
 
     def set_tree(self, words):
+        """The tree-mask words (python ints, one a token) the call takes and the reference applies."""
         self.words = list(words)
         signed = [w - (1 << 64) if w >= (1 << 63) else w for w in self.words]
         self.tree_mask = torch.tensor(signed, dtype=torch.int64, device="cuda")
@@ -78,9 +79,10 @@ class Packed:
             rows.append(torch.cat((torch.ones(start, dtype=torch.bool, device="cuda"), draft)))
         return torch.stack(rows)
 
-    def reference(self, b, max_q_len, sm_scale, sinks=None):
+    def reference(self, b, max_q_len, sm_scale, sinks=None, window_left=-1, pads=None, softcap=0.0, alibi=None):
         """Request b's (out [q_len, heads, d], LSE [heads, q_len]) in fp32; a token that sees nothing gives zeros and
-        LSE -inf (with sinks: its sink)."""
+        LSE -inf (with sinks: its sink). ``window_left``: a token at position i sees no key before i - window_left;
+        ``pads``: each request's first key; ``softcap`` and ``alibi`` ([heads] slopes) as attngen.prefill's."""
         q_len, n = self.reqs[b]
         q = self.q[self.cu[b]:self.cu[b + 1]].float()  # [q_len, h, d]
         h = q.shape[1]
@@ -89,7 +91,15 @@ class Packed:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         s = torch.einsum("ihd,jhd->hij", q, k) * sm_scale
-        s = s.masked_fill(~self.visible(b, max_q_len)[None], float("-inf"))
+        pos = torch.arange(n - q_len, n, device="cuda")[:, None]
+        j = torch.arange(n, device="cuda")[None, :]
+        s = _score_mods(s, softcap, alibi, pos - j)
+        vis = self.visible(b, max_q_len)
+        if window_left >= 0:
+            vis = vis & (j >= pos - window_left)
+        if pads is not None:
+            vis = vis & (j >= pads[b])
+        s = s.masked_fill(~vis[None], float("-inf"))
         lse = torch.logsumexp(s, dim=-1)  # [h, q_len]
         if sinks is not None:
             lse_all = torch.logaddexp(lse, sinks[:, None].float().expand_as(lse))
@@ -101,7 +111,7 @@ class Packed:
         return out, lse_all
 
 
-def check(pk, o, lse, max_q_len, sm_scale, sinks=None):
+def check(pk, o, lse, max_q_len, sm_scale, sinks=None, **ref):
     at = f"requests {pk.reqs}, seed {pk.seed}"
     assert o.shape == pk.q.shape and o.dtype == pk.dtype
     for b, (q_len, _) in enumerate(pk.reqs):
@@ -111,7 +121,7 @@ def check(pk, o, lse, max_q_len, sm_scale, sinks=None):
         if q_len > max_q_len:
             assert torch.isnan(rows).all(), f"request {b} ({q_len} tokens > max_q_len) was written; {at}"
             continue
-        ref_o, ref_l = pk.reference(b, max_q_len, sm_scale, sinks)
+        ref_o, ref_l = pk.reference(b, max_q_len, sm_scale, sinks, **ref)
         assert torch.isfinite(rows).all(), f"request {b}: unwritten (NaN) or non-finite outputs; {at}"
         err, mx = rel_l2(rows, ref_o), (rows.float() - ref_o).abs().max().item()
         assert err < TOL[pk.dtype] or ref_o.abs().max().item() == 0, f"request {b}: rel L2 {err:.3e}; {at}"
@@ -130,7 +140,7 @@ def check(pk, o, lse, max_q_len, sm_scale, sinks=None):
 
 
 def run(pk, *, num_splits=0, max_q_len=MAX_Q_LEN, return_lse=True, use_out=True, cluster=True, tree=False,
-        sinks=None, **kw):
+        sinks=None, ref=None, **kw):
     """One call with a NaN-poisoned ``out`` (or, without, a poisoned allocator), then the check."""
     out = torch.full_like(pk.q, NAN)
     if not use_out:
@@ -151,7 +161,7 @@ def run(pk, *, num_splits=0, max_q_len=MAX_Q_LEN, return_lse=True, use_out=True,
     if lse is not None:
         assert lse.shape == (pk.q.shape[1], pk.q.shape[0]) and lse.dtype == torch.float32
     d = pk.q.shape[-1]
-    check(pk, o, lse, max_q_len, kw.get("sm_scale") or d ** -0.5, sinks)
+    check(pk, o, lse, max_q_len, kw.get("sm_scale") or d ** -0.5, sinks, **(ref or {}))
 
 
 # (num_splits, cluster merge allowed): "four" merges in a cluster on sm_90 where the launch's rules take one
@@ -279,9 +289,31 @@ def test_cluster_merge_is_taken(heads, tree):
     pk = Packed(reqs, heads=heads[0], kv_heads=heads[1], head_dim=128, dtype=torch.bfloat16, block_size=None)
     gen = torch.Generator()
     gen.manual_seed(pk.seed)
-    pk.set_tree([w for q_len, _ in reqs for w in random_tree(q_len, gen)])
+    if tree:
+        pk.set_tree([w for q_len, _ in reqs for w in random_tree(q_len, gen)])
     # (64 rows take a 3-stage ring by default, and a cluster needs 4 stages: the spec pins them)
     kw = {} if heads[0] == heads[1] else dict(spec="decode:cta_tile_kv=64,num_warps=8,num_stages=4")
     run(pk, num_splits=4, cluster=True, tree=tree, **kw)
     call = [c for c in op._calls.values() if c.grid is not None][-1]
     assert call.cluster == 4 and call.merge_grid is None, (call.cluster, call.kern.spec)
+
+
+@pytest.mark.parametrize("splits", ["one", "four_launch"])
+def test_window_and_left_pads(splits):
+    pk = Packed(MIXED, heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)
+    pads = [0, 0, 300, 10, 3, 0, 500, 2, 0, 1000, 0, 20]
+    num_splits, cluster = SPLITS[splits]
+    run(pk, num_splits=num_splits, cluster=cluster, window=(100, 0),
+        cache_leftpad=torch.tensor(pads, dtype=torch.int32, device="cuda"), ref=dict(window_left=100, pads=pads))
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_softcap_and_alibi(tree):
+    pk = Packed(TREE_REQS, heads=32, kv_heads=8, head_dim=128, dtype=torch.float16, block_size=None)
+    gen = torch.Generator()
+    gen.manual_seed(pk.seed)
+    if tree:
+        pk.set_tree([w for q_len, _ in TREE_REQS for w in random_tree(q_len, gen)])
+    slopes = torch.rand(32, device="cuda") * 0.05
+    run(pk, num_splits=3, cluster=False, tree=tree, softcap=2.0, alibi_slopes=slopes,
+        ref=dict(softcap=2.0, alibi=slopes))
