@@ -128,8 +128,12 @@ def main():
     refused(lambda: attngen.decode(q, kc, vc, **call, out=rand(total, 1, h, d)), "out must match q")
     refused(lambda: attngen.decode(q, rand(5, 4096, 1, d), rand(5, 4096, 1, d), **call),
             "max_q_len=8", "1 to 4")  # group 32: 128 rows // 32
+    # An fp8 cache: the fp8 kernels with the switches, the packed fields after the fp8 scales'.
     k8 = wrap(torch.zeros(5, 4096, hk, d, dtype=torch.float8_e4m3fn))
-    refused(lambda: attngen.decode(q, k8, k8, **call), "k_cache dtype", "with cu_seqlens_q")
+    attngen.decode(q, k8, k8, **call, tree_mask=tree, k_scale=0.5, num_splits=1)
+    spec = launched()[-1].kern.spec
+    assert spec.kv_dtype is not None and spec.varlen_q and spec.tree, spec
+    assert params()[-3:] == (cu.data_ptr(), tree.data_ptr(), total)
     q512, c512 = rand(total, 8, 512), rand(5, 64, 8, 512)
     refused(lambda: attngen.decode(q512, c512, c512, **call), "head_dim=512 with cu_seqlens_q", "at most 256")
     print("ok")

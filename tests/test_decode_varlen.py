@@ -1,6 +1,6 @@
 """A packed, ragged q in the decode family without a GPU: the `varlen_q` and `tree` spec switches (text, name, key,
 template arguments, what they refuse), NVRTC builds of the packed kernels spill-free at head dims 64/128/256 on sm_80
-and sm_90a (contiguous and paged, every row count, with and without a tree, the merge entry), and the host path on the
+and sm_90a (contiguous and paged, every row count, with and without a tree, fp8 caches, the merge entry), and the host path on the
 stub driver (parameters, shapes, errors). The GPU checks are tests/test_gpu_decode_varlen.py."""
 
 import re
@@ -30,7 +30,6 @@ def test_switches_are_shown_only_when_on():
     (dict(tree=True), "tree"),
     (dict(varlen_q=True, variant="unfused"), "variant"),
     (dict(varlen_q=True, head_dim=512), "head_dim"),
-    (dict(varlen_q=True, kv_dtype="fp8_e4m3"), "kv_dtype"),
     (dict(varlen_q=True, tree=True, local=True), "local"),
     (dict(varlen_q=True, mask_mod="return true;"), "score_mod"),
 ])
@@ -60,9 +59,10 @@ def test_the_switches_reach_the_shape_the_params_and_the_merge():
 
 def test_a_spilling_config_is_not_a_packed_default():
     for (where, config), archs in defaults.SPILLS_ON.items():
-        if len(where) == 5 and where[4] in ("varlen", "tree"):
+        if len(where) == 5 and where[4].endswith(("varlen", "tree")):
             d, paged, rows, variant, mod = where
-            spec = DecodeSpec(head_dim=d, paged=paged, q_rows=rows, variant=variant, varlen_q=True, tree=mod == "tree")
+            spec = DecodeSpec(head_dim=d, paged=paged, q_rows=rows, variant=variant, varlen_q=True,
+                              tree=mod.endswith("tree"), kv_dtype="fp8_e4m3" if mod.startswith("fp8") else None)
             for arch in archs:
                 r = resolve(spec, arch)
                 assert (r.cta_tile_kv, r.num_warps, r.num_stages) != config, (where, arch)
@@ -83,6 +83,9 @@ def _spills(log: str) -> set:
     dict(head_dim=256, q_rows=16, paged=True, tree=True),
     dict(head_dim=256, q_rows=32),
     dict(head_dim=128, q_rows=32, sinks=True, softcap=True, local=True),
+    dict(head_dim=64, q_rows=64, kv_dtype="fp8_e4m3", tree=True),
+    dict(head_dim=128, q_rows=64, kv_dtype="fp8_e4m3", paged=True, tree=True),
+    dict(head_dim=256, q_rows=16, kv_dtype="fp8_e5m2", dtype="fp16", paged=True),
 ], ids=lambda f: "_".join(f"{k}{v}" for k, v in f.items()))
 def test_packed_kernels_compile_without_spills(arch, fields):
     s = resolve(DecodeSpec(varlen_q=True, **fields), arch)

@@ -32,10 +32,19 @@ class Packed:
     """A packed, ragged batch: the cache (Case's, NaN where no request may read), q [total_q, heads, head_dim],
     cu_seqlens_q, and optionally tree-mask words (one python int a token)."""
 
-    def __init__(self, reqs, *, heads, kv_heads, head_dim, dtype, block_size):
+    def __init__(self, reqs, *, heads, kv_heads, head_dim, dtype, block_size, fp8=None):
         self.reqs = reqs
         self.case = Case([n for _, n in reqs], heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                          block_size=block_size)
+        # What the call reads (k, v and their scales) and what the reference reads (fp32; an fp8 cache dequantised).
+        self.k, self.v, self.scales = self.case.k_cache, self.case.v_cache, {}
+        self.k_ref, self.v_ref = self.case.k_cache, self.case.v_cache
+        if fp8 is not None:
+            fmt = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fp8]
+            ks, vs = 0.25, 0.125  # |x| < ~5: |x / scale| < ~40, inside both formats' range; NaN stays NaN
+            self.k, self.v = (self.case.k_cache.float() / ks).to(fmt), (self.case.v_cache.float() / vs).to(fmt)
+            self.k_ref, self.v_ref = self.k.float() * ks, self.v.float() * vs
+            self.scales = dict(k_scale=ks, v_scale=vs)
         gen = fresh_generator()
         self.seed = self.case.seed
         total = sum(q for q, _ in reqs)
@@ -58,11 +67,11 @@ class Packed:
         """Request b's keys and values [L, kv_heads, head_dim] in fp32, read through its cache layout."""
         c, n = self.case, self.reqs[b][1]
         if c.block_table is None:
-            return c.k_cache[b, :n].float(), c.v_cache[b, :n].float()
+            return self.k_ref[b, :n].float(), self.v_ref[b, :n].float()
         bs = c.k_cache.shape[1]
         j = torch.arange(n, device="cuda")
         blk = c.block_table[b].long()[j // bs]
-        return c.k_cache[blk, j % bs].float(), c.v_cache[blk, j % bs].float()
+        return self.k_ref[blk, j % bs].float(), self.v_ref[blk, j % bs].float()
 
     def visible(self, b, max_q_len):
         """[q_len, L] bool: which keys each token of request b sees (causal, or the tree over the draft block)."""
@@ -149,9 +158,9 @@ def run(pk, *, num_splits=0, max_q_len=MAX_Q_LEN, return_lse=True, use_out=True,
         torch.full_like(pk.q, NAN)  # the caching allocator hands this block back to decode's own out
     was = op.set_cluster_merge(op.CLUSTER_MAX if cluster else 0)
     try:
-        res = attngen.decode(pk.q, pk.case.k_cache, pk.case.v_cache, **pk.case.kwargs(), cu_seqlens_q=pk.cu_seqlens_q,
-                             max_q_len=max_q_len, tree_mask=pk.tree_mask if tree else None, num_splits=num_splits,
-                             return_lse=return_lse, out=out, sinks=sinks, **kw)
+        res = attngen.decode(pk.q, pk.k, pk.v, **pk.case.kwargs(), cu_seqlens_q=pk.cu_seqlens_q, max_q_len=max_q_len,
+                             tree_mask=pk.tree_mask if tree else None, num_splits=num_splits, return_lse=return_lse,
+                             out=out, sinks=sinks, **pk.scales, **kw)
         torch.cuda.synchronize()
     finally:
         op.set_cluster_merge(was)
@@ -317,3 +326,23 @@ def test_softcap_and_alibi(tree):
     slopes = torch.rand(32, device="cuda") * 0.05
     run(pk, num_splits=3, cluster=False, tree=tree, softcap=2.0, alibi_slopes=slopes,
         ref=dict(softcap=2.0, alibi=slopes))
+
+
+@pytest.mark.parametrize("splits", ["one", "four_launch"])
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+def test_fp8_cache(layout, tree, splits):
+    # An e4m3 cache with a bf16 q against the dequantised cache (tests/test_gpu_fp8_decode.py's tolerances).
+    pk = Packed(TREE_REQS, heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=LAYOUTS[layout],
+                fp8="e4m3")
+    if tree:
+        gen = torch.Generator()
+        gen.manual_seed(pk.seed)
+        pk.set_tree([w for q_len, _ in TREE_REQS for w in random_tree(q_len, gen)])
+    num_splits, cluster = SPLITS[splits]
+    run(pk, num_splits=num_splits, cluster=cluster, tree=tree)
+
+
+def test_fp8_e5m2_fp16_paged64_auto_splits():
+    pk = Packed(MIXED, heads=8, kv_heads=8, head_dim=64, dtype=torch.float16, block_size=64, fp8="e5m2")
+    run(pk)

@@ -162,8 +162,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     decoding's tree; bit j (the lowest bit 0) of token i's word lets it see its request's draft token j, the key at
     position L_b - q_len_b + j (j < q_len_b; higher bits are ignored), in place of causality inside the draft block;
     every key before the block is seen. A token that sees no key gives zeros and LSE -inf (sinks: its sink). Split-KV,
-    paged caches, softcap, ALiBi and sinks work with a packed q, a window and ``cache_leftpad`` without a tree;
-    fp8 caches, ``variant="unfused"``, score_mod/mask_mod, head_dim 512 and torch.compile are refused with it.
+    paged caches, fp8 caches, softcap, ALiBi and sinks work with a packed q, a window and ``cache_leftpad`` without a
+    tree; ``variant="unfused"``, score_mod/mask_mod, head_dim 512 and torch.compile are refused with it.
     """
     if _rt.tracing is not None and _rt.tracing():
         refuse_traced("attngen.decode", score_mod, mask_mod, aux)
@@ -356,7 +356,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     cu_ptr = tree_ptr = 0
     if packed:
         b, q_len, cu_ptr, tree_ptr = _packed_q(qi, cache_seqlens, cu_seqlens_q, max_q_len, tree_mask, group, d,
-                                               variant, mods, kv)
+                                               variant, mods)
     if group * q_len > DecodeSpec.Q_ROWS[-1]:
         raise LaunchError(f"heads/kv_heads x q_len = {group} x {q_len} = {group * q_len} packed query rows a KV "
                           f"head is not supported; allowed: at most {DecodeSpec.Q_ROWS[-1]}")
@@ -488,17 +488,16 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     return call
 
 
-def _packed_q(qi, cache_seqlens, cu_seqlens_q, max_q_len, tree_mask, group: int, d: int, variant, mods, kv):
+def _packed_q(qi, cache_seqlens, cu_seqlens_q, max_q_len, tree_mask, group: int, d: int, variant, mods):
     """The checks of a packed, ragged q (``cu_seqlens_q``) against q ``[total_q, heads, head_dim]`` of ``qi`` and
     the GQA group; returns (batch, max_q_len, cu_seqlens_q's pointer, tree_mask's pointer or 0). What the packed
     kernels do not run is refused by name."""
     kind, dev = qi.kind, qi.device
     for name, bad, allowed in (("variant", variant == "unfused", "auto or fused"),
-                               ("k_cache dtype", kv is not None, "q's dtype (no fp8 cache)"),
                                ("score_mod/mask_mod", mods is not None, "none"),
                                ("head_dim", d > 256, "at most 256")):
         if bad:
-            value = {"variant": variant, "k_cache dtype": getattr(kv, "value", kv), "head_dim": d}.get(name, "given")
+            value = {"variant": variant, "head_dim": d}.get(name, "given")
             raise LaunchError(f"{name}={value!r} with cu_seqlens_q is not supported; allowed with a packed q: "
                               f"{allowed}")
     cu = tensor_info(cu_seqlens_q, "cu_seqlens_q")

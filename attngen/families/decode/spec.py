@@ -163,14 +163,13 @@ class DecodeSpec(SpecBase):
                                 f"{FP8_HEAD_DIMS_TEXT}, variant=fused, softcap=false, alibi=false", reason=why)
 
     def _check_varlen_q(self) -> None:
-        """What a packed, ragged q runs with: the fused kernel on a cache in q's dtype, head dims up to 256 (one CTA
-        a KV head), no user snippets; a tree needs the packed q and no window (the tree replaces causality)."""
+        """What a packed, ragged q runs with: the fused kernel (on a cache in q's dtype or fp8), head dims up to 256
+        (one CTA a KV head), no user snippets; a tree needs the packed q and no window (the tree replaces
+        causality)."""
         for name, value, bad, allowed in (
                 ("tree", self.tree, self.tree and not self.varlen_q, "false without varlen_q=true"),
                 ("variant", self.variant.value, self.variant is Variant.UNFUSED, "fused"),
                 ("head_dim", self.head_dim, self.d_parts > 1, "at most 256"),
-                ("kv_dtype", getattr(self.kv_dtype, "value", None), self.kv_dtype is not None,
-                 "unset (the cache in q's dtype)"),
                 ("local", self.local, self.tree and self.local, "false with tree=true"),
                 ("score_mod", self.score_mod, bool(self.score_mod or self.mask_mod or self.aux), "empty")):
             if bad:
