@@ -30,6 +30,10 @@ __device__ __forceinline__ float join_sink(float& lse, float sink) {
 // meet in shared memory. SINKS: each row's head's sink joins once, after the splits (join_sink); the
 // partial states carry none. Row and chunk indices are 32-bit (the launch's rows times chunks fit an int):
 // the 64-bit divisions they replace were most of a warp's instructions.
+// VARLEN (decode's packed, ragged q; p.q_len its most tokens a request): rows past a request's tokens, and every row
+// of a request with none or more than q_len, are skipped (their partials were never written); the output and the
+// LSE of token qi of request b are row cu_seqlens_q[b] + qi of o ([total_q, heads, ...]) and of lse ([heads,
+// total_q], lse_sh apart).
 template <int PER>
 __device__ __forceinline__ void merge_load(float (&x)[PER], const float* row) {
   if constexpr (PER % 4 == 0) {
@@ -52,9 +56,10 @@ __device__ __forceinline__ void merge_load(float (&x)[PER], const float* row) {
 }
 
 template <class T, bool BF16, int HEAD_DIM, int WARP_COLS, int UNROLL = 8, int WARPS = 1, bool SINKS = false,
-          class Params>
+          bool VARLEN = false, class Params>
 __device__ __forceinline__ void split_merge(const Params& p) {
   static_assert(HEAD_DIM % WARP_COLS == 0 && WARP_COLS % 8 == 0, "a warp's columns");
+  static_assert(!VARLEN || WARPS == 1, "a skipped row returns its warp alone");
   // Elements per lane, contiguous: WARP_COLS / 32, or for a width not a multiple of 64 the power of two
   // (2, 4 or 8) that covers it, the lanes past the columns reading lane 0's and writing nothing.
   constexpr int PER = WARP_COLS % 64 == 0 ? WARP_COLS / 32 : WARP_COLS <= 64 ? 2 : WARP_COLS <= 128 ? 4 : 8;
@@ -73,11 +78,19 @@ __device__ __forceinline__ void split_merge(const Params& p) {
   const int bq = idx / p.num_heads;
   const int qi = bq % p.q_len;
   const int b = bq / p.q_len;
+  int q0 = 0, live = 0;
+  if constexpr (VARLEN) {
+    // A skipped row counts no split, so that its max stays -inf and it reads no partial, and returns before the
+    // writes (a return here spilled on sm_90a at head_dim 256).
+    q0 = p.cu_seqlens_q[b];
+    const int n = p.cu_seqlens_q[b + 1] - q0;
+    live = qi >= n || n > p.q_len ? 0 : p.num_splits;
+  }
   const int lse_stride = rows;  // lse_part is [splits, batch, heads, q_len]: rows entries a split
   const float* lse_row = p.lse_part + (b * p.num_heads + head) * p.q_len + qi;
 
   float mx = -ATTNGEN_INF;
-  for (int s = lane; s < p.num_splits; s += 32) mx = fmaxf(mx, lse_row[(long long)s * lse_stride]);
+  for (int s = lane; s < (VARLEN ? live : p.num_splits); s += 32) mx = fmaxf(mx, lse_row[(long long)s * lse_stride]);
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
 
@@ -145,12 +158,23 @@ __device__ __forceinline__ void split_merge(const Params& p) {
     lse = wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
     inv *= join_sink(lse, p.sinks[head]);
   }
-  T* dst = p.o + b * p.o_sb + qi * p.o_ss + head * p.o_sh + col0 + lane * PER;
+  T* dst;
+  if constexpr (VARLEN) {
+    if (live == 0) return;
+    dst = p.o + (long long)(q0 + qi) * p.o_ss + head * p.o_sh + col0 + lane * PER;
+  } else {
+    dst = p.o + b * p.o_sb + qi * p.o_ss + head * p.o_sh + col0 + lane * PER;
+  }
 #pragma unroll
   for (int i = 0; i < PER; i += 2)
     if (cols) *reinterpret_cast<unsigned*>(dst + i) = pack2<BF16>(acc[i] * inv, acc[i + 1] * inv);
-  if (lane == 0 && col0 == 0 && p.lse)
-    p.lse[(b * p.num_heads + head) * p.q_len + qi] = SINKS ? lse : wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
+  if constexpr (VARLEN) {
+    if (lane == 0 && col0 == 0 && p.lse)
+      p.lse[head * p.lse_sh + q0 + qi] = SINKS ? lse : wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
+  } else {
+    if (lane == 0 && col0 == 0 && p.lse)
+      p.lse[(b * p.num_heads + head) * p.q_len + qi] = SINKS ? lse : wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
+  }
 }
 
 // The splits of one row block launched as one cluster (sm_90): each CTA left its normalised fp32

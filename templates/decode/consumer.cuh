@@ -9,11 +9,13 @@ struct DecodeConsumer {
   using Cta = typename S::Cta;
   using Lane = typename S::Lane;
   static constexpr bool BF16 = S::BF16, Q_IN_REGS = S::Q_IN_REGS, SOFTCAP = S::SOFTCAP, ALIBI = S::ALIBI;
-  static constexpr bool LOCAL = S::LOCAL;
+  static constexpr bool LOCAL = S::LOCAL, TREE = S::TREE;
   static constexpr int M_TILES = S::M_TILES, KW = S::KW, KW_TILES = S::KW_TILES, K_STEPS = S::K_STEPS;
   static constexpr int D_TILES = S::D_TILES, D_OUT = S::D_OUT, D_PARTS = S::D_PARTS;
   // Q's MMA fragments, kept in registers across the tiles (Q_IN_REGS), else read from shared memory each tile.
   using QFrag = unsigned[Q_IN_REGS ? M_TILES : 1][Q_IN_REGS ? K_STEPS : 1][4];
+  // TREE: the tree-mask word of each of this thread's rows' token, read once (tree_words).
+  using TreeWords = unsigned long long[TREE ? M_TILES : 1][2];
 
   // Accumulators (a tile's S, a split's O) start at zero.
   template <int A, int B>
@@ -45,19 +47,36 @@ struct DecodeConsumer {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = l.row(mt, r);
-        lim[mt][r] = row < c.rows_valid ? c.seqlen - p.q_len + row / p.group : c.seqlen - 1;
+        lim[mt][r] = row < c.rows_valid ? c.seqlen - S::q_len_of(p, c) + row / p.group : c.seqlen - 1;
       }
+  }
+
+  // TREE: each of this thread's rows' token's word of tree_mask (0 for rows past the packed ones).
+  static __device__ __forceinline__ void tree_words(TreeWords& tw, const DecodeParams<T>& p, const Cta& c,
+                                                    const Lane& l) {
+    if constexpr (TREE) {
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = l.row(mt, r);
+          tw[mt][r] = row < c.rows_valid ? (unsigned long long)p.tree_mask[S::q0_of(p, c) + row / p.group] : 0ull;
+        }
+    }
   }
 
   // Some key of this warp's slice of the tile lies past the first token's last key (LOCAL: or before
   // the last token's first).
+  // TREE: some key lies in the draft block (a token may not see even its own).
   static __device__ __forceinline__ bool needs_mask(const DecodeParams<T>& p, const Cta& c, int n0, const Lane& l) {
-    if constexpr (LOCAL) {
-      const int pos0 = c.seqlen - p.q_len;
+    if constexpr (TREE) {
+      return n0 + l.key0 + KW - 1 >= c.seqlen - S::q_len_of(p, c);
+    } else if constexpr (LOCAL) {
+      const int pos0 = c.seqlen - S::q_len_of(p, c);
       return n0 + l.key0 + KW - 1 > min(pos0 + p.window_right, c.seqlen - 1) ||
-             n0 + l.key0 < max(c.pad, pos0 + p.q_len - 1 - p.window_left);
+             n0 + l.key0 < max(c.pad, pos0 + S::q_len_of(p, c) - 1 - p.window_left);
     } else {
-      return n0 + l.key0 + KW - 1 > c.seqlen - p.q_len;
+      return n0 + l.key0 + KW - 1 > c.seqlen - S::q_len_of(p, c);
     }
   }
 
@@ -88,7 +107,8 @@ struct DecodeConsumer {
   static __device__ __forceinline__ void scores(float (&acc_s)[M_TILES][KW_TILES][4],
                                                 const QFrag& q_frag,
                                                 const T* sQ, const T* sKs, const int (&lim)[M_TILES][2], bool mask,
-                                                int n0, const DecodeParams<T>& p, const Cta& c, const Lane& l) {
+                                                int n0, const DecodeParams<T>& p, const Cta& c, const Lane& l,
+                                                const TreeWords* tw = nullptr) {
     zero(acc_s);
 #pragma unroll
     for (int kk = 0; kk < K_STEPS; ++kk) {
@@ -137,7 +157,30 @@ struct DecodeConsumer {
 #ifdef ATTNGEN_MODS
     user_mods(acc_s, n0, p, c, l);
 #endif
-    if (mask) mask_scores(acc_s, lim, n0, p, c, l);
+    if constexpr (TREE) {
+      if (mask) mask_tree(acc_s, *tw, n0, p, c, l);
+    } else {
+      if (mask) mask_scores(acc_s, lim, n0, p, c, l);
+    }
+  }
+
+  // TREE: a key before the draft block is seen by every token; a key of the block (draft token j) by the tokens
+  // whose word has bit j; none past it. Over this warp's KW keys of the tile.
+  static __device__ __forceinline__ void mask_tree(float (&acc_s)[M_TILES][KW_TILES][4], const TreeWords& tw, int n0,
+                                                   const DecodeParams<T>& p, const Cta& c, const Lane& l) {
+    const int q_len = S::q_len_of(p, c);
+    const int rel0 = n0 + l.key0 + 2 * l.t - (c.seqlen - q_len);  // this thread's first key, from the block's start
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int n = 0; n < KW_TILES; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = rel0 + n * 8 + e;
+            if (j >= 0 && (j >= q_len || !((tw[mt][r] >> j) & 1ull))) acc_s[mt][n][2 * r + e] = -ATTNGEN_INF;
+          }
   }
 
   // Scores past each row's last key (LOCAL: outside its bounds) to -inf, over this warp's KW keys of the tile
@@ -176,7 +219,7 @@ struct DecodeConsumer {
         const int row = l.row(mt, r);
         if (row >= c.rows_valid) continue;
         const int head = c.kv_head * p.group + row % p.group;
-        const int pos = c.seqlen - p.q_len + row / p.group;
+        const int pos = c.seqlen - S::q_len_of(p, c) + row / p.group;
 #pragma unroll
         for (int n = 0; n < KW_TILES; ++n)
 #pragma unroll
@@ -202,9 +245,10 @@ struct DecodeConsumer {
   // the CTA's first tile (it == 0), masking only where some key of the warp's slice needs it.
   static __device__ __forceinline__ void tile_scores(float (&acc_s)[M_TILES][KW_TILES][4], QFrag& q_frag, const T* sQ,
                                                      const T* sKs, const int (&lim)[M_TILES][2], int it, int n0,
-                                                     const DecodeParams<T>& p, const Cta& c, const Lane& l) {
+                                                     const DecodeParams<T>& p, const Cta& c, const Lane& l,
+                                                     const TreeWords* tw = nullptr) {
     if (it == 0) load_q_frags(q_frag, sQ, l);
-    scores(acc_s, q_frag, sQ, sKs, lim, needs_mask(p, c, n0, l), n0, p, c, l);
+    scores(acc_s, q_frag, sQ, sKs, lim, needs_mask(p, c, n0, l), n0, p, c, l, tw);
   }
 
   // Online softmax of one tile's scores (softmax_row, common/online_softmax.cuh): updates max and sum, turns acc_s

@@ -10,11 +10,20 @@ struct DecodeEnd {
   using T = typename S::T;
   using Cta = typename S::Cta;
   using Lane = typename S::Lane;
-  static constexpr bool BF16 = S::BF16, SINKS = S::SINKS;
+  static constexpr bool BF16 = S::BF16, SINKS = S::SINKS, VARLEN = S::VARLEN;
   static constexpr int HEAD_DIM = S::HEAD_DIM, ROWS = S::ROWS, THREADS = S::THREADS, WARPS_N = S::WARPS_N;
   static constexpr int M_TILES = S::M_TILES, D_TILES = S::D_TILES;
   // A CTA's output columns: all HEAD_DIM, or (D_PARTS > 1) D_OUT of them from Lane::dcol0.
   static constexpr int D_OUT = S::D_OUT, D_PARTS = S::D_PARTS;
+
+  // The LSE entry of token qi of the CTA's row, query head `head`: [batch, heads, q_len], or (VARLEN) [heads, total_q].
+  static __device__ __forceinline__ long long lse_at(const DecodeParams<T>& p, const Cta& c, int head, int qi) {
+    if constexpr (VARLEN) {
+      return head * p.lse_sh + S::q0_of(p, c) + qi;
+    } else {
+      return ((long long)c.batch * p.num_heads + head) * p.q_len + qi;
+    }
+  }
 
   // Merge the WARPS_N per-warp (max, sum) of each row through shared memory (the ring's bytes,
   // free once every cp.async has landed). Returns per row the CTA's max, its sum, and this
@@ -83,11 +92,15 @@ struct DecodeEnd {
         const float f = join_sink(lse, p.sinks[head]);
         x = make_float4(x.x * f, x.y * f, x.z * f, x.w * f);
       }
-      T* dst = p.o + c.batch * p.o_sb + qi * p.o_ss + head * p.o_sh + col;
+      T* dst;
+      if constexpr (VARLEN) {
+        dst = p.o + (long long)(S::q0_of(p, c) + qi) * p.o_ss + head * p.o_sh + col;
+      } else {
+        dst = p.o + c.batch * p.o_sb + qi * p.o_ss + head * p.o_sh + col;
+      }
       *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<BF16>(x.x, x.y), pack2<BF16>(x.z, x.w));
       if (col == 0 && p.lse)
-        p.lse[((long long)c.batch * p.num_heads + head) * p.q_len + qi] =
-            SINKS ? lse : wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
+        p.lse[lse_at(p, c, head, qi)] = SINKS ? lse : wsum > 0.f ? mx + logf(wsum) : -ATTNGEN_INF;
     });
   }
 
@@ -140,7 +153,12 @@ struct DecodeEnd {
         if constexpr (SINKS) {
           if (one) inv *= join_sink(lse, p.sinks[head]);
         }
-        T* gO = p.o + c.batch * p.o_sb + qi * p.o_ss + head * p.o_sh + (D_PARTS > 1 ? l.dcol0 : 0);
+        T* gO;
+        if constexpr (VARLEN) {
+          gO = p.o + (long long)(S::q0_of(p, c) + qi) * p.o_ss + head * p.o_sh;
+        } else {
+          gO = p.o + c.batch * p.o_sb + qi * p.o_ss + head * p.o_sh + (D_PARTS > 1 ? l.dcol0 : 0);
+        }
         float* gP = p.o_part + (((long long)c.split * p.batch + c.batch) * p.q_len + qi) * p.num_heads * HEAD_DIM +
                     (long long)head * HEAD_DIM + (D_PARTS > 1 ? l.dcol0 : 0);
 #pragma unroll
@@ -164,7 +182,7 @@ struct DecodeEnd {
         }
         if (l.t == 0 && (D_PARTS == 1 || l.dcol0 == 0)) {  // (every part has the same LSE)
           if (one) {
-            if (p.lse) p.lse[((long long)c.batch * p.num_heads + head) * p.q_len + qi] = lse;
+            if (p.lse) p.lse[lse_at(p, c, head, qi)] = lse;
           } else if (cl) {
             sLse[row] = lse;
           } else {

@@ -34,7 +34,11 @@ struct DecodeFp8 {
   static __device__ __forceinline__ const uint4* q_chunk(const DecodeParams<T>& p, const Cta& c, int r, int col) {
     const int qi = r / p.group;
     const int head = c.kv_head * p.group + (r - qi * p.group);
-    return reinterpret_cast<const uint4*>(p.q + c.batch * p.q_sb + qi * p.q_ss + head * p.q_sh + col);
+    if constexpr (S::VARLEN) {
+      return reinterpret_cast<const uint4*>(p.q + (long long)(S::q0_of(p, c) + qi) * p.q_ss + head * p.q_sh + col);
+    } else {
+      return reinterpret_cast<const uint4*>(p.q + c.batch * p.q_sb + qi * p.q_ss + head * p.q_sh + col);
+    }
   }
 
   // bf16 q: the power of two k that carries the CTA's q into fp16 (fp16_shift_of, common/fp8.cuh). A reduction over
@@ -199,6 +203,9 @@ struct DecodeFp8 {
     unsigned char* rK = reinterpret_cast<unsigned char*>(sQ + Q_ELEMS);
     unsigned char* rV = rK + NUM_STAGES * TILE_BYTES;
     const Cta c = S::cta_of(params);
+    if constexpr (S::VARLEN) {
+      if (c.rows_valid == 0) return;  // a request with no token or more than the rows take: nothing written
+    }
     const Lane l = S::lane_of();
     DecodeParams<T> p = params;
     const float ks = params.k_scale ? params.k_scale[c.kv_head * params.k_scale_sh] : 1.f;
@@ -225,6 +232,8 @@ struct DecodeFp8 {
     Math::start_rows(row_max, row_sum);
     int lim[M_TILES][2];
     Math::row_limits(lim, p, c, l);
+    typename Math::TreeWords tw;
+    Math::tree_words(tw, p, c, l);
     typename Math::QFrag q_frag;
 
     Load::ring(
@@ -234,7 +243,11 @@ struct DecodeFp8 {
           float acc_s[M_TILES][KW_TILES][4];
           if (it == 0) Math::load_q_frags(q_frag, sQ, l);
           Fp8Math::scores(acc_s, q_frag, sQ, rK + slot * TILE_BYTES, l);
-          if (Math::needs_mask(p, c, n0, l)) Math::mask_scores(acc_s, lim, n0, p, c, l);
+          if constexpr (S::TREE) {
+            if (Math::needs_mask(p, c, n0, l)) Math::mask_tree(acc_s, tw, n0, p, c, l);
+          } else {
+            if (Math::needs_mask(p, c, n0, l)) Math::mask_scores(acc_s, lim, n0, p, c, l);
+          }
           float corr[M_TILES][2];
           Math::softmax_step(acc_s, row_max, row_sum, corr, p.scale_log2);
           // O's rescale, skipped (warp-uniformly) where no row of the warp has a new max: corr is then exactly 1

@@ -1,4 +1,4 @@
-// Decode against a KV cache: q_len (1..8) new tokens per sequence, every query head of one KV
+// Decode against a KV cache: q_len (1..8; a packed, ragged q: up to 64) new tokens per sequence, every query head of one KV
 // head packed into the rows of one CTA (row r = token (r / group), head (r % group) of the
 // group), so each K/V byte is read once per split of the sequence.
 //
@@ -29,6 +29,9 @@ struct Decode {
     T* sK = sQ + Q_ELEMS;
     T* sV = sK + NUM_STAGES * TILE_ELEMS;
     const Cta c = S::cta_of(p);
+    if constexpr (S::VARLEN) {
+      if (c.rows_valid == 0) return;  // a request with no token or more than the rows take: nothing written
+    }
     const Lane l = S::lane_of();
 
     typename Load::Pages pg;
@@ -46,6 +49,8 @@ struct Decode {
     Math::start_rows(row_max, row_sum);
     int lim[M_TILES][2];
     Math::row_limits(lim, p, c, l);
+    typename Math::TreeWords tw;
+    Math::tree_words(tw, p, c, l);
     typename Math::QFrag q_frag;
 
     Load::ring(
@@ -53,7 +58,7 @@ struct Decode {
         [&](int tile, int it, int slot) {
           const int n0 = tile * BLOCK_N;
           float acc_s[M_TILES][KW_TILES][4];
-          Math::tile_scores(acc_s, q_frag, sQ, sK + slot * TILE_ELEMS, lim, it, n0, p, c, l);
+          Math::tile_scores(acc_s, q_frag, sQ, sK + slot * TILE_ELEMS, lim, it, n0, p, c, l, &tw);
           float corr[M_TILES][2];
           Math::softmax_step(acc_s, row_max, row_sum, corr, p.scale_log2);
           scale_rows(acc_o, corr);

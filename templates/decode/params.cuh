@@ -43,6 +43,16 @@ struct DecodeParams {
   const float* v_scale;
   int k_scale_sh, v_scale_sh;
   float v_scale_f;
+#ifdef ATTNGEN_DECODE_VARLEN
+  // VARLEN: q, out are [total_q, heads, head_dim] (q_ss, o_ss their row strides; q_sb, o_sb unused), request b's
+  // tokens rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1, the last of its cache; q_len is the most a CTA takes
+  // (max_q_len), and a request with none or more is not computed. The LSE is [heads, total_q] (lse_sh: total_q);
+  // the partials keep [splits, batch, q_len, ...] rows, those past a request's tokens unwritten. TREE: tree_mask
+  // [total_q], bit j of a token's word: it sees its request's draft token j (the key at seqlen - its q_len + j).
+  const int* cu_seqlens_q;
+  const long long* tree_mask;
+  long long lse_sh;
+#endif
 #ifdef ATTNGEN_MODS
   // A kernel with a user's score_mod / mask_mod (attngen/families/snippets.py): their aux tensors. After every other
   // field, and only in such kernels, so that every other kernel keeps its parameters as they were.
@@ -56,11 +66,12 @@ struct DecodeParams {
 // struct and read its members; the template parameters carry a trailing _ so the members can take their names.
 template <class T_, bool BF16_, int HEAD_DIM_, int ROWS_, int BLOCK_N_, int NUM_WARPS_, int WARPS_M_, int NUM_STAGES_,
           bool PAGED_, bool Q_IN_REGS_, bool SOFTCAP_ = false, bool ALIBI_ = false, bool LOCAL_ = false,
-          bool SINKS_ = false, int KV_FP8_ = 0>
+          bool SINKS_ = false, int KV_FP8_ = 0, bool VARLEN_ = false, bool TREE_ = false>
 struct DecodeShape {
   using T = T_;
   static constexpr bool BF16 = BF16_, PAGED = PAGED_, Q_IN_REGS = Q_IN_REGS_;
   static constexpr bool SOFTCAP = SOFTCAP_, ALIBI = ALIBI_, LOCAL = LOCAL_, SINKS = SINKS_;
+  static constexpr bool VARLEN = VARLEN_, TREE = TREE_;  // a packed, ragged q; tree masks over its draft tokens
   static constexpr int KV_FP8 = KV_FP8_;  // the cache's format: 0 q's dtype, 1 e4m3, 2 e5m2 (decode/fp8.cuh)
   static constexpr int HEAD_DIM = HEAD_DIM_, ROWS = ROWS_, BLOCK_N = BLOCK_N_;
   static constexpr int NUM_WARPS = NUM_WARPS_, WARPS_M = WARPS_M_, NUM_STAGES = NUM_STAGES_;
@@ -130,7 +141,26 @@ struct DecodeShape {
     return l;
   }
 
-  // This CTA's place (the tile walk): its split's run of its row's tiles, and its KV head's cache.
+  // The CTA's tokens, its request's (VARLEN) or the call's q_len, and (VARLEN) the q row of its first. Read from
+  // cu_seqlens_q where they are used rather than held in the Cta through the KV loop: at head_dim 256 the kernel
+  // has no register to spare for them (ptxas spilled on sm_90a).
+  static __device__ __forceinline__ int q_len_of(const DecodeParams<T>& p, const Cta& c) {
+    if constexpr (VARLEN) {
+      return p.cu_seqlens_q[c.batch + 1] - p.cu_seqlens_q[c.batch];
+    } else {
+      return p.q_len;
+    }
+  }
+  static __device__ __forceinline__ int q0_of(const DecodeParams<T>& p, const Cta& c) {
+    if constexpr (VARLEN) {
+      return p.cu_seqlens_q[c.batch];
+    } else {
+      return 0;
+    }
+  }
+
+  // This CTA's place (the tile walk): its split's run of its row's tiles, and its KV head's cache. VARLEN: a
+  // request with no token, or more than the kernel's rows take, gets no tile and no valid row (the kernel returns).
   static __device__ __forceinline__ Cta cta_of(const DecodeParams<T>& p) {
     Cta c;
     c.split = blockIdx.x;
@@ -139,11 +169,15 @@ struct DecodeShape {
     const int len = p.seqlens ? p.seqlens[c.batch] : p.seqlen_fixed;
     c.seqlen = min(max(len, 0), p.capacity);
     c.rows_valid = p.group * p.q_len;
+    if constexpr (VARLEN) {
+      const int n = q_len_of(p, c);
+      c.rows_valid = n <= 0 || n > p.q_len ? 0 : p.group * n;
+    }
     c.pad = c.key_lo = 0;
     if constexpr (LOCAL) {
       // Only the live keys are split: from the first token's first key (leftpad or its window's left edge).
       c.pad = p.leftpad ? max(p.leftpad[c.batch], 0) : 0;
-      c.key_lo = min(max(c.pad, c.seqlen - p.q_len - p.window_left), c.seqlen);
+      c.key_lo = min(max(c.pad, c.seqlen - q_len_of(p, c) - p.window_left), c.seqlen);
       const int first = c.key_lo / BLOCK_N, tiles = (c.seqlen + BLOCK_N - 1) / BLOCK_N - first;
       const int per = (tiles + p.num_splits - 1) / p.num_splits;
       c.tile_begin = first + min(tiles, c.split * per);

@@ -33,7 +33,11 @@ struct DecodeProducer {
       if (ok) {
         const int qi = r / p.group;
         const int head = c.kv_head * p.group + (r - qi * p.group);
-        src = p.q + c.batch * p.q_sb + qi * p.q_ss + head * p.q_sh + col;
+        if constexpr (S::VARLEN) {
+          src = p.q + (long long)(S::q0_of(p, c) + qi) * p.q_ss + head * p.q_sh + col;
+        } else {
+          src = p.q + c.batch * p.q_sb + qi * p.q_ss + head * p.q_sh + col;
+        }
       }
       cp_async_16(smem_addr(sQ + L::offset(r, col)), src, ok);
     }

@@ -71,11 +71,14 @@ class Launch(NamedTuple):
 @functools.lru_cache(maxsize=None)
 def base_spec(head_dim: int, dtype: str, q_rows: int, paged: bool, variant: str, user: DecodeSpec | None,
               softcap: bool = False, alibi: bool = False, local: bool = False, sinks: bool = False,
-              kv_dtype: KVDType | None = None, mods: tuple = ()) -> DecodeSpec:
+              kv_dtype: KVDType | None = None, mods: tuple = (), *, varlen_q: bool = False,
+              tree: bool = False) -> DecodeSpec:
     """The spec of a problem's fields (``variant`` "fused" or "unfused"), its tuning fields the caller's or
-    unresolved. ``mods``: a call's snippets, (score_mod, mask_mod, aux text), or () for none."""
+    unresolved. ``mods``: a call's snippets, (score_mod, mask_mod, aux text), or () for none; ``varlen_q``, ``tree``:
+    a packed, ragged q and its tree masks."""
     fields = dict(head_dim=head_dim, dtype=DType(dtype), q_rows=q_rows, paged=paged, variant=Variant(variant),
-                  softcap=softcap, alibi=alibi, local=local, sinks=sinks, kv_dtype=kv_dtype,
+                  softcap=softcap, alibi=alibi, local=local, sinks=sinks, kv_dtype=kv_dtype, varlen_q=varlen_q,
+                  tree=tree,
                   **{"score_mod": "", "mask_mod": "", "aux": "", **mods_fields(mods)})
     return DecodeSpec(**fields) if user is None else user.replace(**fields)
 

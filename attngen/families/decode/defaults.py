@@ -132,6 +132,12 @@ SPILLS_ON = {
     ((40, True, 16, 'fused', 'local'), (128, 8, 2)): ('sm_80',),
     ((160, True, 16, 'fused', 'local'), (64, 4, 2)): ('sm_80',),
     ((160, True, 16, 'fused', 'local'), (64, 4, 3)): ('sm_80',),
+    # a packed, ragged q (varlen_q; tree: with tree masks): the fused defaults of head_dim 64/128/256, both layouts,
+    # every q_rows, bf16, compiled for sm_80 and sm_90a until they compiled without spills
+    ((256, True, 16, 'fused', 'varlen'), (64, 4, 3)): ('sm_90a',),
+    # and with an fp8 cache (fp8_varlen, fp8_tree; e4m3, bf16 q): the same, but for q_rows 128 on sm_80, whose fp8
+    # defaults spill without a packed q too
+    ((64, False, 32, 'fused', 'fp8_tree'), (128, 8, 2)): ('sm_80',),
     # fp8 caches (kv_dtype; e4m3 with bf16 q, e5m2 with fp16 q): the fused defaults of head_dim 64/128/256, both
     # layouts, q_rows 16 and 32, and of 80-192 at 16 rows, compiled for every manifest arch until they compiled
     # without spills
@@ -167,6 +173,9 @@ def candidates(spec, arch: Arch):
                             TUNED[(m, spec.paged)],
                             itertools.product((64, 128, 32, 16), (4, 8), (4, 3, 2, 1)))
     keys = [where] + [(*where, mod) for mod in ("softcap", "alibi", "local") if getattr(spec, mod)]
+    for mod, on in (("varlen", spec.varlen_q), ("tree", spec.tree)):
+        if on:
+            keys += [(*where, mod)] + ([(*where, "fp8_" + mod)] if spec.kv_dtype is not None else [])
     if spec.kv_dtype is not None:
         keys.append((*where, "fp8"))
     return iter(sorted(every, key=lambda c: any(arch.name in SPILLS_ON.get((k, c), ()) for k in keys)))

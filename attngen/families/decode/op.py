@@ -30,8 +30,13 @@ from .spec import HEAD_DIMS_TEXT, DecodeSpec, Variant, head_dim_refusal
 # the fp8 scales' pointers, strides and v's number (read by the fp8 kernels only), padding to the struct's 8-byte
 # alignment.
 _PARAMS = struct.Struct("<12Q14q9iI2f2fQqQiiQQQiif4x")
+# A packed, ragged q's kernels (spec varlen_q) add cu_seqlens_q's and tree_mask's pointers and the LSE's head stride.
+_PARAMS_VARLEN = struct.Struct(_PARAMS.format + "QQq")
 _LOG2E = 1.4426950408889634
 MAX_Q_LEN = 8
+# A packed, ragged q (cu_seqlens_q): at most this many tokens a request go through the decode kernels (and
+# group x max_q_len packed rows at most the largest q_rows).
+MAX_VARLEN_Q_LEN = 64
 # GQA groups to 128 query heads a KV head (one CTA packs a group's heads x q_len rows, 128 at most).
 MAX_GROUP = 128
 VARIANTS = ("auto", "fused", "unfused")
@@ -43,11 +48,13 @@ LOCAL_MAX_KEYS = 1 << 30
 
 def _make_plan(key: tuple) -> Plan:
     """The plan (``host.Plan``) of a key (head_dim, dtype, device, q_rows, paged, variant, the user's spec, array
-    kind, softcap, alibi, local, sinks, the cache's fp8 format or None): the kernel, or the winners ``attngen tune
+    kind, softcap, alibi, local, sinks, the cache's fp8 format or None, a packed q's "varlen" or "tree" or None,
+    the snippets): the kernel, or the winners ``attngen tune
     decode`` stored for this GPU by cache capacity (``kernel_for``), allocators, the stream getter and the device's
     facts. Made once per key, so a call does its checks, one lookup, the allocations and the launches."""
-    d, dtype, device, q_rows, paged, variant, spec, kind, softcap, alibi, local, sinks, kv, *mods = key
-    base = base_spec(d, dtype, q_rows, paged, variant, spec, softcap, alibi, local, sinks, kv, *mods)
+    d, dtype, device, q_rows, paged, variant, spec, kind, softcap, alibi, local, sinks, kv, packed, *mods = key
+    base = base_spec(d, dtype, q_rows, paged, variant, spec, softcap, alibi, local, sinks, kv, *mods,
+                     varlen_q=packed is not None, tree=packed == "tree")
     plan = Plan()
     # the choice's specs by cache capacity (choose.choose, whose size-independent part a plan keeps)
     tuned = tuple(stored_choices(base, device)) if spec is None else ()
@@ -70,16 +77,20 @@ def _refuse_head_dim(d) -> None:
     raise LaunchError(f"head_dim={d} is not supported; allowed: {HEAD_DIMS_TEXT} ({head_dim_refusal(d)})")
 
 
-def _check_operands(qi, ki, vi) -> None:
+def _check_operands(qi, ki, vi, packed: bool = False) -> None:
     """Ranks, contiguous last dims and 16-byte alignment of q and the caches (``check_rows``'s
-    rules): one arithmetic test for the common case, the named checks for the message."""
+    rules): one arithmetic test for the common case, the named checks for the message. ``packed``: q is
+    [total_q, heads, head_dim] (cu_seqlens_q)."""
     for t in (qi, ki, vi):
         st = t.strides
-        if len(st) != 4 or st[3] != 1 or (t.ptr & 15) | ((st[0] | st[1] | st[2]) & 7):
+        if len(st) != 4 - (packed and t is qi) or st[-1] != 1 or (t.ptr & 15) | (sum(x & 7 for x in st[:-1])):
             d = qi.shape[-1] if qi.shape else 0
             if d not in DecodeSpec.HEAD_DIMS:  # named before the strides it makes misaligned
                 _refuse_head_dim(d)
-            check_rows(qi, "q", 4, "[batch, q_len, heads, head_dim]")
+            if packed:
+                check_rows(qi, "q", 3, "[total_q, heads, head_dim] (a packed q, with cu_seqlens_q)")
+            else:
+                check_rows(qi, "q", 4, "[batch, q_len, heads, head_dim]")
             check_rows(ki, "k_cache", 4, _CACHE_DIMS)
             check_rows(vi, "v_cache", 4, _CACHE_DIMS)
 
@@ -88,7 +99,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
            sm_scale: float | None = None, return_lse: bool = False, out=None, variant: str = "auto",
            spec: DecodeSpec | str | Mapping | None = None, softcap: float = 0.0, alibi_slopes=None,
            causal: bool = True, window: tuple[int, int] = (-1, -1), cache_leftpad=None, sinks=None, k_scale=None,
-           v_scale=None, score_mod: str = "", mask_mod: str = "", aux=None):
+           v_scale=None, score_mod: str = "", mask_mod: str = "", aux=None, cu_seqlens_q=None,
+           max_q_len: int | None = None, tree_mask=None):
     """Attention of q_len new tokens per sequence against a KV cache.
 
     q ``[batch, q_len, heads, head_dim]`` (q_len 1..8). Contiguous cache: k_cache, v_cache
@@ -137,9 +149,27 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     in ``attngen.prefill`` (docs/variants.md): b is the batch row, h the query head, q_idx the token's position
     (L - q_len + i), kv_idx the key's cache position. The fused kernel on a cache in q's dtype runs them
     (``variant="unfused"`` and fp8 caches are refused).
+
+    A packed, ragged q (a serving step's decode and speculative-verify requests): ``cu_seqlens_q`` (int32
+    ``[batch + 1]`` on q's device, non-decreasing, read only on the device) with q ``[total_q, heads, head_dim]``:
+    request b's tokens are q rows ``cu_seqlens_q[b]`` to ``cu_seqlens_q[b + 1] - 1``, the last q_len_b tokens of its
+    cache (``cache_seqlens[b]`` counts them), token i at position L_b - q_len_b + i, causal within the request as
+    above. ``max_q_len`` (an int, required with it, 1 to min(64, 128 // group)) sizes the kernel's rows (group x
+    max_q_len): a request with more tokens than that, or none, is not computed and its rows of out and LSE are not
+    written (a serving step sends those to ``attngen.prefill_varlen``). Returns out ``[total_q, heads, head_dim]``
+    (``out`` the same shape, any row stride) and with ``return_lse`` the LSE ``[heads, total_q]`` (fp32, the layout
+    of ``prefill_varlen``'s). ``tree_mask`` (int64 ``[total_q]`` on q's device, with ``cu_seqlens_q``): speculative
+    decoding's tree; bit j (the lowest bit 0) of token i's word lets it see its request's draft token j, the key at
+    position L_b - q_len_b + j (j < q_len_b; higher bits are ignored), in place of causality inside the draft block;
+    every key before the block is seen. A token that sees no key gives zeros and LSE -inf (sinks: its sink). Split-KV,
+    paged caches, fp8 caches, softcap, ALiBi and sinks work with a packed q, a window and ``cache_leftpad`` without a
+    tree; ``variant="unfused"``, score_mod/mask_mod, head_dim 512 and torch.compile are refused with it.
     """
     if _rt.tracing is not None and _rt.tracing():
         refuse_traced("attngen.decode", score_mod, mask_mod, aux)
+        if cu_seqlens_q is not None or max_q_len is not None or tree_mask is not None:
+            raise LaunchError("cu_seqlens_q, max_q_len and tree_mask are not supported under torch.compile; call "
+                              "attngen.decode outside the compiled region")
         if k_scale is not None or v_scale is not None:
             raise LaunchError("k_scale and v_scale are not supported under torch.compile; call attngen.decode "
                               "outside the compiled region")
@@ -169,25 +199,29 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
                None if cache_leftpad is None else tensor_info(cache_leftpad, "cache_leftpad"),
                None if sinks is None else tensor_info(sinks, "sinks"),
                num_splits, sm_scale, softcap, return_lse, variant, spec, causal, window,
-               _fp8.scale_key(k_scale), _fp8.scale_key(v_scale), mods)
+               _fp8.scale_key(k_scale), _fp8.scale_key(v_scale), mods,
+               None if cu_seqlens_q is None else tensor_info(cu_seqlens_q, "cu_seqlens_q"), max_q_len,
+               None if tree_mask is None else tensor_info(tree_mask, "tree_mask"))
         call = _calls.get(key)
     except (LaunchError, TypeError):
         key = call = None
     if call is None:
-        widths = pad_widths(q, k_cache, v_cache, DecodeSpec.HEAD_DIMS, v_as_k=True) if len(qi.shape) == 4 else None
+        widths = (pad_widths(q, k_cache, v_cache, DecodeSpec.HEAD_DIMS, v_as_k=True)
+                  if len(qi.shape) == (4 if cu_seqlens_q is None else 3) else None)
         if widths is not None:  # a head dim no kernel is built for (head_pad)
             return run_padded(decode, q, k_cache, v_cache, widths, sm_scale=sm_scale, out=out, return_lse=return_lse,
                               cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, block_table=block_table,
                               num_splits=num_splits, variant=variant, spec=spec, softcap=softcap,
                               alibi_slopes=alibi_slopes, causal=causal, window=window, cache_leftpad=cache_leftpad,
                               sinks=sinks, k_scale=k_scale, v_scale=v_scale, score_mod=score_mod, mask_mod=mask_mod,
-                              aux=aux)
+                              aux=aux, cu_seqlens_q=cu_seqlens_q, max_q_len=max_q_len, tree_mask=tree_mask)
         call = _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse,
                         out, variant, spec, softcap, alibi_slopes, causal, window, cache_leftpad, sinks, k_scale,
-                        v_scale, mods)
+                        v_scale, mods, (cu_seqlens_q, max_q_len, tree_mask))
         _memo.keep(key, call, flags=(return_lse, causal), numbers=(num_splits, sm_scale, softcap,
                                                                     _fp8.scale_number(k_scale),
-                                                                    _fp8.scale_number(v_scale)))
+                                                                    _fp8.scale_number(v_scale),
+                                                                    0 if max_q_len is None else max_q_len))
     plan, kind = call.plan, qi.kind
     if out is None:
         out = plan.alloc(*call.out_shape)
@@ -274,14 +308,21 @@ def window_bounds(causal, window, q_len: int) -> tuple[bool, int, int]:
 
 def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse, out, variant,
              spec, softcap, alibi_slopes, causal=True, window=(-1, -1), cache_leftpad=None, sinks=None, k_scale=None,
-             v_scale=None, mods=None) -> _Call:
-    """Check a call's arguments and work out its ``_Call``. ``mods``: the call's snippets (``call_mods``) or None."""
+             v_scale=None, mods=None, packed_args=(None, None, None)) -> _Call:
+    """Check a call's arguments and work out its ``_Call``. ``mods``: the call's snippets (``call_mods``) or None;
+    ``packed_args``: (cu_seqlens_q, max_q_len, tree_mask) as given."""
     if spec is not None and spec.__class__ is not DecodeSpec:
         spec = op_spec(spec, "decode", "attngen.decode")
     check_spec_mods(spec, mods)
+    cu_seqlens_q, max_q_len, tree_mask = packed_args
+    packed = cu_seqlens_q is not None
+    if not packed and (max_q_len is not None or tree_mask is not None):
+        name = "max_q_len" if max_q_len is not None else "tree_mask"
+        raise LaunchError(f"{name} is given without cu_seqlens_q; allowed: {name} only with cu_seqlens_q (a packed "
+                          "q [total_q, heads, head_dim])")
     if ki.shape != vi.shape:  # first: a head dim the two caches disagree on is no head dim to name
         raise LaunchError(f"k_cache {ki.shape} and v_cache {vi.shape} must have the same shape")
-    _check_operands(qi, ki, vi)
+    _check_operands(qi, ki, vi, packed)
     if not (qi.kind == ki.kind == vi.kind and qi.device == ki.device == vi.device):
         raise LaunchError(f"q, k_cache, v_cache must be of one kind on one device; got {qi.kind}:{qi.device}, "
                           f"{ki.kind}:{ki.device}, {vi.kind}:{vi.device}")
@@ -295,9 +336,13 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         if kv is not None:
             _fp8.check_rows(ki, "k_cache")
             _fp8.check_rows(vi, "v_cache")
-    b, q_len, h, d = qi.shape
+    if packed:
+        total_q, h, d = qi.shape
+        b = q_len = 1  # (read from cu_seqlens_q and max_q_len below)
+    else:
+        b, q_len, h, d = qi.shape
     pool, cache_len, hk, dk = ki.shape
-    if not 1 <= q_len <= MAX_Q_LEN:
+    if not packed and not 1 <= q_len <= MAX_Q_LEN:
         raise LaunchError(f"q_len={q_len} (q.shape[1]) is not supported; allowed: 1 to {MAX_Q_LEN}")
     if d not in DecodeSpec.HEAD_DIMS:
         _refuse_head_dim(d)
@@ -308,6 +353,10 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     group = h // hk
     if group > MAX_GROUP:
         raise LaunchError(f"heads/kv_heads = {group} is not supported; allowed: a GQA group of 1 to {MAX_GROUP}")
+    cu_ptr = tree_ptr = 0
+    if packed:
+        b, q_len, cu_ptr, tree_ptr = _packed_q(qi, cache_seqlens, cu_seqlens_q, max_q_len, tree_mask, group, d,
+                                               variant, mods)
     if group * q_len > DecodeSpec.Q_ROWS[-1]:
         raise LaunchError(f"heads/kv_heads x q_len = {group} x {q_len} = {group * q_len} packed query rows a KV "
                           f"head is not supported; allowed: at most {DecodeSpec.Q_ROWS[-1]}")
@@ -345,6 +394,10 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         if pad.shape[0] != b:
             raise LaunchError(f"cache_leftpad has {pad.shape[0]} entries; q has batch {b}")
         local, pad_ptr = True, pad.ptr
+    if tree_ptr and local:
+        raise LaunchError(f"tree_mask with window={window}, causal={causal}, cache_leftpad="
+                          f"{'given' if pad_ptr else None} is not supported; allowed: a tree with causal=True, "
+                          "window=(-1, -1) and no cache_leftpad (the tree replaces causality in the draft block)")
     if local and capacity > LOCAL_MAX_KEYS:
         raise LaunchError(f"a cache of {capacity} positions with a window or cache_leftpad; allowed: at most "
                           f"{LOCAL_MAX_KEYS}")
@@ -354,21 +407,28 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     check_spec_sinks(spec, sinks)
     pkey = (d, dtype, dev, DecodeSpec.rows_for(group, q_len), paged, "fused" if variant == "auto" else variant,
             spec, kind, bool(softcap), alibi_ptr != 0, local, sinks_ptr != 0, kv,
-            *(() if mods is None else (mods[:3],)))
+            ("tree" if tree_ptr else "varlen") if packed else None, *(() if mods is None else (mods[:3],)))
     call = _Call()
     call.plan = plan = _plans.get(pkey) or _memo.plan(pkey)
-    call.out_shape, call.lse_shape = (b, q_len, h, d), (b, h, q_len)
+    if packed:
+        call.out_shape, call.lse_shape = (total_q, h, d), (h, total_q)
+    else:
+        call.out_shape, call.lse_shape = (b, q_len, h, d), (b, h, q_len)
     if out is None:
-        ostrides = (q_len * h * d, h * d, d)
+        ostrides = (0, h * d, d) if packed else (q_len * h * d, h * d, d)
     else:
         oi = tensor_info(out, "out")
         if oi.kind != kind or oi.shape != qi.shape or oi.dtype != dtype or oi.device != dev:
             raise LaunchError(f"out must match q: {kind} {qi.shape} {dtype} on device {dev}; got "
                               f"{oi.kind} {oi.shape} {oi.dtype} on device {oi.device}")
-        check_rows(oi, "out", 4, "[batch, q_len, heads, head_dim]")
-        ostrides, call.out_ptr = oi.strides, oi.ptr
+        if packed:
+            check_rows(oi, "out", 3, "[total_q, heads, head_dim]")
+            ostrides, call.out_ptr = (0, *oi.strides[:2]), oi.ptr
+        else:
+            check_rows(oi, "out", 4, "[batch, q_len, heads, head_dim]")
+            ostrides, call.out_ptr = oi.strides, oi.ptr
     call.grid = None
-    if b == 0:
+    if b == 0 or (packed and total_q == 0):
         return call
     if b > 65535:
         raise LaunchError(f"batch={b} exceeds 65535 (the grid's z limit)")
@@ -404,8 +464,9 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         at += 4 * n
     call.offsets = tuple(offsets)
     call.indices = (seq_ptr, bi_ptr, bt_ptr)
+    qstrides = (0, *qi.strides[:2]) if packed else qi.strides[:3]
     call.tail = (
-        qi.strides[0], qi.strides[1], qi.strides[2],
+        qstrides[0], qstrides[1], qstrides[2],
         ki.strides[0], ki.strides[1], ki.strides[2],
         vi.strides[0], vi.strides[1], vi.strides[2],
         ostrides[0], ostrides[1], ostrides[2],
@@ -418,9 +479,54 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         pad_ptr, left, right,
         sinks_ptr,
         *fp8_tail,
-        # the snippets' aux tensors after every other field (params.cuh, ModArgs)
+        # a packed q's fields (params.cuh, ATTNGEN_DECODE_VARLEN), then the snippets' aux tensors (ModArgs)
+        *((cu_ptr, tree_ptr, total_q) if packed else ()),
         *(() if mods is None else pack_aux(rs.aux, mods[3], qi)),
     )
-    call.layout = _PARAMS if mods is None else mod_layout(_PARAMS)
+    call.layout = _PARAMS_VARLEN if packed else _PARAMS if mods is None else mod_layout(_PARAMS)
     call.grid, call.merge_grid = lc.grid, lc.merge_grid
     return call
+
+
+def _packed_q(qi, cache_seqlens, cu_seqlens_q, max_q_len, tree_mask, group: int, d: int, variant, mods):
+    """The checks of a packed, ragged q (``cu_seqlens_q``) against q ``[total_q, heads, head_dim]`` of ``qi`` and
+    the GQA group; returns (batch, max_q_len, cu_seqlens_q's pointer, tree_mask's pointer or 0). What the packed
+    kernels do not run is refused by name."""
+    kind, dev = qi.kind, qi.device
+    for name, bad, allowed in (("variant", variant == "unfused", "auto or fused"),
+                               ("score_mod/mask_mod", mods is not None, "none"),
+                               ("head_dim", d > 256, "at most 256")):
+        if bad:
+            value = {"variant": variant, "head_dim": d}.get(name, "given")
+            raise LaunchError(f"{name}={value!r} with cu_seqlens_q is not supported; allowed with a packed q: "
+                              f"{allowed}")
+    cu = tensor_info(cu_seqlens_q, "cu_seqlens_q")
+    if cu.kind != kind or cu.device != dev:
+        raise LaunchError(f"cu_seqlens_q must be a {kind} tensor on device {dev}; got {cu.kind} on device {cu.device}")
+    if cu.dtype != "int32":
+        raise LaunchError(f"cu_seqlens_q has dtype {cu.dtype}; allowed: int32")
+    if len(cu.shape) != 1 or cu.shape[0] < 1 or cu.strides[0] != 1:
+        raise LaunchError(f"cu_seqlens_q has shape {cu.shape} and strides {cu.strides}; expected [batch + 1], "
+                          "contiguous")
+    b = cu.shape[0] - 1
+    if cache_seqlens.__class__ is not int and not isinstance(cache_seqlens, bool):
+        n = tensor_info(cache_seqlens, "cache_seqlens").shape
+        if len(n) == 1 and n[0] + 1 != cu.shape[0]:
+            raise LaunchError(f"cu_seqlens_q has {cu.shape[0]} entries; expected cache_seqlens.shape[0] + 1 = "
+                              f"{n[0] + 1} (one a request, plus one)")
+    most = min(MAX_VARLEN_Q_LEN, DecodeSpec.Q_ROWS[-1] // group)
+    if max_q_len is None or max_q_len.__class__ is not int or not 1 <= max_q_len <= most:
+        raise LaunchError(f"max_q_len={max_q_len!r} is not allowed with cu_seqlens_q and a GQA group of {group}; "
+                          f"allowed: an int from 1 to {most} (min({MAX_VARLEN_Q_LEN}, 128 // group))")
+    tree_ptr = 0
+    if tree_mask is not None:
+        t = tensor_info(tree_mask, "tree_mask")
+        if t.kind != kind or t.device != dev:
+            raise LaunchError(f"tree_mask must be a {kind} tensor on device {dev}; got {t.kind} on device {t.device}")
+        if t.dtype not in ("int64", "torch.int64"):  # (torch's name as tensor_info gives it)
+            raise LaunchError(f"tree_mask has dtype {t.dtype}; allowed: int64 (one 64-bit word a token)")
+        if t.shape != (qi.shape[0],) or t.strides[0] != 1:
+            raise LaunchError(f"tree_mask has shape {t.shape} and strides {t.strides}; expected [total_q] = "
+                              f"({qi.shape[0]},), contiguous")
+        tree_ptr = t.ptr
+    return b, max_q_len, cu.ptr, tree_ptr

@@ -96,6 +96,11 @@ class DecodeSpec(SpecBase):
     # None: the cache holds q's dtype; else its fp8 format (the scales are call arguments). Left out of
     # to_dict while None, so the specs (names, keys, stored tunings) of caches in q's dtype stay as they were.
     kv_dtype: KVDType | None = None
+    # A packed, ragged q (``cu_seqlens_q``): each CTA reads its request's token count and its first q row on the
+    # device, and the LSE is [heads, total_q]; ``tree`` adds per-token 64-bit masks over the request's draft tokens
+    # (speculative decoding). Both left out of to_dict while off, so every other spec keeps its name and key.
+    varlen_q: bool = False
+    tree: bool = False
     cta_tile_kv: int = 0
     num_warps: int = 0
     num_stages: int = 0
@@ -120,6 +125,8 @@ class DecodeSpec(SpecBase):
         s(self, "local", coerce_bool("local", self.local))
         s(self, "sinks", coerce_bool("sinks", self.sinks))
         s(self, "kv_dtype", coerce_kv_dtype(self.kv_dtype))
+        s(self, "varlen_q", coerce_bool("varlen_q", self.varlen_q))
+        s(self, "tree", coerce_bool("tree", self.tree))
         s(self, "cta_tile_kv", coerce_int("cta_tile_kv", self.cta_tile_kv, self.CTA_TILE_KV))
         s(self, "num_warps", coerce_int("num_warps", self.num_warps, self.NUM_WARPS))
         s(self, "num_stages", coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
@@ -128,6 +135,8 @@ class DecodeSpec(SpecBase):
                             "columns between CTAs, which only the fused kernel does")
         if self.kv_dtype is not None:
             self._check_fp8()
+        if self.varlen_q or self.tree:
+            self._check_varlen_q()
         score_mod, mask_mod, aux = snippets.check_spec_fields(self)
         s(self, "score_mod", score_mod)
         s(self, "mask_mod", mask_mod)
@@ -153,10 +162,26 @@ class DecodeSpec(SpecBase):
                 raise SpecError("kv_dtype", kv, f"unset (the cache in q's dtype), or an fp8 cache with head_dim "
                                 f"{FP8_HEAD_DIMS_TEXT}, variant=fused, softcap=false, alibi=false", reason=why)
 
+    def _check_varlen_q(self) -> None:
+        """What a packed, ragged q runs with: the fused kernel (on a cache in q's dtype or fp8), head dims up to 256
+        (one CTA a KV head), no user snippets; a tree needs the packed q and no window (the tree replaces
+        causality)."""
+        for name, value, bad, allowed in (
+                ("tree", self.tree, self.tree and not self.varlen_q, "false without varlen_q=true"),
+                ("variant", self.variant.value, self.variant is Variant.UNFUSED, "fused"),
+                ("head_dim", self.head_dim, self.d_parts > 1, "at most 256"),
+                ("local", self.local, self.tree and self.local, "false with tree=true"),
+                ("score_mod", self.score_mod, bool(self.score_mod or self.mask_mod or self.aux), "empty")):
+            if bad:
+                raise SpecError(name, value, allowed, reason="with varlen_q (a packed, ragged q) and tree")
+
     def to_dict(self) -> dict:
         d = super().to_dict()
         if d["kv_dtype"] is None:
             del d["kv_dtype"]
+        for name in ("varlen_q", "tree"):
+            if not d[name]:
+                del d[name]
         return d
 
     def untuned_dict(self) -> dict:
@@ -257,7 +282,8 @@ class DecodeSpec(SpecBase):
                 "unfused" if self.variant is Variant.UNFUSED else "", "cap" if self.softcap else "",
                 "alibi" if self.alibi else "", "local" if self.local else "", "sinks" if self.sinks else "",
                 "smod" if self.score_mod else "", "mmod" if self.mask_mod else "",
-                self.kv_dtype.value[4:] if self.kv_dtype is not None else "", self.name_piece("k{}", self.cta_tile_kv),
+                self.kv_dtype.value[4:] if self.kv_dtype is not None else "", "varlenq" if self.varlen_q else "",
+                "tree" if self.tree else "", self.name_piece("k{}", self.cta_tile_kv),
                 self.name_piece("w{}s{}", self.num_warps, self.num_stages))
 
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
@@ -273,6 +299,7 @@ class DecodeSpec(SpecBase):
     def template_context(self) -> dict:
         ctx = super().template_context()
         ctx.update(snippets.template_context(self.score_mod, self.mask_mod, self.aux))
+        ctx.update(varlen_q=self.varlen_q, tree=self.tree)
         ctx.update(q_in_regs=self.q_in_regs, warps_m=self.warps_m, merge_threads=MERGE_THREADS,
                    kv_fp8=0 if self.kv_dtype is None else 1 + list(KVDType).index(self.kv_dtype))
         return ctx
