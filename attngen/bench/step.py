@@ -16,7 +16,8 @@ import math
 import random
 from pathlib import Path
 
-from .core import _fmt, _graphed, _rel_check, _say, bench_ms, env_lines, environment, stream_reader, write_json
+from .core import (_fmt, _graphed, _rel_check, _say, bench_ms, env_lines, environment, ratio_summary, stream_reader,
+                   write_json)
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 
@@ -65,13 +66,29 @@ def _tree(torch, q_lens, kinds, rng):
 
 
 def cmd_step(args: argparse.Namespace) -> int:
+    env = environment()
+    for line in env_lines(env):
+        _say(line)
+    results = []
+    # the step as asked, then the same without its prefill requests (decode and verify only)
+    for prefill in dict.fromkeys((args.prefill, 0)):
+        rec = measure(argparse.Namespace(**{**vars(args), "prefill": prefill}))
+        results.append(rec)
+    pairs = [(r["ratio"]["separate"], r) for r in results]
+    out = {"benchmark": "step", "env": env, "results": results,
+           "summary": {"ratio": {"separate": ratio_summary(pairs, lambda r: r["shape"])}}}
+    args.result = out
+    if args.out:
+        write_json(Path(args.out) / "bench_step.json", out)
+    return 0 if all(c["ok"] for r in results for c in r["checks"].values()) else 1
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """One step's timings (ms), checks and ratio against the separate calls."""
     import torch
 
     import attngen
 
-    env = environment()
-    for line in env_lines(env):
-        _say(line)
     q_lens, lens, kinds = _requests(args)
     b, h, hk, d = len(q_lens), HEADS, KV_HEADS, HEAD_DIM
     dev, dt = "cuda", torch.bfloat16
@@ -126,12 +143,11 @@ def cmd_step(args: argparse.Namespace) -> int:
             qk = q[rows].view(len(idx), q_lens[idx[0]], h, d).contiguous()
             calls.append(lambda qk=qk, t=t, ls=ls, kind=kind: sep_out.__setitem__(
                 kind, attngen.decode(qk, kc, vc, cache_seqlens=ls, block_table=t, causal=True)))
-        calls[-1].rows = rows
+        calls[-1].rows, calls[-1].kind = rows, kind
     separate = _graphed(*calls)
     separate()
     torch.cuda.synchronize()
-    checks = {kind: _rel_check(ref_step[c.rows].float(), sep_out[kind].reshape(-1, h, d).float())
-              for kind, c in zip(("decode", "verify", "prefill"), calls)}
+    checks = {c.kind: _rel_check(ref_step[c.rows].float(), sep_out[c.kind].reshape(-1, h, d).float()) for c in calls}
 
     kv_bytes = sum(lens) * hk * d * 2 * 2
     read = stream_reader()
@@ -146,17 +162,15 @@ def cmd_step(args: argparse.Namespace) -> int:
     t5 = torch.zeros(b5, 256, dtype=torch.int32, device=dev)
     ba5 = attngen.BatchAttention(h, hk, d, PAGE, dtype=dt)
     ms["plan_512"] = bench_ms(_graphed(lambda: ba5.plan(cu5, ls5, t5, total_q=b5)), rep_ms=args.rep_ms)[0]
-    rec = {"env": env, "requests": {"decode": args.decode, "verify": args.verify, "draft": args.draft,
-                                    "prefill": args.prefill, "chunk": args.chunk, "cached": args.cached},
-           "kv_bytes": kv_bytes, "ms": ms, "checks": checks,
-           "speedup_vs_separate": ms["separate"] / ms["step"]}
-    _say(f"step: {b} requests, {total} tokens, {kv_bytes / 2**30:.2f} GiB of KV")
+    shape = (f"decode={args.decode} verify={args.verify}x{args.draft} prefill={args.prefill}x{args.chunk}"
+             f"+{args.cached}")
+    rec = {"shape": shape, "kv_bytes": kv_bytes, "ms": ms, "checks": checks,
+           "ratio": {"separate": ms["separate"] / ms["step"]},
+           "kv_read_tbps": kv_bytes / ms["step"] / 1e9}
+    _say(f"step {shape}: {b} requests, {total} tokens, {kv_bytes / 2**30:.2f} GiB of KV")
     _say("| what | ms | vs separate |")
     _say("|---|---|---|")
     for k, v in ms.items():
         _say(f"| {k} | {_fmt(v, '.3f')} | {_fmt(ms['separate'] / v if k.startswith('step') else None, '.2f')} |")
     _say("checks (rel L2 step vs separate): " + ", ".join(f"{k} {_fmt(v.get('rel_l2'), '.1e')}" for k, v in checks.items()))
-    args.result = rec
-    if args.out:
-        write_json(Path(args.out) / "bench_step.json", rec)
-    return 0
+    return rec
