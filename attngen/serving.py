@@ -19,6 +19,8 @@ Each writes its own requests' rows of one output (and LSE), so nothing is merged
 
 from __future__ import annotations
 
+import contextlib
+
 from .errors import LaunchError
 from .families.decode.op import decode
 from .families.prefill.op import _NO_WINDOW, mask_and_window, plan_for
@@ -30,6 +32,14 @@ from .runtime import tensor_info
 # The decode kernel packs group x q_len rows into at most 128 (DecodeSpec.Q_ROWS); tree masks are 64-bit words.
 MAX_DECODE_ROWS = 128
 MAX_TREE_TOKENS = 64
+_overlap = [False]
+
+
+def set_overlap(enabled: bool) -> bool:
+    """Run the step's decode kernel on a side stream beside its prefill kernel (benchmarks compare the two);
+    returns the previous setting."""
+    was, _overlap[0] = _overlap[0], bool(enabled)
+    return was
 _INSTEAD = "call attngen.decode and attngen.prefill_varlen directly"
 
 
@@ -75,6 +85,7 @@ class BatchAttention:
         self.mcode, self.left, self.right = mask_and_window(causal, window)
         self.window = window
         self._planned = None  # (cu_seqlens_q, cache_seqlens, block_table, cu_k, order, total_q)
+        self._side = {}  # device -> the side stream (set_overlap)
         self._buffers = {}  # (batch, max_items, device) -> (cu_k, work list): reused, so graph replays see them
 
     def plan(self, cu_seqlens_q, cache_seqlens, block_table, *, total_q: int) -> "BatchAttention":
@@ -152,12 +163,30 @@ class BatchAttention:
         if tree_mask is not None and self.max_decode_q_len > MAX_TREE_TOKENS:
             raise LaunchError(f"tree_mask with max_decode_q_len={self.max_decode_q_len}: at most "
                               f"{MAX_TREE_TOKENS} tokens a tree (64-bit words)")
-        res = decode(q, k_cache, v_cache, cache_seqlens=lens, block_table=table, cu_seqlens_q=cu_q,
-                     max_q_len=self.max_decode_q_len, tree_mask=tree_mask, causal=self.causal, window=self.window,
-                     sinks=sinks, sm_scale=self.sm_scale, out=out, return_lse=return_lse)
+        torch = self._torch
+        cur = torch.cuda.current_stream(q.device)
+        side = None
+        if _overlap[0]:
+            # The decode kernel on a side stream beside the prefill kernel: a fork and a join, which a graph
+            # capture keeps as two branches. The output is made here so that both streams write one tensor.
+            side = self._side.get(q.device)
+            if side is None:
+                side = self._side[q.device] = torch.cuda.Stream(q.device)
+            if out is None:
+                out = torch.empty_like(q)
+            side.wait_stream(cur)
+            out.record_stream(side)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            res = decode(q, k_cache, v_cache, cache_seqlens=lens, block_table=table, cu_seqlens_q=cu_q,
+                         max_q_len=self.max_decode_q_len, tree_mask=tree_mask, causal=self.causal,
+                         window=self.window, sinks=sinks, sm_scale=self.sm_scale, out=out, return_lse=return_lse)
         out, lse = res if return_lse else (res, None)
+        if side is not None and lse is not None:
+            lse.record_stream(cur)  # made on the side stream, written by the prefill kernel on this one
         run_varlen(q, k_cache, v_cache, cu_q, cu_k, causal=self.causal, window=self.window, sm_scale=self.sm_scale,
                    return_lse=return_lse, out=out, block_table=table, spec=None, softcap=0.0, alibi_slopes=None,
                    sinks=sinks, score_mod="", mask_mod="", aux=None, order=order, lse=lse,
                    size=max(1, total_q))
+        if side is not None:
+            cur.wait_stream(side)
         return (out, lse) if return_lse else out

@@ -161,3 +161,32 @@ def test_bad_arguments_are_refused_by_name():
     q = torch.zeros(4, 32, 128, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(attngen.LaunchError, match="before plan"):
         ba.run(q, q, q)
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_decode_on_a_side_stream_gives_the_same_step(graphed):
+    from attngen.serving import set_overlap
+
+    gen = fresh_generator()
+    dtype, h, hk, d, page = torch.bfloat16, 32, 8, 128, 16
+    q_lens, lens = [1, 5, 0, 1, 900, 3], [3000, 400, 7, 20, 1500, 3]
+    q, kc, vc, table, cu, cache_lens = make_step(gen, q_lens, lens, h, hk, d, page, dtype)
+    ba = attngen.BatchAttention(h, hk, d, page, dtype=dtype).plan(cu, cache_lens, table, total_q=q.shape[0])
+    out = torch.full_like(q, float("nan"))
+    was = set_overlap(True)
+    try:
+        if graphed:
+            ba.run(q, kc, vc, out=out, return_lse=True)
+            torch.cuda.synchronize()
+            out.fill_(float("nan"))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                o, lse = ba.run(q, kc, vc, out=out, return_lse=True)
+            graph.replay()
+        else:
+            o, lse = ba.run(q, kc, vc, out=out, return_lse=True)
+    finally:
+        set_overlap(was)
+    torch.cuda.synchronize()
+    ref_o, ref_l = reference(q, kc, vc, table, q_lens, lens, d ** -0.5)
+    check(o, lse, ref_o, ref_l, dtype)
