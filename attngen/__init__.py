@@ -17,6 +17,7 @@ from .flash_api import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qk
                         flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
 from .family import families as _families
 from .render import render
+from .serving import BatchAttention
 from .runtime import Kernel, get_kernel
 from .spec import DType, parse_spec, resolve, validate
 
@@ -27,7 +28,7 @@ __all__ = [
     "render", "Kernel", "get_kernel", "DType", "parse_spec", "resolve", "validate",
     "Family", "get_family", "register", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
     "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_varlen_kvpacked_func", "cascade_decode",
+    "flash_attn_varlen_kvpacked_func", "cascade_decode", "BatchAttention",
 ]
 
 try:

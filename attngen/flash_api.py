@@ -12,6 +12,7 @@ the LSE as fp32 ``[batch, heads, seqlen_q]`` (natural log); with a KV cache also
 
 from __future__ import annotations
 
+from . import runtime as _rt
 from .errors import LaunchError
 from .families.decode import fp8
 from .families.decode.op import MAX_Q_LEN, decode
@@ -196,9 +197,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # An fp8 cache: checked before the cache is written, the new tokens quantised as they are appended.
     kv8 = fp8.check_kvcache_call(q, k_cache, v_cache, k, k_scale, v_scale, many)
     # The route of many new tokens is settled (or refused) before the cache is written.
-    route = prefill_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_table, causal, (left, right),
-                          alibi_slopes is not None) if many else None
     mods = bool(score_mod or mask_mod or aux)
+    # The decode kernel over a packed q takes a few more tokens than MAX_Q_LEN, but not snippets, fp8 caches or a
+    # torch.compile trace (attngen::decode has no packed form; prefill_varlen's op serves the trace).
+    packable = not mods and kv8 is None and q.shape[-1] <= 256 and not (_rt.tracing is not None and _rt.tracing())
+    route = prefill_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_table, causal, (left, right),
+                          alibi_slopes is not None, packable) if many else None
     if mods and route is not None and route != PAGES:
         raise LaunchError(f"score_mod/mask_mod with {q.shape[1]} new tokens on this cache is not supported (the "
                           f"{route!r} route counts positions otherwise); allowed: up to {MAX_Q_LEN} new tokens, or a "

@@ -36,6 +36,7 @@ struct PlanParams {
   long long m_sb, m_sh, m_sq;  // mask strides in elements (a broadcast dim's is unused)
   long long bits_su;
   int mask_kind;             // 0: bool / uint8 (nonzero keeps), 1 fp16, 2 bf16, 3 fp32 (additive: -inf masks)
+  // VARLEN reads seqlen_q only: sequences of at most that many queries are left out of the list (order_work).
   int seqlen_q, seqlen_k, units_b, units_h, num_q_tiles, num_kv_tiles, bits_words;
   int win_left, win_right;   // as the kernel's
   int batch, total_q, total_k;  // VARLEN; total_k: the paged capacity when paged
@@ -279,7 +280,8 @@ __device__ __forceinline__ void order_work(const PlanParams& p) {
       if (s < p.batch) {
         int sq, sk;
         varlen_lengths(p, s, sq, sk);
-        tiles = (sq + BLOCK_M - 1) / BLOCK_M;
+        // Sequences of at most seqlen_q queries are left to another kernel (the serving step's decode rows).
+        tiles = sq > p.seqlen_q ? (sq + BLOCK_M - 1) / BLOCK_M : 0;
       }
       int chunk;
       const int before = block_exclusive_sum(tiles, s_warp, &chunk);

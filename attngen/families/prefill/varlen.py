@@ -82,6 +82,48 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                           sm_scale=sm_scale, out=out, return_lse=return_lse, causal=causal, window=window,
                           block_table=block_table, spec=spec, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                           score_mod=score_mod, mask_mod=mask_mod, aux=aux)
+    _max_seqlen(max_seqlen_q, "max_seqlen_q")
+    _max_seqlen(max_seqlen_k, "max_seqlen_k")
+    return run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, window=window, sm_scale=sm_scale,
+                      return_lse=return_lse, out=out, block_table=block_table, spec=spec, softcap=softcap,
+                      alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, aux=aux)
+
+
+class VarlenOrder:
+    """A work list the ``_order`` entry built on the GPU (plan.cuh ``order_work``), kept to be launched over more
+    than once: the serving step builds it once and each layer's call reads it. ``ws`` holds the items, their count
+    and the per-sequence tile offsets; ``tiles`` the (query, key) tile sizes and mask it was sorted for, so that a
+    call whose kernel has other tiles builds its own."""
+
+    __slots__ = ("ws", "tiles", "max_items", "skip_q_le")
+
+    def __init__(self, ws, tiles: tuple, max_items: int, skip_q_le: int):
+        self.ws, self.tiles, self.max_items, self.skip_q_le = ws, tiles, max_items, skip_q_le
+
+
+def order_tiles(spec: PrefillSpec) -> tuple:
+    """What a varlen work list depends on in a kernel: its query and key tiles and its mask mode."""
+    return spec.cta_tile_q, spec.cta_tile_kv, spec.mask
+
+
+def launch_order(kern, stream: int, wp: int, max_items: int, cq_ptr: int, ck_ptr: int, left: int, right: int,
+                 batch: int, total_q: int, total_k: int, paged: bool, skip_q_le: int = 0) -> None:
+    """``kern``'s ``_order`` entry: the (sequence, query tile) items of every sequence of more than ``skip_q_le``
+    queries, heaviest first, into the work buffer at ``wp`` (``max_items`` int2 slots, then the count, then
+    batch + 1 tile offsets). The plan's seqlen_q field carries ``skip_q_le`` (read only by varlen plans)."""
+    kern.launch_struct(PLAN_PARAMS, (1, 1, 1), stream,
+                       0, 0, 0, 0, 0, wp, wp + 8 * max_items, 0, cq_ptr, ck_ptr, wp + 8 * max_items + 4,
+                       0, 0, 0, 0,
+                       0, skip_q_le, 0, 1, 1, 0, 0, 0, left, right, batch, total_q, total_k, int(paged), entry="_order")
+
+
+def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window, sm_scale, return_lse, out, block_table, spec,
+               softcap, alibi_slopes, sinks, score_mod, mask_mod, aux, order: VarlenOrder | None = None,
+               lse=None, size: int = 0):
+    """``prefill_varlen`` past its tracing and head-dim padding. The serving step's extras: ``order``, a work list
+    built before (``launch_order``; its skipped sequences are not computed and their rows of ``out`` and ``lse``
+    are left as they were), ``lse`` the caller's fp32 ``[heads, total_q]`` to write instead of a new one (with
+    ``return_lse``), ``size`` the rows a sequence is expected to have for the kernel's choice (0: total / batch)."""
     if spec is not None and spec.__class__ is not PrefillSpec:
         spec = op_spec(spec, "prefill", "attngen.prefill_varlen")
     check_spec_sinks(spec, sinks)
@@ -92,8 +134,6 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                            "[num_blocks, block_size, kv_heads, head_dim]" if paged else "[total_k, kv_heads, head_dim]")
     total_q, h, d = qi.shape
     hk, dv = ki.shape[-2], vi.shape[-1]
-    _max_seqlen(max_seqlen_q, "max_seqlen_q")
-    _max_seqlen(max_seqlen_k, "max_seqlen_k")
     cq = _index(cu_seqlens_q, "cu_seqlens_q", 1, qi)
     ck = _index(cu_seqlens_k, "cu_seqlens_k", 1, qi)
     if cq.shape[0] != ck.shape[0] or cq.shape[0] < 1:
@@ -128,11 +168,12 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         optr, ostrides = data_ptr(out, qi.kind), (h * dv, dv)
     else:
         optr, ostrides = out_of(out, qi, dv)
-    lse = plan.alloc_f32(h, total_q) if return_lse else None
+    if return_lse and lse is None:
+        lse = plan.alloc_f32(h, total_q)
     if total_q == 0 or batch == 0 or h == 0:
         return (out, lse) if return_lse else out
 
-    kern = plan.kernel or plan.kernel_for(max(1, total_q // max(batch, 1)))  # (choose.Problem.size)
+    kern = plan.kernel or plan.kernel_for(size or max(1, total_q // max(batch, 1)))  # (choose.Problem.size)
     kern, maps = plan.tma_maps(kern, qi, ki, vi)  # the packed tensors as TMA maps, or the cp.async kernel
     layout, maps = (PARAMS_EXT, ()) if maps is None else (PARAMS_EXT_TMA, (maps,))
     if sinks_at or mods:  # batch_count (unread), then the sinks' pointer
@@ -146,17 +187,20 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     splits = kern.spec.v_splits  # the chunked kernel past 640 columns of v: CTAs a query tile's O is split over
     if grid[1] > 65535:
         raise LaunchError(f"heads={h} exceed the grid's y limit (65535 / {splits} with this kernel)")
-    ws = plan.alloc_index(2 * max_items + 1 + batch + 1)  # work items, their count, per-sequence tile offsets
-    wp = data_ptr(ws, qi.kind)
     stream = plan.stream(qi.device)
-    kern.launch_struct(PLAN_PARAMS, (1, 1, 1), stream,
-                       0, 0, 0, 0, 0, wp, wp + 8 * max_items, 0, cq.ptr, ck.ptr, wp + 8 * max_items + 4,
-                       0, 0, 0, 0,
-                       0, 0, 0, 1, 1, 0, 0, 0, left, right, batch, total_q, total_k, int(paged), entry="_order")
+    if order is not None and order.tiles == order_tiles(kern.spec) and order.max_items >= max_items:
+        wp = data_ptr(order.ws, qi.kind)
+        max_items = order.max_items  # (the count follows the list's slots)
+    else:
+        ws = plan.alloc_index(2 * max_items + 1 + batch + 1)  # work items, their count, per-sequence tile offsets
+        wp = data_ptr(ws, qi.kind)
+        launch_order(kern, stream, wp, max_items, cq.ptr, ck.ptr, left, right, batch, total_q, total_k, paged,
+                     order.skip_q_le if order is not None else 0)
     qs, ks, vs = qi.strides, ki.strides, vi.strides
+    lse_ptr = data_ptr(lse, qi.kind) if return_lse else 0
     kern.launch_struct(
         layout, grid, stream, *maps,
-        qi.ptr, ki.ptr, vi.ptr, optr, data_ptr(lse, qi.kind) if return_lse else 0,
+        qi.ptr, ki.ptr, vi.ptr, optr, lse_ptr,
         0, qs[0], qs[1],
         ks[0] if paged else 0, ks[-3], ks[-2], vs[0] if paged else 0, vs[-3], vs[-2],
         0, ostrides[0], ostrides[1],

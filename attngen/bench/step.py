@@ -1,0 +1,183 @@
+"""``attngen bench step``: a serving step's attention through ``BatchAttention`` against attngen's own separate
+calls for the same work, on the same paged cache in one run.
+
+The step (defaults): 128 decode requests (1 token, 1k-32k keys, log-uniform), 8 verify requests of 5 draft tokens
+under a tree mask, 4 chunked-prefill requests of 2k tokens over 8k of cache; GQA 32/8, head dim 128, bf16, page 16.
+Separate calls: ``decode`` over the decode requests, ``decode`` over the verify requests (q_len 5, causal: attngen
+has no other tree-masked call), ``prefill_varlen`` over the prefill requests. Both sides are CUDA graphs; the step's
+plan (once a step, shared by the layers) is timed apart, also at 512 requests. A bare read of the step's KV bytes
+bounds its memory-bound part. Outputs are checked against the separate calls (relative L2) where both run causal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+from pathlib import Path
+
+from .core import (_fmt, _graphed, _rel_check, _say, bench_ms, env_lines, environment, ratio_summary, stream_reader,
+                   write_json)
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("step", help="a serving step (BatchAttention) vs separate decode / prefill calls",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--decode", type=int, default=128, help="decode requests (default 128)")
+    p.add_argument("--verify", type=int, default=8, help="verify requests (default 8)")
+    p.add_argument("--draft", type=int, default=5, help="draft tokens a verify request (default 5)")
+    p.add_argument("--prefill", type=int, default=4, help="chunked-prefill requests (default 4)")
+    p.add_argument("--chunk", type=int, default=2048, help="new tokens a prefill request (default 2048)")
+    p.add_argument("--cached", type=int, default=8192, help="cached keys before a prefill chunk (default 8192)")
+    p.add_argument("--keys", default="1024,32768", help="decode/verify keys: min,max (default 1024,32768)")
+    p.add_argument("--out", type=Path, default=None, help="folder for bench_step.json")
+    p.add_argument("--rep-ms", type=float, default=200.0, help="timed repeats per measurement (ms)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_step)
+
+
+def _requests(args) -> tuple[list[int], list[int], list[str]]:
+    rng = random.Random(args.seed)
+    lo, hi = (int(x) for x in args.keys.split(","))
+    q_lens, lens, kinds = [], [], []
+    for kind, n, q_len in (("decode", args.decode, 1), ("verify", args.verify, args.draft),
+                           ("prefill", args.prefill, args.chunk)):
+        for _ in range(n):
+            keys = args.cached + q_len if kind == "prefill" else int(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+            q_lens.append(q_len)
+            lens.append(max(keys, q_len))
+            kinds.append(kind)
+    order = list(range(len(q_lens)))
+    rng.shuffle(order)  # an engine's batch is in no particular order
+    return [q_lens[i] for i in order], [lens[i] for i in order], [kinds[i] for i in order]
+
+
+def _tree(torch, q_lens, kinds, rng):
+    words = []
+    for n, kind in zip(q_lens, kinds):
+        row = []
+        for i in range(n):
+            parent = rng.randrange(i) if (kind == "verify" and i) else i - 1
+            row.append((row[parent] if parent >= 0 else 0) | (1 << i) if kind == "verify" else 0)
+        words += row
+    return torch.tensor(words, dtype=torch.int64, device="cuda")
+
+
+def cmd_step(args: argparse.Namespace) -> int:
+    env = environment()
+    for line in env_lines(env):
+        _say(line)
+    results = []
+    # the step as asked, then the same without its prefill requests (decode and verify only)
+    for prefill in dict.fromkeys((args.prefill, 0)):
+        rec = measure(argparse.Namespace(**{**vars(args), "prefill": prefill}))
+        results.append(rec)
+    pairs = [(r["ratio"]["separate"], r) for r in results]
+    out = {"benchmark": "step", "env": env, "results": results,
+           "summary": {"ratio": {"separate": ratio_summary(pairs, lambda r: r["shape"])}}}
+    args.result = out
+    if args.out:
+        write_json(Path(args.out) / "bench_step.json", out)
+    return 0 if all(c["ok"] for r in results for c in r["checks"].values()) else 1
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """One step's timings (ms), checks and ratio against the separate calls."""
+    import torch
+
+    import attngen
+    from attngen.serving import set_overlap
+
+    q_lens, lens, kinds = _requests(args)
+    b, h, hk, d = len(q_lens), HEADS, KV_HEADS, HEAD_DIM
+    dev, dt = "cuda", torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    per = -(-max(lens) // PAGE)
+    pages = [-(-n // PAGE) for n in lens]
+    kc = torch.randn(sum(pages), PAGE, hk, d, device=dev, dtype=dt, generator=gen)
+    vc = torch.randn_like(kc)
+    table = torch.zeros(b, per, dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(pages):
+        table[i, :n] = torch.arange(at, at + n)
+        at += n
+    table = table.to(dev)
+    total = sum(q_lens)
+    q = torch.randn(total, h, d, device=dev, dtype=dt, generator=gen)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=dev)
+    cache_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    tree = _tree(torch, q_lens, kinds, random.Random(args.seed))
+    max_q = max([n for n, k in zip(q_lens, kinds) if k != "prefill"] + [1])
+
+    ba = attngen.BatchAttention(h, hk, d, PAGE, dtype=dt, max_decode_q_len=max(8, max_q))
+    out_step = torch.empty_like(q)
+    ba.plan(cu, cache_lens, table, total_q=total)
+    step_causal = _graphed(lambda: ba.run(q, kc, vc, out=out_step))
+    step_causal()
+    torch.cuda.synchronize()
+    ref_step = out_step.clone()
+    step_tree = _graphed(lambda: ba.run(q, kc, vc, tree_mask=tree, out=out_step))
+    was = set_overlap(True)
+    try:
+        step_overlap = _graphed(lambda: ba.run(q, kc, vc, out=out_step))
+    finally:
+        set_overlap(was)
+    plan_fn = _graphed(lambda: ba.plan(cu, cache_lens, table, total_q=total))
+
+    # the separate calls: each kind's rows gathered once, outside the timings
+    sep_out = {}
+    calls = []
+    for kind in ("decode", "verify", "prefill"):
+        idx = [i for i, k in enumerate(kinds) if k == kind]
+        if not idx:
+            continue
+        rows = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in idx]).to(dev)
+        t = table[idx].contiguous()
+        ls = cache_lens[idx].contiguous()
+        if kind == "prefill":
+            qk = q[rows].contiguous()
+            cuq = torch.tensor([0] + list(torch.tensor([q_lens[i] for i in idx]).cumsum(0)), dtype=torch.int32,
+                               device=dev)
+            cuk = torch.tensor([0] + list(torch.tensor([lens[i] for i in idx]).cumsum(0)), dtype=torch.int32,
+                               device=dev)
+            mq, mk = max(q_lens[i] for i in idx), max(lens[i] for i in idx)
+            calls.append(lambda qk=qk, cuq=cuq, cuk=cuk, t=t, mq=mq, mk=mk, kind=kind: sep_out.__setitem__(
+                kind, attngen.prefill_varlen(qk, kc, vc, cuq, cuk, mq, mk, causal=True, block_table=t)))
+        else:
+            qk = q[rows].view(len(idx), q_lens[idx[0]], h, d).contiguous()
+            calls.append(lambda qk=qk, t=t, ls=ls, kind=kind: sep_out.__setitem__(
+                kind, attngen.decode(qk, kc, vc, cache_seqlens=ls, block_table=t, causal=True)))
+        calls[-1].rows, calls[-1].kind = rows, kind
+    separate = _graphed(*calls)
+    separate()
+    torch.cuda.synchronize()
+    checks = {c.kind: _rel_check(ref_step[c.rows].float(), sep_out[c.kind].reshape(-1, h, d).float()) for c in calls}
+
+    kv_bytes = sum(lens) * hk * d * 2 * 2
+    read = stream_reader()
+    flat = [kc, vc]
+    ms = {"step": bench_ms(step_causal, rep_ms=args.rep_ms)[0], "step_tree": bench_ms(step_tree, rep_ms=args.rep_ms)[0],
+          "step_overlap": bench_ms(step_overlap, rep_ms=args.rep_ms)[0],
+          "separate": bench_ms(separate, rep_ms=args.rep_ms)[0], "plan": bench_ms(plan_fn, rep_ms=args.rep_ms)[0],
+          "bare_read_all_pages": bench_ms(lambda: read(*flat), rep_ms=args.rep_ms)[0]}
+    # the plan at 512 requests (decode rows), its GPU time alone
+    b5 = 512
+    cu5 = torch.arange(b5 + 1, dtype=torch.int32, device=dev)
+    ls5 = torch.full((b5,), 4096, dtype=torch.int32, device=dev)
+    t5 = torch.zeros(b5, 256, dtype=torch.int32, device=dev)
+    ba5 = attngen.BatchAttention(h, hk, d, PAGE, dtype=dt)
+    ms["plan_512"] = bench_ms(_graphed(lambda: ba5.plan(cu5, ls5, t5, total_q=b5)), rep_ms=args.rep_ms)[0]
+    shape = (f"decode={args.decode} verify={args.verify}x{args.draft} prefill={args.prefill}x{args.chunk}"
+             f"+{args.cached}")
+    rec = {"shape": shape, "kv_bytes": kv_bytes, "ms": ms, "checks": checks,
+           "ratio": {"separate": ms["separate"] / ms["step"]},
+           "kv_read_tbps": kv_bytes / ms["step"] / 1e9}
+    _say(f"step {shape}: {b} requests, {total} tokens, {kv_bytes / 2**30:.2f} GiB of KV")
+    _say("| what | ms | vs separate |")
+    _say("|---|---|---|")
+    for k, v in ms.items():
+        _say(f"| {k} | {_fmt(v, '.3f')} | {_fmt(ms['separate'] / v if k.startswith('step') else None, '.2f')} |")
+    _say("checks (rel L2 step vs separate): " + ", ".join(f"{k} {_fmt(v.get('rel_l2'), '.1e')}" for k, v in checks.items()))
+    return rec

@@ -1,0 +1,192 @@
+"""``BatchAttention``: a serving step's attention, a ragged batch of requests against one paged cache.
+
+A step mixes decode requests (one new token), speculative-verify requests (a few draft tokens under a tree mask)
+and chunked-prefill requests (hundreds to thousands of tokens). ``plan`` reads the step's lengths, on the GPU
+only, once a step; ``run`` is called once a layer and never reads a length on the host, so that a step (plan and
+runs, or runs alone) replays as a CUDA graph with new lengths written into the same tensors.
+
+``run`` is two launches on the caller's stream:
+
+1. the decode kernel over every request, packed rows (each KV head's group of query heads x the request's
+   tokens) a CTA, split-KV by the cache's capacity; a request of more than ``max_decode_q_len`` tokens returns at
+   once (``attngen.decode`` with ``cu_seqlens_q``, which also applies the tree masks);
+2. the varlen prefill kernel over the paged cache, reading the work list ``plan`` sorted on the GPU: the query
+   tiles of the longer requests only, heaviest first (``prefill_varlen``'s ``_order`` entry, skipping the short
+   requests).
+
+Each writes its own requests' rows of one output (and LSE), so nothing is merged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from .errors import LaunchError
+from .families.decode.op import decode
+from .families.prefill.op import _NO_WINDOW, mask_and_window, plan_for
+from .families.prefill.choose import VARLEN_PAGED, varlen_grid
+from .families.prefill.varlen import VarlenOrder, launch_order, order_tiles, run_varlen
+from .kvcache import _torch
+from .runtime import tensor_info
+
+# The decode kernel packs group x q_len rows into at most 128 (DecodeSpec.Q_ROWS); tree masks are 64-bit words.
+MAX_DECODE_ROWS = 128
+MAX_TREE_TOKENS = 64
+_overlap = [False]
+
+
+def set_overlap(enabled: bool) -> bool:
+    """Run the step's decode kernel on a side stream beside its prefill kernel (benchmarks compare the two);
+    returns the previous setting."""
+    was, _overlap[0] = _overlap[0], bool(enabled)
+    return was
+_INSTEAD = "call attngen.decode and attngen.prefill_varlen directly"
+
+
+def _int_arg(name: str, x, lo: int, hi: int) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or not lo <= x <= hi:
+        raise LaunchError(f"{name}={x!r} must be an int from {lo} to {hi}")
+    return x
+
+
+class BatchAttention:
+    """Attention of a serving step: ``plan`` once a step, ``run`` once a layer.
+
+    ``num_heads`` / ``num_kv_heads`` / ``head_dim`` / ``page_size`` describe q and the paged cache (the page a
+    multiple of 16 positions), ``dtype`` is q's (torch.float16 or
+    torch.bfloat16). ``causal`` (default True) aligns each request's tokens with the last keys of its cache, as
+    ``attngen.decode`` does; ``window`` (left, right) bounds the keys a token sees, as in ``attngen.prefill``.
+    ``max_decode_q_len``: requests of at most this many tokens (a decode token, a verify tree) run in the decode
+    kernel, longer ones in the prefill kernel (default 8; at most 128 // (num_heads // num_kv_heads), and at most
+    64 where tree masks are used). ``sm_scale`` defaults to 1/sqrt(head_dim).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *, dtype=None,
+                 causal: bool = True,
+                 window: tuple[int, int] = _NO_WINDOW, max_decode_q_len: int = 8, sm_scale: float | None = None):
+        torch = _torch("BatchAttention", instead=_INSTEAD)
+        self.h = _int_arg("num_heads", num_heads, 1, 1 << 16)
+        self.hk = _int_arg("num_kv_heads", num_kv_heads, 1, self.h)
+        if self.h % self.hk:
+            raise LaunchError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        self.d = _int_arg("head_dim", head_dim, 1, 256)
+        dtype = torch.bfloat16 if dtype is None else dtype
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise LaunchError(f"dtype={dtype} is not supported; allowed: torch.float16, torch.bfloat16")
+        self.dtype, self._torch = dtype, torch
+        self.page_size = _int_arg("page_size", page_size, 16, 1 << 20)
+        if self.page_size % 16:
+            raise LaunchError(f"page_size={page_size} is not supported; allowed: a positive multiple of 16")
+        group = self.h // self.hk
+        self.max_decode_q_len = _int_arg("max_decode_q_len", max_decode_q_len, 1, max(1, MAX_DECODE_ROWS // group))
+        self.causal, self.sm_scale = bool(causal), sm_scale
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise LaunchError(f"window={window!r} must be a pair (left, right) of ints, -1 for unbounded")
+        self.mcode, self.left, self.right = mask_and_window(causal, window)
+        self.window = window
+        self._planned = None  # (cu_seqlens_q, cache_seqlens, block_table, cu_k, order, total_q)
+        self._side = {}  # device -> the side stream (set_overlap)
+        self._buffers = {}  # (batch, max_items, device) -> (cu_k, work list): reused, so graph replays see them
+
+    def plan(self, cu_seqlens_q, cache_seqlens, block_table, *, total_q: int) -> "BatchAttention":
+        """Read the step's lengths (on the GPU, no host sync): ``cu_seqlens_q`` int32 ``[batch + 1]`` (request b's
+        tokens are rows cu[b]:cu[b+1] of q), ``cache_seqlens`` int32 ``[batch]`` (each request's keys, its new
+        tokens included, which are the last of them), ``block_table`` int32 ``[batch, max_blocks]``. ``total_q``:
+        q's rows (host int; in a graph, the captured size; rows past cu[batch] are not written). The tensors are
+        kept and read again by ``run``: write a later step's lengths into them and call ``plan`` again (or
+        replay a graph that captured both). Returns self."""
+        torch = _torch("BatchAttention.plan", cu_seqlens_q, cache_seqlens, block_table, instead=_INSTEAD)
+        total_q = _int_arg("total_q", total_q, 0, (1 << 31) - 1)
+        for name, x, rank in (("cu_seqlens_q", cu_seqlens_q, 1), ("cache_seqlens", cache_seqlens, 1),
+                              ("block_table", block_table, 2)):
+            if x.dtype != torch.int32 or x.dim() != rank or not x.is_cuda:
+                raise LaunchError(f"{name} must be an int32 CUDA tensor of {rank} dim(s); got {x.dtype} "
+                                  f"{tuple(x.shape)} on {x.device}")
+        batch = cache_seqlens.shape[0]
+        if cu_seqlens_q.shape[0] != batch + 1 or block_table.shape[0] != batch:
+            raise LaunchError(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries and block_table "
+                              f"{block_table.shape[0]} rows; with cache_seqlens of {batch} they must be "
+                              f"{batch + 1} and {batch}")
+        if not cache_seqlens.is_contiguous() or not cu_seqlens_q.is_contiguous():
+            raise LaunchError("cu_seqlens_q and cache_seqlens must be contiguous")
+        dev = cu_seqlens_q.device
+        qi = tensor_info(cu_seqlens_q, "cu_seqlens_q")
+        kern = self._prefill_kernel(qi, total_q)
+        max_items = varlen_grid(total_q, batch, self.h, kern.spec)[0]
+        key = (batch, max_items, dev)
+        bufs = self._buffers.get(key)
+        if bufs is None:
+            bufs = self._buffers[key] = (torch.empty(batch + 1, dtype=torch.int32, device=dev),
+                                         torch.empty(2 * max_items + 1 + batch + 1, dtype=torch.int32, device=dev))
+        cu_k, ws = bufs
+        # The prefill kernel's paged path takes the key counts as cumulative offsets (only their differences read).
+        cu_k[:1].zero_()
+        torch.cumsum(cache_seqlens, 0, dtype=torch.int32, out=cu_k[1:])
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        wp = ws.data_ptr()
+        capacity = block_table.shape[1] * self.page_size
+        if capacity >= 1 << 31:
+            raise LaunchError(f"block_table of {block_table.shape[1]} blocks x page_size={self.page_size}: fewer "
+                              f"than 2^31 positions a request")
+        launch_order(kern, stream, wp, max_items, cu_seqlens_q.data_ptr(), cu_k.data_ptr(), self.left, self.right,
+                     batch, total_q, capacity, True, self.max_decode_q_len)
+        order = VarlenOrder(ws, order_tiles(kern.spec), max_items, self.max_decode_q_len)
+        self._planned = (cu_seqlens_q, cache_seqlens, block_table, cu_k, order, total_q)
+        return self
+
+    def _prefill_kernel(self, qi, total_q: int):
+        """The varlen paged prefill kernel ``run`` will launch for the long requests (its tiles sort the list)."""
+        key = (self.d, "bf16" if self.dtype is self._torch.bfloat16 else "fp16", qi.device, self.mcode, False, None, "torch", False, False,
+               VARLEN_PAGED, self.d, False)
+        plan = plan_for(key)
+        # Sized by the step's tokens, not their mean a request: the long requests hold most of them.
+        return plan.kernel or plan.kernel_for(max(1, total_q))
+
+    def run(self, q, k_cache, v_cache, *, tree_mask=None, sinks=None, out=None, return_lse: bool = False):
+        """The step's attention for one layer: q ``[total_q, num_heads, head_dim]`` (the rows ``plan`` was given),
+        k_cache / v_cache ``[num_blocks, block_size, num_kv_heads, head_dim]`` (block_size a multiple of 16).
+        ``tree_mask`` (int64 ``[total_q]``): bit j of token i's word lets it see draft token j of its request (the
+        key at position L - q_len + j), for requests run by the decode kernel; every key before the drafts is
+        seen; longer requests stay causal. ``sinks`` (fp32 ``[num_heads]``): attention sinks. Returns ``out``
+        ``[total_q, num_heads, head_dim]`` and with ``return_lse`` the fp32 LSE ``[num_heads, total_q]``."""
+        if self._planned is None:
+            raise LaunchError("BatchAttention.run before plan: call plan(cu_seqlens_q, cache_seqlens, block_table, "
+                              "total_q=...) first")
+        cu_q, lens, table, cu_k, order, total_q = self._planned
+        if k_cache.dim() != 4 or k_cache.shape[1] != self.page_size:
+            raise LaunchError(f"k_cache has shape {tuple(k_cache.shape)}; expected [num_blocks, {self.page_size}, "
+                              f"{self.hk}, {self.d}] (page_size={self.page_size})")
+        _torch("BatchAttention.run", q, k_cache, v_cache, tree_mask, sinks, out, instead=_INSTEAD)
+        if q.dim() != 3 or tuple(q.shape) != (total_q, self.h, self.d) or q.dtype != self.dtype:
+            raise LaunchError(f"q has shape {tuple(q.shape)} and dtype {q.dtype}; the plan expects "
+                              f"[{total_q}, {self.h}, {self.d}] {self.dtype}")
+        if tree_mask is not None and self.max_decode_q_len > MAX_TREE_TOKENS:
+            raise LaunchError(f"tree_mask with max_decode_q_len={self.max_decode_q_len}: at most "
+                              f"{MAX_TREE_TOKENS} tokens a tree (64-bit words)")
+        torch = self._torch
+        cur = torch.cuda.current_stream(q.device)
+        side = None
+        if _overlap[0]:
+            # The decode kernel on a side stream beside the prefill kernel: a fork and a join, which a graph
+            # capture keeps as two branches. The output is made here so that both streams write one tensor.
+            side = self._side.get(q.device)
+            if side is None:
+                side = self._side[q.device] = torch.cuda.Stream(q.device)
+            if out is None:
+                out = torch.empty_like(q)
+            side.wait_stream(cur)
+            out.record_stream(side)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            res = decode(q, k_cache, v_cache, cache_seqlens=lens, block_table=table, cu_seqlens_q=cu_q,
+                         max_q_len=self.max_decode_q_len, tree_mask=tree_mask, causal=self.causal,
+                         window=self.window, sinks=sinks, sm_scale=self.sm_scale, out=out, return_lse=return_lse)
+        out, lse = res if return_lse else (res, None)
+        if side is not None and lse is not None:
+            lse.record_stream(cur)  # made on the side stream, written by the prefill kernel on this one
+        run_varlen(q, k_cache, v_cache, cu_q, cu_k, causal=self.causal, window=self.window, sm_scale=self.sm_scale,
+                   return_lse=return_lse, out=out, block_table=table, spec=None, softcap=0.0, alibi_slopes=None,
+                   sinks=sinks, score_mod="", mask_mod="", aux=None, order=order, lse=lse,
+                   size=max(1, total_q))
+        if side is not None:
+            cur.wait_stream(side)
+        return (out, lse) if return_lse else out

@@ -1,0 +1,192 @@
+"""attngen.BatchAttention on a real GPU: a serving step's ragged batch (decode, verify under tree masks, chunked
+prefill, empty requests) against fp32 attention per request (pytest -m gpu). Fresh random inputs, outputs
+poisoned with NaN first; a graph replay with new lengths."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_reference")]
+
+torch = pytest.importorskip("torch")
+
+import attngen  # noqa: E402
+from tests.gpu_reference import fresh_generator  # noqa: E402
+
+MAX_ABS = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def tree_words(q_len: int, gen, dev) -> list[int]:
+    """A random tree over q_len draft tokens: token i sees itself and its ancestors (parent < i)."""
+    words = []
+    for i in range(q_len):
+        parent = int(torch.randint(0, i, (1,), generator=gen, device=dev)) if i else -1
+        words.append((words[parent] if parent >= 0 else 0) | (1 << i))
+    return words
+
+
+def make_step(gen, q_lens, lens, h, hk, d, page, dtype, dev="cuda"):
+    """Packed q, a paged cache holding every request's keys (pages in random order), its table and lengths."""
+    b = len(q_lens)
+    per = max(1, -(-max(lens) // page))
+    total = sum(q_lens)
+    q = torch.randn(total, h, d, device=dev, dtype=dtype, generator=gen)
+    kc = torch.randn(b * per + 3, page, hk, d, device=dev, dtype=dtype, generator=gen)
+    vc = torch.randn(b * per + 3, page, hk, d, device=dev, dtype=dtype, generator=gen)
+    table = torch.randperm(b * per + 3, device=dev, generator=gen)[:b * per].to(torch.int32).view(b, per)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=dev)
+    cache_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    return q, kc, vc, table, cu, cache_lens
+
+
+def reference(q, kc, vc, table, q_lens, lens, scale, tree=None, max_tree=0, sinks=None):
+    """fp32 (out [total, h, d], lse [h, total]) request by request; tree words apply to requests of at most
+    max_tree tokens, the others are causal."""
+    h, d = q.shape[1], q.shape[2]
+    hk, page = kc.shape[2], kc.shape[1]
+    outs, lses, at = [], [], 0
+    for b, (n, L) in enumerate(zip(q_lens, lens)):
+        if n == 0:
+            continue
+        blocks = table[b, :-(-L // page)].long()
+        k = kc[blocks].reshape(-1, hk, d)[:L].float().repeat_interleave(h // hk, dim=1)
+        v = vc[blocks].reshape(-1, hk, d)[:L].float().repeat_interleave(h // hk, dim=1)
+        s = torch.einsum("thd,nhd->htn", q[at:at + n].float(), k) * scale
+        keys = torch.arange(L, device=q.device)
+        first = L - n
+        if tree is not None and n <= max_tree:
+            words = tree[at:at + n]
+            bit = (keys - first).clamp(min=0, max=62)
+            seen = (keys[None, :] < first) | (((words[:, None] >> bit[None, :]) & 1) == 1)
+        else:
+            seen = keys[None, :] <= (first + torch.arange(n, device=q.device))[:, None]
+        s = s.masked_fill(~seen[None], float("-inf"))
+        if sinks is not None:
+            s = torch.cat((s, sinks.float()[:, None, None].expand(h, n, 1)), dim=-1)
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.softmax(s, dim=-1)[..., :L]
+        outs.append(torch.einsum("htn,nhd->thd", p, v))
+        lses.append(lse)
+        at += n
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def check(out, lse, ref_o, ref_l, dtype):
+    assert not torch.isnan(out).any()
+    assert (out.float() - ref_o).abs().max().item() < MAX_ABS[dtype]
+    assert (lse - ref_l).abs().max().item() < 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h,hk,d,page", [(32, 8, 128, 16), (8, 8, 64, 64), (16, 2, 128, 64)])
+@pytest.mark.parametrize("with_tree", [False, True])
+def test_mixed_step_matches_attention_per_request(dtype, h, hk, d, page, with_tree):
+    gen = fresh_generator()
+    dev = "cuda"
+    # decode rows (1 token), an empty request, verify rows (5 and 8 tokens), chunked-prefill rows (9..700 tokens)
+    q_lens = [1, 1, 0, 5, 1, 8, 300, 1, 9, 700, 5, 1]
+    lens = [700, 33, 90, 1200, 17, 8, 2000, 5000, 9, 700, 64, 1]
+    q, kc, vc, table, cu, cache_lens = make_step(gen, q_lens, lens, h, hk, d, page, dtype)
+    tree = None
+    if with_tree:
+        words = []
+        for n in q_lens:
+            words += tree_words(n, gen, dev) if n <= 8 else [0] * n
+        tree = torch.tensor(words, dtype=torch.int64, device=dev)
+    ba = attngen.BatchAttention(h, hk, d, page, dtype=dtype)
+    ba.plan(cu, cache_lens, table, total_q=q.shape[0])
+    out = torch.full_like(q, float("nan"))
+    o, lse = ba.run(q, kc, vc, tree_mask=tree, out=out, return_lse=True)
+    assert o is out
+    ref_o, ref_l = reference(q, kc, vc, table, q_lens, lens, d ** -0.5, tree, 8)
+    check(o, lse, ref_o, ref_l, dtype)
+
+
+def test_every_option_at_its_default():
+    gen = fresh_generator()
+    q_lens, lens = [1, 3, 40], [100, 300, 40]
+    q, kc, vc, table, cu, cache_lens = make_step(gen, q_lens, lens, 32, 8, 128, 16, torch.bfloat16)
+    o = attngen.BatchAttention(32, 8, 128, 16).plan(cu, cache_lens, table, total_q=q.shape[0]).run(q, kc, vc)
+    ref_o, _ = reference(q, kc, vc, table, q_lens, lens, 128 ** -0.5)
+    assert (o.float() - ref_o).abs().max().item() < MAX_ABS[torch.bfloat16]
+
+
+def test_sinks_and_a_longer_decode_bound():
+    gen = fresh_generator()
+    dtype = torch.bfloat16
+    q_lens, lens = [1, 16, 17, 2], [4096, 4100, 300, 2]
+    q, kc, vc, table, cu, cache_lens = make_step(gen, q_lens, lens, 16, 4, 128, 64, dtype)
+    sinks = torch.randn(16, device="cuda", generator=gen)
+    ba = attngen.BatchAttention(16, 4, 128, 64, dtype=dtype, max_decode_q_len=16)
+    o, lse = ba.plan(cu, cache_lens, table, total_q=q.shape[0]).run(q, kc, vc, sinks=sinks, return_lse=True)
+    ref_o, ref_l = reference(q, kc, vc, table, q_lens, lens, 128 ** -0.5, sinks=sinks)
+    check(o, lse, ref_o, ref_l, dtype)
+
+
+def test_graph_replay_with_new_lengths():
+    gen = fresh_generator()
+    dtype, h, hk, d, page = torch.bfloat16, 32, 8, 128, 16
+    q_lens, lens = [1, 5, 1, 600], [3000, 400, 20, 1500]
+    q, kc, vc, table, cu, cache_lens = make_step(gen, q_lens, lens, h, hk, d, page, dtype)
+    ba = attngen.BatchAttention(h, hk, d, page, dtype=dtype)
+    out = torch.empty_like(q)
+    ba.plan(cu, cache_lens, table, total_q=q.shape[0]).run(q, kc, vc, out=out)  # loads the kernels
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ba.plan(cu, cache_lens, table, total_q=q.shape[0])
+        ba.run(q, kc, vc, out=out)
+    for q_lens2, lens2 in (([1, 5, 1, 600], [3000, 400, 20, 1500]), ([300, 1, 300, 6], [300, 2999, 1000, 7]),
+                           ([0, 1, 606, 0], [0, 1, 606, 5])):
+        cu.copy_(torch.tensor([0] + list(torch.tensor(q_lens2).cumsum(0)), dtype=torch.int32))
+        cache_lens.copy_(torch.tensor(lens2, dtype=torch.int32))
+        q.copy_(torch.randn(q.shape, device="cuda", dtype=dtype, generator=gen))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_o, _ = reference(q, kc, vc, table, q_lens2, lens2, d ** -0.5)
+        n = sum(q_lens2)
+        assert not torch.isnan(out[:n]).any()
+        assert (out[:n].float() - ref_o).abs().max().item() < MAX_ABS[dtype]
+
+
+def test_bad_arguments_are_refused_by_name():
+    with pytest.raises(attngen.LaunchError, match="num_kv_heads"):
+        attngen.BatchAttention(32, 5, 128, 16)
+    with pytest.raises(attngen.LaunchError, match="page_size"):
+        attngen.BatchAttention(32, 8, 128, 24)
+    with pytest.raises(attngen.LaunchError, match="max_decode_q_len"):
+        attngen.BatchAttention(32, 8, 128, 16, max_decode_q_len=64)
+    ba = attngen.BatchAttention(32, 8, 128, 16)
+    q = torch.zeros(4, 32, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(attngen.LaunchError, match="before plan"):
+        ba.run(q, q, q)
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_decode_on_a_side_stream_gives_the_same_step(graphed):
+    from attngen.serving import set_overlap
+
+    gen = fresh_generator()
+    dtype, h, hk, d, page = torch.bfloat16, 32, 8, 128, 16
+    q_lens, lens = [1, 5, 0, 1, 900, 3], [3000, 400, 7, 20, 1500, 3]
+    q, kc, vc, table, cu, cache_lens = make_step(gen, q_lens, lens, h, hk, d, page, dtype)
+    ba = attngen.BatchAttention(h, hk, d, page, dtype=dtype).plan(cu, cache_lens, table, total_q=q.shape[0])
+    out = torch.full_like(q, float("nan"))
+    was = set_overlap(True)
+    try:
+        if graphed:
+            ba.run(q, kc, vc, out=out, return_lse=True)
+            torch.cuda.synchronize()
+            out.fill_(float("nan"))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                o, lse = ba.run(q, kc, vc, out=out, return_lse=True)
+            graph.replay()
+        else:
+            o, lse = ba.run(q, kc, vc, out=out, return_lse=True)
+    finally:
+        set_overlap(was)
+    torch.cuda.synchronize()
+    ref_o, ref_l = reference(q, kc, vc, table, q_lens, lens, d ** -0.5)
+    check(o, lse, ref_o, ref_l, dtype)

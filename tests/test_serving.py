@@ -1,0 +1,53 @@
+"""attngen.BatchAttention's checks that need no GPU (the GPU tests: tests/test_gpu_serving.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import attngen  # noqa: E402
+
+
+@pytest.mark.parametrize("args,kw,field", [
+    ((32, 5, 128, 16), {}, "num_kv_heads"),
+    ((32, 8, 128, 24), {}, "page_size"),
+    ((32, 8, 128, 0), {}, "page_size"),
+    ((32, 8, 300, 16), {}, "head_dim"),
+    ((32, 8, 128, 16), {"max_decode_q_len": 33}, "max_decode_q_len"),
+    ((32, 8, 128, 16), {"max_decode_q_len": 0}, "max_decode_q_len"),
+    ((32, 8, 128, 16), {"dtype": torch.float32}, "dtype"),
+    ((32, 8, 128, 16), {"window": (1, 2, 3)}, "window"),
+    ((True, 8, 128, 16), {}, "num_heads"),
+])
+def test_bad_construction_names_the_field(args, kw, field):
+    with pytest.raises(attngen.LaunchError, match=field):
+        attngen.BatchAttention(*args, **kw)
+
+
+def test_the_decode_bound_follows_the_group():
+    assert attngen.BatchAttention(8, 8, 64, 16, max_decode_q_len=128).max_decode_q_len == 128
+    assert attngen.BatchAttention(32, 8, 128, 16).max_decode_q_len == 8
+
+
+def test_plan_refuses_host_lengths_and_mismatched_batches():
+    ba = attngen.BatchAttention(32, 8, 128, 16)
+    cu = torch.zeros(5, dtype=torch.int32)
+    with pytest.raises(attngen.LaunchError, match="cu_seqlens_q must be an int32 CUDA tensor"):
+        ba.plan(cu, torch.zeros(4, dtype=torch.int32), torch.zeros(4, 2, dtype=torch.int32), total_q=4)
+    with pytest.raises(attngen.LaunchError, match="total_q"):
+        ba.plan(cu, cu, cu, total_q=-1)
+
+
+def test_run_before_plan_is_refused():
+    ba = attngen.BatchAttention(32, 8, 128, 16)
+    q = torch.zeros(4, 32, 128, dtype=torch.bfloat16)
+    with pytest.raises(attngen.LaunchError, match="before plan"):
+        ba.run(q, q, q)
+
+
+def test_bench_step_is_a_command():
+    from attngen.bench import build_parser
+
+    args = build_parser().parse_args(["step", "--decode", "4"])
+    assert args.decode == 4 and args.func.__name__ == "cmd_step"
