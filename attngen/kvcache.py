@@ -202,6 +202,9 @@ def prefill_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_tab
     if block_table is not None and cache_batch_idx is not None:
         raise LaunchError("cache_batch_idx cannot be combined with block_table (a paged cache names its blocks per "
                           "row already)")
+    if block_table is None and cache_batch_idx is None and k_cache.shape[0] < q.shape[0]:
+        raise LaunchError(f"k_cache has {k_cache.shape[0]} cache rows for batch {q.shape[0]}; pass "
+                          f"cache_batch_idx to map rows")
     if packable and q.shape[1] <= packed_limit(q.shape[2], k_cache.shape[-2]):
         return PACKED
     if block_table is not None:
@@ -209,9 +212,6 @@ def prefill_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_tab
             return PAGES
         why = "cache_leftpad with a paged cache (block_table), which the prefill kernel over pages does not take"
     else:
-        if cache_batch_idx is None and k_cache.shape[0] < q.shape[0]:
-            raise LaunchError(f"k_cache has {k_cache.shape[0]} cache rows for batch {q.shape[0]}; pass "
-                              f"cache_batch_idx to map rows")
         if cache_leftpad is None and _page_size(k_cache, v_cache):
             return PAGES
         if _as_rows(torch, k_cache, v_cache) is not None:
@@ -219,11 +219,12 @@ def prefill_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_tab
         why = (f"a contiguous cache whose row strides (k {k_cache.stride(0)}, v {v_cache.stride(0)}) are not one "
                f"whole number of positions (k {k_cache.stride(1)}, v {v_cache.stride(1)} elements)")
     right = 0 if causal else window[1]
+    most = max(MAX_Q_LEN, packed_limit(q.shape[2], k_cache.shape[-2]))
     if alibi and right != 0:
         raise LaunchError(f"seqlen_q={q.shape[1]} with causal=False, window_size right={right} and alibi_slopes is "
                           f"not supported with {why}: the decode kernels that serve it place each token at the end of "
                           f"the keys it sees, which ALiBi's distances cannot follow; allowed: causal=True (or "
-                          f"window_size right 0), no alibi_slopes, at most {MAX_Q_LEN} new tokens a call, or a "
+                          f"window_size right 0), no alibi_slopes, at most {most} new tokens a call, or a "
                           f"contiguous cache for cache_leftpad")
     return DECODE
 

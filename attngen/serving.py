@@ -117,11 +117,14 @@ class BatchAttention:
         bufs = self._buffers.get(key)
         if bufs is None:
             bufs = self._buffers[key] = (torch.empty(batch + 1, dtype=torch.int32, device=dev),
-                                         torch.empty(2 * max_items + 1 + batch + 1, dtype=torch.int32, device=dev))
-        cu_k, ws = bufs
+                                         torch.empty(2 * max_items + 1 + batch + 1, dtype=torch.int32, device=dev),
+                                         torch.empty(batch, dtype=torch.int32, device=dev))
+        cu_k, ws, order_b = bufs
         # The prefill kernel's paged path takes the key counts as cumulative offsets (only their differences read).
         cu_k[:1].zero_()
         torch.cumsum(cache_seqlens, 0, dtype=torch.int32, out=cu_k[1:])
+        # The decode kernel's requests longest first, so that no long one starts last.
+        order_b.copy_(torch.argsort(cache_seqlens, descending=True))
         stream = torch.cuda.current_stream(dev).cuda_stream
         wp = ws.data_ptr()
         capacity = block_table.shape[1] * self.page_size
@@ -131,13 +134,13 @@ class BatchAttention:
         launch_order(kern, stream, wp, max_items, cu_seqlens_q.data_ptr(), cu_k.data_ptr(), self.left, self.right,
                      batch, total_q, capacity, True, self.max_decode_q_len)
         order = VarlenOrder(ws, order_tiles(kern.spec), max_items, self.max_decode_q_len)
-        self._planned = (cu_seqlens_q, cache_seqlens, block_table, cu_k, order, total_q)
+        self._planned = (cu_seqlens_q, cache_seqlens, block_table, cu_k, order, total_q, order_b)
         return self
 
     def _prefill_kernel(self, qi, total_q: int):
         """The varlen paged prefill kernel ``run`` will launch for the long requests (its tiles sort the list)."""
-        key = (self.d, "bf16" if self.dtype is self._torch.bfloat16 else "fp16", qi.device, self.mcode, False, None, "torch", False, False,
-               VARLEN_PAGED, self.d, False)
+        dtype = "bf16" if self.dtype is self._torch.bfloat16 else "fp16"
+        key = (self.d, dtype, qi.device, self.mcode, False, None, "torch", False, False, VARLEN_PAGED, self.d, False)
         plan = plan_for(key)
         # Sized by the step's tokens, not their mean a request: the long requests hold most of them.
         return plan.kernel or plan.kernel_for(max(1, total_q))
@@ -152,7 +155,7 @@ class BatchAttention:
         if self._planned is None:
             raise LaunchError("BatchAttention.run before plan: call plan(cu_seqlens_q, cache_seqlens, block_table, "
                               "total_q=...) first")
-        cu_q, lens, table, cu_k, order, total_q = self._planned
+        cu_q, lens, table, cu_k, order, total_q, order_b = self._planned
         if k_cache.dim() != 4 or k_cache.shape[1] != self.page_size:
             raise LaunchError(f"k_cache has shape {tuple(k_cache.shape)}; expected [num_blocks, {self.page_size}, "
                               f"{self.hk}, {self.d}] (page_size={self.page_size})")
@@ -178,6 +181,7 @@ class BatchAttention:
             out.record_stream(side)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             res = decode(q, k_cache, v_cache, cache_seqlens=lens, block_table=table, cu_seqlens_q=cu_q,
+                         batch_order=order_b,
                          max_q_len=self.max_decode_q_len, tree_mask=tree_mask, causal=self.causal,
                          window=self.window, sinks=sinks, sm_scale=self.sm_scale, out=out, return_lse=return_lse)
         out, lse = res if return_lse else (res, None)

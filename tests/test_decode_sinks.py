@@ -100,11 +100,12 @@ def test_torch_op_schema_takes_sinks():
 
 
 @pytest.mark.parametrize("layout", ["paged, leftpad", "contiguous"])
-@pytest.mark.parametrize("n_new,q_len", [(3, 3), (12, 12)])
+@pytest.mark.parametrize("n_new,q_len", [(3, 3), (12, 12), (30, 30), (36, 36)])
 def test_kvcache_routes_with_sinks(monkeypatch, layout, n_new, q_len):
     """flash_attn_with_kvcache with sinks, the kernels replaced by the fp32 references (test_flash_api): up to 8 new
-    tokens and the paged left-pad route of more (decode calls of 8 tokens) match the reference of the whole call
-    with the sinks, and so does more on a contiguous cache (the prefill kernel's route)."""
+    tokens, up to 128 // group (here 42, capped at 32) through the decode kernel over a packed q, and past that the
+    paged left-pad route (decode calls of 8 tokens) match the reference of the whole call with the sinks, and so
+    does more on a contiguous cache (the prefill kernel's route)."""
     torch = pytest.importorskip("torch")
     import attngen
     from tests.gpu_reference import reference_decode
@@ -129,10 +130,12 @@ def test_kvcache_routes_with_sinks(monkeypatch, layout, n_new, q_len):
     call = dict(cache_seqlens=torch.tensor(old, dtype=torch.int32), block_table=table, cache_leftpad=lp,
                 causal=True, return_softmax_lse=True, softmax_scale=0.4, sinks=sinks)
     out, lse = attngen.flash_attn_with_kvcache(q, kc, vc, k, v, **call)
-    if q_len > 8 and layout == "contiguous":  # the prefill kernel over the cache, sinks and all
+    if 8 < q_len <= 32:  # the decode kernel over a packed q, sinks and all
+        assert seen == [("packed", q_len)], seen
+    elif q_len > 8 and layout == "contiguous":  # the prefill kernel over the cache, sinks and all
         assert len(seen) == 1 and seen[0][0] in ("rows", "prefill"), seen
     else:
-        assert [n for _, n in seen] == ([q_len] if q_len <= 8 else [8, q_len - 8]), seen
+        assert [n for _, n in seen] == ([q_len] if q_len <= 8 else [8] * (q_len // 8) + [q_len % 8]), seen
     ref, ref_lse = reference_decode(q, kc, vc, [o + n_new for o in old], block_table=table, sm_scale=0.4,
                                     cache_leftpad=pads, sinks=sinks)
     assert (out - ref).abs().max().item() < 1e-5

@@ -57,11 +57,12 @@ def test_chunked_prefill_that_no_kernel_serves_is_refused_after_naming_why():
     # More than 8 new tokens, not causal, with ALiBi and left pads on a paged cache: the prefill kernel over pages
     # takes no left pad, and the decode kernels place each token at the end of the keys it sees, which ALiBi's
     # distances cannot follow where a token sees keys after its own position.
-    q, kc, vc, k, v = _kv(sq=12, new=12)
+    # (Past 32 new tokens: fewer take the decode kernel over a packed q, which serves this.)
+    q, kc, vc, k, v = _kv(sq=40, new=40)
     kc, vc = kc.view(6, 16, 2, 64), vc.view(6, 16, 2, 64)
     table = torch.arange(6, dtype=torch.int32).view(2, 3)
     pads = torch.tensor([1, 2], dtype=torch.int32)
-    with pytest.raises(LaunchError, match=r"seqlen_q=12 with causal=False, window_size right=-1 and alibi_slopes is "
+    with pytest.raises(LaunchError, match=r"seqlen_q=40 with causal=False, window_size right=-1 and alibi_slopes is "
                                           r"not supported with cache_leftpad with a paged cache \(block_table\), .*; "
                                           r"allowed: causal=True"):
         attngen.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, cache_leftpad=pads, block_table=table,
@@ -187,8 +188,17 @@ def _reference_kernels(monkeypatch, seen):
 
     def decode(q, kc, vc, *, cache_seqlens, cache_batch_idx=None, block_table=None, num_splits=0, return_lse=False,
                causal=True, window=(-1, -1), cache_leftpad=None, sm_scale=None, softcap=0.0, alibi_slopes=None,
-               sinks=None, k_scale=None, v_scale=None):
+               sinks=None, k_scale=None, v_scale=None, cu_seqlens_q=None, max_q_len=None):
         assert k_scale is None and v_scale is None  # 16-bit caches here
+        if cu_seqlens_q is not None:  # the PACKED route: every request max_q_len tokens, in order
+            b = cu_seqlens_q.shape[0] - 1
+            assert torch.equal(cu_seqlens_q, torch.arange(b + 1, dtype=torch.int32) * max_q_len)
+            seen.append(("packed", max_q_len))
+            o, lse = reference_decode(q.view(b, max_q_len, *q.shape[1:]), kc, vc, cache_seqlens, cache_batch_idx,
+                                      block_table, sm_scale, softcap, alibi_slopes, causal, window, cache_leftpad,
+                                      sinks)
+            o, lse = o.reshape(q.shape), lse.permute(1, 0, 2).reshape(q.shape[1], -1)  # [h, total_q], as packed
+            return (o.to(q.dtype), lse) if return_lse else o.to(q.dtype)
         seen.append(("decode", q.shape[1]))
         o, lse = reference_decode(q, kc, vc, cache_seqlens, cache_batch_idx, block_table, sm_scale, softcap,
                                   alibi_slopes, causal, window, cache_leftpad, sinks)
@@ -230,7 +240,7 @@ def _reference_kernels(monkeypatch, seen):
                                               ("contiguous", 200, "rows"), ("leftpad", 256, "rows"),
                                               ("leftpad, rows by index", 200, "rows"),
                                               ("paged, leftpad", 256, "decode")])
-@pytest.mark.parametrize("n_new,q_len", [(11, 11), (3, 13), (20, 20)])
+@pytest.mark.parametrize("n_new,q_len", [(11, 11), (3, 13), (20, 20), (40, 40), (3, 37)])
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (True, (9, 0)), (False, (-1, -1)), (False, (6, 2)),
                                            (False, (-1, 0)), (False, (5, 30))])
 @pytest.mark.parametrize("alibi", [False, True])
@@ -238,7 +248,8 @@ def test_many_new_tokens_routes_match_the_reference(monkeypatch, layout, cap, ro
                                                     alibi):
     """More than 8 new tokens through each route, against the fp32 reference of the whole call: the paged prefill
     kernel, a contiguous cache as pages, its rows laid end to end (left pads; rows in any order), and decode calls
-    of 8 tokens on a paged cache with left pads, windows and keys after a token's own position included."""
+    of 8 tokens on a paged cache with left pads, windows and keys after a token's own position included. Up to 32
+    tokens (this GQA group) every layout takes the PACKED route instead: one decode call over a packed q."""
     from tests.gpu_reference import reference_decode
 
     seen = []
@@ -246,6 +257,8 @@ def test_many_new_tokens_routes_match_the_reference(monkeypatch, layout, cap, ro
     gen = torch.Generator().manual_seed(11)
     b, hk, g, d, bs = 3, 2, 2, 16, 32
     old = [0, 90, 200 - n_new - 4]
+    if q_len <= 32:
+        route = "packed"
     pads = [0, 40, 7] if "leftpad" in layout else None
     rows = torch.tensor([2, 0, 1], dtype=torch.int32) if "index" in layout else None
     if layout.startswith("paged"):
@@ -276,6 +289,8 @@ def test_many_new_tokens_routes_match_the_reference(monkeypatch, layout, cap, ro
     assert {name for name, _ in seen} == {route}
     if route == "decode":
         assert [n for _, n in seen] == [8] * (q_len // 8) + ([q_len % 8] if q_len % 8 else [])
+    if route == "packed":
+        assert [n for _, n in seen] == [q_len]
     ref, ref_lse = reference_decode(q, kc, vc, [o + n_new for o in old], cache_batch_idx=rows, block_table=table,
                                     sm_scale=0.3, causal=causal, window=window, cache_leftpad=pads,
                                     alibi_slopes=slopes)

@@ -346,3 +346,15 @@ def test_fp8_cache(layout, tree, splits):
 def test_fp8_e5m2_fp16_paged64_auto_splits():
     pk = Packed(MIXED, heads=8, kv_heads=8, head_dim=64, dtype=torch.float16, block_size=64, fp8="e5m2")
     run(pk)
+
+
+@pytest.mark.parametrize("splits", ["one", "four", "four_launch"])
+@pytest.mark.parametrize("tree", [False, True])
+def test_batch_order_longest_first(splits, tree):
+    """The requests' CTAs in another order (longest cache first, as BatchAttention's plan sorts them) compute the
+    same thing, in each split and merge."""
+    pk = Packed(MIXED, heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)
+    lens = torch.tensor([n for _, n in pk.reqs], device="cuda")
+    order = torch.argsort(lens, descending=True).to(torch.int32)
+    num_splits, cluster = SPLITS[splits]
+    run(pk, num_splits=num_splits, cluster=cluster, tree=tree, batch_order=order)

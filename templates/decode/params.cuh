@@ -52,6 +52,9 @@ struct DecodeParams {
   const int* cu_seqlens_q;
   const long long* tree_mask;
   long long lse_sh;
+  // The request each blockIdx.z computes, or null (blockIdx.z itself): a longest-first order keeps long requests
+  // out of the launch's tail (BatchAttention's plan sorts them).
+  const int* batch_order;
 #endif
 #ifdef ATTNGEN_MODS
   // A kernel with a user's score_mod / mask_mod (attngen/families/snippets.py): their aux tensors. After every other
@@ -166,6 +169,9 @@ struct DecodeShape {
     c.split = blockIdx.x;
     c.kv_head = D_PARTS > 1 ? blockIdx.y / D_PARTS : blockIdx.y;
     c.batch = blockIdx.z;
+    if constexpr (VARLEN) {
+      if (p.batch_order) c.batch = min(max(p.batch_order[blockIdx.z], 0), p.batch - 1);
+    }
     const int len = p.seqlens ? p.seqlens[c.batch] : p.seqlen_fixed;
     c.seqlen = min(max(len, 0), p.capacity);
     c.rows_valid = p.group * p.q_len;

@@ -30,8 +30,9 @@ from .spec import HEAD_DIMS_TEXT, DecodeSpec, Variant, head_dim_refusal
 # the fp8 scales' pointers, strides and v's number (read by the fp8 kernels only), padding to the struct's 8-byte
 # alignment.
 _PARAMS = struct.Struct("<12Q14q9iI2f2fQqQiiQQQiif4x")
-# A packed, ragged q's kernels (spec varlen_q) add cu_seqlens_q's and tree_mask's pointers and the LSE's head stride.
-_PARAMS_VARLEN = struct.Struct(_PARAMS.format + "QQq")
+# A packed, ragged q's kernels (spec varlen_q) add cu_seqlens_q's and tree_mask's pointers, the LSE's head stride and
+# batch_order's pointer.
+_PARAMS_VARLEN = struct.Struct(_PARAMS.format + "QQqQ")
 _LOG2E = 1.4426950408889634
 MAX_Q_LEN = 8
 # A packed, ragged q (cu_seqlens_q): at most this many tokens a request go through the decode kernels (and
@@ -100,7 +101,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
            spec: DecodeSpec | str | Mapping | None = None, softcap: float = 0.0, alibi_slopes=None,
            causal: bool = True, window: tuple[int, int] = (-1, -1), cache_leftpad=None, sinks=None, k_scale=None,
            v_scale=None, score_mod: str = "", mask_mod: str = "", aux=None, cu_seqlens_q=None,
-           max_q_len: int | None = None, tree_mask=None):
+           max_q_len: int | None = None, tree_mask=None, batch_order=None):
     """Attention of q_len new tokens per sequence against a KV cache.
 
     q ``[batch, q_len, heads, head_dim]`` (q_len 1..8). Contiguous cache: k_cache, v_cache
@@ -164,10 +165,14 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     every key before the block is seen. A token that sees no key gives zeros and LSE -inf (sinks: its sink). Split-KV,
     paged caches, fp8 caches, softcap, ALiBi and sinks work with a packed q, a window and ``cache_leftpad`` without a
     tree; ``variant="unfused"``, score_mod/mask_mod, head_dim 512 and torch.compile are refused with it.
+    ``batch_order`` (int32 ``[batch]`` on q's device, with ``cu_seqlens_q``): the order the requests' CTAs are
+    launched in, a permutation of 0..batch-1 (longest first keeps a long request out of the launch's tail, as
+    ``BatchAttention.plan`` sorts them); entries out of range are clamped, and a request listed twice is computed
+    twice (the same result) while one left out is not computed.
     """
     if _rt.tracing is not None and _rt.tracing():
         refuse_traced("attngen.decode", score_mod, mask_mod, aux)
-        if cu_seqlens_q is not None or max_q_len is not None or tree_mask is not None:
+        if cu_seqlens_q is not None or max_q_len is not None or tree_mask is not None or batch_order is not None:
             raise LaunchError("cu_seqlens_q, max_q_len and tree_mask are not supported under torch.compile; call "
                               "attngen.decode outside the compiled region")
         if k_scale is not None or v_scale is not None:
@@ -201,7 +206,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
                num_splits, sm_scale, softcap, return_lse, variant, spec, causal, window,
                _fp8.scale_key(k_scale), _fp8.scale_key(v_scale), mods,
                None if cu_seqlens_q is None else tensor_info(cu_seqlens_q, "cu_seqlens_q"), max_q_len,
-               None if tree_mask is None else tensor_info(tree_mask, "tree_mask"))
+               None if tree_mask is None else tensor_info(tree_mask, "tree_mask"),
+               None if batch_order is None else tensor_info(batch_order, "batch_order"))
         call = _calls.get(key)
     except (LaunchError, TypeError):
         key = call = None
@@ -214,10 +220,11 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
                               num_splits=num_splits, variant=variant, spec=spec, softcap=softcap,
                               alibi_slopes=alibi_slopes, causal=causal, window=window, cache_leftpad=cache_leftpad,
                               sinks=sinks, k_scale=k_scale, v_scale=v_scale, score_mod=score_mod, mask_mod=mask_mod,
-                              aux=aux, cu_seqlens_q=cu_seqlens_q, max_q_len=max_q_len, tree_mask=tree_mask)
+                              aux=aux, cu_seqlens_q=cu_seqlens_q, max_q_len=max_q_len, tree_mask=tree_mask,
+                              batch_order=batch_order)
         call = _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse,
                         out, variant, spec, softcap, alibi_slopes, causal, window, cache_leftpad, sinks, k_scale,
-                        v_scale, mods, (cu_seqlens_q, max_q_len, tree_mask))
+                        v_scale, mods, (cu_seqlens_q, max_q_len, tree_mask, batch_order))
         _memo.keep(key, call, flags=(return_lse, causal), numbers=(num_splits, sm_scale, softcap,
                                                                     _fp8.scale_number(k_scale),
                                                                     _fp8.scale_number(v_scale),
@@ -308,16 +315,16 @@ def window_bounds(causal, window, q_len: int) -> tuple[bool, int, int]:
 
 def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse, out, variant,
              spec, softcap, alibi_slopes, causal=True, window=(-1, -1), cache_leftpad=None, sinks=None, k_scale=None,
-             v_scale=None, mods=None, packed_args=(None, None, None)) -> _Call:
+             v_scale=None, mods=None, packed_args=(None, None, None, None)) -> _Call:
     """Check a call's arguments and work out its ``_Call``. ``mods``: the call's snippets (``call_mods``) or None;
-    ``packed_args``: (cu_seqlens_q, max_q_len, tree_mask) as given."""
+    ``packed_args``: (cu_seqlens_q, max_q_len, tree_mask, batch_order) as given."""
     if spec is not None and spec.__class__ is not DecodeSpec:
         spec = op_spec(spec, "decode", "attngen.decode")
     check_spec_mods(spec, mods)
-    cu_seqlens_q, max_q_len, tree_mask = packed_args
+    cu_seqlens_q, max_q_len, tree_mask, batch_order = packed_args
     packed = cu_seqlens_q is not None
-    if not packed and (max_q_len is not None or tree_mask is not None):
-        name = "max_q_len" if max_q_len is not None else "tree_mask"
+    if not packed and (max_q_len is not None or tree_mask is not None or batch_order is not None):
+        name = "max_q_len" if max_q_len is not None else "tree_mask" if tree_mask is not None else "batch_order"
         raise LaunchError(f"{name} is given without cu_seqlens_q; allowed: {name} only with cu_seqlens_q (a packed "
                           "q [total_q, heads, head_dim])")
     if ki.shape != vi.shape:  # first: a head dim the two caches disagree on is no head dim to name
@@ -353,9 +360,10 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     group = h // hk
     if group > MAX_GROUP:
         raise LaunchError(f"heads/kv_heads = {group} is not supported; allowed: a GQA group of 1 to {MAX_GROUP}")
-    cu_ptr = tree_ptr = 0
+    cu_ptr = tree_ptr = order_ptr = 0
     if packed:
-        b, q_len, cu_ptr, tree_ptr = _packed_q(qi, cache_seqlens, cu_seqlens_q, max_q_len, tree_mask, group, d,
+        b, q_len, cu_ptr, tree_ptr, order_ptr = _packed_q(qi, cache_seqlens, cu_seqlens_q, max_q_len, tree_mask,
+                                                          batch_order, group, d,
                                                variant, mods)
     if group * q_len > DecodeSpec.Q_ROWS[-1]:
         raise LaunchError(f"heads/kv_heads x q_len = {group} x {q_len} = {group * q_len} packed query rows a KV "
@@ -480,7 +488,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         sinks_ptr,
         *fp8_tail,
         # a packed q's fields (params.cuh, ATTNGEN_DECODE_VARLEN), then the snippets' aux tensors (ModArgs)
-        *((cu_ptr, tree_ptr, total_q) if packed else ()),
+        *((cu_ptr, tree_ptr, total_q, order_ptr) if packed else ()),
         *(() if mods is None else pack_aux(rs.aux, mods[3], qi)),
     )
     call.layout = _PARAMS_VARLEN if packed else _PARAMS if mods is None else mod_layout(_PARAMS)
@@ -488,10 +496,11 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     return call
 
 
-def _packed_q(qi, cache_seqlens, cu_seqlens_q, max_q_len, tree_mask, group: int, d: int, variant, mods):
+def _packed_q(qi, cache_seqlens, cu_seqlens_q, max_q_len, tree_mask, batch_order, group: int, d: int, variant,
+              mods):
     """The checks of a packed, ragged q (``cu_seqlens_q``) against q ``[total_q, heads, head_dim]`` of ``qi`` and
-    the GQA group; returns (batch, max_q_len, cu_seqlens_q's pointer, tree_mask's pointer or 0). What the packed
-    kernels do not run is refused by name."""
+    the GQA group; returns (batch, max_q_len, cu_seqlens_q's pointer, tree_mask's and batch_order's pointers or 0).
+    What the packed kernels do not run is refused by name."""
     kind, dev = qi.kind, qi.device
     for name, bad, allowed in (("variant", variant == "unfused", "auto or fused"),
                                ("score_mod/mask_mod", mods is not None, "none"),
@@ -529,4 +538,13 @@ def _packed_q(qi, cache_seqlens, cu_seqlens_q, max_q_len, tree_mask, group: int,
             raise LaunchError(f"tree_mask has shape {t.shape} and strides {t.strides}; expected [total_q] = "
                               f"({qi.shape[0]},), contiguous")
         tree_ptr = t.ptr
-    return b, max_q_len, cu.ptr, tree_ptr
+    order_ptr = 0
+    if batch_order is not None:
+        t = tensor_info(batch_order, "batch_order")
+        if t.kind != kind or t.device != dev:
+            raise LaunchError(f"batch_order must be a {kind} tensor on device {dev}; got {t.kind} on device {t.device}")
+        if t.dtype != "int32" or t.shape != (b,) or t.strides[0] != 1:
+            raise LaunchError(f"batch_order has dtype {t.dtype} and shape {t.shape}; expected int32 [batch] = ({b},), "
+                              "contiguous")
+        order_ptr = t.ptr
+    return b, max_q_len, cu.ptr, tree_ptr, order_ptr
