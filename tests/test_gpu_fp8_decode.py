@@ -239,7 +239,7 @@ def test_bytes_with_the_spec_kv_dtype():
 
 
 def _widen_module(tmp_path):
-    """The conversions of templates/decode/fp8.cuh (the part before the kernel's structs) in a module of their own,
+    """The conversions of templates/common/fp8.cuh in a module of their own,
     with a kernel that widens every pair of bytes every way the kernel does: the arch's path and the bit-level one
     for a pair, and the two four-byte forms the fragments take (K's: bytes (0, 1) and (2, 3); V's: bytes (0, 2) and
     (1, 3)). Built as the kernels are (attngen's NVRTC compile, a cubin for the device's arch) and loaded through
@@ -249,10 +249,10 @@ def _widen_module(tmp_path):
     from attngen.runtime import device_arch
 
     root = Path(__file__).resolve().parent.parent / "templates"
-    fp8 = (root / "decode" / "fp8.cuh").read_text()
-    convert = fp8[:fp8.index("template <class S>\nstruct DecodeFp8")]
+    convert = (root / "common" / "fp8.cuh").read_text()  # (the conversions decode's and MLA's fp8 kernels share)
     src = ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n" + (root / "common" / "ptx.cuh").read_text() + convert
            + r"""
+namespace attngen {
 template <int FMT>
 __device__ void widen_all(unsigned* out) {
   const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;  // the pair of bytes (i & 0xff, i >> 8)
