@@ -17,13 +17,6 @@ struct DecodeConsumer {
   // TREE: the tree-mask word of each of this thread's rows' token, read once (tree_words).
   using TreeWords = unsigned long long[TREE ? M_TILES : 1][2];
 
-  // VARLEN: whether this warp's 16-row tile mt holds a packed row of the CTA's request. A request of fewer tokens
-  // than the kernel's rows (a decode token in a kernel sized for verify trees) leaves its last tiles empty, and
-  // their MMAs are skipped (the condition is the same for the whole warp). Read only by VARLEN kernels.
-  static __device__ __forceinline__ bool live_tile(int mt, const Cta& c, const Lane& l) {
-    return l.row0 + mt * 16 < c.rows_valid;
-  }
-
   // Accumulators (a tile's S, a split's O) start at zero.
   template <int A, int B>
   static __device__ __forceinline__ void zero(float (&acc)[A][B][4]) {
@@ -137,9 +130,6 @@ struct DecodeConsumer {
                                               kk * 16 + ((l.lane / 8) % 2) * 8)));
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
-          if constexpr (S::VARLEN) {
-            if (!live_tile(mt, c, l)) continue;
-          }
           mma_16816<BF16>(acc_s[mt][2 * n2], a[mt], b0, b1);
           mma_16816<BF16>(acc_s[mt][2 * n2 + 1], a[mt], b2, b3);
         }
@@ -276,7 +266,7 @@ struct DecodeConsumer {
   // O += P V over this warp's KW keys of the tile in sVs; P in the accumulator layout of S.
   static __device__ __forceinline__ void accumulate_pv(float (&acc_o)[M_TILES][D_TILES][4],
                                                        const float (&acc_p)[M_TILES][KW_TILES][4], const T* sVs,
-                                                       const Lane& l, const Cta& c) {
+                                                       const Lane& l) {
 #pragma unroll
     for (int kk = 0; kk < KW / 16; ++kk) {
       unsigned a[M_TILES][4];
@@ -290,9 +280,6 @@ struct DecodeConsumer {
                                                     (D_PARTS > 1 ? l.dcol0 : 0) + d2 * 16 + (l.lane / 16) * 8)));
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
-          if constexpr (S::VARLEN) {
-            if (!live_tile(mt, c, l)) continue;
-          }
           mma_16816<BF16>(acc_o[mt][2 * d2], a[mt], b0, b1);
           if (2 * d2 + 1 < D_TILES) mma_16816<BF16>(acc_o[mt][2 * d2 + 1], a[mt], b2, b3);  // else the pad
         }

@@ -62,7 +62,7 @@ struct Decode {
           float corr[M_TILES][2];
           Math::softmax_step(acc_s, row_max, row_sum, corr, p.scale_log2);
           scale_rows(acc_o, corr);
-          Math::accumulate_pv(acc_o, acc_s, sV + slot * TILE_ELEMS, l, c);
+          Math::accumulate_pv(acc_o, acc_s, sV + slot * TILE_ELEMS, l);
         });
     DecodeEnd<S>::epilogue(p, c, smem_raw, acc_o, row_max, row_sum, l);
   }

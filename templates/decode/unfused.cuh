@@ -162,7 +162,7 @@ struct DecodeUnfused {
                 acc_p[mt][n][2 * r + 1] = in1 ? fast_exp2(fmaf(s.y, p.scale_log2, -base[mt][r])) : 0.f;
               }
             }
-          Math::accumulate_pv(acc_o, acc_p, sV + slot * TILE_ELEMS, l, c);
+          Math::accumulate_pv(acc_o, acc_p, sV + slot * TILE_ELEMS, l);
         });
     End::epilogue(p, c, smem_raw, acc_o, row_max, row_sum, l);
   }
