@@ -53,12 +53,12 @@ class BatchAttention:
     """Attention of a serving step: ``plan`` once a step, ``run`` once a layer.
 
     ``num_heads`` / ``num_kv_heads`` / ``head_dim`` / ``page_size`` describe q and the paged cache (any page size
-    from 1; pages that are not a multiple of 16 positions take the kernels that look up every key row), ``dtype`` is q's (torch.float16 or
-    torch.bfloat16). ``causal`` (default True) aligns each request's tokens with the last keys of its cache, as
-    ``attngen.decode`` does; ``window`` (left, right) bounds the keys a token sees, as in ``attngen.prefill``.
-    ``max_decode_q_len``: requests of at most this many tokens (a decode token, a verify tree) run in the decode
-    kernel, longer ones in the prefill kernel (default 8; at most 128 // (num_heads // num_kv_heads), and at most
-    64 where tree masks are used). ``sm_scale`` defaults to 1/sqrt(head_dim).
+    from 1; pages that are not a multiple of 16 positions take the kernels that look up every key row), ``dtype``
+    is q's (torch.float16 or torch.bfloat16). ``causal`` (default True) aligns each request's tokens with the last
+    keys of its cache, as ``attngen.decode`` does; ``window`` (left, right) bounds the keys a token sees, as in
+    ``attngen.prefill``. ``max_decode_q_len``: requests of at most this many tokens (a decode token, a verify tree)
+    run in the decode kernel, longer ones in the prefill kernel (default 8; at most 128 // (num_heads //
+    num_kv_heads), and at most 64 where tree masks are used). ``sm_scale`` defaults to 1/sqrt(head_dim).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *, dtype=None,

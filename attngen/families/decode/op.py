@@ -409,7 +409,8 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     check_spec_sinks(spec, sinks)
     # Blocks that are not a multiple of 16 positions: the kernels that look up every key row (spec page_rows).
     page_rows = paged and block_size % 16 != 0
-    pkey = (d, dtype, dev, DecodeSpec.rows_for(group, q_len), "rows" if page_rows else paged, "fused" if variant == "auto" else variant,
+    layout = "rows" if page_rows else paged
+    pkey = (d, dtype, dev, DecodeSpec.rows_for(group, q_len), layout, "fused" if variant == "auto" else variant,
             spec, kind, bool(softcap), alibi_ptr != 0, local, sinks_ptr != 0, kv,
             ("tree" if tree_ptr else "varlen") if packed else None, *(() if mods is None else (mods[:3],)))
     call = _Call()
