@@ -38,6 +38,14 @@ def test_decode_other_dtypes_and_dims(page, d, dtype):
     run(Case(RAGGED, q_len=2, heads=8, kv_heads=2, head_dim=d, dtype=DTYPES[dtype], block_size=page))
 
 
+@pytest.mark.parametrize("page", [1, 24])
+@pytest.mark.parametrize("num_splits", [1, 0])
+def test_decode_32_packed_rows(page, num_splits):
+    # GQA 4 x 8 new tokens: the q_rows 32 kernel the manifest prewarms beside the 16-row one
+    run(Case(RAGGED, q_len=8, heads=32, kv_heads=8, head_dim=128, dtype=torch.float16, block_size=page),
+        num_splits=num_splits)
+
+
 @pytest.mark.parametrize("page", [1, 3, 24])
 def test_decode_unfused(page):
     run(Case(RAGGED, q_len=1, heads=32, kv_heads=8, head_dim=128, block_size=page), variant="unfused")
