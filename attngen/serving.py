@@ -24,8 +24,8 @@ import contextlib
 from .errors import LaunchError
 from .families.decode.op import decode
 from .families.prefill.op import _NO_WINDOW, mask_and_window, plan_for
-from .families.prefill.choose import VARLEN_PAGED, varlen_grid
-from .families.prefill.varlen import VarlenOrder, launch_order, order_tiles, run_varlen
+from .families.prefill.choose import varlen_grid
+from .families.prefill.varlen import VarlenOrder, launch_order, order_tiles, page_layout, run_varlen
 from .kvcache import _torch
 from .runtime import tensor_info
 
@@ -52,13 +52,13 @@ def _int_arg(name: str, x, lo: int, hi: int) -> int:
 class BatchAttention:
     """Attention of a serving step: ``plan`` once a step, ``run`` once a layer.
 
-    ``num_heads`` / ``num_kv_heads`` / ``head_dim`` / ``page_size`` describe q and the paged cache (the page a
-    multiple of 16 positions), ``dtype`` is q's (torch.float16 or
-    torch.bfloat16). ``causal`` (default True) aligns each request's tokens with the last keys of its cache, as
-    ``attngen.decode`` does; ``window`` (left, right) bounds the keys a token sees, as in ``attngen.prefill``.
-    ``max_decode_q_len``: requests of at most this many tokens (a decode token, a verify tree) run in the decode
-    kernel, longer ones in the prefill kernel (default 8; at most 128 // (num_heads // num_kv_heads), and at most
-    64 where tree masks are used). ``sm_scale`` defaults to 1/sqrt(head_dim).
+    ``num_heads`` / ``num_kv_heads`` / ``head_dim`` / ``page_size`` describe q and the paged cache (any page size
+    from 1; pages that are not a multiple of 16 positions take the kernels that look up every key row), ``dtype``
+    is q's (torch.float16 or torch.bfloat16). ``causal`` (default True) aligns each request's tokens with the last
+    keys of its cache, as ``attngen.decode`` does; ``window`` (left, right) bounds the keys a token sees, as in
+    ``attngen.prefill``. ``max_decode_q_len``: requests of at most this many tokens (a decode token, a verify tree)
+    run in the decode kernel, longer ones in the prefill kernel (default 8; at most 128 // (num_heads //
+    num_kv_heads), and at most 64 where tree masks are used). ``sm_scale`` defaults to 1/sqrt(head_dim).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *, dtype=None,
@@ -74,9 +74,7 @@ class BatchAttention:
         if dtype not in (torch.float16, torch.bfloat16):
             raise LaunchError(f"dtype={dtype} is not supported; allowed: torch.float16, torch.bfloat16")
         self.dtype, self._torch = dtype, torch
-        self.page_size = _int_arg("page_size", page_size, 16, 1 << 20)
-        if self.page_size % 16:
-            raise LaunchError(f"page_size={page_size} is not supported; allowed: a positive multiple of 16")
+        self.page_size = _int_arg("page_size", page_size, 1, 1 << 20)
         group = self.h // self.hk
         self.max_decode_q_len = _int_arg("max_decode_q_len", max_decode_q_len, 1, max(1, MAX_DECODE_ROWS // group))
         self.causal, self.sm_scale = bool(causal), sm_scale
@@ -140,14 +138,15 @@ class BatchAttention:
     def _prefill_kernel(self, qi, total_q: int):
         """The varlen paged prefill kernel ``run`` will launch for the long requests (its tiles sort the list)."""
         dtype = "bf16" if self.dtype is self._torch.bfloat16 else "fp16"
-        key = (self.d, dtype, qi.device, self.mcode, False, None, "torch", False, False, VARLEN_PAGED, self.d, False)
+        key = (self.d, dtype, qi.device, self.mcode, False, None, "torch", False, False, page_layout(self.page_size),
+               self.d, False)
         plan = plan_for(key)
         # Sized by the step's tokens, not their mean a request: the long requests hold most of them.
         return plan.kernel or plan.kernel_for(max(1, total_q))
 
     def run(self, q, k_cache, v_cache, *, tree_mask=None, sinks=None, out=None, return_lse: bool = False):
         """The step's attention for one layer: q ``[total_q, num_heads, head_dim]`` (the rows ``plan`` was given),
-        k_cache / v_cache ``[num_blocks, block_size, num_kv_heads, head_dim]`` (block_size a multiple of 16).
+        k_cache / v_cache ``[num_blocks, block_size, num_kv_heads, head_dim]`` (block_size the plan's page_size).
         ``tree_mask`` (int64 ``[total_q]``): bit j of token i's word lets it see draft token j of its request (the
         key at position L - q_len + j), for requests run by the decode kernel; every key before the drafts is
         seen; longer requests stay causal. ``sinks`` (fp32 ``[num_heads]``): attention sinks. Returns ``out``

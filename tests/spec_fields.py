@@ -23,6 +23,7 @@ FIELD_VALUES = {
     "custom_mask": (False, True),
     "varlen": (False, True),
     "paged": (False, True),  # alone it is refused (paged needs varlen): tests skip what does not fit
+    "page_rows": (False, True),  # alone it is refused too (it needs paged): the paged base below varies it
     "head_dim_v": PrefillSpec.HEAD_DIM_V,
     "head_dim_chunk": PrefillSpec.HEAD_DIM_CHUNK,
     "pipeline": tuple(Pipeline),
@@ -42,9 +43,10 @@ BASE = PrefillSpec(head_dim=64, dtype=DType.BF16, mask=MaskMode.NONE, return_lse
 # A third, varlen, lets paged (which needs varlen) change alone; a fourth, the chunked kernel
 # (head_dim 512), its chunk width and head_dim_v; a fifth, on wgmma, pipeline (tma runs on wgmma only);
 # a sixth, the TMA pipeline with two consumer warpgroups, schedule (pingpong takes turns between two) and
-# persistent (the TMA pipeline only).
+# persistent (the TMA pipeline only); a seventh, paged, page_rows.
 CHUNKED_BASE = PrefillSpec(head_dim=512, dtype=DType.BF16, cta_tile_q=64, cta_tile_kv=64, num_warps=8, num_stages=2,
                            mma=Mma.SYNC, head_dim_chunk=64, pipeline=Pipeline.SYNC)
 BASES = ((BASE, "sm_90"), (BASE.replace(cta_tile_q=64), "sm_90a"), (BASE.replace(varlen=True), "sm_90"),
          (CHUNKED_BASE, "sm_90"), (BASE.replace(cta_tile_q=64, mma=Mma.WGMMA), "sm_90a"),
-         (BASE.replace(cta_tile_q=128, num_warps=8, mma=Mma.WGMMA, pipeline=Pipeline.TMA), "sm_90a"))
+         (BASE.replace(cta_tile_q=128, num_warps=8, mma=Mma.WGMMA, pipeline=Pipeline.TMA), "sm_90a"),
+         (BASE.replace(varlen=True, paged=True), "sm_90"))

@@ -245,7 +245,8 @@ def _users(spec):
 
 
 def prefill_problems(s: PrefillSpec):
-    layout = (P.CUSTOM_MASK if s.custom_mask else P.VARLEN_PAGED if s.paged else P.VARLEN if s.varlen else P.DENSE)
+    layout = (P.CUSTOM_MASK if s.custom_mask else P.VARLEN_PAGE_ROWS if s.page_rows else P.VARLEN_PAGED if s.paged
+              else P.VARLEN if s.varlen else P.DENSE)
     for user, rows, (h, b) in itertools.product(_users(s), ROWS, ((8, 1), (32, 4))):
         yield P.Problem(s.head_dim, s.dtype.value, s.mask, s.head_dim_v, s.return_lse, s.softcap, s.alibi, layout,
                         user, rows, h, b)
@@ -257,7 +258,7 @@ def decode_problems(s: DecodeSpec):
     for user, (g, q), v, hk, (b, cap) in itertools.product(_users(s), shapes[:3], variants, (1, 8),
                                                           ((1, 512), (1, 65536), (16, 8192), (128, 2048))):
         yield D.Problem(s.head_dim, s.dtype.value, q, g * hk, hk, b, cap, s.paged, v, user, s.softcap, s.alibi,
-                        kv_dtype=s.kv_dtype)
+                        kv_dtype=s.kv_dtype, page_rows=s.page_rows)
 
 
 def mla_problems(s: MlaDecodeSpec):

@@ -473,8 +473,6 @@ BAD = {
     "head_dim_300": ("head_dim",),
     "heads_not_multiple": ("kv_heads",),
     "group_over_128": ("group", "128"),
-    "block_size_24": ("block_size", "block size"),
-    "block_size_8": ("block_size", "block size"),
     "dtype_mismatch": ("dtype",),
     "seqlens_shape": ("cache_seqlens",),
     "seqlens_dtype": ("cache_seqlens",),
@@ -498,10 +496,6 @@ def test_bad_inputs_raise_launch_error(bad):
         h = 3
     elif bad == "group_over_128":
         h, hk = 258, 2
-    elif bad == "block_size_24":
-        bs = 24
-    elif bad == "block_size_8":  # (any multiple of 16 runs)
-        bs = 8
     elif bad in ("idx_with_table", "table_dtype"):
         bs = 16
     q = torch.randn(b, ql, h, d, device="cuda", dtype=torch.float16)

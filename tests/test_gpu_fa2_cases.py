@@ -25,7 +25,7 @@ from tests.gpu_reference import reference_attention, reference_decode, rel  # no
 TOL = 2e-2
 # What attngen refuses by name, and the words the refusal carries. Only dropout, and (the KV-cache call) ALiBi with
 # keys after a token's position on a paged cache with left pads (which FlashAttention 2 refuses too), may be
-# refused: head dims up to 256 run (padded where no kernel is built for them), paged blocks of any multiple of 16,
+# refused: head dims up to 256 run (padded where no kernel is built for them), paged blocks of any size,
 # and many new tokens without causality take the prefill kernel (or decode calls) over any cache.
 REFUSALS = {"dropout": "dropout_p=", "head_dim": "head_dim=", "block_size": "block_size=",
             "many new tokens, ALiBi, keys after the token's own, paged with left pads": "and alibi_slopes is not "

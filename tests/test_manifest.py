@@ -194,4 +194,9 @@ def test_default_manifest_validates_for_every_arch_it_lists():
     mla8 = {s for s in mla if s.kv_dtype is not None}
     assert {(s.q_rows, s.paged, s.kv_dtype.value, s.dtype.value) for s in mla8} == {
         (r, p, "fp8_e4m3", "bf16") for r in (16, 32, 64) for p in (False, True)}
-    assert 100 <= len(items) <= 1612
+    # 36 more with page_rows (paged blocks not a multiple of 16): decode d128 at q_rows 16 and 32, the varlen paged
+    # prefill d128 causal, both dtypes.
+    rows = {s for s in specs if getattr(s, "page_rows", False)}
+    assert {(s.family, s.head_dim, s.dtype.value) for s in rows} == {
+        (f, 128, dt) for f in ("decode", "prefill") for dt in ("fp16", "bf16")}
+    assert 100 <= len(items) <= 1648

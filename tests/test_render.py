@@ -285,7 +285,8 @@ def test_kernel_name_shape():
     PrefillSpec(head_dim=256, dtype=DType.FP16, mask=MaskMode.CAUSAL, return_lse=True,
                 cta_tile_q=64, cta_tile_kv=64, num_warps=4, num_stages=3),
     PrefillSpec(varlen=True),
-], ids=["defaults", "resolved", "other", "varlen"])
+    PrefillSpec(varlen=True, paged=True),
+], ids=["defaults", "resolved", "other", "varlen", "paged"])
 def test_every_field_feeds_the_kernel_name(base):
     names = {base.kernel_name: base}
     varied = set()
@@ -300,6 +301,8 @@ def test_every_field_feeds_the_kernel_name(base):
     refused = {"custom_mask"} if base.varlen else {"paged"}
     refused |= {"schedule"} if base.pipeline.value == "sync" else set()
     refused |= {"persistent"} if base.pipeline.value == "sync" else set()
+    # page_rows needs paged; a paged base cannot drop varlen alone, nor take the chunked kernel (head_dim_chunk).
+    refused |= {"varlen", "head_dim_chunk"} if base.paged else {"page_rows"}
     assert varied == set(FIELD_VALUES) - refused, f"fields never varied: {set(FIELD_VALUES) - refused - varied}"
 
 

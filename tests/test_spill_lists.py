@@ -27,7 +27,8 @@ DECODE = [("sm_90a", "decode:head_dim=64,q_rows=64,paged=true"),
           ("sm_90a", "decode:head_dim=128,q_rows=32,paged=true,kv_dtype=fp8_e4m3"),
           ("sm_89", "decode:head_dim=96,q_rows=16,kv_dtype=fp8_e4m3"),
           ("sm_86", "decode:head_dim=192,q_rows=16,kv_dtype=fp8_e4m3"),
-          ("sm_90a", "decode:head_dim=192,q_rows=16,paged=true,kv_dtype=fp8_e5m2,dtype=fp16")]
+          ("sm_90a", "decode:head_dim=192,q_rows=16,paged=true,kv_dtype=fp8_e5m2,dtype=fp16"),
+          ("sm_90a", "decode:head_dim=256,q_rows=16,paged=true,page_rows=true")]  # a lookup a key row
 
 # MLA decode: single-field pins, and one default (sm_120, 256 + 32, 32 rows, paged)
 MLA = [("sm_90a", "mla_decode:q_rows=16,qk_shard=false"),

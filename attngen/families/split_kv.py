@@ -53,13 +53,14 @@ def checked_splits(num_splits) -> int:
 MAX_PAGED_KEYS = 2 ** 31
 
 
-def check_block_size(block_size: int, blocks: int, cache_name: str, max_block: int = 0) -> int:
+def check_block_size(block_size: int, blocks: int, cache_name: str, max_block: int = 0, multiple: int = 16) -> int:
     """The capacity ``blocks`` x ``block_size`` of a paged cache (``cache_name``.shape[1] positions a block),
-    after checking the block size: a multiple of 16 (a 16-row group of a KV tile then never spans two blocks,
-    which the kernels' per-group lookups rely on), at most ``max_block`` where that is not 0, and a capacity
-    below 2^31 positions (int32 on the device)."""
-    if block_size % 16 or block_size < 16 or (max_block and block_size > max_block):
-        allowed = f"a multiple of 16 from 16 to {max_block}" if max_block else "a positive multiple of 16"
+    after checking the block size: a multiple of ``multiple`` (16 where a 16-row group of a KV tile must never
+    span two blocks, which the kernels' per-group lookups rely on; 1 where the kernels look up every row), at
+    most ``max_block`` where that is not 0, and a capacity below 2^31 positions (int32 on the device)."""
+    if block_size % multiple or block_size < max(1, multiple) or (max_block and block_size > max_block):
+        kind = "an int" if multiple == 1 else f"a multiple of {multiple}"
+        allowed = f"{kind} from {multiple} to {max_block}" if max_block else f"a positive {kind[2:].lstrip()}"
         raise LaunchError(f"block_size={block_size} ({cache_name}.shape[1]) is not supported; allowed: {allowed}")
     if blocks * block_size >= MAX_PAGED_KEYS:
         raise LaunchError(f"a paged cache of {blocks} blocks a row x block_size={block_size} = "
@@ -68,14 +69,14 @@ def check_block_size(block_size: int, blocks: int, cache_name: str, max_block: i
 
 
 def paged_table(block_table, batch: int, block_size: int, kind: str, device: int, q_name: str,
-                cache_name: str, max_block: int = 0) -> tuple[int, int, int]:
+                cache_name: str, max_block: int = 0, multiple: int = 16) -> tuple[int, int, int]:
     """(capacity, table pointer, table row stride) of a paged cache whose blocks hold ``block_size``
     positions (``cache_name``.shape[1]), after checking the int32 table against the batch and the block size
     (``check_block_size``)."""
     bt = check_index(block_table, "block_table", 2, kind, device)
     if bt.shape[0] != batch:
         raise LaunchError(f"block_table has {bt.shape[0]} rows; {q_name} has batch {batch}")
-    return check_block_size(block_size, bt.shape[1], cache_name, max_block), bt.ptr, bt.strides[0]
+    return check_block_size(block_size, bt.shape[1], cache_name, max_block, multiple), bt.ptr, bt.strides[0]
 
 
 def cache_lengths(cache_seqlens, batch: int, kind: str, device: int, q_name: str) -> tuple[int, int]:

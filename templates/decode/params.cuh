@@ -106,8 +106,15 @@ struct DecodeShape {
   static constexpr int ROW_ITERS = (BLOCK_N + ROW_STEP - 1) / ROW_STEP;
   // Paged: blocks are whole multiples of 16 positions and tiles start at one, so each 16-row group
   // of a tile lies in one block. A thread's rows (ROW_STEP apart) take ROWS_PER_ENTRY to a group
-  // and PAGE_ENTRIES table entries a tile.
+  // and PAGE_ENTRIES table entries a tile. ATTNGEN_PAGE_ROWS (spec page_rows, blocks of any size):
+  // every row takes its own entry.
+#ifdef ATTNGEN_PAGE_ROWS
+  static constexpr bool PAGE_ROWS = true;
+  static constexpr int ROWS_PER_ENTRY = 1;
+#else
+  static constexpr bool PAGE_ROWS = false;
   static constexpr int ROWS_PER_ENTRY = ROW_STEP < 16 ? 16 / ROW_STEP : 1;
+#endif
   static constexpr int PAGE_ENTRIES = ROW_ITERS / ROWS_PER_ENTRY;
   static_assert(ANY_CHUNKS || THREADS % L::CHUNKS == 0, "threads must cover whole rows");
   static_assert(WARPS_M * WARPS_N == NUM_WARPS && M_TILES * 16 * WARPS_M == ROWS, "warp grid");

@@ -8,7 +8,11 @@ struct DecodeProducer {
   using T = typename S::T;
   using L = typename S::L;
   using Cta = typename S::Cta;
-  static constexpr bool PAGED = S::PAGED, LOCAL = S::LOCAL, ANY_CHUNKS = S::ANY_CHUNKS;
+  static constexpr bool PAGED = S::PAGED, LOCAL = S::LOCAL;
+  // Rows copied by load_rows_any, which reads each row's table entry as it goes: rows whose chunks do not divide
+  // among the threads, and (page_rows) a thread's rows past 8 a tile, whose entries read a tile ahead spilled
+  // (head_dim 256 at 4 warps: 16 rows a thread, 96 bytes on sm_90a).
+  static constexpr bool ANY_CHUNKS = S::ANY_CHUNKS || (S::PAGE_ROWS && S::ROW_ITERS > 8);
   static constexpr int HEAD_DIM = S::HEAD_DIM, ROWS = S::ROWS, BLOCK_N = S::BLOCK_N, THREADS = S::THREADS;
   static constexpr int NUM_STAGES = S::NUM_STAGES, ROW_ELEMS = S::ROW_ELEMS, ROW_STEP = S::ROW_STEP;
   static constexpr int ROW_ITERS = S::ROW_ITERS, ROWS_PER_ENTRY = S::ROWS_PER_ENTRY, PAGE_ENTRIES = S::PAGE_ENTRIES;

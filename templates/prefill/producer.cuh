@@ -132,6 +132,13 @@ template <class K>
 struct FwdLoads {
   using T = typename K::T;
   static constexpr int BLOCK_N = K::BLOCK_N;
+#ifdef ATTNGEN_PAGE_ROWS
+  // Spec page_rows: blocks of any size (1, 24, ...), a tile's keys over up to BLOCK_N of them, more than a warp's
+  // lanes hold; each row reads its own table entry as it is copied.
+  static constexpr bool PAGE_ROWS = K::PAGED;
+#else
+  static constexpr bool PAGE_ROWS = false;
+#endif
 
   // PAGED: key position -> block: a shift when block_size is a power of two (the usual sizes), else a division.
   static __device__ __forceinline__ int block_shift(const PrefillParams<T>& p) {
@@ -145,7 +152,7 @@ struct FwdLoads {
   // tile's copies.
   static __device__ __forceinline__ int table_lane(const PrefillParams<T>& p, int bs_shift, int tile, int seqlen_k,
                                                    int batch, int lane) {
-    if constexpr (!K::PAGED) return 0;
+    if constexpr (!K::PAGED || PAGE_ROWS) return 0;
     const int first = block_of(p, bs_shift, tile * BLOCK_N);
     const int last = block_of(p, bs_shift, min(tile * BLOCK_N + BLOCK_N, seqlen_k) - 1);
     return first + lane <= last ? p.block_table[batch * p.bt_sb + first + lane] : 0;
@@ -156,7 +163,20 @@ struct FwdLoads {
                                                  int tile, int slot, int seqlen_k, int batch, int tid, int lane,
                                                  int bs_shift, int& next_table) {
     const int n0 = tile * BLOCK_N;
-    if constexpr (K::PAGED) {
+    if constexpr (PAGE_ROWS) {
+      // Row r's block and slot from its own position; r is 0 for rows past the sequence, whose copies are
+      // zero-fills, so every entry read lies inside the sequence's table row. Clamped to the pool: a bad table
+      // entry reads a wrong block instead of faulting.
+      const int* table = p.block_table + (long long)batch * p.bt_sb;
+      load_pair_rows_async<typename K::LK, typename K::LV, BLOCK_N, K::THREADS>(
+          sK + slot * K::K_ELEMS, sV + slot * K::V_ELEMS, gK, gV, seqlen_k - n0, tid, [&](int r) {
+            const int pos = n0 + r;
+            const int bi = block_of(p, bs_shift, pos);
+            const long long blk = min(max(table[bi], 0), p.num_blocks - 1);
+            const long long row = pos - bi * p.block_size;
+            return make_longlong2(blk * p.k_sb + row * p.k_ss, blk * p.v_sb + row * p.v_ss);
+          });
+    } else if constexpr (K::PAGED) {
       // The tile's keys lie in at most BLOCK_N / 16 + 1 blocks. Blocks are whole multiples of 16
       // rows and n0 is one too, so the 16 rows of group r / 16 share a block: lane g (mod the
       // groups) works out group g's block and first row in it, and each row takes them by shuffle.

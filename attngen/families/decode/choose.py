@@ -52,6 +52,7 @@ class Problem(NamedTuple):
     live: int = 0
     sinks: bool = False
     kv_dtype: KVDType | None = None
+    page_rows: bool = False
 
     @property
     def q_rows(self) -> int:
@@ -72,20 +73,21 @@ class Launch(NamedTuple):
 def base_spec(head_dim: int, dtype: str, q_rows: int, paged: bool, variant: str, user: DecodeSpec | None,
               softcap: bool = False, alibi: bool = False, local: bool = False, sinks: bool = False,
               kv_dtype: KVDType | None = None, mods: tuple = (), *, varlen_q: bool = False,
-              tree: bool = False) -> DecodeSpec:
+              tree: bool = False, page_rows: bool = False) -> DecodeSpec:
     """The spec of a problem's fields (``variant`` "fused" or "unfused"), its tuning fields the caller's or
     unresolved. ``mods``: a call's snippets, (score_mod, mask_mod, aux text), or () for none; ``varlen_q``, ``tree``:
-    a packed, ragged q and its tree masks."""
+    a packed, ragged q and its tree masks; ``page_rows``: a paged cache whose blocks are not a multiple of 16
+    positions (every key row looks up its block)."""
     fields = dict(head_dim=head_dim, dtype=DType(dtype), q_rows=q_rows, paged=paged, variant=Variant(variant),
                   softcap=softcap, alibi=alibi, local=local, sinks=sinks, kv_dtype=kv_dtype, varlen_q=varlen_q,
-                  tree=tree,
+                  tree=tree, page_rows=page_rows,
                   **{"score_mod": "", "mask_mod": "", "aux": "", **mods_fields(mods)})
     return DecodeSpec(**fields) if user is None else user.replace(**fields)
 
 
 def base_of(p: Problem) -> DecodeSpec:
     return base_spec(p.head_dim, p.dtype, p.q_rows, p.paged, "fused" if p.variant == "auto" else p.variant, p.spec,
-                     p.softcap, p.alibi, p.local, p.sinks, p.kv_dtype)
+                     p.softcap, p.alibi, p.local, p.sinks, p.kv_dtype, page_rows=p.page_rows)
 
 
 @functools.lru_cache(maxsize=1024)

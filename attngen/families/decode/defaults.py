@@ -71,6 +71,9 @@ SPILLS_ON = {
     ((64, False, 64, 'fused', 'softcap'), (128, 8, 2)): ('sm_90a',),
     ((128, False, 64, 'unfused', 'softcap'), (64, 4, 4)): ('sm_80',),
     ((256, True, 16, 'fused', 'alibi'), (64, 4, 3)): ('sm_90a',),
+    # page_rows (a lookup a key row): the fused defaults of head_dim 64/128/256, q_rows 16 and 32, bf16 and fp16,
+    # compiled for sm_80 and sm_90a
+    ((256, True, 16, 'fused', 'page_rows'), (64, 4, 3)): ('sm_90a',),
     # with the local switch (window, left pad): the fused defaults of every head_dim, layout and q_rows 16 and 32,
     # bf16, compiled for sm_80 and sm_90a, 2026-11-29
     ((64, False, 32, 'fused', 'local'), (128, 8, 2)): ('sm_80', 'sm_90a'),
@@ -172,7 +175,7 @@ def candidates(spec, arch: Arch):
     every = itertools.chain(TUNED_ROWS.get((m, *where[1:]), ()),
                             TUNED[(m, spec.paged)],
                             itertools.product((64, 128, 32, 16), (4, 8), (4, 3, 2, 1)))
-    keys = [where] + [(*where, mod) for mod in ("softcap", "alibi", "local") if getattr(spec, mod)]
+    keys = [where] + [(*where, mod) for mod in ("softcap", "alibi", "local", "page_rows") if getattr(spec, mod)]
     for mod, on in (("varlen", spec.varlen_q), ("tree", spec.tree)):
         if on:
             keys += [(*where, mod)] + ([(*where, "fp8_" + mod)] if spec.kv_dtype is not None else [])

@@ -48,14 +48,15 @@ LOCAL_MAX_KEYS = 1 << 30
 
 
 def _make_plan(key: tuple) -> Plan:
-    """The plan (``host.Plan``) of a key (head_dim, dtype, device, q_rows, paged, variant, the user's spec, array
+    """The plan (``host.Plan``) of a key (head_dim, dtype, device, q_rows, paged (False, True or "rows": blocks that
+    are not a multiple of 16 positions, spec page_rows), variant, the user's spec, array
     kind, softcap, alibi, local, sinks, the cache's fp8 format or None, a packed q's "varlen" or "tree" or None,
     the snippets): the kernel, or the winners ``attngen tune
     decode`` stored for this GPU by cache capacity (``kernel_for``), allocators, the stream getter and the device's
     facts. Made once per key, so a call does its checks, one lookup, the allocations and the launches."""
     d, dtype, device, q_rows, paged, variant, spec, kind, softcap, alibi, local, sinks, kv, packed, *mods = key
-    base = base_spec(d, dtype, q_rows, paged, variant, spec, softcap, alibi, local, sinks, kv, *mods,
-                     varlen_q=packed is not None, tree=packed == "tree")
+    base = base_spec(d, dtype, q_rows, bool(paged), variant, spec, softcap, alibi, local, sinks, kv, *mods,
+                     varlen_q=packed is not None, tree=packed == "tree", page_rows=paged == "rows")
     plan = Plan()
     # the choice's specs by cache capacity (choose.choose, whose size-independent part a plan keeps)
     tuned = tuple(stored_choices(base, device)) if spec is None else ()
@@ -108,7 +109,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     ``[cache_batch, max_seqlen, kv_heads, head_dim]``, batch row b reading cache row
     ``cache_batch_idx[b]`` (int32; default b). Paged cache (``block_table`` int32
     ``[batch, max_blocks]``): k_cache, v_cache ``[num_blocks, block_size, kv_heads, head_dim]``,
-    key j of row b at ``k_cache[block_table[b, j // block_size], j % block_size]``.
+    key j of row b at ``k_cache[block_table[b, j // block_size], j % block_size]``, block_size any positive
+    int (not a multiple of 16: the kernels that look up every key row's block, spec ``page_rows``).
     ``cache_seqlens`` (int32 ``[batch]`` or an int) is each row's length including the new
     tokens, whose K/V are already in the cache: token i sits at position L - q_len + i and sees
     keys 0..L - q_len + i. Lengths past the cache's capacity are clamped to it; out-of-range
@@ -382,7 +384,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
             raise LaunchError("cache_batch_idx cannot be combined with block_table (a paged cache names its "
                               "blocks per row already)")
         block_size = cache_len
-        capacity, bt_ptr, bt_sb = paged_table(block_table, b, block_size, kind, dev, "q", "k_cache")
+        capacity, bt_ptr, bt_sb = paged_table(block_table, b, block_size, kind, dev, "q", "k_cache", multiple=1)
         bi_ptr = 0
     else:
         block_size, capacity, bt_ptr, bt_sb = 0, cache_len, 0, 0
@@ -413,7 +415,10 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
                                              if softcap or alibi_slopes is not None else NO_EXTRAS)
     sinks_ptr = checked_sinks(sinks, h, qi)
     check_spec_sinks(spec, sinks)
-    pkey = (d, dtype, dev, DecodeSpec.rows_for(group, q_len), paged, "fused" if variant == "auto" else variant,
+    # Blocks that are not a multiple of 16 positions: the kernels that look up every key row (spec page_rows).
+    page_rows = paged and block_size % 16 != 0
+    layout = "rows" if page_rows else paged
+    pkey = (d, dtype, dev, DecodeSpec.rows_for(group, q_len), layout, "fused" if variant == "auto" else variant,
             spec, kind, bool(softcap), alibi_ptr != 0, local, sinks_ptr != 0, kv,
             ("tree" if tree_ptr else "varlen") if packed else None, *(() if mods is None else (mods[:3],)))
     call = _Call()
@@ -450,7 +455,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     # count is chosen for those, as the kernel splits only them.
     live = min(capacity, left + q_len + rs.cta_tile_kv) if local and left < _UNBOUNDED else capacity
     problem = Problem(d, dtype, q_len, h, hk, b, capacity, paged, variant, spec, bool(softcap), alibi_ptr != 0,
-                      num_splits, _cluster_merge[0], local, live, sinks_ptr != 0, kv)
+                      num_splits, _cluster_merge[0], local, live, sinks_ptr != 0, kv, page_rows)
     lc = launch(problem, rs, plan.facts)
     num_splits, call.cluster = lc.num_splits, lc.cluster
     merged = lc.merge_grid is not None  # by the merge launch

@@ -101,6 +101,11 @@ class DecodeSpec(SpecBase):
     # (speculative decoding). Both left out of to_dict while off, so every other spec keeps its name and key.
     varlen_q: bool = False
     tree: bool = False
+    # Paged caches: each key row finds its block in the table (``pos / block_size``), so blocks of any size (1, 24,
+    # ...) work; off, one lookup serves a 16-row group of a tile, which needs blocks of a multiple of 16 positions.
+    # The fp8 kernels and the padded-row kernels (head dims not a multiple of 64, and 192) look up every row
+    # either way. Left out of to_dict while off, so every other spec keeps its name and key.
+    page_rows: bool = False
     cta_tile_kv: int = 0
     num_warps: int = 0
     num_stages: int = 0
@@ -127,6 +132,9 @@ class DecodeSpec(SpecBase):
         s(self, "kv_dtype", coerce_kv_dtype(self.kv_dtype))
         s(self, "varlen_q", coerce_bool("varlen_q", self.varlen_q))
         s(self, "tree", coerce_bool("tree", self.tree))
+        s(self, "page_rows", coerce_bool("page_rows", self.page_rows))
+        if self.page_rows and not self.paged:
+            raise SpecError("page_rows", True, "false with paged=false", reason="a contiguous cache has no blocks")
         s(self, "cta_tile_kv", coerce_int("cta_tile_kv", self.cta_tile_kv, self.CTA_TILE_KV))
         s(self, "num_warps", coerce_int("num_warps", self.num_warps, self.NUM_WARPS))
         s(self, "num_stages", coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
@@ -179,7 +187,7 @@ class DecodeSpec(SpecBase):
         d = super().to_dict()
         if d["kv_dtype"] is None:
             del d["kv_dtype"]
-        for name in ("varlen_q", "tree"):
+        for name in ("varlen_q", "tree", "page_rows"):
             if not d[name]:
                 del d[name]
         return d
@@ -283,7 +291,7 @@ class DecodeSpec(SpecBase):
                 "alibi" if self.alibi else "", "local" if self.local else "", "sinks" if self.sinks else "",
                 "smod" if self.score_mod else "", "mmod" if self.mask_mod else "",
                 self.kv_dtype.value[4:] if self.kv_dtype is not None else "", "varlenq" if self.varlen_q else "",
-                "tree" if self.tree else "", self.name_piece("k{}", self.cta_tile_kv),
+                "tree" if self.tree else "", "prow" if self.page_rows else "", self.name_piece("k{}", self.cta_tile_kv),
                 self.name_piece("w{}s{}", self.num_warps, self.num_stages))
 
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
@@ -299,7 +307,7 @@ class DecodeSpec(SpecBase):
     def template_context(self) -> dict:
         ctx = super().template_context()
         ctx.update(snippets.template_context(self.score_mod, self.mask_mod, self.aux))
-        ctx.update(varlen_q=self.varlen_q, tree=self.tree)
+        ctx.update(varlen_q=self.varlen_q, tree=self.tree, page_rows=self.page_rows)
         ctx.update(q_in_regs=self.q_in_regs, warps_m=self.warps_m, merge_threads=MERGE_THREADS,
                    kv_fp8=0 if self.kv_dtype is None else 1 + list(KVDType).index(self.kv_dtype))
         return ctx

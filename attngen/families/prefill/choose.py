@@ -21,7 +21,8 @@ from ..snippets import mods_fields
 from .spec import MaskMode, Mma, Persistent, Pipeline, PrefillSpec, Schedule
 
 # What a kernel reads its inputs as.
-DENSE, CUSTOM_MASK, VARLEN, VARLEN_PAGED = range(4)
+# VARLEN_PAGE_ROWS: a paged cache whose blocks are not a multiple of 16 positions (spec page_rows).
+DENSE, CUSTOM_MASK, VARLEN, VARLEN_PAGED, VARLEN_PAGE_ROWS = range(5)
 
 # sm_90a, the dense layout, head dims 64, 128 and 256: the default depends on the call's query rows. Per
 # (head_dim, head_dim_v, mask), from how many rows on each config runs; None: the resolved default (at 64 and 128
@@ -106,7 +107,8 @@ def base_spec(head_dim: int, dtype: str, mask: MaskMode, return_lse: bool, user,
     snippets, (score_mod, mask_mod, aux text), or () for none."""
     fields = dict(head_dim=head_dim, head_dim_v=head_dim_v or head_dim, dtype=DType(dtype), mask=mask,
                   return_lse=return_lse, softcap=softcap, alibi=alibi, sinks=sinks, custom_mask=layout == CUSTOM_MASK,
-                  varlen=layout >= VARLEN, paged=layout == VARLEN_PAGED,
+                  varlen=layout >= VARLEN, paged=layout >= VARLEN_PAGED,
+                  page_rows=layout == VARLEN_PAGE_ROWS,
                   **{"score_mod": "", "mask_mod": "", "aux": "", **mods_fields(mods)})
     return PrefillSpec(**fields) if user is None else user.replace(**fields)
 

@@ -162,6 +162,9 @@ class PrefillSpec(SpecBase):
     custom_mask: bool = False  # a mask tensor, walked through its plan's lists of live KV tiles
     varlen: bool = False    # packed sequences of different lengths (cu_seqlens), a work list per call
     paged: bool = False     # (varlen) k/v in a paged cache through a block table
+    # (paged) every key row looks up its block, so blocks of any size work; off, a tile's 16-row groups share one
+    # lookup (blocks a multiple of 16). Left out of the spec's dict and key while off.
+    page_rows: bool = False
     head_dim_chunk: int = 0  # 32/64: the chunked kernel; 0: whole rows (FlashAttention-2) where they fit
     pipeline: Pipeline = Pipeline.AUTO  # tma: a producer warpgroup loads the tiles with TMA (wgmma, dense)
     schedule: Schedule = Schedule.AUTO  # overlap, pingpong: the TMA kernel's softmax under its GEMMs
@@ -211,6 +214,9 @@ class PrefillSpec(SpecBase):
         s(self, "custom_mask", coerce_bool("custom_mask", self.custom_mask))
         s(self, "varlen", coerce_bool("varlen", self.varlen))
         s(self, "paged", coerce_bool("paged", self.paged))
+        s(self, "page_rows", coerce_bool("page_rows", self.page_rows))
+        if self.page_rows and not self.paged:
+            raise SpecError("page_rows", True, "false with paged=false", reason="a contiguous cache has no blocks")
         s(self, "pipeline", coerce_enum(Pipeline, "pipeline", self.pipeline))
         s(self, "schedule", coerce_enum(Schedule, "schedule", self.schedule))
         s(self, "persistent", _persistent(self.persistent))
@@ -287,6 +293,12 @@ class PrefillSpec(SpecBase):
             raise SpecError("num_warps", self.num_warps,
                             f"a divisor of cta_tile_q/16 = {self.cta_tile_q // 16}",
                             reason=f"each warp owns a whole number of 16-row tiles of cta_tile_q={self.cta_tile_q}")
+
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        if not d["page_rows"]:
+            del d["page_rows"]  # off: every other spec keeps its JSON, its key and its kernel's name
+        return d
 
     # --- derived ---------------------------------------------------------------------------
     @property
@@ -481,7 +493,8 @@ class PrefillSpec(SpecBase):
     def name_parts(self) -> tuple[str, ...]:
         """d128 (d192v128: split head dims), dtype, mask, layout and score flags, tiles, warps and stages,
         chunk width, mma, pipeline, schedule, persistence; defaults and unset tuning fields left out."""
-        flags = (("cmask", self.custom_mask), ("varlen", self.varlen), ("paged", self.paged), ("lse", self.return_lse),
+        flags = (("cmask", self.custom_mask), ("varlen", self.varlen), ("paged", self.paged), ("prow", self.page_rows),
+                 ("lse", self.return_lse),
                  ("cap", self.softcap), ("alibi", self.alibi), ("sinks", self.sinks), ("smod", self.score_mod),
                  ("mmod", self.mask_mod))
         return (f"d{self.head_dim}" + self.name_piece("v{}", self.head_dim_v), self.dtype.value,
@@ -500,7 +513,7 @@ class PrefillSpec(SpecBase):
         ctx.update(snippets.template_context(self.score_mod, self.mask_mod, self.aux))
         ctx.update(dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask], tma=self.tma, overlap=self.overlapped,
                    pingpong=self.schedule is Schedule.PINGPONG, persistent=self.is_persistent, qk_pair=self.qk_pair,
-                   o_in_q=self.o_in_q)
+                   o_in_q=self.o_in_q, page_rows=self.page_rows)
         if self.chunked:
             cg = self.chunk_grid
             ctx.update(chunked=True, wgmma=self.mma is Mma.WGMMA, chunk_vk=cg["vk"], chunk_vcw=cg["vcw"],

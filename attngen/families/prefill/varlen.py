@@ -19,7 +19,7 @@ from ..score_mods import NO_EXTRAS, check_spec_sinks, checked_scale, extras, sin
 from ..snippets import call_mods, check_spec_mods, mod_layout, pack_aux, refuse_traced
 from ..split_kv import check_block_size
 from .masks import PLAN_PARAMS
-from .choose import VARLEN, VARLEN_PAGED, varlen_grid
+from .choose import VARLEN, VARLEN_PAGE_ROWS, VARLEN_PAGED, varlen_grid
 from .op import (_LOG2E, _NO_WINDOW, PARAMS_EXT, PARAMS_EXT_SINKS, PARAMS_EXT_TMA, PARAMS_EXT_TMA_SINKS, check_qkv,
                  mask_and_window, out_of, plan_for)
 from .spec import PrefillSpec
@@ -57,7 +57,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` of q and ``cu_seqlens_k[s]:cu_seqlens_k[s+1]`` of k/v
     (int32 ``[batch + 1]`` on the device, non-decreasing; values outside the arrays are clamped to
     them, never read past). With ``block_table`` (int32 ``[batch, max_blocks]``) k and v are a
-    paged cache ``[num_blocks, block_size, kv_heads, head_dim]`` (block_size any multiple of 16;
+    paged cache ``[num_blocks, block_size, kv_heads, head_dim]`` (block_size any positive int;
     block_table.shape[1] x block_size below 2^31): key j of sequence s is at ``k[block_table[s, j // block_size], j % block_size]``
     and ``cu_seqlens_k`` gives only the lengths. ``causal`` and ``window`` align bottom-right
     per sequence, as in ``prefill``; GQA, ``sm_scale``, ``softcap`` and ``alibi_slopes`` (``[heads]`` or
@@ -117,6 +117,12 @@ def launch_order(kern, stream: int, wp: int, max_items: int, cq_ptr: int, ck_ptr
                        0, skip_q_le, 0, 1, 1, 0, 0, 0, left, right, batch, total_q, total_k, int(paged), entry="_order")
 
 
+def page_layout(block_size: int) -> int:
+    """The plan layout of a paged cache: blocks of a multiple of 16 positions share a lookup a 16-row group, others
+    take the kernels that look up every key row (spec page_rows)."""
+    return VARLEN_PAGED if block_size % 16 == 0 else VARLEN_PAGE_ROWS
+
+
 def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window, sm_scale, return_lse, out, block_table, spec,
                softcap, alibi_slopes, sinks, score_mod, mask_mod, aux, order: VarlenOrder | None = None,
                lse=None, size: int = 0):
@@ -145,7 +151,7 @@ def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window, sm_scale,
         if bt.shape[0] != batch:
             raise LaunchError(f"block_table has {bt.shape[0]} rows; cu_seqlens give batch {batch}")
         num_blocks, block_size = ki.shape[0], ki.shape[1]
-        total_k = check_block_size(block_size, bt.shape[1], "k")
+        total_k = check_block_size(block_size, bt.shape[1], "k", multiple=1)
         if num_blocks == 0:
             raise LaunchError("k and v hold no blocks (k.shape[0] == 0)")
         bt_ptr, bt_sb = bt.ptr, bt.strides[0]
@@ -160,7 +166,7 @@ def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window, sm_scale,
                                              if softcap or alibi_slopes is not None else NO_EXTRAS)
     sinks_at = sinks_ptr(sinks, h, qi)
     key = (d, qi.dtype, qi.device, mcode, return_lse, spec, qi.kind, bool(softcap), alibi_ptr != 0,
-           VARLEN_PAGED if paged else VARLEN, dv, sinks is not None, *(() if mods is None else (mods[:3],)))
+           page_layout(block_size) if paged else VARLEN, dv, sinks is not None, *(() if mods is None else (mods[:3],)))
     plan = plan_for(key)
     scale = plan.default_scale if sm_scale is None else checked_scale(sm_scale)
     if out is None:
