@@ -138,6 +138,8 @@ SPILLS_ON = {
     # a packed, ragged q (varlen_q; tree: with tree masks): the fused defaults of head_dim 64/128/256, both layouts,
     # every q_rows, bf16, compiled for sm_80 and sm_90a until they compiled without spills
     ((256, True, 16, 'fused', 'varlen'), (64, 4, 3)): ('sm_90a',),
+    # (and once the packed kernels read batch_order: the contiguous head_dim 64 32-row default on sm_80, 4 bytes)
+    ((64, False, 32, 'fused', 'varlen'), (128, 8, 2)): ('sm_80',),
     # and with an fp8 cache (fp8_varlen, fp8_tree; e4m3, bf16 q): the same, but for q_rows 128 on sm_80, whose fp8
     # defaults spill without a packed q too
     ((64, False, 32, 'fused', 'fp8_tree'), (128, 8, 2)): ('sm_80',),
