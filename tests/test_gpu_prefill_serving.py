@@ -434,8 +434,8 @@ def test_varlen_bad_inputs_raise():
     with pytest.raises(LaunchError, match="max_seqlen_q"):
         attngen.prefill_varlen(q, q, q, cu, cu, -1, 10)
     with pytest.raises(LaunchError, match="block_size"):
-        attngen.prefill_varlen(q, torch.zeros(4, 8, 2, 64, device="cuda", dtype=torch.bfloat16),
-                               torch.zeros(4, 8, 2, 64, device="cuda", dtype=torch.bfloat16), cu, cu, 10, 10,
+        attngen.prefill_varlen(q, torch.zeros(4, 0, 2, 64, device="cuda", dtype=torch.bfloat16),
+                               torch.zeros(4, 0, 2, 64, device="cuda", dtype=torch.bfloat16), cu, cu, 10, 10,
                                block_table=torch.zeros(1, 2, dtype=torch.int32, device="cuda"))
 
 

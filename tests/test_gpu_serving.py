@@ -154,7 +154,7 @@ def test_bad_arguments_are_refused_by_name():
     with pytest.raises(attngen.LaunchError, match="num_kv_heads"):
         attngen.BatchAttention(32, 5, 128, 16)
     with pytest.raises(attngen.LaunchError, match="page_size"):
-        attngen.BatchAttention(32, 8, 128, 24)
+        attngen.BatchAttention(32, 8, 128, 0)
     with pytest.raises(attngen.LaunchError, match="max_decode_q_len"):
         attngen.BatchAttention(32, 8, 128, 16, max_decode_q_len=64)
     ba = attngen.BatchAttention(32, 8, 128, 16)

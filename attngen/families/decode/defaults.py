@@ -37,6 +37,13 @@ TUNED_ROWS = {
     (128, True, 64, "fused"): [(64, 8, 3)],
 }
 
+# Per (head_dim, paged, q_rows) of the packed, ragged q (varlen_q), tried before TUNED_ROWS' and TUNED's: a serving
+# step's decode requests (one token each) and verify requests (5 tokens) at 32 rows, GQA 32/8, 1k-32k keys, page 16
+# (H200): 32-key tiles on 4 warps 1.46 ms, 128x8x2 1.84 ms, the 64x4x4 default 2.24 ms. Only this shape was measured.
+TUNED_VARLEN = {
+    (128, True, 32): [(32, 4, 4)],
+}
+
 # Configs ptxas spills on some archs (NVRTC 13.5), per (head_dim, paged, q_rows, variant[, a modifier: "softcap",
 # "alibi" or "local"]) and (cta_tile_kv, num_warps, num_stages). Every single-field pin (or none) of every head_dim,
 # row count, layout and variant (bf16, no softcap or ALiBi) was compiled for every manifest arch. (Paged
@@ -174,7 +181,8 @@ def candidates(spec, arch: Arch):
     it (spills cost speed, not results)."""
     where = (spec.head_dim, spec.paged, spec.q_rows, spec.variant.value)
     m = measured_dim(spec.head_dim)
-    every = itertools.chain(TUNED_ROWS.get((m, *where[1:]), ()),
+    every = itertools.chain(TUNED_VARLEN.get((m, *where[1:3]), ()) if spec.varlen_q else (),
+                            TUNED_ROWS.get((m, *where[1:]), ()),
                             TUNED[(m, spec.paged)],
                             itertools.product((64, 128, 32, 16), (4, 8), (4, 3, 2, 1)))
     keys = [where] + [(*where, mod) for mod in ("softcap", "alibi", "local", "page_rows") if getattr(spec, mod)]
