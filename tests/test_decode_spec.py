@@ -66,16 +66,16 @@ def test_every_decode_spec_resolves_on_every_arch(arch):
 @pytest.mark.parametrize("paged", [False, True])
 def test_many_packed_rows_take_two_warps_across_the_keys(paged):
     # 64 packed rows at head_dim 128 (fused): 64x8x3 where it fits (TUNED_ROWS), the 16-row default elsewhere;
-    # the unfused variant and 32 rows keep the head dim's list.
+    # the unfused variant and 32 rows keep the head dim's list; 16 rows on a paged cache take 64x4x3 (TUNED_PLAIN).
     def cfg(rows, arch, variant=Variant.FUSED):
         r = resolve(DecodeSpec(head_dim=128, q_rows=rows, paged=paged, variant=variant), arch)
         return r.cta_tile_kv, r.num_warps, r.num_stages
     for arch in ("sm_80", "sm_90a", "sm_100"):
         assert cfg(64, arch) == (64, 8, 3)
-        assert cfg(32, arch) == cfg(16, arch) == (64, 4, 4)
+        assert cfg(32, arch) == (64, 4, 4) and cfg(16, arch) == ((64, 4, 3) if paged else (64, 4, 4))
         assert cfg(64, arch, Variant.UNFUSED) != (64, 8, 3)
     for arch in ("sm_86", "sm_89", "sm_120"):  # 99 KB: three stages of 64 rows do not fit
-        assert cfg(64, arch) == cfg(16, arch)
+        assert cfg(64, arch) == cfg(32, arch)
 
 
 def test_a_warp_split_too_thin_names_cta_tile_kv():
