@@ -81,12 +81,13 @@ def test_row_elems_pad_to_an_odd_chunk_count():
 @pytest.mark.parametrize("d", [40, 72, 80, 96, 160, 200, 248])
 @pytest.mark.parametrize("paged", [False, True])
 def test_new_dims_take_their_neighbours_tiles_unless_they_spill(arch, d, paged):
-    """A new dim's default: the first of its measured neighbour's configs (TUNED_ROWS, then TUNED) that SPILLS_ON
-    does not list for it on the arch."""
+    """A new dim's default: the first of its measured neighbour's configs (TUNED_PLAIN, TUNED_ROWS, then TUNED) that
+    SPILLS_ON does not list for it on the arch."""
     for rows in (16, 32, 64):
         s = resolve(DecodeSpec(head_dim=d, paged=paged, q_rows=rows), arch)
         where = (d, paged, rows, "fused")
-        listed = [*TUNED_ROWS.get((measured_dim(d), paged, rows, "fused"), ()), *TUNED[(measured_dim(d), paged)]]
+        listed = [*defaults.TUNED_PLAIN.get((measured_dim(d), paged, rows), ()),
+                  *TUNED_ROWS.get((measured_dim(d), paged, rows, "fused"), ()), *TUNED[(measured_dim(d), paged)]]
         fits = [c for c in listed if arch not in defaults.SPILLS_ON.get((where, c), ())]
         got = (s.cta_tile_kv, s.num_warps, s.num_stages)
         assert arch not in defaults.SPILLS_ON.get((where, got), ()), (where, got)

@@ -25,14 +25,15 @@ from attngen import cli
 PINNED = {"nvrtc": "12.8", "templates_sha256": "t" * 64, "code_sha256": "c" * 64}
 
 # (spec, arch) -> key with PINNED material, as main computed them before the build path left cache.py
-# (prefill's and decode's since their specs gained the sinks field, which every canonical spec of theirs holds).
+# (prefill's and decode's since their specs gained the sinks field, which every canonical spec of theirs holds;
+# paged decode at head_dim 128 since it resolves to a three-stage ring, TUNED_PLAIN).
 KEYS = {
     ("prefill:head_dim=128", "sm_90a"): "fcca0f7b48d3150f4a41b5d4e730dc9c7ee30765e6b226efd5104dcbb41ccdea",
     ("prefill:head_dim=64,mask=causal,dtype=fp16", "sm_80"): "988815e024f0d943d05f0d6e15c236108938f10ef93fb2d3d11e9c7a1ade2584",
     ("prefill:head_dim=128,varlen=true,paged=true", "sm_89"): "b4313156a37805b3741f8df5c52e7400587f7d86fcc9595426f156586f2d98c4",
     ("prefill:head_dim=256,mask=causal", "sm_90"): "113252cd57f717d1acfb7200907e8e0a321398320a86998d268cffe2283a6391",
     ("decode:head_dim=128", "sm_90a"): "51cf6a68ed78e2ea9e6a182ba120792993ce97f744deb433d81071e1dba77441",
-    ("decode:head_dim=128,paged=true", "sm_80"): "cbc83c0a45b049617b43e0d658d0089d87f2abccc928170e3fd54b2d1d0567e2",
+    ("decode:head_dim=128,paged=true", "sm_80"): "dbf8cfe0d07f0467266a7849668ae1881f6ab3083782714605b18b858e286f6b",
     ("decode:head_dim=64,q_rows=32", "sm_120"): "496f97c6b912c7e24fe1bfc3f9948d5b0e6268e94c4763303d088c8214f19576",
     ("mla_decode:", "sm_90a"): "1cfc9a92ab0d868bec6fe01bbc25170f493caad3c8ad773e88d0793e55d13ef6",
     ("mla_decode:", "sm_80"): "4ca6128b106adaa5c2c8f41bc82d173df854b1596af2492a112f990dff7a10f5",
