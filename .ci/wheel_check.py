@@ -64,6 +64,14 @@ with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
 rc = subprocess.call(["attngen", "prewarm", "--manifest", f.name, "--quiet"])
 assert rc == 0, f"attngen prewarm of the slice exited {rc}"
 
+# A mask_mod's block plan (prefill/mod_plan.cuh) is in snippet kernels only, which no manifest carries: one built
+# through the command, into the same cache.
+with tempfile.NamedTemporaryFile("w", suffix=".cu", delete=False) as m:
+    m.write("return kv_idx <= q_idx;\n")
+out = subprocess.run(["attngen", "inspect", "prefill:head_dim=128,custom_mask=true", "--mask-mod-file", m.name,
+                      "--arch", "sm_90a", "--resources"], capture_output=True, text=True)
+assert out.returncode == 0, f"attngen inspect of a mask_mod kernel: {out.stderr}"
+
 root = Path(os.environ["ATTNGEN_CACHE_DIR"])
 sources = "\n".join(unpack_source(p.read_bytes()) or "" for p in root.rglob("kernel.cu"))  # stored gzip-compressed
 used = {line.split("// attngen:begin ", 1)[1].strip() for line in sources.splitlines() if "// attngen:begin " in line}
