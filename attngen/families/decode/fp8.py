@@ -26,11 +26,14 @@ def is_fp8_name(dtype: str) -> bool:
     return dtype in FP8_DTYPES or dtype in BYTE_DTYPES or dtype in _OTHER_FP8
 
 
-def cache_format(qi, ki, vi, spec_kv: KVDType | None) -> KVDType | None:
+def cache_format(qi, ki, vi, spec_kv: KVDType | None, names: tuple[str, str] = ("k_cache", "v_cache"),
+                 operands: str = "q, k_cache, v_cache") -> KVDType | None:
     """The caches' format (None: q's dtype) after the dtype checks of a call whose q is fp16 or bf16; ``spec_kv``
-    is the ``kv_dtype`` of the caller's spec, if any. Raises LaunchError naming the disagreement."""
+    is the ``kv_dtype`` of the caller's spec, if any. ``names``: the two caches' argument names, ``operands``
+    every operand's, for the messages (MLA decode's ckv and kpe caches). Raises LaunchError naming the
+    disagreement."""
     if ki.dtype != vi.dtype:
-        raise LaunchError(f"k_cache and v_cache must share a dtype; got {ki.dtype}, {vi.dtype}")
+        raise LaunchError(f"{names[0]} and {names[1]} must share a dtype; got {ki.dtype}, {vi.dtype}")
     dt = ki.dtype
     if dt == qi.dtype and spec_kv is None:
         return None
@@ -42,13 +45,13 @@ def cache_format(qi, ki, vi, spec_kv: KVDType | None) -> KVDType | None:
         return kv
     if dt in BYTE_DTYPES:
         if spec_kv is None:
-            raise LaunchError(f"k_cache and v_cache are {dt} bytes: pass a spec with kv_dtype=fp8_e4m3 or "
+            raise LaunchError(f"{names[0]} and {names[1]} are {dt} bytes: pass a spec with kv_dtype=fp8_e4m3 or "
                               f"fp8_e5m2 to name their format")
         return spec_kv
     if spec_kv is not None:
         raise LaunchError(f"kv_dtype={spec_kv.value} (the spec) disagrees with the caches' dtype {dt}; an fp8 "
                           f"cache is torch.float8_e4m3fn, torch.float8_e5m2 or uint8 bytes")
-    raise LaunchError(f"q, k_cache, v_cache must share a dtype, or the caches be fp8 (torch.float8_e4m3fn, "
+    raise LaunchError(f"{operands} must share a dtype, or the caches be fp8 (torch.float8_e4m3fn, "
                       f"torch.float8_e5m2, or uint8 with the spec's kv_dtype); got {qi.dtype}, {ki.dtype}, "
                       f"{vi.dtype}")
 

@@ -22,36 +22,13 @@ SCALE_SHAPES = "a float > 0, or an fp32 device tensor of shape [] or [1] (one sc
 
 def cache_format(qi, cv, pe, spec_kv: KVDType | None) -> KVDType | None:
     """The caches' format (None: q's dtype) for q of dtype fp16 or bf16; ``spec_kv`` is the caller's spec's
-    ``kv_dtype``. Raises LaunchError naming the disagreement."""
-    if cv.dtype != pe.dtype:
-        raise LaunchError(f"ckv_cache and kpe_cache must share a dtype; got {cv.dtype}, {pe.dtype}")
-    dt = cv.dtype
-    if dt == qi.dtype and spec_kv is None:
-        return None
-    if dt in _decode_fp8.FP8_DTYPES:
-        kv = _decode_fp8.FP8_DTYPES[dt]
-        if spec_kv is not None and spec_kv is not kv:
-            raise LaunchError(f"kv_dtype={spec_kv.value} (the spec) disagrees with the caches' dtype {dt} "
-                              f"(kv_dtype={kv.value})")
-        return kv
-    if dt in _decode_fp8.BYTE_DTYPES:
-        if spec_kv is None:
-            raise LaunchError(f"ckv_cache and kpe_cache are {dt} bytes: pass a spec with kv_dtype=fp8_e4m3 or "
-                              f"fp8_e5m2 to name their format")
-        return spec_kv
-    if spec_kv is not None:
-        raise LaunchError(f"kv_dtype={spec_kv.value} (the spec) disagrees with the caches' dtype {dt}; an fp8 "
-                          f"cache is torch.float8_e4m3fn, torch.float8_e5m2 or uint8 bytes")
-    raise LaunchError(f"q_nope, q_pe, ckv_cache, kpe_cache must share a dtype, or the caches be fp8 "
-                      f"(torch.float8_e4m3fn, torch.float8_e5m2, or uint8 with the spec's kv_dtype); got "
-                      f"{qi.dtype}, {cv.dtype}, {pe.dtype}")
+    ``kv_dtype``. Decode's rule, with MLA's argument names in its messages."""
+    return _decode_fp8.cache_format(qi, cv, pe, spec_kv, ("ckv_cache", "kpe_cache"),
+                                    "q_nope, q_pe, ckv_cache, kpe_cache")
 
 
-def check_rows(t, name: str) -> None:
-    """An fp8 cache the kernel copies in 16-byte chunks (16 elements): 16-byte aligned, strides multiples of 16."""
-    if t.ptr % 16 or any(s % 16 for s in t.strides[:-1]):
-        raise LaunchError(f"{name} (fp8) must be 16-byte aligned with strides that are multiples of 16 elements; "
-                          f"got strides {t.strides}")
+# An fp8 cache the kernel copies in 16-byte chunks, as decode's.
+check_rows = _decode_fp8.check_rows
 
 
 def scale_args(k_scale, kv: KVDType | None, kind: str, device: int) -> tuple[int, float]:
