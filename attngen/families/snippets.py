@@ -221,7 +221,9 @@ def _accessor(k: int, name: str, dtype: str, ndim: int) -> str:
     elem, ret, conv = AUX_TYPES[dtype]
     args = ", ".join(f"long long i{d}" for d in range(ndim))
     off = " + ".join(f"i{d} * mods_.stride[{k}][{d}]" for d in range(ndim))
-    read = conv.format(f"static_cast<const {elem}*>(mods_.ptr[{k}])[{off}]")
+    # Through the read-only path: an aux tensor does not change while the kernel runs, so a read that repeats
+    # (doc(b, q_idx) for every key of a row) is one load, hoisted out of the loop over the row's keys.
+    read = conv.format(f"__ldg(static_cast<const {elem}*>(mods_.ptr[{k}]) + {off})")
     return f"  [[maybe_unused]] auto {name} = [&]({args}) -> {ret} {{ return {read}; }};\n"
 
 

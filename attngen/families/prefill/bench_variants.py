@@ -64,7 +64,7 @@ def make_case(torch, name: str, q, k, v, gen) -> dict:
     dev = q.device
     c: dict[str, Any] = dict(causal=True, snippet=None, builtin=None, score_mod=None, mask_mod=None, sinks=None)
     if name == "softcap":
-        c["snippet"] = dict(score_mod=f"return {SOFTCAP}f * tanhf(score * {1 / SOFTCAP!r}f);")
+        c["snippet"] = dict(score_mod=f"return {SOFTCAP}f * fast_tanh(score * {1 / SOFTCAP!r}f);")
         c["builtin"] = lambda: attngen.prefill(q, k, v, causal=True, softcap=SOFTCAP)
         c["score_mod"] = lambda s, b, h, qi, ki: SOFTCAP * torch.tanh(s / SOFTCAP)
     elif name == "alibi":
