@@ -6,7 +6,7 @@
 // and as V from the one widened tile.
 //
 // Who widens: a tile is 2,304 16-byte fp8 chunks (512 + 64 columns, 64 keys), each one shared-memory load, eight
-// converts (bf16 q: four more instructions a pair) and two stores: thousands of warp instructions a tile. The
+// converts (bf16 q: three more instructions a pair) and two stores: one to three thousand warp instructions a tile. The
 // consumers spend their wgmma chains waiting on the tensor cores with nothing to issue; a producer warp on each SM
 // sub-partition issues the widening in those idle slots, and the TMA wait and the widening stay off the consumers'
 // path (they wait only on a widened slot). Widened by the consumers between their own MMAs, each tile's widening would
@@ -53,7 +53,9 @@ struct MlaFp8Wgmma {
   static __device__ __forceinline__ unsigned widened(unsigned bar0, int slot) {
     return bar0 + 8 * (NUM_STAGES + slot);
   }
-  static __device__ __forceinline__ unsigned read(unsigned bar0, int slot) { return bar0 + 8 * (2 * NUM_STAGES + slot); }
+  static __device__ __forceinline__ unsigned read(unsigned bar0, int slot) {
+    return bar0 + 8 * (2 * NUM_STAGES + slot);
+  }
 
   // Every thread: the barriers, Q (the consumers, by cp.async as the 16-bit kernel), then the roles. The producer
   // warpgroup runs its loop and returns true (its threads then leave the kernel); a consumer returns false once Q is

@@ -67,7 +67,8 @@ def candidates(spec, arch: Arch):
     the mma_sync configs on the cp.async ring only (mla_decode/fp8.cuh)."""
     fp8 = spec.kv_dtype is not None
     if arch.has_wgmma:
-        wg = itertools.chain(TUNED_WGMMA, [] if fp8 else [(A, 64, 2)], itertools.product((T, F), (64, 32), (4, 3, 2, 1)))
+        wg = itertools.chain(TUNED_WGMMA, [] if fp8 else [(A, 64, 2)],
+                             itertools.product((T, F), (64, 32), (4, 3, 2, 1)))
         pipes = (Pipeline.TMA,) if fp8 else (Pipeline.TMA, Pipeline.SYNC)
         yield from ((shard, kv, 8, st, Mma.WGMMA, pipe) for shard, kv, st in wg for pipe in pipes)
     shard_order = (F, T) if arch.smem_per_block < SMALL_SMEM else (T, F)
