@@ -1,30 +1,31 @@
 // MLA decode against an fp8 latent cache on sm_90a's wgmma kernel (kv_dtype with mma=wgmma, pipeline=tma). The two
 // consumer warpgroups are the 16-bit kernel's (MlaConsumer: wgmma S = Q K^T and O += P V through descriptors of the
 // 128-byte-swizzled tile, WgmmaLayout): they read a tile in q's dtype. A third warpgroup, the producer, makes it: its
-// first thread loads the fp8 tile by TMA (half the 16-bit tile's bytes), and its four warps widen it in shared memory
-// into q's dtype (exact: common/fp8.cuh, fp8x16_widen), in the layout the 16-bit TMA ring leaves. ckv is read as K
-// and as V from the one widened tile.
+// first warp loads the fp8 tiles by TMA (half the 16-bit tile's bytes) as soon as their slots are free, and its three
+// other warps widen each in shared memory into q's dtype (exact: common/fp8.cuh, fp8x16_widen), in the layout the
+// 16-bit TMA ring leaves. ckv is read as K and as V from the one widened tile.
 //
 // Who widens: a tile is 2,304 16-byte fp8 chunks (512 + 64 columns, 64 keys), each one shared-memory load, eight
 // converts (bf16 q: three more instructions a pair) and two stores: one to three thousand warp instructions a tile. The
-// consumers spend their wgmma chains waiting on the tensor cores with nothing to issue; a producer warp on each SM
-// sub-partition issues the widening in those idle slots, and the TMA wait and the widening stay off the consumers'
+// consumers spend their wgmma chains waiting on the tensor cores with nothing to issue; producer warps on the SM's
+// sub-partitions issue the widening in those idle slots, and the TMA wait and the widening stay off the consumers'
 // path (they wait only on a widened slot). Widened by the consumers between their own MMAs, each tile's widening would
-// wait on the TMA of the tile after it inside the consumers' loop. The producer keeps few registers (setmaxnreg: 56;
-// at 40 ptxas spilled its loop) and gives the rest to the consumers (224, over the 204 the 16-bit kernel's use).
+// wait on the TMA of the tile after it inside the consumers' loop. The TMA warp does nothing else, so that a load is
+// issued the moment its slot is read, not after the widening of the tile before it (with more stages than two, the
+// loads run that many tiles ahead). The producer keeps few registers (setmaxnreg: 56; at 40 ptxas spilled) and gives
+// the rest to the consumers (224, over the 204 the 16-bit kernel's use).
 //
 // The ring: NUM_STAGES slots the size of the 16-bit tile; the producer widens tile it + 1 while the consumers compute
 // tile it. A slot's fp8 tile lands inside it, by units of 32 keys x one 64-column block (4096 bytes widened): the
-// unit's 2048 fp8 bytes (32 rows of 64, unswizzled boxes) in the second half of its own 4096. One warp widens a unit
-// from its first 8 rows to its last: widened row r (bytes [128 r, 128 r + 128) of the unit) covers fp8 rows 2r - 32
-// and 2r - 31, which that warp read at or before row r's step, so no byte is overwritten before it is read and a unit
-// needs no barrier but the warp's own. (A widened ring of two stages and a separate fp8 stage would need 266,240 bytes
-// with Q and P at 64-key tiles, over sm_90a's 232,448; in place, the fp8 kernel takes the 16-bit kernel's bytes and
-// three mbarriers a slot.)
+// unit's 2048 fp8 bytes (32 rows of 64, unswizzled boxes) in the second half of its own 4096. One warp widens a unit:
+// it reads the unit's fp8 bytes whole into registers (16 a lane) before it stores any of the widened rows over them,
+// so a unit needs no barrier but the warp's own. (A widened ring of two stages and a separate fp8 stage would need
+// 266,240 bytes with Q and P at 64-key tiles, over sm_90a's 232,448; in place, the fp8 kernel takes the 16-bit
+// kernel's bytes and three mbarriers a slot.)
 //
 // mbarriers a slot (bar0 + 8 (kind * NUM_STAGES + slot)): 0 the TMA's bytes landed (one arrival and the bytes),
-// 1 widened (the producer's 128 threads, each after fencing its stores for the async proxy), 2 read (the consumers'
-// 256 threads, after their last wgmma of the tile). The consumers meet among themselves on named barrier 1
+// 1 widened (the 96 threads of the widening warps, each after fencing its stores for the async proxy), 2 read (the
+// consumers' 256 threads, after their last wgmma of the tile). The consumers meet among themselves on named barrier 1
 // (MlaDecode::consumers_sync), where the 16-bit kernel calls __syncthreads.
 namespace attngen {
 
@@ -44,6 +45,7 @@ struct MlaFp8Wgmma {
   static constexpr int HALVES = BLOCK_N / 32;        // units of a block
   static constexpr int UNITS = BLOCKS * HALVES;
   static constexpr int PRODUCER_THREADS = K::PRODUCER_THREADS;
+  static constexpr int WIDEN_WARPS = PRODUCER_THREADS / 32 - 1;  // the producer's warps but the TMA one
   static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
   static_assert(BLOCK_N % 32 == 0 && LT::BLOCK_BYTES == BLOCK_N * 128 && K::BLOCK_COLS == DC + 64, "fp8 units");
   static_assert(PRODUCER_THREADS == 128 && THREADS == 256, "one producer warpgroup, two consumer warpgroups");
@@ -67,7 +69,7 @@ struct MlaFp8Wgmma {
 #pragma unroll
       for (int s = 0; s < NUM_STAGES; ++s) {
         W::mbar_init(landed(bar0, s), 1);
-        W::mbar_init(widened(bar0, s), PRODUCER_THREADS);
+        W::mbar_init(widened(bar0, s), 32 * WIDEN_WARPS);
         W::mbar_init(read(bar0, s), THREADS);
       }
       W::mbar_init_fence();
@@ -89,22 +91,29 @@ struct MlaFp8Wgmma {
     return false;
   }
 
-  // The producer (thread ptid of its warpgroup): each tile's fp8 boxes in once its slot is read (thread 0), then
-  // widened by the four warps, and the slot handed to the consumers.
+  // The producer (thread ptid of its warpgroup). Warp 0 (its first thread): each tile's fp8 boxes in once the
+  // consumers have read the tile NUM_STAGES before it out of the slot. Warps 1-3: each tile widened once its bytes
+  // have landed, and the slot handed to the consumers.
   static __device__ __forceinline__ void produce(const MlaParams<T>& p, const TmaDesc* maps, T* sRing, unsigned bar0,
                                                  const int* table, int batch, int seqlen, int tile_begin, int n_tiles,
                                                  int ptid) {
+    if (ptid < 32) {
+      if (ptid == 0) {
+#pragma unroll 1
+        for (int it = 0; it < n_tiles; ++it) {
+          const int slot = it % NUM_STAGES;
+          if (it >= NUM_STAGES) W::mbar_wait(read(bar0, slot), ((it / NUM_STAGES) & 1) ^ 1);
+          load(p, maps, smem_addr(sRing + slot * TILE_ELEMS), landed(bar0, slot), table, batch, seqlen,
+               tile_begin + it);
+        }
+      }
+      return;
+    }
 #pragma unroll 1
     for (int it = 0; it < n_tiles; ++it) {
-      const int slot = it % NUM_STAGES, tile = tile_begin + it;
-      const unsigned phase = (it / NUM_STAGES) & 1;
-      T* sT = sRing + slot * TILE_ELEMS;
-      if (ptid == 0) {
-        if (it >= NUM_STAGES) W::mbar_wait(read(bar0, slot), phase ^ 1);  // the consumers are done with tile it - S
-        load(p, maps, smem_addr(sT), landed(bar0, slot), table, batch, seqlen, tile);
-      }
-      W::mbar_wait(landed(bar0, slot), phase);
-      widen(sT, min(BLOCK_N, seqlen - tile * BLOCK_N), ptid / 32, ptid % 32);
+      const int slot = it % NUM_STAGES;
+      W::mbar_wait(landed(bar0, slot), (it / NUM_STAGES) & 1);
+      widen(sRing + slot * TILE_ELEMS, min(BLOCK_N, seqlen - (tile_begin + it) * BLOCK_N), ptid / 32 - 1, ptid % 32);
       W::fence_proxy();  // the widened tile is read by wgmma (the async proxy)
       W::mbar_arrive(widened(bar0, slot));
     }
@@ -141,25 +150,30 @@ struct MlaFp8Wgmma {
     }
   }
 
-  // Warp pw of the producer widens units pw, pw + 4, ...: lane l takes 16 fp8 columns (chunk l % 4) of row l / 4 of
-  // each 8-row step, and writes them as two 16-byte chunks of the swizzled row. Rows at or past `valid` (past the
-  // sequence: a box read them from the cache, or none did) are written as zeros and never read. The __syncwarp
-  // between a step's loads and its stores orders every lane's reads of the rows those stores cover before them.
-  static __device__ __forceinline__ void widen(T* sT, int valid, int pw, int lane) {
+  // Widening warp w (0..WIDEN_WARPS - 1) widens units w, w + WIDEN_WARPS, ...: lane l reads 16 fp8 columns (chunk
+  // l % 4) of rows l / 4, 8 + l / 4, 16 + l / 4 and 24 + l / 4 of the unit, and once every lane has read (the
+  // __syncwarp) writes each as two 16-byte chunks of its swizzled row. Rows at or past `valid` (past the sequence: a
+  // box read them from the cache, or none did) are written as zeros and never read.
+  static __device__ __forceinline__ void widen(T* sT, int valid, int w, int lane) {
     unsigned char* base = reinterpret_cast<unsigned char*>(sT);
     const int c = lane % 4;
 #pragma unroll 1
-    for (int u = pw; u < UNITS; u += PRODUCER_THREADS / 32) {
+    for (int u = w; u < UNITS; u += WIDEN_WARPS) {
       const int key0 = (u % HALVES) * 32;
       unsigned char* unit = base + (u / HALVES) * LT::BLOCK_BYTES + (u % HALVES) * 4096;
+      uint4 x[4];
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
         const int r = 8 * m + lane / 4;
-        uint4 x = make_uint4(0u, 0u, 0u, 0u);
-        if (key0 + r < valid) x = *reinterpret_cast<const uint4*>(unit + 2048 + 64 * r + 16 * c);
+        x[m] = make_uint4(0u, 0u, 0u, 0u);
+        if (key0 + r < valid) x[m] = *reinterpret_cast<const uint4*>(unit + 2048 + 64 * r + 16 * c);
+      }
+      __syncwarp();
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const int r = 8 * m + lane / 4;
         uint4 lo, hi;
-        fp8x16_widen<FMT, BF16>(x, lo, hi);
-        __syncwarp();
+        fp8x16_widen<FMT, BF16>(x[m], lo, hi);
         *reinterpret_cast<uint4*>(unit + 128 * r + 16 * ((2 * c) ^ (r % 8))) = lo;
         *reinterpret_cast<uint4*>(unit + 128 * r + 16 * ((2 * c + 1) ^ (r % 8))) = hi;
       }
