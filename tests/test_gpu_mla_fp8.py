@@ -199,8 +199,8 @@ def test_fp8_mla_wgmma_pinned_forms(pin, fmt):
 @needs_wgmma
 @pytest.mark.parametrize("q_len", [2, 4])
 def test_fp8_mla_wgmma_tokens(q_len):
-    """Several new tokens: 32 heads x 2 tokens is one 64-row block, 64 heads x 4 two blocks (rows past the last
-    head of the last token zeros), each token seeing its own prefix."""
+    """Several new tokens: 32 heads x 2 tokens is one 64-row block, 64 heads x 4 tokens four, 32 x 4 two; each token
+    sees its own prefix."""
     run_case([1500, 77, 3], 32 if q_len == 2 else 64, q_len=q_len)
     run_case([700], 32, q_len=q_len, block_size=64, dtype=torch.float16, fmt="e5m2")
 
