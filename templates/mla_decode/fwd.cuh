@@ -19,7 +19,8 @@
 // tiles in, mla_decode/producer.cuh), the tile walk (mla_decode/walk.cuh; alternate tiles: alternate.cuh) with the
 // consumer (S, softmax, O += P V: mla_decode/consumer.cuh), and the epilogue (mla_decode/epilogue.cuh; where O and
 // the LSE are written is still run's, see there). Arrays live in run and are passed by reference (consumer.cuh
-// says why).
+// says why). An fp8 cache on the wgmma kernel (PRODUCER_WG) has a warpgroup of its own past the consumers that loads
+// and widens the tiles, and a loop of its own for the consumers (mla_decode/fp8_wgmma.cuh).
 namespace attngen {
 
 // qk_shard=alternate's loop (mla_decode/alternate.cuh, included only in those kernels).

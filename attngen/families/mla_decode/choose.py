@@ -69,8 +69,7 @@ class Problem(NamedTuple):
     """An MLA decode call as the choice sees it. ``capacity``: the cache's positions a row (paged: its table's
     blocks times ``block_size``; 0 contiguous); ``num_splits``: 0 (chosen) or the caller's; ``tma_refused``: the
     driver could not describe the cache as TMA maps (the TMA kernel's cp.async form runs; an fp8 cache: the mma.sync
-    kernel); ``kv_dtype``: the cache's
-    fp8 format, None for q's dtype."""
+    kernel); ``kv_dtype``: the cache's fp8 format, None for q's dtype."""
 
     kv_lora_rank: int = 512
     rope_dim: int = 64
@@ -164,9 +163,8 @@ def choose_spec(p: Problem, device: DeviceFacts) -> MlaDecodeSpec:
             rows, rs = 64, wide
     if rs.tma and p.tma_refused:
         if rs.fp8:  # fp8 tiles are widened for wgmma only off the TMA ring: the mma.sync kernel of the cp.async one
-            rs = resolved_spec(p.kv_lora_rank, p.rope_dim, p.dtype, rows,
-                               p.paged, (user or MlaDecodeSpec()).replace(mma=Mma.SYNC, pipeline=Pipeline.SYNC), a.name,
-                               p.kv_dtype)
+            sync = (user if user is not None else MlaDecodeSpec()).replace(mma=Mma.SYNC, pipeline=Pipeline.SYNC)
+            rs = resolved_spec(p.kv_lora_rank, p.rope_dim, p.dtype, rows, p.paged, sync, a.name, p.kv_dtype)
         else:
             rs = rs.replace(pipeline=Pipeline.SYNC)  # the same tiles
     row_blocks = -(-p.heads * p.q_len // rows)
