@@ -1,7 +1,9 @@
 """Run by tests/test_mla_decode_fp8.py in a process of its own: attngen.mla_decode with fp8 latent caches on the stub
 driver (sm_90). Bad scales, dtypes and options are refused by name before any launch; good calls launch the fp8
-kernel of the cache's format (mma.sync on the cp.async ring, also on sm_90a), whose parameter struct carries the
-scale: a number as k_scale_f, a device tensor's pointer. Exits non-zero on the first failure; prints "ok" at the end.
+kernel of the cache's format (mma.sync on the cp.async ring; on sm_90a at 64 rows the wgmma kernel with its TMA maps of
+the fp8 bytes and its producer warpgroup, or mma.sync where the driver refuses the maps), whose parameter struct
+carries the scale: a number as k_scale_f, a device tensor's pointer. Exits non-zero on the first failure; prints "ok"
+at the end.
 """
 
 import math
@@ -16,6 +18,8 @@ from tests import fake_cuda  # noqa: E402
 # MlaFp8Params (templates/mla_decode/fp8.cuh): MlaParams (params.cuh), then k_scale's pointer and number.
 PARAMS = struct.Struct("<10Q14q9i2fiQf4x")
 SM_SCALE, SCALE_LOG2, K_PTR, K_NUM = 33, 34, 36, 37
+# MlaFp8TmaParams: the two tensor maps (128 bytes each), then MlaFp8Params.
+PARAMS_TMA = struct.Struct("<256s10Q14q9i2fiQf4x")
 
 refused = fake_cuda.refused
 
@@ -29,6 +33,7 @@ def main():
     from attngen.families.mla_decode import op
 
     assert PARAMS.size == op._PARAMS_FP8.size == 256 and op._PARAMS.size == 240
+    assert PARAMS_TMA.size == op._PARAMS_FP8_TMA.size == 512
     launched = []
     real_get_kernel = op.get_kernel
 
@@ -74,16 +79,40 @@ def main():
     assert fake_cuda.counts()["launches"] == n0 + 2, "the split launch and the merge launch"
     s = launched[-1]
     assert (s.kv_dtype.value, s.dtype.value, s.paged, s.q_rows) == ("fp8_e5m2", "fp16", True, 32), s
-    # 64 rows (128 heads) on sm_90a: the mma.sync kernel, not wgmma
+    # 64 rows (128 heads) on sm_90a: the wgmma kernel, its producer warpgroup (384 threads), maps of the fp8 bytes
+    # (CU_TENSOR_MAP_DATA_TYPE_UINT8: the stub's map holds the address, the first two dims and the dtype code)
     attngen.mla_decode(rand(b, 1, 128, 512), rand(b, 1, 128, 64), ckv, kpe, cache_seqlens=lens, sm_scale=0.5,
-                       k_scale=1.0)
+                       k_scale=0.125, num_splits=1)
     s = launched[-1]
-    assert (s.q_rows, s.mma.value, s.pipeline.value, s.qk_shard.value) == (64, "mma_sync", "sync", "true"), s
+    assert (s.q_rows, s.mma.value, s.pipeline.value, s.qk_shard.value) == (64, "wgmma", "tma", "true"), s
+    vals = PARAMS_TMA.unpack(fake_cuda.last_params(PARAMS_TMA.size))
+    maps = [struct.unpack("<4Q", vals[0][i * 128:i * 128 + 32]) for i in (0, 1)]
+    assert maps == [(ckv.data_ptr(), 512, cap, 0), (kpe.data_ptr(), 64, cap, 0)], maps
+    assert vals[1 + 2:1 + 4] == (ckv.data_ptr(), kpe.data_ptr()) and vals[1 + K_PTR:] == (0, 0.125), vals
+    assert math.isclose(vals[1 + SM_SCALE], 0.5, rel_tol=1e-6)
+    launch = fake_cuda.last_launch()
+    assert (launch["threads"], launch["smem"], launch["cluster"]) == (384, s.smem_bytes(), 0), launch
     # ... also where the 16-bit cache would take alternate tiles (two 64-row blocks, many tiles a CTA)
     lc, lp = fp8(shape=(1, 8192))
     attngen.mla_decode(rand(1, 1, 128, 512), rand(1, 1, 128, 64), lc, lp, cache_seqlens=8192, sm_scale=0.5,
                        num_splits=1, k_scale=1.0)
     assert launched[-1] == s, launched[-1]
+    # where the driver refuses the maps: the mma.sync kernel of the cp.async ring, with its own struct; refused by
+    # name where the caller's spec pins wgmma
+    real_maps = op._tensor_maps
+
+    def no_maps(*a, **k):
+        raise attngen.LaunchError("stub: no TMA map")
+
+    op._tensor_maps = no_maps
+    attngen.mla_decode(rand(b, 1, 128, 512), rand(b, 1, 128, 64), ckv, kpe, cache_seqlens=lens, sm_scale=0.5,
+                       k_scale=1.0, num_splits=1)
+    s = launched[-1]
+    assert (s.q_rows, s.mma.value, s.pipeline.value, s.kv_dtype.value) == (64, "mma_sync", "sync", "fp8_e4m3"), s
+    assert params()[2:4] == (ckv.data_ptr(), kpe.data_ptr()) and fake_cuda.last_launch()["threads"] == 256
+    refused(lambda: attngen.mla_decode(rand(b, 1, 128, 512), rand(b, 1, 128, 64), ckv, kpe, cache_seqlens=lens,
+                                       sm_scale=0.5, k_scale=1.0, spec="mla_decode:mma=wgmma"), "stub: no TMA map")
+    op._tensor_maps = real_maps
     # uint8 bytes with the spec's kv_dtype (what a CuPy caller passes)
     cb, pb = (wrap(torch.randint(0, 255, (b, cap, d), dtype=torch.uint8)) for d in (512, 64))
     attngen.mla_decode(qn, qp, cb, pb, cache_seqlens=lens, sm_scale=0.5, k_scale=1.0,
@@ -122,9 +151,12 @@ def main():
     refused(lambda: attngen.mla_decode(qn, qp, ckv, kpe, k_scale=True, **call), "k_scale=True")
     refused(lambda: attngen.mla_decode(qn, qp, rand(b, cap, 512), rand(b, cap, 64), k_scale=0.5, **call),
             "k_scale is only for fp8 caches")
-    for pin in ("mma=wgmma", "pipeline=tma", "qk_shard=alternate"):
+    for pin in ("mma=wgmma,pipeline=sync", "mma=mma_sync,pipeline=tma", "qk_shard=alternate"):
         refused(lambda: attngen.mla_decode(qn, qp, ckv, kpe, k_scale=1.0, spec=f"mla_decode:{pin}", **call),
-                "kv_dtype", pin.split("=")[1], error="SpecError")
+                "kv_dtype", *pin.replace(",", ", ").split(", "), error="SpecError")
+    # wgmma takes 64 rows: 16 heads with the pin are refused by name
+    refused(lambda: attngen.mla_decode(qn, qp, ckv, kpe, k_scale=1.0, spec="mla_decode:mma=wgmma", **call),
+            "mma='wgmma'", "q_rows=64", error="SpecError")
     # rows whose strides pass the 16-bit rule (multiples of 8 elements) and not the fp8 one (16)
     wide = wrap(torch.randn(b, cap, 520).to(e4))[..., :512]
     refused(lambda: attngen.mla_decode(qn, qp, wide, kpe, k_scale=1.0, **call), "ckv_cache (fp8)",

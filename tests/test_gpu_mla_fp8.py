@@ -12,6 +12,11 @@ fp16 MMAs see the cache exactly; k_scale multiplies fp32 values (the logits with
 so the only roundings are P's (to fp16 for P V: finer than the 16-bit kernels' bf16 P with a bf16 q), the fp32
 accumulation and the output's own rounding. A bf16 q enters the MMAs as fp16 times a power of two chosen per CTA,
 exact but for elements under 2^-28 of the CTA's largest |q| (the scaled-q cases below move that range).
+
+64 and 128 heads (64 packed rows and more) on sm_90a run the wgmma kernel, which widens each tile in shared memory into
+q's dtype (exact too: every e4m3 and e5m2 value is a bf16 and an fp16 value) and keeps q as it is; its roundings are
+the 16-bit wgmma kernel's (P in q's dtype). Each case asserts which kernel ran (run_case's ``expect``), so that a
+change of routing cannot pass these tests on the other kernel.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_reference")]
 torch = pytest.importorskip("torch")
 
 import attngen  # noqa: E402
+from attngen.families.mla_decode import op as _op  # noqa: E402
 from tests.gpu_reference import check_output_and_lse, fresh_generator, reference_mla  # noqa: E402
 from tests.test_gpu_mla_decode import NAN, SENTINEL, TOL, _inside_nan  # noqa: E402
 
@@ -62,8 +68,21 @@ def make_fp8_cache(seqlens, dim, dt, k_scale: float, gen, block_size=None, table
     return pool.to(dt), deq
 
 
+def _wgmma_here() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+def _expected(heads: int, q_len: int, spec) -> str:
+    """The kernel a call should run: "wgmma" for 64 packed rows and more on sm_90a (unless the spec pins mma.sync),
+    else "mma_sync"."""
+    pinned = spec is not None and "mma=mma_sync" in spec
+    return "wgmma" if heads * q_len >= 64 and _wgmma_here() and not pinned else "mma_sync"
+
+
 def run_case(seqlens, heads, *, fmt="e4m3", dtype=torch.bfloat16, q_len=1, block_size=None, num_splits=0,
-             scale_kind="float", q_mul=1.0, rank=512, rope=64):
+             scale_kind="float", q_mul=1.0, rank=512, rope=64, spec=None, expect=None):
+    """One call against the reference; ``expect``: the kernel it must run ("wgmma" or "mma_sync"; None: by _expected).
+    Returns the error."""
     gen = fresh_generator()
     b = len(seqlens)
     q_nope = _inside_nan((b, q_len, heads, rank), dtype, gen)
@@ -83,9 +102,24 @@ def run_case(seqlens, heads, *, fmt="e4m3", dtype=torch.bfloat16, q_len=1, block
     out = obuf[:, 1:1 + q_len, :, :rank]
     out.fill_(NAN)
     lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
-    o, lse = attngen.mla_decode(q_nope, q_pe, ckv, kpe, cache_seqlens=lens, block_table=table, sm_scale=sm_scale,
-                                num_splits=num_splits, return_lse=True, out=out, k_scale=k_scale)
+    used = []
+    real_get_kernel = _op.get_kernel
+
+    def spy(s, **kw):
+        used.append(s)
+        return real_get_kernel(s, **kw)
+
+    _op.get_kernel = spy
+    try:
+        o, lse = attngen.mla_decode(q_nope, q_pe, ckv, kpe, cache_seqlens=lens, block_table=table,
+                                    sm_scale=sm_scale, num_splits=num_splits, return_lse=True, out=out,
+                                    k_scale=k_scale, spec=spec)
+    finally:
+        _op.get_kernel = real_get_kernel
     torch.cuda.synchronize()
+    ran = used[-1]
+    want = expect or _expected(heads, q_len, spec)
+    assert ran.kv_dtype is not None and ran.mma.value == want, (want, ran.to_text())
     assert o is out
     border = obuf.clone()
     border[:, 1:1 + q_len, :, :rank] = SENTINEL
@@ -102,7 +136,7 @@ LENGTHS = {1: [[1], [63], [4096], [4001]], 4: [[1, 17, 64, 129], [4096, 1000, 65
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("heads", [16, 64, 128])
 @pytest.mark.parametrize("batch", [1, 4, 32])
 @pytest.mark.parametrize("block_size", [None, 64], ids=["contiguous", "paged64"])
 def test_fp8_mla_matches_the_dequantised_reference(fmt, dtype, heads, batch, block_size):
@@ -111,7 +145,7 @@ def test_fp8_mla_matches_the_dequantised_reference(fmt, dtype, heads, batch, blo
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 7, 32])
-@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("heads", [16, 64, 128])
 def test_fp8_mla_split_counts(num_splits, heads):
     # more splits than a short row has tiles leave late splits empty; the merge still sees each split's LSE
     run_case([4096, 333, 1], heads, num_splits=num_splits)
@@ -135,3 +169,44 @@ def test_fp8_mla_bf16_q_far_from_one(q_mul):
 def test_fp8_mla_small_dims():
     run_case([1000, 31], 16, rank=256, rope=32)
     run_case([640], 128, rank=256, rope=32, fmt="e5m2", block_size=64)
+
+
+# --- the wgmma kernel (sm_90a, 64 packed rows and more) -------------------------------------------------------------
+needs_wgmma = pytest.mark.skipif(not torch.cuda.is_available() or not _wgmma_here(), reason="needs sm_90a (H100/H200)")
+
+
+@needs_wgmma
+@pytest.mark.parametrize("block_size", [16, 48, 128], ids=lambda b: f"paged{b}")
+@pytest.mark.parametrize("heads", [64, 128])
+def test_fp8_mla_wgmma_paged_boxes(block_size, heads):
+    """Blocks whose largest power-of-two divisor is under 32 keys (TMA boxes of 16 rows, a tile from several blocks)
+    and over (boxes of 32), e4m3 and e5m2, with and without splits."""
+    run_case([1, 17, 64, 129, 1000], heads, block_size=block_size)
+    run_case([2049, 31], heads, fmt="e5m2", dtype=torch.float16, block_size=block_size, num_splits=5)
+
+
+@needs_wgmma
+@pytest.mark.parametrize("pin", ["qk_shard=false", "cta_tile_kv=32", "cta_tile_kv=32,num_stages=2",
+                                 "qk_shard=false,cta_tile_kv=32"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_mla_wgmma_pinned_forms(pin, fmt):
+    """The wgmma kernel's other tile forms a spec may pin (unsharded S; 32-key tiles, one unit a block, 2-4 stages)."""
+    spec = f"mla_decode:kv_dtype=fp8_{fmt},mma=wgmma,{pin}"
+    run_case([4001, 33, 1, 64], 128, fmt=fmt, spec=spec, expect="wgmma")
+    run_case([700, 95], 64, fmt=fmt, dtype=torch.float16, block_size=64, spec=spec, expect="wgmma")
+
+
+@needs_wgmma
+@pytest.mark.parametrize("q_len", [2, 4])
+def test_fp8_mla_wgmma_tokens(q_len):
+    """Several new tokens: 32 heads x 2 tokens is one 64-row block, 64 heads x 4 tokens four, 32 x 4 two; each token
+    sees its own prefix."""
+    run_case([1500, 77, 3], 32 if q_len == 2 else 64, q_len=q_len)
+    run_case([700], 32, q_len=q_len, block_size=64, dtype=torch.float16, fmt="e5m2")
+
+
+@needs_wgmma
+def test_fp8_mla_wgmma_and_mma_sync_agree():
+    """The two fp8 kernels on the same call (the mma.sync one pinned): each within the bound of the reference."""
+    for kernel in ("mma_sync", "wgmma"):
+        run_case([3000, 130], 128, spec=f"mla_decode:mma={kernel}", expect=kernel)

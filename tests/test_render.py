@@ -237,6 +237,8 @@ def test_every_piece_is_included_by_some_family():
              "mla_decode:", "mla_decode:kv_dtype=fp8_e4m3", "merge:", "merge:states=many")
     sources = [render(resolve(parse_spec(text), "sm_90")) for text in specs]
     sources.append(render(resolve(parse_spec("mla_decode:qk_shard=alternate"), "sm_90a")))
+    # fp8 on the wgmma kernel (sm_90a, 64 rows): mla_decode/fp8_wgmma.cuh
+    sources.append(render(resolve(parse_spec("mla_decode:kv_dtype=fp8_e4m3,q_rows=64"), "sm_90a")))
     # a mask_mod's block plan (a snippet is no part of a spec's text)
     sources.append(render(resolve(parse_spec("prefill:custom_mask=true").replace(mask_mod="return true;"), "sm_90")))
     for p in templates_dir().glob("*/*.cuh*"):

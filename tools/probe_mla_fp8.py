@@ -2,7 +2,8 @@
 cache in bf16 and in fp8 (e4m3, k_scale a number), each timed as ``attngen bench mla`` times (a CUDA graph of calls
 over rotated cache copies, at least 256 MiB of them, medians of event pairs), and the fp8 output checked against the
 bf16 call on the dequantised cache (rel L2). Prints one table row a shape: the two times, bf16 / fp8 (the issue's
-target: >= 1.6 on memory-bound shapes), the fp8 call's read rate (cache bytes / time) and its kernel's tiles.
+target: >= 1.6 on memory-bound shapes), the fp8 call's read rate (cache bytes / time) and its kernel: wgmma (sm_90a,
+64 rows and more: widened in shared memory by a producer warpgroup) or mma_sync, then its tiles and ring.
 
     PYTHONPATH=. python3 tools/probe_mla_fp8.py [HxBxL,...|default] [REP_MS] [FP8_SPEC]   (JSON to $OUT)
 
@@ -69,7 +70,8 @@ def main() -> int:
             outs[name] = call(base).float()
             if name == "fp8":
                 s = used[-1]
-                kernel = f"q{s.q_rows} {s.qk_shard.value} k{s.cta_tile_kv} w{s.num_warps} s{s.num_stages}"
+                kernel = (f"{s.mma.value} q{s.q_rows} {s.qk_shard.value} k{s.cta_tile_kv} w{s.num_warps} "
+                          f"s{s.num_stages} {s.pipeline.value}")
             replay = _graphed(*[(lambda c=c: call(c)) for c in copies])
             times[name] = 1e3 * _event_bench(replay, 20.0, rep, None, flush=False) / len(copies)
             del copies, replay

@@ -12,6 +12,11 @@ from .._driver import driver
 from ..errors import LaunchError
 
 _DTYPE_CODES = {"fp16": 6, "bf16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
+# fp8 caches (torch's fp8 dtypes, or uint8 bytes): CU_TENSOR_MAP_DATA_TYPE_UINT8, boxes unswizzled (a kernel widens
+# them into a swizzled 16-bit tile itself: mla_decode/fp8_wgmma.cuh)
+_BYTE_DTYPES = ("torch.float8_e4m3fn", "torch.float8_e5m2", "torch.uint8", "uint8")
+_UINT8 = 0
+_SWIZZLE_NONE = 0
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 _MAX_KEPT = 512
@@ -20,14 +25,16 @@ _kept: dict[tuple, "bytes | LaunchError"] = {}
 
 def tiled_map(dtype: str, ptr: int, dims: tuple, byte_strides: tuple, box: tuple, what) -> bytes:
     """The map (128 bytes) of a ``dtype`` tensor at ``ptr`` with ``dims`` (innermost first),
-    ``byte_strides`` (every dim but the first) and boxes of ``box``. A refusal raises LaunchError
-    with the text ``what(error)`` returns (the caller names its tensor and the fallback)."""
+    ``byte_strides`` (every dim but the first) and boxes of ``box``: 128-byte swizzled, or for an fp8 tensor
+    (bytes) unswizzled. A refusal raises LaunchError with the text ``what(error)`` returns (the caller names its
+    tensor and the fallback)."""
     key = (dtype, ptr, dims, byte_strides, box)
     m = _kept.get(key)
     if m is None:
+        byte = dtype in _BYTE_DTYPES
         try:
-            m = driver().encode_tiled(_DTYPE_CODES[dtype], ptr, dims, byte_strides, box, _SWIZZLE_128B,
-                                      _L2_PROMOTION_256B)
+            m = driver().encode_tiled(_UINT8 if byte else _DTYPE_CODES[dtype], ptr, dims, byte_strides, box,
+                                      _SWIZZLE_NONE if byte else _SWIZZLE_128B, _L2_PROMOTION_256B)
         except LaunchError as e:
             m = LaunchError(what(e))
         if len(_kept) >= _MAX_KEPT:

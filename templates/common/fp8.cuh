@@ -1,5 +1,6 @@
-// fp8 caches read by 16-bit MMAs (decode/fp8.cuh, mla_decode/fp8.cuh): fp8 values widened to fp16 in registers, the
-// 16-byte chunk order their ldmatrix fragments give, and a bf16 q carried into fp16 by a power of two.
+// fp8 caches read by 16-bit MMAs (decode/fp8.cuh, mla_decode/fp8.cuh, mla_decode/fp8_wgmma.cuh): fp8 values widened to
+// fp16 in registers (or into q's dtype, for a tile widened in shared memory), the 16-byte chunk order their ldmatrix
+// fragments give, and a bf16 q carried into fp16 by a power of two.
 //
 // ldmatrix reads an fp8 row as 16-bit elements: one 8x8 matrix is 8 keys x 16 head dims (one 16-byte chunk).
 //  - K (QK^T's B): thread t gets key t/4, dims 4c..4c+3 (c = t % 4) of the chunk; bytes (4c, 4c+1) are its b0 and
@@ -66,6 +67,25 @@ __device__ __forceinline__ void fp8x4_to_f16x2(unsigned x, unsigned& lo, unsigne
     lo = e4m3x2_to_f16x2_bits(x);
     hi = e4m3x2_to_f16x2_bits(x >> 16);
 #endif
+  }
+}
+
+// Sixteen fp8 values of format FMT (x: bytes in order) widened into 16-bit elements of q's dtype (fp16, or bf16 with
+// BF16), in order: lo holds the first eight, hi the last. Exact either way: every e4m3 and e5m2 value is an fp16
+// value, and a bf16 one (fp16 -> fp32 -> bf16 keeps it).
+template <int FMT, bool BF16>
+__device__ __forceinline__ void fp8x16_widen(const uint4& x, uint4& lo, uint4& hi) {
+  fp8x4_to_f16x2<FMT>(x.x, lo.x, lo.y);
+  fp8x4_to_f16x2<FMT>(x.y, lo.z, lo.w);
+  fp8x4_to_f16x2<FMT>(x.z, hi.x, hi.y);
+  fp8x4_to_f16x2<FMT>(x.w, hi.z, hi.w);
+  if constexpr (BF16) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      unsigned& w = i < 4 ? (&lo.x)[i] : (&hi.x)[i - 4];
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w));
+      w = pack2<true>(f.x, f.y);
+    }
   }
 }
 

@@ -110,7 +110,7 @@ struct MlaConsumer {
         sRed[cg * ROWS + row0 + g] = mx[0];
         sRed[cg * ROWS + row0 + g + 8] = mx[1];
       }
-      __syncthreads();
+      K::consumers_sync();
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
@@ -155,7 +155,7 @@ struct MlaConsumer {
           *reinterpret_cast<unsigned*>(sP + LP::offset(row0 + g + 8 * r, key0 + n * 8) + 2 * t) =
               pack2<BF16>(acc_s[n][2 * r], acc_s[n][2 * r + 1]);
       if constexpr (WGMMA) WgmmaOps<BF16>::fence_proxy();
-      __syncthreads();
+      K::consumers_sync();
     }
     if constexpr (WGMMA) {
       // V is N-major here; this warpgroup's ON columns start at 64-column block cg * ON / 64.

@@ -31,12 +31,12 @@ struct MlaEpilogue {
       l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     }
     if constexpr (QK_SHARD || ALT) {
-      __syncthreads();  // every warp is past its last read of sRed
+      K::consumers_sync();  // every warp is past its last read of sRed
       if (t == 0) {
         sRed[cg * ROWS + row0 + g] = l[0];
         sRed[cg * ROWS + row0 + g + 8] = l[1];
       }
-      __syncthreads();
+      K::consumers_sync();
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         l[r] = 0.f;

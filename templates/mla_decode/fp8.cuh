@@ -4,8 +4,9 @@
 // widens them in registers (common/fp8.cuh): K of S = Q K^T is the whole row, V of O += P V its ckv columns, the same
 // bytes. Both MMAs run in fp16: a bf16 q is carried into fp16 by a power of two 2^k chosen per CTA (fp16_shift_of),
 // P is rounded to fp16. k_scale (one for the cache, as serving engines keep it) and 2^-k multiply the softmax scale
-// (the LSE included), k_scale the split's output once at its end. mma.sync only; the TMA ring and wgmma take 16-bit
-// tiles (MlaDecodeSpec refuses them with an fp8 cache).
+// (the LSE included), k_scale the split's output once at its end. On sm_90a's wgmma kernel the tiles are widened in
+// shared memory instead (mla_decode/fp8_wgmma.cuh) into q's dtype: Q stays as it is (no power of two), and k_scale is
+// folded in the same way (run, finish).
 namespace attngen {
 
 // The fp8 kernel's parameter (what attngen.families.mla_decode.op packs): MlaParams, then the cache's scale, read
@@ -15,6 +16,13 @@ struct MlaFp8Params {
   MlaParams<T> p;
   const float* k_scale;  // [] or [1] fp32, or null
   float k_scale_f;
+};
+
+// The wgmma kernel's (TMA ring): tensor maps of the fp8 ckv and kpe (bytes, unswizzled boxes), then MlaFp8Params.
+template <class T>
+struct MlaFp8TmaParams {
+  TmaDesc maps[2];
+  MlaFp8Params<T> f;
 };
 
 template <class K>
@@ -216,22 +224,31 @@ struct MlaFp8 {
     }
   }
 
-  // The kernel: Q's power of two and the cache's scale folded into a copy of the parameters' softmax scales (the
-  // LSE's too), then MlaDecode::run over fp8 tiles.
-  static __device__ __forceinline__ void run(const MlaFp8Params<T>& params) {
+  // The kernel: Q's power of two (mma.sync; the wgmma kernel's Q stays in its dtype) and the cache's scale folded
+  // into a copy of the parameters' softmax scales (the LSE's too), then MlaDecode::run over fp8 tiles (maps: the
+  // wgmma kernel's TMA maps).
+  static __device__ __forceinline__ void run(const MlaFp8Params<T>& params, const TmaDesc* maps = nullptr) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     MlaParams<T> p = params.p;
     const float ks = params.k_scale ? *params.k_scale : params.k_scale_f;
-    const int k = q_shift(p, reinterpret_cast<unsigned*>(smem_raw));
+    int k = 0;
+    if constexpr (!K::WGMMA_) k = q_shift(p, reinterpret_cast<unsigned*>(smem_raw));
     const float f = ks * __int_as_float((127 - k) << 23);
     p.sm_scale *= f;
     p.scale_log2 *= f;
-    K::run(p, nullptr, k, ks);
+    K::run(p, maps, k, ks);
   }
 
-  // O's columns back in order (the epilogue's layout), times the cache's scale.
+  // O times the cache's scale; mma.sync: its columns back in order (the epilogue's layout) first.
   static __device__ __forceinline__ void finish(float (&acc_o)[ON / 8][4], float scale, int lane, int t) {
-    fp8_dims_in_order<ON / 16>(acc_o, scale, lane, t);
+    if constexpr (K::WGMMA_) {
+#pragma unroll
+      for (int d = 0; d < ON / 8; ++d)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc_o[d][c] *= scale;
+    } else {
+      fp8_dims_in_order<ON / 16>(acc_o, scale, lane, t);
+    }
   }
 };
 

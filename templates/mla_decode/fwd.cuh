@@ -19,7 +19,8 @@
 // tiles in, mla_decode/producer.cuh), the tile walk (mla_decode/walk.cuh; alternate tiles: alternate.cuh) with the
 // consumer (S, softmax, O += P V: mla_decode/consumer.cuh), and the epilogue (mla_decode/epilogue.cuh; where O and
 // the LSE are written is still run's, see there). Arrays live in run and are passed by reference (consumer.cuh
-// says why).
+// says why). An fp8 cache on the wgmma kernel (PRODUCER_WG) has a warpgroup of its own past the consumers that loads
+// and widens the tiles, and a loop of its own for the consumers (mla_decode/fp8_wgmma.cuh).
 namespace attngen {
 
 // qk_shard=alternate's loop (mla_decode/alternate.cuh, included only in those kernels).
@@ -43,6 +44,9 @@ struct MlaEpilogue;
 // An fp8 cache's Q, tiles and MMAs (mla_decode/fp8.cuh, included only in those kernels).
 template <class K>
 struct MlaFp8;
+// An fp8 cache widened in shared memory for the wgmma consumers (mla_decode/fp8_wgmma.cuh, only in those kernels).
+template <class K>
+struct MlaFp8Wgmma;
 
 template <class T, bool BF16, int DC, int DR, int ROWS, int BLOCK_N, int NUM_WARPS, int NUM_STAGES, bool QK_SHARD,
           bool PAGED, bool WGMMA, bool TMA, bool ALT, int KV_FP8 = 0>
@@ -56,7 +60,11 @@ struct MlaDecode {
   // (mla_decode/fp8.cuh)
   static constexpr int KV_FP8_ = KV_FP8;
   static constexpr bool FP8 = KV_FP8 != 0;
+  // fp8 on the wgmma kernel: a producer warpgroup past the NUM_WARPS consumer warps loads and widens the tiles
+  static constexpr bool PRODUCER_WG = FP8 && WGMMA;
+  static constexpr int PRODUCER_THREADS = PRODUCER_WG ? 128 : 0;
   using Fp8 = MlaFp8<MlaDecode>;
+  using Fp8Wgmma = MlaFp8Wgmma<MlaDecode>;
   using Tiles = MlaTiles<MlaDecode>;  // its tile pieces (mla_decode/tiles.cuh)
   using Producer = MlaProducer<MlaDecode>;
   using Consumer = MlaConsumer<MlaDecode>;
@@ -87,8 +95,9 @@ struct MlaDecode {
   static_assert(WARPS_M * WARPS_N == NUM_WARPS, "warp grid");
   static_assert(!WGMMA || (ROWS == 64 && NUM_WARPS == 8 && SN >= 16 && BLOCK_N <= 64), "wgmma shape");
   static_assert(!ALT || (TMA && !QK_SHARD && BLOCK_N == 64 && NUM_STAGES == 2 && DR <= 64), "alternate tiles");
-  static_assert(!FP8 || !(WGMMA || TMA), "fp8 tiles: mma.sync on the cp.async ring");
-  static constexpr int BARS = TMA ? NUM_STAGES * (ALT ? 2 : 1) : 0;  // mbarriers: a slot's, or each half's
+  static_assert(!FP8 || WGMMA == TMA, "fp8 tiles: mma.sync on the cp.async ring, or wgmma on the TMA ring");
+  // mbarriers: a slot's, each half's (ALT), or a slot's three (PRODUCER_WG: landed, widened, read)
+  static constexpr int BARS = TMA ? NUM_STAGES * (ALT ? 2 : PRODUCER_WG ? 3 : 1) : 0;
   static_assert(SN % 8 == 0 && BLOCK_N % 16 == 0 && ON % 16 == 0 && DQK % 32 == 0, "tile shape");
   static_assert(DC % 8 == 0 && DR % 8 == 0 && THREADS % (DC / 8) == 0 && THREADS % (DR / 8) == 0, "copies");
 
@@ -109,6 +118,14 @@ struct MlaDecode {
 #else
   static constexpr bool CAN_CLUSTER = false;
 #endif
+
+  // Where the consumer warps meet: the whole CTA, or (PRODUCER_WG) named barrier 1 of the consumers alone.
+  static __device__ __forceinline__ void consumers_sync() {
+    if constexpr (PRODUCER_WG)
+      asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory");
+    else
+      __syncthreads();
+  }
 
   // q_shift and o_scale: an fp8 cache's (MlaFp8::run): Q's power of two, O's factor.
   static __device__ __forceinline__ void run(const MlaParams<T>& p, const TmaDesc* maps = nullptr, int q_shift = 0,
@@ -151,10 +168,16 @@ struct MlaDecode {
     const int* table = PAGED ? p.block_table + batch * p.bt_sb : nullptr;
 
     // ---- Q: ROWS packed rows (rows past the last head of the last token are zeros) -----------------
-    if constexpr (FP8)
+    if constexpr (PRODUCER_WG) {
+      // the producer warpgroup's whole part (its threads leave here); the consumers go on with Q in place
+      if (Fp8Wgmma::start(p, maps, sQ, sRing, bar0, table, batch, seqlen, r_begin, rows_total, tile_begin, n_tiles,
+                          tid))
+        return;
+    } else if constexpr (FP8) {
       Fp8::load_q(p, sQ, batch, r_begin, rows_total, q_shift, tid);
-    else
+    } else {
       Producer::load_q(p, sQ, batch, r_begin, rows_total, tid);
+    }
 
     // Paged, cp.async: the table entries of the tile load_tile fills next, read a tile ahead (producer.cuh).
     auto pages_of = [&](int tile) {
@@ -169,14 +192,15 @@ struct MlaDecode {
       const int n0 = tile * BLOCK_N;
       const int2 pages = next_pages;
       if constexpr (PAGED) next_pages = pages_of(tile + 1);
-      if constexpr (FP8) {
+      if constexpr (FP8 && !WGMMA) {
         Fp8::load_tile(dst, p, batch, pages, n0, seqlen, tid);
       } else {
         Tiles::template load_cols<DC>(dst, 0, ckv, p.c_sb, p.c_ss, p, pages, n0, seqlen, tid);
         Tiles::template load_cols<DR>(dst, DC, kpe, p.p_sb, p.p_ss, p, pages, n0, seqlen, tid);
       }
     };
-    Producer::prologue(p, maps, sRing, bar0, table, batch, seqlen, tile_begin, n_tiles, tid, load_tile);
+    if constexpr (!PRODUCER_WG)
+      Producer::prologue(p, maps, sRing, bar0, table, batch, seqlen, tile_begin, n_tiles, tid, load_tile);
 
     int lim[2];
     Consumer::limits(p, r_begin + row0 + g, rows_total, seqlen, lim);
@@ -194,6 +218,9 @@ struct MlaDecode {
     if constexpr (ALT)
       MlaAlternate<MlaDecode>::run(p, maps, sQ, sRing, sP, sX, bar0, table, batch, seqlen, tile_begin, n_tiles, lim,
                                    acc_o, row_max, row_sum);
+    else if constexpr (PRODUCER_WG)
+      Fp8Wgmma::consume(p, sQ, sRing, sP, sRed, bar0, seqlen, tile_begin, n_tiles, lane, g, t, row0, key0, cg, lim,
+                        acc_s, acc_s2, mx, corr, acc_o, row_max, row_sum);
     else
       Walk::tiles(p, maps, sQ, sRing, sP, sRed, bar0, table, batch, seqlen, tile_begin, n_tiles, tid, lane, g, t, row0,
                   key0, cg, lim, load_tile, acc_s, acc_s2, mx, corr, acc_o, row_max, row_sum);

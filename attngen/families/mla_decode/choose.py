@@ -16,7 +16,7 @@ import functools
 from typing import NamedTuple
 
 from ...arch import Arch
-from ...spec import DType, Pipeline, replaced_if_valid, resolve
+from ...spec import DType, Mma, Pipeline, replaced_if_valid, resolve
 from ..decode.spec import KVDType
 from ..choice import Choice, DeviceFacts
 from ..split_kv import CLUSTER_MAX, choose_splits
@@ -68,8 +68,8 @@ def kv_evict_first(tma: bool, alternate: bool, num_splits: int, cluster: int) ->
 class Problem(NamedTuple):
     """An MLA decode call as the choice sees it. ``capacity``: the cache's positions a row (paged: its table's
     blocks times ``block_size``; 0 contiguous); ``num_splits``: 0 (chosen) or the caller's; ``tma_refused``: the
-    driver could not describe the cache as TMA maps (the TMA kernel's cp.async form runs); ``kv_dtype``: the cache's
-    fp8 format, None for q's dtype."""
+    driver could not describe the cache as TMA maps (the TMA kernel's cp.async form runs; an fp8 cache: the mma.sync
+    kernel); ``kv_dtype``: the cache's fp8 format, None for q's dtype."""
 
     kv_lora_rank: int = 512
     rope_dim: int = 64
@@ -162,7 +162,11 @@ def choose_spec(p: Problem, device: DeviceFacts) -> MlaDecodeSpec:
         if wide.wgmma:
             rows, rs = 64, wide
     if rs.tma and p.tma_refused:
-        rs = rs.replace(pipeline=Pipeline.SYNC)  # the same tiles
+        if rs.fp8:  # fp8 tiles are widened for wgmma only off the TMA ring: the mma.sync kernel of the cp.async one
+            sync = (user if user is not None else MlaDecodeSpec()).replace(mma=Mma.SYNC, pipeline=Pipeline.SYNC)
+            rs = resolved_spec(p.kv_lora_rank, p.rope_dim, p.dtype, rows, p.paged, sync, a.name, p.kv_dtype)
+        else:
+            rs = rs.replace(pipeline=Pipeline.SYNC)  # the same tiles
     row_blocks = -(-p.heads * p.q_len // rows)
     if (rows == 16 and rs.tma and whole_tiles and rs.cta_tile_kv == 64 and rs.num_stages == 2
             and (user is None or not (user.num_stages or user.num_warps))

@@ -63,11 +63,14 @@ def candidates(spec, arch: Arch):
     """(qk_shard, cta_tile_kv, num_warps, num_stages, mma, pipeline): on sm_90a the wgmma configs first
     (they fit only q_rows 64), each with the TMA ring and then with cp.async, then the mma_sync ones:
     measured configs, then every combination; those SPILLS_ON lists for the arch last. An fp8 cache (kv_dtype) takes
+    the wgmma configs on the TMA ring only, in the 16-bit order (mla_decode/fp8_wgmma.cuh; no alternate tiles), then
     the mma_sync configs on the cp.async ring only (mla_decode/fp8.cuh)."""
     fp8 = spec.kv_dtype is not None
-    if arch.has_wgmma and not fp8:
-        wg = itertools.chain(TUNED_WGMMA, [(A, 64, 2)], itertools.product((T, F), (64, 32), (4, 3, 2, 1)))
-        yield from ((shard, kv, 8, st, Mma.WGMMA, pipe) for shard, kv, st in wg for pipe in (Pipeline.TMA, Pipeline.SYNC))
+    if arch.has_wgmma:
+        wg = itertools.chain(TUNED_WGMMA, [] if fp8 else [(A, 64, 2)],
+                             itertools.product((T, F), (64, 32), (4, 3, 2, 1)))
+        pipes = (Pipeline.TMA,) if fp8 else (Pipeline.TMA, Pipeline.SYNC)
+        yield from ((shard, kv, 8, st, Mma.WGMMA, pipe) for shard, kv, st in wg for pipe in pipes)
     shard_order = (F, T) if arch.smem_per_block < SMALL_SMEM else (T, F)
     first = TUNED[spec.q_rows] if arch.smem_per_block >= SMALL_SMEM else []
     spills = (FP8_SPILLS_ON if fp8 else SPILLS_ON).get((spec.kv_lora_rank, spec.q_rows, spec.paged), {})

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from ... import runtime as _rt
 from ...errors import LaunchError
 from ...runtime import data_ptr, get_kernel, tensor_info
-from ...spec import Pipeline, op_spec
+from ...spec import Mma, Pipeline, op_spec
 from ..host import OpMemo, Plan
 from ..score_mods import checked_scale
 from ..split_kv import cache_lengths, check_rows, checked_splits, paged_table
@@ -22,8 +22,10 @@ from .spec import MlaDecodeSpec
 # pipeline=tma kernel takes MlaTmaParams: the ckv and kpe tensor maps first.
 _PARAMS = struct.Struct("<10Q14q9i2fi")
 _PARAMS_TMA = struct.Struct("<256s10Q14q9i2fi")
-# An fp8 cache's kernel takes MlaFp8Params (mla_decode/fp8.cuh): MlaParams, then k_scale's pointer and number.
+# An fp8 cache's kernel takes MlaFp8Params (mla_decode/fp8.cuh): MlaParams, then k_scale's pointer and number; on the
+# wgmma kernel (TMA) MlaFp8TmaParams: the maps of the fp8 ckv and kpe first.
 _PARAMS_FP8 = struct.Struct("<10Q14q9i2fiQf4x")
+_PARAMS_FP8_TMA = struct.Struct("<256s10Q14q9i2fiQf4x")
 _LOG2E = 1.4426950408889634
 MAX_Q_LEN = 4
 MAX_HEADS = 128
@@ -48,12 +50,15 @@ _memo = OpMemo(_make_plan)
 def _tensor_maps(cv, pe, spec: MlaDecodeSpec, block_size: int, fallback_ptr: int) -> bytes:
     """The TMA kernel's maps of ckv and kpe: 3-d (columns, positions or paged slots, cache rows or
     blocks), boxes of 64 columns (kpe's zero-filled past rope_dim) and of the rows the kernel issues
-    at once: the whole tile, or paged the largest power of two dividing the block size."""
-    rows = min(spec.cta_tile_kv, block_size & -block_size) if block_size else spec.cta_tile_kv
+    at once: the whole tile, or paged the largest power of two dividing the block size. An fp8 cache's (bytes,
+    unswizzled): boxes of at most 32 rows (mla_decode/fp8_wgmma.cuh lands them by runs of 32 keys)."""
+    most = 32 if spec.fp8 else spec.cta_tile_kv
+    rows = min(most, block_size & -block_size) if block_size else most
+    width = 1 if spec.fp8 else 2
 
     def one(t, name):
         return tiled_map(t.dtype, t.ptr or fallback_ptr, (t.shape[2], max(t.shape[1], 1), max(t.shape[0], 1)),
-                         (2 * t.strides[1], 2 * t.strides[0]), (64, rows, 1),
+                         (width * t.strides[1], width * t.strides[0]), (64, rows, 1),
                          lambda e: f"pipeline=tma: no TMA tensor map for {name} of shape {t.shape} with strides "
                                    f"{t.strides}: {e}; use a spec with pipeline=sync")
     return one(cv, "ckv_cache") + one(pe, "kpe_cache")
@@ -92,8 +97,10 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     An fp8 cache: ckv_cache and kpe_cache as ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (or uint8 bytes
     with a ``spec`` whose ``kv_dtype`` names the format), both of one format, with ``k_scale`` the one
     dequantisation scale of both (the cache holds values / k_scale): a number, or an fp32 device tensor of shape
-    [] or [1]; q stays fp16 or bf16 and the output is q's dtype. These run the mma.sync kernel on the cp.async
-    ring on every arch (sm_90a too), which widens the cache to fp16 in registers; no cluster merge.
+    [] or [1]; q stays fp16 or bf16 and the output is q's dtype. 64 packed query rows and more (64 or 128 heads) on
+    sm_90a run the wgmma kernel, whose producer warpgroup widens each tile into q's dtype in shared memory (its TMA
+    ring needs the caches as TMA maps: where the driver refuses them, the mma.sync kernel runs); every other call runs
+    the mma.sync kernel on the cp.async ring, which widens the cache to fp16 in registers; no cluster merge.
 
     ``score_mod``, ``mask_mod`` and ``aux`` (attngen.prefill's and attngen.decode's user variants) are refused here:
     the MLA kernels have no snippet site.
@@ -193,7 +200,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
         try:
             maps = _tensor_maps(cv, pe, rs, block_size, qn.ptr)
         except LaunchError:
-            if spec is not None and spec.pipeline is Pipeline.TMA:
+            if spec is not None and (spec.pipeline is Pipeline.TMA or (rs.fp8 and spec.mma is Mma.WGMMA)):
                 raise
             choice = _choose.choose(_choose.refused(problem), facts)  # the cp.async form of the same tiles
             rs = choice.spec
@@ -221,7 +228,9 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
         scale, scale * _LOG2E, int(lc.evict_first),
     )
     stream = plan.stream(dev)
-    if rs.fp8:
+    if rs.fp8 and maps is not None:
+        kern.launch_struct(_PARAMS_FP8_TMA, lc.grid(b), stream, maps, *values, k_ptr, k_num, cluster_x=cluster)
+    elif rs.fp8:
         kern.launch_struct(_PARAMS_FP8, lc.grid(b), stream, *values, k_ptr, k_num, cluster_x=cluster)
     elif maps is None:
         kern.launch_struct(_PARAMS, lc.grid(b), stream, *values, cluster_x=cluster)

@@ -69,8 +69,10 @@ class MlaDecodeSpec(SpecBase):
     cache tile from shared memory through descriptors instead of per-warp ``ldmatrix``.
     ``pipeline=tma`` (sm_90a, the default there with either ``mma``) has one thread load the cache
     tiles as TMA boxes into an mbarrier ring instead of every thread issuing cp.async.
-    ``kv_dtype`` (``fp8_e4m3``, ``fp8_e5m2``; None: the cache in q's dtype) reads an fp8 cache, widened to fp16
-    in registers by the mma.sync kernel on the cp.async ring (any arch; on sm_90a too).
+    ``kv_dtype`` (``fp8_e4m3``, ``fp8_e5m2``; None: the cache in q's dtype) reads an fp8 cache: the mma.sync kernel
+    on the cp.async ring widens it to fp16 in registers (any arch), the wgmma kernel on the TMA ring (sm_90a, 64
+    rows, 32- or 64-key tiles) into q's dtype in shared memory, by a producer warpgroup of its own (128 threads
+    more).
     """
 
     family: ClassVar[str] = "mla_decode"
@@ -114,12 +116,17 @@ class MlaDecodeSpec(SpecBase):
         s(self, "num_stages", coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
         s(self, "mma", coerce_enum(Mma, "mma", self.mma))
         s(self, "pipeline", coerce_enum(Pipeline, "pipeline", self.pipeline))
-        if self.fp8 and (self.wgmma or self.tma or self.alternate):
-            raise SpecError("kv_dtype", self.kv_dtype.value, "unset (the cache in q's dtype), or an fp8 cache with "
-                            "mma=mma_sync, pipeline=sync and qk_shard true or false",
-                            reason=f"fp8 tiles are read by the mma.sync kernel on the cp.async ring; the spec has "
-                                   f"mma={self.mma.value}, pipeline={self.pipeline.value}, "
-                                   f"qk_shard={self.qk_shard.value}")
+        # (pins that contradict each other only; a resolved spec's pair is checked by check)
+        if self.fp8 and (self.alternate or (self.wgmma and self.pipeline is Pipeline.SYNC)
+                         or (self.tma and self.mma is Mma.SYNC)):
+            self._refuse_fp8()
+
+    def _refuse_fp8(self):
+        raise SpecError("kv_dtype", self.kv_dtype.value, "unset (the cache in q's dtype), or an fp8 cache with "
+                        "mma=mma_sync and pipeline=sync, or mma=wgmma and pipeline=tma, and qk_shard true or false",
+                        reason=f"fp8 tiles are read by the mma.sync kernel on the cp.async ring or, widened in shared "
+                               f"memory, by the wgmma kernel on the TMA ring; the spec has mma={self.mma.value}, "
+                               f"pipeline={self.pipeline.value}, qk_shard={self.qk_shard.value}")
 
     @staticmethod
     def rows_for(heads: int, q_len: int) -> int:
@@ -172,9 +179,15 @@ class MlaDecodeSpec(SpecBase):
         return self.num_warps // self.warps_m
 
     @property
+    def producer_wg(self) -> bool:
+        """An fp8 cache on the wgmma kernel: a producer warpgroup (loads and widens the tiles) past the num_warps
+        consumer warps (``PRODUCER_WG`` in mla_decode/fwd.cuh)."""
+        return self.fp8 and self.wgmma
+
+    @property
     def threads(self) -> int:
         self._require_resolved("threads")
-        return 32 * self.num_warps
+        return 32 * self.num_warps + (128 if self.producer_wg else 0)
 
     def smem_bytes(self) -> int:
         """Q, the ring of cache tiles (ckv and kpe in one row), P when sharded, and the row exchange
@@ -185,15 +198,17 @@ class MlaDecodeSpec(SpecBase):
         one 8-byte mbarrier a stage (two with qk_shard=alternate, one per half of the tile). Alternate
         tiles keep P of one warpgroup where Q's rope block was (that block moves to registers), of the
         other in its own block, and four floats a row for the row maxima and their rescale factors. An fp8 cache's
-        ring holds rows of ``fp8_row_bytes``; its Q (fp16) and P as the 16-bit kernel's."""
+        mma.sync ring holds rows of ``fp8_row_bytes``, its Q (fp16) and P as the 16-bit kernel's; on the wgmma kernel
+        everything is the 16-bit kernel's (the fp8 tile lands inside the slot it is widened in) but three mbarriers a
+        stage."""
         self._require_resolved("smem_bytes")
         q_elems, row, p_row, slack = self._layout()
-        elems = q_elems + (self.num_stages * self.cta_tile_kv * self.fp8_row_bytes // 2 if self.fp8
+        elems = q_elems + (self.num_stages * self.cta_tile_kv * self.fp8_row_bytes // 2 if self.fp8 and not self.wgmma
                            else self.num_stages * self.cta_tile_kv * row)
         if self.sharded or self.alternate:
             elems += self.q_rows * p_row
         floats = self.warps_n * self.q_rows + (4 * self.q_rows if self.alternate else 0)
-        bars = self.num_stages * (2 if self.alternate else 1) if self.tma else 0
+        bars = self.num_stages * (2 if self.alternate else 3 if self.producer_wg else 1) if self.tma else 0
         return 2 * elems + 4 * floats + slack + 8 * bars
 
     def _layout(self) -> tuple[int, int, int, int]:
@@ -263,6 +278,8 @@ class MlaDecodeSpec(SpecBase):
                                    f"and two stages (mma=wgmma, pipeline=tma, cta_tile_kv=64, num_stages=2); the spec "
                                    f"has mma={self.mma.value}, pipeline={self.pipeline.value}, "
                                    f"cta_tile_kv={self.cta_tile_kv}, num_stages={self.num_stages}")
+        if self.fp8 and self.wgmma != self.tma:
+            self._refuse_fp8()
         if self.wgmma:
             self._check_wgmma(a)
         elif self.tma and not a.has_wgmma:
@@ -276,6 +293,9 @@ class MlaDecodeSpec(SpecBase):
                             reason=f"wgmma takes q_rows=64 on num_warps=8 (two warpgroups of 64 rows, one per half "
                                    f"of the output columns); the spec has q_rows={self.q_rows}, "
                                    f"num_warps={self.num_warps}")
+        if self.fp8 and self.cta_tile_kv < 32:
+            raise SpecError("cta_tile_kv", self.cta_tile_kv, "32, 64",
+                            reason="an fp8 tile is widened by runs of 32 keys (mla_decode/fp8_wgmma.cuh)")
         keys = self.cta_tile_kv // 2 if self.sharded else self.cta_tile_kv
         if keys < 16:
             raise SpecError("cta_tile_kv", self.cta_tile_kv, "32, 64" if self.sharded else "16, 32, 64",
