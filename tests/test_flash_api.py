@@ -176,7 +176,10 @@ def test_score_modifiers_are_spec_fields_in_the_key():
     assert a.softcap and not a.alibi and b.alibi and not b.softcap
     assert a.kernel_name != attngen.PrefillSpec(head_dim=128).kernel_name
     src = attngen.render(attngen.resolve(a, "sm_90a"))
-    assert "constexpr bool SOFTCAP = true;" in src and "constexpr bool ALIBI = false;" in src
+    # the switches turn on the library variants they name (templates/common/variant.cuh), in their order
+    assert "using Logits = Variants<Softcap>;" in src
+    both = attngen.parse_spec("prefill:head_dim=128,softcap=true,alibi=true")
+    assert "using Logits = Variants<Softcap, Alibi>;" in attngen.render(attngen.resolve(both, "sm_90a"))
 
 
 def _reference_kernels(monkeypatch, seen):
