@@ -82,7 +82,7 @@ struct Alibi : VariantBase {
 
 // A sliding window: key kv is seen from q where q - left <= kv <= q + right; a side of -1 is unbounded (left, right
 // in State; the families read them from their params). first_key / last_key are the window's edges about q before
-// any clamp to the sequence, for the families' key ranges (prefill/mask.cuh's KeyRange, decode's key bounds).
+// any clamp to the sequence, from which prefill/mask.cuh's KeyRange builds a row's keys and the tiles it walks.
 struct Window : VariantBase {
   static constexpr bool MASK = true;
   struct State {
@@ -100,7 +100,9 @@ struct Window : VariantBase {
   }
 };
 
-// Causal: the window (-1, 0), each query sees the keys up to its own position.
+// Causal: the window (-1, 0), each query sees the keys up to its own position. (The states of Causal and NoMask are
+// built field by field: returned as the aggregate {-1, 0}, the constant struct's copy changed the PTX and the machine
+// code of prefill's causal kernels on sm_120.)
 struct Causal : Window {
   template <class P>
   static __device__ __forceinline__ State state(const P&, int, int) {
