@@ -75,6 +75,13 @@ class Pipeline(enum.Enum):
         return self is not Pipeline.AUTO
 
 
+def variant_list(*switches: tuple[str, bool]) -> str:
+    """The library variants (templates/common/variant.cuh) a spec's switches turn on, as the arguments of the
+    template's ``Variants<...>``: the names whose switch is on, in the order given, which is the order they apply in
+    (docs/variants.md "Order")."""
+    return ", ".join(name for name, on in switches if on)
+
+
 def allowed_text(values) -> str:
     return ", ".join(str(v.value if isinstance(v, enum.Enum) else v) for v in values)
 

@@ -40,7 +40,8 @@ def _merge_call(src: str) -> str:
 def test_the_switch_reaches_the_shape_and_the_merge(variant):
     on = render(resolve(DecodeSpec(head_dim=128, variant=variant, sinks=True), "sm_90a"))
     off = render(resolve(DecodeSpec(head_dim=128, variant=variant), "sm_90a"))
-    assert _shape_args(on).endswith("false, false, false, true>>") and _shape_args(off).endswith("false>>")
+    # (the shape's arguments end with the logits variants, local, sinks)
+    assert _shape_args(on).endswith("Logits, false, true>>") and _shape_args(off).endswith("Logits, false, false>>")
     assert _merge_call(on).endswith(", 1, true>(params)") and _merge_call(off).endswith(", 1, false>(params)")
 
 

@@ -165,9 +165,10 @@ def test_local_is_a_spec_switch_in_the_key():
     a = attngen.parse_spec("decode:head_dim=128,local=true")
     assert a.local and a.kernel_name != attngen.DecodeSpec(head_dim=128).kernel_name
     src = attngen.render(attngen.resolve(a, "sm_90a"))
-    # the shape's template arguments end with softcap, alibi, local, sinks
+    # the shape's template arguments end with the logits variants (none here), local, sinks
     head = " ".join(src[src.index("using Kernel = Decode<DecodeShape<"):].split(";")[0].split())
-    assert head.endswith("false, false, true, false>>"), head
+    assert head.endswith("Logits, true, false>>"), head
+    assert "using Logits = Variants<>;" in src
 
 
 def test_score_modifiers_are_spec_fields_in_the_key():
@@ -176,7 +177,11 @@ def test_score_modifiers_are_spec_fields_in_the_key():
     assert a.softcap and not a.alibi and b.alibi and not b.softcap
     assert a.kernel_name != attngen.PrefillSpec(head_dim=128).kernel_name
     src = attngen.render(attngen.resolve(a, "sm_90a"))
-    assert "constexpr bool SOFTCAP = true;" in src and "constexpr bool ALIBI = false;" in src
+    # the switches turn on the library variants they name (templates/common/variant.cuh), in their order
+    assert "using Logits = Variants<Softcap>;" in src
+    assert "using Logits = Variants<Alibi>;" in attngen.render(attngen.resolve(b, "sm_90a"))
+    both = attngen.parse_spec("prefill:head_dim=128,softcap=true,alibi=true")
+    assert "using Logits = Variants<Softcap, Alibi>;" in attngen.render(attngen.resolve(both, "sm_90a"))
 
 
 def _reference_kernels(monkeypatch, seen):

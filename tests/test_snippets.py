@@ -44,12 +44,15 @@ def test_off_by_default_and_left_out_of_the_dict():
 def test_a_kernel_without_snippets_has_none_of_their_code(spec):
     # (the default kernels' machine code stays as it was: tools/cubin_digests.py; here, their source's part of it)
     source = render(resolve(spec, "sm_90a"))
-    # the plain headers' snippet code is compiled only where ATTNGEN_MODS is defined; prefill's steps have none at all
+    # the plain headers' snippet code (the UserMods variant, decode's user_mods) is compiled only where ATTNGEN_MODS
+    # is defined; prefill's steps have none at all
     assert "#define ATTNGEN_MODS" not in source and "ModArgs mods;" in source
     if spec.family == "prefill":
-        assert "user_score_mod(" not in source and "user_mask_mod(" not in source
+        assert "#ifdef ATTNGEN_MODS\n// The user's snippets" in source and "user_score_mod(p.mods" in source
+        assert "UserMods::" not in source
     on = render(resolve(spec.replace(mask_mod="return true;"), "sm_90a"))
-    assert "#define ATTNGEN_MODS 1" in on and on.count("user_mask_mod(") >= 2
+    assert "#define ATTNGEN_MODS 1" in on and "UserMods::keep(" in on
+    assert on.count("user_mask_mod(") >= 3  # declared, defined, called by UserMods::keep
 
 
 def test_text_shows_a_hash_that_is_not_read_back():

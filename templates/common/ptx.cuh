@@ -158,17 +158,6 @@ __device__ __forceinline__ float fast_tanh(float x) {
   return y;
 }
 
-// The score transforms FlashAttention applies before the mask, on a raw q.k value s (the
-// softmax multiplies by sm_scale later): logit capping, cap * tanh(s * sm_scale / cap), then
-// the ALiBi bias -slope * |query position - key position|; both kept in raw units (divided by
-// sm_scale). cap_u = cap / sm_scale, inv_cap_u = sm_scale / cap, slope_u = slope / sm_scale.
-template <bool SOFTCAP, bool ALIBI>
-__device__ __forceinline__ float score_transform(float s, float cap_u, float inv_cap_u, float slope_u, int dist) {
-  if constexpr (SOFTCAP) s = cap_u * fast_tanh(s * inv_cap_u);
-  if constexpr (ALIBI) s -= slope_u * fabsf(float(dist));
-  return s;
-}
-
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

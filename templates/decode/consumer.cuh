@@ -8,7 +8,8 @@ struct DecodeConsumer {
   using L = typename S::L;
   using Cta = typename S::Cta;
   using Lane = typename S::Lane;
-  static constexpr bool BF16 = S::BF16, Q_IN_REGS = S::Q_IN_REGS, SOFTCAP = S::SOFTCAP, ALIBI = S::ALIBI;
+  using V = typename S::V;  // the logits transforms (common/variant.cuh)
+  static constexpr bool BF16 = S::BF16, Q_IN_REGS = S::Q_IN_REGS;
   static constexpr bool LOCAL = S::LOCAL, TREE = S::TREE;
   static constexpr int M_TILES = S::M_TILES, KW = S::KW, KW_TILES = S::KW_TILES, K_STEPS = S::K_STEPS;
   static constexpr int D_TILES = S::D_TILES, D_OUT = S::D_OUT, D_PARTS = S::D_PARTS;
@@ -135,23 +136,23 @@ struct DecodeConsumer {
         }
       }
     }
-    if constexpr (SOFTCAP || ALIBI) {
+    if constexpr (V::LOGITS) {
       const int col0 = n0 + l.key0 + 2 * l.t;
 #pragma unroll
       for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          // The packed row's query head and position (lim: the last key it sees, its own).
+          // The packed row's query head and position (lim: the last key it sees, its own); its state (ALiBi: the
+          // head's slope).
           const int row = l.row(mt, r);
-          const float slope_u =
-              ALIBI ? p.alibi[c.batch * p.alibi_sb + c.kv_head * p.group + row % p.group] / p.sm_scale : 0.f;
+          const int head = c.kv_head * p.group + row % p.group;
+          const typename V::State vstate = V::state(p, c.batch, head);
 #pragma unroll
           for (int n = 0; n < KW_TILES; ++n)
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-              acc_s[mt][n][2 * r + e] = score_transform<SOFTCAP, ALIBI>(acc_s[mt][n][2 * r + e], p.softcap_u,
-                                                                        p.inv_softcap_u, slope_u,
-                                                                        lim[mt][r] - (col0 + n * 8 + e));
+              acc_s[mt][n][2 * r + e] =
+                  V::logits(p, vstate, acc_s[mt][n][2 * r + e], Pair(c.batch, head, lim[mt][r], col0 + n * 8 + e));
         }
     }
 #ifdef ATTNGEN_MODS
@@ -203,15 +204,16 @@ struct DecodeConsumer {
   }
 
 #ifdef ATTNGEN_MODS
-  // A user's mask_mod and score_mod (spec mask_mod, score_mod), after softcap and ALiBi and before the key bounds:
-  // on the packed rows that exist, the keys before the row's length and positions >= 0 only, so that a snippet's aux
-  // reads stay in bounds (a token placed before position 0, in a row shorter than q_len: mask_mod drops its keys,
-  // score_mod leaves them). b is the batch row, h the query head, q_idx the token's position (seqlen - q_len + its
-  // index), kv_idx the key's cache position; score_mod sees the logit (times sm_scale), the scores stay in q.k units.
+  // A user's mask_mod and score_mod (the UserMods variant: spec mask_mod, score_mod), after softcap and ALiBi and
+  // before the key bounds: on the packed rows that exist, the keys before the row's length and positions >= 0 only,
+  // so that a snippet's aux reads stay in bounds (a token placed before position 0, in a row shorter than q_len:
+  // mask_mod drops its keys, score_mod leaves them). b is the batch row, h the query head, q_idx the token's position
+  // (seqlen - q_len + its index), kv_idx the key's cache position; score_mod sees the logit (times sm_scale), the
+  // scores stay in q.k units.
   static __device__ __forceinline__ void user_mods(float (&acc_s)[M_TILES][KW_TILES][4], int n0,
                                                    const DecodeParams<T>& p, const Cta& c, const Lane& l) {
     const int col0 = n0 + l.key0 + 2 * l.t;
-    const float inv_scale = 1.f / p.sm_scale;
+    const UserMods::State mod_st = UserMods::state(p, c.batch, 0);
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -228,13 +230,13 @@ struct DecodeConsumer {
             if (j >= c.seqlen) continue;
             float& s = acc_s[mt][n][2 * r + e];
 #ifdef ATTNGEN_MASK_MOD
-            if (pos < 0 || !user_mask_mod(p.mods, c.batch, head, pos, j)) {
+            if (pos < 0 || !UserMods::keep(p, mod_st, Pair(c.batch, head, pos, j))) {
               s = -ATTNGEN_INF;
               continue;
             }
 #endif
 #ifdef ATTNGEN_SCORE_MOD
-            if (pos >= 0) s = user_score_mod(p.mods, s * p.sm_scale, c.batch, head, pos, j) * inv_scale;
+            if (pos >= 0) s = UserMods::logits(p, mod_st, s, Pair(c.batch, head, pos, j));
 #endif
           }
       }

@@ -68,12 +68,13 @@ struct DecodeParams {
 // keys of each tile (KW keys each). The pieces of the kernel (producer, consumer, end) are templated on this
 // struct and read its members; the template parameters carry a trailing _ so the members can take their names.
 template <class T_, bool BF16_, int HEAD_DIM_, int ROWS_, int BLOCK_N_, int NUM_WARPS_, int WARPS_M_, int NUM_STAGES_,
-          bool PAGED_, bool Q_IN_REGS_, bool SOFTCAP_ = false, bool ALIBI_ = false, bool LOCAL_ = false,
+          bool PAGED_, bool Q_IN_REGS_, class V_ = Variants<>, bool LOCAL_ = false,
           bool SINKS_ = false, int KV_FP8_ = 0, bool VARLEN_ = false, bool TREE_ = false>
 struct DecodeShape {
   using T = T_;
   static constexpr bool BF16 = BF16_, PAGED = PAGED_, Q_IN_REGS = Q_IN_REGS_;
-  static constexpr bool SOFTCAP = SOFTCAP_, ALIBI = ALIBI_, LOCAL = LOCAL_, SINKS = SINKS_;
+  using V = V_;  // the logits transforms the spec turns on (common/variant.cuh)
+  static constexpr bool LOCAL = LOCAL_, SINKS = SINKS_;
   static constexpr bool VARLEN = VARLEN_, TREE = TREE_;  // a packed, ragged q; tree masks over its draft tokens
   static constexpr int KV_FP8 = KV_FP8_;  // the cache's format: 0 q's dtype, 1 e4m3, 2 e5m2 (decode/fp8.cuh)
   static constexpr int HEAD_DIM = HEAD_DIM_, ROWS = ROWS_, BLOCK_N = BLOCK_N_;

@@ -188,12 +188,12 @@ struct ChunkedConsumer {
     }
   }
 
-  // The score transforms (softcap, ALiBi) and the mask on this warp's S block of the tile at key n0.
+  // The logits transforms (K::V: softcap, ALiBi) and the mask on this warp's S block of the tile at key n0.
   __device__ __forceinline__ static void scores(const PrefillParams<T>& p, const ChunkedCta<K>& cta, int n0,
                                                 float (&acc_s)[MT][SN / 8][4]) {
     const int row0 = cta.row0, g = cta.g;
     const int col0 = n0 + cta.cg * SN + 2 * cta.t;
-    if constexpr (K::SOFTCAP || K::ALIBI) {
+    if constexpr (K::V::LOGITS) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -203,8 +203,8 @@ struct ChunkedConsumer {
           for (int n = 0; n < SN / 8; ++n)
 #pragma unroll
             for (int c = 0; c < 2; ++c)
-              acc_s[mt][n][2 * r + c] = score_transform<K::SOFTCAP, K::ALIBI>(
-                  acc_s[mt][n][2 * r + c], p.softcap_u, p.inv_softcap_u, cta.alibi_u, pos - (col0 + n * 8 + c));
+              acc_s[mt][n][2 * r + c] = K::V::logits(p, cta.vstate, acc_s[mt][n][2 * r + c],
+                                                     Pair(cta.batch, cta.head, pos, col0 + n * 8 + c));
         }
     }
     if (!cta.keys.all_visible(cta.warp_lo, cta.warp_hi, n0 + cta.cg * SN, n0 + cta.cg * SN + SN)) {

@@ -34,12 +34,13 @@ __device__ __forceinline__ int chunked_opaque(int x) {
 
 // (DV is the columns one CTA computes: its split of head_dim_v.)
 template <class T_, bool BF16_, int DQK_, int DV_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_, int NUM_STAGES_, int DK_,
-          int VK_, int VCW_, int MASK_, bool RETURN_LSE_, bool SOFTCAP_, bool ALIBI_, bool SINKS_, bool VARLEN_,
+          int VK_, int VCW_, int MASK_, bool RETURN_LSE_, class V_, bool SINKS_, bool VARLEN_,
           bool WGMMA_, int V_SPLITS_, bool QK_PAIR_, bool TMA_>
 struct ChunkedTraits {
   using T = T_;
-  static constexpr bool BF16 = BF16_, RETURN_LSE = RETURN_LSE_, SOFTCAP = SOFTCAP_, ALIBI = ALIBI_, SINKS = SINKS_,
+  static constexpr bool BF16 = BF16_, RETURN_LSE = RETURN_LSE_, SINKS = SINKS_,
                         VARLEN = VARLEN_, WGMMA = WGMMA_, QK_PAIR = QK_PAIR_, TMA = TMA_;
+  using V = V_;  // the logits transforms the spec turns on (common/variant.cuh)
   static constexpr int DQK = DQK_, DV = DV_, BLOCK_M = BLOCK_M_, BLOCK_N = BLOCK_N_, NUM_WARPS = NUM_WARPS_,
                        NUM_STAGES = NUM_STAGES_, DK = DK_, VK = VK_, VCW = VCW_, MASK = MASK_, V_SPLITS = V_SPLITS_;
 

@@ -49,7 +49,7 @@ struct ChunkedCta {
   int kv_head, m0, m_last;
   KeyRange keys;
   int tile_begin, n_tiles;
-  float alibi_u;
+  typename K::V::State vstate;  // the logits transforms' (ALiBi: the head's slope)
   const T* gQ;
   const T* gK;
   const T* gV;
@@ -81,12 +81,12 @@ struct ChunkedCta {
     m0 = m_block * K::BLOCK_M;
     m_last = min(m0 + K::BLOCK_M, seqlen_q) - 1;
 
-    keys = key_range<K::MASK>(seqlen_q, seqlen_k, p.win_left, p.win_right);
+    keys = key_range<K::MASK>(seqlen_q, seqlen_k, p);
     const KeyRange::Span span = keys.tiles<K::BLOCK_N>(m0, m_last);
     tile_begin = span.first;
     n_tiles = span.count;
 
-    alibi_u = K::ALIBI ? p.alibi[batch * p.alibi_sb + head] / p.sm_scale : 0.f;
+    vstate = K::V::state(p, batch, head);
     // (QK_PAIR: this CTA's half of the QK columns, vs being its rank in the cluster)
     gQ = p.q + (K::VARLEN ? 0 : batch * p.q_sb) + head * p.q_sh + (q_row0 + m0) * p.q_ss +
          (K::QK_PAIR ? vs * K::QK_COLS : 0);

@@ -20,12 +20,12 @@
 // softmax and epilogue are the same code.
 namespace attngen {
 
-template <bool SOFTCAP, bool ALIBI, int M_TILES, int N_TILES, class T>
+// The logits transforms V (softcap, ALiBi: common/variant.cuh) on this warp's scores, before the masks.
+template <class V, int M_TILES, int N_TILES, class T>
 __device__ __forceinline__ void transform_scores(float (&acc_s)[M_TILES][N_TILES][4], const PrefillParams<T>& p,
                                                  const KeyRange& keys, int m0, int warp_row0, int n0, int g, int t,
-                                                 float alibi_u) {
-  // ---- logit capping and ALiBi, before the mask ----------------------------------------------
-  if constexpr (SOFTCAP || ALIBI) {
+                                                 const typename V::State& vstate, int batch, int head) {
+  if constexpr (V::LOGITS) {
     const int col0 = n0 + 2 * t;
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
@@ -36,8 +36,8 @@ __device__ __forceinline__ void transform_scores(float (&acc_s)[M_TILES][N_TILES
         for (int n = 0; n < N_TILES; ++n)
 #pragma unroll
           for (int c = 0; c < 2; ++c)
-            acc_s[mt][n][2 * r + c] = score_transform<SOFTCAP, ALIBI>(
-                acc_s[mt][n][2 * r + c], p.softcap_u, p.inv_softcap_u, alibi_u, pos - (col0 + n * 8 + c));
+            acc_s[mt][n][2 * r + c] =
+                V::logits(p, vstate, acc_s[mt][n][2 * r + c], Pair(batch, head, pos, col0 + n * 8 + c));
       }
   }
 }

@@ -29,7 +29,7 @@ __device__ __forceinline__ void mod_tiles(const ModPlanParams& mp) {
   __syncthreads();
   const int kt = blockIdx.x, qt = blockIdx.y, unit = blockIdx.z;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const KeyRange keys = key_range<MASK>(p.seqlen_q, p.seqlen_k, p.win_left, p.win_right);
+  const KeyRange keys = key_range<MASK>(p.seqlen_q, p.seqlen_k, p);
   const int m0 = qt * BLOCK_M, n0 = kt * BLOCK_N;
   const KeyRange::Span span = keys.tiles<BLOCK_N>(m0, min(m0 + BLOCK_M, p.seqlen_q) - 1);
   if (kt >= span.first && kt < span.first + span.count) {  // else dead by the built-in mask alone
@@ -45,7 +45,7 @@ __device__ __forceinline__ void mod_tiles(const ModPlanParams& mp) {
       const int lo = max(keys.lo(i), n0), hi = min(keys.hi(i), n0 + BLOCK_N);
       bool keep = false, drop = false;
       for (int j = lo + lane; j < hi; j += 32) {
-        const bool k = q_idx >= 0 && user_mask_mod(mp.mods, b, h, q_idx, j);
+        const bool k = q_idx >= 0 && UserMods::keep(mp, {}, Pair(b, h, q_idx, j));
         keep |= k;
         drop |= !k;
       }

@@ -102,7 +102,7 @@ __device__ __forceinline__ void mask_tiles_of(const PlanParams& p) {
   __syncthreads();
   const int unit = blockIdx.z, qt = blockIdx.y;
   const int key0 = blockIdx.x * 1024;
-  const KeyRange keys = key_range<MASK>(p.seqlen_q, p.seqlen_k, p.win_left, p.win_right);
+  const KeyRange keys = key_range<MASK>(p.seqlen_q, p.seqlen_k, p);
   const R* m = static_cast<const R*>(p.mask) + (p.units_b > 1 ? unit / p.units_h : 0) * p.m_sb +
                (p.units_h > 1 ? unit % p.units_h : 0) * p.m_sh;
   const bool vec = (reinterpret_cast<unsigned long long>(m) & 15) == 0 && (p.m_sq * sizeof(R)) % 16 == 0;
@@ -308,7 +308,7 @@ __device__ __forceinline__ void order_work(const PlanParams& p) {
       const int qt = i - p.scratch[lo];
       int sq, sk;
       varlen_lengths(p, lo, sq, sk);
-      const KeyRange keys = key_range<MASK>(sq, sk, p.win_left, p.win_right);
+      const KeyRange keys = key_range<MASK>(sq, sk, p);
       const int m0 = qt * BLOCK_M;
       work = keys.tiles<BLOCK_N>(m0, min(m0 + BLOCK_M, sq) - 1).count;
       return make_int2(lo, qt);

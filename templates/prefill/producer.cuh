@@ -116,7 +116,7 @@ struct FwdProducer {
       int m_block, head, batch, seqlen_q, seqlen_k;
       if (!walk.tile(p, m_block, head, batch, seqlen_q, seqlen_k)) break;
       const int m0 = m_block * K::BLOCK_M;
-      const KeyRange keys = key_range<K::MASK>(seqlen_q, seqlen_k, p.win_left, p.win_right);
+      const KeyRange keys = key_range<K::MASK>(seqlen_q, seqlen_k, p);
       const KeyRange::Span span = keys.tiles<K::BLOCK_N>(m0, min(m0 + K::BLOCK_M, seqlen_q) - 1);
       produce(p, maps, sQ, sK, sV, bars, pass, ring, m0, head, head / p.group, batch, span.first, span.count, 0, 0);
       ring += span.count;

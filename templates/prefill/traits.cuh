@@ -7,7 +7,7 @@ namespace attngen {
 
 template <class T_, bool BF16_, int HEAD_DIM_, int HEAD_DIM_V_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_,
           int NUM_STAGES_, int MASK_, bool RETURN_LSE_, bool Q_IN_REGS_, int ROW_ELEMS_, int ROW_ELEMS_V_,
-          bool SWIZZLE_, bool SWIZZLE_V_, bool WGMMA_, bool SOFTCAP_, bool ALIBI_, bool VARLEN_, bool PAGED_,
+          bool SWIZZLE_, bool SWIZZLE_V_, bool WGMMA_, class V_, bool VARLEN_, bool PAGED_,
           bool MASK_LIST_, int TMA_CTAS_, bool OVERLAP_, bool PINGPONG_, bool PERSISTENT_, bool O_IN_Q_>
 struct FwdTraits {
   using T = T_;
@@ -26,8 +26,7 @@ struct FwdTraits {
   static constexpr bool SWIZZLE = SWIZZLE_;
   static constexpr bool SWIZZLE_V = SWIZZLE_V_;
   static constexpr bool WGMMA = WGMMA_;
-  static constexpr bool SOFTCAP = SOFTCAP_;
-  static constexpr bool ALIBI = ALIBI_;
+  using V = V_;  // the logits transforms the spec turns on (common/variant.cuh)
   static constexpr bool VARLEN = VARLEN_;
   static constexpr bool PAGED = PAGED_;
   static constexpr bool MASK_LIST = MASK_LIST_;

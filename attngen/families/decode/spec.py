@@ -13,7 +13,7 @@ from typing import ClassVar
 from ...arch import Arch
 from ...errors import SpecError
 from .. import snippets
-from ...spec import DType, SpecBase, check_smem, coerce_bool, coerce_enum, coerce_int
+from ...spec import DType, SpecBase, check_smem, coerce_bool, coerce_enum, coerce_int, variant_list
 
 # Threads of a decode module's `_merge` entry: one warp per output row.
 MERGE_THREADS = 128
@@ -307,6 +307,7 @@ class DecodeSpec(SpecBase):
     def template_context(self) -> dict:
         ctx = super().template_context()
         ctx.update(snippets.template_context(self.score_mod, self.mask_mod, self.aux))
+        ctx.update(logits_variants=variant_list(("Softcap", self.softcap), ("Alibi", self.alibi)))
         ctx.update(varlen_q=self.varlen_q, tree=self.tree, page_rows=self.page_rows)
         ctx.update(q_in_regs=self.q_in_regs, warps_m=self.warps_m, merge_threads=MERGE_THREADS,
                    kv_fp8=0 if self.kv_dtype is None else 1 + list(KVDType).index(self.kv_dtype))

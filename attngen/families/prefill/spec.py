@@ -18,7 +18,7 @@ from ...errors import SpecError
 from . import fit
 from .. import snippets
 from ...spec import (DType, Mma, Pipeline, SpecBase, allowed_text, check_smem, check_wgmma_arch, coerce_bool,
-                     coerce_enum, coerce_int)
+                     coerce_enum, coerce_int, variant_list)
 
 # The TMA kernels' arch: where a persistent kernel's O tile of its own does not fit, O goes into Q's (o_in_q).
 _SM90A_SMEM = get_arch("sm_90a").smem_per_block
@@ -511,6 +511,7 @@ class PrefillSpec(SpecBase):
     def template_context(self) -> dict:
         ctx = super().template_context()
         ctx.update(snippets.template_context(self.score_mod, self.mask_mod, self.aux))
+        ctx.update(logits_variants=variant_list(("Softcap", self.softcap), ("Alibi", self.alibi)))
         ctx.update(dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask], tma=self.tma, overlap=self.overlapped,
                    pingpong=self.schedule is Schedule.PINGPONG, persistent=self.is_persistent, qk_pair=self.qk_pair,
                    o_in_q=self.o_in_q, page_rows=self.page_rows)
