@@ -12,6 +12,8 @@ FAMILY = register(Family(
     candidates=candidates,
     reachable=reachable,
     template="decode/decode.cu.jinja",
+    # The snippets' code (ModArgs, the accessors, the two functions) is pasted into the source from there.
+    context_modules=("attngen.families.snippets",),
     summary="q_len 1..8 against a KV cache (contiguous or paged), GQA-packed, split-KV with an LSE merge",
     tuning="attngen.families.decode.tuning",
     exports={"decode": decode, "DecodeSpec": DecodeSpec, "Variant": Variant},

@@ -14,6 +14,8 @@ FAMILY = register(Family(
     candidates=candidates,
     reachable=reachable,
     template="prefill/prefill.cu.jinja",
+    # The snippets' code (ModArgs, the accessors, the two functions) is pasted into the source from there.
+    context_modules=("attngen.families.snippets",),
     summary="attention forward: dense, varlen or paged; causal, sliding window, custom masks (live-tile lists), GQA",
     tuning="attngen.families.prefill.tuning",
     exports={"prefill": prefill, "prefill_varlen": prefill_varlen, "mask_plan": mask_plan, "MaskPlan": MaskPlan,
