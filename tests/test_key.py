@@ -171,6 +171,9 @@ def test_context_code_feeds_the_key():
     files = {p.name for p in context_code_files(fam)}
     assert {"render.py", "spec.py"} <= files  # render.py pastes pieces; spec.py builds the context
     assert any(p.parent.name == "prefill" and p.name == "spec.py" for p in context_code_files(fam))
+    # The snippets' code module pastes into prefill's and decode's sources: its text is theirs.
+    for name in ("prefill", "decode"):
+        assert any(p.name == "snippets.py" for p in context_code_files(get_family(name))), name
     # A module the family names as context code is hashed too.
     extra = dataclasses.replace(fam, context_modules=("tests.spec_fields",))
     assert digests_for(extra)["code"] != digests_for(fam)["code"]
