@@ -5,6 +5,10 @@ and chunked-prefill requests (hundreds to thousands of tokens). ``plan`` reads t
 only, once a step; ``run`` is called once a layer and never reads a length on the host, so that a step (plan and
 runs, or runs alone) replays as a CUDA graph with new lengths written into the same tensors.
 
+``plan`` is one launch, of the varlen prefill kernel's ``_order`` entry (one CTA): it writes the prefill kernel's
+cumulative key counts, the decode kernel's request order (the decode requests, most keys first, then the others)
+and the prefill kernel's work list (below). A step of at most ``MAX_PLAN_BATCH`` requests.
+
 ``run`` is two launches on the caller's stream:
 
 1. the decode kernel over every request, packed rows (each KV head's group of query heads x the request's
@@ -25,13 +29,16 @@ from .errors import LaunchError
 from .families.decode.op import decode
 from .families.prefill.op import _NO_WINDOW, mask_and_window, plan_for
 from .families.prefill.choose import varlen_grid
+from .families.prefill.spec import ORDER_SORT_MAX
 from .families.prefill.varlen import VarlenOrder, launch_order, order_tiles, page_layout, run_varlen
 from .kvcache import _torch
 from .runtime import tensor_info
 
-# The decode kernel packs group x q_len rows into at most 128 (DecodeSpec.Q_ROWS); tree masks are 64-bit words.
+# The decode kernel packs group x q_len rows into at most 128 (DecodeSpec.Q_ROWS); tree masks are 64-bit words; the
+# plan sorts the decode order of at most ORDER_SORT_MAX requests (plan.cuh).
 MAX_DECODE_ROWS = 128
 MAX_TREE_TOKENS = 64
+MAX_PLAN_BATCH = ORDER_SORT_MAX
 _overlap = [False]
 
 
@@ -82,22 +89,24 @@ class BatchAttention:
             raise LaunchError(f"window={window!r} must be a pair (left, right) of ints, -1 for unbounded")
         self.mcode, self.left, self.right = mask_and_window(causal, window)
         self.window = window
-        self._planned = None  # (cu_seqlens_q, cache_seqlens, block_table, cu_k, order, total_q)
+        self._planned = None  # (cu_seqlens_q, cache_seqlens, block_table, cu_k, order, total_q, decode order)
         self._side = {}  # device -> the side stream (set_overlap)
-        self._buffers = {}  # (batch, max_items, device) -> (cu_k, work list): reused, so graph replays see them
+        # (batch, max_items, device) -> (cu_k, work list, decode order): reused, so graph replays see them
+        self._buffers = {}
 
     def plan(self, cu_seqlens_q, cache_seqlens, block_table, *, total_q: int) -> "BatchAttention":
         """Read the step's lengths (on the GPU, no host sync): ``cu_seqlens_q`` int32 ``[batch + 1]`` (request b's
         tokens are rows cu[b]:cu[b+1] of q), ``cache_seqlens`` int32 ``[batch]`` (each request's keys, its new
-        tokens included, which are the last of them), ``block_table`` int32 ``[batch, max_blocks]``. ``total_q``:
+        tokens included, which are the last of them), ``block_table`` int32 ``[batch, max_blocks]``; batch at
+        most ``MAX_PLAN_BATCH`` (4096). ``total_q``:
         q's rows (host int; in a graph, the captured size; rows past cu[batch] are not written). The tensors are
         kept and read again by ``run``: write a later step's lengths into them and call ``plan`` again (or
         replay a graph that captured both). Returns self."""
         torch = _torch("BatchAttention.plan", cu_seqlens_q, cache_seqlens, block_table, instead=_INSTEAD)
         total_q = _int_arg("total_q", total_q, 0, (1 << 31) - 1)
-        for name, x, rank in (("cu_seqlens_q", cu_seqlens_q, 1), ("cache_seqlens", cache_seqlens, 1),
-                              ("block_table", block_table, 2)):
-            if x.dtype != torch.int32 or x.dim() != rank or not x.is_cuda:
+        args = (("cu_seqlens_q", cu_seqlens_q, 1), ("cache_seqlens", cache_seqlens, 1), ("block_table", block_table, 2))
+        for name, x, rank in args:
+            if x.dtype != torch.int32 or x.dim() != rank:
                 raise LaunchError(f"{name} must be an int32 CUDA tensor of {rank} dim(s); got {x.dtype} "
                                   f"{tuple(x.shape)} on {x.device}")
         batch = cache_seqlens.shape[0]
@@ -105,6 +114,13 @@ class BatchAttention:
             raise LaunchError(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries and block_table "
                               f"{block_table.shape[0]} rows; with cache_seqlens of {batch} they must be "
                               f"{batch + 1} and {batch}")
+        if batch > MAX_PLAN_BATCH:
+            raise LaunchError(f"cache_seqlens has {batch} requests; BatchAttention.plan takes at most "
+                              f"{MAX_PLAN_BATCH} a step (its decode order is sorted in one CTA's shared memory)")
+        for name, x, rank in args:
+            if not x.is_cuda:
+                raise LaunchError(f"{name} must be an int32 CUDA tensor of {rank} dim(s); got {x.dtype} "
+                                  f"{tuple(x.shape)} on {x.device}")
         if not cache_seqlens.is_contiguous() or not cu_seqlens_q.is_contiguous():
             raise LaunchError("cu_seqlens_q and cache_seqlens must be contiguous")
         dev = cu_seqlens_q.device
@@ -118,19 +134,18 @@ class BatchAttention:
                                          torch.empty(2 * max_items + 1 + batch + 1, dtype=torch.int32, device=dev),
                                          torch.empty(batch, dtype=torch.int32, device=dev))
         cu_k, ws, order_b = bufs
-        # The prefill kernel's paged path takes the key counts as cumulative offsets (only their differences read).
-        cu_k[:1].zero_()
-        torch.cumsum(cache_seqlens, 0, dtype=torch.int32, out=cu_k[1:])
-        # The decode kernel's requests longest first, so that no long one starts last.
-        order_b.copy_(torch.argsort(cache_seqlens, descending=True))
         stream = torch.cuda.current_stream(dev).cuda_stream
         wp = ws.data_ptr()
         capacity = block_table.shape[1] * self.page_size
         if capacity >= 1 << 31:
             raise LaunchError(f"block_table of {block_table.shape[1]} blocks x page_size={self.page_size}: fewer "
                               f"than 2^31 positions a request")
+        # One launch: the paged prefill kernel's cu_k (cumulative key counts, only their differences read), the
+        # decode kernel's request order (longest first, so that no long one starts last) and the prefill kernel's
+        # work list of the longer requests.
         launch_order(kern, stream, wp, max_items, cu_seqlens_q.data_ptr(), cu_k.data_ptr(), self.left, self.right,
-                     batch, total_q, capacity, True, self.max_decode_q_len)
+                     batch, total_q, capacity, True, self.max_decode_q_len, seqlens_ptr=cache_seqlens.data_ptr(),
+                     decode_order_ptr=order_b.data_ptr())
         order = VarlenOrder(ws, order_tiles(kern.spec), max_items, self.max_decode_q_len)
         self._planned = (cu_seqlens_q, cache_seqlens, block_table, cu_k, order, total_q, order_b)
         return self

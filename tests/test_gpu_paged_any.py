@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch")
 import attngen  # noqa: E402
 from tests.gpu_reference import fresh_generator, reference_attention, reference_decode  # noqa: E402
 from tests.test_gpu_decode import LSE_MAX_ABS, MAX_ABS, NAN, RAGGED, TOL, Case, check, run  # noqa: E402
-from tests.test_gpu_serving import make_step, reference, tree_words  # noqa: E402
-from tests.test_gpu_serving import check as check_step  # noqa: E402
+from tests.serving_reference import check as check_step  # noqa: E402
+from tests.serving_reference import make_step, reference, tree_words  # noqa: E402
 
 PAGES = [1, 2, 8, 24, 16, 64]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

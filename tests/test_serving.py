@@ -55,3 +55,15 @@ def test_bench_step_is_a_command():
 
     args = build_parser().parse_args(["step", "--decode", "4"])
     assert args.decode == 4 and args.func.__name__ == "cmd_step"
+
+
+def test_plan_refuses_more_requests_than_it_sorts():
+    from attngen.serving import MAX_PLAN_BATCH
+
+    ba = attngen.BatchAttention(32, 8, 128, 16)
+    b = MAX_PLAN_BATCH + 1
+    cu, lens, table = torch.zeros(b + 1, dtype=torch.int32), torch.zeros(b, dtype=torch.int32), torch.zeros(
+        b, 2, dtype=torch.int32)
+    with pytest.raises(attngen.LaunchError, match=f"cache_seqlens has {b} requests; .* at most {MAX_PLAN_BATCH}"):
+        ba.plan(cu, lens, table, total_q=b)
+    assert MAX_PLAN_BATCH == 4096

@@ -5,7 +5,8 @@ The step (defaults): 128 decode requests (1 token, 1k-32k keys, log-uniform), 8 
 under a tree mask, 4 chunked-prefill requests of 2k tokens over 8k of cache; GQA 32/8, head dim 128, bf16, page 16.
 Separate calls: ``decode`` over the decode requests, ``decode`` over the verify requests (q_len 5, causal: attngen
 has no other tree-masked call), ``prefill_varlen`` over the prefill requests. Both sides are CUDA graphs; the step's
-plan (once a step, shared by the layers) is timed apart, also at 512 requests. A bare read of the step's KV bytes
+plan (once a step, shared by the layers) is timed apart, also at 512 requests (decode rows of one length, and a
+step's mix with verify and prefill rows). A bare read of the step's KV bytes
 bounds its memory-bound part. Outputs are checked against the separate calls (relative L2) where both run causal.
 """
 
@@ -169,6 +170,15 @@ def measure(args: argparse.Namespace) -> dict:
     t5 = torch.zeros(b5, 256, dtype=torch.int32, device=dev)
     ba5 = attngen.BatchAttention(h, hk, d, PAGE, dtype=dt)
     ms["plan_512"] = bench_ms(_graphed(lambda: ba5.plan(cu5, ls5, t5, total_q=b5)), rep_ms=args.rep_ms)[0]
+    # and 512 of a step's mix: decode rows of the step's key range, 16 verify rows of 5 tokens, 8 prefill rows of 512
+    mix = argparse.Namespace(**{**vars(args), "decode": b5 - 24, "verify": 16, "draft": 5, "prefill": 8, "chunk": 512,
+                                "cached": 4096})
+    q_m, lens_m, _ = _requests(mix)
+    cu_m = torch.tensor([0] + list(torch.tensor(q_m).cumsum(0)), dtype=torch.int32, device=dev)
+    ls_m = torch.tensor(lens_m, dtype=torch.int32, device=dev)
+    t_m = torch.zeros(b5, -(-max(lens_m) // PAGE), dtype=torch.int32, device=dev)
+    ms["plan_512_mixed"] = bench_ms(_graphed(lambda: ba5.plan(cu_m, ls_m, t_m, total_q=sum(q_m))),
+                                    rep_ms=args.rep_ms)[0]
     shape = (f"decode={args.decode} verify={args.verify}x{args.draft} prefill={args.prefill}x{args.chunk}"
              f"+{args.cached}")
     rec = {"shape": shape, "kv_bytes": kv_bytes, "ms": ms, "checks": checks,

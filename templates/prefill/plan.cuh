@@ -13,12 +13,14 @@
 // No buffer needs zeroing first: the odd-value flag travels through the states and a word per
 // item (mask_lists) to flags[0] (order_work), each written whole.
 // Varlen, one launch: order_work enumerates every sequence's query tiles and sorts them by the
-// number of KV tiles each sees.
+// number of KV tiles each sees. The serving step's plan (seqlens set) also writes the paged
+// kernel's cu_k from the key counts and, into decode_order, the decode kernel's request order.
 namespace attngen {
 
 constexpr int PLAN_THREADS = 256;
 constexpr int ORDER_THREADS = 1024;
 constexpr int ORDER_BUCKETS = 2048;  // work keys past this share the last bucket
+constexpr int ORDER_SORT_MAX = 4096;  // the most sequences a decode order is sorted for (in shared memory)
 
 struct PlanParams {
   const void* mask;          // [.., seqlen_q, seqlen_k] with unit key stride
@@ -36,11 +38,16 @@ struct PlanParams {
   long long m_sb, m_sh, m_sq;  // mask strides in elements (a broadcast dim's is unused)
   long long bits_su;
   int mask_kind;             // 0: bool / uint8 (nonzero keeps), 1 fp16, 2 bf16, 3 fp32 (additive: -inf masks)
-  // VARLEN reads seqlen_q only: sequences of at most that many queries are left out of the list (order_work).
   int seqlen_q, seqlen_k, units_b, units_h, num_q_tiles, num_kv_tiles, bits_words;
   int win_left, win_right;   // as the kernel's
   int batch, total_q, total_k;  // VARLEN; total_k: the paged capacity when paged
   int paged;
+  // VARLEN, the serving step's plan (after every other field, so that the mask plans' offsets stay
+  // where they were):
+  const int* seqlens;        // paged, or null: [batch] key counts; cu_k is then written, not read
+  int* cu_k_out;             // with seqlens: [batch + 1] their running sums (the kernel reads differences)
+  int* decode_order;         // or null: [batch] the decode requests longest first, then the others
+  int max_decode_q_len;      // sequences of at most this many queries are left out of the work list
 };
 
 // Bits [lo, hi) of a word, both clamped to [0, 32].
@@ -257,10 +264,53 @@ __device__ __forceinline__ int block_exclusive_sum(int v, int* s_warp, int* tota
   return before;
 }
 
-// A sequence's clamped query and key counts (VARLEN), as the kernel takes them.
+// A sequence's clamped query and key counts (VARLEN), as the kernel takes them. With seqlens the
+// key count is read there: cu_k is this launch's output, and its difference is that count.
 __device__ __forceinline__ void varlen_lengths(const PlanParams& p, int s, int& sq, int& sk) {
   int q_lo, k_lo;
-  varlen_rows(p.cu_q, p.cu_k, p.total_q, p.total_k, p.paged, s, q_lo, sq, k_lo, sk);
+  if (p.seqlens) {
+    q_lo = min(max(p.cu_q[s], 0), p.total_q);
+    sq = min(max(p.cu_q[s + 1], q_lo), p.total_q) - q_lo;
+    sk = min(max(p.seqlens[s], 0), p.total_k);
+  } else {
+    varlen_rows(p.cu_q, p.cu_k, p.total_q, p.total_k, p.paged, s, q_lo, sq, k_lo, sk);
+  }
+}
+
+// Sorts a[0, n) descending (n a power of two, at most ORDER_SORT_MAX; the keys distinct), by the
+// whole block: a bitonic network. A stride of at most 32 pairs keys of one warp's run of 64 (pair t
+// is always thread t % ORDER_THREADS's), so only the longer strides wait for the whole block.
+__device__ __forceinline__ void sort_descending(unsigned long long* a, int n) {
+  __syncthreads();
+  for (int k = 2; k <= n; k *= 2) {
+    for (int j = k / 2; j > 0; j /= 2) {
+      for (int t = threadIdx.x; t < n / 2; t += ORDER_THREADS) {
+        const int i = 2 * t - (t & (j - 1)), l = i + j;
+        const unsigned long long x = a[i], y = a[l];
+        if (((i & k) == 0) == (x < y)) {  // runs at i & k == 0 descend, the others ascend
+          a[i] = y;
+          a[l] = x;
+        }
+      }
+      if (j >= 64 || j == 1) {
+        __syncthreads();
+      } else {
+        __syncwarp();
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// Sequence s's key in the decode order: the decode requests (1 to max_decode_q_len queries, as the
+// decode kernel counts them) first, by key count, longest first (cache_seqlens' order, negatives
+// included); then the others; ties by index. The low 31 bits give the index back; 0 is below every key.
+__device__ __forceinline__ unsigned long long decode_key(const PlanParams& p, int s) {
+  const int n = p.cu_q[s + 1] - p.cu_q[s];
+  const int keys = p.seqlens ? p.seqlens[s] : p.cu_k[s + 1] - p.cu_k[s];
+  const bool decode = n > 0 && n <= p.max_decode_q_len;
+  return (decode ? 1ull << 63 : 0ull) | (decode ? (unsigned long long)(unsigned(keys) ^ 0x80000000u) << 31 : 0ull) |
+         (unsigned long long)(0x7fffffff - s);
 }
 
 // One CTA of ORDER_THREADS threads: every item (unit, query tile) with its work (live KV tiles),
@@ -272,27 +322,47 @@ __device__ __forceinline__ void order_work(const PlanParams& p) {
   __shared__ int s_warp[32];
   int n;
   if constexpr (VARLEN) {
-    // scratch[s] = query tiles of the sequences before s
+    __shared__ unsigned long long s_sort[ORDER_SORT_MAX];
+    const bool sorting = p.decode_order && p.batch <= ORDER_SORT_MAX;
+    // scratch[s] = query tiles of the sequences before s; with seqlens, cu_k_out[s + 1] = keys up to s
+    // (int32 wraps as cumsum does: the kernel reads only differences)
     int carry = 0;
+    unsigned carry_k = 0u;
     for (int c0 = 0; c0 < p.batch; c0 += ORDER_THREADS) {
       const int s = c0 + threadIdx.x;
-      int tiles = 0;
+      int tiles = 0, keys = 0;
       if (s < p.batch) {
         int sq, sk;
         varlen_lengths(p, s, sq, sk);
-        // Sequences of at most seqlen_q queries are left to another kernel (the serving step's decode rows).
-        tiles = sq > p.seqlen_q ? (sq + BLOCK_M - 1) / BLOCK_M : 0;
+        // Sequences of at most max_decode_q_len queries are left to another kernel (the serving step's decode rows).
+        tiles = sq > p.max_decode_q_len ? (sq + BLOCK_M - 1) / BLOCK_M : 0;
+        if (p.seqlens) keys = p.seqlens[s];
+        if (sorting) s_sort[s] = decode_key(p, s);
       }
       int chunk;
       const int before = block_exclusive_sum(tiles, s_warp, &chunk);
       if (s < p.batch) p.scratch[s] = carry + before;
       carry += chunk;
+      if (p.seqlens) {
+        const int before_k = block_exclusive_sum(keys, s_warp, &chunk);
+        if (s < p.batch) p.cu_k_out[s + 1] = int(carry_k + unsigned(before_k) + unsigned(keys));
+        carry_k += unsigned(chunk);
+      }
     }
     if (threadIdx.x == 0) {
       p.scratch[p.batch] = carry;
       *p.work_count = carry;
+      if (p.seqlens) p.cu_k_out[0] = 0;
     }
     n = carry;
+    if (sorting) {
+      int n2 = 1;
+      while (n2 < p.batch) n2 *= 2;
+      for (int s = p.batch + threadIdx.x; s < n2; s += ORDER_THREADS) s_sort[s] = 0ull;
+      sort_descending(s_sort, n2);
+      for (int r = threadIdx.x; r < p.batch; r += ORDER_THREADS)
+        p.decode_order[r] = 0x7fffffff - int(s_sort[r] & 0x7fffffffu);
+    }
     __syncthreads();
   } else {
     n = p.units_b * p.units_h * p.num_q_tiles;

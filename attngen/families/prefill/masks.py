@@ -19,8 +19,10 @@ from ...errors import LaunchError
 from ...runtime import allocator, data_ptr, tensor_info
 from ..snippets import mod_layout, reads_batch_head
 
-# PlanParams: 11 pointers, 4 strides, 14 ints.
-PLAN_PARAMS = struct.Struct("<11Q4q14i")
+# PlanParams: 11 pointers, 4 strides, 14 ints, then the serving plan's 3 pointers and int (varlen.launch_order; mask
+# plans pass zeros), padded to the struct's 8-byte alignment.
+PLAN_PARAMS = struct.Struct("<11Q4q14i3Qi4x")
+NO_SERVING = (0, 0, 0, 0)
 _MASK_KINDS = {"bool": 0, "fp16": 1, "bf16": 2, "fp32": 3}
 _MASK_DIMS = "[seqlen_q, seqlen_k], [batch, 1, seqlen_q, seqlen_k] or [batch, heads, seqlen_q, seqlen_k]"
 
@@ -177,7 +179,7 @@ def build(kern, mask, qi, ki, mcode: int, left: int, right: int, stream: int) ->
     at, nqt, nkt = mp._at, mp.num_q_tiles, mp.num_kv_tiles
     params = (mi.ptr, at["bits"], at["states"], at["tiles"], at["counts"], at["work"], 0, at["flags"], 0, 0, 0,
               m_sb, m_sh, m_sq, sq * mp.bits_words,
-              _MASK_KINDS[mi.dtype], sq, sk, ub, uh, nqt, nkt, mp.bits_words, left, right, 0, 0, 0, 0)
+              _MASK_KINDS[mi.dtype], sq, sk, ub, uh, nqt, nkt, mp.bits_words, left, right, 0, 0, 0, 0, *NO_SERVING)
     if nqt:
         if nkt:
             kern.launch_struct(PLAN_PARAMS, (-(-mp.bits_words // 32), nqt, ub * uh), stream, *params,
@@ -199,7 +201,7 @@ def build_mod(kern, qi, ki, mcode: int, left: int, right: int, aux_args: tuple, 
     mp.mods = mod_identity(kern.spec.mask_mod, aux)
     at, nqt, nkt = mp._at, mp.num_q_tiles, mp.num_kv_tiles
     params = (0, 0, at["states"], at["tiles"], at["counts"], at["work"], 0, at["flags"], 0, 0, 0,
-              0, 0, 0, 0, 0, sq, sk, ub, uh, nqt, nkt, 0, left, right, 0, 0, 0, 0)
+              0, 0, 0, 0, 0, sq, sk, ub, uh, nqt, nkt, 0, left, right, 0, 0, 0, 0, *NO_SERVING)
     if nqt:
         if nkt:
             kern.launch_struct(mod_layout(PLAN_PARAMS), (nkt, nqt, ub * uh), stream, *params, *aux_args,

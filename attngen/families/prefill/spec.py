@@ -67,9 +67,11 @@ def _persistent(value) -> Persistent:
         raise SpecError("persistent", value, "auto, true, false") from None
 
 
-# templates/prefill/plan.cuh: threads of the plan builders and of the work-list sort.
+# templates/prefill/plan.cuh: threads of the plan builders and of the work-list sort, and the most requests the
+# serving plan sorts into a decode order (its keys in the sort's static shared memory).
 PLAN_THREADS = 256
 ORDER_THREADS = 1024
+ORDER_SORT_MAX = 4096
 
 
 def _row(elems: int) -> int:

@@ -22,7 +22,7 @@ from .masks import PLAN_PARAMS
 from .choose import VARLEN, VARLEN_PAGE_ROWS, VARLEN_PAGED, varlen_grid
 from .op import (_LOG2E, _NO_WINDOW, PARAMS_EXT, PARAMS_EXT_SINKS, PARAMS_EXT_TMA, PARAMS_EXT_TMA_SINKS, check_qkv,
                  mask_and_window, out_of, plan_for)
-from .spec import PrefillSpec
+from .spec import ORDER_SORT_MAX, PrefillSpec
 
 
 def _index(x, name: str, rank: int, qi):
@@ -107,14 +107,24 @@ def order_tiles(spec: PrefillSpec) -> tuple:
 
 
 def launch_order(kern, stream: int, wp: int, max_items: int, cq_ptr: int, ck_ptr: int, left: int, right: int,
-                 batch: int, total_q: int, total_k: int, paged: bool, skip_q_le: int = 0) -> None:
+                 batch: int, total_q: int, total_k: int, paged: bool, skip_q_le: int = 0, *, seqlens_ptr: int = 0,
+                 decode_order_ptr: int = 0) -> None:
     """``kern``'s ``_order`` entry: the (sequence, query tile) items of every sequence of more than ``skip_q_le``
-    queries, heaviest first, into the work buffer at ``wp`` (``max_items`` int2 slots, then the count, then
-    batch + 1 tile offsets). The plan's seqlen_q field carries ``skip_q_le`` (read only by varlen plans)."""
+    queries (PlanParams.max_decode_q_len), heaviest first, into the work buffer at ``wp`` (``max_items`` int2 slots,
+    then the count, then batch + 1 tile offsets). The serving step's plan (paged): with ``seqlens_ptr`` (int32
+    ``[batch]`` key counts) the entry reads the key counts there and writes their running sums to ``ck_ptr``
+    (``[batch + 1]``, the kernel's cu_seqlens_k); with ``decode_order_ptr`` (int32 ``[batch]``, batch at most
+    ``ORDER_SORT_MAX``) it also writes the decode kernel's order: the requests of 1 to ``skip_q_le`` queries, most
+    keys first (ties by index), then the others by index."""
+    if decode_order_ptr and batch > ORDER_SORT_MAX:
+        raise LaunchError(f"batch={batch}: a decode order is sorted for at most {ORDER_SORT_MAX} requests")
+    if seqlens_ptr and not paged:
+        raise LaunchError("seqlens_ptr is for a paged cache's plan (cu_seqlens_k then gives only lengths)")
     kern.launch_struct(PLAN_PARAMS, (1, 1, 1), stream,
                        0, 0, 0, 0, 0, wp, wp + 8 * max_items, 0, cq_ptr, ck_ptr, wp + 8 * max_items + 4,
                        0, 0, 0, 0,
-                       0, skip_q_le, 0, 1, 1, 0, 0, 0, left, right, batch, total_q, total_k, int(paged), entry="_order")
+                       0, 0, 0, 1, 1, 0, 0, 0, left, right, batch, total_q, total_k, int(paged),
+                       seqlens_ptr, ck_ptr if seqlens_ptr else 0, decode_order_ptr, skip_q_le, entry="_order")
 
 
 def page_layout(block_size: int) -> int:
