@@ -78,6 +78,9 @@ def main():
         assert (spec.score_mod, spec.mask_mod, spec.aux) == (SCORE, MASK, "bias:fp32:2;doc:int32:1"), (name, spec)
         got = fake_cuda.last_params(size)[size - MOD_ARGS.size:]
         assert got == want, f"{name}: ModArgs packed {MOD_ARGS.unpack(got)}, expected {MOD_ARGS.unpack(want)}"
+        if name == "attngen.prefill mask":  # the tensor's plan: built by the spec without snippets (its _mtiles)
+            built = [s for e, s, _ in launched if e == "_mtiles"]
+            assert built == [spec.replace(score_mod="", mask_mod="", aux="")], (name, launched)
         # without snippets, the kernel has none
         del launched[:]
         call()

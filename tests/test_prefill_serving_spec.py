@@ -35,6 +35,11 @@ def test_fields_parse_from_text_and_show_in_the_spec_text():
     ("prefill:custom_mask=true", ("", "_mtiles", "_mlists", "_order")),
     ("prefill:varlen=true", ("", "_order")),
     ("prefill:varlen=true,paged=true", ("", "_order")),
+    # snippets: no mask tensor plan builder (the spec without them builds that plan)
+    ({"family": "prefill", "head_dim": 128, "custom_mask": True, "mask_mod": "return kv_idx <= q_idx;"},
+     ("", "_mlists", "_modtiles", "_order")),
+    ({"family": "prefill", "head_dim": 128, "custom_mask": True, "score_mod": "return score;"},
+     ("", "_mlists", "_order")),
 ])
 def test_module_entries_and_their_rendered_functions(text, entries):
     r = resolve(parse_spec(text), "sm_90a")
@@ -43,6 +48,7 @@ def test_module_entries_and_their_rendered_functions(text, entries):
     for suffix in entries:
         assert f"{r.kernel_name}{suffix}(" in src
     assert ("_order(" in src) == (len(entries) > 1)
+    assert ("_mtiles(" in src) == ("_mtiles" in entries)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90a", "sm_100", "sm_120"])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import struct
 
 from ...errors import LaunchError
-from ...runtime import allocator, data_ptr, tensor_info
+from ...runtime import allocator, data_ptr, get_kernel, tensor_info
 from ..snippets import mod_layout, reads_batch_head
 
 # PlanParams: 11 pointers, 4 strides, 14 ints, then the serving plan's 3 pointers and int (varlen.launch_order; mask
@@ -169,8 +169,27 @@ def _lists(kern, mp, params, stream: int) -> None:
     kern.launch_struct(PLAN_PARAMS, (1, 1, 1), stream, *params, entry="_order")
 
 
+_tensor_plan_kernels: dict = {}
+
+
+def tensor_plan_kernel(kern):
+    """The kernel whose module builds a mask tensor's plan for ``kern``: ``kern`` itself, or for a kernel with
+    snippets (whose module leaves the tensor's ``_mtiles`` out, about half of its compile) the kernel of its spec
+    without them, on the same arch and device: the same tiles and masks, so the same plan, and one module for every
+    snippet of those tiles."""
+    spec = kern.spec
+    if not (spec.score_mod or spec.mask_mod or spec.aux):
+        return kern
+    twin = _tensor_plan_kernels.get(kern.key)
+    if twin is None:
+        twin = _tensor_plan_kernels[kern.key] = get_kernel(spec.replace(score_mod="", mask_mod="", aux=""),
+                                                           kern.binary.arch, kern.device)
+    return twin
+
+
 def build(kern, mask, qi, ki, mcode: int, left: int, right: int, stream: int) -> MaskPlan:
     """Build the plan of ``mask`` for ``kern``'s tile sizes on ``stream`` (enqueued, not waited for)."""
+    kern = tensor_plan_kernel(kern)
     b, sq, h, _ = qi.shape
     sk = ki.shape[1]
     mi, ub, uh, m_sb, m_sh, m_sq = mask_info(mask, b, h, sq, sk, qi.kind, qi.device)

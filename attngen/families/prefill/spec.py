@@ -484,9 +484,13 @@ class PrefillSpec(SpecBase):
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
         """The main entry; a custom-mask module adds its plan builders (``_mtiles``, ``_mlists``; with a mask_mod
         its block plan's ``_modtiles`` too) and a custom-mask or varlen module its work-list sort (``_order``):
-        PLAN_THREADS and ORDER_THREADS in templates/prefill/plan.cuh, static shared memory only."""
+        PLAN_THREADS and ORDER_THREADS in templates/prefill/plan.cuh, static shared memory only. A module with
+        snippets leaves the mask tensor's ``_mtiles`` out: it is about half of such a module's compile, and the
+        kernel of the same spec without snippets builds the same plan (masks.tensor_plan_kernel)."""
         main = ("", self.threads, self.smem_bytes())
-        plan = (("_mtiles", PLAN_THREADS, 0), ("_mlists", PLAN_THREADS, 0)) if self.custom_mask else ()
+        snippets = bool(self.score_mod or self.mask_mod or self.aux)
+        plan = ((*((("_mtiles", PLAN_THREADS, 0),) if not snippets else ()), ("_mlists", PLAN_THREADS, 0))
+                if self.custom_mask else ())
         if self.custom_mask and self.mask_mod:
             plan = (*plan, ("_modtiles", PLAN_THREADS, 0))
         order = (("_order", ORDER_THREADS, 0),) if self.custom_mask or self.varlen else ()
