@@ -57,8 +57,10 @@ for group in load_manifest().groups:
 lines += ["[[kernel]]", 'family = "decode"', 'variant = "unfused"']
 lines += ["[[kernel]]", 'family = "decode"', 'kv_dtype = "fp8_e4m3"']
 # and pieces the manifest reaches only through what its lines' ops choose by size (a first value of each list
-# does not): MLA decode's alternate tiles (mla_decode/alternate.cuh), at 64 rows on sm_90a.
+# does not): MLA decode's alternate tiles (mla_decode/alternate.cuh), at 64 rows on sm_90a; its fp8 cache's wgmma
+# kernel (mla_decode/fp8_wgmma.cuh), at 64 rows on sm_90a (the manifest's fp8 line starts at 16 rows: mma.sync).
 lines += ["[[kernel]]", 'archs = ["sm_90a"]', 'family = "mla_decode"', "q_rows = 64", 'qk_shard = "alternate"']
+lines += ["[[kernel]]", 'archs = ["sm_90a"]', 'family = "mla_decode"', "q_rows = 64", 'kv_dtype = "fp8_e4m3"']
 with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
     f.write("\n".join(lines) + "\n")
 rc = subprocess.call(["attngen", "prewarm", "--manifest", f.name, "--quiet"])
