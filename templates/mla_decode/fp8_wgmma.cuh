@@ -35,12 +35,11 @@ struct MlaFp8Wgmma {
   using LT = typename K::LT;
   using Tiles = MlaTiles<K>;
   using Producer = MlaProducer<K>;
-  using Consumer = MlaConsumer<K>;
   using W = WgmmaOps<K::IS_BF16>;
   static constexpr bool BF16 = K::IS_BF16, PAGED = K::PAGED_;
   static constexpr int FMT = K::KV_FP8_;
   static constexpr int DC = K::DC_, BLOCK_N = K::BLOCK_N_, NUM_STAGES = K::NUM_STAGES_, THREADS = K::THREADS;
-  static constexpr int SN = K::SN, ON = K::ON, TILE_ELEMS = K::TILE_ELEMS;
+  static constexpr int TILE_ELEMS = K::TILE_ELEMS;
   static constexpr int BLOCKS = K::BLOCK_COLS / 64;  // ckv's 64-column blocks, then kpe's one (zero-filled past DR)
   static constexpr int HALVES = BLOCK_N / 32;        // units of a block
   static constexpr int UNITS = BLOCKS * HALVES;
@@ -180,26 +179,12 @@ struct MlaFp8Wgmma {
     }
   }
 
-  // The consumers' loop: each widened slot waited for, then the 16-bit kernel's S, mask, softmax and O += P V, and the
-  // slot handed back. Arrays as MlaWalk::tiles takes them (consumer.cuh says why).
-  static __device__ __forceinline__ void consume(const MlaParams<T>& p, const T* sQ, T* sRing, T* sP, float* sRed,
-                                                 unsigned bar0, int seqlen, int tile_begin, int n_tiles, int lane,
-                                                 int g, int t, int row0, int key0, int cg, const int (&lim)[2],
-                                                 float (&acc_s)[SN / 8][4], float (&acc_s2)[SN / 8][4], float (&mx)[2],
-                                                 float (&corr)[2], float (&acc_o)[ON / 8][4], float (&row_max)[2],
-                                                 float (&row_sum)[2]) {
-    for (int it = 0; it < n_tiles; ++it) {
-      const int slot = it % NUM_STAGES;
-      const int n0 = (tile_begin + it) * BLOCK_N;
-      const T* sT = sRing + slot * TILE_ELEMS;
-      W::mbar_wait(widened(bar0, slot), (it / NUM_STAGES) & 1);
-      Consumer::scores(sQ, sT, row0, key0, lane, acc_s, acc_s2);
-      Tiles::template mask_keys<SN>(acc_s, n0, key0, seqlen, p.q_len, lim, t);
-      Consumer::softmax(p, sRed, row0, cg, g, t, acc_s, mx, corr, acc_o, row_max, row_sum);
-      Consumer::pv(sP, sT, row0, key0, cg, g, t, lane, acc_s, acc_o);
-      W::mbar_arrive(read(bar0, slot));  // pv waited for its wgmma: the slot is read
-    }
+  // The consumers' side of the ring (MlaWalk::tiles): tile `it`'s slot waited for until widened, and handed back to
+  // the loads once read.
+  static __device__ __forceinline__ void acquire(unsigned bar0, int it, int slot) {
+    W::mbar_wait(widened(bar0, slot), (it / NUM_STAGES) & 1);
   }
+  static __device__ __forceinline__ void release(unsigned bar0, int slot) { W::mbar_arrive(read(bar0, slot)); }
 };
 
 }  // namespace attngen

@@ -20,7 +20,7 @@
 // consumer (S, softmax, O += P V: mla_decode/consumer.cuh), and the epilogue (mla_decode/epilogue.cuh; where O and
 // the LSE are written is still run's, see there). Arrays live in run and are passed by reference (consumer.cuh
 // says why). An fp8 cache on the wgmma kernel (PRODUCER_WG) has a warpgroup of its own past the consumers that loads
-// and widens the tiles, and a loop of its own for the consumers (mla_decode/fp8_wgmma.cuh).
+// and widens the tiles (mla_decode/fp8_wgmma.cuh); the consumers walk the widened tiles as the 16-bit kernel's.
 namespace attngen {
 
 // qk_shard=alternate's loop (mla_decode/alternate.cuh, included only in those kernels).
@@ -218,9 +218,6 @@ struct MlaDecode {
     if constexpr (ALT)
       MlaAlternate<MlaDecode>::run(p, maps, sQ, sRing, sP, sX, bar0, table, batch, seqlen, tile_begin, n_tiles, lim,
                                    acc_o, row_max, row_sum);
-    else if constexpr (PRODUCER_WG)
-      Fp8Wgmma::consume(p, sQ, sRing, sP, sRed, bar0, seqlen, tile_begin, n_tiles, lane, g, t, row0, key0, cg, lim,
-                        acc_s, acc_s2, mx, corr, acc_o, row_max, row_sum);
     else
       Walk::tiles(p, maps, sQ, sRing, sP, sRed, bar0, table, batch, seqlen, tile_begin, n_tiles, tid, lane, g, t, row0,
                   key0, cg, lim, load_tile, acc_s, acc_s2, mx, corr, acc_o, row_max, row_sum);
