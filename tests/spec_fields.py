@@ -33,6 +33,8 @@ FIELD_VALUES = {
     "score_mod": ("", "return score * 0.5f;"),
     "mask_mod": ("", "return kv_idx <= q_idx;"),
     "aux": ("", "t:fp32:1"),
+    # q, k and v in fp8 (attngen/families/prefill/fp8.py)
+    "qkv_dtype": ("", "fp8_e4m3"),
 }
 # A resolved spec from which every field can change alone and still fit sm_90.
 BASE = PrefillSpec(head_dim=64, dtype=DType.BF16, mask=MaskMode.NONE, return_lse=False,
@@ -43,10 +45,13 @@ BASE = PrefillSpec(head_dim=64, dtype=DType.BF16, mask=MaskMode.NONE, return_lse
 # A third, varlen, lets paged (which needs varlen) change alone; a fourth, the chunked kernel
 # (head_dim 512), its chunk width and head_dim_v; a fifth, on wgmma, pipeline (tma runs on wgmma only);
 # a sixth, the TMA pipeline with two consumer warpgroups, schedule (pingpong takes turns between two) and
-# persistent (the TMA pipeline only); a seventh, paged, page_rows.
+# persistent (the TMA pipeline only); a seventh, paged, page_rows; an eighth, fp8's tiles (head_dim 128, 128x128 on
+# two consumer warpgroups, one CTA a tile), qkv_dtype.
 CHUNKED_BASE = PrefillSpec(head_dim=512, dtype=DType.BF16, cta_tile_q=64, cta_tile_kv=64, num_warps=8, num_stages=2,
                            mma=Mma.SYNC, head_dim_chunk=64, pipeline=Pipeline.SYNC)
 BASES = ((BASE, "sm_90"), (BASE.replace(cta_tile_q=64), "sm_90a"), (BASE.replace(varlen=True), "sm_90"),
          (CHUNKED_BASE, "sm_90"), (BASE.replace(cta_tile_q=64, mma=Mma.WGMMA), "sm_90a"),
          (BASE.replace(cta_tile_q=128, num_warps=8, mma=Mma.WGMMA, pipeline=Pipeline.TMA), "sm_90a"),
-         (BASE.replace(varlen=True, paged=True), "sm_90"))
+         (BASE.replace(varlen=True, paged=True), "sm_90"),
+         (BASE.replace(head_dim=128, cta_tile_q=128, cta_tile_kv=128, num_warps=8, mma=Mma.WGMMA, pipeline=Pipeline.TMA,
+                       schedule=Schedule.SERIAL, persistent=Persistent.OFF), "sm_90a"))

@@ -241,6 +241,8 @@ def test_every_piece_is_included_by_some_family():
     sources.append(render(resolve(parse_spec("mla_decode:kv_dtype=fp8_e4m3,q_rows=64"), "sm_90a")))
     # a mask_mod's block plan (a snippet is no part of a spec's text)
     sources.append(render(resolve(parse_spec("prefill:custom_mask=true").replace(mask_mod="return true;"), "sm_90")))
+    # fp8 prefill (sm_90a): prefill/fp8.cuh
+    sources.append(render(resolve(parse_spec("prefill:qkv_dtype=fp8_e4m3"), "sm_90a")))
     for p in templates_dir().glob("*/*.cuh*"):
         name = p.relative_to(templates_dir()).as_posix()
         assert any(f"// attngen:begin {name}" in s for s in sources), name
@@ -305,6 +307,8 @@ def test_every_field_feeds_the_kernel_name(base):
     refused |= {"persistent"} if base.pipeline.value == "sync" else set()
     # page_rows needs paged; a paged base cannot drop varlen alone, nor take the chunked kernel (head_dim_chunk).
     refused |= {"varlen", "head_dim_chunk"} if base.paged else {"page_rows"}
+    # fp8 (qkv_dtype) is the TMA kernel's: not on the cp.async pipeline nor with a paged cache.
+    refused |= {"qkv_dtype"} if base.pipeline.value == "sync" or base.paged else set()
     assert varied == set(FIELD_VALUES) - refused, f"fields never varied: {set(FIELD_VALUES) - refused - varied}"
 
 

@@ -23,18 +23,21 @@ _MAX_KEPT = 512
 _kept: dict[tuple, "bytes | LaunchError"] = {}
 
 
-def tiled_map(dtype: str, ptr: int, dims: tuple, byte_strides: tuple, box: tuple, what) -> bytes:
+def tiled_map(dtype: str, ptr: int, dims: tuple, byte_strides: tuple, box: tuple, what,
+              swizzled_bytes: bool = False) -> bytes:
     """The map (128 bytes) of a ``dtype`` tensor at ``ptr`` with ``dims`` (innermost first),
     ``byte_strides`` (every dim but the first) and boxes of ``box``: 128-byte swizzled, or for an fp8 tensor
-    (bytes) unswizzled. A refusal raises LaunchError with the text ``what(error)`` returns (the caller names its
-    tensor and the fallback)."""
-    key = (dtype, ptr, dims, byte_strides, box)
+    (bytes) unswizzled unless ``swizzled_bytes`` (boxes of 128-byte rows that wgmma reads as they land: fp8
+    prefill's transposed V). A refusal raises LaunchError with the text ``what(error)`` returns (the caller names
+    its tensor and the fallback)."""
+    key = (dtype, ptr, dims, byte_strides, box, swizzled_bytes)
     m = _kept.get(key)
     if m is None:
         byte = dtype in _BYTE_DTYPES
         try:
             m = driver().encode_tiled(_UINT8 if byte else _DTYPE_CODES[dtype], ptr, dims, byte_strides, box,
-                                      _SWIZZLE_NONE if byte else _SWIZZLE_128B, _L2_PROMOTION_256B)
+                                      _SWIZZLE_NONE if byte and not swizzled_bytes else _SWIZZLE_128B,
+                                      _L2_PROMOTION_256B)
         except LaunchError as e:
             m = LaunchError(what(e))
         if len(_kept) >= _MAX_KEPT:

@@ -186,6 +186,26 @@ __device__ __forceinline__ void p_fragment(const float (&s)[N_TILES][4], int kk,
   a[3] = pack2<BF16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 }
 
+// The e4m3 A fragment of P for 32-key step kk of O += P V on fp8 wgmma: the S accumulators of 8-column tiles
+// 4kk..4kk+3 rounded to e4m3, four a register. fp8's A fragment holds keys 4t..4t+3 (and 16 + those) of a row where
+// S holds keys 2t, 2t+1 of each 8-column tile, so register c takes this thread's pairs of tiles 4kk + 2(c/2) and
+// 4kk + 2(c/2) + 1: the keys it holds in a step's slots 4t + j are 2t + (j & 1) + 8 (j >> 1), +16 for the upper
+// slots. V's rows are laid out in that order (prefill/fp8_vt.cuh), so P V sums the same products.
+template <int N_TILES>
+__device__ __forceinline__ unsigned p_fragment8_reg(const float (&s)[N_TILES][4], int tile, int r) {
+  unsigned short lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(s[tile][2 * r + 1]), "f"(s[tile][2 * r]));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(s[tile + 1][2 * r + 1]), "f"(s[tile + 1][2 * r]));
+  return (unsigned)lo | ((unsigned)hi << 16);
+}
+template <int N_TILES>
+__device__ __forceinline__ void p_fragment8(const float (&s)[N_TILES][4], int kk, unsigned (&a)[4]) {
+  a[0] = p_fragment8_reg(s, 4 * kk, 0);
+  a[1] = p_fragment8_reg(s, 4 * kk, 1);
+  a[2] = p_fragment8_reg(s, 4 * kk + 2, 0);
+  a[3] = p_fragment8_reg(s, 4 * kk + 2, 1);
+}
+
 // Shared memory from `raw` rounded up to an ALIGN-byte boundary (wgmma's swizzle atoms: 1024); the
 // spec's smem_bytes() reserves ALIGN bytes of slack for what this skips.
 template <int ALIGN>

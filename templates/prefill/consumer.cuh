@@ -105,19 +105,42 @@ struct FwdConsumer {
     const unsigned k_at = smem_addr(sKs);
     W::fence();
 #pragma unroll
-    for (int kk = 0; kk < K::K_STEPS; ++kk)
-      Wgmma<K::BLOCK_N, BF16>::ss(acc_s[0], W::desc_k(q_at, kk, K::LQ::BLOCK_BYTES),
-                                  W::desc_k(k_at, kk, K::LK::BLOCK_BYTES), kk > 0);
+    for (int kk = 0; kk < K::K_STEPS; ++kk) {
+      if constexpr (K::FP8)
+        Wgmma<K::BLOCK_N, BF16>::ss8(acc_s[0], W::desc_k(q_at, kk, K::LQ::BLOCK_BYTES),
+                                     W::desc_k(k_at, kk, K::LK::BLOCK_BYTES), kk > 0);
+      else
+        Wgmma<K::BLOCK_N, BF16>::ss(acc_s[0], W::desc_k(q_at, kk, K::LQ::BLOCK_BYTES),
+                                    W::desc_k(k_at, kk, K::LK::BLOCK_BYTES), kk > 0);
+    }
   }
 
-  // O += P V issued on wgmma, P packed in a, V (N-major) at v_at (the step commits and waits).
+  // O += P V issued on wgmma, P packed in a, V (N-major) at v_at (the step commits and waits). FP8: P in e4m3 in
+  // the first BLOCK_N / 32 of a (p_fragment8), V transposed (K-major).
   static __device__ __forceinline__ void pv_wgmma(float (&acc_o)[M_TILES][D_TILES][4],
                                                   const unsigned (&a)[K::BLOCK_N / 16][4], unsigned v_at) {
     using W = WgmmaOps<BF16>;  // compiled only where called: WgmmaOps exists on sm_90a alone
     W::fence();
+    if constexpr (K::FP8) {
 #pragma unroll
-    for (int kk = 0; kk < K::BLOCK_N / 16; ++kk)
-      Wgmma<K::HEAD_DIM_V, BF16>::rs(acc_o[0], a[kk], W::desc_mn(v_at, kk, K::LV::BLOCK_BYTES));
+      for (int kk = 0; kk < K::BLOCK_N / 32; ++kk)
+        Wgmma<K::HEAD_DIM_V, BF16>::rs8(acc_o[0], a[kk], W::desc_k(v_at, kk, K::LV::BLOCK_BYTES));
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < K::BLOCK_N / 16; ++kk)
+        Wgmma<K::HEAD_DIM_V, BF16>::rs(acc_o[0], a[kk], W::desc_mn(v_at, kk, K::LV::BLOCK_BYTES));
+    }
+  }
+
+  // P packed for O += P V: 16-bit, or FP8 e4m3 (p_fragment8).
+  static __device__ __forceinline__ void pack_p(const float (&s)[N_TILES][4], unsigned (&a)[K::BLOCK_N / 16][4]) {
+    if constexpr (K::FP8) {
+#pragma unroll
+      for (int kk = 0; kk < K::BLOCK_N / 32; ++kk) p_fragment8(s, kk, a[kk]);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < K::BLOCK_N / 16; ++kk) p_fragment<BF16>(s, kk, a[kk]);
+    }
   }
 
   // PINGPONG: warpgroup wg's turn to issue its GEMMs begins, and ends (last: after the query tile's last P V).
@@ -156,7 +179,7 @@ struct FwdConsumer {
   // warpgroup's P V reads them: their P is zero, but 0 x inf is NaN. Every warpgroup clears them for itself (the
   // others write the same zeros); the fence hands the stores to wgmma's proxy and to the producer's next copy.
   static __device__ __forceinline__ void clear_v_tail(T* sV, int slot, int tile, int seqlen_k, int tid, int wg) {
-    if constexpr (K::TMA && K::VARLEN) {
+    if constexpr (K::TMA && K::VARLEN && !K::FP8) {  // (FP8: V's transposed copy is zero past each sequence)
       const int valid = seqlen_k - tile * K::BLOCK_N;
       if (valid < K::BLOCK_N) {
         zero_rows_from<typename K::LV, K::BLOCK_N, K::HEAD_DIM_V / 64, 128>(sV + slot * K::V_ELEMS, valid, tid % 128);
@@ -185,7 +208,7 @@ struct FwdConsumer {
   // OWN_O (after a query tile's loop): every S = Q K^T of this warp has landed (none is left in flight): Q's tile is
   // released.
   static __device__ __forceinline__ void release_q(unsigned bars, int lane) {
-    if constexpr (K::OWN_O) {
+    if constexpr (K::OWN_O && K::PERSISTENT) {
       if (lane == 0) WgmmaOps<BF16>::mbar_arrive(K::qe_bar(bars));
     }
   }

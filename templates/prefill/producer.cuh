@@ -58,10 +58,10 @@ struct FwdProducer {
   static __device__ __forceinline__ bool split_one(const PrefillParams<T>& p, const TmaDesc* maps, T* sQ, T* sK, T* sV,
                                                    unsigned bars, int tid, int warp, long long q_row0,
                                                    long long k_row0, int m0, int head, int kv_head, int batch,
-                                                   int tile_begin, int n_tiles, long long list_at) {
+                                                   int tile_begin, int n_tiles, long long list_at, int vt_col = 0) {
     return split(bars, tid, warp, [&]() {
       produce(p, maps, sQ, sK, sV, bars, 0, 0, K::VARLEN ? (int)q_row0 + m0 : m0, head, kv_head, K::VARLEN ? 0 : batch,
-              tile_begin, n_tiles, K::VARLEN ? (int)k_row0 : 0, list_at);
+              tile_begin, n_tiles, K::VARLEN ? (int)k_row0 : 0, list_at, vt_col);
     });
   }
 
@@ -70,15 +70,17 @@ struct FwdProducer {
   // tile that slot held; PERSISTENT, a query tile's Q once they have released the previous one's (O_IN_Q: after
   // the tile's first NUM_STAGES key tiles, which need only the ring). m0 and k_row: the first row of Q's tile and
   // of the key tiles in the maps; VARLEN, offset by the sequence's. MASK_LIST: the it-th KV tile is the plan's
-  // list entry at list_at + it, not tile_begin + it.
+  // list entry at list_at + it, not tile_begin + it. FP8: V's transposed copy has the sequence's keys from column
+  // vt_col (fp8_vt_col).
   static __device__ __forceinline__ void produce(const PrefillParams<T>& p, const TmaDesc* maps, T* sQ, T* sK, T* sV,
                                                  unsigned bars, int pass, int ring, int m0, int head, int kv_head,
-                                                 int batch, int tile_begin, int n_tiles, int k_row, long long list_at) {
+                                                 int batch, int tile_begin, int n_tiles, int k_row, long long list_at,
+                                                 int vt_col = 0) {
     auto load_q = [&]() {
       if (K::PERSISTENT && pass > 0) W::mbar_wait(K::qe_bar(bars), (pass - 1) & 1);
       W::mbar_expect(bars, K::Q_ELEMS * sizeof(T));
 #pragma unroll
-      for (int b = 0; b < K::HEAD_DIM / 64; ++b)
+      for (int b = 0; b < K::QK_COLS / 64; ++b)
         W::tma_load(smem_addr(sQ) + b * K::LQ::BLOCK_BYTES, maps, bars, 64 * b, m0, head, batch);
     };
     auto load_kv = [&](int it) {
@@ -88,17 +90,25 @@ struct FwdProducer {
       const int n0 = k_row + (K::MASK_LIST ? (p.tiles[list_at + it] & 0x7fffffff) : tile_begin + it) * K::BLOCK_N;
       W::mbar_expect(K::k_bar(bars, slot), K::K_ELEMS * sizeof(T));
 #pragma unroll
-      for (int b = 0; b < K::HEAD_DIM / 64; ++b)
+      for (int b = 0; b < K::QK_COLS / 64; ++b)
         W::tma_load(smem_addr(sK + slot * K::K_ELEMS) + b * K::LK::BLOCK_BYTES, maps + 1, K::k_bar(bars, slot), 64 * b,
                     n0, kv_head, batch);
       if constexpr (K::OVERLAP) {
         if (r >= NUM_STAGES) W::mbar_wait(K::ev_bar(bars, slot), ((r / NUM_STAGES) + 1) & 1);
       }
       W::mbar_expect(K::v_bar(bars, slot), K::V_ELEMS * sizeof(T));
+      if constexpr (K::FP8) {
+        // V's transposed copy (bytes): a box of 128 keys x HEAD_DIM_V rows a 128-byte block
 #pragma unroll
-      for (int b = 0; b < K::HEAD_DIM_V / 64; ++b)
-        W::tma_load(smem_addr(sV + slot * K::V_ELEMS) + b * K::LV::BLOCK_BYTES, maps + 2, K::v_bar(bars, slot), 64 * b,
-                    n0, kv_head, batch);
+        for (int b = 0; b < K::BLOCK_N / 128; ++b)
+          W::tma_load(smem_addr(sV + slot * K::V_ELEMS) + b * K::LV::BLOCK_BYTES, maps + 2, K::v_bar(bars, slot),
+                      n0 - k_row + vt_col + 128 * b, 0, kv_head, batch);
+      } else {
+#pragma unroll
+        for (int b = 0; b < K::HEAD_DIM_V / 64; ++b)
+          W::tma_load(smem_addr(sV + slot * K::V_ELEMS) + b * K::LV::BLOCK_BYTES, maps + 2, K::v_bar(bars, slot),
+                      64 * b, n0, kv_head, batch);
+      }
     };
     // O staged in Q's tile: the first key tiles go out before Q, which waits for the last tile's O to be read
     const int early = K::O_IN_Q ? min(n_tiles, NUM_STAGES) : 0;

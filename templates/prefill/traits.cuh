@@ -8,7 +8,8 @@ namespace attngen {
 template <class T_, bool BF16_, int HEAD_DIM_, int HEAD_DIM_V_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_,
           int NUM_STAGES_, int MASK_, bool RETURN_LSE_, bool Q_IN_REGS_, int ROW_ELEMS_, int ROW_ELEMS_V_,
           bool SWIZZLE_, bool SWIZZLE_V_, bool WGMMA_, class V_, bool VARLEN_, bool PAGED_,
-          bool MASK_LIST_, int TMA_CTAS_, bool OVERLAP_, bool PINGPONG_, bool PERSISTENT_, bool O_IN_Q_>
+          bool MASK_LIST_, int TMA_CTAS_, bool OVERLAP_, bool PINGPONG_, bool PERSISTENT_, bool O_IN_Q_,
+          bool FP8_ = false>
 struct FwdTraits {
   using T = T_;
   static constexpr bool BF16 = BF16_;
@@ -35,15 +36,22 @@ struct FwdTraits {
   static constexpr bool PINGPONG = PINGPONG_;
   static constexpr bool PERSISTENT = PERSISTENT_;
   static constexpr bool O_IN_Q = O_IN_Q_;
+  // FP8 (qkv_dtype e4m3, TMA): q and k rows of HEAD_DIM bytes, held as rows of QK_COLS 16-bit columns (the same
+  // bytes, so the 16-bit layouts and k-step descriptors serve fp8's 32-element k-steps); V transposed (fp8 wgmma
+  // reads B K-major only): a slot holds HEAD_DIM_V rows of BLOCK_N keys (prefill/fp8_vt.cuh writes them). T is
+  // the output's 16-bit type.
+  static constexpr bool FP8 = FP8_;
+  static constexpr int QK_COLS = FP8 ? HEAD_DIM / 2 : HEAD_DIM;
 
   using L = SmemLayout<HEAD_DIM, ROW_ELEMS, SWIZZLE>;
-  using LQ = typename Select<WGMMA, WgmmaLayout<HEAD_DIM, BLOCK_M>, L>::type;
-  using LK = typename Select<WGMMA, WgmmaLayout<HEAD_DIM, BLOCK_N>, L>::type;
+  using LQ = typename Select<WGMMA, WgmmaLayout<QK_COLS, BLOCK_M>, L>::type;
+  using LK = typename Select<WGMMA, WgmmaLayout<QK_COLS, BLOCK_N>, L>::type;
   using LVs = SmemLayout<HEAD_DIM_V, ROW_ELEMS_V, SWIZZLE_V>;
-  using LV = typename Select<WGMMA, WgmmaLayout<HEAD_DIM_V, BLOCK_N>, LVs>::type;
-  static constexpr int Q_ELEMS = WGMMA ? BLOCK_M * HEAD_DIM : BLOCK_M * ROW_ELEMS;
-  static constexpr int K_ELEMS = WGMMA ? BLOCK_N * HEAD_DIM : BLOCK_N * ROW_ELEMS;
-  static constexpr int V_ELEMS = WGMMA ? BLOCK_N * HEAD_DIM_V : BLOCK_N * ROW_ELEMS_V;
+  using LV = typename Select<FP8, WgmmaLayout<BLOCK_N / 2, HEAD_DIM_V>,
+                             typename Select<WGMMA, WgmmaLayout<HEAD_DIM_V, BLOCK_N>, LVs>::type>::type;
+  static constexpr int Q_ELEMS = WGMMA ? BLOCK_M * QK_COLS : BLOCK_M * ROW_ELEMS;
+  static constexpr int K_ELEMS = WGMMA ? BLOCK_N * QK_COLS : BLOCK_N * ROW_ELEMS;
+  static constexpr int V_ELEMS = WGMMA ? BLOCK_N * HEAD_DIM_V / (FP8 ? 2 : 1) : BLOCK_N * ROW_ELEMS_V;
   static constexpr int THREADS = NUM_WARPS * 32;
   static constexpr int WARP_M = BLOCK_M / NUM_WARPS;
   static constexpr int M_TILES = WARP_M / 16;
@@ -56,7 +64,7 @@ struct FwdTraits {
   static constexpr int PV_DIM = (HEAD_DIM_V + 15) / 16 * 16;
   static constexpr bool PAD_DIMS = QK_DIM != HEAD_DIM || PV_DIM != HEAD_DIM_V;
   static constexpr int D_TILES = PV_DIM / 8;   // 8-wide column tiles of O
-  static constexpr int K_STEPS = QK_DIM / 16;  // k-steps of Q K^T
+  static constexpr int K_STEPS = FP8 ? HEAD_DIM / 32 : QK_DIM / 16;  // k-steps of Q K^T
   static_assert(WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 8 == 0 && HEAD_DIM_V % 8 == 0, "tile shape");
   static_assert(!PAD_DIMS || (!WGMMA && !SWIZZLE && !SWIZZLE_V && ROW_ELEMS >= QK_DIM && ROW_ELEMS_V >= PV_DIM),
                 "head dims of 8 mod 16: mma.sync on padded rows");
@@ -64,6 +72,9 @@ struct FwdTraits {
   // TMA_CTAS: 0, the cp.async pipeline; else the TMA pipeline, its registers split for that many CTAs
   // an SM (PrefillSpec.tma_ctas, which the entry's launch bounds also take).
   static constexpr bool TMA = TMA_CTAS > 0;
+  static_assert(!FP8 || (TMA && !PERSISTENT && !MASK_LIST && HEAD_DIM % 128 == 0 && HEAD_DIM_V == HEAD_DIM &&
+                         BLOCK_N % 128 == 0),
+                "FP8: the TMA kernel one CTA a tile, whole 128-byte rows of q, k and of V's transposed keys");
   static_assert(!TMA || (WGMMA && !PAGED), "TMA: wgmma on the dense layout, contiguous varlen or a mask's tile lists");
   static_assert(!(TMA && (VARLEN || MASK_LIST) && PERSISTENT), "VARLEN, MASK_LIST (TMA): one CTA a work-list slot");
   static_assert(!OVERLAP || (TMA && NUM_STAGES >= 2), "OVERLAP: the TMA ring, tile i's V and i+1's K in it");
@@ -71,7 +82,8 @@ struct FwdTraits {
   static_assert(NUM_WARPS != 12 || TMA, "three consumer warpgroups: the TMA pipeline's (setmaxnreg)");
   static_assert(!PERSISTENT || TMA, "PERSISTENT: the TMA pipeline's producer loads the next tile's Q");
   static_assert(!O_IN_Q || PERSISTENT, "O_IN_Q: the persistent kernel's choice; one CTA a tile stages O in Q's");
-  static constexpr bool OWN_O = PERSISTENT && !O_IN_Q;  // O's staging tile of its own
+  // O's staging tile of its own (FP8: Q's tile holds half of O's bytes)
+  static constexpr bool OWN_O = (PERSISTENT && !O_IN_Q) || FP8;
   // OWN_O: O's staging tile after the V slots (otherwise O is staged in Q's).
   using LO = typename Select<OWN_O, WgmmaLayout<HEAD_DIM_V, BLOCK_M>, LQ>::type;
   static constexpr int GROUPS = NUM_WARPS / 4;  // consumer warpgroups (wgmma)

@@ -60,7 +60,8 @@ def by_rows(resolved, arch) -> tuple[list[int], list[PrefillSpec]] | None:
     its query rows, ``specs[i]`` from ``bounds[i - 1]`` rows on; None where one kernel runs every length. A config
     that does not validate on ``arch`` leaves the default in its place."""
     table = BY_ROWS.get((resolved.head_dim, resolved.dim_v, resolved.mask))
-    if table is None or not resolved.tma or resolved.chunked or resolved.varlen or resolved.custom_mask:
+    if (table is None or not resolved.tma or resolved.chunked or resolved.varlen or resolved.custom_mask
+            or resolved.qkv_dtype):
         return None
     specs = [resolved if fields is None else replaced_if_valid(resolved, arch, **fields) or resolved
              for _, fields in table]

@@ -11,6 +11,7 @@ import itertools
 
 from ...arch import Arch
 from .spec import MaskMode, Mma, Persistent, Pipeline, PrefillSpec, Schedule
+from . import fp8
 
 # The mma.sync kernels' configs, best first, as tools/sweep_configs.py ranked them (bf16, 16k tokens
 # at seqlen 4096). Archs with less shared memory take the best ranked config that fits them.
@@ -264,6 +265,8 @@ def candidates(spec, arch: Arch):
     skip.
     Configs ``SPILLS_ON`` lists for the arch come after all others: a default never takes one
     while another fits, and a spec that pins one still gets it (spills cost speed, not results)."""
+    if spec.qkv_dtype:
+        return fp8.candidates(spec)
     if spec.chunked:
         rows = (64, 32) if spec.dim_v <= CHUNKED_ROWS_64_UP_TO else (32, 64)
         listed = [c for r in rows for c in CHUNKED[r]]

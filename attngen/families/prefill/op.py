@@ -228,7 +228,7 @@ def kernel_for(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_W
 def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WINDOW, sm_scale: float | None = None,
             return_lse: bool = False, out=None, spec: PrefillSpec | str | Mapping | None = None, softcap: float = 0.0,
             alibi_slopes=None, mask=None, mask_plan=None, sinks=None, score_mod: str = "", mask_mod: str = "",
-            aux=None):
+            aux=None, q_descale=None, k_descale=None, v_descale=None):
     """Attention forward: softmax(q k^T * sm_scale) v, per head, with the FlashAttention layout.
 
     q ``[batch, seqlen_q, heads, head_dim]``; k, v ``[batch, seqlen_k, kv_heads, head_dim]`` with
@@ -267,6 +267,13 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     ``b``, per head only if it names ``h``): KV tiles it drops whole are never read, and it is not run on tiles it
     keeps whole. ``mask_plan`` then takes such a plan (``attngen.mask_plan(None, q, k, mask_mod=..., aux=...)``) to
     reuse, or ``'off'`` to run mask_mod on every pair of every tile the built-in masks leave.
+
+    fp8: q, k and v in ``torch.float8_e4m3fn`` (or uint8 bytes with a spec of ``qkv_dtype=fp8_e4m3``), head dim
+    128 or 256, run on sm_90a's fp8 wgmma (``attngen/families/prefill/fp8.py``); the output is bf16 (or ``out``'s,
+    or the spec's ``dtype``). ``q_descale``, ``k_descale``, ``v_descale``: what each operand is multiplied by to
+    dequantise it, a number or an fp32 device tensor of shape ``[]``, ``[1]``, ``[kv_heads]`` or ``[batch,
+    kv_heads]`` (FlashAttention-3's); 1 where omitted. causal, window, sm_scale, return_lse and out work as above;
+    softcap, ALiBi, sinks, masks and snippets are refused with fp8.
     """
     if _rt.tracing is not None and _rt.tracing():
         refuse_traced("attngen.prefill", score_mod, mask_mod, aux)
@@ -295,6 +302,21 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
         except (LaunchError, TypeError):
             key = None
     if call is None:
+        if q_descale is not None or k_descale is not None or v_descale is not None or (
+                qi.dtype != "bf16" and qi.dtype != "fp16"):
+            from . import fp8_op as fp8
+
+            if spec.__class__ is str:
+                spec = op_spec(spec, "prefill", "attngen.prefill")
+            if fp8.is_fp8_call(qi, spec):
+                fp8.refuse_options(softcap=softcap, alibi_slopes=alibi_slopes, mask=mask, mask_plan=mask_plan,
+                                   sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, aux=aux)
+                return fp8.prefill_fp8(q, k, v, qi, ki, vi, causal=causal, window=window, sm_scale=sm_scale,
+                                       return_lse=return_lse, out=out, spec=spec,
+                                       descales=(q_descale, k_descale, v_descale))
+            if qi.dtype in ("bf16", "fp16"):
+                raise LaunchError("q_descale, k_descale and v_descale are for fp8 q, k, v (torch.float8_e4m3fn); "
+                                  f"q has dtype {qi.dtype}")
         widths = pad_widths(q, k, v, PrefillSpec.WHOLE_DIMS) if len(qi.shape) == len(vi.shape) == 4 else None
         if widths is not None:  # a head dim no kernel is built for, run on zero-padded copies (head_pad)
             return run_padded(prefill, q, k, v, widths, sm_scale=sm_scale, out=out, return_lse=return_lse,

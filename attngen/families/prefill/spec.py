@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from ...arch import Arch, get_arch
 from ...errors import SpecError
-from . import fit
+from . import fit, fp8
 from .. import snippets
 from ...spec import (DType, Mma, Pipeline, SpecBase, allowed_text, check_smem, check_wgmma_arch, coerce_bool,
                      coerce_enum, coerce_int, variant_list)
@@ -176,6 +176,9 @@ class PrefillSpec(SpecBase):
     score_mod: str = ""
     mask_mod: str = ""
     aux: str = ""
+    # q, k and v in fp8 (fp8_e4m3; dtype is then the output's), with descales: attngen/families/prefill/fp8.py.
+    # "" (off) is left out of the spec's dict and key.
+    qkv_dtype: str = ""
 
     def __post_init__(self):
         s = object.__setattr__
@@ -226,6 +229,7 @@ class PrefillSpec(SpecBase):
         s(self, "score_mod", score_mod)
         s(self, "mask_mod", mask_mod)
         s(self, "aux", aux)
+        s(self, "qkv_dtype", fp8.check_fields(self))
         if self.is_persistent and self.pipeline is Pipeline.SYNC:
             raise SpecError("persistent", "true", "false with pipeline=sync",
                             reason="the persistent kernel's producer warpgroup loads each next query tile by TMA")
@@ -442,6 +446,8 @@ class PrefillSpec(SpecBase):
         """Shared memory of the main entry. ``own_o``: the whole-row persistent kernel's O in a tile of its own
         (True) or in Q's (False); None, as ``o_in_q`` chooses."""
         self._require_resolved("smem_bytes")
+        if self.qkv_dtype:
+            return fp8.smem_bytes(self)
         if self.chunked:
             # the ring of equal steps, P (16-bit) and the row-max exchange (fp32, a row per warp column)
             # (wgmma: dense tiles, P in whole 64-key blocks, and slack to align the ring to the 1024-byte
@@ -494,7 +500,8 @@ class PrefillSpec(SpecBase):
         if self.custom_mask and self.mask_mod:
             plan = (*plan, ("_modtiles", PLAN_THREADS, 0))
         order = (("_order", ORDER_THREADS, 0),) if self.custom_mask or self.varlen else ()
-        return (main, *plan, *order)
+        vt = (("_vt", fp8.VT_THREADS, 0),) if self.qkv_dtype else ()  # V transposed for fp8 wgmma
+        return (main, *plan, *order, *vt)
 
     def name_parts(self) -> tuple[str, ...]:
         """d128 (d192v128: split head dims), dtype, mask, layout and score flags, tiles, warps and stages,
@@ -502,7 +509,7 @@ class PrefillSpec(SpecBase):
         flags = (("cmask", self.custom_mask), ("varlen", self.varlen), ("paged", self.paged), ("prow", self.page_rows),
                  ("lse", self.return_lse),
                  ("cap", self.softcap), ("alibi", self.alibi), ("sinks", self.sinks), ("smod", self.score_mod),
-                 ("mmod", self.mask_mod))
+                 ("mmod", self.mask_mod), ("e4m3", self.qkv_dtype))
         return (f"d{self.head_dim}" + self.name_piece("v{}", self.head_dim_v), self.dtype.value,
                 {MaskMode.CAUSAL: "causal", MaskMode.SLIDING_WINDOW: "swa"}.get(self.mask, ""),
                 *(name for name, on in flags if on), self.name_piece("q{}k{}", self.cta_tile_q, self.cta_tile_kv),
@@ -520,7 +527,7 @@ class PrefillSpec(SpecBase):
         ctx.update(logits_variants=variant_list(("Softcap", self.softcap), ("Alibi", self.alibi)))
         ctx.update(dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask], tma=self.tma, overlap=self.overlapped,
                    pingpong=self.schedule is Schedule.PINGPONG, persistent=self.is_persistent, qk_pair=self.qk_pair,
-                   o_in_q=self.o_in_q, page_rows=self.page_rows)
+                   o_in_q=self.o_in_q, page_rows=self.page_rows, fp8=bool(self.qkv_dtype))
         if self.chunked:
             cg = self.chunk_grid
             ctx.update(chunked=True, wgmma=self.mma is Mma.WGMMA, chunk_vk=cg["vk"], chunk_vcw=cg["vcw"],
@@ -540,6 +547,9 @@ class PrefillSpec(SpecBase):
 
     # --- fit ---------------------------------------------------------------------------------
     def check(self, a: Arch) -> None:
+        if self.qkv_dtype:
+            fp8.check_fit(self, a)
+            return
         if self.cta_tile_q == 192 or self.num_warps == 12:
             # the fields that rule three consumer warpgroups out, the first one named
             ruled_out = [("pipeline", self.pipeline.value)] if not self.tma else []

@@ -50,7 +50,8 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    causal: bool = False, window: tuple[int, int] = _NO_WINDOW, sm_scale: float | None = None,
                    return_lse: bool = False, out=None, block_table=None,
                    spec: PrefillSpec | str | Mapping | None = None, softcap: float = 0.0,
-                   alibi_slopes=None, sinks=None, score_mod: str = "", mask_mod: str = "", aux=None):
+                   alibi_slopes=None, sinks=None, score_mod: str = "", mask_mod: str = "", aux=None,
+                   q_descale=None, k_descale=None, v_descale=None):
     """Attention forward over packed sequences of different lengths (FlashAttention's varlen API).
 
     q ``[total_q, heads, head_dim]``, k and v ``[total_k, kv_heads, head_dim]``; sequence s is rows
@@ -69,6 +70,9 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     ``prefill``; that costs a copy of q, k and v (or the paged cache) per call. ``sinks`` (fp32 ``[heads]``):
     attention sinks as in ``prefill``; the LSE includes them. ``score_mod``, ``mask_mod`` and ``aux``: a user's
     variant as in ``prefill`` (b is the sequence's index, q_idx and kv_idx positions within the sequence).
+    fp8 q, k, v with ``q_descale``, ``k_descale``, ``v_descale`` as in ``prefill`` (a descale of shape
+    ``[batch, kv_heads]`` is indexed by sequence); there ``max_seqlen_k`` must bound every sequence's keys (it
+    sizes the copy of V the fp8 kernel reads).
     """
     if _rt.tracing is not None and _rt.tracing():
         refuse_traced("attngen.prefill_varlen", score_mod, mask_mod, aux)
@@ -76,6 +80,23 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
             sm_scale=sm_scale, return_lse=return_lse, out=out, block_table=block_table, spec=spec, softcap=softcap,
             alibi_slopes=alibi_slopes, sinks=sinks)
+    qi = tensor_info(q, "q")
+    if q_descale is not None or k_descale is not None or v_descale is not None or (
+            qi.dtype != "bf16" and qi.dtype != "fp16"):
+        from . import fp8_op as fp8
+
+        if spec is not None and spec.__class__ is not PrefillSpec:
+            spec = op_spec(spec, "prefill", "attngen.prefill_varlen")
+        if fp8.is_fp8_call(qi, spec):
+            fp8.refuse_options(block_table=block_table, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                               score_mod=score_mod, mask_mod=mask_mod, aux=aux)
+            return fp8.prefill_varlen_fp8(q, k, v, qi, tensor_info(k, "k"), tensor_info(v, "v"), cu_seqlens_q,
+                                          cu_seqlens_k, _max_seqlen(max_seqlen_k, "max_seqlen_k"), causal=causal,
+                                          window=window, sm_scale=sm_scale, return_lse=return_lse, out=out,
+                                          spec=spec, descales=(q_descale, k_descale, v_descale))
+        if qi.dtype in ("bf16", "fp16"):
+            raise LaunchError("q_descale, k_descale and v_descale are for fp8 q, k, v (torch.float8_e4m3fn); "
+                              f"q has dtype {qi.dtype}")
     widths = pad_widths(q, k, v, PrefillSpec.WHOLE_DIMS)
     if widths is not None:  # a head dim no kernel is built for, run on zero-padded copies (head_pad)
         return run_padded(prefill_varlen, q, k, v, widths, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -1,0 +1,90 @@
+"""fp8 prefill: q, k and v in e4m3 with descales, output fp16 or bf16, on sm_90a's fp8 wgmma (spec ``qkv_dtype``).
+
+The kernel is the TMA whole-row kernel with its operands in bytes (templates/prefill/fp8.cuh): q and k are read as
+they are (fp8 wgmma reads them K-major, as the 16-bit kernel does), P is rounded to e4m3 for O += P V, and v is
+first copied transposed (keys contiguous, as fp8 wgmma needs its B operand) into a scratch buffer by the module's
+``_vt`` entry, launched just before the main one on the same stream. Descales: numbers fold into the softmax's
+scale (q's, k's) and O (v's) on the host; fp32 device tensors (per tensor, per KV head, or FlashAttention-3's
+``[batch, kv_heads]``) are read by each CTA for its (batch, KV head).
+
+Here: the spec's rules for ``qkv_dtype`` (``PrefillSpec`` calls ``check_fields`` and ``check_fit``), its default
+tiles and its shared memory; the host path of ``attngen.prefill`` / ``prefill_varlen`` for fp8 operands is
+``fp8_op.py``.
+"""
+
+from __future__ import annotations
+
+from ...errors import SpecError
+from ...spec import Mma, allowed_text, check_smem, check_wgmma_arch
+
+QKV_DTYPES = ("fp8_e4m3",)
+HEAD_DIMS = (128, 256)
+VT_THREADS = 256  # templates/prefill/fp8.cuh: the `_vt` entry's
+
+
+# ---- the spec ------------------------------------------------------------------------------------------------
+
+def check_fields(spec) -> str:
+    """``qkv_dtype`` checked against the spec's other fields (PrefillSpec.__post_init__): the value it keeps."""
+    v = spec.qkv_dtype
+    if v is None or v == "":
+        return ""
+    v = getattr(v, "value", v)
+    if v not in QKV_DTYPES:
+        raise SpecError("qkv_dtype", v, "'' (q, k, v in dtype) or " + allowed_text(QKV_DTYPES),
+                        reason="fp8 prefill runs e4m3 (fp8 wgmma's e5m2 form is not built)")
+    if spec.head_dim not in HEAD_DIMS or spec.head_dim_v:
+        raise SpecError("qkv_dtype", v, "'' with head_dim=" + str(spec.head_dim) +
+                        (f", head_dim_v={spec.head_dim_v}" if spec.head_dim_v else ""),
+                        reason=f"fp8 prefill takes head_dim {allowed_text(HEAD_DIMS)} (whole 128-byte rows) with "
+                               "head_dim_v = head_dim")
+    for name in ("softcap", "alibi", "sinks", "custom_mask", "paged", "score_mod", "mask_mod"):
+        if getattr(spec, name):
+            raise SpecError("qkv_dtype", v, f"'' with {name} set",
+                            reason=f"fp8 prefill has no {name.replace('_', '-')} form yet (causal, sliding window, "
+                                   "varlen and return_lse are built)")
+    refused = (("pipeline", spec.pipeline.value, "sync", "tma"), ("persistent", "true", "true", "false"),
+               ("mma", spec.mma.value, "mma_sync", "wgmma"), ("head_dim_chunk", spec.head_dim_chunk, None, "0"))
+    for name, shown, bad, allowed in refused:
+        value = getattr(getattr(spec, name), "value", getattr(spec, name))
+        if (bad is not None and value == bad) or (bad is None and value):
+            raise SpecError(name, shown, f"{allowed} with qkv_dtype={v}",
+                            reason="fp8 prefill is the TMA kernel's wgmma form, one CTA a query tile, whole rows")
+    return v
+
+
+def check_fit(spec, a) -> None:
+    """The fp8 kernel's fit rules on arch ``a`` (PrefillSpec.check)."""
+    if not a.has_wgmma:
+        raise SpecError("qkv_dtype", spec.qkv_dtype, f"'' on {a.name}",
+                        reason="fp8 prefill runs on sm_90a's fp8 wgmma; no mma.sync form (sm_89, sm_120) is built")
+    check_wgmma_arch(spec, a)
+    if spec.num_warps != 8 or spec.cta_tile_q != 128:
+        name, value = ("num_warps", spec.num_warps) if spec.num_warps != 8 else ("cta_tile_q", spec.cta_tile_q)
+        raise SpecError(name, value, "num_warps 8 with cta_tile_q 128 with qkv_dtype",
+                        reason="fp8 prefill runs two consumer warpgroups of 64 query rows")
+    if spec.cta_tile_kv % 128:
+        raise SpecError("cta_tile_kv", spec.cta_tile_kv, "128 with qkv_dtype",
+                        reason="V's transposed copy is read in boxes of 128 keys (128-byte swizzle rows)")
+    if spec.num_stages < 2:
+        raise SpecError("num_stages", spec.num_stages, "2, 3, 4 with qkv_dtype",
+                        reason="the TMA ring of fp8 prefill holds two tiles at least")
+    check_smem(spec, a, "num_stages", "fewer num_stages")
+
+
+def smem_bytes(spec) -> int:
+    """Q's tile, the ring of K and V (V's keys transposed: the same bytes), O's own 16-bit tile, the 1024-byte
+    alignment slack and the ring's mbarriers."""
+    d, q, kv, st = spec.head_dim, spec.cta_tile_q, spec.cta_tile_kv, spec.num_stages
+    bars = 8 * (1 + (4 if spec.overlapped else 3) * st)
+    return q * d + 2 * st * kv * d + q * d * spec.dtype.itemsize + 1024 + bars
+
+
+def candidates(spec):
+    """The default tiles (see the module), measured order first."""
+    from .spec import Persistent, Pipeline, Schedule
+
+    for kv in (128,):
+        for st in (2, 3):
+            for sc in (Schedule.PINGPONG, Schedule.OVERLAP, Schedule.SERIAL):
+                yield 128, kv, 8, st, Mma.WGMMA, 0, Pipeline.TMA, sc, Persistent.OFF

@@ -1,0 +1,379 @@
+"""The host path of fp8 prefill (``attngen.prefill`` / ``prefill_varlen`` with q, k, v in e4m3; the kernel and its
+spec: fp8.py): the operands' and descales' checks, V's transposed copy and the two launches.
+
+As ``op.py`` does for 16-bit calls, what depends only on a call's operands and arguments (the checks, the plan and
+kernel, the grid, the parameters but the output's, the LSE's and the copy's pointers) is worked out once per
+distinct call into an ``_Fp8Call``, kept for the last few hundred; a repeated call allocates the output and the
+copy, launches ``_vt`` (and for varlen the work list's sort, whose lengths are read on the GPU) and the kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+from ...errors import LaunchError
+from ...runtime import data_ptr, tensor_info
+from ...spec import allowed_text
+from .fp8 import HEAD_DIMS, QKV_DTYPES
+
+# tensor_info's names: torch's e4m3 names its format; bytes (uint8: CuPy has no fp8 dtype) take the spec's word.
+_E4M3 = "torch.float8_e4m3fn"
+_BYTES = ("torch.uint8", "uint8")
+_OTHER_FP8 = ("torch.float8_e5m2", "torch.float8_e4m3fnuz", "torch.float8_e5m2fnuz", "torch.float8_e8m0fnu")
+_DESCALE_SHAPES = ("a number, or an fp32 device tensor of shape [] or [1] (per tensor), [kv_heads] (per KV head) or "
+                   "[batch, kv_heads]")
+_LOG2E = 1.4426950408889634
+# PrefillFp8Params (templates/prefill/fp8.cuh): the three maps, every field of PrefillParams (the varlen ones, the
+# batch count, the sinks' pointer), then Fp8Scales: 3 pointers, 6 strides, v's number.
+_PARAMS = struct.Struct("<384s5Q12q4i2f2i2fQq8Q2q9iiQ3Q6qf")
+# VtParams: v, the copy, cu_k; v's strides (batch, key, KV head), the copy's (batch, KV head, column); 2 lengths.
+_VT_PARAMS = struct.Struct("<3Q6q2i")
+VT_KEYS = 128  # templates/prefill/fp8.cuh: keys a CTA of `_vt` copies
+
+
+
+def is_fp8_call(qi, spec) -> bool:
+    """Whether a call's q is fp8 (or bytes a spec names as such): the path of this module."""
+    if qi.dtype == _E4M3 or qi.dtype in _OTHER_FP8:
+        return True
+    return qi.dtype in _BYTES and bool(getattr(spec, "qkv_dtype", ""))
+
+
+def refuse_options(**given) -> None:
+    """Arguments fp8 prefill has no form for, refused by name where given."""
+    for name, value in given.items():
+        if value is not None and value is not False and value != 0.0 and value != "":
+            raise LaunchError(f"{name} is not supported with fp8 q, k, v (qkv_dtype=fp8_e4m3); fp8 prefill takes "
+                              "causal, window, sm_scale, return_lse, out and the descales")
+
+
+def check_operands(qi, ki, vi, spec, varlen: bool) -> None:
+    """Dtypes (all e4m3, or bytes with the spec's qkv_dtype), ranks, head dims, strides, kind and device."""
+    names = (qi.dtype, ki.dtype, vi.dtype)
+    if any(n in _OTHER_FP8 for n in names):
+        bad = next(n for n in names if n in _OTHER_FP8)
+        raise LaunchError(f"q, k, v have dtypes {', '.join(names)}: fp8 prefill takes {_E4M3} ({bad} is not built)")
+    if not (names[0] == names[1] == names[2]) or (names[0] in _BYTES and not getattr(spec, "qkv_dtype", "")):
+        raise LaunchError(f"q, k, v have dtypes {', '.join(names)}: fp8 prefill takes all three {_E4M3} (or uint8 "
+                          "bytes with a spec of qkv_dtype=fp8_e4m3)")
+    rank, dims = (3, "[total, heads, head_dim]") if varlen else (4, "[batch, seqlen, heads, head_dim]")
+    for name, t in (("q", qi), ("k", ki), ("v", vi)):
+        if len(t.shape) != rank:
+            raise LaunchError(f"{name} has shape {tuple(t.shape)}; expected {dims}")
+    d, dv = qi.shape[-1], vi.shape[-1]
+    if d not in HEAD_DIMS or ki.shape[-1] != d or dv != d:
+        raise LaunchError(f"head dims q {d}, k {ki.shape[-1]}, v {dv}: fp8 prefill takes {allowed_text(HEAD_DIMS)} "
+                          "for all three")
+    for name, t in (("q", qi), ("k", ki), ("v", vi)):
+        st = t.strides
+        if st[-1] != 1 or t.ptr % 16 or any(s % 16 for s in st[:-1]):
+            raise LaunchError(f"{name} (fp8) must be 16-byte aligned with a contiguous last dim and strides that "
+                              f"are multiples of 16 elements; got strides {tuple(st)}")
+    if not (qi.kind == ki.kind == vi.kind) or not (qi.device == ki.device == vi.device):
+        raise LaunchError("q, k, v must be of one kind on one device")
+    if ki.shape[:-1] != vi.shape[:-1] or (not varlen and ki.shape[0] != qi.shape[0]):
+        raise LaunchError(f"shapes q {tuple(qi.shape)}, k {tuple(ki.shape)}, v {tuple(vi.shape)} do not agree")
+    h, hk = qi.shape[-2], ki.shape[-2]
+    if hk == 0 or h % hk:
+        raise LaunchError(f"heads={h} must be a multiple of kv_heads={hk} (GQA/MQA)")
+
+
+def descale(x, name: str, batch: int, hk: int, qi) -> tuple[float, int, int, int]:
+    """(number, pointer, batch stride, KV-head stride) of one descale: (x, 0, 0, 0) for a number (1.0 where
+    missing), (1.0, pointer, strides) for a device tensor."""
+    if x is None:
+        return 1.0, 0, 0, 0
+    if x.__class__ in (int, float):
+        v = float(x)
+        if not math.isfinite(v) or v <= 0:
+            raise LaunchError(f"{name}={x!r} must be finite and > 0")
+        return v, 0, 0, 0
+    if isinstance(x, bool):
+        raise LaunchError(f"{name}={x!r} is not allowed; allowed: {_DESCALE_SHAPES}")
+    t = tensor_info(x, name)  # refuses host tensors and what is no array, by name
+    if t.kind != qi.kind or t.device != qi.device:
+        raise LaunchError(f"{name} must be a {qi.kind} tensor on device {qi.device}; got {t.kind} on device {t.device}")
+    if t.dtype != "fp32":
+        raise LaunchError(f"{name} has dtype {t.dtype}; allowed: fp32 ({_DESCALE_SHAPES})")
+    shape = tuple(t.shape)
+    if shape in ((), (1,)):
+        return 1.0, t.ptr, 0, 0
+    if shape == (hk,):
+        return 1.0, t.ptr, 0, t.strides[0]
+    if shape == (batch, hk):
+        return 1.0, t.ptr, t.strides[0], t.strides[1]
+    raise LaunchError(f"{name} has shape {list(shape)}; allowed: {_DESCALE_SHAPES} (batch={batch}, kv_heads={hk})")
+
+
+def scales(descales: tuple, batch: int, hk: int, qi, sm_scale: float) -> tuple[float, tuple]:
+    """(sm_scale with the numbers of q's and k's descales folded in, Fp8Scales' fields)."""
+    (qm, qp, qsb, qsh), (km, kp, ksb, ksh), (vm, vp, vsb, vsh) = (
+        descale(x, n, batch, hk, qi) for x, n in zip(descales, ("q_descale", "k_descale", "v_descale")))
+    return sm_scale * qm * km, (qp, kp, vp, qsb, qsh, ksb, ksh, vsb, vsh, vm)
+
+
+def _out_dtype(out, spec) -> str:
+    """The output's dtype: ``out``'s, else the spec's ``dtype`` (bf16 by default)."""
+    want = spec.dtype.value if spec is not None else "bf16"
+    if out is None:
+        return want
+    od = tensor_info(out, "out").dtype
+    if od not in ("fp16", "bf16"):
+        raise LaunchError(f"out has dtype {od}; fp8 prefill writes fp16 or bf16")
+    if spec is not None and od != want:
+        raise LaunchError(f"out has dtype {od} but the spec says dtype={want} (the output's dtype with qkv_dtype)")
+    return od
+
+
+def _spec(spec, d: int, dtype: str):
+    """The caller's spec (parsed) with qkv_dtype set, or the fp8 default's base; None where a caller's spec is
+    not one of prefill's (op_spec raises)."""
+    from ...spec import op_spec
+    from .spec import PrefillSpec
+
+    if spec is None:
+        return PrefillSpec(head_dim=d, dtype=dtype, qkv_dtype=QKV_DTYPES[0])
+    if spec.__class__ is not PrefillSpec:
+        spec = op_spec(spec, "prefill", "attngen.prefill")
+    if spec.qkv_dtype:
+        return spec
+    return spec.replace(head_dim=d, dtype=dtype, qkv_dtype=QKV_DTYPES[0])
+
+
+def _plan(qi, d: int, out, spec, mcode: int, return_lse: bool, layout: int):
+    from .op import plan_for
+
+    dtype = _out_dtype(out, spec if spec is None or spec.__class__ is not str else None)
+    fspec = _spec(spec, d, dtype)
+    return plan_for((d, dtype, qi.device, mcode, bool(return_lse), fspec, qi.kind, False, False, layout, d, False))
+
+
+def _bytes(kind: str, n: int, device: int):
+    """A scratch buffer of ``n`` bytes (V's transposed copy)."""
+    if kind == "torch":
+        import torch
+
+        return torch.empty(n, dtype=torch.uint8, device=torch.device("cuda", device))
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return cupy.empty(n, dtype=cupy.uint8)
+
+
+def _qk_map(t, rows: int, what: str) -> bytes:
+    """q or k (bytes) as rows of 16-bit pairs, 64-pair boxes of ``rows`` rows: the 16-bit kernel's boxes."""
+    from ..tma import tiled_map
+
+    if len(t.shape) == 3:
+        (s, h, d), (ss, sh, _) = t.shape, t.strides
+        b, sb = 1, ss
+    else:
+        b, s, h, d = t.shape
+        sb, ss, sh, _ = t.strides
+    return tiled_map("bf16", t.ptr, (d // 2, max(s, 1), h, b), (ss, sh, sb), (64, rows, 1, 1),
+                     lambda e: f"no TMA tensor map for {what} {tuple(t.shape)} with strides {tuple(t.strides)}: {e}")
+
+
+def _vt_map(ptr: int, cols: int, d: int, hk: int, b: int) -> bytes:
+    """V's transposed copy: ``cols`` keys a row, d rows a KV head; boxes of 128 keys x d rows, 128-byte swizzled."""
+    from ..tma import tiled_map
+
+    return tiled_map("uint8", ptr, (cols, d, hk, b), (cols, d * cols, hk * d * cols), (128, d, 1, 1),
+                     lambda e: f"no TMA tensor map for v's transposed copy: {e}", swizzled_bytes=True)
+
+
+_MAX_KEPT = 256
+_calls: dict = {}
+
+
+class _Fp8Call:
+    """What a call with a given key launches (see the module): ``vals`` are the main entry's parameters after the
+    maps and the output's and LSE's pointers; ``vt`` the copy's size, grid and ``_vt`` parameters but its pointer;
+    ``order`` (varlen) the work list's launch."""
+
+    __slots__ = ("plan", "kern", "grid", "out_shape", "out_ptr", "lse_shape", "qk_maps", "vt_bytes", "vt_grid",
+                 "vt_head", "vt_tail", "vt_map", "head", "vals", "order")
+
+
+def _key_of(x):
+    """A descale (or out) as part of a call's key: a number as itself, an array as its info."""
+    if x is None or x.__class__ in (int, float):
+        return x
+    return tensor_info(x, "descale")
+
+
+def _keep(key, call) -> None:
+    if key is not None:
+        if len(_calls) >= _MAX_KEPT:
+            _calls.clear()
+        _calls[key] = call
+
+
+def _call_key(*parts):
+    try:
+        key = tuple(parts)
+        hash(key)
+        return key
+    except TypeError:  # an unhashable argument: the checks name it, nothing is kept
+        return None
+
+
+def prefill_fp8(q, k, v, qi, ki, vi, *, causal, window, sm_scale, return_lse, out, spec, descales):
+    """``attngen.prefill`` for fp8 q, k, v: ``_prepare_dense`` once per distinct call, then the launches."""
+    key = _call_key("dense", qi, ki, vi, causal, window, sm_scale, bool(return_lse), spec,
+                    None if out is None else tensor_info(out, "out"), *map(_key_of, descales))
+    call = _calls.get(key) if key is not None else None
+    if call is None:
+        call = _prepare_dense(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, descales)
+        _keep(key, call)
+    return _launch(call, qi, out, return_lse)
+
+
+def _prepare_dense(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, descales) -> _Fp8Call:
+    from .choose import DENSE, dense_grid
+    from .op import mask_and_window, out_of
+    from ..score_mods import checked_scale
+
+    check_operands(qi, ki, vi, spec, False)
+    b, sq, h, d = qi.shape
+    _, sk, hk, _ = ki.shape
+    mcode, left, right = mask_and_window(causal, window)
+    call = _Fp8Call()
+    call.plan = plan = _plan(qi, d, out, spec, mcode, return_lse, DENSE)
+    scale, f8 = scales(descales, b, hk, qi, plan.default_scale if sm_scale is None else checked_scale(sm_scale))
+    call.out_shape, call.lse_shape, call.grid, call.order = (b, sq, h, d), (b, h, sq), None, None
+    ost = (sq * h * d, h * d, d)
+    if out is not None:
+        call.out_ptr, ost = out_of(out, out_like(qi, out), d)
+    if sq == 0 or b == 0 or h == 0:
+        return call
+    if b > 65535:
+        raise LaunchError(f"batch={b} exceeds 65535 (the grid's z limit)")
+    call.kern = kern = plan.kernel or plan.kernel_for(sq)
+    ks = kern.spec
+    bn = ks.cta_tile_kv
+    cols = max(1, -(-sk // bn)) * bn  # keys a row of the copy: whole key tiles
+    vs = vi.strides
+    call.vt_bytes, call.vt_grid = b * hk * d * cols, (cols // VT_KEYS, hk, b)
+    call.vt_head, call.vt_tail = (vi.ptr,), (0, vs[0], vs[1], vs[2], hk * d * cols, d * cols, cols, sk, 0)
+    call.vt_map = (cols, d, hk, b)
+    call.qk_maps = _qk_map(qi, ks.cta_tile_q, "q") + _qk_map(ki, bn, "k")
+    call.grid = dense_grid(sq, h, b, ks)
+    qs, kst = qi.strides, ki.strides
+    call.head = (qi.ptr, ki.ptr, vi.ptr)
+    call.vals = (qs[0], qs[1], qs[2], kst[0], kst[1], kst[2], vs[0], vs[1], vs[2], ost[0], ost[1], ost[2],
+                 sq, sk, h, h // hk, scale, scale * _LOG2E, left, right, 0.0, 0.0, 0, 0,
+                 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, *f8)
+    return call
+
+
+def _launch(call, qi, out, return_lse, order_args=None):
+    """The launches of a worked-out call: the output, LSE and copy allocated, ``_vt``, (varlen) the work list's
+    sort, the main entry."""
+    plan, kind = call.plan, qi.kind
+    if out is None:
+        out = plan.alloc(*call.out_shape)
+        optr = data_ptr(out, kind)
+    else:
+        optr = call.out_ptr
+    lse = plan.alloc_f32(*call.lse_shape) if return_lse else None
+    if call.grid is None:
+        return (out, lse) if return_lse else out
+    kern = call.kern
+    stream = plan.stream(qi.device)
+    vt = _bytes(kind, call.vt_bytes, qi.device)
+    vt_ptr = data_ptr(vt, kind)
+    kern.launch_struct(_VT_PARAMS, call.vt_grid, stream, *call.vt_head, vt_ptr, *call.vt_tail, entry="_vt")
+    tail = ()
+    if call.order is not None:  # varlen: the work list, sorted on the GPU from the lengths there
+        from .varlen import launch_order
+
+        ws = plan.alloc_index(call.order[0])
+        wp = data_ptr(ws, kind)
+        launch_order(kern, stream, wp, *call.order[1:])
+        tail = (wp, wp + 8 * call.order[1])
+    maps = call.qk_maps + _vt_map(vt_ptr, *call.vt_map)
+    lse_ptr = data_ptr(lse, kind) if return_lse else 0
+    vals = call.vals if not tail else (*call.vals[:_WORK_AT], *tail, *call.vals[_WORK_AT + 2:])
+    kern.launch_struct(_PARAMS, call.grid, stream, maps, *call.head, optr, lse_ptr, *vals)
+    return (out, lse) if return_lse else out
+
+
+# Where the work list's two pointers sit in a varlen call's ``vals`` (PrefillParams: 12 strides, 4 ints, 2 floats,
+# 2 ints, 2 floats, 2 alibi fields, then cu_q, cu_k, block_table, work, work_count).
+_WORK_AT = 12 + 4 + 2 + 2 + 2 + 2 + 3
+
+
+def out_like(qi, out):
+    """q's info as ``out`` must match it (q's shape, ``out``'s 16-bit dtype): for ``op.out_of``'s checks."""
+    return qi._replace(dtype=tensor_info(out, "out").dtype)
+
+
+
+def prefill_varlen_fp8(q, k, v, qi, ki, vi, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, *, causal, window,
+                       sm_scale, return_lse, out, spec, descales):
+    """``attngen.prefill_varlen`` for fp8 q, k, v: the work list, V's transposed copy (each sequence padded to
+    whole key tiles), the main launch."""
+    from .varlen import _index
+
+    cq = _index(cu_seqlens_q, "cu_seqlens_q", 1, qi)
+    ck = _index(cu_seqlens_k, "cu_seqlens_k", 1, qi)
+    key = _call_key("varlen", qi, ki, vi, cq, ck, max_seqlen_k, causal, window, sm_scale, bool(return_lse), spec,
+                    None if out is None else tensor_info(out, "out"), *map(_key_of, descales))
+    call = _calls.get(key) if key is not None else None
+    if call is None:
+        call = _prepare_varlen(qi, ki, vi, cq, ck, max_seqlen_k, causal, window, sm_scale, return_lse, out, spec,
+                               descales)
+        _keep(key, call)
+    return _launch(call, qi, out, return_lse)
+
+
+def _prepare_varlen(qi, ki, vi, cq, ck, max_seqlen_k, causal, window, sm_scale, return_lse, out, spec,
+                    descales) -> _Fp8Call:
+    from .choose import VARLEN, varlen_grid
+    from .op import mask_and_window, out_of
+    from ..score_mods import checked_scale
+
+    check_operands(qi, ki, vi, spec, True)
+    total_q, h, d = qi.shape
+    total_k, hk, _ = ki.shape
+    if cq.shape[0] != ck.shape[0] or cq.shape[0] < 1:
+        raise LaunchError(f"cu_seqlens_q has {cq.shape[0]} entries and cu_seqlens_k {ck.shape[0]}; both must be "
+                          f"batch + 1 >= 1")
+    batch = cq.shape[0] - 1
+    if total_q >= 2 ** 31 or total_k >= 2 ** 31:
+        raise LaunchError(f"total_q={total_q} / total_k={total_k}: at most 2^31 - 1 rows (int32 cu_seqlens)")
+    mcode, left, right = mask_and_window(causal, window)
+    call = _Fp8Call()
+    call.plan = plan = _plan(qi, d, out, spec, mcode, return_lse, VARLEN)
+    scale, f8 = scales(descales, batch, hk, qi, plan.default_scale if sm_scale is None else checked_scale(sm_scale))
+    call.out_shape, call.lse_shape, call.grid, call.order = (total_q, h, d), (h, total_q), None, None
+    ost = (h * d, d)
+    if out is not None:
+        call.out_ptr, ost = out_of(out, out_like(qi, out), d)
+    if total_q == 0 or batch == 0 or h == 0:
+        return call
+    call.kern = kern = plan.kernel or plan.kernel_for(max(1, total_q // batch))
+    ks = kern.spec
+    bn = ks.cta_tile_kv
+    # each sequence from its first key rounded down to 16, plus seq * (bn + 16) (prefill/fp8.cuh, fp8_vt_col)
+    cols = -(-(total_k + batch * (bn + 16) + bn) // 16) * 16
+    vs = vi.strides
+    # (max_seqlen_k bounds every sequence's keys: the copy's grid; FlashAttention's contract for the argument)
+    call.vt_bytes, call.vt_grid = hk * d * cols, (max(1, -(-max_seqlen_k // bn) * bn // VT_KEYS), hk, batch)
+    call.vt_head, call.vt_tail = (vi.ptr,), (ck.ptr, 0, vs[0], vs[1], 0, d * cols, cols, 0, total_k)
+    call.vt_map = (cols, d, hk, 1)
+    call.qk_maps = _qk_map(qi, ks.cta_tile_q, "q") + _qk_map(ki, bn, "k")
+    call.grid = varlen_grid(total_q, batch, h, ks)
+    max_items = call.grid[0]
+    call.order = (2 * max_items + 1 + batch + 1, max_items, cq.ptr, ck.ptr, left, right, batch, total_q, total_k,
+                  False)
+    qs, kst = qi.strides, ki.strides
+    call.head = (qi.ptr, ki.ptr, vi.ptr)
+    call.vals = (0, qs[0], qs[1], 0, kst[0], kst[1], 0, vs[0], vs[1], 0, ost[0], ost[1],
+                 0, 0, h, h // hk, scale, scale * _LOG2E, left, right, 0.0, 0.0, 0, 0,
+                 cq.ptr, ck.ptr, 0, 0, 0, 0, 0, 0, 0, 0,
+                 0, 0, total_q, total_k, 0, 0, 0, 0, 0, 0, 0, *f8)
+    return call
