@@ -283,3 +283,31 @@ def mla(q_nope, q_pe, kv, lens, *, rank: int, sm_scale: float, attngen_out=None,
     out, *times = _first(plan, call, "mla")
     ref = None if attngen_out is None else attngen_out.reshape(b, h, rank)
     return Peer(call, backend, *times, _compare(out, ref))
+
+
+def prefill_fp8(q, k, v, q_scale, k_scale, v_scale, *, causal: bool, out_dtype, attngen_out=None) -> Peer:
+    """fp8 prefill on attngen's e4m3 [B, S, H, D] q and [B, S, Hkv, D] k, v (contiguous, every sequence S long),
+    its output ``out_dtype``: FlashInfer's ragged wrapper (its FA3 backend takes fp8 where the GPU is sm_90), the
+    tensors seen as [B*S, heads, D]. Its scales are per head (fp32 ``[H]`` for q, ``[Hkv]`` for k and v), so the
+    caller's descales must be one a KV head: ``q_scale`` here is per query head already."""
+    import torch
+
+    fi = _module("prefill")
+    b, s, h, d = q.shape
+    hk = k.shape[2]
+    qf, kf, vf = (x.reshape(b * s, x.shape[2], x.shape[3]) for x in (q, k, v))
+    backend = _fa_backend(q.device)
+    w = fi.BatchPrefillWithRaggedKVCacheWrapper(_workspace(q.device), "NHD", backend=backend)
+    indptr = torch.arange(b + 1, dtype=torch.int32, device=q.device) * s
+
+    def plan():
+        w.plan(indptr, indptr.clone(), h, hk, d, causal=causal, q_data_type=q.dtype, kv_data_type=k.dtype,
+               o_data_type=out_dtype)
+
+    def call(q=qf, k=kf, v=vf):
+        # the fp8 run takes the three scales after the tensors
+        return w.run(q, k, v, q_scale, k_scale, v_scale)
+
+    out, *times = _first(plan, call, "prefill")
+    ref = None if attngen_out is None else attngen_out.reshape(b * s, h, d)
+    return Peer(call, f"{backend} fp8", *times, _compare(out, ref))

@@ -1,0 +1,202 @@
+"""fp8 (e4m3) q, k and v in the prefill family, on the CPU: the spec's qkv_dtype (values, text, dict, key, name), what
+it refuses and on which archs, that a 16-bit spec reads as before the field, and real NVRTC builds of the fp8 kernel
+for sm_90a (head_dim 128 and 256, masks, varlen, the three schedules at explicit tiles)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from attngen import PrefillSpec, SpecError
+from attngen.arch import ARCHS, get_arch
+from attngen.spec import parse_spec, resolve
+
+FP8 = "fp8_e4m3"
+
+
+def _value(x):
+    """An enum field's text (or the field itself where it is plain)."""
+    return getattr(x, "value", x)
+
+
+# --- the field ----------------------------------------------------------------------------------------------------
+
+def test_qkv_dtype_round_trips_and_names_the_kernel():
+    s = parse_spec("prefill:head_dim=128,mask=causal,qkv_dtype=fp8_e4m3")
+    assert _value(s.qkv_dtype) == FP8
+    assert s == PrefillSpec(head_dim=128, mask="causal", qkv_dtype=FP8)
+    assert "qkv_dtype=fp8_e4m3" in s.to_text()
+    assert s.to_dict()["qkv_dtype"] == FP8
+    for form in (s.to_text(), s.to_text(full=True), s.to_dict(), json.loads(s.canonical_json())):
+        assert parse_spec(form) == s
+    assert PrefillSpec.from_dict(s.to_dict()) == s
+    assert s.replace(qkv_dtype=None) == PrefillSpec(head_dim=128, mask="causal")
+    # the kernel's readable name says its inputs are fp8, and differs from the 16-bit kernel's
+    plain = PrefillSpec(head_dim=128, mask="causal")
+    assert s.kernel_name != plain.kernel_name
+    assert "e4m3" in s.kernel_name or "fp8" in s.kernel_name, s.kernel_name
+
+
+def test_qkv_dtype_survives_resolve():
+    r = resolve(PrefillSpec(head_dim=128, qkv_dtype=FP8), "sm_90a")
+    assert _value(r.qkv_dtype) == FP8 and r.is_resolved
+    assert parse_spec(r.to_text()) == r
+    assert r.mma.value == "wgmma"  # fp8 runs on wgmma only
+
+
+# The canonical JSON of 16-bit specs before qkv_dtype existed (main at 1d81f35): their cache keys and kernel names
+# must stay what they were, so every cache built before the field still serves them.
+BEFORE = {
+    PrefillSpec(head_dim=128): (
+        '{"alibi":false,"cta_tile_kv":0,"cta_tile_q":0,"custom_mask":false,"dtype":"bf16","family":"prefill",'
+        '"head_dim":128,"head_dim_chunk":0,"head_dim_v":0,"mask":"none","mma":"auto","num_stages":0,"num_warps":0,'
+        '"paged":false,"persistent":"auto","pipeline":"auto","return_lse":false,"schedule":"auto","sinks":false,'
+        '"softcap":false,"varlen":false}', "attngen_prefill_d128_bf16_1b837c09"),
+}
+
+
+def test_unset_qkv_dtype_leaves_the_spec_as_it_was():
+    for s, (canonical, name) in BEFORE.items():
+        assert s.qkv_dtype is None
+        assert "qkv_dtype" not in s.to_text() and "qkv_dtype" not in s.to_dict()
+        assert s.canonical_json() == canonical
+        assert s.kernel_name == name
+        assert parse_spec(s.to_text(full=True)) == s
+    assert PrefillSpec(qkv_dtype=None) == PrefillSpec() == PrefillSpec.from_dict({"qkv_dtype": None})
+
+
+def test_qkv_dtype_feeds_the_key():
+    from tests.test_key import key_for
+
+    fp8 = resolve(PrefillSpec(head_dim=128, qkv_dtype=FP8), "sm_90a")
+    assert key_for(fp8, "sm_90a") != key_for(fp8.replace(qkv_dtype=None), "sm_90a")
+    assert key_for(fp8, "sm_90a") != key_for(PrefillSpec(head_dim=128), "sm_90a")
+
+
+@pytest.mark.parametrize("bad", ["fp8", "e4m3", "fp8_e5m2", "bf16", "float8_e4m3fn", 8, True])
+def test_a_bad_qkv_dtype_names_the_format(bad):
+    # e5m2 is refused too: only e4m3 runs for now
+    with pytest.raises(SpecError) as ei:
+        PrefillSpec(head_dim=128, qkv_dtype=bad)
+    assert ei.value.field == "qkv_dtype"
+    assert FP8 in ei.value.allowed, ei.value.allowed
+
+
+# --- refusals -----------------------------------------------------------------------------------------------------
+
+REFUSED = [
+    # (fields beside qkv_dtype, the other field the error must name)
+    (dict(head_dim=64), "head_dim"),
+    (dict(head_dim=192), "head_dim"),
+    (dict(head_dim=96), "head_dim"),
+    (dict(head_dim=512), "head_dim"),
+    (dict(head_dim=256, head_dim_v=128), "head_dim_v"),
+    (dict(head_dim=128, head_dim_v=64), "head_dim_v"),
+    (dict(softcap=True), "softcap"),
+    (dict(alibi=True), "alibi"),
+    (dict(sinks=True), "sinks"),
+    (dict(custom_mask=True), "custom_mask"),
+    (dict(varlen=True, paged=True), "paged"),
+    (dict(score_mod="return score * 0.5f;"), "score_mod"),
+    (dict(mask_mod="return kv_idx <= q_idx;"), "mask_mod"),
+]
+
+
+@pytest.mark.parametrize("fields,other", REFUSED, ids=[f"{o}={f.get(o)}" for f, o in REFUSED])
+def test_what_fp8_does_not_run_is_refused_naming_both_fields(fields, other):
+    # refused when the spec is made or when it is resolved for sm_90a (the arch fp8 runs on), never compiled
+    with pytest.raises(SpecError) as ei:
+        resolve(PrefillSpec(**{"head_dim": 128, "qkv_dtype": FP8, **fields}), "sm_90a")
+    assert ei.value.field in ("qkv_dtype", other), ei.value.field
+    msg = str(ei.value)
+    assert "qkv_dtype" in msg and other in msg, msg
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "sm_90a"])
+def test_archs_without_sm90a_refuse_qkv_dtype_naming_the_arch(arch):
+    with pytest.raises(SpecError) as ei:
+        resolve(PrefillSpec(head_dim=128, qkv_dtype=FP8), arch)
+    assert ei.value.field == "qkv_dtype" and arch in str(ei.value), str(ei.value)
+
+
+def test_fp8_specs_fit_sm90a_shared_memory():
+    a = get_arch("sm_90a")
+    for d in (128, 256):
+        for mask in ("none", "causal", "sliding_window"):
+            for varlen in (False, True):
+                for lse in (False, True):
+                    r = resolve(PrefillSpec(head_dim=d, mask=mask, varlen=varlen, return_lse=lse, qkv_dtype=FP8),
+                                "sm_90a")
+                    assert 0 < r.smem_bytes() <= a.smem_per_block, (r.to_text(), r.smem_bytes())
+                    # fp8 tiles are half the bytes of the 16-bit kernel's at the same tiles
+                    try:
+                        same = resolve(r.replace(qkv_dtype=None), "sm_90a")
+                    except SpecError:  # tiles the 16-bit kernel has no form for
+                        continue
+                    assert r.smem_bytes() < same.smem_bytes(), (r.to_text(), r.smem_bytes(), same.smem_bytes())
+
+
+# --- real builds --------------------------------------------------------------------------------------------------
+
+BUILDS = [
+    dict(head_dim=128),
+    dict(head_dim=128, mask="causal", return_lse=True),
+    dict(head_dim=256),
+    dict(head_dim=256, mask="causal", return_lse=True, dtype="fp16"),
+    dict(head_dim=128, mask="sliding_window"),
+    dict(head_dim=128, mask="causal", varlen=True, return_lse=True),
+    dict(head_dim=256, varlen=True),
+]
+
+
+@pytest.mark.parametrize("fields", BUILDS, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_fp8_kernels_build_for_sm90a(fields):
+    from attngen.compiler import compile
+    from attngen.render import render
+
+    r = resolve(PrefillSpec(qkv_dtype=FP8, **fields), "sm_90a")
+    src = render(r)
+    assert "e4m3" in src  # fp8 wgmma (and the conversions) name the format
+    b = compile(src, "sm_90a", kernel_name=r.kernel_name)
+    assert b.cubin[:4] == b"\x7fELF"
+    assert b.kernel_name == r.kernel_name
+    assert not b.resources.spill_stores, (r.to_text(), b.resources)
+
+
+@pytest.mark.parametrize("schedule", ["serial", "overlap", "pingpong"])
+def test_fp8_schedules_build_at_explicit_tiles(schedule):
+    # the tiles tests/test_gpu_prefill_fp8.py::test_schedules runs
+    from attngen.compiler import compile
+    from attngen.render import render
+
+    spec = PrefillSpec(head_dim=128, qkv_dtype=FP8, cta_tile_q=128, cta_tile_kv=128, num_warps=8, num_stages=2,
+                       schedule=schedule)
+    r = resolve(spec, "sm_90a")
+    assert (r.cta_tile_q, r.cta_tile_kv, r.num_warps, r.num_stages) == (128, 128, 8, 2)
+    assert r.schedule.value == schedule
+    b = compile(render(r), "sm_90a", kernel_name=r.kernel_name)
+    assert b.cubin[:4] == b"\x7fELF" and not b.resources.spill_stores, (r.to_text(), b.resources)
+
+
+def test_a_16bit_spec_renders_no_fp8_code():
+    from attngen.render import render
+
+    for fields in (dict(head_dim=128), dict(head_dim=256, mask="causal", varlen=True)):
+        src = render(resolve(PrefillSpec(**fields), "sm_90a"))
+        assert "e4m3" not in src and "qkv_dtype" not in src
+
+
+def test_stored_tunings_of_16bit_prefill_do_not_apply_to_fp8():
+    # a winner stored for the 16-bit kernel (its fields without qkv_dtype) keeps matching it, not the fp8 spec
+    from attngen.tuned import tuned_choices
+
+    base = PrefillSpec(head_dim=128, dtype="bf16", mask="causal")
+    entry = {"family": "prefill", "fields": dict(base.untuned_dict()), "arch": "sm_90a", "gpu": "G", "nvrtc": "N",
+             "attngen": "V", "seqlen": 4096,
+             "tuning": {"cta_tile_q": 128, "cta_tile_kv": 128, "num_warps": 8, "num_stages": 2, "mma": "wgmma"}}
+    assert "qkv_dtype" not in entry["fields"]
+    got = tuned_choices(base, get_arch("sm_90a"), "G", [entry], nvrtc="N", version="V")
+    assert [s.cta_tile_kv for _, s in got] == [128]
+    assert tuned_choices(base.replace(qkv_dtype=FP8), get_arch("sm_90a"), "G", [entry], nvrtc="N",
+                         version="V") == []
