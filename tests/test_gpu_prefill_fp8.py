@@ -31,9 +31,11 @@ sums of exact products."""
 MAX_ABS_FRAC, MAX_ABS_FLOOR = 0.1, 1e-3
 """Max abs error of O: at most 0.1 * max|ref| + 1e-3. One row over few keys carries P's rounding without the
 averaging of many keys (a row of one or two live keys: up to 2^-4 of |v|), and output rounding to bf16 adds 2^-8."""
-LSE_MAX_ABS = 0.02
-"""LSE max abs error (natural log): it is taken from the fp32 logits before P is quantised, so only fp32
-accumulation order and the exp2/log2 forms separate it from the reference."""
+LSE_MAX_ABS, LSE_FRAC = 0.02, 2.0 ** -10
+"""LSE max abs error (natural log): at most 0.02 + 2^-10 of the largest |LSE| of the case. It is taken from the
+logits before P is quantised, but fp8 wgmma sums S = q k^T at reduced precision (about 14 bits of the partial sums
+kept, as DeepSeek-V3 reports for Hopper's fp8 MMAs): the logits' error grows with their size (descales far from one
+against a small sm_scale make rows of large logits)."""
 
 
 def _need_sm90a():
@@ -154,7 +156,8 @@ def check(o, lse, ref_o, ref_l, *, dtype, at):
         assert (lse[~fin] == float("-inf")).all(), f"an empty row's LSE must be -inf; {at}"
         if fin.any():
             lerr = (lse[fin] - ref_l[fin]).abs().max().item()
-            assert lerr <= LSE_MAX_ABS, f"LSE max abs error {lerr:.3e}; {at}"
+            lbound = LSE_MAX_ABS + LSE_FRAC * ref_l[fin].abs().max().item()
+            assert lerr <= lbound, f"LSE max abs error {lerr:.3e} over {lbound:.3e}; {at}"
     return err
 
 

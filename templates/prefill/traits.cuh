@@ -72,9 +72,9 @@ struct FwdTraits {
   // TMA_CTAS: 0, the cp.async pipeline; else the TMA pipeline, its registers split for that many CTAs
   // an SM (PrefillSpec.tma_ctas, which the entry's launch bounds also take).
   static constexpr bool TMA = TMA_CTAS > 0;
-  static_assert(!FP8 || (TMA && !PERSISTENT && !MASK_LIST && HEAD_DIM % 128 == 0 && HEAD_DIM_V == HEAD_DIM &&
+  static_assert(!FP8 || (TMA && !MASK_LIST && HEAD_DIM % 128 == 0 && HEAD_DIM_V == HEAD_DIM &&
                          BLOCK_N % 128 == 0),
-                "FP8: the TMA kernel one CTA a tile, whole 128-byte rows of q, k and of V's transposed keys");
+                "FP8: the TMA kernel, whole 128-byte rows of q, k and of V's transposed keys");
   static_assert(!TMA || (WGMMA && !PAGED), "TMA: wgmma on the dense layout, contiguous varlen or a mask's tile lists");
   static_assert(!(TMA && (VARLEN || MASK_LIST) && PERSISTENT), "VARLEN, MASK_LIST (TMA): one CTA a work-list slot");
   static_assert(!OVERLAP || (TMA && NUM_STAGES >= 2), "OVERLAP: the TMA ring, tile i's V and i+1's K in it");

@@ -195,10 +195,11 @@ def add_parser(sub) -> None:
     pp.add_argument("--from-json", type=Path, default=None,
                     help="re-render table/Markdown/plot from a saved bench_prefill.json (no GPU)")
     pp.set_defaults(func=cmd_prefill)
-    from . import bench_serving, bench_variants
+    from . import bench_fp8, bench_serving, bench_variants
 
     bench_serving.add_parser(sub)  # mask, varlen
     bench_variants.add_parser(sub)
+    bench_fp8.add_parser(sub)  # prefill-fp8
 
 
 # --- measuring ------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ _OTHER_FP8 = ("torch.float8_e5m2", "torch.float8_e4m3fnuz", "torch.float8_e5m2fn
 _DESCALE_SHAPES = ("a number, or an fp32 device tensor of shape [] or [1] (per tensor), [kv_heads] (per KV head) or "
                    "[batch, kv_heads]")
 _LOG2E = 1.4426950408889634
+_DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
 # PrefillFp8Params (templates/prefill/fp8.cuh): the three maps, every field of PrefillParams (the varlen ones, the
 # batch count, the sinks' pointer), then Fp8Scales: 3 pointers, 6 strides, v's number.
 _PARAMS = struct.Struct("<384s5Q12q4i2f2i2fQq8Q2q9iiQ3Q6qf")
@@ -63,8 +64,8 @@ def check_operands(qi, ki, vi, spec, varlen: bool) -> None:
             raise LaunchError(f"{name} has shape {tuple(t.shape)}; expected {dims}")
     d, dv = qi.shape[-1], vi.shape[-1]
     if d not in HEAD_DIMS or ki.shape[-1] != d or dv != d:
-        raise LaunchError(f"head dims q {d}, k {ki.shape[-1]}, v {dv}: fp8 prefill takes {allowed_text(HEAD_DIMS)} "
-                          "for all three")
+        raise LaunchError(f"head_dim={d} (k: {ki.shape[-1]}, v: {dv}) is not allowed with fp8 q, k, v; allowed: "
+                          f"{allowed_text(HEAD_DIMS)}, the same for q, k and v")
     for name, t in (("q", qi), ("k", ki), ("v", vi)):
         st = t.strides
         if st[-1] != 1 or t.ptr % 16 or any(s % 16 for s in st[:-1]):
@@ -109,7 +110,7 @@ def descale(x, name: str, batch: int, hk: int, qi) -> tuple[float, int, int, int
 def scales(descales: tuple, batch: int, hk: int, qi, sm_scale: float) -> tuple[float, tuple]:
     """(sm_scale with the numbers of q's and k's descales folded in, Fp8Scales' fields)."""
     (qm, qp, qsb, qsh), (km, kp, ksb, ksh), (vm, vp, vsb, vsh) = (
-        descale(x, n, batch, hk, qi) for x, n in zip(descales, ("q_descale", "k_descale", "v_descale")))
+        descale(x, n, batch, hk, qi) for x, n in zip(descales, _DESCALE_NAMES))
     return sm_scale * qm * km, (qp, kp, vp, qsb, qsh, ksb, ksh, vsb, vsh, vm)
 
 
@@ -196,11 +197,11 @@ class _Fp8Call:
                  "vt_head", "vt_tail", "vt_map", "head", "vals", "order")
 
 
-def _key_of(x):
-    """A descale (or out) as part of a call's key: a number as itself, an array as its info."""
+def _key_of(x, name: str):
+    """A descale as part of a call's key: a number as itself, an array as its info."""
     if x is None or x.__class__ in (int, float):
         return x
-    return tensor_info(x, "descale")
+    return tensor_info(x, name)
 
 
 def _keep(key, call) -> None:
@@ -222,7 +223,7 @@ def _call_key(*parts):
 def prefill_fp8(q, k, v, qi, ki, vi, *, causal, window, sm_scale, return_lse, out, spec, descales):
     """``attngen.prefill`` for fp8 q, k, v: ``_prepare_dense`` once per distinct call, then the launches."""
     key = _call_key("dense", qi, ki, vi, causal, window, sm_scale, bool(return_lse), spec,
-                    None if out is None else tensor_info(out, "out"), *map(_key_of, descales))
+                    None if out is None else tensor_info(out, "out"), *map(_key_of, descales, _DESCALE_NAMES))
     call = _calls.get(key) if key is not None else None
     if call is None:
         call = _prepare_dense(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, descales)
@@ -231,7 +232,7 @@ def prefill_fp8(q, k, v, qi, ki, vi, *, causal, window, sm_scale, return_lse, ou
 
 
 def _prepare_dense(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, descales) -> _Fp8Call:
-    from .choose import DENSE, dense_grid
+    from .choose import DENSE, dense_grid, persistent_grid
     from .op import mask_and_window, out_of
     from ..score_mods import checked_scale
 
@@ -259,13 +260,13 @@ def _prepare_dense(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, 
     call.vt_head, call.vt_tail = (vi.ptr,), (0, vs[0], vs[1], vs[2], hk * d * cols, d * cols, cols, sk, 0)
     call.vt_map = (cols, d, hk, b)
     call.qk_maps = _qk_map(qi, ks.cta_tile_q, "q") + _qk_map(ki, bn, "k")
-    call.grid = dense_grid(sq, h, b, ks)
+    call.grid = persistent_grid(sq, h, b, ks, plan.facts) if ks.is_persistent else dense_grid(sq, h, b, ks)
     qs, kst = qi.strides, ki.strides
     call.head = (qi.ptr, ki.ptr, vi.ptr)
     call.vals = (qs[0], qs[1], qs[2], kst[0], kst[1], kst[2], vs[0], vs[1], vs[2], ost[0], ost[1], ost[2],
                  sq, sk, h, h // hk, scale, scale * _LOG2E, left, right, 0.0, 0.0, 0, 0,
                  0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, *f8)
+                 0, 0, 0, 0, 0, 0, 0, 0, 0, b, 0, *f8)  # (batch_count: the persistent kernel's walk)
     return call
 
 
@@ -321,7 +322,7 @@ def prefill_varlen_fp8(q, k, v, qi, ki, vi, cu_seqlens_q, cu_seqlens_k, max_seql
     cq = _index(cu_seqlens_q, "cu_seqlens_q", 1, qi)
     ck = _index(cu_seqlens_k, "cu_seqlens_k", 1, qi)
     key = _call_key("varlen", qi, ki, vi, cq, ck, max_seqlen_k, causal, window, sm_scale, bool(return_lse), spec,
-                    None if out is None else tensor_info(out, "out"), *map(_key_of, descales))
+                    None if out is None else tensor_info(out, "out"), *map(_key_of, descales, _DESCALE_NAMES))
     call = _calls.get(key) if key is not None else None
     if call is None:
         call = _prepare_varlen(qi, ki, vi, cq, ck, max_seqlen_k, causal, window, sm_scale, return_lse, out, spec,
