@@ -35,6 +35,11 @@ class Arch:
         return self.major >= 8
 
     @property
+    def has_fp8_mma(self) -> bool:
+        """mma.sync on e4m3/e5m2 (m16n8k32): sm_89 and newer."""
+        return self.cc >= (8, 9)
+
+    @property
     def has_wgmma(self) -> bool:
         """wgmma.mma_async: only the arch-specific variant of compute capability 9.0 (sm_90a)."""
         return self.arch_specific and self.major == 9

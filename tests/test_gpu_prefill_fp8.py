@@ -274,6 +274,29 @@ def test_schedules(schedule, causal):
     run_dense(Dense(2, 700, 1031, 32, 8, 128), causal=causal, spec=spec, out_dtype=torch.bfloat16)
 
 
+# The mma.sync form (sm_89, sm_120's default; on the H100/H200 pinned by a spec): the cp.async ring, V's copy read
+# with ldmatrix, m16n8k32 e4m3. Its tiles as the defaults of those archs take them (128x64 at head dim 128, 64x32 at
+# 256 in their 99 KB) and the others it lists.
+SYNC_TILES = [(128, 64, 8, 2), (64, 32, 4, 2), (128, 128, 8, 2), (128, 32, 8, 2)]
+
+
+def _sync_spec(d, q, kv, w, st, varlen=False):
+    return attngen.PrefillSpec(head_dim=d, qkv_dtype="fp8_e4m3", cta_tile_q=q, cta_tile_kv=kv, num_warps=w,
+                               num_stages=st, mma="mma_sync", pipeline="sync", varlen=varlen)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("tiles", SYNC_TILES, ids=lambda t: "q{}k{}w{}s{}".format(*t))
+def test_mma_sync_form(tiles, d, causal):
+    try:
+        spec = _sync_spec(d, *tiles)
+        attngen.resolve(spec, "sm_90")
+    except attngen.SpecError as e:
+        pytest.skip(f"refused for this arch: {e}")
+    run_dense(Dense(2, 333, 1031, 8, 2, d, kinds="batch_head"), causal=causal, spec=spec, out_dtype=torch.bfloat16)
+
+
 # --- varlen -------------------------------------------------------------------------------------------------------
 
 VARLEN_Q = [1, 300, 0, 1025, 128]
@@ -285,10 +308,12 @@ def _cu(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
 
 
+@pytest.mark.parametrize("form", ["default", "mma_sync"])
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_varlen(causal, d):
+def test_varlen(causal, d, form):
     _need_sm90a()
+    spec = None if form == "default" else _sync_spec(d, *((128, 64, 8, 2) if d == 128 else (64, 32, 4, 2)), varlen=True)
     h, hk, g = 32, 8, 4
     lq, lk = VARLEN_Q, VARLEN_K[causal]
     n = len(lq)
@@ -305,7 +330,7 @@ def test_varlen(causal, d):
         deq.append(xd)
     out = torch.full((sum(lq), h, d), NAN, dtype=torch.bfloat16, device="cuda")
     o, lse = attngen.prefill_varlen(*x8, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, return_lse=True, out=out,
-                                    q_descale=args[0], k_descale=args[1], v_descale=args[2])
+                                    q_descale=args[0], k_descale=args[1], v_descale=args[2], spec=spec)
     torch.cuda.synchronize()
     assert o is out
     assert lse.shape == (h, sum(lq)), tuple(lse.shape)
@@ -318,7 +343,7 @@ def test_varlen(causal, d):
         qs, ks = slice(cq[s], cq[s + 1]), slice(ck[s], ck[s + 1])
         ro, rl = reference_attention(deq[0][qs][None], deq[1][ks][None], deq[2][ks][None], causal=causal)
         ref_o[qs], ref_l[:, qs] = ro[0], rl[0]
-    check(o, lse, ref_o, ref_l, dtype=torch.bfloat16, at=f"varlen q {lq} k {lk} causal {causal} d {d}")
+    check(o, lse, ref_o, ref_l, dtype=torch.bfloat16, at=f"varlen q {lq} k {lk} causal {causal} d {d} {form}")
 
 
 # --- the call cache -----------------------------------------------------------------------------------------------

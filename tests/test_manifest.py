@@ -178,7 +178,8 @@ def test_default_manifest_validates_for_every_arch_it_lists():
         partial = (getattr(s, "custom_mask", False) and s.head_dim in (192, 256)) or (
             getattr(s, "varlen", False) and s.head_dim == 256 and s.mask.value == "sliding_window") or (
             s.family == "mla_decode" and (s.alternate or s.num_stages == 1)) or (  # sm_90a only: what its op swaps in
-            s.family == "prefill" and s.mma.value == "wgmma")  # (prefill's configs by rows at head dims 64, 128, 256)
+            s.family == "prefill" and s.mma.value == "wgmma") or (  # (prefill's configs by rows at 64, 128, 256)
+            getattr(s, "qkv_dtype", ""))  # fp8 prefill: the archs with fp8 MMAs (sm_89+)
         if not getattr(s, "return_lse", False) and not partial:
             assert {a.name for sp, a in items if sp == s} == archs
     assert {s.varlen for s in prefill} == {False, True} and {s.custom_mask for s in prefill} == {False, True}
@@ -199,4 +200,7 @@ def test_default_manifest_validates_for_every_arch_it_lists():
     rows = {s for s in specs if getattr(s, "page_rows", False)}
     assert {(s.family, s.head_dim, s.dtype.value) for s in rows} == {
         (f, 128, dt) for f in ("decode", "prefill") for dt in ("fp16", "bf16")}
-    assert 100 <= len(items) <= 1648
+    # 36 more fp8 prefill kernels (head dims 128, 256, every mask, dense and varlen, on sm_89, sm_90a, sm_120).
+    pf8 = {s for s in prefill if s.qkv_dtype}
+    assert {(s.head_dim, s.varlen) for s in pf8} == {(d, v) for d in (128, 256) for v in (False, True)}
+    assert 100 <= len(items) <= 1680

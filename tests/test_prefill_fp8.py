@@ -113,11 +113,20 @@ def test_what_fp8_does_not_run_is_refused_naming_both_fields(fields, other):
     assert "qkv_dtype" in msg and other in msg, msg
 
 
-@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "sm_90a"])
-def test_archs_without_sm90a_refuse_qkv_dtype_naming_the_arch(arch):
+@pytest.mark.parametrize("arch", [a for a in ARCHS if get_arch(a).cc < (8, 9)])
+def test_archs_without_fp8_mma_refuse_qkv_dtype_naming_the_arch(arch):
     with pytest.raises(SpecError) as ei:
         resolve(PrefillSpec(head_dim=128, qkv_dtype=FP8), arch)
     assert ei.value.field == "qkv_dtype" and arch in str(ei.value), str(ei.value)
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if get_arch(a).cc >= (8, 9) and a != "sm_90a"])
+@pytest.mark.parametrize("d", [128, 256])
+def test_fp8_mma_sync_form_elsewhere(arch, d):
+    # sm_89, sm_90, sm_100, sm_120: the mma.sync form (m16n8k32 e4m3) on the cp.async ring, in the arch's memory
+    r = resolve(PrefillSpec(head_dim=d, qkv_dtype=FP8, mask="causal"), arch)
+    assert r.mma.value == "mma_sync" and r.pipeline.value == "sync"
+    assert r.smem_bytes() <= get_arch(arch).smem_per_block
 
 
 def test_fp8_specs_fit_sm90a_shared_memory():
@@ -162,6 +171,19 @@ def test_fp8_kernels_build_for_sm90a(fields):
     assert b.cubin[:4] == b"\x7fELF"
     assert b.kernel_name == r.kernel_name
     assert not b.resources.spill_stores, (r.to_text(), b.resources)
+
+
+@pytest.mark.parametrize("arch", ["sm_89", "sm_120"])
+@pytest.mark.parametrize("fields", [dict(head_dim=128, mask="causal"), dict(head_dim=256, varlen=True)],
+                         ids=["d128-causal", "d256-varlen"])
+def test_fp8_mma_sync_kernels_build(arch, fields):
+    from attngen.compiler import compile
+    from attngen.render import render
+
+    r = resolve(PrefillSpec(qkv_dtype=FP8, **fields), arch)
+    assert r.mma.value == "mma_sync"
+    b = compile(render(r), arch, kernel_name=r.kernel_name)
+    assert b.cubin[:4] == b"\x7fELF" and not b.resources.spill_stores, (r.to_text(), b.resources)
 
 
 @pytest.mark.parametrize("schedule", ["serial", "overlap", "pingpong"])

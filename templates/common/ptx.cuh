@@ -151,6 +151,16 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
   }
 }
 
+// D = A * B + D for one 16x8x32 tile of e4m3 (sm_89+; fp8 prefill's mma.sync form): A row-major (4 regs of 4),
+// B column-major (2 regs of 4), fp32 accumulators.
+__device__ __forceinline__ void mma_16832_e4m3(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // tanh through the SFU (sm_75+): absolute error about 2^-11, ample for logit capping.
 __device__ __forceinline__ float fast_tanh(float x) {
   float y;

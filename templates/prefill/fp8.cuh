@@ -22,7 +22,7 @@ struct Fp8Scales {
   __device__ __forceinline__ float v_at(int b, int h) const { return v_mul * at(v, v_sb, v_sh, b, h); }
 };
 
-// The fp8 kernel's parameter: the maps of q and k (as rows of 16-bit pairs: the 16-bit kernel's boxes) and of
+// The fp8 TMA kernel's parameter: the maps of q and k (as rows of 16-bit pairs: the 16-bit kernel's boxes) and of
 // V's transposed copy (bytes), the parameters every kernel takes, the descales.
 template <class T>
 struct PrefillFp8Params {
@@ -31,12 +31,28 @@ struct PrefillFp8Params {
   Fp8Scales f8;
 };
 
+// The mma.sync form's (cp.async): q, k and V's copy as 16-bit pairs through PrefillParams' pointers and strides.
+template <class T>
+struct PrefillFp8SyncParams {
+  PrefillParams<T> p;
+  Fp8Scales f8;
+};
+
+constexpr int VT_KEYS = 128;     // keys a CTA of the `_vt` entry copies
+constexpr int VT_THREADS = 256;
+
+// The keys of a sequence's rows of the copy are padded to a multiple of this: whole key tiles, whole `_vt` CTAs.
+template <int BLOCK_N>
+constexpr int vt_pad() {
+  return BLOCK_N > VT_KEYS ? BLOCK_N : VT_KEYS;
+}
+
 // The column of V's transposed copy where sequence `seq`'s keys start. Dense: 0 (a row a batch and KV head).
 // VARLEN: one row a KV head for the packed batch, each sequence from its first key rounded down to 16 bytes
-// (16-byte stores) plus seq (BLOCK_N + 16): room for its keys padded to whole key tiles, all zero past its end.
+// (16-byte stores) plus seq (vt_pad + 16): room for its keys padded, all zero past its end.
 template <bool VARLEN, int BLOCK_N>
 __device__ __forceinline__ int fp8_vt_col(long long k_row0, int seq) {
-  return VARLEN ? (int)(k_row0 & ~15ll) + seq * (BLOCK_N + 16) : 0;
+  return VARLEN ? (int)(k_row0 & ~15ll) + seq * (vt_pad<BLOCK_N>() + 16) : 0;
 }
 
 // The `_vt` entry's parameters: v (bytes) [batch, seqlen_k, kv_heads, DV] or packed [total_k, kv_heads, DV],
@@ -50,11 +66,8 @@ struct VtParams {
   int seqlen_k, total_k;
 };
 
-constexpr int VT_KEYS = 128;     // keys a CTA of the `_vt` entry copies
-constexpr int VT_THREADS = 256;
-
 // One CTA: keys [c0, c0 + 128) of one (sequence, KV head), from v's rows into the copy's rows of keys (zeros past
-// the sequence's end, up to its last whole key tile). Within each 16 keys the copy holds them in the order
+// the sequence's end, up to its padded length, vt_pad). Within each 16 keys the copy holds them in the order
 // p_fragment8 packs P (ptx.cuh): slot u holds key 2 (u / 4) + (u & 1) + 8 ((u & 3) >> 1).
 template <int DV, int BLOCK_N, bool VARLEN>
 __device__ __forceinline__ void transpose_v(const VtParams& p) {
@@ -68,7 +81,7 @@ __device__ __forceinline__ void transpose_v(const VtParams& p) {
   } else {
     len = p.seqlen_k;
   }
-  if (c0 >= (len + BLOCK_N - 1) / BLOCK_N * BLOCK_N) return;
+  if (c0 >= (len + vt_pad<BLOCK_N>() - 1) / vt_pad<BLOCK_N>() * vt_pad<BLOCK_N>()) return;
   const unsigned char* src = p.v + (VARLEN ? k_lo * p.v_ss : seq * p.v_sb) + kvh * p.v_sh;
   unsigned char* dst = p.vt + (VARLEN ? 0 : seq * p.vt_sb) + kvh * p.vt_sh + fp8_vt_col<VARLEN, BLOCK_N>(k_lo, seq) + c0;
   constexpr int CH = DV / 16;  // 16-byte chunks of a row of v

@@ -206,8 +206,14 @@ struct FwdLoads {
     } else {
       load_tile_async<typename K::LK, BLOCK_N, K::THREADS>(sK + slot * K::K_ELEMS, gK + (long long)n0 * p.k_ss, p.k_ss,
                                                            seqlen_k - n0, tid);
-      load_tile_async<typename K::LV, BLOCK_N, K::THREADS>(sV + slot * K::V_ELEMS, gV + (long long)n0 * p.v_ss, p.v_ss,
-                                                           seqlen_k - n0, tid);
+      if constexpr (K::FP8) {
+        // V's transposed copy: HEAD_DIM_V rows of the tile's keys (16-bit pairs; zero past the sequence there)
+        load_tile_async<typename K::LV, K::HEAD_DIM_V, K::THREADS>(sV + slot * K::V_ELEMS, gV + n0 / 2, p.v_ss,
+                                                                   K::HEAD_DIM_V, tid);
+      } else {
+        load_tile_async<typename K::LV, BLOCK_N, K::THREADS>(sV + slot * K::V_ELEMS, gV + (long long)n0 * p.v_ss,
+                                                             p.v_ss, seqlen_k - n0, tid);
+      }
     }
   }
 

@@ -36,22 +36,24 @@ struct FwdTraits {
   static constexpr bool PINGPONG = PINGPONG_;
   static constexpr bool PERSISTENT = PERSISTENT_;
   static constexpr bool O_IN_Q = O_IN_Q_;
-  // FP8 (qkv_dtype e4m3, TMA): q and k rows of HEAD_DIM bytes, held as rows of QK_COLS 16-bit columns (the same
-  // bytes, so the 16-bit layouts and k-step descriptors serve fp8's 32-element k-steps); V transposed (fp8 wgmma
-  // reads B K-major only): a slot holds HEAD_DIM_V rows of BLOCK_N keys (prefill/fp8_vt.cuh writes them). T is
-  // the output's 16-bit type.
+  // FP8 (qkv_dtype e4m3): q and k rows of HEAD_DIM bytes, held as rows of QK_COLS 16-bit columns (the same
+  // bytes, so the 16-bit layouts, ldmatrix addresses and k-step descriptors serve fp8's 32-element k-steps); V
+  // transposed (fp8 wgmma reads B K-major only, and ldmatrix transposes 16-bit elements only): a slot holds
+  // HEAD_DIM_V rows of BLOCK_N keys (prefill/fp8.cuh's `_vt` writes them). T is the output's 16-bit type.
   static constexpr bool FP8 = FP8_;
   static constexpr int QK_COLS = FP8 ? HEAD_DIM / 2 : HEAD_DIM;
 
-  using L = SmemLayout<HEAD_DIM, ROW_ELEMS, SWIZZLE>;
+  using L = SmemLayout<QK_COLS, ROW_ELEMS, SWIZZLE>;
   using LQ = typename Select<WGMMA, WgmmaLayout<QK_COLS, BLOCK_M>, L>::type;
   using LK = typename Select<WGMMA, WgmmaLayout<QK_COLS, BLOCK_N>, L>::type;
-  using LVs = SmemLayout<HEAD_DIM_V, ROW_ELEMS_V, SWIZZLE_V>;
-  using LV = typename Select<FP8, WgmmaLayout<BLOCK_N / 2, HEAD_DIM_V>,
+  using LVs = typename Select<FP8, SmemLayout<BLOCK_N / 2, ROW_ELEMS_V, SWIZZLE_V>,
+                              SmemLayout<HEAD_DIM_V, ROW_ELEMS_V, SWIZZLE_V>>::type;
+  using LV = typename Select<FP8 && WGMMA, WgmmaLayout<BLOCK_N / 2, HEAD_DIM_V>,
                              typename Select<WGMMA, WgmmaLayout<HEAD_DIM_V, BLOCK_N>, LVs>::type>::type;
   static constexpr int Q_ELEMS = WGMMA ? BLOCK_M * QK_COLS : BLOCK_M * ROW_ELEMS;
   static constexpr int K_ELEMS = WGMMA ? BLOCK_N * QK_COLS : BLOCK_N * ROW_ELEMS;
-  static constexpr int V_ELEMS = WGMMA ? BLOCK_N * HEAD_DIM_V / (FP8 ? 2 : 1) : BLOCK_N * ROW_ELEMS_V;
+  static constexpr int V_ELEMS = WGMMA ? BLOCK_N * HEAD_DIM_V / (FP8 ? 2 : 1)
+                                      : (FP8 ? HEAD_DIM_V : BLOCK_N) * ROW_ELEMS_V;
   static constexpr int THREADS = NUM_WARPS * 32;
   static constexpr int WARP_M = BLOCK_M / NUM_WARPS;
   static constexpr int M_TILES = WARP_M / 16;
@@ -72,9 +74,9 @@ struct FwdTraits {
   // TMA_CTAS: 0, the cp.async pipeline; else the TMA pipeline, its registers split for that many CTAs
   // an SM (PrefillSpec.tma_ctas, which the entry's launch bounds also take).
   static constexpr bool TMA = TMA_CTAS > 0;
-  static_assert(!FP8 || (TMA && !MASK_LIST && HEAD_DIM % 128 == 0 && HEAD_DIM_V == HEAD_DIM &&
-                         BLOCK_N % 128 == 0),
-                "FP8: the TMA kernel, whole 128-byte rows of q, k and of V's transposed keys");
+  static_assert(!FP8 || (!PAGED && !MASK_LIST && HEAD_DIM % 128 == 0 && HEAD_DIM_V == HEAD_DIM &&
+                         BLOCK_N % (TMA ? 128 : 32) == 0),
+                "FP8: whole 128-byte rows of q and k, V's transposed keys in 32-key steps (TMA: 128-byte boxes)");
   static_assert(!TMA || (WGMMA && !PAGED), "TMA: wgmma on the dense layout, contiguous varlen or a mask's tile lists");
   static_assert(!(TMA && (VARLEN || MASK_LIST) && PERSISTENT), "VARLEN, MASK_LIST (TMA): one CTA a work-list slot");
   static_assert(!OVERLAP || (TMA && NUM_STAGES >= 2), "OVERLAP: the TMA ring, tile i's V and i+1's K in it");

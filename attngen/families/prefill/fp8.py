@@ -43,41 +43,75 @@ def check_fields(spec) -> str:
             raise SpecError("qkv_dtype", v, f"'' with {name} set",
                             reason=f"fp8 prefill has no {name.replace('_', '-')} form yet (causal, sliding window, "
                                    "varlen and return_lse are built)")
-    refused = (("pipeline", spec.pipeline.value, "sync", "tma"), ("mma", spec.mma.value, "mma_sync", "wgmma"),
-               ("head_dim_chunk", spec.head_dim_chunk, None, "0"))
-    for name, shown, bad, allowed in refused:
-        value = getattr(getattr(spec, name), "value", getattr(spec, name))
-        if (bad is not None and value == bad) or (bad is None and value):
-            raise SpecError(name, shown, f"{allowed} with qkv_dtype={v}",
-                            reason="fp8 prefill is the TMA kernel's wgmma form, whole rows")
+    if spec.head_dim_chunk:
+        raise SpecError("head_dim_chunk", spec.head_dim_chunk, f"0 with qkv_dtype={v}",
+                        reason="fp8 prefill holds whole rows")
     return v
 
 
 def check_fit(spec, a) -> None:
-    """The fp8 kernel's fit rules on arch ``a`` (PrefillSpec.check)."""
-    if not a.has_wgmma:
+    """The fp8 kernel's fit rules on arch ``a`` (PrefillSpec.check): wgmma (sm_90a) or mma.sync (sm_89+)."""
+    if not a.has_fp8_mma:
         raise SpecError("qkv_dtype", spec.qkv_dtype, f"'' on {a.name}",
-                        reason="fp8 prefill runs on sm_90a's fp8 wgmma; no mma.sync form (sm_89, sm_120) is built")
+                        reason="fp8 MMAs need sm_89 or newer (mma.sync; wgmma on sm_90a)")
+    if spec.mma is Mma.WGMMA:
+        _check_wgmma(spec, a)
+    else:
+        _check_sync(spec, a)
+    check_smem(spec, a, "num_stages", "fewer num_stages or a smaller cta_tile_kv")
+
+
+def _check_wgmma(spec, a) -> None:
     check_wgmma_arch(spec, a)
     if spec.num_warps != 8 or spec.cta_tile_q != 128:
         name, value = ("num_warps", spec.num_warps) if spec.num_warps != 8 else ("cta_tile_q", spec.cta_tile_q)
-        raise SpecError(name, value, "num_warps 8 with cta_tile_q 128 with qkv_dtype",
-                        reason="fp8 prefill runs two consumer warpgroups of 64 query rows")
+        raise SpecError(name, value, "num_warps 8 with cta_tile_q 128 with qkv_dtype and mma=wgmma",
+                        reason="fp8 prefill on wgmma runs two consumer warpgroups of 64 query rows")
     if spec.cta_tile_kv % 128:
-        raise SpecError("cta_tile_kv", spec.cta_tile_kv, "128 with qkv_dtype",
+        raise SpecError("cta_tile_kv", spec.cta_tile_kv, "128 with qkv_dtype and mma=wgmma",
                         reason="V's transposed copy is read in boxes of 128 keys (128-byte swizzle rows)")
     if spec.num_stages < 2:
-        raise SpecError("num_stages", spec.num_stages, "2, 3, 4 with qkv_dtype",
+        raise SpecError("num_stages", spec.num_stages, "2, 3, 4 with qkv_dtype and mma=wgmma",
                         reason="the TMA ring of fp8 prefill holds two tiles at least")
-    check_smem(spec, a, "num_stages", "fewer num_stages")
+
+
+def _check_sync(spec, a) -> None:
+    if spec.tma:
+        raise SpecError("pipeline", "tma", "sync with mma=mma_sync", reason="the TMA pipeline is built on wgmma")
+    if spec.cta_tile_kv not in (32, 64, 128):
+        raise SpecError("cta_tile_kv", spec.cta_tile_kv, "32, 64, 128 with qkv_dtype and mma=mma_sync",
+                        reason="P V takes 32 keys a step, V's copy whole 16-byte chunks of keys")
+    warp_rows = spec.cta_tile_q // spec.num_warps
+    if warp_rows % 16 or spec.num_warps == 12:
+        raise SpecError("num_warps", spec.num_warps, "4, 8 dividing cta_tile_q/16",
+                        reason=f"each warp owns whole 16-row tiles of cta_tile_q={spec.cta_tile_q}")
+    # Per thread: S and O of the warp's 16-row tiles (kv/2 + d/2 floats each), as the 16-bit kernel's limit.
+    acc = warp_rows // 16 * (spec.cta_tile_kv + spec.head_dim) // 2
+    if acc > 176:
+        raise SpecError("cta_tile_kv", spec.cta_tile_kv, "a smaller cta_tile_kv or cta_tile_q",
+                        reason=f"needs about {acc} accumulator registers per thread (limit 176)")
 
 
 def smem_bytes(spec) -> int:
-    """Q's tile, the ring of K and V (V's keys transposed: the same bytes), O's own 16-bit tile, the 1024-byte
-    alignment slack and the ring's mbarriers."""
+    """Q's tile, the ring of K and V (V's keys transposed), O's own 16-bit tile; wgmma: dense 128-byte rows, the
+    1024-byte alignment slack and the TMA ring's mbarriers; mma.sync: rows as ``layout_context`` pads them."""
     d, q, kv, st = spec.head_dim, spec.cta_tile_q, spec.cta_tile_kv, spec.num_stages
-    bars = 8 * (1 + (4 if spec.overlapped else 3) * st + spec.is_persistent)
-    return q * d + 2 * st * kv * d + q * d * spec.dtype.itemsize + 1024 + bars
+    o = q * d * spec.dtype.itemsize
+    if spec.mma is Mma.WGMMA:
+        bars = 8 * (1 + (4 if spec.overlapped else 3) * st + spec.is_persistent)
+        return q * d + 2 * st * kv * d + o + 1024 + bars
+    c = layout_context(spec)
+    return 2 * (q + st * kv) * c["smem_row_elems"] + 2 * st * d * c["smem_row_elems_v"] + o
+
+
+def layout_context(spec) -> dict:
+    """The template's row widths and swizzles for fp8 rows (in 16-bit pairs): q and k head_dim / 2, V's copy
+    cta_tile_kv / 2 (its rows are keys), each swizzled where a multiple of 64."""
+    from .spec import _smem_row
+
+    qk, v = spec.head_dim // 2, spec.cta_tile_kv // 2
+    return dict(smem_row_elems=_smem_row(qk), smem_row_elems_v=_smem_row(v), swizzle=qk % 64 == 0,
+                swizzle_v=v % 64 == 0)
 
 
 def candidates(spec):
@@ -94,3 +128,8 @@ def candidates(spec):
     for st in (2, 3):
         for sc, pe in (first, *rest):
             yield 128, 128, 8, st, Mma.WGMMA, 0, Pipeline.TMA, sc, pe
+    # mma.sync (sm_89, sm_120; sm_90a where a spec pins it): the cp.async ring
+    # (head dim 256: 64x32, whose registers hold O without spilling (64x64 spilled on sm_100), in sm_89's 99 KB)
+    tiles = ((128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2), (128, 64, 8, 3), (128, 32, 8, 2), (64, 32, 4, 2))
+    for q, kv, w, st in (((64, 32, 4, 2), *tiles) if spec.head_dim == 256 else tiles):
+        yield q, kv, w, st, Mma.SYNC, 0, Pipeline.SYNC, Schedule.SERIAL, Persistent.OFF

@@ -28,6 +28,8 @@ _DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
 # PrefillFp8Params (templates/prefill/fp8.cuh): the three maps, every field of PrefillParams (the varlen ones, the
 # batch count, the sinks' pointer), then Fp8Scales: 3 pointers, 6 strides, v's number.
 _PARAMS = struct.Struct("<384s5Q12q4i2f2i2fQq8Q2q9iiQ3Q6qf")
+# PrefillFp8SyncParams (the mma.sync form): the same without the maps.
+_PARAMS_SYNC = struct.Struct("<5Q12q4i2f2i2fQq8Q2q9iiQ3Q6qf")
 # VtParams: v, the copy, cu_k; v's strides (batch, key, KV head), the copy's (batch, KV head, column); 2 lengths.
 _VT_PARAMS = struct.Struct("<3Q6q2i")
 VT_KEYS = 128  # templates/prefill/fp8.cuh: keys a CTA of `_vt` copies
@@ -194,7 +196,7 @@ class _Fp8Call:
     ``order`` (varlen) the work list's launch."""
 
     __slots__ = ("plan", "kern", "grid", "out_shape", "out_ptr", "lse_shape", "qk_maps", "vt_bytes", "vt_grid",
-                 "vt_head", "vt_tail", "vt_map", "head", "vals", "order")
+                 "vt_head", "vt_tail", "vt_map", "head", "vals", "order", "tma")
 
 
 def _key_of(x, name: str):
@@ -254,16 +256,20 @@ def _prepare_dense(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, 
     call.kern = kern = plan.kernel or plan.kernel_for(sq)
     ks = kern.spec
     bn = ks.cta_tile_kv
-    cols = max(1, -(-sk // bn)) * bn  # keys a row of the copy: whole key tiles
+    pad = max(bn, VT_KEYS)
+    cols = max(1, -(-sk // pad)) * pad  # keys a row of the copy: padded as prefill/fp8.cuh's vt_pad
     vs = vi.strides
     call.vt_bytes, call.vt_grid = b * hk * d * cols, (cols // VT_KEYS, hk, b)
     call.vt_head, call.vt_tail = (vi.ptr,), (0, vs[0], vs[1], vs[2], hk * d * cols, d * cols, cols, sk, 0)
     call.vt_map = (cols, d, hk, b)
-    call.qk_maps = _qk_map(qi, ks.cta_tile_q, "q") + _qk_map(ki, bn, "k")
+    call.tma = ks.tma
+    call.qk_maps = _qk_map(qi, ks.cta_tile_q, "q") + _qk_map(ki, bn, "k") if ks.tma else b""
     call.grid = persistent_grid(sq, h, b, ks, plan.facts) if ks.is_persistent else dense_grid(sq, h, b, ks)
-    qs, kst = qi.strides, ki.strides
-    call.head = (qi.ptr, ki.ptr, vi.ptr)
-    call.vals = (qs[0], qs[1], qs[2], kst[0], kst[1], kst[2], vs[0], vs[1], vs[2], ost[0], ost[1], ost[2],
+    # q, k and the copy as 16-bit pairs (the mma.sync form reads them through these; TMA through its maps)
+    qs, kst = [x // 2 for x in qi.strides], [x // 2 for x in ki.strides]
+    call.head = (qi.ptr, ki.ptr)
+    call.vals = (qs[0], qs[1], qs[2], kst[0], kst[1], kst[2], hk * d * cols // 2, cols // 2, d * cols // 2,
+                 ost[0], ost[1], ost[2],
                  sq, sk, h, h // hk, scale, scale * _LOG2E, left, right, 0.0, 0.0, 0, 0,
                  0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                  0, 0, 0, 0, 0, 0, 0, 0, 0, b, 0, *f8)  # (batch_count: the persistent kernel's walk)
@@ -295,10 +301,13 @@ def _launch(call, qi, out, return_lse, order_args=None):
         wp = data_ptr(ws, kind)
         launch_order(kern, stream, wp, *call.order[1:])
         tail = (wp, wp + 8 * call.order[1])
-    maps = call.qk_maps + _vt_map(vt_ptr, *call.vt_map)
     lse_ptr = data_ptr(lse, kind) if return_lse else 0
     vals = call.vals if not tail else (*call.vals[:_WORK_AT], *tail, *call.vals[_WORK_AT + 2:])
-    kern.launch_struct(_PARAMS, call.grid, stream, maps, *call.head, optr, lse_ptr, *vals)
+    if call.tma:
+        maps = call.qk_maps + _vt_map(vt_ptr, *call.vt_map)
+        kern.launch_struct(_PARAMS, call.grid, stream, maps, *call.head, vt_ptr, optr, lse_ptr, *vals)
+    else:
+        kern.launch_struct(_PARAMS_SYNC, call.grid, stream, *call.head, vt_ptr, optr, lse_ptr, *vals)
     return (out, lse) if return_lse else out
 
 
@@ -359,21 +368,23 @@ def _prepare_varlen(qi, ki, vi, cq, ck, max_seqlen_k, causal, window, sm_scale, 
     call.kern = kern = plan.kernel or plan.kernel_for(max(1, total_q // batch))
     ks = kern.spec
     bn = ks.cta_tile_kv
-    # each sequence from its first key rounded down to 16, plus seq * (bn + 16) (prefill/fp8.cuh, fp8_vt_col)
-    cols = -(-(total_k + batch * (bn + 16) + bn) // 16) * 16
+    # each sequence from its first key rounded down to 16, plus seq * (pad + 16) (prefill/fp8.cuh, fp8_vt_col)
+    pad = max(bn, VT_KEYS)
+    cols = -(-(total_k + batch * (pad + 16) + pad) // 16) * 16
     vs = vi.strides
     # (max_seqlen_k bounds every sequence's keys: the copy's grid; FlashAttention's contract for the argument)
-    call.vt_bytes, call.vt_grid = hk * d * cols, (max(1, -(-max_seqlen_k // bn) * bn // VT_KEYS), hk, batch)
+    call.vt_bytes, call.vt_grid = hk * d * cols, (max(1, -(-max_seqlen_k // pad) * pad // VT_KEYS), hk, batch)
     call.vt_head, call.vt_tail = (vi.ptr,), (ck.ptr, 0, vs[0], vs[1], 0, d * cols, cols, 0, total_k)
     call.vt_map = (cols, d, hk, 1)
-    call.qk_maps = _qk_map(qi, ks.cta_tile_q, "q") + _qk_map(ki, bn, "k")
+    call.tma = ks.tma
+    call.qk_maps = _qk_map(qi, ks.cta_tile_q, "q") + _qk_map(ki, bn, "k") if ks.tma else b""
     call.grid = varlen_grid(total_q, batch, h, ks)
     max_items = call.grid[0]
     call.order = (2 * max_items + 1 + batch + 1, max_items, cq.ptr, ck.ptr, left, right, batch, total_q, total_k,
                   False)
-    qs, kst = qi.strides, ki.strides
-    call.head = (qi.ptr, ki.ptr, vi.ptr)
-    call.vals = (0, qs[0], qs[1], 0, kst[0], kst[1], 0, vs[0], vs[1], 0, ost[0], ost[1],
+    qs, kst = [x // 2 for x in qi.strides], [x // 2 for x in ki.strides]  # (16-bit pairs, as for dense)
+    call.head = (qi.ptr, ki.ptr)
+    call.vals = (0, qs[0], qs[1], 0, kst[0], kst[1], 0, cols // 2, d * cols // 2, 0, ost[0], ost[1],
                  0, 0, h, h // hk, scale, scale * _LOG2E, left, right, 0.0, 0.0, 0, 0,
                  cq.ptr, ck.ptr, 0, 0, 0, 0, 0, 0, 0, 0,
                  0, 0, total_q, total_k, 0, 0, 0, 0, 0, 0, 0, *f8)

@@ -543,6 +543,8 @@ class PrefillSpec(SpecBase):
             swizzle_v=self.swizzled_rows and self.dim_v % 64 == 0,
             wgmma=self.mma is Mma.WGMMA,
         )
+        if self.qkv_dtype:
+            ctx.update(fp8.layout_context(self))  # rows of 16-bit pairs
         return ctx
 
     # --- fit ---------------------------------------------------------------------------------
