@@ -70,10 +70,10 @@ RECORDS = [_rec(128, False, 1, 4096, 32, 8, {"fp8": 900.0, "bf16": 600.0, "cudnn
 
 def test_summary_ratios_and_failed_checks():
     s = bf.summarize(RECORDS)
-    assert s["fp8/bf16"]["min"] == pytest.approx(1.25) and s["fp8/bf16"]["shapes"] == 3
-    assert s["fp8/bf16"]["min_at"] == {"head_dim": 256, "causal": True, "batch": 8, "seqlen": 2048, "heads": 16,
+    assert s["ratio"]["bf16"]["min"] == pytest.approx(1.25) and s["ratio"]["bf16"]["shapes"] == 3
+    assert s["ratio"]["bf16"]["min_at"] == {"head_dim": 256, "causal": True, "batch": 8, "seqlen": 2048, "heads": 16,
                                        "kv_heads": 16}
-    assert s["fp8/cudnn"]["geomean"] == pytest.approx((1.8 * 1.25 * 2.0) ** (1 / 3))
+    assert s["ratio"]["cudnn"]["geomean"] == pytest.approx((1.8 * 1.25 * 2.0) ** (1 / 3))
     assert "fp8/flashinfer" not in s
     assert s["checks"] == {"run": 3, "failed": 2, "max_rel_l2": 0.2}
 
