@@ -43,36 +43,42 @@ def _refuse(dropout_p, return_attn_probs, native: str) -> None:
 
 def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
                     window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
-                    return_attn_probs: bool = False, sinks=None, score_mod: str = "", mask_mod: str = "", aux=None):
+                    return_attn_probs: bool = False, sinks=None, score_mod: str = "", mask_mod: str = "", aux=None,
+                    q_descale=None, k_descale=None, v_descale=None):
     """FlashAttention 2's ``flash_attn_func``: q ``[batch, seqlen_q, heads, head_dim]``, k and v
     ``[batch, seqlen_k, kv_heads, head_dim]``; returns out like q. ``causal`` aligns bottom-right;
     ``window_size=(left, right)``, -1 unbounded. ``deterministic`` is accepted (the forward pass
     always is). ``dropout_p`` > 0 and ``return_attn_probs`` are refused: attngen runs no dropout
     and never materialises the probabilities. ``sinks`` (fp32 ``[heads]``): attention sinks, as in
-    ``attngen.prefill``; ``score_mod``, ``mask_mod`` and ``aux``: a user's variant, as there (docs/variants.md)."""
+    ``attngen.prefill``; ``score_mod``, ``mask_mod`` and ``aux``: a user's variant, as there (docs/variants.md).
+    fp8 q, k, v (``torch.float8_e4m3fn``) with ``q_descale``, ``k_descale``, ``v_descale`` as FlashAttention 3 takes
+    them (fp32 ``[batch, kv_heads]``, or per tensor / per KV head, or numbers): ``attngen.prefill``'s fp8 path."""
     _refuse(dropout_p, return_attn_probs, "prefill")
     left, right = _window(window_size)
     return prefill(q, k, v, causal=bool(causal), window=(left, right), sm_scale=softmax_scale, softcap=softcap,
-                   alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, aux=aux)
+                   alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, aux=aux,
+                   q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                            dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
                            window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
                            return_attn_probs: bool = False, block_table=None, sinks=None, score_mod: str = "",
-                           mask_mod: str = "", aux=None):
+                           mask_mod: str = "", aux=None, q_descale=None, k_descale=None, v_descale=None):
     """FlashAttention 2's ``flash_attn_varlen_func`` on ``attngen.prefill_varlen``: q
     ``[total_q, heads, head_dim]``, k and v ``[total_k, kv_heads, head_dim]`` (or, with
     ``block_table`` int32 ``[batch, max_blocks]``, a paged cache ``[num_blocks, block_size,
     kv_heads, head_dim]``), int32 ``cu_seqlens_q``/``cu_seqlens_k`` ``[batch + 1]``; returns out
     like q. ``causal`` aligns bottom-right per sequence; ``window_size=(left, right)``, -1
     unbounded. ``dropout_p`` > 0 and ``return_attn_probs`` are refused, as in ``flash_attn_func``;
-    ``sinks``, ``score_mod``, ``mask_mod`` and ``aux`` as there."""
+    ``sinks``, ``score_mod``, ``mask_mod`` and ``aux`` as there; fp8 q, k, v with the descales as in
+    ``flash_attn_func`` (per sequence where ``[batch, kv_heads]``)."""
     _refuse(dropout_p, return_attn_probs, "prefill_varlen")
     left, right = _window(window_size)
     return prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=bool(causal),
                           window=(left, right), sm_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes,
-                          block_table=block_table, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, aux=aux)
+                          block_table=block_table, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, aux=aux,
+                          q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
 
 
 def _unpack(t, n: int, name: str, dims: str):

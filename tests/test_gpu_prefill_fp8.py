@@ -422,3 +422,29 @@ def test_refused_off_sm90a():
     with pytest.raises(attngen.SpecError) as ei:
         attngen.prefill(_fp8(1, 64, 8, 128), _fp8(1, 64, 8, 128), _fp8(1, 64, 8, 128))
     assert ei.value.field == "qkv_dtype" and "sm_" in str(ei.value)
+
+
+# --- FlashAttention's names (FlashAttention 3's descale arguments) ------------------------------------------------
+
+def test_flash_attn_func_fp8_matches_prefill():
+    _need_sm90a()
+    case = Dense(2, 300, 517, 32, 8, 128, kinds="batch_head")
+    a = attngen.prefill(case.q, case.k, case.v, causal=True, **case.descales)
+    b = attngen.flash_attn_func(case.q, case.k, case.v, causal=True, **case.descales)
+    torch.cuda.synchronize()
+    assert torch.equal(a, b)
+    ref_o, ref_l = case.reference(causal=True)
+    check(b, None, ref_o, ref_l, dtype=torch.bfloat16, at=case.at())
+
+
+def test_flash_attn_varlen_func_fp8_matches_prefill_varlen():
+    _need_sm90a()
+    case = Dense(1, 300, 300, 8, 2, 128, kinds="head")
+    q, k, v = (x[0] for x in (case.q, case.k, case.v))
+    cu = torch.tensor([0, 300], dtype=torch.int32, device="cuda")
+    a = attngen.prefill_varlen(q, k, v, cu, cu, 300, 300, causal=True, **case.descales)
+    b = attngen.flash_attn_varlen_func(q, k, v, cu, cu, 300, 300, causal=True, **case.descales)
+    torch.cuda.synchronize()
+    assert torch.equal(a, b)
+    ref_o, ref_l = case.reference(causal=True)
+    check(b[None], None, ref_o, ref_l, dtype=torch.bfloat16, at=case.at())
