@@ -223,3 +223,18 @@ def test_stored_tunings_of_16bit_prefill_do_not_apply_to_fp8():
     assert [s.cta_tile_kv for _, s in got] == [128]
     assert tuned_choices(base.replace(qkv_dtype=FP8), get_arch("sm_90a"), "G", [entry], nvrtc="N",
                          version="V") == []
+
+
+def test_fp8_and_descales_are_refused_while_torch_compile_traces(monkeypatch):
+    # the custom ops take no descales and their fake would give q's dtype: refused by name, never run wrong
+    torch = pytest.importorskip("torch")
+    import attngen
+    from attngen import LaunchError, runtime
+
+    monkeypatch.setattr(runtime, "tracing", lambda: True)
+    q = torch.zeros(1, 4, 2, 128).to(torch.float8_e4m3fn)
+    for call in (lambda: attngen.prefill(q, q, q),
+                 lambda: attngen.prefill(q.to(torch.bfloat16), q, q, q_descale=0.5),
+                 lambda: attngen.prefill_varlen(q[0], q[0], q[0], None, None, 4, 4, k_descale=2.0)):
+        with pytest.raises(LaunchError, match="torch.compile"):
+            call()

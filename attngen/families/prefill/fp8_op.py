@@ -43,6 +43,14 @@ def is_fp8_call(qi, spec) -> bool:
     return qi.dtype in _BYTES and bool(getattr(spec, "qkv_dtype", ""))
 
 
+def refuse_traced(op: str, q, descales) -> None:
+    """fp8 q, k, v or descales while torch.compile traces: its custom ops take neither (their fake would give the
+    output q's dtype, and the descales would be dropped), so they are refused by name rather than run wrong."""
+    if any(x is not None for x in descales) or "float8" in str(getattr(q, "dtype", "")):
+        raise LaunchError(f"{op} with fp8 q, k, v (or q_descale, k_descale, v_descale) is not supported under "
+                          "torch.compile; call it outside the compiled region (torch.compiler.disable)")
+
+
 def refuse_options(**given) -> None:
     """Arguments fp8 prefill has no form for, refused by name where given."""
     for name, value in given.items():

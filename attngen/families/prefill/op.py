@@ -277,6 +277,9 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     """
     if _rt.tracing is not None and _rt.tracing():
         refuse_traced("attngen.prefill", score_mod, mask_mod, aux)
+        from .fp8_op import refuse_traced as refuse_traced_fp8
+
+        refuse_traced_fp8("attngen.prefill", q, (q_descale, k_descale, v_descale))
         return _rt.traced_ops["prefill"](
             q, k, v, causal=causal, window=window, sm_scale=sm_scale, return_lse=return_lse, out=out, spec=spec,
             softcap=softcap, alibi_slopes=alibi_slopes, mask=mask, mask_plan=mask_plan, sinks=sinks)

@@ -76,6 +76,9 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     """
     if _rt.tracing is not None and _rt.tracing():
         refuse_traced("attngen.prefill_varlen", score_mod, mask_mod, aux)
+        from .fp8_op import refuse_traced as refuse_traced_fp8
+
+        refuse_traced_fp8("attngen.prefill_varlen", q, (q_descale, k_descale, v_descale))
         return _rt.traced_ops["prefill_varlen"](
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
             sm_scale=sm_scale, return_lse=return_lse, out=out, block_table=block_table, spec=spec, softcap=softcap,
