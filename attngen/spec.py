@@ -31,8 +31,6 @@ from .family import families, get_family
 # A user's variant (score_mod / mask_mod source and the aux tensors' signature, attngen/families/snippets.py):
 # fields that are left out of a spec's dict while "" (off) and shown by hash in its text.
 SNIPPET_FIELDS = ("score_mod", "mask_mod", "aux")
-# Fields left out of a spec's dict, key and text while off: every spec without them keeps its JSON and its key.
-OFF_UNSHOWN = (*SNIPPET_FIELDS, "qkv_dtype")
 
 
 def _snippet_short(text: str) -> str:
@@ -142,6 +140,9 @@ class SpecBase:
     family: ClassVar[str]
     TUNING_FIELDS: ClassVar[tuple[str, ...]]
     ALWAYS_SHOWN: ClassVar[tuple[str, ...]] = ("head_dim", "dtype")
+    # Fields left out of the dict, key and text while off (falsy), beside the snippets': a spec without them keeps
+    # its JSON and its key.
+    OFF_UNSHOWN: ClassVar[tuple[str, ...]] = ()
     # The entries of the family's module (by suffix, "" the main one) launched with programmatic
     # dependent launch on sm_90 and newer. Every entry of such a module starts with ``pdl_enter()``
     # (common/ptx.cuh), whether or not it is listed: one that is not still lets the next start early.
@@ -209,7 +210,7 @@ class SpecBase:
         d: dict[str, Any] = {"family": self.family}
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in OFF_UNSHOWN and not v:
+            if (f.name in SNIPPET_FIELDS or f.name in self.OFF_UNSHOWN) and not v:
                 continue  # off: left out, so a spec without snippets keeps its JSON, its key and its kernel's name
             d[f.name] = v.value if isinstance(v, enum.Enum) else v
         return d
@@ -243,7 +244,7 @@ class SpecBase:
         parts = []
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in OFF_UNSHOWN and not v:
+            if (f.name in SNIPPET_FIELDS or f.name in self.OFF_UNSHOWN) and not v:
                 continue  # off: not shown even in full, as it is left out of the dict
             if full or v != getattr(default, f.name) or f.name in self.ALWAYS_SHOWN:
                 v = v.value if isinstance(v, enum.Enum) else v

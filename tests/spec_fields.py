@@ -35,6 +35,8 @@ FIELD_VALUES = {
     "aux": ("", "t:fp32:1"),
     # q, k and v in fp8 (attngen/families/prefill/fp8.py)
     "qkv_dtype": ("", "fp8_e4m3"),
+    # an fp8 cache under a 16-bit q (varlen), widened in shared memory
+    "kv_dtype": ("", "fp8_e4m3", "fp8_e5m2"),
 }
 # A resolved spec from which every field can change alone and still fit sm_90.
 BASE = PrefillSpec(head_dim=64, dtype=DType.BF16, mask=MaskMode.NONE, return_lse=False,

@@ -203,4 +203,7 @@ def test_default_manifest_validates_for_every_arch_it_lists():
     # 36 more fp8 prefill kernels (head dims 128, 256, every mask, dense and varlen, on sm_89, sm_90a, sm_120).
     pf8 = {s for s in prefill if s.qkv_dtype}
     assert {(s.head_dim, s.varlen) for s in pf8} == {(d, v) for d in (128, 256) for v in (False, True)}
-    assert 100 <= len(items) <= 1680
+    # 12 more varlen prefill kernels over an fp8 cache (head_dim 128, causal, contiguous and paged, every arch).
+    kv8 = {s for s in prefill if s.kv_dtype}
+    assert {(s.head_dim, s.paged, s.kv_dtype) for s in kv8} == {(128, p, "fp8_e4m3") for p in (False, True)}
+    assert 100 <= len(items) <= 1692

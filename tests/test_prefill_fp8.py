@@ -238,3 +238,42 @@ def test_fp8_and_descales_are_refused_while_torch_compile_traces(monkeypatch):
                  lambda: attngen.prefill_varlen(q[0], q[0], q[0], None, None, 4, 4, k_descale=2.0)):
         with pytest.raises(LaunchError, match="torch.compile"):
             call()
+
+
+
+# --- an fp8 cache under a 16-bit q (kv_dtype): prefill_varlen, contiguous or paged ----------------------------------
+
+@pytest.mark.parametrize("bad, field", [(dict(varlen=False), "kv_dtype"), (dict(qkv_dtype=FP8), "kv_dtype"),
+                                        (dict(softcap=True), "kv_dtype"), (dict(head_dim=72), "kv_dtype"),
+                                        (dict(pipeline="tma"), "kv_dtype")])
+def test_kv_dtype_refusals_name_the_field(bad, field):
+    fields = {**dict(head_dim=128, varlen=True, kv_dtype="fp8_e4m3"), **bad}
+    with pytest.raises(SpecError) as ei:
+        resolve(PrefillSpec(**fields), "sm_90a")
+    assert ei.value.field == field, str(ei.value)
+
+
+def test_kv_dtype_values():
+    for v in ("fp8_e4m3", "fp8_e5m2"):
+        s = PrefillSpec(head_dim=128, varlen=True, kv_dtype=v)
+        assert parse_spec(s.to_text()) == s and s.to_dict()["kv_dtype"] == v
+    assert "kv_dtype" not in PrefillSpec(head_dim=128, varlen=True).to_dict()
+    with pytest.raises(SpecError):
+        PrefillSpec(head_dim=128, varlen=True, kv_dtype="int8")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a", "sm_120"])
+@pytest.mark.parametrize("d, paged", [(128, True), (256, True), (64, False)])
+def test_fp8_cache_kernels_build_spill_free(arch, d, paged):
+    if d == 256 and arch != "sm_90a":
+        with pytest.raises(SpecError) as ei:  # mma.sync at 256 spilled: refused by name
+            resolve(PrefillSpec(head_dim=d, varlen=True, paged=paged, kv_dtype="fp8_e4m3"), arch)
+        assert ei.value.field == "kv_dtype"
+        return
+    from attngen.compiler import compile
+    from attngen.render import render
+
+    r = resolve(PrefillSpec(head_dim=d, varlen=True, paged=paged, kv_dtype="fp8_e4m3", mask="causal"), arch)
+    assert r.smem_bytes() <= get_arch(arch).smem_per_block
+    b = compile(render(r), arch, kernel_name=r.kernel_name)
+    assert not b.resources.spill_stores, (r.to_text(), b.resources)

@@ -168,7 +168,8 @@ struct FwdLoads {
     return first + lane <= last ? p.block_table[batch * p.bt_sb + first + lane] : 0;
   }
 
-  // KV tile `tile` into slot `slot` of the ring (PAGED: next_table, this tile's table lanes, becomes the next's).
+  // KV tile `tile` into slot `slot` of the ring (PAGED: next_table, this tile's table lanes, becomes the next's; KV8:
+  // sK, sV are the fp8 rows' ring, LKld / LVld their layout).
   static __device__ __forceinline__ void load_kv(const PrefillParams<T>& p, T* sK, T* sV, const T* gK, const T* gV,
                                                  int tile, int slot, int seqlen_k, int batch, int tid, int lane,
                                                  int bs_shift, int& next_table) {
@@ -178,8 +179,8 @@ struct FwdLoads {
       // zero-fills, so every entry read lies inside the sequence's table row. Clamped to the pool: a bad table
       // entry reads a wrong block instead of faulting.
       const int* table = p.block_table + (long long)batch * p.bt_sb;
-      load_pair_rows_async<typename K::LK, typename K::LV, BLOCK_N, K::THREADS>(
-          sK + slot * K::K_ELEMS, sV + slot * K::V_ELEMS, gK, gV, seqlen_k - n0, tid, [&](int r) {
+      load_pair_rows_async<typename K::LKld, typename K::LVld, BLOCK_N, K::THREADS>(
+          sK + slot * K::K_LD_ELEMS, sV + slot * K::V_LD_ELEMS, gK, gV, seqlen_k - n0, tid, [&](int r) {
             const int pos = n0 + r;
             const int bi = block_of(p, bs_shift, pos);
             const long long blk = min(max(table[bi], 0), p.num_blocks - 1);
@@ -197,22 +198,43 @@ struct FwdLoads {
       const int gbi = block_of(p, bs_shift, gpos);
       const int g_blk = min(max(__shfl_sync(0xffffffffu, lane_blk, gbi - first), 0), p.num_blocks - 1);
       const int g_row = gpos - gbi * p.block_size;
-      load_pair_rows_async<typename K::LK, typename K::LV, BLOCK_N, K::THREADS>(
-          sK + slot * K::K_ELEMS, sV + slot * K::V_ELEMS, gK, gV, seqlen_k - n0, tid, [&](int r) {
+      load_pair_rows_async<typename K::LKld, typename K::LVld, BLOCK_N, K::THREADS>(
+          sK + slot * K::K_LD_ELEMS, sV + slot * K::V_LD_ELEMS, gK, gV, seqlen_k - n0, tid, [&](int r) {
             const long long blk = __shfl_sync(0xffffffffu, g_blk, r / 16);
             const long long row = __shfl_sync(0xffffffffu, g_row, r / 16) + r % 16;
             return make_longlong2(blk * p.k_sb + row * p.k_ss, blk * p.v_sb + row * p.v_ss);
           });
     } else {
-      load_tile_async<typename K::LK, BLOCK_N, K::THREADS>(sK + slot * K::K_ELEMS, gK + (long long)n0 * p.k_ss, p.k_ss,
+      load_tile_async<typename K::LKld, BLOCK_N, K::THREADS>(sK + slot * K::K_LD_ELEMS, gK + (long long)n0 * p.k_ss,
+                                                             p.k_ss,
                                                            seqlen_k - n0, tid);
       if constexpr (K::FP8) {
         // V's transposed copy: HEAD_DIM_V rows of the tile's keys (16-bit pairs; zero past the sequence there)
         load_tile_async<typename K::LV, K::HEAD_DIM_V, K::THREADS>(sV + slot * K::V_ELEMS, gV + n0 / 2, p.v_ss,
                                                                    K::HEAD_DIM_V, tid);
       } else {
-        load_tile_async<typename K::LV, BLOCK_N, K::THREADS>(sV + slot * K::V_ELEMS, gV + (long long)n0 * p.v_ss,
+        load_tile_async<typename K::LVld, BLOCK_N, K::THREADS>(sV + slot * K::V_LD_ELEMS, gV + (long long)n0 * p.v_ss,
                                                              p.v_ss, seqlen_k - n0, tid);
+      }
+    }
+  }
+
+  // KV8: one tile's fp8 rows (its slot of the fp8 ring, L8) widened into q's dtype in the consumers' layouts (LK, LV)
+  // by every thread (exact: common/fp8.cuh's fp8x16_widen). Rows past the sequence are zeros there, and stay zeros.
+  static __device__ __forceinline__ void widen(const T* k8, const T* v8, T* k, T* v, int tid) {
+    if constexpr (K::KV8 != 0) {
+      constexpr int CH = K::HEAD_DIM / 16;  // 16-byte chunks (16 fp8 values) of a row
+      // (one chunk of K and one of V at a time: beside a head dim of 256's O more in flight spilled)
+#pragma unroll 1
+      for (int i = tid; i < BLOCK_N * CH; i += K::THREADS) {
+        const int r = i / CH, c = i % CH;
+        uint4 lo, hi;
+        fp8x16_widen<K::KV8, K::BF16>(*reinterpret_cast<const uint4*>(k8 + K::L8::offset(r, c * 8)), lo, hi);
+        *reinterpret_cast<uint4*>(k + K::LK::offset(r, c * 16)) = lo;
+        *reinterpret_cast<uint4*>(k + K::LK::offset(r, c * 16 + 8)) = hi;
+        fp8x16_widen<K::KV8, K::BF16>(*reinterpret_cast<const uint4*>(v8 + K::L8::offset(r, c * 8)), lo, hi);
+        *reinterpret_cast<uint4*>(v + K::LV::offset(r, c * 16)) = lo;
+        *reinterpret_cast<uint4*>(v + K::LV::offset(r, c * 16 + 8)) = hi;
       }
     }
   }

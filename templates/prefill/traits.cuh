@@ -9,7 +9,7 @@ template <class T_, bool BF16_, int HEAD_DIM_, int HEAD_DIM_V_, int BLOCK_M_, in
           int NUM_STAGES_, int MASK_, bool RETURN_LSE_, bool Q_IN_REGS_, int ROW_ELEMS_, int ROW_ELEMS_V_,
           bool SWIZZLE_, bool SWIZZLE_V_, bool WGMMA_, class V_, bool VARLEN_, bool PAGED_,
           bool MASK_LIST_, int TMA_CTAS_, bool OVERLAP_, bool PINGPONG_, bool PERSISTENT_, bool O_IN_Q_,
-          bool FP8_ = false>
+          bool FP8_ = false, int KV8_ = 0>
 struct FwdTraits {
   using T = T_;
   static constexpr bool BF16 = BF16_;
@@ -42,6 +42,13 @@ struct FwdTraits {
   // HEAD_DIM_V rows of BLOCK_N keys (prefill/fp8.cuh's `_vt` writes them). T is the output's 16-bit type.
   static constexpr bool FP8 = FP8_;
   static constexpr int QK_COLS = FP8 ? HEAD_DIM / 2 : HEAD_DIM;
+  // KV8 (kv_dtype: 1 e4m3, 2 e5m2; the cp.async kernel): k and v rows of fp8 bytes (HEAD_DIM / 2 16-bit pairs) land
+  // in a ring of their own (L8, K8_ELEMS a slot, K's and V's) and each tile is widened into q's dtype in sK, sV
+  // (prefill/step.cuh.jinja), which the consumers read as ever. The loads' layouts and slots: LKld, LVld.
+  static constexpr int KV8 = KV8_;
+  static constexpr int ROW8 = (HEAD_DIM / 2) % 64 == 0 ? HEAD_DIM / 2 : HEAD_DIM / 2 + 8;
+  using L8 = SmemLayout<HEAD_DIM / 2, ROW8, (HEAD_DIM / 2) % 64 == 0>;
+  static constexpr int K8_ELEMS = KV8 ? BLOCK_N * ROW8 : 0;
 
   using L = SmemLayout<QK_COLS, ROW_ELEMS, SWIZZLE>;
   using LQ = typename Select<WGMMA, WgmmaLayout<QK_COLS, BLOCK_M>, L>::type;
@@ -54,6 +61,10 @@ struct FwdTraits {
   static constexpr int K_ELEMS = WGMMA ? BLOCK_N * QK_COLS : BLOCK_N * ROW_ELEMS;
   static constexpr int V_ELEMS = WGMMA ? BLOCK_N * HEAD_DIM_V / (FP8 ? 2 : 1)
                                       : (FP8 ? HEAD_DIM_V : BLOCK_N) * ROW_ELEMS_V;
+  using LKld = typename Select<KV8 != 0, L8, LK>::type;
+  using LVld = typename Select<KV8 != 0, L8, LV>::type;
+  static constexpr int K_LD_ELEMS = KV8 ? K8_ELEMS : K_ELEMS;
+  static constexpr int V_LD_ELEMS = KV8 ? K8_ELEMS : V_ELEMS;
   static constexpr int THREADS = NUM_WARPS * 32;
   static constexpr int WARP_M = BLOCK_M / NUM_WARPS;
   static constexpr int M_TILES = WARP_M / 16;
@@ -74,6 +85,8 @@ struct FwdTraits {
   // TMA_CTAS: 0, the cp.async pipeline; else the TMA pipeline, its registers split for that many CTAs
   // an SM (PrefillSpec.tma_ctas, which the entry's launch bounds also take).
   static constexpr bool TMA = TMA_CTAS > 0;
+  static_assert(!KV8 || (!TMA && !FP8 && !MASK_LIST && HEAD_DIM_V == HEAD_DIM && HEAD_DIM % 16 == 0),
+                "KV8: the cp.async kernel, whole 16-byte chunks of fp8 rows, V as wide as K");
   static_assert(!FP8 || (!PAGED && !MASK_LIST && HEAD_DIM % 128 == 0 && HEAD_DIM_V == HEAD_DIM &&
                          BLOCK_N % (TMA ? 128 : 32) == 0),
                 "FP8: whole 128-byte rows of q and k, V's transposed keys in 32-key steps (TMA: 128-byte boxes)");

@@ -15,7 +15,7 @@ tiles and its shared memory; the host path of ``attngen.prefill`` / ``prefill_va
 from __future__ import annotations
 
 from ...errors import SpecError
-from ...spec import Mma, allowed_text, check_smem, check_wgmma_arch
+from ...spec import Mma, Pipeline, allowed_text, check_smem, check_wgmma_arch
 
 QKV_DTYPES = ("fp8_e4m3",)
 HEAD_DIMS = (128, 256)
@@ -47,6 +47,54 @@ def check_fields(spec) -> str:
         raise SpecError("head_dim_chunk", spec.head_dim_chunk, f"0 with qkv_dtype={v}",
                         reason="fp8 prefill holds whole rows")
     return v
+
+
+KV_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+KV_CODES = {"fp8_e4m3": 1, "fp8_e5m2": 2}  # the template's KV8 (common/fp8.cuh's formats)
+
+
+def check_kv_fields(spec) -> str:
+    """``kv_dtype`` (an fp8 cache a varlen call reads, q in dtype) checked against the other fields: the value kept."""
+    v = spec.kv_dtype
+    if v is None or v == "":
+        return ""
+    v = getattr(v, "value", v)
+    if v not in KV_DTYPES:
+        raise SpecError("kv_dtype", v, "'' (the cache in dtype), " + allowed_text(KV_DTYPES))
+    if spec.qkv_dtype:
+        raise SpecError("kv_dtype", v, f"'' with qkv_dtype={spec.qkv_dtype}", reason="qkv_dtype names k's and v's too")
+    if not spec.varlen:
+        raise SpecError("kv_dtype", v, "'' with varlen=false",
+                        reason="an fp8 cache is read through prefill_varlen (contiguous or paged)")
+    if spec.head_dim % 16 or spec.head_dim > 256 or spec.head_dim_v or spec.head_dim_chunk:
+        raise SpecError("kv_dtype", v, f"'' with head_dim={spec.head_dim}" +
+                        (f", head_dim_v={spec.head_dim_v}" if spec.head_dim_v else ""),
+                        reason="an fp8 cache's rows are widened in 16-byte chunks: head dims a multiple of 16 up to "
+                               "256, v as wide as k")
+    for name in ("softcap", "alibi", "sinks", "score_mod", "mask_mod"):
+        if getattr(spec, name):
+            raise SpecError("kv_dtype", v, f"'' with {name} set",
+                            reason=f"the fp8-cache prefill has no {name.replace('_', '-')} form yet")
+    if spec.pipeline.value == "tma" or spec.is_persistent or spec.overlapped:
+        raise SpecError("kv_dtype", v, f"'' with pipeline={spec.pipeline.value}",
+                        reason="an fp8 cache is widened on the cp.async ring (pipeline=sync)")
+    return v
+
+
+def check_kv_fit(spec, a) -> None:
+    """An fp8 cache's arch rules (PrefillSpec.check, before the 16-bit kernel's): head dims above 128 on wgmma only."""
+    if spec.head_dim > 128 and spec.mma is not Mma.WGMMA:
+        raise SpecError("kv_dtype", spec.kv_dtype, f"'' with head_dim={spec.head_dim} and mma={spec.mma.value}",
+                        reason="the widening beside a head dim above 128's O spilled registers on mma.sync (sm_80-89, "
+                               "sm_120: 16-36 bytes at every tile tried); on sm_90a's wgmma it does not")
+
+
+def kv_smem_bytes(spec) -> int:
+    """An fp8 cache's kernel: Q, one widened K and V tile (the 16-bit kernel's with one stage), and the fp8 rows'
+    ring, K's and V's slots of rows padded as templates/prefill/traits.cuh's ROW8."""
+    half = spec.head_dim // 2
+    row8 = half if half % 64 == 0 else half + 8
+    return spec.replace(kv_dtype="", num_stages=1).smem_bytes() + 4 * spec.num_stages * spec.cta_tile_kv * row8
 
 
 def check_fit(spec, a) -> None:
@@ -107,7 +155,8 @@ def smem_bytes(spec) -> int:
 def layout_context(spec) -> dict:
     """The template's row widths and swizzles for fp8 rows (in 16-bit pairs): q and k head_dim / 2, V's copy
     cta_tile_kv / 2 (its rows are keys), each swizzled where a multiple of 64."""
-    from .spec import _smem_row
+    def _smem_row(n):  # spec.py's _smem_row of a multiple of 8: dense where swizzled, else padded by a chunk
+        return n if n % 64 == 0 else (n + 15) // 16 * 16 + 8
 
     qk, v = spec.head_dim // 2, spec.cta_tile_kv // 2
     return dict(smem_row_elems=_smem_row(qk), smem_row_elems_v=_smem_row(v), swizzle=qk % 64 == 0,
@@ -116,7 +165,8 @@ def layout_context(spec) -> dict:
 
 def candidates(spec):
     """The default tiles (see the module), measured order first."""
-    from .spec import Persistent, Pipeline, Schedule
+    # (the family's enums through the spec's own fields: this module is below spec.py, which imports it)
+    Schedule, Persistent = type(spec.schedule), type(spec.persistent)
 
     # Measured on an H200 (1x4k-16k, 8x2k, causal and not): at head dim 128 ping-pong, persistent (varlen: one
     # CTA a work-list slot), best; at 256 overlap one CTA a tile (persistent spills there: left to a spec that pins

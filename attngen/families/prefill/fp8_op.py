@@ -15,7 +15,13 @@ import struct
 from ...errors import LaunchError
 from ...runtime import data_ptr, tensor_info
 from ...spec import allowed_text
+from ..score_mods import checked_scale
+from ..tma import tiled_map
+from .checks import check_infos, mask_and_window, out_of
+from .choose import DENSE, VARLEN, dense_grid, persistent_grid, varlen_grid
 from .fp8 import HEAD_DIMS, QKV_DTYPES
+from .order import _index, launch_order
+from .plans import plan_for
 
 # tensor_info's names: torch's e4m3 names its format; bytes (uint8: CuPy has no fp8 dtype) take the spec's word.
 _E4M3 = "torch.float8_e4m3fn"
@@ -153,7 +159,6 @@ def _spec(spec, d: int, dtype: str):
 
 
 def _plan(qi, d: int, out, spec, mcode: int, return_lse: bool, layout: int):
-    from .op import plan_for
 
     dtype = _out_dtype(out, spec if spec is None or spec.__class__ is not str else None)
     fspec = _spec(spec, d, dtype)
@@ -174,8 +179,6 @@ def _bytes(kind: str, n: int, device: int):
 
 def _qk_map(t, rows: int, what: str) -> bytes:
     """q or k (bytes) as rows of 16-bit pairs, 64-pair boxes of ``rows`` rows: the 16-bit kernel's boxes."""
-    from ..tma import tiled_map
-
     if len(t.shape) == 3:
         (s, h, d), (ss, sh, _) = t.shape, t.strides
         b, sb = 1, ss
@@ -188,8 +191,6 @@ def _qk_map(t, rows: int, what: str) -> bytes:
 
 def _vt_map(ptr: int, cols: int, d: int, hk: int, b: int) -> bytes:
     """V's transposed copy: ``cols`` keys a row, d rows a KV head; boxes of 128 keys x d rows, 128-byte swizzled."""
-    from ..tma import tiled_map
-
     return tiled_map("uint8", ptr, (cols, d, hk, b), (cols, d * cols, hk * d * cols), (128, d, 1, 1),
                      lambda e: f"no TMA tensor map for v's transposed copy: {e}", swizzled_bytes=True)
 
@@ -242,9 +243,6 @@ def prefill_fp8(q, k, v, qi, ki, vi, *, causal, window, sm_scale, return_lse, ou
 
 
 def _prepare_dense(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, descales) -> _Fp8Call:
-    from .choose import DENSE, dense_grid, persistent_grid
-    from .op import mask_and_window, out_of
-    from ..score_mods import checked_scale
 
     check_operands(qi, ki, vi, spec, False)
     b, sq, h, d = qi.shape
@@ -303,8 +301,6 @@ def _launch(call, qi, out, return_lse, order_args=None):
     kern.launch_struct(_VT_PARAMS, call.vt_grid, stream, *call.vt_head, vt_ptr, *call.vt_tail, entry="_vt")
     tail = ()
     if call.order is not None:  # varlen: the work list, sorted on the GPU from the lengths there
-        from .varlen import launch_order
-
         ws = plan.alloc_index(call.order[0])
         wp = data_ptr(ws, kind)
         launch_order(kern, stream, wp, *call.order[1:])
@@ -334,7 +330,6 @@ def prefill_varlen_fp8(q, k, v, qi, ki, vi, cu_seqlens_q, cu_seqlens_k, max_seql
                        sm_scale, return_lse, out, spec, descales):
     """``attngen.prefill_varlen`` for fp8 q, k, v: the work list, V's transposed copy (each sequence padded to
     whole key tiles), the main launch."""
-    from .varlen import _index
 
     cq = _index(cu_seqlens_q, "cu_seqlens_q", 1, qi)
     ck = _index(cu_seqlens_k, "cu_seqlens_k", 1, qi)
@@ -350,9 +345,6 @@ def prefill_varlen_fp8(q, k, v, qi, ki, vi, cu_seqlens_q, cu_seqlens_k, max_seql
 
 def _prepare_varlen(qi, ki, vi, cq, ck, max_seqlen_k, causal, window, sm_scale, return_lse, out, spec,
                     descales) -> _Fp8Call:
-    from .choose import VARLEN, varlen_grid
-    from .op import mask_and_window, out_of
-    from ..score_mods import checked_scale
 
     check_operands(qi, ki, vi, spec, True)
     total_q, h, d = qi.shape
@@ -397,3 +389,51 @@ def _prepare_varlen(qi, ki, vi, cq, ck, max_seqlen_k, causal, window, sm_scale, 
                  cq.ptr, ck.ptr, 0, 0, 0, 0, 0, 0, 0, 0,
                  0, 0, total_q, total_k, 0, 0, 0, 0, 0, 0, 0, *f8)
     return call
+
+
+# ---- an fp8 cache (kv_dtype) read by prefill_varlen with q in fp16/bf16 ----------------------------------------------
+
+# The fp8-cache kernel's parameters (PrefillFp8SyncParams): every field of PrefillParams, then Fp8Scales.
+PARAMS_KV8 = _PARAMS_SYNC
+
+
+def cache_kind(qi, k, v, spec):
+    """The fp8 format of a varlen call's k and v (decode's KVDType), or None where they hold q's dtype; raises where
+    they disagree with each other, with q or with the spec's kv_dtype (decode's rules and messages)."""
+    from ..decode import fp8 as dfp8
+    from ..decode.spec import KVDType
+
+    ki, vi = tensor_info(k, "k"), tensor_info(v, "v")
+    want = getattr(spec, "kv_dtype", "") or ""
+    if ki.dtype == qi.dtype and vi.dtype == qi.dtype and not want:
+        return None
+    return dfp8.cache_format(qi, ki, vi, KVDType(want) if want else None, names=("k", "v"), operands="q, k, v")
+
+
+def cache_operands(q, k, v, kv, dims: str, kv_dims: str):
+    """q, k, v's infos for an fp8 cache: the shared checks on k and v seen in q's dtype, then their 16-byte rows."""
+    from ..decode import fp8 as dfp8
+
+    qi, ki, vi = tensor_info(q, "q"), tensor_info(k, "k"), tensor_info(v, "v")
+    check_infos(qi, ki._replace(dtype=qi.dtype), vi._replace(dtype=qi.dtype), dims, kv_dims)
+    dfp8.check_rows(ki, "k")
+    dfp8.check_rows(vi, "v")
+    return qi, ki, vi
+
+
+def cache_spec(spec, kv):
+    """The caller's spec (or none) with the cache's kv_dtype: what the call's plan is keyed and resolved by."""
+    from .spec import PrefillSpec
+
+    if spec is not None and spec.kv_dtype == kv.value:
+        return spec
+    return (spec or PrefillSpec(varlen=True)).replace(varlen=True, kv_dtype=kv.value)
+
+
+def cache_scales(k_scale, v_scale, kv, hk: int, qi) -> tuple[float, tuple]:
+    """(the factor k's scale puts on sm_scale, Fp8Scales' fields) of decode's k_scale / v_scale forms (a number, or
+    an fp32 device tensor of shape [], [1] or [kv_heads])."""
+    from ..decode import fp8 as dfp8
+
+    k_mul, k_ptr, v_ptr, k_sh, v_sh, v_mul = dfp8.scales(k_scale, v_scale, kv, hk, qi.kind, qi.device)
+    return k_mul, (0, k_ptr, v_ptr, 0, 0, 0, k_sh, 0, v_sh, v_mul)

@@ -17,23 +17,23 @@ for its key), not per call.
 
 from __future__ import annotations
 
-import math
 import struct
 from collections.abc import Mapping
 
 from ... import runtime as _rt
 from ...errors import LaunchError, SpecError
-from ...runtime import allocator, data_ptr, get_kernel, tensor_info
+from ...runtime import data_ptr, tensor_info
 from ...spec import op_spec
-from ...tuned import stored_choices
 from ..choice import device_facts
 from ..head_pad import pad_widths, run_padded, zero_padded
-from ..host import OpMemo, Plan
 from ..score_mods import NO_EXTRAS, check_spec_sinks, checked_scale, extras, sinks_ptr
 from ..snippets import call_mods, check_spec_mods, mod_layout, pack_aux, refuse_traced
-from .choose import CUSTOM_MASK, DENSE, base_spec, dense_grid, persistent_grid, sync_twin, table
-from .spec import MaskMode, Pipeline, PrefillSpec
-from .tma import tensor_maps
+from .choose import CUSTOM_MASK, DENSE, base_spec, dense_grid, persistent_grid, table
+from .spec import PrefillSpec
+# (check_qkv, plan_for, clear_plans: imported from here by varlen, serving and the tests)
+from . import fp8_op
+from .checks import _MASKS, _NO_WINDOW, check_infos, check_qkv, mask_and_window, out_of  # noqa: F401
+from .plans import _calls, _memo, _plans, clear_plans, plan_for  # noqa: F401
 
 # PrefillParams in templates/prefill/params.cuh: 5 pointers, 12 strides, 4 ints, 2 floats, 2 ints,
 # 2 floats (softcap), the ALiBi slopes' pointer and batch stride. A dense launch packs only these;
@@ -57,57 +57,6 @@ PARAMS_EXT_TMA_SINKS = struct.Struct(PARAMS_EXT_TMA.format + "iQ")
 # What a plan's kernel reads its inputs as (the last element of a plan key): choose.DENSE, CUSTOM_MASK, VARLEN,
 # VARLEN_PAGED.
 _LOG2E = 1.4426950408889634
-_NO_WINDOW = (-1, -1)
-# Masks by code: plan keys hold the int, since hashing an Enum member runs Python code (~0.15 us).
-_MASKS = (MaskMode.NONE, MaskMode.CAUSAL, MaskMode.SLIDING_WINDOW)
-
-
-def _shape(s) -> tuple:
-    return tuple(s)  # torch.Size prints as "torch.Size([...])"; messages show plain tuples
-
-
-def check_qkv(q, k, v, dims: str = "[batch, seqlen, heads, head_dim]", kv_dims: str = ""):
-    """TensorInfos of q, k, v after the checks every layout shares: ranks (``dims`` for q, ``kv_dims``
-    for k and v, default ``dims``), kind, device, dtype, alignment, head_dim and GQA heads."""
-    qi, ki, vi = tensor_info(q, "q"), tensor_info(k, "k"), tensor_info(v, "v")
-    check_infos(qi, ki, vi, dims, kv_dims)
-    return qi, ki, vi
-
-
-def check_infos(qi, ki, vi, dims: str = "[batch, seqlen, heads, head_dim]", kv_dims: str = "") -> None:
-    """``check_qkv``'s checks on the TensorInfos."""
-    operands = (("q", qi, dims), ("k", ki, kv_dims or dims), ("v", vi, kv_dims or dims))
-    for name, t, want in operands:
-        if len(t.strides) != want.count(",") + 1:
-            raise LaunchError(f"{name} has shape {_shape(t.shape)}; expected {want}")
-    # An unsupported head dim is named as such before the strides it makes misaligned (59 -> stride 59).
-    for name, x in (("head_dim", qi.shape[-1]), ("v's head dim", vi.shape[-1])):
-        if x not in PrefillSpec.HEAD_DIMS:
-            raise LaunchError(f"{name}={x} is not supported; allowed: {PrefillSpec.HEAD_DIMS_TEXT}")
-    for name, t, want in operands:
-        st = t.strides
-        if st[-1] != 1:
-            raise LaunchError(f"{name} has stride {st[-1]} in its last dim; head_dim must be contiguous")
-        if t.ptr & 15 or (st[-2] | st[-3] | (st[-4] if len(st) > 3 else 0)) & 7:  # ranks are 3 or 4
-            raise LaunchError(f"{name} must be 16-byte aligned with batch/seq/head strides that are multiples "
-                              f"of 8 elements; got strides {_shape(st)}")
-    if not (qi.kind == ki.kind == vi.kind):
-        raise LaunchError(f"q, k, v must be of one kind; got {qi.kind}, {ki.kind}, {vi.kind}")
-    if not (qi.device == ki.device == vi.device):
-        raise LaunchError(f"q, k, v must be on one device; got {qi.device}, {ki.device}, {vi.device}")
-    if qi.dtype != "bf16" and qi.dtype != "fp16":
-        raise LaunchError(f"q has dtype {qi.dtype}; allowed: fp16, bf16")
-    if ki.dtype != qi.dtype or vi.dtype != qi.dtype:
-        raise LaunchError(f"q, k, v must share a dtype; got {qi.dtype}, {ki.dtype}, {vi.dtype}")
-    if ki.shape[:-1] != vi.shape[:-1]:
-        raise LaunchError(f"k {_shape(ki.shape)} and v {_shape(vi.shape)} must have the same shape but for the "
-                          f"last dim (v's head dim may differ)")
-    h, d = qi.shape[-2], qi.shape[-1]
-    hk, dk, dv = ki.shape[-2], ki.shape[-1], vi.shape[-1]
-    if dk != d:
-        raise LaunchError(f"head_dim mismatch: q has {d}, k has {dk}")
-    if hk == 0 or h % hk:
-        raise LaunchError(f"heads={h} must be a multiple of kv_heads={hk} (GQA/MQA)")
 
 
 def _check_qkv(q, k, v):
@@ -121,94 +70,6 @@ def _check_dense(qi, ki, vi) -> None:
     check_infos(qi, ki, vi)
     if ki.shape[0] != qi.shape[0]:
         raise LaunchError(f"batch mismatch: q has {qi.shape[0]}, k/v have {ki.shape[0]}")
-
-
-def out_of(out, qi, dv: int) -> tuple[int, tuple]:
-    """(pointer, strides) of a caller's ``out``, checked against q with v's head dim ``dv`` last
-    (shape, kind, dtype, device, 16-byte alignment, contiguous last dim)."""
-    oi = tensor_info(out, "out")
-    want = (*qi.shape[:-1], dv)
-    if oi.kind != qi.kind or tuple(oi.shape) != want or oi.dtype != qi.dtype or oi.device != qi.device:
-        raise LaunchError(f"out must match q with v's head dim: {qi.kind} {want} {qi.dtype} on device {qi.device}; "
-                          f"got {oi.kind} {_shape(oi.shape)} {oi.dtype} on device {oi.device}")
-    st = oi.strides
-    if st[-1] != 1 or oi.ptr & 15 or (st[-2] | st[-3] | (st[-4] if len(st) > 3 else 0)) & 7:
-        raise LaunchError(f"out must be 16-byte aligned with a contiguous last dim; got strides {_shape(st)}")
-    return oi.ptr, st
-
-
-class _Plan(Plan):
-    """Everything a call needs that does not depend on its shapes (``kernel_for``: by seqlen_q): ``host.Plan``'s,
-    the default scale, an int32 allocator (varlen work lists) and the TMA kernels' cp.async twins."""
-
-    __slots__ = ("default_scale", "alloc_index", "tma_pinned", "sync_twins")
-
-    def sync_twin(self, kern):
-        """The cp.async kernel of ``kern``'s tiles, for inputs no TMA map can describe (``kern`` runs
-        pipeline=tma and the caller did not ask for it); of its KV tiles on two warpgroups where ``kern`` has
-        three (the cp.async kernel has no 12-warp form)."""
-        twin = self.sync_twins.get(kern.key)
-        if twin is None:
-            twin = self.sync_twins[kern.key] = get_kernel(sync_twin(kern.spec), device=self.device)
-        return twin
-
-    def tma_maps(self, kern, qi, ki, vi):
-        """(the kernel to launch, its tensor maps or None): ``kern`` and the maps of q, k, v where ``kern`` runs
-        pipeline=tma and the driver can describe them; where it cannot, the cp.async twin (a refusal is raised
-        only to a caller who asked for TMA); ``kern`` itself without the TMA pipeline."""
-        if not kern.spec.tma:
-            return kern, None
-        try:
-            return kern, tensor_maps(qi, ki, vi, kern.spec)
-        except LaunchError:
-            if self.tma_pinned:
-                raise
-            return self.sync_twin(kern), None
-
-
-def _make_plan(key: tuple) -> _Plan:
-    d, dtype, device, mask, return_lse, spec, kind, softcap, alibi, layout, dv, sinks, *mods = key
-    base = base_spec(d, dtype, _MASKS[mask], return_lse, spec, softcap, alibi, layout, dv, sinks, *mods)
-    plan = _Plan()
-    # the choice's specs by query rows (choose.choose, whose size-independent part a plan keeps)
-    tuned = tuple(stored_choices(base, device)) if spec is None else ()
-    plan.setup(table(base, device_facts(device).arch, spec is None, tuned), device, kind, dtype)
-    plan.default_scale = 1.0 / math.sqrt(d)
-    plan.tma_pinned = spec is not None and spec.pipeline is Pipeline.TMA
-    plan.sync_twins = {}
-    plan.alloc_index = allocator(kind, "int32", device)
-    return plan
-
-
-_memo = OpMemo(_make_plan)
-_plans, _calls = _memo.plans, _memo.calls  # key -> _Plan; key -> _Call (runtime.keep_call)
-
-
-def clear_plans() -> None:
-    _plans.clear()
-
-
-def plan_for(key: tuple) -> _Plan:
-    """The ``_Plan`` of ``key`` (d, dtype, device, mask code, return_lse, spec, kind, softcap, alibi,
-    layout, v's head dim, sinks, and where a call has snippets their (score_mod, mask_mod, aux) text), made on
-    first use."""
-    return _plans.get(key) or _memo.plan(key)
-
-
-def mask_and_window(causal, window) -> tuple[int, int, int]:
-    """(mask code, left, right): the index into ``_MASKS`` and the window as the kernel takes it."""
-    if window is _NO_WINDOW or window == _NO_WINDOW:
-        left = right = -1
-    else:
-        try:
-            left, right = (int(window[0]), int(window[1]))
-        except (TypeError, ValueError, IndexError):
-            raise LaunchError(f"window={window!r} must be a pair (left, right) of ints, -1 for unbounded") from None
-        if left < -1 or right < -1:
-            raise LaunchError(f"window={window!r}: each side is -1 (unbounded) or a count >= 0")
-    if causal:
-        right = 0
-    return (1 if (causal and left < 0) else 2 if (left >= 0 or right >= 0) else 0), left, right
 
 
 def kernel_for(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WINDOW, return_lse: bool = False,
@@ -277,9 +138,7 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     """
     if _rt.tracing is not None and _rt.tracing():
         refuse_traced("attngen.prefill", score_mod, mask_mod, aux)
-        from .fp8_op import refuse_traced as refuse_traced_fp8
-
-        refuse_traced_fp8("attngen.prefill", q, (q_descale, k_descale, v_descale))
+        fp8_op.refuse_traced("attngen.prefill", q, (q_descale, k_descale, v_descale))
         return _rt.traced_ops["prefill"](
             q, k, v, causal=causal, window=window, sm_scale=sm_scale, return_lse=return_lse, out=out, spec=spec,
             softcap=softcap, alibi_slopes=alibi_slopes, mask=mask, mask_plan=mask_plan, sinks=sinks)
@@ -307,16 +166,14 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
     if call is None:
         if q_descale is not None or k_descale is not None or v_descale is not None or (
                 qi.dtype != "bf16" and qi.dtype != "fp16"):
-            from . import fp8_op as fp8
-
             if spec.__class__ is str:
                 spec = op_spec(spec, "prefill", "attngen.prefill")
-            if fp8.is_fp8_call(qi, spec):
-                fp8.refuse_options(softcap=softcap, alibi_slopes=alibi_slopes, mask=mask, mask_plan=mask_plan,
-                                   sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, aux=aux)
-                return fp8.prefill_fp8(q, k, v, qi, ki, vi, causal=causal, window=window, sm_scale=sm_scale,
-                                       return_lse=return_lse, out=out, spec=spec,
-                                       descales=(q_descale, k_descale, v_descale))
+            if fp8_op.is_fp8_call(qi, spec):
+                fp8_op.refuse_options(softcap=softcap, alibi_slopes=alibi_slopes, mask=mask, mask_plan=mask_plan,
+                                      sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, aux=aux)
+                return fp8_op.prefill_fp8(q, k, v, qi, ki, vi, causal=causal, window=window, sm_scale=sm_scale,
+                                          return_lse=return_lse, out=out, spec=spec,
+                                          descales=(q_descale, k_descale, v_descale))
             if qi.dtype in ("bf16", "fp16"):
                 raise LaunchError("q_descale, k_descale and v_descale are for fp8 q, k, v (torch.float8_e4m3fn); "
                                   f"q has dtype {qi.dtype}")

@@ -147,6 +147,7 @@ class PrefillSpec(SpecBase):
     TILE_FIELDS: ClassVar[tuple[str, ...]] = ("cta_tile_q", "cta_tile_kv", "num_warps", "num_stages", "mma")
     TUNING_FIELDS: ClassVar[tuple[str, ...]] = (*TILE_FIELDS, "head_dim_chunk", "pipeline", "schedule", "persistent")
     ALWAYS_SHOWN: ClassVar[tuple[str, ...]] = ("head_dim", "dtype", "mask")
+    OFF_UNSHOWN: ClassVar[tuple[str, ...]] = ("qkv_dtype", "kv_dtype")
 
     head_dim: int = 128     # of q and k (the QK head dim)
     head_dim_v: int = 0     # of v and the output; 0: head_dim
@@ -176,9 +177,10 @@ class PrefillSpec(SpecBase):
     score_mod: str = ""
     mask_mod: str = ""
     aux: str = ""
-    # q, k and v in fp8 (fp8_e4m3; dtype is then the output's), with descales: attngen/families/prefill/fp8.py.
-    # "" (off) is left out of the spec's dict and key.
+    # q, k and v in fp8 (fp8_e4m3; dtype is then the output's), with descales; or (kv_dtype) a varlen/paged fp8 cache
+    # widened in shared memory: attngen/families/prefill/fp8.py. Off ("", None) each is left out of the dict and key.
     qkv_dtype: str = ""
+    kv_dtype: str = ""
 
     def __post_init__(self):
         s = object.__setattr__
@@ -230,6 +232,7 @@ class PrefillSpec(SpecBase):
         s(self, "mask_mod", mask_mod)
         s(self, "aux", aux)
         s(self, "qkv_dtype", fp8.check_fields(self))
+        s(self, "kv_dtype", fp8.check_kv_fields(self))
         if self.is_persistent and self.pipeline is Pipeline.SYNC:
             raise SpecError("persistent", "true", "false with pipeline=sync",
                             reason="the persistent kernel's producer warpgroup loads each next query tile by TMA")
@@ -448,6 +451,8 @@ class PrefillSpec(SpecBase):
         self._require_resolved("smem_bytes")
         if self.qkv_dtype:
             return fp8.smem_bytes(self)
+        if self.kv_dtype:
+            return fp8.kv_smem_bytes(self)
         if self.chunked:
             # the ring of equal steps, P (16-bit) and the row-max exchange (fp32, a row per warp column)
             # (wgmma: dense tiles, P in whole 64-key blocks, and slack to align the ring to the 1024-byte
@@ -509,7 +514,7 @@ class PrefillSpec(SpecBase):
         flags = (("cmask", self.custom_mask), ("varlen", self.varlen), ("paged", self.paged), ("prow", self.page_rows),
                  ("lse", self.return_lse),
                  ("cap", self.softcap), ("alibi", self.alibi), ("sinks", self.sinks), ("smod", self.score_mod),
-                 ("mmod", self.mask_mod), ("e4m3", self.qkv_dtype))
+                 ("mmod", self.mask_mod), ("e4m3", self.qkv_dtype), (f"kv{self.kv_dtype[4:]}", self.kv_dtype))
         return (f"d{self.head_dim}" + self.name_piece("v{}", self.head_dim_v), self.dtype.value,
                 {MaskMode.CAUSAL: "causal", MaskMode.SLIDING_WINDOW: "swa"}.get(self.mask, ""),
                 *(name for name, on in flags if on), self.name_piece("q{}k{}", self.cta_tile_q, self.cta_tile_kv),
@@ -527,7 +532,8 @@ class PrefillSpec(SpecBase):
         ctx.update(logits_variants=variant_list(("Softcap", self.softcap), ("Alibi", self.alibi)))
         ctx.update(dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask], tma=self.tma, overlap=self.overlapped,
                    pingpong=self.schedule is Schedule.PINGPONG, persistent=self.is_persistent, qk_pair=self.qk_pair,
-                   o_in_q=self.o_in_q, page_rows=self.page_rows, fp8=bool(self.qkv_dtype))
+                   o_in_q=self.o_in_q, page_rows=self.page_rows, fp8=bool(self.qkv_dtype),
+                   kv8=fp8.KV_CODES.get(self.kv_dtype, 0))
         if self.chunked:
             cg = self.chunk_grid
             ctx.update(chunked=True, wgmma=self.mma is Mma.WGMMA, chunk_vk=cg["vk"], chunk_vcw=cg["vcw"],
@@ -552,6 +558,8 @@ class PrefillSpec(SpecBase):
         if self.qkv_dtype:
             fp8.check_fit(self, a)
             return
+        if self.kv_dtype:
+            fp8.check_kv_fit(self, a)
         if self.cta_tile_q == 192 or self.num_warps == 12:
             # the fields that rule three consumer warpgroups out, the first one named
             ruled_out = [("pipeline", self.pipeline.value)] if not self.tma else []

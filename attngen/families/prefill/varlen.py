@@ -18,22 +18,12 @@ from ..head_pad import pad_widths, run_padded
 from ..score_mods import NO_EXTRAS, check_spec_sinks, checked_scale, extras, sinks_ptr
 from ..snippets import call_mods, check_spec_mods, mod_layout, pack_aux, refuse_traced
 from ..split_kv import check_block_size
-from .masks import PLAN_PARAMS
 from .choose import VARLEN, VARLEN_PAGE_ROWS, VARLEN_PAGED, varlen_grid
 from .op import (_LOG2E, _NO_WINDOW, PARAMS_EXT, PARAMS_EXT_SINKS, PARAMS_EXT_TMA, PARAMS_EXT_TMA_SINKS, check_qkv,
                  mask_and_window, out_of, plan_for)
-from .spec import ORDER_SORT_MAX, PrefillSpec
-
-
-def _index(x, name: str, rank: int, qi):
-    t = tensor_info(x, name)
-    if t.kind != qi.kind or t.device != qi.device:
-        raise LaunchError(f"{name} must be a {qi.kind} array on device {qi.device}; got {t.kind} on device {t.device}")
-    if t.dtype != "int32":
-        raise LaunchError(f"{name} has dtype {t.dtype}; allowed: int32")
-    if len(t.shape) != rank or t.strides[-1] != 1:
-        raise LaunchError(f"{name} has shape {tuple(t.shape)}; expected {rank} dim(s), contiguous in the last")
-    return t
+from . import fp8_op
+from .order import VarlenOrder, _index, launch_order, order_tiles  # noqa: F401  (serving, the tests)
+from .spec import PrefillSpec
 
 
 def _max_seqlen(x, name: str) -> int:
@@ -51,7 +41,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    return_lse: bool = False, out=None, block_table=None,
                    spec: PrefillSpec | str | Mapping | None = None, softcap: float = 0.0,
                    alibi_slopes=None, sinks=None, score_mod: str = "", mask_mod: str = "", aux=None,
-                   q_descale=None, k_descale=None, v_descale=None):
+                   q_descale=None, k_descale=None, v_descale=None, k_scale=None, v_scale=None):
     """Attention forward over packed sequences of different lengths (FlashAttention's varlen API).
 
     q ``[total_q, heads, head_dim]``, k and v ``[total_k, kv_heads, head_dim]``; sequence s is rows
@@ -73,33 +63,38 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     fp8 q, k, v with ``q_descale``, ``k_descale``, ``v_descale`` as in ``prefill`` (a descale of shape
     ``[batch, kv_heads]`` is indexed by sequence); there ``max_seqlen_k`` must bound every sequence's keys (it
     sizes the copy of V the fp8 kernel reads).
+    An fp8 cache (k and v ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, or uint8 with a spec's ``kv_dtype``) with
+    q in fp16/bf16: each tile is widened in shared memory; ``k_scale`` and ``v_scale`` as ``attngen.decode`` takes
+    them (a number, or fp32 ``[]``, ``[1]``, ``[kv_heads]``; FlashAttention-3's ``k_descale`` / ``v_descale`` are
+    the same), contiguous or paged.
     """
     if _rt.tracing is not None and _rt.tracing():
         refuse_traced("attngen.prefill_varlen", score_mod, mask_mod, aux)
-        from .fp8_op import refuse_traced as refuse_traced_fp8
-
-        refuse_traced_fp8("attngen.prefill_varlen", q, (q_descale, k_descale, v_descale))
+        fp8_op.refuse_traced("attngen.prefill_varlen", q, (q_descale, k_descale, v_descale))
         return _rt.traced_ops["prefill_varlen"](
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, window=window,
             sm_scale=sm_scale, return_lse=return_lse, out=out, block_table=block_table, spec=spec, softcap=softcap,
             alibi_slopes=alibi_slopes, sinks=sinks)
+    if spec is not None and spec.__class__ is not PrefillSpec:
+        spec = op_spec(spec, "prefill", "attngen.prefill_varlen")  # (named before the tensors, as run_varlen does)
     qi = tensor_info(q, "q")
     if q_descale is not None or k_descale is not None or v_descale is not None or (
             qi.dtype != "bf16" and qi.dtype != "fp16"):
-        from . import fp8_op as fp8
-
-        if spec is not None and spec.__class__ is not PrefillSpec:
-            spec = op_spec(spec, "prefill", "attngen.prefill_varlen")
-        if fp8.is_fp8_call(qi, spec):
-            fp8.refuse_options(block_table=block_table, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                               score_mod=score_mod, mask_mod=mask_mod, aux=aux)
-            return fp8.prefill_varlen_fp8(q, k, v, qi, tensor_info(k, "k"), tensor_info(v, "v"), cu_seqlens_q,
-                                          cu_seqlens_k, _max_seqlen(max_seqlen_k, "max_seqlen_k"), causal=causal,
-                                          window=window, sm_scale=sm_scale, return_lse=return_lse, out=out,
-                                          spec=spec, descales=(q_descale, k_descale, v_descale))
+        if fp8_op.is_fp8_call(qi, spec):
+            fp8_op.refuse_options(block_table=block_table, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                                  score_mod=score_mod, mask_mod=mask_mod, aux=aux)
+            return fp8_op.prefill_varlen_fp8(q, k, v, qi, tensor_info(k, "k"), tensor_info(v, "v"), cu_seqlens_q,
+                                             cu_seqlens_k, _max_seqlen(max_seqlen_k, "max_seqlen_k"), causal=causal,
+                                             window=window, sm_scale=sm_scale, return_lse=return_lse, out=out,
+                                             spec=spec, descales=(q_descale, k_descale, v_descale))
         if qi.dtype in ("bf16", "fp16"):
-            raise LaunchError("q_descale, k_descale and v_descale are for fp8 q, k, v (torch.float8_e4m3fn); "
-                              f"q has dtype {qi.dtype}")
+            if q_descale is None and "float8" in str(getattr(k, "dtype", "")):
+                # an fp8 cache under q in 16 bits: FlashAttention-3's descales of k and v are its scales
+                k_scale = k_descale if k_scale is None else k_scale
+                v_scale = v_descale if v_scale is None else v_scale
+            else:
+                raise LaunchError("q_descale, k_descale and v_descale are for fp8 q, k, v (torch.float8_e4m3fn), "
+                                  f"or k_descale / v_descale for an fp8 cache; q has dtype {qi.dtype}")
     widths = pad_widths(q, k, v, PrefillSpec.WHOLE_DIMS)
     if widths is not None:  # a head dim no kernel is built for, run on zero-padded copies (head_pad)
         return run_padded(prefill_varlen, q, k, v, widths, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -110,45 +105,8 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     _max_seqlen(max_seqlen_k, "max_seqlen_k")
     return run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, window=window, sm_scale=sm_scale,
                       return_lse=return_lse, out=out, block_table=block_table, spec=spec, softcap=softcap,
-                      alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, aux=aux)
-
-
-class VarlenOrder:
-    """A work list the ``_order`` entry built on the GPU (plan.cuh ``order_work``), kept to be launched over more
-    than once: the serving step builds it once and each layer's call reads it. ``ws`` holds the items, their count
-    and the per-sequence tile offsets; ``tiles`` the (query, key) tile sizes and mask it was sorted for, so that a
-    call whose kernel has other tiles builds its own."""
-
-    __slots__ = ("ws", "tiles", "max_items", "skip_q_le")
-
-    def __init__(self, ws, tiles: tuple, max_items: int, skip_q_le: int):
-        self.ws, self.tiles, self.max_items, self.skip_q_le = ws, tiles, max_items, skip_q_le
-
-
-def order_tiles(spec: PrefillSpec) -> tuple:
-    """What a varlen work list depends on in a kernel: its query and key tiles and its mask mode."""
-    return spec.cta_tile_q, spec.cta_tile_kv, spec.mask
-
-
-def launch_order(kern, stream: int, wp: int, max_items: int, cq_ptr: int, ck_ptr: int, left: int, right: int,
-                 batch: int, total_q: int, total_k: int, paged: bool, skip_q_le: int = 0, *, seqlens_ptr: int = 0,
-                 decode_order_ptr: int = 0) -> None:
-    """``kern``'s ``_order`` entry: the (sequence, query tile) items of every sequence of more than ``skip_q_le``
-    queries (PlanParams.max_decode_q_len), heaviest first, into the work buffer at ``wp`` (``max_items`` int2 slots,
-    then the count, then batch + 1 tile offsets). The serving step's plan (paged): with ``seqlens_ptr`` (int32
-    ``[batch]`` key counts) the entry reads the key counts there and writes their running sums to ``ck_ptr``
-    (``[batch + 1]``, the kernel's cu_seqlens_k); with ``decode_order_ptr`` (int32 ``[batch]``, batch at most
-    ``ORDER_SORT_MAX``) it also writes the decode kernel's order: the requests of 1 to ``skip_q_le`` queries, most
-    keys first (ties by index), then the others by index."""
-    if decode_order_ptr and batch > ORDER_SORT_MAX:
-        raise LaunchError(f"batch={batch}: a decode order is sorted for at most {ORDER_SORT_MAX} requests")
-    if seqlens_ptr and not paged:
-        raise LaunchError("seqlens_ptr is for a paged cache's plan (cu_seqlens_k then gives only lengths)")
-    kern.launch_struct(PLAN_PARAMS, (1, 1, 1), stream,
-                       0, 0, 0, 0, 0, wp, wp + 8 * max_items, 0, cq_ptr, ck_ptr, wp + 8 * max_items + 4,
-                       0, 0, 0, 0,
-                       0, 0, 0, 1, 1, 0, 0, 0, left, right, batch, total_q, total_k, int(paged),
-                       seqlens_ptr, ck_ptr if seqlens_ptr else 0, decode_order_ptr, skip_q_le, entry="_order")
+                      alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, aux=aux,
+                      k_scale=k_scale, v_scale=v_scale)
 
 
 def page_layout(block_size: int) -> int:
@@ -159,7 +117,7 @@ def page_layout(block_size: int) -> int:
 
 def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window, sm_scale, return_lse, out, block_table, spec,
                softcap, alibi_slopes, sinks, score_mod, mask_mod, aux, order: VarlenOrder | None = None,
-               lse=None, size: int = 0):
+               lse=None, size: int = 0, k_scale=None, v_scale=None):
     """``prefill_varlen`` past its tracing and head-dim padding. The serving step's extras: ``order``, a work list
     built before (``launch_order``; its skipped sequences are not computed and their rows of ``out`` and ``lse``
     are left as they were), ``lse`` the caller's fp32 ``[heads, total_q]`` to write instead of a new one (with
@@ -170,8 +128,15 @@ def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window, sm_scale,
     mods = call_mods(score_mod, mask_mod, aux) if score_mod or mask_mod or aux else None
     check_spec_mods(spec, mods)
     paged = block_table is not None
-    qi, ki, vi = check_qkv(q, k, v, "[total_q, heads, head_dim]",
-                           "[num_blocks, block_size, kv_heads, head_dim]" if paged else "[total_k, kv_heads, head_dim]")
+    dims = ("[total_q, heads, head_dim]",
+            "[num_blocks, block_size, kv_heads, head_dim]" if paged else "[total_k, kv_heads, head_dim]")
+    qi = tensor_info(q, "q")
+    kv = fp8_op.cache_kind(qi, k, v, spec)  # an fp8 cache (kv_dtype), or None
+    if kv is None:
+        qi, ki, vi = check_qkv(q, k, v, *dims)
+    else:
+        qi, ki, vi = fp8_op.cache_operands(q, k, v, kv, *dims)
+        spec = fp8_op.cache_spec(spec, kv)
     total_q, h, d = qi.shape
     hk, dv = ki.shape[-2], vi.shape[-1]
     cq = _index(cu_seqlens_q, "cu_seqlens_q", 1, qi)
@@ -203,6 +168,10 @@ def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window, sm_scale,
            page_layout(block_size) if paged else VARLEN, dv, sinks is not None, *(() if mods is None else (mods[:3],)))
     plan = plan_for(key)
     scale = plan.default_scale if sm_scale is None else checked_scale(sm_scale)
+    kv8 = ()  # an fp8 cache's scales (Fp8Scales' fields), after every other field
+    if kv is not None or k_scale is not None or v_scale is not None:  # (a scale without an fp8 cache: refused)
+        k_mul, kv8 = fp8_op.cache_scales(k_scale, v_scale, kv, hk, qi)
+        scale *= k_mul
     if out is None:
         out = plan.alloc(total_q, h, dv)
         optr, ostrides = data_ptr(out, qi.kind), (h * dv, dv)
@@ -237,6 +206,9 @@ def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window, sm_scale,
         launch_order(kern, stream, wp, max_items, cq.ptr, ck.ptr, left, right, batch, total_q, total_k, paged,
                      order.skip_q_le if order is not None else 0)
     qs, ks, vs = qi.strides, ki.strides, vi.strides
+    if kv8:  # the fp8 rows as 16-bit pairs (templates/prefill/traits.cuh, KV8); batch_count and sinks unread
+        ks, vs = [x // 2 for x in ks], [x // 2 for x in vs]
+        layout, mod_vals = fp8_op.PARAMS_KV8, (0, 0, *kv8)
     lse_ptr = data_ptr(lse, qi.kind) if return_lse else 0
     kern.launch_struct(
         layout, grid, stream, *maps,

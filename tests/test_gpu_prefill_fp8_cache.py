@@ -1,0 +1,152 @@
+"""attngen.prefill_varlen over an fp8 KV cache (kv_dtype: e4m3 / e5m2) with q in fp16/bf16, on a real GPU (pytest -m
+gpu), against an fp32 reference computed from the DEQUANTISED cache (k_scale * K_fp8, v_scale * V_fp8).
+
+The cache holds NaN (which stays NaN in fp8) in every slot past a sequence's length and in every block no table
+names, so a stray read turns the output NaN; the output is NaN-poisoned first. Tolerance: the 16-bit prefill's
+(every fp8 value is a 16-bit value, widened exactly; the scales multiply fp32 logits and O): rel L2 within TOL.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_reference")]
+
+torch = pytest.importorskip("torch")
+
+import attngen  # noqa: E402
+from tests.gpu_reference import fresh_generator, reference_attention, rel  # noqa: E402
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+FMTS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+NAN = float("nan")
+
+
+def _cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+
+def _scales(kind, hk, gen):
+    """(k_scale argument, per-head values) of a kind: "float", "tensor" ([1]) or "head" ([kv_heads])."""
+    if kind == "head":
+        s = 0.05 + 0.3 * torch.rand(hk, device="cuda", generator=gen)
+        return s, s
+    v = 0.05 + 0.3 * torch.rand(1, device="cuda", generator=gen)
+    return (v.item() if kind == "float" else v), v.expand(hk).clone()
+
+
+def run_case(lq, lk, *, d=128, h=8, hk=2, dtype=torch.bfloat16, fmt="e4m3", page=None, causal=True, kind="head",
+             spec=None):
+    gen = fresh_generator()
+    b = len(lq)
+    q = torch.randn(sum(lq), h, d, device="cuda", generator=gen).to(dtype)
+    ks_arg, ks = _scales(kind, hk, gen)
+    vs_arg, vs = _scales(kind, hk, gen)
+    kk = [torch.randn(n, hk, d, device="cuda", generator=gen) for n in lk]
+    vv = [torch.randn(n, hk, d, device="cuda", generator=gen) for n in lk]
+    f8 = FMTS[fmt]
+    # |x| < ~5, scales >= 0.05: |x / scale| < ~100, inside both formats' range
+    k8 = [(x / ks[None, :, None]).to(f8) for x in kk]
+    v8 = [(x / vs[None, :, None]).to(f8) for x in vv]
+    kd = [x.float() * ks[None, :, None] for x in k8]
+    vd = [x.float() * vs[None, :, None] for x in v8]
+    if page is None:
+        kc = torch.cat(k8) if sum(lk) else torch.empty(0, hk, d, device="cuda").to(f8)
+        vc = torch.cat(v8) if sum(lk) else torch.empty(0, hk, d, device="cuda").to(f8)
+        table = None
+    else:
+        # blocks shuffled, a spare NaN block no table names, NaN past each sequence's end
+        per = [max(1, -(-n // page)) for n in lk]
+        nblocks = sum(per) + 1
+        order = torch.randperm(nblocks, generator=torch.Generator().manual_seed(1)).tolist()
+        kc = torch.full((nblocks, page, hk, d), NAN, device="cuda").to(f8)
+        vc = torch.full((nblocks, page, hk, d), NAN, device="cuda").to(f8)
+        table = torch.zeros(b, max(per), dtype=torch.int32, device="cuda")
+        at = 0
+        for s, n in enumerate(lk):
+            for j in range(per[s]):
+                blk = order[at]
+                at += 1
+                table[s, j] = blk
+                rows = slice(j * page, min(n, (j + 1) * page))
+                m = rows.stop - rows.start
+                if m > 0:
+                    kc[blk, :m] = k8[s][rows]
+                    vc[blk, :m] = v8[s][rows]
+    out = torch.full((sum(lq), h, d), NAN, device="cuda", dtype=dtype)
+    o, lse = attngen.prefill_varlen(q, kc, vc, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, return_lse=True,
+                                    out=out, block_table=table, k_scale=ks_arg, v_scale=vs_arg, spec=spec)
+    torch.cuda.synchronize()
+    assert o is out
+    cq = _cu(lq).tolist()
+    for s in range(b):
+        if lq[s] == 0:
+            continue
+        rows = slice(cq[s], cq[s + 1])
+        if lk[s] == 0:
+            assert (o[rows] == 0).all() and torch.isinf(lse[:, rows]).all()
+            continue
+        ro, rl = reference_attention(q[rows].float()[None], kd[s][None], vd[s][None], causal=causal)
+        got = o[rows].float()[None]
+        assert torch.isfinite(got).all(), f"NaN in sequence {s}: a stray read or an unwritten row"
+        err = rel(got, ro)
+        assert err <= TOL[dtype], f"sequence {s} (q {lq[s]}, k {lk[s]}): rel L2 {err:.3e}"
+        fin = torch.isfinite(rl[0])
+        assert (lse[:, rows][fin] - rl[0][fin]).abs().max().item() < 1e-2
+
+
+LQ = [1, 300, 0, 129, 64]
+LK = [5, 1000, 7, 129, 700]
+
+
+@pytest.mark.parametrize("page", [None, 16, 1], ids=["contiguous", "page16", "page1"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_cache(page, dtype, fmt):
+    run_case(LQ, LK, dtype=dtype, fmt=fmt, page=page)
+
+
+@pytest.mark.parametrize("kind", ["float", "tensor", "head"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp8_cache_scales_and_masks(kind, causal):
+    run_case([17, 200], [40, 200] if causal else [300, 5], kind=kind, causal=causal, page=16)
+
+
+@pytest.mark.parametrize("d", [64, 96, 256])
+def test_fp8_cache_head_dims(d):
+    run_case([100, 257], [700, 300], d=d, page=16)
+
+
+def test_fp8_cache_pinned_mma_sync():
+    spec = attngen.PrefillSpec(head_dim=128, varlen=True, paged=True, kv_dtype="fp8_e4m3", cta_tile_q=64,
+                               cta_tile_kv=64, num_warps=4, num_stages=2, mma="mma_sync", pipeline="sync")
+    run_case(LQ, LK, page=16, spec=spec)
+
+
+def test_flash_attn_varlen_func_fp8_cache_takes_fa3_descales():
+    gen = fresh_generator()
+    q = torch.randn(64, 8, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    k = torch.randn(64, 2, 128, device="cuda", generator=gen)
+    v = torch.randn(64, 2, 128, device="cuda", generator=gen)
+    k8, v8 = (k / 0.1).to(torch.float8_e4m3fn), (v / 0.2).to(torch.float8_e4m3fn)
+    cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
+    a = attngen.prefill_varlen(q, k8, v8, cu, cu, 64, 64, causal=True, k_scale=0.1, v_scale=0.2)
+    b = attngen.flash_attn_varlen_func(q, k8, v8, cu, cu, 64, 64, causal=True, k_descale=0.1, v_descale=0.2)
+    torch.cuda.synchronize()
+    assert torch.equal(a, b)
+    ro, _ = reference_attention(q.float()[None], (k8.float() * 0.1)[None], (v8.float() * 0.2)[None], causal=True)
+    assert rel(a.float()[None], ro) <= TOL[torch.bfloat16]
+
+
+def test_fp8_cache_refusals():
+    q = torch.randn(8, 4, 128, device="cuda").to(torch.bfloat16)
+    k8 = torch.randn(8, 2, 128, device="cuda").to(torch.float8_e4m3fn)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device="cuda")
+    with pytest.raises(attngen.LaunchError, match="k_scale"):  # a scale with a 16-bit cache
+        attngen.prefill_varlen(q, q[:, :2], q[:, :2], cu, cu, 8, 8, k_scale=0.5)
+    with pytest.raises(attngen.LaunchError, match="k_scale"):  # on the host
+        attngen.prefill_varlen(q, k8, k8, cu, cu, 8, 8, k_scale=torch.ones(2))
+    with pytest.raises((attngen.LaunchError, attngen.SpecError)):  # softcap has no fp8-cache form
+        attngen.prefill_varlen(q, k8, k8, cu, cu, 8, 8, softcap=30.0)
+    with pytest.raises(attngen.LaunchError):  # k and v in different formats
+        attngen.prefill_varlen(q, k8, k8.to(torch.float32).to(torch.float8_e5m2), cu, cu, 8, 8)
