@@ -18,9 +18,10 @@ from .families.decode import fp8
 from .families.decode.op import MAX_Q_LEN, decode
 from .families.decode.spec import DecodeSpec
 from .families.head_pad import cut, default_scale, pad_widths, zero_padded
-from .families.prefill.op import prefill
+from .families.prefill.fp8_op import check_cache_route
+from .families.prefill.op import mask_and_window, prefill
 from .families.prefill.varlen import prefill_varlen
-from .kvcache import PAGES, append, capacity_of, check_leftpad, chunked_prefill, prefill_route, rotary_qk
+from .kvcache import PAGES, ROWS, append, capacity_of, check_leftpad, chunked_prefill, prefill_route, rotary_qk
 
 
 def _window(window_size) -> tuple[int, int]:
@@ -176,9 +177,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (the returned LSE includes them), on every route.
 
     fp8 caches (``torch.float8_e4m3fn``, ``torch.float8_e5m2``) with ``k_scale``/``v_scale`` as in
-    ``attngen.decode`` (a number, or an fp32 device tensor [] / [1] / [kv_heads]; missing: 1), up to 8 new
-    tokens: ``k``/``v`` come in q's dtype and are appended as ``k / k_scale`` rounded to the cache's format,
-    saturating at its largest finite value.
+    ``attngen.decode`` (a number, or an fp32 device tensor [] / [1] / [kv_heads]; missing: 1): ``k``/``v`` come in
+    q's dtype and are appended as ``k / k_scale`` rounded to the cache's format, saturating at its largest finite
+    value. Past 8 new tokens the routes above serve it (the prefill kernel over the fp8 cache widens its tiles; see
+    docs/prefill.md), checked before the cache is written.
 
     ``score_mod``, ``mask_mod`` and ``aux``: a user's variant as ``attngen.decode`` takes it (q_idx the token's
     position, kv_idx the key's cache position), on the decode route and, past 8 new tokens, on a paged cache or a
@@ -214,6 +216,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                           f"{route!r} route counts positions otherwise); allowed: up to {MAX_Q_LEN} new tokens, or a "
                           "paged cache (or a contiguous one whose rows are multiples of 16 positions apart) without "
                           "cache_leftpad")
+    if kv8 is not None and route in (PAGES, ROWS):  # the fp8 cache's prefill kernel, checked before the write
+        check_cache_route(q, kv8, route == PAGES, mask_and_window(causal, (left, right))[0], bool(softcap),
+                          alibi_slopes is not None, sinks is not None)
     if rotary_cos is not None:
         q, k = rotary_qk(q, k, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad, bool(rotary_interleaved),
                          local, capacity_of(k_cache, block_table))
@@ -238,6 +243,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                    window=(left, right), cache_leftpad=cache_leftpad, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
                    **common)
     else:
+        if kv8 is not None:  # (the fp8 cache's scales, to whichever kernel serves the route)
+            common.update(k_scale=k_scale, v_scale=v_scale)
         r = chunked_prefill(q, k_cache, v_cache, lengths, route, cache_batch_idx, cache_leftpad, block_table,
                             (left, right), num_splits, causal, bool(return_softmax_lse), common, sinks)
     return r if q.shape[-1] == d else cut(r, d, None, bool(return_softmax_lse))

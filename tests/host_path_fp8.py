@@ -165,8 +165,9 @@ def check_kvcache(torch, wrap, rand, i32, params):
     # refused before the cache is written
     before = kc.view(torch.uint8).clone()
     for call, texts in (
-            (dict(q=rand(b, 9, hk * group, d), k=rand(b, 9, hk, d), v=rand(b, 9, hk, d)), ("seqlen_q=9",
-                                                                                         "at most 8 new tokens")),
+            # past 8 tokens the prefill kernel over the fp8 cache serves the call, which takes no sinks
+            (dict(q=rand(b, 9, hk * group, d), k=rand(b, 9, hk, d), v=rand(b, 9, hk, d),
+                  sinks=wrap(torch.zeros(hk * group))), ("kv_dtype", "sinks")),
             (dict(k=wrap(k.half()), v=wrap(v.half())), ("k/v have dtype fp16", "q's dtype (bf16)")),
             (dict(k_scale=wrap(torch.ones(hk + 1))), ("k_scale has shape [5]",)),
             (dict(v_scale=-1.0), ("v_scale=-1.0",))):

@@ -150,3 +150,34 @@ def test_fp8_cache_refusals():
         attngen.prefill_varlen(q, k8, k8, cu, cu, 8, 8, softcap=30.0)
     with pytest.raises(attngen.LaunchError):  # k and v in different formats
         attngen.prefill_varlen(q, k8, k8.to(torch.float32).to(torch.float8_e5m2), cu, cu, 8, 8)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_flash_attn_with_kvcache_many_tokens_over_an_fp8_cache(paged):
+    # past 8 new tokens: appended (quantised, read back and compared), then the prefill kernel over the fp8 cache
+    gen = fresh_generator()
+    b, h, hk, d, cap, new = 2, 8, 2, 128, 512, 40
+    old = [100, 37]
+    q = torch.randn(b, new, h, d, device="cuda", generator=gen).to(torch.bfloat16)
+    kn = torch.randn(b, new, hk, d, device="cuda", generator=gen).to(torch.bfloat16)
+    vn = torch.randn(b, new, hk, d, device="cuda", generator=gen).to(torch.bfloat16)
+    ks = 0.05 + 0.3 * torch.rand(hk, device="cuda", generator=gen)
+    vs = 0.05 + 0.3 * torch.rand(hk, device="cuda", generator=gen)
+    kc = (torch.randn(b, cap, hk, d, device="cuda", generator=gen) / ks[:, None]).to(torch.float8_e4m3fn)
+    vc = (torch.randn(b, cap, hk, d, device="cuda", generator=gen) / vs[:, None]).to(torch.float8_e4m3fn)
+    if paged:  # row i's positions in blocks i * cap / 16 onwards (the same bytes as the contiguous cache)
+        table = torch.arange(b * cap // 16, dtype=torch.int32, device="cuda").view(b, cap // 16)
+        kk, vv = kc.view(b * cap // 16, 16, hk, d), vc.view(b * cap // 16, 16, hk, d)
+    else:
+        table, kk, vv = None, kc, vc
+    out = attngen.flash_attn_with_kvcache(q, kk, vv, k=kn, v=vn, cache_seqlens=torch.tensor(old, dtype=torch.int32,
+                                                                                         device="cuda"),
+                                         block_table=table, causal=True, k_scale=ks, v_scale=vs)
+    torch.cuda.synchronize()
+    for i in range(b):
+        want = (kn[i].float() / ks[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        assert torch.equal(kc[i, old[i]:old[i] + new].view(torch.uint8), want.view(torch.uint8)), "the append"
+        n = old[i] + new
+        ro, _ = reference_attention(q[i:i + 1].float(), (kc[i, :n].float() * ks[:, None])[None],
+                                    (vc[i, :n].float() * vs[:, None])[None], causal=True)
+        assert rel(out[i:i + 1].float(), ro) <= TOL[torch.bfloat16], f"row {i}"

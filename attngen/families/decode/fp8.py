@@ -119,8 +119,8 @@ def _scale(x, name: str, kv_heads: int, kind: str, device: int) -> tuple[float, 
 
 def check_kvcache_call(q, k_cache, v_cache, k, k_scale, v_scale, many: bool) -> KVDType | None:
     """``flash_attn_with_kvcache``'s fp8 rules, before the cache is written: the caches' format (None: q's dtype,
-    where a scale is refused), and for an fp8 cache at most MAX_Q_LEN new tokens (the decode kernels), a head dim
-    the fp8 kernels take, new k/v in q's dtype and valid scales. Raises LaunchError."""
+    where a scale is refused), and for an fp8 cache a head dim the fp8 kernels take, new k/v in q's dtype and valid
+    scales (``many``: past MAX_Q_LEN new tokens, whose prefill route the caller checks). Raises LaunchError."""
     # the dtypes' names without tensor_info, so that what is no array keeps the error the checks after give it
     names = (str(getattr(k_cache, "dtype", "")), str(getattr(v_cache, "dtype", "")))
     if not any(map(is_fp8_name, names)):
@@ -132,9 +132,6 @@ def check_kvcache_call(q, k_cache, v_cache, k, k_scale, v_scale, many: bool) -> 
         raise LaunchError(f"k_cache/v_cache have dtype {ki.dtype}/{vi.dtype}: flash_attn_with_kvcache takes an fp8 "
                           f"cache as torch.float8_e4m3fn or torch.float8_e5m2 for both (bytes name no format)")
     qi = tensor_info(q, "q")
-    if many:
-        raise LaunchError(f"seqlen_q={qi.shape[1]} with an fp8 cache ({ki.dtype}): at most 8 new tokens (the fp8 "
-                          f"decode kernels; the prefill kernels take no fp8 cache)")
     d = ki.shape[-1] if len(ki.shape) == 4 else 0
     if d % 16 or not 32 <= d <= 256:
         raise LaunchError(f"head_dim={d} with an fp8 cache (kv_dtype={kv.value}); allowed: a multiple of 16 from 32 "

@@ -430,6 +430,19 @@ def cache_spec(spec, kv):
     return (spec or PrefillSpec(varlen=True)).replace(varlen=True, kv_dtype=kv.value)
 
 
+def check_cache_route(q, kv, paged: bool, mask: int, softcap: bool, alibi: bool, sinks: bool) -> None:
+    """flash_attn_with_kvcache past the decode kernels' tokens over an fp8 cache: the varlen prefill kernel that will
+    serve it resolved now for q's device (a SpecError naming what it lacks), before the cache is written."""
+    from ...runtime import device_arch
+    from ...spec import resolve
+    from .checks import _MASKS
+    from .spec import PrefillSpec
+
+    qi = tensor_info(q, "q")
+    resolve(PrefillSpec(head_dim=qi.shape[-1], dtype=qi.dtype, mask=_MASKS[mask], varlen=True, paged=paged,
+                        kv_dtype=kv.value, softcap=softcap, alibi=alibi, sinks=sinks), device_arch(qi.device))
+
+
 def cache_scales(k_scale, v_scale, kv, hk: int, qi) -> tuple[float, tuple]:
     """(the factor k's scale puts on sm_scale, Fp8Scales' fields) of decode's k_scale / v_scale forms (a number, or
     an fp32 device tensor of shape [], [1] or [kv_heads])."""
