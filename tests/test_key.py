@@ -174,6 +174,8 @@ def test_context_code_feeds_the_key():
     # The snippets' code module pastes into prefill's and decode's sources: its text is theirs.
     for name in ("prefill", "decode"):
         assert any(p.name == "snippets.py" for p in context_code_files(get_family(name))), name
+    # So do the modules prefill's spec computes its template context with (fp8 rows, row widths).
+    assert {"fp8.py", "rows.py"} <= files
     # A module the family names as context code is hashed too.
     extra = dataclasses.replace(fam, context_modules=("tests.spec_fields",))
     assert digests_for(extra)["code"] != digests_for(fam)["code"]

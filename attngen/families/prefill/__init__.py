@@ -14,8 +14,9 @@ FAMILY = register(Family(
     candidates=candidates,
     reachable=reachable,
     template="prefill/prefill.cu.jinja",
-    # The snippets' code (ModArgs, the accessors, the two functions) is pasted into the source from there.
-    context_modules=("attngen.families.snippets",),
+    # The snippets' code (ModArgs, the accessors, the two functions) is pasted into the source from there; fp8.py
+    # and rows.py compute template context (fp8 rows' widths and formats, every tile's row widths).
+    context_modules=("attngen.families.snippets", "attngen.families.prefill.fp8", "attngen.families.prefill.rows"),
     summary="attention forward: dense, varlen or paged; causal, sliding window, custom masks (live-tile lists), GQA",
     tuning="attngen.families.prefill.tuning",
     exports={"prefill": prefill, "prefill_varlen": prefill_varlen, "mask_plan": mask_plan, "MaskPlan": MaskPlan,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from ...errors import SpecError
 from ...spec import Mma, Pipeline, allowed_text, check_smem, check_wgmma_arch
+from .rows import _smem_row
 
 QKV_DTYPES = ("fp8_e4m3",)
 HEAD_DIMS = (128, 256)
@@ -155,9 +156,6 @@ def smem_bytes(spec) -> int:
 def layout_context(spec) -> dict:
     """The template's row widths and swizzles for fp8 rows (in 16-bit pairs): q and k head_dim / 2, V's copy
     cta_tile_kv / 2 (its rows are keys), each swizzled where a multiple of 64."""
-    def _smem_row(n):  # spec.py's _smem_row of a multiple of 8: dense where swizzled, else padded by a chunk
-        return n if n % 64 == 0 else (n + 15) // 16 * 16 + 8
-
     qk, v = spec.head_dim // 2, spec.cta_tile_kv // 2
     return dict(smem_row_elems=_smem_row(qk), smem_row_elems_v=_smem_row(v), swizzle=qk % 64 == 0,
                 swizzle_v=v % 64 == 0)

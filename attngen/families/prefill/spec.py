@@ -16,6 +16,7 @@ from typing import ClassVar
 from ...arch import Arch, get_arch
 from ...errors import SpecError
 from . import fit, fp8
+from .rows import _mma_dim, _row, _smem_row
 from .. import snippets
 from ...spec import (DType, Mma, Pipeline, SpecBase, allowed_text, check_smem, check_wgmma_arch, coerce_bool,
                      coerce_enum, coerce_int, variant_list)
@@ -72,24 +73,6 @@ def _persistent(value) -> Persistent:
 PLAN_THREADS = 256
 ORDER_THREADS = 1024
 ORDER_SORT_MAX = 4096
-
-
-def _row(elems: int) -> int:
-    """Elements per shared-memory row of the chunked kernel's tiles: padded by 16 bytes."""
-    return elems + 8
-
-
-def _mma_dim(head_dim: int) -> int:
-    """The width the whole-row kernel's mma.sync GEMMs run over: the head dim rounded up to 16 (a head dim of
-    8 mod 16 computes over one zeroed 16-byte chunk more; templates/prefill/fwd.cuh.jinja, QK_DIM)."""
-    return -(-head_dim // 16) * 16
-
-
-def _smem_row(head_dim: int, swizzled: bool = True) -> int:
-    """Elements per shared-memory row of the whole-row kernel's tiles: XOR-swizzled rows (a multiple
-    of 64 elements, where ``swizzled``) are dense; others get one 16-byte pad past the GEMMs' width, which
-    staggers the rows across the banks (an odd count of 16-byte chunks a row)."""
-    return head_dim if swizzled and head_dim % 64 == 0 else _mma_dim(head_dim) + 8
 
 
 def _head_dim(name: str, value, allowed, text: str) -> int:
