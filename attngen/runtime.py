@@ -435,6 +435,8 @@ def _torch():
                           (torch.int32, "int32"), (torch.bool, "bool")):
             _torch_dtype_objs[name] = obj
             _torch_dtypes[obj] = name
+        # bytes (fp8 prefill's scratch copy of v) can be allocated; their tensor_info name stays torch's own
+        _torch_dtype_objs["uint8"] = torch.uint8
     return torch
 
 

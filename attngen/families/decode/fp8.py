@@ -64,11 +64,12 @@ def check_rows(t, name: str) -> None:
                           f"got strides {t.strides}")
 
 
-def scale_key(x):
-    """A scale as part of a call's key: a number as itself (None too), an array as its info."""
+def scale_key(x, name: str = "scale"):
+    """A scale as part of a call's key: a number as itself (None too), an array as its info (``name``: the
+    argument's, for tensor_info's refusals)."""
     if x is None or x.__class__ in (int, float):
         return x
-    return tensor_info(x, "scale")
+    return tensor_info(x, name)
 
 
 def scale_number(x):
@@ -87,34 +88,40 @@ def scales(k_scale, v_scale, kv: KVDType | None, kv_heads: int, kind: str, devic
                 raise LaunchError(f"{name} is only for fp8 caches (kv_dtype fp8_e4m3 or fp8_e5m2); the caches hold "
                                   f"q's dtype")
         return 1.0, 0, 0, 0, 0, 1.0
-    k_mul, k_ptr, k_sh = _scale(k_scale, "k_scale", kv_heads, kind, device)
-    v_mul, v_ptr, v_sh = _scale(v_scale, "v_scale", kv_heads, kind, device)
+    k_mul, k_ptr, _, k_sh = scale_arg(k_scale, "k_scale", kv_heads, kind, device)
+    v_mul, v_ptr, _, v_sh = scale_arg(v_scale, "v_scale", kv_heads, kind, device)
     return k_mul, k_ptr, v_ptr, k_sh, v_sh, v_mul
 
 
-def _scale(x, name: str, kv_heads: int, kind: str, device: int) -> tuple[float, int, int]:
-    """(number, pointer, stride) of one scale: (x, 0, 0) for a number (1.0 where missing), (1.0, ptr, stride)
-    for a device tensor."""
+def scale_arg(x, name: str, kv_heads: int, kind: str, device: int, batch: int | None = None,
+              shapes: str = _SCALE_SHAPES) -> tuple[float, int, int, int]:
+    """(number, pointer, batch stride, KV-head stride) of one scale: (x, 0, 0, 0) for a number (1.0 where missing),
+    (1.0, ptr, strides) for a device tensor of shape [], [1], [kv_heads], or with ``batch`` (fp8 prefill's
+    descales, FlashAttention-3's form) [batch, kv_heads]. ``shapes``: the allowed forms as the messages say them."""
     if x is None:
-        return 1.0, 0, 0
+        return 1.0, 0, 0, 0
     if x.__class__ in (int, float):
         v = float(x)
         if not math.isfinite(v) or v <= 0:
             raise LaunchError(f"{name}={x!r} must be finite and > 0")
-        return v, 0, 0
+        return v, 0, 0, 0
     if isinstance(x, bool):
-        raise LaunchError(f"{name}={x!r} is not allowed; allowed: {_SCALE_SHAPES}")
+        raise LaunchError(f"{name}={x!r} is not allowed; allowed: {shapes}")
     t = tensor_info(x, name)  # refuses host tensors and what is no array, by name
     if t.kind != kind or t.device != device:
         raise LaunchError(f"{name} must be a {kind} tensor on device {device}; got {t.kind} on device {t.device}")
     if t.dtype != "fp32":
-        raise LaunchError(f"{name} has dtype {t.dtype}; allowed: fp32 ({_SCALE_SHAPES})")
+        raise LaunchError(f"{name} has dtype {t.dtype}; allowed: fp32 ({shapes})")
     shape = tuple(t.shape)
     if shape in ((), (1,)):
-        return 1.0, t.ptr, 0
+        return 1.0, t.ptr, 0, 0
     if shape == (kv_heads,):
-        return 1.0, t.ptr, t.strides[0]
-    raise LaunchError(f"{name} has shape {list(shape)}; allowed: {_SCALE_SHAPES}, kv_heads={kv_heads}")
+        return 1.0, t.ptr, 0, t.strides[0]
+    if batch is not None and shape == (batch, kv_heads):
+        return 1.0, t.ptr, t.strides[0], t.strides[1]
+    if batch is None:
+        raise LaunchError(f"{name} has shape {list(shape)}; allowed: {shapes}, kv_heads={kv_heads}")
+    raise LaunchError(f"{name} has shape {list(shape)}; allowed: {shapes} (batch={batch}, kv_heads={kv_heads})")
 
 
 def check_kvcache_call(q, k_cache, v_cache, k, k_scale, v_scale, many: bool) -> KVDType | None:

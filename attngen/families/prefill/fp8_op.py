@@ -9,14 +9,14 @@ copy, launches ``_vt`` (and for varlen the work list's sort, whose lengths are r
 
 from __future__ import annotations
 
-import math
 import struct
 
 from ...errors import LaunchError
-from ...runtime import data_ptr, tensor_info
+from ...runtime import allocator, data_ptr, keep_call, register_dependent_cache, tensor_info
 from ...spec import allowed_text
 from ..score_mods import checked_scale
 from ..tma import tiled_map
+from ..decode.fp8 import check_rows, scale_arg, scale_key
 from .checks import check_infos, mask_and_window, out_of
 from .choose import DENSE, VARLEN, dense_grid, persistent_grid, varlen_grid
 from .fp8 import HEAD_DIMS, QKV_DTYPES
@@ -74,59 +74,33 @@ def check_operands(qi, ki, vi, spec, varlen: bool) -> None:
     if not (names[0] == names[1] == names[2]) or (names[0] in _BYTES and not getattr(spec, "qkv_dtype", "")):
         raise LaunchError(f"q, k, v have dtypes {', '.join(names)}: fp8 prefill takes all three {_E4M3} (or uint8 "
                           "bytes with a spec of qkv_dtype=fp8_e4m3)")
-    rank, dims = (3, "[total, heads, head_dim]") if varlen else (4, "[batch, seqlen, heads, head_dim]")
-    for name, t in (("q", qi), ("k", ki), ("v", vi)):
-        if len(t.shape) != rank:
-            raise LaunchError(f"{name} has shape {tuple(t.shape)}; expected {dims}")
+    dims = "[total, heads, head_dim]" if varlen else "[batch, seqlen, heads, head_dim]"
+    _rows_checked(qi, ki, vi, (True, True, True), dims, dims)
     d, dv = qi.shape[-1], vi.shape[-1]
-    if d not in HEAD_DIMS or ki.shape[-1] != d or dv != d:
+    if d not in HEAD_DIMS or dv != d:
         raise LaunchError(f"head_dim={d} (k: {ki.shape[-1]}, v: {dv}) is not allowed with fp8 q, k, v; allowed: "
                           f"{allowed_text(HEAD_DIMS)}, the same for q, k and v")
-    for name, t in (("q", qi), ("k", ki), ("v", vi)):
-        st = t.strides
-        if st[-1] != 1 or t.ptr % 16 or any(s % 16 for s in st[:-1]):
-            raise LaunchError(f"{name} (fp8) must be 16-byte aligned with a contiguous last dim and strides that "
-                              f"are multiples of 16 elements; got strides {tuple(st)}")
-    if not (qi.kind == ki.kind == vi.kind) or not (qi.device == ki.device == vi.device):
-        raise LaunchError("q, k, v must be of one kind on one device")
-    if ki.shape[:-1] != vi.shape[:-1] or (not varlen and ki.shape[0] != qi.shape[0]):
-        raise LaunchError(f"shapes q {tuple(qi.shape)}, k {tuple(ki.shape)}, v {tuple(vi.shape)} do not agree")
-    h, hk = qi.shape[-2], ki.shape[-2]
-    if hk == 0 or h % hk:
-        raise LaunchError(f"heads={h} must be a multiple of kv_heads={hk} (GQA/MQA)")
+    if not varlen and ki.shape[0] != qi.shape[0]:
+        raise LaunchError(f"batch mismatch: q has {qi.shape[0]}, k/v have {ki.shape[0]}")
 
 
-def descale(x, name: str, batch: int, hk: int, qi) -> tuple[float, int, int, int]:
-    """(number, pointer, batch stride, KV-head stride) of one descale: (x, 0, 0, 0) for a number (1.0 where
-    missing), (1.0, pointer, strides) for a device tensor."""
-    if x is None:
-        return 1.0, 0, 0, 0
-    if x.__class__ in (int, float):
-        v = float(x)
-        if not math.isfinite(v) or v <= 0:
-            raise LaunchError(f"{name}={x!r} must be finite and > 0")
-        return v, 0, 0, 0
-    if isinstance(x, bool):
-        raise LaunchError(f"{name}={x!r} is not allowed; allowed: {_DESCALE_SHAPES}")
-    t = tensor_info(x, name)  # refuses host tensors and what is no array, by name
-    if t.kind != qi.kind or t.device != qi.device:
-        raise LaunchError(f"{name} must be a {qi.kind} tensor on device {qi.device}; got {t.kind} on device {t.device}")
-    if t.dtype != "fp32":
-        raise LaunchError(f"{name} has dtype {t.dtype}; allowed: fp32 ({_DESCALE_SHAPES})")
-    shape = tuple(t.shape)
-    if shape in ((), (1,)):
-        return 1.0, t.ptr, 0, 0
-    if shape == (hk,):
-        return 1.0, t.ptr, 0, t.strides[0]
-    if shape == (batch, hk):
-        return 1.0, t.ptr, t.strides[0], t.strides[1]
-    raise LaunchError(f"{name} has shape {list(shape)}; allowed: {_DESCALE_SHAPES} (batch={batch}, kv_heads={hk})")
+def _rows_checked(qi, ki, vi, fp8: tuple, dims: str, kv_dims: str) -> None:
+    """The checks every prefill layout shares (checks.check_infos: ranks, head dims, strides, kind, device, shapes,
+    GQA) with the operands ``fp8`` marks (q, k, v) seen in a 16-bit dtype, then those rows' 16-byte chunks
+    (decode's check_rows: the kernels copy 16 fp8 values at a time)."""
+    as16 = qi.dtype if qi.dtype in ("fp16", "bf16") else "bf16"
+    infos = (qi, ki, vi)
+    check_infos(*(t._replace(dtype=as16) if f else t for t, f in zip(infos, fp8)), dims, kv_dims)
+    for name, t, f in zip("qkv", infos, fp8):
+        if f:
+            check_rows(t, name)
 
 
 def scales(descales: tuple, batch: int, hk: int, qi, sm_scale: float) -> tuple[float, tuple]:
-    """(sm_scale with the numbers of q's and k's descales folded in, Fp8Scales' fields)."""
+    """(sm_scale with the numbers of q's and k's descales folded in, Fp8Scales' fields): each descale as decode's
+    scales are taken (a number, or fp32 [], [1], [kv_heads]) or FlashAttention-3's [batch, kv_heads]."""
     (qm, qp, qsb, qsh), (km, kp, ksb, ksh), (vm, vp, vsb, vsh) = (
-        descale(x, n, batch, hk, qi) for x, n in zip(descales, _DESCALE_NAMES))
+        scale_arg(x, n, hk, qi.kind, qi.device, batch, _DESCALE_SHAPES) for x, n in zip(descales, _DESCALE_NAMES))
     return sm_scale * qm * km, (qp, kp, vp, qsb, qsh, ksb, ksh, vsb, vsh, vm)
 
 
@@ -144,37 +118,20 @@ def _out_dtype(out, spec) -> str:
 
 
 def _spec(spec, d: int, dtype: str):
-    """The caller's spec (parsed) with qkv_dtype set, or the fp8 default's base; None where a caller's spec is
-    not one of prefill's (op_spec raises)."""
-    from ...spec import op_spec
+    """The caller's spec (a PrefillSpec: the ops parse it first) with qkv_dtype set, or the fp8 default's base."""
     from .spec import PrefillSpec
 
     if spec is None:
         return PrefillSpec(head_dim=d, dtype=dtype, qkv_dtype=QKV_DTYPES[0])
-    if spec.__class__ is not PrefillSpec:
-        spec = op_spec(spec, "prefill", "attngen.prefill")
     if spec.qkv_dtype:
         return spec
     return spec.replace(head_dim=d, dtype=dtype, qkv_dtype=QKV_DTYPES[0])
 
 
 def _plan(qi, d: int, out, spec, mcode: int, return_lse: bool, layout: int):
-
-    dtype = _out_dtype(out, spec if spec is None or spec.__class__ is not str else None)
+    dtype = _out_dtype(out, spec)
     fspec = _spec(spec, d, dtype)
     return plan_for((d, dtype, qi.device, mcode, bool(return_lse), fspec, qi.kind, False, False, layout, d, False))
-
-
-def _bytes(kind: str, n: int, device: int):
-    """A scratch buffer of ``n`` bytes (V's transposed copy)."""
-    if kind == "torch":
-        import torch
-
-        return torch.empty(n, dtype=torch.uint8, device=torch.device("cuda", device))
-    import cupy
-
-    with cupy.cuda.Device(device):
-        return cupy.empty(n, dtype=cupy.uint8)
 
 
 def _qk_map(t, rows: int, what: str) -> bytes:
@@ -195,8 +152,8 @@ def _vt_map(ptr: int, cols: int, d: int, hk: int, b: int) -> bytes:
                      lambda e: f"no TMA tensor map for v's transposed copy: {e}", swizzled_bytes=True)
 
 
-_MAX_KEPT = 256
-_calls: dict = {}
+# A call's key -> its _Fp8Call (runtime.keep_call: the last few hundred; cleared with the loaded kernels).
+_calls: dict = register_dependent_cache({})
 
 
 class _Fp8Call:
@@ -206,20 +163,6 @@ class _Fp8Call:
 
     __slots__ = ("plan", "kern", "grid", "out_shape", "out_ptr", "lse_shape", "qk_maps", "vt_bytes", "vt_grid",
                  "vt_head", "vt_tail", "vt_map", "head", "vals", "order", "tma")
-
-
-def _key_of(x, name: str):
-    """A descale as part of a call's key: a number as itself, an array as its info."""
-    if x is None or x.__class__ in (int, float):
-        return x
-    return tensor_info(x, name)
-
-
-def _keep(key, call) -> None:
-    if key is not None:
-        if len(_calls) >= _MAX_KEPT:
-            _calls.clear()
-        _calls[key] = call
 
 
 def _call_key(*parts):
@@ -234,11 +177,11 @@ def _call_key(*parts):
 def prefill_fp8(q, k, v, qi, ki, vi, *, causal, window, sm_scale, return_lse, out, spec, descales):
     """``attngen.prefill`` for fp8 q, k, v: ``_prepare_dense`` once per distinct call, then the launches."""
     key = _call_key("dense", qi, ki, vi, causal, window, sm_scale, bool(return_lse), spec,
-                    None if out is None else tensor_info(out, "out"), *map(_key_of, descales, _DESCALE_NAMES))
+                    None if out is None else tensor_info(out, "out"), *map(scale_key, descales, _DESCALE_NAMES))
     call = _calls.get(key) if key is not None else None
     if call is None:
         call = _prepare_dense(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, descales)
-        _keep(key, call)
+        keep_call(_calls, key, call, flags=(causal, bool(return_lse)), numbers=(sm_scale,))
     return _launch(call, qi, out, return_lse)
 
 
@@ -282,7 +225,7 @@ def _prepare_dense(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, 
     return call
 
 
-def _launch(call, qi, out, return_lse, order_args=None):
+def _launch(call, qi, out, return_lse):
     """The launches of a worked-out call: the output, LSE and copy allocated, ``_vt``, (varlen) the work list's
     sort, the main entry."""
     plan, kind = call.plan, qi.kind
@@ -296,7 +239,7 @@ def _launch(call, qi, out, return_lse, order_args=None):
         return (out, lse) if return_lse else out
     kern = call.kern
     stream = plan.stream(qi.device)
-    vt = _bytes(kind, call.vt_bytes, qi.device)
+    vt = allocator(kind, "uint8", qi.device)(call.vt_bytes)
     vt_ptr = data_ptr(vt, kind)
     kern.launch_struct(_VT_PARAMS, call.vt_grid, stream, *call.vt_head, vt_ptr, *call.vt_tail, entry="_vt")
     tail = ()
@@ -334,12 +277,12 @@ def prefill_varlen_fp8(q, k, v, qi, ki, vi, cu_seqlens_q, cu_seqlens_k, max_seql
     cq = _index(cu_seqlens_q, "cu_seqlens_q", 1, qi)
     ck = _index(cu_seqlens_k, "cu_seqlens_k", 1, qi)
     key = _call_key("varlen", qi, ki, vi, cq, ck, max_seqlen_k, causal, window, sm_scale, bool(return_lse), spec,
-                    None if out is None else tensor_info(out, "out"), *map(_key_of, descales, _DESCALE_NAMES))
+                    None if out is None else tensor_info(out, "out"), *map(scale_key, descales, _DESCALE_NAMES))
     call = _calls.get(key) if key is not None else None
     if call is None:
         call = _prepare_varlen(qi, ki, vi, cq, ck, max_seqlen_k, causal, window, sm_scale, return_lse, out, spec,
                                descales)
-        _keep(key, call)
+        keep_call(_calls, key, call, flags=(causal, bool(return_lse)), numbers=(sm_scale,))
     return _launch(call, qi, out, return_lse)
 
 
@@ -412,12 +355,8 @@ def cache_kind(qi, k, v, spec):
 
 def cache_operands(q, k, v, kv, dims: str, kv_dims: str):
     """q, k, v's infos for an fp8 cache: the shared checks on k and v seen in q's dtype, then their 16-byte rows."""
-    from ..decode import fp8 as dfp8
-
     qi, ki, vi = tensor_info(q, "q"), tensor_info(k, "k"), tensor_info(v, "v")
-    check_infos(qi, ki._replace(dtype=qi.dtype), vi._replace(dtype=qi.dtype), dims, kv_dims)
-    dfp8.check_rows(ki, "k")
-    dfp8.check_rows(vi, "v")
+    _rows_checked(qi, ki, vi, (False, True, True), dims, kv_dims)
     return qi, ki, vi
 
 
