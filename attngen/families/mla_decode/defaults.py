@@ -54,6 +54,11 @@ FP8_SPILLS_ON = {
 # sm_90a, q_rows 64: the wgmma configs (qk_shard, cta_tile_kv, num_stages; always 8 warps), best first as
 # tools/sweep_mla.py ranked them: sharded 64-key tiles with two stages first at 64 and 128 heads, the
 # unsharded form next (it repeats QK work), 32-key tiles last (a 16-key-wide S wgmma per warpgroup).
+# sm_90a, 16 rows of an fp8 cache (mla_decode/fp8.cuh, fragments widened in registers): ahead of TUNED's, four warps
+# in a CTA and two CTAs an SM. Every mma_sync config timed as a decode step on an H200 (16 heads, b8-128 x 4k-16k):
+# first on each shape, 1.07-1.16x the 8-warp tile; sm_80 and sm_100 were not timed and keep TUNED's order.
+TUNED_FP8_SM90 = {16: [(T, 64, 4, 2)]}
+
 TUNED_WGMMA = [(T, 64, 2), (F, 64, 2), (T, 64, 1), (T, 32, 4), (T, 32, 3)]
 
 SMALL_SMEM = 128 * 1024  # per block: below this the unsharded form goes first
@@ -73,6 +78,8 @@ def candidates(spec, arch: Arch):
         yield from ((shard, kv, 8, st, Mma.WGMMA, pipe) for shard, kv, st in wg for pipe in pipes)
     shard_order = (F, T) if arch.smem_per_block < SMALL_SMEM else (T, F)
     first = TUNED[spec.q_rows] if arch.smem_per_block >= SMALL_SMEM else []
+    if fp8 and arch.has_wgmma:
+        first = TUNED_FP8_SM90.get(spec.q_rows, []) + first
     spills = (FP8_SPILLS_ON if fp8 else SPILLS_ON).get((spec.kv_lora_rank, spec.q_rows, spec.paged), {})
     every = itertools.chain(first, itertools.product(shard_order, (64, 32, 16), (8, 4), (4, 3, 2, 1)))
     # On sm_90a each mma_sync config with the TMA ring first (the loads no longer wait on the threads that
