@@ -19,6 +19,10 @@ and the prefill kernel's work list (below). A step of at most ``MAX_PLAN_BATCH``
    requests).
 
 Each writes its own requests' rows of one output (and LSE), so nothing is merged.
+
+An fp8 cache (``kv_dtype``): both kernels read it as ``attngen.decode`` and ``prefill_varlen`` do (fp8 tiles
+widened on the chip, ``k_scale`` / ``v_scale`` at ``run``); the plan sorts the work list for the prefill kernel of
+that cache.
 """
 
 from __future__ import annotations
@@ -26,10 +30,13 @@ from __future__ import annotations
 import contextlib
 
 from .errors import LaunchError
+from .families.decode.fp8 import BYTE_DTYPES, FP8_DTYPES
 from .families.decode.op import decode
+from .families.decode.spec import KVDType
 from .families.prefill.op import _NO_WINDOW, mask_and_window, plan_for
 from .families.prefill.choose import varlen_grid
 from .families.prefill.spec import ORDER_SORT_MAX
+from .families.prefill.fp8_op import cache_spec
 from .families.prefill.varlen import VarlenOrder, launch_order, order_tiles, page_layout, run_varlen
 from .kvcache import _torch
 from .runtime import tensor_info
@@ -66,11 +73,15 @@ class BatchAttention:
     ``attngen.prefill``. ``max_decode_q_len``: requests of at most this many tokens (a decode token, a verify tree)
     run in the decode kernel, longer ones in the prefill kernel (default 8; at most 128 // (num_heads //
     num_kv_heads), and at most 64 where tree masks are used). ``sm_scale`` defaults to 1/sqrt(head_dim).
+    ``kv_dtype``: the cache's format where it is fp8 (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``, or their
+    names ``"fp8_e4m3"`` / ``"fp8_e5m2"``; the caches given to ``run`` in that dtype or as uint8 bytes); default
+    None, a cache in q's dtype.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *, dtype=None,
                  causal: bool = True,
-                 window: tuple[int, int] = _NO_WINDOW, max_decode_q_len: int = 8, sm_scale: float | None = None):
+                 window: tuple[int, int] = _NO_WINDOW, max_decode_q_len: int = 8, sm_scale: float | None = None,
+                 kv_dtype=None):
         torch = _torch("BatchAttention", instead=_INSTEAD)
         self.h = _int_arg("num_heads", num_heads, 1, 1 << 16)
         self.hk = _int_arg("num_kv_heads", num_kv_heads, 1, self.h)
@@ -81,6 +92,7 @@ class BatchAttention:
         if dtype not in (torch.float16, torch.bfloat16):
             raise LaunchError(f"dtype={dtype} is not supported; allowed: torch.float16, torch.bfloat16")
         self.dtype, self._torch = dtype, torch
+        self.kv = _kv_format(kv_dtype, torch)
         self.page_size = _int_arg("page_size", page_size, 1, 1 << 20)
         group = self.h // self.hk
         self.max_decode_q_len = _int_arg("max_decode_q_len", max_decode_q_len, 1, max(1, MAX_DECODE_ROWS // group))
@@ -153,19 +165,23 @@ class BatchAttention:
     def _prefill_kernel(self, qi, total_q: int):
         """The varlen paged prefill kernel ``run`` will launch for the long requests (its tiles sort the list)."""
         dtype = "bf16" if self.dtype is self._torch.bfloat16 else "fp16"
-        key = (self.d, dtype, qi.device, self.mcode, False, None, "torch", False, False, page_layout(self.page_size),
+        spec = None if self.kv is None else cache_spec(None, self.kv)  # run_varlen's spec for such a cache
+        key = (self.d, dtype, qi.device, self.mcode, False, spec, "torch", False, False, page_layout(self.page_size),
                self.d, False)
         plan = plan_for(key)
         # Sized by the step's tokens, not their mean a request: the long requests hold most of them.
         return plan.kernel or plan.kernel_for(max(1, total_q))
 
-    def run(self, q, k_cache, v_cache, *, tree_mask=None, sinks=None, out=None, return_lse: bool = False):
+    def run(self, q, k_cache, v_cache, *, tree_mask=None, sinks=None, out=None, return_lse: bool = False,
+            k_scale=None, v_scale=None):
         """The step's attention for one layer: q ``[total_q, num_heads, head_dim]`` (the rows ``plan`` was given),
         k_cache / v_cache ``[num_blocks, block_size, num_kv_heads, head_dim]`` (block_size the plan's page_size).
         ``tree_mask`` (int64 ``[total_q]``): bit j of token i's word lets it see draft token j of its request (the
         key at position L - q_len + j), for requests run by the decode kernel; every key before the drafts is
-        seen; longer requests stay causal. ``sinks`` (fp32 ``[num_heads]``): attention sinks. Returns ``out``
-        ``[total_q, num_heads, head_dim]`` and with ``return_lse`` the fp32 LSE ``[num_heads, total_q]``."""
+        seen; longer requests stay causal. ``sinks`` (fp32 ``[num_heads]``): attention sinks. An fp8 cache (the
+        ``kv_dtype`` given at construction): its keys are ``k_scale * k_cache`` and values ``v_scale * v_cache``
+        (each a number, or an fp32 device tensor of shape [], [1] or [num_kv_heads]; missing means 1). Returns
+        ``out`` ``[total_q, num_heads, head_dim]`` and with ``return_lse`` the fp32 LSE ``[num_heads, total_q]``."""
         if self._planned is None:
             raise LaunchError("BatchAttention.run before plan: call plan(cu_seqlens_q, cache_seqlens, block_table, "
                               "total_q=...) first")
@@ -180,6 +196,10 @@ class BatchAttention:
         if tree_mask is not None and self.max_decode_q_len > MAX_TREE_TOKENS:
             raise LaunchError(f"tree_mask with max_decode_q_len={self.max_decode_q_len}: at most "
                               f"{MAX_TREE_TOKENS} tokens a tree (64-bit words)")
+        k_cache, v_cache = self._caches(k_cache, v_cache)
+        if self.kv is None and (k_scale is not None or v_scale is not None):
+            raise LaunchError("k_scale and v_scale are for an fp8 cache: make BatchAttention with kv_dtype="
+                              "torch.float8_e4m3fn or torch.float8_e5m2")
         torch = self._torch
         cur = torch.cuda.current_stream(q.device)
         side = None
@@ -197,14 +217,46 @@ class BatchAttention:
             res = decode(q, k_cache, v_cache, cache_seqlens=lens, block_table=table, cu_seqlens_q=cu_q,
                          batch_order=order_b,
                          max_q_len=self.max_decode_q_len, tree_mask=tree_mask, causal=self.causal,
-                         window=self.window, sinks=sinks, sm_scale=self.sm_scale, out=out, return_lse=return_lse)
+                         window=self.window, sinks=sinks, sm_scale=self.sm_scale, out=out, return_lse=return_lse,
+                         k_scale=k_scale, v_scale=v_scale)
         out, lse = res if return_lse else (res, None)
         if side is not None and lse is not None:
             lse.record_stream(cur)  # made on the side stream, written by the prefill kernel on this one
         run_varlen(q, k_cache, v_cache, cu_q, cu_k, causal=self.causal, window=self.window, sm_scale=self.sm_scale,
                    return_lse=return_lse, out=out, block_table=table, spec=None, softcap=0.0, alibi_slopes=None,
                    sinks=sinks, score_mod="", mask_mod="", aux=None, order=order, lse=lse,
-                   size=max(1, total_q))
+                   size=max(1, total_q), k_scale=k_scale, v_scale=v_scale)
         if side is not None:
             cur.wait_stream(side)
         return (out, lse) if return_lse else out
+
+    def _caches(self, k_cache, v_cache):
+        """The caches as the kernels take them: in q's dtype, or in the fp8 dtype of ``kv_dtype`` (uint8 bytes
+        viewed as it); a cache of another dtype is refused by name."""
+        want = self.dtype if self.kv is None else _TORCH_FP8[self.kv]
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.dtype != want and not (self.kv is not None and str(c.dtype) in BYTE_DTYPES):
+                kv = "" if self.kv is None else f" or uint8 bytes (kv_dtype={self.kv.value})"
+                hint = (" (an fp8 cache: make BatchAttention with kv_dtype=torch.float8_e4m3fn or "
+                        "torch.float8_e5m2)" if self.kv is None and str(c.dtype) in (*FP8_DTYPES, *BYTE_DTYPES)
+                        else "")
+                raise LaunchError(f"{name} has dtype {c.dtype}; this BatchAttention reads {want}{kv}{hint}")
+        if self.kv is not None:
+            k_cache, v_cache = (c if c.dtype == want else c.view(want) for c in (k_cache, v_cache))
+        return k_cache, v_cache
+
+
+_TORCH_FP8 = {}  # KVDType -> the torch dtype, filled on first use (torch is imported lazily)
+
+
+def _kv_format(kv_dtype, torch) -> KVDType | None:
+    """BatchAttention's ``kv_dtype``: None, a torch fp8 dtype or its name."""
+    if not _TORCH_FP8:
+        _TORCH_FP8.update({KVDType.FP8_E4M3: torch.float8_e4m3fn, KVDType.FP8_E5M2: torch.float8_e5m2})
+    if kv_dtype is None:
+        return None
+    for kv, t in _TORCH_FP8.items():
+        if kv_dtype is t or kv_dtype == kv.value:
+            return kv
+    raise LaunchError(f"kv_dtype={kv_dtype!r} is not supported; allowed: None (q's dtype), torch.float8_e4m3fn, "
+                      f"torch.float8_e5m2, 'fp8_e4m3', 'fp8_e5m2'")

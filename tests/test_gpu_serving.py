@@ -88,6 +88,99 @@ def test_graph_replay_with_new_lengths():
         assert (out[:n].float() - ref_o).abs().max().item() < MAX_ABS[dtype]
 
 
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def fp8_cache(c, scale, fmt):
+    """c quantised (c / scale, saturating as the engines do) and the values it stands for (its dequantised copy)."""
+    dt = FP8[fmt]
+    top = torch.finfo(dt).max
+    c8 = (c.float() / scale).clamp(-top, top).to(dt)
+    return c8, c8.float() * scale
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("h,hk,d,page", [(32, 8, 128, 16), (16, 2, 128, 64), (8, 8, 64, 1)])
+@pytest.mark.parametrize("with_tree", [False, True])
+def test_fp8_cache_step_matches_attention_per_request(fmt, h, hk, d, page, with_tree):
+    """A mixed step over an fp8 cache (both kernels widen its tiles), against fp32 attention on the values the
+    cache stands for; per-tensor scales."""
+    gen = fresh_generator()
+    dev, dtype = "cuda", torch.bfloat16
+    q_lens = [1, 1, 0, 5, 1, 8, 300, 1, 9, 700, 5, 1]
+    lens = [700, 33, 90, 1200, 17, 8, 2000, 5000, 9, 700, 64, 1]
+    q, kc, vc, table, cu, cache_lens = make_step(gen, q_lens, lens, h, hk, d, page, dtype)
+    ks, vs = 0.02, 0.05
+    k8, kdq = fp8_cache(kc, ks, fmt)
+    v8, vdq = fp8_cache(vc, vs, fmt)
+    tree = None
+    if with_tree:
+        words = []
+        for n in q_lens:
+            words += tree_words(n, gen, dev) if n <= 8 else [0] * n
+        tree = torch.tensor(words, dtype=torch.int64, device=dev)
+    ba = attngen.BatchAttention(h, hk, d, page, dtype=dtype, kv_dtype=FP8[fmt])
+    ba.plan(cu, cache_lens, table, total_q=q.shape[0])
+    out = torch.full_like(q, float("nan"))
+    o, lse = ba.run(q, k8, v8, tree_mask=tree, out=out, return_lse=True, k_scale=ks, v_scale=vs)
+    assert o is out
+    ref_o, ref_l = reference(q, kdq, vdq, table, q_lens, lens, d ** -0.5, tree, 8)
+    check(o, lse, ref_o, ref_l, dtype)
+
+
+def test_fp8_cache_step_per_head_scales_bytes_and_graph_replay():
+    """Scales per KV head as device tensors, the cache as uint8 bytes, fp16 q; then the step captured in a graph and
+    replayed with new lengths."""
+    gen = fresh_generator()
+    dtype, h, hk, d, page = torch.float16, 32, 8, 128, 16
+    q_lens, lens = [1, 5, 1, 600], [3000, 400, 20, 1500]
+    q, kc, vc, table, cu, cache_lens = make_step(gen, q_lens, lens, h, hk, d, page, dtype)
+    ks = torch.rand(hk, device="cuda", generator=gen) * 0.05 + 0.01
+    vs = torch.rand(hk, device="cuda", generator=gen) * 0.05 + 0.01
+    k8, _ = fp8_cache(kc / ks[:, None], 1.0, "e4m3")
+    v8, _ = fp8_cache(vc / vs[:, None], 1.0, "e4m3")
+    kdq, vdq = k8.float() * ks[:, None], v8.float() * vs[:, None]
+    ba = attngen.BatchAttention(h, hk, d, page, dtype=dtype, kv_dtype="fp8_e4m3")
+    kb, vb = k8.view(torch.uint8), v8.view(torch.uint8)
+    out = torch.full_like(q, float("nan"))
+    ba.plan(cu, cache_lens, table, total_q=q.shape[0]).run(q, kb, vb, out=out, k_scale=ks, v_scale=vs)
+    ref_o, _ = reference(q, kdq, vdq, table, q_lens, lens, d ** -0.5)
+    assert (out.float() - ref_o).abs().max().item() < MAX_ABS[dtype]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ba.plan(cu, cache_lens, table, total_q=q.shape[0])
+        ba.run(q, kb, vb, out=out, k_scale=ks, v_scale=vs)
+    for q_lens2, lens2 in (([300, 1, 300, 6], [300, 2999, 1000, 7]), ([0, 1, 606, 0], [0, 1, 606, 5])):
+        cu.copy_(torch.tensor([0] + list(torch.tensor(q_lens2).cumsum(0)), dtype=torch.int32))
+        cache_lens.copy_(torch.tensor(lens2, dtype=torch.int32))
+        q.copy_(torch.randn(q.shape, device="cuda", dtype=dtype, generator=gen))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_o, _ = reference(q, kdq, vdq, table, q_lens2, lens2, d ** -0.5)
+        n = sum(q_lens2)
+        assert not torch.isnan(out[:n]).any()
+        assert (out[:n].float() - ref_o).abs().max().item() < MAX_ABS[dtype]
+
+
+def test_fp8_cache_mismatches_are_refused_by_name():
+    gen = fresh_generator()
+    q, kc, vc, table, cu, cache_lens = make_step(gen, [1, 20], [50, 60], 32, 8, 128, 16, torch.bfloat16)
+    k8, _ = fp8_cache(kc, 0.1, "e4m3")
+    plain = attngen.BatchAttention(32, 8, 128, 16).plan(cu, cache_lens, table, total_q=q.shape[0])
+    with pytest.raises(attngen.LaunchError, match="k_cache has dtype torch.float8_e4m3fn.*kv_dtype"):
+        plain.run(q, k8, k8, k_scale=0.1)
+    with pytest.raises(attngen.LaunchError, match="k_scale and v_scale are for an fp8 cache"):
+        plain.run(q, kc, vc, k_scale=0.1)
+    e5 = attngen.BatchAttention(32, 8, 128, 16, kv_dtype=torch.float8_e5m2).plan(cu, cache_lens, table,
+                                                                                 total_q=q.shape[0])
+    with pytest.raises(attngen.LaunchError, match="k_cache has dtype torch.float8_e4m3fn"):
+        e5.run(q, k8, k8)
+    with pytest.raises(attngen.LaunchError, match="k_cache has dtype torch.bfloat16"):
+        e5.run(q, kc, vc)
+
+
 def test_bad_arguments_are_refused_by_name():
     with pytest.raises(attngen.LaunchError, match="num_kv_heads"):
         attngen.BatchAttention(32, 5, 128, 16)

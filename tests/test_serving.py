@@ -18,6 +18,9 @@ import attngen  # noqa: E402
     ((32, 8, 128, 16), {"dtype": torch.float32}, "dtype"),
     ((32, 8, 128, 16), {"window": (1, 2, 3)}, "window"),
     ((True, 8, 128, 16), {}, "num_heads"),
+    ((32, 8, 128, 16), {"kv_dtype": torch.int8}, "kv_dtype"),
+    ((32, 8, 128, 16), {"kv_dtype": "fp8"}, "kv_dtype"),
+    ((32, 8, 128, 16), {"kv_dtype": torch.float8_e4m3fnuz}, "kv_dtype"),
 ])
 def test_bad_construction_names_the_field(args, kw, field):
     with pytest.raises(attngen.LaunchError, match=field):
@@ -27,6 +30,13 @@ def test_bad_construction_names_the_field(args, kw, field):
 @pytest.mark.parametrize("page", [1, 2, 3, 8, 24, 16, 64, 256])
 def test_any_page_size_is_taken(page):
     assert attngen.BatchAttention(32, 8, 128, page).page_size == page
+
+
+@pytest.mark.parametrize("given,fmt", [(None, None), (torch.float8_e4m3fn, "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2"),
+                                       (torch.float8_e5m2, "fp8_e5m2")])
+def test_kv_dtype_names_the_cache_format(given, fmt):
+    kv = attngen.BatchAttention(32, 8, 128, 16, kv_dtype=given).kv
+    assert (kv and kv.value) == fmt
 
 
 def test_the_decode_bound_follows_the_group():
@@ -54,7 +64,8 @@ def test_bench_step_is_a_command():
     from attngen.bench import build_parser
 
     args = build_parser().parse_args(["step", "--decode", "4"])
-    assert args.decode == 4 and args.func.__name__ == "cmd_step"
+    assert args.decode == 4 and args.func.__name__ == "cmd_step" and args.kv_dtype == "bf16"
+    assert build_parser().parse_args(["step", "--kv-dtype", "fp8_e4m3"]).kv_dtype == "fp8_e4m3"
 
 
 def test_plan_refuses_more_requests_than_it_sorts():

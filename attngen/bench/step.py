@@ -8,6 +8,7 @@ has no other tree-masked call), ``prefill_varlen`` over the prefill requests. Bo
 plan (once a step, shared by the layers) is timed apart, also at 512 requests (decode rows of one length, and a
 step's mix with verify and prefill rows). A bare read of the step's KV bytes
 bounds its memory-bound part. Outputs are checked against the separate calls (relative L2) where both run causal.
+``--kv-dtype fp8_e4m3`` / ``fp8_e5m2``: the same values in an fp8 cache (one scale for k and v), both sides reading it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument("--out", type=Path, default=None, help="folder for bench_step.json")
     p.add_argument("--rep-ms", type=float, default=200.0, help="timed repeats per measurement (ms)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-dtype", choices=("bf16", "fp8_e4m3", "fp8_e5m2"), default="bf16",
+                   help="the cache's format (default bf16, q's): fp8 caches hold the same values / a per-tensor scale")
     p.set_defaults(func=cmd_step)
 
 
@@ -99,6 +102,13 @@ def measure(args: argparse.Namespace) -> dict:
     pages = [-(-n // PAGE) for n in lens]
     kc = torch.randn(sum(pages), PAGE, hk, d, device=dev, dtype=dt, generator=gen)
     vc = torch.randn_like(kc)
+    kv_dtype = getattr(args, "kv_dtype", "bf16")
+    scales = {}
+    if kv_dtype != "bf16":  # the cache quantised (saturating), the same scale for k and v
+        f8 = torch.float8_e4m3fn if kv_dtype == "fp8_e4m3" else torch.float8_e5m2
+        scale = 4.0 / torch.finfo(f8).max
+        kc, vc = ((c / scale).clamp(-torch.finfo(f8).max, torch.finfo(f8).max).to(f8) for c in (kc, vc))
+        scales = {"k_scale": scale, "v_scale": scale}
     table = torch.zeros(b, per, dtype=torch.int32)
     at = 0
     for i, n in enumerate(pages):
@@ -112,17 +122,18 @@ def measure(args: argparse.Namespace) -> dict:
     tree = _tree(torch, q_lens, kinds, random.Random(args.seed))
     max_q = max([n for n, k in zip(q_lens, kinds) if k != "prefill"] + [1])
 
-    ba = attngen.BatchAttention(h, hk, d, PAGE, dtype=dt, max_decode_q_len=max(8, max_q))
+    ba = attngen.BatchAttention(h, hk, d, PAGE, dtype=dt, max_decode_q_len=max(8, max_q),
+                                kv_dtype=None if kv_dtype == "bf16" else kc.dtype)
     out_step = torch.empty_like(q)
     ba.plan(cu, cache_lens, table, total_q=total)
-    step_causal = _graphed(lambda: ba.run(q, kc, vc, out=out_step))
+    step_causal = _graphed(lambda: ba.run(q, kc, vc, out=out_step, **scales))
     step_causal()
     torch.cuda.synchronize()
     ref_step = out_step.clone()
-    step_tree = _graphed(lambda: ba.run(q, kc, vc, tree_mask=tree, out=out_step))
+    step_tree = _graphed(lambda: ba.run(q, kc, vc, tree_mask=tree, out=out_step, **scales))
     was = set_overlap(True)
     try:
-        step_overlap = _graphed(lambda: ba.run(q, kc, vc, out=out_step))
+        step_overlap = _graphed(lambda: ba.run(q, kc, vc, out=out_step, **scales))
     finally:
         set_overlap(was)
     plan_fn = _graphed(lambda: ba.plan(cu, cache_lens, table, total_q=total))
@@ -145,18 +156,18 @@ def measure(args: argparse.Namespace) -> dict:
                                device=dev)
             mq, mk = max(q_lens[i] for i in idx), max(lens[i] for i in idx)
             calls.append(lambda qk=qk, cuq=cuq, cuk=cuk, t=t, mq=mq, mk=mk, kind=kind: sep_out.__setitem__(
-                kind, attngen.prefill_varlen(qk, kc, vc, cuq, cuk, mq, mk, causal=True, block_table=t)))
+                kind, attngen.prefill_varlen(qk, kc, vc, cuq, cuk, mq, mk, causal=True, block_table=t, **scales)))
         else:
             qk = q[rows].view(len(idx), q_lens[idx[0]], h, d).contiguous()
             calls.append(lambda qk=qk, t=t, ls=ls, kind=kind: sep_out.__setitem__(
-                kind, attngen.decode(qk, kc, vc, cache_seqlens=ls, block_table=t, causal=True)))
+                kind, attngen.decode(qk, kc, vc, cache_seqlens=ls, block_table=t, causal=True, **scales)))
         calls[-1].rows, calls[-1].kind = rows, kind
     separate = _graphed(*calls)
     separate()
     torch.cuda.synchronize()
     checks = {c.kind: _rel_check(ref_step[c.rows].float(), sep_out[c.kind].reshape(-1, h, d).float()) for c in calls}
 
-    kv_bytes = sum(lens) * hk * d * 2 * 2
+    kv_bytes = sum(lens) * hk * d * 2 * kc.element_size()
     read = stream_reader()
     flat = [kc, vc]
     ms = {"step": bench_ms(step_causal, rep_ms=args.rep_ms)[0], "step_tree": bench_ms(step_tree, rep_ms=args.rep_ms)[0],
@@ -180,7 +191,7 @@ def measure(args: argparse.Namespace) -> dict:
     ms["plan_512_mixed"] = bench_ms(_graphed(lambda: ba5.plan(cu_m, ls_m, t_m, total_q=sum(q_m))),
                                     rep_ms=args.rep_ms)[0]
     shape = (f"decode={args.decode} verify={args.verify}x{args.draft} prefill={args.prefill}x{args.chunk}"
-             f"+{args.cached}")
+             f"+{args.cached}" + ("" if kv_dtype == "bf16" else f" kv={kv_dtype}"))
     rec = {"shape": shape, "kv_bytes": kv_bytes, "ms": ms, "checks": checks,
            "ratio": {"separate": ms["separate"] / ms["step"]},
            "kv_read_tbps": kv_bytes / ms["step"] / 1e9}
