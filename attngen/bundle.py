@@ -90,7 +90,9 @@ def import_bundle(disk: DiskCache, path: "str | Path", *, rebuild: "int | None" 
         raise CacheError(f"{str(path)!r} is not a readable attngen bundle: a file name has no NUL character")
     try:
         tar = tarfile.open(path, mode="r:*")
-    except tarfile.TarError:  # its message lists each compression's own error: not for a user
+    # (its message lists each compression's own error: not for a user; a gzip header that promises more bytes than
+    # the file holds ends in EOFError, past tarfile's own errors)
+    except (tarfile.TarError, EOFError, zlib.error):
         raise CacheError(f"{path} is not a readable attngen bundle (not a tar file, plain or gzip)") from None
     except OSError as e:
         raise CacheError(f"{path} is not a readable attngen bundle: {e.strerror or e}") from None

@@ -86,9 +86,12 @@ def test_a_malformed_bundle_manifest_is_refused_in_one_line(cache_dir, tmp_path,
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_a_non_bundle_is_refused_in_one_line(cache_dir, tmp_path, capsys):
+@pytest.mark.parametrize("head", [b"\x1f\x8b", b"\x1f\x8b\x08\x04" + bytes(6) + b"\x17\x40",
+                                  b"\x1f\x8b\x08\x00" + bytes(6)],
+                         ids=["gzip magic", "a gzip extra field longer than the file", "damaged deflate data"])
+def test_a_non_bundle_is_refused_in_one_line(cache_dir, tmp_path, capsys, head):
     path = tmp_path / "junk.tar.gz"
-    path.write_bytes(b"\x1f\x8b" + os.urandom(200))
+    path.write_bytes(head + (b"abc" if len(head) > 8 and head[3] == 4 else os.urandom(200)))
     assert main(["cache", "import", str(path)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "not a readable attngen bundle" in err, err
