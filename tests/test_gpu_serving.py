@@ -15,22 +15,27 @@ from tests.gpu_reference import fresh_generator  # noqa: E402
 from tests.serving_reference import MAX_ABS, check, make_step, reference, tree_words  # noqa: E402
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("h,hk,d,page", [(32, 8, 128, 16), (8, 8, 64, 64), (16, 2, 128, 64)])
-@pytest.mark.parametrize("with_tree", [False, True])
-def test_mixed_step_matches_attention_per_request(dtype, h, hk, d, page, with_tree):
-    gen = fresh_generator()
-    dev = "cuda"
-    # decode rows (1 token), an empty request, verify rows (5 and 8 tokens), chunked-prefill rows (9..700 tokens)
+def mixed_step(gen, h, hk, d, page, dtype, with_tree):
+    """Decode rows (1 token), an empty request, verify rows (5 and 8 tokens), chunked-prefill rows (9..700 tokens)
+    on a paged cache: make_step's tensors, the lengths, and a random tree over each request of up to 8 tokens."""
     q_lens = [1, 1, 0, 5, 1, 8, 300, 1, 9, 700, 5, 1]
     lens = [700, 33, 90, 1200, 17, 8, 2000, 5000, 9, 700, 64, 1]
-    q, kc, vc, table, cu, cache_lens = make_step(gen, q_lens, lens, h, hk, d, page, dtype)
+    tensors = make_step(gen, q_lens, lens, h, hk, d, page, dtype)
     tree = None
     if with_tree:
         words = []
         for n in q_lens:
-            words += tree_words(n, gen, dev) if n <= 8 else [0] * n
-        tree = torch.tensor(words, dtype=torch.int64, device=dev)
+            words += tree_words(n, gen, "cuda") if n <= 8 else [0] * n
+        tree = torch.tensor(words, dtype=torch.int64, device="cuda")
+    return (*tensors, q_lens, lens, tree)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h,hk,d,page", [(32, 8, 128, 16), (8, 8, 64, 64), (16, 2, 128, 64)])
+@pytest.mark.parametrize("with_tree", [False, True])
+def test_mixed_step_matches_attention_per_request(dtype, h, hk, d, page, with_tree):
+    q, kc, vc, table, cu, cache_lens, q_lens, lens, tree = mixed_step(fresh_generator(), h, hk, d, page, dtype,
+                                                                      with_tree)
     ba = attngen.BatchAttention(h, hk, d, page, dtype=dtype)
     ba.plan(cu, cache_lens, table, total_q=q.shape[0])
     out = torch.full_like(q, float("nan"))
@@ -69,23 +74,31 @@ def test_graph_replay_with_new_lengths():
     ba = attngen.BatchAttention(h, hk, d, page, dtype=dtype)
     out = torch.empty_like(q)
     ba.plan(cu, cache_lens, table, total_q=q.shape[0]).run(q, kc, vc, out=out)  # loads the kernels
+    replay_with_new_lengths(ba, q, (kc, vc), (kc, vc), table, cu, cache_lens, out, gen,
+                            (([1, 5, 1, 600], [3000, 400, 20, 1500]), ([300, 1, 300, 6], [300, 2999, 1000, 7]),
+                             ([0, 1, 606, 0], [0, 1, 606, 5])))
+
+
+def replay_with_new_lengths(ba, q, caches, values, table, cu, cache_lens, out, gen, steps, **run_kw):
+    """The step (plan and run over ``caches``) captured in a graph, then replayed with each of ``steps``' (q_lens,
+    lens) written into the plan's tensors and a fresh q; each against fp32 attention over ``values`` (what the
+    caches stand for)."""
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         ba.plan(cu, cache_lens, table, total_q=q.shape[0])
-        ba.run(q, kc, vc, out=out)
-    for q_lens2, lens2 in (([1, 5, 1, 600], [3000, 400, 20, 1500]), ([300, 1, 300, 6], [300, 2999, 1000, 7]),
-                           ([0, 1, 606, 0], [0, 1, 606, 5])):
+        ba.run(q, *caches, out=out, **run_kw)
+    for q_lens2, lens2 in steps:
         cu.copy_(torch.tensor([0] + list(torch.tensor(q_lens2).cumsum(0)), dtype=torch.int32))
         cache_lens.copy_(torch.tensor(lens2, dtype=torch.int32))
-        q.copy_(torch.randn(q.shape, device="cuda", dtype=dtype, generator=gen))
+        q.copy_(torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        ref_o, _ = reference(q, kc, vc, table, q_lens2, lens2, d ** -0.5)
+        ref_o, _ = reference(q, *values, table, q_lens2, lens2, q.shape[-1] ** -0.5)
         n = sum(q_lens2)
         assert not torch.isnan(out[:n]).any()
-        assert (out[:n].float() - ref_o).abs().max().item() < MAX_ABS[dtype]
+        assert (out[:n].float() - ref_o).abs().max().item() < MAX_ABS[q.dtype]
 
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -105,20 +118,12 @@ def fp8_cache(c, scale, fmt):
 def test_fp8_cache_step_matches_attention_per_request(fmt, h, hk, d, page, with_tree):
     """A mixed step over an fp8 cache (both kernels widen its tiles), against fp32 attention on the values the
     cache stands for; per-tensor scales."""
-    gen = fresh_generator()
-    dev, dtype = "cuda", torch.bfloat16
-    q_lens = [1, 1, 0, 5, 1, 8, 300, 1, 9, 700, 5, 1]
-    lens = [700, 33, 90, 1200, 17, 8, 2000, 5000, 9, 700, 64, 1]
-    q, kc, vc, table, cu, cache_lens = make_step(gen, q_lens, lens, h, hk, d, page, dtype)
+    dtype = torch.bfloat16
+    q, kc, vc, table, cu, cache_lens, q_lens, lens, tree = mixed_step(fresh_generator(), h, hk, d, page, dtype,
+                                                                      with_tree)
     ks, vs = 0.02, 0.05
     k8, kdq = fp8_cache(kc, ks, fmt)
     v8, vdq = fp8_cache(vc, vs, fmt)
-    tree = None
-    if with_tree:
-        words = []
-        for n in q_lens:
-            words += tree_words(n, gen, dev) if n <= 8 else [0] * n
-        tree = torch.tensor(words, dtype=torch.int64, device=dev)
     ba = attngen.BatchAttention(h, hk, d, page, dtype=dtype, kv_dtype=FP8[fmt])
     ba.plan(cu, cache_lens, table, total_q=q.shape[0])
     out = torch.full_like(q, float("nan"))
@@ -146,22 +151,9 @@ def test_fp8_cache_step_per_head_scales_bytes_and_graph_replay():
     ba.plan(cu, cache_lens, table, total_q=q.shape[0]).run(q, kb, vb, out=out, k_scale=ks, v_scale=vs)
     ref_o, _ = reference(q, kdq, vdq, table, q_lens, lens, d ** -0.5)
     assert (out.float() - ref_o).abs().max().item() < MAX_ABS[dtype]
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ba.plan(cu, cache_lens, table, total_q=q.shape[0])
-        ba.run(q, kb, vb, out=out, k_scale=ks, v_scale=vs)
-    for q_lens2, lens2 in (([300, 1, 300, 6], [300, 2999, 1000, 7]), ([0, 1, 606, 0], [0, 1, 606, 5])):
-        cu.copy_(torch.tensor([0] + list(torch.tensor(q_lens2).cumsum(0)), dtype=torch.int32))
-        cache_lens.copy_(torch.tensor(lens2, dtype=torch.int32))
-        q.copy_(torch.randn(q.shape, device="cuda", dtype=dtype, generator=gen))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref_o, _ = reference(q, kdq, vdq, table, q_lens2, lens2, d ** -0.5)
-        n = sum(q_lens2)
-        assert not torch.isnan(out[:n]).any()
-        assert (out[:n].float() - ref_o).abs().max().item() < MAX_ABS[dtype]
+    replay_with_new_lengths(ba, q, (kb, vb), (kdq, vdq), table, cu, cache_lens, out, gen,
+                            (([300, 1, 300, 6], [300, 2999, 1000, 7]), ([0, 1, 606, 0], [0, 1, 606, 5])),
+                            k_scale=ks, v_scale=vs)
 
 
 def test_fp8_cache_mismatches_are_refused_by_name():
