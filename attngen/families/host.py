@@ -18,6 +18,9 @@ from ..runtime import (TunedKernels, allocator, current_stream, keep_call, regis
                        torch_stream_getter)
 from .choice import device_facts
 
+# The softmax runs in base 2: the kernels take the scale times log2(e) beside the scale itself.
+LOG2E = 1.4426950408889634
+
 
 class Plan(TunedKernels):
     """What a call needs that depends only on its plan key: the kernels by size (``TunedKernels``), the

@@ -15,7 +15,7 @@ from ...spec import op_spec
 from ...tuned import stored_choices
 from ..choice import device_facts
 from ..head_pad import pad_widths, run_padded
-from ..host import OpMemo, Plan
+from ..host import LOG2E, OpMemo, Plan
 from ..score_mods import NO_EXTRAS, check_spec_sinks, checked_scale, extras, sinks_ptr as checked_sinks
 from ..snippets import call_mods, check_spec_mods, mod_layout, pack_aux, refuse_traced
 from ..split_kv import CLUSTER_MAX, cache_lengths, check_index, check_rows, checked_splits, paged_table
@@ -33,7 +33,6 @@ _PARAMS = struct.Struct("<12Q14q9iI2f2fQqQiiQQQiif4x")
 # A packed, ragged q's kernels (spec varlen_q) add cu_seqlens_q's and tree_mask's pointers, the LSE's head stride and
 # batch_order's pointer.
 _PARAMS_VARLEN = struct.Struct(_PARAMS.format + "QQqQ")
-_LOG2E = 1.4426950408889634
 MAX_Q_LEN = 8
 # A packed, ragged q (cu_seqlens_q): at most this many tokens a request go through the decode kernels (and
 # group x max_q_len packed rows at most the largest q_rows).
@@ -487,7 +486,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         b, q_len, h, group,
         num_splits, block_size, capacity, pool,
         seq_fixed, block_mul(block_size) if block_size else 0,
-        scale * k_mul, scale * k_mul * _LOG2E,
+        scale * k_mul, scale * k_mul * LOG2E,
         cap_u, inv_cap_u, alibi_ptr, alibi_sb,
         pad_ptr, left, right,
         sinks_ptr,

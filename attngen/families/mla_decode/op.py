@@ -10,7 +10,7 @@ from ... import runtime as _rt
 from ...errors import LaunchError
 from ...runtime import data_ptr, get_kernel, tensor_info
 from ...spec import Mma, Pipeline, op_spec
-from ..host import OpMemo, Plan
+from ..host import LOG2E, OpMemo, Plan
 from ..score_mods import checked_scale
 from ..split_kv import cache_lengths, check_rows, checked_splits, paged_table
 from ..tma import tiled_map
@@ -26,7 +26,6 @@ _PARAMS_TMA = struct.Struct("<256s10Q14q9i2fi")
 # wgmma kernel (TMA) MlaFp8TmaParams: the maps of the fp8 ckv and kpe first.
 _PARAMS_FP8 = struct.Struct("<10Q14q9i2fiQf4x")
 _PARAMS_FP8_TMA = struct.Struct("<256s10Q14q9i2fiQf4x")
-_LOG2E = 1.4426950408889634
 MAX_Q_LEN = 4
 MAX_HEADS = 128
 # Paged blocks: the sizes its tests cover (decode and prefill, whose block lookups are exact for any multiple of 16,
@@ -225,7 +224,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
         b, q_len, h, num_splits,
         block_size, capacity, pool,
         seq_fixed, (block_size.bit_length() - 1) if block_size and not block_size & (block_size - 1) else -1,
-        scale, scale * _LOG2E, int(lc.evict_first),
+        scale, scale * LOG2E, int(lc.evict_first),
     )
     stream = plan.stream(dev)
     if rs.fp8 and maps is not None:

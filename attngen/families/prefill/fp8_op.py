@@ -17,6 +17,7 @@ from ...spec import allowed_text
 from ..score_mods import checked_scale
 from ..tma import tiled_map
 from ..decode.fp8 import check_rows, scale_arg, scale_key
+from ..host import LOG2E
 from .checks import check_infos, mask_and_window, out_of
 from .choose import DENSE, VARLEN, dense_grid, persistent_grid, varlen_grid
 from .fp8 import HEAD_DIMS, QKV_DTYPES
@@ -29,7 +30,6 @@ _BYTES = ("torch.uint8", "uint8")
 _OTHER_FP8 = ("torch.float8_e5m2", "torch.float8_e4m3fnuz", "torch.float8_e5m2fnuz", "torch.float8_e8m0fnu")
 _DESCALE_SHAPES = ("a number, or an fp32 device tensor of shape [] or [1] (per tensor), [kv_heads] (per KV head) or "
                    "[batch, kv_heads]")
-_LOG2E = 1.4426950408889634
 _DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
 # PrefillFp8Params (templates/prefill/fp8.cuh): the three maps, every field of PrefillParams (the varlen ones, the
 # batch count, the sinks' pointer), then Fp8Scales: 3 pointers, 6 strides, v's number.
@@ -219,7 +219,7 @@ def _prepare_dense(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, 
     call.head = (qi.ptr, ki.ptr)
     call.vals = (qs[0], qs[1], qs[2], kst[0], kst[1], kst[2], hk * d * cols // 2, cols // 2, d * cols // 2,
                  ost[0], ost[1], ost[2],
-                 sq, sk, h, h // hk, scale, scale * _LOG2E, left, right, 0.0, 0.0, 0, 0,
+                 sq, sk, h, h // hk, scale, scale * LOG2E, left, right, 0.0, 0.0, 0, 0,
                  0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                  0, 0, 0, 0, 0, 0, 0, 0, 0, b, 0, *f8)  # (batch_count: the persistent kernel's walk)
     return call
@@ -328,7 +328,7 @@ def _prepare_varlen(qi, ki, vi, cq, ck, max_seqlen_k, causal, window, sm_scale, 
     qs, kst = [x // 2 for x in qi.strides], [x // 2 for x in ki.strides]  # (16-bit pairs, as for dense)
     call.head = (qi.ptr, ki.ptr)
     call.vals = (0, qs[0], qs[1], 0, kst[0], kst[1], 0, cols // 2, d * cols // 2, 0, ost[0], ost[1],
-                 0, 0, h, h // hk, scale, scale * _LOG2E, left, right, 0.0, 0.0, 0, 0,
+                 0, 0, h, h // hk, scale, scale * LOG2E, left, right, 0.0, 0.0, 0, 0,
                  cq.ptr, ck.ptr, 0, 0, 0, 0, 0, 0, 0, 0,
                  0, 0, total_q, total_k, 0, 0, 0, 0, 0, 0, 0, *f8)
     return call

@@ -26,6 +26,7 @@ from ...runtime import data_ptr, tensor_info
 from ...spec import op_spec
 from ..choice import device_facts
 from ..head_pad import pad_widths, run_padded, zero_padded
+from ..host import LOG2E
 from ..score_mods import NO_EXTRAS, check_spec_sinks, checked_scale, extras, sinks_ptr
 from ..snippets import call_mods, check_spec_mods, mod_layout, pack_aux, refuse_traced
 from .choose import CUSTOM_MASK, DENSE, base_spec, dense_grid, persistent_grid, table
@@ -56,7 +57,6 @@ PARAMS_EXT_SINKS = struct.Struct(PARAMS_EXT.format + "iQ")
 PARAMS_EXT_TMA_SINKS = struct.Struct(PARAMS_EXT_TMA.format + "iQ")
 # What a plan's kernel reads its inputs as (the last element of a plan key): choose.DENSE, CUSTOM_MASK, VARLEN,
 # VARLEN_PAGED.
-_LOG2E = 1.4426950408889634
 
 
 def _check_qkv(q, k, v):
@@ -303,7 +303,7 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
     call.tail = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
                  ostrides[0], ostrides[1], ostrides[2],
                  sq, sk, h, h // hk,
-                 scale, scale * _LOG2E,
+                 scale, scale * LOG2E,
                  left, right,
                  cap_u, inv_cap_u, alibi_ptr, alibi_sb)
     if masked or mod_plan:  # the mask plan gives the grid, per call

@@ -15,11 +15,12 @@ from ...errors import LaunchError
 from ...runtime import data_ptr, tensor_info
 from ...spec import op_spec
 from ..head_pad import pad_widths, run_padded
+from ..host import LOG2E
 from ..score_mods import NO_EXTRAS, check_spec_sinks, checked_scale, extras, sinks_ptr
 from ..snippets import call_mods, check_spec_mods, mod_layout, pack_aux, refuse_traced
 from ..split_kv import check_block_size
 from .choose import VARLEN, VARLEN_PAGE_ROWS, VARLEN_PAGED, varlen_grid
-from .op import (_LOG2E, _NO_WINDOW, PARAMS_EXT, PARAMS_EXT_SINKS, PARAMS_EXT_TMA, PARAMS_EXT_TMA_SINKS, check_qkv,
+from .op import (_NO_WINDOW, PARAMS_EXT, PARAMS_EXT_SINKS, PARAMS_EXT_TMA, PARAMS_EXT_TMA_SINKS, check_qkv,
                  mask_and_window, out_of, plan_for)
 from . import fp8_op
 from .order import VarlenOrder, _index, launch_order, order_tiles  # noqa: F401  (serving, the tests)
@@ -216,7 +217,7 @@ def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window, sm_scale,
         0, qs[0], qs[1],
         ks[0] if paged else 0, ks[-3], ks[-2], vs[0] if paged else 0, vs[-3], vs[-2],
         0, ostrides[0], ostrides[1],
-        0, 0, h, h // hk, scale, scale * _LOG2E, left, right, cap_u, inv_cap_u, alibi_ptr, alibi_sb,
+        0, 0, h, h // hk, scale, scale * LOG2E, left, right, cap_u, inv_cap_u, alibi_ptr, alibi_sb,
         cq.ptr, ck.ptr, bt_ptr, wp, wp + 8 * max_items, 0, 0, 0,
         bt_sb, 0,
         block_size, num_blocks, total_q, total_k, 0, 0, 0, 0, 0,
