@@ -36,7 +36,7 @@ from .families.decode.spec import KVDType
 from .families.prefill.op import _NO_WINDOW, mask_and_window, plan_for
 from .families.prefill.choose import varlen_grid
 from .families.prefill.spec import ORDER_SORT_MAX
-from .families.prefill.fp8_op import cache_spec
+from .families.prefill.fp8_op import cache_spec, check_cache_route
 from .families.prefill.varlen import VarlenOrder, launch_order, order_tiles, page_layout, run_varlen
 from .kvcache import _torch
 from .runtime import tensor_info
@@ -180,7 +180,8 @@ class BatchAttention:
         key at position L - q_len + j), for requests run by the decode kernel; every key before the drafts is
         seen; longer requests stay causal. ``sinks`` (fp32 ``[num_heads]``): attention sinks. An fp8 cache (the
         ``kv_dtype`` given at construction): its keys are ``k_scale * k_cache`` and values ``v_scale * v_cache``
-        (each a number, or an fp32 device tensor of shape [], [1] or [num_kv_heads]; missing means 1). Returns
+        (each a number, or an fp32 device tensor of shape [], [1] or [num_kv_heads]; missing means 1); sinks are
+        refused there before any launch (the prefill kernel over an fp8 cache has no sinks form). Returns
         ``out`` ``[total_q, num_heads, head_dim]`` and with ``return_lse`` the fp32 LSE ``[num_heads, total_q]``."""
         if self._planned is None:
             raise LaunchError("BatchAttention.run before plan: call plan(cu_seqlens_q, cache_seqlens, block_table, "
@@ -200,6 +201,9 @@ class BatchAttention:
         if self.kv is None and (k_scale is not None or v_scale is not None):
             raise LaunchError("k_scale and v_scale are for an fp8 cache: make BatchAttention with kv_dtype="
                               "torch.float8_e4m3fn or torch.float8_e5m2")
+        if self.kv is not None and sinks is not None:
+            # the prefill rows' kernel over an fp8 cache, with sinks, resolved before either kernel writes a row
+            check_cache_route(q, self.kv, True, self.mcode, False, False, True)
         torch = self._torch
         cur = torch.cuda.current_stream(q.device)
         side = None

@@ -78,3 +78,15 @@ def test_plan_refuses_more_requests_than_it_sorts():
     with pytest.raises(attngen.LaunchError, match=f"cache_seqlens has {b} requests; .* at most {MAX_PLAN_BATCH}"):
         ba.plan(cu, lens, table, total_q=b)
     assert MAX_PLAN_BATCH == 4096
+
+
+def test_an_fp8_cache_with_sinks_is_refused_before_any_launch():
+    """BatchAttention.run resolves the fp8 cache's prefill kernel with sinks before launching (fp8_op.cache_route):
+    that kernel has no sinks form, so the call names sinks; without sinks it resolves."""
+    from attngen.families.decode.spec import KVDType
+    from attngen.families.prefill.fp8_op import cache_route
+
+    with pytest.raises(attngen.SpecError, match="sinks"):
+        cache_route(128, "bf16", KVDType.FP8_E4M3, True, 1, False, False, True, "sm_90a")
+    assert cache_route(128, "bf16", KVDType.FP8_E4M3, True, 1, False, False, False, "sm_90a").kv_dtype == "fp8_e4m3"
+

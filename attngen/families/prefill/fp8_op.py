@@ -370,16 +370,25 @@ def cache_spec(spec, kv):
 
 
 def check_cache_route(q, kv, paged: bool, mask: int, softcap: bool, alibi: bool, sinks: bool) -> None:
-    """flash_attn_with_kvcache past the decode kernels' tokens over an fp8 cache: the varlen prefill kernel that will
-    serve it resolved now for q's device (a SpecError naming what it lacks), before the cache is written."""
+    """flash_attn_with_kvcache past the decode kernels' tokens over an fp8 cache (and BatchAttention's prefill rows
+    over one): the varlen prefill kernel that will serve it resolved now for q's device (a SpecError naming what it
+    lacks), before the cache is written or any kernel launched."""
     from ...runtime import device_arch
+
+    qi = tensor_info(q, "q")
+    cache_route(qi.shape[-1], qi.dtype, kv, paged, mask, softcap, alibi, sinks, device_arch(qi.device))
+
+
+def cache_route(head_dim: int, dtype: str, kv, paged: bool, mask: int, softcap: bool, alibi: bool, sinks: bool,
+                arch):
+    """The varlen prefill kernel over an fp8 cache of format ``kv`` for those switches on ``arch``, resolved (a
+    SpecError naming what it lacks: e.g. sinks, which that kernel has no form of yet)."""
     from ...spec import resolve
     from .checks import _MASKS
     from .spec import PrefillSpec
 
-    qi = tensor_info(q, "q")
-    resolve(PrefillSpec(head_dim=qi.shape[-1], dtype=qi.dtype, mask=_MASKS[mask], varlen=True, paged=paged,
-                        kv_dtype=kv.value, softcap=softcap, alibi=alibi, sinks=sinks), device_arch(qi.device))
+    return resolve(PrefillSpec(head_dim=head_dim, dtype=dtype, mask=_MASKS[mask], varlen=True, paged=paged,
+                               kv_dtype=kv.value, softcap=softcap, alibi=alibi, sinks=sinks), arch)
 
 
 def cache_scales(k_scale, v_scale, kv, hk: int, qi) -> tuple[float, tuple]:
