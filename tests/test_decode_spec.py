@@ -78,6 +78,19 @@ def test_many_packed_rows_take_two_warps_across_the_keys(paged):
         assert cfg(64, arch) == cfg(32, arch)
 
 
+def test_a_packed_q_over_an_fp8_cache_takes_128_key_tiles_on_sm_90a():
+    """The serving step's decode rows over an fp8 cache (head_dim 128, 32 rows, paged, sm_90a): two stages of 128-key
+    tiles, before TUNED_VARLEN's 16-bit choice; the 16-bit cache, other archs and other head dims keep theirs."""
+    def cfg(arch, d=128, **kw):
+        r = resolve(DecodeSpec(head_dim=d, q_rows=32, paged=True, varlen_q=True, **kw), arch)
+        return r.cta_tile_kv, r.num_warps, r.num_stages
+    for kw in ({}, {"tree": True}, {"sinks": True}, {"local": True}):
+        assert cfg("sm_90a", kv_dtype="fp8_e4m3", **kw) == (128, 4, 2), kw
+    assert cfg("sm_90a") == (32, 4, 4)
+    assert cfg("sm_80", kv_dtype="fp8_e4m3") != (128, 4, 2)
+    assert cfg("sm_90a", d=112, kv_dtype="fp8_e4m3") != (128, 4, 2)
+
+
 def test_a_warp_split_too_thin_names_cta_tile_kv():
     s = DecodeSpec(head_dim=128, q_rows=16, cta_tile_kv=32, num_warps=4, num_stages=2)
     with pytest.raises(SpecError) as ei:

@@ -97,6 +97,18 @@ def test_fp8_specs_resolve_to_mma_sync_within_shared_memory(arch):
                 assert not r.cluster_merge_fits()
 
 
+def test_fp8_16_rows_take_four_warps_on_sm_90a_only():
+    """16 rows over an fp8 cache: four warps (two CTAs an SM) on sm_90a, where it was timed; 8 elsewhere."""
+    def cfg(arch, **kw):
+        r = resolve(MlaDecodeSpec(q_rows=16, kv_dtype="fp8_e4m3", **kw), arch)
+        return r.qk_shard, r.cta_tile_kv, r.num_warps, r.num_stages
+    for kw in ({}, {"paged": True}, {"kv_lora_rank": 256, "rope_dim": 32}):
+        assert cfg("sm_90a", **kw) == (QkShard.TRUE, 64, 4, 2)
+        assert cfg("sm_80", **kw)[2] == cfg("sm_100", **kw)[2] == 8
+    assert resolve(MlaDecodeSpec(q_rows=16), "sm_90a").num_warps == 8  # a 16-bit cache keeps its tiles
+    assert resolve(MlaDecodeSpec(q_rows=32, kv_dtype="fp8_e4m3"), "sm_90a").num_warps == 8
+
+
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_64_rows_resolve_to_wgmma_on_sm_90a(kv):
     """64 rows on sm_90a: the 16-bit kernel's tiles and shared memory (the fp8 tile lands in the slot it is widened
