@@ -92,7 +92,7 @@ class BatchAttention:
         if dtype not in (torch.float16, torch.bfloat16):
             raise LaunchError(f"dtype={dtype} is not supported; allowed: torch.float16, torch.bfloat16")
         self.dtype, self._torch = dtype, torch
-        self.kv = _kv_format(kv_dtype, torch)
+        self.kv, self.kv_torch = _kv_format(kv_dtype, torch)
         self.page_size = _int_arg("page_size", page_size, 1, 1 << 20)
         group = self.h // self.hk
         self.max_decode_q_len = _int_arg("max_decode_q_len", max_decode_q_len, 1, max(1, MAX_DECODE_ROWS // group))
@@ -237,7 +237,7 @@ class BatchAttention:
     def _caches(self, k_cache, v_cache):
         """The caches as the kernels take them: in q's dtype, or in the fp8 dtype of ``kv_dtype`` (uint8 bytes
         viewed as it); a cache of another dtype is refused by name."""
-        want = self.dtype if self.kv is None else _TORCH_FP8[self.kv]
+        want = self.dtype if self.kv is None else self.kv_torch
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
             if c.dtype != want and not (self.kv is not None and str(c.dtype) in BYTE_DTYPES):
                 kv = "" if self.kv is None else f" or uint8 bytes (kv_dtype={self.kv.value})"
@@ -250,17 +250,16 @@ class BatchAttention:
         return k_cache, v_cache
 
 
-_TORCH_FP8 = {}  # KVDType -> the torch dtype, filled on first use (torch is imported lazily)
-
-
-def _kv_format(kv_dtype, torch) -> KVDType | None:
-    """BatchAttention's ``kv_dtype``: None, a torch fp8 dtype or its name."""
-    if not _TORCH_FP8:
-        _TORCH_FP8.update({KVDType.FP8_E4M3: torch.float8_e4m3fn, KVDType.FP8_E5M2: torch.float8_e5m2})
+def _kv_format(kv_dtype, torch):
+    """BatchAttention's ``kv_dtype`` (None, a torch fp8 dtype or its name): the cache's format and its torch dtype,
+    (None, None) for a cache in q's dtype."""
     if kv_dtype is None:
-        return None
-    for kv, t in _TORCH_FP8.items():
-        if kv_dtype is t or kv_dtype == kv.value:
-            return kv
+        return None, None
+    if isinstance(kv_dtype, str):
+        kv = next((k for k in KVDType if k.value == kv_dtype), None)
+    else:
+        kv = FP8_DTYPES.get(str(kv_dtype))  # (torch's fp8 dtypes by name; others, e4m3fnuz say, are not there)
+    if kv is not None:
+        return kv, torch.float8_e4m3fn if kv is KVDType.FP8_E4M3 else torch.float8_e5m2
     raise LaunchError(f"kv_dtype={kv_dtype!r} is not supported; allowed: None (q's dtype), torch.float8_e4m3fn, "
                       f"torch.float8_e5m2, 'fp8_e4m3', 'fp8_e5m2'")

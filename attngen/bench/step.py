@@ -102,7 +102,7 @@ def measure(args: argparse.Namespace) -> dict:
     pages = [-(-n // PAGE) for n in lens]
     kc = torch.randn(sum(pages), PAGE, hk, d, device=dev, dtype=dt, generator=gen)
     vc = torch.randn_like(kc)
-    kv_dtype = getattr(args, "kv_dtype", "bf16")
+    kv_dtype = args.kv_dtype
     scales = {}
     if kv_dtype != "bf16":  # the cache quantised (saturating), the same scale for k and v
         f8 = torch.float8_e4m3fn if kv_dtype == "fp8_e4m3" else torch.float8_e5m2

@@ -55,8 +55,6 @@ _PARAMS_TMA_SINKS = struct.Struct("<384s5Q12q4i2f2i2fQq116xiQ")
 _PARAMS_TMA4_SINKS = struct.Struct("<512s5Q12q4i2f2i2fQq116xiQ")
 PARAMS_EXT_SINKS = struct.Struct(PARAMS_EXT.format + "iQ")
 PARAMS_EXT_TMA_SINKS = struct.Struct(PARAMS_EXT_TMA.format + "iQ")
-# What a plan's kernel reads its inputs as (the last element of a plan key): choose.DENSE, CUSTOM_MASK, VARLEN,
-# VARLEN_PAGED.
 
 
 def _check_qkv(q, k, v):
