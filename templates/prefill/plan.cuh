@@ -277,29 +277,74 @@ __device__ __forceinline__ void varlen_lengths(const PlanParams& p, int s, int& 
   }
 }
 
-// Sorts a[0, n) descending (n a power of two, at most ORDER_SORT_MAX; the keys distinct), by the
-// whole block: a bitonic network. A stride of at most 32 pairs keys of one warp's run of 64 (pair t
-// is always thread t % ORDER_THREADS's), so only the longer strides wait for the whole block.
-__device__ __forceinline__ void sort_descending(unsigned long long* a, int n) {
-  __syncthreads();
+// sort_descending with RN keys a thread (n = RN * ORDER_THREADS; RN = 1: n at most ORDER_THREADS, and the
+// warps past n hold none and leave the shuffles out).
+template <int RN>
+__device__ __forceinline__ void sort_held(unsigned long long* a, int n) {
+  const bool holds = (threadIdx.x & ~31) < n;  // the same for the whole warp
+  unsigned long long x[RN];
+  auto load = [&]() {
+#pragma unroll
+    for (int r = 0; r < RN; ++r) {
+      const int e = threadIdx.x + r * ORDER_THREADS;
+      x[r] = e < n ? a[e] : 0ull;
+    }
+  };
+  auto store = [&]() {
+#pragma unroll
+    for (int r = 0; r < RN; ++r) {
+      const int e = threadIdx.x + r * ORDER_THREADS;
+      if (e < n) a[e] = x[r];
+    }
+    __syncthreads();
+  };
+  load();
   for (int k = 2; k <= n; k *= 2) {
-    for (int j = k / 2; j > 0; j /= 2) {
-      for (int t = threadIdx.x; t < n / 2; t += ORDER_THREADS) {
-        const int i = 2 * t - (t & (j - 1)), l = i + j;
-        const unsigned long long x = a[i], y = a[l];
-        if (((i & k) == 0) == (x < y)) {  // runs at i & k == 0 descend, the others ascend
-          a[i] = y;
-          a[l] = x;
+    int j = k / 2;
+    if (j >= 32) {
+      store();
+      for (; j >= 32; j /= 2) {
+        for (int t = threadIdx.x; t < n / 2; t += ORDER_THREADS) {
+          const int i = 2 * t - (t & (j - 1)), l = i + j;
+          const unsigned long long u = a[i], v = a[l];
+          if (((i & k) == 0) == (u < v)) {  // runs at i & k == 0 descend, the others ascend
+            a[i] = v;
+            a[l] = u;
+          }
         }
-      }
-      if (j >= 64 || j == 1) {
         __syncthreads();
-      } else {
-        __syncwarp();
+      }
+      load();
+    }
+    if (holds) {
+      for (; j > 0; j /= 2) {
+#pragma unroll
+        for (int r = 0; r < RN; ++r) {
+          const int e = threadIdx.x + r * ORDER_THREADS;
+          const unsigned long long y = __shfl_xor_sync(0xffffffffu, x[r], j);
+          // the larger key goes to the lower index of a descending run and to the upper of an ascending one
+          const bool larger = ((e & k) == 0) == ((e & j) == 0);
+          x[r] = larger == (x[r] < y) ? y : x[r];
+        }
       }
     }
   }
+  store();
+}
+
+// Sorts a[0, n) descending (n a power of two, at most ORDER_SORT_MAX; the keys distinct), by the
+// whole block: a bitonic network. Thread t holds keys t + r * ORDER_THREADS in registers, where the
+// shorter strides (under 32) pair keys of one warp, exchanged by shuffles; a stride of 32 or more
+// pairs keys of two warps and goes through a[], the whole block waiting.
+__device__ __forceinline__ void sort_descending(unsigned long long* a, int n) {
+  static_assert(ORDER_SORT_MAX == 4 * ORDER_THREADS, "sort_held's key counts");
   __syncthreads();
+  if (n <= ORDER_THREADS)
+    sort_held<1>(a, n);
+  else if (n == 2 * ORDER_THREADS)
+    sort_held<2>(a, n);
+  else
+    sort_held<4>(a, n);
 }
 
 // Sequence s's key in the decode order: the decode requests (1 to max_decode_q_len queries, as the
@@ -321,12 +366,13 @@ __device__ __forceinline__ void order_work(const PlanParams& p) {
   __shared__ int s_hist[ORDER_BUCKETS];
   __shared__ int s_warp[32];
   int n;
+  const int* first = p.scratch;  // VARLEN: [batch + 1] each sequence's first item
   if constexpr (VARLEN) {
     __shared__ unsigned long long s_sort[ORDER_SORT_MAX];
     const bool sorting = p.decode_order && p.batch <= ORDER_SORT_MAX;
     // scratch[s] = query tiles of the sequences before s; with seqlens, cu_k_out[s + 1] = keys up to s
     // (int32 wraps as cumsum does: the kernel reads only differences)
-    int carry = 0;
+    int carry = 0, mine = 0;  // mine: this thread's sequence's first item (the first ORDER_THREADS sequences)
     unsigned carry_k = 0u;
     for (int c0 = 0; c0 < p.batch; c0 += ORDER_THREADS) {
       const int s = c0 + threadIdx.x;
@@ -342,6 +388,7 @@ __device__ __forceinline__ void order_work(const PlanParams& p) {
       int chunk;
       const int before = block_exclusive_sum(tiles, s_warp, &chunk);
       if (s < p.batch) p.scratch[s] = carry + before;
+      if (c0 == 0) mine = before;
       carry += chunk;
       if (p.seqlens) {
         const int before_k = block_exclusive_sum(keys, s_warp, &chunk);
@@ -364,6 +411,15 @@ __device__ __forceinline__ void order_work(const PlanParams& p) {
         p.decode_order[r] = 0x7fffffff - int(s_sort[r] & 0x7fffffffu);
     }
     __syncthreads();
+    // The sequences' first items, which every item's search reads, in s_sort's space (free once the decode
+    // order is written) where they fit; the first ORDER_THREADS from registers.
+    if (n > 0 && p.batch < 2 * ORDER_SORT_MAX) {
+      int* copy = reinterpret_cast<int*>(s_sort);
+      for (int s = threadIdx.x; s <= p.batch; s += ORDER_THREADS)
+        copy[s] = s == p.batch ? n : s < ORDER_THREADS ? mine : p.scratch[s];
+      first = copy;
+      __syncthreads();
+    }
   } else {
     n = p.units_b * p.units_h * p.num_q_tiles;
   }
@@ -373,9 +429,9 @@ __device__ __forceinline__ void order_work(const PlanParams& p) {
       int lo = 0, hi = p.batch - 1;  // the last sequence whose first tile is at or before i
       while (lo < hi) {
         const int mid = (lo + hi + 1) / 2;
-        if (p.scratch[mid] <= i) lo = mid; else hi = mid - 1;
+        if (first[mid] <= i) lo = mid; else hi = mid - 1;
       }
-      const int qt = i - p.scratch[lo];
+      const int qt = i - first[lo];
       int sq, sk;
       varlen_lengths(p, lo, sq, sk);
       const KeyRange keys = key_range<MASK>(sq, sk, p);
@@ -390,9 +446,17 @@ __device__ __forceinline__ void order_work(const PlanParams& p) {
   for (int b = threadIdx.x; b < ORDER_BUCKETS; b += ORDER_THREADS) s_hist[b] = 0;
   __syncthreads();
   unsigned odd = 0u;
+  // Each thread's first item is kept for the second pass, which then recomputes only the items past the first
+  // ORDER_THREADS.
+  int2 it0 = make_int2(0, 0);
+  int work0 = 0;
   for (int i = threadIdx.x; i < n; i += ORDER_THREADS) {
     int work;
-    item(i, work);
+    const int2 it = item(i, work);
+    if (i == threadIdx.x) {
+      it0 = it;
+      work0 = work;
+    }
     atomicAdd(&s_hist[min(work, ORDER_BUCKETS - 1)], 1);
     if constexpr (!VARLEN) odd |= p.flags[1 + i];
   }
@@ -417,8 +481,8 @@ __device__ __forceinline__ void order_work(const PlanParams& p) {
   }
   __syncthreads();
   for (int i = threadIdx.x; i < n; i += ORDER_THREADS) {
-    int work;
-    const int2 it = item(i, work);
+    int work = work0;
+    const int2 it = i == threadIdx.x ? it0 : item(i, work);
     p.work[atomicAdd(&s_hist[min(work, ORDER_BUCKETS - 1)], 1)] = it;
   }
 }
