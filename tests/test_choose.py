@@ -14,7 +14,7 @@ import pytest
 from attngen.arch import get_arch
 from attngen.families.choice import DeviceFacts
 from attngen.families.decode import choose as D
-from attngen.families.decode.spec import DecodeSpec
+from attngen.families.decode.spec import DecodeSpec, KVDType
 from attngen.families.merge import choose as G
 from attngen.families.mla_decode import choose as M
 from attngen.families.mla_decode.spec import MlaDecodeSpec
@@ -45,7 +45,7 @@ def dtiles(s):
 
 def mtiles(s):
     return (f"q{s.q_rows} {s.qk_shard.value} kv{s.cta_tile_kv} w{s.num_warps} s{s.num_stages} {s.mma.value} "
-            f"{s.pipeline.value}")
+            f"{s.pipeline.value}" + (" clmerge" if s.cluster_merge else ""))
 
 
 PREFILL = [
@@ -119,6 +119,9 @@ MLA = [
     ("sm_90a", 0.7, 64, 8, 8192, False, 0, "q64 true kv64 w8 s2 wgmma tma", 16, 0, True, '_merge_fine'),
     ("sm_90a", 0.7, 128, 8, 32768, False, 0, "q64 alternate kv64 w8 s2 wgmma tma", 8, 0, False, '_merge'),
     ("sm_90a", 0.7, 128, 64, 1024, False, 0, "q64 true kv64 w8 s2 wgmma tma", 1, 0, False, None),
+    # the row blocks fill 0.4 of the SMs and every cluster of their splits is resident: the cluster_merge kernel
+    ("sm_90a", 0.7, 128, 28, 1024, False, 0, "q64 true kv64 w8 s2 wgmma tma clmerge", 2, 2, False, None),
+    ("sm_90a", 0.7, 64, 56, 1024, True, 64, "q64 true kv64 w8 s2 wgmma tma clmerge", 2, 2, False, None),
     ("sm_90a", 0.49, 16, 1, 32768, False, 0, "q16 true kv64 w8 s2 mma_sync tma", 128, 0, True, '_merge_wide'),
     ("sm_90a", 0.49, 16, 64, 8192, False, 0, "q16 true kv64 w8 s2 mma_sync tma", 2, 0, False, '_merge'),
     ("sm_90a", 0.49, 16, 256, 8192, True, 64, "q16 true kv64 w8 s2 mma_sync tma", 1, 0, False, None),
@@ -227,6 +230,14 @@ def test_mla_decode_pins_and_a_refused_map():
     assert M.choose(alt, f).spec.qk_shard.value == "alternate"
     shard = M.Problem(heads=128, batch=8, capacity=32768, spec=MlaDecodeSpec(qk_shard="true"))
     assert M.choose(shard, f).spec.qk_shard.value == "true"
+    # the cluster_merge form: not where the caller pins a tuning field (the merge launch then), nor over fp8 tiles;
+    # a caller's cluster_merge spec merges in a cluster where one fits
+    cl = dict(heads=128, batch=28, capacity=1024)
+    for kw in (dict(spec=MlaDecodeSpec(qk_shard="true")), dict(kv_dtype=KVDType.FP8_E4M3)):
+        c = M.choose(M.Problem(**cl, **kw), f)
+        assert (c.spec.cluster_merge, c.launch.cluster, c.launch.merge_entry) == (False, 0, "_merge")
+    c = M.choose(M.Problem(**cl, spec=MlaDecodeSpec(cluster_merge=True, qk_shard="true")), f)
+    assert (c.spec.cluster_merge, c.launch.cluster, c.launch.merge_entry) == (True, 2, None)
 
 
 # --- every choice for a manifest line is in that line's expansion ---------------------------------------------

@@ -473,25 +473,32 @@ def test_auto_takes_the_wgmma_kernel_for_32_rows_on_fast_memory(monkeypatch):
     (8, 3, [5000, 40], 5, None),             # 24 of 32 rows
     (32, 1, [2000, 1], 8, 64),               # paged
     (16, 2, [3000, 2500], 3, None),          # 32 rows
-    (16, 4, [4100], 4, None),                # 64 rows: the wgmma kernel, which keeps the merge launch
     (16, 1, [700] * 4, 2, 48),               # paged, a block size not a power of two
     (32, 1, [3000, 2000, 5], 7, None),       # 32 rows pushed over 7 splits: 5 a CTA, the last merging 2
+    # 64 rows: the wgmma kernel's cluster_merge form
+    (16, 4, [4100], 4, None),
+    (128, 1, [3000, 1500, 17], 2, None),     # two row blocks a sequence, a row shorter than a tile a split
+    (128, 2, [2000, 900], 5, 64),            # paged, 4 row blocks, 13 rows a CTA (the last merging 12)
+    (64, 1, [1000, 0, 4100], 8, None),       # a row with no key; 8 rows a CTA
 ])
 def test_cluster_merge(heads, q_len, seqlens, splits, block_size, monkeypatch, launches):
     """sm_90a: the splits of a row block as one cluster merging in shared memory (no workspace, no merge
-    launch; mma.sync kernels), against fp32, and the merge launch with clusters off."""
+    launch; the mma.sync kernels, and the wgmma kernel as its cluster_merge form), against fp32, and the merge
+    launch with clusters off."""
     _sm90a_only()
     from attngen.families.mla_decode import choose, op
 
     monkeypatch.setattr(choose, "CLUSTER_MIN_FILL", 0.0)  # these few row blocks merge in clusters too
     monkeypatch.setattr(choose, "FAST_MEMORY_SHARE", 1.01)  # 32 rows on the mma.sync kernel on any GPU
+    seen = _chosen(monkeypatch, "cluster_merge")
     run_case(seqlens, heads, q_len, block_size=block_size, num_splits=splits)
-    wgmma = MlaDecodeSpec.rows_for(heads, q_len) == 64  # the wgmma kernel keeps the merge launch
-    assert launches == ([("", 0), ("_merge_fine", 0)] if wgmma else [("", splits)])
+    assert launches == [("", splits)]
+    assert seen[-1] == (MlaDecodeSpec.rows_for(heads, q_len) == 64)  # the wgmma kernel's cluster form
     del launches[:]
     monkeypatch.setattr(choose, "MERGE_CLUSTER_MAX", 0)
     run_case(seqlens, heads, q_len, block_size=block_size, num_splits=splits)
     assert launches == [("", 0), ("_merge_fine", 0)]
+    assert not seen[-1]
 
 
 def test_cluster_merge_by_default_where_row_blocks_fill_the_sms(launches):
@@ -505,6 +512,11 @@ def test_cluster_merge_by_default_where_row_blocks_fill_the_sms(launches):
     del launches[:]
     run_case([300, 1500, 0, 64] * 2, 16, 1, num_splits=2)
     assert launches == [("", 0), ("_merge_fine", 0)]
+    # 128 heads, batch 28 x 1k keys: 56 row blocks of the wgmma kernel, 2 splits, its cluster_merge form
+    del launches[:]
+    run_case([1024] * 27 + [700], 128, 1)
+    if torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count == 132:
+        assert launches == [("", 2)]
 
 
 

@@ -177,7 +177,7 @@ def test_default_manifest_validates_for_every_arch_it_lists():
     for s in specs:
         partial = (getattr(s, "custom_mask", False) and s.head_dim in (192, 256)) or (
             getattr(s, "varlen", False) and s.head_dim == 256 and s.mask.value == "sliding_window") or (
-            s.family == "mla_decode" and (s.alternate or s.num_stages == 1)) or (  # sm_90a only: what its op swaps in
+            s.family == "mla_decode" and (s.alternate or s.num_stages == 1 or s.cluster_merge)) or (  # sm_90a only: what its op swaps in
             s.family == "prefill" and s.mma.value == "wgmma") or (  # (prefill's configs by rows at 64, 128, 256)
             getattr(s, "qkv_dtype", ""))  # fp8 prefill: the archs with fp8 MMAs (sm_89+)
         if not getattr(s, "return_lse", False) and not partial:
@@ -206,4 +206,8 @@ def test_default_manifest_validates_for_every_arch_it_lists():
     # 12 more varlen prefill kernels over an fp8 cache (head_dim 128, causal, contiguous and paged, every arch).
     kv8 = {s for s in prefill if s.kv_dtype}
     assert {(s.head_dim, s.paged, s.kv_dtype) for s in kv8} == {(128, p, "fp8_e4m3") for p in (False, True)}
-    assert 100 <= len(items) <= 1692
+    # 4 more MLA kernels: the sharded wgmma kernel's cluster_merge form (512 + 64, bf16 and fp16, contiguous and paged,
+    # sm_90a only).
+    assert {(s.dtype.value, s.paged) for s in mla if s.cluster_merge} == {
+        (dt, p) for dt in ("fp16", "bf16") for p in (False, True)}
+    assert 100 <= len(items) <= 1696

@@ -257,3 +257,19 @@ def test_cluster_merge_fits_counts_the_pushed_rows():
     assert fits(16, 32) and not fits(32, 32)
     assert fits(16, 64) and fits(32, 64)
     assert not resolve(MlaDecodeSpec(q_rows=64), "sm_90a").cluster_merge_fits()  # wgmma: the merge launch
+
+
+def test_cluster_merge_form_of_the_wgmma_kernel():
+    """cluster_merge: the sharded wgmma kernel over a 16-bit cache with the cluster merge compiled in; a name and key
+    of its own, left out of every other spec's text; refused by name on the other kernels."""
+    plain = resolve(MlaDecodeSpec(q_rows=64), "sm_90a")
+    cl = resolve(parse_spec("mla_decode:q_rows=64,cluster_merge=true"), "sm_90a")
+    assert cl.wgmma and cl.sharded and cl.cluster_merge and cl.cluster_merge_fits()
+    assert "cluster_merge" not in plain.to_text() and "cluster_merge" not in plain.to_dict()
+    assert "cluster_merge=true" in cl.to_text()
+    assert parse_spec(cl.to_text()) == cl and cl.kernel_name != plain.kernel_name and "clmerge" in cl.kernel_name
+    assert cl.replace(cluster_merge=False) == plain and cl.smem_bytes() == plain.smem_bytes()
+    for text, arch in (("qk_shard=alternate", "sm_90a"), ("kv_dtype=fp8_e4m3", "sm_90a"), ("q_rows=16", "sm_80"),
+                       ("q_rows=32,mma=mma_sync", "sm_90a")):
+        with pytest.raises(SpecError, match="cluster_merge"):
+            resolve(parse_spec(f"mla_decode:cluster_merge=true,{text}"), arch)

@@ -105,14 +105,20 @@ struct MlaDecode {
   // exchange, (ALT) 4 x ROWS floats of row maxima and rescale factors, then the mbarriers.
   static constexpr int SMEM_BYTES =
       2 * (Q_ELEMS + NUM_STAGES * TILE_ELEMS + P_ELEMS) + 4 * WARPS_N * ROWS + (ALT ? 16 * ROWS : 0) + ALIGN_SLACK + 8 * BARS;
-  // The splits of a row block as one cluster (sm_90, o_part null; mma.sync only): after the loop each CTA
-  // leaves its normalised fp32 rows and their LSE over its Q and ring (16 rows: [ROWS][DC], for cluster_merge_rows)
-  // or pushes them over those of the CTA that merges them (32 rows, PUSH_MERGE: at most ROWS + 7 rows of every
-  // split together, up to 8 splits). MlaDecodeSpec.cluster_merge_fits counts the same. Compiled into the wgmma
-  // kernels, the path cost them registers and, with alternate tiles, time.
+  // The splits of a row block as one cluster (sm_90, o_part null; mma.sync, or wgmma with the spec's
+  // cluster_merge): after the loop each CTA leaves its normalised fp32 rows and their LSE over its Q and ring (16
+  // rows: [ROWS][DC], for cluster_merge_rows) or pushes them over those of the CTA that merges them (32 rows or more,
+  // PUSH_MERGE: at most ROWS + 7 rows of every split together, up to 8 splits). MlaDecodeSpec.cluster_merge_fits
+  // counts the same. Compiled into every wgmma kernel, the path cost their other launches registers and time, so
+  // only the cluster_merge kernel (ATTNGEN_MLA_CLUSTER_WGMMA) has it there.
   static constexpr bool PUSH_MERGE = ROWS >= 32;
-  static constexpr bool CLUSTER_FITS =
-      !WGMMA && !FP8 && 4 * (ROWS + (PUSH_MERGE ? 7 : 0)) * (DC + 1) <= 2 * (Q_ELEMS + NUM_STAGES * TILE_ELEMS);
+#ifdef ATTNGEN_MLA_CLUSTER_WGMMA
+  static constexpr bool CLUSTER_KERNEL = true;
+#else
+  static constexpr bool CLUSTER_KERNEL = !WGMMA;
+#endif
+  static constexpr bool CLUSTER_FITS = CLUSTER_KERNEL && !FP8 &&
+      4 * (ROWS + (PUSH_MERGE ? 7 : 0)) * (DC + 1) <= 2 * (Q_ELEMS + NUM_STAGES * TILE_ELEMS);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1000  // measured on sm_90 only
   static constexpr bool CAN_CLUSTER = CLUSTER_FITS;
 #else

@@ -120,7 +120,8 @@ def resolved_spec(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, us
 # (id of a spec, arch, rule) -> (the spec, its variant or None); by identity, as the specs asked for are the
 # remembered ones above and their variants (held here), and hashing a spec per call costs more.
 _variants: dict = {}
-_VARIANTS = {"one_stage": dict(num_stages=1, num_warps=4), "alternate": dict(qk_shard=QkShard.ALTERNATE)}
+_VARIANTS = {"one_stage": dict(num_stages=1, num_warps=4), "alternate": dict(qk_shard=QkShard.ALTERNATE),
+             "cluster": dict(cluster_merge=True)}
 
 
 def _variant(rs: MlaDecodeSpec, arch, rule: str):
@@ -203,11 +204,16 @@ def choose(p: Problem, device: DeviceFacts, tuned=()) -> Choice:
             rs = alt
     # sm_90: the splits of each row block as one cluster that merges them in shared memory (no workspace,
     # no merge launch), where the row blocks alone fill CLUSTER_MIN_FILL of the SMs and every cluster is
-    # resident at once.
+    # resident at once. The sharded wgmma kernel does so as its cluster_merge form (unless the caller's spec
+    # pins its tiles without it).
     cluster = 0
-    if (1 < num_splits <= MERGE_CLUSTER_MAX and b * row_blocks >= CLUSTER_MIN_FILL * device.sm_count
-            and rs.cluster_merge_fits() and device.max_clusters(rs, num_splits) >= b * row_blocks):
-        cluster = num_splits
+    if 1 < num_splits <= MERGE_CLUSTER_MAX and b * row_blocks >= CLUSTER_MIN_FILL * device.sm_count:
+        cl = rs
+        if (rs.wgmma and rs.sharded and not rs.fp8 and not rs.cluster_merge
+                and (p.spec is None or not any(getattr(p.spec, f) for f in p.spec.TUNING_FIELDS))):
+            cl = _variant(rs, device.arch, "cluster") or rs
+        if cl.cluster_merge_fits() and device.max_clusters(cl, num_splits) >= b * row_blocks:
+            rs, cluster = cl, num_splits
     evict_first = kv_evict_first(rs.tma, rs.qk_shard is QkShard.ALTERNATE, num_splits, cluster)
     entry = merge_grid = None
     if num_splits > 1 and not cluster:
@@ -224,7 +230,8 @@ def reachable(spec: MlaDecodeSpec, arch: Arch) -> set:
     """Every resolved spec ``choose`` can return for a problem of ``spec``'s fields on ``arch``, over every batch,
     head count, cache length and device memory: ``spec`` resolved; where it pins no tuning field and has 32 rows,
     the 64-row wgmma kernel too (``spec.paged``: blocks of whole 64-key tiles); where it pins neither num_stages
-    nor num_warps, the one-stage form of 16 rows; where it pins no qk_shard, the alternate-tile form of each. (A
+    nor num_warps, the one-stage form of 16 rows; where it pins no qk_shard, the alternate-tile form of each;
+    where it pins no tuning field, the cluster_merge form of the sharded wgmma kernel over a 16-bit cache. (A
     kernel of TMA maps the driver refuses, the cp.async form of its tiles, is not counted: such caches are not
     what a manifest prewarms for.)"""
     pinned = {f for f in spec.TUNING_FIELDS if getattr(spec, f)}
@@ -246,4 +253,10 @@ def reachable(spec: MlaDecodeSpec, arch: Arch) -> set:
                 alt = replaced_if_valid(rs, arch, qk_shard=QkShard.ALTERNATE)
                 if alt is not None:
                     out.add(alt)
+    if not pinned:
+        for rs in list(out):
+            if rs.wgmma and rs.sharded and not rs.fp8 and not rs.cluster_merge:
+                cl = replaced_if_valid(rs, arch, cluster_merge=True)
+                if cl is not None:
+                    out.add(cl)
     return out

@@ -72,7 +72,9 @@ class MlaDecodeSpec(SpecBase):
     ``kv_dtype`` (``fp8_e4m3``, ``fp8_e5m2``; None: the cache in q's dtype) reads an fp8 cache: the mma.sync kernel
     on the cp.async ring widens it to fp16 in registers (any arch), the wgmma kernel on the TMA ring (sm_90a, 64
     rows, 32- or 64-key tiles) into q's dtype in shared memory, by a producer warpgroup of its own (128 threads
-    more).
+    more). ``cluster_merge`` (the wgmma kernel with ``qk_shard=true`` over a 16-bit cache only) compiles in the merge
+    of a row block's splits in the shared memory of their thread-block cluster, which the mma.sync kernels always
+    have where it fits; ``attngen.mla_decode`` takes that form where it merges in a cluster.
     """
 
     family: ClassVar[str] = "mla_decode"
@@ -101,6 +103,11 @@ class MlaDecodeSpec(SpecBase):
     num_stages: int = 0
     mma: Mma = Mma.AUTO
     pipeline: Pipeline = Pipeline.AUTO
+    # The wgmma kernel (sharded S, 16-bit cache) with the splits' cluster merge compiled in (the mma.sync kernels
+    # always have it where it fits). Compiled into the plain wgmma kernel, the path slowed that kernel's other
+    # launches, so it is a kernel of its own, which mla_decode's choice takes where it merges in a cluster. Left out
+    # of to_dict while false, so the other specs' names and keys stay as they were.
+    cluster_merge: bool = False
 
     def __post_init__(self):
         s = object.__setattr__
@@ -116,6 +123,7 @@ class MlaDecodeSpec(SpecBase):
         s(self, "num_stages", coerce_int("num_stages", self.num_stages, self.NUM_STAGES))
         s(self, "mma", coerce_enum(Mma, "mma", self.mma))
         s(self, "pipeline", coerce_enum(Pipeline, "pipeline", self.pipeline))
+        s(self, "cluster_merge", coerce_bool("cluster_merge", self.cluster_merge))
         # (pins that contradict each other only; a resolved spec's pair is checked by check)
         if self.fp8 and (self.alternate or (self.wgmma and self.pipeline is Pipeline.SYNC)
                          or (self.tma and self.mma is Mma.SYNC)):
@@ -139,6 +147,8 @@ class MlaDecodeSpec(SpecBase):
         d = super().to_dict()
         if d["kv_dtype"] is None:
             del d["kv_dtype"]
+        if not d["cluster_merge"]:
+            del d["cluster_merge"]
         return d
 
     @property
@@ -222,14 +232,15 @@ class MlaDecodeSpec(SpecBase):
         return self.q_rows * (dqk + 8), dqk + 8, self.cta_tile_kv + 8, 0
 
     def cluster_merge_fits(self) -> bool:
-        """Whether the splits of a row block may merge in one cluster (sm_90): an mma_sync kernel over whose
-        Q and ring its normalised fp32 rows fit with their LSE (32 rows: the rows a CTA merges, from up to 8
-        splits; ``CLUSTER_FITS`` in mla_decode/fwd.cuh); never over fp8 tiles (not built there)."""
+        """Whether the splits of a row block may merge in one cluster (sm_90): an mma_sync kernel, or the wgmma
+        kernel with ``cluster_merge``, over whose Q and ring its normalised fp32 rows fit with their LSE (32 rows
+        or more: the rows a CTA merges, from up to 8 splits; ``CLUSTER_FITS`` in mla_decode/fwd.cuh); never over
+        fp8 tiles (not built there)."""
         self._require_resolved("cluster_merge_fits")
         q_elems, row, _, _ = self._layout()
         rows = self.q_rows + (7 if self.q_rows >= 32 else 0)
-        return not self.wgmma and not self.fp8 and (4 * rows * (self.kv_lora_rank + 1)
-                                   <= 2 * (q_elems + self.num_stages * self.cta_tile_kv * row))
+        return ((not self.wgmma or self.cluster_merge) and not self.fp8
+                and 4 * rows * (self.kv_lora_rank + 1) <= 2 * (q_elems + self.num_stages * self.cta_tile_kv * row))
 
     def name_parts(self) -> tuple[str, ...]:
         """Latent and rope dims, dtype, packed rows, paged, the fp8 cache format, how S is split, KV tile, warps
@@ -239,7 +250,8 @@ class MlaDecodeSpec(SpecBase):
                 "paged" if self.paged else "", self.kv_dtype.value[4:] if self.fp8 else "",
                 shard.get(self.qk_shard, ""), self.name_piece("k{}", self.cta_tile_kv),
                 self.name_piece("w{}s{}", self.num_warps, self.num_stages),
-                {Mma.SYNC: "mma", Mma.WGMMA: "wgmma"}.get(self.mma, ""), "tma" if self.pipeline is Pipeline.TMA else "")
+                {Mma.SYNC: "mma", Mma.WGMMA: "wgmma"}.get(self.mma, ""), "tma" if self.pipeline is Pipeline.TMA else "",
+                "clmerge" if self.cluster_merge else "")
 
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
         return (("", self.threads, self.smem_bytes()), ("_merge", MERGE_THREADS, 0),
@@ -252,7 +264,7 @@ class MlaDecodeSpec(SpecBase):
                    merge_wide_warps=MERGE_WIDE_WARPS,
                    wgmma=self.wgmma, tma=self.tma, alternate=self.alternate,
                    kv_fp8=0 if self.kv_dtype is None else 1 + list(KVDType).index(self.kv_dtype),
-                   cluster_fits=self.cluster_merge_fits())
+                   cluster_fits=self.cluster_merge_fits(), cluster_wgmma=self.cluster_merge)
         return ctx
 
     # --- fit ---------------------------------------------------------------------------------
@@ -280,6 +292,12 @@ class MlaDecodeSpec(SpecBase):
                                    f"cta_tile_kv={self.cta_tile_kv}, num_stages={self.num_stages}")
         if self.fp8 and self.wgmma != self.tma:
             self._refuse_fp8()
+        if self.cluster_merge and not (self.wgmma and self.sharded and not self.fp8):
+            raise SpecError("cluster_merge", "true", "false",
+                            reason=f"cluster_merge is a form of the wgmma kernel with qk_shard=true over a 16-bit "
+                                   f"cache (the mma.sync kernels merge in a cluster without it); the spec has "
+                                   f"mma={self.mma.value}, qk_shard={self.qk_shard.value}, "
+                                   f"kv_dtype={self.kv_dtype.value if self.fp8 else 'unset'}")
         if self.wgmma:
             self._check_wgmma(a)
         elif self.tma and not a.has_wgmma:
