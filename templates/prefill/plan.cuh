@@ -277,74 +277,66 @@ __device__ __forceinline__ void varlen_lengths(const PlanParams& p, int s, int& 
   }
 }
 
-// sort_descending with RN keys a thread (n = RN * ORDER_THREADS; RN = 1: n at most ORDER_THREADS, and the
-// warps past n hold none and leave the shuffles out).
-template <int RN>
-__device__ __forceinline__ void sort_held(unsigned long long* a, int n) {
-  const bool holds = (threadIdx.x & ~31) < n;  // the same for the whole warp
-  unsigned long long x[RN];
-  auto load = [&]() {
-#pragma unroll
-    for (int r = 0; r < RN; ++r) {
-      const int e = threadIdx.x + r * ORDER_THREADS;
-      x[r] = e < n ? a[e] : 0ull;
-    }
-  };
-  auto store = [&]() {
-#pragma unroll
-    for (int r = 0; r < RN; ++r) {
-      const int e = threadIdx.x + r * ORDER_THREADS;
-      if (e < n) a[e] = x[r];
-    }
-    __syncthreads();
-  };
-  load();
-  for (int k = 2; k <= n; k *= 2) {
-    int j = k / 2;
-    if (j >= 32) {
-      store();
-      for (; j >= 32; j /= 2) {
-        for (int t = threadIdx.x; t < n / 2; t += ORDER_THREADS) {
-          const int i = 2 * t - (t & (j - 1)), l = i + j;
-          const unsigned long long u = a[i], v = a[l];
-          if (((i & k) == 0) == (u < v)) {  // runs at i & k == 0 descend, the others ascend
-            a[i] = v;
-            a[l] = u;
-          }
-        }
-        __syncthreads();
-      }
-      load();
-    }
-    if (holds) {
-      for (; j > 0; j /= 2) {
-#pragma unroll
-        for (int r = 0; r < RN; ++r) {
-          const int e = threadIdx.x + r * ORDER_THREADS;
-          const unsigned long long y = __shfl_xor_sync(0xffffffffu, x[r], j);
-          // the larger key goes to the lower index of a descending run and to the upper of an ascending one
-          const bool larger = ((e & k) == 0) == ((e & j) == 0);
-          x[r] = larger == (x[r] < y) ? y : x[r];
-        }
-      }
+// One stage of the bitonic network over a[0, n) through shared memory: the pairs (i, i + j) of runs of k,
+// runs at i & k == 0 descending, the others ascending. A stride of at most 32 pairs keys of one warp's run of 64
+// (pair t is always thread t % ORDER_THREADS's).
+__device__ __forceinline__ void sort_stage(unsigned long long* a, int n, int k, int j) {
+  for (int t = threadIdx.x; t < n / 2; t += ORDER_THREADS) {
+    const int i = 2 * t - (t & (j - 1)), l = i + j;
+    const unsigned long long u = a[i], v = a[l];
+    if (((i & k) == 0) == (u < v)) {
+      a[i] = v;
+      a[l] = u;
     }
   }
-  store();
 }
 
 // Sorts a[0, n) descending (n a power of two, at most ORDER_SORT_MAX; the keys distinct), by the
-// whole block: a bitonic network. Thread t holds keys t + r * ORDER_THREADS in registers, where the
-// shorter strides (under 32) pair keys of one warp, exchanged by shuffles; a stride of 32 or more
-// pairs keys of two warps and goes through a[], the whole block waiting.
+// whole block: a bitonic network. Up to ORDER_THREADS keys, thread t holds key t in a register: a
+// stride under 32 pairs keys of one warp, exchanged by shuffles (only the warps that hold keys), and
+// a[] is read and written around each run of them; a stride of 32 or more pairs keys of two warps and
+// goes through a[] (sort_stage). More keys (a step of more than ORDER_THREADS requests) go through a[]
+// at every stride, only the longer strides waiting for the whole block.
 __device__ __forceinline__ void sort_descending(unsigned long long* a, int n) {
-  static_assert(ORDER_SORT_MAX == 4 * ORDER_THREADS, "sort_held's key counts");
   __syncthreads();
-  if (n <= ORDER_THREADS)
-    sort_held<1>(a, n);
-  else if (n == 2 * ORDER_THREADS)
-    sort_held<2>(a, n);
-  else
-    sort_held<4>(a, n);
+  if (n > ORDER_THREADS) {
+    for (int k = 2; k <= n; k *= 2) {
+      for (int j = k / 2; j > 0; j /= 2) {
+        sort_stage(a, n, k, j);
+        if (j >= 64 || j == 1) {
+          __syncthreads();
+        } else {
+          __syncwarp();
+        }
+      }
+    }
+    return;
+  }
+  const int e = threadIdx.x;
+  const bool holds = (e & ~31) < n;  // the same for the whole warp
+  unsigned long long x = e < n ? a[e] : 0ull;
+  for (int k = 2; k <= n; k *= 2) {
+    int j = k / 2;
+    if (j >= 32) {
+      if (e < n) a[e] = x;
+      __syncthreads();
+      for (; j >= 32; j /= 2) {
+        sort_stage(a, n, k, j);
+        __syncthreads();
+      }
+      x = e < n ? a[e] : 0ull;
+    }
+    if (holds) {
+      for (; j > 0; j /= 2) {
+        const unsigned long long y = __shfl_xor_sync(0xffffffffu, x, j);
+        // the larger key goes to the lower index of a descending run and to the upper of an ascending one
+        const bool larger = ((e & k) == 0) == ((e & j) == 0);
+        x = larger == (x < y) ? y : x;
+      }
+    }
+  }
+  if (e < n) a[e] = x;
+  __syncthreads();
 }
 
 // Sequence s's key in the decode order: the decode requests (1 to max_decode_q_len queries, as the
