@@ -66,3 +66,22 @@ def test_mla_row_against_flashinfer(cache_dir):
     assert rec["gbps"][fi.NAME] > 0
     assert rec["ratio"][fi.NAME] == pytest.approx(rec["us"][fi.NAME] / rec["us"]["attngen"])
     _first_call_apart(rec)
+
+
+def test_step_row_against_flashinfer(cache_dir):
+    """bench step's third column: FlashInfer's BatchAttention on the same causal step (decode, verify and prefill
+    requests), checked against attngen's step, its first call apart."""
+    import argparse
+
+    from attngen.bench import step
+
+    args = argparse.Namespace(decode=6, verify=2, draft=3, prefill=1, chunk=300, cached=700, keys="100,3000",
+                              rep_ms=10.0, seed=0, kv_dtype="bf16", no_flashinfer=False)
+    rec = step.measure(args)
+    assert fi.NAME not in rec.get("errors", {}), rec.get("errors")
+    c = rec[fi.NAME]["vs_attngen"]
+    assert c["nan_count"] == 0 and c["rel_l2"] < core.CHECK_TOL, c
+    assert rec["ms"][fi.NAME] > 0 and rec["ratio"][fi.NAME] == pytest.approx(rec["ms"][fi.NAME] / rec["ms"]["step"])
+    _first_call_apart(rec)
+    no = step.measure(argparse.Namespace(**{**vars(args), "no_flashinfer": True}))
+    assert fi.NAME not in no["ms"] and fi.NAME not in no

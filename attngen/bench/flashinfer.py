@@ -311,3 +311,32 @@ def prefill_fp8(q, k, v, q_scale, k_scale, v_scale, *, causal: bool, out_dtype, 
     out, *times = _first(plan, call, "prefill")
     ref = None if attngen_out is None else attngen_out.reshape(b * s, h, d)
     return Peer(call, f"{backend} fp8", *times, _compare(out, ref))
+
+
+def batch(q, k_pages, v_pages, cu_q, lens, block_table, *, attngen_out=None) -> Peer:
+    """A serving step's mixed batch (attngen.BatchAttention's inputs: packed q ``[total_q, H, D]`` with ``cu_q``,
+    paged ``[pages, page, Hkv, D]`` K and V, each request's key count ``lens`` and its row of ``block_table``),
+    causal: FlashInfer's ``BatchAttention``, one persistent launch for decode and prefill requests alike. Its plan
+    reads the lengths on the host. ``call()`` runs it on the tensors it was planned on."""
+    import torch
+
+    fi = _module("attention")
+    h, d = q.shape[1], q.shape[2]
+    page, hk = k_pages.shape[1], k_pages.shape[2]
+    pages = (lens.to(torch.int64) + page - 1) // page
+    indptr = torch.cat([pages.new_zeros(1), pages.cumsum(0)]).to(torch.int32)
+    cols = torch.arange(block_table.shape[1], device=block_table.device)
+    indices = block_table[cols[None, :] < pages[:, None]].to(torch.int32).contiguous()  # each row's pages in order
+    w = fi.BatchAttention(kv_layout="NHD", device=q.device)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], h, dtype=torch.float32, device=q.device)
+
+    def plan():
+        w.plan(cu_q, indptr, indices, lens, h, hk, d, d, page, causal=True, sm_scale=d ** -0.5,
+               q_data_type=q.dtype, kv_data_type=k_pages.dtype)
+
+    def call():
+        return w.run(q, (k_pages, v_pages), out=out, lse=lse)[0]
+
+    got, *times = _first(plan, call, "attention")
+    return Peer(call, "BatchAttention", *times, _compare(got, attngen_out))

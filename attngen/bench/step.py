@@ -9,6 +9,9 @@ plan (once a step, shared by the layers) is timed apart, also at 512 requests (d
 step's mix with verify and prefill rows). A bare read of the step's KV bytes
 bounds its memory-bound part. Outputs are checked against the separate calls (relative L2) where both run causal.
 ``--kv-dtype fp8_e4m3`` / ``fp8_e5m2``: the same values in an fp8 cache (one scale for k and v), both sides reading it.
+Where ``flashinfer`` imports (and not ``--no-flashinfer``), its ``BatchAttention`` (one persistent launch) runs the
+same causal bf16 step as a third column, checked against the step's output; its first call (a JIT build) is reported
+apart, outside every timing.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import math
 import random
 from pathlib import Path
 
+from . import flashinfer as fi
 from .core import (_fmt, _graphed, _rel_check, _say, bench_ms, env_lines, environment, ratio_summary, stream_reader,
                    write_json)
 
@@ -39,6 +43,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-dtype", choices=("bf16", "fp8_e4m3", "fp8_e5m2"), default="bf16",
                    help="the cache's format (default bf16, q's): fp8 caches hold the same values / a per-tensor scale")
+    fi.add_argument(p)
     p.set_defaults(func=cmd_step)
 
 
@@ -78,9 +83,10 @@ def cmd_step(args: argparse.Namespace) -> int:
     for prefill in dict.fromkeys((args.prefill, 0)):
         rec = measure(argparse.Namespace(**{**vars(args), "prefill": prefill}))
         results.append(rec)
-    pairs = [(r["ratio"]["separate"], r) for r in results]
-    out = {"benchmark": "step", "env": env, "results": results,
-           "summary": {"ratio": {"separate": ratio_summary(pairs, lambda r: r["shape"])}}}
+    summary = {peer: ratio_summary([(r["ratio"][peer], r) for r in results if peer in r["ratio"]], lambda r: r["shape"])
+               for peer in ("separate", fi.NAME) if any(peer in r["ratio"] for r in results)}
+    out = {"benchmark": "step", "env": env, "config": {fi.NAME: fi.config(args)}, "results": results,
+           "summary": {"ratio": summary}}
     args.result = out
     if args.out:
         write_json(Path(args.out) / "bench_step.json", out)
@@ -167,6 +173,11 @@ def measure(args: argparse.Namespace) -> dict:
     torch.cuda.synchronize()
     checks = {c.kind: _rel_check(ref_step[c.rows].float(), sep_out[c.kind].reshape(-1, h, d).float()) for c in calls}
 
+    # FlashInfer's BatchAttention on the same step (bf16 caches; causal, as step_causal), checked against it
+    peer_rec: dict = {"errors": {}}
+    peer = (fi.attempt(peer_rec, fi.batch, q, kc, vc, cu, cache_lens, table, attngen_out=ref_step)
+            if kv_dtype == "bf16" and fi.wanted(args) is None else None)
+
     kv_bytes = sum(lens) * hk * d * 2 * kc.element_size()
     read = stream_reader()
     flat = [kc, vc]
@@ -190,15 +201,23 @@ def measure(args: argparse.Namespace) -> dict:
     t_m = torch.zeros(b5, -(-max(lens_m) // PAGE), dtype=torch.int32, device=dev)
     ms["plan_512_mixed"] = bench_ms(_graphed(lambda: ba5.plan(cu_m, ls_m, t_m, total_q=sum(q_m))),
                                     rep_ms=args.rep_ms)[0]
+    if peer is not None:
+        ms[fi.NAME] = bench_ms(_graphed(peer.call), rep_ms=args.rep_ms)[0]
     shape = (f"decode={args.decode} verify={args.verify}x{args.draft} prefill={args.prefill}x{args.chunk}"
              f"+{args.cached}" + ("" if kv_dtype == "bf16" else f" kv={kv_dtype}"))
     rec = {"shape": shape, "kv_bytes": kv_bytes, "ms": ms, "checks": checks,
-           "ratio": {"separate": ms["separate"] / ms["step"]},
-           "kv_read_tbps": kv_bytes / ms["step"] / 1e9}
+           "ratio": {"separate": ms["separate"] / ms["step"],
+                     **({fi.NAME: ms[fi.NAME] / ms["step"]} if fi.NAME in ms else {})},
+           "kv_read_tbps": kv_bytes / ms["step"] / 1e9, **{k: v for k, v in peer_rec.items() if k != "errors" or v}}
     _say(f"step {shape}: {b} requests, {total} tokens, {kv_bytes / 2**30:.2f} GiB of KV")
     _say("| what | ms | vs separate |")
     _say("|---|---|---|")
     for k, v in ms.items():
-        _say(f"| {k} | {_fmt(v, '.3f')} | {_fmt(ms['separate'] / v if k.startswith('step') else None, '.2f')} |")
+        _say(f"| {k} | {_fmt(v, '.3f')} | {_fmt(ms['separate'] / v if k.startswith('step') or k == fi.NAME else None, '.2f')} |")
     _say("checks (rel L2 step vs separate): " + ", ".join(f"{k} {_fmt(v.get('rel_l2'), '.1e')}" for k, v in checks.items()))
+    if fi.NAME in rec:
+        _say(f"FlashInfer BatchAttention vs the step: rel L2 {_fmt((rec[fi.NAME].get('vs_attngen') or {}).get('rel_l2'), '.1e')}, "
+             f"first call {rec[fi.NAME]['first_call_s']:.2f} s")
+    for k, v in peer_rec["errors"].items():
+        _say(f"{k}: {v}")
     return rec
