@@ -64,12 +64,17 @@ struct PrefillTmaParams {
   PrefillParams<T> p;
 };
 
-// Sequence s of a varlen batch, clamped into the tensors: q rows [q_lo, q_lo + sq) and k rows
-// [k_lo, k_lo + sk). Paged, keys go through the block table: k_lo is 0 and sk at most total_k.
-__device__ __forceinline__ void varlen_rows(const int* cu_q, const int* cu_k, int total_q, int total_k, bool paged,
-                                            int s, int& q_lo, int& sq, int& k_lo, int& sk) {
+// Sequence s of a varlen batch, clamped into the tensors: q rows [q_lo, q_lo + sq) (varlen_q_rows; the serving
+// plan takes its key counts elsewhere) and k rows [k_lo, k_lo + sk). Paged, keys go through the block table: k_lo
+// is 0 and sk at most total_k.
+__device__ __forceinline__ void varlen_q_rows(const int* cu_q, int total_q, int s, int& q_lo, int& sq) {
   q_lo = min(max(cu_q[s], 0), total_q);
   sq = min(max(cu_q[s + 1], q_lo), total_q) - q_lo;
+}
+
+__device__ __forceinline__ void varlen_rows(const int* cu_q, const int* cu_k, int total_q, int total_k, bool paged,
+                                            int s, int& q_lo, int& sq, int& k_lo, int& sk) {
+  varlen_q_rows(cu_q, total_q, s, q_lo, sq);
   if (paged) {
     k_lo = 0;
     sk = min(max(cu_k[s + 1] - cu_k[s], 0), total_k);

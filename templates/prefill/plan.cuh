@@ -269,8 +269,7 @@ __device__ __forceinline__ int block_exclusive_sum(int v, int* s_warp, int* tota
 __device__ __forceinline__ void varlen_lengths(const PlanParams& p, int s, int& sq, int& sk) {
   int q_lo, k_lo;
   if (p.seqlens) {
-    q_lo = min(max(p.cu_q[s], 0), p.total_q);
-    sq = min(max(p.cu_q[s + 1], q_lo), p.total_q) - q_lo;
+    varlen_q_rows(p.cu_q, p.total_q, s, q_lo, sq);
     sk = min(max(p.seqlens[s], 0), p.total_k);
   } else {
     varlen_rows(p.cu_q, p.cu_k, p.total_q, p.total_k, p.paged, s, q_lo, sq, k_lo, sk);
