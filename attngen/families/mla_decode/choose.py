@@ -204,13 +204,13 @@ def choose(p: Problem, device: DeviceFacts, tuned=()) -> Choice:
             rs = alt
     # sm_90: the splits of each row block as one cluster that merges them in shared memory (no workspace,
     # no merge launch), where the row blocks alone fill CLUSTER_MIN_FILL of the SMs and every cluster is
-    # resident at once. The sharded wgmma kernel does so as its cluster_merge form (unless the caller's spec
-    # pins its tiles without it).
+    # resident at once. A kernel without the path takes its cluster_merge form where the spec allows one (the
+    # sharded wgmma kernel over a 16-bit cache; MlaDecodeSpec.check) and the caller pins no tuning field.
     cluster = 0
     if 1 < num_splits <= MERGE_CLUSTER_MAX and b * row_blocks >= CLUSTER_MIN_FILL * device.sm_count:
         cl = rs
-        if (rs.wgmma and rs.sharded and not rs.fp8 and not rs.cluster_merge
-                and (p.spec is None or not any(getattr(p.spec, f) for f in p.spec.TUNING_FIELDS))):
+        pinned = p.spec is not None and any(getattr(p.spec, f) for f in p.spec.TUNING_FIELDS)
+        if not rs.cluster_merge_fits() and not pinned:
             cl = _variant(rs, device.arch, "cluster") or rs
         if cl.cluster_merge_fits() and device.max_clusters(cl, num_splits) >= b * row_blocks:
             rs, cluster = cl, num_splits
@@ -255,8 +255,7 @@ def reachable(spec: MlaDecodeSpec, arch: Arch) -> set:
                     out.add(alt)
     if not pinned:
         for rs in list(out):
-            if rs.wgmma and rs.sharded and not rs.fp8 and not rs.cluster_merge:
-                cl = replaced_if_valid(rs, arch, cluster_merge=True)
-                if cl is not None:
-                    out.add(cl)
+            cl = None if rs.cluster_merge_fits() else replaced_if_valid(rs, arch, cluster_merge=True)
+            if cl is not None:
+                out.add(cl)
     return out
