@@ -83,7 +83,8 @@ def cmd_step(args: argparse.Namespace) -> int:
     for prefill in dict.fromkeys((args.prefill, 0)):
         rec = measure(argparse.Namespace(**{**vars(args), "prefill": prefill}))
         results.append(rec)
-    summary = {peer: ratio_summary([(r["ratio"][peer], r) for r in results if peer in r["ratio"]], lambda r: r["shape"])
+    summary = {peer: ratio_summary([(r["ratio"][peer], r) for r in results if peer in r["ratio"]],
+                                   lambda r: r["shape"])
                for peer in ("separate", fi.NAME) if any(peer in r["ratio"] for r in results)}
     out = {"benchmark": "step", "env": env, "config": {fi.NAME: fi.config(args)}, "results": results,
            "summary": {"ratio": summary}}
@@ -206,18 +207,23 @@ def measure(args: argparse.Namespace) -> dict:
     shape = (f"decode={args.decode} verify={args.verify}x{args.draft} prefill={args.prefill}x{args.chunk}"
              f"+{args.cached}" + ("" if kv_dtype == "bf16" else f" kv={kv_dtype}"))
     rec = {"shape": shape, "kv_bytes": kv_bytes, "ms": ms, "checks": checks,
-           "ratio": {"separate": ms["separate"] / ms["step"],
-                     **({fi.NAME: ms[fi.NAME] / ms["step"]} if fi.NAME in ms else {})},
-           "kv_read_tbps": kv_bytes / ms["step"] / 1e9, **{k: v for k, v in peer_rec.items() if k != "errors" or v}}
+           "ratio": {"separate": ms["separate"] / ms["step"]}, "kv_read_tbps": kv_bytes / ms["step"] / 1e9}
+    if peer is not None:
+        rec["ratio"][fi.NAME] = ms[fi.NAME] / ms["step"]
+        rec[fi.NAME] = peer_rec[fi.NAME]
+    if peer_rec["errors"]:
+        rec["errors"] = peer_rec["errors"]
     _say(f"step {shape}: {b} requests, {total} tokens, {kv_bytes / 2**30:.2f} GiB of KV")
     _say("| what | ms | vs separate |")
     _say("|---|---|---|")
     for k, v in ms.items():
-        _say(f"| {k} | {_fmt(v, '.3f')} | {_fmt(ms['separate'] / v if k.startswith('step') or k == fi.NAME else None, '.2f')} |")
+        vs = ms["separate"] / v if k.startswith("step") or k == fi.NAME else None
+        _say(f"| {k} | {_fmt(v, '.3f')} | {_fmt(vs, '.2f')} |")
     _say("checks (rel L2 step vs separate): " + ", ".join(f"{k} {_fmt(v.get('rel_l2'), '.1e')}" for k, v in checks.items()))
-    if fi.NAME in rec:
-        _say(f"FlashInfer BatchAttention vs the step: rel L2 {_fmt((rec[fi.NAME].get('vs_attngen') or {}).get('rel_l2'), '.1e')}, "
-             f"first call {rec[fi.NAME]['first_call_s']:.2f} s")
+    if peer is not None:
+        c = rec[fi.NAME].get("vs_attngen") or {}
+        _say(f"FlashInfer BatchAttention vs the step: rel L2 {_fmt(c.get('rel_l2'), '.1e')}, first call "
+             f"{rec[fi.NAME]['first_call_s']:.2f} s")
     for k, v in peer_rec["errors"].items():
         _say(f"{k}: {v}")
     return rec
