@@ -203,6 +203,16 @@ def test_head_dims_and_lengths(variant, d, sq, sk):
     run_dense(variant, d=d, sq=sq, sk=sk, causal=True)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("variant", ["alibi", "rel", "softcap"])
+def test_more_queries_than_keys_without_a_mask(variant, d):
+    # Rows before position 0 take no score_mod, yet join the softmax in the units the snippet's rows end in (logits
+    # where the snippet reads a position), and whole tiles take the path without per-row tests.
+    run_dense(variant, d=d, sq=300, sk=90)
+    run_dense(variant, d=d, sq=300, sk=90, sinks=True)
+    run_dense(variant, d=d, sq=129, sk=384)
+
+
 @pytest.mark.parametrize("variant", ["alibi+doc", "holes", "prefix"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_with_sinks_and_window(variant, dtype):

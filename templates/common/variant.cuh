@@ -163,8 +163,8 @@ struct Variants<V, Vs...> {
 // The user's snippets (spec score_mod, mask_mod: attngen/families/snippets.py defines user_score_mod and
 // user_mask_mod last in the unit) as one more variant: score_mod its transform, mask_mod its mask, both reading
 // the params' aux tensors (mods). score_mod sees the logit (the score times sm_scale) and returns one, which
-// State's 1 / sm_scale takes back to units of q.k. The kernels call these only on pairs that exist and at q >= 0
-// (docs/variants.md "The contract").
+// State's 1 / sm_scale takes back to units of q.k (logits), or which stays a logit (logit). The kernels call these
+// only on pairs that exist and at q >= 0 (docs/variants.md "The contract").
 struct UserMods : VariantBase {
 #ifdef ATTNGEN_SCORE_MOD
   static constexpr bool LOGITS = true;
@@ -183,11 +183,20 @@ struct UserMods : VariantBase {
   static __device__ __forceinline__ float logits(const P& p, const State& st, float s, const Pair& x) {
     return user_score_mod(p.mods, s * p.sm_scale, x.b, x.h, x.q, x.kv) * st.inv_scale;
   }
+  // The transform in the logits' own units (a kernel whose softmax takes its scores as logits: prefill's step, where
+  // the multiply back to units of q.k would cost one more FP32 op an element).
+  template <class P>
+  static __device__ __forceinline__ float logit(const P& p, float logit, const Pair& x) {
+    return user_score_mod(p.mods, logit, x.b, x.h, x.q, x.kv);
+  }
   template <class P>
   static __device__ __forceinline__ bool keep(const P& p, const State&, const Pair& x) {
     return user_mask_mod(p.mods, x.b, x.h, x.q, x.kv);
   }
 };
+
+// LOG2E: exp2's scale of scores that are logits (a softmax after logit).
+constexpr float LOG2E = 1.4426950408889634f;
 #endif
 
 }  // namespace attngen
