@@ -186,8 +186,8 @@ struct UserMods : VariantBase {
   // The transform in the logits' own units (a kernel whose softmax takes its scores as logits: prefill's step, where
   // the multiply back to units of q.k would cost one more FP32 op an element).
   template <class P>
-  static __device__ __forceinline__ float logit(const P& p, float logit, const Pair& x) {
-    return user_score_mod(p.mods, logit, x.b, x.h, x.q, x.kv);
+  static __device__ __forceinline__ float logit(const P& p, float value, const Pair& x) {
+    return user_score_mod(p.mods, value, x.b, x.h, x.q, x.kv);
   }
   template <class P>
   static __device__ __forceinline__ bool keep(const P& p, const State&, const Pair& x) {

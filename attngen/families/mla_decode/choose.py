@@ -148,6 +148,11 @@ def merge_entry(rs: MlaDecodeSpec, rows: int, num_splits: int, device: DeviceFac
     return entry, (-(-warps // (MERGE_THREADS // 32)), 1, 1)
 
 
+def _pins_tuning(user) -> bool:
+    """Whether the caller's spec (None: none) pins a tuning field, which keeps the choice's own forms away."""
+    return user is not None and any(getattr(user, f) for f in user.TUNING_FIELDS)
+
+
 def choose_spec(p: Problem, device: DeviceFacts) -> MlaDecodeSpec:
     """The spec before the rules that depend on the split count (``choose`` applies those)."""
     a, user = device.arch, p.spec
@@ -158,7 +163,7 @@ def choose_spec(p: Problem, device: DeviceFacts) -> MlaDecodeSpec:
     # 32 rows (32 heads, or 16 x 2 tokens) as one 64-row block of the wgmma kernel, half its rows empty, where the
     # memory is fast: the 32-row mma.sync kernel cannot keep up with such memory.
     if (rows == 32 and whole_tiles and rs.tma and fast_memory
-            and (user is None or not any(getattr(user, f) for f in user.TUNING_FIELDS))):
+            and not _pins_tuning(user)):
         wide = resolved_spec(p.kv_lora_rank, p.rope_dim, p.dtype, 64, p.paged, user, a.name, p.kv_dtype)
         if wide.wgmma:
             rows, rs = 64, wide
@@ -209,8 +214,7 @@ def choose(p: Problem, device: DeviceFacts, tuned=()) -> Choice:
     cluster = 0
     if 1 < num_splits <= MERGE_CLUSTER_MAX and b * row_blocks >= CLUSTER_MIN_FILL * device.sm_count:
         cl = rs
-        pinned = p.spec is not None and any(getattr(p.spec, f) for f in p.spec.TUNING_FIELDS)
-        if not rs.cluster_merge_fits() and not pinned:
+        if not rs.cluster_merge_fits() and not _pins_tuning(p.spec):
             cl = _variant(rs, device.arch, "cluster") or rs
         if cl.cluster_merge_fits() and device.max_clusters(cl, num_splits) >= b * row_blocks:
             rs, cluster = cl, num_splits
