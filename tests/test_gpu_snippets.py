@@ -254,6 +254,41 @@ def test_aux_dtypes_and_strides():
     run_dense("keep", aux_override={"keep": keep.t().contiguous().t()})  # uint8, column-major
 
 
+
+def _far_apart(shape, dtype, gen):
+    """A view of ``shape`` whose first dim's rows lie so far apart in one buffer that its last row starts 2^31
+    elements or more past its first (the buffer: 2^31 and a few elements), filled with fresh random values."""
+    n = shape[0]
+    row = -(-2**31 // (n - 1))
+    flat = torch.empty((n - 1) * row + math.prod(shape[1:]), dtype=dtype, device="cuda")
+    view = flat.as_strided(shape, (row, *torch.empty(shape[1:]).stride()))
+    if dtype == torch.uint8:
+        view.copy_(torch.rand(shape, generator=gen, device="cuda") > 0.4)
+    else:
+        view.copy_(torch.randn(shape, generator=gen, device="cuda"))
+    return view
+
+
+def test_aux_tensors_past_2_31_elements_take_64_bit_offsets():
+    from attngen.families import snippets
+
+    gen = fresh_generator()
+    keep = _far_apart((77, 77), torch.uint8, gen)
+    assert snippets.call_aux({"keep": keep})[0] == "keep:uint8:2:wide"
+    assert snippets.call_aux({"keep": keep[:76]})[0] == "keep:uint8:2"  # the last row alone was past 2^31
+    for causal in (False, True):
+        run_dense("keep", causal=causal, aux_override={"keep": keep})
+    with pytest.raises(attngen.LaunchError, match="2\\^31 or more apart"):
+        run_dense("keep", aux_override={"keep": keep}, spec=attngen.PrefillSpec(head_dim=64, aux="keep:uint8:2"))
+    del keep
+    rel = _far_apart((8, 2 * L), torch.bfloat16, gen)
+    case = Case(DECODE_LENGTHS, q_len=3, heads=8, kv_heads=2, head_dim=128, block_size=16)
+    o, lse = attngen.decode(case.q, case.k_cache, case.v_cache, **case.kwargs(), num_splits=4, return_lse=True,
+                            score_mod=REL, aux={"rel": rel})
+    torch.cuda.synchronize()
+    check_decode(case, "rel", o, lse, {"rel": rel})
+
+
 SM90A = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                            reason="the sm_90a kernel forms")
 FORMS = {

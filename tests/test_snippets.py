@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -80,7 +81,9 @@ def test_the_key_holds_the_snippet_by_content():
 @pytest.mark.parametrize("aux, text", [
     ("x:fp64:1", "dtype 'fp64'"),
     ("x:fp32:5", "ndim 1 to 4"),
-    ("x:fp32", "'name:dtype:ndim' items"),
+    ("x:fp32", "'name:dtype:ndim:wide' items"),
+    ("x:fp32:1:64", "'name:dtype:ndim:wide' items"),
+    ("x:fp32:1:wide:wide", "'name:dtype:ndim:wide' items"),
     ("int:fp32:1", "C identifier"),
     ("q_idx:fp32:1", "C identifier"),
     ("mods_:fp32:1", "C identifier"),
@@ -96,6 +99,58 @@ def test_aux_signature_refusals(aux, text):
 
 def test_aux_signature_is_canonical():
     assert PrefillSpec(score_mod="return score;", aux=" z:int64:1 ; a:bf16:3").aux == "a:bf16:3;z:int64:1"
+    assert PrefillSpec(score_mod="return score;", aux="z:int64:1: wide;a:bf16:3").aux == "a:bf16:3;z:int64:1:wide"
+
+
+@pytest.mark.parametrize("shape, strides, wide", [
+    ((2**31,), (1,), False),             # the last element is 2^31 - 1 from the first
+    ((2**31 + 1,), (1,), True),
+    ((2, 2**30 + 1), (2**30 + 1, 1), True),
+    ((2, 2**30), (2**30, 1), False),
+    ((2**40, 8), (0, 1), False),         # expanded: every row the same memory
+    ((0, 2**40), (2**40, 1), False),     # empty: nothing is read
+    ((2, 2**31), (-(2**31), 1), True),   # each reach apart: back 2^31 from the first, forward 2^31 - 1
+    ((2, 2**31 - 1), (-(2**31), 1), True),
+    ((3, 5), (-4, 1), False),
+    ((1, 7), (2**40, 1), False),         # a dim of one: its stride is never multiplied by more than 0
+])
+def test_a_tensor_is_wide_where_an_offset_leaves_32_bits(shape, strides, wide):
+    assert snippets.needs_wide(shape, strides) is wide
+
+
+def test_the_accessor_takes_offsets_in_the_width_the_aux_item_says():
+    ctx = snippets.template_context("return score + t(h, q_idx) + u(kv_idx);", "", "t:fp32:2;u:fp16:1:wide")
+    defs = ctx["mods_defs"]
+    assert "auto t = [&](int i0, int i1) -> float" in defs and "i1 * (int)mods_.stride[0][1]" in defs
+    assert "auto u = [&](long long i0) -> float" in defs and "i0 * mods_.stride[1][0])" in defs
+
+
+class _Info(NamedTuple):
+    kind: str
+    ptr: int
+    shape: tuple
+    strides: tuple
+    dtype: str
+    device: int
+
+
+def test_a_wide_tensor_needs_a_wide_item():
+    """The launch's guard: pack_aux refuses a tensor past 2^31 elements for a 32-bit item, by name; a caller's spec
+    and the call agree on the mark both ways (check_spec_mods)."""
+    q = _Info("torch", 1, (4, 8), (8, 1), "fp16", 0)
+    big = _Info("torch", 2, (2, 2**31), (2**31, 1), "uint8", 0)
+    small = _Info("torch", 3, (2, 16), (16, 1), "uint8", 0)
+    with pytest.raises(LaunchError, match=r"aux\['keep'\] .*2\^31 or more apart.*keep:...:wide"):
+        snippets.pack_aux("keep:uint8:2", (("keep", big),), q)
+    assert snippets.pack_aux("keep:uint8:2:wide", (("keep", big),), q)[:2] == (2, 0)
+    assert snippets.pack_aux("keep:uint8:2:wide", (("keep", small),), q)[0] == 3
+    mask = "return keep(0, kv_idx) != 0;"
+    spec = PrefillSpec(mask_mod=mask, aux="keep:uint8:2")
+    with pytest.raises(LaunchError, match="32-bit offsets"):
+        snippets.check_spec_mods(spec, ("", mask, "keep:uint8:2:wide", (("keep", big),)))
+    with pytest.raises(LaunchError, match="marks it wide"):
+        snippets.check_spec_mods(spec.replace(aux="keep:uint8:2:wide"), ("", mask, "keep:uint8:2", (("keep", small),)))
+    snippets.check_spec_mods(spec, ("", mask, "keep:uint8:2", (("keep", small),)))
 
 
 def test_refused_where_not_built():
@@ -117,7 +172,7 @@ def test_refused_where_not_built():
 FORMS = [
     ("sm_80", PrefillSpec(head_dim=128, mask="causal", score_mod=ALIBI, mask_mod=DOC, aux="doc:int32:2;slope:fp32:1")),
     ("sm_80", PrefillSpec(head_dim=64, varlen=True, paged=True, sinks=True, softcap=True,
-                          score_mod="return score + (float)bias(h, q_idx - kv_idx + 4096);", aux="bias:bf16:2")),
+                          score_mod="return score + (float)bias(h, q_idx - kv_idx + 4096);", aux="bias:bf16:2:wide")),
     ("sm_86", PrefillSpec(head_dim=96, custom_mask=True, mask="sliding_window",
                           mask_mod="return keep(q_idx, kv_idx) != 0;", aux="keep:uint8:2")),
     ("sm_90a", PrefillSpec(head_dim=128, mma="wgmma", pipeline="sync", score_mod=ALIBI, aux="slope:fp16:1")),

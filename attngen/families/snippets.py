@@ -49,6 +49,9 @@ while xor xor_eq""".split())
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # ModArgs in the kernels' parameters (snippets' aux tensors): 4 pointers, then 4 x 4 element strides.
 MOD_ARGS = "4Q16q"
+# The aux item mark of a tensor whose offsets need 64 bits (``needs_wide``).
+WIDE = "wide"
+_INT32_MAX = 2**31 - 1
 
 
 def check_snippet(name: str, text) -> str:
@@ -77,27 +80,40 @@ def _check_name(name) -> str:
     return name
 
 
-def parse_aux(text) -> tuple[tuple[str, str, int], ...]:
-    """A spec's ``aux`` text (``name:dtype:ndim;...``, sorted by name) as (name, dtype, ndim) triples, checked."""
+def parse_aux(text) -> tuple[tuple[str, str, int, bool], ...]:
+    """A spec's ``aux`` text (``name:dtype:ndim[:wide];...``, sorted by name) as (name, dtype, ndim, wide) tuples,
+    checked. ``wide``: the tensor's element offsets are taken in 64 bits (``needs_wide``); without it, in 32."""
     if not text:
         return ()
     if not isinstance(text, str):
-        raise SpecError("aux", type(text).__name__, "text 'name:dtype:ndim;...'", reason="must be a string")
+        raise SpecError("aux", type(text).__name__, "text 'name:dtype:ndim[:wide];...'", reason="must be a string")
     out = []
     for item in text.split(";"):
-        parts = item.strip().split(":")
-        if len(parts) != 3:
-            raise SpecError("aux", text, "'name:dtype:ndim' items separated by ';'", reason=f"item {item!r}")
-        name, dtype, ndim = (x.strip() for x in parts)
+        parts = [x.strip() for x in item.strip().split(":")]
+        if len(parts) not in (3, 4) or parts[3:] not in ([], [WIDE]):
+            raise SpecError("aux", text, f"'name:dtype:ndim' or 'name:dtype:ndim:{WIDE}' items separated by ';'",
+                            reason=f"item {item!r}")
+        name, dtype, ndim = parts[:3]
         if dtype not in AUX_TYPES:
             raise SpecError("aux", text, ", ".join(AUX_TYPES), reason=f"dtype {dtype!r} of {name!r}")
         if ndim not in tuple(str(n) for n in range(1, MAX_NDIM + 1)):
             raise SpecError("aux", text, f"ndim 1 to {MAX_NDIM}", reason=f"ndim {ndim!r} of {name!r}")
-        out.append((_check_name(name), dtype, int(ndim)))
-    names = [n for n, _, _ in out]
+        out.append((_check_name(name), dtype, int(ndim), len(parts) == 4))
+    names = [item[0] for item in out]
     if len(out) > MAX_AUX or len(set(names)) != len(names):
         raise SpecError("aux", text, f"at most {MAX_AUX} tensors, each name once")
     return tuple(sorted(out))
+
+
+def needs_wide(shape, strides) -> bool:
+    """Whether some element of an array (``shape``, element ``strides``) lies 2^31 elements or more from its first:
+    its accessor must then take offsets in 64 bits. The positive and the negative strides' reaches are bounded
+    apart, so no partial sum of an in-range offset leaves 32 bits either."""
+    if any(n == 0 for n in shape):
+        return False
+    up = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+    down = sum((n - 1) * -s for n, s in zip(shape, strides) if s < 0)
+    return max(up, down) > _INT32_MAX
 
 
 # C tokens, longest first where two could start at one place: comments and literals are skipped whole (a "h" in a
@@ -122,8 +138,8 @@ def reads_batch_head(mask_mod: str) -> tuple[bool, bool]:
 
 
 def aux_text(items) -> str:
-    """The canonical ``aux`` text of (name, dtype, ndim) triples."""
-    return ";".join(f"{n}:{d}:{k}" for n, d, k in sorted(items))
+    """The canonical ``aux`` text of (name, dtype, ndim, wide) items."""
+    return ";".join(f"{n}:{d}:{k}" + (f":{WIDE}" if w else "") for n, d, k, w in sorted(items))
 
 
 def check_spec_fields(spec) -> tuple[str, str, str]:
@@ -139,7 +155,8 @@ short = _snippet_short
 
 def call_aux(aux) -> tuple[str, tuple]:
     """(canonical aux text, ((name, TensorInfo), ...) sorted by name) of an op's ``aux=`` dict, each checked to be
-    a device array of a dtype aux takes with 1-4 dims; ``aux`` None or empty gives ("", ())."""
+    a device array of a dtype aux takes with 1-4 dims, marked wide where its offsets need 64 bits; ``aux`` None or
+    empty gives ("", ())."""
     if aux is None:
         return "", ()
     if not isinstance(aux, Mapping):
@@ -168,7 +185,7 @@ def call_aux(aux) -> tuple[str, tuple]:
         if not 1 <= len(info.shape) <= MAX_NDIM:
             raise LaunchError(f"aux[{name!r}] has {len(info.shape)} dims (shape {tuple(info.shape)}); allowed: 1 to "
                               f"{MAX_NDIM}")
-        items.append((name, dtype, len(info.shape)))
+        items.append((name, dtype, len(info.shape), needs_wide(info.shape, info.strides)))
         infos.append((name, info))
     return aux_text(items), tuple(infos)
 
@@ -176,10 +193,10 @@ def call_aux(aux) -> tuple[str, tuple]:
 def pack_aux(spec_aux: str, infos: tuple, qi) -> tuple:
     """The ModArgs values (4 pointers, 4 x 4 strides) of a call's checked aux ``infos`` (``call_aux``) for a kernel
     whose spec's aux text is ``spec_aux``: every tensor the spec names, of its dtype and ndim, on q's device and of
-    q's kind; none the spec does not name."""
+    q's kind, and marked wide where its offsets need 64 bits; none the spec does not name."""
     want = parse_aux(spec_aux)
     got = {name: info for name, info in infos}
-    for name, dtype, ndim in want:
+    for name, dtype, ndim, wide in want:
         info = got.get(name)
         if info is None:
             raise LaunchError(f"aux[{name!r}] is missing: the kernel's snippets read {name} ({dtype}, {ndim} dims); "
@@ -191,16 +208,24 @@ def pack_aux(spec_aux: str, infos: tuple, qi) -> tuple:
         if info.kind != qi.kind or info.device != qi.device:
             raise LaunchError(f"aux[{name!r}] must be a {qi.kind} array on device {qi.device}; got {info.kind} on "
                               f"device {info.device}")
-    extra = sorted(set(got) - {n for n, _, _ in want})
+        if not wide and needs_wide(info.shape, info.strides):
+            raise LaunchError(_wide_message(name, info.shape, info.strides, spec_aux))
+    extra = sorted(set(got) - {item[0] for item in want})
     if extra:
         raise LaunchError(f"aux[{extra[0]!r}] is not read by the kernel: its spec's aux is "
                           f"{spec_aux or 'empty'}; pass only the tensors the snippets read")
     ptrs, strides = [0] * MAX_AUX, [0] * (MAX_AUX * MAX_NDIM)
-    for k, (name, _, ndim) in enumerate(want):
+    for k, (name, _, ndim, _) in enumerate(want):
         info = got[name]
         ptrs[k] = info.ptr
         strides[k * MAX_NDIM:k * MAX_NDIM + ndim] = info.strides
     return (*ptrs, *strides)
+
+
+def _wide_message(name, shape, strides, spec_aux) -> str:
+    return (f"aux[{name!r}] (shape {tuple(shape)}, strides {tuple(strides)}) has elements 2^31 or more apart, and the "
+            f"spec's aux {spec_aux} reads it with 32-bit offsets; allowed: its item marked {name}:...:{WIDE} (64-bit "
+            "offsets), or a spec whose aux is '' (the call's is taken)")
 
 
 def mod_layout(layout: struct.Struct) -> struct.Struct:
@@ -217,10 +242,14 @@ _mod_layouts: dict = {}
 
 # --- code ----------------------------------------------------------------------------------------------------
 
-def _accessor(k: int, name: str, dtype: str, ndim: int) -> str:
+def _accessor(k: int, name: str, dtype: str, ndim: int, wide: bool) -> str:
     elem, ret, conv = AUX_TYPES[dtype]
-    args = ", ".join(f"long long i{d}" for d in range(ndim))
-    off = " + ".join(f"i{d} * mods_.stride[{k}][{d}]" for d in range(ndim))
+    # Offsets in 32 bits unless the tensor needs more (``needs_wide``, which the launch checks): a 64-bit multiply
+    # is several instructions, and a mask_mod runs one per element of a partial tile.
+    index = "long long" if wide else "int"
+    args = ", ".join(f"{index} i{d}" for d in range(ndim))
+    off = " + ".join(f"i{d} * " + (f"mods_.stride[{k}][{d}]" if wide else f"(int)mods_.stride[{k}][{d}]")
+                     for d in range(ndim))
     # Through the read-only path: an aux tensor does not change while the kernel runs, so a read that repeats
     # (doc(b, q_idx) for every key of a row) is one load, hoisted out of the loop over the row's keys.
     read = conv.format(f"__ldg(static_cast<const {elem}*>(mods_.ptr[{k}]) + {off})")
@@ -288,7 +317,7 @@ def snippet_error(e: CompileError, spec) -> AttngenError | None:
     undefined = _UNDEFINED.search(m.group(3))
     if undefined and re.search(rf"\b{undefined.group(1)}\s*\(", shown):
         name = undefined.group(1)
-        have = ", ".join(n for n, _, _ in parse_aux(spec.aux)) or "no aux"
+        have = ", ".join(item[0] for item in parse_aux(spec.aux)) or "no aux"
         return LaunchError(f"aux[{name!r}] is missing: {field} line {line} reads {name}(...) and the call's aux has "
                            f"{have} (NVRTC: {messages[0]})")
     return SpecError(field, f"line {line}: {shown}" if shown else f"line {line}", "CUDA device code NVRTC compiles",
@@ -319,15 +348,24 @@ def check_spec_mods(spec, mods) -> None:
         return
     call = ("", "", "") if mods is None else mods[:3]
     if spec.aux and spec.aux != call[2]:  # named by tensor: which one the call lacks, adds or types otherwise
-        want, got = {n: (d, k) for n, d, k in parse_aux(spec.aux)}, {n: (d, k) for n, d, k in parse_aux(call[2])}
+        want = {item[0]: item[1:] for item in parse_aux(spec.aux)}
+        got = {item[0]: item[1:] for item in parse_aux(call[2])}
+        infos = dict(mods[3]) if mods else {}
         for name in sorted(set(want) | set(got)):
             if name not in got:
                 raise LaunchError(f"aux[{name!r}] is missing: the spec's aux is {spec.aux}")
             if name not in want:
                 raise LaunchError(f"aux[{name!r}] is not in the spec's aux {spec.aux}")
-            if want[name] != got[name]:
+            if want[name][:2] != got[name][:2]:
                 raise LaunchError(f"aux[{name!r}] is {got[name][0]} with {got[name][1]} dims; the spec's aux says "
                                   f"{want[name][0]} with {want[name][1]} dims")
+            if got[name][2] != want[name][2]:
+                info = infos[name]
+                if got[name][2]:
+                    raise LaunchError(_wide_message(name, info.shape, info.strides, spec.aux))
+                raise LaunchError(f"aux[{name!r}] (shape {tuple(info.shape)}, strides {tuple(info.strides)}) has no "
+                                  f"elements 2^31 or more apart, and the spec's aux {spec.aux} marks it {WIDE}; "
+                                  f"allowed: the call's own aux {call[2]}, or a spec whose aux is ''")
     for name, got in zip(SNIPPET_FIELDS[:2], call):
         have = getattr(spec, name)
         if have and have != got:
