@@ -154,6 +154,11 @@ class SpecBase:
         # reads properties that check it on every call)
         return all(getattr(self, f) for f in self.TUNING_FIELDS)
 
+    @property
+    def pins_tuning(self) -> bool:
+        """Whether some tuning field is set (the caller pins it): the choice then keeps to what the spec says."""
+        return any(getattr(self, f) for f in self.TUNING_FIELDS)
+
     def _require_resolved(self, what: str):
         if not self.is_resolved:
             raise SpecError("spec", self.to_text(), "a resolved spec (see attngen.resolve)",

@@ -100,7 +100,7 @@ def defaults_by_size(spec: Spec, arch: Arch) -> list[tuple[int, Spec]]:
     """[(from size, spec)]: what the family's op runs for ``spec`` at each size without a stored winner, where its
     built-in default depends on the size (the tuning module's ``by_size``) and ``spec`` pins no tuning field;
     else []."""
-    if not get_family(spec.family).tuning or any(getattr(spec, f) for f in spec.TUNING_FIELDS):
+    if not get_family(spec.family).tuning or spec.pins_tuning:
         return []
     by_size = getattr(tuning_module(spec), "by_size", None)
     rows = by_size(resolve(spec, arch), arch) if by_size else None

@@ -150,7 +150,7 @@ def merge_entry(rs: MlaDecodeSpec, rows: int, num_splits: int, device: DeviceFac
 
 def _pins_tuning(user) -> bool:
     """Whether the caller's spec (None: none) pins a tuning field, which keeps the choice's own forms away."""
-    return user is not None and any(getattr(user, f) for f in user.TUNING_FIELDS)
+    return user is not None and user.pins_tuning
 
 
 def choose_spec(p: Problem, device: DeviceFacts) -> MlaDecodeSpec:

@@ -183,7 +183,7 @@ def reachable(spec: PrefillSpec, arch: Arch) -> set:
     """Every resolved spec ``choose`` can return for a problem of ``spec``'s fields on ``arch`` (no stored winners):
     ``spec`` resolved, and where it pins no tuning field, each spec of its rule by rows."""
     resolved = resolve(spec, arch)
-    if any(getattr(spec, f) for f in spec.TUNING_FIELDS):
+    if spec.pins_tuning:
         return {resolved}
     rows = by_rows(resolved, arch)
     return {resolved} if rows is None else {resolved, *rows[1]}
