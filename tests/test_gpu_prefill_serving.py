@@ -297,6 +297,37 @@ def _cu(lengths):
     return torch.tensor(out, dtype=torch.int32, device="cuda")
 
 
+def paged_pool(k, v, lens_k, block_size, interleaved=False):
+    """(k cache, v cache, block table): each sequence's keys of the packed k, v scattered into shuffled blocks of a
+    NaN-filled pool; spare blocks, and a last block's rows past its sequence, stay NaN, and a table row's entries
+    past its sequence's blocks are -1. ``interleaved``: k and v are views of one [num_blocks, 2, block_size, ...]
+    pool (vLLM's and FlashInfer's layout), so their block strides are twice a block."""
+    _, hk, d = k.shape
+    dv = v.shape[-1]
+    per = [-(-n // block_size) for n in lens_k]
+    nblocks = sum(per) + 3
+    order = torch.randperm(nblocks, generator=torch.Generator().manual_seed(random.randrange(1 << 30)))
+    if interleaved:
+        assert d == dv
+        pool = torch.full((nblocks, 2, block_size, hk, d), NAN, dtype=k.dtype, device="cuda")
+        kc, vc = pool[:, 0], pool[:, 1]
+    else:
+        kc = torch.full((nblocks, block_size, hk, d), NAN, dtype=k.dtype, device="cuda")
+        vc = torch.full((nblocks, block_size, hk, dv), NAN, dtype=k.dtype, device="cuda")
+    table = torch.full((len(lens_k), max(per + [1])), -1, dtype=torch.int32)
+    at = 0
+    for s, n in enumerate(lens_k):
+        k0 = sum(lens_k[:s])
+        for j in range(per[s]):
+            blk = int(order[at])
+            at += 1
+            table[s, j] = blk
+            rows = min(block_size, n - j * block_size)
+            kc[blk, :rows] = k[k0 + j * block_size: k0 + j * block_size + rows]
+            vc[blk, :rows] = v[k0 + j * block_size: k0 + j * block_size + rows]
+    return kc, vc, table.cuda()
+
+
 def run_varlen(lens_q, lens_k, h, hk, d, dtype, *, causal=False, window=(-1, -1), block_size=0, spec=None, dv=None):
     gen = fresh_generator()
     tq, tk = sum(lens_q), sum(lens_k)
@@ -308,25 +339,7 @@ def run_varlen(lens_q, lens_k, h, hk, d, dtype, *, causal=False, window=(-1, -1)
     kwargs = {}
     kc, vc = k, v
     if block_size:
-        # Scatter each sequence's keys into shuffled blocks of a NaN-filled pool; spare blocks stay NaN.
-        per = [-(-n // block_size) for n in lens_k]
-        max_blocks = max(per + [1])
-        nblocks = sum(per) + 3
-        order = torch.randperm(nblocks, generator=torch.Generator().manual_seed(random.randrange(1 << 30)))
-        kc = torch.full((nblocks, block_size, hk, d), NAN, dtype=dtype, device="cuda")
-        vc = torch.full((nblocks, block_size, hk, dv), NAN, dtype=dtype, device="cuda")
-        table = torch.zeros(len(lens_k), max_blocks, dtype=torch.int32)
-        at = 0
-        for s, n in enumerate(lens_k):
-            k0 = sum(lens_k[:s])
-            for j in range(per[s]):
-                blk = int(order[at])
-                at += 1
-                table[s, j] = blk
-                rows = min(block_size, n - j * block_size)
-                kc[blk, :rows] = k[k0 + j * block_size: k0 + j * block_size + rows]
-                vc[blk, :rows] = v[k0 + j * block_size: k0 + j * block_size + rows]
-        kwargs["block_table"] = table.cuda()
+        kc, vc, kwargs["block_table"] = paged_pool(k, v, lens_k, block_size)
     out, buf, guards = sentinel_out((tq, h, dv), dtype)
     o, lse = attngen.prefill_varlen(q, kc, vc, cu_q, cu_k, max(lens_q + [0]), max(lens_k + [0]), causal=causal,
                                     window=window, return_lse=True, out=out, spec=spec, **kwargs)

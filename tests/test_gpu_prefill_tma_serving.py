@@ -17,8 +17,10 @@ torch = pytest.importorskip("torch")
 import attngen  # noqa: E402
 from tests.gpu_reference import fresh_generator  # noqa: E402
 from tests.test_gpu_prefill_serving import (block_diag_keep, check_sentinel, compare, guarded,  # noqa: E402
-                                            mask_of, range_keep, reference, sentinel_out)
+                                            mask_of, paged_pool, range_keep, reference, sentinel_out)
 from tests.test_gpu_prefill_tma import BF16, FP16, SCHEDULES, _spec, _sync  # noqa: E402
+from tests.test_gpu_sinks_prefill import reference as sink_reference  # noqa: E402
+from tests.test_gpu_sinks_prefill import sinks_for  # noqa: E402
 
 
 # ---- contiguous varlen batches (prefill_varlen) on the TMA pipeline: the maps cover the packed tensors ----------
@@ -92,6 +94,84 @@ def test_varlen_tma_many_sequences(schedule, causal):
                  persistent=False, varlen=True)
     run_varlen_tma(spec, lens_q, lens_k, BF16, causal, h=8, hk=2)
 
+
+# ---- paged caches (prefill_varlen with a block table) on the TMA pipeline: a key tile in boxes of one block's rows ---
+
+def run_paged_tma(spec, lens_q, lens_k, block_size, dtype, causal=False, window=(-1, -1), h=4, hk=2,
+                  interleaved=False, sinks=False):
+    """prefill_varlen over a paged pool (tests/test_gpu_prefill_serving.py's paged_pool: NaN in every row no
+    sequence owns, -1 past each table row's blocks) through ``spec`` against the fp64 reference per sequence,
+    and bit-equal to the cp.async kernel of its tiles."""
+    gen = fresh_generator()
+    d, dv = spec.head_dim, spec.dim_v
+    spec = spec.replace(dtype="bf16" if dtype is BF16 else "fp16", sinks=sinks)
+    tq, tk = sum(lens_q), sum(lens_k)
+    q = guarded(tq, h, d, dtype=dtype, gen=gen)
+    k = guarded(tk, hk, d, dtype=dtype, gen=gen)
+    v = guarded(tk, hk, dv, dtype=dtype, gen=gen)
+    kc, vc, table = paged_pool(k, v, lens_k, block_size, interleaved)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    sink = sinks_for(h, gen) if sinks else None
+    out, buf, guards = sentinel_out((tq, h, dv), dtype)
+    args = (q, kc, vc, cu_q, cu_k, max(lens_q), max(lens_k))
+    kw = dict(causal=causal, window=window, return_lse=True, block_table=table, sinks=sink)
+    o, lse = attngen.prefill_varlen(*args, out=out, spec=spec, **kw)
+    torch.cuda.synchronize()
+    assert o is out
+    check_sentinel(buf, guards)
+    q0 = k0 = 0
+    for nq, nk in zip(lens_q, lens_k):
+        if nq:
+            seq = (q[None, q0:q0 + nq], k[None, k0:k0 + nk], v[None, k0:k0 + nk], range_keep(nq, nk, causal, window),
+                   d ** -0.5)
+            ref_o, ref_l = sink_reference(*seq, sink) if sinks else reference(*seq)
+            compare(o[None, q0:q0 + nq], lse[None, :, q0:q0 + nq], ref_o, ref_l, dtype)
+        q0 += nq
+        k0 += nk
+    if spec.num_warps != 12:
+        o2, lse2 = attngen.prefill_varlen(*args, spec=_sync(spec), **kw)
+        assert torch.equal(o, o2) and torch.equal(lse, lse2), "TMA and cp.async kernels of one tile config differ"
+
+
+@pytest.mark.parametrize("cfg", VARLEN_TMA + [(128, 128, 128, 128, 8, 3, "pingpong")],
+                         ids=lambda c: "%d_%d_%dx%dx%d_%d_%s" % c)
+@pytest.mark.parametrize("block_size", [16, 48, 64, 256])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (100, 0))],
+                         ids=["full", "causal", "window"])
+def test_paged_tma_matches_reference(cfg, block_size, causal, window):
+    d, dv, tq, tk, w, st, sched = cfg
+    spec = _spec(head_dim=d, head_dim_v=dv, cta_tile_q=tq, cta_tile_kv=tk, num_warps=w, num_stages=st,
+                 schedule=sched, persistent=False, varlen=True, paged=True)
+    # (one key past a block, a sequence of keys only, one shorter than a box, a whole number of blocks)
+    run_paged_tma(spec, [1, 200, 0, 129, 1000, 77, 5], [1, 333, 90, 129, 1024, 80, 700], block_size, BF16, causal,
+                  window)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("block_size", [16, 32, 80, 512])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["apart", "interleaved"])
+def test_paged_tma_layouts_and_sinks(dtype, block_size, interleaved):
+    """k and v as views of one interleaved pool (block strides of two blocks), fp16, sinks, many sequences."""
+    rng = random.Random()
+    lens_q = [rng.randrange(0, 300) for _ in range(40)]
+    lens_k = [n + rng.choice([0, 0, 33, 500, 2000]) for n in lens_q]
+    spec = _spec(head_dim=128, cta_tile_q=128, cta_tile_kv=128, num_warps=8, num_stages=3, schedule="pingpong",
+                 persistent=False, varlen=True, paged=True)
+    run_paged_tma(spec, lens_q, lens_k, block_size, dtype, True, h=8, hk=2, interleaved=interleaved,
+                  sinks=interleaved)
+
+
+def test_paged_default_is_tma_on_sm90():
+    """Without a spec, a paged cache of 16-row blocks runs the TMA kernel on sm_90a (and blocks of other sizes the
+    cp.async kernel that looks up every row)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the TMA pipeline runs on sm_90a")
+    from attngen.families.prefill import choose as ch
+    arch = attngen.runtime.device_arch(torch.cuda.current_device())
+    for bs, tma in ((16, True), (24, False)):
+        layout = ch.VARLEN_PAGED if bs % 16 == 0 else ch.VARLEN_PAGE_ROWS
+        spec = ch.table_of(ch.Problem(128, mask=ch.MaskMode.CAUSAL, layout=layout, rows=2048), arch).spec_for(2048)
+        assert spec.tma is tma, spec.to_text()
 
 
 # ---- custom masks (a plan's lists of live KV tiles) on the TMA pipeline: the producer copies the listed tiles ------

@@ -51,7 +51,7 @@ def test_page_rows_is_left_out_while_off_and_named_when_on(spec):
 
 
 @pytest.mark.parametrize("text", ["decode:head_dim=128,paged=true", "decode:head_dim=256,paged=true,q_rows=32",
-                                  "prefill:head_dim=128,mask=causal,varlen=true,paged=true"])
+                                  "prefill:head_dim=128,mask=causal,varlen=true,paged=true,pipeline=sync"])
 def test_the_row_form_is_a_define_the_default_source_lacks(text):
     spec = resolve(parse_spec(text), "sm_90a")
     rows = spec.replace(page_rows=True)

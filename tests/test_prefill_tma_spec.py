@@ -39,7 +39,12 @@ def test_tma_is_the_sm90a_dense_default():
         assert resolve(PrefillSpec(head_dim=128), arch).pipeline.value == "sync"
         with pytest.raises(SpecError):
             resolve(PrefillSpec(head_dim=128, pipeline="tma"), arch)
-    for fields in (dict(varlen=True, paged=True), dict(head_dim=64, custom_mask=True), dict(head_dim=512, head_dim_v=96),
+    # (a paged cache in blocks of a multiple of 16 rows takes the varlen TMA kernels; other block sizes do not)
+    assert resolve(PrefillSpec(head_dim=128, varlen=True, paged=True), "sm_90a").tma
+    with pytest.raises(SpecError, match="page_rows"):
+        resolve(PrefillSpec(head_dim=128, varlen=True, paged=True, page_rows=True, pipeline="tma"), "sm_90a")
+    for fields in (dict(varlen=True, paged=True, page_rows=True), dict(head_dim=64, custom_mask=True),
+                   dict(head_dim=512, head_dim_v=96),
                    dict(head_dim=512, varlen=True), dict(head_dim=96), dict(head_dim=64, mask="causal", varlen=True)):
         assert not resolve(PrefillSpec(**{"head_dim": 128, **fields}), "sm_90a").tma
     # tiles pinned without a pipeline: the cp.async one (what such specs meant before the field)
@@ -68,7 +73,7 @@ def test_tma_ctas_an_sm_reach_the_launch_bounds(d, warps, ctas):
 
 @pytest.mark.parametrize("fields, field", [
     (dict(mma="mma_sync"), "mma"),  # "no configuration with mma=mma_sync, pipeline=tma; allowed: wgmma"
-    (dict(varlen=True, paged=True), "pipeline"),
+    (dict(varlen=True, paged=True, page_rows=True), "pipeline"),  # blocks not a multiple of 16 rows: no boxes
     (dict(head_dim=512, head_dim_v=96), "pipeline"),  # the chunked kernel: v's 96 columns padded to 128
     (dict(head_dim=512, schedule="pingpong"), "schedule"),  # its TMA form is serial, one CTA a tile
     (dict(head_dim=512, persistent=True), "persistent"),
@@ -108,6 +113,14 @@ def test_contiguous_varlen_runs_on_the_tma_pipeline_when_asked():
         r = resolve(PrefillSpec(head_dim=d, head_dim_v=dv, mask=mask, varlen=True), "sm_90a")
         assert r.tma and not r.is_persistent and r.schedule.value == sched, r.to_text()
         assert by_rows(r, get_arch("sm_90a")) is None
+        # a paged cache in blocks of a multiple of 16 rows takes the same kernels; one of other blocks the cp.async one
+        paged = resolve(PrefillSpec(head_dim=d, head_dim_v=dv, mask=mask, varlen=True, paged=True), "sm_90a")
+        stages = 3 if (d, dv, mask) == (128, 0, "causal") else r.num_stages  # (TUNED_TMA_PAGED)
+        assert paged == r.replace(paged=True, num_stages=stages), paged.to_text()
+        assert "constexpr bool PAGED = true;" in render(paged)
+        rows = resolve(PrefillSpec(head_dim=d, head_dim_v=dv, mask=mask, varlen=True, paged=True, page_rows=True),
+                       "sm_90a")
+        assert not rows.tma
 
 
 def test_tma_text_round_trip():
@@ -136,7 +149,7 @@ def test_schedule_resolves_with_the_tma_pipeline():
 
 @pytest.mark.parametrize("fields, field", [
     (dict(pipeline="sync", schedule="overlap"), "schedule"),
-    (dict(schedule="overlap", varlen=True, paged=True), "schedule"),
+    (dict(schedule="overlap", varlen=True, paged=True, page_rows=True), "schedule"),
     (dict(schedule="overlap", head_dim=512), "schedule"),
     (dict(schedule="pingpong", num_warps=4), "schedule"),
     (dict(schedule="overlap", num_stages=1, cta_tile_kv=64, num_warps=8, cta_tile_q=128, mma="wgmma"), "num_stages"),

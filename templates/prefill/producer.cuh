@@ -8,7 +8,9 @@
 //
 // VARLEN (TMA): the maps cover the packed q, k and v (one batch), and a tile's rows are offset by its sequence's
 // first row; a tile crossing the sequence's end reads the next one's rows, which the mask leaves out of S and
-// clear_v_tail zeroes in V. MASK_LIST (TMA): the producer copies the KV tiles the plan lists for the query tile.
+// clear_v_tail zeroes in V. PAGED (TMA, blocks of a multiple of 16 rows): k's and v's maps are the cache's
+// [num_blocks, block_size, kv_heads, head_dim], and a key tile is copied in boxes of one block's rows each
+// (load_pages). MASK_LIST (TMA): the producer copies the KV tiles the plan lists for the query tile.
 // Every function here is compiled only where TMA is set: WgmmaOps exists on sm_90a alone.
 namespace attngen {
 
@@ -28,7 +30,7 @@ struct FwdProducer {
   static constexpr int CONSUMER_REGS = K::NUM_WARPS == 12 ? 160 : K::NUM_WARPS == 8 ? 240 : 232;
 
   // Sets up the mbarriers, then the producer warpgroup gives its registers to the consumers and its one elected
-  // thread runs copies(); true in the producer warpgroup, which then leaves the kernel.
+  // thread (PAGED: its first warp) runs copies(); true in the producer warpgroup, which then leaves the kernel.
   template <class Copies>
   static __device__ __forceinline__ bool split(unsigned bars, int tid, int warp, Copies&& copies) {
     if (tid == 0) {
@@ -46,7 +48,7 @@ struct FwdProducer {
     __syncthreads();
     if (warp >= K::NUM_WARPS) {
       if constexpr (MOVE_REGS) W::template regs_dec<PRODUCER_REGS>();
-      if (tid == K::THREADS) copies();
+      if (K::PAGED ? warp == K::NUM_WARPS : tid == K::THREADS) copies();
       return true;
     }
     if constexpr (MOVE_REGS) W::template regs_inc<CONSUMER_REGS>();
@@ -55,13 +57,16 @@ struct FwdProducer {
 
   // The CTA's one query tile (not PERSISTENT): split, the producer thread issuing the tile's copies. VARLEN: q_row0
   // and k_row0 offset its rows in the maps, which cover the packed tensors (one batch).
+  // PAGED: batch is the sequence, whose block table row the producer reads, and seqlen_k its keys.
   static __device__ __forceinline__ bool split_one(const PrefillParams<T>& p, const TmaDesc* maps, T* sQ, T* sK, T* sV,
                                                    unsigned bars, int tid, int warp, long long q_row0,
                                                    long long k_row0, int m0, int head, int kv_head, int batch,
-                                                   int tile_begin, int n_tiles, long long list_at, int vt_col = 0) {
+                                                   int tile_begin, int n_tiles, long long list_at, int seqlen_k,
+                                                   int vt_col = 0) {
     return split(bars, tid, warp, [&]() {
-      produce(p, maps, sQ, sK, sV, bars, 0, 0, K::VARLEN ? (int)q_row0 + m0 : m0, head, kv_head, K::VARLEN ? 0 : batch,
-              tile_begin, n_tiles, K::VARLEN ? (int)k_row0 : 0, list_at, vt_col);
+      produce(p, maps, sQ, sK, sV, bars, 0, 0, K::VARLEN ? (int)q_row0 + m0 : m0, head, kv_head,
+              K::VARLEN && !K::PAGED ? 0 : batch, tile_begin, n_tiles, K::VARLEN ? (int)k_row0 : 0, list_at, seqlen_k,
+              vt_col);
     });
   }
 
@@ -71,38 +76,82 @@ struct FwdProducer {
   // the tile's first NUM_STAGES key tiles, which need only the ring). m0 and k_row: the first row of Q's tile and
   // of the key tiles in the maps; VARLEN, offset by the sequence's. MASK_LIST: the it-th KV tile is the plan's
   // list entry at list_at + it, not tile_begin + it. FP8: V's transposed copy has the sequence's keys from column
-  // vt_col (fp8_vt_col).
+  // vt_col (fp8_vt_col). PAGED: batch is the sequence (q's map has one batch), seqlen_k its keys.
   static __device__ __forceinline__ void produce(const PrefillParams<T>& p, const TmaDesc* maps, T* sQ, T* sK, T* sV,
                                                  unsigned bars, int pass, int ring, int m0, int head, int kv_head,
                                                  int batch, int tile_begin, int n_tiles, int k_row, long long list_at,
-                                                 int vt_col = 0) {
+                                                 int seqlen_k, int vt_col = 0) {
+    // PAGED: a warp runs this, lane j copying box j of each key tile (load_pages); lane 0 (lead) alone arms the
+    // barriers and copies Q. Otherwise one thread.
+    const int lane = K::PAGED ? threadIdx.x % 32 : 0;
+    const bool lead = lane == 0;
     auto load_q = [&]() {
       if (K::PERSISTENT && pass > 0) W::mbar_wait(K::qe_bar(bars), (pass - 1) & 1);
-      W::mbar_expect(bars, K::Q_ELEMS * sizeof(T));
+      if (lead) {
+        W::mbar_expect(bars, K::Q_ELEMS * sizeof(T));
 #pragma unroll
-      for (int b = 0; b < K::QK_COLS / 64; ++b)
-        W::tma_load(smem_addr(sQ) + b * K::LQ::BLOCK_BYTES, maps, bars, 64 * b, m0, head, batch);
+        for (int b = 0; b < K::QK_COLS / 64; ++b)
+          W::tma_load(smem_addr(sQ) + b * K::LQ::BLOCK_BYTES, maps, bars, 64 * b, m0, head, K::PAGED ? 0 : batch);
+      }
+    };
+    // PAGED: the table row; the block size's shift where it is a power of two; the rows a box, the largest power of
+    // two that divides block_size up to a tile's (so each box lies in one block), and the boxes a tile (at most 8).
+    const int* table = K::PAGED ? p.block_table + (long long)batch * p.bt_sb : nullptr;
+    const int bs_shift = K::PAGED && (p.block_size & (p.block_size - 1)) == 0 ? __popc(p.block_size - 1) : -1;
+    const int box = K::PAGED ? min(K::BLOCK_N, p.block_size & -p.block_size) : K::BLOCK_N;
+    const int boxes = K::BLOCK_N / box;
+    // PAGED: the table entry of this lane's box of the key tile from key n0, read before the wait for the tile's slot
+    // (the lanes' loads are one instruction, and their latency passes in the wait). A box past the sequence's end
+    // reads no entry.
+    auto page_entry = [&](int n0) {
+      const int pos = n0 + lane * box;
+      return lane < boxes && pos < seqlen_k ? __ldg(table + (bs_shift >= 0 ? pos >> bs_shift : pos / p.block_size))
+                                            : 0;
+    };
+    // PAGED: this lane's box into the slot at dst (64-column blocks of block_bytes) through map, from block blk
+    // clamped into the pool (as the cp.async copies clamp it), at its row within the block; a box past the
+    // sequence's end names block num_blocks, past the map's end, which TMA fills with zeros. After lane 0 has armed
+    // the slot's barrier.
+    auto load_pages = [&](int blk, unsigned dst, int blocks, int block_bytes, const TmaDesc* map, unsigned bar,
+                          int n0) {
+      __syncwarp();
+      const int pos = n0 + lane * box;
+      if (lane < boxes) {
+        const int row = bs_shift >= 0 ? pos & (p.block_size - 1) : pos % p.block_size;
+        const int at = pos < seqlen_k ? min(max(blk, 0), p.num_blocks - 1) : p.num_blocks;
+        for (int b = 0; b < blocks; ++b)
+          W::tma_load(dst + b * block_bytes + lane * box * 128, map, bar, 64 * b, row, kv_head, at);
+      }
     };
     auto load_kv = [&](int it) {
       const int r = ring + it;  // the tile's place in the ring
       const int slot = r % NUM_STAGES;
+      const int blk = K::PAGED ? page_entry((tile_begin + it) * K::BLOCK_N) : 0;
       if (r >= NUM_STAGES) W::mbar_wait(K::e_bar(bars, slot), ((r / NUM_STAGES) + 1) & 1);
       const int n0 = k_row + (K::MASK_LIST ? (p.tiles[list_at + it] & 0x7fffffff) : tile_begin + it) * K::BLOCK_N;
-      W::mbar_expect(K::k_bar(bars, slot), K::K_ELEMS * sizeof(T));
+      if (lead) W::mbar_expect(K::k_bar(bars, slot), K::K_ELEMS * sizeof(T));
+      if constexpr (K::PAGED) {
+        load_pages(blk, smem_addr(sK + slot * K::K_ELEMS), K::QK_COLS / 64, K::LK::BLOCK_BYTES, maps + 1,
+                   K::k_bar(bars, slot), n0);
+      } else {
 #pragma unroll
-      for (int b = 0; b < K::QK_COLS / 64; ++b)
-        W::tma_load(smem_addr(sK + slot * K::K_ELEMS) + b * K::LK::BLOCK_BYTES, maps + 1, K::k_bar(bars, slot), 64 * b,
-                    n0, kv_head, batch);
+        for (int b = 0; b < K::QK_COLS / 64; ++b)
+          W::tma_load(smem_addr(sK + slot * K::K_ELEMS) + b * K::LK::BLOCK_BYTES, maps + 1, K::k_bar(bars, slot),
+                      64 * b, n0, kv_head, batch);
+      }
       if constexpr (K::OVERLAP) {
         if (r >= NUM_STAGES) W::mbar_wait(K::ev_bar(bars, slot), ((r / NUM_STAGES) + 1) & 1);
       }
-      W::mbar_expect(K::v_bar(bars, slot), K::V_ELEMS * sizeof(T));
+      if (lead) W::mbar_expect(K::v_bar(bars, slot), K::V_ELEMS * sizeof(T));
       if constexpr (K::FP8) {
         // V's transposed copy (bytes): a box of 128 keys x HEAD_DIM_V rows a 128-byte block
 #pragma unroll
         for (int b = 0; b < K::BLOCK_N / 128; ++b)
           W::tma_load(smem_addr(sV + slot * K::V_ELEMS) + b * K::LV::BLOCK_BYTES, maps + 2, K::v_bar(bars, slot),
                       n0 - k_row + vt_col + 128 * b, 0, kv_head, batch);
+      } else if constexpr (K::PAGED) {
+        load_pages(blk, smem_addr(sV + slot * K::V_ELEMS), K::HEAD_DIM_V / 64, K::LV::BLOCK_BYTES, maps + 2,
+                   K::v_bar(bars, slot), n0);
       } else {
 #pragma unroll
         for (int b = 0; b < K::HEAD_DIM_V / 64; ++b)
@@ -128,7 +177,8 @@ struct FwdProducer {
       const int m0 = m_block * K::BLOCK_M;
       const KeyRange keys = key_range<K::MASK>(seqlen_q, seqlen_k, p);
       const KeyRange::Span span = keys.tiles<K::BLOCK_N>(m0, min(m0 + K::BLOCK_M, seqlen_q) - 1);
-      produce(p, maps, sQ, sK, sV, bars, pass, ring, m0, head, head / p.group, batch, span.first, span.count, 0, 0);
+      produce(p, maps, sQ, sK, sV, bars, pass, ring, m0, head, head / p.group, batch, span.first, span.count, 0, 0,
+              seqlen_k);
       ring += span.count;
       walk.next(p);
     }

@@ -90,7 +90,8 @@ struct FwdTraits {
   static_assert(!FP8 || (!PAGED && !MASK_LIST && HEAD_DIM % 128 == 0 && HEAD_DIM_V == HEAD_DIM &&
                          BLOCK_N % (TMA ? 128 : 32) == 0),
                 "FP8: whole 128-byte rows of q and k, V's transposed keys in 32-key steps (TMA: 128-byte boxes)");
-  static_assert(!TMA || (WGMMA && !PAGED), "TMA: wgmma on the dense layout, contiguous varlen or a mask's tile lists");
+  static_assert(!TMA || (WGMMA && (!PAGED || VARLEN)),
+                "TMA: wgmma on the dense layout, varlen batches (contiguous or paged) or a mask's tile lists");
   static_assert(!(TMA && (VARLEN || MASK_LIST) && PERSISTENT), "VARLEN, MASK_LIST (TMA): one CTA a work-list slot");
   static_assert(!OVERLAP || (TMA && NUM_STAGES >= 2), "OVERLAP: the TMA ring, tile i's V and i+1's K in it");
   static_assert(!PINGPONG || (OVERLAP && NUM_WARPS >= 8), "PINGPONG: two or three consumer warpgroups take turns");

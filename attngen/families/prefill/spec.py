@@ -228,10 +228,10 @@ class PrefillSpec(SpecBase):
         if self.overlapped or self.is_persistent:
             s(self, "pipeline", Pipeline.TMA)  # the only pipeline they run on
         if self.tma:
-            if self.paged:
-                raise SpecError(tma_ask[0], tma_ask[1], f"{tma_ask[2]} with paged=true",
-                                reason="the TMA pipeline reads the dense layout, a mask's tile lists and contiguous "
-                                       "varlen batches")
+            if self.page_rows:
+                raise SpecError(tma_ask[0], tma_ask[1], f"{tma_ask[2]} with page_rows=true",
+                                reason="the TMA pipeline copies a paged cache's keys a block's rows at a time, in "
+                                       "boxes of a multiple of 16 rows")
             for name in ("varlen", "custom_mask"):
                 if getattr(self, name) and self.is_persistent:
                     raise SpecError("persistent", "true", f"false with {name}=true",

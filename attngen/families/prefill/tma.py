@@ -5,7 +5,9 @@ q, k and v ``[batch, seqlen, heads, head_dim]`` (any strides the op accepts) eac
 ``cta_tile_kv`` rows (k, v; the chunked kernel's v: a V step's keys), 128-byte swizzled as wgmma reads
 them (WgmmaLayout), with zeros past the ends (``attngen/families/tma.py`` builds and keeps them). A varlen
 batch's packed ``[total, heads, head_dim]`` tensors are one batch of ``total`` rows: its kernel offsets a tile's
-rows by its sequence's first.
+rows by its sequence's first. A paged cache ``[num_blocks, block_size, kv_heads, head_dim]`` is a map of
+``num_blocks`` batches of ``block_size`` rows, whose boxes are one block's rows (``page_box_rows``): the kernel
+copies a key tile box by box, each from the block its table names.
 """
 
 from __future__ import annotations
@@ -45,12 +47,22 @@ def _tail_map(t, spec, rows: int, fallback_ptr: int) -> bytes:
                      (2 * ss, 2 * half, 2 * sh, 2 * sb), (32, rows, 2, 1, 1), _refusal(t, "v's column tails, "))
 
 
+def page_box_rows(block_size: int, cta_tile_kv: int) -> int:
+    """The rows of a paged cache's box: the largest power of two that divides ``block_size`` (a multiple of 16),
+    at most a key tile's; so a box never crosses a block, and a tile is whole boxes (the kernel works it out the
+    same way: prefill/producer.cuh's load_pages)."""
+    return min(cta_tile_kv, block_size & -block_size)
+
+
 def tensor_maps(qi, ki, vi, spec) -> bytes:
     """The kernel's maps (q, k, v, and the chunked kernel's V tail where it has one), as PrefillTmaParams
     holds them."""
     # (the chunked kernel copies v a V step at a time: its keys)
     v_rows = spec.chunk_grid["vk"] if spec.chunked else spec.cta_tile_kv
-    maps = _map(qi, spec.cta_tile_q, qi.ptr) + _map(ki, spec.cta_tile_kv, qi.ptr) + _map(vi, v_rows, qi.ptr)
+    k_rows = spec.cta_tile_kv
+    if spec.paged:
+        k_rows = v_rows = page_box_rows(ki.shape[1], spec.cta_tile_kv)
+    maps = _map(qi, spec.cta_tile_q, qi.ptr) + _map(ki, k_rows, qi.ptr) + _map(vi, v_rows, qi.ptr)
     if spec.chunked and spec.v_tail:
         maps += _tail_map(vi, spec, v_rows, qi.ptr)
     return maps
