@@ -97,6 +97,9 @@ def test_varlen_tma_many_sequences(schedule, causal):
 
 # ---- paged caches (prefill_varlen with a block table) on the TMA pipeline: a key tile in boxes of one block's rows ---
 
+# (with the paged defaults of TUNED_TMA_PAGED: 3 stages at head dim 128, 64-row overlap at 64, under a mask)
+PAGED_TMA = VARLEN_TMA + [(128, 128, 128, 128, 8, 3, "pingpong"), (64, 64, 64, 128, 4, 2, "overlap")]
+
 def run_paged_tma(spec, lens_q, lens_k, block_size, dtype, causal=False, window=(-1, -1), h=4, hk=2,
                   interleaved=False, sinks=False):
     """prefill_varlen over a paged pool (tests/test_gpu_prefill_serving.py's paged_pool: NaN in every row no
@@ -133,8 +136,7 @@ def run_paged_tma(spec, lens_q, lens_k, block_size, dtype, causal=False, window=
         assert torch.equal(o, o2) and torch.equal(lse, lse2), "TMA and cp.async kernels of one tile config differ"
 
 
-@pytest.mark.parametrize("cfg", VARLEN_TMA + [(128, 128, 128, 128, 8, 3, "pingpong")],
-                         ids=lambda c: "%d_%d_%dx%dx%d_%d_%s" % c)
+@pytest.mark.parametrize("cfg", PAGED_TMA, ids=lambda c: "%d_%d_%dx%dx%d_%d_%s" % c)
 @pytest.mark.parametrize("block_size", [16, 48, 64, 256])
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (100, 0))],
                          ids=["full", "causal", "window"])

@@ -121,6 +121,10 @@ def test_contiguous_varlen_runs_on_the_tma_pipeline_when_asked():
         rows = resolve(PrefillSpec(head_dim=d, head_dim_v=dv, mask=mask, varlen=True, paged=True, page_rows=True),
                        "sm_90a")
         assert not rows.tma
+    # head dim 64 under a mask: a contiguous batch keeps the cp.async kernel, a paged one takes the TMA ring
+    assert not resolve(PrefillSpec(head_dim=64, mask="causal", varlen=True), "sm_90a").tma
+    paged64 = resolve(PrefillSpec(head_dim=64, mask="causal", varlen=True, paged=True), "sm_90a")
+    assert paged64.tma and paged64.schedule.value == "overlap" and paged64.cta_tile_q == 64
 
 
 def test_tma_text_round_trip():

@@ -88,8 +88,11 @@ TUNED_TMA_VARLEN = {
 # sm_90a, paged: where a paged batch's best differs from TUNED_TMA_VARLEN's. Head dim 128 under a mask: three stages
 # (a key tile of 16-row blocks is 16 boxes of K and 16 of V, which land later than a contiguous tile's 4): one more
 # tile in flight measured 1.01-1.06x two on an H200 with blocks of 16 and 1.06-1.07x with blocks of 64. Without a
-# mask it gained 1.08x with blocks of 64 but lost 0.94-1.00x with blocks of 16, the common size: two stay.
+# mask it gained 1.08x with blocks of 64 but lost 0.94-1.00x with blocks of 16, the common size: two stay. Head dim
+# 64 under a mask: TUNED_TMA_VARLEN's unmasked 64x128 overlap config, 1.31-1.40x the cp.async kernel with blocks of
+# 16 and 1.47-1.66x with 64 (128x128 ping-pong in 2 or 3 stages: within 0.90-1.0x of it).
 TUNED_TMA_PAGED = {
+    (64, 64, True): [(64, 128, 4, 2, Schedule.OVERLAP)],
     (128, 128, True): [(128, 128, 8, 3, Schedule.PINGPONG)],
 }
 
