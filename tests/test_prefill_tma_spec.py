@@ -513,3 +513,11 @@ def test_chunked_tma_tail_map(monkeypatch):
     dtype, ptr, dims, strides, box = calls[0][:5]
     assert ptr == (1 << 20) + 2 * (160 - 32) and dims == (32, 100, 2, 4, 2)
     assert strides == (2 * 4 * 328, 2 * 160, 2 * 328, 2 * 100 * 4 * 328) and box == (32, r.chunk_grid["vk"], 2, 1, 1)
+
+
+def test_a_paged_box_lies_in_one_block_and_tiles_a_key_tile():
+    from attngen.families.prefill.tma import page_box_rows
+    for bs, tile, rows in ((16, 128, 16), (48, 128, 16), (80, 64, 16), (32, 128, 32), (64, 128, 64), (96, 128, 32),
+                           (256, 128, 128), (512, 64, 64)):
+        got = page_box_rows(bs, tile)
+        assert got == rows and bs % got == 0 and tile % got == 0, (bs, tile, got)
