@@ -518,6 +518,6 @@ def test_chunked_tma_tail_map(monkeypatch):
 def test_a_paged_box_lies_in_one_block_and_tiles_a_key_tile():
     from attngen.families.prefill.tma import page_box_rows
     for bs, tile, rows in ((16, 128, 16), (48, 128, 16), (80, 64, 16), (32, 128, 32), (64, 128, 64), (96, 128, 32),
-                           (256, 128, 128), (512, 64, 64)):
+                           (256, 128, 128), (512, 64, 64), (64, 80, 16), (128, 96, 32), (256, 112, 16)):
         got = page_box_rows(bs, tile)
         assert got == rows and bs % got == 0 and tile % got == 0, (bs, tile, got)

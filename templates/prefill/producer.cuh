@@ -95,10 +95,11 @@ struct FwdProducer {
       }
     };
     // PAGED: the table row; the block size's shift where it is a power of two; the rows a box, the largest power of
-    // two that divides block_size up to a tile's (so each box lies in one block), and the boxes a tile (at most 8).
+    // two that divides both block_size and the tile's keys (so each box lies in one block, and a tile is whole
+    // boxes), and the boxes a tile (at most 8).
     const int* table = K::PAGED ? p.block_table + (long long)batch * p.bt_sb : nullptr;
     const int bs_shift = K::PAGED && (p.block_size & (p.block_size - 1)) == 0 ? __popc(p.block_size - 1) : -1;
-    const int box = K::PAGED ? min(K::BLOCK_N, p.block_size & -p.block_size) : K::BLOCK_N;
+    const int box = K::PAGED ? min(K::BLOCK_N & -K::BLOCK_N, p.block_size & -p.block_size) : K::BLOCK_N;
     const int boxes = K::BLOCK_N / box;
     // PAGED: the table entry of this lane's box of the key tile from key n0, read before the wait for the tile's slot
     // (the lanes' loads are one instruction, and their latency passes in the wait). A box past the sequence's end

@@ -48,10 +48,10 @@ def _tail_map(t, spec, rows: int, fallback_ptr: int) -> bytes:
 
 
 def page_box_rows(block_size: int, cta_tile_kv: int) -> int:
-    """The rows of a paged cache's box: the largest power of two that divides ``block_size`` (a multiple of 16),
-    at most a key tile's; so a box never crosses a block, and a tile is whole boxes (the kernel works it out the
-    same way: prefill/producer.cuh's load_pages)."""
-    return min(cta_tile_kv, block_size & -block_size)
+    """The rows of a paged cache's box: the largest power of two that divides both ``block_size`` (a multiple of
+    16) and ``cta_tile_kv``; so a box never crosses a block, and a key tile is whole boxes (the kernel works it out
+    the same way: prefill/producer.cuh's produce)."""
+    return min(cta_tile_kv & -cta_tile_kv, block_size & -block_size)
 
 
 def tensor_maps(qi, ki, vi, spec) -> bytes:
