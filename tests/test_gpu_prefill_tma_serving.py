@@ -100,6 +100,7 @@ def test_varlen_tma_many_sequences(schedule, causal):
 # (with the paged defaults of TUNED_TMA_PAGED: 3 stages at head dim 128, 64-row overlap at 64, under a mask)
 PAGED_TMA = VARLEN_TMA + [(128, 128, 128, 128, 8, 3, "pingpong"), (64, 64, 64, 128, 4, 2, "overlap")]
 
+
 def run_paged_tma(spec, lens_q, lens_k, block_size, dtype, causal=False, window=(-1, -1), h=4, hk=2,
                   interleaved=False, sinks=False):
     """prefill_varlen over a paged pool (tests/test_gpu_prefill_serving.py's paged_pool: NaN in every row no
