@@ -337,7 +337,7 @@ def _candidates(spec, arch: Arch):
         wgmma_all = [(16 * w, kv, w, st) for w in (8, 4) for kv in (128, 64, 32) for st in (2, 3, 1, 4)]
         if dense:
             yield from tma(TUNED_TMA.get((d, spec.dim_v, key[1]), ()))
-        elif spec.varlen and not spec.page_rows and not spec.kv_dtype:
+        elif spec.varlen and not spec.page_rows:
             if spec.paged:
                 yield from tma(TUNED_TMA_PAGED.get((d, spec.dim_v, key[1]), ()))
             yield from tma(TUNED_TMA_VARLEN.get((d, spec.dim_v, key[1]), ()))
