@@ -164,19 +164,6 @@ def test_paged_tma_layouts_and_sinks(dtype, block_size, interleaved):
                   sinks=interleaved)
 
 
-def test_paged_default_is_tma_on_sm90():
-    """Without a spec, a paged cache of 16-row blocks runs the TMA kernel on sm_90a (and blocks of other sizes the
-    cp.async kernel that looks up every row)."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the TMA pipeline runs on sm_90a")
-    from attngen.families.prefill import choose as ch
-    arch = attngen.runtime.device_arch(torch.cuda.current_device())
-    for bs, tma in ((16, True), (24, False)):
-        layout = ch.VARLEN_PAGED if bs % 16 == 0 else ch.VARLEN_PAGE_ROWS
-        spec = ch.table_of(ch.Problem(128, mask=ch.MaskMode.CAUSAL, layout=layout, rows=2048), arch).spec_for(2048)
-        assert spec.tma is tma, spec.to_text()
-
-
 # ---- custom masks (a plan's lists of live KV tiles) on the TMA pipeline: the producer copies the listed tiles ------
 
 MASK_TMA = [  # (head_dim, head_dim_v, cta_tile_q, cta_tile_kv, num_warps, num_stages, schedule)

@@ -521,3 +521,15 @@ def test_a_paged_box_lies_in_one_block_and_tiles_a_key_tile():
                            (256, 128, 128), (512, 64, 64), (64, 80, 16), (128, 96, 32), (256, 112, 16)):
         got = page_box_rows(bs, tile)
         assert got == rows and bs % got == 0 and tile % got == 0, (bs, tile, got)
+
+
+def test_paged_default_is_tma_on_sm90a():
+    """Without a spec, a paged cache of 16-row blocks runs the TMA kernel on sm_90a (and blocks of other sizes the
+    cp.async kernel that looks up every row): the op's choice, from the block size's layout on."""
+    from attngen.families.prefill import choose as ch
+    from attngen.families.prefill.varlen import page_layout
+    arch = get_arch("sm_90a")
+    for bs, tma in ((16, True), (24, False)):
+        problem = ch.Problem(128, mask=ch.MaskMode.CAUSAL, layout=page_layout(bs), rows=2048)
+        spec = ch.table_of(problem, arch).spec_for(2048)
+        assert spec.tma is tma, spec.to_text()
