@@ -89,6 +89,33 @@ __device__ __forceinline__ void fp8x16_widen(const uint4& x, uint4& lo, uint4& h
   }
 }
 
+// One warp widens a unit of a 16-bit tile in WgmmaLayout (32 rows of one 64-column block: 4,096 bytes, rows of 128
+// swizzled bytes) in place: its fp8 values (32 rows of 64 bytes, unswizzled, as an fp8 TMA box lands them) lie in the
+// unit's second half. Lane l reads 16 fp8 columns (chunk l % 4) of rows l / 4, 8 + l / 4, 16 + l / 4 and 24 + l / 4,
+// and once every lane has read (the __syncwarp) writes each as two 16-byte chunks of its swizzled row, so a unit needs
+// no barrier but the warp's own. The unit's first row is row key0 of its tile, whose rows at or past `valid` (past the
+// sequence: a box read them from the cache, or none did) are written as zeros.
+template <int FMT, bool BF16>
+__device__ __forceinline__ void fp8_widen_unit(unsigned char* unit, int key0, int valid, int lane) {
+  const int c = lane % 4;
+  uint4 x[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const int r = 8 * m + lane / 4;
+    x[m] = make_uint4(0u, 0u, 0u, 0u);
+    if (key0 + r < valid) x[m] = *reinterpret_cast<const uint4*>(unit + 2048 + 64 * r + 16 * c);
+  }
+  __syncwarp();
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const int r = 8 * m + lane / 4;
+    uint4 lo, hi;
+    fp8x16_widen<FMT, BF16>(x[m], lo, hi);
+    *reinterpret_cast<uint4*>(unit + 128 * r + 16 * ((2 * c) ^ (r % 8))) = lo;
+    *reinterpret_cast<uint4*>(unit + 128 * r + 16 * ((2 * c + 1) ^ (r % 8))) = hi;
+  }
+}
+
 // The four fp8 values of one ldmatrix.trans register (bytes 0, 1: key 2c's head dims 2n, 2n + 1; bytes 2, 3: key
 // 2c + 1's) -> fp16x2 of bytes (0, 2) and (1, 3): the (key 2c, key 2c + 1) pairs of head dims 2n and 2n + 1, V's B
 // fragments of an even-dim and an odd-dim n8 tile.

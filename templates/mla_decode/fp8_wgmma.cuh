@@ -149,33 +149,15 @@ struct MlaFp8Wgmma {
     }
   }
 
-  // Widening warp w (0..WIDEN_WARPS - 1) widens units w, w + WIDEN_WARPS, ...: lane l reads 16 fp8 columns (chunk
-  // l % 4) of rows l / 4, 8 + l / 4, 16 + l / 4 and 24 + l / 4 of the unit, and once every lane has read (the
-  // __syncwarp) writes each as two 16-byte chunks of its swizzled row. Rows at or past `valid` (past the sequence: a
-  // box read them from the cache, or none did) are written as zeros and never read.
+  // Widening warp w (0..WIDEN_WARPS - 1) widens units w, w + WIDEN_WARPS, ... (common/fp8.cuh's fp8_widen_unit).
+  // Rows at or past `valid` (past the sequence) are written as zeros and never read.
   static __device__ __forceinline__ void widen(T* sT, int valid, int w, int lane) {
     unsigned char* base = reinterpret_cast<unsigned char*>(sT);
-    const int c = lane % 4;
 #pragma unroll 1
     for (int u = w; u < UNITS; u += WIDEN_WARPS) {
       const int key0 = (u % HALVES) * 32;
       unsigned char* unit = base + (u / HALVES) * LT::BLOCK_BYTES + (u % HALVES) * 4096;
-      uint4 x[4];
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const int r = 8 * m + lane / 4;
-        x[m] = make_uint4(0u, 0u, 0u, 0u);
-        if (key0 + r < valid) x[m] = *reinterpret_cast<const uint4*>(unit + 2048 + 64 * r + 16 * c);
-      }
-      __syncwarp();
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const int r = 8 * m + lane / 4;
-        uint4 lo, hi;
-        fp8x16_widen<FMT, BF16>(x[m], lo, hi);
-        *reinterpret_cast<uint4*>(unit + 128 * r + 16 * ((2 * c) ^ (r % 8))) = lo;
-        *reinterpret_cast<uint4*>(unit + 128 * r + 16 * ((2 * c + 1) ^ (r % 8))) = hi;
-      }
+      fp8_widen_unit<FMT, BF16>(unit, key0, valid, lane);
     }
   }
 
