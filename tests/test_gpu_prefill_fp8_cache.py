@@ -36,7 +36,9 @@ def _scales(kind, hk, gen):
 
 
 def run_case(lq, lk, *, d=128, h=8, hk=2, dtype=torch.bfloat16, fmt="e4m3", page=None, causal=True, kind="head",
-             spec=None):
+             spec=None, twin=False):
+    """One call against the reference per sequence; ``twin``: and bit-equal to the cp.async kernel of the spec's tiles
+    (the widening is exact and the consumers' arithmetic the same)."""
     gen = fresh_generator()
     b = len(lq)
     q = torch.randn(sum(lq), h, d, device="cuda", generator=gen).to(dtype)
@@ -78,6 +80,11 @@ def run_case(lq, lk, *, d=128, h=8, hk=2, dtype=torch.bfloat16, fmt="e4m3", page
                                     out=out, block_table=table, k_scale=ks_arg, v_scale=vs_arg, spec=spec)
     torch.cuda.synchronize()
     assert o is out
+    if twin:
+        o2, lse2 = attngen.prefill_varlen(q, kc, vc, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal,
+                                          return_lse=True, block_table=table, k_scale=ks_arg, v_scale=vs_arg,
+                                          spec=spec.replace(pipeline="sync", schedule="serial"))
+        assert torch.equal(o, o2) and torch.equal(lse, lse2), "TMA and cp.async kernels of one tile config differ"
     cq = _cu(lq).tolist()
     for s in range(b):
         if lq[s] == 0:
@@ -115,6 +122,36 @@ def test_fp8_cache_scales_and_masks(kind, causal):
 @pytest.mark.parametrize("d", [64, 96, 256])
 def test_fp8_cache_head_dims(d):
     run_case([100, 257], [700, 300], d=d, page=16)
+
+
+# sm_90a's TMA kernel (the producer widens in the slots): (head_dim, cta_tile_kv, num_stages, schedule)
+TMA = [(64, 128, 2, "pingpong"), (128, 128, 2, "pingpong"), (128, 128, 3, "pingpong"), (128, 128, 2, "serial"),
+       (128, 64, 2, "overlap"), (256, 64, 2, "serial")]
+
+
+@pytest.mark.parametrize("cfg", TMA, ids=lambda c: "d%d_k%d_s%d_%s" % c)
+@pytest.mark.parametrize("page", [None, 16, 48, 64], ids=lambda p: "contiguous" if p is None else f"page{p}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp8_cache_tma(cfg, page, causal):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the TMA kernel is sm_90a's")
+    d, tk, st, sched = cfg
+    spec = attngen.PrefillSpec(head_dim=d, dtype="bf16", varlen=True, paged=page is not None, kv_dtype="fp8_e4m3",
+                               cta_tile_q=128, cta_tile_kv=tk, num_warps=8, num_stages=st, mma="wgmma",
+                               pipeline="tma", schedule=sched)
+    run_case(LQ, LK, d=d, page=page, causal=causal, spec=spec, twin=True)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_cache_tma_fp16_many_sequences(fmt):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the TMA kernel is sm_90a's")
+    spec = attngen.PrefillSpec(head_dim=128, dtype="fp16", varlen=True, paged=True, kv_dtype=f"fp8_{fmt}",
+                               cta_tile_q=128, cta_tile_kv=128, num_warps=8, num_stages=3, mma="wgmma",
+                               pipeline="tma", schedule="pingpong")
+    lq = [(37 * i) % 300 for i in range(40)]
+    lk = [n + (0, 33, 500, 2000)[i % 4] for i, n in enumerate(lq)]
+    run_case(lq, lk, dtype=torch.float16, fmt=fmt, page=32, spec=spec, twin=True)
 
 
 def test_fp8_cache_pinned_mma_sync():

@@ -245,7 +245,8 @@ def test_fp8_and_descales_are_refused_while_torch_compile_traces(monkeypatch):
 
 @pytest.mark.parametrize("bad, field", [(dict(varlen=False), "kv_dtype"), (dict(qkv_dtype=FP8), "kv_dtype"),
                                         (dict(softcap=True), "kv_dtype"), (dict(head_dim=72), "kv_dtype"),
-                                        (dict(pipeline="tma"), "kv_dtype")])
+                                        (dict(pipeline="tma", cta_tile_q=64, num_warps=4), "num_warps"),
+                                        (dict(pipeline="tma", cta_tile_kv=80), "cta_tile_kv")])
 def test_kv_dtype_refusals_name_the_field(bad, field):
     fields = {**dict(head_dim=128, varlen=True, kv_dtype="fp8_e4m3"), **bad}
     with pytest.raises(SpecError) as ei:
@@ -274,6 +275,30 @@ def test_fp8_cache_kernels_build_spill_free(arch, d, paged):
     from attngen.render import render
 
     r = resolve(PrefillSpec(head_dim=d, varlen=True, paged=paged, kv_dtype="fp8_e4m3", mask="causal"), arch)
+    assert r.tma == (arch == "sm_90a"), r.to_text()  # (sm_90a: the TMA kernel, whose producer widens)
     assert r.smem_bytes() <= get_arch(arch).smem_per_block
     b = compile(render(r), arch, kernel_name=r.kernel_name)
     assert not b.resources.spill_stores, (r.to_text(), b.resources)
+
+
+def test_fp8_cache_tma_maps_are_bytes_in_boxes_of_a_unit(monkeypatch):
+    # k's and v's maps over an fp8 cache: the cache's own byte strides (not doubled as a 16-bit tensor's), boxes of 64
+    # bytes by at most 32 rows (a box lands in one 32-key unit of the slot, which the producer widens in place)
+    from types import SimpleNamespace
+
+    from attngen.families.prefill import tma
+
+    calls = []
+    monkeypatch.setattr(tma, "tiled_map", lambda *a: calls.append(a) or b"m" * 128)
+    r = resolve(PrefillSpec(head_dim=128, varlen=True, paged=True, kv_dtype="fp8_e4m3", mask="causal"), "sm_90a")
+    assert r.tma
+    for block, rows in ((16, 16), (64, 32), (256, 32)):
+        calls.clear()
+        q = SimpleNamespace(ptr=1 << 20, shape=(100, 8, 128), strides=(8 * 128, 128, 1), dtype="torch.bfloat16")
+        kv = SimpleNamespace(ptr=1 << 24, shape=(10, block, 2, 128), strides=(block * 256, 256, 128, 1),
+                             dtype="torch.float8_e4m3fn")
+        assert len(tma.tensor_maps(q, kv, kv, r)) == 3 * 128
+        (_, _, _, qs, qbox, _), k, v = calls
+        assert qs == (2 * 8 * 128, 2 * 128, 2 * 8 * 128) and qbox == (64, r.cta_tile_q, 1, 1)
+        for dtype, _, dims, strides, box, _ in (k, v):
+            assert dims == (128, block, 2, 10) and strides == (256, 128, block * 256) and box == (64, rows, 1, 1)

@@ -490,7 +490,7 @@ def test_chunked_tma_maps_box_a_v_step(monkeypatch):
 
     r = resolve(PrefillSpec(head_dim=512), "sm_90a")
     seen = []
-    monkeypatch.setattr(tma, "_map", lambda t, rows, fallback: seen.append(rows) or b"")
+    monkeypatch.setattr(tma, "_map", lambda t, rows, fallback, item=2: seen.append(rows) or b"")
     info = types.SimpleNamespace(ptr=1 << 20)
     tma.tensor_maps(info, info, info, r)
     assert seen == [r.cta_tile_q, r.cta_tile_kv, r.chunk_grid["vk"]] and r.chunk_grid["vk"] < r.cta_tile_kv
@@ -504,7 +504,7 @@ def test_chunked_tma_tail_map(monkeypatch):
     r = resolve(PrefillSpec(head_dim=320), "sm_90a")
     assert r.tma and r.v_tail
     calls = []
-    monkeypatch.setattr(tma, "_map", lambda t, rows, fallback: b"m" * 128)
+    monkeypatch.setattr(tma, "_map", lambda t, rows, fallback, item=2: b"m" * 128)
     monkeypatch.setattr(tma, "tiled_map", lambda *a: calls.append(a) or b"t" * 128)
     info = types.SimpleNamespace(ptr=1 << 20, shape=(2, 100, 4, 320), strides=(100 * 4 * 328, 4 * 328, 328, 1),
                                  dtype="bf16")

@@ -11,8 +11,13 @@
 // clear_v_tail zeroes in V. PAGED (TMA, blocks of a multiple of 16 rows): k's and v's maps are the cache's
 // [num_blocks, block_size, kv_heads, head_dim], and a key tile is copied in boxes of one block's rows each
 // (load_pages). MASK_LIST (TMA): the producer copies the KV tiles the plan lists for the query tile.
-// Every function here is compiled only where TMA is set: WgmmaOps exists on sm_90a alone.
+// KV8 (TMA, an fp8 cache): the producer is a warp copying the fp8 boxes (contiguous or paged) into the slots, whose
+// three other warps widen them there (prefill/widen.cuh). Every function here is compiled only where TMA is set:
+// WgmmaOps exists on sm_90a alone.
 namespace attngen {
+
+template <class K>
+struct FwdWiden;  // prefill/widen.cuh (rendered where the spec has an fp8 cache)
 
 template <class K>
 struct FwdProducer {
@@ -24,21 +29,27 @@ struct FwdProducer {
   // slower, most at head_dim 64 without a mask on short sequences). Three (192-row tiles, launched with 128 for
   // 512 threads): 32 + 3 x 160. With two CTAs an SM (one consumer warpgroup,
   // launched with 128): 24 + 232. One consumer warpgroup alone on an SM has every register it can use, and
-  // no setmaxnreg.
+  // no setmaxnreg. KV8 (two consumer warpgroups): the widening warps hold 56, the consumers 224.
   static constexpr bool MOVE_REGS = K::NUM_WARPS >= 8 || K::TMA_CTAS == 2;
-  static constexpr int PRODUCER_REGS = K::NUM_WARPS == 12 ? 32 : 24;
-  static constexpr int CONSUMER_REGS = K::NUM_WARPS == 12 ? 160 : K::NUM_WARPS == 8 ? 240 : 232;
+  static constexpr int PRODUCER_REGS = K::KV8 ? 56 : K::NUM_WARPS == 12 ? 32 : 24;
+  static constexpr int CONSUMER_REGS = K::KV8 ? 224 : K::NUM_WARPS == 12 ? 160 : K::NUM_WARPS == 8 ? 240 : 232;
+  static constexpr int WIDEN_THREADS = 96;  // KV8: the warps that widen (prefill/widen.cuh), who fill K and V
 
   // Sets up the mbarriers, then the producer warpgroup gives its registers to the consumers and its one elected
-  // thread (PAGED: its first warp) runs copies(); true in the producer warpgroup, which then leaves the kernel.
+  // thread (PAGED: its first warp; KV8: every warp) runs copies(); true in the producer warpgroup, which then leaves
+  // the kernel.
   template <class Copies>
   static __device__ __forceinline__ bool split(unsigned bars, int tid, int warp, Copies&& copies) {
     if (tid == 0) {
       W::mbar_init(bars, 1);
 #pragma unroll
       for (int s = 0; s < NUM_STAGES; ++s) {
-        W::mbar_init(K::k_bar(bars, s), 1);
-        W::mbar_init(K::v_bar(bars, s), 1);
+        W::mbar_init(K::k_bar(bars, s), K::KV8 ? WIDEN_THREADS : 1);
+        W::mbar_init(K::v_bar(bars, s), K::KV8 ? WIDEN_THREADS : 1);
+        if constexpr (K::KV8 != 0) {
+          W::mbar_init(K::lk_bar(bars, s), 1);
+          W::mbar_init(K::lv_bar(bars, s), 1);
+        }
         W::mbar_init(K::e_bar(bars, s), K::NUM_WARPS);
         if constexpr (K::OVERLAP) W::mbar_init(K::ev_bar(bars, s), K::NUM_WARPS);
       }
@@ -48,7 +59,7 @@ struct FwdProducer {
     __syncthreads();
     if (warp >= K::NUM_WARPS) {
       if constexpr (MOVE_REGS) W::template regs_dec<PRODUCER_REGS>();
-      if (K::PAGED ? warp == K::NUM_WARPS : tid == K::THREADS) copies();
+      if (K::KV8 != 0 || (K::PAGED ? warp == K::NUM_WARPS : tid == K::THREADS)) copies();
       return true;
     }
     if constexpr (MOVE_REGS) W::template regs_inc<CONSUMER_REGS>();
@@ -57,13 +68,20 @@ struct FwdProducer {
 
   // The CTA's one query tile (not PERSISTENT): split, the producer thread issuing the tile's copies. VARLEN: q_row0
   // and k_row0 offset its rows in the maps, which cover the packed tensors (one batch).
-  // PAGED: batch is the sequence, whose block table row the producer reads, and seqlen_k its keys.
+  // PAGED: batch is the sequence, whose block table row the producer reads, and seqlen_k its keys. KV8: the warps
+  // after the first widen the tiles.
   static __device__ __forceinline__ bool split_one(const PrefillParams<T>& p, const TmaDesc* maps, T* sQ, T* sK, T* sV,
                                                    unsigned bars, int tid, int warp, long long q_row0,
                                                    long long k_row0, int m0, int head, int kv_head, int batch,
                                                    int tile_begin, int n_tiles, long long list_at, int seqlen_k,
                                                    int vt_col = 0) {
     return split(bars, tid, warp, [&]() {
+      if constexpr (K::KV8 != 0) {
+        if (warp > K::NUM_WARPS) {
+          FwdWiden<K>::tiles(sK, sV, bars, tile_begin, n_tiles, seqlen_k, warp - K::NUM_WARPS - 1, tid % 32);
+          return;
+        }
+      }
       produce(p, maps, sQ, sK, sV, bars, 0, 0, K::VARLEN ? (int)q_row0 + m0 : m0, head, kv_head,
               K::VARLEN && !K::PAGED ? 0 : batch, tile_begin, n_tiles, K::VARLEN ? (int)k_row0 : 0, list_at, seqlen_k,
               vt_col);
@@ -81,9 +99,9 @@ struct FwdProducer {
                                                  unsigned bars, int pass, int ring, int m0, int head, int kv_head,
                                                  int batch, int tile_begin, int n_tiles, int k_row, long long list_at,
                                                  int seqlen_k, int vt_col = 0) {
-    // PAGED: a warp runs this, lane j copying box j of each key tile (load_pages); lane 0 (lead) alone arms the
+    // PAGED, KV8: a warp runs this, lane j copying box j of each key tile (load_pages); lane 0 (lead) alone arms the
     // barriers and copies Q. Otherwise one thread.
-    const int lane = K::PAGED ? threadIdx.x % 32 : 0;
+    const int lane = K::PAGED || K::KV8 != 0 ? threadIdx.x % 32 : 0;
     const bool lead = lane == 0;
     auto load_q = [&]() {
       if (K::PERSISTENT && pass > 0) W::mbar_wait(K::qe_bar(bars), (pass - 1) & 1);
@@ -105,9 +123,10 @@ struct FwdProducer {
     // (the lanes' loads are one instruction, and their latency passes in the wait). A box past the sequence's end
     // reads no entry.
     auto page_entry = [&](int n0) {
-      const int pos = n0 + lane * box;
-      return lane < boxes && pos < seqlen_k ? __ldg(table + (bs_shift >= 0 ? pos >> bs_shift : pos / p.block_size))
-                                            : 0;
+      const int pos = n0 + lane * (K::KV8 ? min(box, 32) : box);  // (KV8: load_fp8's boxes)
+      return (K::KV8 ? pos < n0 + K::BLOCK_N : lane < boxes) && pos < seqlen_k
+                 ? __ldg(table + (bs_shift >= 0 ? pos >> bs_shift : pos / p.block_size))
+                 : 0;
     };
     // PAGED: this lane's box into the slot at dst (64-column blocks of block_bytes) through map, from block blk
     // clamped into the pool (as the cp.async copies clamp it), at its row within the block; a box past the
@@ -124,24 +143,55 @@ struct FwdProducer {
           W::tma_load(dst + b * block_bytes + lane * box * 128, map, bar, 64 * b, row, kv_head, at);
       }
     };
+    // KV8: a tile's fp8 K or V (a whole tile of bytes, its barrier armed by lane 0), lane j's box of box8 rows (at
+    // most 32: paged, as load_pages' box; contiguous, rows n0 + j * 32 of the packed cache) into the second half of
+    // its 32-row unit of the 16-bit slot at dst, 64 bytes a row (widen.cuh widens it there).
+    const int box8 = min(box, 32);
+    auto load_fp8 = [&](int blk, unsigned dst, int blocks, int block_bytes, const TmaDesc* map, unsigned bar,
+                        int n0) {
+      if (lead) W::mbar_expect(bar, blocks * 64 * K::BLOCK_N);
+      __syncwarp();
+      const int key = lane * box8;
+      if (key < K::BLOCK_N) {
+        int row = n0 + key, at = batch;
+        if constexpr (K::PAGED) {
+          row = bs_shift >= 0 ? row & (p.block_size - 1) : row % p.block_size;
+          at = n0 + key < seqlen_k ? min(max(blk, 0), p.num_blocks - 1) : p.num_blocks;
+        }
+        for (int b = 0; b < blocks; ++b)
+          W::tma_load(dst + b * block_bytes + key / 32 * 4096 + 2048 + key % 32 * 64, map, bar, 64 * b, row, kv_head,
+                      at);
+      }
+    };
     auto load_kv = [&](int it) {
       const int r = ring + it;  // the tile's place in the ring
       const int slot = r % NUM_STAGES;
       const int blk = K::PAGED ? page_entry((tile_begin + it) * K::BLOCK_N) : 0;
       if (r >= NUM_STAGES) W::mbar_wait(K::e_bar(bars, slot), ((r / NUM_STAGES) + 1) & 1);
       const int n0 = k_row + (K::MASK_LIST ? (p.tiles[list_at + it] & 0x7fffffff) : tile_begin + it) * K::BLOCK_N;
-      if (lead) W::mbar_expect(K::k_bar(bars, slot), K::K_ELEMS * sizeof(T));
-      if constexpr (K::PAGED) {
-        load_pages(blk, smem_addr(sK + slot * K::K_ELEMS), K::QK_COLS / 64, K::LK::BLOCK_BYTES, maps + 1,
-                   K::k_bar(bars, slot), n0);
+      if constexpr (K::KV8 != 0) {
+        // (the copies complete the landed barriers; the widening completes k_bar)
+        load_fp8(blk, smem_addr(sK + slot * K::K_ELEMS), K::QK_COLS / 64, K::LK::BLOCK_BYTES, maps + 1,
+                 K::lk_bar(bars, slot), n0);
       } else {
+        if (lead) W::mbar_expect(K::k_bar(bars, slot), K::K_ELEMS * sizeof(T));
+        if constexpr (K::PAGED) {
+          load_pages(blk, smem_addr(sK + slot * K::K_ELEMS), K::QK_COLS / 64, K::LK::BLOCK_BYTES, maps + 1,
+                     K::k_bar(bars, slot), n0);
+        } else {
 #pragma unroll
-        for (int b = 0; b < K::QK_COLS / 64; ++b)
-          W::tma_load(smem_addr(sK + slot * K::K_ELEMS) + b * K::LK::BLOCK_BYTES, maps + 1, K::k_bar(bars, slot),
-                      64 * b, n0, kv_head, batch);
+          for (int b = 0; b < K::QK_COLS / 64; ++b)
+            W::tma_load(smem_addr(sK + slot * K::K_ELEMS) + b * K::LK::BLOCK_BYTES, maps + 1, K::k_bar(bars, slot),
+                        64 * b, n0, kv_head, batch);
+        }
       }
       if constexpr (K::OVERLAP) {
         if (r >= NUM_STAGES) W::mbar_wait(K::ev_bar(bars, slot), ((r / NUM_STAGES) + 1) & 1);
+      }
+      if constexpr (K::KV8 != 0) {
+        load_fp8(blk, smem_addr(sV + slot * K::V_ELEMS), K::HEAD_DIM_V / 64, K::LV::BLOCK_BYTES, maps + 2,
+                 K::lv_bar(bars, slot), n0);
+        return;
       }
       if (lead) W::mbar_expect(K::v_bar(bars, slot), K::V_ELEMS * sizeof(T));
       if constexpr (K::FP8) {

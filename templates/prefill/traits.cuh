@@ -42,9 +42,10 @@ struct FwdTraits {
   // HEAD_DIM_V rows of BLOCK_N keys (prefill/fp8.cuh's `_vt` writes them). T is the output's 16-bit type.
   static constexpr bool FP8 = FP8_;
   static constexpr int QK_COLS = FP8 ? HEAD_DIM / 2 : HEAD_DIM;
-  // KV8 (kv_dtype: 1 e4m3, 2 e5m2; the cp.async kernel): k and v rows of fp8 bytes (HEAD_DIM / 2 16-bit pairs) land
-  // in a ring of their own (L8, K8_ELEMS a slot, K's and V's) and each tile is widened into q's dtype in sK, sV
-  // (prefill/step.cuh.jinja), which the consumers read as ever. The loads' layouts and slots: LKld, LVld.
+  // KV8 (kv_dtype: 1 e4m3, 2 e5m2): the cache's fp8 rows widened into q's dtype in shared memory, which the consumers
+  // read as ever. The cp.async kernel: the rows (HEAD_DIM / 2 16-bit pairs) land in a ring of their own (L8,
+  // K8_ELEMS a slot, K's and V's), and each tile is widened into sK, sV (prefill/step.cuh.jinja); the loads' layouts
+  // and slots: LKld, LVld. TMA: the fp8 boxes land inside the 16-bit ring's slots, widened in place (prefill/widen.cuh).
   static constexpr int KV8 = KV8_;
   static constexpr int ROW8 = (HEAD_DIM / 2) % 64 == 0 ? HEAD_DIM / 2 : HEAD_DIM / 2 + 8;
   using L8 = SmemLayout<HEAD_DIM / 2, ROW8, (HEAD_DIM / 2) % 64 == 0>;
@@ -85,8 +86,10 @@ struct FwdTraits {
   // TMA_CTAS: 0, the cp.async pipeline; else the TMA pipeline, its registers split for that many CTAs
   // an SM (PrefillSpec.tma_ctas, which the entry's launch bounds also take).
   static constexpr bool TMA = TMA_CTAS > 0;
-  static_assert(!KV8 || (!TMA && !FP8 && !MASK_LIST && HEAD_DIM_V == HEAD_DIM && HEAD_DIM % 16 == 0),
-                "KV8: the cp.async kernel, whole 16-byte chunks of fp8 rows, V as wide as K");
+  static_assert(!KV8 || (!FP8 && !MASK_LIST && HEAD_DIM_V == HEAD_DIM && HEAD_DIM % 16 == 0),
+                "KV8: whole 16-byte chunks of fp8 rows, V as wide as K");
+  static_assert(!KV8 || !TMA || (NUM_WARPS == 8 && BLOCK_N % 32 == 0 && !PERSISTENT),
+                "KV8 (TMA): two consumer warpgroups (the producer's widening warps take registers), 32-key units");
   static_assert(!FP8 || (!PAGED && !MASK_LIST && HEAD_DIM % 128 == 0 && HEAD_DIM_V == HEAD_DIM &&
                          BLOCK_N % (TMA ? 128 : 32) == 0),
                 "FP8: whole 128-byte rows of q and k, V's transposed keys in 32-key steps (TMA: 128-byte boxes)");
@@ -117,6 +120,12 @@ struct FwdTraits {
   }
   static __device__ __forceinline__ unsigned qe_bar(unsigned bars) {
     return bars + 8u * (1 + (OVERLAP ? 4 : 3) * NUM_STAGES);
+  }
+  // KV8 (TMA, never PERSISTENT): per slot K's and V's fp8 bytes landed (the TMA's), after the others; K full and V
+  // full then mean widened (prefill/widen.cuh)
+  static __device__ __forceinline__ unsigned lk_bar(unsigned bars, int s) { return qe_bar(bars) + 8u * s; }
+  static __device__ __forceinline__ unsigned lv_bar(unsigned bars, int s) {
+    return qe_bar(bars) + 8u * (NUM_STAGES + s);
   }
 };
 

@@ -76,9 +76,6 @@ def check_kv_fields(spec) -> str:
         if getattr(spec, name):
             raise SpecError("kv_dtype", v, f"'' with {name} set",
                             reason=f"the fp8-cache prefill has no {name.replace('_', '-')} form yet")
-    if spec.pipeline.value == "tma" or spec.is_persistent or spec.overlapped:
-        raise SpecError("kv_dtype", v, f"'' with pipeline={spec.pipeline.value}",
-                        reason="an fp8 cache is widened on the cp.async ring (pipeline=sync)")
     return v
 
 
@@ -88,11 +85,24 @@ def check_kv_fit(spec, a) -> None:
         raise SpecError("kv_dtype", spec.kv_dtype, f"'' with head_dim={spec.head_dim} and mma={spec.mma.value}",
                         reason="the widening beside a head dim above 128's O spilled registers on mma.sync (sm_80-89, "
                                "sm_120: 16-36 bytes at every tile tried); on sm_90a's wgmma it does not")
+    if spec.tma:
+        # (templates/prefill/widen.cuh: three of the producer's warps widen, and hold registers the consumers of a
+        # one-warpgroup kernel would need; a box lands in a 32-key unit of the slot)
+        if spec.num_warps != 8:
+            raise SpecError("num_warps", spec.num_warps, f"8 with kv_dtype={spec.kv_dtype} and pipeline=tma",
+                            reason="the fp8 cache's TMA kernel runs two consumer warpgroups beside a producer that "
+                                   "widens")
+        if spec.cta_tile_kv % 32:
+            raise SpecError("cta_tile_kv", spec.cta_tile_kv, f"a multiple of 32 with kv_dtype={spec.kv_dtype} and "
+                            "pipeline=tma", reason="the producer widens a key tile in units of 32 keys")
 
 
 def kv_smem_bytes(spec) -> int:
-    """An fp8 cache's kernel: Q, one widened K and V tile (the 16-bit kernel's with one stage), and the fp8 rows'
-    ring, K's and V's slots of rows padded as templates/prefill/traits.cuh's ROW8."""
+    """An fp8 cache's kernel. TMA: the 16-bit kernel's, and two mbarriers a slot more (the fp8 bytes land inside the
+    16-bit slots). cp.async: Q, one widened K and V tile (the 16-bit kernel's with one stage), and the fp8 rows' ring,
+    K's and V's slots of rows padded as templates/prefill/traits.cuh's ROW8."""
+    if spec.tma:
+        return spec.replace(kv_dtype="").smem_bytes() + 16 * spec.num_stages
     half = spec.head_dim // 2
     row8 = half if half % 64 == 0 else half + 8
     return spec.replace(kv_dtype="", num_stages=1).smem_bytes() + 4 * spec.num_stages * spec.cta_tile_kv * row8

@@ -336,8 +336,10 @@ def _prepare_varlen(qi, ki, vi, cq, ck, max_seqlen_k, causal, window, sm_scale, 
 
 # ---- an fp8 cache (kv_dtype) read by prefill_varlen with q in fp16/bf16 ----------------------------------------------
 
-# The fp8-cache kernel's parameters (PrefillFp8SyncParams): every field of PrefillParams, then Fp8Scales.
+# The fp8-cache kernel's parameters (PrefillFp8SyncParams): every field of PrefillParams, then Fp8Scales; on the TMA
+# pipeline (PrefillFp8Params) the tensor maps first.
 PARAMS_KV8 = _PARAMS_SYNC
+PARAMS_KV8_TMA = _PARAMS
 
 
 def cache_kind(qi, k, v, spec):

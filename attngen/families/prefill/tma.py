@@ -7,7 +7,8 @@ them (WgmmaLayout), with zeros past the ends (``attngen/families/tma.py`` builds
 batch's packed ``[total, heads, head_dim]`` tensors are one batch of ``total`` rows: its kernel offsets a tile's
 rows by its sequence's first. A paged cache ``[num_blocks, block_size, kv_heads, head_dim]`` is a map of
 ``num_blocks`` batches of ``block_size`` rows, whose boxes are one block's rows (``page_box_rows``): the kernel
-copies a key tile box by box, each from the block its table names.
+copies a key tile box by box, each from the block its table names. An fp8 cache's k and v (``kv_dtype``) are maps of
+bytes, unswizzled, in boxes of at most 32 rows, which the kernel widens in place.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ def _refusal(t, what: str = ""):
                       f"{tuple(t.strides)}: {e}; use a spec with pipeline=sync")
 
 
-def _map(t, rows: int, fallback_ptr: int) -> bytes:
-    """The map of TensorInfo ``t`` (4-d, or 3-d: packed varlen rows, one batch) with boxes of ``rows`` rows."""
+def _map(t, rows: int, fallback_ptr: int, item: int = 2) -> bytes:
+    """The map of TensorInfo ``t`` (4-d, or 3-d: packed varlen rows, one batch) with boxes of ``rows`` rows;
+    ``item``: its element's bytes (1: an fp8 cache, whose boxes of 64 columns are unswizzled bytes)."""
     if len(t.shape) == 3:
         (s, h, d), (ss, sh, _) = t.shape, t.strides
         b, sb = 1, ss  # (a dim of one: its stride is never used, and any multiple of 16 bytes is valid)
@@ -31,8 +33,8 @@ def _map(t, rows: int, fallback_ptr: int) -> bytes:
         sb, ss, sh, _ = t.strides
     # An empty sequence is never read (its CTAs visit no tile), but a map's dims must be >= 1 and its
     # address not null.
-    return tiled_map(t.dtype, t.ptr or fallback_ptr, (d, max(s, 1), h, b), (2 * ss, 2 * sh, 2 * sb), (64, rows, 1, 1),
-                     _refusal(t))
+    return tiled_map(t.dtype, t.ptr or fallback_ptr, (d, max(s, 1), h, b), (item * ss, item * sh, item * sb),
+                     (64, rows, 1, 1), _refusal(t))
 
 
 def _tail_map(t, spec, rows: int, fallback_ptr: int) -> bytes:
@@ -62,7 +64,11 @@ def tensor_maps(qi, ki, vi, spec) -> bytes:
     k_rows = spec.cta_tile_kv
     if spec.paged:
         k_rows = v_rows = page_box_rows(ki.shape[1], spec.cta_tile_kv)
-    maps = _map(qi, spec.cta_tile_q, qi.ptr) + _map(ki, k_rows, qi.ptr) + _map(vi, v_rows, qi.ptr)
+    item = 2
+    if spec.kv_dtype:  # an fp8 cache: boxes of at most 32 rows, each widened in its 32-key unit of the slot
+        k_rows = v_rows = min(k_rows, 32)
+        item = 1
+    maps = _map(qi, spec.cta_tile_q, qi.ptr) + _map(ki, k_rows, qi.ptr, item) + _map(vi, v_rows, qi.ptr, item)
     if spec.chunked and spec.v_tail:
         maps += _tail_map(vi, spec, v_rows, qi.ptr)
     return maps

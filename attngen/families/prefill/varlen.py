@@ -209,7 +209,7 @@ def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window, sm_scale,
     qs, ks, vs = qi.strides, ki.strides, vi.strides
     if kv8:  # the fp8 rows as 16-bit pairs (templates/prefill/traits.cuh, KV8); batch_count and sinks unread
         ks, vs = [x // 2 for x in ks], [x // 2 for x in vs]
-        layout, mod_vals = fp8_op.PARAMS_KV8, (0, 0, *kv8)
+        layout, mod_vals = fp8_op.PARAMS_KV8_TMA if maps else fp8_op.PARAMS_KV8, (0, 0, *kv8)
     lse_ptr = data_ptr(lse, qi.kind) if return_lse else 0
     kern.launch_struct(
         layout, grid, stream, *maps,
