@@ -58,16 +58,27 @@ def run_varlen_tma(spec, lens_q, lens_k, dtype, causal=False, window=(-1, -1), h
     torch.cuda.synchronize()
     assert o is out
     check_sentinel(buf, guards)
+    check_sequences(q, k, v, o, lse, lens_q, lens_k, causal, window, dtype)
+    check_sync_twin(spec, args, dict(causal=causal, window=window, return_lse=True), o, lse)
+
+
+def check_sequences(q, k, v, o, lse, lens_q, lens_k, causal, window, dtype, sink=None):
+    """Each sequence's rows of o and lse (packed varlen rows) against the fp64 reference, with sinks where given."""
     q0 = k0 = 0
     for nq, nk in zip(lens_q, lens_k):
         if nq:
-            ref_o, ref_l = reference(q[None, q0:q0 + nq], k[None, k0:k0 + nk], v[None, k0:k0 + nk],
-                                     range_keep(nq, nk, causal, window), d ** -0.5)
+            seq = (q[None, q0:q0 + nq], k[None, k0:k0 + nk], v[None, k0:k0 + nk], range_keep(nq, nk, causal, window),
+                   q.shape[-1] ** -0.5)
+            ref_o, ref_l = sink_reference(*seq, sink) if sink is not None else reference(*seq)
             compare(o[None, q0:q0 + nq], lse[None, :, q0:q0 + nq], ref_o, ref_l, dtype)
         q0 += nq
         k0 += nk
-    if spec.num_warps != 12:  # (the cp.async kernel has no 12-warp form)
-        o2, lse2 = attngen.prefill_varlen(*args, causal=causal, window=window, return_lse=True, spec=_sync(spec))
+
+
+def check_sync_twin(spec, args, kw, o, lse):
+    """The same call through the cp.async kernel of the spec's tiles gives the same bits (none has 12 warps)."""
+    if spec.num_warps != 12:
+        o2, lse2 = attngen.prefill_varlen(*args, spec=_sync(spec), **kw)
         assert torch.equal(o, o2) and torch.equal(lse, lse2), "TMA and cp.async kernels of one tile config differ"
 
 
@@ -123,18 +134,8 @@ def run_paged_tma(spec, lens_q, lens_k, block_size, dtype, causal=False, window=
     torch.cuda.synchronize()
     assert o is out
     check_sentinel(buf, guards)
-    q0 = k0 = 0
-    for nq, nk in zip(lens_q, lens_k):
-        if nq:
-            seq = (q[None, q0:q0 + nq], k[None, k0:k0 + nk], v[None, k0:k0 + nk], range_keep(nq, nk, causal, window),
-                   d ** -0.5)
-            ref_o, ref_l = sink_reference(*seq, sink) if sinks else reference(*seq)
-            compare(o[None, q0:q0 + nq], lse[None, :, q0:q0 + nq], ref_o, ref_l, dtype)
-        q0 += nq
-        k0 += nk
-    if spec.num_warps != 12:
-        o2, lse2 = attngen.prefill_varlen(*args, spec=_sync(spec), **kw)
-        assert torch.equal(o, o2) and torch.equal(lse, lse2), "TMA and cp.async kernels of one tile config differ"
+    check_sequences(q, k, v, o, lse, lens_q, lens_k, causal, window, dtype, sink)
+    check_sync_twin(spec, args, kw, o, lse)
 
 
 @pytest.mark.parametrize("cfg", PAGED_TMA, ids=lambda c: "%d_%d_%dx%dx%d_%d_%s" % c)
