@@ -21,6 +21,7 @@ struct FwdWiden {
   using W = WgmmaOps<K::BF16>;
   static constexpr int WARPS = 3;  // the producer warpgroup's warps but the TMA one
   static constexpr int HALVES = K::BLOCK_N / 32;  // units of a 64-column block
+  static_assert(WARPS * 32 == FwdProducer<K>::WIDEN_THREADS, "K full and V full count every widening thread");
 
   // Widening warp w's units of one tile of BLOCKS 64-column blocks at sT (w, w + WARPS, ...); rows at or past
   // `valid` written as zeros.
