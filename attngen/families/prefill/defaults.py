@@ -98,7 +98,7 @@ TUNED_TMA_PAGED = {
 
 # sm_90a, an fp8 cache (kv_dtype; contiguous or paged), whose TMA kernel runs two consumer warpgroups only
 # (templates/prefill/widen.cuh): head dims 64 and 128, 128x128 ping-pong in three stages. On an H200 (GQA 32/8,
-# blocks of 16 and 64, bf16 q, 0.5k-2k rows over 2k-8k keys) at 64: 1.30-1.59x the cp.async default, 1.11-1.23x its
+# blocks of 16 and 64, bf16 q, 0.5k-2k rows over 2k-8k keys) at 64: 1.33-1.59x the cp.async default, 1.11-1.23x its
 # best tiles (128x64), 1.14-1.35x the TMA 128x64 overlap kernel, 1.00-1.11x two stages; at 128, 1.05-1.13x two stages.
 # Head dim 256 keeps TUNED_TMA_VARLEN's 128x64 (ping-pong 0.96-0.98x).
 TUNED_TMA_KV8 = {
