@@ -114,50 +114,52 @@ struct FwdProducer {
     };
     // PAGED: the table row; the block size's shift where it is a power of two; the rows a box, the largest power of
     // two that divides both block_size and the tile's keys (so each box lies in one block, and a tile is whole
-    // boxes), and the boxes a tile (at most 8).
+    // boxes), and the boxes a tile (at most 8). KV8: at most 32 rows a box, which lands in one 32-key unit of the
+    // slot (widen.cuh).
     const int* table = K::PAGED ? p.block_table + (long long)batch * p.bt_sb : nullptr;
     const int bs_shift = K::PAGED && (p.block_size & (p.block_size - 1)) == 0 ? __popc(p.block_size - 1) : -1;
-    const int box = K::PAGED ? min(K::BLOCK_N & -K::BLOCK_N, p.block_size & -p.block_size) : K::BLOCK_N;
+    const int block_box = K::PAGED ? min(K::BLOCK_N & -K::BLOCK_N, p.block_size & -p.block_size) : K::BLOCK_N;
+    const int box = K::KV8 ? min(block_box, 32) : block_box;
     const int boxes = K::BLOCK_N / box;
     // PAGED: the table entry of this lane's box of the key tile from key n0, read before the wait for the tile's slot
     // (the lanes' loads are one instruction, and their latency passes in the wait). A box past the sequence's end
     // reads no entry.
     auto page_entry = [&](int n0) {
-      const int pos = n0 + lane * (K::KV8 ? min(box, 32) : box);  // (KV8: load_fp8's boxes)
-      return (K::KV8 ? pos < n0 + K::BLOCK_N : lane < boxes) && pos < seqlen_k
-                 ? __ldg(table + (bs_shift >= 0 ? pos >> bs_shift : pos / p.block_size))
-                 : 0;
+      const int pos = n0 + lane * box;
+      return lane < boxes && pos < seqlen_k ? __ldg(table + (bs_shift >= 0 ? pos >> bs_shift : pos / p.block_size))
+                                            : 0;
     };
-    // PAGED: this lane's box into the slot at dst (64-column blocks of block_bytes) through map, from block blk
-    // clamped into the pool (as the cp.async copies clamp it), at its row within the block; a box past the
-    // sequence's end names block num_blocks, past the map's end, which TMA fills with zeros. After lane 0 has armed
-    // the slot's barrier.
+    // PAGED: key pos's row within its block, and the block a box from pos copies: blk clamped into the pool (as the
+    // cp.async copies clamp it), or past the sequence's end block num_blocks, past the map's end, which TMA fills with
+    // zeros.
+    auto page_row = [&](int pos) { return bs_shift >= 0 ? pos & (p.block_size - 1) : pos % p.block_size; };
+    auto page_block = [&](int pos, int blk) {
+      return pos < seqlen_k ? min(max(blk, 0), p.num_blocks - 1) : p.num_blocks;
+    };
+    // PAGED: this lane's box into the slot at dst (64-column blocks of block_bytes) through map, from the block
+    // page_block names for it, at its row within the block. After lane 0 has armed the slot's barrier.
     auto load_pages = [&](int blk, unsigned dst, int blocks, int block_bytes, const TmaDesc* map, unsigned bar,
                           int n0) {
       __syncwarp();
       const int pos = n0 + lane * box;
       if (lane < boxes) {
-        const int row = bs_shift >= 0 ? pos & (p.block_size - 1) : pos % p.block_size;
-        const int at = pos < seqlen_k ? min(max(blk, 0), p.num_blocks - 1) : p.num_blocks;
+        const int row = page_row(pos);
+        const int at = page_block(pos, blk);
         for (int b = 0; b < blocks; ++b)
           W::tma_load(dst + b * block_bytes + lane * box * 128, map, bar, 64 * b, row, kv_head, at);
       }
     };
-    // KV8: a tile's fp8 K or V (a whole tile of bytes, its barrier armed by lane 0), lane j's box of box8 rows (at
-    // most 32: paged, as load_pages' box; contiguous, rows n0 + j * 32 of the packed cache) into the second half of
-    // its 32-row unit of the 16-bit slot at dst, 64 bytes a row (widen.cuh widens it there).
-    const int box8 = min(box, 32);
+    // KV8: a tile's fp8 K or V (a whole tile of bytes, its barrier armed by lane 0), lane j's box (paged, as
+    // load_pages'; contiguous, rows n0 + j * 32 of the packed cache) into the second half of its 32-row unit of the
+    // 16-bit slot at dst, 64 bytes a row (widen.cuh widens it there).
     auto load_fp8 = [&](int blk, unsigned dst, int blocks, int block_bytes, const TmaDesc* map, unsigned bar,
                         int n0) {
       if (lead) W::mbar_expect(bar, blocks * 64 * K::BLOCK_N);
       __syncwarp();
-      const int key = lane * box8;
-      if (key < K::BLOCK_N) {
-        int row = n0 + key, at = batch;
-        if constexpr (K::PAGED) {
-          row = bs_shift >= 0 ? row & (p.block_size - 1) : row % p.block_size;
-          at = n0 + key < seqlen_k ? min(max(blk, 0), p.num_blocks - 1) : p.num_blocks;
-        }
+      const int key = lane * box;
+      if (lane < boxes) {
+        const int row = K::PAGED ? page_row(n0 + key) : n0 + key;
+        const int at = K::PAGED ? page_block(n0 + key, blk) : batch;
         for (int b = 0; b < blocks; ++b)
           W::tma_load(dst + b * block_bytes + key / 32 * 4096 + 2048 + key % 32 * 64, map, bar, 64 * b, row, kv_head,
                       at);
