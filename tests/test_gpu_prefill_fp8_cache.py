@@ -36,12 +36,20 @@ def _scales(kind, hk, gen):
 
 
 def run_case(lq, lk, *, d=128, h=8, hk=2, dtype=torch.bfloat16, fmt="e4m3", page=None, causal=True, kind="head",
-             spec=None, twin=False):
-    """One call against the reference per sequence; ``twin``: and bit-equal to the cp.async kernel of the spec's tiles
-    (the widening is exact and the consumers' arithmetic the same)."""
+             spec=None, twin=False, q_mul=1.0):
+    """One call against the reference per sequence, q times q_mul and the softmax's scale over it. ``twin``: and the
+    cp.async kernel of the spec's tiles. fp16 q: bit-equal (the widening is exact and the consumers' arithmetic the
+    same). bf16 q on TMA, whose MMAs run in fp16 over q times 2^k (k from each query tile's largest |q|): every q
+    in [-3, 3] and dim 0 3.5, so k is 13 in every tile, against the fp16 kernel given q times 2^13 and the scale
+    times 2^-13: the LSE bit-equal, O as the fp32 accumulator rounded to bf16 rather than to fp16."""
     gen = fresh_generator()
     b = len(lq)
-    q = torch.randn(sum(lq), h, d, device="cuda", generator=gen).to(dtype)
+    q = (torch.randn(sum(lq), h, d, device="cuda", generator=gen) * q_mul).to(dtype)
+    sm = d ** -0.5 / q_mul
+    q16_twin = twin and dtype is torch.bfloat16
+    if q16_twin:
+        q = q.clamp(-3, 3)
+        q[..., 0] = 3.5
     ks_arg, ks = _scales(kind, hk, gen)
     vs_arg, vs = _scales(kind, hk, gen)
     kk = [torch.randn(n, hk, d, device="cuda", generator=gen) for n in lk]
@@ -77,14 +85,21 @@ def run_case(lq, lk, *, d=128, h=8, hk=2, dtype=torch.bfloat16, fmt="e4m3", page
                     vc[blk, :m] = v8[s][rows]
     out = torch.full((sum(lq), h, d), NAN, device="cuda", dtype=dtype)
     o, lse = attngen.prefill_varlen(q, kc, vc, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, return_lse=True,
-                                    out=out, block_table=table, k_scale=ks_arg, v_scale=vs_arg, spec=spec)
+                                    out=out, block_table=table, k_scale=ks_arg, v_scale=vs_arg, spec=spec, sm_scale=sm)
     torch.cuda.synchronize()
     assert o is out
     if twin:
-        o2, lse2 = attngen.prefill_varlen(q, kc, vc, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal,
+        tq, tsm, tspec = q, sm, spec.replace(pipeline="sync", schedule="serial")
+        if q16_twin:
+            tq, tsm, tspec = (q.float() * 2**13).half(), sm * 2**-13, tspec.replace(dtype="fp16")
+        o2, lse2 = attngen.prefill_varlen(tq, kc, vc, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal,
                                           return_lse=True, block_table=table, k_scale=ks_arg, v_scale=vs_arg,
-                                          spec=spec.replace(pipeline="sync", schedule="serial"))
-        assert torch.equal(o, o2) and torch.equal(lse, lse2), "TMA and cp.async kernels of one tile config differ"
+                                          spec=tspec, sm_scale=tsm)
+        assert torch.equal(lse, lse2), "TMA and cp.async kernels of one tile config differ"
+        if q16_twin:  # |bf16(x) - fp16(x)| <= 2^-9 |x| + 2^-12 |x|, and fp16's subnormal step
+            assert torch.allclose(o.float(), o2.float(), rtol=2**-8, atol=2**-24), "O differs past bf16's rounding"
+        else:
+            assert torch.equal(o, o2), "TMA and cp.async kernels of one tile config differ"
     cq = _cu(lq).tolist()
     for s in range(b):
         if lq[s] == 0:
@@ -93,7 +108,7 @@ def run_case(lq, lk, *, d=128, h=8, hk=2, dtype=torch.bfloat16, fmt="e4m3", page
         if lk[s] == 0:
             assert (o[rows] == 0).all() and torch.isinf(lse[:, rows]).all()
             continue
-        ro, rl = reference_attention(q[rows].float()[None], kd[s][None], vd[s][None], causal=causal)
+        ro, rl = reference_attention(q[rows].float()[None], kd[s][None], vd[s][None], causal=causal, sm_scale=sm)
         got = o[rows].float()[None]
         assert torch.isfinite(got).all(), f"NaN in sequence {s}: a stray read or an unwritten row"
         err = rel(got, ro)
@@ -140,6 +155,18 @@ def test_fp8_cache_tma(cfg, page, causal):
                                cta_tile_q=128, cta_tile_kv=tk, num_warps=8, num_stages=st, mma="wgmma",
                                pipeline="tma", schedule=sched)
     run_case(LQ, LK, d=d, page=page, causal=causal, spec=spec, twin=True)
+
+
+@pytest.mark.parametrize("q_mul", [2.0**17, 2.0**-20, 1e-30], ids=["2^17", "2^-20", "1e-30"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_cache_tma_bf16_q_of_any_magnitude(q_mul, fmt):
+    # The bf16-q TMA kernel's MMAs run in fp16 over q times 2^k: q past fp16's range (2^17), in its subnormals
+    # (2^-20) or past them (1e-30) is as exact as at 1 (a q carried into fp16 unscaled would be inf, or rounded away).
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the TMA kernel is sm_90a's")
+    assert attngen.resolve(attngen.PrefillSpec(head_dim=128, varlen=True, kv_dtype="fp8_e4m3"), "sm_90a").tma
+    run_case(LQ, LK, fmt=fmt, page=16, q_mul=q_mul)
+    run_case(LQ, LK, fmt=fmt, q_mul=q_mul, causal=False)
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])

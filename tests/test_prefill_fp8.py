@@ -265,16 +265,18 @@ def test_kv_dtype_values():
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a", "sm_120"])
 @pytest.mark.parametrize("d, paged", [(128, True), (256, True), (64, False)])
-def test_fp8_cache_kernels_build_spill_free(arch, d, paged):
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_fp8_cache_kernels_build_spill_free(arch, d, paged, dtype):
     if d == 256 and arch != "sm_90a":
         with pytest.raises(SpecError) as ei:  # mma.sync at 256 spilled: refused by name
-            resolve(PrefillSpec(head_dim=d, varlen=True, paged=paged, kv_dtype="fp8_e4m3"), arch)
+            resolve(PrefillSpec(head_dim=d, varlen=True, paged=paged, kv_dtype="fp8_e4m3", dtype=dtype), arch)
         assert ei.value.field == "kv_dtype"
         return
     from attngen.compiler import compile
     from attngen.render import render
 
-    r = resolve(PrefillSpec(head_dim=d, varlen=True, paged=paged, kv_dtype="fp8_e4m3", mask="causal"), arch)
+    r = resolve(PrefillSpec(head_dim=d, varlen=True, paged=paged, kv_dtype="fp8_e4m3", mask="causal", dtype=dtype),
+                arch)
     assert r.tma == (arch == "sm_90a"), r.to_text()  # (sm_90a: the TMA kernel, whose producer widens)
     assert r.smem_bytes() <= get_arch(arch).smem_per_block
     b = compile(render(r), arch, kernel_name=r.kernel_name)
@@ -302,3 +304,25 @@ def test_fp8_cache_tma_maps_are_bytes_in_boxes_of_a_unit(monkeypatch):
         assert qs == (2 * 8 * 128, 2 * 128, 2 * 8 * 128) and qbox == (64, r.cta_tile_q, 1, 1)
         for dtype, _, dims, strides, box, _ in (k, v):
             assert dims == (128, block, 2, 10) and strides == (256, 128, block * 256) and box == (64, rows, 1, 1)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fp8_cache_bf16_q_runs_fp16_mmas_on_the_tma_kernel(d):
+    # A bf16 q over an fp8 cache on sm_90a's TMA kernel: the entry instantiates prefill_fwd with fp16 MMAs (BF16
+    # false, T still bf16: q's map and O's stores), the producer carries Q into fp16 (q_tile), and the kernel's shared
+    # memory holds 24 bytes more (Q's landed mbarrier, four words); an fp16 q, or the cp.async kernel, as before.
+    from attngen.families.prefill import fp8
+    from attngen.render import render
+
+    spec = PrefillSpec(head_dim=d, varlen=True, paged=True, kv_dtype="fp8_e4m3", mask="causal")
+    r = resolve(spec, "sm_90a")
+    r16 = r.replace(dtype="fp16")
+    assert r.tma and fp8.computes_fp16(r) and not fp8.computes_fp16(r16)
+    assert r.smem_bytes() - r16.smem_bytes() == 24
+    src, src16 = render(r), render(r16)
+    assert "prefill_fwd<elem_t, false, HEAD_DIM" in src and "using elem_t = __nv_bfloat16;" in src
+    assert "prefill_fwd<elem_t, IS_BF16, HEAD_DIM" in src16
+    # the logits' scale and the LSE's take 2^-k back in the bf16 kernel alone
+    assert src.count("FwdWiden<K>::q_unit(sV)") >= 2 and "FwdWiden<K>::q_unit(sV)" not in src16
+    sync = resolve(spec.replace(pipeline="sync"), "sm_90a")
+    assert not fp8.computes_fp16(sync) and "prefill_fwd<elem_t, IS_BF16, HEAD_DIM" in render(sync)

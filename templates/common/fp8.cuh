@@ -138,10 +138,17 @@ __device__ __forceinline__ unsigned bf16x2_finite_max(unsigned v, unsigned m) {
   return max(m, max(lo < 0x7f80u ? lo : 0u, hi < 0x7f80u ? hi : 0u));
 }
 
-// The CTA's largest of every thread's m (THREADS threads, one word a warp of `scratch`, free until the caller
-// stores there again), then the power of two k that puts that largest |q| in [2^14, 2^15) (0 where every q is 0
-// or not finite): q * 2^k is an fp16 value wherever |q| >= 2^-28 of the largest (bf16's 8 significant bits fit
-// fp16's 11), and below it is rounded at 2^-39 of it, far below the fp32 accumulation's own rounding.
+// The power of two k that puts the largest finite |q| (m, as bits) in [2^14, 2^15) (0 where every q is 0 or not
+// finite): q * 2^k is an fp16 value wherever |q| >= 2^-28 of the largest (bf16's 8 significant bits fit fp16's 11),
+// and below it is rounded at 2^-39 of it, far below the fp32 accumulation's own rounding.
+__device__ __forceinline__ int fp16_shift_from(unsigned m) {
+  // |q| < 2^(e - 126) for a bf16 exponent field e: the largest times 2^(141 - e) lies in [2^14, 2^15); at most
+  // 2^126 (a subnormal largest |q| stays under 2^15), so that 2^-k is a normal float too
+  return m == 0u ? 0 : min(141 - (int)(m >> 7), 126);
+}
+
+// fp16_shift_from of the CTA's largest of every thread's m (THREADS threads, one word a warp of `scratch`, free until
+// the caller stores there again).
 template <int THREADS>
 __device__ __forceinline__ int fp16_shift_of(unsigned m, unsigned* scratch, int tid) {
   m = __reduce_max_sync(0xffffffffu, m);
@@ -150,9 +157,7 @@ __device__ __forceinline__ int fp16_shift_of(unsigned m, unsigned* scratch, int 
 #pragma unroll
   for (int w = 0; w < THREADS / 32; ++w) m = max(m, scratch[w]);
   __syncthreads();  // every warp has read the maxima before the scratch is written again
-  // |q| < 2^(e - 126) for a bf16 exponent field e: the largest times 2^(141 - e) lies in [2^14, 2^15); at most
-  // 2^126 (a subnormal largest |q| stays under 2^15), so that 2^-k is a normal float too
-  return m == 0u ? 0 : min(141 - (int)(m >> 7), 126);
+  return fp16_shift_from(m);
 }
 
 // Two bf16 values times f (2^k) as fp16x2.

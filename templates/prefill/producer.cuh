@@ -29,10 +29,11 @@ struct FwdProducer {
   // slower, most at head_dim 64 without a mask on short sequences). Three (192-row tiles, launched with 128 for
   // 512 threads): 32 + 3 x 160. With two CTAs an SM (one consumer warpgroup,
   // launched with 128): 24 + 232. One consumer warpgroup alone on an SM has every register it can use, and
-  // no setmaxnreg. KV8 (two consumer warpgroups): the widening warps hold 56, the consumers 224.
+  // no setmaxnreg. KV8 (two consumer warpgroups): the widening warps hold 64, the consumers 216 (at 56 the
+  // widening of fp16 MMAs' tiles spilled under a causal mask; the consumers fit in 216).
   static constexpr bool MOVE_REGS = K::NUM_WARPS >= 8 || K::TMA_CTAS == 2;
-  static constexpr int PRODUCER_REGS = K::KV8 ? 56 : K::NUM_WARPS == 12 ? 32 : 24;
-  static constexpr int CONSUMER_REGS = K::KV8 ? 224 : K::NUM_WARPS == 12 ? 160 : K::NUM_WARPS == 8 ? 240 : 232;
+  static constexpr int PRODUCER_REGS = K::KV8 ? 64 : K::NUM_WARPS == 12 ? 32 : 24;
+  static constexpr int CONSUMER_REGS = K::KV8 ? 216 : K::NUM_WARPS == 12 ? 160 : K::NUM_WARPS == 8 ? 240 : 232;
   static constexpr int WIDEN_THREADS = 96;  // KV8: the warps that widen (prefill/widen.cuh), who fill K and V
 
   // Sets up the mbarriers, then the producer warpgroup gives its registers to the consumers and its one elected
@@ -41,7 +42,8 @@ struct FwdProducer {
   template <class Copies>
   static __device__ __forceinline__ bool split(unsigned bars, int tid, int warp, Copies&& copies) {
     if (tid == 0) {
-      W::mbar_init(bars, 1);
+      W::mbar_init(bars, K::Q16 ? WIDEN_THREADS : 1);  // Q16: Q carried into fp16 by the widening warps
+      if constexpr (K::Q16) W::mbar_init(K::lq_bar(bars), 1);
 #pragma unroll
       for (int s = 0; s < NUM_STAGES; ++s) {
         W::mbar_init(K::k_bar(bars, s), K::KV8 ? WIDEN_THREADS : 1);
@@ -78,7 +80,7 @@ struct FwdProducer {
     return split(bars, tid, warp, [&]() {
       if constexpr (K::KV8 != 0) {
         if (warp > K::NUM_WARPS) {
-          FwdWiden<K>::tiles(sK, sV, bars, tile_begin, n_tiles, seqlen_k, warp - K::NUM_WARPS - 1, tid % 32);
+          FwdWiden<K>::tiles(sQ, sK, sV, bars, tile_begin, n_tiles, seqlen_k, warp - K::NUM_WARPS - 1, tid % 32);
           return;
         }
       }
@@ -106,10 +108,11 @@ struct FwdProducer {
     auto load_q = [&]() {
       if (K::PERSISTENT && pass > 0) W::mbar_wait(K::qe_bar(bars), (pass - 1) & 1);
       if (lead) {
-        W::mbar_expect(bars, K::Q_ELEMS * sizeof(T));
+        const unsigned q_bar = K::Q16 ? K::lq_bar(bars) : bars;  // Q16: landed, then carried into fp16 (widen.cuh)
+        W::mbar_expect(q_bar, K::Q_ELEMS * sizeof(T));
 #pragma unroll
         for (int b = 0; b < K::QK_COLS / 64; ++b)
-          W::tma_load(smem_addr(sQ) + b * K::LQ::BLOCK_BYTES, maps, bars, 64 * b, m0, head, K::PAGED ? 0 : batch);
+          W::tma_load(smem_addr(sQ) + b * K::LQ::BLOCK_BYTES, maps, q_bar, 64 * b, m0, head, K::PAGED ? 0 : batch);
       }
     };
     // PAGED: the table row; the block size's shift where it is a power of two; the rows a box, the largest power of

@@ -5,14 +5,25 @@
 // of sm_90a's persistent serial kernels (the front end's locals order the values the optimiser then numbers).
 namespace attngen {
 
+template <class T>
+struct IsBf16 {
+  static constexpr bool value = false;
+};
+template <>
+struct IsBf16<__nv_bfloat16> {
+  static constexpr bool value = true;
+};
+
 template <class T_, bool BF16_, int HEAD_DIM_, int HEAD_DIM_V_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_,
           int NUM_STAGES_, int MASK_, bool RETURN_LSE_, bool Q_IN_REGS_, int ROW_ELEMS_, int ROW_ELEMS_V_,
           bool SWIZZLE_, bool SWIZZLE_V_, bool WGMMA_, class V_, bool VARLEN_, bool PAGED_,
           bool MASK_LIST_, int TMA_CTAS_, bool OVERLAP_, bool PINGPONG_, bool PERSISTENT_, bool O_IN_Q_,
           bool FP8_ = false, int KV8_ = 0>
 struct FwdTraits {
+  // T: q's and O's 16-bit type; BF16: the MMAs' (the same but for Q16, below)
   using T = T_;
   static constexpr bool BF16 = BF16_;
+  static constexpr bool OUT_BF16 = IsBf16<T>::value;
   static constexpr int HEAD_DIM = HEAD_DIM_;
   static constexpr int HEAD_DIM_V = HEAD_DIM_V_;
   static constexpr int BLOCK_M = BLOCK_M_;
@@ -50,6 +61,12 @@ struct FwdTraits {
   static constexpr int ROW8 = (HEAD_DIM / 2) % 64 == 0 ? HEAD_DIM / 2 : HEAD_DIM / 2 + 8;
   using L8 = SmemLayout<HEAD_DIM / 2, ROW8, (HEAD_DIM / 2) % 64 == 0>;
   static constexpr int K8_ELEMS = KV8 ? BLOCK_N * ROW8 : 0;
+
+  // Q16 (KV8 on TMA, a bf16 q): the MMAs run in fp16 (BF16 false), whose widening of the cache is one convert a
+  // pair; the producer's widening warps carry Q's tile into fp16 by a power of two (prefill/widen.cuh), which the
+  // logits' scale takes back.
+  static constexpr bool Q16 = KV8 != 0 && TMA_CTAS_ > 0 && OUT_BF16;
+  static_assert(BF16 == (OUT_BF16 && !Q16), "BF16: T's type, but fp16 for Q16");
 
   using L = SmemLayout<QK_COLS, ROW_ELEMS, SWIZZLE>;
   using LQ = typename Select<WGMMA, WgmmaLayout<QK_COLS, BLOCK_M>, L>::type;
@@ -127,6 +144,10 @@ struct FwdTraits {
   static __device__ __forceinline__ unsigned lv_bar(unsigned bars, int s) {
     return qe_bar(bars) + 8u * (NUM_STAGES + s);
   }
+  // Q16: Q's bytes landed (the TMA's; Q's own mbarrier then means carried into fp16), then four words (widen.cuh's
+  // q_words: the widening warps' largest |q|, and the power of two the consumers take)
+  static __device__ __forceinline__ unsigned lq_bar(unsigned bars) { return qe_bar(bars) + 16u * NUM_STAGES; }
+  static constexpr int Q_MAX_AT = 8 * (1 + (OVERLAP ? 4 : 3) * NUM_STAGES) + 16 * NUM_STAGES + 8;  // from bars
 };
 
 }  // namespace attngen

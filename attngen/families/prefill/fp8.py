@@ -97,12 +97,20 @@ def check_kv_fit(spec, a) -> None:
                             "pipeline=tma", reason="the producer widens a key tile in units of 32 keys")
 
 
+def computes_fp16(spec) -> bool:
+    """A bf16 q over an fp8 cache on the TMA kernel runs its MMAs in fp16 (templates/prefill/traits.cuh's Q16): the
+    cache widens by one convert a pair, and q is carried into fp16 by a power of two that the logits' scale takes back
+    (exact wherever |q| is at least 2^-28 of its query tile's largest)."""
+    return bool(spec.kv_dtype) and spec.tma and spec.dtype.value == "bf16"
+
+
 def kv_smem_bytes(spec) -> int:
     """An fp8 cache's kernel. TMA: the 16-bit kernel's, and two mbarriers a slot more (the fp8 bytes land inside the
-    16-bit slots). cp.async: Q, one widened K and V tile (the 16-bit kernel's with one stage), and the fp8 rows' ring,
-    K's and V's slots of rows padded as templates/prefill/traits.cuh's ROW8."""
+    16-bit slots); a bf16 q (computes_fp16) one more for Q's bytes and three words for its largest |q|. cp.async: Q,
+    one widened K and V tile (the 16-bit kernel's with one stage), and the fp8 rows' ring, K's and V's slots of rows
+    padded as templates/prefill/traits.cuh's ROW8."""
     if spec.tma:
-        return spec.replace(kv_dtype="").smem_bytes() + 16 * spec.num_stages
+        return spec.replace(kv_dtype="").smem_bytes() + 16 * spec.num_stages + (24 if computes_fp16(spec) else 0)
     half = spec.head_dim // 2
     row8 = half if half % 64 == 0 else half + 8
     return spec.replace(kv_dtype="", num_stages=1).smem_bytes() + 4 * spec.num_stages * spec.cta_tile_kv * row8

@@ -516,7 +516,7 @@ class PrefillSpec(SpecBase):
         ctx.update(dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask], tma=self.tma, overlap=self.overlapped,
                    pingpong=self.schedule is Schedule.PINGPONG, persistent=self.is_persistent, qk_pair=self.qk_pair,
                    o_in_q=self.o_in_q, page_rows=self.page_rows, fp8=bool(self.qkv_dtype),
-                   kv8=fp8.KV_CODES.get(self.kv_dtype, 0))
+                   kv8=fp8.KV_CODES.get(self.kv_dtype, 0), q16=fp8.computes_fp16(self))
         if self.chunked:
             cg = self.chunk_grid
             ctx.update(chunked=True, wgmma=self.mma is Mma.WGMMA, chunk_vk=cg["vk"], chunk_vcw=cg["vcw"],

@@ -65,7 +65,8 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     ``[batch, kv_heads]`` is indexed by sequence); there ``max_seqlen_k`` must bound every sequence's keys (it
     sizes the copy of V the fp8 kernel reads).
     An fp8 cache (k and v ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, or uint8 with a spec's ``kv_dtype``) with
-    q in fp16/bf16: each tile is widened in shared memory; ``k_scale`` and ``v_scale`` as ``attngen.decode`` takes
+    q in fp16/bf16: each tile is widened in shared memory (on sm_90a's TMA kernel into fp16, a bf16 q carried into fp16
+    by a power of two); ``k_scale`` and ``v_scale`` as ``attngen.decode`` takes
     them (a number, or fp32 ``[]``, ``[1]``, ``[kv_heads]``; FlashAttention-3's ``k_descale`` / ``v_descale`` are
     the same), contiguous or paged.
     """
