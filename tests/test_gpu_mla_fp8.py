@@ -97,7 +97,7 @@ def run_case(seqlens, heads, *, fmt="e4m3", dtype=torch.bfloat16, q_len=1, block
     kpe, kpe_ref = make_fp8_cache(seqlens, rope, dt, ks, gen, block_size, table)
     k_scale = {"float": ks, "tensor0": torch.tensor(ks, device="cuda"),
                "tensor1": torch.tensor([ks], device="cuda")}[scale_kind]
-    sm_scale = 1.0 / (rank // 4 + rope) ** 0.5
+    sm_scale = 1.0 / (rank // 4 + rope) ** 0.5 / q_mul  # (the logits as at q_mul 1: q's range alone varies)
     obuf = torch.full((b, q_len + 2, heads, rank + 8), SENTINEL, dtype=dtype, device="cuda")
     out = obuf[:, 1:1 + q_len, :, :rank]
     out.fill_(NAN)
@@ -159,9 +159,10 @@ def test_fp8_mla_scales_and_tokens(scale_kind, q_len):
     run_case([700], 32, q_len=q_len, scale_kind=scale_kind, block_size=64, dtype=torch.float16)
 
 
-@pytest.mark.parametrize("q_mul", [1e-4, 40.0])
+@pytest.mark.parametrize("q_mul", [1e-4, 40.0, 2.0**17, 2.0**-24], ids=["1e-4", "40", "2^17", "2^-24"])
 def test_fp8_mla_bf16_q_far_from_one(q_mul):
-    """A bf16 q far below or above 1 still lands in fp16 (its power of two), as the output shows."""
+    """A bf16 q far below or above 1, past fp16's range or under its subnormals, still lands in fp16 (its power of
+    two), on the mma.sync kernel (16 heads) and the wgmma one (128), as the output shows."""
     run_case([3000, 90], 16, q_mul=q_mul)
     run_case([513], 128, q_mul=q_mul, block_size=64)
 

@@ -26,7 +26,7 @@ struct MlaConsumer {
   using LQ = typename K::LQ;
   using LT = typename K::LT;
   using LP = typename K::LP;
-  static constexpr bool BF16 = K::IS_BF16, QK_SHARD = K::QK_SHARD_, WGMMA = K::WGMMA_, TMA = K::TMA_;
+  static constexpr bool BF16 = K::MMA_BF16, QK_SHARD = K::QK_SHARD_, WGMMA = K::WGMMA_, TMA = K::TMA_;
   static constexpr int DQK = K::DQK, ROW = K::ROW, P_ROW = K::P_ROW, ROWS = K::ROWS_, BLOCK_N = K::BLOCK_N_;
   static constexpr int WARPS_N = K::WARPS_N, SN = K::SN, ON = K::ON;
 

@@ -5,8 +5,8 @@
 // bytes. Both MMAs run in fp16: a bf16 q is carried into fp16 by a power of two 2^k chosen per CTA (fp16_shift_of),
 // P is rounded to fp16. k_scale (one for the cache, as serving engines keep it) and 2^-k multiply the softmax scale
 // (the LSE included), k_scale the split's output once at its end. On sm_90a's wgmma kernel the tiles are widened in
-// shared memory instead (mla_decode/fp8_wgmma.cuh) into q's dtype: Q stays as it is (no power of two), and k_scale is
-// folded in the same way (run, finish).
+// shared memory instead (mla_decode/fp8_wgmma.cuh), into fp16 as well: its Q is loaded as it is and then carried into
+// fp16 by the same 2^k in shared memory, and k_scale and 2^-k are folded in the same way (run, finish).
 namespace attngen {
 
 // The fp8 kernel's parameter (what attngen.families.mla_decode.op packs): MlaParams, then the cache's scale, read
@@ -48,13 +48,14 @@ struct MlaFp8 {
   }
 
   // bf16 q: the power of two that carries the CTA's Q rows into fp16 (fp16_shift_of), through `scratch` (shared
-  // memory free until Q is stored); fp16 q: 0.
+  // memory free until Q is stored); fp16 q: 0. Every thread of the CTA (the wgmma kernel's producer warpgroup too).
   static __device__ __forceinline__ int q_shift(const MlaParams<T>& p, unsigned* scratch) {
     if constexpr (!BF16) return 0;
+    constexpr int ALL = THREADS + K::PRODUCER_THREADS;
     const int tid = threadIdx.x, batch = blockIdx.z, r_begin = blockIdx.y * ROWS;
     const int valid = min(ROWS, p.q_len * p.num_heads - r_begin);
     unsigned m = 0;
-    for (int idx = tid; idx < valid * CHUNKS; idx += THREADS) {
+    for (int idx = tid; idx < valid * CHUNKS; idx += ALL) {
       const int r = idx / CHUNKS;
       const uint4* src = q_chunk(p, batch, r_begin + r, (idx - r * CHUNKS) * 16);
       const uint4 x[2] = {src[0], src[1]};
@@ -63,7 +64,7 @@ struct MlaFp8 {
 #pragma unroll
         for (int w = 0; w < 4; ++w) m = bf16x2_finite_max((&x[h].x)[w], m);
     }
-    return fp16_shift_of<THREADS>(m, scratch, tid);
+    return fp16_shift_of<ALL>(m, scratch, tid);
   }
 
   // Q into shared memory in fp16 (bf16 q times 2^k), each chunk in the fp8 fragments' order (fp8_chunk_order); rows
@@ -224,15 +225,13 @@ struct MlaFp8 {
     }
   }
 
-  // The kernel: Q's power of two (mma.sync; the wgmma kernel's Q stays in its dtype) and the cache's scale folded
-  // into a copy of the parameters' softmax scales (the LSE's too), then MlaDecode::run over fp8 tiles (maps: the
-  // wgmma kernel's TMA maps).
+  // The kernel: Q's power of two and the cache's scale folded into a copy of the parameters' softmax scales (the
+  // LSE's too), then MlaDecode::run over fp8 tiles (maps: the wgmma kernel's TMA maps).
   static __device__ __forceinline__ void run(const MlaFp8Params<T>& params, const TmaDesc* maps = nullptr) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     MlaParams<T> p = params.p;
     const float ks = params.k_scale ? *params.k_scale : params.k_scale_f;
-    int k = 0;
-    if constexpr (!K::WGMMA_) k = q_shift(p, reinterpret_cast<unsigned*>(smem_raw));
+    const int k = q_shift(p, reinterpret_cast<unsigned*>(smem_raw));
     const float f = ks * __int_as_float((127 - k) << 23);
     p.sm_scale *= f;
     p.scale_log2 *= f;

@@ -1,12 +1,13 @@
 // MLA decode against an fp8 latent cache on sm_90a's wgmma kernel (kv_dtype with mma=wgmma, pipeline=tma). The two
 // consumer warpgroups are the 16-bit kernel's (MlaConsumer: wgmma S = Q K^T and O += P V through descriptors of the
-// 128-byte-swizzled tile, WgmmaLayout): they read a tile in q's dtype. A third warpgroup, the producer, makes it: its
-// first warp loads the fp8 tiles by TMA (half the 16-bit tile's bytes) as soon as their slots are free, and its three
-// other warps widen each in shared memory into q's dtype (exact: common/fp8.cuh, fp8x16_widen), in the layout the
-// 16-bit TMA ring leaves. ckv is read as K and as V from the one widened tile.
+// 128-byte-swizzled tile, WgmmaLayout), in fp16 for either q (K::MMA_BF16: a bf16 q's tile is carried into fp16 by a
+// power of two, start): they read an fp16 tile. A third warpgroup, the producer, makes it: its first warp loads the
+// fp8 tiles by TMA (half the 16-bit tile's bytes) as soon as their slots are free, and its three other warps widen
+// each in shared memory into fp16 (exact: common/fp8.cuh, fp8x16_widen), in the layout the 16-bit TMA ring leaves.
+// ckv is read as K and as V from the one widened tile.
 //
 // Who widens: a tile is 2,304 16-byte fp8 chunks (512 + 64 columns, 64 keys), each one shared-memory load, eight
-// converts (bf16 q: three more instructions a pair) and two stores: one to three thousand warp instructions a tile. The
+// converts (into bf16 it would be three more instructions a pair) and two stores: a thousand warp instructions a tile. The
 // consumers spend their wgmma chains waiting on the tensor cores with nothing to issue; producer warps on the SM's
 // sub-partitions issue the widening in those idle slots, and the TMA wait and the widening stay off the consumers'
 // path (they wait only on a widened slot). Widened by the consumers between their own MMAs, each tile's widening would
@@ -36,7 +37,7 @@ struct MlaFp8Wgmma {
   using Tiles = MlaTiles<K>;
   using Producer = MlaProducer<K>;
   using W = WgmmaOps<K::IS_BF16>;
-  static constexpr bool BF16 = K::IS_BF16, PAGED = K::PAGED_;
+  static constexpr bool BF16 = K::MMA_BF16, PAGED = K::PAGED_;  // (the widening's type: fp16)
   static constexpr int FMT = K::KV_FP8_;
   static constexpr int DC = K::DC_, BLOCK_N = K::BLOCK_N_, NUM_STAGES = K::NUM_STAGES_, THREADS = K::THREADS;
   static constexpr int TILE_ELEMS = K::TILE_ELEMS;
@@ -58,12 +59,12 @@ struct MlaFp8Wgmma {
     return bar0 + 8 * (2 * NUM_STAGES + slot);
   }
 
-  // Every thread: the barriers, Q (the consumers, by cp.async as the 16-bit kernel), then the roles. The producer
-  // warpgroup runs its loop and returns true (its threads then leave the kernel); a consumer returns false once Q is
-  // in place for wgmma.
+  // Every thread: the barriers, Q (the consumers, by cp.async as the 16-bit kernel; a bf16 q then times 2^q_shift
+  // into fp16 in place, q_to_fp16), then the roles. The producer warpgroup runs its loop and returns true (its threads
+  // then leave the kernel); a consumer returns false once Q is in place for wgmma.
   static __device__ __forceinline__ bool start(const MlaParams<T>& p, const TmaDesc* maps, T* sQ, T* sRing,
                                                unsigned bar0, const int* table, int batch, int seqlen, int r_begin,
-                                               int rows_total, int tile_begin, int n_tiles, int tid) {
+                                               int rows_total, int tile_begin, int n_tiles, int q_shift, int tid) {
     if (tid == 0) {
 #pragma unroll
       for (int s = 0; s < NUM_STAGES; ++s) {
@@ -85,9 +86,27 @@ struct MlaFp8Wgmma {
     }
     W::template regs_inc<CONSUMER_REGS>();
     cp_async_wait<0>();
+    if constexpr (K::IS_BF16) q_to_fp16(sQ, q_shift, tid);
     W::fence_proxy();
     K::consumers_sync();  // Q in place
     return false;
+  }
+
+  // A bf16 q's tile (landed: every consumer's copies) times 2^k into fp16 in place (k: MlaFp8::q_shift, exact wherever
+  // |q| >= 2^-28 of the CTA's largest), element by element, so the swizzle is no matter.
+  static __device__ __forceinline__ void q_to_fp16(T* sQ, int k, int tid) {
+    K::consumers_sync();
+    const float f = __int_as_float((127 + k) << 23);
+    uint4* q = reinterpret_cast<uint4*>(sQ);
+#pragma unroll 1
+    for (int i = tid; i < K::Q_ELEMS / 8; i += THREADS) {
+      uint4 x = q[i];
+      x.x = bf16x2_to_f16x2_scaled(x.x, f);
+      x.y = bf16x2_to_f16x2_scaled(x.y, f);
+      x.z = bf16x2_to_f16x2_scaled(x.z, f);
+      x.w = bf16x2_to_f16x2_scaled(x.w, f);
+      q[i] = x;
+    }
   }
 
   // The producer (thread ptid of its warpgroup). Warp 0 (its first thread): each tile's fp8 boxes in once the

@@ -62,6 +62,9 @@ struct MlaDecode {
   static constexpr bool FP8 = KV_FP8 != 0;
   // fp8 on the wgmma kernel: a producer warpgroup past the NUM_WARPS consumer warps loads and widens the tiles
   static constexpr bool PRODUCER_WG = FP8 && WGMMA;
+  // The MMAs' 16-bit type: q's, but fp16 on the fp8 wgmma kernel, whose widening of the cache is then one convert a
+  // pair and whose Q is carried into fp16 by a power of two (MlaFp8::run, MlaFp8Wgmma::start); O is written in T.
+  static constexpr bool MMA_BF16 = BF16 && !PRODUCER_WG;
   static constexpr int PRODUCER_THREADS = PRODUCER_WG ? 128 : 0;
   using Fp8 = MlaFp8<MlaDecode>;
   using Fp8Wgmma = MlaFp8Wgmma<MlaDecode>;
@@ -177,7 +180,7 @@ struct MlaDecode {
     if constexpr (PRODUCER_WG) {
       // the producer warpgroup's whole part (its threads leave here); the consumers go on with Q in place
       if (Fp8Wgmma::start(p, maps, sQ, sRing, bar0, table, batch, seqlen, r_begin, rows_total, tile_begin, n_tiles,
-                          tid))
+                          q_shift, tid))
         return;
     } else if constexpr (FP8) {
       Fp8::load_q(p, sQ, batch, r_begin, rows_total, q_shift, tid);

@@ -97,9 +97,10 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     with a ``spec`` whose ``kv_dtype`` names the format), both of one format, with ``k_scale`` the one
     dequantisation scale of both (the cache holds values / k_scale): a number, or an fp32 device tensor of shape
     [] or [1]; q stays fp16 or bf16 and the output is q's dtype. 64 packed query rows and more (64 or 128 heads) on
-    sm_90a run the wgmma kernel, whose producer warpgroup widens each tile into q's dtype in shared memory (its TMA
-    ring needs the caches as TMA maps: where the driver refuses them, the mma.sync kernel runs); every other call runs
-    the mma.sync kernel on the cp.async ring, which widens the cache to fp16 in registers; no cluster merge.
+    sm_90a run the wgmma kernel, whose producer warpgroup widens each tile into fp16 in shared memory (its TMA ring
+    needs the caches as TMA maps: where the driver refuses them, the mma.sync kernel runs); every other call runs the
+    mma.sync kernel on the cp.async ring, which widens the cache to fp16 in registers; no cluster merge. Both run
+    their MMAs in fp16, a bf16 q carried into fp16 by a power of two.
 
     ``score_mod``, ``mask_mod`` and ``aux`` (attngen.prefill's and attngen.decode's user variants) are refused here:
     the MLA kernels have no snippet site.

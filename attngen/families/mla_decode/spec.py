@@ -71,7 +71,7 @@ class MlaDecodeSpec(SpecBase):
     tiles as TMA boxes into an mbarrier ring instead of every thread issuing cp.async.
     ``kv_dtype`` (``fp8_e4m3``, ``fp8_e5m2``; None: the cache in q's dtype) reads an fp8 cache: the mma.sync kernel
     on the cp.async ring widens it to fp16 in registers (any arch), the wgmma kernel on the TMA ring (sm_90a, 64
-    rows, 32- or 64-key tiles) into q's dtype in shared memory, by a producer warpgroup of its own (128 threads
+    rows, 32- or 64-key tiles) into fp16 in shared memory, by a producer warpgroup of its own (128 threads
     more). ``cluster_merge`` (the wgmma kernel with ``qk_shard=true`` over a 16-bit cache only) compiles in the merge
     of a row block's splits in the shared memory of their thread-block cluster, which the mma.sync kernels always
     have where it fits; ``attngen.mla_decode`` takes that form where it merges in a cluster.
