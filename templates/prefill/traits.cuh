@@ -147,7 +147,6 @@ struct FwdTraits {
   // Q16: Q's bytes landed (the TMA's; Q's own mbarrier then means carried into fp16), then four words (widen.cuh's
   // q_words: the widening warps' largest |q|, and the power of two the consumers take)
   static __device__ __forceinline__ unsigned lq_bar(unsigned bars) { return qe_bar(bars) + 16u * NUM_STAGES; }
-  static constexpr int Q_MAX_AT = 8 * (1 + (OVERLAP ? 4 : 3) * NUM_STAGES) + 16 * NUM_STAGES + 8;  // from bars
 };
 
 }  // namespace attngen

@@ -37,11 +37,11 @@ struct FwdWiden {
                                       (u % HALVES) * 32, valid, lane);
   }
 
-  // Q16: the words after Q's landed mbarrier (K::Q_MAX_AT from the mbarriers, which follow the V slots): the
-  // widening warps' largest |q| (bf16 bits, one a warp), then 2^-k for the consumers.
+  // Q16: the words after Q's landed mbarrier (the mbarriers follow the V slots; lq_bar(0) is its offset from the
+  // first): the widening warps' largest |q| (bf16 bits, one a warp), then 2^-k for the consumers.
   static __device__ __forceinline__ unsigned* q_words(T* sV) {
     return reinterpret_cast<unsigned*>(reinterpret_cast<unsigned char*>(sV + K::NUM_STAGES * K::V_ELEMS) +
-                                       K::Q_MAX_AT);
+                                       K::lq_bar(0u) + 8u);
   }
   // The consumers' factor on the logits' scale, 2^-k, read where it is used: held across the loop, it took
   // registers the causal kernels' consumers spilled for.
