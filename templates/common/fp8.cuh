@@ -165,6 +165,24 @@ __device__ __forceinline__ unsigned bf16x2_to_f16x2_scaled(unsigned v, float f) 
   return pack2<false>(__uint_as_float(v << 16) * f, __uint_as_float(v & 0xffff0000u) * f);
 }
 
+// A bf16 tile in shared memory (CHUNKS 16-byte chunks) times 2^k into fp16 in place (k from fp16_shift_from, in
+// [-113, 126]), this thread taking chunks first, first + STRIDE, ...: element by element, so a swizzled layout is no
+// matter.
+template <int CHUNKS, int STRIDE>
+__device__ __forceinline__ void bf16_tile_to_f16_scaled(void* tile, int k, int first) {
+  const float f = __int_as_float((127 + k) << 23);
+  uint4* q = reinterpret_cast<uint4*>(tile);
+#pragma unroll 1
+  for (int i = first; i < CHUNKS; i += STRIDE) {
+    uint4 x = q[i];
+    x.x = bf16x2_to_f16x2_scaled(x.x, f);
+    x.y = bf16x2_to_f16x2_scaled(x.y, f);
+    x.z = bf16x2_to_f16x2_scaled(x.z, f);
+    x.w = bf16x2_to_f16x2_scaled(x.w, f);
+    q[i] = x;
+  }
+}
+
 // A 16-column chunk of Q (x: its 32-bit words, column pairs, w0..w7) in the order the fp8 K fragments read the head
 // dim: w0 w2 w4 w6 (lo, columns 0-7 of the stored chunk) w1 w3 w5 w7 (hi, columns 8-15), so ldmatrix gives a thread
 // columns (4t, 4t + 1) as a0 and (4t + 2, 4t + 3) as a2, the dims its K register holds.

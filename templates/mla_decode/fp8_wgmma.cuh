@@ -96,17 +96,7 @@ struct MlaFp8Wgmma {
   // |q| >= 2^-28 of the CTA's largest), element by element, so the swizzle is no matter.
   static __device__ __forceinline__ void q_to_fp16(T* sQ, int k, int tid) {
     K::consumers_sync();
-    const float f = __int_as_float((127 + k) << 23);
-    uint4* q = reinterpret_cast<uint4*>(sQ);
-#pragma unroll 1
-    for (int i = tid; i < K::Q_ELEMS / 8; i += THREADS) {
-      uint4 x = q[i];
-      x.x = bf16x2_to_f16x2_scaled(x.x, f);
-      x.y = bf16x2_to_f16x2_scaled(x.y, f);
-      x.z = bf16x2_to_f16x2_scaled(x.z, f);
-      x.w = bf16x2_to_f16x2_scaled(x.w, f);
-      q[i] = x;
-    }
+    bf16_tile_to_f16_scaled<K::Q_ELEMS / 8, THREADS>(sQ, k, tid);
   }
 
   // The producer (thread ptid of its warpgroup). Warp 0 (its first thread): each tile's fp8 boxes in once the

@@ -68,16 +68,7 @@ struct FwdWiden {
     // k in [-113, 126]: 2^k and 2^-k are normal floats
     const int k = fp16_shift_from(max(max(words[0], words[1]), words[2]));
     if (w == 0 && lane == 0) words[WARPS] = (127 - k) << 23;
-    const float f = __int_as_float((127 + k) << 23);
-#pragma unroll 1
-    for (int i = i0; i < CHUNKS; i += WARPS * 32) {
-      uint4 x = q[i];
-      x.x = bf16x2_to_f16x2_scaled(x.x, f);
-      x.y = bf16x2_to_f16x2_scaled(x.y, f);
-      x.z = bf16x2_to_f16x2_scaled(x.z, f);
-      x.w = bf16x2_to_f16x2_scaled(x.w, f);
-      q[i] = x;
-    }
+    bf16_tile_to_f16_scaled<CHUNKS, WARPS * 32>(sQ, k, i0);
     W::fence_proxy();  // read by wgmma (the async proxy)
     W::mbar_arrive(bars);
   }
