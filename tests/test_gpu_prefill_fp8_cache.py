@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 
 import attngen  # noqa: E402
 from tests.gpu_reference import fresh_generator, reference_attention, rel  # noqa: E402
+from tests.test_gpu_prefill_serving import paged_pool  # noqa: E402
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 FMTS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -60,29 +61,12 @@ def run_case(lq, lk, *, d=128, h=8, hk=2, dtype=torch.bfloat16, fmt="e4m3", page
     v8 = [(x / vs[None, :, None]).to(f8) for x in vv]
     kd = [x.float() * ks[None, :, None] for x in k8]
     vd = [x.float() * vs[None, :, None] for x in v8]
-    if page is None:
-        kc = torch.cat(k8) if sum(lk) else torch.empty(0, hk, d, device="cuda").to(f8)
-        vc = torch.cat(v8) if sum(lk) else torch.empty(0, hk, d, device="cuda").to(f8)
-        table = None
-    else:
-        # blocks shuffled, a spare NaN block no table names, NaN past each sequence's end
-        per = [max(1, -(-n // page)) for n in lk]
-        nblocks = sum(per) + 1
-        order = torch.randperm(nblocks, generator=torch.Generator().manual_seed(1)).tolist()
-        kc = torch.full((nblocks, page, hk, d), NAN, device="cuda").to(f8)
-        vc = torch.full((nblocks, page, hk, d), NAN, device="cuda").to(f8)
-        table = torch.zeros(b, max(per), dtype=torch.int32, device="cuda")
-        at = 0
-        for s, n in enumerate(lk):
-            for j in range(per[s]):
-                blk = order[at]
-                at += 1
-                table[s, j] = blk
-                rows = slice(j * page, min(n, (j + 1) * page))
-                m = rows.stop - rows.start
-                if m > 0:
-                    kc[blk, :m] = k8[s][rows]
-                    vc[blk, :m] = v8[s][rows]
+    kc = torch.cat(k8) if sum(lk) else torch.empty(0, hk, d, device="cuda").to(f8)
+    vc = torch.cat(v8) if sum(lk) else torch.empty(0, hk, d, device="cuda").to(f8)
+    table = None
+    if page is not None:
+        # blocks shuffled, spare NaN blocks no table names, NaN past each sequence's end, table entries past it -1
+        kc, vc, table = paged_pool(kc, vc, lk, page)
     out = torch.full((sum(lq), h, d), NAN, device="cuda", dtype=dtype)
     o, lse = attngen.prefill_varlen(q, kc, vc, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal, return_lse=True,
                                     out=out, block_table=table, k_scale=ks_arg, v_scale=vs_arg, spec=spec, sm_scale=sm)

@@ -301,7 +301,8 @@ def paged_pool(k, v, lens_k, block_size, interleaved=False):
     """(k cache, v cache, block table): each sequence's keys of the packed k, v scattered into shuffled blocks of a
     NaN-filled pool; spare blocks, and a last block's rows past its sequence, stay NaN, and a table row's entries
     past its sequence's blocks are -1. ``interleaved``: k and v are views of one [num_blocks, 2, block_size, ...]
-    pool (vLLM's and FlashInfer's layout), so their block strides are twice a block."""
+    pool (vLLM's and FlashInfer's layout), so their block strides are twice a block. The pool is in k's dtype, fp8
+    too (filled as fp32 NaN and cast: torch.full has no fp8 fill)."""
     _, hk, d = k.shape
     dv = v.shape[-1]
     per = [-(-n // block_size) for n in lens_k]
@@ -309,11 +310,11 @@ def paged_pool(k, v, lens_k, block_size, interleaved=False):
     order = torch.randperm(nblocks, generator=torch.Generator().manual_seed(random.randrange(1 << 30)))
     if interleaved:
         assert d == dv
-        pool = torch.full((nblocks, 2, block_size, hk, d), NAN, dtype=k.dtype, device="cuda")
+        pool = torch.full((nblocks, 2, block_size, hk, d), NAN, device="cuda").to(k.dtype)
         kc, vc = pool[:, 0], pool[:, 1]
     else:
-        kc = torch.full((nblocks, block_size, hk, d), NAN, dtype=k.dtype, device="cuda")
-        vc = torch.full((nblocks, block_size, hk, dv), NAN, dtype=k.dtype, device="cuda")
+        kc = torch.full((nblocks, block_size, hk, d), NAN, device="cuda").to(k.dtype)
+        vc = torch.full((nblocks, block_size, hk, dv), NAN, device="cuda").to(k.dtype)
     table = torch.full((len(lens_k), max(per + [1])), -1, dtype=torch.int32)
     at = 0
     for s, n in enumerate(lens_k):
