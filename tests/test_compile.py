@@ -152,6 +152,19 @@ def test_one_cta_tma_kernels_keep_setmaxnreg(kv, schedule):
     assert_no_ptxas_notes(b)
 
 
+@pytest.mark.parametrize("text", ["prefill:head_dim=64", "prefill:head_dim=128,mask=causal,sinks=true",
+                                  "prefill:head_dim=192,head_dim_v=128,dtype=fp16", "prefill:head_dim=256,softcap=true"])
+def test_paged_tma_defaults_fit_the_producer_warps_registers(text):
+    # A paged cache's key tiles are copied in boxes that the producer warpgroup's four warps share, in the registers
+    # setmaxnreg leaves them (24, or 32 beside three consumer warpgroups): the defaults build spill-free and with no
+    # ptxas note (a loop over every other column block kept a counter that spilled 4 bytes at 192/128)
+    spec, _, b = built(text + ",varlen=true,paged=true", "sm_90a")
+    assert spec.pipeline.value == "tma" and spec.paged
+    r = b.resources
+    assert (r.spill_stores, r.spill_loads, r.stack_frame) == (0, 0, 0), (spec.to_text(full=True), r)
+    assert_no_ptxas_notes(b)
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_default_tunings_do_not_spill(arch, head_dim):

@@ -10,7 +10,8 @@
 // first row; a tile crossing the sequence's end reads the next one's rows, which the mask leaves out of S and
 // clear_v_tail zeroes in V. PAGED (TMA, blocks of a multiple of 16 rows): k's and v's maps are the cache's
 // [num_blocks, block_size, kv_heads, head_dim], and a key tile is copied in boxes of one block's rows each
-// (load_pages). MASK_LIST (TMA): the producer copies the KV tiles the plan lists for the query tile.
+// (load_pages), which the warpgroup's four warps share. MASK_LIST (TMA): the producer copies the KV tiles the plan
+// lists for the query tile.
 // KV8 (TMA, an fp8 cache): the producer is a warp copying the fp8 boxes (contiguous or paged) into the slots, whose
 // three other warps widen them there (prefill/widen.cuh). Every function here is compiled only where TMA is set:
 // WgmmaOps exists on sm_90a alone.
@@ -37,8 +38,7 @@ struct FwdProducer {
   static constexpr int WIDEN_THREADS = 96;  // KV8: the warps that widen (prefill/widen.cuh), who fill K and V
 
   // Sets up the mbarriers, then the producer warpgroup gives its registers to the consumers and its one elected
-  // thread (PAGED: its first warp; KV8: every warp) runs copies(); true in the producer warpgroup, which then leaves
-  // the kernel.
+  // thread (PAGED, KV8: every warp) runs copies(); true in the producer warpgroup, which then leaves the kernel.
   template <class Copies>
   static __device__ __forceinline__ bool split(unsigned bars, int tid, int warp, Copies&& copies) {
     if (tid == 0) {
@@ -61,7 +61,7 @@ struct FwdProducer {
     __syncthreads();
     if (warp >= K::NUM_WARPS) {
       if constexpr (MOVE_REGS) W::template regs_dec<PRODUCER_REGS>();
-      if (K::KV8 != 0 || (K::PAGED ? warp == K::NUM_WARPS : tid == K::THREADS)) copies();
+      if (K::KV8 != 0 || K::PAGED || tid == K::THREADS) copies();
       return true;
     }
     if constexpr (MOVE_REGS) W::template regs_inc<CONSUMER_REGS>();
@@ -101,10 +101,17 @@ struct FwdProducer {
                                                  unsigned bars, int pass, int ring, int m0, int head, int kv_head,
                                                  int batch, int tile_begin, int n_tiles, int k_row, long long list_at,
                                                  int seqlen_k, int vt_col = 0) {
-    // PAGED, KV8: a warp runs this, lane j copying box j of each key tile (load_pages); lane 0 (lead) alone arms the
-    // barriers and copies Q. Otherwise one thread.
+    // PAGED, KV8: lane j of a warp copies box j of each key tile (load_pages, load_fp8). PAGED (16-bit): the
+    // warpgroup's four warps share the boxes, warps 0 and 1 K's, 2 and 3 V's, each every other 64-column block (one
+    // warp issuing them all fell behind the MMAs at blocks of 16 rows: a 128-key tile is then 32 boxes of 2 KB); warp
+    // 0's lane 0 (lead) arms K's barriers and copies Q, warp 2's (v_lead) arms V's. KV8: one warp, lane 0 the lead
+    // (the others widen). Otherwise one thread.
+    constexpr bool SPREAD = K::PAGED && K::KV8 == 0;
     const int lane = K::PAGED || K::KV8 != 0 ? threadIdx.x % 32 : 0;
-    const bool lead = lane == 0;
+    const int pw = SPREAD ? threadIdx.x / 32 - K::NUM_WARPS : 0;  // the producer warp
+    const bool lead = lane == 0 && pw == 0;
+    const bool v_lead = lane == 0 && pw == (SPREAD ? 2 : 0);
+    const bool k_warp = pw < 2, v_warp = !SPREAD || pw >= 2;
     auto load_q = [&]() {
       if (K::PERSISTENT && pass > 0) W::mbar_wait(K::qe_bar(bars), (pass - 1) & 1);
       if (lead) {
@@ -148,8 +155,10 @@ struct FwdProducer {
       if (lane < boxes) {
         const int row = page_row(pos);
         const int at = page_block(pos, blk);
+#pragma unroll
         for (int b = 0; b < blocks; ++b)
-          W::tma_load(dst + b * block_bytes + lane * box * 128, map, bar, 64 * b, row, kv_head, at);
+          if (!SPREAD || (b & 1) == (pw & 1))
+            W::tma_load(dst + b * block_bytes + lane * box * 128, map, bar, 64 * b, row, kv_head, at);
       }
     };
     // KV8: a tile's fp8 K or V (a whole tile of bytes, its barrier armed by lane 0), lane j's box (paged, as
@@ -172,7 +181,8 @@ struct FwdProducer {
       const int r = ring + it;  // the tile's place in the ring
       const int slot = r % NUM_STAGES;
       const int blk = K::PAGED ? page_entry((tile_begin + it) * K::BLOCK_N) : 0;
-      if (r >= NUM_STAGES) W::mbar_wait(K::e_bar(bars, slot), ((r / NUM_STAGES) + 1) & 1);
+      // (OVERLAP: V's warps wait for V's slot alone, below)
+      if (r >= NUM_STAGES && (k_warp || !K::OVERLAP)) W::mbar_wait(K::e_bar(bars, slot), ((r / NUM_STAGES) + 1) & 1);
       const int n0 = k_row + (K::MASK_LIST ? (p.tiles[list_at + it] & 0x7fffffff) : tile_begin + it) * K::BLOCK_N;
       if constexpr (K::KV8 != 0) {
         // (the copies complete the landed barriers; the widening completes k_bar)
@@ -181,8 +191,9 @@ struct FwdProducer {
       } else {
         if (lead) W::mbar_expect(K::k_bar(bars, slot), K::K_ELEMS * sizeof(T));
         if constexpr (K::PAGED) {
-          load_pages(blk, smem_addr(sK + slot * K::K_ELEMS), K::QK_COLS / 64, K::LK::BLOCK_BYTES, maps + 1,
-                     K::k_bar(bars, slot), n0);
+          if (k_warp)
+            load_pages(blk, smem_addr(sK + slot * K::K_ELEMS), K::QK_COLS / 64, K::LK::BLOCK_BYTES, maps + 1,
+                       K::k_bar(bars, slot), n0);
         } else {
 #pragma unroll
           for (int b = 0; b < K::QK_COLS / 64; ++b)
@@ -191,14 +202,14 @@ struct FwdProducer {
         }
       }
       if constexpr (K::OVERLAP) {
-        if (r >= NUM_STAGES) W::mbar_wait(K::ev_bar(bars, slot), ((r / NUM_STAGES) + 1) & 1);
+        if (r >= NUM_STAGES && v_warp) W::mbar_wait(K::ev_bar(bars, slot), ((r / NUM_STAGES) + 1) & 1);
       }
       if constexpr (K::KV8 != 0) {
         load_fp8(blk, smem_addr(sV + slot * K::V_ELEMS), K::HEAD_DIM_V / 64, K::LV::BLOCK_BYTES, maps + 2,
                  K::lv_bar(bars, slot), n0);
         return;
       }
-      if (lead) W::mbar_expect(K::v_bar(bars, slot), K::V_ELEMS * sizeof(T));
+      if (v_lead) W::mbar_expect(K::v_bar(bars, slot), K::V_ELEMS * sizeof(T));
       if constexpr (K::FP8) {
         // V's transposed copy (bytes): a box of 128 keys x HEAD_DIM_V rows a 128-byte block
 #pragma unroll
@@ -206,8 +217,9 @@ struct FwdProducer {
           W::tma_load(smem_addr(sV + slot * K::V_ELEMS) + b * K::LV::BLOCK_BYTES, maps + 2, K::v_bar(bars, slot),
                       n0 - k_row + vt_col + 128 * b, 0, kv_head, batch);
       } else if constexpr (K::PAGED) {
-        load_pages(blk, smem_addr(sV + slot * K::V_ELEMS), K::HEAD_DIM_V / 64, K::LV::BLOCK_BYTES, maps + 2,
-                   K::v_bar(bars, slot), n0);
+        if (v_warp)
+          load_pages(blk, smem_addr(sV + slot * K::V_ELEMS), K::HEAD_DIM_V / 64, K::LV::BLOCK_BYTES, maps + 2,
+                     K::v_bar(bars, slot), n0);
       } else {
 #pragma unroll
         for (int b = 0; b < K::HEAD_DIM_V / 64; ++b)
