@@ -138,6 +138,11 @@ __device__ __forceinline__ unsigned bf16x2_finite_max(unsigned v, unsigned m) {
   return max(m, max(lo < 0x7f80u ? lo : 0u, hi < 0x7f80u ? hi : 0u));
 }
 
+// m and the largest finite magnitude of a 16-byte chunk's eight bf16 values, as bits.
+__device__ __forceinline__ unsigned bf16x8_finite_max(const uint4& x, unsigned m) {
+  return bf16x2_finite_max(x.w, bf16x2_finite_max(x.z, bf16x2_finite_max(x.y, bf16x2_finite_max(x.x, m))));
+}
+
 // The power of two k that puts the largest finite |q| (m, as bits) in [2^14, 2^15) (0 where every q is 0 or not
 // finite): q * 2^k is an fp16 value wherever |q| >= 2^-28 of the largest (bf16's 8 significant bits fit fp16's 11),
 // and below it is rounded at 2^-39 of it, far below the fp32 accumulation's own rounding.

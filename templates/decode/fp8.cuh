@@ -51,9 +51,7 @@ struct DecodeFp8 {
         const uint4* src = q_chunk(p, c, r, (idx - r * CHUNKS) * 16);
         const uint4 x[2] = {src[0], src[1]};
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int w = 0; w < 4; ++w) m = bf16x2_finite_max((&x[h].x)[w], m);
+        for (int h = 0; h < 2; ++h) m = bf16x8_finite_max(x[h], m);
       }
     }
     return fp16_shift_of<THREADS>(m, scratch, tid);

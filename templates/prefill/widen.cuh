@@ -57,16 +57,16 @@ struct FwdWiden {
     W::mbar_wait(K::lq_bar(bars), 0);
     unsigned m = 0u;
 #pragma unroll 1
-    for (int i = i0; i < CHUNKS; i += WARPS * 32) {
-      const uint4 x = q[i];
-      m = bf16x2_finite_max(x.w, bf16x2_finite_max(x.z, bf16x2_finite_max(x.y, bf16x2_finite_max(x.x, m))));
-    }
+    for (int i = i0; i < CHUNKS; i += WARPS * 32) m = bf16x8_finite_max(q[i], m);
     m = __reduce_max_sync(0xffffffffu, m);
     unsigned* words = q_words(sV);
     if (lane == 0) words[w] = m;
     W::bar_sync(15, WARPS * 32);  // (named barrier 15: the consumers take 1-14)
     // k in [-113, 126]: 2^k and 2^-k are normal floats
-    const int k = fp16_shift_from(max(max(words[0], words[1]), words[2]));
+    m = words[0];
+#pragma unroll
+    for (int v = 1; v < WARPS; ++v) m = max(m, words[v]);
+    const int k = fp16_shift_from(m);
     if (w == 0 && lane == 0) words[WARPS] = (127 - k) << 23;
     bf16_tile_to_f16_scaled<CHUNKS, WARPS * 32>(sQ, k, i0);
     W::fence_proxy();  // read by wgmma (the async proxy)
