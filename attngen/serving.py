@@ -9,11 +9,16 @@ runs, or runs alone) replays as a CUDA graph with new lengths written into the s
 cumulative key counts, the decode kernel's request order (the decode requests, most keys first, then the others)
 and the prefill kernel's work list (below). A step of at most ``MAX_PLAN_BATCH`` requests.
 
-``run`` is two launches on the caller's stream:
+``run`` launches, on the caller's stream:
 
 1. the decode kernel over every request, packed rows (each KV head's group of query heads x the request's
    tokens) a CTA, split-KV by the cache's capacity; a request of more than ``max_decode_q_len`` tokens returns at
-   once (``attngen.decode`` with ``cu_seqlens_q``, which also applies the tree masks);
+   once (``attngen.decode`` with ``cu_seqlens_q``, which also applies the tree masks). Where group x
+   max_decode_q_len rows need a larger CTA than a one-token request's group x 1 (``DecodeSpec.rows_for``), two
+   launches of it: the requests of up to ``short_q_len`` tokens in the smaller CTAs (``max_q_len``), the others in
+   the larger (``min_q_len``), that launch forked onto a side stream and joined, so that the verify requests' few
+   CTAs run beside the others rather than after them (a single launch of the larger CTAs for every request read
+   the cache more slowly: those CTAs' warps share each tile's keys between two 16-row halves);
 2. the varlen prefill kernel over the paged cache, reading the work list ``plan`` sorted on the GPU: the query
    tiles of the longer requests only, heaviest first (``prefill_varlen``'s ``_order`` entry, skipping the short
    requests).
@@ -27,12 +32,10 @@ that cache.
 
 from __future__ import annotations
 
-import contextlib
-
 from .errors import LaunchError
 from .families.decode.fp8 import BYTE_DTYPES, FP8_DTYPES
 from .families.decode.op import decode
-from .families.decode.spec import KVDType
+from .families.decode.spec import DecodeSpec, KVDType
 from .families.prefill.op import _NO_WINDOW, mask_and_window, plan_for
 from .families.prefill.choose import varlen_grid
 from .families.prefill.spec import ORDER_SORT_MAX
@@ -46,14 +49,6 @@ from .runtime import tensor_info
 MAX_DECODE_ROWS = 128
 MAX_TREE_TOKENS = 64
 MAX_PLAN_BATCH = ORDER_SORT_MAX
-_overlap = [False]
-
-
-def set_overlap(enabled: bool) -> bool:
-    """Run the step's decode kernel on a side stream beside its prefill kernel (benchmarks compare the two);
-    returns the previous setting."""
-    was, _overlap[0] = _overlap[0], bool(enabled)
-    return was
 _INSTEAD = "call attngen.decode and attngen.prefill_varlen directly"
 
 
@@ -102,7 +97,10 @@ class BatchAttention:
         self.mcode, self.left, self.right = mask_and_window(causal, window)
         self.window = window
         self._planned = None  # (cu_seqlens_q, cache_seqlens, block_table, cu_k, order, total_q, decode order)
-        self._side = {}  # device -> the side stream (set_overlap)
+        # The most tokens of a request that the rows of a one-token request's CTA hold: where max_decode_q_len
+        # needs more rows, the longer requests take a second launch of larger CTAs (run).
+        self.short_q_len = min(self.max_decode_q_len, DecodeSpec.rows_for(group, 1) // group)
+        self._side = {}  # device -> the side stream of the second decode launch
         # (batch, max_items, device) -> (cu_k, work list, decode order): reused, so graph replays see them
         self._buffers = {}
 
@@ -205,27 +203,24 @@ class BatchAttention:
             # the prefill rows' kernel over an fp8 cache, with sinks, resolved before either kernel writes a row
             check_cache_route(q, self.kv, True, self.mcode, False, False, True)
         torch = self._torch
-        cur = torch.cuda.current_stream(q.device)
-        side = None
-        if _overlap[0]:
-            # The decode kernel on a side stream beside the prefill kernel: a fork and a join, which a graph
-            # capture keeps as two branches. The output is made here so that both streams write one tensor.
+        if out is None:
+            out = torch.empty_like(q)
+        lse = torch.empty(self.h, total_q, dtype=torch.float32, device=q.device) if return_lse else None
+        dec = dict(cache_seqlens=lens, block_table=table, cu_seqlens_q=cu_q, batch_order=order_b, tree_mask=tree_mask,
+                   causal=self.causal, window=self.window, sinks=sinks, sm_scale=self.sm_scale, out=out,
+                   return_lse=return_lse, lse=lse, k_scale=k_scale, v_scale=v_scale)
+        short, cur, side = self.short_q_len, torch.cuda.current_stream(q.device), None
+        if short < self.max_decode_q_len:
+            # The requests of more than `short` tokens on a side stream: a fork, joined after the prefill launch
+            # (a graph capture keeps them as two branches). The join orders every use of out, lse and the launch's
+            # workspace on the side stream before anything later on this one.
             side = self._side.get(q.device)
             if side is None:
                 side = self._side[q.device] = torch.cuda.Stream(q.device)
-            if out is None:
-                out = torch.empty_like(q)
             side.wait_stream(cur)
-            out.record_stream(side)
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            res = decode(q, k_cache, v_cache, cache_seqlens=lens, block_table=table, cu_seqlens_q=cu_q,
-                         batch_order=order_b,
-                         max_q_len=self.max_decode_q_len, tree_mask=tree_mask, causal=self.causal,
-                         window=self.window, sinks=sinks, sm_scale=self.sm_scale, out=out, return_lse=return_lse,
-                         k_scale=k_scale, v_scale=v_scale)
-        out, lse = res if return_lse else (res, None)
-        if side is not None and lse is not None:
-            lse.record_stream(cur)  # made on the side stream, written by the prefill kernel on this one
+            with torch.cuda.stream(side):
+                decode(q, k_cache, v_cache, max_q_len=self.max_decode_q_len, min_q_len=short + 1, **dec)
+        decode(q, k_cache, v_cache, max_q_len=short, **dec)
         run_varlen(q, k_cache, v_cache, cu_q, cu_k, causal=self.causal, window=self.window, sm_scale=self.sm_scale,
                    return_lse=return_lse, out=out, block_table=table, spec=None, softcap=0.0, alibi_slopes=None,
                    sinks=sinks, score_mod="", mask_mod="", aux=None, order=order, lse=lse,

@@ -1,7 +1,7 @@
 """Run by tests/test_decode_varlen.py in a process of its own: a packed, ragged q (cu_seqlens_q, max_q_len, tree_mask)
 through attngen.decode on the stub driver (sm_90). The packed kernels take the spec's varlen_q (and tree) switches and
-rows for group x max_q_len; their parameters end with cu_seqlens_q's and tree_mask's pointers and total_q (the LSE's
-head stride), q's and out's batch strides are 0 and their row strides the packed rows'; out is [total_q, heads,
+rows for group x max_q_len; their parameters end with cu_seqlens_q's and tree_mask's pointers, total_q (the LSE's
+head stride), batch_order's pointer and min_q_len, q's and out's batch strides are 0 and their row strides the packed rows'; out is [total_q, heads,
 head_dim] and the LSE [heads, total_q]; the split count comes from the cache's capacity and the merge launch covers
 batch x max_q_len rows. Every wrong argument is refused naming the field, before any launch. Prints "ok" at the end.
 """
@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests import fake_cuda  # noqa: E402
 
 # DecodeParams (templates/decode/params.cuh) of the packed kernels, as decode's op packs them.
-PARAMS = struct.Struct("<12Q14q9iI2f2fQqQiiQQQiif4xQQq")
+PARAMS = struct.Struct("<12Q14q9iI2f2fQqQiiQQQiif4xQQqQi4x")
 
 
 def refused(fn, *texts):
@@ -51,13 +51,19 @@ def main():
     assert out.shape == (total, h, d) and lse.shape == (h, total) and lse.dtype == torch.float32
     vals = params()
     assert vals[3] == out.data_ptr() and vals[4] == lse.data_ptr(), vals
-    assert vals[-3:] == (cu.data_ptr(), 0, total), vals[-3:]
+    assert vals[-5:] == (cu.data_ptr(), 0, total, 0, 1), vals[-5:]
     assert vals[12:15] == (0, h * d, d), vals[12:15]        # q: no batch stride, its rows, its heads
     assert vals[21:24] == (0, h * d, d), vals[21:24]        # out likewise
     assert vals[26:30] == (5, 8, h, h // hk), vals[26:30]   # batch from cu_seqlens_q, q_len the most a request
     spec = launched()[-1].kern.spec
     assert spec.varlen_q and not spec.tree and spec.q_rows == 32, spec
     assert fake_cuda.last_launch()["grid"] == (1, hk, 5)
+
+    # min_q_len (the requests of fewer tokens are not computed) and the caller's LSE: both in the parameters.
+    lse2 = wrap(torch.zeros(h, total))
+    out, l2 = attngen.decode(q, kc, vc, cache_seqlens=lens, cu_seqlens_q=cu, max_q_len=8, min_q_len=3, num_splits=1,
+                             return_lse=True, lse=lse2)
+    assert l2 is lse2 and params()[4] == lse2.data_ptr() and params()[-1] == 3, params()
 
     # A tree: its pointer, the tree kernels; out= with a wider row stride.
     wide = wrap(torch.zeros(total, 40, d).to(torch.bfloat16))
@@ -66,7 +72,7 @@ def main():
                        out=o2)
     assert r is o2
     vals = params()
-    assert vals[-3:] == (cu.data_ptr(), tree.data_ptr(), total) and vals[21:24] == (0, 40 * d, d), vals
+    assert vals[-5:-2] == (cu.data_ptr(), tree.data_ptr(), total) and vals[21:24] == (0, 40 * d, d), vals
     spec = launched()[-1].kern.spec
     assert spec.varlen_q and spec.tree and spec.q_rows == 64, spec
 
@@ -90,7 +96,7 @@ def main():
     table = i32([[i] for i in range(5)])
     attngen.decode(q, rand(5, 4096, hk, d), rand(5, 4096, hk, d), cache_seqlens=4000, block_table=table,
                    cu_seqlens_q=cu, max_q_len=2, num_splits=1)
-    assert launched()[-1].kern.spec.paged and params()[-3] == cu.data_ptr()
+    assert launched()[-1].kern.spec.paged and params()[-5] == cu.data_ptr()
     n0 = fake_cuda.counts()["launches"]
     e = attngen.decode(rand(0, h, d), kc, vc, cache_seqlens=i32([]), cu_seqlens_q=i32([0]), max_q_len=1)
     assert e.shape == (0, h, d) and fake_cuda.counts()["launches"] == n0
@@ -111,6 +117,14 @@ def main():
         (dict(call, max_q_len=33), ("max_q_len=33", "1 to 32")),
         (dict(call, max_q_len=0), ("max_q_len=0",)),
         (dict(call, max_q_len=True), ("max_q_len=True",)),
+        (dict(cache_seqlens=lens, min_q_len=2), ("min_q_len is given without cu_seqlens_q",)),
+        (dict(call, min_q_len=0), ("min_q_len=0", "allowed: an int from 1 to 8")),
+        (dict(call, min_q_len=9), ("min_q_len=9", "with max_q_len=8")),
+        (dict(call, min_q_len=2.0), ("min_q_len=2.0",)),
+        (dict(call, lse=wrap(torch.zeros(h, total))), ("lse must be", "return_lse=True", "return_lse=False")),
+        (dict(call, return_lse=True, lse=wrap(torch.zeros(h, total + 1))), ("lse must be", f"[{h}, {total}]")),
+        (dict(call, return_lse=True, lse=wrap(torch.zeros(h, total).to(torch.bfloat16))), ("lse must be", "bf16")),
+        (dict(call, return_lse=True, lse=wrap(torch.zeros(total, h)).t()), ("lse must be", "strides")),
         (dict(call, cu_seqlens_q=wrap(torch.zeros(6, dtype=torch.int64))), ("cu_seqlens_q has dtype", "int32")),
         (dict(call, cu_seqlens_q=torch.zeros(6, dtype=torch.int32)), ("cu_seqlens_q is on cpu",)),
         (dict(call, cu_seqlens_q=i32([0, 1, 2])), ("cu_seqlens_q has 3 entries", "cache_seqlens.shape[0] + 1 = 6")),
@@ -133,7 +147,7 @@ def main():
     attngen.decode(q, k8, k8, **call, tree_mask=tree, k_scale=0.5, num_splits=1)
     spec = launched()[-1].kern.spec
     assert spec.kv_dtype is not None and spec.varlen_q and spec.tree, spec
-    assert params()[-3:] == (cu.data_ptr(), tree.data_ptr(), total)
+    assert params()[-5:-2] == (cu.data_ptr(), tree.data_ptr(), total)
     q512, c512 = rand(total, 8, 512), rand(5, 64, 8, 512)
     refused(lambda: attngen.decode(q512, c512, c512, **call), "head_dim=512 with cu_seqlens_q", "at most 256")
     print("ok")

@@ -187,29 +187,43 @@ def test_bad_arguments_are_refused_by_name():
 
 
 @pytest.mark.parametrize("graphed", [False, True])
-def test_decode_on_a_side_stream_gives_the_same_step(graphed):
-    from attngen.serving import set_overlap
-
+@pytest.mark.parametrize("h,hk,short", [(32, 8, 4), (32, 4, 2), (32, 1, 1)])
+def test_verify_requests_forked_onto_a_side_stream(graphed, h, hk, short):
+    """Where max_decode_q_len's rows need a larger CTA than a one-token request's, the requests of more than
+    short_q_len tokens run in a second decode launch on a side stream: run on a stream of the caller's, captured
+    in a graph and replayed, every request's rows and LSE are the step's (trees over the requests of both
+    launches)."""
     gen = fresh_generator()
-    dtype, h, hk, d, page = torch.bfloat16, 32, 8, 128, 16
-    q_lens, lens = [1, 5, 0, 1, 900, 3], [3000, 400, 7, 20, 1500, 3]
+    dtype, d, page = torch.bfloat16, 128, 16
+    q_lens, lens = [1, 5, 0, 1, 900, short, short + 1, 3], [3000, 400, 7, 20, 1500, 64, 2200, 3]
     q, kc, vc, table, cu, cache_lens = make_step(gen, q_lens, lens, h, hk, d, page, dtype)
-    ba = attngen.BatchAttention(h, hk, d, page, dtype=dtype).plan(cu, cache_lens, table, total_q=q.shape[0])
+    group = h // hk
+    most = min(8, 128 // group)
+    words = []
+    for n in q_lens:
+        words += tree_words(n, gen, "cuda") if n <= most else [0] * n
+    tree = torch.tensor(words, dtype=torch.int64, device="cuda")
+    ba = attngen.BatchAttention(h, hk, d, page, dtype=dtype, max_decode_q_len=most)
+    assert ba.short_q_len == short
+    ba.plan(cu, cache_lens, table, total_q=q.shape[0])
     out = torch.full_like(q, float("nan"))
-    was = set_overlap(True)
-    try:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
         if graphed:
-            ba.run(q, kc, vc, out=out, return_lse=True)
-            torch.cuda.synchronize()
+            ba.run(q, kc, vc, tree_mask=tree, out=out, return_lse=True)
+            stream.synchronize()
             out.fill_(float("nan"))
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                o, lse = ba.run(q, kc, vc, out=out, return_lse=True)
+            with torch.cuda.graph(graph, stream=stream):
+                o, lse = ba.run(q, kc, vc, tree_mask=tree, out=out, return_lse=True)
+            lse.fill_(float("nan"))
             graph.replay()
         else:
-            o, lse = ba.run(q, kc, vc, out=out, return_lse=True)
-    finally:
-        set_overlap(was)
+            o, lse = ba.run(q, kc, vc, tree_mask=tree, out=out, return_lse=True)
+        # on the caller's stream, after the join: every row is written
+        done = torch.isnan(out).sum()
     torch.cuda.synchronize()
-    ref_o, ref_l = reference(q, kc, vc, table, q_lens, lens, d ** -0.5)
+    assert done.item() == 0
+    ref_o, ref_l = reference(q, kc, vc, table, q_lens, lens, d ** -0.5, tree, most)
     check(o, lse, ref_o, ref_l, dtype)

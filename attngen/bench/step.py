@@ -99,8 +99,6 @@ def measure(args: argparse.Namespace) -> dict:
     import torch
 
     import attngen
-    from attngen.serving import set_overlap
-
     q_lens, lens, kinds = _requests(args)
     b, h, hk, d = len(q_lens), HEADS, KV_HEADS, HEAD_DIM
     dev, dt = "cuda", torch.bfloat16
@@ -138,11 +136,6 @@ def measure(args: argparse.Namespace) -> dict:
     torch.cuda.synchronize()
     ref_step = out_step.clone()
     step_tree = _graphed(lambda: ba.run(q, kc, vc, tree_mask=tree, out=out_step, **scales))
-    was = set_overlap(True)
-    try:
-        step_overlap = _graphed(lambda: ba.run(q, kc, vc, out=out_step, **scales))
-    finally:
-        set_overlap(was)
     plan_fn = _graphed(lambda: ba.plan(cu, cache_lens, table, total_q=total))
 
     # the separate calls: each kind's rows gathered once, outside the timings
@@ -183,7 +176,6 @@ def measure(args: argparse.Namespace) -> dict:
     read = stream_reader()
     flat = [kc, vc]
     ms = {"step": bench_ms(step_causal, rep_ms=args.rep_ms)[0], "step_tree": bench_ms(step_tree, rep_ms=args.rep_ms)[0],
-          "step_overlap": bench_ms(step_overlap, rep_ms=args.rep_ms)[0],
           "separate": bench_ms(separate, rep_ms=args.rep_ms)[0], "plan": bench_ms(plan_fn, rep_ms=args.rep_ms)[0],
           "bare_read_all_pages": bench_ms(lambda: read(*flat), rep_ms=args.rep_ms)[0]}
     # the plan at 512 requests (decode rows), its GPU time alone

@@ -30,10 +30,10 @@ __device__ __forceinline__ float join_sink(float& lse, float sink) {
 // meet in shared memory. SINKS: each row's head's sink joins once, after the splits (join_sink); the
 // partial states carry none. Row and chunk indices are 32-bit (the launch's rows times chunks fit an int):
 // the 64-bit divisions they replace were most of a warp's instructions.
-// VARLEN (decode's packed, ragged q; p.q_len its most tokens a request): rows past a request's tokens, and every row
-// of a request with none or more than q_len, are skipped (their partials were never written); the output and the
-// LSE of token qi of request b are row cu_seqlens_q[b] + qi of o ([total_q, heads, ...]) and of lse ([heads,
-// total_q], lse_sh apart).
+// VARLEN (decode's packed, ragged q; p.q_len its most tokens a request, p.q_len_min its fewest): rows past a
+// request's tokens, and every row of a request with fewer than q_len_min or more than q_len, are skipped (their
+// partials were never written); the output and the LSE of token qi of request b are row cu_seqlens_q[b] + qi of o
+// ([total_q, heads, ...]) and of lse ([heads, total_q], lse_sh apart).
 template <int PER>
 __device__ __forceinline__ void merge_load(float (&x)[PER], const float* row) {
   if constexpr (PER % 4 == 0) {
@@ -84,7 +84,7 @@ __device__ __forceinline__ void split_merge(const Params& p) {
     // writes (a return here spilled on sm_90a at head_dim 256).
     q0 = p.cu_seqlens_q[b];
     const int n = p.cu_seqlens_q[b + 1] - q0;
-    live = qi >= n || n > p.q_len ? 0 : p.num_splits;
+    live = qi >= n || n > p.q_len || n < p.q_len_min ? 0 : p.num_splits;
   }
   const int lse_stride = rows;  // lse_part is [splits, batch, heads, q_len]: rows entries a split
   const float* lse_row = p.lse_part + (b * p.num_heads + head) * p.q_len + qi;

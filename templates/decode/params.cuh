@@ -46,15 +46,19 @@ struct DecodeParams {
 #ifdef ATTNGEN_DECODE_VARLEN
   // VARLEN: q, out are [total_q, heads, head_dim] (q_ss, o_ss their row strides; q_sb, o_sb unused), request b's
   // tokens rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1, the last of its cache; q_len is the most a CTA takes
-  // (max_q_len), and a request with none or more is not computed. The LSE is [heads, total_q] (lse_sh: total_q);
-  // the partials keep [splits, batch, q_len, ...] rows, those past a request's tokens unwritten. TREE: tree_mask
-  // [total_q], bit j of a token's word: it sees its request's draft token j (the key at seqlen - its q_len + j).
+  // (max_q_len), and a request with more, or fewer than q_len_min (at least 1; below, after batch_order), is not
+  // computed. The LSE is [heads, total_q] (lse_sh: total_q); the partials keep [splits, batch, q_len, ...] rows,
+  // those past a request's tokens unwritten. TREE: tree_mask [total_q], bit j of a token's word: it sees its
+  // request's draft token j (the key at seqlen - its q_len + j).
   const int* cu_seqlens_q;
   const long long* tree_mask;
   long long lse_sh;
   // The request each blockIdx.z computes, or null (blockIdx.z itself): a longest-first order keeps long requests
   // out of the launch's tail (BatchAttention's plan sorts them).
   const int* batch_order;
+  // Two launches of one step split its requests by token count (BatchAttention: the rows of a one-token
+  // request's CTA are fewer than those of a verify request's).
+  int q_len_min;
 #endif
 #ifdef ATTNGEN_MODS
   // A kernel with a user's score_mod / mask_mod (attngen/families/snippets.py): their aux tensors. After every other
@@ -171,7 +175,8 @@ struct DecodeShape {
   }
 
   // This CTA's place (the tile walk): its split's run of its row's tiles, and its KV head's cache. VARLEN: a
-  // request with no token, or more than the kernel's rows take, gets no tile and no valid row (the kernel returns).
+  // request of fewer tokens than q_len_min, or more than the kernel's rows take, gets no tile and no valid row (the
+  // kernel returns).
   static __device__ __forceinline__ Cta cta_of(const DecodeParams<T>& p) {
     Cta c;
     c.split = blockIdx.x;
@@ -185,7 +190,7 @@ struct DecodeShape {
     c.rows_valid = p.group * p.q_len;
     if constexpr (VARLEN) {
       const int n = q_len_of(p, c);
-      c.rows_valid = n <= 0 || n > p.q_len ? 0 : p.group * n;
+      c.rows_valid = n < p.q_len_min || n > p.q_len ? 0 : p.group * n;
     }
     c.pad = c.key_lo = 0;
     if constexpr (LOCAL) {

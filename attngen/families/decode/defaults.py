@@ -42,6 +42,9 @@ TUNED_ROWS = {
 # (H200): 32-key tiles on 4 warps 1.46 ms, 128x8x2 1.84 ms, the 64x4x4 default 2.24 ms. Only this shape was measured.
 TUNED_VARLEN = {
     (128, True, 32): [(32, 4, 4)],
+    # That step's one-token requests in a launch of their own (BatchAttention splits them from the verify requests):
+    # 16 rows, 64x4x3 1.25 ms, 64x4x2 1.27-1.29, 128x4x2 1.52, the 64x4x4 default 1.64 (one CTA an SM).
+    (128, True, 16): [(64, 4, 3)],
 }
 
 # The same over an fp8 cache on sm_90a, tried before TUNED_VARLEN's: that step's decode and verify rows (attngen bench

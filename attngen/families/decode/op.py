@@ -30,9 +30,9 @@ from .spec import HEAD_DIMS_TEXT, DecodeSpec, Variant, head_dim_refusal
 # the fp8 scales' pointers, strides and v's number (read by the fp8 kernels only), padding to the struct's 8-byte
 # alignment.
 _PARAMS = struct.Struct("<12Q14q9iI2f2fQqQiiQQQiif4x")
-# A packed, ragged q's kernels (spec varlen_q) add cu_seqlens_q's and tree_mask's pointers, the LSE's head stride and
-# batch_order's pointer.
-_PARAMS_VARLEN = struct.Struct(_PARAMS.format + "QQqQ")
+# A packed, ragged q's kernels (spec varlen_q) add cu_seqlens_q's and tree_mask's pointers, the LSE's head stride,
+# batch_order's pointer and min_q_len.
+_PARAMS_VARLEN = struct.Struct(_PARAMS.format + "QQqQi4x")
 MAX_Q_LEN = 8
 # A packed, ragged q (cu_seqlens_q): at most this many tokens a request go through the decode kernels (and
 # group x max_q_len packed rows at most the largest q_rows).
@@ -101,7 +101,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
            spec: DecodeSpec | str | Mapping | None = None, softcap: float = 0.0, alibi_slopes=None,
            causal: bool = True, window: tuple[int, int] = (-1, -1), cache_leftpad=None, sinks=None, k_scale=None,
            v_scale=None, score_mod: str = "", mask_mod: str = "", aux=None, cu_seqlens_q=None,
-           max_q_len: int | None = None, tree_mask=None, batch_order=None):
+           max_q_len: int | None = None, tree_mask=None, batch_order=None, min_q_len: int = 1, lse=None):
     """Attention of q_len new tokens per sequence against a KV cache.
 
     q ``[batch, q_len, heads, head_dim]`` (q_len 1..8). Contiguous cache: k_cache, v_cache
@@ -118,8 +118,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     ``variant``: "auto", "fused" or "unfused". ``spec`` (a spec, its text or a dict of its fields) overrides
     the tuning fields; without it, a configuration ``attngen tune decode`` stored for this GPU (nearest tuned
     cache capacity) is used where there is one, else the arch's default. Returns ``out`` (q's dtype and kind), with
-    ``return_lse`` also the fp32 LSE ``[batch, heads, q_len]``; a token that sees no key gives
-    zeros and LSE -inf. ``softcap`` and ``alibi_slopes`` (fp32 ``[heads]`` or ``[batch, heads]``)
+    ``return_lse`` also the fp32 LSE ``[batch, heads, q_len]`` (``lse``: written into that fp32 tensor, contiguous,
+    with ``return_lse``); a token that sees no key gives zeros and LSE -inf. ``softcap`` and ``alibi_slopes`` (fp32 ``[heads]`` or ``[batch, heads]``)
     act as in ``attngen.prefill``.
 
     FlashAttention's key bounds, queries at the bottom right: ``window=(left, right)`` lets the token
@@ -157,8 +157,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     request b's tokens are q rows ``cu_seqlens_q[b]`` to ``cu_seqlens_q[b + 1] - 1``, the last q_len_b tokens of its
     cache (``cache_seqlens[b]`` counts them), token i at position L_b - q_len_b + i, causal within the request as
     above. ``max_q_len`` (an int, required with it, 1 to min(64, 128 // group)) sizes the kernel's rows (group x
-    max_q_len): a request with more tokens than that, or none, is not computed and its rows of out and LSE are not
-    written (a serving step sends those to ``attngen.prefill_varlen``). Returns out ``[total_q, heads, head_dim]``
+    max_q_len): a request with more tokens than that, or fewer than ``min_q_len`` (default 1, at most max_q_len), is
+    not computed and its rows of out and LSE are not written (a serving step sends the longer ones to
+    ``attngen.prefill_varlen``, and its one-token requests to a kernel of fewer rows than its verify requests'). Returns out ``[total_q, heads, head_dim]``
     (``out`` the same shape, any row stride) and with ``return_lse`` the LSE ``[heads, total_q]`` (fp32, the layout
     of ``prefill_varlen``'s). ``tree_mask`` (int64 ``[total_q]`` on q's device, with ``cu_seqlens_q``): speculative
     decoding's tree; bit j (the lowest bit 0) of token i's word lets it see its request's draft token j, the key at
@@ -173,9 +174,10 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     """
     if _rt.tracing is not None and _rt.tracing():
         refuse_traced("attngen.decode", score_mod, mask_mod, aux)
-        if cu_seqlens_q is not None or max_q_len is not None or tree_mask is not None or batch_order is not None:
-            raise LaunchError("cu_seqlens_q, max_q_len and tree_mask are not supported under torch.compile; call "
-                              "attngen.decode outside the compiled region")
+        if (cu_seqlens_q is not None or max_q_len is not None or tree_mask is not None or batch_order is not None
+                or min_q_len != 1 or lse is not None):
+            raise LaunchError("cu_seqlens_q, max_q_len, min_q_len, tree_mask, batch_order and lse are not supported "
+                              "under torch.compile; call attngen.decode outside the compiled region")
         if k_scale is not None or v_scale is not None:
             raise LaunchError("k_scale and v_scale are not supported under torch.compile; call attngen.decode "
                               "outside the compiled region")
@@ -208,7 +210,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
                _fp8.scale_key(k_scale), _fp8.scale_key(v_scale), mods,
                None if cu_seqlens_q is None else tensor_info(cu_seqlens_q, "cu_seqlens_q"), max_q_len,
                None if tree_mask is None else tensor_info(tree_mask, "tree_mask"),
-               None if batch_order is None else tensor_info(batch_order, "batch_order"))
+               None if batch_order is None else tensor_info(batch_order, "batch_order"), min_q_len,
+               None if lse is None else tensor_info(lse, "lse"))
         call = _calls.get(key)
     except (LaunchError, TypeError):
         key = call = None
@@ -222,21 +225,28 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
                               alibi_slopes=alibi_slopes, causal=causal, window=window, cache_leftpad=cache_leftpad,
                               sinks=sinks, k_scale=k_scale, v_scale=v_scale, score_mod=score_mod, mask_mod=mask_mod,
                               aux=aux, cu_seqlens_q=cu_seqlens_q, max_q_len=max_q_len, tree_mask=tree_mask,
-                              batch_order=batch_order)
+                              batch_order=batch_order, min_q_len=min_q_len, lse=lse)
         call = _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse,
                         out, variant, spec, softcap, alibi_slopes, causal, window, cache_leftpad, sinks, k_scale,
-                        v_scale, mods, (cu_seqlens_q, max_q_len, tree_mask, batch_order))
+                        v_scale, mods, (cu_seqlens_q, max_q_len, tree_mask, batch_order, min_q_len), lse)
         _memo.keep(key, call, flags=(return_lse, causal), numbers=(num_splits, sm_scale, softcap,
                                                                     _fp8.scale_number(k_scale),
                                                                     _fp8.scale_number(v_scale),
-                                                                    0 if max_q_len is None else max_q_len))
+                                                                    0 if max_q_len is None else max_q_len,
+                                                                    min_q_len))
     plan, kind = call.plan, qi.kind
     if out is None:
         out = plan.alloc(*call.out_shape)
         optr = data_ptr(out, kind)
     else:
         optr = call.out_ptr
-    lse = plan.alloc_f32(*call.lse_shape) if return_lse else None
+    if lse is not None:
+        lptr = call.lse_ptr
+    elif return_lse:
+        lse = plan.alloc_f32(*call.lse_shape)
+        lptr = data_ptr(lse, kind)
+    else:
+        lptr = 0
     if call.grid is None:  # an empty batch
         return (out, lse) if return_lse else out
     w0 = w1 = w2 = w3 = 0
@@ -247,7 +257,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
         w1 = at + o1 if o1 >= 0 else 0
         w2 = at + o2 if o2 >= 0 else 0
         w3 = at + o3 if o3 >= 0 else 0
-    values = (qi.ptr, ki.ptr, vi.ptr, optr, 0 if lse is None else data_ptr(lse, kind), *call.indices,
+    values = (qi.ptr, ki.ptr, vi.ptr, optr, lptr, *call.indices,
               w0, w1, w2, w3, *call.tail)
     kern, grid = call.kern, call.grid
     stream = plan.stream(qi.device)
@@ -266,8 +276,8 @@ class _Call:
     pieces (bytes; -1 where a piece is not used), the parameters that are not pointers of this
     call's own allocations, the grids and the cluster size (0: none)."""
 
-    __slots__ = ("plan", "kern", "cluster", "out_shape", "out_ptr", "lse_shape", "work", "offsets", "indices", "layout",
-                 "tail", "grid", "merge_grid", "unfused")
+    __slots__ = ("plan", "kern", "cluster", "out_shape", "out_ptr", "lse_shape", "lse_ptr", "work", "offsets", "indices",
+                 "layout", "tail", "grid", "merge_grid", "unfused")
 
 
 
@@ -316,16 +326,18 @@ def window_bounds(causal, window, q_len: int) -> tuple[bool, int, int]:
 
 def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits, sm_scale, return_lse, out, variant,
              spec, softcap, alibi_slopes, causal=True, window=(-1, -1), cache_leftpad=None, sinks=None, k_scale=None,
-             v_scale=None, mods=None, packed_args=(None, None, None, None)) -> _Call:
+             v_scale=None, mods=None, packed_args=(None, None, None, None, 1), lse=None) -> _Call:
     """Check a call's arguments and work out its ``_Call``. ``mods``: the call's snippets (``call_mods``) or None;
-    ``packed_args``: (cu_seqlens_q, max_q_len, tree_mask, batch_order) as given."""
+    ``packed_args``: (cu_seqlens_q, max_q_len, tree_mask, batch_order, min_q_len) as given; ``lse``: the caller's
+    LSE tensor or None."""
     if spec is not None and spec.__class__ is not DecodeSpec:
         spec = op_spec(spec, "decode", "attngen.decode")
     check_spec_mods(spec, mods)
-    cu_seqlens_q, max_q_len, tree_mask, batch_order = packed_args
+    cu_seqlens_q, max_q_len, tree_mask, batch_order, min_q_len = packed_args
     packed = cu_seqlens_q is not None
-    if not packed and (max_q_len is not None or tree_mask is not None or batch_order is not None):
-        name = "max_q_len" if max_q_len is not None else "tree_mask" if tree_mask is not None else "batch_order"
+    if not packed and (max_q_len is not None or tree_mask is not None or batch_order is not None or min_q_len != 1):
+        name = ("max_q_len" if max_q_len is not None else "tree_mask" if tree_mask is not None else "batch_order"
+                if batch_order is not None else "min_q_len")
         raise LaunchError(f"{name} is given without cu_seqlens_q; allowed: {name} only with cu_seqlens_q (a packed "
                           "q [total_q, heads, head_dim])")
     if ki.shape != vi.shape:  # first: a head dim the two caches disagree on is no head dim to name
@@ -364,8 +376,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     cu_ptr = tree_ptr = order_ptr = 0
     if packed:
         b, q_len, cu_ptr, tree_ptr, order_ptr = _packed_q(qi, cache_seqlens, cu_seqlens_q, max_q_len, tree_mask,
-                                                          batch_order, group, d,
-                                               variant, mods)
+                                                          batch_order, group, d, variant, mods, min_q_len)
     if group * q_len > DecodeSpec.Q_ROWS[-1]:
         raise LaunchError(f"heads/kv_heads x q_len = {group} x {q_len} = {group * q_len} packed query rows a KV "
                           f"head is not supported; allowed: at most {DecodeSpec.Q_ROWS[-1]}")
@@ -439,6 +450,17 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         else:
             check_rows(oi, "out", 4, "[batch, q_len, heads, head_dim]")
             ostrides, call.out_ptr = oi.strides, oi.ptr
+    call.lse_ptr = 0
+    if lse is not None:
+        li = tensor_info(lse, "lse")
+        want = tuple(call.lse_shape)
+        dense = tuple(int(math.prod(want[i + 1:])) for i in range(len(want)))
+        if not return_lse or li.kind != kind or li.device != dev or li.dtype != "fp32" or tuple(li.shape) != want or (
+                li.strides != dense and math.prod(want)):
+            raise LaunchError(f"lse must be a contiguous fp32 {kind} tensor of shape {list(want)} on device {dev}, "
+                              f"given with return_lse=True; got {li.kind} {li.dtype} {tuple(li.shape)} strides "
+                              f"{li.strides} on device {li.device}, return_lse={return_lse}")
+        call.lse_ptr = li.ptr
     call.grid = None
     if b == 0 or (packed and total_q == 0):
         return call
@@ -492,7 +514,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
         sinks_ptr,
         *fp8_tail,
         # a packed q's fields (params.cuh, ATTNGEN_DECODE_VARLEN), then the snippets' aux tensors (ModArgs)
-        *((cu_ptr, tree_ptr, total_q, order_ptr) if packed else ()),
+        *((cu_ptr, tree_ptr, total_q, order_ptr, min_q_len) if packed else ()),
         *(() if mods is None else pack_aux(rs.aux, mods[3], qi)),
     )
     call.layout = _PARAMS_VARLEN if packed else _PARAMS if mods is None else mod_layout(_PARAMS)
@@ -501,9 +523,9 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
 
 
 def _packed_q(qi, cache_seqlens, cu_seqlens_q, max_q_len, tree_mask, batch_order, group: int, d: int, variant,
-              mods):
-    """The checks of a packed, ragged q (``cu_seqlens_q``) against q ``[total_q, heads, head_dim]`` of ``qi`` and
-    the GQA group; returns (batch, max_q_len, cu_seqlens_q's pointer, tree_mask's and batch_order's pointers or 0).
+              mods, min_q_len: int = 1):
+    """The checks of a packed, ragged q (``cu_seqlens_q``) against q ``[total_q, heads, head_dim]`` of ``qi``, the
+    GQA group and ``min_q_len``; returns (batch, max_q_len, cu_seqlens_q's pointer, tree_mask's and batch_order's pointers or 0).
     What the packed kernels do not run is refused by name."""
     kind, dev = qi.kind, qi.device
     for name, bad, allowed in (("variant", variant == "unfused", "auto or fused"),
@@ -531,6 +553,9 @@ def _packed_q(qi, cache_seqlens, cu_seqlens_q, max_q_len, tree_mask, batch_order
     if max_q_len is None or max_q_len.__class__ is not int or not 1 <= max_q_len <= most:
         raise LaunchError(f"max_q_len={max_q_len!r} is not allowed with cu_seqlens_q and a GQA group of {group}; "
                           f"allowed: an int from 1 to {most} (min({MAX_VARLEN_Q_LEN}, 128 // group))")
+    if min_q_len.__class__ is not int or not 1 <= min_q_len <= max_q_len:
+        raise LaunchError(f"min_q_len={min_q_len!r} is not allowed with max_q_len={max_q_len}; allowed: an int from 1 "
+                          f"to {max_q_len}")
     tree_ptr = 0
     if tree_mask is not None:
         t = tensor_info(tree_mask, "tree_mask")
