@@ -273,7 +273,7 @@ def decode_problems(s: DecodeSpec):
     for user, (g, q), v, hk, (b, cap) in itertools.product(_users(s), shapes[:3], variants, (1, 8),
                                                           ((1, 512), (1, 65536), (16, 8192), (128, 2048))):
         yield D.Problem(s.head_dim, s.dtype.value, q, g * hk, hk, b, cap, s.paged, v, user, s.softcap, s.alibi,
-                        kv_dtype=s.kv_dtype, page_rows=s.page_rows)
+                        kv_dtype=s.kv_dtype, page_rows=s.page_rows, varlen_q=s.varlen_q, tree=s.tree)
 
 
 def mla_problems(s: MlaDecodeSpec):

@@ -12,6 +12,7 @@ from attngen.arch import get_arch
 from attngen.errors import SpecError
 from attngen.manifest import (ManifestError, default_manifest_path, expand, load_manifest,
                               manifest_from_dict)
+from attngen.families.decode.spec import KVDType
 from attngen.spec import resolve, validate
 from attngen import MaskMode
 
@@ -210,4 +211,10 @@ def test_default_manifest_validates_for_every_arch_it_lists():
     # sm_90a only).
     assert {(s.dtype.value, s.paged) for s in mla if s.cluster_merge} == {
         (dt, p) for dt in ("fp16", "bf16") for p in (False, True)}
-    assert 100 <= len(items) <= 1696
+    # 108 more: BatchAttention's decode kernels (paged, a packed q, 16 and 32 rows; 16-bit caches in both dtypes and
+    # an e4m3 cache with a bf16 q), every arch.
+    packed = {s for s in decode if s.varlen_q}
+    assert {(s.head_dim, s.q_rows, s.paged, s.dtype.value, s.kv_dtype) for s in packed} == {
+        (d, r, True, dt, kv) for d in (64, 128, 256) for r in (16, 32)
+        for dt, kv in (("fp16", None), ("bf16", None), ("bf16", KVDType("fp8_e4m3")))}
+    assert 100 <= len(items) <= 1804

@@ -32,7 +32,8 @@ class Problem(NamedTuple):
     ``local``: per-row key bounds (a window, several tokens without causality, left pads: the ``local`` kernels);
     ``live``: the most keys a row's tokens see where a window bounds them (0: the capacity), what the split count
     is chosen for, as the kernel splits only them; ``sinks``: attention sinks (the ``sinks`` kernels);
-    ``kv_dtype``: the cache's fp8 format, None for q's dtype."""
+    ``kv_dtype``: the cache's fp8 format, None for q's dtype; ``varlen_q``, ``tree``: a packed, ragged q (``q_len`` its
+    most tokens a request) and its tree masks."""
 
     head_dim: int
     dtype: str = "bf16"
@@ -53,6 +54,8 @@ class Problem(NamedTuple):
     sinks: bool = False
     kv_dtype: KVDType | None = None
     page_rows: bool = False
+    varlen_q: bool = False
+    tree: bool = False
 
     @property
     def q_rows(self) -> int:
@@ -87,7 +90,8 @@ def base_spec(head_dim: int, dtype: str, q_rows: int, paged: bool, variant: str,
 
 def base_of(p: Problem) -> DecodeSpec:
     return base_spec(p.head_dim, p.dtype, p.q_rows, p.paged, "fused" if p.variant == "auto" else p.variant, p.spec,
-                     p.softcap, p.alibi, p.local, p.sinks, p.kv_dtype, page_rows=p.page_rows)
+                     p.softcap, p.alibi, p.local, p.sinks, p.kv_dtype, varlen_q=p.varlen_q, tree=p.tree,
+                     page_rows=p.page_rows)
 
 
 @functools.lru_cache(maxsize=1024)

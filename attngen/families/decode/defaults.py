@@ -168,6 +168,11 @@ SPILLS_ON = {
     # and with an fp8 cache (fp8_varlen, fp8_tree; e4m3, bf16 q): the same, but for q_rows 128 on sm_80, whose fp8
     # defaults spill without a packed q too
     ((64, False, 32, 'fused', 'fp8_tree'), (128, 8, 2)): ('sm_80',),
+    # the paged ones (BatchAttention's) compiled for every manifest arch, which it prewarms: head_dim 64/128/256, q_rows
+    # 16/32/64, with and without a tree, 16-bit and e4m3 caches, bf16 q
+    ((64, True, 32, 'fused', 'varlen'), (128, 8, 2)): ('sm_86', 'sm_89'),
+    ((64, True, 32, 'fused', 'tree'), (128, 8, 2)): ('sm_100',),
+    ((64, True, 64, 'fused', 'fp8_varlen'), (128, 8, 2)): ('sm_100',),
     # fp8 caches (kv_dtype; e4m3 with bf16 q, e5m2 with fp16 q): the fused defaults of head_dim 64/128/256, both
     # layouts, q_rows 16 and 32, and of 80-192 at 16 rows, compiled for every manifest arch until they compiled
     # without spills

@@ -476,7 +476,7 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
     # count is chosen for those, as the kernel splits only them.
     live = min(capacity, left + q_len + rs.cta_tile_kv) if local and left < _UNBOUNDED else capacity
     problem = Problem(d, dtype, q_len, h, hk, b, capacity, paged, variant, spec, bool(softcap), alibi_ptr != 0,
-                      num_splits, _cluster_merge[0], local, live, sinks_ptr != 0, kv, page_rows)
+                      num_splits, _cluster_merge[0], local, live, sinks_ptr != 0, kv, page_rows, packed, tree_ptr != 0)
     lc = launch(problem, rs, plan.facts)
     num_splits, call.cluster = lc.num_splits, lc.cluster
     merged = lc.merge_grid is not None  # by the merge launch
