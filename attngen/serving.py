@@ -9,7 +9,7 @@ runs, or runs alone) replays as a CUDA graph with new lengths written into the s
 cumulative key counts, the decode kernel's request order (the decode requests, most keys first, then the others)
 and the prefill kernel's work list (below). A step of at most ``MAX_PLAN_BATCH`` requests.
 
-``run`` launches, on the caller's stream:
+``run`` launches on the caller's stream (the second decode launch, where there is one, forked and joined):
 
 1. the decode kernel over every request, packed rows (each KV head's group of query heads x the request's
    tokens) a CTA, split-KV by the cache's capacity; a request of more than ``max_decode_q_len`` tokens returns at

@@ -1,9 +1,10 @@
 """Run by tests/test_decode_varlen.py in a process of its own: a packed, ragged q (cu_seqlens_q, max_q_len, tree_mask)
 through attngen.decode on the stub driver (sm_90). The packed kernels take the spec's varlen_q (and tree) switches and
 rows for group x max_q_len; their parameters end with cu_seqlens_q's and tree_mask's pointers, total_q (the LSE's
-head stride), batch_order's pointer and min_q_len, q's and out's batch strides are 0 and their row strides the packed rows'; out is [total_q, heads,
-head_dim] and the LSE [heads, total_q]; the split count comes from the cache's capacity and the merge launch covers
-batch x max_q_len rows. Every wrong argument is refused naming the field, before any launch. Prints "ok" at the end.
+head stride), batch_order's pointer and min_q_len; q's and out's batch strides are 0 and their row strides the packed
+rows'; out is [total_q, heads, head_dim] and the LSE [heads, total_q] (or the caller's lse); the split count comes
+from the cache's capacity and the merge launch covers batch x max_q_len rows. Every wrong argument is refused naming
+the field, before any launch. Prints "ok" at the end.
 """
 
 import struct

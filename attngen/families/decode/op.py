@@ -119,8 +119,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     the tuning fields; without it, a configuration ``attngen tune decode`` stored for this GPU (nearest tuned
     cache capacity) is used where there is one, else the arch's default. Returns ``out`` (q's dtype and kind), with
     ``return_lse`` also the fp32 LSE ``[batch, heads, q_len]`` (``lse``: written into that fp32 tensor, contiguous,
-    with ``return_lse``); a token that sees no key gives zeros and LSE -inf. ``softcap`` and ``alibi_slopes`` (fp32 ``[heads]`` or ``[batch, heads]``)
-    act as in ``attngen.prefill``.
+    with ``return_lse``); a token that sees no key gives zeros and LSE -inf. ``softcap`` and ``alibi_slopes`` (fp32
+    ``[heads]`` or ``[batch, heads]``) act as in ``attngen.prefill``.
 
     FlashAttention's key bounds, queries at the bottom right: ``window=(left, right)`` lets the token
     at position i see keys i - left .. i + right (-1: unbounded on that side; a sliding window of
@@ -155,22 +155,22 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx=None, block_ta
     A packed, ragged q (a serving step's decode and speculative-verify requests): ``cu_seqlens_q`` (int32
     ``[batch + 1]`` on q's device, non-decreasing, read only on the device) with q ``[total_q, heads, head_dim]``:
     request b's tokens are q rows ``cu_seqlens_q[b]`` to ``cu_seqlens_q[b + 1] - 1``, the last q_len_b tokens of its
-    cache (``cache_seqlens[b]`` counts them), token i at position L_b - q_len_b + i, causal within the request as
-    above. ``max_q_len`` (an int, required with it, 1 to min(64, 128 // group)) sizes the kernel's rows (group x
-    max_q_len): a request with more tokens than that, or fewer than ``min_q_len`` (default 1, at most max_q_len), is
-    not computed and its rows of out and LSE are not written (a serving step sends the longer ones to
-    ``attngen.prefill_varlen``, and its one-token requests to a kernel of fewer rows than its verify requests'). Returns out ``[total_q, heads, head_dim]``
-    (``out`` the same shape, any row stride) and with ``return_lse`` the LSE ``[heads, total_q]`` (fp32, the layout
-    of ``prefill_varlen``'s). ``tree_mask`` (int64 ``[total_q]`` on q's device, with ``cu_seqlens_q``): speculative
+    cache (``cache_seqlens[b]`` counts them), token i at position L_b - q_len_b + i, causal within the request as above.
+    ``max_q_len`` (an int, required with it, 1 to min(64, 128 // group)) sizes the kernel's rows (group x max_q_len): a
+    request with more tokens than that, or fewer than ``min_q_len`` (default 1, at most max_q_len), is not computed and
+    its rows of out and LSE are not written (a serving step sends the longer ones to ``attngen.prefill_varlen``, and its
+    one-token requests to a kernel of fewer rows than its verify requests'). Returns out ``[total_q, heads, head_dim]``
+    (``out`` the same shape, any row stride) and with ``return_lse`` the LSE ``[heads, total_q]`` (fp32, the layout of
+    ``prefill_varlen``'s). ``tree_mask`` (int64 ``[total_q]`` on q's device, with ``cu_seqlens_q``): speculative
     decoding's tree; bit j (the lowest bit 0) of token i's word lets it see its request's draft token j, the key at
     position L_b - q_len_b + j (j < q_len_b; higher bits are ignored), in place of causality inside the draft block;
     every key before the block is seen. A token that sees no key gives zeros and LSE -inf (sinks: its sink). Split-KV,
     paged caches, fp8 caches, softcap, ALiBi and sinks work with a packed q, a window and ``cache_leftpad`` without a
-    tree; ``variant="unfused"``, score_mod/mask_mod, head_dim 512 and torch.compile are refused with it.
-    ``batch_order`` (int32 ``[batch]`` on q's device, with ``cu_seqlens_q``): the order the requests' CTAs are
-    launched in, a permutation of 0..batch-1 (longest first keeps a long request out of the launch's tail, as
-    ``BatchAttention.plan`` sorts them); entries out of range are clamped, and a request listed twice is computed
-    twice (the same result) while one left out is not computed.
+    tree; ``variant="unfused"``, score_mod/mask_mod, head_dim 512 and torch.compile are refused with it. ``batch_order``
+    (int32 ``[batch]`` on q's device, with ``cu_seqlens_q``): the order the requests' CTAs are launched in, a
+    permutation of 0..batch-1 (longest first keeps a long request out of the launch's tail, as ``BatchAttention.plan``
+    sorts them); entries out of range are clamped, and a request listed twice is computed twice (the same result) while
+    one left out is not computed.
     """
     if _rt.tracing is not None and _rt.tracing():
         refuse_traced("attngen.decode", score_mod, mask_mod, aux)
@@ -276,8 +276,8 @@ class _Call:
     pieces (bytes; -1 where a piece is not used), the parameters that are not pointers of this
     call's own allocations, the grids and the cluster size (0: none)."""
 
-    __slots__ = ("plan", "kern", "cluster", "out_shape", "out_ptr", "lse_shape", "lse_ptr", "work", "offsets", "indices",
-                 "layout", "tail", "grid", "merge_grid", "unfused")
+    __slots__ = ("plan", "kern", "cluster", "out_shape", "out_ptr", "lse_shape", "lse_ptr", "work", "offsets",
+                 "indices", "layout", "tail", "grid", "merge_grid", "unfused")
 
 
 
@@ -525,7 +525,8 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
 def _packed_q(qi, cache_seqlens, cu_seqlens_q, max_q_len, tree_mask, batch_order, group: int, d: int, variant,
               mods, min_q_len: int = 1):
     """The checks of a packed, ragged q (``cu_seqlens_q``) against q ``[total_q, heads, head_dim]`` of ``qi``, the
-    GQA group and ``min_q_len``; returns (batch, max_q_len, cu_seqlens_q's pointer, tree_mask's and batch_order's pointers or 0).
+    GQA group and ``min_q_len``; returns (batch, max_q_len, cu_seqlens_q's pointer, tree_mask's and batch_order's
+    pointers or 0).
     What the packed kernels do not run is refused by name."""
     kind, dev = qi.kind, qi.device
     for name, bad, allowed in (("variant", variant == "unfused", "auto or fused"),
