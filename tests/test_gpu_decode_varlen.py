@@ -357,3 +357,32 @@ def test_batch_order_longest_first(splits, tree):
     order = torch.argsort(lens, descending=True).to(torch.int32)
     num_splits, cluster = SPLITS[splits]
     run(pk, num_splits=num_splits, cluster=cluster, tree=tree, batch_order=order)
+
+
+@pytest.mark.parametrize("splits", ["one", "four", "four_launch"])
+@pytest.mark.parametrize("min_q_len", [2, 5])
+def test_min_q_len_skips_shorter_requests_into_the_callers_lse(splits, min_q_len):
+    """min_q_len (a serving step's second launch, its verify requests): a request of fewer tokens is not computed,
+    its rows of out and of the caller's lse (given, NaN-poisoned) stay NaN, through the merge too; the others are
+    the reference's, written into that lse."""
+    pk = Packed(MIXED, heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)
+    num_splits, cluster = SPLITS[splits]
+    out = torch.full_like(pk.q, NAN)
+    lse = torch.full((pk.q.shape[1], pk.q.shape[0]), NAN, device="cuda")
+    was = op.set_cluster_merge(op.CLUSTER_MAX if cluster else 0)
+    try:
+        o, got = attngen.decode(pk.q, pk.k, pk.v, **pk.case.kwargs(), cu_seqlens_q=pk.cu_seqlens_q, max_q_len=8,
+                                min_q_len=min_q_len, num_splits=num_splits, return_lse=True, out=out, lse=lse)
+        torch.cuda.synchronize()
+    finally:
+        op.set_cluster_merge(was)
+    assert o is out and got is lse
+    for b, (q_len, _) in enumerate(pk.reqs):
+        rows, cols = o[pk.cu[b]:pk.cu[b + 1]], lse[:, pk.cu[b]:pk.cu[b + 1]]
+        if not min_q_len <= q_len <= 8:
+            assert torch.isnan(rows).all() and torch.isnan(cols).all(), f"request {b} ({q_len} tokens) was written"
+            continue
+        ref_o, ref_l = pk.reference(b, 8, 128 ** -0.5)
+        assert rel_l2(rows, ref_o) < TOL[pk.dtype], f"request {b}: rel L2 {rel_l2(rows, ref_o):.3e}"
+        assert (rows.float() - ref_o).abs().max().item() < MAX_ABS[pk.dtype]
+        assert (cols - ref_l).abs().max().item() < LSE_MAX_ABS, f"request {b}: LSE"
