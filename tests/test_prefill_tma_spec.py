@@ -43,7 +43,7 @@ def test_tma_is_the_sm90a_dense_default():
     assert resolve(PrefillSpec(head_dim=128, varlen=True, paged=True), "sm_90a").tma
     with pytest.raises(SpecError, match="page_rows"):
         resolve(PrefillSpec(head_dim=128, varlen=True, paged=True, page_rows=True, pipeline="tma"), "sm_90a")
-    for fields in (dict(varlen=True, paged=True, page_rows=True), dict(head_dim=64, custom_mask=True),
+    for fields in (dict(varlen=True, paged=True, page_rows=True), dict(head_dim=64, custom_mask=True, mask="causal"),
                    dict(head_dim=512, head_dim_v=96),
                    dict(head_dim=512, varlen=True), dict(head_dim=96), dict(head_dim=64, mask="causal", varlen=True)):
         assert not resolve(PrefillSpec(**{"head_dim": 128, **fields}), "sm_90a").tma
@@ -92,13 +92,16 @@ def test_custom_masks_run_on_the_tma_pipeline_when_asked():
         src = render(r)
         assert "constexpr bool MASK_LIST = true;" in src and "PrefillTmaParams" in src
         assert all(f"{r.kernel_name}{e}(" in src for e in ("_mtiles", "_mlists", "_order"))
-    # the default at head_dim 128 (TUNED_TMA_MASK); elsewhere the cp.async kernels' 64-row tiles stay first
+    # the defaults at head_dim 128 and, without a causal mask, 64 (TUNED_TMA_MASK); elsewhere the cp.async kernels'
+    # 64-row tiles stay first
     r = resolve(PrefillSpec(head_dim=128, custom_mask=True, mask="causal"), "sm_90a")
     assert r.tma and r.schedule.value == "pingpong" and r.cta_tile_q == 128 and not r.is_persistent
     assert by_rows(r, get_arch("sm_90a")) is None  # (the dense default's rule by rows is not a mask's)
-    for d in (64, 256):
-        r = resolve(PrefillSpec(head_dim=d, custom_mask=True), "sm_90a")
-        assert not r.tma and r.cta_tile_q == 64
+    r = resolve(PrefillSpec(head_dim=64, custom_mask=True), "sm_90a")
+    assert r.tma and (r.cta_tile_q, r.cta_tile_kv, r.schedule.value) == (64, 128, "overlap")
+    for fields in (dict(head_dim=64, mask="causal"), dict(head_dim=64, mask="sliding_window"), dict(head_dim=256)):
+        r = resolve(PrefillSpec(custom_mask=True, **fields), "sm_90a")
+        assert not r.tma and r.cta_tile_q == 64, fields
 
 
 def test_contiguous_varlen_runs_on_the_tma_pipeline_when_asked():
