@@ -110,10 +110,11 @@ TUNED_TMA_KV8 = {
 
 # sm_90a, custom masks (a plan's tile lists): the TMA pipeline's kernels where measured faster than the cp.async
 # default (64-row tiles), one CTA a work-list slot: at head_dim 128, 128x128 ping-pong. At 64 without a causal mask,
-# 64x128 in overlap (H200, 4 x 4k, GQA 32/8: prefix-LM 1.12x; 1 x 8k: random 128-blocks 1.12-1.19x, four
-# documents 1.14x), though it loses where very few tiles are live (sixteen documents, 3% of the tiles: 0.84x); under
-# a causal mask the cp.async kernel's 64-key tiles stay (TUNED_WGMMA_MASK: a document mask 0.98x, a window with
-# global keys 0.95x on the TMA ring). Other head dims not measured.
+# 64x128 in overlap (H200, GQA 32/8, one run: prefix-LM over 4 x 4k 1.09x; 1 x 8k: block-diagonal masks of 4 and
+# 16 documents 1.17x and 1.02x, random 128-blocks 1.11-1.21x; a two-sided window 0.985x), where an earlier probe had
+# it lose on very sparse masks (sixteen documents, 0.84x); under a causal mask the cp.async kernel's 64-key tiles
+# stay (TUNED_WGMMA_MASK: a document mask 0.98x, a window with global keys 0.95x on the TMA ring). Other head dims
+# not measured.
 TUNED_TMA_MASK = {
     (64, 64, False): [(64, 128, 4, 2, Schedule.OVERLAP)],
     (128, 128, False): [(128, 128, 8, 2, Schedule.PINGPONG)],
