@@ -225,7 +225,11 @@ def test_inspect_says_where_the_default_depends_on_the_size(capsys):
     by = out["defaults_by_size"]
     assert [b["from"] for b in by] == [0, 1024, 16384] and "cta_tile_q=192" in by[-1]["spec"]
     assert "by size (query rows)" in cap.err and "from 16384: prefill:" in cap.err
-    for text, arch in (("prefill:head_dim=128", "sm_90a"), ("prefill:head_dim=64", "sm_80"),
+    assert main(["inspect", "prefill:head_dim=128", "--arch", "sm_90a", "--json"]) == 0
+    cap = capsys.readouterr()
+    by = json.loads(cap.out)["defaults_by_size"]
+    assert [b["from"] for b in by] == [0, 8192] and "cta_tile_kv=192" in by[-1]["spec"]
+    for text, arch in (("prefill:head_dim=128,mask=sliding_window", "sm_90a"), ("prefill:head_dim=64", "sm_80"),
                        ("prefill:head_dim=64,num_stages=2", "sm_90a"), ("decode:head_dim=128", "sm_90a")):
         assert main(["inspect", text, "--arch", arch, "--json"]) == 0
         cap = capsys.readouterr()

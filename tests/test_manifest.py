@@ -217,4 +217,7 @@ def test_default_manifest_validates_for_every_arch_it_lists():
     assert {(s.head_dim, s.q_rows, s.paged, s.dtype.value, s.kv_dtype) for s in packed} == {
         (d, r, True, dt, kv) for d in (64, 128, 256) for r in (16, 32)
         for dt, kv in (("fp16", None), ("bf16", None), ("bf16", KVDType("fp8_e4m3")))}
-    assert 100 <= len(items) <= 1804
+    # 4 more: head_dim 128 without a mask from 8k rows, 128x192 tiles in ping-pong, persistent (sm_90a).
+    assert {(s.dtype.value, s.return_lse) for s in prefill if s.cta_tile_kv == 192 and s.head_dim == 128} == {
+        (dt, lse) for dt in ("fp16", "bf16") for lse in (False, True)}
+    assert 100 <= len(items) <= 1808

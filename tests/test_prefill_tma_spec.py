@@ -413,8 +413,17 @@ def test_head_dims_64_128_and_256_defaults_by_rows():
                 short.schedule.value, short.is_persistent) == (64, 64, 4, 2, "tma", "serial", True)
         assert (short.dtype, short.return_lse, short.softcap, short.alibi) == (r.dtype, r.return_lse, r.softcap,
                                                                                r.alibi)
+    # head_dim 128 without a mask: from 8192 rows 128x192 tiles in ping-pong, persistent
+    for extra in ({}, dict(return_lse=True, softcap=True, alibi=True, dtype="fp16")):
+        r = resolve(PrefillSpec(head_dim=128, **extra), "sm_90a")
+        at, specs = by_rows(r, "sm_90a")
+        assert at == [8192] and specs[0] == r
+        wide = specs[1]
+        assert (wide.cta_tile_q, wide.cta_tile_kv, wide.num_warps, wide.num_stages, wide.pipeline.value,
+                wide.schedule.value, wide.is_persistent) == (128, 192, 8, 2, "tma", "pingpong", True)
+        assert (wide.dtype, wide.return_lse, wide.softcap, wide.alibi) == (r.dtype, r.return_lse, r.softcap, r.alibi)
     # other head dims, masks, layouts and archs keep the one default
-    for fields, arch in ((dict(head_dim=128), "sm_90a"), (dict(head_dim=128, mask="causal"), "sm_90"),
+    for fields, arch in ((dict(head_dim=128), "sm_90"), (dict(head_dim=128, mask="causal"), "sm_90"),
                          (dict(head_dim=128, mask="causal", varlen=True), "sm_90a"), (dict(head_dim=64, mask="sliding_window"), "sm_90a"),
                          (dict(head_dim=192), "sm_90a"), (dict(head_dim=256, mask="sliding_window"), "sm_90a"),
                          (dict(head_dim=256), "sm_80"),

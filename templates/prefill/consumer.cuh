@@ -101,17 +101,19 @@ struct FwdConsumer {
   static __device__ __forceinline__ void qk_wgmma(float (&acc_s)[M_TILES][N_TILES][4], const T* sQ, const T* sKs,
                                                   int warp) {
     using W = WgmmaOps<BF16>;  // compiled only where called: WgmmaOps exists on sm_90a alone
-    const unsigned q_at = smem_addr(sQ) + (warp / 4) * 64 * 128;
-    const unsigned k_at = smem_addr(sKs);
+    // The warpgroup's Q rows through a shuffle from lane 0, which ptxas takes as the same in the whole warp: the
+    // steps' descriptors are then uniform-register adds, not vector ones moved across.
+    const unsigned q_lo = __shfl_sync(0xffffffffu, W::desc_lo(smem_addr(sQ) + (warp / 4) * 64 * 128, 16), 0);
+    const unsigned k_lo = W::desc_lo(smem_addr(sKs), 16);
     W::fence();
 #pragma unroll
     for (int kk = 0; kk < K::K_STEPS; ++kk) {
+      const unsigned long long dq = W::desc_step(q_lo, W::k_bytes(kk, K::LQ::BLOCK_BYTES));
+      const unsigned long long dk = W::desc_step(k_lo, W::k_bytes(kk, K::LK::BLOCK_BYTES));
       if constexpr (K::FP8)
-        Wgmma<K::BLOCK_N, BF16>::ss8(acc_s[0], W::desc_k(q_at, kk, K::LQ::BLOCK_BYTES),
-                                     W::desc_k(k_at, kk, K::LK::BLOCK_BYTES), kk > 0);
+        Wgmma<K::BLOCK_N, BF16>::ss8(acc_s[0], dq, dk, kk > 0);
       else
-        Wgmma<K::BLOCK_N, BF16>::ss(acc_s[0], W::desc_k(q_at, kk, K::LQ::BLOCK_BYTES),
-                                    W::desc_k(k_at, kk, K::LK::BLOCK_BYTES), kk > 0);
+        Wgmma<K::BLOCK_N, BF16>::ss(acc_s[0], dq, dk, kk > 0);
     }
   }
 
@@ -122,13 +124,15 @@ struct FwdConsumer {
     using W = WgmmaOps<BF16>;  // compiled only where called: WgmmaOps exists on sm_90a alone
     W::fence();
     if constexpr (K::FP8) {
+      const unsigned v_lo = W::desc_lo(v_at, 16);
 #pragma unroll
       for (int kk = 0; kk < K::BLOCK_N / 32; ++kk)
-        Wgmma<K::HEAD_DIM_V, BF16>::rs8(acc_o[0], a[kk], W::desc_k(v_at, kk, K::LV::BLOCK_BYTES));
+        Wgmma<K::HEAD_DIM_V, BF16>::rs8(acc_o[0], a[kk], W::desc_step(v_lo, W::k_bytes(kk, K::LV::BLOCK_BYTES)));
     } else {
+      const unsigned v_lo = W::desc_lo(v_at, K::LV::BLOCK_BYTES);
 #pragma unroll
       for (int kk = 0; kk < K::BLOCK_N / 16; ++kk)
-        Wgmma<K::HEAD_DIM_V, BF16>::rs(acc_o[0], a[kk], W::desc_mn(v_at, kk, K::LV::BLOCK_BYTES));
+        Wgmma<K::HEAD_DIM_V, BF16>::rs(acc_o[0], a[kk], W::desc_step(v_lo, W::mn_bytes(kk)));
     }
   }
 

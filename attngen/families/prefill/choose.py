@@ -37,6 +37,8 @@ DENSE, CUSTOM_MASK, VARLEN, VARLEN_PAGED, VARLEN_PAGE_ROWS = range(5)
 #   staged in Q's tile); at fewer rows they lose to the default. Without a mask persistent did not gain.
 # - head dim 128, short causal rows: 64x64 tiles on one consumer warpgroup of the TMA ring (serial, persistent:
 #   two CTAs an SM walk the tiles).
+# - head dim 128 without a mask, from 8k rows: 128x192 tiles (FlashInfer's fa3 tile there), ping-pong, persistent:
+#   fewer turns and barriers a key. Below 8k the last key tile's padding costs what the wider tiles save.
 THREE_GROUPS = dict(cta_tile_q=192, cta_tile_kv=128, num_warps=12, num_stages=2, mma=Mma.WGMMA, pipeline=Pipeline.TMA,
                     schedule=Schedule.PINGPONG, persistent=Persistent.OFF)
 SHORT_CAUSAL = dict(cta_tile_q=64, cta_tile_kv=64, num_warps=4, num_stages=4, mma=Mma.WGMMA, pipeline=Pipeline.SYNC,
@@ -44,11 +46,13 @@ SHORT_CAUSAL = dict(cta_tile_q=64, cta_tile_kv=64, num_warps=4, num_stages=4, mm
 KV80_PINGPONG = dict(cta_tile_q=128, cta_tile_kv=80, num_warps=8, num_stages=2, mma=Mma.WGMMA, pipeline=Pipeline.TMA,
                      schedule=Schedule.PINGPONG, persistent=Persistent.OFF)
 KV80_PINGPONG_PERSISTENT = {**KV80_PINGPONG, "persistent": Persistent.ON}
+KV192_PINGPONG_PERSISTENT = {**KV80_PINGPONG_PERSISTENT, "cta_tile_kv": 192}
 SHORT_CAUSAL_TMA = dict(cta_tile_q=64, cta_tile_kv=64, num_warps=4, num_stages=2, mma=Mma.WGMMA, pipeline=Pipeline.TMA,
                         schedule=Schedule.SERIAL, persistent=Persistent.ON)
 BY_ROWS = {
     (64, 64, MaskMode.NONE): ((0, None), (2048, THREE_GROUPS)),
     (64, 64, MaskMode.CAUSAL): ((0, SHORT_CAUSAL), (1024, None), (16384, THREE_GROUPS)),
+    (128, 128, MaskMode.NONE): ((0, None), (8192, KV192_PINGPONG_PERSISTENT)),
     (128, 128, MaskMode.CAUSAL): ((0, SHORT_CAUSAL_TMA), (768, None)),
     (256, 256, MaskMode.NONE): ((0, None), (1024, KV80_PINGPONG)),
     (256, 256, MaskMode.CAUSAL): ((0, None), (2048, KV80_PINGPONG_PERSISTENT)),
