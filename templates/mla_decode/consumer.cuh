@@ -53,13 +53,15 @@ struct MlaConsumer {
       // This warpgroup's SN keys (rows key0.. of the tile, whole 1024-byte swizzle atoms) against
       // all 64 Q rows.
       using W = WgmmaOps<BF16>;
-      const unsigned q_at = smem_addr(sQ);
-      const unsigned k_at = smem_addr(sT) + key0 * 128;
+      // The steps' descriptors as uniform adds (WgmmaOps::desc_step): the warpgroup's keys through a shuffle from
+      // lane 0, which ptxas takes as the same in the whole warp.
+      const unsigned q_lo = W::desc_lo(smem_addr(sQ), 16);
+      const unsigned k_lo = __shfl_sync(0xffffffffu, W::desc_lo(smem_addr(sT) + key0 * 128, 16), 0);
       W::fence();
 #pragma unroll
       for (int kk = 0; kk < DQK / 16; ++kk)
-        Wgmma<SN, BF16>::ss(acc_s, W::desc_k(q_at, kk, LQ::BLOCK_BYTES), W::desc_k(k_at, kk, LT::BLOCK_BYTES),
-                            kk > 0);
+        Wgmma<SN, BF16>::ss(acc_s, W::desc_step(q_lo, W::k_bytes(kk, LQ::BLOCK_BYTES)),
+                            W::desc_step(k_lo, W::k_bytes(kk, LT::BLOCK_BYTES)), kk > 0);
       W::commit();
       W::template wait<0>();
       W::hold(acc_s);
@@ -160,13 +162,15 @@ struct MlaConsumer {
     if constexpr (WGMMA) {
       // V is N-major here; this warpgroup's ON columns start at 64-column block cg * ON / 64.
       using W = WgmmaOps<BF16>;
-      const unsigned v_at = smem_addr(sT) + (cg * ON / 64) * LT::BLOCK_BYTES;
+      const unsigned v_lo =
+          __shfl_sync(0xffffffffu, W::desc_lo(smem_addr(sT) + (cg * ON / 64) * LT::BLOCK_BYTES, LT::BLOCK_BYTES), 0);
+      const unsigned p_lo = W::desc_lo(smem_addr(sP), 16);
       W::fence();
 #pragma unroll
       for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-        const unsigned long long dv = W::desc_mn(v_at, kk, LT::BLOCK_BYTES);
+        const unsigned long long dv = W::desc_step(v_lo, W::mn_bytes(kk));
         if constexpr (QK_SHARD) {
-          Wgmma<ON, BF16>::template ss<1>(acc_o, W::desc_k(smem_addr(sP), kk, LP::BLOCK_BYTES), dv, 1);
+          Wgmma<ON, BF16>::template ss<1>(acc_o, W::desc_step(p_lo, W::k_bytes(kk, LP::BLOCK_BYTES)), dv, 1);
         } else {
           unsigned a[4];
           p_fragment<BF16>(acc_s, kk, a);
