@@ -38,7 +38,8 @@ DENSE, CUSTOM_MASK, VARLEN, VARLEN_PAGED, VARLEN_PAGE_ROWS = range(5)
 # - head dim 128, short causal rows: 64x64 tiles on one consumer warpgroup of the TMA ring (serial, persistent:
 #   two CTAs an SM walk the tiles).
 # - head dim 128 without a mask, from 8k rows: 128x192 tiles (FlashInfer's fa3 tile there), ping-pong, persistent:
-#   fewer turns and barriers a key. Below 8k the last key tile's padding costs what the wider tiles save.
+#   a key tile's fixed work (turns, barriers, descriptors) spread over more keys. Below 8k the last key tile's
+#   padding costs what the wider tiles save.
 THREE_GROUPS = dict(cta_tile_q=192, cta_tile_kv=128, num_warps=12, num_stages=2, mma=Mma.WGMMA, pipeline=Pipeline.TMA,
                     schedule=Schedule.PINGPONG, persistent=Persistent.OFF)
 SHORT_CAUSAL = dict(cta_tile_q=64, cta_tile_kv=64, num_warps=4, num_stages=4, mma=Mma.WGMMA, pipeline=Pipeline.SYNC,
