@@ -143,8 +143,8 @@ def test_tma_tile_configs(d, kv, warps, stages, mask, schedule):
 
 
 # Key tiles that are not a power of two (wgmma's N is any multiple of 8 up to 256): the widths FlashAttention-3
-# takes at head dims 64 (192 keys), 128 (176; FlashInfer's fa3 192) and 256 (80), and others between. Where a schedule or the
-# persistent kernel does not fit the shared memory, it is skipped.
+# takes at head dims 64 (192 keys), 128 (176; FlashInfer's fa3 192) and 256 (80), and others between. Where a
+# schedule or the persistent kernel does not fit the shared memory, it is skipped.
 WIDE = [(64, 160), (64, 176), (64, 192), (128, 96), (128, 144), (128, 160), (128, 176), (128, 192), (256, 80)]
 
 
@@ -339,7 +339,8 @@ def test_default_short_causal_rows_take_64_row_tiles(sq, sk):
                                                   (64, True, 16384, 16384, (192, 128)), (256, False, 1100, 1500, (128, 80)),
                                                   (128, True, 700, 900, (64, 64)), (128, True, 768, 768, (128, 128)),
                                                   (256, True, 3001, 3001, (128, 80)), (256, False, 16384, 16384, (128, 80)),
-                                                  (128, False, 8192, 8300, (128, 192)), (128, False, 8191, 8191, (128, 128))])
+                                                  (128, False, 8192, 8300, (128, 192)),
+                                                  (128, False, 8191, 8191, (128, 128))])
 def test_defaults_by_rows_with_softcap_alibi_gqa(d, causal, sq, sk, tiles):
     # the defaults by rows (head_dim 64: three warpgroups, 64-row tiles; 128: 64-row tiles, 192-key tiles; 256: 128x80
     # ping-pong) with the score mods, GQA and the LSE, against the fp32 reference that applies them

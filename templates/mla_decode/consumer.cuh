@@ -53,10 +53,8 @@ struct MlaConsumer {
       // This warpgroup's SN keys (rows key0.. of the tile, whole 1024-byte swizzle atoms) against
       // all 64 Q rows.
       using W = WgmmaOps<BF16>;
-      // The steps' descriptors as uniform adds (WgmmaOps::desc_step): the warpgroup's keys through a shuffle from
-      // lane 0, which ptxas takes as the same in the whole warp.
       const unsigned q_lo = W::desc_lo(smem_addr(sQ), 16);
-      const unsigned k_lo = __shfl_sync(0xffffffffu, W::desc_lo(smem_addr(sT) + key0 * 128, 16), 0);
+      const unsigned k_lo = W::desc_lo_warp(smem_addr(sT) + key0 * 128, 16);  // this warpgroup's keys
       W::fence();
 #pragma unroll
       for (int kk = 0; kk < DQK / 16; ++kk)
@@ -162,8 +160,7 @@ struct MlaConsumer {
     if constexpr (WGMMA) {
       // V is N-major here; this warpgroup's ON columns start at 64-column block cg * ON / 64.
       using W = WgmmaOps<BF16>;
-      const unsigned v_lo =
-          __shfl_sync(0xffffffffu, W::desc_lo(smem_addr(sT) + (cg * ON / 64) * LT::BLOCK_BYTES, LT::BLOCK_BYTES), 0);
+      const unsigned v_lo = W::desc_lo_warp(smem_addr(sT) + (cg * ON / 64) * LT::BLOCK_BYTES, LT::BLOCK_BYTES);
       const unsigned p_lo = W::desc_lo(smem_addr(sP), 16);
       W::fence();
 #pragma unroll

@@ -101,9 +101,7 @@ struct FwdConsumer {
   static __device__ __forceinline__ void qk_wgmma(float (&acc_s)[M_TILES][N_TILES][4], const T* sQ, const T* sKs,
                                                   int warp) {
     using W = WgmmaOps<BF16>;  // compiled only where called: WgmmaOps exists on sm_90a alone
-    // The warpgroup's Q rows through a shuffle from lane 0, which ptxas takes as the same in the whole warp: the
-    // steps' descriptors are then uniform-register adds, not vector ones moved across.
-    const unsigned q_lo = __shfl_sync(0xffffffffu, W::desc_lo(smem_addr(sQ) + (warp / 4) * 64 * 128, 16), 0);
+    const unsigned q_lo = W::desc_lo_warp(smem_addr(sQ) + (warp / 4) * 64 * 128, 16);  // the warpgroup's Q rows
     const unsigned k_lo = W::desc_lo(smem_addr(sKs), 16);
     W::fence();
 #pragma unroll
