@@ -50,8 +50,9 @@ struct MlaAlternate {
 #pragma unroll
       for (int c = 0; c < 4; ++c) sc[n][c] = 0.f;
     W::hold(sc);  // zeroed before the fence (operand copies after it: C7519, NVRTC 13.0)
-    const unsigned q_at = smem_addr(sQ);
-    const unsigned k_at = ring + slot * TILE_ELEMS * (int)sizeof(T);
+    // the steps' descriptors as uniform adds to each tile's low word (WgmmaOps::desc_step)
+    const unsigned q_lo = W::desc_lo(smem_addr(sQ), 16);
+    const unsigned k_lo = W::desc_lo(ring + slot * TILE_ELEMS * (int)sizeof(T), 16);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int half = h ^ first;
@@ -60,13 +61,14 @@ struct MlaAlternate {
 #pragma unroll
       for (int kk = 0; kk < DC / 32; ++kk) {
         const int k = half * (DC / 32) + kk;
-        Wgmma<BLOCK_N, BF16>::ss(sc, W::desc_k(q_at, k, LQ::BLOCK_BYTES), W::desc_k(k_at, k, LT::BLOCK_BYTES),
-                                 h > 0 || kk > 0);
+        Wgmma<BLOCK_N, BF16>::ss(sc, W::desc_step(q_lo, W::k_bytes(k, LQ::BLOCK_BYTES)),
+                                 W::desc_step(k_lo, W::k_bytes(k, LT::BLOCK_BYTES)), h > 0 || kk > 0);
       }
       if (half == 1)
 #pragma unroll
         for (int kk = 0; kk < ROPE_KK; ++kk)
-          Wgmma<BLOCK_N, BF16>::template rs<0>(sc, rq[kk], W::desc_k(k_at, DC / 16 + kk, LT::BLOCK_BYTES));
+          Wgmma<BLOCK_N, BF16>::template rs<0>(sc, rq[kk],
+                                               W::desc_step(k_lo, W::k_bytes(DC / 16 + kk, LT::BLOCK_BYTES)));
     }
     W::commit();
     W::template wait<0>();
@@ -90,7 +92,8 @@ struct MlaAlternate {
   // O += P V over this warpgroup's columns of the tile in `slot`: P from registers, or from shared memory.
   static __device__ __forceinline__ void pv_regs(float (&acc_o)[DC / 16][4], unsigned ring, int wg,
                                                  const float (&sc)[BLOCK_N / 8][4], int slot) {
-    const unsigned v_at = ring + slot * TILE_ELEMS * (int)sizeof(T) + wg * HALF_BLOCKS * LT::BLOCK_BYTES;
+    const unsigned v_lo =
+        W::desc_lo(ring + slot * TILE_ELEMS * (int)sizeof(T) + wg * HALF_BLOCKS * LT::BLOCK_BYTES, LT::BLOCK_BYTES);
     // every P fragment packed, and held there, before the fence (packing between the wgmma: C7519, NVRTC 13.0)
     unsigned a[BLOCK_N / 16][4];
 #pragma unroll
@@ -101,17 +104,19 @@ struct MlaAlternate {
     W::fence();
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-      Wgmma<DC / 2, BF16>::rs(acc_o, a[kk], W::desc_mn(v_at, kk, LT::BLOCK_BYTES));
+      Wgmma<DC / 2, BF16>::rs(acc_o, a[kk], W::desc_step(v_lo, W::mn_bytes(kk)));
     W::commit();
   }
   static __device__ __forceinline__ void pv_smem(float (&acc_o)[DC / 16][4], unsigned ring, int wg, const T* sp,
                                                  int slot) {
-    const unsigned v_at = ring + slot * TILE_ELEMS * (int)sizeof(T) + wg * HALF_BLOCKS * LT::BLOCK_BYTES;
+    const unsigned v_lo =
+        W::desc_lo(ring + slot * TILE_ELEMS * (int)sizeof(T) + wg * HALF_BLOCKS * LT::BLOCK_BYTES, LT::BLOCK_BYTES);
+    const unsigned p_lo = W::desc_lo(smem_addr(sp), 16);
     W::fence();
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-      Wgmma<DC / 2, BF16>::template ss<1>(acc_o, W::desc_k(smem_addr(sp), kk, LP::BLOCK_BYTES),
-                                          W::desc_mn(v_at, kk, LT::BLOCK_BYTES), 1);
+      Wgmma<DC / 2, BF16>::template ss<1>(acc_o, W::desc_step(p_lo, W::k_bytes(kk, LP::BLOCK_BYTES)),
+                                          W::desc_step(v_lo, W::mn_bytes(kk)), 1);
     W::commit();
   }
 

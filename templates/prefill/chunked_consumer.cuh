@@ -55,35 +55,36 @@ struct ChunkedConsumer {
     if (s < QK_STEPS) {
       // S (+)= Q_c K_c^T: all 64 rows against this warpgroup's SN keys (whole 8-row swizzle atoms).
       // (TMA: Q's chunk s of its own tile, the slot K's chunk alone)
-      const unsigned q_at = K::TMA ? smem_addr(sm.q) + s * (DK / 64) * LQ::BLOCK_BYTES : smem_addr(st);
-      const unsigned k_at = smem_addr(st + (K::TMA ? 0 : BLOCK_M * DK)) + cg * SN * 128;
+      // (the steps' descriptors as uniform adds to each tile's low word: WgmmaOps::desc_step)
+      const unsigned q_lo = W::desc_lo(K::TMA ? smem_addr(sm.q) + s * (DK / 64) * LQ::BLOCK_BYTES : smem_addr(st), 16);
+      const unsigned k_lo = W::desc_lo_warp(smem_addr(st + (K::TMA ? 0 : BLOCK_M * DK)) + cg * SN * 128, 16);
 #pragma unroll
       for (int kk = 0; kk < DK / 16; ++kk)
-        Wgmma<SN, BF16>::ss(acc_s[0], W::desc_k(q_at, kk, LQ::BLOCK_BYTES), W::desc_k(k_at, kk, LK::BLOCK_BYTES),
-                            s > 0 || kk > 0);
+        Wgmma<SN, BF16>::ss(acc_s[0], W::desc_step(q_lo, W::k_bytes(kk, LQ::BLOCK_BYTES)),
+                            W::desc_step(k_lo, W::k_bytes(kk, LK::BLOCK_BYTES)), s > 0 || kk > 0);
     } else {
       // O[:, this step's VCW columns of the warpgroup] += P[:, VK keys] V (N-major).
       const int v = s - QK_STEPS;
       const int kb = v / V_COL_STEPS;
       const int cs = v % V_COL_STEPS;
-      const unsigned p_at = smem_addr(sm.p);
+      const unsigned p_lo = W::desc_lo(smem_addr(sm.p), 16);
       if (K::V_TAIL && cs == V_COL_STEPS - 1) {
         // The tail: this warpgroup's 32 columns start 64 bytes into each row of the block for the
         // second one (the swizzle is a function of the address: the atom stays 1024-byte aligned).
         auto& o = *reinterpret_cast<float(*)[4][4]>(&acc_o[0][(ON - 32) / 8]);
         // (TMA: each warpgroup's tail in a block of its own, VK rows of 128 bytes)
-        const unsigned v_at = smem_addr(st) + cg * (K::TMA ? VK * 128 : 64);
+        const unsigned v_lo = W::desc_lo_warp(smem_addr(st) + cg * (K::TMA ? VK * 128 : 64), LVT::BLOCK_BYTES);
 #pragma unroll
         for (int kk = 0; kk < VK / 16; ++kk)
-          Wgmma<32, BF16>::template ss<1>(o, W::desc_k(p_at, kb * (VK / 16) + kk, LP::BLOCK_BYTES),
-                                          W::desc_mn(v_at, kk, LVT::BLOCK_BYTES), 1);
+          Wgmma<32, BF16>::template ss<1>(o, W::desc_step(p_lo, W::k_bytes(kb * (VK / 16) + kk, LP::BLOCK_BYTES)),
+                                          W::desc_step(v_lo, W::mn_bytes(kk)), 1);
       } else {
         auto& o = *reinterpret_cast<float(*)[VCW / 8][4]>(&acc_o[0][cs * (VCW / 8)]);
-        const unsigned v_at = smem_addr(st) + (cg * VCW / 64) * LV::BLOCK_BYTES;
+        const unsigned v_lo = W::desc_lo_warp(smem_addr(st) + (cg * VCW / 64) * LV::BLOCK_BYTES, LV::BLOCK_BYTES);
 #pragma unroll
         for (int kk = 0; kk < VK / 16; ++kk)
-          Wgmma<VCW, BF16>::template ss<1>(o, W::desc_k(p_at, kb * (VK / 16) + kk, LP::BLOCK_BYTES),
-                                           W::desc_mn(v_at, kk, LV::BLOCK_BYTES), 1);
+          Wgmma<VCW, BF16>::template ss<1>(o, W::desc_step(p_lo, W::k_bytes(kb * (VK / 16) + kk, LP::BLOCK_BYTES)),
+                                           W::desc_step(v_lo, W::mn_bytes(kk)), 1);
       }
     }
     W::commit();
