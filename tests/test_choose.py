@@ -118,7 +118,14 @@ MLA = [
     ("sm_90a", 0.7, 64, 64, 8192, False, 0, "q64 alternate kv64 w8 s2 wgmma tma", 2, 0, False, '_merge'),
     ("sm_90a", 0.7, 64, 8, 8192, False, 0, "q64 true kv64 w8 s2 wgmma tma", 16, 0, True, '_merge_fine'),
     ("sm_90a", 0.7, 128, 8, 32768, False, 0, "q64 alternate kv64 w8 s2 wgmma tma", 8, 0, False, '_merge'),
-    ("sm_90a", 0.7, 128, 64, 1024, False, 0, "q64 true kv64 w8 s2 wgmma tma", 1, 0, False, None),
+    # on fast memory, two row blocks and the keys not split: alternate tiles from 8 tiles a CTA; split, from 32
+    ("sm_90a", 0.7, 128, 64, 1024, False, 0, "q64 alternate kv64 w8 s2 wgmma tma", 1, 0, False, None),
+    ("sm_90a", 0.7, 128, 128, 512, False, 0, "q64 alternate kv64 w8 s2 wgmma tma", 1, 0, False, None),
+    ("sm_90a", 0.7, 128, 128, 256, False, 0, "q64 true kv64 w8 s2 wgmma tma", 1, 0, False, None),
+    ("sm_90a", 0.7, 128, 8, 8192, False, 0, "q64 true kv64 w8 s2 wgmma tma", 8, 0, True, '_merge'),
+    ("sm_90a", 0.5, 128, 64, 1024, False, 0, "q64 true kv64 w8 s2 wgmma tma", 1, 0, False, None),
+    # one row block (64 heads) stays sharded below 32 tiles
+    ("sm_90a", 0.7, 64, 128, 512, False, 0, "q64 true kv64 w8 s2 wgmma tma", 1, 0, False, None),
     # the row blocks fill 0.4 of the SMs and every cluster of their splits is resident: the cluster_merge kernel
     ("sm_90a", 0.7, 128, 28, 1024, False, 0, "q64 true kv64 w8 s2 wgmma tma clmerge", 2, 2, False, None),
     ("sm_90a", 0.7, 64, 56, 1024, True, 64, "q64 true kv64 w8 s2 wgmma tma clmerge", 2, 2, False, None),

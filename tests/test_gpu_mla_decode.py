@@ -376,12 +376,14 @@ def test_lazy_rescale_climbing_scores(shard, pattern, q_len, splits):
 def test_auto_takes_alternate_tiles_for_many_rows_and_long_runs(monkeypatch):
     """qk_shard=auto: the alternate-tile kernel where a sequence's rows fill two 64-row blocks (or one, on
     fast memory, with ALTERNATE_ONE_BLOCK_MIN_BATCH blocks in the batch) and every CTA gets
-    ALTERNATE_MIN_TILES tiles, the sharded one otherwise or when the caller pins qk_shard."""
+    ALTERNATE_MIN_TILES tiles (ALTERNATE_MIN_TILES_UNSPLIT unsplit on fast memory with two blocks), the sharded one
+    otherwise or when the caller pins qk_shard."""
     _sm90a_only()
     from attngen.families.mla_decode import choose, op
 
     seen = _chosen(monkeypatch, "qk_shard")
-    monkeypatch.setattr(choose, "ALTERNATE_MIN_TILES", 2)
+    for name in ("ALTERNATE_MIN_TILES", "ALTERNATE_MIN_TILES_UNSPLIT"):
+        monkeypatch.setattr(choose, name, 2)
     run_case([4000, 3000, 129], 128, 1, num_splits=1)
     assert seen[-1] is choose.QkShard.ALTERNATE
     run_case([4000, 3000, 129], 64, 1, num_splits=1)  # one row block

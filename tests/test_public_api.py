@@ -191,7 +191,8 @@ def test_mla_decode_docstring_names_no_private_constant():
     assert not named, named
     # the numbers it gives in their place are the constants' values
     assert f"{round(op.FAST_MEMORY_SHARE * 100)}% or more" in doc
-    assert f"at least {op.ALTERNATE_MIN_TILES} tiles of 64 keys" in doc
+    assert f"at least {op.ALTERNATE_MIN_TILES} tiles of 64 keys and" in doc
+    assert f"not split, from {op.ALTERNATE_MIN_TILES_UNSPLIT} tiles of" in doc
     assert f"a batch of {op.ALTERNATE_ONE_BLOCK_MIN_BATCH} or more" in doc
 
 

@@ -26,6 +26,10 @@ from .spec import MERGE_COLS, MERGE_FINE_COLS, MERGE_THREADS, MERGE_WIDE_COLS, M
 # and each CTA gets at least this many 64-key tiles; the sharded form elsewhere (with fewer tiles a CTA, or
 # at 64 heads, alternate tiles did not pay).
 ALTERNATE_MIN_TILES = 32
+# On fast memory (FAST_MEMORY_SHARE), with two row blocks or more and the keys not split, from this many: there its
+# cheaper steps pay for its longer start and end from short runs on. With split keys at 16 tiles a CTA, or one row
+# block (64 heads) at 8, they did not (0.96-0.99x and 0.89-0.96x the sharded form).
+ALTERNATE_MIN_TILES_UNSPLIT = 8
 # The three rules below take effect only on a device whose memory needs FAST_MEMORY_SHARE of its SMs or more to
 # reach its bandwidth (split_kv.saturating_share: about 0.70 on an H200, 0.49 on an H100). There the default kernels
 # cannot keep up with the memory; where it needs fewer SMs, each rule's kernel ran about even with the default.
@@ -200,10 +204,13 @@ def choose(p: Problem, device: DeviceFacts, tuned=()) -> Choice:
                                    max(1, device.occupancy(rs)), (1 if rs.fp8 else 2) * rs.cta_tile_kv * (rank + rope),
                                    4 * b * q_len * h * rank, q_bytes=2 * b * row_blocks * rows * (rank + rope),
                                    side_weight=weight, out_passes=passes)
-    many_rows = row_blocks >= 2 or (b * row_blocks >= ALTERNATE_ONE_BLOCK_MIN_BATCH
-                                    and device.memory_share >= FAST_MEMORY_SHARE)
+    fast_memory = device.memory_share >= FAST_MEMORY_SHARE
+    many_rows = row_blocks >= 2 or (b * row_blocks >= ALTERNATE_ONE_BLOCK_MIN_BATCH and fast_memory)
+    min_tiles = ALTERNATE_MIN_TILES
+    if fast_memory and row_blocks >= 2 and num_splits == 1:
+        min_tiles = ALTERNATE_MIN_TILES_UNSPLIT
     if (many_rows and rs.qk_shard is QkShard.TRUE and not rs.fp8 and (p.spec is None or not p.spec.qk_shard)
-            and -(-p.capacity // rs.cta_tile_kv) >= ALTERNATE_MIN_TILES * num_splits):
+            and -(-p.capacity // rs.cta_tile_kv) >= min_tiles * num_splits):
         alt = _variant(rs, device.arch, "alternate")
         if alt is not None:  # the same shared memory and grid: the split stands
             rs = alt

@@ -88,7 +88,8 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     of the SMs streaming to reach (an H200, about 70%; not an H100, about 49%). Left at ``auto``,
     ``qk_shard`` becomes ``alternate`` on sm_90a where each CTA gets at least 32 tiles of 64 keys and the
     packed query rows (heads x q_len) fill two 64-row blocks or more, or one such block on fast memory with
-    a batch of 64 or more. A call with 32 packed query rows (32 heads, or 16 heads x 2 tokens), a contiguous
+    a batch of 64 or more; on fast memory, with two blocks or more and the keys not split, from 8 tiles of
+    64 keys on. A call with 32 packed query rows (32 heads, or 16 heads x 2 tokens), a contiguous
     cache (or paged blocks of a multiple of 64) and no pinned tuning field runs them as one 64-row block of
     sm_90a's wgmma kernel on fast memory. With ``return_lse`` also the fp32 LSE ``[batch, heads, q_len]``;
     a token that sees no key gives zeros and LSE -inf.
