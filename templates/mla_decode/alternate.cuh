@@ -89,11 +89,14 @@ struct MlaAlternate {
         *reinterpret_cast<unsigned*>(dst + LP::offset(row0 + g + 8 * r, n * 8) + 2 * t) =
             pack2<BF16>(sc[n][2 * r] * f[r], sc[n][2 * r + 1] * f[r]);
   }
+  // The descriptor low word of this warpgroup's V columns (its half of the ckv blocks) of the tile in `slot`.
+  static __device__ __forceinline__ unsigned v_desc_lo(unsigned ring, int wg, int slot) {
+    return W::desc_lo(ring + slot * TILE_ELEMS * (int)sizeof(T) + wg * HALF_BLOCKS * LT::BLOCK_BYTES, LT::BLOCK_BYTES);
+  }
   // O += P V over this warpgroup's columns of the tile in `slot`: P from registers, or from shared memory.
   static __device__ __forceinline__ void pv_regs(float (&acc_o)[DC / 16][4], unsigned ring, int wg,
                                                  const float (&sc)[BLOCK_N / 8][4], int slot) {
-    const unsigned v_lo =
-        W::desc_lo(ring + slot * TILE_ELEMS * (int)sizeof(T) + wg * HALF_BLOCKS * LT::BLOCK_BYTES, LT::BLOCK_BYTES);
+    const unsigned v_lo = v_desc_lo(ring, wg, slot);
     // every P fragment packed, and held there, before the fence (packing between the wgmma: C7519, NVRTC 13.0)
     unsigned a[BLOCK_N / 16][4];
 #pragma unroll
@@ -109,8 +112,7 @@ struct MlaAlternate {
   }
   static __device__ __forceinline__ void pv_smem(float (&acc_o)[DC / 16][4], unsigned ring, int wg, const T* sp,
                                                  int slot) {
-    const unsigned v_lo =
-        W::desc_lo(ring + slot * TILE_ELEMS * (int)sizeof(T) + wg * HALF_BLOCKS * LT::BLOCK_BYTES, LT::BLOCK_BYTES);
+    const unsigned v_lo = v_desc_lo(ring, wg, slot);
     const unsigned p_lo = W::desc_lo(smem_addr(sp), 16);
     W::fence();
 #pragma unroll
