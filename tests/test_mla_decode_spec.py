@@ -273,3 +273,19 @@ def test_cluster_merge_form_of_the_wgmma_kernel():
                        ("q_rows=32,mma=mma_sync", "sm_90a")):
         with pytest.raises(SpecError, match="cluster_merge"):
             resolve(parse_spec(f"mla_decode:cluster_merge=true,{text}"), arch)
+
+
+def test_one_cta_an_sm_is_said_where_shared_memory_leaves_room_for_no_second():
+    """A kernel whose shared memory fits one CTA an SM on every arch says so in its launch bounds (ptxas, left to
+    guess, aimed 16-row kernels at two CTAs, capped them at 128 registers and spilled); one that leaves room for two
+    leaves ptxas its choice."""
+    from attngen.render import render
+
+    big = resolve(parse_spec("mla_decode:q_rows=16,paged=true"), "sm_90a")
+    small = resolve(parse_spec("mla_decode:kv_lora_rank=256,rope_dim=32,q_rows=16,qk_shard=false,cta_tile_kv=16,"
+                               "num_warps=4,num_stages=1"), "sm_80")
+    most = max(a.smem_per_sm for a in ARCHS.values())
+    assert 2 * (big.smem_bytes() + 1024) > most and big.one_cta_an_sm()
+    assert 2 * (small.smem_bytes() + 1024) <= most and not small.one_cta_an_sm()
+    assert f"__launch_bounds__({big.threads}, 1)\n{big.kernel_name}(" in render(big)
+    assert f"__launch_bounds__({small.threads})\n{small.kernel_name}(" in render(small)

@@ -46,6 +46,28 @@ struct MlaEpilogue {
     }
   }
 
+  // One split's O, staged in shared memory as [ROWS][O_ROW] (a row padded by 16 bytes, so the fragment stores of a
+  // warp's 8 rows fall in distinct banks), written a whole row at a time: a warp a row, a lane 16 bytes of each 512.
+  // Written from the fragments, a warp's store was 8 rows of 16 bytes; those stores held the most stall samples of
+  // a short sequence's CTA.
+  static constexpr int O_ROW = DC + 8;
+  static_assert(DC % 256 == 0, "a row in 16-byte lanes");
+  static __device__ __forceinline__ void store_rows(const MlaParams<T>& p, const T* sO, int batch, int r_begin,
+                                                    int rows_total, int tid) {
+    const int lane = tid % 32;
+#pragma unroll 1
+    for (int row = tid / 32; row < ROWS; row += THREADS / 32) {
+      const int gr = r_begin + row;
+      if (gr >= rows_total) break;
+      const int qi = p.q_len == 1 ? 0 : gr / p.num_heads;
+      const int head = gr - qi * p.num_heads;
+      T* dst = p.o + batch * p.o_sb + qi * p.o_ss + head * p.o_sh;
+#pragma unroll
+      for (int c = lane * 8; c < DC; c += 256)
+        *reinterpret_cast<uint4*>(dst + c) = *reinterpret_cast<const uint4*>(sO + row * O_ROW + c);
+    }
+  }
+
   // 16 rows, the splits a cluster: the rows every CTA left in sPart and sLse merged, each CTA writing its share
   // of them to o and lse.
   static __device__ __forceinline__ void cluster_rows(const MlaParams<T>& p, float* sPart, float* sLse, int valid,

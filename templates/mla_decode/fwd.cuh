@@ -244,6 +244,11 @@ struct MlaDecode {
     float* sLse = sPart + (PUSH_MERGE ? p.num_splits * mrows : ROWS) * DC;
     auto inv_of = [&](int r) { return l[r] > 0.f ? 1.f / l[r] : 0.f; };
     auto lse_of = [&](int r) { return l[r] > 0.f ? row_max[r] * p.sm_scale + logf(l[r]) : -ATTNGEN_INF; };
+    // One split: O staged over Q (O_ROW: see Epilogue::store_rows), every warp past its last read of Q first (the
+    // sharded and alternate forms' row sums met after the loop already).
+    static_assert(ROWS * Epilogue::O_ROW <= Q_ELEMS, "O staged over Q");
+    T* sO = sQ;
+    if (!(QK_SHARD || ALT) && p.num_splits == 1) consumers_sync();
     if (cl && !PUSH_MERGE) __syncthreads();  // every warp is past its last read of Q and the ring
     if (cl && PUSH_MERGE) {
       cluster_sync();  // every CTA of the cluster is past its last read of Q and the ring
@@ -277,7 +282,8 @@ struct MlaDecode {
                              cg * ON + 2 * t);
       }
       if (p.num_splits == 1 || (cl && PUSH_MERGE)) {
-        T* dst = p.o + batch * p.o_sb + qi * p.o_ss + head * p.o_sh + cg * ON + 2 * t;
+        T* dst = p.num_splits == 1 ? sO + row * Epilogue::O_ROW + cg * ON + 2 * t
+                                   : p.o + batch * p.o_sb + qi * p.o_ss + head * p.o_sh + cg * ON + 2 * t;
 #pragma unroll
         for (int d = 0; d < ON / 8; ++d)
           *reinterpret_cast<unsigned*>(dst + d * 8) = pack2<BF16>(acc_o[d][2 * r] * inv, acc_o[d][2 * r + 1] * inv);
@@ -298,6 +304,10 @@ struct MlaDecode {
         if (cg == 0 && t == 0)
           p.lse_part[(long long)split * out_rows + ((long long)batch * p.num_heads + head) * p.q_len + qi] = lse;
       }
+    }
+    if (p.num_splits == 1) {
+      consumers_sync();  // the rows staged
+      Epilogue::store_rows(p, sO, batch, r_begin, rows_total, tid);
     }
     if (cl && !PUSH_MERGE) Epilogue::cluster_rows(p, sPart, sLse, valid, split, batch, r_begin, tid);
   }

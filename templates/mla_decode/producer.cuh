@@ -24,23 +24,33 @@ struct MlaProducer {
   static constexpr int DC = K::DC_, DQK = K::DQK, ROWS = K::ROWS_, BLOCK_N = K::BLOCK_N_, THREADS = K::THREADS;
   static constexpr int NUM_STAGES = K::NUM_STAGES_, BARS = K::BARS, TILE_ELEMS = K::TILE_ELEMS;
 
-  // Q: ROWS packed rows from r_begin (rows past the last head of the last token are zeros), by cp.async. The
-  // division of a row by the head count was most of a short sequence's instructions; one token needs none.
+  // Q: ROWS packed rows from r_begin (rows past the last head of the last token are zeros), by cp.async. QT threads
+  // share a row, thread tid taking its 16-byte chunk of each run of QT chunks, so a row's two pointers are computed
+  // once and each chunk sits at a constant offset: walking the flat chunk index instead (a division by the chunks of
+  // a row, then the head split, per chunk) was half of a short sequence's instructions. One token needs no division.
+  static constexpr int QT = THREADS / ROWS >= 16 ? 16 : 8;
   static __device__ __forceinline__ void load_q(const MlaParams<T>& p, T* sQ, int batch, int r_begin, int rows_total,
                                                 int tid) {
-    for (int idx = tid; idx < ROWS * (DQK / 8); idx += THREADS) {
-      const int r = idx / (DQK / 8);
-      const int col = (idx % (DQK / 8)) * 8;
+    static_assert(DC % (8 * QT) == 0 && THREADS % QT == 0, "Q's runs of chunks");
+    const int cc = (tid % QT) * 8;
+#pragma unroll
+    for (int r = tid / QT; r < ROWS; r += THREADS / QT) {
       const int gr = r_begin + r;
       const bool ok = gr < rows_total;
-      const T* src = p.q_nope;
+      const T* nope = p.q_nope;
+      const T* pe = p.q_pe;
       if (ok) {
-        const int qi = p.q_len == 1 ? 0 : gr / p.num_heads;  // one token (most decode steps): no division
+        const int qi = p.q_len == 1 ? 0 : gr / p.num_heads;
         const int head = gr - qi * p.num_heads;
-        src = col < DC ? p.q_nope + batch * p.qn_sb + qi * p.qn_ss + head * p.qn_sh + col
-                       : p.q_pe + batch * p.qp_sb + qi * p.qp_ss + head * p.qp_sh + (col - DC);
+        nope += batch * p.qn_sb + qi * p.qn_ss + head * p.qn_sh + cc;
+        pe += batch * p.qp_sb + qi * p.qp_ss + head * p.qp_sh + cc;
       }
-      cp_async_16(smem_addr(sQ + LQ::offset(r, col)), src, ok);
+#pragma unroll
+      for (int j = 0; j < (DQK + 8 * QT - 1) / (8 * QT); ++j) {
+        const int c0 = j * 8 * QT;  // the run's first column
+        if (c0 + 8 * QT <= DQK || cc < DQK - c0)  // the last run may be cut short (rope 32)
+          cp_async_16(smem_addr(sQ + LQ::offset(r, c0 + cc)), c0 < DC ? nope + c0 : pe + (c0 - DC), ok);
+      }
     }
   }
 

@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ...arch import Arch
+from ...arch import ARCHS, Arch
 from ...errors import SpecError
 from ...spec import DType, Mma, Pipeline, SpecBase, check_smem, check_wgmma_arch, coerce_bool, coerce_enum, coerce_int
 from ..decode.spec import KVDType, coerce_kv_dtype
@@ -264,8 +264,16 @@ class MlaDecodeSpec(SpecBase):
                    merge_wide_warps=MERGE_WIDE_WARPS,
                    wgmma=self.wgmma, tma=self.tma, alternate=self.alternate,
                    kv_fp8=0 if self.kv_dtype is None else 1 + list(KVDType).index(self.kv_dtype),
-                   cluster_fits=self.cluster_merge_fits(), cluster_wgmma=self.cluster_merge)
+                   cluster_fits=self.cluster_merge_fits(), cluster_wgmma=self.cluster_merge,
+                   one_cta=self.one_cta_an_sm())
         return ctx
+
+    def one_cta_an_sm(self) -> bool:
+        """Whether the kernel's shared memory (with the 1 KB an SM reserves for each CTA) leaves no room for a second
+        CTA on any arch's SM. Such a kernel says so to ptxas (``__launch_bounds__``' minimum of one block): left to
+        guess, ptxas aimed some 256-thread kernels at two CTAs an SM, held them to 128 registers a thread and
+        spilled."""
+        return 2 * (self.smem_bytes() + 1024) > max(a.smem_per_sm for a in ARCHS.values())
 
     # --- fit ---------------------------------------------------------------------------------
     def check(self, a: Arch) -> None:
