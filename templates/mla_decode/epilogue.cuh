@@ -59,9 +59,8 @@ struct MlaEpilogue {
     for (int row = tid / 32; row < ROWS; row += THREADS / 32) {
       const int gr = r_begin + row;
       if (gr >= rows_total) break;
-      const int qi = p.q_len == 1 ? 0 : gr / p.num_heads;
-      const int head = gr - qi * p.num_heads;
-      T* dst = p.o + batch * p.o_sb + qi * p.o_ss + head * p.o_sh;
+      const int2 th = K::token_head(p, gr);
+      T* dst = p.o + batch * p.o_sb + th.x * p.o_ss + th.y * p.o_sh;
 #pragma unroll
       for (int c = lane * 8; c < DC; c += 256)
         *reinterpret_cast<uint4*>(dst + c) = *reinterpret_cast<const uint4*>(sO + row * O_ROW + c);

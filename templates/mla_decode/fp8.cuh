@@ -40,10 +40,9 @@ struct MlaFp8 {
 
   // Where Q's chunk of columns [col, col + 16) of packed row gr (token x head) of batch row `batch` lies.
   static __device__ __forceinline__ const uint4* q_chunk(const MlaParams<T>& p, int batch, int gr, int col) {
-    const int qi = p.q_len == 1 ? 0 : gr / p.num_heads;
-    const int head = gr - qi * p.num_heads;
-    const T* src = col < DC ? p.q_nope + batch * p.qn_sb + qi * p.qn_ss + head * p.qn_sh + col
-                            : p.q_pe + batch * p.qp_sb + qi * p.qp_ss + head * p.qp_sh + col - DC;
+    const int2 th = K::token_head(p, gr);
+    const T* src = col < DC ? p.q_nope + batch * p.qn_sb + th.x * p.qn_ss + th.y * p.qn_sh + col
+                            : p.q_pe + batch * p.qp_sb + th.x * p.qp_ss + th.y * p.qp_sh + col - DC;
     return reinterpret_cast<const uint4*>(src);
   }
 

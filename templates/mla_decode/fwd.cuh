@@ -128,6 +128,13 @@ struct MlaDecode {
   static constexpr bool CAN_CLUSTER = false;
 #endif
 
+  // Packed query row gr's token and head (row r: token r / heads, head r % heads); one token (most decode steps)
+  // needs no division.
+  static __device__ __forceinline__ int2 token_head(const MlaParams<T>& p, int gr) {
+    const int qi = p.q_len == 1 ? 0 : gr / p.num_heads;
+    return make_int2(qi, gr - qi * p.num_heads);
+  }
+
   // Where the consumer warps meet: the whole CTA, or (PRODUCER_WG) named barrier 1 of the consumers alone.
   static __device__ __forceinline__ void consumers_sync() {
     if constexpr (PRODUCER_WG)

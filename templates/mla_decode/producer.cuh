@@ -27,7 +27,7 @@ struct MlaProducer {
   // Q: ROWS packed rows from r_begin (rows past the last head of the last token are zeros), by cp.async. QT threads
   // share a row, thread tid taking its 16-byte chunk of each run of QT chunks, so a row's two pointers are computed
   // once and each chunk sits at a constant offset: walking the flat chunk index instead (a division by the chunks of
-  // a row, then the head split, per chunk) was half of a short sequence's instructions. One token needs no division.
+  // a row, then the head split, per chunk) was half of a short sequence's instructions.
   static constexpr int QT = THREADS / ROWS >= 16 ? 16 : 8;
   static __device__ __forceinline__ void load_q(const MlaParams<T>& p, T* sQ, int batch, int r_begin, int rows_total,
                                                 int tid) {
@@ -40,10 +40,9 @@ struct MlaProducer {
       const T* nope = p.q_nope;
       const T* pe = p.q_pe;
       if (ok) {
-        const int qi = p.q_len == 1 ? 0 : gr / p.num_heads;
-        const int head = gr - qi * p.num_heads;
-        nope += batch * p.qn_sb + qi * p.qn_ss + head * p.qn_sh + cc;
-        pe += batch * p.qp_sb + qi * p.qp_ss + head * p.qp_sh + cc;
+        const int2 th = K::token_head(p, gr);
+        nope += batch * p.qn_sb + th.x * p.qn_ss + th.y * p.qn_sh + cc;
+        pe += batch * p.qp_sb + th.x * p.qp_ss + th.y * p.qp_sh + cc;
       }
 #pragma unroll
       for (int j = 0; j < (DQK + 8 * QT - 1) / (8 * QT); ++j) {
