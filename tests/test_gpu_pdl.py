@@ -8,8 +8,9 @@ inputs before ``griddepcontrol.wait`` would therefore see the previous kernel's 
 before it is written: every buffer starts as NaN, so such a read fails the comparison. Each step
 of a chain takes the previous step's output as its query (split and merge launches, forced
 splits and one split), eagerly and replayed from a CUDA graph, against an fp32 reference of
-that step computed from the same input. mla_decode launches without the attribute (measured
-slower with it at 128 heads, BENCHMARKS.md); its chain guards the same ordering.
+that step computed from the same input. mla_decode's 16- and 32-row modules launch their merge entries with the
+attribute (the split kernel lets them start), its 64-row ones without (measured slower at 128 heads, BENCHMARKS.md);
+its chain (16 heads, split) guards the same ordering.
 """
 
 from __future__ import annotations

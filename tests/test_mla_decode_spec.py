@@ -289,3 +289,22 @@ def test_one_cta_an_sm_is_said_where_shared_memory_leaves_room_for_no_second():
     assert 2 * (small.smem_bytes() + 1024) <= most and not small.one_cta_an_sm()
     assert f"__launch_bounds__({big.threads}, 1)\n{big.kernel_name}(" in render(big)
     assert f"__launch_bounds__({small.threads})\n{small.kernel_name}(" in render(small)
+
+
+@pytest.mark.parametrize("text,arch,listed", [
+    ("q_rows=16,paged=true", "sm_90a", True), ("q_rows=32", "sm_90a", True), ("q_rows=16,kv_dtype=fp8_e4m3", "sm_80", True),
+    ("q_rows=64", "sm_90a", False), ("q_rows=64,kv_dtype=fp8_e4m3", "sm_90a", False), ("q_rows=64", "sm_80", False),
+])
+def test_merge_entries_launch_with_pdl_below_64_rows(text, arch, listed):
+    """16- and 32-row modules list their merge entries for programmatic dependent launch: each merge entry waits
+    for the split launch in pdl_enter and the main entry triggers the merge's launch; 64-row modules (the wgmma
+    kernel, where the merge edge measured slower with PDL) list none and render neither."""
+    from attngen.render import render
+
+    spec = resolve(parse_spec(f"mla_decode:{text}"), arch)
+    src = render(spec)
+    assert spec.PDL_ENTRIES == (("_merge", "_merge_fine", "_merge_wide") if listed else ())
+    assert "" not in spec.PDL_ENTRIES  # the split launch itself never waits on the kernel before it
+    body = src[src.index(f"{spec.kernel_name}("):]  # the entries, past the helpers' definitions
+    assert body.count("attngen::pdl_trigger();") == (1 if listed else 0)
+    assert body.count("attngen::pdl_enter();") == (3 if listed else 0)

@@ -17,6 +17,15 @@ __device__ __forceinline__ void pdl_enter() {
 #endif
 }
 
+// The PDL trigger alone (sm_90 and newer): the kernel after this one on the stream, where it is launched with the
+// programmatic-serialization attribute, may start launching once every CTA of this one has passed here; it still
+// waits in its own pdl_enter until this one has completed.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // Thread-block clusters (sm_90 and newer; nothing on older archs, where no kernel calls them): a
 // barrier across the cluster's CTAs that orders their shared-memory writes before each other's
 // reads, the CTA's rank in the cluster, and 16-byte writes to another CTA's shared memory that

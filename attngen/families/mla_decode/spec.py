@@ -30,6 +30,8 @@ MERGE_WIDE_WARPS = 8
 # Its `_merge_fine` entry: `_merge` over MERGE_FINE_COLS columns a warp, for launches of few rows, where 256 columns
 # a warp leave too few warps to keep the memory busy (128 heads, batch 1, 32 splits: 1.08x the time of 64).
 MERGE_FINE_COLS = 64
+# The merge entries that launch with programmatic dependent launch (MlaDecodeSpec.PDL_ENTRIES).
+PDL_MERGE_ENTRIES = ("_merge", "_merge_fine", "_merge_wide")
 # Accumulator registers per thread (O slice + S) past which ptxas spilled in the chunked prefill
 # kernel of the same shape of loop (NVRTC 13.5); the MLA kernel keeps less besides.
 MAX_ACC_REGS = 176
@@ -257,9 +259,17 @@ class MlaDecodeSpec(SpecBase):
         return (("", self.threads, self.smem_bytes()), ("_merge", MERGE_THREADS, 0),
                 ("_merge_fine", MERGE_THREADS, 0), ("_merge_wide", 32 * MERGE_WIDE_WARPS, 0))
 
+    @property
+    def PDL_ENTRIES(self) -> tuple[str, ...]:  # noqa: N802 (Spec.PDL_ENTRIES, per spec here)
+        """The merge entries launch with programmatic dependent launch on sm_90 for the mma.sync kernels' row blocks
+        (16 and 32 rows), whose main entry lets them start launching as soon as its CTAs have all started: the
+        merge's launch then overlaps the split launch's tail. Not for 64-row blocks (the wgmma kernel), where the
+        merge edge measured slower with it (BENCHMARKS, levers)."""
+        return PDL_MERGE_ENTRIES if self.q_rows <= 32 else ()
+
     def template_context(self) -> dict:
         ctx = super().template_context()
-        ctx.update(merge_threads=MERGE_THREADS, merge_cols=MERGE_COLS, merge_fine_cols=MERGE_FINE_COLS,
+        ctx.update(pdl_merge=bool(self.PDL_ENTRIES),merge_threads=MERGE_THREADS, merge_cols=MERGE_COLS, merge_fine_cols=MERGE_FINE_COLS,
                    merge_wide_cols=MERGE_WIDE_COLS,
                    merge_wide_warps=MERGE_WIDE_WARPS,
                    wgmma=self.wgmma, tma=self.tma, alternate=self.alternate,
