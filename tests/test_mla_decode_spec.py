@@ -292,7 +292,8 @@ def test_one_cta_an_sm_is_said_where_shared_memory_leaves_room_for_no_second():
 
 
 @pytest.mark.parametrize("text,arch,listed", [
-    ("q_rows=16,paged=true", "sm_90a", True), ("q_rows=32", "sm_90a", True), ("q_rows=16,kv_dtype=fp8_e4m3", "sm_80", True),
+    ("q_rows=16,paged=true", "sm_90a", True), ("q_rows=32", "sm_90a", True),
+    ("q_rows=16,kv_dtype=fp8_e4m3", "sm_80", True),
     ("q_rows=64", "sm_90a", False), ("q_rows=64,kv_dtype=fp8_e4m3", "sm_90a", False), ("q_rows=64", "sm_80", False),
 ])
 def test_merge_entries_launch_with_pdl_below_64_rows(text, arch, listed):

@@ -261,15 +261,16 @@ class MlaDecodeSpec(SpecBase):
 
     @property
     def PDL_ENTRIES(self) -> tuple[str, ...]:  # noqa: N802 (Spec.PDL_ENTRIES, per spec here)
-        """The merge entries launch with programmatic dependent launch on sm_90 for the mma.sync kernels' row blocks
-        (16 and 32 rows), whose main entry lets them start launching as soon as its CTAs have all started: the
-        merge's launch then overlaps the split launch's tail. Not for 64-row blocks (the wgmma kernel), where the
+        """The merge entries launch with programmatic dependent launch on sm_90 and newer for the mma.sync kernels'
+        row blocks (16 and 32 rows), whose main entry lets them start launching as soon as its CTAs have all started:
+        the merge's launch then overlaps the split launch's tail. Not for 64-row blocks (the wgmma kernel), where the
         merge edge measured slower with it (BENCHMARKS, levers)."""
         return PDL_MERGE_ENTRIES if self.q_rows <= 32 else ()
 
     def template_context(self) -> dict:
         ctx = super().template_context()
-        ctx.update(pdl_merge=bool(self.PDL_ENTRIES),merge_threads=MERGE_THREADS, merge_cols=MERGE_COLS, merge_fine_cols=MERGE_FINE_COLS,
+        ctx.update(pdl_merge=bool(self.PDL_ENTRIES),
+                   merge_threads=MERGE_THREADS, merge_cols=MERGE_COLS, merge_fine_cols=MERGE_FINE_COLS,
                    merge_wide_cols=MERGE_WIDE_COLS,
                    merge_wide_warps=MERGE_WIDE_WARPS,
                    wgmma=self.wgmma, tma=self.tma, alternate=self.alternate,
