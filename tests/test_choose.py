@@ -286,11 +286,11 @@ def decode_problems(s: DecodeSpec):
 def mla_problems(s: MlaDecodeSpec):
     shapes = [(h, q) for h in (1, 8, 16, 24, 32, 48, 64, 96, 128) for q in (1, 2, 4)
               if MlaDecodeSpec.rows_for(h, q) == s.q_rows]
-    blocks = (64, 48, 256) if s.paged else (0,)
+    blocks = (1, 24) if s.page_rows else (64, 48, 256) if s.paged else (0,)
     for user, (h, q), bs, (b, cap) in itertools.product(_users(s), shapes, blocks,
                                                         ((1, 1024), (1, 65536), (8, 32768), (64, 8192), (512, 4096))):
         yield M.Problem(s.kv_lora_rank, s.rope_dim, s.dtype.value, q, h, b, cap, s.paged, bs, user,
-                        kv_dtype=s.kv_dtype)
+                        kv_dtype=s.kv_dtype, page_rows=s.page_rows)
 
 
 def merge_problems(s):
@@ -354,3 +354,22 @@ def test_decode_local_kernels_split_only_a_windows_live_keys():
     assert not whole.spec.local and local.spec.local and window.spec.local
     assert local.launch.num_splits == whole.launch.num_splits, "unbounded on the left: the whole cache"
     assert 1 <= window.launch.num_splits < whole.launch.num_splits, (window.launch, whole.launch)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("heads", [16, 32, 128])
+def test_mla_decode_page_rows_choice(arch, heads):
+    """Paged blocks that are not a multiple of 16 (the op's page_rows, e.g. SGLang's page 1) take the page_rows
+    kernels: on sm_90a the TMA ring gathered by a producer warpgroup, elsewhere the cp.async ring; never alternate
+    tiles or the 32-row widening (their blocks are not whole tiles); blocks of 16 keep the TMA kernels' boxes."""
+    f = facts(arch)
+    for b, cap in ((1, 8192), (8, 4096), (128, 1024)):
+        c = M.choose(M.Problem(512, 64, "bf16", 1, heads, b, cap, True, 1, page_rows=True), f)
+        s = c.spec
+        assert s.page_rows and s.qk_shard.value != "alternate" and s.gather == (arch == "sm_90a")
+        assert s.q_rows == MlaDecodeSpec.rows_for(heads, 1)
+        ref = M.choose(M.Problem(512, 64, "bf16", 1, heads, b, cap, True, 16), f)
+        if arch == "sm_90a":
+            assert ref.spec.tma and not ref.spec.page_rows
+        assert c.launch.row_blocks == -(-heads // s.q_rows)
+

@@ -144,6 +144,43 @@ def test_paged(block_size, heads):
     run_case([1, 63, 700, 2049], heads, 2, block_size=block_size)
 
 
+@pytest.mark.parametrize("block_size", [1, 3, 8, 24, 100, 255])
+@pytest.mark.parametrize("heads", [16, 32, 128])
+@pytest.mark.parametrize("pipeline", [None, "sync"], ids=["default", "sync"])
+def test_page_rows(block_size, heads, pipeline, monkeypatch):
+    """Blocks that are not a multiple of 16 (SGLang's page 1 among them) run the page_rows kernels: every key row's
+    block looked up, on sm_90a by default gathered into the TMA ring by a producer warpgroup, with pipeline=sync by
+    every thread on the cp.async ring; ragged rows, one- and two-token steps, forced splits through the merge."""
+    ran = _chosen(monkeypatch, "gather")
+    spec = None if pipeline is None else f"mla_decode:pipeline={pipeline}"
+    run_case([1, 63, 700, 2049], heads, 2, block_size=block_size, spec=spec)
+    run_case([3000, 65, 1], heads, 1, block_size=block_size, num_splits=3, spec=spec)
+    assert ran and all(g == (pipeline is None and _arch().has_wgmma) for g in ran)
+
+
+@pytest.mark.parametrize("shard", ["true", "false"])
+@pytest.mark.parametrize("tile", [32, 64])
+def test_page_rows_gather_pins(shard, tile):
+    """The gathered ring's other tile configs (sm_90a): S sharded or whole, 32- and 64-key tiles, at 64 and 16 rows."""
+    if not _arch().has_wgmma:
+        pytest.skip("the gathered TMA ring is sm_90a's")
+    stages = 2 if tile == 64 else 4
+    for heads in (128, 16):
+        mma = "wgmma" if heads == 128 else "mma_sync"
+        if mma == "wgmma" and shard == "true" and tile == 32:
+            stages = 3
+        spec = f"mla_decode:qk_shard={shard},cta_tile_kv={tile},num_stages={stages},mma={mma},pipeline=tma"
+        run_case([1, 300, 2049], heads, 1, block_size=5, spec=spec)
+
+
+@pytest.mark.parametrize("heads", [16, 64, 128])
+def test_page_rows_fp16_small_dims_and_default_splits(heads):
+    """Page 1 at fp16 with 256 + 32 dims, and long rows whose split count the op chooses."""
+    run_case([1, 500, 2000], heads, 1, torch.float16, rank=256, rope=32, block_size=1)
+    run_case([16384, 9000], heads, 1, block_size=1)
+
+
+
 @pytest.mark.parametrize("splits", [1, 2, 7, 64])
 def test_forced_splits(splits):
     run_case([100, 1500, 3], 32, 1, num_splits=splits)
@@ -250,9 +287,10 @@ def test_bad_inputs():
         attngen.mla_decode(torch.zeros(2, 1, 16, 384, dtype=torch.bfloat16, device="cuda"), qp,
                            torch.zeros(2, 64, 384, dtype=torch.bfloat16, device="cuda"), p,
                            cache_seqlens=10, sm_scale=0.1)
-    with pytest.raises(attngen.LaunchError, match="block_size=8"):
-        attngen.mla_decode(q, qp, torch.zeros(4, 8, 512, dtype=torch.bfloat16, device="cuda"),
-                           torch.zeros(4, 8, 64, dtype=torch.bfloat16, device="cuda"), cache_seqlens=10,
+    with pytest.raises(attngen.LaunchError, match=r"block_size=300 \(ckv_cache.shape\[1\]\) is not supported; "
+                                                  r"allowed: an int from 1 to 256"):
+        attngen.mla_decode(q, qp, torch.zeros(4, 300, 512, dtype=torch.bfloat16, device="cuda"),
+                           torch.zeros(4, 300, 64, dtype=torch.bfloat16, device="cuda"), cache_seqlens=10,
                            block_table=torch.zeros(2, 2, dtype=torch.int32, device="cuda"), sm_scale=0.1)
     with pytest.raises(attngen.LaunchError, match="share a dtype"):
         attngen.mla_decode(q, qp, c.half(), p, cache_seqlens=10, sm_scale=0.1)

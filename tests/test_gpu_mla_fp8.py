@@ -177,6 +177,17 @@ needs_wgmma = pytest.mark.skipif(not torch.cuda.is_available() or not _wgmma_her
 
 
 @needs_wgmma
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("block_size", [1, 24])
+def test_fp8_mla_page_rows(fmt, heads, block_size):
+    """An fp8 cache in blocks that are not a multiple of 16 (page 1 among them): the mma.sync kernel on the cp.async
+    ring, every key row's block looked up, 64 and 128 heads included (the wgmma kernel's tiles come off the TMA ring
+    only)."""
+    run_case([1, 17, 64, 129, 1000], heads, fmt=fmt, block_size=block_size, expect="mma_sync")
+    run_case([2049, 31], heads, fmt=fmt, dtype=torch.float16, block_size=block_size, num_splits=5, expect="mma_sync")
+
+
 @pytest.mark.parametrize("block_size", [16, 48, 128], ids=lambda b: f"paged{b}")
 @pytest.mark.parametrize("heads", [64, 128])
 def test_fp8_mla_wgmma_paged_boxes(block_size, heads):

@@ -198,9 +198,12 @@ def test_default_manifest_validates_for_every_arch_it_lists():
         (r, p, "fp8_e4m3", "bf16") for r in (16, 32, 64) for p in (False, True)}
     # 36 more with page_rows (paged blocks not a multiple of 16): decode d128 at q_rows 16 and 32, the varlen paged
     # prefill d128 causal, both dtypes.
-    rows = {s for s in specs if getattr(s, "page_rows", False)}
+    rows = {s for s in specs if getattr(s, "page_rows", False) and s.family != "mla_decode"}
     assert {(s.family, s.head_dim, s.dtype.value) for s in rows} == {
         (f, 128, dt) for f in ("decode", "prefill") for dt in ("fp16", "bf16")}
+    # 18 more: MLA decode with page_rows (SGLang's pages of 1), bf16, 16-64 rows, every arch.
+    assert {(s.q_rows, s.dtype.value, s.kv_dtype) for s in mla if s.page_rows} == {
+        (r, "bf16", None) for r in (16, 32, 64)}
     # 36 more fp8 prefill kernels (head dims 128, 256, every mask, dense and varlen, on sm_89, sm_90a, sm_120).
     pf8 = {s for s in prefill if s.qkv_dtype}
     assert {(s.head_dim, s.varlen) for s in pf8} == {(d, v) for d in (128, 256) for v in (False, True)}
@@ -220,4 +223,4 @@ def test_default_manifest_validates_for_every_arch_it_lists():
     # 4 more: head_dim 128 without a mask from 8k rows, 128x192 tiles in ping-pong, persistent (sm_90a).
     assert {(s.dtype.value, s.return_lse) for s in prefill if s.cta_tile_kv == 192 and s.head_dim == 128} == {
         (dt, lse) for dt in ("fp16", "bf16") for lse in (False, True)}
-    assert 100 <= len(items) <= 1808
+    assert 100 <= len(items) <= 1830

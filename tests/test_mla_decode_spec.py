@@ -309,3 +309,67 @@ def test_merge_entries_launch_with_pdl_below_64_rows(text, arch, listed):
     body = src[src.index(f"{spec.kernel_name}("):]  # the entries, past the helpers' definitions
     assert body.count("attngen::pdl_trigger();") == (1 if listed else 0)
     assert body.count("attngen::pdl_enter();") == (3 if listed else 0)
+
+
+def test_page_rows_fields_and_refusals():
+    """page_rows (paged blocks of any size) needs a paged cache. On sm_90a it resolves to the TMA ring gathered by a
+    producer warpgroup (128 threads more, two mbarriers a stage, no TMA maps, no cluster merge), with wgmma at 64 rows
+    and mma.sync below; elsewhere to the cp.async ring. Not with alternate tiles, nor with an fp8 cache on the TMA
+    ring (refused naming page_rows): an fp8 cache takes the mma.sync kernel on the cp.async ring. Shown in the text
+    form and the kernel name only when set."""
+    r = resolve(MlaDecodeSpec(q_rows=64, paged=True, page_rows=True), "sm_90a")
+    assert (r.mma, r.pipeline, r.page_rows, r.gather, r.producer_wg) == (Mma.WGMMA, Pipeline.TMA, True, True, True)
+    assert r.threads == 384 and not r.cluster_merge_fits()
+    plain = resolve(MlaDecodeSpec(q_rows=64, paged=True), "sm_90a")
+    assert r.smem_bytes() == plain.smem_bytes() + 8 * plain.num_stages  # (one mbarrier more a stage)
+    assert "page_rows=true" in str(r) and "prow" in r.kernel_name
+    assert "page_rows" not in str(plain) and "prow" not in plain.kernel_name and "page_rows" not in plain.to_dict()
+    for rows in (16, 32):
+        g = resolve(MlaDecodeSpec(q_rows=rows, paged=True, page_rows=True), "sm_90a")
+        assert (g.mma, g.pipeline, g.threads) == (Mma.SYNC, Pipeline.TMA, 384)
+    for arch in ("sm_80", "sm_120"):
+        g = resolve(parse_spec("mla_decode:q_rows=16,paged=true,page_rows=true"), arch)
+        assert g.page_rows and g.pipeline is Pipeline.SYNC and not g.gather and g.threads == 32 * g.num_warps
+    with pytest.raises(SpecError) as e:
+        MlaDecodeSpec(q_rows=16, page_rows=True)
+    assert e.value.field == "page_rows"
+    with pytest.raises(SpecError, match="page_rows") as e:
+        resolve(MlaDecodeSpec(q_rows=64, paged=True, page_rows=True, qk_shard="alternate"), "sm_90a")
+    assert e.value.field == "page_rows"
+    with pytest.raises(SpecError, match="fp8") as e:
+        validate(MlaDecodeSpec(q_rows=64, paged=True, page_rows=True, kv_dtype="fp8_e4m3", qk_shard=True,
+                               cta_tile_kv=64, num_warps=8, num_stages=2, mma="wgmma", pipeline="tma"), "sm_90a")
+    assert e.value.field == "page_rows"
+    fp8 = resolve(MlaDecodeSpec(q_rows=64, paged=True, page_rows=True, kv_dtype="fp8_e4m3"), "sm_90a")
+    assert (fp8.mma, fp8.pipeline, fp8.producer_wg) == (Mma.SYNC, Pipeline.SYNC, False)
+
+
+@pytest.mark.parametrize("text,arch", [
+    ("mla_decode:q_rows=16,paged=true,page_rows=true", "sm_90a"),
+    ("mla_decode:q_rows=64,paged=true,page_rows=true", "sm_90a"),
+    ("mla_decode:q_rows=32,paged=true,page_rows=true,dtype=fp16,kv_lora_rank=256,rope_dim=32", "sm_80"),
+    ("mla_decode:q_rows=64,paged=true,page_rows=true", "sm_120"),
+    ("mla_decode:q_rows=16,paged=true,page_rows=true,kv_dtype=fp8_e4m3", "sm_90a"),
+    ("mla_decode:q_rows=64,paged=true,page_rows=true,kv_dtype=fp8_e5m2", "sm_89"),
+    ("mla_decode:q_rows=16,paged=true,page_rows=true,cta_tile_kv=32,num_warps=4", "sm_86"),
+    ("mla_decode:q_rows=32,paged=true,page_rows=true", "sm_90a"),
+    ("mla_decode:q_rows=16,paged=true,page_rows=true,pipeline=sync", "sm_90a"),
+    ("mla_decode:q_rows=64,paged=true,page_rows=true,qk_shard=false,kv_lora_rank=256,rope_dim=32", "sm_90a"),
+])
+def test_page_rows_compile_spill_free(text, arch, tmp_path, monkeypatch):
+    """A real NVRTC compile of each page_rows kernel form (16-bit and fp8 caches, mma.sync and wgmma, the gathered TMA
+    ring and the cp.async one, 32- and 64-key tiles): no spills, every entry in the cubin; the gathered ring signals
+    its mbarriers by cp.async and issues no TMA copy."""
+    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path))
+    from attngen.render import render
+
+    spec = resolve(parse_spec(text), arch)
+    src = render(spec)
+    assert "page_rows=true" in src and ", true>;" in src
+    from attngen.compiler import compile as nvrtc
+
+    b = nvrtc(src, arch, kernel_name=spec.kernel_name, entries=spec.entries, want_ptx=True)
+    assert b.resources.known and (b.resources.spill_stores, b.resources.spill_loads) == (0, 0)
+    for entry in spec.entries:
+        assert b".text." + entry.encode() + b"\x00" in b.cubin
+    assert ("cp.async.mbarrier.arrive.noinc" in b.ptx) == spec.gather and "cp.async.bulk.tensor" not in b.ptx

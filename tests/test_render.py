@@ -245,6 +245,8 @@ def test_every_piece_is_included_by_some_family():
     sources.append(render(resolve(parse_spec("prefill:qkv_dtype=fp8_e4m3"), "sm_90a")))
     # an fp8 cache under a 16-bit q (the producer widens; included with the cp.async kernel's too): prefill/widen.cuh
     sources.append(render(resolve(parse_spec("prefill:varlen=true,paged=true,kv_dtype=fp8_e4m3"), "sm_90a")))
+    # paged blocks of any size gathered into the TMA ring (sm_90a): mla_decode/gather.cuh
+    sources.append(render(resolve(parse_spec("mla_decode:paged=true,page_rows=true"), "sm_90a")))
     for p in templates_dir().glob("*/*.cuh*"):
         name = p.relative_to(templates_dir()).as_posix()
         assert any(f"// attngen:begin {name}" in s for s in sources), name

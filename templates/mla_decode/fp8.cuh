@@ -91,11 +91,11 @@ struct MlaFp8 {
 
   // COLS bytes (columns) of the tile's rows from `base` (byte strides s_blk, s_pos) into byte columns [col0, col0 +
   // COLS) of the slot at `tile`: each thread keeps one 16-byte chunk and steps down the rows; rows at or past the
-  // sequence are zero-filled. Paged: the table entries of the tile's 16-row groups in `pages` (MlaTiles::load_cols).
+  // sequence are zero-filled. Paged: the tile's table entries in `pages` (MlaTiles::load_cols).
   template <int COLS>
   static __device__ __forceinline__ void load_cols(unsigned char* tile, int col0, const unsigned char* base,
-                                                   long long s_blk, long long s_pos, const MlaParams<T>& p, int2 pages,
-                                                   int n0, int seqlen, int tid) {
+                                                   long long s_blk, long long s_pos, const MlaParams<T>& p,
+                                                   typename K::Pages pages, int n0, int seqlen, int tid) {
     constexpr int CH = COLS / 16;
     constexpr int ROW_STEP = THREADS / CH;
     static_assert(THREADS % CH == 0, "fp8 copies");
@@ -107,9 +107,15 @@ struct MlaFp8 {
       const unsigned char* src = base;
       if constexpr (PAGED) {
         // clamped to the pool, and in it whether or not the row is live (MlaTiles::load_cols says why)
-        const int b = min(max(__shfl_sync(0xffffffffu, pages.x, r / 16), 0), p.num_blocks - 1);
-        const int slot = __shfl_sync(0xffffffffu, pages.y, r / 16) + r % 16;
-        src = base + b * s_blk + slot * s_pos + c;
+        if constexpr (K::PAGE_ROWS_) {
+          const int2 at = MlaTiles<K>::block_slot(pages, r);
+          const int b = min(max(at.x, 0), p.num_blocks - 1);
+          src = base + b * s_blk + at.y * s_pos + c;
+        } else {
+          const int b = min(max(__shfl_sync(0xffffffffu, pages.x, r / 16), 0), p.num_blocks - 1);
+          const int slot = __shfl_sync(0xffffffffu, pages.y, r / 16) + r % 16;
+          src = base + b * s_blk + slot * s_pos + c;
+        }
       } else if (ok) {
         src = base + (n0 + r) * s_pos + c;
       }
@@ -119,8 +125,8 @@ struct MlaFp8 {
 
   // A tile (first key n0) of batch row `batch`'s ckv and kpe into ring slot `slot` (T elements from the ring's start).
   // The caches are fp8 bytes: their strides count bytes (MlaDecode::run's ckv and kpe step by T elements).
-  static __device__ __forceinline__ void load_tile(T* slot, const MlaParams<T>& p, int batch, int2 pages, int n0,
-                                                   int seqlen, int tid) {
+  static __device__ __forceinline__ void load_tile(T* slot, const MlaParams<T>& p, int batch, typename K::Pages pages,
+                                                   int n0, int seqlen, int tid) {
     unsigned char* dst = reinterpret_cast<unsigned char*>(slot);
     const unsigned char* ckv = reinterpret_cast<const unsigned char*>(p.ckv) + (PAGED ? 0 : batch * p.c_sb);
     const unsigned char* kpe = reinterpret_cast<const unsigned char*>(p.kpe) + (PAGED ? 0 : batch * p.p_sb);

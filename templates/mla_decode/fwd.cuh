@@ -47,27 +47,40 @@ struct MlaFp8;
 // An fp8 cache widened in shared memory for the wgmma consumers (mla_decode/fp8_wgmma.cuh, only in those kernels).
 template <class K>
 struct MlaFp8Wgmma;
+// Paged blocks of any size gathered into the TMA ring by a producer warpgroup (mla_decode/gather.cuh, page_rows only).
+template <class K>
+struct MlaGather;
 
 template <class T, bool BF16, int DC, int DR, int ROWS, int BLOCK_N, int NUM_WARPS, int NUM_STAGES, bool QK_SHARD,
-          bool PAGED, bool WGMMA, bool TMA, bool ALT, int KV_FP8 = 0>
+          bool PAGED, bool WGMMA, bool TMA, bool ALT, int KV_FP8 = 0, bool PAGE_ROWS = false>
 struct MlaDecode {
   using Elem = T;
   static constexpr bool IS_BF16 = BF16;
   static constexpr int DC_ = DC, DR_ = DR, ROWS_ = ROWS, BLOCK_N_ = BLOCK_N;
   static constexpr bool PAGED_ = PAGED, TMA_ = TMA, ALT_ = ALT, QK_SHARD_ = QK_SHARD, WGMMA_ = WGMMA;
   static constexpr int NUM_STAGES_ = NUM_STAGES;
+  // PAGE_ROWS (spec page_rows): paged blocks of any size, a table entry looked up for every key row (pages_of; on the
+  // TMA ring, GATHER: a producer warpgroup's gather, mla_decode/gather.cuh)
+  static constexpr bool PAGE_ROWS_ = PAGE_ROWS;
+  static constexpr bool GATHER = PAGE_ROWS && TMA;
+  static_assert(!PAGE_ROWS || (PAGED && BLOCK_N <= 64 && !ALT && !(KV_FP8 && TMA)), "page_rows: a paged cache");
+  // Paged, cp.async: a tile's table entries as its loads take them (MlaTiles::load_cols): a 16-row group's block and
+  // first slot in lane j, or (PAGE_ROWS) rows j and j + 32's blocks and slots in lane j.
+  using Pages = typename Select<PAGE_ROWS, int4, int2>::type;
   // KV_FP8: 0, or the cache's fp8 format (1: e4m3, 2: e5m2), its rows FP8_ROW_BYTES apart in the ring
   // (mla_decode/fp8.cuh)
   static constexpr int KV_FP8_ = KV_FP8;
   static constexpr bool FP8 = KV_FP8 != 0;
-  // fp8 on the wgmma kernel: a producer warpgroup past the NUM_WARPS consumer warps loads and widens the tiles
-  static constexpr bool PRODUCER_WG = FP8 && WGMMA;
+  // fp8 on the wgmma kernel: a producer warpgroup past the NUM_WARPS consumer warps loads and widens the tiles; GATHER:
+  // one gathers them
+  static constexpr bool PRODUCER_WG = (FP8 && WGMMA) || GATHER;
   // The MMAs' 16-bit type: q's, but fp16 on the fp8 wgmma kernel, whose widening of the cache is then one convert a
   // pair and whose Q is carried into fp16 by a power of two (MlaFp8::run, MlaFp8Wgmma::start); O is written in T.
-  static constexpr bool MMA_BF16 = BF16 && !PRODUCER_WG;
+  static constexpr bool MMA_BF16 = BF16 && !(FP8 && WGMMA);
   static constexpr int PRODUCER_THREADS = PRODUCER_WG ? 128 : 0;
   using Fp8 = MlaFp8<MlaDecode>;
   using Fp8Wgmma = MlaFp8Wgmma<MlaDecode>;
+  using ProducerWg = typename Select<FP8, Fp8Wgmma, MlaGather<MlaDecode>>::type;  // (PRODUCER_WG)
   using Tiles = MlaTiles<MlaDecode>;  // its tile pieces (mla_decode/tiles.cuh)
   using Producer = MlaProducer<MlaDecode>;
   using Consumer = MlaConsumer<MlaDecode>;
@@ -99,8 +112,9 @@ struct MlaDecode {
   static_assert(!WGMMA || (ROWS == 64 && NUM_WARPS == 8 && SN >= 16 && BLOCK_N <= 64), "wgmma shape");
   static_assert(!ALT || (TMA && !QK_SHARD && BLOCK_N == 64 && NUM_STAGES == 2 && DR <= 64), "alternate tiles");
   static_assert(!FP8 || WGMMA == TMA, "fp8 tiles: mma.sync on the cp.async ring, or wgmma on the TMA ring");
-  // mbarriers: a slot's, each half's (ALT), or a slot's three (PRODUCER_WG: landed, widened, read)
-  static constexpr int BARS = TMA ? NUM_STAGES * (ALT ? 2 : PRODUCER_WG ? 3 : 1) : 0;
+  // mbarriers: a slot's, each half's (ALT), a slot's three (fp8 on wgmma: landed, widened, read), or two (GATHER:
+  // full, read)
+  static constexpr int BARS = TMA ? NUM_STAGES * (ALT || GATHER ? 2 : PRODUCER_WG ? 3 : 1) : 0;
   static_assert(SN % 8 == 0 && BLOCK_N % 16 == 0 && ON % 16 == 0 && DQK % 32 == 0, "tile shape");
   static_assert(DC % 8 == 0 && DR % 8 == 0 && THREADS % (DC / 8) == 0 && THREADS % (DR / 8) == 0, "copies");
 
@@ -120,7 +134,7 @@ struct MlaDecode {
 #else
   static constexpr bool CLUSTER_KERNEL = !WGMMA;
 #endif
-  static constexpr bool CLUSTER_FITS = CLUSTER_KERNEL && !FP8 &&
+  static constexpr bool CLUSTER_FITS = CLUSTER_KERNEL && !FP8 && !GATHER &&
       4 * (ROWS + (PUSH_MERGE ? 7 : 0)) * (DC + 1) <= 2 * (Q_ELEMS + NUM_STAGES * TILE_ELEMS);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1000  // measured on sm_90 only
   static constexpr bool CAN_CLUSTER = CLUSTER_FITS;
@@ -186,8 +200,8 @@ struct MlaDecode {
     // ---- Q: ROWS packed rows (rows past the last head of the last token are zeros) -----------------
     if constexpr (PRODUCER_WG) {
       // the producer warpgroup's whole part (its threads leave here); the consumers go on with Q in place
-      if (Fp8Wgmma::start(p, maps, sQ, sRing, bar0, table, batch, seqlen, r_begin, rows_total, tile_begin, n_tiles,
-                          q_shift, tid))
+      if (ProducerWg::start(p, maps, sQ, sRing, bar0, table, batch, seqlen, r_begin, rows_total, tile_begin, n_tiles,
+                            q_shift, tid))
         return;
     } else if constexpr (FP8) {
       Fp8::load_q(p, sQ, batch, r_begin, rows_total, q_shift, tid);
@@ -197,16 +211,23 @@ struct MlaDecode {
 
     // Paged, cp.async: the table entries of the tile load_tile fills next, read a tile ahead (producer.cuh).
     auto pages_of = [&](int tile) {
-      const int gpos = tile * BLOCK_N + 16 * (lane % (BLOCK_N / 16));
-      const int blk = Tiles::block_of(gpos, p);
-      return make_int2(gpos < seqlen ? __ldg(table + blk) : 0, gpos - blk * p.block_size);
+      if constexpr (PAGE_ROWS) {
+        const int pos0 = tile * BLOCK_N + lane, pos1 = pos0 + 32;
+        const int blk0 = Tiles::block_of(pos0, p), blk1 = Tiles::block_of(pos1, p);
+        return make_int4(pos0 < seqlen ? __ldg(table + blk0) : 0, pos0 - blk0 * p.block_size,
+                         pos1 < seqlen && BLOCK_N > 32 ? __ldg(table + blk1) : 0, pos1 - blk1 * p.block_size);
+      } else {
+        const int gpos = tile * BLOCK_N + 16 * (lane % (BLOCK_N / 16));
+        const int blk = Tiles::block_of(gpos, p);
+        return make_int2(gpos < seqlen ? __ldg(table + blk) : 0, gpos - blk * p.block_size);
+      }
     };
-    int2 next_pages = make_int2(0, 0);
+    Pages next_pages = Pages{};
     if constexpr (PAGED && !TMA) next_pages = pages_of(tile_begin);
     auto load_tile = [&](int tile, int slot) {
       T* dst = sRing + slot * TILE_ELEMS;
       const int n0 = tile * BLOCK_N;
-      const int2 pages = next_pages;
+      const Pages pages = next_pages;
       if constexpr (PAGED) next_pages = pages_of(tile + 1);
       if constexpr (FP8 && !WGMMA) {
         Fp8::load_tile(dst, p, batch, pages, n0, seqlen, tid);

@@ -7,17 +7,19 @@ template <class K>
 struct MlaTiles {
   using T = typename K::Elem;
   using LT = typename K::LT;
-  static constexpr bool BF16 = K::IS_BF16, PAGED = K::PAGED_, TMA = K::TMA_, ALT = K::ALT_;
+  static constexpr bool BF16 = K::IS_BF16, PAGED = K::PAGED_, TMA = K::TMA_, ALT = K::ALT_, PAGE_ROWS = K::PAGE_ROWS_;
+  using Pages = typename K::Pages;
   static constexpr int DC = K::DC_, ROWS = K::ROWS_, BLOCK_N = K::BLOCK_N_, THREADS = K::THREADS;
   static constexpr int TILE_ELEMS = K::TILE_ELEMS;
 
   // COLS columns of ROWS cache rows from `base` (one row block: element stride s_pos per position,
   // or per paged slot) into the tile's columns [col0, col0 + COLS): each thread keeps one column
   // chunk and steps down the rows. Rows at or past the sequence are zero-filled and never read.
-  // Paged: lane j of each warp holds `pages` of the tile's 16-row group j (pages_of in MlaDecode::run).
+  // Paged: lane j of each warp holds `pages` of the tile's 16-row group j, or (PAGE_ROWS) of its rows j and j + 32
+  // (pages_of in MlaDecode::run).
   template <int COLS>
   static __device__ __forceinline__ void load_cols(T* tile, int col0, const T* base, long long s_blk, long long s_pos,
-                                                   const MlaParams<T>& p, int2 pages, int n0, int seqlen, int tid) {
+                                                   const MlaParams<T>& p, Pages pages, int n0, int seqlen, int tid) {
     constexpr int CHUNKS = COLS / 8;
     constexpr int ROW_STEP = THREADS / CHUNKS;
     const int c = (tid % CHUNKS) * 8;
@@ -30,9 +32,15 @@ struct MlaTiles {
       constexpr int UNROLL = ROWS <= 16 ? 2 : 1;
 #pragma unroll UNROLL
       for (int r = tid / CHUNKS; r < BLOCK_N; r += ROW_STEP) {
-        const int b = min(max(__shfl_sync(0xffffffffu, pages.x, r / 16), 0), p.num_blocks - 1);
-        const int slot = __shfl_sync(0xffffffffu, pages.y, r / 16) + r % 16;
-        cp_async_16(smem_addr(tile + LT::offset(r, col0 + c)), base + b * s_blk + slot * s_pos + c, n0 + r < seqlen);
+        if constexpr (PAGE_ROWS) {
+          const int2 at = block_slot(pages, r);
+          const int b = min(max(at.x, 0), p.num_blocks - 1);
+          cp_async_16(smem_addr(tile + LT::offset(r, col0 + c)), base + b * s_blk + at.y * s_pos + c, n0 + r < seqlen);
+        } else {
+          const int b = min(max(__shfl_sync(0xffffffffu, pages.x, r / 16), 0), p.num_blocks - 1);
+          const int slot = __shfl_sync(0xffffffffu, pages.y, r / 16) + r % 16;
+          cp_async_16(smem_addr(tile + LT::offset(r, col0 + c)), base + b * s_blk + slot * s_pos + c, n0 + r < seqlen);
+        }
       }
     } else {
 #pragma unroll 2
@@ -44,6 +52,15 @@ struct MlaTiles {
         cp_async_16(smem_addr(tile + LT::offset(r, col0 + c)), src, ok);
       }
     }
+  }
+
+  // PAGE_ROWS: tile row r's table entry (unclamped) and slot in its block, from the lane that holds them
+  // (load_cols). Every lane shuffles both halves: the rows of one call may differ between lanes.
+  static __device__ __forceinline__ int2 block_slot(int4 pages, int r) {
+    const int lo_b = __shfl_sync(0xffffffffu, pages.x, r % 32), lo_s = __shfl_sync(0xffffffffu, pages.y, r % 32);
+    if constexpr (BLOCK_N <= 32) return make_int2(lo_b, lo_s);
+    const int hi_b = __shfl_sync(0xffffffffu, pages.z, r % 32), hi_s = __shfl_sync(0xffffffffu, pages.w, r % 32);
+    return r < 32 ? make_int2(lo_b, lo_s) : make_int2(hi_b, hi_s);
   }
 
   // Keys past a row's token (and past the sequence) set to -inf in S of NK keys, the first being key

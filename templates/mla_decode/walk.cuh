@@ -31,7 +31,7 @@ struct MlaWalk {
       const int n0 = tile * BLOCK_N;
       const int slot = it % NUM_STAGES;
       if constexpr (K::PRODUCER_WG)
-        K::Fp8Wgmma::acquire(bar0, it, slot);
+        K::ProducerWg::acquire(bar0, it, slot);
       else
         Producer::acquire(p, maps, sRing, bar0, table, batch, seqlen, n_tiles, tid, it, tile, n0, slot, load_tile);
       const T* sT = sRing + slot * TILE_ELEMS;
@@ -53,7 +53,7 @@ struct MlaWalk {
         K::Fp8::pv(sP, sT, row0, key0, cg, g, t, lane, acc_s, acc_o);
       else
         Consumer::pv(sP, sT, row0, key0, cg, g, t, lane, acc_s, acc_o);
-      if constexpr (K::PRODUCER_WG) K::Fp8Wgmma::release(bar0, slot);  // pv waited for its wgmma: the slot is read
+      if constexpr (K::PRODUCER_WG) K::ProducerWg::release(bar0, slot);  // pv waited for its wgmma: the slot is read
       // sRed and sP are written again only after the next tile's first barrier.
     }
   }

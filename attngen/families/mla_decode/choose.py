@@ -73,7 +73,8 @@ class Problem(NamedTuple):
     """An MLA decode call as the choice sees it. ``capacity``: the cache's positions a row (paged: its table's
     blocks times ``block_size``; 0 contiguous); ``num_splits``: 0 (chosen) or the caller's; ``tma_refused``: the
     driver could not describe the cache as TMA maps (the TMA kernel's cp.async form runs; an fp8 cache: the mma.sync
-    kernel); ``kv_dtype``: the cache's fp8 format, None for q's dtype."""
+    kernel); ``kv_dtype``: the cache's fp8 format, None for q's dtype; ``page_rows``: paged blocks that are not a
+    multiple of 16 positions (spec page_rows: the cp.async kernels that look up every key row)."""
 
     kv_lora_rank: int = 512
     rope_dim: int = 64
@@ -88,6 +89,7 @@ class Problem(NamedTuple):
     num_splits: int = 0
     tma_refused: bool = False
     kv_dtype: KVDType | None = None
+    page_rows: bool = False
 
 
 class Launch(NamedTuple):
@@ -108,17 +110,18 @@ class Launch(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def base_spec(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, user: MlaDecodeSpec | None,
-              kv: KVDType | None = None) -> MlaDecodeSpec:
+              kv: KVDType | None = None, page_rows: bool = False) -> MlaDecodeSpec:
     """The spec of a problem's fields, its tuning fields the caller's or unresolved."""
-    fields = dict(kv_lora_rank=rank, rope_dim=rope, dtype=DType(dtype), q_rows=q_rows, paged=paged, kv_dtype=kv)
+    fields = dict(kv_lora_rank=rank, rope_dim=rope, dtype=DType(dtype), q_rows=q_rows, paged=paged, kv_dtype=kv,
+                  page_rows=page_rows)
     return MlaDecodeSpec(**fields) if user is None else user.replace(**fields)
 
 
 @functools.lru_cache(maxsize=1024)
 def resolved_spec(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, user, arch: str,
-                  kv: KVDType | None = None) -> MlaDecodeSpec:
+                  kv: KVDType | None = None, page_rows: bool = False) -> MlaDecodeSpec:
     """``base_spec`` resolved for ``arch`` (remembered by these plain values: the host path asks per call)."""
-    return resolve(base_spec(rank, rope, dtype, q_rows, paged, user, kv), arch)
+    return resolve(base_spec(rank, rope, dtype, q_rows, paged, user, kv, page_rows), arch)
 
 
 # (id of a spec, arch, rule) -> (the spec, its variant or None); by identity, as the specs asked for are the
@@ -162,19 +165,21 @@ def choose_spec(p: Problem, device: DeviceFacts) -> MlaDecodeSpec:
     a, user = device.arch, p.spec
     rows = MlaDecodeSpec.rows_for(p.heads, p.q_len)
     fast_memory = device.memory_share >= FAST_MEMORY_SHARE
-    rs = resolved_spec(p.kv_lora_rank, p.rope_dim, p.dtype, rows, p.paged, user, a.name, p.kv_dtype)
-    whole_tiles = not p.paged or p.block_size % 64 == 0  # TMA boxes of whole 64-key tiles (what the rules measured)
+    rs = resolved_spec(p.kv_lora_rank, p.rope_dim, p.dtype, rows, p.paged, user, a.name, p.kv_dtype, p.page_rows)
+    # TMA boxes of whole 64-key tiles (what the rules measured; page_rows kernels gather rows, whatever the block size)
+    whole_tiles = not p.paged or (p.block_size % 64 == 0 and not p.page_rows)
     # 32 rows (32 heads, or 16 x 2 tokens) as one 64-row block of the wgmma kernel, half its rows empty, where the
     # memory is fast: the 32-row mma.sync kernel cannot keep up with such memory.
     if (rows == 32 and whole_tiles and rs.tma and fast_memory
             and not _pins_tuning(user)):
-        wide = resolved_spec(p.kv_lora_rank, p.rope_dim, p.dtype, 64, p.paged, user, a.name, p.kv_dtype)
+        wide = resolved_spec(p.kv_lora_rank, p.rope_dim, p.dtype, 64, p.paged, user, a.name, p.kv_dtype, p.page_rows)
         if wide.wgmma:
             rows, rs = 64, wide
     if rs.tma and p.tma_refused:
         if rs.fp8:  # fp8 tiles are widened for wgmma only off the TMA ring: the mma.sync kernel of the cp.async one
             sync = (user if user is not None else MlaDecodeSpec()).replace(mma=Mma.SYNC, pipeline=Pipeline.SYNC)
-            rs = resolved_spec(p.kv_lora_rank, p.rope_dim, p.dtype, rows, p.paged, sync, a.name, p.kv_dtype)
+            rs = resolved_spec(p.kv_lora_rank, p.rope_dim, p.dtype, rows, p.paged, sync, a.name, p.kv_dtype,
+                               p.page_rows)
         else:
             rs = rs.replace(pipeline=Pipeline.SYNC)  # the same tiles
     row_blocks = -(-p.heads * p.q_len // rows)

@@ -28,8 +28,7 @@ _PARAMS_FP8 = struct.Struct("<10Q14q9i2fiQf4x")
 _PARAMS_FP8_TMA = struct.Struct("<256s10Q14q9i2fiQf4x")
 MAX_Q_LEN = 4
 MAX_HEADS = 128
-# Paged blocks: the sizes its tests cover (decode and prefill, whose block lookups are exact for any multiple of 16,
-# take more).
+# Paged blocks: at most this many positions, the sizes its tests cover (decode and prefill take more).
 MAX_BLOCK = 256
 # The choice of kernel and launch (and the constants of its rules) lives in choose.py.
 
@@ -73,8 +72,9 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     (q_len 1..4, heads 1..128; 512/64 and 256/32 supported). Contiguous cache: ckv_cache
     ``[batch, max_seqlen, kv_lora_rank]`` and kpe_cache ``[batch, max_seqlen, rope_dim]``. Paged
     (``block_table`` int32 ``[batch, max_blocks]``): ``[num_blocks, block_size, ...]`` with key j of
-    row b at block ``block_table[b, j // block_size]``, slot ``j % block_size`` (block sizes: a
-    multiple of 16 from 16 to 256). ``cache_seqlens`` (int32 ``[batch]`` or an int) is each row's
+    row b at block ``block_table[b, j // block_size]``, slot ``j % block_size`` (block sizes 1 to 256;
+    those that are not a multiple of 16, such as SGLang's 1, run the cp.async kernels that look up every key row's
+    block, spec ``page_rows``). ``cache_seqlens`` (int32 ``[batch]`` or an int) is each row's
     length including the new tokens, whose entries are already in the cache: token i sits at
     position L - q_len + i and sees keys 0..L - q_len + i. Lengths past the capacity are clamped
     to it; out-of-range blocks are clamped to the pool on the device.
@@ -169,7 +169,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     if paged:
         block_size = cache_len
         capacity, bt_ptr, bt_sb = paged_table(block_table, b, block_size, kind, dev, "q_nope", "ckv_cache",
-                                               MAX_BLOCK)
+                                               MAX_BLOCK, multiple=1)
     else:
         if pool < b:
             raise LaunchError(f"ckv_cache has {pool} cache rows for batch {b}")
@@ -191,13 +191,14 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, *, cache_seqlens, sm_scale: f
     if b > 65535:
         raise LaunchError(f"batch={b} exceeds 65535 (the grid's z limit)")
 
+    # Blocks that are not a multiple of 16 positions: the kernels that look up every key row (spec page_rows).
     problem = _choose.Problem(rank, rope, qn.dtype, q_len, h, b, capacity, paged, block_size, spec, num_splits,
-                              kv_dtype=kv)
+                              kv_dtype=kv, page_rows=paged and block_size % 16 != 0)
     facts = plan.facts
     choice = _choose.choose(problem, facts)
     rs = choice.spec
     maps = None
-    if rs.tma:
+    if rs.tma and not rs.page_rows:  # (page_rows gathers its tiles into the TMA ring by cp.async: no maps)
         try:
             maps = _tensor_maps(cv, pe, rs, block_size, qn.ptr)
         except LaunchError:

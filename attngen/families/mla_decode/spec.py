@@ -110,6 +110,12 @@ class MlaDecodeSpec(SpecBase):
     # launches, so it is a kernel of its own, which mla_decode's choice takes where it merges in a cluster. Left out
     # of to_dict while false, so the other specs' names and keys stay as they were.
     cluster_merge: bool = False
+    # Paged blocks of any size (SGLang's page 1, 8, 24, ...): a table lookup for every key row of a tile (the other
+    # kernels look up one block per 16-row group, so their blocks are whole multiples of 16), the rows copied by
+    # cp.async. With pipeline=tma (sm_90a) the ring is the TMA kernels' mbarrier ring, but a producer warpgroup of its
+    # own gathers each tile into it by cp.async (a TMA box per key row would be a copy per row and column block);
+    # with pipeline=sync every thread copies, as in the cp.async kernels. Left out of to_dict while false.
+    page_rows: bool = False
 
     def __post_init__(self):
         s = object.__setattr__
@@ -126,6 +132,9 @@ class MlaDecodeSpec(SpecBase):
         s(self, "mma", coerce_enum(Mma, "mma", self.mma))
         s(self, "pipeline", coerce_enum(Pipeline, "pipeline", self.pipeline))
         s(self, "cluster_merge", coerce_bool("cluster_merge", self.cluster_merge))
+        s(self, "page_rows", coerce_bool("page_rows", self.page_rows))
+        if self.page_rows and not self.paged:
+            raise SpecError("page_rows", True, "false with paged=false", reason="a contiguous cache has no blocks")
         # (pins that contradict each other only; a resolved spec's pair is checked by check)
         if self.fp8 and (self.alternate or (self.wgmma and self.pipeline is Pipeline.SYNC)
                          or (self.tma and self.mma is Mma.SYNC)):
@@ -151,6 +160,8 @@ class MlaDecodeSpec(SpecBase):
             del d["kv_dtype"]
         if not d["cluster_merge"]:
             del d["cluster_merge"]
+        if not d["page_rows"]:
+            del d["page_rows"]
         return d
 
     @property
@@ -192,9 +203,15 @@ class MlaDecodeSpec(SpecBase):
 
     @property
     def producer_wg(self) -> bool:
-        """An fp8 cache on the wgmma kernel: a producer warpgroup (loads and widens the tiles) past the num_warps
-        consumer warps (``PRODUCER_WG`` in mla_decode/fwd.cuh)."""
-        return self.fp8 and self.wgmma
+        """A producer warpgroup past the num_warps consumer warps (``PRODUCER_WG`` in mla_decode/fwd.cuh): an fp8
+        cache on the wgmma kernel (it loads and widens the tiles), or page_rows on the TMA ring (it gathers them)."""
+        return (self.fp8 and self.wgmma) or self.gather
+
+    @property
+    def gather(self) -> bool:
+        """page_rows on the TMA ring: a producer warpgroup gathers each tile's key rows by cp.async (``GATHER`` in
+        mla_decode/fwd.cuh, mla_decode/gather.cuh)."""
+        return self.page_rows and self.tma
 
     @property
     def threads(self) -> int:
@@ -207,7 +224,8 @@ class MlaDecodeSpec(SpecBase):
         blocks of 128-byte rows (the last block whole even when the row ends inside it), P in one
         such block, and keeps 1024 bytes of slack to align the first tile to a swizzle atom (mma_sync on the
         TMA ring: its tiles as wgmma's, Q and P padded, Q to a whole 1024-byte atom); TMA adds
-        one 8-byte mbarrier a stage (two with qk_shard=alternate, one per half of the tile). Alternate
+        one 8-byte mbarrier a stage (two with qk_shard=alternate, one per half of the tile; two with page_rows, full
+        and read). Alternate
         tiles keep P of one warpgroup where Q's rope block was (that block moves to registers), of the
         other in its own block, and four floats a row for the row maxima and their rescale factors. An fp8 cache's
         mma.sync ring holds rows of ``fp8_row_bytes``, its Q (fp16) and P as the 16-bit kernel's; on the wgmma kernel
@@ -220,7 +238,7 @@ class MlaDecodeSpec(SpecBase):
         if self.sharded or self.alternate:
             elems += self.q_rows * p_row
         floats = self.warps_n * self.q_rows + (4 * self.q_rows if self.alternate else 0)
-        bars = self.num_stages * (2 if self.alternate else 3 if self.producer_wg else 1) if self.tma else 0
+        bars = self.num_stages * (2 if self.alternate or self.gather else 3 if self.producer_wg else 1) if self.tma else 0
         return 2 * elems + 4 * floats + slack + 8 * bars
 
     def _layout(self) -> tuple[int, int, int, int]:
@@ -241,7 +259,7 @@ class MlaDecodeSpec(SpecBase):
         self._require_resolved("cluster_merge_fits")
         q_elems, row, _, _ = self._layout()
         rows = self.q_rows + (7 if self.q_rows >= 32 else 0)
-        return ((not self.wgmma or self.cluster_merge) and not self.fp8
+        return ((not self.wgmma or self.cluster_merge) and not self.fp8 and not self.gather
                 and 4 * rows * (self.kv_lora_rank + 1) <= 2 * (q_elems + self.num_stages * self.cta_tile_kv * row))
 
     def name_parts(self) -> tuple[str, ...]:
@@ -253,7 +271,7 @@ class MlaDecodeSpec(SpecBase):
                 shard.get(self.qk_shard, ""), self.name_piece("k{}", self.cta_tile_kv),
                 self.name_piece("w{}s{}", self.num_warps, self.num_stages),
                 {Mma.SYNC: "mma", Mma.WGMMA: "wgmma"}.get(self.mma, ""), "tma" if self.pipeline is Pipeline.TMA else "",
-                "clmerge" if self.cluster_merge else "")
+                "clmerge" if self.cluster_merge else "", "prow" if self.page_rows else "")
 
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
         return (("", self.threads, self.smem_bytes()), ("_merge", MERGE_THREADS, 0),
@@ -276,7 +294,7 @@ class MlaDecodeSpec(SpecBase):
                    wgmma=self.wgmma, tma=self.tma, alternate=self.alternate,
                    kv_fp8=0 if self.kv_dtype is None else 1 + list(KVDType).index(self.kv_dtype),
                    cluster_fits=self.cluster_merge_fits(), cluster_wgmma=self.cluster_merge,
-                   one_cta=self.one_cta_an_sm())
+                   one_cta=self.one_cta_an_sm(), page_rows=self.page_rows)
         return ctx
 
     def one_cta_an_sm(self) -> bool:
@@ -311,6 +329,13 @@ class MlaDecodeSpec(SpecBase):
                                    f"cta_tile_kv={self.cta_tile_kv}, num_stages={self.num_stages}")
         if self.fp8 and self.wgmma != self.tma:
             self._refuse_fp8()
+        if self.page_rows and (self.alternate or (self.fp8 and self.tma)):
+            raise SpecError("page_rows", "true", "false (blocks of a multiple of 16)",
+                            reason=f"blocks of any size are gathered by a producer warpgroup into the TMA ring for "
+                                   f"the 16-bit kernels with qk_shard true or false, or read by the mma.sync kernel on "
+                                   f"the cp.async ring for an fp8 cache; the spec has qk_shard={self.qk_shard.value}, "
+                                   f"pipeline={self.pipeline.value}, "
+                                   f"kv_dtype={self.kv_dtype.value if self.fp8 else 'unset'}")
         if self.cluster_merge and not (self.wgmma and self.sharded and not self.fp8):
             raise SpecError("cluster_merge", "true", "false",
                             reason=f"cluster_merge is a form of the wgmma kernel with qk_shard=true over a 16-bit "

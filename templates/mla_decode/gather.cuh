@@ -1,0 +1,122 @@
+// MLA decode over paged blocks of any size on sm_90a's ring (spec page_rows with pipeline=tma; GATHER in
+// mla_decode/fwd.cuh): the consumers are the TMA ring's (the wgmma kernel's two warpgroups, or the mma.sync warps
+// reading its swizzled tiles), and a third warpgroup, the producer, gathers each tile into its slot by cp.async, a
+// table lookup a key row. A TMA box cannot cross a block, so at blocks of one or a few positions the TMA ring would
+// issue one copy per key row and 64-column block; the TMA unit then bounds the load (pages of 16: 36 boxes a 64-key
+// tile). The producer warps do nothing but the copies, so a tile's loads go out the moment its slot has been read,
+// and the consumers wait only on the slot's mbarrier.
+//
+// Each producer thread copies one 16-byte column chunk of every 64-column block (ckv's, then kpe's) of BLOCK_N / 16
+// rows of a tile, looking up those rows' blocks itself, a tile ahead; rows past the sequence are zero-filled from an
+// address inside the pool. It then signals the slot's full mbarrier when its own copies have landed
+// (cp.async.mbarrier.arrive.noinc: 128 arrivals a phase).
+//
+// mbarriers a slot (bar0 + 8 (kind * NUM_STAGES + slot)): 0 full (the producer's 128 threads, by their copies),
+// 1 read (the consumers' threads, after their last read of the tile). A consumer that reads by wgmma (the async proxy)
+// fences after its wait, as the copies wrote through the generic one.
+namespace attngen {
+
+template <class K>
+struct MlaGather {
+  using T = typename K::Elem;
+  using LT = typename K::LT;
+  using Tiles = MlaTiles<K>;
+  using Producer = MlaProducer<K>;
+  using W = WgmmaOps<K::IS_BF16>;
+  static constexpr bool WGMMA = K::WGMMA_;
+  static constexpr int DC = K::DC_, DR = K::DR_, BLOCK_N = K::BLOCK_N_, NUM_STAGES = K::NUM_STAGES_;
+  static constexpr int THREADS = K::THREADS, TILE_ELEMS = K::TILE_ELEMS, PRODUCER_THREADS = K::PRODUCER_THREADS;
+  static constexpr int RJ = BLOCK_N / 16;  // rows a producer thread copies
+  // setmaxnreg: the consumers take the producer's share (as the fp8 wgmma kernel's do; at the launch bounds' 168 a
+  // thread the 32-row mma.sync consumers spilled).
+  static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
+  static_assert(PRODUCER_THREADS == 128 && BLOCK_N % 16 == 0 && DC % 64 == 0 && DR <= 64, "the gather");
+  static_assert(PRODUCER_THREADS * PRODUCER_REGS + THREADS * CONSUMER_REGS <= 65536, "register file");
+
+  static __device__ __forceinline__ unsigned full(unsigned bar0, int slot) { return bar0 + 8 * slot; }
+  static __device__ __forceinline__ unsigned read(unsigned bar0, int slot) { return bar0 + 8 * (NUM_STAGES + slot); }
+
+  // Every thread: the barriers and Q (the consumers, by cp.async), then the roles. The producer warpgroup runs its
+  // loop and returns true (its threads then leave the kernel); a consumer returns false once Q is in place.
+  static __device__ __forceinline__ bool start(const MlaParams<T>& p, const TmaDesc*, T* sQ, T* sRing, unsigned bar0,
+                                               const int* table, int batch, int seqlen, int r_begin, int rows_total,
+                                               int tile_begin, int n_tiles, int, int tid) {
+    if (tid == 0) {
+#pragma unroll
+      for (int s = 0; s < NUM_STAGES; ++s) {
+        W::mbar_init(full(bar0, s), PRODUCER_THREADS);
+        W::mbar_init(read(bar0, s), THREADS);
+      }
+      W::mbar_init_fence();
+    }
+    if (tid < THREADS) {
+      Producer::load_q(p, sQ, batch, r_begin, rows_total, tid);
+      cp_async_commit();
+    }
+    __syncthreads();  // the barriers initialised
+    if (tid >= THREADS) {
+      W::template regs_dec<PRODUCER_REGS>();
+      produce(p, sRing, bar0, table, seqlen, tile_begin, n_tiles, tid - THREADS);
+      return true;
+    }
+    W::template regs_inc<CONSUMER_REGS>();
+    cp_async_wait<0>();
+    if constexpr (WGMMA) W::fence_proxy();
+    K::consumers_sync();  // Q in place
+    return false;
+  }
+
+  // Row r0 + 16 j's table entry (clamped to the pool, as MlaTiles::load_cols clamps) and slot, j < RJ, for tile `tile`.
+  static __device__ __forceinline__ void lookup(const MlaParams<T>& p, const int* table, int seqlen, int tile, int r0,
+                                                int (&entry)[RJ], int (&at)[RJ]) {
+#pragma unroll
+    for (int j = 0; j < RJ; ++j) {
+      const int pos = tile * BLOCK_N + r0 + 16 * j;
+      const int blk = Tiles::block_of(pos, p);
+      entry[j] = pos < seqlen ? min(max(__ldg(table + blk), 0), p.num_blocks - 1) : 0;
+      at[j] = pos - blk * p.block_size;
+    }
+  }
+
+  // The producer (thread ptid of its warpgroup): each tile gathered once the consumers have read the tile NUM_STAGES
+  // before it out of the slot. Lane l of warp w copies 16-byte chunk l % 8 of every 64-column block of rows
+  // 4 w + l / 8 + 16 j (a warp's copy: four rows' 128 bytes of one block), their table entries read a tile ahead.
+  static __device__ __forceinline__ void produce(const MlaParams<T>& p, T* sRing, unsigned bar0, const int* table,
+                                                 int seqlen, int tile_begin, int n_tiles, int ptid) {
+    const int lane = ptid % 32;
+    const int r0 = (ptid / 32) * 4 + lane / 8;
+    const int c = (lane % 8) * 8;
+    int entry[RJ], at[RJ];
+    if (n_tiles > 0) lookup(p, table, seqlen, tile_begin, r0, entry, at);
+#pragma unroll 1
+    for (int it = 0; it < n_tiles; ++it) {
+      const int slot = it % NUM_STAGES;
+      const int n0 = (tile_begin + it) * BLOCK_N;
+      if (it >= NUM_STAGES) W::mbar_wait(read(bar0, slot), ((it / NUM_STAGES) & 1) ^ 1);
+      T* dst = sRing + slot * TILE_ELEMS;
+#pragma unroll 1
+      for (int j = 0; j < RJ; ++j) {
+        const int r = r0 + 16 * j;
+        const bool ok = n0 + r < seqlen;
+        const T* ckv = p.ckv + entry[j] * p.c_sb + at[j] * p.c_ss + c;
+#pragma unroll
+        for (int cb = 0; cb < DC / 64; ++cb) cp_async_16(smem_addr(dst + LT::offset(r, cb * 64 + c)), ckv + cb * 64, ok);
+        if (c < DR)
+          cp_async_16(smem_addr(dst + LT::offset(r, DC + c)), p.kpe + entry[j] * p.p_sb + at[j] * p.p_ss + c, ok);
+      }
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full(bar0, slot)) : "memory");
+      if (it + 1 < n_tiles) lookup(p, table, seqlen, tile_begin + it + 1, r0, entry, at);
+    }
+    cp_async_wait_all();  // (its last copies land before its threads leave)
+  }
+
+  // The consumers' side of the ring (MlaWalk::tiles): tile `it`'s slot waited for until gathered (and, for wgmma,
+  // fenced for the async proxy), and handed back to the producer once read.
+  static __device__ __forceinline__ void acquire(unsigned bar0, int it, int slot) {
+    W::mbar_wait(full(bar0, slot), (it / NUM_STAGES) & 1);
+    if constexpr (WGMMA) W::fence_proxy();
+  }
+  static __device__ __forceinline__ void release(unsigned bar0, int slot) { W::mbar_arrive(read(bar0, slot)); }
+};
+
+}  // namespace attngen
