@@ -373,3 +373,23 @@ def test_mla_decode_page_rows_choice(arch, heads):
             assert ref.spec.tma and not ref.spec.page_rows
         assert c.launch.row_blocks == -(-heads // s.q_rows)
 
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_mla_decode_one_stage_gather(arch):
+    """16 rows with many tiles an SM on fast memory: the one-stage form, two CTAs an SM. Over blocks that are not
+    whole 64-key tiles (1, 16, 48) that form is the gather (page_rows); over whole tiles the TMA boxes'; with few
+    tiles, or a caller's pinned tuning field, blocks of 16 keep the two-stage TMA boxes (sm_90a only: elsewhere the
+    cp.async ring, page_rows only where the op asks)."""
+    f = facts(arch)
+    for bs in (1, 16, 48, 64):
+        many = M.choose(M.Problem(512, 64, "bf16", 1, 16, 128, 4096, True, bs, page_rows=bs % 16 != 0), f).spec
+        few = M.choose(M.Problem(512, 64, "bf16", 1, 16, 8, 8192, True, bs, page_rows=bs % 16 != 0), f).spec
+        pinned = M.choose(M.Problem(512, 64, "bf16", 1, 16, 128, 4096, True, bs, MlaDecodeSpec(mma="mma_sync"),
+                                    page_rows=bs % 16 != 0), f).spec
+        if arch != "sm_90a":
+            assert not many.tma and many.page_rows == (bs % 16 != 0) and not many.two_ctas()
+            continue
+        assert (many.num_stages, many.num_warps, many.tma) == (1, 4, True)
+        assert many.gather == many.two_ctas() == (bs != 64)
+        assert few.num_stages == 2 and few.gather == (bs % 16 != 0)
+        assert pinned.page_rows == (bs % 16 != 0) and pinned.num_stages == (2 if bs in (16, 48) else 1)

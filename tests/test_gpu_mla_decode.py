@@ -173,6 +173,31 @@ def test_page_rows_gather_pins(shard, tile):
         run_case([1, 300, 2049], heads, 1, block_size=5, spec=spec)
 
 
+@pytest.mark.parametrize("block_size", [1, 7])
+def test_page_rows_gather_two_ctas(block_size):
+    """The one-stage gather of four consumer warps, two CTAs an SM (sm_90a), at 16 rows: 16 heads, 8 x 2 tokens."""
+    if not _arch().has_wgmma:
+        pytest.skip("the gathered TMA ring is sm_90a's")
+    spec = "mla_decode:num_stages=1,num_warps=4,mma=mma_sync,pipeline=tma"
+    run_case([1, 63, 700, 2049], 16, 1, block_size=block_size, spec=spec)
+    run_case([3000, 65, 1], 8, 2, block_size=block_size, num_splits=3, spec=spec)
+
+
+@pytest.mark.parametrize("block_size", [16, 1])
+def test_one_stage_gather_chosen(block_size, monkeypatch):
+    """16 heads over a grid of many tiles an SM: on a GPU whose memory needs most of its SMs (an H200) the op takes
+    the one-stage gather, two CTAs an SM, for blocks of 16 as for pages of 1; the answer is right on every GPU."""
+    from attngen.families.choice import device_facts
+    from attngen.families.mla_decode.choose import FAST_MEMORY_SHARE
+
+    ran = _chosen(monkeypatch, "gather")
+    seqlens = [4096] * 36 + [1, 77, 3000, 4095]
+    run_case(seqlens, 16, 1, block_size=block_size)
+    facts = device_facts(torch.cuda.current_device())
+    if _arch().has_wgmma and facts.memory_share >= FAST_MEMORY_SHARE and facts.sm_count <= 132:
+        assert ran == [True]
+
+
 @pytest.mark.parametrize("heads", [16, 64, 128])
 def test_page_rows_fp16_small_dims_and_default_splits(heads):
     """Page 1 at fp16 with 256 + 32 dims, and long rows whose split count the op chooses."""
@@ -444,8 +469,8 @@ def test_auto_takes_alternate_tiles_for_many_rows_and_long_runs(monkeypatch):
 def test_auto_takes_one_stage_for_many_tiles_an_sm(monkeypatch):
     """16 rows on sm_90a's TMA ring: the one-stage kernel on four warps (two CTAs an SM) where the grid
     holds ONE_STAGE_MIN_TILES 64-key tiles an SM (and the memory's share of SMs allows, here on any
-    GPU), contiguous or paged in blocks of whole tiles; the two-stage default otherwise, when the caller
-    pins num_stages or num_warps, and for paged blocks that are not whole tiles."""
+    GPU), contiguous, paged in blocks of whole tiles, or (the gather, page_rows) in blocks that are not; the
+    two-stage default otherwise, and when the caller pins num_stages or num_warps."""
     _sm90a_only()
     from attngen.families.mla_decode import choose, op
 
@@ -466,8 +491,9 @@ def test_auto_takes_one_stage_for_many_tiles_an_sm(monkeypatch):
     assert seen[-1] == 1
     run_case([4000, 3000, 129, 0], 16, 1, block_size=256, num_splits=5)
     assert seen[-1] == 1
+    gathered = _chosen(monkeypatch, "page_rows")
     run_case([4000, 3000, 129, 0], 16, 1, block_size=48)
-    assert seen[-1] == 2
+    assert seen[-1] == 1 and gathered == [True]
     run_case([60, 30], 16, 1)  # 1 tile x 2 rows: too few
     assert seen[-1] == 2
     run_case([4000, 3000], 64, 1)  # 64 rows: the wgmma kernel

@@ -201,9 +201,10 @@ def test_default_manifest_validates_for_every_arch_it_lists():
     rows = {s for s in specs if getattr(s, "page_rows", False) and s.family != "mla_decode"}
     assert {(s.family, s.head_dim, s.dtype.value) for s in rows} == {
         (f, 128, dt) for f in ("decode", "prefill") for dt in ("fp16", "bf16")}
-    # 18 more: MLA decode with page_rows (SGLang's pages of 1), bf16, 16-64 rows, every arch.
+    # 18 more: MLA decode with page_rows (SGLang's pages of 1), bf16, 16-64 rows, every arch; and the one-stage gather
+    # 16 rows of paged blocks of 16 reach on sm_90a (fp16's from the paged line).
     assert {(s.q_rows, s.dtype.value, s.kv_dtype) for s in mla if s.page_rows} == {
-        (r, "bf16", None) for r in (16, 32, 64)}
+        (r, "bf16", None) for r in (16, 32, 64)} | {(16, "fp16", None)}
     # 36 more fp8 prefill kernels (head dims 128, 256, every mask, dense and varlen, on sm_89, sm_90a, sm_120).
     pf8 = {s for s in prefill if s.qkv_dtype}
     assert {(s.head_dim, s.varlen) for s in pf8} == {(d, v) for d in (128, 256) for v in (False, True)}

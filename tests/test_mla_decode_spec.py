@@ -355,6 +355,7 @@ def test_page_rows_fields_and_refusals():
     ("mla_decode:q_rows=32,paged=true,page_rows=true", "sm_90a"),
     ("mla_decode:q_rows=16,paged=true,page_rows=true,pipeline=sync", "sm_90a"),
     ("mla_decode:q_rows=64,paged=true,page_rows=true,qk_shard=false,kv_lora_rank=256,rope_dim=32", "sm_90a"),
+    ("mla_decode:q_rows=16,paged=true,page_rows=true,num_stages=1,num_warps=4", "sm_90a"),
 ])
 def test_page_rows_compile_spill_free(text, arch, tmp_path, monkeypatch):
     """A real NVRTC compile of each page_rows kernel form (16-bit and fp8 caches, mma.sync and wgmma, the gathered TMA
@@ -373,3 +374,7 @@ def test_page_rows_compile_spill_free(text, arch, tmp_path, monkeypatch):
     for entry in spec.entries:
         assert b".text." + entry.encode() + b"\x00" in b.cubin
     assert ("cp.async.mbarrier.arrive.noinc" in b.ptx) == spec.gather and "cp.async.bulk.tensor" not in b.ptx
+    # two CTAs an SM: ptxas told so, and the register file split between them
+    assert (".minnctapersm 2" in b.ptx) == spec.two_ctas() == (spec.gather and spec.num_warps == 4)
+    if spec.two_ctas():
+        assert b.resources.registers <= 128

@@ -28,10 +28,12 @@ struct MlaGather {
   static constexpr int THREADS = K::THREADS, TILE_ELEMS = K::TILE_ELEMS, PRODUCER_THREADS = K::PRODUCER_THREADS;
   static constexpr int RJ = BLOCK_N / 16;  // rows a producer thread copies
   // setmaxnreg: the consumers take the producer's share (as the fp8 wgmma kernel's do; at the launch bounds' 168 a
-  // thread the 32-row mma.sync consumers spilled).
-  static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
+  // thread the 32-row mma.sync consumers spilled). Four consumer warps (one stage, MlaDecodeSpec.two_ctas) leave
+  // room for two CTAs an SM, the register file halved between them.
+  static constexpr int CTAS = THREADS == 128 ? 2 : 1;
+  static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = CTAS == 2 ? 200 : 224;
   static_assert(PRODUCER_THREADS == 128 && BLOCK_N % 16 == 0 && DC % 64 == 0 && DR <= 64, "the gather");
-  static_assert(PRODUCER_THREADS * PRODUCER_REGS + THREADS * CONSUMER_REGS <= 65536, "register file");
+  static_assert(CTAS * (PRODUCER_THREADS * PRODUCER_REGS + THREADS * CONSUMER_REGS) <= 65536, "register file");
 
   static __device__ __forceinline__ unsigned full(unsigned bar0, int slot) { return bar0 + 8 * slot; }
   static __device__ __forceinline__ unsigned read(unsigned bar0, int slot) { return bar0 + 8 * (NUM_STAGES + slot); }

@@ -37,10 +37,11 @@ FAST_MEMORY_SHARE = 0.6
 # One 64-row block (64 heads) takes alternate tiles too on fast memory (FAST_MEMORY_SHARE) and where the batch fills
 # ALTERNATE_ONE_BLOCK_MIN_BATCH row blocks (at smaller batches it did not pay).
 ALTERNATE_ONE_BLOCK_MIN_BATCH = 64
-# 16 rows on the TMA ring, 64-key tiles, a contiguous cache or paged blocks of whole tiles: one stage on four
-# warps where the grid holds at least ONE_STAGE_MIN_TILES tiles an SM and the memory is fast (FAST_MEMORY_SHARE).
-# One stage leaves room for two CTAs an SM, whose loads and math then overlap each other's; with few tiles an SM
-# it loses to the two-stage default.
+# 16 rows on the TMA ring, 64-key tiles: one stage on four warps where the grid holds at least ONE_STAGE_MIN_TILES
+# tiles an SM and the memory is fast (FAST_MEMORY_SHARE). One stage leaves room for two CTAs an SM, whose loads and
+# math then overlap each other's; with few tiles an SM it loses to the two-stage default. Paged blocks that are not
+# whole tiles take it as the gather (page_rows): TMA boxes of blocks of 16 ran 1.24-1.32x the one-stage gather's time
+# on an H200 (16 heads, batch 32 x 8k and 128 x 4k), and the two-stage gather 1.26-1.30x at pages of 1.
 ONE_STAGE_MIN_TILES = 16
 # The most splits of a row block merged in a cluster on sm_90 (0 or 1: every split count through the
 # workspace and a merge launch), and the share of the SMs the row blocks must fill for a cluster (with few
@@ -183,10 +184,16 @@ def choose_spec(p: Problem, device: DeviceFacts) -> MlaDecodeSpec:
         else:
             rs = rs.replace(pipeline=Pipeline.SYNC)  # the same tiles
     row_blocks = -(-p.heads * p.q_len // rows)
-    if (rows == 16 and rs.tma and whole_tiles and rs.cta_tile_kv == 64 and rs.num_stages == 2
+    if (rows == 16 and rs.tma and rs.cta_tile_kv == 64 and rs.num_stages == 2
             and (user is None or not (user.num_stages or user.num_warps))
             and p.batch * row_blocks * -(-p.capacity // rs.cta_tile_kv) >= ONE_STAGE_MIN_TILES * device.sm_count
             and fast_memory):
+        if not whole_tiles and not rs.page_rows:
+            gather = None if _pins_tuning(user) else resolved_spec(p.kv_lora_rank, p.rope_dim, p.dtype, rows, p.paged,
+                                                                  user, a.name, p.kv_dtype, True)
+            if gather is None or not gather.gather:
+                return rs
+            rs = gather
         one = _variant(rs, a, "one_stage")  # two CTAs an SM
         if one is not None:  # before the split count, which counts the CTAs an SM holds
             rs = one
@@ -246,7 +253,8 @@ def reachable(spec: MlaDecodeSpec, arch: Arch) -> set:
     """Every resolved spec ``choose`` can return for a problem of ``spec``'s fields on ``arch``, over every batch,
     head count, cache length and device memory: ``spec`` resolved; where it pins no tuning field and has 32 rows,
     the 64-row wgmma kernel too (``spec.paged``: blocks of whole 64-key tiles); where it pins neither num_stages
-    nor num_warps, the one-stage form of 16 rows; where it pins no qk_shard, the alternate-tile form of each;
+    nor num_warps, the one-stage form of 16 rows (paged, and no tuning field pinned: its gather too, for blocks that
+    are not whole tiles); where it pins no qk_shard, the alternate-tile form of each;
     where it pins no tuning field, the cluster_merge form of the sharded wgmma kernel over a 16-bit cache. (A
     kernel of TMA maps the driver refuses, the cp.async form of its tiles, is not counted: such caches are not
     what a manifest prewarms for.)"""
@@ -260,9 +268,13 @@ def reachable(spec: MlaDecodeSpec, arch: Arch) -> set:
     for rs in list(out):
         if (rs.q_rows == 16 and rs.tma and rs.cta_tile_kv == 64 and rs.num_stages == 2
                 and not pinned & {"num_stages", "num_warps"}):
-            one = replaced_if_valid(rs, arch, num_stages=1, num_warps=4)
-            if one is not None:
-                out.add(one)
+            forms = [rs]
+            if rs.paged and not rs.page_rows and not pinned:  # (blocks that are not whole tiles: the gather)
+                forms.append(resolve(spec.replace(page_rows=True), arch))
+            for f in forms:
+                one = replaced_if_valid(f, arch, num_stages=1, num_warps=4)
+                if one is not None and (f is rs or one.gather):
+                    out.add(one)
     if "qk_shard" not in pinned:
         for rs in list(out):
             if rs.qk_shard is QkShard.TRUE and not rs.fp8:  # (alternate tiles read 16-bit tiles only)

@@ -294,8 +294,14 @@ class MlaDecodeSpec(SpecBase):
                    wgmma=self.wgmma, tma=self.tma, alternate=self.alternate,
                    kv_fp8=0 if self.kv_dtype is None else 1 + list(KVDType).index(self.kv_dtype),
                    cluster_fits=self.cluster_merge_fits(), cluster_wgmma=self.cluster_merge,
-                   one_cta=self.one_cta_an_sm(), page_rows=self.page_rows)
+                   one_cta=self.one_cta_an_sm(), two_ctas=self.two_ctas(), page_rows=self.page_rows)
         return ctx
+
+    def two_ctas(self) -> bool:
+        """Whether the gather kernel (``gather``) holds two CTAs an SM: four consumer warps and shared memory for two,
+        its launch bounds then asking ptxas for that many and its warpgroups' register counts halving the file
+        (mla_decode/gather.cuh)."""
+        return self.gather and self.num_warps == 4 and not self.one_cta_an_sm()
 
     def one_cta_an_sm(self) -> bool:
         """Whether the kernel's shared memory (with the 1 KB an SM reserves for each CTA) leaves no room for a second
