@@ -383,7 +383,7 @@ def test_mla_decode_one_stage_gather(arch):
     f = facts(arch)
     for bs in (1, 16, 48, 64):
         many = M.choose(M.Problem(512, 64, "bf16", 1, 16, 128, 4096, True, bs, page_rows=bs % 16 != 0), f).spec
-        few = M.choose(M.Problem(512, 64, "bf16", 1, 16, 8, 8192, True, bs, page_rows=bs % 16 != 0), f).spec
+        few = M.choose(M.Problem(512, 64, "bf16", 1, 16, 4, 8192, True, bs, page_rows=bs % 16 != 0), f).spec
         pinned = M.choose(M.Problem(512, 64, "bf16", 1, 16, 128, 4096, True, bs, MlaDecodeSpec(mma="mma_sync"),
                                     page_rows=bs % 16 != 0), f).spec
         if arch != "sm_90a":
@@ -393,3 +393,8 @@ def test_mla_decode_one_stage_gather(arch):
         assert many.gather == many.two_ctas() == (bs != 64)
         assert few.num_stages == 2 and few.gather == (bs % 16 != 0)
         assert pinned.page_rows == (bs % 16 != 0) and pinned.num_stages == (2 if bs in (16, 48) else 1)
+        # between GATHER_ONE_STAGE_MIN_TILES and ONE_STAGE_MIN_TILES tiles an SM (8 x 8k: 7.8 on 132 SMs) only pages
+        # that are not a multiple of 16 take one stage; below it (16 x 2k: 3.9) none
+        mid = M.choose(M.Problem(512, 64, "bf16", 1, 16, 8, 8192, True, bs, page_rows=bs % 16 != 0), f).spec
+        low = M.choose(M.Problem(512, 64, "bf16", 1, 16, 16, 2048, True, bs, page_rows=bs % 16 != 0), f).spec
+        assert mid.num_stages == (1 if bs % 16 else 2) and mid.gather == (bs % 16 != 0) and low.num_stages == 2

@@ -43,6 +43,11 @@ ALTERNATE_ONE_BLOCK_MIN_BATCH = 64
 # whole tiles take it as the gather (page_rows): TMA boxes of blocks of 16 ran 1.24-1.32x the one-stage gather's time
 # on an H200 (16 heads, batch 32 x 8k and 128 x 4k), and the two-stage gather 1.26-1.30x at pages of 1.
 ONE_STAGE_MIN_TILES = 16
+# Blocks that are not a multiple of 16 (page_rows, where the two-stage alternative is the gather too): one stage from
+# this many tiles an SM. On an H200 at 16 heads, pages of 1: 1.05-1.13x the two-stage gather at 7.8 tiles an SM
+# (b1-64 x 32k-1k), 1.11x at 11.6, even at 5.8, 0.92-0.97x at 3.9. (Blocks of 16 keep TMA boxes below
+# ONE_STAGE_MIN_TILES: at 7.8 tiles an SM those ran 1.07x the one-stage gather.)
+GATHER_ONE_STAGE_MIN_TILES = 6
 # The most splits of a row block merged in a cluster on sm_90 (0 or 1: every split count through the
 # workspace and a merge launch), and the share of the SMs the row blocks must fill for a cluster (with few
 # row blocks each cluster's CTAs merge many rows, one DSMEM load after another, slower than the merge launch).
@@ -184,9 +189,10 @@ def choose_spec(p: Problem, device: DeviceFacts) -> MlaDecodeSpec:
         else:
             rs = rs.replace(pipeline=Pipeline.SYNC)  # the same tiles
     row_blocks = -(-p.heads * p.q_len // rows)
+    min_tiles = GATHER_ONE_STAGE_MIN_TILES if rs.page_rows else ONE_STAGE_MIN_TILES
     if (rows == 16 and rs.tma and rs.cta_tile_kv == 64 and rs.num_stages == 2
             and (user is None or not (user.num_stages or user.num_warps))
-            and p.batch * row_blocks * -(-p.capacity // rs.cta_tile_kv) >= ONE_STAGE_MIN_TILES * device.sm_count
+            and p.batch * row_blocks * -(-p.capacity // rs.cta_tile_kv) >= min_tiles * device.sm_count
             and fast_memory):
         if not whole_tiles and not rs.page_rows:
             gather = None if _pins_tuning(user) else resolved_spec(p.kv_lora_rank, p.rope_dim, p.dtype, rows, p.paged,
