@@ -106,16 +106,9 @@ struct MlaFp8 {
       const bool ok = n0 + r < seqlen;
       const unsigned char* src = base;
       if constexpr (PAGED) {
-        // clamped to the pool, and in it whether or not the row is live (MlaTiles::load_cols says why)
-        if constexpr (K::PAGE_ROWS_) {
-          const int2 at = MlaTiles<K>::block_slot(pages, r);
-          const int b = min(max(at.x, 0), p.num_blocks - 1);
-          src = base + b * s_blk + at.y * s_pos + c;
-        } else {
-          const int b = min(max(__shfl_sync(0xffffffffu, pages.x, r / 16), 0), p.num_blocks - 1);
-          const int slot = __shfl_sync(0xffffffffu, pages.y, r / 16) + r % 16;
-          src = base + b * s_blk + slot * s_pos + c;
-        }
+        // clamped to the pool, and in it whether or not the row is live (MlaTiles::block_slot)
+        const int2 at = MlaTiles<K>::block_slot(pages, r, p);
+        src = base + at.x * s_blk + at.y * s_pos + c;
       } else if (ok) {
         src = base + (n0 + r) * s_pos + c;
       }

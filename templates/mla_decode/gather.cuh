@@ -68,7 +68,7 @@ struct MlaGather {
     return false;
   }
 
-  // Row r0 + 16 j's table entry (clamped to the pool, as MlaTiles::load_cols clamps) and slot, j < RJ, for tile `tile`.
+  // Row r0 + 16 j's table entry (clamped to the pool, as MlaTiles::block_slot clamps) and slot, j < RJ, for tile `tile`.
   static __device__ __forceinline__ void lookup(const MlaParams<T>& p, const int* table, int seqlen, int tile, int r0,
                                                 int (&entry)[RJ], int (&at)[RJ]) {
 #pragma unroll

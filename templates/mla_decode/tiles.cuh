@@ -32,15 +32,8 @@ struct MlaTiles {
       constexpr int UNROLL = ROWS <= 16 ? 2 : 1;
 #pragma unroll UNROLL
       for (int r = tid / CHUNKS; r < BLOCK_N; r += ROW_STEP) {
-        if constexpr (PAGE_ROWS) {
-          const int2 at = block_slot(pages, r);
-          const int b = min(max(at.x, 0), p.num_blocks - 1);
-          cp_async_16(smem_addr(tile + LT::offset(r, col0 + c)), base + b * s_blk + at.y * s_pos + c, n0 + r < seqlen);
-        } else {
-          const int b = min(max(__shfl_sync(0xffffffffu, pages.x, r / 16), 0), p.num_blocks - 1);
-          const int slot = __shfl_sync(0xffffffffu, pages.y, r / 16) + r % 16;
-          cp_async_16(smem_addr(tile + LT::offset(r, col0 + c)), base + b * s_blk + slot * s_pos + c, n0 + r < seqlen);
-        }
+        const int2 at = block_slot(pages, r, p);
+        cp_async_16(smem_addr(tile + LT::offset(r, col0 + c)), base + at.x * s_blk + at.y * s_pos + c, n0 + r < seqlen);
       }
     } else {
 #pragma unroll 2
@@ -54,13 +47,24 @@ struct MlaTiles {
     }
   }
 
-  // PAGE_ROWS: tile row r's table entry (unclamped) and slot in its block, from the lane that holds them
-  // (load_cols). Every lane shuffles both halves: the rows of one call may differ between lanes.
-  static __device__ __forceinline__ int2 block_slot(int4 pages, int r) {
-    const int lo_b = __shfl_sync(0xffffffffu, pages.x, r % 32), lo_s = __shfl_sync(0xffffffffu, pages.y, r % 32);
-    if constexpr (BLOCK_N <= 32) return make_int2(lo_b, lo_s);
-    const int hi_b = __shfl_sync(0xffffffffu, pages.z, r % 32), hi_s = __shfl_sync(0xffffffffu, pages.w, r % 32);
-    return r < 32 ? make_int2(lo_b, lo_s) : make_int2(hi_b, hi_s);
+  // Paged, cp.async: tile row r's block, clamped to the pool (its address stays inside it whether or not the row is
+  // live), and its slot in that block, from the lane of `pages` that holds them (pages_of in MlaDecode::run): lane
+  // r / 16 holds the 16-row group's block and first slot, or (PAGE_ROWS) lane r % 32 rows r % 32 and r % 32 + 32's.
+  // Every lane shuffles both halves: the rows of one call may differ between lanes.
+  static __device__ __forceinline__ int2 block_slot(Pages pages, int r, const MlaParams<T>& p) {
+    if constexpr (PAGE_ROWS) {
+      const int lo_b = __shfl_sync(0xffffffffu, pages.x, r % 32), lo_s = __shfl_sync(0xffffffffu, pages.y, r % 32);
+      int2 at = make_int2(lo_b, lo_s);
+      if constexpr (BLOCK_N > 32) {
+        const int hi_b = __shfl_sync(0xffffffffu, pages.z, r % 32), hi_s = __shfl_sync(0xffffffffu, pages.w, r % 32);
+        at = r < 32 ? at : make_int2(hi_b, hi_s);
+      }
+      return make_int2(min(max(at.x, 0), p.num_blocks - 1), at.y);
+    } else {
+      const int b = min(max(__shfl_sync(0xffffffffu, pages.x, r / 16), 0), p.num_blocks - 1);
+      const int slot = __shfl_sync(0xffffffffu, pages.y, r / 16) + r % 16;
+      return make_int2(b, slot);
+    }
   }
 
   // Keys past a row's token (and past the sequence) set to -inf in S of NK keys, the first being key
