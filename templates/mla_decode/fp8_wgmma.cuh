@@ -49,9 +49,8 @@ struct MlaFp8Wgmma {
   static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
   static_assert(BLOCK_N % 32 == 0 && LT::BLOCK_BYTES == BLOCK_N * 128 && K::BLOCK_COLS == DC + 64, "fp8 units");
   static_assert(PRODUCER_THREADS == 128 && THREADS == 256, "one producer warpgroup, two consumer warpgroups");
-  // (within the launch's pool: MlaGather::POOL says why)
-  static_assert(PRODUCER_THREADS * PRODUCER_REGS + THREADS * CONSUMER_REGS <=
-                    65536 / (THREADS + PRODUCER_THREADS) / 8 * 8 * (THREADS + PRODUCER_THREADS), "register pool");
+  static_assert(PRODUCER_THREADS * PRODUCER_REGS + THREADS * CONSUMER_REGS <= W::reg_pool(THREADS + PRODUCER_THREADS),
+                "register pool");
 
   static __device__ __forceinline__ unsigned landed(unsigned bar0, int slot) { return bar0 + 8 * slot; }
   static __device__ __forceinline__ unsigned widened(unsigned bar0, int slot) {

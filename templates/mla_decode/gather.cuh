@@ -33,10 +33,8 @@ struct MlaGather {
   static constexpr int CTAS = THREADS == 128 ? 2 : 1;
   static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = CTAS == 2 ? 200 : 224;
   static_assert(PRODUCER_THREADS == 128 && BLOCK_N % 16 == 0 && DC % 64 == 0 && DR <= 64, "the gather");
-  // setmaxnreg moves registers within what the launch gave the CTA: launch-bound registers a thread (65536 over the
-  // threads of CTAS CTAs, in whole groups of 8) times its threads, not the whole file; asking past it never returns.
-  static constexpr int POOL = 65536 / (CTAS * (THREADS + PRODUCER_THREADS)) / 8 * 8 * (THREADS + PRODUCER_THREADS);
-  static_assert(PRODUCER_THREADS * PRODUCER_REGS + THREADS * CONSUMER_REGS <= POOL, "register pool");
+  static_assert(PRODUCER_THREADS * PRODUCER_REGS + THREADS * CONSUMER_REGS <=
+                    W::reg_pool(THREADS + PRODUCER_THREADS, CTAS), "register pool");
 
   static __device__ __forceinline__ unsigned full(unsigned bar0, int slot) { return bar0 + 8 * slot; }
   static __device__ __forceinline__ unsigned read(unsigned bar0, int slot) { return bar0 + 8 * (NUM_STAGES + slot); }
