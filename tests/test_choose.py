@@ -360,18 +360,25 @@ def test_decode_local_kernels_split_only_a_windows_live_keys():
 @pytest.mark.parametrize("heads", [16, 32, 128])
 def test_mla_decode_page_rows_choice(arch, heads):
     """Paged blocks that are not a multiple of 16 (the op's page_rows, e.g. SGLang's page 1) take the page_rows
-    kernels: on sm_90a the TMA ring gathered by a producer warpgroup, elsewhere the cp.async ring; never alternate
-    tiles or the 32-row widening (their blocks are not whole tiles); blocks of 16 keep the TMA kernels' boxes."""
+    kernels: on sm_90a the TMA ring gathered by a producer warpgroup, elsewhere the cp.async ring; alternate tiles
+    where blocks of whole tiles take them (gathered by halves), never the 32-row widening (its blocks are whole tiles);
+    blocks of 16 keep the TMA kernels' boxes."""
     f = facts(arch)
+    alternates = 0
     for b, cap in ((1, 8192), (8, 4096), (128, 1024)):
         c = M.choose(M.Problem(512, 64, "bf16", 1, heads, b, cap, True, 1, page_rows=True), f)
         s = c.spec
-        assert s.page_rows and s.qk_shard.value != "alternate" and s.gather == (arch == "sm_90a")
+        assert s.page_rows and s.gather == (arch == "sm_90a")
         assert s.q_rows == MlaDecodeSpec.rows_for(heads, 1)
         ref = M.choose(M.Problem(512, 64, "bf16", 1, heads, b, cap, True, 16), f)
+        whole = M.choose(M.Problem(512, 64, "bf16", 1, heads, b, cap, True, 64), f)
+        if s.q_rows == 64:
+            assert s.alternate == whole.spec.alternate and c.launch.num_splits == whole.launch.num_splits
+        alternates += s.alternate
         if arch == "sm_90a":
             assert ref.spec.tma and not ref.spec.page_rows
         assert c.launch.row_blocks == -(-heads // s.q_rows)
+    assert alternates == (1 if arch == "sm_90a" and heads == 128 else 0)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])

@@ -173,6 +173,32 @@ def test_page_rows_gather_pins(shard, tile):
         run_case([1, 300, 2049], heads, 1, block_size=5, spec=spec)
 
 
+@pytest.mark.parametrize("block_size", [1, 5, 24, 100])
+@pytest.mark.parametrize("heads", [128, 64])
+def test_page_rows_gather_alternate(block_size, heads):
+    """Alternate tiles over the gathered ring (sm_90a): the producer's two pairs of warps gather a slot's halves
+    each on its own run of the tiles; ragged rows with a part tile last, two tokens, forced splits, an empty row,
+    fp16 with 256 + 32 dims."""
+    if not _arch().has_wgmma:
+        pytest.skip("the gathered TMA ring is sm_90a's")
+    spec = "mla_decode:qk_shard=alternate"
+    run_case([1, 63, 700, 2049], heads, 1, block_size=block_size, spec=spec)
+    run_case([3000, 65, 0, 129], heads, 2, block_size=block_size, num_splits=3, spec=spec)
+    run_case([1, 500, 2000], heads, 1, torch.float16, rank=256, rope=32, block_size=block_size, spec=spec)
+
+
+def test_page_rows_alternate_chosen(monkeypatch):
+    """128 heads at pages of 1 over runs of many tiles a CTA take alternate tiles on the gathered ring (sm_90a on
+    fast memory), as blocks of whole tiles do."""
+    _sm90a_only()
+    from attngen.families.mla_decode import choose
+
+    seen = _chosen(monkeypatch, "qk_shard")
+    monkeypatch.setattr(choose, "FAST_MEMORY_SHARE", 0.0)
+    run_case([1024] * 120 + [1000, 77], 128, 1, block_size=1, num_splits=1)
+    assert seen[-1] is choose.QkShard.ALTERNATE
+
+
 @pytest.mark.parametrize("block_size", [1, 7])
 def test_page_rows_gather_two_ctas(block_size):
     """The one-stage gather of four consumer warps, two CTAs an SM (sm_90a), at 16 rows: 16 heads, 8 x 2 tokens."""

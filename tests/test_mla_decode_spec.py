@@ -314,9 +314,9 @@ def test_merge_entries_launch_with_pdl_below_64_rows(text, arch, listed):
 def test_page_rows_fields_and_refusals():
     """page_rows (paged blocks of any size) needs a paged cache. On sm_90a it resolves to the TMA ring gathered by a
     producer warpgroup (128 threads more, two mbarriers a stage, no TMA maps, no cluster merge), with wgmma at 64 rows
-    and mma.sync below; elsewhere to the cp.async ring. Not with alternate tiles, nor with an fp8 cache on the TMA
-    ring (refused naming page_rows): an fp8 cache takes the mma.sync kernel on the cp.async ring. Shown in the text
-    form and the kernel name only when set."""
+    and mma.sync below; with alternate tiles, four mbarriers a stage (each half's full and free); elsewhere to the
+    cp.async ring. Not with an fp8 cache on the TMA ring (refused naming page_rows): an fp8 cache takes the mma.sync
+    kernel on the cp.async ring. Shown in the text form and the kernel name only when set."""
     r = resolve(MlaDecodeSpec(q_rows=64, paged=True, page_rows=True), "sm_90a")
     assert (r.mma, r.pipeline, r.page_rows, r.gather, r.producer_wg) == (Mma.WGMMA, Pipeline.TMA, True, True, True)
     assert r.threads == 384 and not r.cluster_merge_fits()
@@ -333,9 +333,13 @@ def test_page_rows_fields_and_refusals():
     with pytest.raises(SpecError) as e:
         MlaDecodeSpec(q_rows=16, page_rows=True)
     assert e.value.field == "page_rows"
-    with pytest.raises(SpecError, match="page_rows") as e:
-        resolve(MlaDecodeSpec(q_rows=64, paged=True, page_rows=True, qk_shard="alternate"), "sm_90a")
-    assert e.value.field == "page_rows"
+    alt = resolve(MlaDecodeSpec(q_rows=64, paged=True, page_rows=True, qk_shard="alternate"), "sm_90a")
+    alt_tma = resolve(MlaDecodeSpec(q_rows=64, paged=True, qk_shard="alternate"), "sm_90a")
+    assert alt.gather and alt.alternate and alt.threads == 384
+    assert alt.smem_bytes() == alt_tma.smem_bytes() + 16 * alt.num_stages  # (two mbarriers more a stage)
+    with pytest.raises(SpecError, match="alternate") as e:
+        resolve(MlaDecodeSpec(q_rows=64, paged=True, page_rows=True, qk_shard="alternate", pipeline="sync"), "sm_90a")
+    assert e.value.field == "qk_shard"
     with pytest.raises(SpecError, match="fp8") as e:
         validate(MlaDecodeSpec(q_rows=64, paged=True, page_rows=True, kv_dtype="fp8_e4m3", qk_shard=True,
                                cta_tile_kv=64, num_warps=8, num_stages=2, mma="wgmma", pipeline="tma"), "sm_90a")

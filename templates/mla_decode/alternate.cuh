@@ -11,7 +11,9 @@
 // so one warpgroup's softmax runs while the other's MMAs do. Each half of a slot (ckv's left
 // columns; its right columns and kpe) has its own mbarrier and is refilled by the warpgroup that
 // reads it last: warpgroup 0 the left halves, warpgroup 1 the right. Q's rope columns move to
-// registers, and their shared memory holds P_b.
+// registers, and their shared memory holds P_b. Paged blocks of any size (GATHER, mla_decode/gather.cuh): a
+// producer warpgroup gathers the halves instead, each into its own half of the slot once the warpgroup that
+// reads it last hands it back (where the TMA form refills it).
 namespace attngen {
 
 template <class K>
@@ -27,6 +29,28 @@ struct MlaAlternate {
 
   static constexpr int HALF_BLOCKS = DC / 128;  // ckv blocks of one half
   static constexpr int ROPE_KK = DR / 16;
+  static constexpr bool GATHER = K::GATHER;
+
+  // Half `half` of `slot` waited for until landed; a gathered half (written through the generic proxy) fenced for
+  // the wgmma reads.
+  static __device__ __forceinline__ void wait_half(unsigned bar0, int slot, int half, unsigned par) {
+    W::mbar_wait(bar0 + 16 * slot + 8 * half, par);
+    if constexpr (GATHER) W::fence_proxy();
+  }
+  // Half HALF of `slot`, read for the last time by this warpgroup: refilled with tile `tile` where the split has it
+  // (`more`), by TMA from the warpgroup's first thread; or (GATHER) handed back to the producer warpgroup, which
+  // gathers the next tile into it.
+  template <int HALF>
+  static __device__ __forceinline__ void refill_half(const MlaParams<T>& p, const TmaDesc* maps, unsigned ring,
+                                                unsigned bar0, const int* table, int batch, int seqlen, int wtid,
+                                                bool more, int tile, int slot) {
+    if constexpr (GATHER) {
+      if (wtid == 0) W::mbar_arrive(K::ProducerWg::free_half(bar0, slot, HALF));
+    } else if (wtid == 0 && more) {
+      Tiles::template tma_tile<HALF * HALF_BLOCKS, (HALF + 1) * HALF_BLOCKS, HALF == 1>(
+          p, maps, ring, bar0 + 16 * slot + 8 * HALF, table, batch, seqlen, tile, slot);
+    }
+  }
 
   // The steps of run's loop (lambdas of run once; taking what they read, they compile to the same code).
 
@@ -34,7 +58,7 @@ struct MlaAlternate {
   // as a box may have read them from the cache (P is 0 there, V must be finite).
   static __device__ __forceinline__ void zero_tail(T* sRing, int seqlen, int wg, int wtid, int slot, int tile) {
     const int valid = seqlen - tile * BLOCK_N;
-    if (valid >= BLOCK_N) return;
+    if (GATHER || valid >= BLOCK_N) return;  // (the gather zero-fills rows past the sequence)
     Tiles::template zero_rows<DC / 2>(sRing + slot * TILE_ELEMS, valid, wg * (DC / 2), wtid, 128);
     W::fence_proxy();
     W::bar_sync(5 + wg, 128);
@@ -56,7 +80,7 @@ struct MlaAlternate {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int half = h ^ first;
-      W::mbar_wait(bar0 + 16 * slot + 8 * half, par);
+      wait_half(bar0, slot, half, par);
       W::fence();  // after the wait's loop (before it: C7519, NVRTC 13.0)
 #pragma unroll
       for (int kk = 0; kk < DC / 32; ++kk) {
@@ -148,7 +172,7 @@ struct MlaAlternate {
     for (int kk = 0; kk < ROPE_KK; ++kk)
       ldmatrix_x4(rq[kk][0], rq[kk][1], rq[kk][2], rq[kk][3],
                   smem_addr(sQ + LQ::offset(row0 + lane % 16, DC + kk * 16 + (lane / 16) * 8)));
-    __syncthreads();  // the rope block is P_b's from here on
+    K::consumers_sync();  // the rope block is P_b's from here on
 
     for (int j = 0; 2 * j < n_tiles; ++j) {
       const bool has_b = 2 * j + 1 < n_tiles;
@@ -186,19 +210,17 @@ struct MlaAlternate {
         W::template wait<0>();
         W::hold(acc_o);
         // Slot 0's left half is read by this warpgroup only: refilled now, the right half at the pair's end.
-        if (wtid == 0 && refill < n_tiles)
-          Tiles::template tma_tile<0, HALF_BLOCKS, false>(p, maps, ring, bar0, table, batch, seqlen, ta + 2, 0);
+        refill_half<0>(p, maps, ring, bar0, table, batch, seqlen, wtid, refill < n_tiles, ta + 2, 0);
         scale_o(acc_o, s1);
         if (has_b) {
-          W::mbar_wait(bar0 + 16, par);
+          wait_half(bar0, 1, 0, par);
           zero_tail(sRing, seqlen, wg, wtid, 1, tb);
           W::bar_sync(BAR_P1, 256);
           pv_smem(acc_o, ring, wg, sP1, 1);
           W::template wait<0>();
           W::hold(acc_o);
         }
-        if (wtid == 0 && refill + 1 < n_tiles)
-          Tiles::template tma_tile<0, HALF_BLOCKS, false>(p, maps, ring, bar0 + 16, table, batch, seqlen, tb + 2, 1);
+        refill_half<0>(p, maps, ring, bar0, table, batch, seqlen, wtid, refill + 1 < n_tiles, tb + 2, 1);
       } else {
         if (has_b) {
           scores(p, sQ, ring, bar0, rq, lim, t, seqlen, 1, tb, 1, par, sc);
@@ -234,20 +256,16 @@ struct MlaAlternate {
           W::fence_proxy();
           W::bar_arrive(BAR_P1, 256);
         }
-        W::mbar_wait(bar0 + 8, par);
+        wait_half(bar0, 0, 1, par);
         zero_tail(sRing, seqlen, wg, wtid, 0, ta);
         W::bar_sync(BAR_P0, 256);
         pv_smem(acc_o, ring, wg, sP0, 0);
         // Slot 1's right half is read by this warpgroup only: refilled once P_b V_b,R is done.
         W::template wait<1>();
-        if (wtid == 0 && refill + 1 < n_tiles)
-          Tiles::template tma_tile<HALF_BLOCKS, DC / 64, true>(p, maps, ring, bar0 + 24,
-                                                               table, batch, seqlen, tb + 2, 1);
+        refill_half<1>(p, maps, ring, bar0, table, batch, seqlen, wtid, refill + 1 < n_tiles, tb + 2, 1);
         W::template wait<0>();
         W::hold(acc_o);
-        if (wtid == 0 && refill < n_tiles)
-          Tiles::template tma_tile<HALF_BLOCKS, DC / 64, true>(p, maps, ring, bar0 + 8,
-                                                               table, batch, seqlen, ta + 2, 0);
+        refill_half<1>(p, maps, ring, bar0, table, batch, seqlen, wtid, refill < n_tiles, ta + 2, 0);
       }
     }
   }

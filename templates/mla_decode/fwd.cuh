@@ -63,7 +63,7 @@ struct MlaDecode {
   // TMA ring, GATHER: a producer warpgroup's gather, mla_decode/gather.cuh)
   static constexpr bool PAGE_ROWS_ = PAGE_ROWS;
   static constexpr bool GATHER = PAGE_ROWS && TMA;
-  static_assert(!PAGE_ROWS || (PAGED && BLOCK_N <= 64 && !ALT && !(KV_FP8 && TMA)), "page_rows: a paged cache");
+  static_assert(!PAGE_ROWS || (PAGED && BLOCK_N <= 64 && !(KV_FP8 && TMA)), "page_rows: a paged cache");
   // Paged, cp.async: a tile's table entries as its loads take them (MlaTiles::load_cols): a 16-row group's block and
   // first slot in lane j, or (PAGE_ROWS) rows j and j + 32's blocks and slots in lane j.
   using Pages = typename Select<PAGE_ROWS, int4, int2>::type;
@@ -112,9 +112,9 @@ struct MlaDecode {
   static_assert(!WGMMA || (ROWS == 64 && NUM_WARPS == 8 && SN >= 16 && BLOCK_N <= 64), "wgmma shape");
   static_assert(!ALT || (TMA && !QK_SHARD && BLOCK_N == 64 && NUM_STAGES == 2 && DR <= 64), "alternate tiles");
   static_assert(!FP8 || WGMMA == TMA, "fp8 tiles: mma.sync on the cp.async ring, or wgmma on the TMA ring");
-  // mbarriers: a slot's, each half's (ALT), a slot's three (fp8 on wgmma: landed, widened, read), or two (GATHER:
-  // full, read)
-  static constexpr int BARS = TMA ? NUM_STAGES * (ALT || GATHER ? 2 : PRODUCER_WG ? 3 : 1) : 0;
+  // mbarriers: a slot's, each half's (ALT), a slot's three (fp8 on wgmma: landed, widened, read), two (GATHER:
+  // full, read), or four (ALT and GATHER: each half's full and free)
+  static constexpr int BARS = TMA ? NUM_STAGES * (ALT && GATHER ? 4 : ALT || GATHER ? 2 : PRODUCER_WG ? 3 : 1) : 0;
   static_assert(SN % 8 == 0 && BLOCK_N % 16 == 0 && ON % 16 == 0 && DQK % 32 == 0, "tile shape");
   static_assert(DC % 8 == 0 && DR % 8 == 0 && THREADS % (DC / 8) == 0 && THREADS % (DR / 8) == 0, "copies");
 
@@ -212,10 +212,7 @@ struct MlaDecode {
     // Paged, cp.async: the table entries of the tile load_tile fills next, read a tile ahead (producer.cuh).
     auto pages_of = [&](int tile) {
       if constexpr (PAGE_ROWS) {
-        const int pos0 = tile * BLOCK_N + lane, pos1 = pos0 + 32;
-        const int blk0 = Tiles::block_of(pos0, p), blk1 = Tiles::block_of(pos1, p);
-        return make_int4(pos0 < seqlen ? __ldg(table + blk0) : 0, pos0 - blk0 * p.block_size,
-                         pos1 < seqlen && BLOCK_N > 32 ? __ldg(table + blk1) : 0, pos1 - blk1 * p.block_size);
+        return Tiles::row_pages(p, table, seqlen, tile, lane);
       } else {
         const int gpos = tile * BLOCK_N + 16 * (lane % (BLOCK_N / 16));
         const int blk = Tiles::block_of(gpos, p);

@@ -14,6 +14,12 @@
 // mbarriers a slot (bar0 + 8 (kind * NUM_STAGES + slot)): 0 full (the producer's 128 threads, by their copies),
 // 1 read (the consumers' threads, after their last read of the tile). A consumer that reads by wgmma (the async proxy)
 // fences after its wait, as the copies wrote through the generic one.
+//
+// Alternate tiles (K::ALT_, mla_decode/alternate.cuh) read a slot by halves, each handed back by the warpgroup that
+// reads it last, at its own time: the producer's first two warps gather the left halves (ckv's first DC / 2
+// columns) and its last two the right ones (the rest of ckv, and kpe), each pair on its own run of the tiles.
+// mbarriers (bar0 + 16 slot + 8 half): full, 64 arrivals (the pair's copies); then (+ 32) free, one arrival (the
+// reading warpgroup's first thread).
 namespace attngen {
 
 template <class K>
@@ -26,18 +32,33 @@ struct MlaGather {
   static constexpr bool WGMMA = K::WGMMA_;
   static constexpr int DC = K::DC_, DR = K::DR_, BLOCK_N = K::BLOCK_N_, NUM_STAGES = K::NUM_STAGES_;
   static constexpr int THREADS = K::THREADS, TILE_ELEMS = K::TILE_ELEMS, PRODUCER_THREADS = K::PRODUCER_THREADS;
+  static constexpr bool ALT = K::ALT_;
   static constexpr int RJ = BLOCK_N / 16;  // rows a producer thread copies
+  static constexpr int HALF_BLOCKS = DC / 128;  // (ALT) ckv's 64-column blocks of a half
+  static constexpr int RJ_HALF = BLOCK_N / 8;  // (ALT) rows a producer thread copies of its half
   // setmaxnreg: the consumers take the producer's share (as the fp8 wgmma kernel's do; at the launch bounds' 168 a
   // thread the 32-row mma.sync consumers spilled). Four consumer warps (one stage, MlaDecodeSpec.two_ctas) leave
   // room for two CTAs an SM, the register file halved between them.
   static constexpr int CTAS = THREADS == 128 ? 2 : 1;
-  static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = CTAS == 2 ? 200 : 224;
+  // Alternate tiles' consumers hold a whole tile's S beside their half of O (about 250 registers where they run
+  // alone at rank 512; at 232 ptxas serialises their wgmma), so there the producer keeps the pool's remaining 24 (it
+  // spills a few words of its per-tile state, outside the loop over rows).
+  static constexpr bool NARROW_PRODUCER = ALT && DC >= 512;
+  static constexpr int PRODUCER_REGS = NARROW_PRODUCER ? 24 : 56;
+  static constexpr int CONSUMER_REGS = CTAS == 2 ? 200 : NARROW_PRODUCER ? 240 : 224;
   static_assert(PRODUCER_THREADS == 128 && BLOCK_N % 16 == 0 && DC % 64 == 0 && DR <= 64, "the gather");
+  static_assert(!ALT || (NUM_STAGES == 2 && DC % 128 == 0), "the gather by halves");
   static_assert(PRODUCER_THREADS * PRODUCER_REGS + THREADS * CONSUMER_REGS <=
                     W::reg_pool(THREADS + PRODUCER_THREADS, CTAS), "register pool");
 
   static __device__ __forceinline__ unsigned full(unsigned bar0, int slot) { return bar0 + 8 * slot; }
   static __device__ __forceinline__ unsigned read(unsigned bar0, int slot) { return bar0 + 8 * (NUM_STAGES + slot); }
+  static __device__ __forceinline__ unsigned full_half(unsigned bar0, int slot, int half) {
+    return bar0 + 16 * slot + 8 * half;
+  }
+  static __device__ __forceinline__ unsigned free_half(unsigned bar0, int slot, int half) {
+    return bar0 + 32 + 16 * slot + 8 * half;
+  }
 
   // Every thread: the barriers and Q (the consumers, by cp.async), then the roles. The producer warpgroup runs its
   // loop and returns true (its threads then leave the kernel); a consumer returns false once Q is in place.
@@ -47,8 +68,16 @@ struct MlaGather {
     if (tid == 0) {
 #pragma unroll
       for (int s = 0; s < NUM_STAGES; ++s) {
-        W::mbar_init(full(bar0, s), PRODUCER_THREADS);
-        W::mbar_init(read(bar0, s), THREADS);
+        if constexpr (ALT) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            W::mbar_init(full_half(bar0, s, h), PRODUCER_THREADS / 2);
+            W::mbar_init(free_half(bar0, s, h), 1);
+          }
+        } else {
+          W::mbar_init(full(bar0, s), PRODUCER_THREADS);
+          W::mbar_init(read(bar0, s), THREADS);
+        }
       }
       W::mbar_init_fence();
     }
@@ -59,7 +88,15 @@ struct MlaGather {
     __syncthreads();  // the barriers initialised
     if (tid >= THREADS) {
       W::template regs_dec<PRODUCER_REGS>();
-      produce(p, sRing, bar0, table, seqlen, tile_begin, n_tiles, tid - THREADS);
+      const int ptid = tid - THREADS;
+      if constexpr (ALT) {
+        if (ptid < PRODUCER_THREADS / 2)
+          produce_half<0>(p, sRing, bar0, table, seqlen, tile_begin, n_tiles, ptid);
+        else
+          produce_half<1>(p, sRing, bar0, table, seqlen, tile_begin, n_tiles, ptid - PRODUCER_THREADS / 2);
+      } else {
+        produce(p, sRing, bar0, table, seqlen, tile_begin, n_tiles, ptid);
+      }
       return true;
     }
     W::template regs_inc<CONSUMER_REGS>();
@@ -111,6 +148,46 @@ struct MlaGather {
       if (it + 1 < n_tiles) lookup(p, table, seqlen, tile_begin + it + 1, r0, entry, at);
     }
     cp_async_wait_all();  // (its last copies land before its threads leave)
+  }
+
+  // (ALT) Half HALF of each tile, by the producer's two warps of that half (thread ptid of 64), into its slot once
+  // the warpgroup reading it last has handed it back. Lane l of warp w copies 16-byte chunk l % 8 of each of the
+  // half's 64-column blocks of rows 4 w + l / 8 + 8 j. The producer may have 24 registers here (NARROW_PRODUCER), so a
+  // tile's table entries are held as the cp.async kernels hold them (MlaTiles::row_pages, two rows a lane), read a
+  // tile ahead.
+  template <int HALF>
+  static __device__ __forceinline__ void produce_half(const MlaParams<T>& p, T* sRing, unsigned bar0,
+                                                      const int* table, int seqlen, int tile_begin, int n_tiles,
+                                                      int ptid) {
+    const int r0 = (ptid / 32) * 4 + (ptid % 32) / 8;
+    const int c = (ptid % 8) * 8;
+    int4 next = n_tiles > 0 ? Tiles::row_pages(p, table, seqlen, tile_begin, ptid % 32) : int4{};
+#pragma unroll 1
+    for (int it = 0; it < n_tiles; ++it) {
+      const int slot = it % NUM_STAGES;
+      const int n0 = (tile_begin + it) * BLOCK_N;
+      const int4 pages = next;
+      if (it >= NUM_STAGES) W::mbar_wait(free_half(bar0, slot, HALF), ((it / NUM_STAGES) & 1) ^ 1);
+      // Rows 8 apart keep their chunk's place in the 128-byte swizzle, and a tile's 64-column blocks are
+      // LT::BLOCK_BYTES apart: one shared address a tile (and so few registers)
+      unsigned to = smem_addr(sRing + slot * TILE_ELEMS) + LT::offset(r0, c) * (int)sizeof(T);
+#pragma unroll 1
+      for (int j = 0; j < RJ_HALF; ++j, to += 8 * 128) {
+        const int r = r0 + 8 * j;
+        const int2 at = Tiles::block_slot(pages, r, p);
+        const bool ok = n0 + r < seqlen;
+        const T* ckv = p.ckv + at.x * p.c_sb + at.y * p.c_ss + c;
+#pragma unroll
+        for (int cb = HALF * HALF_BLOCKS; cb < (HALF + 1) * HALF_BLOCKS; ++cb)
+          cp_async_16(to + cb * LT::BLOCK_BYTES, ckv + cb * 64, ok);
+        if (HALF == 1 && c < DR)
+          cp_async_16(to + (DC / 64) * LT::BLOCK_BYTES, p.kpe + at.x * p.p_sb + at.y * p.p_ss + c, ok);
+      }
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full_half(bar0, slot, HALF))
+                   : "memory");
+      if (it + 1 < n_tiles) next = Tiles::row_pages(p, table, seqlen, tile_begin + it + 1, ptid % 32);
+    }
+    cp_async_wait_all();
   }
 
   // The consumers' side of the ring (MlaWalk::tiles): tile `it`'s slot waited for until gathered (and, for wgmma,

@@ -47,6 +47,16 @@ struct MlaTiles {
     }
   }
 
+  // PAGE_ROWS: lane `lane`'s pages of tile `tile` as block_slot reads them, rows lane and lane + 32's table entries
+  // (0 past the sequence) and slots.
+  static __device__ __forceinline__ int4 row_pages(const MlaParams<T>& p, const int* table, int seqlen, int tile,
+                                                   int lane) {
+    const int pos0 = tile * BLOCK_N + lane, pos1 = pos0 + 32;
+    const int blk0 = block_of(pos0, p), blk1 = block_of(pos1, p);
+    return make_int4(pos0 < seqlen ? __ldg(table + blk0) : 0, pos0 - blk0 * p.block_size,
+                     pos1 < seqlen && BLOCK_N > 32 ? __ldg(table + blk1) : 0, pos1 - blk1 * p.block_size);
+  }
+
   // Paged, cp.async: tile row r's block, clamped to the pool (its address stays inside it whether or not the row is
   // live), and its slot in that block, from the lane of `pages` that holds them (pages_of in MlaDecode::run): lane
   // r / 16 holds the 16-row group's block and first slot, or (PAGE_ROWS) lane r % 32 rows r % 32 and r % 32 + 32's.

@@ -225,7 +225,7 @@ class MlaDecodeSpec(SpecBase):
         such block, and keeps 1024 bytes of slack to align the first tile to a swizzle atom (mma_sync on the
         TMA ring: its tiles as wgmma's, Q and P padded, Q to a whole 1024-byte atom); TMA adds
         one 8-byte mbarrier a stage (two with qk_shard=alternate, one per half of the tile; two with page_rows, full
-        and read). Alternate
+        and read; four with both, each half's full and free). Alternate
         tiles keep P of one warpgroup where Q's rope block was (that block moves to registers), of the
         other in its own block, and four floats a row for the row maxima and their rescale factors. An fp8 cache's
         mma.sync ring holds rows of ``fp8_row_bytes``, its Q (fp16) and P as the 16-bit kernel's; on the wgmma kernel
@@ -238,7 +238,8 @@ class MlaDecodeSpec(SpecBase):
         if self.sharded or self.alternate:
             elems += self.q_rows * p_row
         floats = self.warps_n * self.q_rows + (4 * self.q_rows if self.alternate else 0)
-        bars = self.num_stages * (2 if self.alternate or self.gather else 3 if self.producer_wg else 1) if self.tma else 0
+        bars = self.num_stages * (4 if self.alternate and self.gather else 2 if self.alternate or self.gather
+                                  else 3 if self.producer_wg else 1) if self.tma else 0
         return 2 * elems + 4 * floats + slack + 8 * bars
 
     def _layout(self) -> tuple[int, int, int, int]:
@@ -335,13 +336,12 @@ class MlaDecodeSpec(SpecBase):
                                    f"cta_tile_kv={self.cta_tile_kv}, num_stages={self.num_stages}")
         if self.fp8 and self.wgmma != self.tma:
             self._refuse_fp8()
-        if self.page_rows and (self.alternate or (self.fp8 and self.tma)):
+        if self.page_rows and self.fp8 and self.tma:
             raise SpecError("page_rows", "true", "false (blocks of a multiple of 16)",
                             reason=f"blocks of any size are gathered by a producer warpgroup into the TMA ring for "
-                                   f"the 16-bit kernels with qk_shard true or false, or read by the mma.sync kernel on "
-                                   f"the cp.async ring for an fp8 cache; the spec has qk_shard={self.qk_shard.value}, "
-                                   f"pipeline={self.pipeline.value}, "
-                                   f"kv_dtype={self.kv_dtype.value if self.fp8 else 'unset'}")
+                                   f"the 16-bit kernels, or read by the mma.sync kernel on the cp.async ring for an "
+                                   f"fp8 cache; the spec has pipeline={self.pipeline.value}, "
+                                   f"kv_dtype={self.kv_dtype.value}")
         if self.cluster_merge and not (self.wgmma and self.sharded and not self.fp8):
             raise SpecError("cluster_merge", "true", "false",
                             reason=f"cluster_merge is a form of the wgmma kernel with qk_shard=true over a 16-bit "
