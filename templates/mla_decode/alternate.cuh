@@ -6,8 +6,8 @@
 // no QK work is repeated and no S wgmma is narrower than 64 keys); warpgroup 0 holds O's left half
 // of the columns, warpgroup 1 the right. Per pair of tiles (a in slot 0, b in slot 1):
 //   wg0: S_a, its row max m0 and P_a, O_L = O_L s0 + P_a V_a,L;   -> s0, m0 (BAR_S0)
-//   wg1: S_b, m1 = max(m0, rowmax S_b), P_b, O_R = O_R s0 s1 + P_b V_b,R;   -> s1, m1 (BAR_S1), P_b (BAR_P1)
-//   wg0: P_a s1 -> shared (BAR_P0); O_L = O_L s1 + P_b V_b,L;   wg1: O_R += (P_a s1) V_a,R
+//   wg1: S_b, m1 = max(m0, rowmax S_b), P_b;   -> s1, m1 (BAR_S1), P_b (BAR_P1)
+//   wg0: P_a s1 -> shared (BAR_P0); O_L = O_L s1 + P_b V_b,L;   wg1: O_R = O_R s0 s1 + (P_a s1) V_a,R + P_b V_b,R
 // so one warpgroup's softmax runs while the other's MMAs do. Each half of a slot (ckv's left
 // columns; its right columns and kpe) has its own mbarrier and is refilled by the warpgroup that
 // reads it last: warpgroup 0 the left halves, warpgroup 1 the right. Q's rope columns move to
@@ -223,7 +223,9 @@ struct MlaAlternate {
         refill_half<0>(p, maps, ring, bar0, table, batch, seqlen, wtid, refill + 1 < n_tiles, tb + 2, 1);
       } else {
         if (has_b) {
-          scores(p, sQ, ring, bar0, rq, lim, t, seqlen, 1, tb, 1, par, sc);
+          // The right half first where warpgroup 1's own TMA refill brought it back; gathered, the producer's
+          // pairs fill the halves in the order they are handed back, and warpgroup 0 hands the left one back first.
+          scores(p, sQ, ring, bar0, rq, lim, t, seqlen, 1, tb, GATHER ? 0 : 1, par, sc);
           zero_tail(sRing, seqlen, wg, wtid, 1, tb);
         }
         W::bar_sync(BAR_S0, 256);
@@ -250,7 +252,6 @@ struct MlaAlternate {
         W::bar_arrive(BAR_S1, 256);
         scale_o(acc_o, f);
         if (has_b) {
-          pv_regs(acc_o, ring, wg, sc, 1);
           const float one[2] = {1.f, 1.f};
           store_p(sP1, row0, g, t, sc, one);
           W::fence_proxy();
@@ -260,12 +261,16 @@ struct MlaAlternate {
         zero_tail(sRing, seqlen, wg, wtid, 0, ta);
         W::bar_sync(BAR_P0, 256);
         pv_smem(acc_o, ring, wg, sP0, 0);
-        // Slot 1's right half is read by this warpgroup only: refilled once P_b V_b,R is done.
-        W::template wait<1>();
-        refill_half<1>(p, maps, ring, bar0, table, batch, seqlen, wtid, refill + 1 < n_tiles, tb + 2, 1);
+        if (has_b) pv_regs(acc_o, ring, wg, sc, 1);
+        // Slot 0's right half, read last by P_a V_a,R, goes back first: the next pair's S_a waits on it.
+        if (has_b)
+          W::template wait<1>();
+        else
+          W::template wait<0>();
+        refill_half<1>(p, maps, ring, bar0, table, batch, seqlen, wtid, refill < n_tiles, ta + 2, 0);
         W::template wait<0>();
         W::hold(acc_o);
-        refill_half<1>(p, maps, ring, bar0, table, batch, seqlen, wtid, refill < n_tiles, ta + 2, 0);
+        refill_half<1>(p, maps, ring, bar0, table, batch, seqlen, wtid, refill + 1 < n_tiles, tb + 2, 1);
       }
     }
   }
