@@ -35,6 +35,9 @@ struct FwdProducer {
   static constexpr bool MOVE_REGS = K::NUM_WARPS >= 8 || K::TMA_CTAS == 2;
   static constexpr int PRODUCER_REGS = K::KV8 ? 64 : K::NUM_WARPS == 12 ? 32 : 24;
   static constexpr int CONSUMER_REGS = K::KV8 ? 216 : K::NUM_WARPS == 12 ? 160 : K::NUM_WARPS == 8 ? 240 : 232;
+  static_assert(!MOVE_REGS || 128 * PRODUCER_REGS + K::THREADS * CONSUMER_REGS <=
+                                   W::reg_pool(K::THREADS + 128, K::TMA_CTAS),
+                "register pool");
   static constexpr int WIDEN_THREADS = 96;  // KV8: the warps that widen (prefill/widen.cuh), who fill K and V
 
   // Sets up the mbarriers, then the producer warpgroup gives its registers to the consumers and its one elected
