@@ -360,9 +360,9 @@ def test_decode_local_kernels_split_only_a_windows_live_keys():
 @pytest.mark.parametrize("heads", [16, 32, 128])
 def test_mla_decode_page_rows_choice(arch, heads):
     """Paged blocks that are not a multiple of 16 (the op's page_rows, e.g. SGLang's page 1) take the page_rows
-    kernels: on sm_90a the TMA ring gathered by a producer warpgroup, elsewhere the cp.async ring; alternate tiles
-    where blocks of whole tiles take them (gathered by halves), never the 32-row widening (its blocks are whole tiles);
-    blocks of 16 keep the TMA kernels' boxes."""
+    kernels: on sm_90a the TMA ring gathered by a producer warpgroup, elsewhere the cp.async ring; never alternate
+    tiles (their gathered form, a pin, spills) or the 32-row widening (its blocks are whole tiles); blocks of 16 keep
+    the TMA kernels' boxes at 16 rows and in alternate tiles (sharded 32 and 64 rows: below)."""
     f = facts(arch)
     alternates = 0
     for b, cap in ((1, 8192), (8, 4096), (128, 1024)):
@@ -373,12 +373,43 @@ def test_mla_decode_page_rows_choice(arch, heads):
         ref = M.choose(M.Problem(512, 64, "bf16", 1, heads, b, cap, True, 16), f)
         whole = M.choose(M.Problem(512, 64, "bf16", 1, heads, b, cap, True, 64), f)
         if s.q_rows == 64:
-            assert s.alternate == whole.spec.alternate and c.launch.num_splits == whole.launch.num_splits
-        alternates += s.alternate
+            assert not s.alternate and c.launch.num_splits == whole.launch.num_splits
+        alternates += whole.spec.alternate
         if arch == "sm_90a":
-            assert ref.spec.tma and not ref.spec.page_rows
+            assert ref.spec.tma and ref.spec.page_rows == (ref.spec.q_rows >= 32 and ref.spec.sharded)
         assert c.launch.row_blocks == -(-heads // s.q_rows)
     assert alternates == (1 if arch == "sm_90a" and heads == 128 else 0)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_mla_decode_blocks_of_16_rows_gathered(arch):
+    """The sharded 32- and 64-row kernels on sm_90a's TMA ring, over blocks that cut a tile into 16-row boxes (16, 48):
+    the gather, with the split count of the boxes' kernel, unless a cluster merges the splits; blocks of 32 and 64,
+    alternate tiles, 16 rows, an fp8 cache, a pinned tuning field and other GPUs keep their kernels."""
+    f = facts(arch)
+    gathered = kept = 0
+    for heads in (16, 32, 64, 128):
+        for b, cap in ((1, 32768), (8, 8192), (32, 4096), (64, 8192), (128, 2048)):
+            for kv in (None, KVDType.FP8_E4M3):
+                boxes = M.choose(M.Problem(512, 64, "bf16", 1, heads, b, cap, True, 32, kv_dtype=kv), f)
+                r = boxes.spec
+                want = (arch == "sm_90a" and r.tma and r.q_rows >= 32 and r.sharded and not r.fp8
+                        and not boxes.launch.cluster)
+                for bs in (16, 48):
+                    c = M.choose(M.Problem(512, 64, "bf16", 1, heads, b, cap, True, bs, kv_dtype=kv), f)
+                    assert c.spec == (r.replace(page_rows=True) if want else r)
+                    assert c.launch.num_splits == boxes.launch.num_splits
+                    if want:
+                        assert c.spec.gather and c.spec in M.reachable(MlaDecodeSpec(q_rows=r.q_rows, paged=True,
+                                                                                     kv_dtype=kv), arch)
+                        pin = M.choose(M.Problem(512, 64, "bf16", 1, heads, b, cap, True, bs,
+                                                 MlaDecodeSpec(num_stages=2), kv_dtype=kv), f)
+                        assert not pin.spec.page_rows
+                gathered += want
+                kept += not want
+                assert not M.choose(M.Problem(512, 64, "bf16", 1, heads, b, cap, True, 64, kv_dtype=kv),
+                                    f).spec.page_rows
+    assert kept and (gathered > 0) == (arch == "sm_90a")
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])

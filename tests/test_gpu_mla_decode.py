@@ -176,27 +176,15 @@ def test_page_rows_gather_pins(shard, tile):
 @pytest.mark.parametrize("block_size", [1, 5, 24, 100])
 @pytest.mark.parametrize("heads", [128, 64])
 def test_page_rows_gather_alternate(block_size, heads):
-    """Alternate tiles over the gathered ring (sm_90a): the producer's two pairs of warps gather a slot's halves
-    each on its own run of the tiles; ragged rows with a part tile last, two tokens, forced splits, an empty row,
-    fp16 with 256 + 32 dims."""
+    """Alternate tiles over the gathered ring (sm_90a, a pin: the op does not take them): the producer's two pairs of
+    warps gather a slot's halves each on its own run of the tiles; ragged rows with a part tile last, two tokens,
+    forced splits, an empty row, fp16 with 256 + 32 dims."""
     if not _arch().has_wgmma:
         pytest.skip("the gathered TMA ring is sm_90a's")
     spec = "mla_decode:qk_shard=alternate"
     run_case([1, 63, 700, 2049], heads, 1, block_size=block_size, spec=spec)
     run_case([3000, 65, 0, 129], heads, 2, block_size=block_size, num_splits=3, spec=spec)
     run_case([1, 500, 2000], heads, 1, torch.float16, rank=256, rope=32, block_size=block_size, spec=spec)
-
-
-def test_page_rows_alternate_chosen(monkeypatch):
-    """128 heads at pages of 1 over runs of many tiles a CTA take alternate tiles on the gathered ring (sm_90a on
-    fast memory), as blocks of whole tiles do."""
-    _sm90a_only()
-    from attngen.families.mla_decode import choose
-
-    seen = _chosen(monkeypatch, "qk_shard")
-    monkeypatch.setattr(choose, "FAST_MEMORY_SHARE", 0.0)
-    run_case([1024] * 120 + [1000, 77], 128, 1, block_size=1, num_splits=1)
-    assert seen[-1] is choose.QkShard.ALTERNATE
 
 
 @pytest.mark.parametrize("block_size", [1, 7])
@@ -222,6 +210,17 @@ def test_one_stage_gather_chosen(block_size, monkeypatch):
     facts = device_facts(torch.cuda.current_device())
     if _arch().has_wgmma and facts.memory_share >= FAST_MEMORY_SHARE and facts.sm_count <= 132:
         assert ran == [True]
+
+
+@pytest.mark.parametrize("block_size", [16, 48, 32])
+@pytest.mark.parametrize("heads", [32, 128])
+def test_blocks_of_16_rows_gathered(block_size, heads, monkeypatch):
+    """32 and 128 heads over split rows (sm_90a): blocks that cut a tile into 16-row boxes (16, 48) take the
+    producer warpgroup's gather, blocks of 32 the TMA boxes; ragged rows, an empty one and a part tile last."""
+    ran = _chosen(monkeypatch, "gather")
+    run_case([8192, 5000, 0, 8191, 33, 6000, 7777, 4096], heads, 1, block_size=block_size)
+    if _arch().has_wgmma:
+        assert ran == [block_size % 32 != 0]
 
 
 @pytest.mark.parametrize("heads", [16, 64, 128])

@@ -178,7 +178,7 @@ def test_default_manifest_validates_for_every_arch_it_lists():
     for s in specs:
         partial = (getattr(s, "custom_mask", False) and s.head_dim in (192, 256)) or (
             getattr(s, "varlen", False) and s.head_dim == 256 and s.mask.value == "sliding_window") or (
-            s.family == "mla_decode" and (s.alternate or s.num_stages == 1 or s.cluster_merge)) or (  # sm_90a only: what its op swaps in
+            s.family == "mla_decode" and (s.alternate or s.num_stages == 1 or s.cluster_merge or s.gather)) or (  # sm_90a only
             s.family == "prefill" and s.mma.value == "wgmma") or (  # (prefill's configs by rows at 64, 128, 256)
             getattr(s, "qkv_dtype", ""))  # fp8 prefill: the archs with fp8 MMAs (sm_89+)
         if not getattr(s, "return_lse", False) and not partial:
@@ -201,10 +201,10 @@ def test_default_manifest_validates_for_every_arch_it_lists():
     rows = {s for s in specs if getattr(s, "page_rows", False) and s.family != "mla_decode"}
     assert {(s.family, s.head_dim, s.dtype.value) for s in rows} == {
         (f, 128, dt) for f in ("decode", "prefill") for dt in ("fp16", "bf16")}
-    # 18 more: MLA decode with page_rows (SGLang's pages of 1), bf16, 16-64 rows, every arch; and the one-stage gather
-    # 16 rows of paged blocks of 16 reach on sm_90a (fp16's from the paged line).
+    # 18 more: MLA decode with page_rows (SGLang's pages of 1), bf16, 16-64 rows, every arch; and the gathers paged
+    # blocks of 16 reach on sm_90a (fp16's from the paged line): the one-stage 16 rows, the sharded 32 and 64 rows.
     assert {(s.q_rows, s.dtype.value, s.kv_dtype) for s in mla if s.page_rows} == {
-        (r, "bf16", None) for r in (16, 32, 64)} | {(16, "fp16", None)}
+        (r, dt, None) for r in (16, 32, 64) for dt in ("bf16", "fp16")}
     # 36 more fp8 prefill kernels (head dims 128, 256, every mask, dense and varlen, on sm_89, sm_90a, sm_120).
     pf8 = {s for s in prefill if s.qkv_dtype}
     assert {(s.head_dim, s.varlen) for s in pf8} == {(d, v) for d in (128, 256) for v in (False, True)}
@@ -224,4 +224,5 @@ def test_default_manifest_validates_for_every_arch_it_lists():
     # 4 more: head_dim 128 without a mask from 8k rows, 128x192 tiles in ping-pong, persistent (sm_90a).
     assert {(s.dtype.value, s.return_lse) for s in prefill if s.cta_tile_kv == 192 and s.head_dim == 128} == {
         (dt, lse) for dt in ("fp16", "bf16") for lse in (False, True)}
-    assert 100 <= len(items) <= 1830
+    # 2 more: the sharded 32- and 64-row gathers of fp16 over blocks of 16 (sm_90a; bf16's come from the page_rows line).
+    assert 100 <= len(items) <= 1831

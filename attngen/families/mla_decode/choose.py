@@ -48,6 +48,12 @@ ONE_STAGE_MIN_TILES = 16
 # (b1-64 x 32k-1k), 1.11x at 11.6, even at 5.8, 0.92-0.97x at 3.9. (Blocks of 16 keep TMA boxes below
 # ONE_STAGE_MIN_TILES: at 7.8 tiles an SM those ran 1.07x the one-stage gather.)
 GATHER_ONE_STAGE_MIN_TILES = 6
+# 32- and 64-row blocks of the sharded kernels on sm_90a's TMA ring over blocks that cut a 64-key tile into 16-row TMA
+# boxes (16, 48, ...: an odd multiple of 16) take the producer warpgroup's gather instead, where no cluster merges
+# their splits (the gather has no cluster form). On an H200, blocks of 16: 1.09-1.37x the boxes (128 heads b1-8 x
+# 8k-32k, 64 heads b8 x 8k and b32 x 4k, 32 heads b8-32 x 8k); blocks of 32 ran 0.96-1.10x, and alternate tiles kept
+# their boxes (gathered: 0.82-0.96x).
+GATHER_BLOCK_MULTIPLE = 32
 # The most splits of a row block merged in a cluster on sm_90 (0 or 1: every split count through the
 # workspace and a merge launch), and the share of the SMs the row blocks must fill for a cluster (with few
 # row blocks each cluster's CTAs merge many rows, one DSMEM load after another, slower than the merge launch).
@@ -134,7 +140,7 @@ def resolved_spec(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, us
 # remembered ones above and their variants (held here), and hashing a spec per call costs more.
 _variants: dict = {}
 _VARIANTS = {"one_stage": dict(num_stages=1, num_warps=4), "alternate": dict(qk_shard=QkShard.ALTERNATE),
-             "cluster": dict(cluster_merge=True)}
+             "cluster": dict(cluster_merge=True), "gather": dict(page_rows=True)}
 
 
 def _variant(rs: MlaDecodeSpec, arch, rule: str):
@@ -227,7 +233,10 @@ def choose(p: Problem, device: DeviceFacts, tuned=()) -> Choice:
     min_tiles = ALTERNATE_MIN_TILES
     if fast_memory and row_blocks >= 2 and num_splits == 1:
         min_tiles = ALTERNATE_MIN_TILES_UNSPLIT
-    if (many_rows and rs.qk_shard is QkShard.TRUE and not rs.fp8 and (p.spec is None or not p.spec.qk_shard)
+    # (Not over the gather: its alternate form, which a caller may pin, ran 1.05-1.10x the sharded gather at 128 heads
+    # and pages of 1 on an H200, but its producer, at the 24 registers the consumers leave it, spills.)
+    if (many_rows and rs.qk_shard is QkShard.TRUE and not rs.fp8 and not rs.page_rows
+            and (p.spec is None or not p.spec.qk_shard)
             and -(-p.capacity // rs.cta_tile_kv) >= min_tiles * num_splits):
         alt = _variant(rs, device.arch, "alternate")
         if alt is not None:  # the same shared memory and grid: the split stands
@@ -243,6 +252,9 @@ def choose(p: Problem, device: DeviceFacts, tuned=()) -> Choice:
             cl = _variant(rs, device.arch, "cluster") or rs
         if cl.cluster_merge_fits() and device.max_clusters(cl, num_splits) >= b * row_blocks:
             rs, cluster = cl, num_splits
+    if (not cluster and rows >= 32 and rs.tma and rs.qk_shard is QkShard.TRUE and not rs.fp8
+            and p.paged and not rs.page_rows and p.block_size % GATHER_BLOCK_MULTIPLE and not _pins_tuning(p.spec)):
+        rs = _variant(rs, device.arch, "gather") or rs  # (the same grid and one CTA an SM: the split stands)
     evict_first = kv_evict_first(rs.tma, rs.qk_shard is QkShard.ALTERNATE, num_splits, cluster)
     entry = merge_grid = None
     if num_splits > 1 and not cluster:
@@ -260,8 +272,9 @@ def reachable(spec: MlaDecodeSpec, arch: Arch) -> set:
     head count, cache length and device memory: ``spec`` resolved; where it pins no tuning field and has 32 rows,
     the 64-row wgmma kernel too (``spec.paged``: blocks of whole 64-key tiles); where it pins neither num_stages
     nor num_warps, the one-stage form of 16 rows (paged, and no tuning field pinned: its gather too, for blocks that
-    are not whole tiles); where it pins no qk_shard, the alternate-tile form of each;
-    where it pins no tuning field, the cluster_merge form of the sharded wgmma kernel over a 16-bit cache. (A
+    are not whole tiles); where it pins no qk_shard, the alternate-tile form of each that is not gathered;
+    where it pins no tuning field, the cluster_merge form of the sharded wgmma kernel over a 16-bit cache, and the
+    gather of the sharded 32- and 64-row kernels on the TMA ring (paged: blocks of 16-row boxes). (A
     kernel of TMA maps the driver refuses, the cp.async form of its tiles, is not counted: such caches are not
     what a manifest prewarms for.)"""
     pinned = {f for f in spec.TUNING_FIELDS if getattr(spec, f)}
@@ -283,12 +296,17 @@ def reachable(spec: MlaDecodeSpec, arch: Arch) -> set:
                     out.add(one)
     if "qk_shard" not in pinned:
         for rs in list(out):
-            if rs.qk_shard is QkShard.TRUE and not rs.fp8:  # (alternate tiles read 16-bit tiles only)
+            if rs.qk_shard is QkShard.TRUE and not rs.fp8 and not rs.page_rows:  # (16-bit tiles, not gathered)
                 alt = replaced_if_valid(rs, arch, qk_shard=QkShard.ALTERNATE)
                 if alt is not None:
                     out.add(alt)
     if not pinned:
         for rs in list(out):
+            if (rs.q_rows >= 32 and rs.tma and rs.paged and not rs.page_rows
+                    and rs.qk_shard is QkShard.TRUE and not rs.fp8):  # (blocks cut into 16-row boxes: the gather)
+                gather = replaced_if_valid(rs, arch, page_rows=True)
+                if gather is not None:
+                    out.add(gather)
             cl = None if rs.cluster_merge_fits() else replaced_if_valid(rs, arch, cluster_merge=True)
             if cl is not None:
                 out.add(cl)
