@@ -41,8 +41,9 @@ struct MlaGather {
   // room for two CTAs an SM, the register file halved between them.
   static constexpr int CTAS = THREADS == 128 ? 2 : 1;
   // Alternate tiles' consumers hold a whole tile's S beside their half of O (about 250 registers where they run
-  // alone at rank 512; at 232 ptxas serialises their wgmma), so there the producer keeps the pool's remaining 24 (it
-  // spills a few words of its per-tile state, outside the loop over rows).
+  // alone at rank 512; at 232 ptxas serialises their wgmma), so there the producer keeps the pool's remaining 24. It
+  // spills a few words of its per-tile state, outside the loop over rows: the form is a caller's pin, which
+  // attngen.mla_decode does not take and the manifest does not build (both build spill-free kernels only).
   static constexpr bool NARROW_PRODUCER = ALT && DC >= 512;
   static constexpr int PRODUCER_REGS = NARROW_PRODUCER ? 24 : 56;
   static constexpr int CONSUMER_REGS = CTAS == 2 ? 200 : NARROW_PRODUCER ? 240 : 224;
