@@ -31,10 +31,14 @@ struct MlaAlternate {
   static constexpr int ROPE_KK = DR / 16;
   static constexpr bool GATHER = K::GATHER;
 
+  // The mbarrier that says half `half` of `slot` has landed (the gather's full_half, MlaGather, is the same one).
+  static __device__ __forceinline__ unsigned half_bar(unsigned bar0, int slot, int half) {
+    return bar0 + 16 * slot + 8 * half;
+  }
   // Half `half` of `slot` waited for until landed; a gathered half (written through the generic proxy) fenced for
   // the wgmma reads.
   static __device__ __forceinline__ void wait_half(unsigned bar0, int slot, int half, unsigned par) {
-    W::mbar_wait(bar0 + 16 * slot + 8 * half, par);
+    W::mbar_wait(half_bar(bar0, slot, half), par);
     if constexpr (GATHER) W::fence_proxy();
   }
   // Half HALF of `slot`, read for the last time by this warpgroup: refilled with tile `tile` where the split has it
@@ -48,7 +52,7 @@ struct MlaAlternate {
       if (wtid == 0) W::mbar_arrive(K::ProducerWg::free_half(bar0, slot, HALF));
     } else if (wtid == 0 && more) {
       Tiles::template tma_tile<HALF * HALF_BLOCKS, (HALF + 1) * HALF_BLOCKS, HALF == 1>(
-          p, maps, ring, bar0 + 16 * slot + 8 * HALF, table, batch, seqlen, tile, slot);
+          p, maps, ring, half_bar(bar0, slot, HALF), table, batch, seqlen, tile, slot);
     }
   }
 

@@ -54,11 +54,12 @@ struct MlaGather {
 
   static __device__ __forceinline__ unsigned full(unsigned bar0, int slot) { return bar0 + 8 * slot; }
   static __device__ __forceinline__ unsigned read(unsigned bar0, int slot) { return bar0 + 8 * (NUM_STAGES + slot); }
+  // (ALT) half `half` of `slot`'s mbarriers: full where MlaAlternate::half_bar waits, then free after every full one.
   static __device__ __forceinline__ unsigned full_half(unsigned bar0, int slot, int half) {
     return bar0 + 16 * slot + 8 * half;
   }
   static __device__ __forceinline__ unsigned free_half(unsigned bar0, int slot, int half) {
-    return bar0 + 32 + 16 * slot + 8 * half;
+    return full_half(bar0 + 16 * NUM_STAGES, slot, half);
   }
 
   // Every thread: the barriers and Q (the consumers, by cp.async), then the roles. The producer warpgroup runs its

@@ -167,6 +167,13 @@ def merge_entry(rs: MlaDecodeSpec, rows: int, num_splits: int, device: DeviceFac
     return entry, (-(-warps // (MERGE_THREADS // 32)), 1, 1)
 
 
+def _gathers_boxes(rs: MlaDecodeSpec) -> bool:
+    """Whether ``rs`` is a kernel whose gather form (page_rows) blocks of 16-row TMA boxes take instead
+    (GATHER_BLOCK_MULTIPLE): the sharded 32- or 64-row kernel on the TMA ring over a paged 16-bit cache."""
+    return (rs.q_rows >= 32 and rs.tma and rs.paged and not rs.page_rows and rs.qk_shard is QkShard.TRUE
+            and not rs.fp8)
+
+
 def _pins_tuning(user) -> bool:
     """Whether the caller's spec (None: none) pins a tuning field, which keeps the choice's own forms away."""
     return user is not None and user.pins_tuning
@@ -252,8 +259,7 @@ def choose(p: Problem, device: DeviceFacts, tuned=()) -> Choice:
             cl = _variant(rs, device.arch, "cluster") or rs
         if cl.cluster_merge_fits() and device.max_clusters(cl, num_splits) >= b * row_blocks:
             rs, cluster = cl, num_splits
-    if (not cluster and rows >= 32 and rs.tma and rs.qk_shard is QkShard.TRUE and not rs.fp8
-            and p.paged and not rs.page_rows and p.block_size % GATHER_BLOCK_MULTIPLE and not _pins_tuning(p.spec)):
+    if not cluster and _gathers_boxes(rs) and p.block_size % GATHER_BLOCK_MULTIPLE and not _pins_tuning(p.spec):
         rs = _variant(rs, device.arch, "gather") or rs  # (the same grid and one CTA an SM: the split stands)
     evict_first = kv_evict_first(rs.tma, rs.qk_shard is QkShard.ALTERNATE, num_splits, cluster)
     entry = merge_grid = None
@@ -302,8 +308,7 @@ def reachable(spec: MlaDecodeSpec, arch: Arch) -> set:
                     out.add(alt)
     if not pinned:
         for rs in list(out):
-            if (rs.q_rows >= 32 and rs.tma and rs.paged and not rs.page_rows
-                    and rs.qk_shard is QkShard.TRUE and not rs.fp8):  # (blocks cut into 16-row boxes: the gather)
+            if _gathers_boxes(rs):
                 gather = replaced_if_valid(rs, arch, page_rows=True)
                 if gather is not None:
                     out.add(gather)
