@@ -360,9 +360,9 @@ def test_decode_local_kernels_split_only_a_windows_live_keys():
 @pytest.mark.parametrize("heads", [16, 32, 128])
 def test_mla_decode_page_rows_choice(arch, heads):
     """Paged blocks that are not a multiple of 16 (the op's page_rows, e.g. SGLang's page 1) take the page_rows
-    kernels: on sm_90a the TMA ring gathered by a producer warpgroup, elsewhere the cp.async ring; never alternate
-    tiles (their gathered form, a pin, spills) or the 32-row widening (its blocks are whole tiles); blocks of 16 keep
-    the TMA kernels' boxes at 16 rows and in alternate tiles (sharded 32 and 64 rows: below)."""
+    kernels: on sm_90a the TMA ring gathered by a producer warpgroup, elsewhere the cp.async ring; alternate tiles
+    where blocks of whole tiles take them (gathered by halves), never the 32-row widening (its blocks are whole tiles);
+    blocks of 16 keep the TMA kernels' boxes at 16 rows and in alternate tiles (sharded 32 and 64 rows: below)."""
     f = facts(arch)
     alternates = 0
     for b, cap in ((1, 8192), (8, 4096), (128, 1024)):
@@ -373,8 +373,8 @@ def test_mla_decode_page_rows_choice(arch, heads):
         ref = M.choose(M.Problem(512, 64, "bf16", 1, heads, b, cap, True, 16), f)
         whole = M.choose(M.Problem(512, 64, "bf16", 1, heads, b, cap, True, 64), f)
         if s.q_rows == 64:
-            assert not s.alternate and c.launch.num_splits == whole.launch.num_splits
-        alternates += whole.spec.alternate
+            assert s.alternate == whole.spec.alternate and c.launch.num_splits == whole.launch.num_splits
+        alternates += s.alternate
         if arch == "sm_90a":
             assert ref.spec.tma and ref.spec.page_rows == (ref.spec.q_rows >= 32 and ref.spec.sharded)
         assert c.launch.row_blocks == -(-heads // s.q_rows)

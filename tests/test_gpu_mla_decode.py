@@ -176,8 +176,8 @@ def test_page_rows_gather_pins(shard, tile):
 @pytest.mark.parametrize("block_size", [1, 5, 24, 100])
 @pytest.mark.parametrize("heads", [128, 64])
 def test_page_rows_gather_alternate(block_size, heads):
-    """Alternate tiles over the gathered ring (sm_90a, a pin: the op does not take them): the producer's two pairs of
-    warps gather a slot's halves each on its own run of the tiles; ragged rows with a part tile last, two tokens,
+    """Alternate tiles over the gathered ring (sm_90a): the producer's two pairs of warps gather a slot's halves each
+    on its own run of the tiles; ragged rows with a part tile last, two tokens,
     forced splits, an empty row, fp16 with 256 + 32 dims."""
     if not _arch().has_wgmma:
         pytest.skip("the gathered TMA ring is sm_90a's")

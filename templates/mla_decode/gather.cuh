@@ -41,9 +41,8 @@ struct MlaGather {
   // room for two CTAs an SM, the register file halved between them.
   static constexpr int CTAS = THREADS == 128 ? 2 : 1;
   // Alternate tiles' consumers hold a whole tile's S beside their half of O (about 250 registers where they run
-  // alone at rank 512; at 232 ptxas serialises their wgmma), so there the producer keeps the pool's remaining 24. It
-  // spills a few words of its per-tile state, outside the loop over rows: the form is a caller's pin, which
-  // attngen.mla_decode does not take and the manifest does not build (both build spill-free kernels only).
+  // alone at rank 512; at 232 ptxas serialises their wgmma), so there the producer keeps the pool's remaining 24
+  // (produce_half is written to fit them).
   static constexpr bool NARROW_PRODUCER = ALT && DC >= 512;
   static constexpr int PRODUCER_REGS = NARROW_PRODUCER ? 24 : 56;
   static constexpr int CONSUMER_REGS = CTAS == 2 ? 200 : NARROW_PRODUCER ? 240 : 224;
@@ -156,28 +155,28 @@ struct MlaGather {
   // the warpgroup reading it last has handed it back. Lane l of warp w copies 16-byte chunk l % 8 of each of the
   // half's 64-column blocks of rows 4 w + l / 8 + 8 j. The producer may have 24 registers here (NARROW_PRODUCER), so a
   // tile's table entries are held as the cp.async kernels hold them (MlaTiles::row_pages, two rows a lane), read a
-  // tile ahead.
+  // tile ahead, and the loop over rows keeps one counter (the row) beside the shared address: the thread's own
+  // places (its rows and column) are worked out again from its index each tile rather than held across the loop.
   template <int HALF>
   static __device__ __forceinline__ void produce_half(const MlaParams<T>& p, T* sRing, unsigned bar0,
                                                       const int* table, int seqlen, int tile_begin, int n_tiles,
                                                       int ptid) {
-    const int r0 = (ptid / 32) * 4 + (ptid % 32) / 8;
-    const int c = (ptid % 8) * 8;
     int4 next = n_tiles > 0 ? Tiles::row_pages(p, table, seqlen, tile_begin, ptid % 32) : int4{};
 #pragma unroll 1
     for (int it = 0; it < n_tiles; ++it) {
       const int slot = it % NUM_STAGES;
-      const int n0 = (tile_begin + it) * BLOCK_N;
       const int4 pages = next;
       if (it >= NUM_STAGES) W::mbar_wait(free_half(bar0, slot, HALF), ((it / NUM_STAGES) & 1) ^ 1);
+      const int t = half_thread();
+      const int r0 = (t / 32) * 4 + (t % 32) / 8, c = (t % 8) * 8;
+      const int live = seqlen - (tile_begin + it) * BLOCK_N;  // rows of the tile inside the sequence
       // Rows 8 apart keep their chunk's place in the 128-byte swizzle, and a tile's 64-column blocks are
       // LT::BLOCK_BYTES apart: one shared address a tile (and so few registers)
       unsigned to = smem_addr(sRing + slot * TILE_ELEMS) + LT::offset(r0, c) * (int)sizeof(T);
 #pragma unroll 1
-      for (int j = 0; j < RJ_HALF; ++j, to += 8 * 128) {
-        const int r = r0 + 8 * j;
+      for (int r = r0; r < BLOCK_N; r += 8, to += 8 * 128) {
         const int2 at = Tiles::block_slot(pages, r, p);
-        const bool ok = n0 + r < seqlen;
+        const bool ok = r < live;
         const T* ckv = p.ckv + at.x * p.c_sb + at.y * p.c_ss + c;
 #pragma unroll
         for (int cb = HALF * HALF_BLOCKS; cb < (HALF + 1) * HALF_BLOCKS; ++cb)
@@ -187,9 +186,17 @@ struct MlaGather {
       }
       asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full_half(bar0, slot, HALF))
                    : "memory");
-      if (it + 1 < n_tiles) next = Tiles::row_pages(p, table, seqlen, tile_begin + it + 1, ptid % 32);
+      if (it + 1 < n_tiles) next = Tiles::row_pages(p, table, seqlen, tile_begin + it + 1, half_thread() % 32);
     }
     cp_async_wait_all();
+  }
+
+  // (ALT) The producer thread's index within its half's 64, read afresh (volatile: not a value the compiler keeps
+  // live across the loop over rows, where the narrow producer has no register to spare for it).
+  static __device__ __forceinline__ int half_thread() {
+    unsigned t;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+    return (int)(t - THREADS) % (PRODUCER_THREADS / 2);
   }
 
   // The consumers' side of the ring (MlaWalk::tiles): tile `it`'s slot waited for until gathered (and, for wgmma,

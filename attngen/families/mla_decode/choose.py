@@ -240,9 +240,9 @@ def choose(p: Problem, device: DeviceFacts, tuned=()) -> Choice:
     min_tiles = ALTERNATE_MIN_TILES
     if fast_memory and row_blocks >= 2 and num_splits == 1:
         min_tiles = ALTERNATE_MIN_TILES_UNSPLIT
-    # (Not over the gather: its alternate form, which a caller may pin, ran 1.05-1.10x the sharded gather at 128 heads
-    # and pages of 1 on an H200, but its producer, at the 24 registers the consumers leave it, spills.)
-    if (many_rows and rs.qk_shard is QkShard.TRUE and not rs.fp8 and not rs.page_rows
+    # (Over the gather too, blocks of any size: at 128 heads and pages of 1 its alternate form ran 1.05-1.10x the
+    # sharded gather on an H200. Blocks of 16 keep their boxes here: the gather rule below takes sharded kernels only.)
+    if (many_rows and rs.qk_shard is QkShard.TRUE and not rs.fp8
             and (p.spec is None or not p.spec.qk_shard)
             and -(-p.capacity // rs.cta_tile_kv) >= min_tiles * num_splits):
         alt = _variant(rs, device.arch, "alternate")
@@ -278,7 +278,7 @@ def reachable(spec: MlaDecodeSpec, arch: Arch) -> set:
     head count, cache length and device memory: ``spec`` resolved; where it pins no tuning field and has 32 rows,
     the 64-row wgmma kernel too (``spec.paged``: blocks of whole 64-key tiles); where it pins neither num_stages
     nor num_warps, the one-stage form of 16 rows (paged, and no tuning field pinned: its gather too, for blocks that
-    are not whole tiles); where it pins no qk_shard, the alternate-tile form of each that is not gathered;
+    are not whole tiles); where it pins no qk_shard, the alternate-tile form of each (before the gather of boxes below);
     where it pins no tuning field, the cluster_merge form of the sharded wgmma kernel over a 16-bit cache, and the
     gather of the sharded 32- and 64-row kernels on the TMA ring (paged: blocks of 16-row boxes). (A
     kernel of TMA maps the driver refuses, the cp.async form of its tiles, is not counted: such caches are not
@@ -302,7 +302,7 @@ def reachable(spec: MlaDecodeSpec, arch: Arch) -> set:
                     out.add(one)
     if "qk_shard" not in pinned:
         for rs in list(out):
-            if rs.qk_shard is QkShard.TRUE and not rs.fp8 and not rs.page_rows:  # (16-bit tiles, not gathered)
+            if rs.qk_shard is QkShard.TRUE and not rs.fp8:  # (alternate tiles read 16-bit tiles only)
                 alt = replaced_if_valid(rs, arch, qk_shard=QkShard.ALTERNATE)
                 if alt is not None:
                     out.add(alt)
