@@ -69,9 +69,15 @@ struct VtParams {
 // One CTA: keys [c0, c0 + 128) of one (sequence, KV head), from v's rows into the copy's rows of keys (zeros past
 // the sequence's end, up to its padded length, vt_pad). Within each 16 keys the copy holds them in the order
 // p_fragment8 packs P (ptx.cuh): slot u holds key 2 (u / 4) + (u & 1) + 8 ((u & 3) >> 1).
+// The keys are staged in shared memory as v's rows, 16-byte chunk ch of row `key` at chunk ch ^ (key / 16) % CH, so
+// that the eight lanes reading one 4-byte word of each 16-key group find it in eight different banks. A thread then
+// turns one word of 16 rows (4 columns of 16 keys) into the copy's 4 x 16 bytes by byte permutes (a 4 x 4 byte
+// transpose per 4 keys), and 8 lanes store a column's 128 keys as one 128-byte line.
 template <int DV, int BLOCK_N, bool VARLEN>
 __device__ __forceinline__ void transpose_v(const VtParams& p) {
-  __shared__ __align__(16) unsigned char tile[VT_KEYS][DV + 16];
+  constexpr int CH = DV / 16;        // 16-byte chunks of a row of v
+  constexpr int KG = VT_KEYS / 16;   // 16-key groups of the CTA's keys
+  __shared__ __align__(16) unsigned char tile[VT_KEYS][DV];
   const int seq = blockIdx.z, kvh = blockIdx.y, c0 = blockIdx.x * VT_KEYS;
   int len;
   long long k_lo = 0;
@@ -84,28 +90,35 @@ __device__ __forceinline__ void transpose_v(const VtParams& p) {
   if (c0 >= (len + vt_pad<BLOCK_N>() - 1) / vt_pad<BLOCK_N>() * vt_pad<BLOCK_N>()) return;
   const unsigned char* src = p.v + (VARLEN ? k_lo * p.v_ss : seq * p.v_sb) + kvh * p.v_sh;
   unsigned char* dst = p.vt + (VARLEN ? 0 : seq * p.vt_sb) + kvh * p.vt_sh + fp8_vt_col<VARLEN, BLOCK_N>(k_lo, seq) + c0;
-  constexpr int CH = DV / 16;  // 16-byte chunks of a row of v
   for (int i = threadIdx.x; i < VT_KEYS * CH; i += VT_THREADS) {
     const int key = i / CH, ch = i % CH;
     uint4 x = make_uint4(0u, 0u, 0u, 0u);
     if (c0 + key < len) x = __ldg(reinterpret_cast<const uint4*>(src + (long long)(c0 + key) * p.v_ss + ch * 16));
-    *reinterpret_cast<uint4*>(&tile[key][ch * 16]) = x;
+    *reinterpret_cast<uint4*>(&tile[key][(ch ^ (key / 16) % CH) * 16]) = x;
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < DV * (VT_KEYS / 16); i += VT_THREADS) {
-    const int d = i / (VT_KEYS / 16), k16 = (i % (VT_KEYS / 16)) * 16;
-    unsigned w[4];
+  for (int i = threadIdx.x; i < (DV / 4) * KG; i += VT_THREADS) {
+    const int kg = i % KG, dw = i / KG;  // the thread's 16-key group and 4-byte word (columns 4 dw .. 4 dw + 3)
+    const int at = ((dw / 4) ^ kg % CH) * 16 + (dw % 4) * 4;
+    unsigned r[16];  // slot u's key's word
+#pragma unroll
+    for (int u = 0; u < 16; ++u)
+      r[u] = *reinterpret_cast<const unsigned*>(&tile[kg * 16 + 2 * (u / 4) + (u & 1) + 8 * ((u & 3) >> 1)][at]);
+    unsigned col[4][4];  // column 4 dw + c's slots 4 q .. 4 q + 3 in col[c][q]
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      w[q] = 0u;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int u = 4 * q + j;
-        const int key = k16 + 2 * (u / 4) + (u & 1) + 8 * ((u & 3) >> 1);
-        w[q] |= (unsigned)tile[key][d] << (8 * j);
-      }
+      const unsigned* a = r + 4 * q;
+      const unsigned lo01 = __byte_perm(a[0], a[1], 0x5140), lo23 = __byte_perm(a[2], a[3], 0x5140);
+      const unsigned hi01 = __byte_perm(a[0], a[1], 0x7362), hi23 = __byte_perm(a[2], a[3], 0x7362);
+      col[0][q] = __byte_perm(lo01, lo23, 0x5410);
+      col[1][q] = __byte_perm(lo01, lo23, 0x7632);
+      col[2][q] = __byte_perm(hi01, hi23, 0x5410);
+      col[3][q] = __byte_perm(hi01, hi23, 0x7632);
     }
-    *reinterpret_cast<uint4*>(dst + d * p.vt_sd + k16) = make_uint4(w[0], w[1], w[2], w[3]);
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      *reinterpret_cast<uint4*>(dst + (4 * dw + c) * p.vt_sd + kg * 16) =
+          make_uint4(col[c][0], col[c][1], col[c][2], col[c][3]);
   }
 }
 
