@@ -1,4 +1,5 @@
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -17,6 +18,39 @@ def gpu_count() -> int:
         return cupy.cuda.runtime.getDeviceCount()
     except Exception:
         return 0
+
+
+def _skipped_for_torch(report) -> bool:
+    """Whether a skipped report's reason is torch's absence (pytest.importorskip("torch"), or a skipif saying so)."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return report.skipped and "torch" in reason and "GPU" not in reason
+
+
+class TorchSkips:
+    """ATTNGEN_TEST_TORCH_SKIPS=FILE: the ids of the tests (and modules) this run skipped for want of torch, one a line,
+    for .ci/run's step with a CPU build of torch to run again. Written by the main process only (with pytest-xdist its
+    workers' reports reach it)."""
+
+    def __init__(self, path: str):
+        self.path, self.ids = path, set()
+
+    def pytest_collectreport(self, report):
+        if _skipped_for_torch(report):
+            self.ids.add(report.nodeid)
+
+    def pytest_runtest_logreport(self, report):
+        if _skipped_for_torch(report):
+            self.ids.add(report.nodeid)
+
+    def pytest_sessionfinish(self):
+        Path(self.path).write_text("".join(f"{i}\n" for i in sorted(self.ids)))
+
+
+def pytest_configure(config):
+    path = os.environ.get("ATTNGEN_TEST_TORCH_SKIPS")
+    if path and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(TorchSkips(path), "attngen-torch-skips")
 
 
 def pytest_collection_modifyitems(config, items):

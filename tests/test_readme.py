@@ -56,7 +56,7 @@ def test_every_code_block_holds_code_and_every_cited_path_exists(page):
 def test_the_readme_install_and_test_commands_are_what_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     sh = [line.strip() for b in blocks(README, "sh") for line in b.splitlines()]
-    for command in ("python3 -m pip install -e '.[cu13,test]'", "python3 -m pytest -q"):
+    for command in ("python3 -m pip install -e '.[cu13,test]'", "python3 -m pytest -q -n auto"):
         assert command in sh and f"\n{command}" in ci, command
 
 
