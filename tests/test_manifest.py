@@ -184,7 +184,7 @@ def test_default_manifest_validates_for_every_arch_it_lists():
         if not getattr(s, "return_lse", False) and not partial:
             assert {a.name for sp, a in items if sp == s} == archs
     assert {s.varlen for s in prefill} == {False, True} and {s.custom_mask for s in prefill} == {False, True}
-    # Each kernel here costs CI's slow step about 1.6 s of a core (the whole manifest: about 25 min on two cores).
+    # Each kernel here costs CI's slow step 1.2-1.6 s of a core (the whole manifest: 18-25 min on two cores).
     mla = {s for s in specs if s.family == "mla_decode"}
     assert {s.q_rows for s in mla} == {16, 32, 64} and {s.paged for s in mla} == {False, True}
     merge = {s for s in specs if s.family == "merge"}

@@ -2,7 +2,7 @@
 ptxas performance notes.
 
 This is the pre-warm a CI job runs for production, done for real: no GPU, real compiles into a
-temporary cache (about 25 minutes on 2 cores: some 1,800 kernels at 1-4 s each). Marked ``slow``: the
+temporary cache (18-25 minutes on 2 cores: some 1,800 kernels at 1-4 s each). Marked ``slow``: the
 README's test command leaves it out, ``.ci/run`` runs it as a step of its own (``python3 -m pytest -q -m slow``).
 """
 
