@@ -344,6 +344,18 @@ def test_every_choice_for_a_default_manifest_line_is_in_its_expansion():
     assert total > 1000
 
 
+def test_mla_decode_reachable_cluster_forms_fit_their_merge():
+    """reachable lists a kernel's cluster_merge form only where choose could take it: its merge fits (never over the
+    gather), so the manifest builds no kernel that no choice returns."""
+    for paged, page_rows, rows in itertools.product((False, True), (False, True), (16, 32, 64)):
+        if page_rows and not paged:
+            continue
+        out = M.reachable(MlaDecodeSpec(q_rows=rows, paged=paged, page_rows=page_rows), get_arch("sm_90a"))
+        clusters = [s for s in out if s.cluster_merge]
+        assert all(s.cluster_merge_fits() for s in clusters), clusters
+        assert not any(s.gather for s in clusters)
+
+
 def test_decode_local_kernels_split_only_a_windows_live_keys():
     """A window bounds the keys a row sees: the local kernel runs, and the split count is chosen for the
     live keys, not the cache's capacity."""

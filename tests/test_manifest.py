@@ -225,5 +225,6 @@ def test_default_manifest_validates_for_every_arch_it_lists():
     assert {(s.dtype.value, s.return_lse) for s in prefill if s.cta_tile_kv == 192 and s.head_dim == 128} == {
         (dt, lse) for dt in ("fp16", "bf16") for lse in (False, True)}
     # 2 more: the sharded 32- and 64-row gathers of fp16 over blocks of 16 (sm_90a; bf16's come from the page_rows line);
-    # 1 more: alternate tiles over the gather (sm_90a, 128 heads over blocks of any size).
-    assert 100 <= len(items) <= 1832
+    # 1 more: alternate tiles over the gather (sm_90a, 128 heads over blocks of any size); 1 fewer: the gather's
+    # cluster_merge form, which its merge does not fit (no choice takes it).
+    assert 100 <= len(items) <= 1831

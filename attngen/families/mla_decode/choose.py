@@ -313,6 +313,6 @@ def reachable(spec: MlaDecodeSpec, arch: Arch) -> set:
                 if gather is not None:
                     out.add(gather)
             cl = None if rs.cluster_merge_fits() else replaced_if_valid(rs, arch, cluster_merge=True)
-            if cl is not None:
+            if cl is not None and cl.cluster_merge_fits():  # (as choose takes it: the gather's never does)
                 out.add(cl)
     return out
