@@ -35,13 +35,11 @@ class TorchSkips:
     def __init__(self, path: str):
         self.path, self.ids = path, set()
 
-    def pytest_collectreport(self, report):
+    def pytest_collectreport(self, report):  # a module skipped at collection; a test skipped when run, below
         if _skipped_for_torch(report):
             self.ids.add(report.nodeid)
 
-    def pytest_runtest_logreport(self, report):
-        if _skipped_for_torch(report):
-            self.ids.add(report.nodeid)
+    pytest_runtest_logreport = pytest_collectreport
 
     def pytest_sessionfinish(self):
         Path(self.path).write_text("".join(f"{i}\n" for i in sorted(self.ids)))

@@ -35,7 +35,6 @@ struct MlaGather {
   static constexpr bool ALT = K::ALT_;
   static constexpr int RJ = BLOCK_N / 16;  // rows a producer thread copies
   static constexpr int HALF_BLOCKS = DC / 128;  // (ALT) ckv's 64-column blocks of a half
-  static constexpr int RJ_HALF = BLOCK_N / 8;  // (ALT) rows a producer thread copies of its half
   // setmaxnreg: the consumers take the producer's share (as the fp8 wgmma kernel's do; at the launch bounds' 168 a
   // thread the 32-row mma.sync consumers spilled). Four consumer warps (one stage, MlaDecodeSpec.two_ctas) leave
   // room for two CTAs an SM, the register file halved between them.
