@@ -91,7 +91,10 @@ struct MlaFp8 {
 
   // COLS bytes (columns) of the tile's rows from `base` (byte strides s_blk, s_pos) into byte columns [col0, col0 +
   // COLS) of the slot at `tile`: each thread keeps one 16-byte chunk and steps down the rows; rows at or past the
-  // sequence are zero-filled. Paged: the tile's table entries in `pages` (MlaTiles::load_cols).
+  // sequence are zero-filled. Paged: the tile's table entries in `pages` (MlaTiles::load_cols). Blocks of a
+  // multiple of 16 rows take one lookup a thread per 16-row group and step its pointer down the group: a lookup
+  // a row (two shuffles and a 64-bit product a 16-byte copy) made the copies a large share of the instructions
+  // that bound the kernel.
   template <int COLS>
   static __device__ __forceinline__ void load_cols(unsigned char* tile, int col0, const unsigned char* base,
                                                    long long s_blk, long long s_pos, const MlaParams<T>& p,
@@ -101,6 +104,26 @@ struct MlaFp8 {
     static_assert(THREADS % CH == 0, "fp8 copies");
     const int c = (tid % CH) * 16;
     unsigned char* dst = tile + col0 + c;
+    if constexpr (PAGED && !K::PAGE_ROWS_ && ROW_STEP <= 16) {
+      static_assert(16 % ROW_STEP == 0 && BLOCK_N % 16 == 0, "fp8 paged copies");
+      constexpr int PER = 16 / ROW_STEP;  // a thread's rows in one 16-row group
+      const int r0 = tid / CH;
+      const int live = seqlen - n0 - r0;  // the thread's row k (row r0 + k ROW_STEP) is in the sequence below this
+      unsigned char* row0 = dst + r0 * ROW_BYTES;
+      // (groups unrolled, each group's pointer lived across the others' copies and spilled sm_89's 16-row tile)
+#pragma unroll 1
+      for (int grp = 0; grp < BLOCK_N / 16; ++grp) {
+        const int2 at = MlaTiles<K>::block_slot(pages, grp * 16 + r0, p);
+        const unsigned char* src = base + at.x * s_blk + at.y * s_pos + c;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+          const int k = grp * PER + i;
+          cp_async_16(smem_addr(row0 + k * ROW_STEP * ROW_BYTES), src, k * ROW_STEP < live);
+          src += ROW_STEP * s_pos;
+        }
+      }
+      return;
+    }
 #pragma unroll 2
     for (int r = tid / CH; r < BLOCK_N; r += ROW_STEP) {
       const bool ok = n0 + r < seqlen;
