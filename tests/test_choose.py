@@ -67,8 +67,8 @@ PREFILL = [
     ("sm_90a", 64, "none", 2048, "192x128 w12 s2 wgmma tma pingpong", (11, 16, 2)),
     ("sm_90a", 64, "causal", 1023, "64x64 w4 s4 wgmma sync serial", (16, 16, 2)),
     ("sm_90a", 64, "causal", 1024, "128x128 w8 s2 wgmma tma pingpong persistent", (128, 1, 1)),
-    ("sm_90a", 64, "causal", 16383, "128x128 w8 s2 wgmma tma pingpong persistent", (132, 1, 1)),
-    ("sm_90a", 64, "causal", 16384, "192x128 w12 s2 wgmma tma pingpong", (86, 16, 2)),
+    ("sm_90a", 64, "causal", 8191, "128x128 w8 s2 wgmma tma pingpong persistent", (132, 1, 1)),
+    ("sm_90a", 64, "causal", 8192, "192x128 w12 s2 wgmma tma pingpong", (43, 16, 2)),
     ("sm_90a", 128, "none", 512, "128x128 w8 s2 wgmma tma pingpong persistent", (64, 1, 1)),
     ("sm_90a", 128, "causal", 767, "64x64 w4 s2 wgmma tma serial persistent", (132, 1, 1)),
     ("sm_90a", 128, "causal", 768, "128x128 w8 s2 wgmma tma pingpong persistent", (96, 1, 1)),
@@ -249,7 +249,7 @@ def test_mla_decode_pins_and_a_refused_map():
 
 # --- every choice for a manifest line is in that line's expansion ---------------------------------------------
 
-ROWS = (1, 100, 511, 767, 768, 1023, 1024, 2047, 2048, 4096, 16383, 16384, 100000)
+ROWS = (1, 100, 511, 767, 768, 1023, 1024, 2047, 2048, 4096, 8191, 8192, 16383, 16384, 100000)
 
 
 def _pinned(spec) -> bool:

@@ -223,8 +223,8 @@ def test_inspect_says_where_the_default_depends_on_the_size(capsys):
     cap = capsys.readouterr()
     out = json.loads(cap.out)
     by = out["defaults_by_size"]
-    assert [b["from"] for b in by] == [0, 1024, 16384] and "cta_tile_q=192" in by[-1]["spec"]
-    assert "by size (query rows)" in cap.err and "from 16384: prefill:" in cap.err
+    assert [b["from"] for b in by] == [0, 1024, 8192] and "cta_tile_q=192" in by[-1]["spec"]
+    assert "by size (query rows)" in cap.err and "from 8192: prefill:" in cap.err
     assert main(["inspect", "prefill:head_dim=128", "--arch", "sm_90a", "--json"]) == 0
     cap = capsys.readouterr()
     by = json.loads(cap.out)["defaults_by_size"]

@@ -283,9 +283,9 @@ def _default_call_checked(q, k, v, causal, dtype, **mods):
     return o, ref_o
 
 
-@pytest.mark.parametrize("causal,sq,sk,h", [(False, 2048, 2048, 4), (False, 3001, 1537, 4), (True, 16384, 16384, 2)])
+@pytest.mark.parametrize("causal,sq,sk,h", [(False, 2048, 2048, 4), (False, 3001, 1537, 4), (True, 8192, 8192, 2)])
 def test_default_long_rows_take_three_warpgroups(causal, sq, sk, h):
-    # head_dim 64 without a spec: from 2048 query rows (causal: 16384) the call runs 192-row tiles on three
+    # head_dim 64 without a spec: from 2048 query rows (causal: 8192) the call runs 192-row tiles on three
     # consumer warpgroups, below it the 128-row default; a call whose inputs no TMA map describes falls back to
     # the cp.async kernel of the same key tiles on two warpgroups (its own grid).
     _spec(head_dim=64)  # skips off sm_90a
@@ -336,7 +336,8 @@ def test_default_short_causal_rows_take_64_row_tiles(sq, sk):
 
 
 @pytest.mark.parametrize("d,causal,sq,sk,tiles", [(64, False, 2048, 2100, (192, 128)), (64, True, 512, 777, (64, 64)),
-                                                  (64, True, 16384, 16384, (192, 128)), (256, False, 1100, 1500, (128, 80)),
+                                                  (64, True, 8192, 8192, (192, 128)), (64, True, 8191, 8191, (128, 128)),
+                                                  (256, False, 1100, 1500, (128, 80)),
                                                   (128, True, 700, 900, (64, 64)), (128, True, 768, 768, (128, 128)),
                                                   (256, True, 3001, 3001, (128, 80)), (256, False, 16384, 16384, (128, 80)),
                                                   (128, False, 8192, 8300, (128, 192)),
