@@ -89,6 +89,17 @@ def main():
     spec = [c for c in op._calls.values() if c.grid is not None][-1].kern.spec
     assert (spec.kv_dtype.value, spec.dtype.value, spec.paged) == ("fp8_e5m2", "fp16", True), spec
     op.set_cluster_merge(op.CLUSTER_MAX)
+    # the kernel's 32-bit paged offsets: a slot stride of 2^32 elements (pages of one row, so that it costs no
+    # storage) is refused by name, and one just under it launches
+    for stride, ok in ((2 ** 32, False), (2 ** 32 - 16, True)):
+        kh = wrap(torch.empty(0, dtype=torch.uint8).new_empty(40 * hk * d).view(torch.float8_e5m2)
+                  .as_strided((40, 1, hk, d), (hk * d, stride, d, 1)))
+        call = lambda: attngen.decode(q16, kh, kh, cache_seqlens=i32([10, 3]), block_table=table,  # noqa: E731
+                                      num_splits=1)
+        if ok:
+            call()
+        else:
+            refused(call, "k_cache (fp8, paged) has strides", "below 2^32 elements")
     # uint8 bytes with the spec's kv_dtype (what a CuPy caller passes)
     kb, vb = (wrap(torch.randint(0, 255, (b, cap, hk, d), dtype=torch.uint8)) for _ in range(2))
     attngen.decode(q, kb, vb, cache_seqlens=lens, num_splits=1, spec="decode:kv_dtype=fp8_e5m2")

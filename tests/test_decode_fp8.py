@@ -152,3 +152,20 @@ def test_stored_tunings_of_16bit_caches_do_not_apply_to_fp8():
     assert [s.cta_tile_kv for _, s in got] == [128]
     assert tuned_choices(base.replace(kv_dtype="fp8_e4m3"), get_arch("sm_90a"), "G", [entry], nvrtc="N",
                          version="V") == []
+
+
+def test_paged_offsets_past_32_bits_are_refused_by_name():
+    # the fp8 kernel forms a paged row's offsets from 32-bit strides and its table index in 32 bits
+    from types import SimpleNamespace
+
+    from attngen.errors import LaunchError
+    from attngen.families.decode.fp8 import check_paged
+
+    ok = SimpleNamespace(strides=(16 * 8 * 128, 8 * 128, 128, 1))
+    check_paged(ok, ok, 4, 2 ** 20, 2 ** 20)
+    check_paged(ok, ok, 2, 2 ** 31, 2 ** 31)  # the last entry is 2^32 - 1 from the start
+    with pytest.raises(LaunchError, match=r"block_table \(with an fp8 cache\) spans 4294967297 entries"):
+        check_paged(ok, ok, 2, 2 ** 31, 2 ** 31 + 1)
+    wide = SimpleNamespace(strides=(2 ** 32, 8 * 128, 128, 1))
+    with pytest.raises(LaunchError, match=r"v_cache \(fp8, paged\) has strides \(4294967296, 1024, 128, 1\)"):
+        check_paged(ok, wide, 1, 16, 16)

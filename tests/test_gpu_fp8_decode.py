@@ -126,6 +126,28 @@ def test_paged(fmt, d, block_size):
                 block_size=block_size))
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_views_of_wider_pools(d, num_splits):
+    # k and v as views of one [blocks, 2, page, kv_heads, head_dim] pool (vLLM's: a block stride of two pages) and
+    # the table a slice of a wider one: the kernel forms its offsets from the views' own strides
+    case = Fp8Case([1, 17, 300, 2000], fmt="e4m3", scale_kind="head", q_len=1, heads=16, kv_heads=4, head_dim=d,
+                   dtype=torch.bfloat16, block_size=16)
+    pool = torch.empty((case.k8.shape[0], 2, *case.k8.shape[1:]), dtype=torch.uint8, device="cuda")
+    pool[:, 0] = case.k8.view(torch.uint8)
+    pool[:, 1] = case.v8.view(torch.uint8)
+    pool = pool.view(case.k8.dtype)
+    table = case.base.block_table
+    wide = torch.full((table.shape[0], table.shape[1] + 7), -1, dtype=torch.int32, device="cuda")
+    wide[:, :table.shape[1]] = table
+    out = torch.full_like(case.q, NAN)
+    o, lse = attngen.decode(case.q, pool[:, 0], pool[:, 1], cache_seqlens=case.base.seqlens, num_splits=num_splits,
+                            block_table=wide[:, :table.shape[1]], return_lse=True, out=out, k_scale=case.k_scale,
+                            v_scale=case.v_scale)
+    torch.cuda.synchronize()
+    check(case, o, lse)
+
+
 @pytest.mark.parametrize("d", [32, 48, 80, 96, 112, 144, 160, 192, 240])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_head_dims(d, paged):

@@ -98,11 +98,15 @@ struct DecodeFp8 {
   static __device__ __forceinline__ void lookup(Pages& pg, const DecodeParams<T>& p, const Cta& c, int tile, int tid) {
     if constexpr (PAGED && FIXED) {
       const int r0 = tid / CHUNKS;
+      // Entries by a 32-bit index from the table's start (the launch checks the table's extent fits:
+      // check_paged): the row's start is one uniform value, where c.table, a 64-bit pointer the copies' registers
+      // left no room for, was rebuilt for every lookup.
+      const unsigned row = (unsigned)c.batch * (unsigned)p.bt_sb;
 #pragma unroll
       for (int i = 0; i < ITERS; ++i) {
         const int pos = tile * BLOCK_N + r0 + i * STEP;
         pg.block[i] = (BLOCK_N % STEP == 0 || r0 + i * STEP < BLOCK_N) && pos < c.seqlen
-                          ? c.table[Load::block_of(pos, p, c)] : 0;
+                          ? p.block_table[row + (unsigned)Load::block_of(pos, p, c)] : 0;
       }
     }
   }
@@ -120,6 +124,12 @@ struct DecodeFp8 {
       const int at = Fp8Math::at(r0, j);
       const int pos0 = tile * BLOCK_N + r0;
       if constexpr (PAGED) {
+        // Strides in 32 bits (the launch checks they fit: decode/fp8.py check_paged): a row's block and slot
+        // offsets are one 32 x 32 -> 64-bit multiply-add each, where products of 64-bit strides took several
+        // instructions each, for every row of every tile.
+        const unsigned ksb = (unsigned)p.k_sb, vsb = (unsigned)p.v_sb, kss = (unsigned)p.k_ss, vss = (unsigned)p.v_ss;
+        const unsigned char* kj = kb + j * 16;
+        const unsigned char* vj = vb + j * 16;
 #pragma unroll
         for (int i = 0; i < ITERS; ++i) {
           if (BLOCK_N % STEP == 0 || r0 + i * STEP < BLOCK_N) {
@@ -127,10 +137,12 @@ struct DecodeFp8 {
             const bool ok = pos < c.seqlen && (!LOCAL || pos >= c.key_lo);
             // the address is in the pool whether or not the row is in the sequence (the block clamped, the slot
             // in it), so it is not chosen on ok
-            const long long blk = min(max(pg.block[i], 0), p.num_blocks - 1);
-            const long long slot = pos - Load::block_of(pos, p, c) * p.block_size;
-            cp_async_16(smem_addr(dk + at + i * STEP * ROW_BYTES), kb + blk * p.k_sb + slot * p.k_ss + j * 16, ok);
-            cp_async_16(smem_addr(dv + at + i * STEP * ROW_BYTES), vb + blk * p.v_sb + slot * p.v_ss + j * 16, ok);
+            const unsigned blk = (unsigned)min(max(pg.block[i], 0), p.num_blocks - 1);
+            const unsigned slot = (unsigned)(pos - Load::block_of(pos, p, c) * p.block_size);
+            cp_async_16(smem_addr(dk + at + i * STEP * ROW_BYTES),
+                        kj + (unsigned long long)blk * ksb + (unsigned long long)slot * kss, ok);
+            cp_async_16(smem_addr(dv + at + i * STEP * ROW_BYTES),
+                        vj + (unsigned long long)blk * vsb + (unsigned long long)slot * vss, ok);
           }
         }
       } else {

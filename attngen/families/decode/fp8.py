@@ -64,6 +64,19 @@ def check_rows(t, name: str) -> None:
                           f"got strides {t.strides}")
 
 
+def check_paged(ki, vi, batch: int, bt_sb: int, row_blocks: int) -> None:
+    """A paged fp8 cache's offsets as the kernel forms them (templates/decode/fp8.cuh): block and slot strides
+    below 2^32 elements, and the block table's entries (``batch`` rows ``bt_sb`` apart, ``row_blocks`` read a row)
+    within 2^32 of its start."""
+    for t, name in ((ki, "k_cache"), (vi, "v_cache")):
+        if max(t.strides[0], t.strides[1]) >= 2 ** 32:
+            raise LaunchError(f"{name} (fp8, paged) has strides {t.strides}; allowed: block and slot strides (the "
+                              f"first two) below 2^32 elements")
+    if (batch - 1) * bt_sb + row_blocks > 2 ** 32:
+        raise LaunchError(f"block_table (with an fp8 cache) spans {(batch - 1) * bt_sb + row_blocks} entries from "
+                          f"its start ({batch} rows {bt_sb} apart, {row_blocks} a row); allowed: at most 2^32")
+
+
 def scale_key(x, name: str = "scale"):
     """A scale as part of a call's key: a number as itself (None too), an array as its info (``name``: the
     argument's, for tensor_info's refusals)."""

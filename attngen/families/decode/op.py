@@ -395,6 +395,8 @@ def _prepare(qi, ki, vi, cache_seqlens, cache_batch_idx, block_table, num_splits
                               "blocks per row already)")
         block_size = cache_len
         capacity, bt_ptr, bt_sb = paged_table(block_table, b, block_size, kind, dev, "q", "k_cache", multiple=1)
+        if kv is not None:
+            _fp8.check_paged(ki, vi, b, bt_sb, capacity // block_size)
         bi_ptr = 0
     else:
         block_size, capacity, bt_ptr, bt_sb = 0, cache_len, 0, 0
