@@ -5,9 +5,9 @@ Used to show that a restructuring leaves every kernel's machine code byte-identi
 commits and diff the outputs (``diff before.txt after.txt``). The digest covers the ELF's
 ``.text.*`` sections (every entry of the module, in section-name order), not the whole cubin: the
 whole cubin differs whenever the template source does, even where the code does not. This needs
-no disassembler (nvdisasm 13.5 rejects NVRTC 13.5's cubins as invalid ELF, so a comparison of its
-output compares two empty texts). It reads the entries' ``meta.json`` and cubins only, so it works
-across versions whose cache keys differ.
+no disassembler; where the digests differ, ``nvdisasm -c`` of the two cubins (the pip wheel
+nvidia-cuda-nvdisasm of the NVRTC's version) shows how. It reads the entries' ``meta.json`` and
+cubins only, so it works across versions whose cache keys differ.
 
 ``--per-entry`` prints one line per entry instead (the entry's suffix after the kernel name, "" for the
 main one), so that an entry added to a module does not hide whether the others changed.
