@@ -221,6 +221,27 @@ def test_decode_forced_splits_and_the_cluster_setting():
     assert unfused.spec.variant.value == "unfused" and unfused.launch.cluster == 0
 
 
+def test_decode_short_rows_on_a_full_grid_take_one_split_on_sm_90():
+    # b16 x 8 KV heads = 128 CTAs (over 90% of 132 SMs) of 1024 keys: one split on sm_90, where the cost model, at 2
+    # or 3 CTAs an SM, splits; past 1024 keys, on a grid under 90% of the SMs and elsewhere the cost model decides
+    from attngen.families.split_kv import choose_splits
+
+    def splits(arch, batch, cap, paged=True, kv=None):
+        p = D.Problem(128, "bf16", 1, 32, 8, batch, cap, paged, kv_dtype=kv)
+        return D.choose(p, facts(arch, per_sm=3)).launch
+
+    for kv in (None, KVDType.FP8_E4M3):
+        for paged in (False, True):
+            lc = splits("sm_90a", 16, 1024, paged, kv)
+            assert (lc.num_splits, lc.cluster, lc.merge_grid) == (1, 0, None)
+            assert splits("sm_90a", 128, 1024, paged, kv).num_splits == 1
+    assert choose_splits(128, 1024, 64, 132, 3, 4 * 64 * 128, 4 * 16 * 32 * 128) > 1  # what the rule overrides
+    assert splits("sm_90a", 16, 1025).num_splits > 1
+    assert splits("sm_90a", 14, 1024).num_splits > 1  # 112 CTAs: under 90% of the SMs
+    assert splits("sm_80", 16, 1024).num_splits == choose_splits(128, 1024, 64, 108, 3, 4 * 64 * 128,
+                                                                  4 * 16 * 32 * 128)
+
+
 def test_mla_decode_pins_and_a_refused_map():
     """A pinned field turns off the rules that would change it; a refused TMA map runs the cp.async form of the
     same tiles."""

@@ -3,8 +3,8 @@
 
 The spec: the caller's spec resolved for the arch where one is given; else the winners ``attngen tune decode``
 stored for this GPU (by the cache's capacity, nearest by log distance); else the arch's default (``resolve``,
-over ``defaults.candidates``). The launch: the split count (the caller's, or ``split_kv.choose_splits``' cost
-model), and on sm_90 whether a row's splits merge in a thread-block cluster (no workspace, no merge launch) or
+over ``defaults.candidates``). The launch: the split count (the caller's; one for short rows on a full grid on
+sm_90, ``SHORT_KEYS``; else ``split_kv.choose_splits``' cost model), and on sm_90 whether a row's splits merge in a thread-block cluster (no workspace, no merge launch) or
 through the merge launch.
 """
 
@@ -23,6 +23,16 @@ from .spec import MERGE_THREADS, DecodeSpec, KVDType, Variant
 # The merge launch in a CUDA graph, in the tile steps of choose_splits (a step: every resident CTA reading one K and V
 # tile): about three (choose_splits counts one).
 MERGE_LAUNCH_STEPS = 3.0
+
+# Rows of at most SHORT_KEYS keys on a grid that already puts a CTA on FULL_GRID of the SMs or more take one split on
+# sm_90: there a split's fixed costs (the merge, the extra CTAs' prologues) outweigh its shorter rows, which
+# choose_splits, counting a second resident CTA an SM as free and the merge as one step, does not see. Measured on
+# an H200 (GQA 32/8, head dims 64/128/256, bf16 and e4m3 caches, contiguous and pages of 16, b16-128 x 1k, against
+# the cost model's 2-3 splits): up to 1.27x (e4m3 b16-64), 1.11x (bf16 d128 b16 paged); one row 0.99 (d64 bf16
+# paged b16). At 2k the best count differs by kernel (d64 and fp8 gain from splits, bf16 d128 does not), so the
+# cost model keeps it.
+SHORT_KEYS = 1024
+FULL_GRID = 0.9
 
 
 class Problem(NamedTuple):
@@ -146,7 +156,9 @@ def launch(p: Problem, rs: DecodeSpec, device: DeviceFacts) -> Launch:
     cmax = cluster_limit(rs, b * hk, device, p.cluster_max)
     num_splits = p.num_splits
     keys = p.live or p.capacity  # what the kernel splits
-    if num_splits == 0:
+    if num_splits == 0 and keys <= SHORT_KEYS and b * hk >= FULL_GRID * device.sm_count and device.arch.major == 9:
+        num_splits = 1
+    elif num_splits == 0:
         num_splits = choose_splits(b * hk, keys, rs.cta_tile_kv, device.sm_count, per_sm,
                                    4 * rs.cta_tile_kv * d, 4 * b * p.q_len * p.heads * d)
         if num_splits > 1 and cmax:
