@@ -238,8 +238,9 @@ def test_decode_short_rows_on_a_full_grid_take_one_split_on_sm_90():
     assert choose_splits(128, 1024, 64, 132, 3, 4 * 64 * 128, 4 * 16 * 32 * 128) > 1  # what the rule overrides
     assert splits("sm_90a", 16, 1025).num_splits > 1
     assert splits("sm_90a", 14, 1024).num_splits > 1  # 112 CTAs: under 90% of the SMs
-    assert splits("sm_80", 16, 1024).num_splits == choose_splits(128, 1024, 64, 108, 3, 4 * 64 * 128,
-                                                                  4 * 16 * 32 * 128)
+    c80 = D.choose(D.Problem(128, "bf16", 1, 32, 8, 16, 1024, True), facts("sm_80", per_sm=3))
+    n = c80.spec.cta_tile_kv
+    assert c80.launch.num_splits == choose_splits(128, 1024, n, 108, 3, 4 * n * 128, 4 * 16 * 32 * 128) > 1
 
 
 def test_mla_decode_pins_and_a_refused_map():
