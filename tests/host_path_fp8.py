@@ -92,8 +92,7 @@ def main():
     # the kernel's 32-bit paged offsets: a slot stride of 2^32 elements (pages of one row, so that it costs no
     # storage) is refused by name, and one just under it launches
     for stride, ok in ((2 ** 32, False), (2 ** 32 - 16, True)):
-        kh = wrap(torch.empty(0, dtype=torch.uint8).new_empty(40 * hk * d).view(torch.float8_e5m2)
-                  .as_strided((40, 1, hk, d), (hk * d, stride, d, 1)))
+        kh = wrap(torch.empty(40 * hk * d, dtype=torch.float8_e5m2).as_strided((40, 1, hk, d), (hk * d, stride, d, 1)))
         call = lambda: attngen.decode(q16, kh, kh, cache_seqlens=i32([10, 3]), block_table=table,  # noqa: E731
                                       num_splits=1)
         if ok:

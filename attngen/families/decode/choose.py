@@ -4,8 +4,8 @@
 The spec: the caller's spec resolved for the arch where one is given; else the winners ``attngen tune decode``
 stored for this GPU (by the cache's capacity, nearest by log distance); else the arch's default (``resolve``,
 over ``defaults.candidates``). The launch: the split count (the caller's; one for short rows on a full grid on
-sm_90, ``SHORT_KEYS``; else ``split_kv.choose_splits``' cost model), and on sm_90 whether a row's splits merge in a thread-block cluster (no workspace, no merge launch) or
-through the merge launch.
+sm_90, ``SHORT_KEYS``; else ``split_kv.choose_splits``' cost model), and on sm_90 whether a row's splits merge in
+a thread-block cluster (no workspace, no merge launch) or through the merge launch.
 """
 
 from __future__ import annotations
