@@ -86,7 +86,9 @@ def make_case(torch, name: str, q, k, v, gen) -> dict:
     elif name == "prefix_lm":
         prefix = torch.full((batch,), seqlen // 4, dtype=torch.int32, device=dev)
         c["causal"] = False
-        c["snippet"] = dict(mask_mod="return kv_idx <= q_idx || kv_idx < prefix(b);", aux={"prefix": prefix})
+        # | rather than ||: both sides are safe to evaluate, and || would make the aux read a branch a pair
+        # (docs/variants.md "Cost"); FlexAttention's mask_mod below is written the same way.
+        c["snippet"] = dict(mask_mod="return (kv_idx <= q_idx) | (kv_idx < prefix(b));", aux={"prefix": prefix})
         i = torch.arange(seqlen, device=dev)
         keep = (i[None, :] <= i[:, None]) | (i[None, :] < seqlen // 4)
         plan = attngen.mask_plan(keep, q, k)
