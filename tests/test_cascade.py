@@ -51,11 +51,14 @@ def test_arrays_other_than_torch_tensors_are_sent_to_the_ops_it_composes():
 
 
 @pytest.mark.parametrize("n,rows,heads,sms,want", [
-    (16384, 64, 32, 132, 9),      # 32 tiles: 264 CTAs wanted
+    (16384, 64, 32, 132, 8),      # 32 tiles: 264 CTAs wanted (9 splits), 8 divides the prefix
+    (16400, 64, 32, 132, 10),     # 9 does not either: 8 and 10 are as near, the larger taken
+    (16411, 64, 32, 132, 9),      # a prime: no count from 4 to 18 divides it, keys left over
     (16384, 512, 32, 132, 2),     # 8 tiles a head already: 256 CTAs at two splits
     (1000, 64, 32, 132, 1),       # under two MIN_SPLIT_KEYS ranges
     (0, 64, 32, 132, 1),
-    (1 << 20, 8, 1, 132, 264),
+    (1 << 20, 8, 1, 132, 256),    # 264 wanted, 256 divides
+    (1536, 64, 32, 132, 3),       # 9 wanted, at most 3 ranges of 512 keys
 ])
 def test_prefix_splits_fill_the_gpu_with_ranges_of_min_split_keys_or_more(n, rows, heads, sms, want):
     s = prefix_splits(n, rows, heads, sms)

@@ -85,3 +85,42 @@ def test_cascade_refuses_by_name_on_the_gpu():
         attngen.cascade_decode(q, pk[:, :1], pk, kc, kc, cache_seqlens=lens)
     with pytest.raises(attngen.LaunchError, match="out must"):
         attngen.cascade_decode(q, pk, pk, kc, kc, cache_seqlens=lens, out=torch.empty(2, 1, 8, 32, device="cuda"))
+
+
+def test_cascade_on_a_stream_of_the_callers_and_in_a_cuda_graph():
+    # The prefix's stage runs on a stream of attngen's, forked from the caller's current stream before the own
+    # decode and joined after it: a read of the output queued on the caller's stream right after the call sees it
+    # whole, and a CUDA graph captures both streams' launches (replayed here after new values are copied into its
+    # inputs). A prefix of 3001 keys (a prime) leaves keys over for a launch of their own on that stream.
+    gen = fresh_generator()
+    seed = gen.initial_seed()
+    b, h, hk, d, cap, dev, dt = 4, 16, 4, 128, 256, "cuda", torch.bfloat16
+    q = torch.randn(b, 1, h, d, device=dev, dtype=dt, generator=gen)
+    pk, pv = (torch.randn(3001, hk, d, device=dev, dtype=dt, generator=gen) for _ in range(2))
+    kc, vc = (torch.randn(b, cap, hk, d, device=dev, dtype=dt, generator=gen) for _ in range(2))
+    lens = torch.randint(1, cap + 1, (b,), device=dev, generator=gen, dtype=torch.int32)
+    theirs = torch.cuda.Stream()
+    theirs.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(theirs):
+        got = attngen.cascade_decode(q, pk, pv, kc, vc, cache_seqlens=lens).float()
+    torch.cuda.current_stream().wait_stream(theirs)
+    ref, _ = reference(q, pk, pv, kc, vc, lens, d ** -0.5)
+    assert (got - ref).abs().max().item() <= MAX_ABS[dt], f"seed {seed}"
+
+    out = torch.full((b, 1, h, d), float("nan"), device=dev, dtype=dt)
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        attngen.cascade_decode(q, pk, pv, kc, vc, cache_seqlens=lens, out=out)
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attngen.cascade_decode(q, pk, pv, kc, vc, cache_seqlens=lens, out=out)
+    for x in (q, pk, pv, kc, vc):
+        x.copy_(torch.randn(x.shape, device=dev, dtype=dt, generator=gen))
+    lens.copy_(torch.randint(1, cap + 1, (b,), device=dev, generator=gen, dtype=torch.int32))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = reference(q, pk, pv, kc, vc, lens, d ** -0.5)
+    assert (out.float() - ref).abs().max().item() <= MAX_ABS[dt], f"seed {seed}"

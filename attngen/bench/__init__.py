@@ -26,7 +26,7 @@ from .core import (_event_bench, _finite, _graphed, _rel_check, attention_flops,
 
 def build_parser() -> argparse.ArgumentParser:
     from ..family import families
-    from . import host, jit, report, step
+    from . import cascade, host, jit, report, step
 
     p = argparse.ArgumentParser(prog="attngen bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command")
@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     jit.add_parser(sub)
     host.add_parser(sub)
     step.add_parser(sub)
+    cascade.add_parser(sub)
     report.add_parser(sub)
     for sp in sub.choices.values():  # one --json for every benchmark, as for every attngen command
         sp.add_argument("--json", action="store_true",
