@@ -223,12 +223,20 @@ def test_decode_forced_splits_and_the_cluster_setting():
 
 def test_decode_short_rows_on_a_full_grid_take_one_split_on_sm_90():
     # b16 x 8 KV heads = 128 CTAs (over 90% of 132 SMs) of 1024 keys: one split on sm_90, where the cost model, at 2
-    # or 3 CTAs an SM, splits; past 1024 keys, on a grid under 90% of the SMs and elsewhere the cost model decides
+    # or 3 CTAs an SM, splits; past 1024 keys (2048 for a 16-bit cache at head dim 128), on a grid under 90% of the
+    # SMs and elsewhere the cost model decides
     from attngen.families.split_kv import choose_splits
 
-    def splits(arch, batch, cap, paged=True, kv=None):
-        p = D.Problem(128, "bf16", 1, 32, 8, batch, cap, paged, kv_dtype=kv)
+    def splits(arch, batch, cap, paged=True, kv=None, d=128):
+        p = D.Problem(d, "bf16", 1, 32, 8, batch, cap, paged, kv_dtype=kv)
         return D.choose(p, facts(arch, per_sm=3)).launch
+
+    for paged in (False, True):
+        assert splits("sm_90a", 16, 2048, paged).num_splits == 1
+        assert splits("sm_90a", 16, 2049, paged).num_splits > 1
+        assert splits("sm_90a", 16, 1025, paged, KVDType.FP8_E4M3).num_splits > 1
+        assert splits("sm_90a", 16, 1025, paged, d=64).num_splits > 1
+        assert splits("sm_90a", 16, 1024, paged, d=64).num_splits == 1
 
     for kv in (None, KVDType.FP8_E4M3):
         for paged in (False, True):
@@ -236,7 +244,6 @@ def test_decode_short_rows_on_a_full_grid_take_one_split_on_sm_90():
             assert (lc.num_splits, lc.cluster, lc.merge_grid) == (1, 0, None)
             assert splits("sm_90a", 128, 1024, paged, kv).num_splits == 1
     assert choose_splits(128, 1024, 64, 132, 3, 4 * 64 * 128, 4 * 16 * 32 * 128) > 1  # what the rule overrides
-    assert splits("sm_90a", 16, 1025).num_splits > 1
     assert splits("sm_90a", 14, 1024).num_splits > 1  # 112 CTAs: under 90% of the SMs
     c80 = D.choose(D.Problem(128, "bf16", 1, 32, 8, 16, 1024, True), facts("sm_80", per_sm=3))
     n = c80.spec.cta_tile_kv

@@ -4,7 +4,7 @@
 The spec: the caller's spec resolved for the arch where one is given; else the winners ``attngen tune decode``
 stored for this GPU (by the cache's capacity, nearest by log distance); else the arch's default (``resolve``,
 over ``defaults.candidates``). The launch: the split count (the caller's; one for short rows on a full grid on
-sm_90, ``SHORT_KEYS``; else ``split_kv.choose_splits``' cost model), and on sm_90 whether a row's splits merge in
+sm_90, ``short_keys``; else ``split_kv.choose_splits``' cost model), and on sm_90 whether a row's splits merge in
 a thread-block cluster (no workspace, no merge launch) or through the merge launch.
 """
 
@@ -29,10 +29,18 @@ MERGE_LAUNCH_STEPS = 3.0
 # choose_splits, counting a second resident CTA an SM as free and the merge as one step, does not see. Measured on
 # an H200 (GQA 32/8, head dims 64/128/256, bf16 and e4m3 caches, contiguous and pages of 16, b16-128 x 1k, against
 # the cost model's 2-3 splits): up to 1.27x (e4m3 b16-64), 1.11x (bf16 d128 b16 paged); one row 0.99 (d64 bf16
-# paged b16). At 2k the best count differs by kernel (d64 and fp8 gain from splits, bf16 d128 does not), so the
-# cost model keeps it.
+# paged b16). Past 1k the best count differs by kernel: d64 and fp8 gain from splits, a 16-bit cache at head dim 128
+# does not up to 2k (SHORT_KEYS_D128: b16 paged, one split against the model's two, 1.05x at 2k and 1.07x at 1.5k on
+# an H200, bf16 and fp16, 1.06x at 2k on an H100; contiguous and b32 the model already takes one; at 4k its two
+# splits lead, 0.98x).
 SHORT_KEYS = 1024
+SHORT_KEYS_D128 = 2048
 FULL_GRID = 0.9
+
+
+def short_keys(rs: DecodeSpec) -> int:
+    """The most keys a row of ``rs``'s kernel reads in one split on a full sm_90 grid (SHORT_KEYS)."""
+    return SHORT_KEYS_D128 if rs.head_dim == 128 and rs.kv_dtype is None else SHORT_KEYS
 
 
 class Problem(NamedTuple):
@@ -156,7 +164,7 @@ def launch(p: Problem, rs: DecodeSpec, device: DeviceFacts) -> Launch:
     cmax = cluster_limit(rs, b * hk, device, p.cluster_max)
     num_splits = p.num_splits
     keys = p.live or p.capacity  # what the kernel splits
-    if num_splits == 0 and keys <= SHORT_KEYS and b * hk >= FULL_GRID * device.sm_count and device.arch.major == 9:
+    if num_splits == 0 and keys <= short_keys(rs) and b * hk >= FULL_GRID * device.sm_count and device.arch.major == 9:
         num_splits = 1
     elif num_splits == 0:
         num_splits = choose_splits(b * hk, keys, rs.cta_tile_kv, device.sm_count, per_sm,
