@@ -16,14 +16,12 @@ import argparse
 import random
 from pathlib import Path
 
-import statistics
-
 from .core import (_event_bench, _fmt, _graphed, _int_list, _rel_check, _say, env_lines, environment, have_gpu,
                    ratio_summary, write_json)
+from .step import interleaved
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 COPIES = 3  # rotated copies of the paged caches (and the prefix)
-ROUNDS = 3  # rounds of rotated order, medians
 PEERS = ("shared_pages", "copied")
 
 
@@ -113,11 +111,13 @@ def measure(torch, requests: int, prefix: int, args) -> dict:
             cache[i, prefix:prefix + n] = pool_[own_table[i, :-(-n // PAGE)].long()].reshape(-1, hk, d)[:n]
     graphs["copied"] = _graphed(lambda: outs.__setitem__(
         "copied", attngen.decode(q, kc, vc, cache_seqlens=all_lens)))
-    ms = timed(graphs, args.rep_ms)
+    # no L2 flush: the rotated copies keep the caches out of L2, and a flush's dirty lines would be written back
+    # inside the timing
+    ms = interleaved(graphs, args.rep_ms, timer=lambda g, rep: _event_bench(g, 25.0, rep, None, flush=False))
     ms = {k: v / (1 if k == "copied" else COPIES) for k, v in ms.items()}
     # checks: each side's output for the first copy against the copied cache's (the plain decode of the same keys)
-    for k in ("cascade", "shared_pages"):
-        (cascade if k == "cascade" else shared)(c0)
+    cascade(c0)
+    shared(c0)
     torch.cuda.synchronize()
     ref = outs["copied"].float()
     checks = {k: _rel_check(outs[k], ref) for k in ("cascade", "shared_pages")}
@@ -131,17 +131,6 @@ def measure(torch, requests: int, prefix: int, args) -> dict:
          f"copied {ms['copied'] * 1e3:.1f} us ({rec['ratio']['copied']:.2f}x); rel L2 "
          + ", ".join(f"{k} {_fmt(v['rel_l2'], '.1e')}" for k, v in checks.items()))
     return rec
-
-
-def timed(graphs: dict, rep_ms: float) -> dict:
-    """Each graph's replay timed in ROUNDS rounds of rotated order, the median of each's (no L2 flush: the rotated
-    copies keep the caches out of L2, and a flush's dirty lines would be written back inside the timing)."""
-    names = list(graphs)
-    times: dict = {k: [] for k in names}
-    for r in range(ROUNDS):
-        for k in names[r % len(names):] + names[:r % len(names)]:
-            times[k].append(_event_bench(graphs[k], 25.0, rep_ms, None, flush=False))
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def cmd_cascade(args: argparse.Namespace) -> int:

@@ -97,13 +97,15 @@ def cmd_step(args: argparse.Namespace) -> int:
     return 0 if all(c["ok"] for r in results for c in r["checks"].values()) else 1
 
 
-def interleaved(fns: dict, rep_ms: float) -> dict:
-    """Each of ``fns`` (graph replays) timed in ROUNDS rounds whose order rotates; the median of each's."""
+def interleaved(fns: dict, rep_ms: float, timer=None) -> dict:
+    """Each of ``fns`` (graph replays) timed in ROUNDS rounds whose order rotates; the median of each's. ``timer(fn,
+    rep_ms)`` -> ms times one (default: ``bench_ms``)."""
+    timer = timer or (lambda fn, ms: bench_ms(fn, rep_ms=ms)[0])
     names = list(fns)
     times: dict = {k: [] for k in names}
     for r in range(ROUNDS):
         for k in names[r % len(names):] + names[:r % len(names)]:
-            times[k].append(bench_ms(fns[k], rep_ms=rep_ms)[0])
+            times[k].append(timer(fns[k], rep_ms))
     return {k: statistics.median(v) for k, v in times.items()}
 
 
