@@ -31,7 +31,7 @@ def mixed_step(gen, h, hk, d, page, dtype, with_tree):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("h,hk,d,page", [(32, 8, 128, 16), (8, 8, 64, 64), (16, 2, 128, 64)])
+@pytest.mark.parametrize("h,hk,d,page", [(32, 8, 128, 16), (8, 8, 64, 64), (16, 2, 128, 64), (16, 4, 128, 1)])
 @pytest.mark.parametrize("with_tree", [False, True])
 def test_mixed_step_matches_attention_per_request(dtype, h, hk, d, page, with_tree):
     q, kc, vc, table, cu, cache_lens, q_lens, lens, tree = mixed_step(fresh_generator(), h, hk, d, page, dtype,
@@ -227,3 +227,25 @@ def test_verify_requests_forked_onto_a_side_stream(graphed, h, hk, short):
     assert done.item() == 0
     ref_o, ref_l = reference(q, kc, vc, table, q_lens, lens, d ** -0.5, tree, most)
     check(o, lse, ref_o, ref_l, dtype)
+
+
+def test_bench_step_times_its_serial_bound():
+    """bench step's serial bound: the decode and verify requests' pages read bare plus the prefill call alone, each
+    timed, and the bound the separate calls' time over their sum; the step is checked against the separate calls."""
+    import argparse
+
+    from attngen.bench import step
+
+    args = argparse.Namespace(decode=6, verify=2, draft=3, prefill=1, chunk=300, cached=700, keys="100,3000",
+                              rep_ms=10.0, seed=0, kv_dtype="bf16", no_flashinfer=True)
+    rec = step.measure(args)
+    ms = rec["ms"]
+    assert ms["bare_read_decode_pages"] > 0 and ms["prefill_alone"] > 0
+    assert ms["bare_read_decode_pages"] <= ms["bare_read_all_pages"] * 1.5
+    assert rec["serial_bound"] == pytest.approx(ms["separate"] / (ms["bare_read_decode_pages"] + ms["prefill_alone"]))
+    assert rec["prefill_tflops"] > 0
+    assert all(c["ok"] for c in rec["checks"].values()), rec["checks"]
+    no_prefill = step.measure(argparse.Namespace(**{**vars(args), "prefill": 0}))
+    assert "prefill_alone" not in no_prefill["ms"] and no_prefill["prefill_tflops"] is None
+    assert no_prefill["serial_bound"] == pytest.approx(no_prefill["ms"]["separate"]
+                                                       / no_prefill["ms"]["bare_read_decode_pages"])

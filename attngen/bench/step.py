@@ -8,7 +8,10 @@ has no other tree-masked call), ``prefill_varlen`` over the prefill requests. Bo
 plan (once a step, shared by the layers) is timed apart, also at 512 requests (decode rows of one length, and a
 step's mix with verify and prefill rows). The step, its tree form, the separate calls and FlashInfer are timed in three
 rounds of rotated order (medians). A bare read of the step's KV bytes
-bounds its memory-bound part. Outputs are checked against the separate calls (relative L2) where both run causal.
+bounds its memory-bound part. The step runs its launches one after another, so the serial bound is separate / (a bare
+read of the decode and verify requests' pages + the prefill call alone): what the step could reach with its decode
+part at the read and its prefill part at the prefill kernel's own speed. Outputs are checked against the separate
+calls (relative L2) where both run causal.
 ``--kv-dtype fp8_e4m3`` / ``fp8_e5m2``: the same values in an fp8 cache (one scale for k and v), both sides reading it.
 Where ``flashinfer`` imports (and not ``--no-flashinfer``), its ``BatchAttention`` (one persistent launch) runs the
 same causal bf16 step as a third column, checked against the step's output; its first call (a JIT build) is reported
@@ -130,9 +133,10 @@ def measure(args: argparse.Namespace) -> dict:
         kc, vc = ((c / scale).clamp(-torch.finfo(f8).max, torch.finfo(f8).max).to(f8) for c in (kc, vc))
         scales = {"k_scale": scale, "v_scale": scale}
     table = torch.zeros(b, per, dtype=torch.int32)
-    at = 0
+    at, first = 0, []
     for i, n in enumerate(pages):
         table[i, :n] = torch.arange(at, at + n)
+        first.append(at)
         at += n
     table = table.to(dev)
     total = sum(q_lens)
@@ -177,6 +181,7 @@ def measure(args: argparse.Namespace) -> dict:
             calls.append(lambda qk=qk, t=t, ls=ls, kind=kind: sep_out.__setitem__(
                 kind, attngen.decode(qk, kc, vc, cache_seqlens=ls, block_table=t, causal=True, **scales)))
         calls[-1].rows, calls[-1].kind = rows, kind
+    prefill_alone = next((_graphed(c) for c in calls if c.kind == "prefill"), None)
     separate = _graphed(*calls)
     separate()
     torch.cuda.synchronize()
@@ -192,9 +197,18 @@ def measure(args: argparse.Namespace) -> dict:
     flat = [kc, vc]
     # The compared graphs in ROUNDS rounds, each round's order rotated, medians: on an H200 the first ~100 ms of a
     # busy GPU ran 5% faster than the rest, which favoured whichever was timed first.
+    # The serial bound's parts, in the same rounds (a compute-bound prefill timed after the rest ran slower, at the
+    # clocks a long busy run settles to): the decode and verify requests' pages read bare (a copy of the same bytes),
+    # and the prefill requests' call alone.
+    short = torch.cat([torch.arange(first[i], first[i] + pages[i]) for i, k in enumerate(kinds) if k != "prefill"]
+                      or [torch.zeros(0, dtype=torch.long)]).to(dev)
+    ks, vs = kc[short].contiguous(), vc[short].contiguous()
     compared = {"step": step_causal, "step_tree": step_tree, "separate": separate,
-                **({fi.NAME: _graphed(peer.call)} if peer is not None else {})}
+                **({fi.NAME: _graphed(peer.call)} if peer is not None else {}),
+                "bare_read_decode_pages": _graphed(lambda: read(ks, vs)),
+                **({"prefill_alone": prefill_alone} if prefill_alone is not None else {})}
     ms = interleaved(compared, args.rep_ms)
+    del ks, vs
     ms.update({"plan": bench_ms(plan_fn, rep_ms=args.rep_ms)[0],
                "bare_read_all_pages": bench_ms(lambda: read(*flat), rep_ms=args.rep_ms)[0]})
     # the plan at 512 requests (decode rows), its GPU time alone
@@ -215,8 +229,12 @@ def measure(args: argparse.Namespace) -> dict:
                                     rep_ms=args.rep_ms)[0]
     shape = (f"decode={args.decode} verify={args.verify}x{args.draft} prefill={args.prefill}x{args.chunk}"
              f"+{args.cached}" + ("" if kv_dtype == "bf16" else f" kv={kv_dtype}"))
+    serial = ms["bare_read_decode_pages"] + ms.get("prefill_alone", 0.0)
+    pf_flops = sum(4 * h * d * n * (k - n / 2) for n, k, kind in zip(q_lens, lens, kinds) if kind == "prefill")
     rec = {"shape": shape, "kv_bytes": kv_bytes, "ms": ms, "checks": checks,
-           "ratio": {"separate": ms["separate"] / ms["step"]}, "kv_read_tbps": kv_bytes / ms["step"] / 1e9}
+           "ratio": {"separate": ms["separate"] / ms["step"]}, "kv_read_tbps": kv_bytes / ms["step"] / 1e9,
+           "serial_bound": ms["separate"] / serial,
+           "prefill_tflops": pf_flops / ms["prefill_alone"] / 1e9 if "prefill_alone" in ms else None}
     if peer is not None:
         rec["ratio"][fi.NAME] = ms[fi.NAME] / ms["step"]
         rec[fi.NAME] = peer_rec[fi.NAME]
@@ -228,7 +246,11 @@ def measure(args: argparse.Namespace) -> dict:
     for k, v in ms.items():
         vs = ms["separate"] / v if k.startswith("step") or k == fi.NAME else None
         _say(f"| {k} | {_fmt(v, '.3f')} | {_fmt(vs, '.2f')} |")
-    _say("checks (rel L2 step vs separate): " + ", ".join(f"{k} {_fmt(v.get('rel_l2'), '.1e')}" for k, v in checks.items()))
+    _say(f"serial bound (separate / (bare read of the decode and verify pages + prefill alone)): "
+         f"{rec['serial_bound']:.3f}; the step {rec['ratio']['separate']:.3f}"
+         + (f"; prefill alone {rec['prefill_tflops']:.0f} TFLOP/s" if rec["prefill_tflops"] else ""))
+    _say("checks (rel L2 step vs separate): "
+         + ", ".join(f"{k} {_fmt(v.get('rel_l2'), '.1e')}" for k, v in checks.items()))
     if peer is not None:
         c = rec[fi.NAME].get("vs_attngen") or {}
         _say(f"FlashInfer BatchAttention vs the step: rel L2 {_fmt(c.get('rel_l2'), '.1e')}, first call "
