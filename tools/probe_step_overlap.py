@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import statistics
 import sys
 from pathlib import Path
 
@@ -72,7 +71,7 @@ def main() -> int:
     import torch
 
     import attngen
-    from attngen.bench.core import bench_ms
+    from attngen.bench.step import interleaved
 
     dev, dt = "cuda", torch.bfloat16
     rng = random.Random(0)
@@ -116,12 +115,7 @@ def main() -> int:
         except Exception as e:  # a kernel this arch or this layout does not take: said, and the others go on
             print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
-        times: dict = {k: [] for k in fns}
-        names = list(fns)
-        for r in range(3):
-            for k in names[r % len(names):] + names[:r % len(names)]:
-                times[k].append(bench_ms(fns[k], rep_ms=args.rep_ms)[0])
-        ms = {k: statistics.median(v) for k, v in times.items()}
+        ms = interleaved(fns, args.rep_ms)
         rows.append((name, ms, err))
         print(f"{name}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items())
               + f"; max |prefill - default| {err:.1e}", flush=True)

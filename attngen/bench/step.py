@@ -132,13 +132,12 @@ def measure(args: argparse.Namespace) -> dict:
         scale = 4.0 / torch.finfo(f8).max
         kc, vc = ((c / scale).clamp(-torch.finfo(f8).max, torch.finfo(f8).max).to(f8) for c in (kc, vc))
         scales = {"k_scale": scale, "v_scale": scale}
-    table = torch.zeros(b, per, dtype=torch.int32)
-    at, first = 0, []
+    host_table = torch.zeros(b, per, dtype=torch.int32)
+    at = 0
     for i, n in enumerate(pages):
-        table[i, :n] = torch.arange(at, at + n)
-        first.append(at)
+        host_table[i, :n] = torch.arange(at, at + n)
         at += n
-    table = table.to(dev)
+    table = host_table.to(dev)
     total = sum(q_lens)
     q = torch.randn(total, h, d, device=dev, dtype=dt, generator=gen)
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=dev)
@@ -195,14 +194,14 @@ def measure(args: argparse.Namespace) -> dict:
     kv_bytes = sum(lens) * hk * d * 2 * kc.element_size()
     read = stream_reader()
     flat = [kc, vc]
+    # The serial bound's parts, timed in the rounds below with the rest (a compute-bound prefill timed after them ran
+    # slower, at the clocks a long busy run settles to): the decode and verify requests' pages read bare (a copy of
+    # the same bytes), and the prefill requests' call alone.
+    short = torch.cat([host_table[i, :n] for i, (n, k) in enumerate(zip(pages, kinds)) if k != "prefill"]
+                      or [torch.zeros(0, dtype=torch.int32)]).to(dev, torch.long)
+    ks, vs = kc[short].contiguous(), vc[short].contiguous()
     # The compared graphs in ROUNDS rounds, each round's order rotated, medians: on an H200 the first ~100 ms of a
     # busy GPU ran 5% faster than the rest, which favoured whichever was timed first.
-    # The serial bound's parts, in the same rounds (a compute-bound prefill timed after the rest ran slower, at the
-    # clocks a long busy run settles to): the decode and verify requests' pages read bare (a copy of the same bytes),
-    # and the prefill requests' call alone.
-    short = torch.cat([torch.arange(first[i], first[i] + pages[i]) for i, k in enumerate(kinds) if k != "prefill"]
-                      or [torch.zeros(0, dtype=torch.long)]).to(dev)
-    ks, vs = kc[short].contiguous(), vc[short].contiguous()
     compared = {"step": step_causal, "step_tree": step_tree, "separate": separate,
                 **({fi.NAME: _graphed(peer.call)} if peer is not None else {}),
                 "bare_read_decode_pages": _graphed(lambda: read(ks, vs)),
