@@ -7,7 +7,7 @@ The block mask and attngen's mask plans (a mask tensor's, a mask_mod's block pla
 (as a model builds them once a step), the mask_mod plan's build timed apart, and the snippet also without its plan
 (``mask_plan='off'``: every tile the built-in masks leave, mask_mod on each pair); each implementation's first call
 (compile and, for a mask_mod, its plan included) is reported apart. The outputs are checked against each other
-(relative L2), never only timed.
+(relative L2), never only timed. A case's calls are timed together, medians of rounds of rotated order.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 from ...bench.core import (_fmt, _int_list, _rel_check, _replay_or_gpu_check, _say, bench_ms, env_lines, environment,
                            ratio_summary, write_json)
+from ...bench.step import interleaved
 
 HEADS, KV_HEADS = 32, 8
 CASES = ("softcap", "alibi", "document", "prefix_lm", "window_global", "sinks", "rel_bias")
@@ -168,11 +169,13 @@ def run_case(torch, name: str, d: int, seqlen: int, args) -> dict:
     c = make_case(torch, name, q, k, v, gen)
     row: dict[str, Any] = dict(case=name, head_dim=d, seqlen=seqlen, batch=batch, heads=HEADS, kv_heads=KV_HEADS,
                                causal=c["causal"], ms={}, first_s={}, check={})
-    outs = {}
+    # Each output is made once here and checked below; the calls are then timed together in rotated rounds, so
+    # that a clock's drift over the run falls on each of them alike rather than on whichever ran last.
+    outs, timed = {}, {}
     if c["builtin"] is not None:
         view = c.get("builtin_view", lambda o: o)
         outs["builtin"] = view(c["builtin"]())
-        row["ms"]["builtin"] = bench_ms(c["builtin"], rep_ms=args.rep_ms)[0]
+        timed["builtin"] = c["builtin"]
     if c["snippet"] is not None:
         # A comment no earlier call had makes this call's module new: its first call is a cold compile.
         nonce = f"\n// {time.time_ns()}"
@@ -188,16 +191,17 @@ def run_case(torch, name: str, d: int, seqlen: int, args) -> dict:
             row["ms"]["plan"] = bench_ms(make_plan, rep_ms=args.rep_ms)[0]
             no_plan = lambda: c["snippet_call"](mask_plan="off")  # noqa: E731
             outs["snippet_noplan"] = no_plan()
-            row["ms"]["snippet_noplan"] = bench_ms(no_plan, rep_ms=args.rep_ms)[0]
+            timed["snippet_noplan"] = no_plan
         outs["snippet"] = snippet()
-        row["ms"]["snippet"] = bench_ms(snippet, rep_ms=args.rep_ms)[0]
+        timed["snippet"] = snippet
     if not args.no_flex:
         try:
             flex = _flex(torch, c, q, k, v)
             outs["flex"], row["first_s"]["flex"] = _first_call(flex)
-            row["ms"]["flex"] = bench_ms(flex, rep_ms=args.rep_ms)[0]
+            timed["flex"] = flex
         except Exception as e:  # a torch without FlexAttention, or one that refuses this case
             row["flex_error"] = str(e).splitlines()[0][:160]
+    row["ms"].update(interleaved(timed, args.rep_ms))
     # The reference: FlexAttention's output, else the built-in's; a case with one implementation has no check.
     ref = outs.get("flex", outs.get("builtin"))
     for key, o in outs.items():
