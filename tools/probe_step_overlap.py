@@ -71,7 +71,7 @@ def main() -> int:
     import torch
 
     import attngen
-    from attngen.bench.step import interleaved
+    from attngen.bench.core import interleaved
 
     dev, dt = "cuda", torch.bfloat16
     rng = random.Random(0)

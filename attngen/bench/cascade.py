@@ -17,8 +17,7 @@ import random
 from pathlib import Path
 
 from .core import (_event_bench, _fmt, _graphed, _int_list, _rel_check, _say, env_lines, environment, have_gpu,
-                   ratio_summary, write_json)
-from .step import interleaved
+                   interleaved, ratio_summary, write_json)
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 COPIES = 3  # rotated copies of the paged caches (and the prefix)

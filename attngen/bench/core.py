@@ -340,6 +340,21 @@ def bench_ms(fn: Callable[[], Any], warmup_ms: float = 25.0, rep_ms: float = 100
     return _event_bench(fn, warmup_ms, rep_ms, reps), "cuda-events"
 
 
+ROUNDS = 3
+
+
+def interleaved(fns: dict, rep_ms: float, timer=None) -> dict:
+    """Each of ``fns`` timed in ROUNDS rounds whose order rotates, so that a clock's drift over the run falls on
+    each alike; the median of each's. ``timer(fn, rep_ms)`` -> ms times one (default: ``bench_ms``)."""
+    timer = timer or (lambda fn, ms: bench_ms(fn, rep_ms=ms)[0])
+    names = list(fns)
+    times: dict = {k: [] for k in names}
+    for r in range(ROUNDS):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            times[k].append(timer(fns[k], rep_ms))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def release_gpu_memory() -> None:
     """After a shape that failed (out of memory, say): wait for the GPU and hand torch's cached
     blocks back, so the sweep's next shape starts clean; errors here are ignored."""

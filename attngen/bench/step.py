@@ -23,15 +23,13 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import statistics
 from pathlib import Path
 
 from . import flashinfer as fi
-from .core import (_fmt, _graphed, _rel_check, _say, bench_ms, env_lines, environment, ratio_summary, stream_reader,
-                   write_json)
+from .core import (_fmt, _graphed, _rel_check, _say, bench_ms, env_lines, environment, interleaved,
+                   ratio_summary, stream_reader, write_json)
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
-ROUNDS = 3
 
 
 def add_parser(sub) -> None:
@@ -98,18 +96,6 @@ def cmd_step(args: argparse.Namespace) -> int:
     if args.out:
         write_json(Path(args.out) / "bench_step.json", out)
     return 0 if all(c["ok"] for r in results for c in r["checks"].values()) else 1
-
-
-def interleaved(fns: dict, rep_ms: float, timer=None) -> dict:
-    """Each of ``fns`` (graph replays) timed in ROUNDS rounds whose order rotates; the median of each's. ``timer(fn,
-    rep_ms)`` -> ms times one (default: ``bench_ms``)."""
-    timer = timer or (lambda fn, ms: bench_ms(fn, rep_ms=ms)[0])
-    names = list(fns)
-    times: dict = {k: [] for k in names}
-    for r in range(ROUNDS):
-        for k in names[r % len(names):] + names[:r % len(names)]:
-            times[k].append(timer(fns[k], rep_ms))
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -200,7 +186,7 @@ def measure(args: argparse.Namespace) -> dict:
     short = torch.cat([host_table[i, :n] for i, (n, k) in enumerate(zip(pages, kinds)) if k != "prefill"]
                       or [torch.zeros(0, dtype=torch.int32)]).to(dev, torch.long)
     ks, vs = kc[short].contiguous(), vc[short].contiguous()
-    # The compared graphs in ROUNDS rounds, each round's order rotated, medians: on an H200 the first ~100 ms of a
+    # The compared graphs in core.ROUNDS rounds, each round's order rotated, medians: on an H200 the first ~100 ms of a
     # busy GPU ran 5% faster than the rest, which favoured whichever was timed first.
     compared = {"step": step_causal, "step_tree": step_tree, "separate": separate,
                 **({fi.NAME: _graphed(peer.call)} if peer is not None else {}),

@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ...bench.core import (_fmt, _int_list, _rel_check, _replay_or_gpu_check, _say, bench_ms, env_lines, environment,
-                           ratio_summary, write_json)
-from ...bench.step import interleaved
+                           interleaved, ratio_summary, write_json)
 
 HEADS, KV_HEADS = 32, 8
 CASES = ("softcap", "alibi", "document", "prefix_lm", "window_global", "sinks", "rel_bias")
