@@ -438,7 +438,7 @@ def test_mla_decode_blocks_of_16_rows_gathered(arch):
                         and not boxes.launch.cluster)
                 for bs in (16, 48):
                     c = M.choose(M.Problem(512, 64, "bf16", 1, heads, b, cap, True, bs, kv_dtype=kv), f)
-                    assert c.spec == (r.replace(page_rows=True) if want else r)
+                    assert c.spec == (r.replace(box_lanes=False, page_rows=True) if want else r)
                     assert c.launch.num_splits == boxes.launch.num_splits
                     if want:
                         assert c.spec.gather and c.spec in M.reachable(MlaDecodeSpec(q_rows=r.q_rows, paged=True,
@@ -477,3 +477,30 @@ def test_mla_decode_one_stage_gather(arch):
         mid = M.choose(M.Problem(512, 64, "bf16", 1, 16, 8, 8192, True, bs, page_rows=bs % 16 != 0), f).spec
         low = M.choose(M.Problem(512, 64, "bf16", 1, 16, 16, 2048, True, bs, page_rows=bs % 16 != 0), f).spec
         assert mid.num_stages == (1 if bs % 16 else 2) and mid.gather == (bs % 16 != 0) and low.num_stages == 2
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_mla_decode_box_lanes_for_blocks_smaller_than_a_tile(arch):
+    """Paged blocks smaller than the kernel's tile on sm_90a's TMA ring (16, 32, 48 under 64-key tiles) take its
+    box_lanes form, with the same split and cluster (the same tiles), whatever tuning field the caller pins; whole
+    tiles, the gather, an fp8 cache and the cp.async ring keep theirs; every form taken is reachable."""
+    f = facts(arch)
+    taken = 0
+    for heads in (16, 32, 64, 128):
+        for b, cap in ((1, 32768), (8, 8192), (32, 4096), (128, 2048)):
+            for kv in (None, KVDType.FP8_E4M3):
+                for user in (None, MlaDecodeSpec(num_stages=2)):
+                    whole = M.choose(M.Problem(512, 64, "bf16", 1, heads, b, cap, True, 64, user, kv_dtype=kv), f)
+                    for bs in (16, 32, 48, 64, 128):
+                        c = M.choose(M.Problem(512, 64, "bf16", 1, heads, b, cap, True, bs, user, kv_dtype=kv), f)
+                        s = c.spec
+                        want = s.tma and not s.page_rows and not s.fp8 and bs < s.cta_tile_kv
+                        assert s.box_lanes == want, (heads, b, cap, bs, s.to_text())
+                        if bs % 64 == 0:
+                            assert c == whole
+                        if want:
+                            taken += 1
+                            assert c.launch.num_splits == whole.launch.num_splits
+                            assert s in M.reachable(MlaDecodeSpec(q_rows=s.q_rows, paged=True, **(
+                                {"num_stages": 2} if user else {})), get_arch(arch))
+    assert (taken > 0) == (arch == "sm_90a")

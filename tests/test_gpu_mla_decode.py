@@ -110,8 +110,8 @@ def launches():
         yield seen
 
 
-def _chosen(monkeypatch, field):
-    """The list to which every kernel mla_decode loads from here on adds its spec's ``field``."""
+def _chosen(monkeypatch, field=None):
+    """The list to which every kernel mla_decode loads from here on adds its spec's ``field`` (None: the spec)."""
     from attngen.families.mla_decode import choose, op
 
     seen = []
@@ -119,7 +119,7 @@ def _chosen(monkeypatch, field):
 
     def spy(spec, **kw):
         k = real(spec, **kw)
-        seen.append(getattr(k.spec, field))
+        seen.append(k.spec if field is None else getattr(k.spec, field))
         return k
 
     monkeypatch.setattr(op, "get_kernel", spy)
@@ -351,6 +351,34 @@ def test_bad_inputs():
 def _sm90a_only():
     if _arch().name != "sm_90a":
         pytest.skip("the TMA pipeline needs sm_90a")
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 48, 64])
+@pytest.mark.parametrize("heads,splits", [(16, 1), (64, 3), (128, 1), (128, 4)])
+def test_box_lanes(block_size, heads, splits, monkeypatch):
+    """Blocks smaller than the tile on sm_90a's TMA ring take the box_lanes kernels (a warp issues each tile's boxes
+    from the table entries its lanes looked up, a tile ahead on the ring of the 16-row and sharded kernels), blocks
+    of whole tiles one thread's issue; against fp32 over rows that end inside a box and a tile, an empty one, and
+    splits that get no tile. The lanes' form pinned over whole-tile blocks gives the same bits as one thread's."""
+    specs = _chosen(monkeypatch)
+    seqlens = [4100, 1, 0, 2049, 63, 700, 3001, 17]
+    run_case(seqlens, heads, 1, block_size=block_size, num_splits=splits)
+    for sp in specs:
+        assert sp.box_lanes == (sp.tma and not sp.page_rows and sp.cta_tile_kv > block_size), sp.to_text()
+    if block_size == 64 and _arch().has_wgmma:
+        gen = fresh_generator()
+        table = torch.randperm(len(seqlens) * 65, generator=torch.Generator().manual_seed(3))
+        table = table.reshape(len(seqlens), 65).to(torch.int32).cuda()
+        ckv, _ = make_cache(seqlens, 512, torch.bfloat16, gen, 64, table)
+        kpe, _ = make_cache(seqlens, 64, torch.bfloat16, gen, 64, table)
+        q_nope = torch.randn(len(seqlens), 1, heads, 512, dtype=torch.bfloat16, device="cuda", generator=gen)
+        q_pe = torch.randn(len(seqlens), 1, heads, 64, dtype=torch.bfloat16, device="cuda", generator=gen)
+        lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+        outs = [attngen.mla_decode(q_nope, q_pe, ckv, kpe, cache_seqlens=lens, block_table=table, sm_scale=0.07,
+                                   num_splits=splits, spec=MlaDecodeSpec(paged=True, box_lanes=lanes))
+                for lanes in (False, True)]
+        assert specs[-1].box_lanes and not specs[-2].box_lanes
+        assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("mma,heads,q_len", [("wgmma", 128, 2), ("mma_sync", 16, 1), ("mma_sync", 16, 2)])

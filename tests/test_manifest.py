@@ -178,7 +178,8 @@ def test_default_manifest_validates_for_every_arch_it_lists():
     for s in specs:
         partial = (getattr(s, "custom_mask", False) and s.head_dim in (192, 256)) or (
             getattr(s, "varlen", False) and s.head_dim == 256 and s.mask.value == "sliding_window") or (
-            s.family == "mla_decode" and (s.alternate or s.num_stages == 1 or s.cluster_merge or s.gather)) or (  # sm_90a only
+            s.family == "mla_decode" and (s.alternate or s.num_stages == 1 or s.cluster_merge or s.gather
+                                          or s.box_lanes)) or (  # sm_90a only
             s.family == "prefill" and s.mma.value == "wgmma") or (  # (prefill's configs by rows at 64, 128, 256)
             getattr(s, "qkv_dtype", ""))  # fp8 prefill: the archs with fp8 MMAs (sm_89+)
         if not getattr(s, "return_lse", False) and not partial:
@@ -227,4 +228,9 @@ def test_default_manifest_validates_for_every_arch_it_lists():
     # 2 more: the sharded 32- and 64-row gathers of fp16 over blocks of 16 (sm_90a; bf16's come from the page_rows line);
     # 1 more: alternate tiles over the gather (sm_90a, 128 heads over blocks of any size); 1 fewer: the gather's
     # cluster_merge form, which its merge does not fit (no choice takes it).
-    assert 100 <= len(items) <= 1831
+    # 10 more: the box_lanes forms that blocks smaller than a tile reach (sm_90a, paged, bf16 and fp16): 16 and 32 rows
+    # two-stage, the 64-row sharded kernel, its cluster_merge form and alternate tiles.
+    assert {(s.q_rows, s.qk_shard.value, s.cluster_merge) for s in mla if s.box_lanes} == {
+        (16, "true", False), (32, "true", False), (64, "true", False), (64, "true", True), (64, "alternate", False)}
+    assert all(s.paged and s.num_stages == 2 and not s.fp8 for s in mla if s.box_lanes)
+    assert 100 <= len(items) <= 1841

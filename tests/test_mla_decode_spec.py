@@ -382,3 +382,48 @@ def test_page_rows_compile_spill_free(text, arch, tmp_path, monkeypatch):
     assert (".minnctapersm 2" in b.ptx) == spec.two_ctas() == (spec.gather and spec.num_warps == 4)
     if spec.two_ctas():
         assert b.resources.registers <= 128
+
+
+def test_box_lanes_fields_and_refusals():
+    """box_lanes (a warp issues each tile's boxes over paged blocks smaller than a tile) is a form of the TMA kernels
+    over a paged 16-bit cache: shown in the text form and the kernel's name only when set; refused by name on a
+    contiguous cache, on the cp.async ring, with page_rows and with an fp8 cache."""
+    r = resolve(MlaDecodeSpec(q_rows=64, paged=True, box_lanes=True), "sm_90a")
+    plain = resolve(MlaDecodeSpec(q_rows=64, paged=True), "sm_90a")
+    assert r.box_lanes and r.replace(box_lanes=False) == plain
+    assert "box_lanes=true" in str(r) and "blanes" in r.kernel_name
+    assert "box_lanes" not in str(plain) and "blanes" not in plain.kernel_name and "box_lanes" not in plain.to_dict()
+    assert parse_spec(str(r)) == r
+    with pytest.raises(SpecError) as e:
+        MlaDecodeSpec(box_lanes=True)
+    assert e.value.field == "box_lanes" and "paged=false" in str(e.value)
+    for bad, arch in ((dict(pipeline="sync"), "sm_90a"), (dict(), "sm_80"), (dict(page_rows=True), "sm_90a"),
+                      (dict(kv_dtype="fp8_e4m3"), "sm_90a")):
+        with pytest.raises(SpecError) as e:
+            resolve(MlaDecodeSpec(q_rows=64, paged=True, box_lanes=True, **bad), arch)
+        assert e.value.field == "box_lanes", (bad, arch)
+        assert "TMA boxes" in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["mla_decode:q_rows=64,qk_shard=alternate,paged=true,box_lanes=true",
+                                  "mla_decode:q_rows=64,paged=true,box_lanes=true,dtype=fp16,cluster_merge=true",
+                                  "mla_decode:q_rows=32,paged=true,box_lanes=true",
+                                  "mla_decode:q_rows=16,paged=true,box_lanes=true,cta_tile_kv=32,num_stages=4",
+                                  "mla_decode:q_rows=16,paged=true,box_lanes=true,num_stages=1,num_warps=4,"
+                                  "kv_lora_rank=256,rope_dim=32"])
+def test_box_lanes_compile_spill_free(text, tmp_path, monkeypatch):
+    """A real NVRTC compile of box_lanes forms for sm_90a (alternate tiles, the sharded wgmma kernel's cluster form,
+    mma.sync at 32 and 16 rows, one to four stages): no spills, every entry in the cubin, and the kernel's template
+    told so (MlaDecode's BOX_LANES)."""
+    monkeypatch.setenv("ATTNGEN_CACHE_DIR", str(tmp_path))
+    from attngen.compiler import compile as nvrtc
+    from attngen.render import render
+
+    s = resolve(parse_spec(text), "sm_90a")
+    src = render(s)
+    assert "box_lanes=true" in src and ", false, true>;" in src
+    b = nvrtc(src, "sm_90a", kernel_name=s.kernel_name, entries=s.entries, want_ptx=True)
+    assert b.resources.known and (b.resources.spill_stores, b.resources.spill_loads) == (0, 0)
+    for entry in s.entries:
+        assert b".text." + entry.encode() + b"\x00" in b.cubin
+    assert "serialized" not in b.log, b.log

@@ -42,14 +42,19 @@ struct MlaAlternate {
     if constexpr (GATHER) W::fence_proxy();
   }
   // Half HALF of `slot`, read for the last time by this warpgroup: refilled with tile `tile` where the split has it
-  // (`more`), by TMA from the warpgroup's first thread; or (GATHER) handed back to the producer warpgroup, which
-  // gathers the next tile into it.
+  // (`more`), by TMA from the warpgroup's first thread (BOX_LANES: its first warp, a box a lane,
+  // MlaTiles::tma_tile_lanes); or (GATHER) handed back to the producer warpgroup, which gathers the next tile into it.
   template <int HALF>
   static __device__ __forceinline__ void refill_half(const MlaParams<T>& p, const TmaDesc* maps, unsigned ring,
                                                 unsigned bar0, const int* table, int batch, int seqlen, int wtid,
                                                 bool more, int tile, int slot) {
     if constexpr (GATHER) {
       if (wtid == 0) W::mbar_arrive(K::ProducerWg::free_half(bar0, slot, HALF));
+    } else if constexpr (K::BOX_LANES_) {
+      if (wtid < 32 && more)
+        Tiles::template tma_tile_lanes<HALF * HALF_BLOCKS, (HALF + 1) * HALF_BLOCKS, HALF == 1>(
+            p, maps, ring, half_bar(bar0, slot, HALF), Tiles::box_entry(p, table, seqlen, tile, wtid), seqlen, tile,
+            slot, wtid);
     } else if (wtid == 0 && more) {
       Tiles::template tma_tile<HALF * HALF_BLOCKS, (HALF + 1) * HALF_BLOCKS, HALF == 1>(
           p, maps, ring, half_bar(bar0, slot, HALF), table, batch, seqlen, tile, slot);

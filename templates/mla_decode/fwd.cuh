@@ -52,7 +52,7 @@ template <class K>
 struct MlaGather;
 
 template <class T, bool BF16, int DC, int DR, int ROWS, int BLOCK_N, int NUM_WARPS, int NUM_STAGES, bool QK_SHARD,
-          bool PAGED, bool WGMMA, bool TMA, bool ALT, int KV_FP8 = 0, bool PAGE_ROWS = false>
+          bool PAGED, bool WGMMA, bool TMA, bool ALT, int KV_FP8 = 0, bool PAGE_ROWS = false, bool BOX_LANES = false>
 struct MlaDecode {
   using Elem = T;
   static constexpr bool IS_BF16 = BF16;
@@ -64,6 +64,10 @@ struct MlaDecode {
   static constexpr bool PAGE_ROWS_ = PAGE_ROWS;
   static constexpr bool GATHER = PAGE_ROWS && TMA;
   static_assert(!PAGE_ROWS || (PAGED && BLOCK_N <= 64 && !(KV_FP8 && TMA)), "page_rows: a paged cache");
+  // BOX_LANES (spec box_lanes): paged blocks smaller than a tile on the TMA ring (16-bit cache), each tile's boxes
+  // issued by a warp's lanes (MlaTiles::tma_tile_lanes)
+  static constexpr bool BOX_LANES_ = BOX_LANES;
+  static_assert(!BOX_LANES || (PAGED && TMA && !PAGE_ROWS && !KV_FP8), "box_lanes: a paged 16-bit cache's boxes");
   // Paged, cp.async: a tile's table entries as its loads take them (MlaTiles::load_cols): a 16-row group's block and
   // first slot in lane j, or (PAGE_ROWS) rows j and j + 32's blocks and slots in lane j.
   using Pages = typename Select<PAGE_ROWS, int4, int2>::type;

@@ -97,19 +97,36 @@ struct MlaProducer {
     }
   }
 
+  // BOX_LANES: warp 0's table entries of the first tile acquire refills (its next_entry).
+  static __device__ __forceinline__ int first_entry(const MlaParams<T>& p, const int* table, int seqlen,
+                                                    int tile_begin, int tid) {
+    return tid < 32 ? Tiles::box_entry(p, table, seqlen, tile_begin + NUM_STAGES - 1, tid) : 0;
+  }
+
   // Tile `tile` (local index it, ring slot `slot`, first key n0) in place for every warp, and the slot read last
-  // refilled.
+  // refilled: by thread 0, or (BOX_LANES) by warp 0 from next_entry, the table entries of the refill's boxes, which
+  // then become the next refill's, read a tile ahead.
   template <class LoadTile>
   static __device__ __forceinline__ void acquire(const MlaParams<T>& p, const TmaDesc* maps, T* sRing, unsigned bar0,
                                                  const int* table, int batch, int seqlen, int n_tiles, int tid, int it,
-                                                 int tile, int n0, int slot, LoadTile& load_tile) {
+                                                 int tile, int n0, int slot, LoadTile& load_tile, int& next_entry) {
     if constexpr (TMA) {
       // The slot of tile it - 1 is refilled once every warp is done with it (the barrier).
       if (it > 0) __syncthreads();
-      if (tid == 0 && it + NUM_STAGES - 1 < n_tiles)
+      const bool more = it + NUM_STAGES - 1 < n_tiles;
+      const int at = (it + NUM_STAGES - 1) % NUM_STAGES;
+      if constexpr (K::BOX_LANES_) {
+        if (tid < 32) {
+          if (more)
+            Tiles::template tma_tile_lanes<0, DC / 64, true>(p, maps, smem_addr(sRing), bar0 + 8 * at, next_entry,
+                                                             seqlen, tile + NUM_STAGES - 1, at, tid);
+          next_entry = Tiles::box_entry(p, table, seqlen, tile + NUM_STAGES, tid);
+        }
+      } else if (tid == 0 && more) {
         Tiles::template tma_tile<0, DC / 64, true>(p, maps, smem_addr(sRing),
                                                    bar0 + 8 * ((it + NUM_STAGES - 1) % NUM_STAGES), table, batch,
                                                    seqlen, tile + NUM_STAGES - 1, (it + NUM_STAGES - 1) % NUM_STAGES);
+      }
       WgmmaOps<BF16>::mbar_wait(bar0 + 8 * slot, (it / NUM_STAGES) & 1);
       if (n0 + BLOCK_N > seqlen) {
         // Rows [seqlen - n0, BLOCK_N) of V: past the sequence (read by a box, or stale).

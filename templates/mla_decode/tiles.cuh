@@ -134,14 +134,54 @@ struct MlaTiles {
         c1 = pos - blk * p.block_size;
         c2 = min(max(__ldg(table + blk), 0), p.num_blocks - 1);  // clamped as load_cols does
       }
-      const unsigned at = dst + pc * box * 128;
-      auto load_box = [&](unsigned to, const TmaDesc* map, int c0) {
-        if (evict_first) W::tma_load3(to, map, bar, c0, c1, c2, policy);
-        else W::tma_load3(to, map, bar, c0, c1, c2);
-      };
+      boxes<CB_LO, CB_HI, KPE, ON>(maps, dst + pc * box * 128, bar, c1, c2, evict_first, policy);
+    }
+  }
+  // One box's 64-column blocks (tma_tile's) into the slot at `at`, from cache coordinates (c1, c2).
+  template <int CB_LO, int CB_HI, bool KPE, bool ON = TMA>
+  static __device__ __forceinline__ void boxes(const TmaDesc* maps, unsigned at, unsigned bar, int c1, int c2,
+                                               bool evict_first, unsigned long long policy) {
+    using W = typename Select<ON, WgmmaOps<BF16>, void>::type;
+    auto load_box = [&](unsigned to, const TmaDesc* map, int c0) {
+      if (evict_first) W::tma_load3(to, map, bar, c0, c1, c2, policy);
+      else W::tma_load3(to, map, bar, c0, c1, c2);
+    };
 #pragma unroll
-      for (int cb = CB_LO; cb < CB_HI; ++cb) load_box(at + cb * BLOCK_N * 128, maps, cb * 64);
-      if constexpr (KPE) load_box(at + (DC / 64) * BLOCK_N * 128, maps + 1, 0);
+    for (int cb = CB_LO; cb < CB_HI; ++cb) load_box(at + cb * BLOCK_N * 128, maps, cb * 64);
+    if constexpr (KPE) load_box(at + (DC / 64) * BLOCK_N * 128, maps + 1, 0);
+  }
+
+  // BOX_LANES (spec box_lanes: paged blocks smaller than a tile, several boxes a tile): tma_tile's loads issued by
+  // the lanes of one warp, lane j's box j from `entry`, its box_entry of the tile (the whole warp calls both), lane 0
+  // arming the barrier. One thread issuing every box looks their table entries up one after another, each waited
+  // for before its box, and that thread is a consumer's, whose warpgroup's next MMAs wait for it. The lanes are not
+  // held for lane 0's arming (a __syncwarp spilled the alternate tiles' kernel): a box that lands first takes the
+  // barrier's tx-count below zero, the arming raises it, and the phase cannot complete before lane 0 arrives.
+  static __device__ __forceinline__ int box_rows(const MlaParams<T>& p) {
+    return min(BLOCK_N, p.block_size & -p.block_size);
+  }
+  // Lane `lane`'s table entry: box `lane` of tile `tile` (0 past the tile's boxes or the sequence). One load a warp.
+  static __device__ __forceinline__ int box_entry(const MlaParams<T>& p, const int* table, int seqlen, int tile,
+                                                  int lane) {
+    const int shift = __popc(box_rows(p) - 1);  // boxes are powers of two
+    const int pos = tile * BLOCK_N + (lane << shift);
+    return lane < (BLOCK_N >> shift) && pos < seqlen ? __ldg(table + block_of(pos, p)) : 0;
+  }
+  template <int CB_LO, int CB_HI, bool KPE, bool ON = TMA>
+  static __device__ __forceinline__ void tma_tile_lanes(const MlaParams<T>& p, const TmaDesc* maps, unsigned ring,
+                                                        unsigned bar, int entry, int seqlen, int tile, int slot,
+                                                        int lane) {
+    using W = typename Select<ON, WgmmaOps<BF16>, void>::type;
+    const int n0 = tile * BLOCK_N;
+    const int shift = __popc(box_rows(p) - 1);
+    const int pieces = (min(BLOCK_N, seqlen - n0) + (1 << shift) - 1) >> shift;
+    if (lane == 0)
+      W::mbar_expect(bar, (pieces << shift) * ((CB_HI - CB_LO) * 64 + (KPE ? 64 : 0)) * (int)sizeof(T));
+    if (lane < pieces) {
+      const int pos = n0 + (lane << shift);
+      boxes<CB_LO, CB_HI, KPE, ON>(maps, ring + slot * TILE_ELEMS * (int)sizeof(T) + (lane << shift) * 128, bar,
+                                   pos - block_of(pos, p) * p.block_size, min(max(entry, 0), p.num_blocks - 1),
+                                   !ALT && p.kv_evict_first != 0, W::l2_evict_first());
     }
   }
 };

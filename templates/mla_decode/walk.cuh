@@ -26,6 +26,9 @@ struct MlaWalk {
                                                float (&acc_s)[SN / 8][4], float (&acc_s2)[SN / 8][4], float (&mx)[2],
                                                float (&corr)[2], float (&acc_o)[ON / 8][4], float (&row_max)[2],
                                                float (&row_sum)[2]) {
+    // BOX_LANES: warp 0's table entries of the next refill's boxes (Producer::acquire)
+    int next_entry = 0;
+    if constexpr (K::BOX_LANES_) next_entry = Producer::first_entry(p, table, seqlen, tile_begin, tid);
     for (int it = 0; it < n_tiles; ++it) {
       const int tile = tile_begin + it;
       const int n0 = tile * BLOCK_N;
@@ -33,7 +36,8 @@ struct MlaWalk {
       if constexpr (K::PRODUCER_WG)
         K::ProducerWg::acquire(bar0, it, slot);
       else
-        Producer::acquire(p, maps, sRing, bar0, table, batch, seqlen, n_tiles, tid, it, tile, n0, slot, load_tile);
+        Producer::acquire(p, maps, sRing, bar0, table, batch, seqlen, n_tiles, tid, it, tile, n0, slot, load_tile,
+                          next_entry);
       const T* sT = sRing + slot * TILE_ELEMS;
 
       // ---- S = Q K^T for this warp's 16 rows and SN keys ---------------------------------------------

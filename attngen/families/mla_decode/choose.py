@@ -140,7 +140,7 @@ def resolved_spec(rank: int, rope: int, dtype: str, q_rows: int, paged: bool, us
 # remembered ones above and their variants (held here), and hashing a spec per call costs more.
 _variants: dict = {}
 _VARIANTS = {"one_stage": dict(num_stages=1, num_warps=4), "alternate": dict(qk_shard=QkShard.ALTERNATE),
-             "cluster": dict(cluster_merge=True), "gather": dict(page_rows=True)}
+             "cluster": dict(cluster_merge=True), "gather": dict(page_rows=True), "box_lanes": dict(box_lanes=True)}
 
 
 def _variant(rs: MlaDecodeSpec, arch, rule: str):
@@ -261,6 +261,11 @@ def choose(p: Problem, device: DeviceFacts, tuned=()) -> Choice:
             rs, cluster = cl, num_splits
     if not cluster and _gathers_boxes(rs) and p.block_size % GATHER_BLOCK_MULTIPLE and not _pins_tuning(p.spec):
         rs = _variant(rs, device.arch, "gather") or rs  # (the same grid and one CTA an SM: the split stands)
+    # Blocks smaller than a tile (several TMA boxes a tile): the box_lanes form, a warp issuing each tile's boxes (the
+    # same tiles, so whatever the spec pins): on an H100 at blocks of 16, 1.07 and 1.10x at 16 and 64 heads (b128 x 4k,
+    # b64 x 4k), 1.00-1.04x at 128 heads.
+    if p.paged and rs.cta_tile_kv > (p.block_size & -p.block_size):
+        rs = _variant(rs, device.arch, "box_lanes") or rs
     evict_first = kv_evict_first(rs.tma, rs.qk_shard is QkShard.ALTERNATE, num_splits, cluster)
     entry = merge_grid = None
     if num_splits > 1 and not cluster:
@@ -280,7 +285,9 @@ def reachable(spec: MlaDecodeSpec, arch: Arch) -> set:
     nor num_warps, the one-stage form of 16 rows (paged, and no tuning field pinned: its gather too, for blocks that
     are not whole tiles); where it pins no qk_shard, the alternate-tile form of each (before the gather of boxes below);
     where it pins no tuning field, the cluster_merge form of the sharded wgmma kernel over a 16-bit cache, and the
-    gather of the sharded 32- and 64-row kernels on the TMA ring (paged: blocks of 16-row boxes). (A
+    gather of the sharded 32- and 64-row kernels on the TMA ring (paged: blocks of 16-row boxes); paged, the box_lanes
+    form of each TMA kernel a block smaller than its tile reaches (not the 16-row one-stage form nor 32 rows as 64,
+    which blocks of whole tiles take). (A
     kernel of TMA maps the driver refuses, the cp.async form of its tiles, is not counted: such caches are not
     what a manifest prewarms for.)"""
     pinned = {f for f in spec.TUNING_FIELDS if getattr(spec, f)}
@@ -315,4 +322,10 @@ def reachable(spec: MlaDecodeSpec, arch: Arch) -> set:
             cl = None if rs.cluster_merge_fits() else replaced_if_valid(rs, arch, cluster_merge=True)
             if cl is not None and cl.cluster_merge_fits():  # (as choose takes it: the gather's never does)
                 out.add(cl)
+    for rs in list(out):  # (paged: blocks smaller than the tile; not the forms only whole tiles take)
+        whole_only = rs.q_rows > spec.q_rows or (rs.num_stages == 1 and rs.q_rows == 16 and not rs.gather
+                                                 and not pinned & {"num_stages", "num_warps"})
+        lanes = None if whole_only or not rs.paged else replaced_if_valid(rs, arch, box_lanes=True)
+        if lanes is not None and rs.cta_tile_kv > 16:
+            out.add(lanes)
     return out

@@ -116,6 +116,11 @@ class MlaDecodeSpec(SpecBase):
     # own gathers each tile into it by cp.async (a TMA box per key row would be a copy per row and column block);
     # with pipeline=sync every thread copies, as in the cp.async kernels. Left out of to_dict while false.
     page_rows: bool = False
+    # Paged blocks smaller than a tile on the TMA ring (blocks of 16, 32, 48, ...: several TMA boxes a tile): a warp
+    # issues each tile's boxes, a lane a box looking up its own block, where one thread otherwise looks the blocks up
+    # one after another. A kernel of its own: compiled into the kernel of whole-tile blocks, the path slowed its
+    # launches over blocks of 64 by 2-8% (128 heads). Left out of to_dict while false.
+    box_lanes: bool = False
 
     def __post_init__(self):
         s = object.__setattr__
@@ -135,6 +140,9 @@ class MlaDecodeSpec(SpecBase):
         s(self, "page_rows", coerce_bool("page_rows", self.page_rows))
         if self.page_rows and not self.paged:
             raise SpecError("page_rows", True, "false with paged=false", reason="a contiguous cache has no blocks")
+        s(self, "box_lanes", coerce_bool("box_lanes", self.box_lanes))
+        if self.box_lanes and not self.paged:
+            raise SpecError("box_lanes", True, "false with paged=false", reason="a contiguous cache has no blocks")
         # (pins that contradict each other only; a resolved spec's pair is checked by check)
         if self.fp8 and (self.alternate or (self.wgmma and self.pipeline is Pipeline.SYNC)
                          or (self.tma and self.mma is Mma.SYNC)):
@@ -162,6 +170,8 @@ class MlaDecodeSpec(SpecBase):
             del d["cluster_merge"]
         if not d["page_rows"]:
             del d["page_rows"]
+        if not d["box_lanes"]:
+            del d["box_lanes"]
         return d
 
     @property
@@ -272,7 +282,8 @@ class MlaDecodeSpec(SpecBase):
                 shard.get(self.qk_shard, ""), self.name_piece("k{}", self.cta_tile_kv),
                 self.name_piece("w{}s{}", self.num_warps, self.num_stages),
                 {Mma.SYNC: "mma", Mma.WGMMA: "wgmma"}.get(self.mma, ""), "tma" if self.pipeline is Pipeline.TMA else "",
-                "clmerge" if self.cluster_merge else "", "prow" if self.page_rows else "")
+                "clmerge" if self.cluster_merge else "", "prow" if self.page_rows else "",
+                "blanes" if self.box_lanes else "")
 
     def launch_shapes(self) -> tuple[tuple[str, int, int], ...]:
         return (("", self.threads, self.smem_bytes()), ("_merge", MERGE_THREADS, 0),
@@ -295,7 +306,8 @@ class MlaDecodeSpec(SpecBase):
                    wgmma=self.wgmma, tma=self.tma, alternate=self.alternate,
                    kv_fp8=0 if self.kv_dtype is None else 1 + list(KVDType).index(self.kv_dtype),
                    cluster_fits=self.cluster_merge_fits(), cluster_wgmma=self.cluster_merge,
-                   one_cta=self.one_cta_an_sm(), two_ctas=self.two_ctas(), page_rows=self.page_rows)
+                   one_cta=self.one_cta_an_sm(), two_ctas=self.two_ctas(), page_rows=self.page_rows,
+                   box_lanes=self.box_lanes)
         return ctx
 
     def two_ctas(self) -> bool:
@@ -342,6 +354,12 @@ class MlaDecodeSpec(SpecBase):
                                    f"the 16-bit kernels, or read by the mma.sync kernel on the cp.async ring for an "
                                    f"fp8 cache; the spec has pipeline={self.pipeline.value}, "
                                    f"kv_dtype={self.kv_dtype.value}")
+        if self.box_lanes and not (self.tma and not self.page_rows and not self.fp8):
+            raise SpecError("box_lanes", "true", "false",
+                            reason=f"box_lanes is a form of the kernels that load a paged 16-bit cache as TMA boxes "
+                                   f"(pipeline=tma, page_rows=false, kv_dtype unset); the spec has "
+                                   f"pipeline={self.pipeline.value}, page_rows={str(self.page_rows).lower()}, "
+                                   f"kv_dtype={self.kv_dtype.value if self.fp8 else 'unset'}")
         if self.cluster_merge and not (self.wgmma and self.sharded and not self.fp8):
             raise SpecError("cluster_merge", "true", "false",
                             reason=f"cluster_merge is a form of the wgmma kernel with qk_shard=true over a 16-bit "
