@@ -263,7 +263,7 @@ def choose(p: Problem, device: DeviceFacts, tuned=()) -> Choice:
         rs = _variant(rs, device.arch, "gather") or rs  # (the same grid and one CTA an SM: the split stands)
     # Blocks smaller than a tile (several TMA boxes a tile): the box_lanes form, a warp issuing each tile's boxes (the
     # same tiles, so whatever the spec pins): on an H100 at blocks of 16, 1.07 and 1.10x at 16 and 64 heads (b128 x 4k,
-    # b64 x 4k), 1.00-1.04x at 128 heads.
+    # b64 x 4k), 1.00-1.07x at 128 heads.
     if p.paged and rs.cta_tile_kv > (p.block_size & -p.block_size):
         rs = _variant(rs, device.arch, "box_lanes") or rs
     evict_first = kv_evict_first(rs.tma, rs.qk_shard is QkShard.ALTERNATE, num_splits, cluster)
