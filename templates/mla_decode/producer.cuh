@@ -123,9 +123,8 @@ struct MlaProducer {
           next_entry = Tiles::box_entry(p, table, seqlen, tile + NUM_STAGES, tid);
         }
       } else if (tid == 0 && more) {
-        Tiles::template tma_tile<0, DC / 64, true>(p, maps, smem_addr(sRing),
-                                                   bar0 + 8 * ((it + NUM_STAGES - 1) % NUM_STAGES), table, batch,
-                                                   seqlen, tile + NUM_STAGES - 1, (it + NUM_STAGES - 1) % NUM_STAGES);
+        Tiles::template tma_tile<0, DC / 64, true>(p, maps, smem_addr(sRing), bar0 + 8 * at, table, batch, seqlen,
+                                                   tile + NUM_STAGES - 1, at);
       }
       WgmmaOps<BF16>::mbar_wait(bar0 + 8 * slot, (it / NUM_STAGES) & 1);
       if (n0 + BLOCK_N > seqlen) {

@@ -118,7 +118,7 @@ struct MlaTiles {
                                                   int slot) {
     using W = typename Select<ON, WgmmaOps<BF16>, void>::type;
     const int n0 = tile * BLOCK_N;
-    const int box = PAGED ? min(BLOCK_N, p.block_size & -p.block_size) : BLOCK_N;
+    const int box = PAGED ? box_rows(p) : BLOCK_N;
     const int pieces = (min(BLOCK_N, seqlen - n0) + box - 1) / box;
     const unsigned dst = ring + slot * TILE_ELEMS * (int)sizeof(T);
     W::mbar_expect(bar, pieces * box * ((CB_HI - CB_LO) * 64 + (KPE ? 64 : 0)) * (int)sizeof(T));
@@ -151,12 +151,7 @@ struct MlaTiles {
     if constexpr (KPE) load_box(at + (DC / 64) * BLOCK_N * 128, maps + 1, 0);
   }
 
-  // BOX_LANES (spec box_lanes: paged blocks smaller than a tile, several boxes a tile): tma_tile's loads issued by
-  // the lanes of one warp, lane j's box j from `entry`, its box_entry of the tile (the whole warp calls both), lane 0
-  // arming the barrier. One thread issuing every box looks their table entries up one after another, each waited
-  // for before its box, and that thread is a consumer's, whose warpgroup's next MMAs wait for it. The lanes are not
-  // held for lane 0's arming (a __syncwarp spilled the alternate tiles' kernel): a box that lands first takes the
-  // barrier's tx-count below zero, the arming raises it, and the phase cannot complete before lane 0 arrives.
+  // Paged: the rows of a TMA box, the largest power of two dividing the block size, up to a tile.
   static __device__ __forceinline__ int box_rows(const MlaParams<T>& p) {
     return min(BLOCK_N, p.block_size & -p.block_size);
   }
@@ -167,6 +162,12 @@ struct MlaTiles {
     const int pos = tile * BLOCK_N + (lane << shift);
     return lane < (BLOCK_N >> shift) && pos < seqlen ? __ldg(table + block_of(pos, p)) : 0;
   }
+  // BOX_LANES (spec box_lanes: paged blocks smaller than a tile, several boxes a tile): tma_tile's loads issued by
+  // the lanes of one warp, lane j's box j from `entry`, its box_entry of the tile (the whole warp calls both), lane 0
+  // arming the barrier. One thread issuing every box looks their table entries up one after another, each waited
+  // for before its box, and that thread is a consumer's, whose warpgroup's next MMAs wait for it. The lanes are not
+  // held for lane 0's arming (a __syncwarp spilled the alternate tiles' kernel): a box that lands first takes the
+  // barrier's tx-count below zero, the arming raises it, and the phase cannot complete before lane 0 arrives.
   template <int CB_LO, int CB_HI, bool KPE, bool ON = TMA>
   static __device__ __forceinline__ void tma_tile_lanes(const MlaParams<T>& p, const TmaDesc* maps, unsigned ring,
                                                         unsigned bar, int entry, int seqlen, int tile, int slot,

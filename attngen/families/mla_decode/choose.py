@@ -325,7 +325,8 @@ def reachable(spec: MlaDecodeSpec, arch: Arch) -> set:
     for rs in list(out):  # (paged: blocks smaller than the tile; not the forms only whole tiles take)
         whole_only = rs.q_rows > spec.q_rows or (rs.num_stages == 1 and rs.q_rows == 16 and not rs.gather
                                                  and not pinned & {"num_stages", "num_warps"})
-        lanes = None if whole_only or not rs.paged else replaced_if_valid(rs, arch, box_lanes=True)
-        if lanes is not None and rs.cta_tile_kv > 16:
+        lanes = None if whole_only or not rs.paged or rs.cta_tile_kv <= 16 else replaced_if_valid(rs, arch,
+                                                                                                  box_lanes=True)
+        if lanes is not None:
             out.add(lanes)
     return out
