@@ -455,6 +455,39 @@ def test_alternate_tiles(dtype, rank, rope, block_size, q_len):
     run_case([5000, 64, 129, 2], 40, q_len, dtype, rank, rope, block_size, spec=spec, num_splits=7)
 
 
+@pytest.mark.parametrize("block_size", [16, 32, 48])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_alternate_box_lanes_bitwise(block_size, dtype, monkeypatch):
+    """qk_shard=alternate over blocks smaller than a tile (box_lanes: a warp's lanes issue each refill's boxes) loads
+    the same tiles as over blocks of 64 (one thread's refill), so the outputs are the same bits: splits of 1 to 4 tiles
+    and of an odd number, lengths ending inside a box, an empty row, shuffled blocks."""
+    _sm90a_only()
+    specs = _chosen(monkeypatch)
+    seqlens = [4100, 1, 0, 129, 191, 256, 3001, 17]
+    b = len(seqlens)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q_nope = _randn((b, 1, 128, 512), dtype, gen)
+    q_pe = _randn((b, 1, 128, 64), dtype, gen)
+    lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    outs, lanes = [], []
+    for bs in (block_size, 64):
+        per_row = -(-max(seqlens) // bs)
+        perm = torch.randperm(b * per_row + 4, generator=torch.Generator().manual_seed(bs))
+        table = perm[:b * per_row].reshape(b, per_row).to(torch.int32).cuda()
+        ckv, _ = make_cache(seqlens, 512, dtype, torch.Generator(device="cuda").manual_seed(5), bs, table)
+        kpe, _ = make_cache(seqlens, 64, dtype, torch.Generator(device="cuda").manual_seed(6), bs, table)
+        for splits in (1, 3, 16):
+            outs.append(attngen.mla_decode(q_nope, q_pe, ckv, kpe, cache_seqlens=lens, block_table=table,
+                                           sm_scale=0.07, num_splits=splits, spec=MlaDecodeSpec(qk_shard="alternate")))
+        assert all(sp.alternate for sp in specs), [sp.to_text() for sp in specs]
+        lanes.append({sp.box_lanes for sp in specs})
+        specs.clear()
+    assert lanes == [{True}, {False}]
+    for small, whole in zip(outs[:3], outs[3:]):
+        assert not small.isnan().any()
+        assert torch.equal(small, whole)
+
+
 @pytest.mark.parametrize("q_len,splits", [(1, 1), (2, 3)])
 def test_alternate_tiles_with_far_apart_maxima(q_len, splits):
     """qk_shard=alternate: each warpgroup's softmax runs against its own tile's maximum and is moved to the
