@@ -66,6 +66,13 @@ def make_cache(seqlens, dim, dtype, gen, block_size=None, table=None, row_scale=
     return pool, dense.float()
 
 
+def shuffled_table(b: int, per_row: int, seed: int):
+    """A block table [b, per_row] (int32, on the GPU): the first b x per_row of b x per_row + 4 block ids shuffled
+    (CPU generator seeded with ``seed``), so the pool has a gap of unnamed (NaN) blocks among the named ones."""
+    perm = torch.randperm(b * per_row + 4, generator=torch.Generator().manual_seed(seed))
+    return perm[:b * per_row].reshape(b, per_row).to(torch.int32).cuda()
+
+
 def run_case(seqlens, heads, q_len, dtype=torch.bfloat16, rank=512, rope=64, block_size=None, spec=None,
              num_splits=0, seqlen_as_int=False, kpe_scale=None):
     gen = fresh_generator()
@@ -75,9 +82,7 @@ def run_case(seqlens, heads, q_len, dtype=torch.bfloat16, rank=512, rope=64, blo
     table = None
     if block_size is not None:
         per_row = max(1, -(-max(seqlens) // block_size))
-        # Shuffled blocks, with a gap of unnamed (NaN) blocks among them.
-        perm = torch.randperm(b * per_row + 4, generator=torch.Generator().manual_seed(int(gen.initial_seed() % 2**31)))
-        table = perm[:b * per_row].reshape(b, per_row).to(torch.int32).cuda()
+        table = shuffled_table(b, per_row, int(gen.initial_seed() % 2**31))
     ckv, ckv_ref = make_cache(seqlens, rank, dtype, gen, block_size, table)
     kpe, kpe_ref = make_cache(seqlens, rope, dtype, gen, block_size, table, kpe_scale)
     scale = 1.0 / (rank // 4 + rope) ** 0.5
@@ -400,8 +405,7 @@ def test_tma_and_cp_async_agree_bitwise(mma, heads, q_len, rank, rope, block_siz
     table = None
     if block_size is not None:
         per_row = -(-max(seqlens) // block_size)
-        perm = torch.randperm(b * per_row + 4, generator=torch.Generator().manual_seed(7))
-        table = perm[:b * per_row].reshape(b, per_row).to(torch.int32).cuda()
+        table = shuffled_table(b, per_row, 7)
     ckv, ckv_ref = make_cache(seqlens, rank, torch.bfloat16, gen, block_size, table)
     kpe, kpe_ref = make_cache(seqlens, rope, torch.bfloat16, gen, block_size, table)
     q_nope = _inside_nan((b, q_len, heads, rank), torch.bfloat16, gen)
@@ -472,8 +476,7 @@ def test_alternate_box_lanes_bitwise(block_size, dtype, monkeypatch):
     outs, lanes = [], []
     for bs in (block_size, 64):
         per_row = -(-max(seqlens) // bs)
-        perm = torch.randperm(b * per_row + 4, generator=torch.Generator().manual_seed(bs))
-        table = perm[:b * per_row].reshape(b, per_row).to(torch.int32).cuda()
+        table = shuffled_table(b, per_row, bs)
         ckv, _ = make_cache(seqlens, 512, dtype, torch.Generator(device="cuda").manual_seed(5), bs, table)
         kpe, _ = make_cache(seqlens, 64, dtype, torch.Generator(device="cuda").manual_seed(6), bs, table)
         for splits in (1, 3, 16):

@@ -30,15 +30,14 @@ torch = pytest.importorskip("torch")
 import attngen  # noqa: E402
 from attngen.families.mla_decode import op as _op  # noqa: E402
 from tests.gpu_reference import check_output_and_lse, fresh_generator, reference_mla  # noqa: E402
-from tests.test_gpu_mla_decode import NAN, SENTINEL, TOL, _inside_nan  # noqa: E402
+from tests.test_gpu_mla_decode import NAN, SENTINEL, TOL, _inside_nan, shuffled_table  # noqa: E402
 
 FMTS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
 def _table(b: int, per_row: int, gen):
     """Shuffled blocks with a gap of unnamed ones among them."""
-    perm = torch.randperm(b * per_row + 4, generator=torch.Generator().manual_seed(int(gen.initial_seed() % 2**31)))
-    return perm[:b * per_row].reshape(b, per_row).to(torch.int32).cuda()
+    return shuffled_table(b, per_row, int(gen.initial_seed() % 2**31))
 
 
 def make_fp8_cache(seqlens, dim, dt, k_scale: float, gen, block_size=None, table=None):
