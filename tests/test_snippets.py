@@ -247,6 +247,11 @@ def test_an_undefined_aux_read_is_a_launch_error_naming_it(tmp_path, monkeypatch
     with pytest.raises(LaunchError) as e:
         build(spec, "sm_80")
     assert "aux['doc'] is missing" in str(e.value) and "mask_mod line 1" in str(e.value) and "bias" in str(e.value)
+    # and with no aux at all, the message says there is none
+    with pytest.raises(LaunchError) as e:
+        build(PrefillSpec(head_dim=64, score_mod="return score + bias(h);"), "sm_80")
+    assert "aux['bias'] is missing: score_mod line 1 reads bias(...), and the kernel has no aux tensors" in str(e.value)
+    assert "the call's aux= (or named in the spec's aux)" in str(e.value)
 
 
 def test_call_checks_without_a_device():

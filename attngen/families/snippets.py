@@ -317,9 +317,11 @@ def snippet_error(e: CompileError, spec) -> AttngenError | None:
     undefined = _UNDEFINED.search(m.group(3))
     if undefined and re.search(rf"\b{undefined.group(1)}\s*\(", shown):
         name = undefined.group(1)
-        have = ", ".join(item[0] for item in parse_aux(spec.aux)) or "no aux"
-        return LaunchError(f"aux[{name!r}] is missing: {field} line {line} reads {name}(...) and the call's aux has "
-                           f"{have} (NVRTC: {messages[0]})")
+        # (the spec's aux is the call's where a call built it, so "the kernel's" covers both a call and a bare build)
+        have = [item[0] for item in parse_aux(spec.aux)]
+        held = f"the kernel's aux tensors are {', '.join(have)}" if have else "the kernel has no aux tensors"
+        return LaunchError(f"aux[{name!r}] is missing: {field} line {line} reads {name}(...), and {held}; allowed: "
+                           f"{name} passed in the call's aux= (or named in the spec's aux) (NVRTC: {messages[0]})")
     return SpecError(field, f"line {line}: {shown}" if shown else f"line {line}", "CUDA device code NVRTC compiles",
                      reason="NVRTC: " + "; ".join(messages[:3]))
 
