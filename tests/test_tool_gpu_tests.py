@@ -30,3 +30,13 @@ def test_parts_are_contiguous_nearly_equal_and_never_empty(n, workers, sizes):
 def test_counts_read_pytests_last_line(tail, want):
     c = gpu_tests.counts("some output\n" + tail)
     assert (c["passed"], c["failed"], c["errors"], c["skipped"]) == want
+
+
+def test_collect_takes_a_keyword_expression():
+    # a CPU test file, so that this collects without a GPU (the GPU files skip at import without torch)
+    path = "tests/test_tool_gpu_tests.py"
+    every = gpu_tests.collect([path])
+    some = gpu_tests.collect([path], "counts_read")
+    assert some and set(some) < set(every) and all("test_counts_read_pytests_last_line" in i for i in some)
+    with pytest.raises(SystemExit, match="with -k 'no_such_test'"):
+        gpu_tests.collect([path], "no_such_test")

@@ -7,7 +7,8 @@ they share hands a kernel one process built to the others), runs each part in it
 time limit, and prints per part: passed, failed, errors, skipped, seconds, then every failure's node id. A part
 that reaches the limit is interrupted (SIGINT), so pytest still prints what it had found.
 
-    PYTHONPATH=. python3 tools/gpu_tests.py [--workers 8] [--timeout 540] [--out DIR] [tests/test_gpu_x.py ...]
+    PYTHONPATH=. python3 tools/gpu_tests.py [--workers 8] [--timeout 540] [--out DIR] [-k EXPR] \
+        [tests/test_gpu_x.py ...]
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def collect(paths: list[str]) -> list[str]:
-    """The node ids pytest collects from ``paths`` (all of tests/test_gpu*.py by default)."""
-    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *paths],
-                       cwd=ROOT, capture_output=True, text=True)
+def collect(paths: list[str], keyword: str = "") -> list[str]:
+    """The node ids pytest collects from ``paths`` (all of tests/test_gpu*.py by default), those ``keyword``
+    selects where given (pytest's -k expression)."""
+    select = ["-k", keyword] if keyword else []
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *select,
+                        *paths], cwd=ROOT, capture_output=True, text=True)
     ids = [line.strip() for line in r.stdout.splitlines() if "::" in line]
     if not ids:
-        raise SystemExit(f"no tests collected from {paths}:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+        raise SystemExit(f"no tests collected from {paths}{f' with -k {keyword!r}' if keyword else ''}:\n"
+                         f"{r.stdout[-2000:]}{r.stderr[-2000:]}")
     return ids
 
 
@@ -65,9 +69,10 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
     p.add_argument("--timeout", type=float, default=540.0, help="seconds each part may run")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_tests_out")))
+    p.add_argument("-k", dest="keyword", default="", help="only the tests this pytest -k expression selects")
     args = p.parse_args(argv)
     paths = args.paths or sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_gpu*.py"))
-    ids = collect(paths)
+    ids = collect(paths, args.keyword)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     procs = []
