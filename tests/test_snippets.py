@@ -118,6 +118,20 @@ def test_a_tensor_is_wide_where_an_offset_leaves_32_bits(shape, strides, wide):
     assert snippets.needs_wide(shape, strides) is wide
 
 
+def test_a_mask_mod_reading_aux_takes_whole_rows_of_reads_at_once_on_the_two_warpgroup_kernel():
+    """mask_mod_aux: whether mask_mod names an aux tensor (not in a comment, not score_mod's); the step then reads a
+    128-key tile's columns in one chunk on the 8-warp wgmma kernel, and keeps 8 a chunk otherwise."""
+    doc, aux = "return doc(b, q_idx) == doc(b, kv_idx);", "doc:int32:2"
+    assert snippets.template_context("", doc, aux)["mask_mod_aux"] is True
+    assert snippets.template_context("", "return kv_idx <= q_idx; // doc(b, q_idx)", aux)["mask_mod_aux"] is False
+    assert snippets.template_context("return score + doc(b, kv_idx);", "return true;", aux)["mask_mod_aux"] is False
+    spec = dict(head_dim=128, dtype="bf16", mask="causal", custom_mask=True, cta_tile_q=128, cta_tile_kv=128,
+                num_warps=8, num_stages=2, mma="wgmma", pipeline="tma", schedule="pingpong", persistent=False)
+    assert "constexpr bool WIDE = true && WGMMA" in render(PrefillSpec(mask_mod=doc, aux=aux, **spec), "sm_90a")
+    window = render(PrefillSpec(mask_mod="return q_idx - kv_idx < 1024;", **spec), "sm_90a")
+    assert "constexpr bool WIDE = false && WGMMA" in window
+
+
 def test_the_accessor_takes_offsets_in_the_width_the_aux_item_says():
     ctx = snippets.template_context("return score + t(h, q_idx) + u(kv_idx);", "", "t:fp32:2;u:fp16:1:wide")
     defs = ctx["mods_defs"]
