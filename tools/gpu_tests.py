@@ -5,7 +5,8 @@ in one process take far longer than a lent machine's session allows, while its 1
 the tests, cuts the list into ``--workers`` contiguous parts (neighbouring tests share kernels, and the disk cache
 they share hands a kernel one process built to the others), runs each part in its own pytest process under one
 time limit, and prints per part: passed, failed, errors, skipped, seconds, then every failure's node id. A part
-that reaches the limit is interrupted (SIGINT), so pytest still prints what it had found.
+that reaches the limit is interrupted (SIGINT), so pytest still prints what it had found; the table then names the
+test each such part was in, and every test left unrun is written to ``not_run.txt`` in --out, for a later call.
 
     PYTHONPATH=. python3 tools/gpu_tests.py [--workers 8] [--timeout 540] [--out DIR] [-k EXPR] \
         [tests/test_gpu_x.py ...]
@@ -63,6 +64,14 @@ def counts(text: str) -> dict[str, int]:
     return {k: got.get(k, 0) for k in ("passed", "failed", "errors", "skipped")}
 
 
+_RESULT = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.M)
+
+
+def finished(text: str) -> set[str]:
+    """The node ids pytest -v reported a result for (a test with a failing teardown is reported twice)."""
+    return {m.group(1) for m in _RESULT.finditer(text)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("paths", nargs="*", help="test files or node ids (default: tests/test_gpu*.py)")
@@ -78,12 +87,14 @@ def main(argv=None) -> int:
     procs = []
     for i, part in enumerate(parts(ids, args.workers)):
         log = open(args.out / f"part{i}.txt", "w")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider", *part]
-        procs.append((i, len(part), log, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                                          preexec_fn=_default_sigint)))
+        # -v: a line a test, so that a part stopped at the limit tells which of its tests ran
+        cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "--tb=short", "-p", "no:cacheprovider", *part]
+        procs.append((i, part, log, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                                     preexec_fn=_default_sigint)))
     deadline = t0 + args.timeout
-    rows, failures = [], []
-    for i, n, log, proc in procs:
+    rows, failures, stopped, not_run = [], [], [], []
+    for i, part, log, proc in procs:
+        n = len(part)
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -97,6 +108,11 @@ def main(argv=None) -> int:
         text = (args.out / f"part{i}.txt").read_text(errors="replace")
         c = counts(text)
         failures += [line.split(" - ")[0] for line in text.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+        done = finished(text)
+        left = [t for t in part if t not in done]
+        if left and proc.returncode != 0:
+            stopped.append((i, left[0], len(left)))
+            not_run += left
         rows.append((i, n, proc.returncode, c, time.monotonic() - t0))
     print(f"{len(ids)} tests in {len(rows)} parts, {time.monotonic() - t0:.0f} s; logs in {args.out}")
     print(f"{'part':>4} {'tests':>6} {'rc':>4} {'passed':>7} {'failed':>7} {'errors':>7} {'skipped':>8}")
@@ -105,6 +121,14 @@ def main(argv=None) -> int:
     total = {k: sum(r[3][k] for r in rows) for k in ("passed", "failed", "errors", "skipped")}
     print(f" all {len(ids):>6}      {total['passed']:>7} {total['failed']:>7} {total['errors']:>7} {total['skipped']:>8}"
           f"  (not run: {len(ids) - sum(total.values())})")
+    for i, running, k in stopped:
+        print(f"part {i} stopped in {running}: {k} of its tests not run")
+    listed = args.out / "not_run.txt"
+    if not_run:
+        listed.write_text("\n".join(not_run) + "\n")
+        print(f"the {len(not_run)} tests not run: {listed}")
+    else:
+        listed.unlink(missing_ok=True)  # an earlier run's list would read as this one's
     for f in failures:
         print(f)
     return 0 if not failures and all(r[2] == 0 for r in rows) else 1
