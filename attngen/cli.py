@@ -278,11 +278,9 @@ def _read_snippet(path: str, option: str) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     arch = target_arch(args.arch)  # the one default, attngen.render's
-    spec = parse_spec(args.spec)
     snippets = {field: _read_snippet(path, f"--{field.replace('_', '-')}-file")
                 for field, path in (("score_mod", args.score_mod_file), ("mask_mod", args.mask_mod_file)) if path}
-    if snippets:
-        spec = spec.replace(**snippets)
+    spec = parse_spec(args.spec, **snippets)
     resolved = resolve(spec, arch)
     from .render import render
 

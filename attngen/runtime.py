@@ -340,11 +340,11 @@ class TunedKernels:
 
     __slots__ = ("kernel", "bounds", "specs", "kernels", "device")
 
-    def take(self, table, device: int) -> None:
-        """Run ``table`` on ``device``: its default (the arch's, where it holds one) loaded now, the others on
-        first use."""
+    def take(self, table, device: int, load: bool = True) -> None:
+        """Run ``table`` on ``device``: its default (the arch's, where it holds one) loaded now unless ``load`` is
+        false (a call may run another form of it: ``spec_for``), the others on first use."""
         self.device = device
-        default = None if table.default is None else get_kernel(table.default, device=device)
+        default = None if table.default is None or not load else get_kernel(table.default, device=device)
         if default is not None and len(table.specs) == 1:
             self.kernel = default
             return
@@ -352,6 +352,10 @@ class TunedKernels:
         self.bounds = list(table.bounds)
         self.specs = list(table.specs)
         self.kernels = [default if default is not None and s == table.default else None for s in table.specs]
+
+    def spec_for(self, size: int):
+        """The spec ``kernel_for(size)`` loads, without loading it."""
+        return self.kernel.spec if self.kernel is not None else self.specs[bisect.bisect_right(self.bounds, size)]
 
     def kernel_for(self, size: int) -> Kernel:
         i = bisect.bisect_right(self.bounds, size)

@@ -412,15 +412,28 @@ def _chunk_head_dim(cls, names: set) -> int:
     return 0
 
 
-def parse_spec(text: Spec | str | Mapping) -> Spec:
+def parse_spec(text: Spec | str | Mapping, **fields) -> Spec:
     """``prefill:head_dim=128,dtype=bf16,mask=causal`` -> PrefillSpec; fields left out take defaults.
 
     A dict (``{"family": "prefill", "head_dim": 128}``, what ``spec.to_dict()`` gives) or a spec
-    object is accepted too; anything else is refused with a ``SpecError``."""
-    return as_spec(text)
+    object is accepted too; anything else is refused with a ``SpecError``. ``fields``: more fields, checked
+    with the text's (a snippet's source, which the text form cannot hold: a field may need it)."""
+    if fields and isinstance(text, str):
+        cls, d = _text_fields(text)
+        for k in fields:
+            if k in d:
+                raise SpecError(k, d[k], "each field once", reason="given in the text and apart")
+        return cls.from_dict({**d, **fields})
+    spec = as_spec(text)
+    return spec.replace(**fields) if fields else spec
 
 
 def _parse_text(text: str) -> Spec:
+    cls, d = _text_fields(text)
+    return cls.from_dict(d)
+
+
+def _text_fields(text: str) -> tuple[type, dict]:
     s = text.strip()
     fam, colon, rest = s.partition(":")
     try:
@@ -439,7 +452,7 @@ def _parse_text(text: str) -> Spec:
         if k in d:
             raise SpecError(k, v, "each field once", reason="given twice")
         d[k] = v.strip()
-    return cls.from_dict(d)
+    return cls, d
 
 
 # --- per-arch defaults and fit -----------------------------------------------------------------

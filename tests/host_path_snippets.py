@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests import fake_cuda  # noqa: E402
 
 MOD_ARGS = struct.Struct("<4Q16q")
+POOL = struct.Struct("<2Q")  # prefill's: after ModArgs (params.cuh)
 SCORE = "return score + bias(h, kv_idx) * 0.5f;"
 MASK = "return doc(q_idx) == doc(kv_idx);"
 
@@ -38,6 +39,15 @@ def main():
         return launch_struct(self, layout, grid, stream, *values, entry=entry, **kw)
 
     runtime.Kernel.launch_struct = recording
+    loaded = []  # the spec of each kernel loaded (built or read from the cache), in order
+    load = runtime.load
+
+    def loading(*args, **kw):
+        kern = load(*args, **kw)
+        loaded.append(kern.spec)
+        return kern
+
+    runtime.load = loading
 
     b, h, hk, d = 2, 4, 2, 64
     sq, sk = 37, 90
@@ -76,8 +86,18 @@ def main():
         assert len(mains) == 1, (name, launched)
         spec, size = mains[0]
         assert (spec.score_mod, spec.mask_mod, spec.aux) == (SCORE, MASK, "bias:fp32:2;doc:int32:1"), (name, spec)
-        got = fake_cuda.last_params(size)[size - MOD_ARGS.size:]
+        # ModArgs, then a mask_mod plan's pool and slots (both null, or both set where the call walked such a plan)
+        raw = fake_cuda.last_params(size)
+        got = raw[size - POOL.size - MOD_ARGS.size:size - POOL.size]
         assert got == want, f"{name}: ModArgs packed {MOD_ARGS.unpack(got)}, expected {MOD_ARGS.unpack(want)}"
+        pool = POOL.unpack(raw[size - POOL.size:])
+        assert pool == (0, 0) or all(pool), (name, pool)
+        if name == "attngen.prefill":  # a mask_mod and no mask tensor: its block plan, with a pool
+            assert all(pool), (name, pool)
+            # which holds every tile's bits at this size: the kernel's mod_bits form, the only one built
+            assert spec.mod_bits and [s for s in loaded if s.mask_mod] == [spec], (name, loaded)
+        elif "mask" in name or "varlen" in name:  # a mask tensor's plan, or none
+            assert pool == (0, 0), (name, pool)
         if name == "attngen.prefill mask":  # the tensor's plan: built by the spec without snippets (its _mtiles)
             built = [s for e, s, _ in launched if e == "_mtiles"]
             assert built == [spec.replace(score_mod="", mask_mod="", aux="")], (name, launched)

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_reference")]
 torch = pytest.importorskip("torch")
 
 import attngen  # noqa: E402
-from attngen.errors import LaunchError  # noqa: E402
+from attngen.errors import LaunchError, SpecError  # noqa: E402
 from tests.gpu_reference import fresh_generator  # noqa: E402
 from tests.test_gpu_prefill_serving import check_sentinel, guarded, range_keep, sentinel_out  # noqa: E402
 from tests.test_gpu_snippets import ALIBI, DOC, PREFIX, SWA_GLOBAL, compare, reference, t_alibi  # noqa: E402
@@ -138,6 +138,51 @@ def test_plan_tile_states_match_torch(name, causal, window, sq, sk):
     counts = mp.live_counts()
     assert (counts.cpu().numpy() == (want > 0).sum(axis=-1)).all()
     assert (want == 0).any() or name == "prefix"  # (the cases do have dead tiles to skip)
+    # where the snippet reads aux, every partial tile asked the pool for a slot: the count is theirs, and the pool
+    # had room for them here; index arithmetic alone keeps no pool
+    found, slots = mp.pooled_tiles()
+    if aux:
+        assert found == int((want == 1).sum()) and found <= slots
+    else:
+        assert (found, slots) == (0, 0)
+
+
+@pytest.mark.parametrize("name, causal", [("doc", True), ("head_span_doc", False), ("prefix", False)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_full_pool_leaves_its_other_tiles_to_mask_mod(monkeypatch, name, causal, d):
+    from attngen.families.prefill import masks
+
+    sq = 1537
+    plan = lambda q, k, a: attngen.mask_plan(None, q, k, causal=causal, mask_mod=MASKS[name][0], aux=a)  # noqa: E731
+    q, k, v, aux, o, lse = run(name, sq=sq, sk=sq, d=d, causal=causal, plan=plan)  # (checked: the reference)
+    full = plan(q, k, aux)
+    found, slots = full.pooled_tiles()
+    # where a slot for every tile fits, the plan has one, and the call ran the kernel with no mask_mod (mod_bits)
+    assert 3 < found <= slots and full.holds_every_tile()
+    tq, tk = plan(q, k, aux).tiles
+    monkeypatch.setattr(masks, "POOL_BYTES", 3 * tq * tk // 8)  # three slots: the other partial tiles run mask_mod
+    small = plan(q, k, aux)
+    assert small.pooled_tiles() == (found, 3)
+    o3, lse3 = attngen.prefill(q, k, v, causal=causal, return_lse=True, mask_mod=MASKS[name][0], aux=aux,
+                               mask_plan=small)
+    # the same keep bits either way, so the same arithmetic: equal outputs (the call's kernel runs no mask_mod: with
+    # this plan it runs the form that does, on the tiles past the pool)
+    assert torch.equal(o3, o) and torch.equal(lse3, lse)
+
+
+def test_mod_bits_pinned_by_the_caller():
+    from attngen.families.prefill.spec import PrefillSpec
+
+    sq = 1100
+    pinned = PrefillSpec(mod_bits=True, custom_mask=True, mask_mod=DOC)  # (the call's own fields replace these)
+    q, k, v, aux, o, lse = run("doc", sq=sq, sk=sq, d=128, causal=True, spec=pinned)
+    o2, lse2 = attngen.prefill(q, k, v, causal=True, return_lse=True, mask_mod=DOC, aux=aux)  # the default's form
+    assert (o2.float() - o.float()).abs().max().item() < 2e-2 and (lse2 - lse).abs().max().item() < 2e-2
+    keep = torch.ones(sq, sq, dtype=torch.bool, device="cuda")
+    with pytest.raises(LaunchError, match="mod_bits=true"):
+        attngen.prefill(q, k, v, causal=True, mask=keep, mask_mod=DOC, aux=aux, spec=pinned)
+    with pytest.raises(SpecError, match="mod_bits"):  # no plan: a kernel of no custom mask, which has no pool
+        attngen.prefill(q, k, v, causal=True, mask_mod=DOC, aux=aux, spec=pinned, mask_plan="off")
 
 
 def test_plan_reuse_and_off():

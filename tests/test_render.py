@@ -294,7 +294,8 @@ def test_kernel_name_shape():
                 cta_tile_q=64, cta_tile_kv=64, num_warps=4, num_stages=3),
     PrefillSpec(varlen=True),
     PrefillSpec(varlen=True, paged=True),
-], ids=["defaults", "resolved", "other", "varlen", "paged"])
+    BASE.replace(custom_mask=True, mask_mod="return kv_idx <= q_idx + t(0);", aux="t:int32:1"),
+], ids=["defaults", "resolved", "other", "varlen", "paged", "mask_mod"])
 def test_every_field_feeds_the_kernel_name(base):
     names = {base.kernel_name: base}
     varied = set()
@@ -315,6 +316,8 @@ def test_every_field_feeds_the_kernel_name(base):
     refused |= {"qkv_dtype"} if base.pipeline.value == "sync" or base.paged else set()
     # kv_dtype (an fp8 cache) is the varlen cp.async kernel's: it needs varlen.
     refused |= {"kv_dtype"} if not base.varlen else set()
+    # mod_bits needs a custom mask with a mask_mod, which takes neither varlen nor the chunked kernel.
+    refused |= {"varlen", "head_dim_chunk"} if base.mask_mod else {"mod_bits"}
     assert varied == set(FIELD_VALUES) - refused, f"fields never varied: {set(FIELD_VALUES) - refused - varied}"
 
 

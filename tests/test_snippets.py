@@ -217,7 +217,7 @@ def _layouts():
     from attngen.families.decode import op as dop
     from attngen.families.prefill import op as pop
 
-    m = snippets.mod_layout
+    m = pop.mods_layout  # prefill: ModArgs, then a mask_mod plan's pool and slots
     return [
         (PrefillSpec(head_dim=64, mask_mod="return true;"), "sm_80", "PrefillParams", m(pop._PARAMS_SINKS)),
         (PrefillSpec(head_dim=64, mask_mod="return true;", varlen=True), "sm_80", "PrefillParams",
@@ -225,7 +225,8 @@ def _layouts():
         (PrefillSpec(head_dim=128, mask_mod="return true;"), "sm_90a", "PrefillTmaParams", m(pop._PARAMS_TMA_SINKS)),
         (PrefillSpec(head_dim=128, mask_mod="return true;", custom_mask=True), "sm_90a", "PrefillTmaParams",
          m(pop.PARAMS_EXT_TMA_SINKS)),
-        (DecodeSpec(head_dim=128, mask_mod="return true;"), "sm_80", "DecodeParams", m(dop._PARAMS)),
+        (DecodeSpec(head_dim=128, mask_mod="return true;"), "sm_80", "DecodeParams",
+         snippets.mod_layout(dop._PARAMS)),
     ]
 
 
@@ -235,10 +236,26 @@ def test_the_host_packs_modargs_where_the_kernel_reads_them(case):
     r = resolve(spec, arch)
     tma = getattr(r, "tma", False)
     assert tma == (struct_name == "PrefillTmaParams")
-    member = "p.mods" if tma else "mods"
-    check = (f"\nstatic_assert(__builtin_offsetof(attngen::{struct_name}<attngen::elem_t>, {member}) == "
-             f"{layout.size - 160}, \"ModArgs' offset\");\n")
+    p = "p." if tma else ""
+    # ModArgs is 160 bytes; prefill's struct ends with the pool's two pointers after it
+    at = {"mods": layout.size - 160} if struct_name == "DecodeParams" else \
+        {"mods": layout.size - 176, "mod_bits": layout.size - 16, "mod_slots": layout.size - 8}
+    check = "".join(f"\nstatic_assert(__builtin_offsetof(attngen::{struct_name}<attngen::elem_t>, {p}{member}) == "
+                    f"{offset}, \"{member}'s offset\");\n" for member, offset in at.items())
     compile(render(r) + check, arch, kernel_name=r.kernel_name, entries=r.entries)
+
+
+def test_the_mod_plan_packs_its_pool_where_the_plan_kernel_reads_it():
+    from attngen.families.prefill import masks
+
+    spec = PrefillSpec(head_dim=128, mask_mod="return true;", custom_mask=True)
+    r = resolve(spec, "sm_90a")
+    size = masks._mod_plan_layout().size
+    check = "".join(f"\nstatic_assert(__builtin_offsetof(attngen::ModPlanParams, {member}) == {offset}, \"{member}\");"
+                    for member, offset in (("pool", size - 32), ("slots", size - 24), ("pool_used", size - 16),
+                                           ("pool_tiles", size - 8)))
+    check += f"\nstatic_assert(sizeof(attngen::ModPlanParams) == {size}, \"size\");\n"
+    compile(render(r) + check, "sm_90a", kernel_name=r.kernel_name, entries=r.entries)
 
 
 def test_an_nvrtc_error_is_a_spec_error_at_the_users_line(tmp_path, monkeypatch):

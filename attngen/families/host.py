@@ -29,13 +29,13 @@ class Plan(TunedKernels):
 
     __slots__ = ("facts", "alloc", "alloc_f32", "stream")
 
-    def setup(self, table, device: int, kind: str, dtype: str) -> None:
-        """Run ``table`` (its default loaded now) for arrays of ``kind`` and ``dtype`` on ``device``; without a
-        table (an op whose choice runs per call) the plan holds no kernels."""
+    def setup(self, table, device: int, kind: str, dtype: str, load: bool = True) -> None:
+        """Run ``table`` (its default loaded now, unless ``load`` is false) for arrays of ``kind`` and ``dtype`` on
+        ``device``; without a table (an op whose choice runs per call) the plan holds no kernels."""
         self.facts = device_facts(device)
         self.kernel, self.device = None, device
         if table is not None:
-            self.take(table, device)
+            self.take(table, device, load)
         self.alloc = allocator(kind, dtype, device)
         self.alloc_f32 = allocator(kind, "fp32", device)
         self.stream = torch_stream_getter() if kind == "torch" else functools.partial(current_stream, "cupy")

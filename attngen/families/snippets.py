@@ -137,6 +137,14 @@ def reads_batch_head(mask_mod: str) -> tuple[bool, bool]:
     return "b" in names, "h" in names
 
 
+def reads_aux(mask_mod: str, aux: str) -> bool:
+    """Whether a ``mask_mod`` names one of the spec's ``aux`` tensors (``names_read``). Only then do its reads wait on
+    memory: prefill's step keeps them in flight together, and its block plan keeps the keep bits of the tiles it
+    keeps in part for the kernel to read instead (masks.py). Index arithmetic alone runs in the kernel: there the bits'
+    loads measured slower than the snippet."""
+    return bool(names_read(mask_mod) & {item[0] for item in parse_aux(aux)})
+
+
 def aux_text(items) -> str:
     """The canonical ``aux`` text of (name, dtype, ndim, wide) items."""
     return ";".join(f"{n}:{d}:{k}" + (f":{WIDE}" if w else "") for n, d, k, w in sorted(items))
@@ -292,11 +300,10 @@ def template_context(score_mod: str, mask_mod: str, aux: str) -> dict:
     """The template values of a spec's snippet fields: ``mods`` (either snippet on), the two flags, and the code."""
     on = bool(score_mod or mask_mod or aux)
     # score_mod_positions: whether score_mod reads q_idx or kv_idx (prefill's step then runs it in logits' units on
-    # whole tiles, templates/prefill/step.cuh.jinja); mask_mod_aux: whether mask_mod reads an aux tensor (the step
-    # then has reads to keep in flight together)
+    # whole tiles, templates/prefill/step.cuh.jinja); mask_mod_aux: whether mask_mod reads an aux tensor (reads_aux)
     return dict(mods=on, has_score_mod=bool(score_mod), has_mask_mod=bool(mask_mod),
                 score_mod_positions=bool(names_read(score_mod) & {"q_idx", "kv_idx"}),
-                mask_mod_aux=bool(names_read(mask_mod) & {item[0] for item in parse_aux(aux)}),
+                mask_mod_aux=reads_aux(mask_mod, aux),
                 mods_decl=declarations(score_mod, mask_mod) if on else "", mods_defs=definitions(score_mod, mask_mod, aux) if on else "")
 
 

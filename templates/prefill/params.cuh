@@ -51,6 +51,9 @@ struct PrefillParams {
   // A kernel with a user's score_mod / mask_mod (attngen/families/snippets.py): their aux tensors. After every other
   // field, and only in such kernels, so that every other kernel keeps its parameters as they were.
   ModArgs mods;
+  // A mask_mod plan's keep bits of its partial tiles, its pool and slots (prefill/mod_plan.cuh), or null.
+  const unsigned* mod_bits;
+  const int* mod_slots;
 #endif
 };
 

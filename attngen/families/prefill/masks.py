@@ -6,9 +6,12 @@ stream, with no host sync: the mask as bits, per (mask batch/head, query tile) t
 tiles some row sees (custom mask, causal and window together) with a bit for "the mask keeps
 all of it", and the (mask batch/head, query tile) items sorted heaviest first.
 
-A ``mask_mod``'s block plan (``build_mod``) is the same lists with no mask tensor and no bits: its first entry
+A ``mask_mod``'s block plan (``build_mod``) is the same lists with no mask tensor: its first entry
 (templates/prefill/mod_plan.cuh) evaluates the snippet on each tile's pairs, per batch row only where the snippet
-names ``b`` and per head only where it names ``h`` (``snippets.reads_batch_head``).
+names ``b`` and per head only where it names ``h`` (``snippets.reads_batch_head``). Where the snippet reads an aux
+tensor (``reads_aux``) it also keeps the bits of the tiles it keeps in part in a pool of ``pool_tiles`` slots
+(``POOL_BYTES`` at most), which the kernel reads there rather than run the snippet (an aux read a pair); a partial tile
+past the pool runs it.
 """
 
 from __future__ import annotations
@@ -17,12 +20,18 @@ import struct
 
 from ...errors import LaunchError
 from ...runtime import allocator, data_ptr, get_kernel, tensor_info
-from ..snippets import mod_layout, reads_batch_head
+from ..snippets import mod_layout, reads_aux, reads_batch_head
 
 # PlanParams: 11 pointers, 4 strides, 14 ints, then the serving plan's 3 pointers and int (varlen.launch_order; mask
 # plans pass zeros), padded to the struct's 8-byte alignment.
 PLAN_PARAMS = struct.Struct("<11Q4q14i3Qi4x")
 NO_SERVING = (0, 0, 0, 0)
+# A mask_mod plan's pool: a slot a partial tile (BLOCK_M rows of BLOCK_N / 32 words), for a quarter of the plan's
+# (unit, query tile, KV tile) cells and at least POOL_MIN_TILES, within POOL_BYTES. A mask_mod keeps a tile in part
+# where its boundaries cross it (a document's ends, a prefix's), on the order of a tile a row of tiles and
+# boundary; a mask whose tiles are mostly partial fills it, and its other partial tiles run mask_mod in the kernel.
+POOL_BYTES = 64 << 20
+POOL_MIN_TILES = 1024
 _MASK_KINDS = {"bool": 0, "fp16": 1, "bf16": 2, "fp32": 3}
 _MASK_DIMS = "[seqlen_q, seqlen_k], [batch, 1, seqlen_q, seqlen_k] or [batch, heads, seqlen_q, seqlen_k]"
 
@@ -36,11 +45,12 @@ class MaskPlan:
     """The live-tile lists of one mask (a mask tensor, or a mask_mod's block plan) for one tile size, on the GPU:
     what ``attngen.mask_plan`` returns (it is not built directly). Reusable for every call with the same mask (or
     mask_mod and aux tensors, unchanged), shapes, ``causal``/``window`` and tile sizes; ``live_counts()``,
-    ``live_fraction()`` and ``tile_states()`` read it."""
+    ``live_fraction()``, ``tile_states()`` and (a mask_mod's: the partial tiles whose keep bits it holds)
+    ``pooled_tiles()`` read it."""
 
     __slots__ = ("kind", "device", "tiles", "seqlen_q", "seqlen_k", "units_b", "units_h", "mask_mode",
                  "mask_ptr", "mask_shape", "mask_strides", "version", "num_q_tiles", "num_kv_tiles",
-                 "bits_words", "_buf", "_at", "mods")
+                 "bits_words", "_buf", "_at", "mods", "pool_tiles")
 
     def __init__(self, *args, **kwargs):
         # A plan is only as good as the GPU buffers build() fills in: an empty one would reach a
@@ -63,6 +73,23 @@ class MaskPlan:
         return ((units * self.num_q_tiles, hpi, bpi),
                 (0, 0, 0, at["work"], 0, at["bits"], at["tiles"], at["counts"], 0, self.seqlen_q * self.bits_words,
                  0, 0, 0, 0, self.bits_words, self.num_kv_tiles, self.num_q_tiles, self.units_h, self.units_b))
+
+    def pool_args(self) -> tuple[int, int]:
+        """The kernel's ``mod_bits`` and ``mod_slots`` (params.cuh) of a mask_mod plan: its pool and slots."""
+        return (self._at["pool"], self._at["slots"]) if self.pool_tiles else (0, 0)
+
+    def holds_every_tile(self) -> bool:
+        """Whether the pool has a slot for every (unit, query tile, KV tile) cell: a kernel of ``mod_bits=true`` can
+        then read every partial tile's keep bits."""
+        return self.pool_tiles >= self.units_b * self.units_h * self.num_q_tiles * self.num_kv_tiles
+
+    def pooled_tiles(self) -> tuple[int, int]:
+        """(the partial tiles a mask_mod plan found, the slots of its pool) (reading it waits for the plan): a
+        partial tile with a slot has its keep bits read by the kernel; past the slots it runs mask_mod there.
+        (0, 0) for a mask tensor's plan, or tiles whose width is not a multiple of 32."""
+        if not self.pool_tiles:
+            return 0, 0
+        return int(self._part("pool_used", 1)[0]), self.pool_tiles
 
     def live_counts(self):
         """Live KV tiles per (mask batch * heads, query tile), an int32 array ``[units, q tiles]``
@@ -122,9 +149,10 @@ def mask_info(mask, b: int, h: int, sq: int, sk: int, kind: str, device: int):
     return mi, ub, uh, st[0], st[1], st[2]
 
 
-def _new_plan(kern, qi, ki, ub: int, uh: int, mcode: int, left: int, right: int, bits_words, what: str) -> MaskPlan:
+def _new_plan(kern, qi, ki, ub: int, uh: int, mcode: int, left: int, right: int, bits_words, what: str,
+              pooled: bool = False) -> MaskPlan:
     """A plan of ``ub`` x ``uh`` units for ``kern``'s tiles with its buffer allocated (``bits_words`` a row: 0 for a
-    mask_mod's, which has no bits), not yet built."""
+    mask_mod's, which has no mask bits; ``pooled``: a mask_mod plan's pool and slots), not yet built."""
     b, sq, _, _ = qi.shape
     sk = ki.shape[1]
     tq, tk = kern.spec.cta_tile_q, kern.spec.cta_tile_kv
@@ -144,8 +172,16 @@ def _new_plan(kern, qi, ki, ub: int, uh: int, mcode: int, left: int, right: int,
     # read is written first), each part 16-byte aligned (work is read as int2). flags: [0] any
     # odd additive value, then one word per item.
     cells, items = units * nqt * nkt, units * nqt
+    tile_words = tq * (tk // 32)
+    if pooled and kern.spec.mod_bits and cells * tile_words * 4 > POOL_BYTES:
+        raise LaunchError(f"the spec's mod_bits=true needs the keep bits of all {cells} tiles of this call's mask_mod "
+                          f"plan, {cells * tile_words * 4 >> 20} MiB, over the {POOL_BYTES >> 20} MiB a pool may take: "
+                          "leave mod_bits off (without a spec, calls take it where it fits)")
+    mp.pool_tiles = pool_slots(kern.spec, cells) if pooled else 0
     sizes = (("bits", units * sq * mp.bits_words), ("states", -(-cells // 4)), ("tiles", cells),
-             ("counts", items), ("work", 2 * items), ("flags", 1 + items))
+             ("counts", items), ("work", 2 * items), ("flags", 1 + items),
+             ("pool_used", 1 if mp.pool_tiles else 0), ("slots", cells if mp.pool_tiles else 0),
+             ("pool", mp.pool_tiles * tile_words))
     sizes = tuple((name, -(-n // 4) * 4) for name, n in sizes)
     mp._buf = allocator(qi.kind, "int32", qi.device)(sum(n for _, n in sizes))
     at = mp._at = {}
@@ -153,6 +189,10 @@ def _new_plan(kern, qi, ki, ub: int, uh: int, mcode: int, left: int, right: int,
     for name, n in sizes:
         at[name] = ptr if n else 0  # (no bits: a null pointer, which the kernel reads as a mask_mod's plan)
         ptr += 4 * n
+    if mp.pool_tiles:  # the one word that must start at zero, the pool's count of slots handed out: on the
+        # current stream of q's kind, which the plan's launches follow
+        used = mp._part("pool_used", 1)
+        used.fill(0) if qi.kind == "cupy" else used.zero_()
     return mp
 
 
@@ -207,6 +247,27 @@ def build(kern, mask, qi, ki, mcode: int, left: int, right: int, stream: int) ->
     return mp
 
 
+def pool_slots(spec, cells: int) -> int:
+    """The slots of the pool of a mask_mod plan of ``cells`` (unit, query tile, KV tile) cells for ``spec``'s kernel:
+    one a cell where the kernel has no mask_mod of its own (``mod_bits``: ``bits_form`` chose it only where they fit
+    POOL_BYTES); else a quarter of them, at least POOL_MIN_TILES, within POOL_BYTES; none where the tiles are not
+    whole 32-key words."""
+    tk = spec.cta_tile_kv
+    if tk % 32:
+        return 0
+    if spec.mod_bits:
+        return cells
+    return min(cells, max(POOL_MIN_TILES, cells // 4), POOL_BYTES // (spec.cta_tile_q * tk // 8))
+
+
+def bits_form(spec, cells: int) -> bool:
+    """Whether a mask_mod plan of ``cells`` cells can give ``spec``'s kernel (a custom-mask one with a mask_mod) the
+    keep bits of every tile, so that it runs its ``mod_bits`` form: only where mask_mod reads an aux tensor (index
+    arithmetic alone runs faster in the kernel than the bits' loads) and a slot for every cell fits POOL_BYTES."""
+    return (spec.cta_tile_kv % 32 == 0 and reads_aux(spec.mask_mod, spec.aux)
+            and cells * spec.cta_tile_q * spec.cta_tile_kv // 8 <= POOL_BYTES)
+
+
 def build_mod(kern, qi, ki, mcode: int, left: int, right: int, aux_args: tuple, aux, stream: int) -> MaskPlan:
     """Build the block plan of ``kern``'s mask_mod (a custom-mask kernel's, templates/prefill/mod_plan.cuh) for a
     call of these operands on ``stream`` (enqueued, not waited for): ``aux_args`` the kernel's packed aux tensors
@@ -215,7 +276,8 @@ def build_mod(kern, qi, ki, mcode: int, left: int, right: int, aux_args: tuple, 
     sk = ki.shape[1]
     reads_b, reads_h = reads_batch_head(kern.spec.mask_mod)
     ub, uh = (b if reads_b else 1), (h if reads_h else 1)
-    mp = _new_plan(kern, qi, ki, ub, uh, mcode, left, right, lambda keys: 0, "mask_mod plan")
+    mp = _new_plan(kern, qi, ki, ub, uh, mcode, left, right, lambda keys: 0, "mask_mod plan",
+                   pooled=reads_aux(kern.spec.mask_mod, kern.spec.aux))
     mp.mask_ptr, mp.mask_shape, mp.mask_strides, mp.version = None, None, None, -1
     mp.mods = mod_identity(kern.spec.mask_mod, aux)
     at, nqt, nkt = mp._at, mp.num_q_tiles, mp.num_kv_tiles
@@ -223,10 +285,21 @@ def build_mod(kern, qi, ki, mcode: int, left: int, right: int, aux_args: tuple, 
               0, 0, 0, 0, 0, sq, sk, ub, uh, nqt, nkt, 0, left, right, 0, 0, 0, 0, *NO_SERVING)
     if nqt:
         if nkt:
-            kern.launch_struct(mod_layout(PLAN_PARAMS), (nkt, nqt, ub * uh), stream, *params, *aux_args,
-                               entry="_modtiles")
+            kern.launch_struct(_mod_plan_layout(), (nkt, nqt, ub * uh), stream, *params, *aux_args,
+                               at["pool"], at["slots"], at["pool_used"], mp.pool_tiles, entry="_modtiles")
         _lists(kern, mp, params, stream)
     return mp
+
+
+def _mod_plan_layout():
+    """ModPlanParams (templates/prefill/mod_plan.cuh): PlanParams, ModArgs, then the pool's 3 pointers and int."""
+    global _MOD_PLAN
+    if _MOD_PLAN is None:
+        _MOD_PLAN = struct.Struct(mod_layout(PLAN_PARAMS).format + "3Qi4x")
+    return _MOD_PLAN
+
+
+_MOD_PLAN = None
 
 
 def _check_fits(mp, kern, qi, ki, mcode: int, left: int, right: int) -> None:
@@ -282,3 +355,10 @@ def checked_mod_plan(mp, kern, qi, ki, mcode: int, left: int, right: int, aux_ar
         raise LaunchError("mask_plan was built from other aux tensors than this call's (their data pointers, shapes "
                           "or strides differ, or one was modified in place since): build a new plan")
     return mp
+
+
+def checked_bits_plan(mp: MaskPlan):
+    """Refuse ``mp`` for a kernel of a caller's ``mod_bits=true``: its pool lacks some tiles' keep bits."""
+    cells = mp.units_b * mp.units_h * mp.num_q_tiles * mp.num_kv_tiles
+    raise LaunchError(f"mask_plan has slots for the keep bits of {mp.pool_tiles} of its {cells} tiles; the spec's "
+                      "mod_bits=true runs no mask_mod and needs them all: build the plan with the call's spec")

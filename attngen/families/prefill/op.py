@@ -57,6 +57,19 @@ PARAMS_EXT_SINKS = struct.Struct(PARAMS_EXT.format + "iQ")
 PARAMS_EXT_TMA_SINKS = struct.Struct(PARAMS_EXT_TMA.format + "iQ")
 
 
+def mods_layout(layout: struct.Struct) -> struct.Struct:
+    """``layout`` of a kernel with snippets: ModArgs (the aux tensors) after it, then a mask_mod plan's pool and slots
+    (params.cuh; ``NO_POOL`` where the launch has none)."""
+    s = _mods_layouts.get(layout.format)
+    if s is None:
+        s = _mods_layouts[layout.format] = struct.Struct(mod_layout(layout).format + "2Q")
+    return s
+
+
+_mods_layouts: dict = {}
+NO_POOL = (0, 0)
+
+
 def _check_qkv(q, k, v):
     """The dense layout's TensorInfos, checked."""
     qi, ki, vi = tensor_info(q, "q"), tensor_info(k, "k"), tensor_info(v, "v")
@@ -203,12 +216,17 @@ def prefill(q, k, v, *, causal: bool = False, window: tuple[int, int] = _NO_WIND
         raise LaunchError("mask_plan was passed with a mask_mod, but the call's kernel has no custom-mask form (a "
                           "spec with persistent=true?); allowed there: mask_plan=None or 'off'")
     if call.mod_aux is not None:  # a mask_mod's block plan (masks.build_mod), built now or the caller's
-        from .masks import checked_mod_plan
+        from .masks import checked_bits_plan, checked_mod_plan
 
         mp = checked_mod_plan(mask_plan, call.kern, qi, ki, call.mcode, call.left, call.right, call.mod_aux, aux,
                               stream)
+        kern = call.kern
+        if kern.spec.mod_bits and not mp.holds_every_tile():  # a caller's plan with the bits of some tiles only:
+            # the kernel that runs mask_mod on the others, or refused where the caller's spec asked for mod_bits
+            kern = _rt.get_kernel(call.mixed, device=plan.device) if call.mixed is not None else checked_bits_plan(mp)
         grid, ext = mp.launch_args(qi.shape[2], qi.shape[0])
-        call.kern.launch_struct(call.layout, grid, stream, *call.head, optr, lse_ptr, *call.tail, *ext, *call.post)
+        kern.launch_struct(call.layout, grid, stream, *call.head, optr, lse_ptr, *call.tail, *ext,
+                           *call.post[:-2], *mp.pool_args())  # (post ends with NO_POOL)
     elif mask is None:
         call.kern.launch_struct(call.layout, call.grid, stream, *call.head, optr, lse_ptr, *call.tail)
     else:
@@ -229,7 +247,7 @@ class _Call:
     mask plan, and ``post``: the parameters after the plan's (with sinks, batch_count and the sinks' pointer)."""
 
     __slots__ = ("plan", "kern", "layout", "out_shape", "out_ptr", "lse_shape", "grid", "head", "tail", "mcode",
-                 "left", "right", "post", "mod_aux")
+                 "left", "right", "post", "mod_aux", "mixed")
 
 
 # What ``mask_plan=`` may say about a mask_mod's block plan: built per call (the default), or none (every KV tile the
@@ -282,7 +300,7 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
     key = (d, qi.dtype, qi.device, mcode, return_lse, spec, qi.kind, bool(softcap), alibi_ptr != 0,
            CUSTOM_MASK if masked or mod_plan else DENSE, dv, sinks is not None, *(() if mods is None else (mods[:3],)))
     call.plan = plan = _plans.get(key) or _memo.plan(key)
-    call.mod_aux = None
+    call.mod_aux = call.mixed = None
     scale = plan.default_scale if sm_scale is None else checked_scale(sm_scale)
     call.out_shape, call.lse_shape = (b, sq, h, dv), (b, h, sq)
     if out is None:
@@ -295,7 +313,7 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
     if b > 65535:
         raise LaunchError(f"batch={b} exceeds 65535 (the grid's z limit)")
 
-    call.kern = kern = plan.kernel or plan.kernel_for(sq)
+    call.kern = kern = plan.mod_kernel(qi, ki) if mod_plan and spec is None else plan.kernel or plan.kernel_for(sq)
     qs, ks, vs = qi.strides, ki.strides, vi.strides
     call.head = (qi.ptr, ki.ptr, vi.ptr)
     call.tail = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
@@ -304,16 +322,21 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
                  scale, scale * LOG2E,
                  left, right,
                  cap_u, inv_cap_u, alibi_ptr, alibi_sb)
+    if masked and kern.spec.mod_bits:
+        raise LaunchError("the spec's mod_bits=true reads a mask_mod's keep bits from its block plan; this call has a "
+                          "mask tensor (mask=), whose plan has none: leave mod_bits off")
     if masked or mod_plan:  # the mask plan gives the grid, per call
         call.grid, call.layout = (), PARAMS_EXT_SINKS if sinks_at or mods else PARAMS_EXT
         call.kern, maps = plan.tma_maps(kern, qi, ki, vi)
+        if call.kern.spec.mod_bits and spec is None:  # (the form a caller's plan of fewer slots needs: the same maps)
+            call.mixed = call.kern.spec.replace(mod_bits=False)
         if maps is not None:
             call.head, call.layout = (maps, *call.head), PARAMS_EXT_TMA_SINKS if sinks_at or mods else PARAMS_EXT_TMA
         if sinks_at or mods:
             call.post = (0, sinks_at)
         if mods:  # the aux tensors after every other field (params.cuh, ModArgs)
             packed = pack_aux(call.kern.spec.aux, mods[3], qi)
-            call.layout, call.post = mod_layout(call.layout), (*call.post, *packed)
+            call.layout, call.post = mods_layout(call.layout), (*call.post, *packed, *NO_POOL)
             if mod_plan:
                 call.mod_aux = packed
         return call
@@ -341,7 +364,8 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
             call.layout = _PARAMS_TMA_SINKS if len(maps) == 384 else _PARAMS_TMA4_SINKS
             call.tail = (*call.tail, sinks_at) if ks_.is_persistent else (*call.tail, 0, sinks_at)
     if mods:  # the aux tensors after every other field (params.cuh, ModArgs)
-        call.layout, call.tail = mod_layout(call.layout), (*call.tail, *pack_aux(call.kern.spec.aux, mods[3], qi))
+        call.layout = mods_layout(call.layout)
+        call.tail = (*call.tail, *pack_aux(call.kern.spec.aux, mods[3], qi), *NO_POOL)
     return call
 
 
@@ -377,7 +401,11 @@ def mask_plan(mask, q, k, *, v=None, causal: bool = False, window: tuple[int, in
     key = (qi.shape[3], qi.dtype, qi.device, mcode, False, spec, qi.kind, False, False, CUSTOM_MASK, vi.shape[3],
            False, *(() if mods is None else (mods[:3],)))
     plan = _plans.get(key) or _memo.plan(key)
-    kern = plan.kernel or plan.kernel_for(qi.shape[1])
+    # (a mask_mod's: the call's form, whose pool holds every tile's bits where the call runs mod_bits)
+    if mods is not None and spec is None:
+        kern = plan.mod_kernel(qi, ki)
+    else:
+        kern = plan.kernel or plan.kernel_for(qi.shape[1])
     from .masks import build, build_mod
 
     if mods is not None:

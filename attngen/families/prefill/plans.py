@@ -11,7 +11,7 @@ from ...tuned import stored_choices
 from ..choice import device_facts
 from ..host import OpMemo, Plan
 from .checks import _MASKS
-from .choose import base_spec, sync_twin, table
+from .choose import CUSTOM_MASK, base_spec, sync_twin, table
 from .spec import Pipeline
 from .tma import tensor_maps
 
@@ -30,6 +30,20 @@ class _Plan(Plan):
         if twin is None:
             twin = self.sync_twins[kern.key] = get_kernel(sync_twin(kern.spec), device=self.device)
         return twin
+
+    def mod_kernel(self, qi, ki):
+        """The kernel a mask_mod plan's call of these shapes runs, where the caller gave no spec (a custom-mask
+        plan with a mask_mod, whose table ``_make_plan`` does not load): its spec by query rows, in its ``mod_bits``
+        form where the plan's pool can hold every tile's keep bits (``masks.bits_form``). Only that one is compiled:
+        a first call's time is its compile."""
+        from ..snippets import reads_batch_head
+        from .masks import bits_form
+
+        spec = self.spec_for(qi.shape[1])
+        reads_b, reads_h = reads_batch_head(spec.mask_mod)
+        units = (qi.shape[0] if reads_b else 1) * (qi.shape[2] if reads_h else 1)
+        cells = units * -(-qi.shape[1] // spec.cta_tile_q) * -(-ki.shape[1] // spec.cta_tile_kv)
+        return get_kernel(spec.replace(mod_bits=True) if bits_form(spec, cells) else spec, device=self.device)
 
     def tma_maps(self, kern, qi, ki, vi):
         """(the kernel to launch, its tensor maps or None): ``kern`` and the maps of q, k, v where ``kern`` runs
@@ -51,7 +65,9 @@ def _make_plan(key: tuple) -> _Plan:
     plan = _Plan()
     # the choice's specs by query rows (choose.choose, whose size-independent part a plan keeps)
     tuned = tuple(stored_choices(base, device)) if spec is None else ()
-    plan.setup(table(base, device_facts(device).arch, spec is None, tuned), device, kind, dtype)
+    # (a mask_mod plan's call without a spec chooses its kernel's form by its shapes: mod_kernel)
+    lazy = spec is None and layout == CUSTOM_MASK and bool(mods and mods[0][1])
+    plan.setup(table(base, device_facts(device).arch, spec is None, tuned), device, kind, dtype, load=not lazy)
     plan.default_scale = 1.0 / math.sqrt(d)
     plan.tma_pinned = spec is not None and spec.pipeline is Pipeline.TMA
     plan.sync_twins = {}

@@ -160,6 +160,10 @@ class PrefillSpec(SpecBase):
     score_mod: str = ""
     mask_mod: str = ""
     aux: str = ""
+    # (custom_mask with a mask_mod that reads aux) every tile mask_mod keeps in part has its keep bits in the block
+    # plan's pool, so the kernel reads them and never runs mask_mod itself (prefill/step.cuh.jinja): a module with
+    # one copy of the snippet, the plan's. Left out of the spec's dict and key while off.
+    mod_bits: bool = False
     # q, k and v in fp8 (fp8_e4m3; dtype is then the output's), with descales; or (kv_dtype) a varlen/paged fp8 cache
     # widened in shared memory: attngen/families/prefill/fp8.py. Off ("", None) each is left out of the dict and key.
     qkv_dtype: str = ""
@@ -214,6 +218,11 @@ class PrefillSpec(SpecBase):
         s(self, "score_mod", score_mod)
         s(self, "mask_mod", mask_mod)
         s(self, "aux", aux)
+        s(self, "mod_bits", coerce_bool("mod_bits", self.mod_bits))
+        if self.mod_bits and not (self.custom_mask and snippets.reads_aux(self.mask_mod, self.aux)):
+            raise SpecError("mod_bits", True, "false without custom_mask=true and a mask_mod that reads an aux tensor",
+                            reason="the keep bits come from the block plan of a mask_mod whose aux reads cost more "
+                                   "than the bits' loads (one of index arithmetic runs in the kernel)")
         s(self, "qkv_dtype", fp8.check_fields(self))
         s(self, "kv_dtype", fp8.check_kv_fields(self))
         if self.is_persistent and self.pipeline is Pipeline.SYNC:
@@ -288,8 +297,9 @@ class PrefillSpec(SpecBase):
 
     def to_dict(self) -> dict:
         d = super().to_dict()
-        if not d["page_rows"]:
-            del d["page_rows"]  # off: every other spec keeps its JSON, its key and its kernel's name
+        for name in ("page_rows", "mod_bits"):
+            if not d[name]:
+                del d[name]  # off: every other spec keeps its JSON, its key and its kernel's name
         return d
 
     # --- derived ---------------------------------------------------------------------------
@@ -497,7 +507,8 @@ class PrefillSpec(SpecBase):
         flags = (("cmask", self.custom_mask), ("varlen", self.varlen), ("paged", self.paged), ("prow", self.page_rows),
                  ("lse", self.return_lse),
                  ("cap", self.softcap), ("alibi", self.alibi), ("sinks", self.sinks), ("smod", self.score_mod),
-                 ("mmod", self.mask_mod), ("e4m3", self.qkv_dtype), (f"kv{self.kv_dtype[4:]}", self.kv_dtype))
+                 ("mmod", self.mask_mod), ("mbits", self.mod_bits), ("e4m3", self.qkv_dtype),
+                 (f"kv{self.kv_dtype[4:]}", self.kv_dtype))
         return (f"d{self.head_dim}" + self.name_piece("v{}", self.head_dim_v), self.dtype.value,
                 {MaskMode.CAUSAL: "causal", MaskMode.SLIDING_WINDOW: "swa"}.get(self.mask, ""),
                 *(name for name, on in flags if on), self.name_piece("q{}k{}", self.cta_tile_q, self.cta_tile_kv),
@@ -516,7 +527,7 @@ class PrefillSpec(SpecBase):
         ctx.update(dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask], tma=self.tma, overlap=self.overlapped,
                    pingpong=self.schedule is Schedule.PINGPONG, persistent=self.is_persistent, qk_pair=self.qk_pair,
                    o_in_q=self.o_in_q, page_rows=self.page_rows, fp8=bool(self.qkv_dtype),
-                   kv8=fp8.KV_CODES.get(self.kv_dtype, 0), q16=fp8.computes_fp16(self))
+                   kv8=fp8.KV_CODES.get(self.kv_dtype, 0), q16=fp8.computes_fp16(self), mod_bits=self.mod_bits)
         if self.chunked:
             cg = self.chunk_grid
             ctx.update(chunked=True, wgmma=self.mma is Mma.WGMMA, chunk_vk=cg["vk"], chunk_vcw=cg["vcw"],

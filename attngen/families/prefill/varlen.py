@@ -17,11 +17,11 @@ from ...spec import op_spec
 from ..head_pad import pad_widths, run_padded
 from ..host import LOG2E
 from ..score_mods import NO_EXTRAS, check_spec_sinks, checked_scale, extras, sinks_ptr
-from ..snippets import call_mods, check_spec_mods, mod_layout, pack_aux, refuse_traced
+from ..snippets import call_mods, check_spec_mods, pack_aux, refuse_traced
 from ..split_kv import check_block_size
 from .choose import VARLEN, VARLEN_PAGE_ROWS, VARLEN_PAGED, varlen_grid
-from .op import (_NO_WINDOW, PARAMS_EXT, PARAMS_EXT_SINKS, PARAMS_EXT_TMA, PARAMS_EXT_TMA_SINKS, check_qkv,
-                 mask_and_window, out_of, plan_for)
+from .op import (_NO_WINDOW, NO_POOL, PARAMS_EXT, PARAMS_EXT_SINKS, PARAMS_EXT_TMA, PARAMS_EXT_TMA_SINKS, check_qkv,
+                 mask_and_window, mods_layout, out_of, plan_for)
 from . import fp8_op
 from .order import VarlenOrder, _index, launch_order, order_tiles  # noqa: F401  (serving, the tests)
 from .spec import PrefillSpec
@@ -190,9 +190,9 @@ def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window, sm_scale,
     if sinks_at or mods:  # batch_count (unread), then the sinks' pointer
         layout = PARAMS_EXT_SINKS if layout is PARAMS_EXT else PARAMS_EXT_TMA_SINKS
     # the snippets' aux tensors after every other field (params.cuh, ModArgs)
-    mod_vals = () if mods is None else pack_aux(kern.spec.aux, mods[3], qi)
+    mod_vals = () if mods is None else (*pack_aux(kern.spec.aux, mods[3], qi), *NO_POOL)
     if mods:
-        layout = mod_layout(layout)
+        layout = mods_layout(layout)
     grid = varlen_grid(total_q, batch, h, kern.spec)
     max_items = grid[0]
     splits = kern.spec.v_splits  # the chunked kernel past 640 columns of v: CTAs a query tile's O is split over
