@@ -185,6 +185,18 @@ def test_mod_bits_pinned_by_the_caller():
         attngen.prefill(q, k, v, causal=True, mask_mod=DOC, aux=aux, spec=pinned, mask_plan="off")
 
 
+def test_mod_bits_pinned_past_the_pools_bound(monkeypatch):
+    from attngen.families.prefill import masks
+    from attngen.families.prefill.spec import PrefillSpec
+
+    sq = 1100
+    q, k, v, aux, _, _ = run("doc", sq=sq, sk=sq, d=128, causal=True)  # (the default: mod_bits, every tile a slot)
+    monkeypatch.setattr(masks, "POOL_BYTES", 2048 * 3)  # three 128 x 128 tiles' bits
+    pinned = PrefillSpec(mod_bits=True, custom_mask=True, mask_mod=DOC, aux="doc:int32:2")
+    with pytest.raises(LaunchError, match="mod_bits=true needs the keep bits of all"):
+        attngen.prefill(q, k, v, causal=True, mask_mod=DOC, aux=aux, spec=pinned)
+
+
 def test_plan_reuse_and_off():
     sq = 1537
     q, k, v, aux, o, lse = run("head_span_doc", sq=sq, sk=sq, causal=True, plan=lambda q, k, a: attngen.mask_plan(

@@ -26,10 +26,11 @@ from ..snippets import mod_layout, reads_aux, reads_batch_head
 # plans pass zeros), padded to the struct's 8-byte alignment.
 PLAN_PARAMS = struct.Struct("<11Q4q14i3Qi4x")
 NO_SERVING = (0, 0, 0, 0)
-# A mask_mod plan's pool: a slot a partial tile (BLOCK_M rows of BLOCK_N / 32 words), for a quarter of the plan's
-# (unit, query tile, KV tile) cells and at least POOL_MIN_TILES, within POOL_BYTES. A mask_mod keeps a tile in part
-# where its boundaries cross it (a document's ends, a prefix's), on the order of a tile a row of tiles and
-# boundary; a mask whose tiles are mostly partial fills it, and its other partial tiles run mask_mod in the kernel.
+# A mask_mod plan's pool: a slot a partial tile (BLOCK_M rows of BLOCK_N / 32 words), for every (unit, query tile,
+# KV tile) cell where that fits POOL_BYTES (the kernel's mod_bits form: pool_slots, bits_form), else for a quarter of
+# them and at least POOL_MIN_TILES, within POOL_BYTES. A mask_mod keeps a tile in part where its boundaries cross it
+# (a document's ends, a prefix's), on the order of a tile a row of tiles and boundary; a mask whose tiles are mostly
+# partial fills a quarter, and its other partial tiles run mask_mod in the kernel.
 POOL_BYTES = 64 << 20
 POOL_MIN_TILES = 1024
 _MASK_KINDS = {"bool": 0, "fp16": 1, "bf16": 2, "fp32": 3}
@@ -86,7 +87,7 @@ class MaskPlan:
     def pooled_tiles(self) -> tuple[int, int]:
         """(the partial tiles a mask_mod plan found, the slots of its pool) (reading it waits for the plan): a
         partial tile with a slot has its keep bits read by the kernel; past the slots it runs mask_mod there.
-        (0, 0) for a mask tensor's plan, or tiles whose width is not a multiple of 32."""
+        (0, 0) for a mask tensor's plan and a mask_mod's that reads no aux tensor."""
         if not self.pool_tiles:
             return 0, 0
         return int(self._part("pool_used", 1)[0]), self.pool_tiles
