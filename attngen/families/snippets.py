@@ -140,8 +140,8 @@ def reads_batch_head(mask_mod: str) -> tuple[bool, bool]:
 def reads_aux(mask_mod: str, aux: str) -> bool:
     """Whether a ``mask_mod`` names one of the spec's ``aux`` tensors (``names_read``). Only then do its reads wait on
     memory: prefill's step keeps them in flight together, and its block plan keeps the keep bits of the tiles it
-    keeps in part for the kernel to read instead (masks.py). Index arithmetic alone runs in the kernel: there the bits'
-    loads measured slower than the snippet."""
+    keeps in part for the kernel to read instead (masks.py). A mask_mod of index arithmetic alone keeps the kernel it
+    had: the code that reads a tile's slot took the d64 window kernel to 1.11x its time, with a pool or without."""
     return bool(names_read(mask_mod) & {item[0] for item in parse_aux(aux)})
 
 

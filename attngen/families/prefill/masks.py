@@ -263,8 +263,8 @@ def pool_slots(spec, cells: int) -> int:
 
 def bits_form(spec, cells: int) -> bool:
     """Whether a mask_mod plan of ``cells`` cells can give ``spec``'s kernel (a custom-mask one with a mask_mod) the
-    keep bits of every tile, so that it runs its ``mod_bits`` form: only where mask_mod reads an aux tensor (index
-    arithmetic alone runs faster in the kernel than the bits' loads) and a slot for every cell fits POOL_BYTES."""
+    keep bits of every tile, so that it runs its ``mod_bits`` form: only where mask_mod reads an aux tensor
+    (``snippets.reads_aux``) and a slot for every cell fits POOL_BYTES."""
     return (spec.cta_tile_kv % 32 == 0 and reads_aux(spec.mask_mod, spec.aux)
             and cells * spec.cta_tile_q * spec.cta_tile_kv // 8 <= POOL_BYTES)
 

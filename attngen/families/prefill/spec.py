@@ -221,8 +221,8 @@ class PrefillSpec(SpecBase):
         s(self, "mod_bits", coerce_bool("mod_bits", self.mod_bits))
         if self.mod_bits and not (self.custom_mask and snippets.reads_aux(self.mask_mod, self.aux)):
             raise SpecError("mod_bits", True, "false without custom_mask=true and a mask_mod that reads an aux tensor",
-                            reason="the keep bits come from the block plan of a mask_mod whose aux reads cost more "
-                                   "than the bits' loads (one of index arithmetic runs in the kernel)")
+                            reason="the keep bits come from the block plan of a mask_mod that reads aux (one of "
+                                   "index arithmetic alone runs in the kernel)")
         s(self, "qkv_dtype", fp8.check_fields(self))
         s(self, "kv_dtype", fp8.check_kv_fields(self))
         if self.is_persistent and self.pipeline is Pipeline.SYNC:
