@@ -79,10 +79,15 @@ class MaskPlan:
         """The kernel's ``mod_bits`` and ``mod_slots`` (params.cuh) of a mask_mod plan: its pool and slots."""
         return (self._at["pool"], self._at["slots"]) if self.pool_tiles else (0, 0)
 
+    @property
+    def cells(self) -> int:
+        """The plan's (unit, query tile, KV tile) cells."""
+        return self.units_b * self.units_h * self.num_q_tiles * self.num_kv_tiles
+
     def holds_every_tile(self) -> bool:
         """Whether the pool has a slot for every (unit, query tile, KV tile) cell: a kernel of ``mod_bits=true`` can
         then read every partial tile's keep bits."""
-        return self.pool_tiles >= self.units_b * self.units_h * self.num_q_tiles * self.num_kv_tiles
+        return self.pool_tiles >= self.cells
 
     def pooled_tiles(self) -> tuple[int, int]:
         """(the partial tiles a mask_mod plan found, the slots of its pool) (reading it waits for the plan): a
@@ -102,7 +107,7 @@ class MaskPlan:
         """Per (unit, query tile, KV tile) what the plan found, a host (numpy) int32 array ``[units, q tiles, kv
         tiles]`` (reading it waits for the plan): 0 no row sees a key of the tile, 1 some do, 2 the custom mask (or
         mask_mod) keeps every pair of it (a mask_mod's plan: every pair the causal/window mask leaves)."""
-        cells = self.units_b * self.units_h * self.num_q_tiles * self.num_kv_tiles
+        cells = self.cells
         raw = self._part("states", -(-cells // 4))
         import numpy as np  # the states are bytes: viewed as such on the host
 
@@ -112,7 +117,7 @@ class MaskPlan:
 
     def live_fraction(self) -> float:
         """The fraction of (query tile, KV tile) pairs the kernel visits (syncs)."""
-        total = self.units_b * self.units_h * self.num_q_tiles * self.num_kv_tiles
+        total = self.cells
         return float(self.live_counts().sum()) / total if total else 0.0
 
     def _part(self, name: str, n: int):
@@ -172,7 +177,7 @@ def _new_plan(kern, qi, ki, ub: int, uh: int, mcode: int, left: int, right: int,
     # One buffer for all of it (one allocation; nothing needs zeroing: every word the kernels
     # read is written first), each part 16-byte aligned (work is read as int2). flags: [0] any
     # odd additive value, then one word per item.
-    cells, items = units * nqt * nkt, units * nqt
+    cells, items = mp.cells, units * nqt
     tile_words = tq * (tk // 32)
     if pooled and kern.spec.mod_bits and cells * tile_words * 4 > POOL_BYTES:
         raise LaunchError(f"the spec's mod_bits=true needs the keep bits of all {cells} tiles of this call's mask_mod "
@@ -248,6 +253,20 @@ def build(kern, mask, qi, ki, mcode: int, left: int, right: int, stream: int) ->
     return mp
 
 
+def mod_units(mask_mod: str, batch: int, heads: int) -> tuple[int, int]:
+    """(batch units, head units) of a mask_mod's plan: one a batch row only where mask_mod names ``b``, one a head
+    only where it names ``h``."""
+    reads_b, reads_h = reads_batch_head(mask_mod)
+    return (batch if reads_b else 1), (heads if reads_h else 1)
+
+
+def mod_cells(spec, q_shape, k_shape) -> int:
+    """The (unit, query tile, KV tile) cells of a mask_mod plan for ``spec``'s kernel and operands of these
+    ``[batch, seqlen, heads, dim]`` shapes: what ``build_mod`` would make."""
+    ub, uh = mod_units(spec.mask_mod, q_shape[0], q_shape[2])
+    return ub * uh * -(-q_shape[1] // spec.cta_tile_q) * -(-k_shape[1] // spec.cta_tile_kv)
+
+
 def pool_slots(spec, cells: int) -> int:
     """The slots of the pool of a mask_mod plan of ``cells`` (unit, query tile, KV tile) cells for ``spec``'s kernel:
     one a cell where the kernel has no mask_mod of its own (``mod_bits``: ``bits_form`` chose it only where they fit
@@ -275,8 +294,7 @@ def build_mod(kern, qi, ki, mcode: int, left: int, right: int, aux_args: tuple, 
     (``snippets.pack_aux``), ``aux`` the call's dict of them (or None), whose identity is kept to check a reuse."""
     b, sq, h, _ = qi.shape
     sk = ki.shape[1]
-    reads_b, reads_h = reads_batch_head(kern.spec.mask_mod)
-    ub, uh = (b if reads_b else 1), (h if reads_h else 1)
+    ub, uh = mod_units(kern.spec.mask_mod, b, h)
     mp = _new_plan(kern, qi, ki, ub, uh, mcode, left, right, lambda keys: 0, "mask_mod plan",
                    pooled=reads_aux(kern.spec.mask_mod, kern.spec.aux))
     mp.mask_ptr, mp.mask_shape, mp.mask_strides, mp.version = None, None, None, -1
@@ -360,6 +378,6 @@ def checked_mod_plan(mp, kern, qi, ki, mcode: int, left: int, right: int, aux_ar
 
 def checked_bits_plan(mp: MaskPlan):
     """Refuse ``mp`` for a kernel of a caller's ``mod_bits=true``: its pool lacks some tiles' keep bits."""
-    cells = mp.units_b * mp.units_h * mp.num_q_tiles * mp.num_kv_tiles
+    cells = mp.cells
     raise LaunchError(f"mask_plan has slots for the keep bits of {mp.pool_tiles} of its {cells} tiles; the spec's "
                       "mod_bits=true runs no mask_mod and needs them all: build the plan with the call's spec")

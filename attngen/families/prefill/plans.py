@@ -36,14 +36,11 @@ class _Plan(Plan):
         plan with a mask_mod, whose table ``_make_plan`` does not load): its spec by query rows, in its ``mod_bits``
         form where the plan's pool can hold every tile's keep bits (``masks.bits_form``). Only that one is compiled:
         a first call's time is its compile."""
-        from ..snippets import reads_batch_head
-        from .masks import bits_form
+        from .masks import bits_form, mod_cells
 
         spec = self.spec_for(qi.shape[1])
-        reads_b, reads_h = reads_batch_head(spec.mask_mod)
-        units = (qi.shape[0] if reads_b else 1) * (qi.shape[2] if reads_h else 1)
-        cells = units * -(-qi.shape[1] // spec.cta_tile_q) * -(-ki.shape[1] // spec.cta_tile_kv)
-        return get_kernel(spec.replace(mod_bits=True) if bits_form(spec, cells) else spec, device=self.device)
+        bits = bits_form(spec, mod_cells(spec, qi.shape, ki.shape))
+        return get_kernel(spec.replace(mod_bits=True) if bits else spec, device=self.device)
 
     def tma_maps(self, kern, qi, ki, vi):
         """(the kernel to launch, its tensor maps or None): ``kern`` and the maps of q, k, v where ``kern`` runs
