@@ -341,17 +341,17 @@ class TunedKernels:
     __slots__ = ("kernel", "bounds", "specs", "kernels", "device")
 
     def take(self, table, device: int, load: bool = True) -> None:
-        """Run ``table`` on ``device``: its default (the arch's, where it holds one) loaded now unless ``load`` is
-        false (a call may run another form of it: ``spec_for``), the others on first use."""
+        """Run ``table`` on ``device``: a table of one spec loaded now unless ``load`` is false (a call may run
+        another form of it: ``spec_for``); a table by sizes loads each spec on first use, so that a first call
+        compiles only the kernel its size runs."""
         self.device = device
-        default = None if table.default is None or not load else get_kernel(table.default, device=device)
-        if default is not None and len(table.specs) == 1:
-            self.kernel = default
+        if load and len(table.specs) == 1:
+            self.kernel = get_kernel(table.specs[0], device=device)
             return
         self.kernel = None
         self.bounds = list(table.bounds)
         self.specs = list(table.specs)
-        self.kernels = [default if default is not None and s == table.default else None for s in table.specs]
+        self.kernels = [None] * len(self.specs)
 
     def spec_for(self, size: int):
         """The spec ``kernel_for(size)`` loads, without loading it."""

@@ -70,19 +70,17 @@ def device_facts(device: int) -> DeviceFacts:
 @dataclass(frozen=True)
 class SizeTable:
     """Which resolved spec a call runs by its size (prefill: its query rows; decode: its cache's capacity):
-    ``specs[i]`` from ``bounds[i - 1]`` on (``bisect_right``). ``default`` is the arch's resolved default
-    where the table holds it (the op loads it when it makes the plan), None for stored tuning winners."""
+    ``specs[i]`` from ``bounds[i - 1]`` on (``bisect_right``)."""
 
     bounds: tuple[float, ...]
     specs: tuple[Spec, ...]
-    default: Spec | None = None
 
     def spec_for(self, size: int) -> Spec:
         return self.specs[bisect.bisect_right(self.bounds, size)]
 
     @classmethod
     def one(cls, spec: Spec) -> "SizeTable":
-        return cls((), (spec,), spec)
+        return cls((), (spec,))
 
     @classmethod
     def tuned(cls, choices) -> "SizeTable":
@@ -91,9 +89,9 @@ class SizeTable:
         return cls(tuple(bucket_bounds([s for s, _ in choices])), tuple(c for _, c in choices))
 
     @classmethod
-    def from_rows(cls, bounds, specs, default: Spec) -> "SizeTable":
+    def from_rows(cls, bounds, specs) -> "SizeTable":
         """``specs[i]`` from ``bounds[i - 1]`` (an int size) on, below ``bounds[i]``."""
-        return cls(tuple(b - 0.5 for b in bounds), tuple(specs), default)
+        return cls(tuple(b - 0.5 for b in bounds), tuple(specs))
 
 
 class Choice(NamedTuple):

@@ -30,8 +30,9 @@ class Plan(TunedKernels):
     __slots__ = ("facts", "alloc", "alloc_f32", "stream")
 
     def setup(self, table, device: int, kind: str, dtype: str, load: bool = True) -> None:
-        """Run ``table`` (its default loaded now, unless ``load`` is false) for arrays of ``kind`` and ``dtype`` on
-        ``device``; without a table (an op whose choice runs per call) the plan holds no kernels."""
+        """Run ``table`` (``TunedKernels.take``: a table of one spec loaded now, unless ``load`` is false) for
+        arrays of ``kind`` and ``dtype`` on ``device``; without a table (an op whose choice runs per call) the plan
+        holds no kernels."""
         self.facts = device_facts(device)
         self.kernel, self.device = None, device
         if table is not None:

@@ -134,7 +134,7 @@ def table(base: PrefillSpec, arch: Arch, default: bool, tuned: tuple = ()) -> Si
         return SizeTable.tuned(tuned)
     resolved = resolve(base, arch)
     rows = by_rows(resolved, arch) if default else None
-    return SizeTable.one(resolved) if rows is None else SizeTable.from_rows(*rows, resolved)
+    return SizeTable.one(resolved) if rows is None else SizeTable.from_rows(*rows)
 
 
 def table_of(p: Problem, arch: Arch, tuned=()) -> SizeTable:
