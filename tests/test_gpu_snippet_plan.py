@@ -174,7 +174,8 @@ def test_mod_bits_pinned_by_the_caller():
     from attngen.families.prefill.spec import PrefillSpec
 
     sq = 1100
-    pinned = PrefillSpec(mod_bits=True, custom_mask=True, mask_mod=DOC)  # (the call's own fields replace these)
+    # (the call's own fields replace these; mod_bits needs a mask_mod that reads aux, so the spec names it)
+    pinned = PrefillSpec(mod_bits=True, custom_mask=True, mask_mod=DOC, aux="doc:int32:2")
     q, k, v, aux, o, lse = run("doc", sq=sq, sk=sq, d=128, causal=True, spec=pinned)
     o2, lse2 = attngen.prefill(q, k, v, causal=True, return_lse=True, mask_mod=DOC, aux=aux)  # the default's form
     assert (o2.float() - o.float()).abs().max().item() < 2e-2 and (lse2 - lse).abs().max().item() < 2e-2
