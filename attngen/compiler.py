@@ -186,9 +186,19 @@ def include_dirs() -> list[str]:
     return dirs
 
 
+def cache_options(version: str) -> tuple[str, ...]:
+    """``--no-cache`` for NVRTC 12.9 and later, which otherwise keeps every program it compiles in the CUDA
+    driver's compute cache (where a driver is loaded: ~/.nv/ComputeCache) and serves a repeat from there without
+    running ptxas. Such a build's log has no ptxas report, so its spills and ptxas' notes go unknown, and a cold
+    compile is only a lookup; and attngen's own cache already holds the cubin. Earlier NVRTCs have no such cache and
+    refuse the option."""
+    major, minor = (int(x) for x in version.split(".")[:2])
+    return ("--no-cache",) if (major, minor) >= (12, 9) else ()
+
+
 def compile_options(arch: Arch, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The final option list for ``arch`` (without include paths, which vary by machine)."""
-    return (f"--gpu-architecture={arch.name}",) + BASE_OPTIONS + tuple(extra)
+    return (f"--gpu-architecture={arch.name}",) + BASE_OPTIONS + cache_options(nvrtc_version()) + tuple(extra)
 
 
 _RES = {
@@ -307,7 +317,8 @@ def compile(source: str, arch: "str | Arch", *, kernel_name: str, extra_options:
     t0 = time.perf_counter()
     cubin, log, ptx = _run_nvrtc(nvrtc, source, filename, full, want_ptx, kernel_name, a, options)
     if f"'{kernel_name}'" not in log:
-        # NVRTC has been seen to return an empty program log for a kernel that compiled fine. The report is only informational, so ask once more before going without.
+        # NVRTC has been seen to return an empty program log for a kernel that compiled fine (a build its own cache
+        # served, before cache_options). The report is only informational, so ask once more before going without.
         cubin2, log2, _ = _run_nvrtc(nvrtc, source, filename, full, False, kernel_name, a, options)
         if f"'{kernel_name}'" in log2:
             cubin, log = cubin2, log2

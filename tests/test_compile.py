@@ -7,8 +7,8 @@ import struct
 import pytest
 
 from attngen.arch import get_arch
-from attngen.compiler import (Binary, Resources, compile, compile_options, cubin_resources, nvrtc_version,
-                               parse_resources, performance_notes, whole_elf)
+from attngen.compiler import (Binary, Resources, cache_options, compile, compile_options, cubin_resources,
+                               nvrtc_version, parse_resources, performance_notes, whole_elf)
 from attngen.errors import AttngenError, CompileError
 from attngen.render import render
 from attngen.spec import parse_spec, resolve
@@ -398,3 +398,18 @@ def test_nvrtc_builtins_are_loaded_beside_the_library_read_for_the_version():
     if out.stdout.split()[0] == "skip":
         pytest.skip("NVRTC is not a wheel's library with its builtins beside it here")
     assert out.stdout.split() == ["loaded", "compiled"], out.stdout
+
+
+def test_nvrtc_cache_off_where_nvrtc_has_one(monkeypatch):
+    # NVRTC 12.9+ caches compiles in the driver's compute cache and then skips ptxas (no report); older ones refuse
+    # the option
+    assert cache_options("12.8") == () and cache_options("12.0") == ()
+    assert cache_options("12.9") == ("--no-cache",) and cache_options("13.0") == ("--no-cache",)
+    a = get_arch("sm_90a")
+    assert ("--no-cache" in compile_options(a)) == (tuple(map(int, nvrtc_version().split("."))) >= (12, 9))
+    import attngen.compiler as compiler
+
+    monkeypatch.setattr(compiler, "nvrtc_version", lambda: "12.8")
+    assert "--no-cache" not in compile_options(a)
+    monkeypatch.setattr(compiler, "nvrtc_version", lambda: "13.1")
+    assert compile_options(a)[-1] == "--no-cache" and compile_options(a, ("-DX",))[-2:] == ("--no-cache", "-DX")

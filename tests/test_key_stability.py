@@ -4,10 +4,11 @@ family and arch, against a table: a refactor of the build path must not move a k
 The key schema is versioned (``cache_key.KEY_SCHEMA``): a deliberate schema bump, or a change of
 what a spec resolves to, updates the table (``python3 tests/test_key_stability.py`` prints it).
 The parts of the material that change with the machine or with every template edit (the NVRTC
-version, the digests of the template files and of the template-context code) are pinned to fixed
-values before hashing, so the table checks everything else that goes into a key: the resolved
-spec, the options, the arch, attngen's version, the schema and the key function. The key the
-command prints is checked to be the hash of the material it prints.
+version, and with it the options' NVRTC cache flag; the digests of the template files and of the
+template-context code) are pinned to fixed values before hashing, so the table checks everything
+else that goes into a key: the resolved spec, the options, the arch, attngen's version, the schema
+and the key function. The key the command prints is checked to be the hash of the material it
+prints.
 """
 
 from __future__ import annotations
@@ -22,21 +23,22 @@ import pytest
 
 from attngen import cli
 
-PINNED = {"nvrtc": "12.8", "templates_sha256": "t" * 64, "code_sha256": "c" * 64}
+PINNED = {"nvrtc": "13.0", "templates_sha256": "t" * 64, "code_sha256": "c" * 64}
 
 # (spec, arch) -> key with PINNED material, as main computed them before the build path left cache.py
 # (prefill's and decode's since their specs gained the sinks field, which every canonical spec of theirs holds;
-# paged decode at head_dim 128 since it resolves to a three-stage ring, TUNED_PLAIN).
+# paged decode at head_dim 128 since it resolves to a three-stage ring, TUNED_PLAIN; every key since compiles on NVRTC
+# 12.9 and later take --no-cache, compiler.cache_options).
 KEYS = {
-    ("prefill:head_dim=128", "sm_90a"): "fcca0f7b48d3150f4a41b5d4e730dc9c7ee30765e6b226efd5104dcbb41ccdea",
-    ("prefill:head_dim=64,mask=causal,dtype=fp16", "sm_80"): "988815e024f0d943d05f0d6e15c236108938f10ef93fb2d3d11e9c7a1ade2584",
-    ("prefill:head_dim=128,varlen=true,paged=true", "sm_89"): "b4313156a37805b3741f8df5c52e7400587f7d86fcc9595426f156586f2d98c4",
-    ("prefill:head_dim=256,mask=causal", "sm_90"): "113252cd57f717d1acfb7200907e8e0a321398320a86998d268cffe2283a6391",
-    ("decode:head_dim=128", "sm_90a"): "51cf6a68ed78e2ea9e6a182ba120792993ce97f744deb433d81071e1dba77441",
-    ("decode:head_dim=128,paged=true", "sm_80"): "dbf8cfe0d07f0467266a7849668ae1881f6ab3083782714605b18b858e286f6b",
-    ("decode:head_dim=64,q_rows=32", "sm_120"): "496f97c6b912c7e24fe1bfc3f9948d5b0e6268e94c4763303d088c8214f19576",
-    ("mla_decode:", "sm_90a"): "1cfc9a92ab0d868bec6fe01bbc25170f493caad3c8ad773e88d0793e55d13ef6",
-    ("mla_decode:", "sm_80"): "4ca6128b106adaa5c2c8f41bc82d173df854b1596af2492a112f990dff7a10f5",
+    ("prefill:head_dim=128", "sm_90a"): "e15af49e7967ab1ee01c8a505ac7998437ef6e1ee6bc1904c67c333c95cdcba7",
+    ("prefill:head_dim=64,mask=causal,dtype=fp16", "sm_80"): "9c3d810dcdf0e32b1a01e073b77575ebc75bac13014a40f22ac7850db12d7c6e",
+    ("prefill:head_dim=128,varlen=true,paged=true", "sm_89"): "487a2368e997721124cd4e8905b4dd0b636cc94e5797fc4df86bb95a8b513601",
+    ("prefill:head_dim=256,mask=causal", "sm_90"): "bad9df1235dd5beec09f85a2677501042b761ea2d3bd5a11ebfc1a1ce385e382",
+    ("decode:head_dim=128", "sm_90a"): "6c691fd8ecb3f611ee343d699a877271fe8eb5fc57e37e2959e8f6fd8749f668",
+    ("decode:head_dim=128,paged=true", "sm_80"): "39aeb9f3b10e668253398f672358963f256c79fc91d5f8ab4ebacee431c60852",
+    ("decode:head_dim=64,q_rows=32", "sm_120"): "076a3f9f4a153d8134c4d8d8e4dec6ccc0eac3054a2c43bff03b0ad4ddc91bea",
+    ("mla_decode:", "sm_90a"): "2137446d31f950dca1f10ef859654886e20915921b6013b207e0a06add465300",
+    ("mla_decode:", "sm_80"): "8a0c0212a82e9c17b193b347ab2a03e9257c9b18373d86b9246c35bafcac6fb5",
 }
 
 
@@ -53,10 +55,20 @@ def inspect_key(spec: str, arch: str) -> tuple[str, dict]:
     return got["key"], got["key_material"]
 
 
+def pinned_options(options: list) -> list:
+    """``options`` with the NVRTC cache option (compiler.cache_options, by NVRTC version) of the pinned version in
+    place of this machine's."""
+    from attngen.compiler import BASE_OPTIONS, cache_options, nvrtc_version
+
+    at, mine = 1 + len(BASE_OPTIONS), list(cache_options(nvrtc_version()))
+    assert options[at:at + len(mine)] == mine, options
+    return options[:at] + list(cache_options(PINNED["nvrtc"])) + options[at + len(mine):]
+
+
 def pinned_key(spec: str, arch: str) -> str:
     key, material = inspect_key(spec, arch)
     assert _canonical_sha(material) == key, "the printed key is not the hash of the printed material"
-    return _canonical_sha({**material, **PINNED})
+    return _canonical_sha({**material, **PINNED, "options": pinned_options(material["options"])})
 
 
 @pytest.mark.parametrize("spec,arch", sorted(KEYS))
