@@ -1,8 +1,8 @@
 """Compiling: CUDA source + arch -> Binary (cubin bytes and ptxas' resource report), via NVRTC.
 
 Pure: needs no GPU. NVRTC and the CUDA headers come from the pip wheels of the ``cu13`` or ``cu12``
-extra (``cuda-toolkit[cudart,nvrtc]`` of that major, CuPy for it), located through cuda-pathfinder,
-or from ``CUDA_PATH`` when set.
+extra (``cuda-toolkit[cudart,nvrtc]`` of that major), or from ``CUDA_PATH`` when set; NVRTC is called
+through ctypes (``_nvrtc``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ._nvrtc import NvrtcFailure, nvrtc
 from .arch import Arch, get_arch
 from .errors import CompileError
 
@@ -99,70 +100,9 @@ class Binary:
 
 
 @functools.lru_cache(maxsize=1)
-def _nvrtc():
-    from .fs import cupy_cache_dir
-
-    cupy_cache_dir()  # importing CuPy creates its cache folder, and fails where HOME is not writable
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-    except Exception as e:  # pragma: no cover - depends on the install
-        raise CompileError(f"NVRTC is not available through CuPy ({e}); install the CUDA stack for your "
-                           "driver: pip install 'attngen[cu13]' (CUDA 13 drivers) or 'attngen[cu12]' "
-                           "(CUDA 12 drivers)") from e
-    return nvrtc
-
-
-def _nvrtc_library_candidates() -> list[str]:
-    """Where the NVRTC library CuPy loads lives: the pip wheels first, then CUDA_PATH, then the system."""
-    import sys
-
-    names = ("nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cuda_nvrtc/lib/libnvrtc.so.12")
-    out = [str(Path(p) / n) for p in sys.path if p for n in names if (Path(p) / n).is_file()]
-    cuda_path = os.environ.get("CUDA_PATH")
-    if cuda_path:
-        out += [str(p) for p in sorted(Path(cuda_path).glob("lib64/libnvrtc.so.*")) if p.name.count(".") == 2]
-    return out + ["libnvrtc.so.13", "libnvrtc.so.12"]
-
-
-def _load_builtins_beside(library: str, major: int, minor: int) -> None:
-    """Load the NVRTC builtins library that sits beside ``library`` (a path), if there is one.
-
-    CuPy's loader loads it with NVRTC; once NVRTC is loaded here first, it does not, and the 13.0
-    wheel's NVRTC then fails every compile with "failed to open libnvrtc-builtins.so.13.0" (found
-    with torch 2.14.1's pin, nvidia-cuda-nvrtc 13.0.88). Loaded, it is found by its name."""
-    import ctypes
-
-    if "/" not in library:
-        return
-    builtins = Path(library).with_name(f"libnvrtc-builtins.so.{major}.{minor}")
-    if builtins.is_file():
-        try:
-            ctypes.CDLL(str(builtins))
-        except OSError:
-            pass
-
-
-@functools.lru_cache(maxsize=1)
 def nvrtc_version() -> str:
-    """The NVRTC version, part of every cache key.
-
-    Read through ctypes from the library itself: importing CuPy only to ask costs a few hundred
-    milliseconds, which a warm cache hit in a fresh process must not pay. ``compile`` checks that
-    CuPy's NVRTC reports the same version.
-    """
-    import ctypes
-
-    for cand in _nvrtc_library_candidates():
-        try:
-            lib = ctypes.CDLL(cand)
-        except OSError:
-            continue
-        major, minor = ctypes.c_int(), ctypes.c_int()
-        if lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) == 0:
-            _load_builtins_beside(cand, major.value, minor.value)
-            return f"{major.value}.{minor.value}"
-    major, minor = _nvrtc().getVersion()
-    return f"{major}.{minor}"
+    """The NVRTC version, part of every cache key: that of the library every compile uses (``_nvrtc.nvrtc``)."""
+    return "{}.{}".format(*nvrtc().version)
 
 
 def include_dirs() -> list[str]:
@@ -287,39 +227,23 @@ def cubin_resources(cubin: bytes, kernel_name: str) -> Resources:
                      known=False)
 
 
-def whole_elf(cubin: bytes) -> bytes:
-    """``cubin`` as long as its ELF header says: CuPy's ``getCUBIN`` drops the image's last byte (it strips a
-    C string's NUL), the last of the program header table, which is zero. A loader given the short image read
-    the byte past its end (CPython's NUL after a bytes object), and disassemblers refused the stored file."""
-    try:
-        phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
-        phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
-    except struct.error:
-        return cubin
-    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
-    return cubin + bytes(end - len(cubin)) if cubin[:4] == b"\x7fELF" and 0 < end - len(cubin) <= 8 else cubin
-
-
 def compile(source: str, arch: "str | Arch", *, kernel_name: str, extra_options: tuple[str, ...] = (),
             want_ptx: bool = False, filename: str = "attngen_kernel.cu", entries: tuple[str, ...] = ()) -> Binary:
     """Compile ``source`` to a cubin for exactly ``arch``; raise CompileError with the log on failure.
 
     ``kernel_name`` is the main entry (its ptxas report is kept); ``entries`` lists every entry
     the module must hold (default: the main one)."""
-    nvrtc = _nvrtc()
-    used = "{}.{}".format(*nvrtc.getVersion())
-    if used != nvrtc_version():
-        raise CompileError(f"CuPy loaded NVRTC {used} but the cache key was derived for NVRTC {nvrtc_version()}; "
-                           "set CUDA_PATH or LD_LIBRARY_PATH so that one NVRTC is found")
+    lib = nvrtc()
+    used = nvrtc_version()
     a = get_arch(arch)
     options = compile_options(a, extra_options)
     full = list(options) + [f"-I{d}" for d in include_dirs()]
     t0 = time.perf_counter()
-    cubin, log, ptx = _run_nvrtc(nvrtc, source, filename, full, want_ptx, kernel_name, a, options)
+    cubin, log, ptx = _run_nvrtc(lib, source, filename, full, want_ptx, kernel_name, a, options)
     if f"'{kernel_name}'" not in log:
         # NVRTC has been seen to return an empty program log for a kernel that compiled fine (a build its own cache
         # served, before cache_options). The report is only informational, so ask once more before going without.
-        cubin2, log2, _ = _run_nvrtc(nvrtc, source, filename, full, False, kernel_name, a, options)
+        cubin2, log2, _ = _run_nvrtc(lib, source, filename, full, False, kernel_name, a, options)
         if f"'{kernel_name}'" in log2:
             cubin, log = cubin2, log2
     secs = time.perf_counter() - t0
@@ -335,25 +259,10 @@ def compile(source: str, arch: "str | Arch", *, kernel_name: str, extra_options:
                   log=log, compile_seconds=secs, ptx=ptx)
 
 
-def _run_nvrtc(nvrtc, source, filename, full, want_ptx, kernel_name, a, options):
-    prog = nvrtc.createProgram(source, filename, [], [])
+def _run_nvrtc(lib, source, filename, full, want_ptx, kernel_name, a, options):
     try:
-        try:
-            nvrtc.compileProgram(prog, full)
-        except Exception as e:
-            log = _log(nvrtc, prog)
-            raise CompileError(f"NVRTC failed to compile {kernel_name} for {a.name}: {e}", log=log,
-                               source=source, name=kernel_name, options=options) from None
-        log = _log(nvrtc, prog)
-        cubin = whole_elf(bytes(nvrtc.getCUBIN(prog)))
-        ptx = nvrtc.getPTX(prog).decode(errors="replace").rstrip("\x00") if want_ptx else ""
-    finally:
-        nvrtc.destroyProgram(prog)
+        cubin, log, ptx = lib.compile(source, filename, full, want_ptx)
+    except NvrtcFailure as e:
+        raise CompileError(f"NVRTC failed to compile {kernel_name} for {a.name}: {e}", log=e.log,
+                           source=source, name=kernel_name, options=options) from None
     return cubin, log, ptx
-
-
-def _log(nvrtc, prog) -> str:
-    raw = nvrtc.getProgramLog(prog)
-    if isinstance(raw, bytes):
-        raw = raw.decode(errors="replace")
-    return raw.rstrip("\x00")

@@ -8,7 +8,7 @@ import pytest
 
 from attngen.arch import get_arch
 from attngen.compiler import (Binary, Resources, cache_options, compile, compile_options, cubin_resources,
-                               nvrtc_version, parse_resources, performance_notes, whole_elf)
+                               nvrtc_version, parse_resources, performance_notes)
 from attngen.errors import AttngenError, CompileError
 from attngen.render import render
 from attngen.spec import parse_spec, resolve
@@ -78,16 +78,6 @@ def test_compiles_a_cubin_for_the_exact_arch(arch, text):
     phoff, shoff = struct.unpack_from("<QQ", b.cubin, 0x20)
     phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", b.cubin, 0x36)
     assert len(b.cubin) == max(phoff + phentsize * phnum, shoff + shentsize * shnum)
-
-
-def test_whole_elf_restores_only_a_short_image():
-    # CuPy's getCUBIN drops the image's last byte; whole_elf puts the zero back, and leaves whole images
-    # and what is not an ELF as they are
-    _, _, b = built(COMMON, "sm_90a")
-    assert whole_elf(b.cubin[:-1]) == b.cubin and b.cubin[-1] == 0
-    assert whole_elf(b.cubin) == b.cubin
-    assert whole_elf(b"not an elf") == b"not an elf"
-    assert whole_elf(b.cubin[:-100]) == b.cubin[:-100]  # too short to be CuPy's byte: left for the loader to refuse
 
 
 def test_performance_notes_are_ptxas_coded_lines_once_each():
@@ -370,34 +360,62 @@ def test_load_failure_names_the_cuda_extra_when_the_driver_is_older_than_nvrtc(m
     assert runtime._driver_hint("12.9") == ""  # a 12.8 driver loads cubins from NVRTC 12.x
 
 
-def test_nvrtc_builtins_are_loaded_beside_the_library_read_for_the_version():
-    """Reading NVRTC's version loads the library before CuPy's loader does, which then leaves its
-    builtins library unloaded; NVRTC 13.0's wheel could not find it after that (every compile failed).
-    The builtins beside the library read are loaded with it. (A fresh process: the order matters.)"""
+def test_nvrtc_builtins_are_loaded_beside_the_library():
+    """The 13.0 wheel's NVRTC, loaded by its path, did not find its builtins library by itself (every compile
+    failed); the builtins beside the library are loaded with it. (A fresh process: the order matters.)"""
     import subprocess
     import sys
 
     code = (
         "from pathlib import Path\n"
-        "from attngen.compiler import _nvrtc_library_candidates, nvrtc_version\n"
-        "v = nvrtc_version()\n"
-        "libs = [c for c in _nvrtc_library_candidates() if '/' in c]\n"
-        "b = Path(libs[0]).with_name(f'libnvrtc-builtins.so.{v}') if libs else None\n"
-        "if b is None or not b.is_file():\n"
+        "from attngen._nvrtc import nvrtc\n"
+        "lib = nvrtc()\n"
+        "b = Path(lib.path).with_name('libnvrtc-builtins.so.{}.{}'.format(*lib.version))\n"
+        "if '/' not in lib.path or not b.is_file():\n"
         "    print('skip')\n"
         "else:\n"
         "    maps = open('/proc/self/maps').read()\n"
         "    print('loaded' if str(b.resolve()) in maps or str(b) in maps else 'missing')\n"
-        "    from cupy_backends.cuda.libs import nvrtc\n"
-        "    p = nvrtc.createProgram('extern \"C\" __global__ void k() {}', 'k.cu', [], [])\n"
-        "    nvrtc.compileProgram(p, ['--gpu-architecture=sm_80'])\n"
-        "    print('compiled')\n"
+        "    cubin, log, _ = lib.compile('extern \"C\" __global__ void k() {}', 'k.cu', ['--gpu-architecture=sm_80'])\n"
+        "    print('compiled' if cubin[:4] == b'\\x7fELF' else 'no cubin')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     if out.stdout.split()[0] == "skip":
         pytest.skip("NVRTC is not a wheel's library with its builtins beside it here")
     assert out.stdout.split() == ["loaded", "compiled"], out.stdout
+
+
+def test_a_compile_imports_neither_cupy_nor_numpy():
+    # NVRTC is bound through ctypes: CuPy's bindings import CuPy and numpy on first use, which a process's first
+    # compile (a cold first call) paid
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from attngen import compile\n"
+            "b = compile('extern \"C\" __global__ void k(float* x) { x[threadIdx.x] = 1.f; }', 'sm_90a', "
+            "kernel_name='k')\n"
+            "print(b.resources.known, b.resources.registers > 0, [m for m in ('cupy', 'numpy') if m in sys.modules])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[0] == "True True []", out.stdout
+
+
+def test_nvrtc_binding_reports_the_result_code_and_the_log():
+    from attngen._nvrtc import NvrtcFailure, nvrtc
+
+    lib = nvrtc()
+    assert lib.version == tuple(int(x) for x in nvrtc_version().split("."))
+    with pytest.raises(NvrtcFailure) as ei:
+        lib.compile("__global__ void k() { undefined_name(); }", "bad.cu", ["--gpu-architecture=sm_80"])
+    assert str(ei.value) == "NVRTC_ERROR_COMPILATION (6)" and "bad.cu" in ei.value.log
+    assert "undefined_name" in ei.value.log
+    with pytest.raises(NvrtcFailure, match="NVRTC_ERROR_INVALID_OPTION"):
+        lib.compile("__global__ void k() {}", "k.cu", ["--no-such-option"])
+    cubin, log, ptx = lib.compile('extern "C" __global__ void k() {}', "k.cu", ["--gpu-architecture=sm_80"],
+                                  want_ptx=True)
+    assert cubin[:4] == b"\x7fELF" and ".visible .entry k" in ptx and "\x00" not in ptx
 
 
 def test_nvrtc_cache_off_where_nvrtc_has_one(monkeypatch):
