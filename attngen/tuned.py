@@ -21,7 +21,6 @@ import threading
 import uuid
 from pathlib import Path
 
-import filelock
 
 from .__version__ import __version__
 from .arch import Arch, get_arch
@@ -103,6 +102,8 @@ class TunedStore:
 
         Raises ``CacheError`` where the root cannot be written or the lock is not had in time.
         """
+        import filelock  # here, not at the top: its import is a good part of attngen's, and only a write locks
+
         if not _valid_tuned(entry):
             raise CacheError(f"not a tuned entry: {json.dumps(entry, sort_keys=True)[:300]}")
         arch = get_arch(entry["arch"])  # the entry's arch is data (text): read into an Arch once
