@@ -103,12 +103,15 @@ class Nvrtc:
 
 
 def _open(path: str) -> "Nvrtc | None":
-    try:
-        lib = ctypes.CDLL(path)
-    except OSError:
+    """The NVRTC at ``path`` (a path or a library name the loader finds), or None where that is not one."""
+    if not path:
         return None
     major, minor = ctypes.c_int(), ctypes.c_int()
-    if lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) != 0:
+    try:
+        lib = ctypes.CDLL(path)
+        if lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) != 0:
+            return None
+    except (OSError, AttributeError):  # no such library; a library without nvrtcVersion
         return None
     _load_builtins_beside(path, major.value, minor.value)
     return Nvrtc(lib, path, (major.value, minor.value))
@@ -125,8 +128,8 @@ def nvrtc() -> Nvrtc:
     try:
         import cuda.pathfinder as pathfinder
 
-        found = _open(pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path or "")
-    except Exception:  # pragma: no cover - depends on the install
+        found = _open(pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path)
+    except Exception:  # pathfinder's own not-found errors, or none installed
         found = None
     if found is None:
         raise CompileError(f"NVRTC not found (looked for {', '.join(library_candidates())}); {_INSTALL_HINT}")

@@ -431,3 +431,28 @@ def test_nvrtc_cache_off_where_nvrtc_has_one(monkeypatch):
     assert "--no-cache" not in compile_options(a)
     monkeypatch.setattr(compiler, "nvrtc_version", lambda: "13.1")
     assert compile_options(a)[-1] == "--no-cache" and compile_options(a, ("-DX",))[-2:] == ("--no-cache", "-DX")
+
+
+def test_nvrtc_found_through_cuda_pathfinder_where_no_candidate_loads(monkeypatch):
+    # a conda environment or a toolkit outside the loader's path: cuda-pathfinder's search is the last resort, and
+    # where that finds nothing either the error names the extras
+    import attngen._nvrtc as binding
+    import cuda.pathfinder as pathfinder
+
+    monkeypatch.setattr(binding, "library_candidates", lambda: ["/nonexistent/libnvrtc.so.13"])
+    binding.nvrtc.cache_clear()
+    try:
+        lib = binding.nvrtc()
+        assert "/" in lib.path and "{}.{}".format(*lib.version) == nvrtc_version()
+        cubin, _, _ = lib.compile('extern "C" __global__ void k() {}', "k.cu", ["--gpu-architecture=sm_80"])
+        assert cubin[:4] == b"\x7fELF"
+
+        def not_found(name):
+            raise pathfinder.DynamicLibNotFoundError(name)
+
+        monkeypatch.setattr(pathfinder, "load_nvidia_dynamic_lib", not_found)
+        binding.nvrtc.cache_clear()
+        with pytest.raises(CompileError, match=r"NVRTC not found .*/nonexistent/libnvrtc\.so\.13.*'attngen\[cu13\]'"):
+            binding.nvrtc()
+    finally:
+        binding.nvrtc.cache_clear()
