@@ -91,13 +91,13 @@ def main():
         return
 
     import torch
-    from cupy_backends.cuda.libs import nvrtc
     from triton.testing import do_bench
 
+    from attngen.compiler import nvrtc_version
     from attngen.runtime import device_arch
 
     a.arch = a.arch or device_arch(torch.cuda.current_device()).name
-    print("NVRTC", nvrtc.getVersion(), "GPU", torch.cuda.get_device_name())
+    print("NVRTC", nvrtc_version(), "GPU", torch.cuda.get_device_name())
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
     for d, dv in dims:
         if a.shape:
