@@ -21,7 +21,6 @@ import threading
 import uuid
 from pathlib import Path
 
-
 from .__version__ import __version__
 from .arch import Arch, get_arch
 from . import fs, runtime
