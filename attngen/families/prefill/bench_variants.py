@@ -8,6 +8,10 @@ The block mask and attngen's mask plans (a mask tensor's, a mask_mod's block pla
 (``mask_plan='off'``: every tile the built-in masks leave, mask_mod on each pair); each implementation's first call
 (compile and, for a mask_mod, its plan included) is reported apart. The outputs are checked against each other
 (relative L2), never only timed. A case's calls are timed together, medians of rounds of rotated order.
+
+Each case also times the plain causal kernel on the same tensors in the same rounds: the probe. Scaled by the case's
+live pairs (its mask's kept (query, key) pairs over the causal mask's), it is the time the variant would take at the
+plain kernel's rate a pair, and FlexAttention's time over it the ratio such a kernel would reach (``flex_probe``).
 """
 
 from __future__ import annotations
@@ -62,7 +66,9 @@ def make_case(torch, name: str, q, k, v, gen) -> dict:
 
     batch, seqlen = q.shape[0], q.shape[1]
     dev = q.device
-    c: dict[str, Any] = dict(causal=True, snippet=None, builtin=None, score_mod=None, mask_mod=None, sinks=None)
+    c: dict[str, Any] = dict(causal=True, snippet=None, builtin=None, score_mod=None, mask_mod=None, sinks=None,
+                             live=1.0)
+    causal_pairs = batch * seqlen * (seqlen + 1) / 2
     if name == "softcap":
         c["snippet"] = dict(score_mod=f"return {SOFTCAP}f * fast_tanh(score * {1 / SOFTCAP!r}f);")
         c["builtin"] = lambda: attngen.prefill(q, k, v, causal=True, softcap=SOFTCAP)
@@ -83,6 +89,8 @@ def make_case(torch, name: str, q, k, v, gen) -> dict:
         c["builtin"] = lambda: attngen.prefill_varlen(qf, kf, vf, cu, cu, longest, longest, causal=True)
         c["builtin_view"] = lambda o: o.view(batch, seqlen, *o.shape[1:])
         c["mask_mod"] = lambda b, h, qi, ki: (doc[b, qi] == doc[b, ki]) & (ki <= qi)
+        n = (cu[1:] - cu[:-1]).double()
+        c["live"] = float((n * (n + 1) / 2).sum()) / causal_pairs
     elif name == "prefix_lm":
         prefix = torch.full((batch,), seqlen // 4, dtype=torch.int32, device=dev)
         c["causal"] = False
@@ -94,6 +102,7 @@ def make_case(torch, name: str, q, k, v, gen) -> dict:
         plan = attngen.mask_plan(keep, q, k)
         c["builtin"] = lambda: attngen.prefill(q, k, v, mask=keep, mask_plan=plan)
         c["mask_mod"] = lambda b, h, qi, ki: (ki <= qi) | (ki < prefix[b])
+        c["live"] = batch * float(keep.sum()) / causal_pairs
     elif name == "window_global":
         c["snippet"] = dict(mask_mod=f"return q_idx - kv_idx < {WINDOW} || kv_idx < {GLOBAL};")
         i = torch.arange(seqlen, device=dev)
@@ -101,6 +110,7 @@ def make_case(torch, name: str, q, k, v, gen) -> dict:
         plan = attngen.mask_plan(keep, q, k, causal=True)
         c["builtin"] = lambda: attngen.prefill(q, k, v, causal=True, mask=keep, mask_plan=plan)
         c["mask_mod"] = lambda b, h, qi, ki: (ki <= qi) & ((qi - ki < WINDOW) | (ki < GLOBAL))
+        c["live"] = batch * float(keep.sum()) / causal_pairs
     elif name == "sinks":
         sinks = (torch.randn(HEADS, generator=gen) * 2).to(dev)
         c["sinks"] = sinks
@@ -167,7 +177,7 @@ def run_case(torch, name: str, d: int, seqlen: int, args) -> dict:
     v = torch.randn(batch, seqlen, KV_HEADS, d, generator=gen).to("cuda", torch.bfloat16)
     c = make_case(torch, name, q, k, v, gen)
     row: dict[str, Any] = dict(case=name, head_dim=d, seqlen=seqlen, batch=batch, heads=HEADS, kv_heads=KV_HEADS,
-                               causal=c["causal"], ms={}, first_s={}, check={})
+                               causal=c["causal"], live=c["live"], ms={}, first_s={}, check={})
     # Each output is made once here and checked below; the calls are then timed together in rotated rounds, so
     # that a clock's drift over the run falls on each of them alike rather than on whichever ran last.
     outs, timed = {}, {}
@@ -200,6 +210,8 @@ def run_case(torch, name: str, d: int, seqlen: int, args) -> dict:
             timed["flex"] = flex
         except Exception as e:  # a torch without FlexAttention, or one that refuses this case
             row["flex_error"] = str(e).splitlines()[0][:160]
+    # The probe: the plain causal kernel, timed with the others, not checked (it computes another function).
+    timed["causal"] = lambda: attngen.prefill(q, k, v, causal=True)
     row["ms"].update(interleaved(timed, args.rep_ms))
     # The reference: FlexAttention's output, else the built-in's; a case with one implementation has no check.
     ref = outs.get("flex", outs.get("builtin"))
@@ -214,13 +226,15 @@ def run_case(torch, name: str, d: int, seqlen: int, args) -> dict:
         row["ratio"]["flex_snippet"] = row["ms"]["flex"] / row["ms"]["snippet"]
     if "snippet" in row["ms"] and "builtin" in row["ms"]:
         row["ratio"]["builtin"] = row["ms"]["builtin"] / row["ms"]["snippet"]
+    if "flex" in row["ms"]:
+        row["ratio"]["flex_probe"] = row["ms"]["flex"] / (row["ms"]["causal"] * row["live"])
     return row
 
 
 def summarize(rows: list[dict]) -> dict:
     where = lambda r: {k: r[k] for k in ("case", "head_dim", "seqlen")}  # noqa: E731
     out = {}
-    for peer in ("flex", "flex_snippet", "builtin"):
+    for peer in ("flex", "flex_snippet", "builtin", "flex_probe"):
         s = ratio_summary([(r["ratio"][peer], r) for r in rows if peer in r.get("ratio", {})], where)
         if s:
             out[peer] = s
@@ -233,8 +247,9 @@ def summarize(rows: list[dict]) -> dict:
 def _finish(data: dict, args, print_table: bool = False) -> None:
     lines = [*env_lines(data["env"]), "",
              "| case | D | S | B | built-in ms | snippet ms | snippet, plan off ms | plan ms | Flex ms | "
-             "Flex ÷ best attngen | Flex ÷ snippet | built-in ÷ snippet | first call s: snippet / Flex | worst rel L2 |",
-             "|---|" * 1 + "---|" * 13]
+             "Flex ÷ best attngen | Flex ÷ snippet | built-in ÷ snippet | first call s: snippet / Flex | worst rel L2 | "
+             "causal probe ms (live pairs) | Flex ÷ probe × live |",
+             "|---|" * 1 + "---|" * 15]
     errors = []
     for r in data["rows"]:
         ms, ra, fs = r["ms"], r.get("ratio", {}), r.get("first_s", {})
@@ -244,13 +259,16 @@ def _finish(data: dict, args, print_table: bool = False) -> None:
                      f"{_fmt(ms.get('snippet_noplan'), '.3f')} | {_fmt(ms.get('plan'), '.3f')} | "
                      f"{_fmt(ms.get('flex'), '.3f')} | {_fmt(ra.get('flex'), '.2f')} | "
                      f"{_fmt(ra.get('flex_snippet'), '.2f')} | {_fmt(ra.get('builtin'), '.2f')} | "
-                     f"{_fmt(fs.get('snippet'), '.2f')} / {_fmt(fs.get('flex'), '.1f')} | {_fmt(worst, '.1e')} |")
+                     f"{_fmt(fs.get('snippet'), '.2f')} / {_fmt(fs.get('flex'), '.1f')} | {_fmt(worst, '.1e')} | "
+                     f"{_fmt(ms.get('causal'), '.3f')} ({_fmt(r.get('live'), '.3f')}) | "
+                     f"{_fmt(ra.get('flex_probe'), '.2f')} |")
         if r.get("flex_error"):
             errors.append(f"FlexAttention refused {r['case']} D={r['head_dim']} S={r['seqlen']}: {r['flex_error']}")
     lines += [""] + errors if errors else []
     s = data.get("summary", {}).get("ratio", {})
     for peer, label in (("flex", "FlexAttention ÷ best attngen"), ("flex_snippet", "FlexAttention ÷ snippet"),
-                        ("builtin", "built-in ÷ snippet")):
+                        ("builtin", "built-in ÷ snippet"),
+                        ("flex_probe", "FlexAttention ÷ (the causal probe × live pairs)")):
         if peer in s:
             lines.append(f"\n{label}: geomean {s[peer]['geomean']:.3f}, min {s[peer]['min']:.3f} at "
                          f"{s[peer]['min_at']} over {s[peer]['shapes']} rows")
