@@ -295,7 +295,8 @@ def test_kernel_name_shape():
     PrefillSpec(varlen=True),
     PrefillSpec(varlen=True, paged=True),
     BASE.replace(custom_mask=True, mask_mod="return kv_idx <= q_idx + t(0);", aux="t:int32:1"),
-], ids=["defaults", "resolved", "other", "varlen", "paged", "mask_mod"])
+    PrefillSpec(score_mod="return score * 0.5f;"),
+], ids=["defaults", "resolved", "other", "varlen", "paged", "mask_mod", "score_mod"])
 def test_every_field_feeds_the_kernel_name(base):
     names = {base.kernel_name: base}
     varied = set()
@@ -318,6 +319,8 @@ def test_every_field_feeds_the_kernel_name(base):
     refused |= {"kv_dtype"} if not base.varlen else set()
     # mod_bits needs a custom mask with a mask_mod, which takes neither varlen nor the chunked kernel.
     refused |= {"varlen", "head_dim_chunk"} if base.mask_mod else {"mod_bits"}
+    # q_scaled needs a score_mod, which neither the chunked kernel (head_dim_chunk) nor fp8 (qkv_dtype) takes.
+    refused |= {"head_dim_chunk", "qkv_dtype"} if base.score_mod else {"q_scaled"}
     assert varied == set(FIELD_VALUES) - refused, f"fields never varied: {set(FIELD_VALUES) - refused - varied}"
 
 

@@ -195,6 +195,17 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   }
 }
 
+// Two 16-bit values times two (one register each), rounded to nearest.
+template <bool BF16>
+__device__ __forceinline__ unsigned mul2(unsigned a, unsigned b) {
+  unsigned d;
+  if constexpr (BF16)
+    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  else
+    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
 // The A fragment of P for k-step kk of O += P V (mma.sync and wgmma take the same one): the fp32
 // S accumulators of 8-column tiles 2kk and 2kk+1, packed to 16 bits.
 template <bool BF16, int N_TILES>

@@ -184,7 +184,8 @@ struct UserMods : VariantBase {
     return user_score_mod(p.mods, s * p.sm_scale, x.b, x.h, x.q, x.kv) * st.inv_scale;
   }
   // The transform in the logits' own units (a kernel whose softmax takes its scores as logits: prefill's step, where
-  // the multiply back to units of q.k would cost one more FP32 op an element).
+  // the multiply back to units of q.k would cost one more FP32 op an element; under its q_scaled, the MMA's scores
+  // are logits already, and no multiply is left at all).
   template <class P>
   static __device__ __forceinline__ float logit(const P& p, float value, const Pair& x) {
     return user_score_mod(p.mods, value, x.b, x.h, x.q, x.kv);

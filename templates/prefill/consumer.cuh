@@ -115,6 +115,33 @@ struct FwdConsumer {
     }
   }
 
+  // Q_SCALED (spec q_scaled: a score_mod kernel whose sm_scale is a power of two): this warp's 16 rows of Q's tile as
+  // wgmma's A fragments, times sm_scale, read once a query tile. The product is exact (a power of two moves the
+  // exponent alone), so S = Q K^T then holds the logits themselves and score_mod takes them with no multiply.
+  static __device__ __forceinline__ void load_q_scaled(unsigned (&q)[K::K_STEPS][4], const T* sQ, int warp_row0,
+                                                       int lane, float sm_scale) {
+    const unsigned s2 = pack2<BF16>(sm_scale, sm_scale);
+#pragma unroll
+    for (int kk = 0; kk < K::K_STEPS; ++kk) {
+      ldmatrix_x4(q[kk][0], q[kk][1], q[kk][2], q[kk][3],
+                  smem_addr(sQ + K::LQ::offset(warp_row0 + (lane % 16), kk * 16 + (lane / 16) * 8)));
+#pragma unroll
+      for (int c = 0; c < 4; ++c) q[kk][c] = mul2<BF16>(q[kk][c], s2);
+    }
+  }
+
+  // S = Q K^T issued on wgmma with Q's fragments in registers (load_q_scaled; the step commits and waits).
+  static __device__ __forceinline__ void qk_wgmma_rs(float (&acc_s)[M_TILES][N_TILES][4],
+                                                     const unsigned (&q)[K::K_STEPS][4], const T* sKs) {
+    using W = WgmmaOps<BF16>;
+    const unsigned k_lo = W::desc_lo(smem_addr(sKs), 16);
+    W::fence();
+#pragma unroll
+    for (int kk = 0; kk < K::K_STEPS; ++kk)
+      Wgmma<K::BLOCK_N, BF16>::template rs<0>(acc_s[0], q[kk], W::desc_step(k_lo, W::k_bytes(kk, K::LK::BLOCK_BYTES)),
+                                              kk > 0);
+  }
+
   // O += P V issued on wgmma, P packed in a, V (N-major) at v_at (the step commits and waits). FP8: P in e4m3 in
   // the first BLOCK_N / 32 of a (p_fragment8), V transposed (K-major).
   static __device__ __forceinline__ void pv_wgmma(float (&acc_o)[M_TILES][D_TILES][4],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ...errors import LaunchError
 from ...runtime import tensor_info
+from .choose import scales_exactly
 from .spec import MaskMode, PrefillSpec
 
 _NO_WINDOW = (-1, -1)
@@ -88,3 +89,11 @@ def mask_and_window(causal, window) -> tuple[int, int, int]:
     if causal:
         right = 0
     return (1 if (causal and left < 0) else 2 if (left >= 0 or right >= 0) else 0), left, right
+
+
+def check_q_scaled(spec: PrefillSpec, sm_scale: float) -> None:
+    """A kernel of q_scaled=true multiplies q's 16-bit values by sm_scale, exact only where ``scales_exactly``."""
+    if spec.q_scaled and not scales_exactly(sm_scale):
+        raise LaunchError(f"sm_scale={sm_scale!r} with the spec's q_scaled=true: its kernel multiplies q by sm_scale "
+                          "in 16 bits, which is exact for a power of two from 2^-14 to 1 only; allowed: such an "
+                          "sm_scale, or q_scaled=false")

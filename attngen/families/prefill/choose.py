@@ -12,9 +12,11 @@ manifest line, so that prewarming it covers what the op runs.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 from ...arch import Arch
+from ...errors import SpecError
 from ...spec import DType, replaced_if_valid, resolve
 from ..choice import Choice, DeviceFacts, SizeTable
 from ..snippets import mods_fields
@@ -125,16 +127,39 @@ def base_of(p: Problem) -> PrefillSpec:
                      p.sinks)
 
 
+def scales_exactly(sm_scale: float) -> bool:
+    """Whether q times ``sm_scale`` is exact in 16 bits (spec q_scaled): a power of two from 2^-14 to 1, so that a
+    product of fp16's normal range neither rounds nor overflows."""
+    mantissa, exp = math.frexp(sm_scale)
+    return mantissa == 0.5 and -13 <= exp <= 1
+
+
 @functools.lru_cache(maxsize=1024)
-def table(base: PrefillSpec, arch: Arch, default: bool, tuned: tuple = ()) -> SizeTable:
+def table(base: PrefillSpec, arch: Arch, default: bool, tuned: tuple = (), scaled: bool = False) -> SizeTable:
     """The specs a problem of ``base`` runs by its query rows: with ``default`` (no spec of the caller's) the
     stored winners ``tuned`` where there are any, else the arch's default and its rule by rows (``by_rows``);
-    the caller's spec resolved otherwise. Raises ``resolve``'s SpecError where nothing fits."""
+    the caller's spec resolved otherwise. Raises ``resolve``'s SpecError where nothing fits. ``scaled`` (a score_mod
+    call whose sm_scale ``scales_exactly``): with ``default``, each TMA spec takes q_scaled where it fits (its tiles
+    kept), so that score_mod's logits come out of the MMA. Only the TMA kernels: their consumers' registers are set
+    a warpgroup, where Q's fragments fit or the spec is refused; a cp.async kernel's count grows with them, past its
+    occupancy's steps (NVRTC 13.5, d64: varlen 168 -> 209 registers, custom mask 128 -> 158)."""
     if default and tuned:
-        return SizeTable.tuned(tuned)
-    resolved = resolve(base, arch)
-    rows = by_rows(resolved, arch) if default else None
-    return SizeTable.one(resolved) if rows is None else SizeTable.from_rows(*rows)
+        found = SizeTable.tuned(tuned)
+    else:
+        resolved = resolve(base, arch)
+        rows = by_rows(resolved, arch) if default else None
+        found = SizeTable.one(resolved) if rows is None else SizeTable.from_rows(*rows)
+    if not (scaled and default):
+        return found
+    return SizeTable(found.bounds, tuple(_q_scaled(s, arch) if s.tma else s for s in found.specs))
+
+
+def _q_scaled(spec: PrefillSpec, arch: Arch) -> PrefillSpec:
+    """``spec`` with q_scaled where that validates on ``arch``, else ``spec``."""
+    try:
+        return replaced_if_valid(spec, arch, q_scaled=True) or spec
+    except SpecError:  # a field q_scaled does not take (the softcap or ALiBi switch)
+        return spec
 
 
 def table_of(p: Problem, arch: Arch, tuned=()) -> SizeTable:
@@ -182,6 +207,8 @@ def sync_twin(spec: PrefillSpec) -> PrefillSpec:
     twin = spec.replace(pipeline=Pipeline.SYNC, schedule=Schedule.SERIAL, persistent=Persistent.OFF)
     if twin.num_warps == 12:
         twin = twin.replace(cta_tile_q=128, num_warps=8)
+    if twin.q_scaled and replaced_if_valid(twin, "sm_90a") is None:  # (q_scaled: wgmma, sm_90a's alone)
+        twin = twin.replace(q_scaled=False)  # its registers do not fit these tiles
     return twin
 
 

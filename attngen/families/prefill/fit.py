@@ -1,4 +1,4 @@
-"""The prefill spec's fit rules for the chunked kernel and the wgmma whole-row kernel: what ``PrefillSpec.check``
+"""The prefill spec's fit rules for the chunked kernel and the whole-row kernels: what ``PrefillSpec.check``
 runs past the rules every form shares. Not part of the cache key: they decide which specs are valid, never what a
 template is given. ``spec`` is a resolved ``PrefillSpec`` (not imported here: it imports this module)."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 from ...arch import Arch
 from ...errors import SpecError
 from ...spec import Mma, allowed_text, check_smem, check_wgmma_arch
+from .rows import _mma_dim
 
 
 def check_chunked(spec, a: Arch) -> None:
@@ -76,6 +77,21 @@ def check_chunked_wgmma(spec, a: Arch) -> None:
         raise SpecError("cta_tile_kv", spec.cta_tile_kv, allowed_text(fits), reason=why)
     check_smem(spec, a, "num_stages", "fewer num_stages or a smaller head_dim_chunk or cta_tile_kv")
 
+
+def check_q_scaled_fields(spec) -> None:
+    """q_scaled's rules on the fields before they are resolved: the scores become logits for score_mod alone."""
+    if not spec.q_scaled:
+        return
+    if not spec.score_mod:
+        raise SpecError("q_scaled", True, "false without a score_mod",
+                        reason="only score_mod takes the scores as logits; elsewhere sm_scale is folded into the "
+                               "softmax's exp2 at no cost")
+    for name in ("softcap", "alibi"):  # (the fp8 kernels take no score_mod)
+        if getattr(spec, name):
+            raise SpecError("q_scaled", True, f"false with {name}=true",
+                            reason="the softcap and ALiBi switches take their scores in units of q.k")
+
+
 def check_wgmma(spec, a: Arch) -> None:
     """The wgmma whole-row kernel's fit rules (sm_90a)."""
     check_wgmma_arch(spec, a)
@@ -100,10 +116,39 @@ def check_wgmma(spec, a: Arch) -> None:
     # Three consumer warpgroups (12 warps) have 160 registers a thread: one CTA a tile compiled spill-free up to
     # 128 (64/128 in every schedule, 128/80; 64/144 overlapped spills 64 bytes); persistent, the overlapped
     # schedules spill 28-84 bytes at 64/64, 64/112-128 and 128/64-80 (none at 64/80-96).
+    # q_scaled: Q's fragments (head_dim/4) on top, and 176 at most (NVRTC 13.5, causal, ALiBi's score_mod, the TMA
+    # kernels: 128x128 tiles at head_dim 128 spilled 16 bytes at 192, 128x64 at 256 204 bytes at 240, the three
+    # warpgroups at 64 108 bytes at 144; 128x192 at 64, also 192, compiled spill-free and is refused with them).
     acc = spec.dim_v // 2 + spec.cta_tile_kv // 2 + spec.cta_tile_kv // 4
     limit = (128 if spec.num_warps == 12 else 208) if spec.tma else 176
+    if spec.q_scaled:
+        acc, limit = acc + spec.head_dim // 4, min(limit, 176)
     if acc > limit:
+        if spec.q_scaled and acc - spec.head_dim // 4 <= limit:
+            raise SpecError("q_scaled", True, "false", reason=f"Q's fragments take {spec.head_dim // 4} more "
+                            f"registers a thread, {acc} in all (limit {limit} with q_scaled=true) with "
+                            f"head_dim={spec.head_dim}, cta_tile_kv={spec.cta_tile_kv} and num_warps={spec.num_warps}")
         raise SpecError("cta_tile_kv", spec.cta_tile_kv, "a smaller cta_tile_kv",
                         reason=f"needs about {acc} accumulator registers per thread (limit {limit} with "
                                f"pipeline={spec.pipeline.value}) with head_dim_v={spec.dim_v} and mma=wgmma")
     check_smem(spec, a, "cta_tile_kv", "a smaller cta_tile_kv or num_stages")
+
+
+def check_mma_sync(spec, a: Arch) -> None:
+    """The mma.sync whole-row kernel's fit rules."""
+    warp_rows = spec.cta_tile_q // spec.num_warps
+    if warp_rows % 16:
+        raise SpecError("num_warps", spec.num_warps, f"a divisor of cta_tile_q/16 = {spec.cta_tile_q // 16}")
+    # Register budget: fp32 accumulators of O (head_dim_v/8 tiles) and S (cta_tile_kv/8 tiles) per
+    # 16-row m-tile, 4 floats each. Past ~200 the kernel spills.
+    m_tiles = warp_rows // 16
+    acc = m_tiles * 4 * (_mma_dim(spec.dim_v) // 8 + spec.cta_tile_kv // 8)
+    if spec.q_in_regs:
+        acc += m_tiles * 4 * (_mma_dim(spec.head_dim) // 16)
+    if acc > 200:
+        raise SpecError("cta_tile_q", spec.cta_tile_q,
+                        "a smaller cta_tile_q or cta_tile_kv, or more num_warps",
+                        reason=f"needs about {acc} accumulator registers per thread (limit 200) "
+                               f"with head_dim={spec.head_dim}, head_dim_v={spec.dim_v}, "
+                               f"cta_tile_kv={spec.cta_tile_kv}, num_warps={spec.num_warps}")
+    check_smem(spec, a, "cta_tile_kv", "a smaller cta_tile_kv, num_stages or cta_tile_q")

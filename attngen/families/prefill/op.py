@@ -25,7 +25,7 @@ from ...errors import LaunchError, SpecError
 from ...runtime import data_ptr, tensor_info
 from ...spec import op_spec
 from ..choice import device_facts
-from ..head_pad import pad_widths, run_padded, zero_padded
+from ..head_pad import default_scale, pad_widths, run_padded, zero_padded
 from ..host import LOG2E
 from ..score_mods import NO_EXTRAS, check_spec_sinks, checked_scale, extras, sinks_ptr
 from ..snippets import call_mods, check_spec_mods, mod_layout, pack_aux, refuse_traced
@@ -33,8 +33,8 @@ from .choose import CUSTOM_MASK, DENSE, base_spec, dense_grid, persistent_grid, 
 from .spec import PrefillSpec
 # (check_qkv, plan_for, clear_plans: imported from here by varlen, serving and the tests)
 from . import fp8_op
-from .checks import _MASKS, _NO_WINDOW, check_infos, check_qkv, mask_and_window, out_of  # noqa: F401
-from .plans import _calls, _memo, _plans, clear_plans, plan_for  # noqa: F401
+from .checks import _MASKS, _NO_WINDOW, check_infos, check_q_scaled, check_qkv, mask_and_window, out_of  # noqa: F401
+from .plans import _calls, _memo, _plans, clear_plans, mods_key, plan_for  # noqa: F401
 
 # PrefillParams in templates/prefill/params.cuh: 5 pointers, 12 strides, 4 ints, 2 floats, 2 ints,
 # 2 floats (softcap), the ALiBi slopes' pointer and batch stride. A dense launch packs only these;
@@ -297,11 +297,11 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
                             dv, sinks is not None, mods[:3]), device_facts(qi.device).arch, False)
         except SpecError:  # a caller's spec with no custom-mask form (persistent=true): mask_mod on every pair
             mod_plan = False
+    scale = checked_scale(default_scale(sm_scale, d))
     key = (d, qi.dtype, qi.device, mcode, return_lse, spec, qi.kind, bool(softcap), alibi_ptr != 0,
-           CUSTOM_MASK if masked or mod_plan else DENSE, dv, sinks is not None, *(() if mods is None else (mods[:3],)))
+           CUSTOM_MASK if masked or mod_plan else DENSE, dv, sinks is not None, *mods_key(mods, scale))
     call.plan = plan = _plans.get(key) or _memo.plan(key)
     call.mod_aux = call.mixed = None
-    scale = plan.default_scale if sm_scale is None else checked_scale(sm_scale)
     call.out_shape, call.lse_shape = (b, sq, h, dv), (b, h, sq)
     if out is None:
         ostrides = (sq * h * dv, h * dv, dv)  # a fresh contiguous array, aligned by its allocator
@@ -314,6 +314,7 @@ def _prepare(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, softca
         raise LaunchError(f"batch={b} exceeds 65535 (the grid's z limit)")
 
     call.kern = kern = plan.mod_kernel(qi, ki) if mod_plan and spec is None else plan.kernel or plan.kernel_for(sq)
+    check_q_scaled(kern.spec, scale)
     qs, ks, vs = qi.strides, ki.strides, vi.strides
     call.head = (qi.ptr, ki.ptr, vi.ptr)
     call.tail = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],

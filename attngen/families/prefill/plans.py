@@ -11,7 +11,7 @@ from ...tuned import stored_choices
 from ..choice import device_facts
 from ..host import OpMemo, Plan
 from .checks import _MASKS
-from .choose import CUSTOM_MASK, base_spec, sync_twin, table
+from .choose import CUSTOM_MASK, base_spec, scales_exactly, sync_twin, table
 from .spec import Pipeline
 from .tma import tensor_maps
 
@@ -58,13 +58,16 @@ class _Plan(Plan):
 
 def _make_plan(key: tuple) -> _Plan:
     d, dtype, device, mask, return_lse, spec, kind, softcap, alibi, layout, dv, sinks, *mods = key
+    scaled = bool(mods) and len(mods[0]) > 3  # (mods_key)
+    mods = [m[:3] for m in mods]
     base = base_spec(d, dtype, _MASKS[mask], return_lse, spec, softcap, alibi, layout, dv, sinks, *mods)
     plan = _Plan()
     # the choice's specs by query rows (choose.choose, whose size-independent part a plan keeps)
     tuned = tuple(stored_choices(base, device)) if spec is None else ()
     # (a mask_mod plan's call without a spec chooses its kernel's form by its shapes: mod_kernel)
     lazy = spec is None and layout == CUSTOM_MASK and bool(mods and mods[0][1])
-    plan.setup(table(base, device_facts(device).arch, spec is None, tuned), device, kind, dtype, load=not lazy)
+    plan.setup(table(base, device_facts(device).arch, spec is None, tuned, scaled), device, kind, dtype,
+               load=not lazy)
     plan.default_scale = 1.0 / math.sqrt(d)
     plan.tma_pinned = spec is not None and spec.pipeline is Pipeline.TMA
     plan.sync_twins = {}
@@ -80,8 +83,15 @@ def clear_plans() -> None:
     _plans.clear()
 
 
+def mods_key(mods, sm_scale: float) -> tuple:
+    """A plan key's snippets: () for none; else their (score_mod, mask_mod, aux) text, with True after it where a
+    score_mod's call has an sm_scale that ``scales_exactly`` (its plan's specs take q_scaled where they fit)."""
+    if mods is None:
+        return ()
+    return (mods[:3] + ((True,) if mods[0] and scales_exactly(sm_scale) else ()),)
+
+
 def plan_for(key: tuple) -> _Plan:
     """The ``_Plan`` of ``key`` (d, dtype, device, mask code, return_lse, spec, kind, softcap, alibi,
-    layout, v's head dim, sinks, and where a call has snippets their (score_mod, mask_mod, aux) text), made on
-    first use."""
+    layout, v's head dim, sinks, and where a call has snippets ``mods_key``'s), made on first use."""
     return _plans.get(key) or _memo.plan(key)

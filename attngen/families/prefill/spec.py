@@ -164,6 +164,10 @@ class PrefillSpec(SpecBase):
     # plan's pool, so the kernel reads them and never runs mask_mod itself (prefill/step.cuh.jinja): a module with
     # one copy of the snippet, the plan's. Left out of the spec's dict and key while off.
     mod_bits: bool = False
+    # (score_mod, wgmma) Q's tile times sm_scale in registers before S = Q K^T, so that score_mod takes the MMA's
+    # scores as logits with no multiply; a call's sm_scale must be a power of two (then the product is exact). Calls
+    # without a spec take it where it fits (choose.table). Left out of the spec's dict and key while off.
+    q_scaled: bool = False
     # q, k and v in fp8 (fp8_e4m3; dtype is then the output's), with descales; or (kv_dtype) a varlen/paged fp8 cache
     # widened in shared memory: attngen/families/prefill/fp8.py. Off ("", None) each is left out of the dict and key.
     qkv_dtype: str = ""
@@ -225,6 +229,8 @@ class PrefillSpec(SpecBase):
                                    "index arithmetic alone runs in the kernel)")
         s(self, "qkv_dtype", fp8.check_fields(self))
         s(self, "kv_dtype", fp8.check_kv_fields(self))
+        s(self, "q_scaled", coerce_bool("q_scaled", self.q_scaled))
+        fit.check_q_scaled_fields(self)
         if self.is_persistent and self.pipeline is Pipeline.SYNC:
             raise SpecError("persistent", "true", "false with pipeline=sync",
                             reason="the persistent kernel's producer warpgroup loads each next query tile by TMA")
@@ -297,7 +303,7 @@ class PrefillSpec(SpecBase):
 
     def to_dict(self) -> dict:
         d = super().to_dict()
-        for name in ("page_rows", "mod_bits"):
+        for name in ("page_rows", "mod_bits", "q_scaled"):
             if not d[name]:
                 del d[name]  # off: every other spec keeps its JSON, its key and its kernel's name
         return d
@@ -507,7 +513,8 @@ class PrefillSpec(SpecBase):
         flags = (("cmask", self.custom_mask), ("varlen", self.varlen), ("paged", self.paged), ("prow", self.page_rows),
                  ("lse", self.return_lse),
                  ("cap", self.softcap), ("alibi", self.alibi), ("sinks", self.sinks), ("smod", self.score_mod),
-                 ("mmod", self.mask_mod), ("mbits", self.mod_bits), ("e4m3", self.qkv_dtype),
+                 ("mmod", self.mask_mod), ("mbits", self.mod_bits), ("qs", self.q_scaled),
+                 ("e4m3", self.qkv_dtype),
                  (f"kv{self.kv_dtype[4:]}", self.kv_dtype))
         return (f"d{self.head_dim}" + self.name_piece("v{}", self.head_dim_v), self.dtype.value,
                 {MaskMode.CAUSAL: "causal", MaskMode.SLIDING_WINDOW: "swa"}.get(self.mask, ""),
@@ -527,7 +534,8 @@ class PrefillSpec(SpecBase):
         ctx.update(dim_v=self.dim_v, mask_mode=MASK_CODES[self.mask], tma=self.tma, overlap=self.overlapped,
                    pingpong=self.schedule is Schedule.PINGPONG, persistent=self.is_persistent, qk_pair=self.qk_pair,
                    o_in_q=self.o_in_q, page_rows=self.page_rows, fp8=bool(self.qkv_dtype),
-                   kv8=fp8.KV_CODES.get(self.kv_dtype, 0), q16=fp8.computes_fp16(self), mod_bits=self.mod_bits)
+                   kv8=fp8.KV_CODES.get(self.kv_dtype, 0), q16=fp8.computes_fp16(self), mod_bits=self.mod_bits,
+                   q_scaled=self.q_scaled)
         if self.chunked:
             cg = self.chunk_grid
             ctx.update(chunked=True, wgmma=self.mma is Mma.WGMMA, chunk_vk=cg["vk"], chunk_vcw=cg["vcw"],
@@ -581,25 +589,13 @@ class PrefillSpec(SpecBase):
         if self.tma and self.mma is not Mma.WGMMA:
             raise SpecError("pipeline", "tma", "sync with mma=mma_sync",
                             reason="the TMA pipeline is built on wgmma (sm_90a)")
+        if self.q_scaled and self.mma is not Mma.WGMMA:
+            raise SpecError("q_scaled", True, "false with mma=mma_sync",
+                            reason="Q's scaled tile is wgmma's register operand (sm_90a)")
         if self.chunked:
             fit.check_chunked(self, a)
             return
         if self.mma is Mma.WGMMA:
             fit.check_wgmma(self, a)
             return
-        warp_rows = self.cta_tile_q // self.num_warps
-        if warp_rows % 16:
-            raise SpecError("num_warps", self.num_warps, f"a divisor of cta_tile_q/16 = {self.cta_tile_q // 16}")
-        # Register budget: fp32 accumulators of O (head_dim_v/8 tiles) and S (cta_tile_kv/8 tiles) per
-        # 16-row m-tile, 4 floats each. Past ~200 the kernel spills.
-        m_tiles = warp_rows // 16
-        acc = m_tiles * 4 * (_mma_dim(self.dim_v) // 8 + self.cta_tile_kv // 8)
-        if self.q_in_regs:
-            acc += m_tiles * 4 * (_mma_dim(self.head_dim) // 16)
-        if acc > 200:
-            raise SpecError("cta_tile_q", self.cta_tile_q,
-                            "a smaller cta_tile_q or cta_tile_kv, or more num_warps",
-                            reason=f"needs about {acc} accumulator registers per thread (limit 200) "
-                                   f"with head_dim={self.head_dim}, head_dim_v={self.dim_v}, "
-                                   f"cta_tile_kv={self.cta_tile_kv}, num_warps={self.num_warps}")
-        check_smem(self, a, "cta_tile_kv", "a smaller cta_tile_kv, num_stages or cta_tile_q")
+        fit.check_mma_sync(self, a)

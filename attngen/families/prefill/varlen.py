@@ -14,14 +14,14 @@ from ... import runtime as _rt
 from ...errors import LaunchError
 from ...runtime import data_ptr, tensor_info
 from ...spec import op_spec
-from ..head_pad import pad_widths, run_padded
+from ..head_pad import default_scale, pad_widths, run_padded
 from ..host import LOG2E
 from ..score_mods import NO_EXTRAS, check_spec_sinks, checked_scale, extras, sinks_ptr
 from ..snippets import call_mods, check_spec_mods, pack_aux, refuse_traced
 from ..split_kv import check_block_size
 from .choose import VARLEN, VARLEN_PAGE_ROWS, VARLEN_PAGED, varlen_grid
 from .op import (_NO_WINDOW, NO_POOL, PARAMS_EXT, PARAMS_EXT_SINKS, PARAMS_EXT_TMA, PARAMS_EXT_TMA_SINKS, check_qkv,
-                 mask_and_window, mods_layout, out_of, plan_for)
+                 check_q_scaled, mask_and_window, mods_key, mods_layout, out_of, plan_for)
 from . import fp8_op
 from .order import VarlenOrder, _index, launch_order, order_tiles  # noqa: F401  (serving, the tests)
 from .spec import PrefillSpec
@@ -163,13 +163,13 @@ def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window, sm_scale,
         raise LaunchError(f"total_q={total_q} / total_k={total_k}: at most 2^31 - 1 rows (int32 cu_seqlens)")
     mcode, left, right = mask_and_window(causal, window)
     return_lse = bool(return_lse)
+    scale = checked_scale(default_scale(sm_scale, d))
     cap_u, inv_cap_u, alibi_ptr, alibi_sb = (extras(softcap, alibi_slopes, batch, h, qi, sm_scale)
                                              if softcap or alibi_slopes is not None else NO_EXTRAS)
     sinks_at = sinks_ptr(sinks, h, qi)
     key = (d, qi.dtype, qi.device, mcode, return_lse, spec, qi.kind, bool(softcap), alibi_ptr != 0,
-           page_layout(block_size) if paged else VARLEN, dv, sinks is not None, *(() if mods is None else (mods[:3],)))
+           page_layout(block_size) if paged else VARLEN, dv, sinks is not None, *mods_key(mods, scale))
     plan = plan_for(key)
-    scale = plan.default_scale if sm_scale is None else checked_scale(sm_scale)
     kv8 = ()  # an fp8 cache's scales (Fp8Scales' fields), after every other field
     if kv is not None or k_scale is not None or v_scale is not None:  # (a scale without an fp8 cache: refused)
         k_mul, kv8 = fp8_op.cache_scales(k_scale, v_scale, kv, hk, qi)
@@ -185,6 +185,7 @@ def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window, sm_scale,
         return (out, lse) if return_lse else out
 
     kern = plan.kernel or plan.kernel_for(size or max(1, total_q // max(batch, 1)))  # (choose.Problem.size)
+    check_q_scaled(kern.spec, scale)
     kern, maps = plan.tma_maps(kern, qi, ki, vi)  # the packed tensors as TMA maps, or the cp.async kernel
     layout, maps = (PARAMS_EXT, ()) if maps is None else (PARAMS_EXT_TMA, (maps,))
     if sinks_at or mods:  # batch_count (unread), then the sinks' pointer
