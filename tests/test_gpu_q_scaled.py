@@ -55,6 +55,8 @@ def run(variant, *, d, sq, sk, b=2, h=4, hk=2, dtype=torch.bfloat16, causal=Fals
     k = guarded(b, sk, hk, d, dtype=dtype, gen=gen)
     v = guarded(b, sk, hk, d, dtype=dtype, gen=gen)
     score_mod, mask_mod, t_score, t_mask = VARIANTS[variant]
+    if spec is not None and spec.get("q_scaled"):
+        spec = {**spec, "score_mod": score_mod}  # (q_scaled names the score_mod it serves; aux: the call's)
     aux = aux_of(variant, b, h, sk, gen)
     snk = torch.randn(h, generator=gen, device="cuda") if sinks else None
     out, buf, guards = sentinel_out((b, sq, h, d), dtype)
@@ -112,8 +114,8 @@ def test_a_spec_that_asks_for_it_refuses_another_scale():
     gen = fresh_generator()
     q = torch.randn(1, 64, 4, 64, generator=gen, device="cuda").bfloat16()
     k = torch.randn(1, 64, 2, 64, generator=gen, device="cuda").bfloat16()
-    spec = {"family": "prefill", "q_scaled": True, **FORMS["tma_overlap"][1]}
     score_mod, _, _, _ = VARIANTS["softcap"]
+    spec = {"family": "prefill", "q_scaled": True, "score_mod": score_mod, **FORMS["tma_overlap"][1]}
     with pytest.raises(LaunchError, match="q_scaled=true"):
         attngen.prefill(q, k, k, spec=spec, score_mod=score_mod, sm_scale=0.1)
     attngen.prefill(q, k, k, spec=spec, score_mod=score_mod, sm_scale=0.25)

@@ -84,8 +84,8 @@ def check_q_scaled_fields(spec) -> None:
         return
     if not spec.score_mod:
         raise SpecError("q_scaled", True, "false without a score_mod",
-                        reason="only score_mod takes the scores as logits; elsewhere sm_scale is folded into the "
-                               "softmax's exp2 at no cost")
+                        reason="only score_mod takes the scores as logits (a spec that asks for q_scaled names the "
+                               "score_mod it serves); elsewhere sm_scale is folded into the softmax's exp2 at no cost")
     for name in ("softcap", "alibi"):  # (the fp8 kernels take no score_mod)
         if getattr(spec, name):
             raise SpecError("q_scaled", True, f"false with {name}=true",
