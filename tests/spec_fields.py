@@ -53,7 +53,7 @@ BASE = PrefillSpec(head_dim=64, dtype=DType.BF16, mask=MaskMode.NONE, return_lse
 # a sixth, the TMA pipeline with two consumer warpgroups, schedule (pingpong takes turns between two) and
 # persistent (the TMA pipeline only); a seventh, paged, page_rows; an eighth, fp8's tiles (head_dim 128, 128x128 on
 # two consumer warpgroups, one CTA a tile), qkv_dtype; a ninth, a custom mask with a mask_mod that reads aux,
-# mod_bits; a tenth, a score_mod on wgmma, q_scaled.
+# mod_bits; a tenth, a score_mod on the TMA pipeline, q_scaled.
 CHUNKED_BASE = PrefillSpec(head_dim=512, dtype=DType.BF16, cta_tile_q=64, cta_tile_kv=64, num_warps=8, num_stages=2,
                            mma=Mma.SYNC, head_dim_chunk=64, pipeline=Pipeline.SYNC)
 BASES = ((BASE, "sm_90"), (BASE.replace(cta_tile_q=64), "sm_90a"), (BASE.replace(varlen=True), "sm_90"),
@@ -63,4 +63,5 @@ BASES = ((BASE, "sm_90"), (BASE.replace(cta_tile_q=64), "sm_90a"), (BASE.replace
          (BASE.replace(head_dim=128, cta_tile_q=128, cta_tile_kv=128, num_warps=8, mma=Mma.WGMMA, pipeline=Pipeline.TMA,
                        schedule=Schedule.SERIAL, persistent=Persistent.OFF), "sm_90a"),
          (BASE.replace(custom_mask=True, mask_mod="return kv_idx <= q_idx + t(0);", aux="t:int32:1"), "sm_90"),
-         (BASE.replace(cta_tile_q=64, mma=Mma.WGMMA, score_mod="return score * 0.5f;"), "sm_90a"))
+         (BASE.replace(cta_tile_q=128, num_warps=8, mma=Mma.WGMMA, pipeline=Pipeline.TMA,
+                       score_mod="return score * 0.5f;"), "sm_90a"))

@@ -1,8 +1,8 @@
 """Prefill's q_scaled on a real GPU (pytest -m gpu; sm_90a): Q's tile times sm_scale in registers, score_mod taking the
 MMA's scores as logits, against the fp64 reference of tests/test_gpu_snippets.py.
 
-Every kernel form that takes it (the cp.async 64-row wgmma kernel, the TMA serial persistent, overlapped and ping-pong
-persistent ones; varlen, paged and custom-mask calls), score_mods that read positions (ALiBi, a relative-position
+Every kernel form that takes it (the TMA serial persistent, overlapped and ping-pong persistent kernels; varlen, paged
+and custom-mask calls), score_mods that read positions (ALiBi, a relative-position
 table) and one that reads none (softcap), with sinks, rows before position 0 (which take no score_mod and keep the
 MMA's logits) and mask_mods beside them, fp16 and bf16, the scales 1/8 and 1/16; the choice a call without a spec
 makes (on where the scale is a power of two, off where not, both against the reference), and the call refused where
@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 import attngen  # noqa: E402
 from attngen.errors import LaunchError  # noqa: E402
 from attngen.families.prefill import op, plans  # noqa: E402
-from attngen.families.prefill.choose import SHORT_CAUSAL, SHORT_CAUSAL_TMA  # noqa: E402
+from attngen.families.prefill.choose import SHORT_CAUSAL_TMA  # noqa: E402
 from tests.gpu_reference import fresh_generator  # noqa: E402
 from tests.test_gpu_prefill_serving import check_sentinel, guarded, sentinel_out  # noqa: E402
 from tests.test_gpu_snippets import VARIANTS, aux_of, compare, reference, run_varlen  # noqa: E402
@@ -36,7 +36,6 @@ def _fields(d):
 
 TMA = dict(mma="wgmma", pipeline="tma", num_stages=2)
 FORMS = {
-    "wgmma_sync": (64, _fields(SHORT_CAUSAL)),
     "tma_serial_persistent": (128, _fields(SHORT_CAUSAL_TMA)),
     "tma_pingpong_persistent": (64, dict(TMA, cta_tile_q=128, cta_tile_kv=128, num_warps=8, schedule="pingpong",
                                          persistent="true")),

@@ -55,6 +55,7 @@ def test_refused_by_name_where_the_fields_rule_it_out(fields, named):
 @pytest.mark.parametrize("arch, fields, named", [
     ("sm_80", dict(head_dim=64), "mma=mma_sync"),
     ("sm_90a", dict(head_dim=64, mma="mma_sync"), "mma=mma_sync"),
+    ("sm_90a", dict(head_dim=64, **{k: getattr(v, "value", v) for k, v in SHORT_CAUSAL.items()}), "pipeline=sync"),
     # three consumer warpgroups (160 registers a thread) and 128x128 tiles at head dim 128: Q's fragments spill
     ("sm_90a", dict(head_dim=64, **{k: getattr(v, "value", v) for k, v in THREE_GROUPS.items()}), "144 in all"),
     ("sm_90a", dict(head_dim=128, cta_tile_q=128, cta_tile_kv=128, num_warps=8, num_stages=2, mma="wgmma",
@@ -103,14 +104,16 @@ def test_calls_without_a_spec_take_it_in_the_tma_kernels_where_it_fits():
     assert [s.replace(q_scaled=False) for s in _table(64, MaskMode.CAUSAL, DENSE).specs] == list(plain.specs)
 
 
-def test_a_caller_spec_keeps_its_own_choice_and_the_cp_async_twin_keeps_it_where_it_fits():
-    user = alibi(head_dim=64, mask="causal", q_scaled=True, **{k: getattr(v, "value", v)
-                                                               for k, v in SHORT_CAUSAL.items()})
-    (s,) = _table(64, MaskMode.CAUSAL, DENSE, default=False, user=user).specs
-    assert s.q_scaled and not s.tma
+def test_a_caller_spec_keeps_its_own_choice_and_the_cp_async_twin_leaves_it():
+    tiles = dict(cta_tile_q=128, cta_tile_kv=128, num_warps=8, num_stages=2, mma="wgmma", pipeline="tma",
+                 schedule="overlap", persistent="false")
+    (s,) = _table(64, MaskMode.CAUSAL, DENSE, default=False, user=alibi(q_scaled=True, **tiles)).specs
+    assert s.q_scaled and s.tma
+    (s,) = _table(64, MaskMode.CAUSAL, DENSE, default=False, user=alibi(**tiles)).specs
+    assert not s.q_scaled  # (a caller's spec: as given)
     (tma,) = [s for s in _table(64, MaskMode.NONE, DENSE).specs if s.q_scaled]
     twin = sync_twin(tma)
-    assert twin.q_scaled and not twin.tma
+    assert not twin.q_scaled and not twin.tma
     resolve(twin, SM90A)
 
 
@@ -124,7 +127,7 @@ def test_a_launch_with_a_scale_it_cannot_take_is_a_launch_error():
 
 def _forms():
     """Every q_scaled kernel a call without a spec takes at head dims 64 and 128 (ALiBi; a document mask beside it
-    in the custom-mask form), and the cp.async 64-row kernel a spec may ask for."""
+    in the custom-mask form)."""
     seen = {}
     for d in (64, 128):
         for mask in (MaskMode.CAUSAL, MaskMode.NONE):
@@ -133,8 +136,6 @@ def _forms():
                 for s in _table(d, mask, layout, mods=mods).specs:
                     if s.q_scaled:
                         seen[s.kernel_name] = s
-    seen["short"] = resolve(alibi(head_dim=64, mask="causal", q_scaled=True,
-                                  **{k: getattr(v, "value", v) for k, v in SHORT_CAUSAL.items()}), SM90A)
     return list(seen.values())
 
 

@@ -140,9 +140,7 @@ def table(base: PrefillSpec, arch: Arch, default: bool, tuned: tuple = (), scale
     stored winners ``tuned`` where there are any, else the arch's default and its rule by rows (``by_rows``);
     the caller's spec resolved otherwise. Raises ``resolve``'s SpecError where nothing fits. ``scaled`` (a score_mod
     call whose sm_scale ``scales_exactly``): with ``default``, each TMA spec takes q_scaled where it fits (its tiles
-    kept), so that score_mod's logits come out of the MMA. Only the TMA kernels: their consumers' registers are set
-    a warpgroup, where Q's fragments fit or the spec is refused; a cp.async kernel's count grows with them, past its
-    occupancy's steps (NVRTC 13.5, d64: varlen 168 -> 209 registers, custom mask 128 -> 158)."""
+    kept), so that score_mod's logits come out of the MMA (the TMA kernels': fit.Q_SCALED_KERNELS)."""
     if default and tuned:
         found = SizeTable.tuned(tuned)
     else:
@@ -151,14 +149,14 @@ def table(base: PrefillSpec, arch: Arch, default: bool, tuned: tuple = (), scale
         found = SizeTable.one(resolved) if rows is None else SizeTable.from_rows(*rows)
     if not (scaled and default):
         return found
-    return SizeTable(found.bounds, tuple(_q_scaled(s, arch) if s.tma else s for s in found.specs))
+    return SizeTable(found.bounds, tuple(_q_scaled(s, arch) for s in found.specs))
 
 
 def _q_scaled(spec: PrefillSpec, arch: Arch) -> PrefillSpec:
     """``spec`` with q_scaled where that validates on ``arch``, else ``spec``."""
     try:
         return replaced_if_valid(spec, arch, q_scaled=True) or spec
-    except SpecError:  # a field q_scaled does not take (the softcap or ALiBi switch)
+    except SpecError:  # a field q_scaled does not take (the softcap or ALiBi switch, the cp.async pipeline)
         return spec
 
 
@@ -207,9 +205,7 @@ def sync_twin(spec: PrefillSpec) -> PrefillSpec:
     twin = spec.replace(pipeline=Pipeline.SYNC, schedule=Schedule.SERIAL, persistent=Persistent.OFF)
     if twin.num_warps == 12:
         twin = twin.replace(cta_tile_q=128, num_warps=8)
-    if twin.q_scaled and replaced_if_valid(twin, "sm_90a") is None:  # (q_scaled: wgmma, sm_90a's alone)
-        twin = twin.replace(q_scaled=False)  # its registers do not fit these tiles
-    return twin
+    return twin.replace(q_scaled=False)  # (q_scaled: the TMA kernels')
 
 
 def reachable(spec: PrefillSpec, arch: Arch) -> set:

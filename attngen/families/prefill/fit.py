@@ -78,6 +78,12 @@ def check_chunked_wgmma(spec, a: Arch) -> None:
     check_smem(spec, a, "num_stages", "fewer num_stages or a smaller head_dim_chunk or cta_tile_kv")
 
 
+# Where q_scaled is built: its Q tile is wgmma's register operand, on the TMA kernels. The cp.async wgmma kernel's form
+# computed wrong outputs on an H100 (every variant, rel L2 about 1, whether Q's fragments were read in the first step
+# or before the key loop), so it is not offered.
+Q_SCALED_KERNELS = "q_scaled is the TMA kernels' (pipeline=tma, mma=wgmma, sm_90a)"
+
+
 def check_q_scaled_fields(spec) -> None:
     """q_scaled's rules on the fields before they are resolved: the scores become logits for score_mod alone."""
     if not spec.q_scaled:

@@ -589,9 +589,9 @@ class PrefillSpec(SpecBase):
         if self.tma and self.mma is not Mma.WGMMA:
             raise SpecError("pipeline", "tma", "sync with mma=mma_sync",
                             reason="the TMA pipeline is built on wgmma (sm_90a)")
-        if self.q_scaled and self.mma is not Mma.WGMMA:
-            raise SpecError("q_scaled", True, "false with mma=mma_sync",
-                            reason="Q's scaled tile is wgmma's register operand (sm_90a)")
+        if self.q_scaled and not self.tma:
+            raise SpecError("q_scaled", True, "false with " + ("pipeline=sync" if self.mma is Mma.WGMMA else
+                                                               "mma=mma_sync"), reason=fit.Q_SCALED_KERNELS)
         if self.chunked:
             fit.check_chunked(self, a)
             return
