@@ -99,8 +99,8 @@ def main():
         elif "mask" in name or "varlen" in name:  # a mask tensor's plan, or none
             assert pool == (0, 0), (name, pool)
         if name == "attngen.prefill mask":  # the tensor's plan: built by the spec without snippets (its _mtiles)
-            built = [s for e, s, _ in launched if e == "_mtiles"]
-            assert built == [spec.replace(score_mod="", mask_mod="", aux="")], (name, launched)
+            built = [s for e, s, _ in launched if e == "_mtiles"]  # (nor q_scaled, which serves a score_mod)
+            assert built == [spec.replace(score_mod="", mask_mod="", aux="", q_scaled=False)], (name, launched)
         # without snippets, the kernel has none
         del launched[:]
         call()
