@@ -119,3 +119,23 @@ def test_a_spec_that_asks_for_it_refuses_another_scale():
         attngen.prefill(q, k, k, spec=spec, score_mod=score_mod, sm_scale=0.1)
     attngen.prefill(q, k, k, spec=spec, score_mod=score_mod, sm_scale=0.25)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("causal, b, s, h", [(True, 2, 4096, 16), (False, 8, 1024, 32)], ids=["causal", "full"])
+def test_persistent_ctas_walking_many_query_tiles_against_the_switch(causal, b, s, h):
+    # More query tiles than the grid's CTAs: each CTA reads a new tile's Q fragments in every pass. ALiBi's snippet
+    # against the alibi_slopes switch, return score; against no variant (the switches are themselves tested against
+    # the reference).
+    gen = fresh_generator()
+    hk, d = h // 4, 64
+    q, k, v = (torch.randn(b, s, n, d, generator=gen, device="cuda").bfloat16() for n in (h, hk, hk))
+    slope = torch.rand(h, generator=gen, device="cuda") * 0.3
+    op._calls.clear()
+    a = attngen.prefill(q, k, v, causal=causal, score_mod=VARIANTS["alibi"][0], aux={"slope": slope})
+    (c,) = [c for c in op._calls.values() if c.grid is not None][-1:]
+    assert c.kern.spec.q_scaled and c.kern.spec.is_persistent and c.grid[0] < b * h * s // 128
+    ref = attngen.prefill(q, k, v, causal=causal, alibi_slopes=slope)
+    assert (a.float() - ref.float()).abs().max().item() < 2e-2
+    a = attngen.prefill(q, k, v, causal=causal, score_mod="return score;")
+    ref = attngen.prefill(q, k, v, causal=causal)
+    assert (a.float() - ref.float()).abs().max().item() < 2e-2
