@@ -117,7 +117,8 @@ struct FwdConsumer {
 
   // Q_SCALED (spec q_scaled: a score_mod kernel whose sm_scale is a power of two): this warp's 16 rows of Q's tile as
   // wgmma's A fragments, times sm_scale, read once a query tile. The product is exact (a power of two moves the
-  // exponent alone), so S = Q K^T then holds the logits themselves and score_mod takes them with no multiply.
+  // exponent alone; in fp16, but for q below 2^-14 / sm_scale: choose.scales_exactly), so S = Q K^T then holds the
+  // logits themselves and score_mod takes them with no multiply.
   static __device__ __forceinline__ void load_q_scaled(unsigned (&q)[K::K_STEPS][4], const T* sQ, int warp_row0,
                                                        int lane, float sm_scale) {
     const unsigned s2 = pack2<BF16>(sm_scale, sm_scale);

@@ -128,8 +128,9 @@ def base_of(p: Problem) -> PrefillSpec:
 
 
 def scales_exactly(sm_scale: float) -> bool:
-    """Whether q times ``sm_scale`` is exact in 16 bits (spec q_scaled): a power of two from 2^-14 to 1, so that a
-    product of fp16's normal range neither rounds nor overflows."""
+    """Whether q times ``sm_scale`` is exact in 16 bits (spec q_scaled): a power of two from 2^-14 to 1, which moves
+    the exponent alone and never overflows. (In fp16 a q below 2^-14 / sm_scale lands among the subnormals and rounds
+    at 2^-24, far below the fp32 sum's own rounding; bf16's range has no such q in practice.)"""
     mantissa, exp = math.frexp(sm_scale)
     return mantissa == 0.5 and -13 <= exp <= 1
 
