@@ -14,6 +14,7 @@ import struct
 from ...errors import LaunchError
 from ...runtime import allocator, data_ptr, keep_call, register_dependent_cache, tensor_info
 from ...spec import allowed_text
+from ..head_pad import default_scale
 from ..score_mods import checked_scale
 from ..tma import tiled_map
 from ..decode.fp8 import check_rows, scale_arg, scale_key
@@ -193,7 +194,7 @@ def _prepare_dense(qi, ki, vi, causal, window, sm_scale, return_lse, out, spec, 
     mcode, left, right = mask_and_window(causal, window)
     call = _Fp8Call()
     call.plan = plan = _plan(qi, d, out, spec, mcode, return_lse, DENSE)
-    scale, f8 = scales(descales, b, hk, qi, plan.default_scale if sm_scale is None else checked_scale(sm_scale))
+    scale, f8 = scales(descales, b, hk, qi, checked_scale(default_scale(sm_scale, d)))
     call.out_shape, call.lse_shape, call.grid, call.order = (b, sq, h, d), (b, h, sq), None, None
     ost = (sq * h * d, h * d, d)
     if out is not None:
@@ -301,7 +302,7 @@ def _prepare_varlen(qi, ki, vi, cq, ck, max_seqlen_k, causal, window, sm_scale, 
     mcode, left, right = mask_and_window(causal, window)
     call = _Fp8Call()
     call.plan = plan = _plan(qi, d, out, spec, mcode, return_lse, VARLEN)
-    scale, f8 = scales(descales, batch, hk, qi, plan.default_scale if sm_scale is None else checked_scale(sm_scale))
+    scale, f8 = scales(descales, batch, hk, qi, checked_scale(default_scale(sm_scale, d)))
     call.out_shape, call.lse_shape, call.grid, call.order = (total_q, h, d), (h, total_q), None, None
     ost = (h * d, d)
     if out is not None:

@@ -1,9 +1,7 @@
 """The prefill ops' plans: what a call needs that depends only on its plan key (the kernels by query rows, the
-allocators, the default scale), made once per key and shared by the dense, varlen and fp8 paths."""
+allocators), made once per key and shared by the dense, varlen and fp8 paths."""
 
 from __future__ import annotations
-
-import math
 
 from ...errors import LaunchError
 from ...runtime import allocator, get_kernel
@@ -18,9 +16,9 @@ from .tma import tensor_maps
 
 class _Plan(Plan):
     """Everything a call needs that does not depend on its shapes (``kernel_for``: by seqlen_q): ``host.Plan``'s,
-    the default scale, an int32 allocator (varlen work lists) and the TMA kernels' cp.async twins."""
+    an int32 allocator (varlen work lists) and the TMA kernels' cp.async twins."""
 
-    __slots__ = ("default_scale", "alloc_index", "tma_pinned", "sync_twins")
+    __slots__ = ("alloc_index", "tma_pinned", "sync_twins")
 
     def sync_twin(self, kern):
         """The cp.async kernel of ``kern``'s tiles, for inputs no TMA map can describe (``kern`` runs
@@ -68,7 +66,6 @@ def _make_plan(key: tuple) -> _Plan:
     lazy = spec is None and layout == CUSTOM_MASK and bool(mods and mods[0][1])
     plan.setup(table(base, device_facts(device).arch, spec is None, tuned, scaled), device, kind, dtype,
                load=not lazy)
-    plan.default_scale = 1.0 / math.sqrt(d)
     plan.tma_pinned = spec is not None and spec.pipeline is Pipeline.TMA
     plan.sync_twins = {}
     plan.alloc_index = allocator(kind, "int32", device)
