@@ -60,6 +60,9 @@ def test_refused_by_name_where_the_fields_rule_it_out(fields, named):
     ("sm_90a", dict(head_dim=64, **{k: getattr(v, "value", v) for k, v in THREE_GROUPS.items()}), "144 in all"),
     ("sm_90a", dict(head_dim=128, cta_tile_q=128, cta_tile_kv=128, num_warps=8, num_stages=2, mma="wgmma",
                     pipeline="tma", schedule="pingpong", persistent="true"), "192 in all"),
+    # 128x192 at head dim 128 fits the TMA kernel's 208 without Q's fragments: q_scaled is the field named
+    ("sm_90a", dict(head_dim=128, cta_tile_q=128, cta_tile_kv=192, num_warps=8, num_stages=2, mma="wgmma",
+                    pipeline="tma", schedule="pingpong", persistent="true"), "240 in all"),
 ])
 def test_refused_by_name_where_the_kernel_cannot_hold_it(arch, fields, named):
     with pytest.raises(SpecError) as e:

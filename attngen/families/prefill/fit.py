@@ -125,12 +125,11 @@ def check_wgmma(spec, a: Arch) -> None:
     # q_scaled: Q's fragments (head_dim/4) on top, and 176 at most (NVRTC 13.5, causal, ALiBi's score_mod, the TMA
     # kernels: 128x128 tiles at head_dim 128 spilled 16 bytes at 192, 128x64 at 256 204 bytes at 240, the three
     # warpgroups at 64 108 bytes at 144; 128x192 at 64, also 192, compiled spill-free and is refused with them).
-    acc = spec.dim_v // 2 + spec.cta_tile_kv // 2 + spec.cta_tile_kv // 4
-    limit = (128 if spec.num_warps == 12 else 208) if spec.tma else 176
-    if spec.q_scaled:
-        acc, limit = acc + spec.head_dim // 4, min(limit, 176)
+    base = spec.dim_v // 2 + spec.cta_tile_kv // 2 + spec.cta_tile_kv // 4
+    base_limit = (128 if spec.num_warps == 12 else 208) if spec.tma else 176
+    acc, limit = (base + spec.head_dim // 4, min(base_limit, 176)) if spec.q_scaled else (base, base_limit)
     if acc > limit:
-        if spec.q_scaled and acc - spec.head_dim // 4 <= limit:
+        if spec.q_scaled and base <= base_limit:  # the tiles fit without it
             raise SpecError("q_scaled", True, "false", reason=f"Q's fragments take {spec.head_dim // 4} more "
                             f"registers a thread, {acc} in all (limit {limit} with q_scaled=true) with "
                             f"head_dim={spec.head_dim}, cta_tile_kv={spec.cta_tile_kv} and num_warps={spec.num_warps}")
