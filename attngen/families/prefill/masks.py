@@ -221,8 +221,8 @@ _tensor_plan_kernels: dict = {}
 def tensor_plan_kernel(kern):
     """The kernel whose module builds a mask tensor's plan for ``kern``: ``kern`` itself, or for a kernel with
     snippets (whose module leaves the tensor's ``_mtiles`` out, about half of its compile) the kernel of its spec
-    without them (nor q_scaled), on the same arch and device: the same tiles and masks, so the same plan, and one module for every
-    snippet of those tiles."""
+    without them (nor q_scaled), on the same arch and device: the same tiles and masks, so the same plan, and one
+    module for every snippet of those tiles."""
     spec = kern.spec
     if not (spec.score_mod or spec.mask_mod or spec.aux):
         return kern
