@@ -299,8 +299,8 @@ def definitions(score_mod: str, mask_mod: str, aux: str) -> str:
 def template_context(score_mod: str, mask_mod: str, aux: str) -> dict:
     """The template values of a spec's snippet fields: ``mods`` (either snippet on), the two flags, and the code."""
     on = bool(score_mod or mask_mod or aux)
-    # score_mod_positions: whether score_mod reads q_idx or kv_idx (prefill's step then runs it in logits' units on
-    # whole tiles, templates/prefill/step.cuh.jinja); mask_mod_aux: whether mask_mod reads an aux tensor (reads_aux)
+    # score_mod_positions: whether score_mod reads q_idx or kv_idx (prefill's step then runs it on whole tiles,
+    # templates/prefill/step.cuh.jinja); mask_mod_aux: whether mask_mod reads an aux tensor (reads_aux)
     return dict(mods=on, has_score_mod=bool(score_mod), has_mask_mod=bool(mask_mod),
                 score_mod_positions=bool(names_read(score_mod) & {"q_idx", "kv_idx"}),
                 mask_mod_aux=reads_aux(mask_mod, aux),
