@@ -206,8 +206,8 @@ def test_head_dims_and_lengths(variant, d, sq, sk):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("variant", ["alibi", "rel", "softcap"])
 def test_more_queries_than_keys_without_a_mask(variant, d):
-    # Rows before position 0 take no score_mod, yet join the softmax in the units the snippet's rows end in (logits
-    # where the snippet reads a position), and whole tiles take the path without per-row tests.
+    # Rows before position 0 take no score_mod, yet join the softmax in the units the snippet's rows end in (logits),
+    # and whole tiles take the path without per-row tests (a snippet that reads a position).
     run_dense(variant, d=d, sq=300, sk=90)
     run_dense(variant, d=d, sq=300, sk=90, sinks=True)
     run_dense(variant, d=d, sq=129, sk=384)
@@ -313,6 +313,18 @@ def test_every_kernel_form(form, variant):
     spec = {"family": "prefill", **{k: getattr(v, "value", v) for k, v in fields.items()}}
     run_dense(variant, d=d, sq=300, sk=300, causal=True, sinks=True, spec={**spec, "sinks": True})  # (as the call)
     run_dense(variant, d=d, sq=130, sk=461, spec=spec)
+
+
+@SM90A
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_every_kernel_form_with_a_score_mod_of_no_position(form):
+    # Any score_mod's scores leave the step as logits: rows before position 0 (more queries than keys) take no
+    # score_mod and become logits by a multiply, and the LSE and sinks read the row maxima back in units of q.k. A
+    # pinned spec takes no q_scaled, so each form multiplies every score by sm_scale for the snippet.
+    d, fields = FORMS[form]
+    spec = {"family": "prefill", **{k: getattr(v, "value", v) for k, v in fields.items()}}
+    run_dense("softcap", d=d, sq=300, sk=90, spec=spec)
+    run_dense("softcap", d=d, sq=300, sk=300, causal=True, sinks=True, spec={**spec, "sinks": True})
 
 
 def run_varlen(variant, lens_q, lens_k, *, h=4, hk=2, d=64, block_size=0, causal=True, sinks=False, fa=False):
