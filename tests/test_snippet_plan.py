@@ -95,7 +95,7 @@ def test_kernels_without_a_plan_have_none_of_its_code(spec):
 def test_mod_bits_leaves_mask_mod_to_the_plan():
     mixed = PrefillSpec(head_dim=128, mask="causal", custom_mask=True, mask_mod=DOC, aux="doc:int32:2")
     bits = mixed.replace(mod_bits=True)
-    in_kernel = "UserMods::keep(p, mod_st"  # the step's mask_mod (the plan's is UserMods::keep(mp, ...))
+    in_kernel = "UserMods::keep(p, {}"  # the step's mask_mod (the plan's is UserMods::keep(mp, ...))
     a, b = render(resolve(mixed, "sm_90a")), render(resolve(bits, "sm_90a"))
     assert in_kernel in a and in_kernel not in b and "mod_tiles<" in b and "mod_slot >= 0" in b
     assert "mod_bits" not in mixed.to_dict() and bits.to_dict()["mod_bits"] is True
