@@ -2,12 +2,11 @@
 MMA's scores as logits, against the fp64 reference of tests/test_gpu_snippets.py.
 
 Every kernel form that takes it (the TMA serial persistent, overlapped and ping-pong persistent kernels; varlen, paged
-and custom-mask calls), score_mods that read positions (ALiBi, a relative-position
-table) and one that reads none (softcap), with sinks, rows before position 0 (which take no score_mod and keep the
-MMA's logits) and mask_mods beside them, fp16 and bf16, the scales 1/8 and 1/16; the choice a call without a spec
-makes (on where the scale is a power of two, off where not, both against the reference), and the call refused where
-a spec asks for it with another scale. Inputs sit in NaN-filled buffers, outputs are NaN-poisoned views of a
-sentinel-filled buffer.
+and custom-mask calls), score_mods that read positions (ALiBi, a relative-position table) and one that reads none
+(softcap), with sinks, rows before position 0 (which take no score_mod and keep the MMA's logits) and mask_mods beside
+them, fp16 and bf16, the scales 1/8 and 1/16; the choice a call without a spec makes (on where the scale is a power of
+two, off where not, both against the reference), and the call refused where a spec asks for it with another scale.
+Inputs sit in NaN-filled buffers, outputs are NaN-poisoned views of a sentinel-filled buffer.
 """
 
 from __future__ import annotations
